@@ -1,0 +1,680 @@
+//! The state of one simulated node, shared by every process that uses it.
+//!
+//! A fixed-size `#[repr(C)]` file (`node.state`) in the state directory, mapped `MAP_SHARED` by every
+//! process. Counters that the hot paths touch are atomics; everything else changes only under the
+//! node lock: a process mutex plus `flock` on `node.lock`, which the kernel drops when its holder
+//! dies, so a SIGKILLed process never wedges the node.
+//!
+//! Process liveness works like the real driver's free-at-exit: every process that opens the driver
+//! holds an exclusive `flock` on `proc-<slot>.lock` for its whole life. The kernel releases it when
+//! the process exits, however it exits, and before the process becomes a zombie; a slot whose lock can
+//! be taken belongs to a dead process, and its memory is released. PID reuse cannot fool this.
+
+use crate::config::{Config, MAX_GPUS};
+use std::cell::UnsafeCell;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUSIM1");
+pub const VERSION: u32 = 1;
+pub const MAX_PROCS: usize = 512;
+/// Kernel records kept per GPU (utilisation history).
+pub const RING: usize = 1 << 15;
+pub const MAX_FAULTS: usize = 32;
+pub const MAX_XIDS: usize = 16;
+pub const MAX_GI: usize = 8;
+pub const MAX_CI: usize = 8;
+
+#[repr(C)]
+pub struct FaultRec {
+    /// Function name, NUL padded, packed little-endian into words.
+    pub name: [AtomicU64; 8],
+    /// GPU index the fault applies to, or -1 for all.
+    pub gpu: AtomicI32,
+    /// Error code returned (0: only the latency is added).
+    pub code: AtomicI32,
+    /// Remaining hits; -1 forever; 0 the record is free.
+    pub remaining: AtomicI64,
+    pub latency_us: AtomicU64,
+}
+
+#[repr(C)]
+pub struct XidRec {
+    pub seq: AtomicU64,
+    pub xid: AtomicU64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct CiRec {
+    pub live: u32,
+    pub id: u32,
+    pub profile_id: u32,
+    pub start: u32,
+    pub size: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct GiRec {
+    pub live: u32,
+    pub id: u32,
+    pub profile_id: u32,
+    pub start: u32,
+    pub size: u32,
+    pub cis: [CiRec; MAX_CI],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct MigState {
+    pub current: u32,
+    pub pending: u32,
+    pub gis: [GiRec; MAX_GI],
+}
+
+#[repr(C)]
+pub struct GpuShared {
+    /// Monotonic ns at which the last kernel queued on this GPU ends.
+    pub busy_until: AtomicU64,
+    pub ring_head: AtomicU64,
+    pub xid_head: AtomicU64,
+    /// Non-zero: the GPU has fallen off the bus (NVML answers GPU_IS_LOST).
+    pub lost: AtomicU32,
+    pub _pad: u32,
+    pub xids: [XidRec; MAX_XIDS],
+    /// Changed only under the node lock; see [`Node::mig`].
+    mig: UnsafeCell<MigState>,
+}
+
+#[repr(C)]
+pub struct ProcSlot {
+    /// 0 free, 1 live.
+    pub state: AtomicU32,
+    pub pid: AtomicU32,
+    /// Contexts the process holds per GPU (it is a "running process" of a GPU while > 0).
+    pub ctx: [AtomicU32; MAX_GPUS],
+    /// Device memory the process holds per GPU, context overhead included.
+    pub mem: [AtomicU64; MAX_GPUS],
+}
+
+#[repr(C)]
+pub struct KernelRec {
+    /// 0 while being written, else ring index + 1.
+    pub seq: AtomicU64,
+    pub start: AtomicU64,
+    pub end: AtomicU64,
+    pub pid: AtomicU64,
+}
+
+#[repr(C)]
+pub struct Shared {
+    pub magic: AtomicU64,
+    pub version: u32,
+    pub ngpus: u32,
+    pub fingerprint: u64,
+    pub fault_count: AtomicU32,
+    /// One past the highest slot index ever claimed.
+    pub procs_hw: AtomicU32,
+    pub faults: [FaultRec; MAX_FAULTS],
+    pub gpus: [GpuShared; MAX_GPUS],
+    pub procs: [ProcSlot; MAX_PROCS],
+    pub rings: [[KernelRec; RING]; MAX_GPUS],
+}
+
+// SAFETY: every field is an atomic except `GpuShared::mig`, which is only reached through
+// `Node::mig`, which requires the node lock.
+unsafe impl Sync for Shared {}
+
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Sleeps until the monotonic clock reaches `deadline_ns`.
+pub fn sleep_until(deadline_ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: ts is valid; an EINTR simply returns early and we loop.
+    while now_ns() < deadline_ns {
+        unsafe { libc::clock_nanosleep(libc::CLOCK_MONOTONIC, libc::TIMER_ABSTIME, &ts, std::ptr::null_mut()) };
+    }
+}
+
+pub struct Node {
+    pub cfg: Config,
+    pub dir: PathBuf,
+    shared: &'static Shared,
+    lock_file: File,
+    mutex: Mutex<()>,
+}
+
+/// Proof that the node lock is held.
+pub struct Locked<'a> {
+    node: &'a Node,
+    _m: MutexGuard<'a, ()>,
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the fd is owned by the node and open for its whole life.
+        unsafe { libc::flock(self.node.lock_file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+fn flock(f: &File, op: libc::c_int) -> std::io::Result<()> {
+    loop {
+        // SAFETY: f is an open file.
+        if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+static GLOBAL: OnceLock<Result<Node, String>> = OnceLock::new();
+
+impl Node {
+    /// The node of this process: `VGPU_SIM_CONFIG` and `VGPU_SIM_STATE`, opened once.
+    pub fn global() -> Result<&'static Node, &'static str> {
+        GLOBAL
+            .get_or_init(|| Config::from_env().and_then(|c| Node::open(c, &crate::config::state_dir())))
+            .as_ref()
+            .map_err(|e| e.as_str())
+    }
+
+    /// Opens (creating if needed) the node in `dir`.
+    pub fn open(cfg: Config, dir: &Path) -> Result<Node, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create state dir {}: {e}", dir.display()))?;
+        let lock_file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(dir.join("node.lock"))
+            .map_err(|e| format!("cannot open {}/node.lock: {e}", dir.display()))?;
+        flock(&lock_file, libc::LOCK_EX).map_err(|e| format!("cannot lock node: {e}"))?;
+        let r = Self::open_locked(&cfg, dir);
+        flock(&lock_file, libc::LOCK_UN).ok();
+        let shared = r?;
+        Ok(Node { cfg, dir: dir.to_owned(), shared, lock_file, mutex: Mutex::new(()) })
+    }
+
+    fn open_locked(cfg: &Config, dir: &Path) -> Result<&'static Shared, String> {
+        let size = std::mem::size_of::<Shared>();
+        let path = dir.join("node.state");
+        if path.exists() {
+            let f = OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(&path)
+                .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            let len = f.metadata().map_err(|e| e.to_string())?.len();
+            if len != size as u64 {
+                return Err(format!(
+                    "{} has size {len}, expected {size}: written by another simulator version; remove the state dir",
+                    path.display()
+                ));
+            }
+            let s = map(&f, size)?;
+            if s.magic.load(Acquire) != MAGIC || s.version != VERSION {
+                return Err(format!("{} is not a simulator state file of version {VERSION}", path.display()));
+            }
+            if s.fingerprint != cfg.fingerprint() || s.ngpus as usize != cfg.gpus.len() {
+                return Err(format!(
+                    "the simulated node in {} was created from a different node description; \
+                     use another VGPU_SIM_STATE or wipe it (vgpu-sim wipe)",
+                    dir.display()
+                ));
+            }
+            return Ok(s);
+        }
+        let tmp = dir.join(format!("node.state.tmp.{}", std::process::id()));
+        let f = OpenOptions::new().read(true).write(true).create(true).truncate(true)
+            .custom_flags(libc::O_CLOEXEC).open(&tmp)
+            .map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
+        f.set_len(size as u64).map_err(|e| format!("cannot size {}: {e}", tmp.display()))?;
+        let s = map(&f, size)?;
+        // The file is still private to us: plain initialisation is race-free.
+        let p = s as *const Shared as *mut Shared;
+        // SAFETY: p points to our fresh zeroed mapping which nobody else can see yet.
+        unsafe {
+            (*p).version = VERSION;
+            (*p).ngpus = cfg.gpus.len() as u32;
+            (*p).fingerprint = cfg.fingerprint();
+        }
+        s.magic.store(MAGIC, Release);
+        std::fs::rename(&tmp, &path).map_err(|e| format!("cannot install {}: {e}", path.display()))?;
+        Ok(s)
+    }
+
+    pub fn shared(&self) -> &'static Shared {
+        self.shared
+    }
+
+    pub fn gpu(&self, i: usize) -> &'static GpuShared {
+        &self.shared.gpus[i]
+    }
+
+    pub fn lock(&self) -> Locked<'_> {
+        let m = self.mutex.lock().unwrap_or_else(|p| p.into_inner());
+        // Cannot fail on a valid fd except by EINTR, which `flock` retries.
+        flock(&self.lock_file, libc::LOCK_EX).expect("flock node.lock");
+        Locked { node: self, _m: m }
+    }
+
+    /// The MIG state of GPU `i`; the guard proves exclusive access across processes.
+    #[allow(clippy::mut_from_ref)]
+    pub fn mig<'a>(&self, _g: &'a mut Locked<'_>, i: usize) -> &'a mut MigState {
+        // SAFETY: the node lock serialises every access to `mig` across threads and processes, and
+        // the `&mut Locked` borrow keeps this reference from outliving it or being duplicated.
+        unsafe { &mut *self.shared.gpus[i].mig.get() }
+    }
+
+    // ----- processes -----
+
+    fn proc_lock_path(&self, slot: usize) -> PathBuf {
+        self.dir.join(format!("proc-{slot}.lock"))
+    }
+
+    /// Claims a process slot for this process; the returned file must stay open for its life.
+    pub fn register_process(&self) -> Result<(usize, File), String> {
+        let mut g = self.lock();
+        self.reap_locked(&mut g);
+        let s = self.shared;
+        for (i, slot) in s.procs.iter().enumerate() {
+            if slot.state.load(Acquire) != 0 {
+                continue;
+            }
+            let f = OpenOptions::new().read(true).write(true).create(true).truncate(false)
+                .custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i))
+                .map_err(|e| format!("cannot open process lock: {e}"))?;
+            if flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_err() {
+                continue; // a forked child of a dead process still holds it
+            }
+            for d in 0..MAX_GPUS {
+                slot.ctx[d].store(0, Relaxed);
+                slot.mem[d].store(0, Relaxed);
+            }
+            slot.pid.store(std::process::id(), Relaxed);
+            slot.state.store(1, Release);
+            s.procs_hw.fetch_max(i as u32 + 1, AcqRel);
+            return Ok((i, f));
+        }
+        Err(format!("all {MAX_PROCS} simulated process slots are in use"))
+    }
+
+    /// Releases the slots of dead processes. Returns the bytes released.
+    pub fn reap(&self) -> u64 {
+        let mut g = self.lock();
+        self.reap_locked(&mut g)
+    }
+
+    /// [`reap`](Self::reap), at most every 50 ms per process.
+    pub fn maybe_reap(&self) {
+        static LAST: AtomicU64 = AtomicU64::new(0);
+        let now = now_ns();
+        let last = LAST.load(Relaxed);
+        if now.saturating_sub(last) > 50_000_000 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
+            self.reap();
+        }
+    }
+
+    fn reap_locked(&self, _g: &mut Locked<'_>) -> u64 {
+        let s = self.shared;
+        let hw = s.procs_hw.load(Acquire) as usize;
+        let mut freed = 0;
+        for (i, slot) in s.procs[..hw].iter().enumerate() {
+            if slot.state.load(Acquire) != 1 {
+                continue;
+            }
+            let Ok(f) = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i)) else {
+                continue;
+            };
+            if flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+                for d in 0..MAX_GPUS {
+                    freed += slot.mem[d].swap(0, AcqRel);
+                    slot.ctx[d].store(0, Relaxed);
+                }
+                slot.state.store(0, Release);
+            }
+        }
+        freed
+    }
+
+    /// Live process slots (after the last reap).
+    pub fn live_slots(&self) -> impl Iterator<Item = &'static ProcSlot> {
+        let hw = self.shared.procs_hw.load(Acquire) as usize;
+        self.shared.procs[..hw].iter().filter(|p| p.state.load(Acquire) == 1)
+    }
+
+    /// Device memory in use on GPU `gpu` by all live processes.
+    pub fn mem_used(&self, gpu: usize) -> u64 {
+        self.live_slots().map(|p| p.mem[gpu].load(Acquire)).sum()
+    }
+
+    /// Charges `bytes` on `gpu` to `slot` unless that would exceed the GPU's memory.
+    pub fn try_charge(&self, slot: usize, gpu: usize, bytes: u64) -> bool {
+        let total = self.cfg.gpus[gpu].memory_bytes;
+        let mut g = self.lock();
+        let mut used = self.mem_used(gpu);
+        if used.saturating_add(bytes) > total {
+            self.reap_locked(&mut g);
+            used = self.mem_used(gpu);
+            if used.saturating_add(bytes) > total {
+                return false;
+            }
+        }
+        self.shared.procs[slot].mem[gpu].fetch_add(bytes, AcqRel);
+        true
+    }
+
+    pub fn uncharge(&self, slot: usize, gpu: usize, bytes: u64) {
+        self.shared.procs[slot].mem[gpu].fetch_sub(bytes, AcqRel);
+    }
+
+    /// True while some live process other than `except` holds a context on `gpu`.
+    pub fn gpu_in_use(&self, gpu: usize, except_pid: Option<u32>) -> bool {
+        self.live_slots().any(|p| p.ctx[gpu].load(Acquire) > 0 && Some(p.pid.load(Relaxed)) != except_pid)
+    }
+
+    // ----- the kernel timeline -----
+
+    /// Queues a kernel of `dur_ns` on `gpu`, not before `not_before`; returns (start, end).
+    pub fn launch(&self, gpu: usize, pid: u32, dur_ns: u64, not_before: u64) -> (u64, u64) {
+        let g = &self.shared.gpus[gpu];
+        let earliest = now_ns().max(not_before);
+        let mut bu = g.busy_until.load(Acquire);
+        let (start, end) = loop {
+            let start = earliest.max(bu);
+            let end = start + dur_ns;
+            match g.busy_until.compare_exchange_weak(bu, end, AcqRel, Acquire) {
+                Ok(_) => break (start, end),
+                Err(x) => bu = x,
+            }
+        };
+        let idx = g.ring_head.fetch_add(1, AcqRel);
+        let rec = &self.shared.rings[gpu][(idx as usize) % RING];
+        rec.seq.store(0, Relaxed);
+        fence(Release);
+        rec.start.store(start, Relaxed);
+        rec.end.store(end, Relaxed);
+        rec.pid.store(pid as u64, Relaxed);
+        rec.seq.store(idx + 1, Release);
+        (start, end)
+    }
+
+    /// Busy time of `gpu` inside [t0, t1): the total and per PID.
+    pub fn busy(&self, gpu: usize, t0: u64, t1: u64) -> (u64, Vec<(u32, u64)>) {
+        let g = &self.shared.gpus[gpu];
+        let head = g.ring_head.load(Acquire);
+        let mut total = 0;
+        let mut per: Vec<(u32, u64)> = Vec::new();
+        let mut old = 0;
+        let lo = head.saturating_sub(RING as u64);
+        let mut idx = head;
+        while idx > lo {
+            idx -= 1;
+            let rec = &self.shared.rings[gpu][(idx as usize) % RING];
+            let s1 = rec.seq.load(Acquire);
+            let (start, end, pid) = (rec.start.load(Relaxed), rec.end.load(Relaxed), rec.pid.load(Relaxed));
+            fence(Acquire);
+            if s1 != idx + 1 || rec.seq.load(Relaxed) != s1 {
+                continue;
+            }
+            if end <= t0 {
+                old += 1;
+                if old > 256 {
+                    break;
+                }
+                continue;
+            }
+            let ov = end.min(t1).saturating_sub(start.max(t0));
+            if ov == 0 {
+                continue;
+            }
+            total += ov;
+            match per.iter_mut().find(|(p, _)| *p == pid as u32) {
+                Some(e) => e.1 += ov,
+                None => per.push((pid as u32, ov)),
+            }
+        }
+        (total, per)
+    }
+
+    // ----- XID events -----
+
+    pub fn inject_xid(&self, gpu: usize, xid: u64) {
+        let g = &self.shared.gpus[gpu];
+        let idx = g.xid_head.fetch_add(1, AcqRel);
+        let rec = &g.xids[(idx as usize) % MAX_XIDS];
+        rec.seq.store(0, Relaxed);
+        fence(Release);
+        rec.xid.store(xid, Relaxed);
+        rec.seq.store(idx + 1, Release);
+    }
+
+    /// XID events of `gpu` with sequence numbers at or after `from`; returns (next, xids).
+    pub fn xids_since(&self, gpu: usize, from: u64) -> (u64, Vec<u64>) {
+        let g = &self.shared.gpus[gpu];
+        let head = g.xid_head.load(Acquire);
+        let mut out = Vec::new();
+        for idx in from.max(head.saturating_sub(MAX_XIDS as u64))..head {
+            let rec = &g.xids[(idx as usize) % MAX_XIDS];
+            let s = rec.seq.load(Acquire);
+            let x = rec.xid.load(Relaxed);
+            if s == idx + 1 {
+                out.push(x);
+            }
+        }
+        (head, out)
+    }
+
+    // ----- fault injection -----
+
+    /// Sets a fault on function `name`; `count` -1 means forever.
+    pub fn set_fault(&self, name: &str, gpu: i32, code: i32, count: i64, latency_us: u64) -> Result<(), String> {
+        let packed = pack_name(name).ok_or("function name longer than 63 bytes")?;
+        let _g = self.lock();
+        let s = self.shared;
+        let slot = s
+            .faults
+            .iter()
+            .find(|f| f.remaining.load(Acquire) != 0 && unpack_eq(f, &packed) && f.gpu.load(Relaxed) == gpu)
+            .or_else(|| s.faults.iter().find(|f| f.remaining.load(Acquire) == 0))
+            .ok_or("fault table full")?;
+        for (w, v) in slot.name.iter().zip(packed) {
+            w.store(v, Relaxed);
+        }
+        slot.gpu.store(gpu, Relaxed);
+        slot.code.store(code, Relaxed);
+        slot.latency_us.store(latency_us, Relaxed);
+        slot.remaining.store(if count == 0 { -1 } else { count }, Release);
+        s.fault_count.store(s.faults.iter().filter(|f| f.remaining.load(Acquire) != 0).count() as u32, Release);
+        Ok(())
+    }
+
+    pub fn clear_faults(&self) {
+        let _g = self.lock();
+        for f in &self.shared.faults {
+            f.remaining.store(0, Release);
+        }
+        self.shared.fault_count.store(0, Release);
+    }
+
+    /// Applies a configured fault: sleeps for its latency and returns its error code, if any.
+    #[inline]
+    pub fn fault(&self, name: &str, gpu: Option<usize>) -> Option<i32> {
+        if self.shared.fault_count.load(Relaxed) == 0 {
+            return None;
+        }
+        self.fault_slow(name, gpu)
+    }
+
+    #[cold]
+    fn fault_slow(&self, name: &str, gpu: Option<usize>) -> Option<i32> {
+        let packed = pack_name(name)?;
+        for f in &self.shared.faults {
+            let fg = f.gpu.load(Relaxed);
+            if f.remaining.load(Acquire) == 0 || !unpack_eq(f, &packed) || (fg >= 0 && Some(fg as usize) != gpu) {
+                continue;
+            }
+            // Consume one hit.
+            let mut r = f.remaining.load(Acquire);
+            loop {
+                if r == 0 {
+                    return None;
+                }
+                if r < 0 {
+                    break;
+                }
+                match f.remaining.compare_exchange(r, r - 1, AcqRel, Acquire) {
+                    Ok(_) => break,
+                    Err(x) => r = x,
+                }
+            }
+            let lat = f.latency_us.load(Relaxed);
+            if lat > 0 {
+                std::thread::sleep(std::time::Duration::from_micros(lat));
+            }
+            let c = f.code.load(Relaxed);
+            return (c != 0).then_some(c);
+        }
+        None
+    }
+}
+
+fn map(f: &File, size: usize) -> Result<&'static Shared, String> {
+    // SAFETY: mapping a regular file we opened read-write with the exact size of `Shared`. The mapping
+    // is never unmapped, so the 'static reference stays valid. All-zero bytes are a valid `Shared`
+    // (atomics and plain integers), and every concurrent access goes through atomics or the node lock.
+    unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), size, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0);
+        if p == libc::MAP_FAILED {
+            return Err(format!("cannot map node state: {}", std::io::Error::last_os_error()));
+        }
+        Ok(&*(p as *const Shared))
+    }
+}
+
+fn pack_name(name: &str) -> Option<[u64; 8]> {
+    let b = name.as_bytes();
+    if b.len() > 63 {
+        return None;
+    }
+    let mut buf = [0u8; 64];
+    buf[..b.len()].copy_from_slice(b);
+    let mut out = [0u64; 8];
+    for (i, c) in buf.chunks_exact(8).enumerate() {
+        out[i] = u64::from_le_bytes(c.try_into().unwrap());
+    }
+    Some(out)
+}
+
+fn unpack_eq(f: &FaultRec, packed: &[u64; 8]) -> bool {
+    f.name.iter().zip(packed).all(|(a, b)| a.load(Relaxed) == *b)
+}
+
+/// Names of the fault records in use (for `vgpu-sim status`).
+pub fn fault_names(s: &Shared) -> Vec<(String, i32, i32, i64, u64)> {
+    s.faults
+        .iter()
+        .filter(|f| f.remaining.load(Acquire) != 0)
+        .map(|f| {
+            let bytes: Vec<u8> = f.name.iter().flat_map(|w| w.load(Relaxed).to_le_bytes()).take_while(|&b| b != 0).collect();
+            (
+                String::from_utf8_lossy(&bytes).into_owned(),
+                f.gpu.load(Relaxed),
+                f.code.load(Relaxed),
+                f.remaining.load(Relaxed),
+                f.latency_us.load(Relaxed),
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> (Node, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("vgpu-sim-unit-{}-{}", std::process::id(), now_ns()));
+        let cfg = Config::parse("[[gpu]]\nmodel='A30'\nmemory_mib=1024").unwrap();
+        (Node::open(cfg, &dir).unwrap(), dir)
+    }
+
+    #[test]
+    fn charge_respects_physical_memory() {
+        let (n, dir) = node();
+        let (slot, _f) = n.register_process().unwrap();
+        assert!(n.try_charge(slot, 0, 1000 << 20));
+        assert!(!n.try_charge(slot, 0, 25 << 20));
+        assert!(n.try_charge(slot, 0, 24 << 20));
+        assert_eq!(n.mem_used(0), 1024 << 20);
+        n.uncharge(slot, 0, 1024 << 20);
+        assert_eq!(n.mem_used(0), 0);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn reopening_with_another_config_is_refused() {
+        let (n, dir) = node();
+        drop(n);
+        let other = Config::parse("[[gpu]]\nmodel='A30'").unwrap();
+        let e = Node::open(other, &dir).err().unwrap();
+        assert!(e.contains("different node description"), "{e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn timeline_serialises_and_measures() {
+        let (n, dir) = node();
+        let t = now_ns() + 1_000_000_000;
+        let (s1, e1) = n.launch(0, 10, 1000, t);
+        let (s2, e2) = n.launch(0, 11, 3000, 0);
+        assert_eq!((s1, e1), (t, t + 1000));
+        assert_eq!((s2, e2), (e1, e1 + 3000));
+        let (total, per) = n.busy(0, t, t + 10_000);
+        assert_eq!(total, 4000);
+        assert!(per.contains(&(10, 1000)) && per.contains(&(11, 3000)));
+        let (total, _) = n.busy(0, t + 500, t + 1500);
+        assert_eq!(total, 1000);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn faults_count_down() {
+        let (n, dir) = node();
+        n.set_fault("nvmlDeviceGetCount_v2", -1, 999, 2, 0).unwrap();
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), Some(999));
+        assert_eq!(n.fault("nvmlInit_v2", None), None);
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", Some(0)), Some(999));
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), None);
+        n.set_fault("cuMemAlloc_v2", 1, 2, -1, 0).unwrap();
+        assert_eq!(n.fault("cuMemAlloc_v2", Some(0)), None);
+        assert_eq!(n.fault("cuMemAlloc_v2", Some(1)), Some(2));
+        n.clear_faults();
+        assert_eq!(n.fault("cuMemAlloc_v2", Some(1)), None);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn xids_are_delivered_in_order() {
+        let (n, dir) = node();
+        n.inject_xid(0, 79);
+        n.inject_xid(0, 48);
+        let (next, x) = n.xids_since(0, 0);
+        assert_eq!((next, x), (2, vec![79, 48]));
+        assert_eq!(n.xids_since(0, next).1, Vec::<u64>::new());
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
