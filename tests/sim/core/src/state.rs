@@ -512,6 +512,7 @@ impl Node {
     }
 
     /// Applies a configured fault: sleeps for its latency and returns its error code, if any.
+    /// `gpu` None checks the faults set for every GPU, `Some(g)` those set for GPU `g` only.
     #[inline]
     pub fn fault(&self, name: &str, gpu: Option<usize>) -> Option<i32> {
         if self.shared.fault_count.load(Relaxed) == 0 {
@@ -525,7 +526,13 @@ impl Node {
         let packed = pack_name(name)?;
         for f in &self.shared.faults {
             let fg = f.gpu.load(Relaxed);
-            if f.remaining.load(Acquire) == 0 || !unpack_eq(f, &packed) || (fg >= 0 && Some(fg as usize) != gpu) {
+            // A call site checks node-wide faults (gpu None) and, once it knows its GPU, that
+            // GPU's faults; each fault record therefore matches exactly one of the two checks.
+            let applies = match gpu {
+                None => fg < 0,
+                Some(g) => fg >= 0 && fg as usize == g,
+            };
+            if f.remaining.load(Acquire) == 0 || !applies || !unpack_eq(f, &packed) {
                 continue;
             }
             // Consume one hit.
@@ -657,10 +664,12 @@ mod tests {
         n.set_fault("nvmlDeviceGetCount_v2", -1, 999, 2, 0).unwrap();
         assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), Some(999));
         assert_eq!(n.fault("nvmlInit_v2", None), None);
-        assert_eq!(n.fault("nvmlDeviceGetCount_v2", Some(0)), Some(999));
-        assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), None);
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", Some(0)), None, "node-wide faults match the node-wide check only");
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), Some(999));
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), None, "count exhausted");
         n.set_fault("cuMemAlloc_v2", 1, 2, -1, 0).unwrap();
         assert_eq!(n.fault("cuMemAlloc_v2", Some(0)), None);
+        assert_eq!(n.fault("cuMemAlloc_v2", None), None);
         assert_eq!(n.fault("cuMemAlloc_v2", Some(1)), Some(2));
         n.clear_faults();
         assert_eq!(n.fault("cuMemAlloc_v2", Some(1)), None);

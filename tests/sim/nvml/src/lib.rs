@@ -1,1 +1,874 @@
-pub fn x(){}
+//! Simulated `libnvidia-ml.so.1`: NVML as `nvml-wrapper` and the NVIDIA tools use it, over the
+//! simulated node shared with the simulated `libcuda.so.1`.
+//!
+//! Handles are addresses inside one static table, so they are stable, distinct and decodable.
+//! Every export goes through [`entry`] (initialisation check, fault injection, no unwinding into C).
+#![allow(non_snake_case, non_upper_case_globals, clippy::missing_safety_doc)]
+
+use nvml_wrapper_sys::bindings::*;
+use std::cell::Cell;
+use std::ffi::{c_char, c_uint, c_ulong, CStr};
+use std::sync::atomic::{AtomicU32, Ordering::*};
+use vgpu_sim::mig::{self, MigErr};
+use vgpu_sim::state::{GiRec, MigState, MAX_CI, MAX_GI};
+use vgpu_sim::{now_ns, GpuConfig, Node, MAX_GPUS};
+
+type Ret = nvmlReturn_t;
+type R<T> = Result<T, Ret>;
+
+const OK: Ret = nvmlReturn_enum_NVML_SUCCESS;
+const UNINIT: Ret = nvmlReturn_enum_NVML_ERROR_UNINITIALIZED;
+const INVALID: Ret = nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT;
+const NOT_SUPPORTED: Ret = nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED;
+const NO_PERMISSION: Ret = nvmlReturn_enum_NVML_ERROR_NO_PERMISSION;
+const NOT_FOUND: Ret = nvmlReturn_enum_NVML_ERROR_NOT_FOUND;
+const INSUFFICIENT_SIZE: Ret = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE;
+const TIMEOUT: Ret = nvmlReturn_enum_NVML_ERROR_TIMEOUT;
+const RESET_REQUIRED: Ret = nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED;
+const IN_USE: Ret = nvmlReturn_enum_NVML_ERROR_IN_USE;
+const INSUFFICIENT_RESOURCES: Ret = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES;
+const UNKNOWN: Ret = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+
+fn mig_err(e: MigErr) -> Ret {
+    match e {
+        MigErr::InvalidArgument => INVALID,
+        MigErr::NotSupported => NOT_SUPPORTED,
+        MigErr::InUse => IN_USE,
+        MigErr::InsufficientResources => INSUFFICIENT_RESOURCES,
+        MigErr::NotFound => NOT_FOUND,
+    }
+}
+
+static INITS: AtomicU32 = AtomicU32::new(0);
+
+thread_local! {
+    static CALL: Cell<&'static str> = const { Cell::new("") };
+}
+
+fn node() -> R<&'static Node> {
+    if INITS.load(Acquire) == 0 {
+        return Err(UNINIT);
+    }
+    Node::global().map_err(|_| UNINIT)
+}
+
+#[inline]
+fn entry(name: &'static str, f: impl FnOnce() -> R<()>) -> Ret {
+    CALL.with(|c| c.set(name));
+    if let Ok(n) = Node::global() {
+        if let Some(code) = n.fault(name, None) {
+            return code as Ret;
+        }
+    }
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(())) => OK,
+        Ok(Err(e)) => e,
+        Err(_) => UNKNOWN,
+    }
+}
+
+fn out<T>(p: *mut T, v: T) -> R<()> {
+    if p.is_null() {
+        return Err(INVALID);
+    }
+    // SAFETY: non-null out-pointer from the caller, per the NVML contract.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+fn write_str(dst: *mut c_char, len: c_uint, s: &str) -> R<()> {
+    if dst.is_null() {
+        return Err(INVALID);
+    }
+    if (len as usize) < s.len() + 1 {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    // SAFETY: dst has room for len >= s.len() + 1 bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), dst as *mut u8, s.len());
+        *dst.add(s.len()) = 0;
+    }
+    Ok(())
+}
+
+fn fill_chars<const N: usize>(dst: &mut [c_char; N], s: &str) {
+    for (d, b) in dst.iter_mut().zip(s.bytes().take(N - 1)) {
+        *d = b as c_char;
+    }
+}
+
+/// Writes `items` into a caller array of capacity `*count`, NVML style.
+fn write_list<T: Copy>(arr: *mut T, count: *mut c_uint, items: &[T]) -> R<()> {
+    if count.is_null() {
+        return Err(INVALID);
+    }
+    // SAFETY: count is non-null.
+    let cap = unsafe { *count } as usize;
+    out(count, items.len() as c_uint)?;
+    if items.is_empty() {
+        return Ok(());
+    }
+    if arr.is_null() || cap < items.len() {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    // SAFETY: arr holds at least cap >= items.len() elements.
+    unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), arr, items.len()) };
+    Ok(())
+}
+
+// ----- handles -----
+
+const GI_IDS: usize = MAX_GI + 1;
+const N_DEV: usize = MAX_GPUS;
+const N_GI: usize = MAX_GPUS * GI_IDS;
+const N_CI: usize = N_GI * MAX_CI;
+static HANDLES: [u8; N_DEV + N_GI + 2 * N_CI] = [0; N_DEV + N_GI + 2 * N_CI];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum H {
+    Dev(usize),
+    Gi(usize, u32),
+    Ci(usize, u32, u32),
+    Mig(usize, u32, u32),
+}
+
+fn base() -> usize {
+    HANDLES.as_ptr() as usize
+}
+
+fn encode(h: H) -> usize {
+    base()
+        + match h {
+            H::Dev(g) => g,
+            H::Gi(g, gi) => N_DEV + g * GI_IDS + gi as usize,
+            H::Ci(g, gi, ci) => N_DEV + N_GI + (g * GI_IDS + gi as usize) * MAX_CI + ci as usize,
+            H::Mig(g, gi, ci) => N_DEV + N_GI + N_CI + (g * GI_IDS + gi as usize) * MAX_CI + ci as usize,
+        }
+}
+
+fn decode(p: usize) -> R<H> {
+    let off = p.checked_sub(base()).ok_or(INVALID)?;
+    let h = if off < N_DEV {
+        H::Dev(off)
+    } else if off < N_DEV + N_GI {
+        let o = off - N_DEV;
+        H::Gi(o / GI_IDS, (o % GI_IDS) as u32)
+    } else if off < N_DEV + N_GI + N_CI {
+        let o = off - N_DEV - N_GI;
+        H::Ci(o / MAX_CI / GI_IDS, ((o / MAX_CI) % GI_IDS) as u32, (o % MAX_CI) as u32)
+    } else if off < N_DEV + N_GI + 2 * N_CI {
+        let o = off - N_DEV - N_GI - N_CI;
+        H::Mig(o / MAX_CI / GI_IDS, ((o / MAX_CI) % GI_IDS) as u32, (o % MAX_CI) as u32)
+    } else {
+        return Err(INVALID);
+    };
+    Ok(h)
+}
+
+fn dev_handle(g: usize) -> nvmlDevice_t {
+    encode(H::Dev(g)) as nvmlDevice_t
+}
+
+/// A handle's GPU, after its per-GPU faults.
+fn gpu_of(n: &'static Node, g: usize) -> R<&'static GpuConfig> {
+    let cfg = n.cfg.gpus.get(g).ok_or(INVALID)?;
+    if let Some(code) = n.fault(CALL.with(Cell::get), Some(g)) {
+        return Err(code as Ret);
+    }
+    Ok(cfg)
+}
+
+/// A physical GPU handle.
+fn phys(d: nvmlDevice_t) -> R<(&'static Node, usize, &'static GpuConfig)> {
+    let n = node()?;
+    match decode(d as usize)? {
+        H::Dev(g) => Ok((n, g, gpu_of(n, g)?)),
+        _ => Err(INVALID),
+    }
+}
+
+/// MIG state snapshot of GPU `g`.
+fn mig_state(n: &Node, g: usize) -> MigState {
+    let mut l = n.lock();
+    *n.mig(&mut l, g)
+}
+
+/// (GPU instance slot, compute instance slot) for a MIG handle that is still live.
+fn find_ci(st: &MigState, gi: u32, ci: u32) -> R<(usize, usize)> {
+    let gs = mig::gi_by_id(st, gi).ok_or(NOT_FOUND)?;
+    let cs = st.gis[gs].cis.iter().position(|c| c.live != 0 && c.id == ci).ok_or(NOT_FOUND)?;
+    Ok((gs, cs))
+}
+
+fn gi_profile(cfg: &GpuConfig, g: &GiRec) -> R<&'static vgpu_sim::models::GiProfile> {
+    cfg.model.mig.as_ref().and_then(|t| t.by_id(g.profile_id)).ok_or(UNKNOWN)
+}
+
+fn mig_uuid(cfg: &GpuConfig, gi: u32, ci: u32) -> String {
+    let h = cfg.uuid.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    format!("MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}", (h >> 32) as u32, gi, ci, (h >> 16) as u16, h & 0xffff_ffff_ffff)
+}
+
+fn privileged() -> R<()> {
+    if std::env::var_os("VGPU_SIM_UNPRIVILEGED").is_some_and(|v| v == "1") {
+        Err(NO_PERMISSION)
+    } else {
+        Ok(())
+    }
+}
+
+fn realtime_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+macro_rules! exports {
+    ($( fn $name:ident ( $($a:ident : $t:ty),* $(,)? ) $body:block )*) => {
+        $(
+            #[no_mangle]
+            pub unsafe extern "C" fn $name($($a: $t),*) -> nvmlReturn_t {
+                entry(stringify!($name), move || -> R<()> { $body })
+            }
+        )*
+    };
+}
+
+/// `nvmlErrorString` returns a string, not a code, so it is written out by hand.
+#[no_mangle]
+pub extern "C" fn nvmlErrorString(r: nvmlReturn_t) -> *const c_char {
+    let s: &'static CStr = match r {
+        0 => c"Success",
+        1 => c"Uninitialized",
+        2 => c"Invalid Argument",
+        3 => c"Not Supported",
+        4 => c"Insufficient Permissions",
+        6 => c"Not Found",
+        7 => c"Insufficient Size",
+        10 => c"Timeout",
+        13 => c"Function Not Found",
+        15 => c"GPU is lost",
+        16 => c"GPU requires reset",
+        19 => c"In use by another client",
+        23 => c"Insufficient resources",
+        _ => c"Unknown Error",
+    };
+    s.as_ptr()
+}
+
+exports! {
+    // ----- init -----
+    fn nvmlInit_v2() {
+        Node::global().map_err(|e| { eprintln!("vgpu-sim libnvidia-ml: {e}"); nvmlReturn_enum_NVML_ERROR_DRIVER_NOT_LOADED })?;
+        INITS.fetch_add(1, AcqRel);
+        Ok(())
+    }
+    fn nvmlInit() {
+        Node::global().map_err(|_| nvmlReturn_enum_NVML_ERROR_DRIVER_NOT_LOADED)?;
+        INITS.fetch_add(1, AcqRel);
+        Ok(())
+    }
+    fn nvmlInitWithFlags(_flags: c_uint) {
+        Node::global().map_err(|_| nvmlReturn_enum_NVML_ERROR_DRIVER_NOT_LOADED)?;
+        INITS.fetch_add(1, AcqRel);
+        Ok(())
+    }
+    fn nvmlShutdown() {
+        INITS.fetch_update(AcqRel, Acquire, |n| n.checked_sub(1)).map(|_| ()).map_err(|_| UNINIT)
+    }
+
+    // ----- system -----
+    fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) { write_str(buf, len, &node()?.cfg.driver_version) }
+    fn nvmlSystemGetNVMLVersion(buf: *mut c_char, len: c_uint) {
+        let n = node()?;
+        write_str(buf, len, &format!("{}.{}", n.cfg.cuda_version / 1000, n.cfg.driver_version))
+    }
+    fn nvmlSystemGetCudaDriverVersion(v: *mut i32) { out(v, node()?.cfg.cuda_version) }
+    fn nvmlSystemGetCudaDriverVersion_v2(v: *mut i32) { out(v, node()?.cfg.cuda_version) }
+    fn nvmlSystemGetProcessName(pid: c_uint, buf: *mut c_char, len: c_uint) {
+        node()?;
+        let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).map_err(|_| NOT_FOUND)?;
+        write_str(buf, len, name.trim_end())
+    }
+
+    // ----- enumeration -----
+    fn nvmlDeviceGetCount_v2(n: *mut c_uint) { out(n, node()?.cfg.gpus.len() as c_uint) }
+    fn nvmlDeviceGetCount(n: *mut c_uint) { out(n, node()?.cfg.gpus.len() as c_uint) }
+    fn nvmlDeviceGetHandleByIndex_v2(i: c_uint, d: *mut nvmlDevice_t) {
+        let n = node()?;
+        gpu_of(n, i as usize)?;
+        out(d, dev_handle(i as usize))
+    }
+    fn nvmlDeviceGetHandleByIndex(i: c_uint, d: *mut nvmlDevice_t) {
+        let n = node()?;
+        gpu_of(n, i as usize)?;
+        out(d, dev_handle(i as usize))
+    }
+    fn nvmlDeviceGetHandleByUUID(u: *const c_char, d: *mut nvmlDevice_t) {
+        let n = node()?;
+        if u.is_null() { return Err(INVALID); }
+        // SAFETY: NUL-terminated string from the caller.
+        let u = unsafe { CStr::from_ptr(u) }.to_str().map_err(|_| INVALID)?;
+        let g = n.cfg.gpus.iter().find(|g| g.uuid == u).ok_or(NOT_FOUND)?;
+        out(d, dev_handle(g.index as usize))
+    }
+    fn nvmlDeviceGetHandleByPciBusId_v2(b: *const c_char, d: *mut nvmlDevice_t) {
+        let n = node()?;
+        if b.is_null() { return Err(INVALID); }
+        // SAFETY: NUL-terminated string from the caller.
+        let b = unsafe { CStr::from_ptr(b) }.to_str().map_err(|_| INVALID)?.to_ascii_lowercase();
+        let g = n.cfg.gpus.iter().find(|g| b.ends_with(&g.pci_bus_id)).ok_or(NOT_FOUND)?;
+        out(d, dev_handle(g.index as usize))
+    }
+    fn nvmlDeviceGetIndex(d: nvmlDevice_t, i: *mut c_uint) { out(i, phys(d)?.1 as c_uint) }
+    fn nvmlDeviceGetMinorNumber(d: nvmlDevice_t, i: *mut c_uint) { out(i, phys(d)?.1 as c_uint) }
+
+    // ----- identity -----
+    fn nvmlDeviceGetName(d: nvmlDevice_t, buf: *mut c_char, len: c_uint) {
+        let n = node()?;
+        match decode(d as usize)? {
+            H::Dev(g) => write_str(buf, len, gpu_of(n, g)?.model.name),
+            H::Mig(g, gi, ci) => {
+                let cfg = gpu_of(n, g)?;
+                let st = mig_state(n, g);
+                let (gs, _) = find_ci(&st, gi, ci)?;
+                write_str(buf, len, &format!("{} MIG {}", cfg.model.name, gi_profile(cfg, &st.gis[gs])?.name))
+            }
+            _ => Err(INVALID),
+        }
+    }
+    fn nvmlDeviceGetUUID(d: nvmlDevice_t, buf: *mut c_char, len: c_uint) {
+        let n = node()?;
+        match decode(d as usize)? {
+            H::Dev(g) => write_str(buf, len, &gpu_of(n, g)?.uuid),
+            H::Mig(g, gi, ci) => {
+                let cfg = gpu_of(n, g)?;
+                find_ci(&mig_state(n, g), gi, ci)?;
+                write_str(buf, len, &mig_uuid(cfg, gi, ci))
+            }
+            _ => Err(INVALID),
+        }
+    }
+    fn nvmlDeviceGetSerial(d: nvmlDevice_t, buf: *mut c_char, len: c_uint) {
+        let (_, g, _) = phys(d)?;
+        write_str(buf, len, &format!("{:013}", 1_650_000_000_000u64 + g as u64))
+    }
+    fn nvmlDeviceGetPciInfo_v3(d: nvmlDevice_t, p: *mut nvmlPciInfo_t) {
+        let (_, _, c) = phys(d)?;
+        // SAFETY: nvmlPciInfo_t is plain old data; all-zero is valid.
+        let mut info: nvmlPciInfo_t = unsafe { std::mem::zeroed() };
+        fill_chars(&mut info.busIdLegacy, &format!("{:04X}:{:02X}:{:02X}.0", c.pci_domain, c.pci_bus, c.pci_device));
+        fill_chars(&mut info.busId, &format!("{:08X}:{:02X}:{:02X}.0", c.pci_domain, c.pci_bus, c.pci_device));
+        info.domain = c.pci_domain;
+        info.bus = c.pci_bus;
+        info.device = c.pci_device;
+        info.pciDeviceId = c.model.pci_device_id;
+        info.pciSubSystemId = 0x1_6310DE;
+        out(p, info)
+    }
+    fn nvmlDeviceGetCudaComputeCapability(d: nvmlDevice_t, major: *mut i32, minor: *mut i32) {
+        let (_, _, c) = phys(d)?;
+        out(major, c.model.cc.0 as i32)?;
+        out(minor, c.model.cc.1 as i32)
+    }
+    fn nvmlDeviceGetArchitecture(d: nvmlDevice_t, a: *mut nvmlDeviceArchitecture_t) {
+        let (_, _, c) = phys(d)?;
+        out(a, match c.model.arch {
+            vgpu_sim::models::Arch::Ampere => NVML_DEVICE_ARCH_AMPERE,
+            vgpu_sim::models::Arch::Ada => NVML_DEVICE_ARCH_ADA,
+            vgpu_sim::models::Arch::Hopper => NVML_DEVICE_ARCH_HOPPER,
+        })
+    }
+    fn nvmlDeviceGetAttributes_v2(d: nvmlDevice_t, a: *mut nvmlDeviceAttributes_t) {
+        let n = node()?;
+        match decode(d as usize)? {
+            H::Dev(g) => {
+                let c = gpu_of(n, g)?;
+                out(a, nvmlDeviceAttributes_t {
+                    multiprocessorCount: c.sm_count, sharedCopyEngineCount: 7, sharedDecoderCount: 5,
+                    sharedEncoderCount: 0, sharedJpegCount: 1, sharedOfaCount: 1,
+                    gpuInstanceSliceCount: 0, computeInstanceSliceCount: 0, memorySizeMB: c.memory_bytes >> 20,
+                })
+            }
+            H::Mig(g, gi, ci) => {
+                let c = gpu_of(n, g)?;
+                let st = mig_state(n, g);
+                let (gs, cs) = find_ci(&st, gi, ci)?;
+                let p = gi_profile(c, &st.gis[gs])?;
+                let cslices = st.gis[gs].cis[cs].size;
+                out(a, nvmlDeviceAttributes_t {
+                    multiprocessorCount: p.sm * cslices / p.g, sharedCopyEngineCount: p.ce, sharedDecoderCount: p.dec,
+                    sharedEncoderCount: p.enc, sharedJpegCount: p.jpeg, sharedOfaCount: p.ofa,
+                    gpuInstanceSliceCount: p.g, computeInstanceSliceCount: cslices, memorySizeMB: p.mib,
+                })
+            }
+            _ => Err(INVALID),
+        }
+    }
+
+    // ----- memory, processes, utilisation -----
+    fn nvmlDeviceGetMemoryInfo(d: nvmlDevice_t, m: *mut nvmlMemory_t) {
+        let (total, used) = memory(d)?;
+        out(m, nvmlMemory_t { total, free: total - used, used })
+    }
+    fn nvmlDeviceGetMemoryInfo_v2(d: nvmlDevice_t, m: *mut nvmlMemory_v2_t) {
+        if m.is_null() { return Err(INVALID); }
+        let (total, used) = memory(d)?;
+        // SAFETY: m is non-null; the caller set `version`.
+        let version = unsafe { (*m).version };
+        out(m, nvmlMemory_v2_t { version, total, reserved: 0, free: total - used, used })
+    }
+    fn nvmlDeviceGetComputeRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
+        let list: Vec<nvmlProcessInfo_t> = processes(d)?.into_iter()
+            .map(|(pid, mem)| nvmlProcessInfo_t { pid, usedGpuMemory: mem, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX })
+            .collect();
+        write_list(infos, count, &list)
+    }
+    fn nvmlDeviceGetComputeRunningProcesses_v2(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v2_t) {
+        let list: Vec<nvmlProcessInfo_v2_t> = processes(d)?.into_iter()
+            .map(|(pid, mem)| nvmlProcessInfo_v2_t { pid, usedGpuMemory: mem, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX })
+            .collect();
+        write_list(infos, count, &list)
+    }
+    fn nvmlDeviceGetComputeRunningProcesses(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) {
+        let list: Vec<nvmlProcessInfo_v1_t> = processes(d)?.into_iter()
+            .map(|(pid, mem)| nvmlProcessInfo_v1_t { pid, usedGpuMemory: mem })
+            .collect();
+        write_list(infos, count, &list)
+    }
+    fn nvmlDeviceGetGraphicsRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
+        phys(d)?;
+        write_list(infos, count, &[])
+    }
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
+        phys(d)?;
+        write_list(infos, count, &[])
+    }
+    fn nvmlDeviceGetUtilizationRates(d: nvmlDevice_t, u: *mut nvmlUtilization_t) {
+        let (n, g, _) = phys(d)?;
+        let now = now_ns();
+        let w = n.cfg.util_window_ns;
+        let (busy, _) = n.busy(g, now.saturating_sub(w), now);
+        let pct = ((busy * 100 + w / 2) / w).min(100) as c_uint;
+        out(u, nvmlUtilization_t { gpu: pct, memory: pct / 2 })
+    }
+    fn nvmlDeviceGetProcessUtilization(d: nvmlDevice_t, s: *mut nvmlProcessUtilizationSample_t, count: *mut c_uint, last_seen: u64) {
+        let (n, g, _) = phys(d)?;
+        let (mono, real) = (now_ns(), realtime_us());
+        let w = n.cfg.util_window_ns;
+        let since = if last_seen == 0 || last_seen >= real { mono.saturating_sub(w) }
+            else { mono.saturating_sub((real - last_seen).saturating_mul(1000)).max(mono.saturating_sub(w)) };
+        let span = (mono - since).max(1);
+        let (_, per) = n.busy(g, since, mono);
+        let samples: Vec<nvmlProcessUtilizationSample_t> = per.into_iter()
+            .map(|(pid, b)| nvmlProcessUtilizationSample_t {
+                pid, timeStamp: real, smUtil: ((b * 100 + span / 2) / span).min(100) as c_uint,
+                memUtil: 0, encUtil: 0, decUtil: 0,
+            })
+            .collect();
+        if samples.is_empty() {
+            if !count.is_null() { out(count, 0)?; }
+            return Err(NOT_FOUND);
+        }
+        write_list(s, count, &samples)
+    }
+
+    // ----- topology -----
+    fn nvmlDeviceGetNumaNodeId(d: nvmlDevice_t, node_id: *mut c_uint) { out(node_id, phys(d)?.2.numa_node as c_uint) }
+    fn nvmlDeviceGetCpuAffinity(d: nvmlDevice_t, size: c_uint, set: *mut c_ulong) {
+        let (n, _, c) = phys(d)?;
+        cpu_set(n, c.numa_node, size, set)
+    }
+    fn nvmlDeviceGetCpuAffinityWithinScope(d: nvmlDevice_t, size: c_uint, set: *mut c_ulong, _scope: nvmlAffinityScope_t) {
+        let (n, _, c) = phys(d)?;
+        cpu_set(n, c.numa_node, size, set)
+    }
+    fn nvmlDeviceGetMemoryAffinity(d: nvmlDevice_t, size: c_uint, set: *mut c_ulong, _scope: nvmlAffinityScope_t) {
+        let (_, _, c) = phys(d)?;
+        if set.is_null() || size == 0 { return Err(INVALID); }
+        // SAFETY: set holds `size` words.
+        let s = unsafe { std::slice::from_raw_parts_mut(set, size as usize) };
+        s.fill(0);
+        let bit = c.numa_node.max(0) as usize;
+        if bit / 64 < s.len() { s[bit / 64] |= 1 << (bit % 64); }
+        Ok(())
+    }
+    fn nvmlDeviceGetTopologyCommonAncestor(a: nvmlDevice_t, b: nvmlDevice_t, level: *mut nvmlGpuTopologyLevel_t) {
+        let (_, ga, ca) = phys(a)?;
+        let (_, gb, cb) = phys(b)?;
+        out(level, if ga == gb { nvmlGpuLevel_enum_NVML_TOPOLOGY_INTERNAL }
+            else if ca.numa_node == cb.numa_node { nvmlGpuLevel_enum_NVML_TOPOLOGY_NODE }
+            else { nvmlGpuLevel_enum_NVML_TOPOLOGY_SYSTEM })
+    }
+    fn nvmlDeviceGetP2PStatus(a: nvmlDevice_t, b: nvmlDevice_t, _idx: nvmlGpuP2PCapsIndex_t, st: *mut nvmlGpuP2PStatus_t) {
+        let (_, ga, ca) = phys(a)?;
+        let (_, gb, cb) = phys(b)?;
+        let linked = ga != gb && ca.nvlink_domain.is_some() && ca.nvlink_domain == cb.nvlink_domain;
+        let same_numa = ga != gb && ca.numa_node == cb.numa_node;
+        out(st, if linked || same_numa { nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_OK } else { nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_NOT_SUPPORTED })
+    }
+
+    // ----- events (XID) -----
+    fn nvmlDeviceGetSupportedEventTypes(d: nvmlDevice_t, t: *mut u64) { phys(d)?; out(t, nvmlEventTypeXidCriticalError as u64) }
+    fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) {
+        node()?;
+        out(set, Box::into_raw(Box::new(EventSet { devs: std::sync::Mutex::new(Vec::new()) })) as nvmlEventSet_t)
+    }
+    fn nvmlDeviceRegisterEvents(d: nvmlDevice_t, types: u64, set: nvmlEventSet_t) {
+        let (n, g, _) = phys(d)?;
+        if set.is_null() { return Err(INVALID); }
+        if types & !(nvmlEventTypeXidCriticalError as u64) != 0 { return Err(NOT_SUPPORTED); }
+        // SAFETY: event sets are boxes made by nvmlEventSetCreate and freed only by nvmlEventSetFree.
+        let es = unsafe { &*(set as *const EventSet) };
+        let next = n.xids_since(g, u64::MAX).0;
+        es.devs.lock().unwrap().push((g, next));
+        Ok(())
+    }
+    fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut nvmlEventData_t, timeout_ms: c_uint) {
+        let n = node()?;
+        if set.is_null() || data.is_null() { return Err(INVALID); }
+        // SAFETY: see nvmlDeviceRegisterEvents.
+        let es = unsafe { &*(set as *const EventSet) };
+        let deadline = now_ns() + timeout_ms as u64 * 1_000_000;
+        loop {
+            {
+                let mut devs = es.devs.lock().unwrap();
+                for (g, next) in devs.iter_mut() {
+                    let (_, x) = n.xids_since(*g, *next);
+                    if let Some(&xid) = x.first() {
+                        *next += 1;
+                        return out(data, nvmlEventData_t { device: dev_handle(*g), eventType: nvmlEventTypeXidCriticalError as u64,
+                            eventData: xid, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX });
+                    }
+                }
+            }
+            if now_ns() >= deadline { return Err(TIMEOUT); }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+    fn nvmlEventSetFree(set: nvmlEventSet_t) {
+        node()?;
+        if set.is_null() { return Err(INVALID); }
+        // SAFETY: made by nvmlEventSetCreate; the caller frees it once.
+        drop(unsafe { Box::from_raw(set as *mut EventSet) });
+        Ok(())
+    }
+
+    // ----- MIG -----
+    fn nvmlDeviceGetMigMode(d: nvmlDevice_t, cur: *mut c_uint, pend: *mut c_uint) {
+        let (n, g, c) = phys(d)?;
+        c.model.mig.ok_or(NOT_SUPPORTED)?;
+        let st = mig_state(n, g);
+        out(cur, st.current)?;
+        out(pend, st.pending)
+    }
+    fn nvmlDeviceSetMigMode(d: nvmlDevice_t, mode: c_uint, status: *mut nvmlReturn_t) {
+        let (n, g, c) = phys(d)?;
+        privileged()?;
+        if status.is_null() { return Err(INVALID); }
+        n.reap();
+        let in_use = n.gpu_in_use(g, None);
+        let mut l = n.lock();
+        let a = mig::set_mode(n.mig(&mut l, g), c.model, mode, in_use).map_err(mig_err)?;
+        out(status, match a { mig::Activation::Done => OK, mig::Activation::ResetRequired => RESET_REQUIRED })
+    }
+    fn nvmlDeviceGetMaxMigDeviceCount(d: nvmlDevice_t, c: *mut c_uint) {
+        let (_, _, cfg) = phys(d)?;
+        out(c, cfg.model.mig.map_or(0, |t| t.compute_slices))
+    }
+    fn nvmlDeviceGetGpuInstanceProfileInfo(d: nvmlDevice_t, idx: c_uint, info: *mut nvmlGpuInstanceProfileInfo_t) {
+        let p = profile_by_idx(d, idx)?;
+        out(info, nvmlGpuInstanceProfileInfo_t { id: p.id, isP2pSupported: 0, sliceCount: p.g, instanceCount: p.max,
+            multiprocessorCount: p.sm, copyEngineCount: p.ce, decoderCount: p.dec, encoderCount: p.enc,
+            jpegCount: p.jpeg, ofaCount: p.ofa, memorySizeMB: p.mib })
+    }
+    fn nvmlDeviceGetGpuInstanceProfileInfoV(d: nvmlDevice_t, idx: c_uint, info: *mut nvmlGpuInstanceProfileInfo_v2_t) {
+        let p = profile_by_idx(d, idx)?;
+        if info.is_null() { return Err(INVALID); }
+        // SAFETY: info is non-null; the caller set `version`.
+        let version = unsafe { (*info).version };
+        let mut v = nvmlGpuInstanceProfileInfo_v2_t { version, id: p.id, isP2pSupported: 0, sliceCount: p.g,
+            instanceCount: p.max, multiprocessorCount: p.sm, copyEngineCount: p.ce, decoderCount: p.dec,
+            encoderCount: p.enc, jpegCount: p.jpeg, ofaCount: p.ofa, memorySizeMB: p.mib, name: [0; 96] };
+        fill_chars(&mut v.name, &format!("MIG {}", p.name));
+        out(info, v)
+    }
+    fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(d: nvmlDevice_t, pid: c_uint, pl: *mut nvmlGpuInstancePlacement_t, count: *mut c_uint) {
+        let (_, _, c) = phys(d)?;
+        let v: Vec<nvmlGpuInstancePlacement_t> = mig::placements(c.model, pid).map_err(mig_err)?
+            .into_iter().map(|(start, size)| nvmlGpuInstancePlacement_t { start, size }).collect();
+        if pl.is_null() { return out(count, v.len() as c_uint); }
+        write_list(pl, count, &v)
+    }
+    fn nvmlDeviceGetGpuInstanceRemainingCapacity(d: nvmlDevice_t, pid: c_uint, count: *mut c_uint) {
+        let (n, g, c) = phys(d)?;
+        out(count, mig::remaining_gi(&mig_state(n, g), c.model, pid).map_err(mig_err)?)
+    }
+    fn nvmlDeviceCreateGpuInstance(d: nvmlDevice_t, pid: c_uint, gi: *mut nvmlGpuInstance_t) {
+        create_gi(d, pid, None, gi)
+    }
+    fn nvmlDeviceCreateGpuInstanceWithPlacement(d: nvmlDevice_t, pid: c_uint, pl: *const nvmlGpuInstancePlacement_t, gi: *mut nvmlGpuInstance_t) {
+        // SAFETY: optional input pointer from the caller.
+        let p = unsafe { pl.as_ref() }.ok_or(INVALID)?;
+        create_gi(d, pid, Some((p.start, p.size)), gi)
+    }
+    fn nvmlGpuInstanceDestroy(gi: nvmlGpuInstance_t) {
+        let (n, g, id) = gi_handle(gi)?;
+        privileged()?;
+        let mut l = n.lock();
+        let st = n.mig(&mut l, g);
+        let slot = mig::gi_by_id(st, id).ok_or(INVALID)?;
+        mig::destroy_gi(st, slot).map_err(mig_err)
+    }
+    fn nvmlDeviceGetGpuInstances(d: nvmlDevice_t, pid: c_uint, gis: *mut nvmlGpuInstance_t, count: *mut c_uint) {
+        let (n, g, c) = phys(d)?;
+        c.model.mig.ok_or(NOT_SUPPORTED)?.by_id(pid).ok_or(INVALID)?;
+        let st = mig_state(n, g);
+        let v: Vec<nvmlGpuInstance_t> = st.gis.iter().filter(|x| x.live != 0 && x.profile_id == pid)
+            .map(|x| encode(H::Gi(g, x.id)) as nvmlGpuInstance_t).collect();
+        if gis.is_null() { return Err(INVALID); }
+        // NVML expects room for instanceCount entries and writes the count.
+        // SAFETY: gis holds at least the profile's instanceCount entries per the API contract.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), gis, v.len()) };
+        out(count, v.len() as c_uint)
+    }
+    fn nvmlDeviceGetGpuInstanceById(d: nvmlDevice_t, id: c_uint, gi: *mut nvmlGpuInstance_t) {
+        let (n, g, _) = phys(d)?;
+        mig::gi_by_id(&mig_state(n, g), id).ok_or(NOT_FOUND)?;
+        out(gi, encode(H::Gi(g, id)) as nvmlGpuInstance_t)
+    }
+    fn nvmlGpuInstanceGetInfo(gi: nvmlGpuInstance_t, info: *mut nvmlGpuInstanceInfo_t) {
+        let (n, g, id) = gi_handle(gi)?;
+        let st = mig_state(n, g);
+        let x = &st.gis[mig::gi_by_id(&st, id).ok_or(INVALID)?];
+        out(info, nvmlGpuInstanceInfo_t { device: dev_handle(g), id, profileId: x.profile_id,
+            placement: nvmlGpuInstancePlacement_t { start: x.start, size: x.size } })
+    }
+    fn nvmlGpuInstanceGetComputeInstanceProfileInfo(gi: nvmlGpuInstance_t, prof: c_uint, eng: c_uint, info: *mut nvmlComputeInstanceProfileInfo_t) {
+        let (sm, p) = ci_profile_info(gi, prof, eng)?;
+        out(info, nvmlComputeInstanceProfileInfo_t { id: prof, sliceCount: p.0, instanceCount: p.1, multiprocessorCount: sm,
+            sharedCopyEngineCount: 0, sharedDecoderCount: 0, sharedEncoderCount: 0, sharedJpegCount: 0, sharedOfaCount: 0 })
+    }
+    fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(gi: nvmlGpuInstance_t, prof: c_uint, eng: c_uint, info: *mut nvmlComputeInstanceProfileInfo_v2_t) {
+        let (sm, p) = ci_profile_info(gi, prof, eng)?;
+        if info.is_null() { return Err(INVALID); }
+        // SAFETY: non-null; the caller set `version`.
+        let version = unsafe { (*info).version };
+        let mut v = nvmlComputeInstanceProfileInfo_v2_t { version, id: prof, sliceCount: p.0, instanceCount: p.1,
+            multiprocessorCount: sm, sharedCopyEngineCount: 0, sharedDecoderCount: 0, sharedEncoderCount: 0,
+            sharedJpegCount: 0, sharedOfaCount: 0, name: [0; 96] };
+        fill_chars(&mut v.name, &format!("{}c", p.0));
+        out(info, v)
+    }
+    fn nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi: nvmlGpuInstance_t, prof: c_uint, pl: *mut nvmlComputeInstancePlacement_t, count: *mut c_uint) {
+        let (n, g, id) = gi_handle(gi)?;
+        let st = mig_state(n, g);
+        let x = &st.gis[mig::gi_by_id(&st, id).ok_or(INVALID)?];
+        let (size, _, starts) = mig::ci_profile(n.cfg.gpus[g].model, x, prof).map_err(mig_err)?;
+        let v: Vec<_> = starts.into_iter().map(|start| nvmlComputeInstancePlacement_t { start, size }).collect();
+        if pl.is_null() { return out(count, v.len() as c_uint); }
+        write_list(pl, count, &v)
+    }
+    fn nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi: nvmlGpuInstance_t, prof: c_uint, count: *mut c_uint) {
+        let (n, g, id) = gi_handle(gi)?;
+        let st = mig_state(n, g);
+        let slot = mig::gi_by_id(&st, id).ok_or(INVALID)?;
+        out(count, mig::remaining_ci(&st, n.cfg.gpus[g].model, slot, prof).map_err(mig_err)?)
+    }
+    fn nvmlGpuInstanceCreateComputeInstance(gi: nvmlGpuInstance_t, prof: c_uint, ci: *mut nvmlComputeInstance_t) {
+        create_ci(gi, prof, None, ci)
+    }
+    fn nvmlGpuInstanceCreateComputeInstanceWithPlacement(gi: nvmlGpuInstance_t, prof: c_uint, pl: *const nvmlComputeInstancePlacement_t, ci: *mut nvmlComputeInstance_t) {
+        // SAFETY: optional input pointer from the caller.
+        let p = unsafe { pl.as_ref() }.ok_or(INVALID)?;
+        create_ci(gi, prof, Some(p.start), ci)
+    }
+    fn nvmlComputeInstanceDestroy(ci: nvmlComputeInstance_t) {
+        let n = node()?;
+        let H::Ci(g, gi, cid) = decode(ci as usize)? else { return Err(INVALID) };
+        privileged()?;
+        let mut l = n.lock();
+        let st = n.mig(&mut l, g);
+        let (gs, cs) = find_ci(st, gi, cid).map_err(|_| INVALID)?;
+        mig::destroy_ci(st, gs, cs).map_err(mig_err)
+    }
+    fn nvmlGpuInstanceGetComputeInstances(gi: nvmlGpuInstance_t, prof: c_uint, cis: *mut nvmlComputeInstance_t, count: *mut c_uint) {
+        let (n, g, id) = gi_handle(gi)?;
+        let st = mig_state(n, g);
+        let x = &st.gis[mig::gi_by_id(&st, id).ok_or(INVALID)?];
+        let v: Vec<nvmlComputeInstance_t> = x.cis.iter().filter(|c| c.live != 0 && c.profile_id == prof)
+            .map(|c| encode(H::Ci(g, id, c.id)) as nvmlComputeInstance_t).collect();
+        if cis.is_null() { return Err(INVALID); }
+        // SAFETY: cis holds at least the profile's instanceCount entries per the API contract.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), cis, v.len()) };
+        out(count, v.len() as c_uint)
+    }
+    fn nvmlGpuInstanceGetComputeInstanceById(gi: nvmlGpuInstance_t, id: c_uint, ci: *mut nvmlComputeInstance_t) {
+        let (n, g, gid) = gi_handle(gi)?;
+        find_ci(&mig_state(n, g), gid, id)?;
+        out(ci, encode(H::Ci(g, gid, id)) as nvmlComputeInstance_t)
+    }
+    fn nvmlComputeInstanceGetInfo_v2(ci: nvmlComputeInstance_t, info: *mut nvmlComputeInstanceInfo_t) {
+        let n = node()?;
+        let H::Ci(g, gi, cid) = decode(ci as usize)? else { return Err(INVALID) };
+        let st = mig_state(n, g);
+        let (gs, cs) = find_ci(&st, gi, cid).map_err(|_| INVALID)?;
+        let c = &st.gis[gs].cis[cs];
+        out(info, nvmlComputeInstanceInfo_t { device: dev_handle(g), gpuInstance: encode(H::Gi(g, gi)) as nvmlGpuInstance_t,
+            id: cid, profileId: c.profile_id, placement: nvmlComputeInstancePlacement_t { start: c.start, size: c.size } })
+    }
+    fn nvmlDeviceGetMigDeviceHandleByIndex(d: nvmlDevice_t, idx: c_uint, m: *mut nvmlDevice_t) {
+        let (n, g, _) = phys(d)?;
+        let st = mig_state(n, g);
+        let (gs, cs) = *mig::mig_devices(&st).get(idx as usize).ok_or(NOT_FOUND)?;
+        out(m, encode(H::Mig(g, st.gis[gs].id, st.gis[gs].cis[cs].id)) as nvmlDevice_t)
+    }
+    fn nvmlDeviceIsMigDeviceHandle(d: nvmlDevice_t, is: *mut c_uint) {
+        node()?;
+        out(is, matches!(decode(d as usize)?, H::Mig(..)) as c_uint)
+    }
+    fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m: nvmlDevice_t, d: *mut nvmlDevice_t) {
+        node()?;
+        let H::Mig(g, ..) = decode(m as usize)? else { return Err(INVALID) };
+        out(d, dev_handle(g))
+    }
+    fn nvmlDeviceGetGpuInstanceId(m: nvmlDevice_t, id: *mut c_uint) {
+        node()?;
+        let H::Mig(_, gi, _) = decode(m as usize)? else { return Err(NOT_SUPPORTED) };
+        out(id, gi)
+    }
+    fn nvmlDeviceGetComputeInstanceId(m: nvmlDevice_t, id: *mut c_uint) {
+        node()?;
+        let H::Mig(_, _, ci) = decode(m as usize)? else { return Err(NOT_SUPPORTED) };
+        out(id, ci)
+    }
+}
+
+struct EventSet {
+    devs: std::sync::Mutex<Vec<(usize, u64)>>,
+}
+
+/// (total, used) bytes of a physical or MIG device.
+fn memory(d: nvmlDevice_t) -> R<(u64, u64)> {
+    let n = node()?;
+    match decode(d as usize)? {
+        H::Dev(g) => {
+            let c = gpu_of(n, g)?;
+            n.reap();
+            Ok((c.memory_bytes, n.mem_used(g).min(c.memory_bytes)))
+        }
+        H::Mig(g, gi, ci) => {
+            let c = gpu_of(n, g)?;
+            let st = mig_state(n, g);
+            let (gs, _) = find_ci(&st, gi, ci)?;
+            Ok((gi_profile(c, &st.gis[gs])?.mib << 20, 0))
+        }
+        _ => Err(INVALID),
+    }
+}
+
+/// (pid, bytes) of the processes holding a context on a physical GPU.
+fn processes(d: nvmlDevice_t) -> R<Vec<(u32, u64)>> {
+    let n = node()?;
+    match decode(d as usize)? {
+        H::Dev(g) => {
+            gpu_of(n, g)?;
+            n.reap();
+            Ok(n.live_slots()
+                .filter(|p| p.ctx[g].load(Acquire) > 0)
+                .map(|p| (p.pid.load(Relaxed), p.mem[g].load(Acquire)))
+                .collect())
+        }
+        H::Mig(..) => Ok(Vec::new()),
+        _ => Err(INVALID),
+    }
+}
+
+fn cpu_set(_n: &Node, numa: i32, size: c_uint, set: *mut c_ulong) -> R<()> {
+    if set.is_null() || size == 0 {
+        return Err(INVALID);
+    }
+    // SAFETY: set holds `size` words per the API contract.
+    let s = unsafe { std::slice::from_raw_parts_mut(set, size as usize) };
+    s.fill(0);
+    // Simulated NUMA node k owns CPUs [32k, 32k + 32).
+    let first = numa.max(0) as usize * 32;
+    for cpu in first..first + 32 {
+        if cpu / 64 < s.len() {
+            s[cpu / 64] |= 1 << (cpu % 64);
+        }
+    }
+    Ok(())
+}
+
+fn profile_by_idx(d: nvmlDevice_t, idx: c_uint) -> R<&'static vgpu_sim::models::GiProfile> {
+    let (_, _, c) = phys(d)?;
+    if idx >= NVML_GPU_INSTANCE_PROFILE_COUNT {
+        return Err(INVALID);
+    }
+    c.model.mig.as_ref().ok_or(NOT_SUPPORTED)?.by_idx(idx).ok_or(NOT_SUPPORTED)
+}
+
+fn create_gi(d: nvmlDevice_t, pid: c_uint, pl: Option<(u32, u32)>, out_gi: *mut nvmlGpuInstance_t) -> R<()> {
+    let (n, g, c) = phys(d)?;
+    privileged()?;
+    if out_gi.is_null() {
+        return Err(INVALID);
+    }
+    if let Some((_, size)) = pl {
+        let p = c.model.mig.as_ref().ok_or(NOT_SUPPORTED)?.by_id(pid).ok_or(INVALID)?;
+        if size != p.size {
+            return Err(INVALID);
+        }
+    }
+    let mut l = n.lock();
+    let st = n.mig(&mut l, g);
+    let slot = mig::create_gi(st, c.model, pid, pl.map(|p| p.0)).map_err(mig_err)?;
+    out(out_gi, encode(H::Gi(g, st.gis[slot].id)) as nvmlGpuInstance_t)
+}
+
+fn gi_handle(gi: nvmlGpuInstance_t) -> R<(&'static Node, usize, u32)> {
+    let n = node()?;
+    match decode(gi as usize)? {
+        H::Gi(g, id) if g < n.cfg.gpus.len() => Ok((n, g, id)),
+        _ => Err(INVALID),
+    }
+}
+
+fn ci_profile_info(gi: nvmlGpuInstance_t, prof: c_uint, eng: c_uint) -> R<(u32, (u32, u32))> {
+    let (n, g, id) = gi_handle(gi)?;
+    if eng != 0 {
+        return Err(INVALID);
+    }
+    let c = &n.cfg.gpus[g];
+    let st = mig_state(n, g);
+    let x = &st.gis[mig::gi_by_id(&st, id).ok_or(INVALID)?];
+    let (size, max, _) = mig::ci_profile(c.model, x, prof).map_err(mig_err)?;
+    let p = gi_profile(c, x)?;
+    Ok((p.sm * size / p.g, (size, max)))
+}
+
+fn create_ci(gi: nvmlGpuInstance_t, prof: c_uint, start: Option<u32>, out_ci: *mut nvmlComputeInstance_t) -> R<()> {
+    let (n, g, id) = gi_handle(gi)?;
+    privileged()?;
+    if out_ci.is_null() {
+        return Err(INVALID);
+    }
+    let mut l = n.lock();
+    let st = n.mig(&mut l, g);
+    let gs = mig::gi_by_id(st, id).ok_or(INVALID)?;
+    let cs = mig::create_ci(st, n.cfg.gpus[g].model, gs, prof, start).map_err(mig_err)?;
+    out(out_ci, encode(H::Ci(g, id, st.gis[gs].cis[cs].id)) as nvmlComputeInstance_t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_round_trip() {
+        for h in [H::Dev(0), H::Dev(15), H::Gi(3, 1), H::Gi(15, 8), H::Ci(2, 4, 7), H::Mig(1, 8, 0), H::Mig(15, 8, 7)] {
+            assert_eq!(decode(encode(h)), Ok(h));
+        }
+        assert_eq!(decode(0), Err(INVALID));
+        assert_eq!(decode(base() + HANDLES.len()), Err(INVALID));
+    }
+}

@@ -1,0 +1,276 @@
+//! Process-wide driver state: initialisation, visible devices, contexts.
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Mutex, OnceLock};
+use vgpu_sim::abi::*;
+use vgpu_sim::{Node, MAX_GPUS};
+
+pub type R<T> = Result<T, CUresult>;
+
+pub struct Proc {
+    pub node: &'static Node,
+    pub slot: usize,
+    pub pid: u32,
+    /// CUDA ordinal -> node GPU index (after CUDA_VISIBLE_DEVICES).
+    pub visible: Vec<usize>,
+    _liveness: File,
+}
+
+static PROC: OnceLock<R<Proc>> = OnceLock::new();
+static FORKED: AtomicBool = AtomicBool::new(false);
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
+extern "C" fn after_fork_in_child() {
+    FORKED.store(true, Relaxed);
+}
+
+/// `cuInit`.
+pub fn init(flags: u32) -> CUresult {
+    if flags != 0 {
+        return CUresult::INVALID_VALUE;
+    }
+    if FORKED.load(Relaxed) {
+        return CUresult::NOT_INITIALIZED;
+    }
+    let _g = INIT_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let r = PROC.get_or_init(|| {
+        let node = Node::global().map_err(|e| {
+            eprintln!("vgpu-sim libcuda: {e}");
+            CUresult::NO_DEVICE
+        })?;
+        let visible = parse_visible(node);
+        let (slot, f) = node.register_process().map_err(|e| {
+            eprintln!("vgpu-sim libcuda: {e}");
+            CUresult::OUT_OF_MEMORY
+        })?;
+        // SAFETY: registering a plain extern "C" handler with no other callbacks.
+        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+        Ok(Proc { node, slot, pid: std::process::id(), visible, _liveness: f })
+    });
+    match r {
+        Ok(p) if p.visible.is_empty() => CUresult::NO_DEVICE,
+        Ok(_) => CUresult::SUCCESS,
+        Err(e) => *e,
+    }
+}
+
+/// CUDA_VISIBLE_DEVICES: indices or GPU UUIDs (prefixes allowed); parsing stops at the first entry
+/// that matches nothing, as in CUDA.
+fn parse_visible(node: &Node) -> Vec<usize> {
+    let n = node.cfg.gpus.len();
+    let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") else {
+        return (0..n).collect();
+    };
+    let mut out = Vec::new();
+    for item in v.split(',').map(str::trim) {
+        let found = if let Ok(i) = item.parse::<usize>() {
+            (i < n).then_some(i)
+        } else if item.starts_with("GPU-") && item.len() > 4 {
+            let m: Vec<_> = node.cfg.gpus.iter().filter(|g| g.uuid.starts_with(item)).collect();
+            (m.len() == 1).then(|| m[0].index as usize)
+        } else {
+            None
+        };
+        match found {
+            Some(i) if !out.contains(&i) => out.push(i),
+            _ => break,
+        }
+    }
+    out
+}
+
+#[inline]
+pub fn proc() -> R<&'static Proc> {
+    match PROC.get() {
+        Some(Ok(p)) if !FORKED.load(Relaxed) => Ok(p),
+        _ => Err(CUresult::NOT_INITIALIZED),
+    }
+}
+
+impl Proc {
+    pub fn gpu_of(&self, ordinal: CUdevice) -> R<usize> {
+        usize::try_from(ordinal).ok().and_then(|o| self.visible.get(o).copied()).ok_or(CUresult::INVALID_DEVICE)
+    }
+
+    pub fn gpu_cfg(&self, gpu: usize) -> &'static vgpu_sim::GpuConfig {
+        &self.node.cfg.gpus[gpu]
+    }
+
+    pub fn charge(&self, gpu: usize, bytes: u64) -> R<()> {
+        if self.node.try_charge(self.slot, gpu, bytes) {
+            Ok(())
+        } else {
+            Err(CUresult::OUT_OF_MEMORY)
+        }
+    }
+
+    pub fn uncharge(&self, gpu: usize, bytes: u64) {
+        self.node.uncharge(self.slot, gpu, bytes);
+    }
+
+    fn attach(&self, gpu: usize) -> R<()> {
+        self.charge(gpu, self.node.cfg.context_overhead_bytes)?;
+        self.node.shared().procs[self.slot].ctx[gpu].fetch_add(1, AcqRel);
+        Ok(())
+    }
+
+    fn detach(&self, gpu: usize) {
+        self.uncharge(gpu, self.node.cfg.context_overhead_bytes);
+        self.node.shared().procs[self.slot].ctx[gpu].fetch_sub(1, AcqRel);
+    }
+}
+
+pub const CTX_MAGIC: u64 = 0x4354_5853_494d_0001;
+
+pub struct Ctx {
+    pub magic: AtomicU64,
+    pub gpu: usize,
+    pub ordinal: CUdevice,
+    pub primary: bool,
+    /// Primary context retain count.
+    pub refs: AtomicU32,
+    /// End of the last work queued in this context.
+    pub last_end: AtomicU64,
+    pub default_stream: crate::exec::Stream,
+}
+
+impl Ctx {
+    fn new(gpu: usize, ordinal: CUdevice, primary: bool) -> &'static Ctx {
+        let c: &'static Ctx = Box::leak(Box::new(Ctx {
+            magic: AtomicU64::new(CTX_MAGIC),
+            gpu,
+            ordinal,
+            primary,
+            refs: AtomicU32::new(0),
+            last_end: AtomicU64::new(0),
+            default_stream: crate::exec::Stream::new(std::ptr::null()),
+        }));
+        c.default_stream.set_ctx(c);
+        c
+    }
+
+    pub fn live(&self) -> bool {
+        self.magic.load(Acquire) == CTX_MAGIC && (!self.primary || self.refs.load(Acquire) > 0)
+    }
+}
+
+thread_local! {
+    static STACK: RefCell<Vec<&'static Ctx>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The calling thread's current context.
+#[inline]
+pub fn current() -> R<&'static Ctx> {
+    proc()?;
+    STACK.with(|s| s.borrow().last().copied()).filter(|c| c.live()).ok_or(CUresult::INVALID_CONTEXT)
+}
+
+pub fn ctx_from(h: CUcontext) -> R<&'static Ctx> {
+    if h.is_null() {
+        return Err(CUresult::INVALID_CONTEXT);
+    }
+    // SAFETY: context handles are leaked `Ctx` boxes that are never freed; the magic tells live ones.
+    let c = unsafe { &*(h as *const Ctx) };
+    if c.live() {
+        Ok(c)
+    } else {
+        Err(CUresult::INVALID_CONTEXT)
+    }
+}
+
+pub fn handle(c: &'static Ctx) -> CUcontext {
+    c as *const Ctx as CUcontext
+}
+
+static PRIMARY: [OnceLock<&'static Ctx>; MAX_GPUS] = [const { OnceLock::new() }; MAX_GPUS];
+static PRIMARY_LOCK: Mutex<()> = Mutex::new(());
+
+pub fn primary_retain(ordinal: CUdevice) -> R<&'static Ctx> {
+    let p = proc()?;
+    let gpu = p.gpu_of(ordinal)?;
+    let _g = PRIMARY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let c = *PRIMARY[ordinal as usize].get_or_init(|| Ctx::new(gpu, ordinal, true));
+    if c.refs.load(Acquire) == 0 {
+        p.node.reap();
+        p.attach(gpu)?;
+    }
+    c.refs.fetch_add(1, AcqRel);
+    Ok(c)
+}
+
+pub fn primary_release(ordinal: CUdevice) -> R<()> {
+    let p = proc()?;
+    let gpu = p.gpu_of(ordinal)?;
+    let _g = PRIMARY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let c = PRIMARY[ordinal as usize].get().ok_or(CUresult::INVALID_CONTEXT)?;
+    match c.refs.load(Acquire) {
+        0 => Err(CUresult::INVALID_CONTEXT),
+        1 => {
+            crate::mem::release_context_memory(c);
+            c.refs.store(0, Release);
+            p.detach(gpu);
+            Ok(())
+        }
+        _ => {
+            c.refs.fetch_sub(1, AcqRel);
+            Ok(())
+        }
+    }
+}
+
+pub fn primary_state(ordinal: CUdevice) -> R<(u32, bool)> {
+    let p = proc()?;
+    p.gpu_of(ordinal)?;
+    Ok((0, PRIMARY[ordinal as usize].get().is_some_and(|c| c.refs.load(Acquire) > 0)))
+}
+
+pub fn ctx_create(ordinal: CUdevice) -> R<&'static Ctx> {
+    let p = proc()?;
+    let gpu = p.gpu_of(ordinal)?;
+    p.node.reap();
+    p.attach(gpu)?;
+    let c = Ctx::new(gpu, ordinal, false);
+    push(c);
+    Ok(c)
+}
+
+pub fn ctx_destroy(c: &'static Ctx) -> R<()> {
+    if c.primary {
+        return Err(CUresult::INVALID_CONTEXT);
+    }
+    let p = proc()?;
+    crate::mem::release_context_memory(c);
+    c.magic.store(0, Release);
+    STACK.with(|s| s.borrow_mut().retain(|x| !std::ptr::eq(*x, c)));
+    p.detach(c.gpu);
+    Ok(())
+}
+
+pub fn push(c: &'static Ctx) {
+    STACK.with(|s| s.borrow_mut().push(c));
+}
+
+pub fn pop() -> R<&'static Ctx> {
+    proc()?;
+    STACK.with(|s| s.borrow_mut().pop()).ok_or(CUresult::INVALID_CONTEXT)
+}
+
+/// `cuCtxSetCurrent`: replaces the top of the stack (NULL pops it).
+pub fn set_current(c: Option<&'static Ctx>) -> R<()> {
+    proc()?;
+    STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        s.pop();
+        if let Some(c) = c {
+            s.push(c);
+        }
+    });
+    Ok(())
+}
+
+pub fn get_current() -> R<Option<&'static Ctx>> {
+    proc()?;
+    Ok(STACK.with(|s| s.borrow().last().copied()))
+}

@@ -1,0 +1,374 @@
+//! Execution: modules and functions, streams, events, kernel launches, graphs and stream capture.
+//!
+//! Kernels run on the node's per-GPU timeline shared by every process: a launch starts at
+//! max(now, GPU busy-until) and lasts the duration its name gives (see `vgpu_sim::abi::KernelKind`).
+//! Synchronisation sleeps until the simulated completion time.
+
+use crate::driver::{current, proc, Ctx, R};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering::*};
+use std::sync::Mutex;
+use vgpu_sim::abi::*;
+use vgpu_sim::state::{now_ns, sleep_until};
+
+const STREAM_MAGIC: u64 = 0x5354_524d_5349_4d01;
+const EVENT_MAGIC: u64 = 0x4556_4e54_5349_4d01;
+const FUNC_MAGIC: u64 = 0x4655_4e43_5349_4d01;
+const MODULE_MAGIC: u64 = 0x4d4f_4455_5349_4d01;
+const GRAPH_MAGIC: u64 = 0x4752_4150_5349_4d01;
+const EXEC_MAGIC: u64 = 0x4558_4543_5349_4d01;
+
+/// Checks a handle's magic word. Handles are leaked boxes that are never freed (destroy clears the
+/// magic), so reading through a once-valid handle is always defined.
+fn obj<T>(h: *mut std::ffi::c_void, magic: u64) -> R<&'static T> {
+    if h.is_null() {
+        return Err(CUresult::INVALID_HANDLE);
+    }
+    // SAFETY: every handle of these kinds is a pointer to a leaked `T` whose first field is an
+    // `AtomicU64` magic (all are #[repr(C)]).
+    let m = unsafe { &*(h as *const AtomicU64) };
+    if m.load(Acquire) != magic {
+        return Err(CUresult::INVALID_HANDLE);
+    }
+    // SAFETY: as above; the magic proves the kind.
+    Ok(unsafe { &*(h as *const T) })
+}
+
+fn leak<T>(t: T) -> *mut std::ffi::c_void {
+    Box::into_raw(Box::new(t)) as *mut std::ffi::c_void
+}
+
+// ----- modules and functions -----
+
+#[repr(C)]
+pub struct Module {
+    magic: AtomicU64,
+    funcs: Mutex<HashMap<String, usize>>,
+}
+
+#[repr(C)]
+pub struct Func {
+    magic: AtomicU64,
+    kind: KernelKind,
+}
+
+pub fn module_load() -> R<CUmodule> {
+    current()?;
+    Ok(leak(Module { magic: AtomicU64::new(MODULE_MAGIC), funcs: Mutex::new(HashMap::new()) }))
+}
+
+pub fn module_unload(h: CUmodule) -> R<()> {
+    let m: &Module = obj(h, MODULE_MAGIC)?;
+    m.magic.store(0, Release);
+    for f in m.funcs.lock().unwrap().values() {
+        // SAFETY: values are leaked `Func` pointers created below.
+        unsafe { &*(*f as *const Func) }.magic.store(0, Release);
+    }
+    Ok(())
+}
+
+pub fn module_get_function(h: CUmodule, name: &str) -> R<CUfunction> {
+    let m: &Module = obj(h, MODULE_MAGIC)?;
+    let kind = parse_kernel_name(name).ok_or(CUresult::NOT_FOUND)?;
+    let mut funcs = m.funcs.lock().unwrap();
+    let f = *funcs
+        .entry(name.to_owned())
+        .or_insert_with(|| leak(Func { magic: AtomicU64::new(FUNC_MAGIC), kind }) as usize);
+    Ok(f as CUfunction)
+}
+
+// ----- streams -----
+
+#[repr(C)]
+pub struct Stream {
+    magic: AtomicU64,
+    ctx: AtomicPtr<Ctx>,
+    pub last_end: AtomicU64,
+    capture: AtomicPtr<Graph>,
+}
+
+impl Stream {
+    pub fn new(ctx: *const Ctx) -> Stream {
+        Stream {
+            magic: AtomicU64::new(STREAM_MAGIC),
+            ctx: AtomicPtr::new(ctx as *mut Ctx),
+            last_end: AtomicU64::new(0),
+            capture: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+    pub fn set_ctx(&self, c: &Ctx) {
+        self.ctx.store(c as *const Ctx as *mut Ctx, Release);
+    }
+    fn ctx(&self) -> &'static Ctx {
+        // SAFETY: set at creation to a leaked, never-freed context.
+        unsafe { &*self.ctx.load(Acquire) }
+    }
+}
+
+/// A stream handle as given: NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD are the current
+/// context's default stream.
+pub fn stream(h: CUstream) -> R<(&'static Ctx, &'static Stream)> {
+    let hv = h as usize;
+    if hv == 0 || hv == CU_STREAM_LEGACY || hv == CU_STREAM_PER_THREAD {
+        let c = current()?;
+        return Ok((c, &c.default_stream));
+    }
+    let s: &Stream = obj(h, STREAM_MAGIC)?;
+    let c = s.ctx();
+    if !c.live() {
+        return Err(CUresult::INVALID_CONTEXT);
+    }
+    Ok((c, s))
+}
+
+pub fn stream_create() -> R<CUstream> {
+    let c = current()?;
+    Ok(leak(Stream::new(c)))
+}
+
+pub fn stream_destroy(h: CUstream) -> R<()> {
+    let (_, s) = stream(h)?;
+    if h as usize <= CU_STREAM_PER_THREAD {
+        return Err(CUresult::INVALID_HANDLE);
+    }
+    s.magic.store(0, Release);
+    Ok(())
+}
+
+fn wait(c: &Ctx, until: u64) {
+    sleep_until(until);
+    crate::mem::pools_sync(c.gpu);
+}
+
+pub fn stream_sync(h: CUstream) -> R<()> {
+    let (c, s) = stream(h)?;
+    let until = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
+    wait(c, until);
+    Ok(())
+}
+
+pub fn stream_query(h: CUstream) -> R<()> {
+    let (c, s) = stream(h)?;
+    let until = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
+    if now_ns() >= until {
+        Ok(())
+    } else {
+        Err(CUresult::NOT_READY)
+    }
+}
+
+pub fn ctx_sync() -> R<()> {
+    let c = current()?;
+    wait(c, c.last_end.load(Acquire));
+    Ok(())
+}
+
+// ----- events -----
+
+#[repr(C)]
+pub struct Event {
+    magic: AtomicU64,
+    /// Simulated completion time; 0 = never recorded.
+    ts: AtomicU64,
+}
+
+pub fn event_create() -> R<CUevent> {
+    current()?;
+    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts: AtomicU64::new(0) }))
+}
+
+pub fn event_destroy(h: CUevent) -> R<()> {
+    obj::<Event>(h, EVENT_MAGIC)?.magic.store(0, Release);
+    Ok(())
+}
+
+pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
+    let e: &Event = obj(h, EVENT_MAGIC)?;
+    let (c, s) = stream(st)?;
+    if !s.capture.load(Acquire).is_null() {
+        return Ok(()); // an event node in the captured graph: nothing to time
+    }
+    let prior = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
+    e.ts.store(prior.max(now_ns()).max(1), Release);
+    Ok(())
+}
+
+pub fn event_query(h: CUevent) -> R<()> {
+    let e: &Event = obj(h, EVENT_MAGIC)?;
+    if now_ns() >= e.ts.load(Acquire) {
+        Ok(())
+    } else {
+        Err(CUresult::NOT_READY)
+    }
+}
+
+pub fn event_sync(h: CUevent) -> R<()> {
+    let e: &Event = obj(h, EVENT_MAGIC)?;
+    let c = current()?;
+    wait(c, e.ts.load(Acquire));
+    Ok(())
+}
+
+pub fn event_elapsed(a: CUevent, b: CUevent) -> R<f32> {
+    let a: &Event = obj(a, EVENT_MAGIC)?;
+    let b: &Event = obj(b, EVENT_MAGIC)?;
+    let (ta, tb) = (a.ts.load(Acquire), b.ts.load(Acquire));
+    if ta == 0 || tb == 0 {
+        return Err(CUresult::INVALID_HANDLE);
+    }
+    if now_ns() < ta.max(tb) {
+        return Err(CUresult::NOT_READY);
+    }
+    Ok((tb as f64 - ta as f64) as f32 / 1e6)
+}
+
+// ----- launches -----
+
+pub struct Launch {
+    pub f: CUfunction,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub params: *mut *mut std::ffi::c_void,
+    pub cooperative: bool,
+}
+
+/// Simulated duration of a launch on `gpu`.
+fn duration(l: &Launch, gpu: usize) -> R<u64> {
+    let f: &Func = obj(l.f, FUNC_MAGIC)?;
+    let blocks = l.grid.iter().map(|&x| x as u64).product::<u64>();
+    let threads = l.block.iter().map(|&x| x as u64).product::<u64>();
+    if blocks == 0 || threads == 0 || threads > 1024 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let cfg = proc()?.gpu_cfg(gpu);
+    if l.cooperative && blocks * threads > cfg.sm_count as u64 * cfg.model.max_threads_per_sm as u64 {
+        return Err(CUresult::COOPERATIVE_LAUNCH_TOO_LARGE);
+    }
+    Ok(match f.kind {
+        KernelKind::Fixed(d) => d,
+        KernelKind::PerWave(d) => d * blocks.div_ceil(cfg.sm_count as u64),
+        KernelKind::Param => {
+            if l.params.is_null() {
+                return Err(CUresult::INVALID_VALUE);
+            }
+            // SAFETY: by the `param_ns` convention the first kernel parameter points to a u64.
+            unsafe {
+                let p0 = *l.params;
+                if p0.is_null() {
+                    return Err(CUresult::INVALID_VALUE);
+                }
+                *(p0 as *const u64)
+            }
+        }
+    })
+}
+
+fn run_on(c: &Ctx, s: &Stream, durs: &[u64]) -> R<()> {
+    let p = proc()?;
+    for &d in durs {
+        let (_, end) = p.node.launch(c.gpu, p.pid, d, 0);
+        s.last_end.fetch_max(end, AcqRel);
+        c.last_end.fetch_max(end, AcqRel);
+    }
+    Ok(())
+}
+
+pub fn launch(l: &Launch, st: CUstream) -> R<()> {
+    let (c, s) = stream(st)?;
+    let d = duration(l, c.gpu)?;
+    let cap = s.capture.load(Acquire);
+    if !cap.is_null() {
+        // SAFETY: the capture graph is a leaked Graph set by begin_capture.
+        unsafe { &*cap }.nodes.lock().unwrap().push(d);
+        return Ok(());
+    }
+    run_on(c, s, &[d])
+}
+
+// ----- graphs -----
+
+#[repr(C)]
+pub struct Graph {
+    magic: AtomicU64,
+    /// Kernel nodes in insertion order, as simulated durations.
+    nodes: Mutex<Vec<u64>>,
+}
+
+#[repr(C)]
+pub struct GraphExec {
+    magic: AtomicU64,
+    durs: Vec<u64>,
+}
+
+pub fn graph_create() -> R<CUgraph> {
+    proc()?;
+    Ok(leak(Graph { magic: AtomicU64::new(GRAPH_MAGIC), nodes: Mutex::new(Vec::new()) }))
+}
+
+pub fn graph_destroy(h: CUgraph) -> R<()> {
+    obj::<Graph>(h, GRAPH_MAGIC)?.magic.store(0, Release);
+    Ok(())
+}
+
+pub fn graph_add_kernel(h: CUgraph, l: &Launch) -> R<CUgraphNode> {
+    let g: &Graph = obj(h, GRAPH_MAGIC)?;
+    let c = current()?;
+    let d = duration(l, c.gpu)?;
+    let mut n = g.nodes.lock().unwrap();
+    n.push(d);
+    // Node handles only need to be distinct non-null values.
+    Ok((h as usize + n.len()) as CUgraphNode)
+}
+
+pub fn graph_instantiate(h: CUgraph) -> R<CUgraphExec> {
+    let g: &Graph = obj(h, GRAPH_MAGIC)?;
+    let durs = g.nodes.lock().unwrap().clone();
+    Ok(leak(GraphExec { magic: AtomicU64::new(EXEC_MAGIC), durs }))
+}
+
+pub fn graph_exec_destroy(h: CUgraphExec) -> R<()> {
+    obj::<GraphExec>(h, EXEC_MAGIC)?.magic.store(0, Release);
+    Ok(())
+}
+
+pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
+    let e: &GraphExec = obj(h, EXEC_MAGIC)?;
+    let (c, s) = stream(st)?;
+    let cap = s.capture.load(Acquire);
+    if !cap.is_null() {
+        // SAFETY: see `launch`.
+        unsafe { &*cap }.nodes.lock().unwrap().extend_from_slice(&e.durs);
+        return Ok(());
+    }
+    run_on(c, s, &e.durs)
+}
+
+pub fn graph_node_count(h: CUgraph) -> R<usize> {
+    Ok(obj::<Graph>(h, GRAPH_MAGIC)?.nodes.lock().unwrap().len())
+}
+
+pub fn begin_capture(st: CUstream) -> R<()> {
+    let (c, s) = stream(st)?;
+    if std::ptr::eq(s, &c.default_stream) {
+        return Err(CUresult::STREAM_CAPTURE_UNSUPPORTED);
+    }
+    let g = graph_create()? as *mut Graph;
+    if s.capture.compare_exchange(std::ptr::null_mut(), g, AcqRel, Acquire).is_err() {
+        return Err(CUresult::ILLEGAL_STATE);
+    }
+    Ok(())
+}
+
+pub fn end_capture(st: CUstream) -> R<CUgraph> {
+    let (_, s) = stream(st)?;
+    let g = s.capture.swap(std::ptr::null_mut(), AcqRel);
+    if g.is_null() {
+        return Err(CUresult::ILLEGAL_STATE);
+    }
+    Ok(g as CUgraph)
+}
+
+pub fn is_capturing(st: CUstream) -> R<bool> {
+    let (_, s) = stream(st)?;
+    Ok(!s.capture.load(Acquire).is_null())
+}

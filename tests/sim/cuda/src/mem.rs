@@ -1,0 +1,709 @@
+//! Device memory: linear allocations, VMM, stream-ordered pools, arrays, copies.
+//!
+//! Device pointers are addresses of private `MAP_NORESERVE` host mappings, so copies work and a large
+//! device costs nothing until touched. Physical usage is charged to this process on the node; the
+//! node refuses what exceeds the GPU's memory (CUDA_ERROR_OUT_OF_MEMORY).
+
+use crate::driver::{current, proc, Ctx, R};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, MutexGuard};
+use vgpu_sim::abi::*;
+
+pub const GRANULARITY: u64 = 2 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Device,
+    Managed,
+    /// From a pool (the pool's reservation is what is charged).
+    Pool(u64),
+}
+
+struct Alloc {
+    size: u64,
+    len: usize,
+    gpu: usize,
+    ctx: usize,
+    kind: Kind,
+}
+
+struct PhysHandle {
+    gpu: usize,
+    size: u64,
+    fd: i32,
+    maps: u32,
+    released: bool,
+}
+
+struct Reservation {
+    size: u64,
+    /// offset -> (len, handle)
+    maps: BTreeMap<u64, (u64, u64)>,
+}
+
+struct Pool {
+    gpu: usize,
+    reserved: u64,
+    used: u64,
+    high_reserved: u64,
+    high_used: u64,
+    threshold: u64,
+    default: bool,
+    destroyed: bool,
+}
+
+#[derive(Default)]
+struct Mem {
+    allocs: BTreeMap<u64, Alloc>,
+    handles: HashMap<u64, PhysHandle>,
+    reserves: BTreeMap<u64, Reservation>,
+    pools: HashMap<u64, Pool>,
+    /// array handle -> (gpu, size)
+    arrays: HashMap<u64, (usize, u64)>,
+    next_id: u64,
+}
+
+static MEM: Mutex<Option<Mem>> = Mutex::new(None);
+
+fn mem() -> MutexGuard<'static, Option<Mem>> {
+    MEM.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+macro_rules! with_mem {
+    ($m:ident => $body:expr) => {{
+        let mut g = mem();
+        let $m = g.get_or_insert_with(|| Mem { next_id: 0x1000, ..Default::default() });
+        $body
+    }};
+}
+
+fn round_up(x: u64, to: u64) -> u64 {
+    x.div_ceil(to) * to
+}
+
+fn map_anon(len: usize) -> R<*mut u8> {
+    // SAFETY: anonymous private mapping with no address hint; failure is checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len.max(1),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        Err(CUresult::OUT_OF_MEMORY)
+    } else {
+        Ok(p as *mut u8)
+    }
+}
+
+fn unmap(addr: u64, len: usize) {
+    // SAFETY: (addr, len) is a mapping this module created and removes exactly once.
+    unsafe { libc::munmap(addr as *mut libc::c_void, len.max(1)) };
+}
+
+fn ctx_key(c: &Ctx) -> usize {
+    c as *const Ctx as usize
+}
+
+/// Allocates `size` bytes of device memory of `kind` in the current context.
+pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
+    let c = current()?;
+    let p = proc()?;
+    if size == 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let charged = matches!(kind, Kind::Device | Kind::Managed);
+    if charged {
+        p.charge(c.gpu, size)?;
+    }
+    let len = usize::try_from(size).map_err(|_| CUresult::OUT_OF_MEMORY)?;
+    let ptr = match map_anon(len) {
+        Ok(ptr) => ptr as u64,
+        Err(e) => {
+            if charged {
+                p.uncharge(c.gpu, size);
+            }
+            return Err(e);
+        }
+    };
+    with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu: c.gpu, ctx: ctx_key(c), kind }));
+    Ok(ptr)
+}
+
+pub fn alloc_pitch(width: usize, height: usize, elem: u32) -> R<(CUdeviceptr, usize)> {
+    if !matches!(elem, 4 | 8 | 16) || width == 0 || height == 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let pitch = round_up(width as u64, 512);
+    let size = pitch.checked_mul(height as u64).ok_or(CUresult::OUT_OF_MEMORY)?;
+    Ok((alloc(size, Kind::Device)?, pitch as usize))
+}
+
+/// `cuMemFree`: frees a linear allocation (not pool memory: use cuMemFreeAsync for that).
+pub fn free(ptr: CUdeviceptr) -> R<()> {
+    let p = proc()?;
+    if ptr == 0 {
+        return Ok(());
+    }
+    let a = with_mem!(m => {
+        match m.allocs.get(&ptr) {
+            Some(a) if !matches!(a.kind, Kind::Pool(_)) => m.allocs.remove(&ptr),
+            _ => None,
+        }
+    })
+    .ok_or(CUresult::INVALID_VALUE)?;
+    unmap(ptr, a.len);
+    p.uncharge(a.gpu, a.size);
+    Ok(())
+}
+
+/// Frees every allocation of a context that is going away, like the driver does.
+pub fn release_context_memory(c: &Ctx) {
+    let Ok(p) = proc() else { return };
+    let key = ctx_key(c);
+    let gone: Vec<(u64, Alloc)> = with_mem!(m => {
+        let ptrs: Vec<u64> = m.allocs.iter().filter(|(_, a)| a.ctx == key).map(|(k, _)| *k).collect();
+        ptrs.into_iter().filter_map(|k| m.allocs.remove(&k).map(|a| (k, a))).collect()
+    });
+    for (ptr, a) in gone {
+        unmap(ptr, a.len);
+        if matches!(a.kind, Kind::Device | Kind::Managed) {
+            p.uncharge(a.gpu, a.size);
+        }
+    }
+}
+
+/// (free, total) of the current context's device.
+pub fn get_info() -> R<(u64, u64)> {
+    let c = current()?;
+    let p = proc()?;
+    p.node.maybe_reap();
+    let total = p.gpu_cfg(c.gpu).memory_bytes;
+    Ok((total.saturating_sub(p.node.mem_used(c.gpu)), total))
+}
+
+pub fn address_range(ptr: CUdeviceptr) -> R<(CUdeviceptr, u64)> {
+    with_mem!(m => {
+        m.allocs.range(..=ptr).next_back().filter(|(b, a)| ptr < *b + a.size).map(|(b, a)| (*b, a.size))
+    })
+    .ok_or(CUresult::NOT_FOUND)
+}
+
+/// Checks that [ptr, ptr+len) is device memory that can be read and written.
+fn check_range(m: &Mem, ptr: u64, len: u64) -> bool {
+    let end = match ptr.checked_add(len) {
+        Some(e) => e,
+        None => return false,
+    };
+    if let Some((b, a)) = m.allocs.range(..=ptr).next_back() {
+        if end <= b + a.size {
+            return true;
+        }
+    }
+    if let Some((b, r)) = m.reserves.range(..=ptr).next_back() {
+        if end <= b + r.size {
+            // Every byte must be covered by a mapping.
+            let mut at = ptr - b;
+            let stop = end - b;
+            for (off, (l, _)) in r.maps.range(..stop) {
+                if *off > at {
+                    return false;
+                }
+                at = at.max(off + l);
+                if at >= stop {
+                    return true;
+                }
+            }
+            return at >= stop;
+        }
+    }
+    false
+}
+
+pub enum Dir {
+    HtoD,
+    DtoH,
+    DtoD,
+}
+
+/// Copies `len` bytes; device ranges are validated, host pointers trusted like the real driver.
+pub fn copy(dst: u64, src: u64, len: usize, dir: Dir) -> R<()> {
+    current()?;
+    if len == 0 {
+        return Ok(());
+    }
+    let ok = with_mem!(m => match dir {
+        Dir::HtoD => check_range(m, dst, len as u64),
+        Dir::DtoH => check_range(m, src, len as u64),
+        Dir::DtoD => check_range(m, dst, len as u64) && check_range(m, src, len as u64),
+    });
+    if !ok || dst == 0 || src == 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    // SAFETY: device ranges were checked to lie inside live mappings of ours; host pointers are the
+    // caller's contract, exactly as with the real cuMemcpy.
+    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+    Ok(())
+}
+
+/// Unified copy: each side may be device or host memory.
+pub fn copy_unified(dst: u64, src: u64, len: usize) -> R<()> {
+    current()?;
+    let (d, s) = with_mem!(m => (check_range(m, dst, len as u64), check_range(m, src, len as u64)));
+    let dir = match (d, s) {
+        (true, true) => Dir::DtoD,
+        (true, false) => Dir::HtoD,
+        (false, true) => Dir::DtoH,
+        (false, false) => return Err(CUresult::INVALID_VALUE),
+    };
+    copy(dst, src, len, dir)
+}
+
+pub fn memset(dst: u64, value: u32, elem: usize, count: usize) -> R<()> {
+    current()?;
+    let len = count.checked_mul(elem).ok_or(CUresult::INVALID_VALUE)?;
+    if !with_mem!(m => check_range(m, dst, len as u64)) {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    // SAFETY: [dst, dst+len) lies inside one of our live read-write mappings.
+    unsafe {
+        match elem {
+            1 => std::ptr::write_bytes(dst as *mut u8, value as u8, count),
+            2 => std::slice::from_raw_parts_mut(dst as *mut u16, count).fill(value as u16),
+            _ => std::slice::from_raw_parts_mut(dst as *mut u32, count).fill(value),
+        }
+    }
+    Ok(())
+}
+
+// ----- host memory (never counted on the device) -----
+
+pub fn alloc_host(size: usize) -> R<*mut libc::c_void> {
+    proc()?;
+    // SAFETY: malloc with a positive size; null is checked.
+    let p = unsafe { libc::malloc(size.max(1)) };
+    if p.is_null() {
+        Err(CUresult::OUT_OF_MEMORY)
+    } else {
+        Ok(p)
+    }
+}
+
+pub fn free_host(p: *mut libc::c_void) -> R<()> {
+    proc()?;
+    // SAFETY: p came from alloc_host (malloc), or is null.
+    unsafe { libc::free(p) };
+    Ok(())
+}
+
+// ----- VMM -----
+
+pub fn granularity(prop: &CUmemAllocationProp) -> R<u64> {
+    proc()?.gpu_of(prop.location.id)?;
+    if prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    Ok(GRANULARITY)
+}
+
+pub fn create(size: u64, prop: &CUmemAllocationProp) -> R<u64> {
+    let p = proc()?;
+    if prop.type_ != CU_MEM_ALLOCATION_TYPE_PINNED || prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let gpu = p.gpu_of(prop.location.id)?;
+    if size == 0 || size % GRANULARITY != 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    p.charge(gpu, size)?;
+    // SAFETY: memfd_create with a static C string; ftruncate on the fd we just got.
+    let fd = unsafe {
+        let fd = libc::memfd_create(c"vgpu-sim-vmm".as_ptr(), libc::MFD_CLOEXEC);
+        if fd >= 0 && libc::ftruncate(fd, size as libc::off_t) != 0 {
+            libc::close(fd);
+            -1
+        } else {
+            fd
+        }
+    };
+    if fd < 0 {
+        p.uncharge(gpu, size);
+        return Err(CUresult::OUT_OF_MEMORY);
+    }
+    Ok(with_mem!(m => {
+        m.next_id += 1;
+        let h = m.next_id;
+        m.handles.insert(h, PhysHandle { gpu, size, fd, maps: 0, released: false });
+        h
+    }))
+}
+
+fn drop_handle_if_done(m: &mut Mem, h: u64) {
+    if let Some(ph) = m.handles.get(&h) {
+        if ph.released && ph.maps == 0 {
+            let ph = m.handles.remove(&h).unwrap();
+            // SAFETY: fd is the memfd owned by this handle, closed once.
+            unsafe { libc::close(ph.fd) };
+            if let Ok(p) = proc() {
+                p.uncharge(ph.gpu, ph.size);
+            }
+        }
+    }
+}
+
+/// `cuMemRelease`: the memory goes once the handle is released and unmapped everywhere.
+pub fn release(h: u64) -> R<()> {
+    proc()?;
+    with_mem!(m => {
+        let ph = m.handles.get_mut(&h).filter(|p| !p.released).ok_or(CUresult::INVALID_VALUE)?;
+        ph.released = true;
+        drop_handle_if_done(m, h);
+        Ok(())
+    })
+}
+
+pub fn address_reserve(size: u64, alignment: u64) -> R<CUdeviceptr> {
+    proc()?;
+    if size == 0 || size % GRANULARITY != 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let align = alignment.max(GRANULARITY);
+    let span = size + align;
+    // SAFETY: an inaccessible reservation; failure is checked. The unaligned head and tail are
+    // returned to the system right away.
+    let base = unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), span as usize, libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0);
+        if p == libc::MAP_FAILED {
+            return Err(CUresult::OUT_OF_MEMORY);
+        }
+        let start = p as u64;
+        let aligned = round_up(start, align);
+        if aligned > start {
+            libc::munmap(p, (aligned - start) as usize);
+        }
+        let tail = start + span - (aligned + size);
+        if tail > 0 {
+            libc::munmap((aligned + size) as *mut libc::c_void, tail as usize);
+        }
+        aligned
+    };
+    with_mem!(m => m.reserves.insert(base, Reservation { size, maps: BTreeMap::new() }));
+    Ok(base)
+}
+
+pub fn address_free(ptr: u64, size: u64) -> R<()> {
+    proc()?;
+    with_mem!(m => {
+        match m.reserves.get(&ptr) {
+            Some(r) if r.size == size && r.maps.is_empty() => {}
+            _ => return Err(CUresult::INVALID_VALUE),
+        }
+        m.reserves.remove(&ptr);
+        unmap(ptr, size as usize);
+        Ok(())
+    })
+}
+
+pub fn map(ptr: u64, size: u64, offset: u64, h: u64) -> R<()> {
+    proc()?;
+    with_mem!(m => {
+        let (fd, hsize) = m.handles.get(&h).filter(|p| !p.released).map(|p| (p.fd, p.size)).ok_or(CUresult::INVALID_HANDLE)?;
+        if size == 0 || size % GRANULARITY != 0 || offset % GRANULARITY != 0 || offset + size > hsize {
+            return Err(CUresult::INVALID_VALUE);
+        }
+        let (base, r) = m.reserves.range_mut(..=ptr).next_back().ok_or(CUresult::INVALID_VALUE)?;
+        let off = ptr - base;
+        if off % GRANULARITY != 0 || off + size > r.size {
+            return Err(CUresult::INVALID_VALUE);
+        }
+        if r.maps.range(..off + size).next_back().is_some_and(|(o, (l, _))| o + l > off) {
+            return Err(CUresult::INVALID_VALUE);
+        }
+        // SAFETY: [ptr, ptr+size) lies inside our own reservation and overlaps no other mapping.
+        let p = unsafe {
+            libc::mmap(ptr as *mut libc::c_void, size as usize, libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED, fd, offset as libc::off_t)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(CUresult::OUT_OF_MEMORY);
+        }
+        r.maps.insert(off, (size, h));
+        m.handles.get_mut(&h).unwrap().maps += 1;
+        Ok(())
+    })
+}
+
+pub fn unmap_range(ptr: u64, size: u64) -> R<()> {
+    proc()?;
+    with_mem!(m => {
+        let (base, r) = m.reserves.range_mut(..=ptr).next_back().ok_or(CUresult::INVALID_VALUE)?;
+        let (base, off) = (*base, ptr - base);
+        if off + size > r.size {
+            return Err(CUresult::INVALID_VALUE);
+        }
+        let hit: Vec<u64> = r.maps.range(off..off + size).map(|(o, _)| *o).collect();
+        if hit.is_empty() {
+            return Err(CUresult::INVALID_VALUE);
+        }
+        let mut handles = Vec::new();
+        for o in hit {
+            let (l, h) = r.maps.remove(&o).unwrap();
+            // SAFETY: replaces exactly one of our mappings with an inaccessible one again.
+            unsafe {
+                libc::mmap((base + o) as *mut libc::c_void, l as usize, libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED, -1, 0);
+            }
+            handles.push(h);
+        }
+        for h in handles {
+            if let Some(ph) = m.handles.get_mut(&h) {
+                ph.maps -= 1;
+            }
+            drop_handle_if_done(m, h);
+        }
+        Ok(())
+    })
+}
+
+pub fn set_access(ptr: u64, size: u64, descs: &[CUmemAccessDesc]) -> R<()> {
+    let p = proc()?;
+    for d in descs {
+        if d.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(CUresult::INVALID_VALUE);
+        }
+        p.gpu_of(d.location.id)?;
+    }
+    if with_mem!(m => check_range(m, ptr, size)) {
+        Ok(())
+    } else {
+        Err(CUresult::INVALID_VALUE)
+    }
+}
+
+// ----- stream-ordered pools -----
+
+const DEFAULT_POOL_BASE: u64 = 0x7000;
+
+pub fn default_pool(ordinal: CUdevice) -> R<u64> {
+    let gpu = proc()?.gpu_of(ordinal)?;
+    let id = DEFAULT_POOL_BASE + gpu as u64;
+    with_mem!(m => {
+        m.pools.entry(id).or_insert(Pool { gpu, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: true, destroyed: false });
+    });
+    Ok(id)
+}
+
+pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
+    if props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED || props.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let gpu = proc()?.gpu_of(props.location.id)?;
+    Ok(with_mem!(m => {
+        m.next_id += 1;
+        let id = m.next_id;
+        m.pools.insert(id, Pool { gpu, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: false, destroyed: false });
+        id
+    }))
+}
+
+fn trim(p: &mut Pool, keep: u64) -> u64 {
+    let target = round_up(p.used, GRANULARITY).max(round_up(keep, GRANULARITY)).min(p.reserved);
+    let freed = p.reserved - target;
+    p.reserved = target;
+    freed
+}
+
+pub fn pool_destroy(id: u64) -> R<()> {
+    let pr = proc()?;
+    let (gpu, freed) = with_mem!(m => {
+        let p = m.pools.get_mut(&id).filter(|p| !p.destroyed && !p.default).ok_or(CUresult::INVALID_VALUE)?;
+        p.destroyed = true;
+        let freed = trim(p, 0);
+        let gpu = p.gpu;
+        if p.used == 0 {
+            m.pools.remove(&id);
+        }
+        Ok::<_, CUresult>((gpu, freed))
+    })?;
+    pr.uncharge(gpu, freed);
+    Ok(())
+}
+
+pub fn pool_alloc(id: Option<u64>, size: u64) -> R<CUdeviceptr> {
+    let c = current()?;
+    let pr = proc()?;
+    if size == 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let id = match id {
+        Some(i) => i,
+        None => default_pool(c.ordinal)?,
+    };
+    let gpu = with_mem!(m => {
+        let p = m.pools.get_mut(&id).filter(|p| !p.destroyed).ok_or(CUresult::INVALID_VALUE)?;
+        let spare = p.reserved - p.used;
+        if size > spare {
+            let grow = round_up(size - spare, GRANULARITY);
+            pr.charge(p.gpu, grow)?;
+            p.reserved += grow;
+            p.high_reserved = p.high_reserved.max(p.reserved);
+        }
+        p.used += size;
+        p.high_used = p.high_used.max(p.used);
+        Ok::<_, CUresult>(p.gpu)
+    })?;
+    let len = size as usize;
+    match map_anon(len) {
+        Ok(ptr) => {
+            let ptr = ptr as u64;
+            with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu, ctx: ctx_key(c), kind: Kind::Pool(id) }));
+            Ok(ptr)
+        }
+        Err(e) => {
+            with_mem!(m => if let Some(p) = m.pools.get_mut(&id) { p.used -= size; });
+            Err(e)
+        }
+    }
+}
+
+/// `cuMemFreeAsync`: pool memory returns to its pool; other memory is freed at once.
+pub fn free_async(ptr: CUdeviceptr) -> R<()> {
+    let pr = proc()?;
+    let a = with_mem!(m => m.allocs.remove(&ptr)).ok_or(CUresult::INVALID_VALUE)?;
+    unmap(ptr, a.len);
+    match a.kind {
+        Kind::Pool(id) => {
+            let freed = with_mem!(m => {
+                let mut freed = 0;
+                let mut gone = false;
+                if let Some(p) = m.pools.get_mut(&id) {
+                    p.used -= a.size;
+                    if p.destroyed && p.used == 0 {
+                        freed = p.reserved;
+                        gone = true;
+                    }
+                }
+                if gone {
+                    m.pools.remove(&id);
+                }
+                freed
+            });
+            pr.uncharge(a.gpu, freed);
+        }
+        _ => pr.uncharge(a.gpu, a.size),
+    }
+    Ok(())
+}
+
+/// At synchronisation points pools give back what exceeds their release threshold.
+pub fn pools_sync(gpu: usize) {
+    let Ok(pr) = proc() else { return };
+    let freed = with_mem!(m => {
+        m.pools.values_mut().filter(|p| p.gpu == gpu).map(|p| { let t = p.threshold; trim(p, t) }).sum::<u64>()
+    });
+    if freed > 0 {
+        pr.uncharge(gpu, freed);
+    }
+}
+
+pub fn pool_trim(id: u64, keep: u64) -> R<()> {
+    let pr = proc()?;
+    let (gpu, freed) = with_mem!(m => {
+        let p = m.pools.get_mut(&id).ok_or(CUresult::INVALID_VALUE)?;
+        Ok::<_, CUresult>((p.gpu, trim(p, keep)))
+    })?;
+    pr.uncharge(gpu, freed);
+    Ok(())
+}
+
+pub fn pool_attr(id: u64, attr: i32, set: Option<u64>) -> R<u64> {
+    proc()?;
+    with_mem!(m => {
+        let p = m.pools.get_mut(&id).ok_or(CUresult::INVALID_VALUE)?;
+        let v = match (attr, set) {
+            (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, Some(v)) => { p.threshold = v; v }
+            (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, None) => p.threshold,
+            (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, None) => p.reserved,
+            (CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, None) => p.high_reserved,
+            (CU_MEMPOOL_ATTR_USED_MEM_CURRENT, None) => p.used,
+            (CU_MEMPOOL_ATTR_USED_MEM_HIGH, None) => p.high_used,
+            (CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, Some(_)) => { p.high_reserved = p.reserved; 0 }
+            (CU_MEMPOOL_ATTR_USED_MEM_HIGH, Some(_)) => { p.high_used = p.used; 0 }
+            (1..=3, Some(v)) => v,
+            (1..=3, None) => 1,
+            _ => return Err(CUresult::INVALID_VALUE),
+        };
+        Ok(v)
+    })
+}
+
+// ----- arrays -----
+
+pub const ARRAY_ALIGNMENT: u64 = 64 << 10;
+
+fn format_bytes(f: u32) -> R<u64> {
+    Ok(match f {
+        CU_AD_FORMAT_UNSIGNED_INT8 | CU_AD_FORMAT_SIGNED_INT8 => 1,
+        CU_AD_FORMAT_UNSIGNED_INT16 | CU_AD_FORMAT_SIGNED_INT16 | CU_AD_FORMAT_HALF => 2,
+        CU_AD_FORMAT_UNSIGNED_INT32 | CU_AD_FORMAT_SIGNED_INT32 | CU_AD_FORMAT_FLOAT => 4,
+        _ => return Err(CUresult::INVALID_VALUE),
+    })
+}
+
+/// Bytes an array occupies: rows padded to 512 B, the whole rounded to 64 KiB.
+pub fn array_size(w: usize, h: usize, d: usize, format: u32, channels: u32) -> R<u64> {
+    if w == 0 || !matches!(channels, 1 | 2 | 4) {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let row = round_up(w as u64 * format_bytes(format)? * channels as u64, 512);
+    let total = row
+        .checked_mul(h.max(1) as u64)
+        .and_then(|x| x.checked_mul(d.max(1) as u64))
+        .ok_or(CUresult::INVALID_VALUE)?;
+    Ok(round_up(total, ARRAY_ALIGNMENT))
+}
+
+pub fn mipmapped_size(desc: &CUDA_ARRAY3D_DESCRIPTOR, levels: u32) -> R<u64> {
+    if levels == 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let (mut w, mut h, mut d) = (desc.Width, desc.Height, desc.Depth);
+    let mut total = 0u64;
+    for _ in 0..levels {
+        total += array_size(w, h, d, desc.Format, desc.NumChannels)?;
+        w = (w / 2).max(1);
+        h = if h == 0 { 0 } else { (h / 2).max(1) };
+        d = if d == 0 { 0 } else { (d / 2).max(1) };
+    }
+    Ok(total)
+}
+
+pub fn array_create(size: u64) -> R<u64> {
+    let c = current()?;
+    let p = proc()?;
+    p.charge(c.gpu, size)?;
+    Ok(with_mem!(m => {
+        m.next_id += 1;
+        let h = m.next_id;
+        m.arrays.insert(h, (c.gpu, size));
+        h
+    }))
+}
+
+pub fn array_destroy(h: u64) -> R<()> {
+    let p = proc()?;
+    let (gpu, size) = with_mem!(m => m.arrays.remove(&h)).ok_or(CUresult::INVALID_HANDLE)?;
+    p.uncharge(gpu, size);
+    Ok(())
+}
+
+pub fn array_requirements(h: u64) -> R<(u64, u64)> {
+    proc()?;
+    let (_, size) = with_mem!(m => m.arrays.get(&h).copied()).ok_or(CUresult::INVALID_HANDLE)?;
+    Ok((size, ARRAY_ALIGNMENT))
+}
