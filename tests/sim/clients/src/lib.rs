@@ -1,1 +1,131 @@
+//! Clients that use the (simulated or real) CUDA driver the way applications do, through three
+//! binding paths, and run scenarios chosen on the command line, printing JSON lines.
+//!
+//! * `cuda-rt-app`: like the CUDA runtime: `dlopen("libcuda.so.1", RTLD_LOCAL)` and every entry
+//!   point through `cuGetProcAddress_v2` (CUDA version and per-thread flag selectable);
+//! * `cuda-direct-app`: linked against `libcuda.so.1` at build time;
+//! * `cuda-dlsym-app`: `dlopen` + `dlsym` of each versioned symbol.
 
+pub mod api;
+pub mod bench;
+pub mod scenario;
+
+pub use vgpu_sim::abi;
+use abi::*;
+use std::ffi::{c_char, c_void, CStr, CString};
+
+with_cuda_api!(define_api);
+
+/// Global options shared by all clients.
+#[derive(Clone, Debug)]
+pub struct Binding {
+    /// CUDA version passed to cuGetProcAddress (runtime client only).
+    pub cuda_version: i32,
+    /// Ask for per-thread-default-stream entry points (runtime client only).
+    pub per_thread: bool,
+}
+
+fn dlopen_cuda() -> Result<*mut c_void, String> {
+    let name = std::env::var("VGPU_CLIENT_LIBCUDA").unwrap_or_else(|_| "libcuda.so.1".into());
+    let c = CString::new(name.clone()).map_err(|e| e.to_string())?;
+    // SAFETY: dlopen with a valid C string; failure is reported through dlerror.
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a C string or NULL.
+        let e = unsafe { libc::dlerror() };
+        let msg = if e.is_null() { "unknown".into() } else { unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned() };
+        return Err(format!("cannot load {name}: {msg}"));
+    }
+    Ok(h)
+}
+
+fn dlsym(h: *mut c_void, name: &str) -> *mut c_void {
+    let c = CString::new(name).unwrap();
+    // SAFETY: h is a live dlopen handle; c is a valid C string.
+    unsafe { libc::dlsym(h, c.as_ptr()) }
+}
+
+/// Binds every entry point with `dlsym` on a private handle.
+pub fn bind_dlsym() -> Result<Api, String> {
+    let h = dlopen_cuda()?;
+    // SAFETY: the symbols of libcuda.so.1 have the signatures declared in the list.
+    unsafe { Api::load(|sym, _| dlsym(h, sym)) }
+}
+
+type GetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> CUresult;
+
+/// Binds like the CUDA runtime: only `cuGetProcAddress_v2` is looked up by name.
+pub fn bind_runtime(b: &Binding) -> Result<Api, String> {
+    let h = dlopen_cuda()?;
+    let g = dlsym(h, "cuGetProcAddress_v2");
+    if g.is_null() {
+        return Err("libcuda.so.1 has no cuGetProcAddress_v2".into());
+    }
+    // SAFETY: cuGetProcAddress_v2 has this signature in cuda.h.
+    let get: GetProcAddressV2 = unsafe { std::mem::transmute::<*mut c_void, GetProcAddressV2>(g) };
+    let flags = if b.per_thread { CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM } else { CU_GET_PROC_ADDRESS_LEGACY_STREAM };
+    let mut err = None;
+    // SAFETY: the driver returns entry points with the declared signatures for these names.
+    let api = unsafe {
+        Api::load(|_, base| {
+            let mut p = std::ptr::null_mut();
+            let mut st = 0;
+            let c = CString::new(base).unwrap();
+            let r = get(c.as_ptr(), &mut p, b.cuda_version, flags, &mut st);
+            if r != CUresult::SUCCESS && err.is_none() {
+                err = Some(format!("cuGetProcAddress_v2({base}, {}) = {} status {st}", b.cuda_version, r.0));
+            }
+            p
+        })
+    };
+    api.map_err(|e| err.unwrap_or(e))
+}
+
+/// A CUDA error as its name (CUDA_ERROR_OUT_OF_MEMORY), through the bound table.
+pub fn error_name(api: &Api, r: CUresult) -> String {
+    let mut s: *const c_char = std::ptr::null();
+    // SAFETY: out-pointer to a local; the driver returns a static string or NULL.
+    unsafe {
+        if (api.cuGetErrorName)(r, &mut s) == CUresult::SUCCESS && !s.is_null() {
+            return CStr::from_ptr(s).to_string_lossy().into_owned();
+        }
+    }
+    format!("CUresult({})", r.0)
+}
+
+/// Entry point shared by the client binaries: parses global options, binds, runs the scenario.
+pub fn client_main(kind: &str, bind: impl FnOnce(&Binding) -> Result<Api, String>) -> ! {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut b = Binding { cuda_version: 12040, per_thread: false };
+    if let Some(i) = args.iter().position(|a| a == "--cuda-version") {
+        b.cuda_version = args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or_else(|| usage_exit("--cuda-version needs a number"));
+        args.drain(i..i + 2);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--per-thread") {
+        b.per_thread = true;
+        args.remove(i);
+    }
+    if args.is_empty() || args[0] == "--help" || args[0] == "-h" {
+        println!("usage: {kind} [--cuda-version N] [--per-thread] <scenario> [options]\n{}", scenario::USAGE);
+        std::process::exit(0);
+    }
+    let api = match bind(&b) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{kind}: {e}");
+            std::process::exit(3);
+        }
+    };
+    match scenario::run(&api, &args) {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("{kind}: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+pub fn usage_exit(msg: &str) -> ! {
+    eprintln!("error: {msg}\n{}", scenario::USAGE);
+    std::process::exit(2);
+}

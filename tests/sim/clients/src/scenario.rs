@@ -1,0 +1,568 @@
+//! Scenarios the clients run; each prints JSON lines on stdout (`{"event": ...}`).
+
+use crate::abi::*;
+use crate::{error_name, Api};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::io::Write;
+
+pub const USAGE: &str = "\
+scenarios:
+  info                                  devices, versions and memory info as the driver reports them
+  alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|host]
+        [--hold] [--hold-secs S] [--no-free]
+                                        allocate N bytes in chunks until done or refused
+  launch [--kernel NAME] [--count N | --seconds S] [--path kernel|ex|coop|graph|capture]
+         [--nodes K] [--grid G] [--block B] [--duration-ns D] [--threads T]
+                                        launch kernels (simulator convention: sleep_<N><unit>,
+                                        wave_<N><unit>, param_ns)
+  memcpy [--size N]                     copy a pattern to the device and back, and compare
+  threads [--threads T] [--iters I] [--size N]
+                                        T threads allocating and freeing concurrently
+  hold                                  create a context, print ready, wait to be killed
+common: --device I (default 0); sizes accept k, m, g suffixes (powers of 1024)";
+
+type Res<T> = Result<T, String>;
+
+struct Opts {
+    map: HashMap<String, String>,
+}
+
+impl Opts {
+    fn parse(args: &[String]) -> Res<Opts> {
+        let mut map = HashMap::new();
+        let mut i = 0;
+        while i < args.len() {
+            let k = args[i].strip_prefix("--").ok_or_else(|| format!("unexpected argument {:?}", args[i]))?;
+            match args.get(i + 1) {
+                Some(v) if !v.starts_with("--") => {
+                    map.insert(k.to_owned(), v.clone());
+                    i += 2;
+                }
+                _ => {
+                    map.insert(k.to_owned(), String::new());
+                    i += 1;
+                }
+            }
+        }
+        Ok(Opts { map })
+    }
+    fn flag(&self, k: &str) -> bool {
+        self.map.contains_key(k)
+    }
+    fn str<'a>(&'a self, k: &str, d: &'a str) -> &'a str {
+        self.map.get(k).map_or(d, String::as_str)
+    }
+    fn num(&self, k: &str, d: u64) -> Res<u64> {
+        match self.map.get(k) {
+            None => Ok(d),
+            Some(v) => parse_size(v).ok_or_else(|| format!("--{k}: cannot parse {v:?}")),
+        }
+    }
+    fn float(&self, k: &str) -> Res<Option<f64>> {
+        self.map.get(k).map(|v| v.parse::<f64>().map_err(|_| format!("--{k}: cannot parse {v:?}"))).transpose()
+    }
+}
+
+/// `123`, `4k`, `16m`, `2g` (powers of 1024).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last()?.to_ascii_lowercase() {
+        'k' => (&s[..s.len() - 1], 1u64 << 10),
+        'm' => (&s[..s.len() - 1], 1 << 20),
+        'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>().ok()?.checked_mul(mult)
+}
+
+fn emit(v: Value) {
+    let mut o = std::io::stdout().lock();
+    let _ = writeln!(o, "{v}");
+    let _ = o.flush();
+}
+
+fn ck(api: &Api, r: CUresult, what: &str) -> Res<()> {
+    if r == CUresult::SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what}: {}", error_name(api, r)))
+    }
+}
+
+/// Initialises the driver and makes the device's primary context current.
+fn setup(api: &Api, dev: i32) -> Res<CUcontext> {
+    // SAFETY (whole module): calls through the bound table with valid out-pointers to locals.
+    unsafe {
+        ck(api, (api.cuInit)(0), "cuInit")?;
+        let mut d = 0;
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        let mut c = std::ptr::null_mut();
+        ck(api, (api.cuDevicePrimaryCtxRetain)(&mut c, d), "cuDevicePrimaryCtxRetain")?;
+        ck(api, (api.cuCtxSetCurrent)(c), "cuCtxSetCurrent")?;
+        Ok(c)
+    }
+}
+
+fn mem_info(api: &Api) -> Value {
+    let (mut f, mut t) = (0usize, 0usize);
+    // SAFETY: out-pointers to locals.
+    let r = unsafe { (api.cuMemGetInfo_v2)(&mut f, &mut t) };
+    if r == CUresult::SUCCESS {
+        json!({"free": f, "total": t})
+    } else {
+        json!({"error": error_name(api, r)})
+    }
+}
+
+fn hold_forever() -> ! {
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
+}
+
+pub fn run(api: &Api, args: &[String]) -> Res<()> {
+    let o = Opts::parse(&args[1..])?;
+    let dev = o.num("device", 0)? as i32;
+    match args[0].as_str() {
+        "info" => info(api, dev),
+        "alloc" => alloc(api, dev, &o),
+        "launch" => launch(api, dev, &o),
+        "memcpy" => memcpy(api, dev, &o),
+        "threads" => threads(api, dev, &o),
+        "hold" => {
+            setup(api, dev)?;
+            emit(json!({"event": "ready", "pid": std::process::id(), "mem_info": mem_info(api)}));
+            hold_forever()
+        }
+        s => Err(format!("unknown scenario {s:?}\n{USAGE}")),
+    }
+}
+
+fn info(api: &Api, dev: i32) -> Res<()> {
+    // SAFETY: see `setup`.
+    unsafe {
+        ck(api, (api.cuInit)(0), "cuInit")?;
+        let mut v = 0;
+        ck(api, (api.cuDriverGetVersion)(&mut v), "cuDriverGetVersion")?;
+        let mut n = 0;
+        ck(api, (api.cuDeviceGetCount)(&mut n), "cuDeviceGetCount")?;
+        let mut devices = Vec::new();
+        for i in 0..n {
+            let mut d = 0;
+            ck(api, (api.cuDeviceGet)(&mut d, i), "cuDeviceGet")?;
+            let mut name = [0 as c_char; 128];
+            ck(api, (api.cuDeviceGetName)(name.as_mut_ptr(), 128, d), "cuDeviceGetName")?;
+            let mut bus = [0 as c_char; 32];
+            ck(api, (api.cuDeviceGetPCIBusId)(bus.as_mut_ptr(), 32, d), "cuDeviceGetPCIBusId")?;
+            let mut u = CUuuid::default();
+            ck(api, (api.cuDeviceGetUuid_v2)(&mut u, d), "cuDeviceGetUuid")?;
+            let mut total = 0usize;
+            ck(api, (api.cuDeviceTotalMem_v2)(&mut total, d), "cuDeviceTotalMem")?;
+            let attr = |a: i32| -> Res<i32> {
+                let mut x = 0;
+                ck(api, (api.cuDeviceGetAttribute)(&mut x, a, d), "cuDeviceGetAttribute")?;
+                Ok(x)
+            };
+            let b = u.bytes;
+            devices.push(json!({
+                "ordinal": i,
+                "name": CStr::from_ptr(name.as_ptr()).to_string_lossy(),
+                "pci_bus_id": CStr::from_ptr(bus.as_ptr()).to_string_lossy(),
+                "uuid": format!("GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+                    b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]),
+                "total_mem": total,
+                "sm_count": attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+                "max_threads_per_sm": attr(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?,
+                "cc": [attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?],
+            }));
+        }
+        let mi = if n > 0 { setup(api, dev)?; mem_info(api) } else { Value::Null };
+        emit(json!({"event": "info", "pid": std::process::id(), "driver_version": v, "devices": devices, "mem_info": mi}));
+    }
+    Ok(())
+}
+
+enum Chunk {
+    Ptr(CUdeviceptr),
+    Vmm { ptr: CUdeviceptr, size: usize, h: u64 },
+    Async(CUdeviceptr),
+    Array(CUarray),
+    Host(*mut c_void),
+}
+
+struct Allocator<'a> {
+    api: &'a Api,
+    kind: String,
+    dev: i32,
+    stream: CUstream,
+    pool: CUmemoryPool,
+}
+
+impl Allocator<'_> {
+    /// Allocates about `size` bytes; returns the chunk and the bytes it really takes.
+    unsafe fn alloc(&self, size: usize) -> Result<(Chunk, usize), CUresult> {
+        let a = self.api;
+        let r = |r: CUresult| if r == CUresult::SUCCESS { Ok(()) } else { Err(r) };
+        // SAFETY: calls with out-pointers to locals and descriptors built here.
+        unsafe {
+            match self.kind.as_str() {
+                "device" => {
+                    let mut p = 0;
+                    r((a.cuMemAlloc_v2)(&mut p, size))?;
+                    Ok((Chunk::Ptr(p), size))
+                }
+                "managed" => {
+                    let mut p = 0;
+                    r((a.cuMemAllocManaged)(&mut p, size, 1))?;
+                    Ok((Chunk::Ptr(p), size))
+                }
+                "pitch" => {
+                    let (mut p, mut pitch) = (0, 0);
+                    let h = size.div_ceil(4096).max(1);
+                    r((a.cuMemAllocPitch_v2)(&mut p, &mut pitch, 4096, h, 16))?;
+                    Ok((Chunk::Ptr(p), pitch * h))
+                }
+                "vmm" => {
+                    let prop = CUmemAllocationProp {
+                        type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+                        requestedHandleTypes: 0,
+                        location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: self.dev },
+                        win32HandleMetaData: std::ptr::null_mut(),
+                        allocFlags: Default::default(),
+                    };
+                    let mut g = 0;
+                    r((a.cuMemGetAllocationGranularity)(&mut g, &prop, 0))?;
+                    let sz = size.div_ceil(g) * g;
+                    let mut h = 0;
+                    r((a.cuMemCreate)(&mut h, sz, &prop, 0))?;
+                    let mut ptr = 0;
+                    if let Err(e) = r((a.cuMemAddressReserve)(&mut ptr, sz, 0, 0, 0)) {
+                        (a.cuMemRelease)(h);
+                        return Err(e);
+                    }
+                    r((a.cuMemMap)(ptr, sz, 0, h, 0))?;
+                    let acc = CUmemAccessDesc { location: prop.location, flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+                    r((a.cuMemSetAccess)(ptr, sz, &acc, 1))?;
+                    Ok((Chunk::Vmm { ptr, size: sz, h }, sz))
+                }
+                "async" => {
+                    let mut p = 0;
+                    r((a.cuMemAllocAsync)(&mut p, size, self.stream))?;
+                    Ok((Chunk::Async(p), size))
+                }
+                "pool" => {
+                    let mut p = 0;
+                    r((a.cuMemAllocFromPoolAsync)(&mut p, size, self.pool, self.stream))?;
+                    Ok((Chunk::Async(p), size))
+                }
+                "array" => {
+                    let d = CUDA_ARRAY3D_DESCRIPTOR { Width: size.div_ceil(4).max(1), Height: 0, Depth: 0, Format: CU_AD_FORMAT_FLOAT, NumChannels: 1, Flags: 0 };
+                    let mut arr = std::ptr::null_mut();
+                    r((a.cuArray3DCreate_v2)(&mut arr, &d))?;
+                    let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+                    r((a.cuArrayGetMemoryRequirements)(&mut req, arr, self.dev))?;
+                    Ok((Chunk::Array(arr), req.size))
+                }
+                "host" => {
+                    let mut p = std::ptr::null_mut();
+                    r((a.cuMemAllocHost_v2)(&mut p, size))?;
+                    Ok((Chunk::Host(p), size))
+                }
+                _ => Err(CUresult::NOT_SUPPORTED),
+            }
+        }
+    }
+
+    unsafe fn free(&self, c: Chunk) -> CUresult {
+        let a = self.api;
+        // SAFETY: frees what `alloc` returned, once.
+        unsafe {
+            match c {
+                Chunk::Ptr(p) => (a.cuMemFree_v2)(p),
+                Chunk::Vmm { ptr, size, h } => {
+                    (a.cuMemUnmap)(ptr, size);
+                    (a.cuMemAddressFree)(ptr, size);
+                    (a.cuMemRelease)(h)
+                }
+                Chunk::Async(p) => (a.cuMemFreeAsync)(p, self.stream),
+                Chunk::Array(x) => (a.cuArrayDestroy)(x),
+                Chunk::Host(p) => (a.cuMemFreeHost)(p),
+            }
+        }
+    }
+}
+
+fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let kind = o.str("allocator", "device").to_owned();
+    let size = o.num("size", 1 << 20)? as usize;
+    let chunk = (o.num("chunk", size as u64)? as usize).max(1);
+    let mut al = Allocator { api, kind: kind.clone(), dev, stream: std::ptr::null_mut(), pool: std::ptr::null_mut() };
+    // SAFETY: out-pointers to locals; the pool properties are fully initialised.
+    unsafe {
+        if kind == "async" || kind == "pool" {
+            ck(api, (api.cuStreamCreate)(&mut al.stream, 0), "cuStreamCreate")?;
+        }
+        if kind == "pool" {
+            let props = CUmemPoolProps {
+                allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
+                handleTypes: 0,
+                location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+                win32SecurityAttributes: std::ptr::null_mut(),
+                maxSize: 0,
+                usage: 0,
+                reserved: [0; 54],
+            };
+            ck(api, (api.cuMemPoolCreate)(&mut al.pool, &props), "cuMemPoolCreate")?;
+        }
+    }
+    let mut chunks = Vec::new();
+    let (mut done, mut taken, mut error) = (0usize, 0usize, Value::Null);
+    while done < size {
+        let this = chunk.min(size - done);
+        // SAFETY: see Allocator.
+        match unsafe { al.alloc(this) } {
+            Ok((c, bytes)) => {
+                chunks.push(c);
+                done += this;
+                taken += bytes;
+            }
+            Err(e) => {
+                error = json!(error_name(api, e));
+                break;
+            }
+        }
+    }
+    emit(json!({"event": "allocated", "pid": std::process::id(), "allocator": kind, "requested": size,
+        "allocated": done, "bytes": taken, "chunks": chunks.len(), "error": error, "mem_info": mem_info(api)}));
+    if o.flag("hold") {
+        hold_forever();
+    }
+    if let Some(s) = o.float("hold-secs")? {
+        std::thread::sleep(std::time::Duration::from_secs_f64(s));
+    }
+    if o.flag("no-free") {
+        return Ok(());
+    }
+    let n = chunks.len();
+    let mut failures = 0;
+    for c in chunks {
+        // SAFETY: each chunk is freed once.
+        if unsafe { al.free(c) } != CUresult::SUCCESS {
+            failures += 1;
+        }
+    }
+    // SAFETY: plain calls on handles created above.
+    unsafe {
+        if !al.stream.is_null() {
+            ck(api, (api.cuStreamSynchronize)(al.stream), "cuStreamSynchronize")?;
+        }
+        if !al.pool.is_null() {
+            ck(api, (api.cuMemPoolTrimTo)(al.pool, 0), "cuMemPoolTrimTo")?;
+            ck(api, (api.cuMemPoolDestroy)(al.pool), "cuMemPoolDestroy")?;
+        }
+    }
+    emit(json!({"event": "freed", "chunks": n, "failures": failures, "mem_info": mem_info(api)}));
+    if failures > 0 {
+        return Err(format!("{failures} frees failed"));
+    }
+    Ok(())
+}
+
+fn launch(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let threads = o.num("threads", 1)?.max(1);
+    if threads > 1 {
+        let ctx = {
+            let mut c = std::ptr::null_mut();
+            // SAFETY: out-pointer to a local.
+            unsafe { ck(api, (api.cuDevicePrimaryCtxRetain)(&mut c, dev), "cuDevicePrimaryCtxRetain")? };
+            c as usize
+        };
+        let results: Vec<Res<Value>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|_| s.spawn(move || {
+                    // SAFETY: the primary context handle is valid for the process.
+                    unsafe { ck(api, (api.cuCtxSetCurrent)(ctx as CUcontext), "cuCtxSetCurrent")? };
+                    launch_one(api, o)
+                }))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into()))).collect()
+        });
+        let mut total = 0;
+        for r in results {
+            total += r?["kernels"].as_u64().unwrap_or(0);
+        }
+        emit(json!({"event": "launched", "threads": threads, "kernels": total}));
+        return Ok(());
+    }
+    let v = launch_one(api, o)?;
+    emit(v);
+    Ok(())
+}
+
+fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
+    let kernel = o.str("kernel", "sleep_1ms");
+    let path = o.str("path", "kernel");
+    let count = o.num("count", 10)?;
+    let seconds = o.float("seconds")?;
+    let nodes = o.num("nodes", 10)? as usize;
+    let grid = o.num("grid", 1)? as u32;
+    let block = o.num("block", 128)? as u32;
+    let mut dur = o.num("duration-ns", 1_000_000)?;
+    let image = b"vgpu-sim module\0";
+    let start_wall = std::time::Instant::now();
+    // SAFETY: calls through the table with out-pointers to locals; kernel parameters point to `dur`,
+    // which outlives every launch (they are synchronised before return).
+    unsafe {
+        let mut m = std::ptr::null_mut();
+        ck(api, (api.cuModuleLoadData)(&mut m, image.as_ptr() as *const c_void), "cuModuleLoadData")?;
+        let mut f = std::ptr::null_mut();
+        let cname = CString::new(kernel).map_err(|e| e.to_string())?;
+        ck(api, (api.cuModuleGetFunction)(&mut f, m, cname.as_ptr()), "cuModuleGetFunction")?;
+        let mut s = std::ptr::null_mut();
+        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+        let (mut e0, mut e1) = (std::ptr::null_mut(), std::ptr::null_mut());
+        ck(api, (api.cuEventCreate)(&mut e0, 0), "cuEventCreate")?;
+        ck(api, (api.cuEventCreate)(&mut e1, 0), "cuEventCreate")?;
+        let mut arg: *mut c_void = &mut dur as *mut u64 as *mut c_void;
+        let params: *mut *mut c_void = &mut arg;
+        let mut exec = std::ptr::null_mut();
+        let per_launch = match path {
+            "graph" | "capture" => {
+                let mut g = std::ptr::null_mut();
+                if path == "graph" {
+                    ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
+                    let np = CUDA_KERNEL_NODE_PARAMS_v2 {
+                        func: f, gridDimX: grid, gridDimY: 1, gridDimZ: 1, blockDimX: block, blockDimY: 1, blockDimZ: 1,
+                        sharedMemBytes: 0, kernelParams: params, extra: std::ptr::null_mut(), kern: std::ptr::null_mut(), ctx: std::ptr::null_mut(),
+                    };
+                    for _ in 0..nodes {
+                        let mut n = std::ptr::null_mut();
+                        ck(api, (api.cuGraphAddKernelNode_v2)(&mut n, g, std::ptr::null(), 0, &np), "cuGraphAddKernelNode")?;
+                    }
+                } else {
+                    ck(api, (api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture")?;
+                    for _ in 0..nodes {
+                        ck(api, (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()), "cuLaunchKernel (capturing)")?;
+                    }
+                    ck(api, (api.cuStreamEndCapture)(s, &mut g), "cuStreamEndCapture")?;
+                }
+                ck(api, (api.cuGraphInstantiateWithFlags)(&mut exec, g, 0), "cuGraphInstantiate")?;
+                nodes as u64
+            }
+            "kernel" | "ex" | "coop" => 1,
+            p => return Err(format!("unknown launch path {p:?}")),
+        };
+        let one = || -> CUresult {
+            match path {
+                "kernel" => (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),
+                "ex" => {
+                    let cfg = CUlaunchConfig { gridDimX: grid, gridDimY: 1, gridDimZ: 1, blockDimX: block, blockDimY: 1, blockDimZ: 1,
+                        sharedMemBytes: 0, hStream: s, attrs: std::ptr::null_mut(), numAttrs: 0 };
+                    (api.cuLaunchKernelEx)(&cfg, f, params, std::ptr::null_mut())
+                }
+                "coop" => (api.cuLaunchCooperativeKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params),
+                _ => (api.cuGraphLaunch)(exec, s),
+            }
+        };
+        ck(api, (api.cuEventRecord)(e0, s), "cuEventRecord")?;
+        let mut launches = 0u64;
+        match seconds {
+            Some(secs) => {
+                let end = std::time::Instant::now() + std::time::Duration::from_secs_f64(secs);
+                while std::time::Instant::now() < end {
+                    ck(api, one(), "launch")?;
+                    ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+                    launches += 1;
+                }
+            }
+            None => {
+                for _ in 0..count {
+                    ck(api, one(), "launch")?;
+                    launches += 1;
+                }
+            }
+        }
+        ck(api, (api.cuEventRecord)(e1, s), "cuEventRecord")?;
+        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+        let mut ms = 0f32;
+        ck(api, (api.cuEventElapsedTime)(&mut ms, e0, e1), "cuEventElapsedTime")?;
+        Ok(json!({"event": "launched", "pid": std::process::id(), "path": path, "launches": launches,
+            "kernels": launches * per_launch, "gpu_ms": ms, "wall_ms": start_wall.elapsed().as_secs_f64() * 1e3}))
+    }
+}
+
+fn memcpy(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let n = o.num("size", 1 << 20)? as usize;
+    let src: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
+    let mut back = vec![0u8; n];
+    // SAFETY: host buffers of n bytes; the device buffer is n bytes.
+    let ok = unsafe {
+        let mut d = 0;
+        ck(api, (api.cuMemAlloc_v2)(&mut d, n), "cuMemAlloc")?;
+        ck(api, (api.cuMemcpyHtoD_v2)(d, src.as_ptr() as *const c_void, n), "cuMemcpyHtoD")?;
+        ck(api, (api.cuMemcpyDtoH_v2)(back.as_mut_ptr() as *mut c_void, d, n), "cuMemcpyDtoH")?;
+        let same = back == src;
+        ck(api, (api.cuMemsetD8_v2)(d, 0xab, n), "cuMemsetD8")?;
+        ck(api, (api.cuMemcpyDtoH_v2)(back.as_mut_ptr() as *mut c_void, d, n), "cuMemcpyDtoH")?;
+        let set = back.iter().all(|&b| b == 0xab);
+        let oob = (api.cuMemcpyHtoD_v2)(d + n as u64, src.as_ptr() as *const c_void, 1);
+        ck(api, (api.cuMemFree_v2)(d), "cuMemFree")?;
+        emit(json!({"event": "memcpy", "bytes": n, "roundtrip_ok": same, "memset_ok": set, "out_of_bounds": error_name(api, oob)}));
+        same && set
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err("data mismatch".into())
+    }
+}
+
+fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    let ctx = setup(api, dev)? as usize;
+    let t = o.num("threads", 16)?;
+    let iters = o.num("iters", 100)?;
+    let size = o.num("size", 1 << 20)? as usize;
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..t)
+            .map(|_| s.spawn(move || {
+                let mut errs = Vec::new();
+                // SAFETY: the primary context stays retained for the process; out-pointers to locals.
+                unsafe {
+                    (api.cuCtxSetCurrent)(ctx as CUcontext);
+                    for _ in 0..iters {
+                        let mut p = 0;
+                        let r = (api.cuMemAlloc_v2)(&mut p, size);
+                        if r != CUresult::SUCCESS {
+                            errs.push(error_name(api, r));
+                            continue;
+                        }
+                        let r = (api.cuMemFree_v2)(p);
+                        if r != CUresult::SUCCESS {
+                            errs.push(error_name(api, r));
+                        }
+                    }
+                }
+                errs
+            }))
+            .collect();
+        hs.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
+    });
+    emit(json!({"event": "threads", "threads": t, "iters": iters, "failures": errors.len(), "errors": errors, "mem_info": mem_info(api)}));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes() {
+        assert_eq!(super::parse_size("12"), Some(12));
+        assert_eq!(super::parse_size("4k"), Some(4096));
+        assert_eq!(super::parse_size("2G"), Some(2 << 30));
+        assert_eq!(super::parse_size("x"), None);
+    }
+}
