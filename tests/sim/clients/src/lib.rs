@@ -109,6 +109,15 @@ pub fn client_main(kind: &str, bind: impl FnOnce(&Binding) -> Result<Api, String
         println!("usage: {kind} [--cuda-version N] [--per-thread] <scenario> [options]\n{}", scenario::USAGE);
         std::process::exit(0);
     }
+    if args[0] == "procaddr" {
+        match procaddr(&b, &args[1..]) {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("{kind}: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let api = match bind(&b) {
         Ok(a) => a,
         Err(e) => {
@@ -123,6 +132,39 @@ pub fn client_main(kind: &str, bind: impl FnOnce(&Binding) -> Result<Api, String
             std::process::exit(1);
         }
     }
+}
+
+/// `procaddr SYMBOL...`: asks `cuGetProcAddress_v2` for each base name at the chosen CUDA version and
+/// flags, and names the exported symbol the returned pointer belongs to (via `dladdr`).
+fn procaddr(b: &Binding, names: &[String]) -> Result<(), String> {
+    let h = dlopen_cuda()?;
+    let g = dlsym(h, "cuGetProcAddress_v2");
+    if g.is_null() {
+        return Err("libcuda.so.1 has no cuGetProcAddress_v2".into());
+    }
+    // SAFETY: cuGetProcAddress_v2 has this signature in cuda.h.
+    let get: GetProcAddressV2 = unsafe { std::mem::transmute::<*mut c_void, GetProcAddressV2>(g) };
+    let flags = if b.per_thread { CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM } else { CU_GET_PROC_ADDRESS_DEFAULT };
+    for name in names {
+        let c = CString::new(name.as_str()).map_err(|e| e.to_string())?;
+        let (mut p, mut st) = (std::ptr::null_mut(), -1);
+        // SAFETY: valid C string and out-pointers to locals.
+        let r = unsafe { get(c.as_ptr(), &mut p, b.cuda_version, flags, &mut st) };
+        let resolved = if p.is_null() {
+            serde_json::Value::Null
+        } else {
+            // SAFETY: dladdr with a code address and an out-struct.
+            let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+            if unsafe { libc::dladdr(p, &mut info) } != 0 && !info.dli_sname.is_null() {
+                serde_json::json!(unsafe { CStr::from_ptr(info.dli_sname) }.to_string_lossy())
+            } else {
+                serde_json::json!(format!("{p:p}"))
+            }
+        };
+        println!("{}", serde_json::json!({"event": "procaddr", "symbol": name, "version": b.cuda_version,
+            "flags": flags, "ret": r.0, "status": st, "resolved": resolved}));
+    }
+    Ok(())
 }
 
 pub fn usage_exit(msg: &str) -> ! {

@@ -21,6 +21,8 @@ scenarios:
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
   hold                                  create a context, print ready, wait to be killed
+  procaddr NAME...                      which entry point cuGetProcAddress_v2 returns for each base
+                                        name at --cuda-version/--per-thread (named with dladdr)
 common: --device I (default 0); sizes accept k, m, g suffixes (powers of 1024)";
 
 type Res<T> = Result<T, String>;

@@ -1,0 +1,252 @@
+//! Looks at the node through NVML with `nvml-wrapper` (as the agent does) and prints JSON.
+//!
+//! usage: nvml-probe [--lib PATH] snapshot
+//!        nvml-probe [--lib PATH] mig --gpu I OP...
+//!   OP: mode:0|1  create:PROFILE[@START]  ci:GI:CIPROFILE  destroy:GI  destroyci:GI:CI
+//!       destroy-all  remaining:PROFILE  placements:PROFILE  list  devices
+//!        nvml-probe [--lib PATH] events --gpu I [--timeout-ms T]
+//!   (registers for XID events, prints {"event":"registered"}, then the first event or a timeout)
+//!   Each OP prints {"op", "ret"(NVML code), ...}; MIG calls that nvml-wrapper lacks go through its
+//!   raw function table.
+use nvml_wrapper::bitmasks::InitFlags;
+use nvml_wrapper::Nvml;
+use nvml_wrapper_sys::bindings::*;
+use serde_json::{json, Value};
+
+fn die(m: &str) -> ! {
+    eprintln!("nvml-probe: {m}");
+    std::process::exit(2)
+}
+
+fn main() {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut b = Nvml::builder();
+    let lib = args.iter().position(|a| a == "--lib").map(|i| {
+        let p = args.get(i + 1).cloned().unwrap_or_else(|| die("--lib needs a path"));
+        args.drain(i..i + 2);
+        std::ffi::OsString::from(p)
+    });
+    if let Some(l) = &lib {
+        b.lib_path(l);
+    }
+    let nvml = b.flags(InitFlags::empty()).init().unwrap_or_else(|e| die(&format!("init: {e}")));
+    match args.first().map(String::as_str) {
+        Some("snapshot") => println!("{}", snapshot(&nvml)),
+        Some("mig") => {
+            let g: u32 = args.iter().position(|a| a == "--gpu").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| die("mig needs --gpu I"));
+            let ops: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--") && a.parse::<u32>().is_err()).collect();
+            for op in ops {
+                println!("{}", mig_op(&nvml, g, op));
+            }
+        }
+        Some("events") => events(&nvml, &args),
+        _ => die("usage: nvml-probe [--lib PATH] snapshot | mig --gpu I OP... | events --gpu I [--timeout-ms T]"),
+    }
+}
+
+fn snapshot(nvml: &Nvml) -> Value {
+    let n = nvml.device_count().unwrap_or_else(|e| die(&format!("count: {e}")));
+    let mut gpus = Vec::new();
+    for i in 0..n {
+        let d = nvml.device_by_index(i).unwrap_or_else(|e| die(&format!("device {i}: {e}")));
+        let mem = d.memory_info().map(|m| json!({"total": m.total, "used": m.used, "free": m.free, "reserved": m.reserved}));
+        let procs = d.running_compute_processes().map(|ps| {
+            ps.iter().map(|p| json!({"pid": p.pid, "used": match p.used_gpu_memory {
+                nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => json!(b),
+                nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => Value::Null,
+            }})).collect::<Vec<_>>()
+        });
+        let util = d.utilization_rates().map(|u| json!({"gpu": u.gpu, "memory": u.memory}));
+        let putil = d.process_utilization_stats(None).map(|v| v.iter().map(|s| json!({"pid": s.pid, "sm": s.sm_util, "ts": s.timestamp})).collect::<Vec<_>>());
+        let mig = d.mig_mode().map(|m| json!({"current": m.current, "pending": m.pending}));
+        let pci = d.pci_info().map(|p| json!({"bus_id": p.bus_id, "device_id": p.pci_device_id, "domain": p.domain, "bus": p.bus}));
+        let topo: Vec<Value> = (0..n)
+            .map(|j| {
+                let o = nvml.device_by_index(j).unwrap();
+                d.topology_common_ancestor(o).map(|l| json!(format!("{l:?}"))).unwrap_or_else(|e| json!(e.to_string()))
+            })
+            .collect();
+        gpus.push(json!({
+            "index": d.index().ok(),
+            "uuid": d.uuid().ok(),
+            "name": d.name().ok(),
+            "pci": pci.ok(),
+            "memory": mem.ok(),
+            "processes": procs.map_err(|e| e.to_string()),
+            "utilization": util.ok(),
+            "process_utilization": putil.unwrap_or_default(),
+            "numa_node": d.numa_node_id().ok(),
+            "cpu_affinity": d.cpu_affinity(2).ok(),
+            "cc": d.cuda_compute_capability().map(|c| [c.major, c.minor]).ok(),
+            "mig_mode": mig.map_err(|e| e.to_string()),
+            "max_mig_devices": d.mig_device_count().ok(),
+            "topology": topo,
+        }));
+    }
+    json!({"driver_version": nvml.sys_driver_version().ok(), "cuda_version": nvml.sys_cuda_driver_version().ok(), "gpus": gpus})
+}
+
+fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
+    let lib = nvml.lib();
+    let d = nvml.device_by_index(g).unwrap_or_else(|e| die(&format!("device {g}: {e}")));
+    // SAFETY: raw NVML calls with a valid device handle and out-pointers to locals.
+    let dev = unsafe { d.handle() };
+    let parts: Vec<&str> = op.split(':').collect();
+    let num = |s: &str| s.parse::<u32>().unwrap_or_else(|_| die(&format!("bad number in {op}")));
+    let gi_by_id = |id: u32| -> (nvmlReturn_t, nvmlGpuInstance_t) {
+        let mut gi = std::ptr::null_mut();
+        // SAFETY: see above.
+        let r = unsafe { lib.nvmlDeviceGetGpuInstanceById(dev, id, &mut gi) };
+        (r, gi)
+    };
+    let all_gis = || -> Vec<(u32, u32, u32, u32, nvmlGpuInstance_t)> {
+        let mut v = Vec::new();
+        for pid in [0u32, 5, 6, 9, 14, 15, 19, 20, 21] {
+            let mut arr = [std::ptr::null_mut(); 8];
+            let mut n = 0;
+            // SAFETY: arr has room for 8 >= any instanceCount.
+            if unsafe { lib.nvmlDeviceGetGpuInstances(dev, pid, arr.as_mut_ptr(), &mut n) } == 0 {
+                for gi in &arr[..n as usize] {
+                    // SAFETY: zeroed POD out-struct.
+                    let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+                    unsafe { lib.nvmlGpuInstanceGetInfo(*gi, &mut info) };
+                    v.push((info.id, info.profileId, info.placement.start, info.placement.size, *gi));
+                }
+            }
+        }
+        v.sort();
+        v
+    };
+    // SAFETY (all arms): raw calls with handles obtained above and out-pointers to locals.
+    unsafe {
+        match parts[0] {
+            "mode" => {
+                let mut st = 0;
+                let r = lib.nvmlDeviceSetMigMode(dev, num(parts[1]), &mut st);
+                json!({"op": op, "ret": r, "activation": st})
+            }
+            "create" => {
+                let (pid, start) = match parts[1].split_once('@') {
+                    Some((p, s)) => (num(p), Some(num(s))),
+                    None => (num(parts[1]), None),
+                };
+                let mut gi = std::ptr::null_mut();
+                let r = match start {
+                    Some(s) => {
+                        // the placement size is the profile's memory slices: ask NVML for it
+                        let mut pl = [nvmlGpuInstancePlacement_t { start: 0, size: 0 }; 8];
+                        let mut n = 8;
+                        lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(dev, pid, pl.as_mut_ptr(), &mut n);
+                        let size = pl.first().map_or(0, |p| p.size);
+                        lib.nvmlDeviceCreateGpuInstanceWithPlacement(dev, pid, &nvmlGpuInstancePlacement_t { start: s, size }, &mut gi)
+                    }
+                    None => lib.nvmlDeviceCreateGpuInstance(dev, pid, &mut gi),
+                };
+                let mut info: nvmlGpuInstanceInfo_t = std::mem::zeroed();
+                if r == 0 {
+                    lib.nvmlGpuInstanceGetInfo(gi, &mut info);
+                }
+                json!({"op": op, "ret": r, "id": info.id, "start": info.placement.start})
+            }
+            "ci" => {
+                let (r0, gi) = gi_by_id(num(parts[1]));
+                if r0 != 0 {
+                    return json!({"op": op, "ret": r0});
+                }
+                let mut ci = std::ptr::null_mut();
+                let r = lib.nvmlGpuInstanceCreateComputeInstance(gi, num(parts[2]), &mut ci);
+                let mut info: nvmlComputeInstanceInfo_t = std::mem::zeroed();
+                if r == 0 {
+                    lib.nvmlComputeInstanceGetInfo_v2(ci, &mut info);
+                }
+                json!({"op": op, "ret": r, "id": info.id})
+            }
+            "destroy" => {
+                let (r0, gi) = gi_by_id(num(parts[1]));
+                if r0 != 0 {
+                    return json!({"op": op, "ret": r0});
+                }
+                json!({"op": op, "ret": lib.nvmlGpuInstanceDestroy(gi)})
+            }
+            "destroyci" => {
+                let (r0, gi) = gi_by_id(num(parts[1]));
+                if r0 != 0 {
+                    return json!({"op": op, "ret": r0});
+                }
+                let mut ci = std::ptr::null_mut();
+                let r = lib.nvmlGpuInstanceGetComputeInstanceById(gi, num(parts[2]), &mut ci);
+                if r != 0 {
+                    return json!({"op": op, "ret": r});
+                }
+                json!({"op": op, "ret": lib.nvmlComputeInstanceDestroy(ci)})
+            }
+            "destroy-all" => {
+                let mut worst = 0;
+                for (_, _, _, _, gi) in all_gis() {
+                    for cp in 0..7 {
+                        let mut arr = [std::ptr::null_mut(); 8];
+                        let mut n = 0;
+                        if lib.nvmlGpuInstanceGetComputeInstances(gi, cp, arr.as_mut_ptr(), &mut n) == 0 {
+                            for ci in &arr[..n as usize] {
+                                worst = worst.max(lib.nvmlComputeInstanceDestroy(*ci));
+                            }
+                        }
+                    }
+                    worst = worst.max(lib.nvmlGpuInstanceDestroy(gi));
+                }
+                json!({"op": op, "ret": worst})
+            }
+            "remaining" => {
+                let mut n = 0;
+                let r = lib.nvmlDeviceGetGpuInstanceRemainingCapacity(dev, num(parts[1]), &mut n);
+                json!({"op": op, "ret": r, "count": n})
+            }
+            "placements" => {
+                let mut pl = [nvmlGpuInstancePlacement_t { start: 0, size: 0 }; 8];
+                let mut n = 8;
+                let r = lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(dev, num(parts[1]), pl.as_mut_ptr(), &mut n);
+                let v: Vec<_> = pl[..n.min(8) as usize].iter().map(|p| json!([p.start, p.size])).collect();
+                json!({"op": op, "ret": r, "placements": v})
+            }
+            "profile" => {
+                let mut info: nvmlGpuInstanceProfileInfo_t = std::mem::zeroed();
+                let r = lib.nvmlDeviceGetGpuInstanceProfileInfo(dev, num(parts[1]), &mut info);
+                json!({"op": op, "ret": r, "id": info.id, "slices": info.sliceCount, "count": info.instanceCount, "mib": info.memorySizeMB, "sm": info.multiprocessorCount})
+            }
+            "list" => {
+                let v: Vec<_> = all_gis().iter().map(|(id, p, s, z, _)| json!({"id": id, "profile_id": p, "start": s, "size": z})).collect();
+                json!({"op": op, "ret": 0, "gpu_instances": v})
+            }
+            "devices" => {
+                let n = d.mig_device_count().unwrap_or(0);
+                let v: Vec<_> = (0..n)
+                    .filter_map(|i| d.mig_device_by_index(i).ok())
+                    .map(|m| json!({"uuid": m.uuid().ok(), "name": m.name().ok(), "memory": m.memory_info().ok().map(|x| x.total),
+                        "is_mig": m.mig_is_mig_device_handle().ok()}))
+                    .collect();
+                json!({"op": op, "ret": 0, "mig_devices": v})
+            }
+            _ => die(&format!("unknown op {op}")),
+        }
+    }
+}
+
+fn events(nvml: &Nvml, args: &[String]) {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    let get = |k: &str, d: u32| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(d);
+    let d = nvml.device_by_index(get("--gpu", 0)).unwrap_or_else(|e| die(&format!("device: {e}")));
+    let set = nvml.create_event_set().unwrap_or_else(|e| die(&format!("event set: {e}")));
+    let set = d.register_events(EventTypes::CRITICAL_XID_ERROR, set).unwrap_or_else(|e| die(&format!("register: {e}")));
+    println!("{}", json!({"event": "registered"}));
+    match set.wait(get("--timeout-ms", 5000)) {
+        Ok(e) => {
+            let xid = match e.event_data {
+                Some(nvml_wrapper::enums::event::XidError::Value(v)) => json!(v),
+                _ => Value::Null,
+            };
+            println!("{}", json!({"event": "xid", "xid": xid, "uuid": e.device.uuid().ok()}))
+        }
+        Err(e) => println!("{}", json!({"event": "error", "error": e.to_string()})),
+    }
+}
