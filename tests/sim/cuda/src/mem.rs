@@ -72,7 +72,10 @@ fn mem() -> MutexGuard<'static, Option<Mem>> {
 macro_rules! with_mem {
     ($m:ident => $body:expr) => {{
         let mut g = mem();
-        let $m = g.get_or_insert_with(|| Mem { next_id: 0x1000, ..Default::default() });
+        let $m = g.get_or_insert_with(|| Mem {
+            next_id: 0x1000,
+            ..Default::default()
+        });
         $body
     }};
 }
@@ -139,7 +142,9 @@ pub fn alloc_pitch(width: usize, height: usize, elem: u32) -> R<(CUdeviceptr, us
         return Err(CUresult::INVALID_VALUE);
     }
     let pitch = round_up(width as u64, 512);
-    let size = pitch.checked_mul(height as u64).ok_or(CUresult::OUT_OF_MEMORY)?;
+    let size = pitch
+        .checked_mul(height as u64)
+        .ok_or(CUresult::OUT_OF_MEMORY)?;
     Ok((alloc(size, Kind::Device)?, pitch as usize))
 }
 
@@ -312,11 +317,13 @@ pub fn granularity(prop: &CUmemAllocationProp) -> R<u64> {
 
 pub fn create(size: u64, prop: &CUmemAllocationProp) -> R<u64> {
     let p = proc()?;
-    if prop.type_ != CU_MEM_ALLOCATION_TYPE_PINNED || prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+    if prop.type_ != CU_MEM_ALLOCATION_TYPE_PINNED
+        || prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE
+    {
         return Err(CUresult::INVALID_VALUE);
     }
     let gpu = p.gpu_of(prop.location.id)?;
-    if size == 0 || size % GRANULARITY != 0 {
+    if size == 0 || !size.is_multiple_of(GRANULARITY) {
         return Err(CUresult::INVALID_VALUE);
     }
     p.charge(gpu, size)?;
@@ -368,7 +375,7 @@ pub fn release(h: u64) -> R<()> {
 
 pub fn address_reserve(size: u64, alignment: u64) -> R<CUdeviceptr> {
     proc()?;
-    if size == 0 || size % GRANULARITY != 0 {
+    if size == 0 || !size.is_multiple_of(GRANULARITY) {
         return Err(CUresult::INVALID_VALUE);
     }
     let align = alignment.max(GRANULARITY);
@@ -376,8 +383,14 @@ pub fn address_reserve(size: u64, alignment: u64) -> R<CUdeviceptr> {
     // SAFETY: an inaccessible reservation; failure is checked. The unaligned head and tail are
     // returned to the system right away.
     let base = unsafe {
-        let p = libc::mmap(std::ptr::null_mut(), span as usize, libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            span as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        );
         if p == libc::MAP_FAILED {
             return Err(CUresult::OUT_OF_MEMORY);
         }
@@ -413,12 +426,12 @@ pub fn map(ptr: u64, size: u64, offset: u64, h: u64) -> R<()> {
     proc()?;
     with_mem!(m => {
         let (fd, hsize) = m.handles.get(&h).filter(|p| !p.released).map(|p| (p.fd, p.size)).ok_or(CUresult::INVALID_HANDLE)?;
-        if size == 0 || size % GRANULARITY != 0 || offset % GRANULARITY != 0 || offset + size > hsize {
+        if size == 0 || !size.is_multiple_of(GRANULARITY) || !offset.is_multiple_of(GRANULARITY) || offset + size > hsize {
             return Err(CUresult::INVALID_VALUE);
         }
         let (base, r) = m.reserves.range_mut(..=ptr).next_back().ok_or(CUresult::INVALID_VALUE)?;
         let off = ptr - base;
-        if off % GRANULARITY != 0 || off + size > r.size {
+        if !off.is_multiple_of(GRANULARITY) || off + size > r.size {
             return Err(CUresult::INVALID_VALUE);
         }
         if r.maps.range(..off + size).next_back().is_some_and(|(o, (l, _))| o + l > off) {
@@ -499,7 +512,9 @@ pub fn default_pool(ordinal: CUdevice) -> R<u64> {
 }
 
 pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
-    if props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED || props.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+    if props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED
+        || props.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE
+    {
         return Err(CUresult::INVALID_VALUE);
     }
     let gpu = proc()?.gpu_of(props.location.id)?;
@@ -512,7 +527,9 @@ pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
 }
 
 fn trim(p: &mut Pool, keep: u64) -> u64 {
-    let target = round_up(p.used, GRANULARITY).max(round_up(keep, GRANULARITY)).min(p.reserved);
+    let target = round_up(p.used, GRANULARITY)
+        .max(round_up(keep, GRANULARITY))
+        .min(p.reserved);
     let freed = p.reserved - target;
     p.reserved = target;
     freed

@@ -17,15 +17,22 @@ usage: vgpu-sim <command>
   fault clear                     remove every fault
   xid --gpu I --code X            raise an XID event on GPU I
   util --gpu I [--window-ms W]    busy share of GPU I over the last W ms, total and per PID
+  timeline --gpu I [--window-ms W]
+                                  the kernels of the last W ms as [start_ns, end_ns, pid], oldest first
   wipe                            delete the node state (refused while processes are live)";
 
 fn arg(args: &[String], k: &str) -> Option<String> {
-    args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned()
+    args.iter()
+        .position(|a| a == k)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
 }
 
 fn num<T: std::str::FromStr>(args: &[String], k: &str, d: Option<T>) -> T {
     match arg(args, k) {
-        Some(v) => v.parse().unwrap_or_else(|_| die(&format!("{k}: cannot parse {v:?}"), 2)),
+        Some(v) => v
+            .parse()
+            .unwrap_or_else(|_| die(&format!("{k}: cannot parse {v:?}"), 2)),
         None => d.unwrap_or_else(|| die(&format!("{k} is required"), 2)),
     }
 }
@@ -38,14 +45,19 @@ fn die(msg: &str, code: i32) -> ! {
 fn gpu_index(n: &Node, args: &[String]) -> usize {
     let g: usize = num(args, "--gpu", None);
     if g >= n.cfg.gpus.len() {
-        die(&format!("--gpu {g}: the node has {} GPUs", n.cfg.gpus.len()), 2);
+        die(
+            &format!("--gpu {g}: the node has {} GPUs", n.cfg.gpus.len()),
+            2,
+        );
     }
     g
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(cmd) = args.first().map(String::as_str) else { die(USAGE, 2) };
+    let Some(cmd) = args.first().map(String::as_str) else {
+        die(USAGE, 2)
+    };
     if cmd == "--help" || cmd == "-h" {
         println!("{USAGE}");
         return;
@@ -60,13 +72,19 @@ fn main() {
             let mut l = n.lock();
             match mig::reset(n.mig(&mut l, g), busy) {
                 Ok(()) => println!("GPU {g} reset"),
-                Err(_) => die(&format!("GPU {g} is in use by running processes; reset refused"), 1),
+                Err(_) => die(
+                    &format!("GPU {g} is in use by running processes; reset refused"),
+                    1,
+                ),
             }
         }
         "reboot" => {
             n.reap();
             if n.live_slots().next().is_some() {
-                die("processes are still running on the node; stop them first", 1);
+                die(
+                    "processes are still running on the node; stop them first",
+                    1,
+                );
             }
             let mut l = n.lock();
             for (g, cfg) in n.cfg.gpus.iter().enumerate() {
@@ -77,13 +95,22 @@ fn main() {
         }
         "fault" => match args.get(1).map(String::as_str) {
             Some("set") => {
-                let f = args.get(2).filter(|a| !a.starts_with("--")).unwrap_or_else(|| die("fault set needs a function name", 2));
+                let f = args
+                    .get(2)
+                    .filter(|a| !a.starts_with("--"))
+                    .unwrap_or_else(|| die("fault set needs a function name", 2));
                 let gpu: i32 = num(&args, "--gpu", Some(-1));
                 if gpu >= n.cfg.gpus.len() as i32 {
                     die("--gpu out of range", 2);
                 }
-                n.set_fault(f, gpu, num(&args, "--code", Some(999)), num(&args, "--count", Some(0)), num(&args, "--latency-us", Some(0)))
-                    .unwrap_or_else(|e| die(&e, 1));
+                n.set_fault(
+                    f,
+                    gpu,
+                    num(&args, "--code", Some(999)),
+                    num(&args, "--count", Some(0)),
+                    num(&args, "--latency-us", Some(0)),
+                )
+                .unwrap_or_else(|e| die(&e, 1));
             }
             Some("clear") => n.clear_faults(),
             _ => die("fault set|clear", 2),
@@ -98,16 +125,32 @@ fn main() {
             let now = now_ns();
             let span = w * 1_000_000;
             let (total, per) = n.busy(g, now.saturating_sub(span), now);
-            let per: serde_json::Map<String, serde_json::Value> =
-                per.into_iter().map(|(p, b)| (p.to_string(), json!(b as f64 / span as f64))).collect();
-            println!("{}", json!({"gpu": g, "window_ms": w, "busy": total as f64 / span as f64, "per_pid": per}));
+            let per: serde_json::Map<String, serde_json::Value> = per
+                .into_iter()
+                .map(|(p, b)| (p.to_string(), json!(b as f64 / span as f64)))
+                .collect();
+            println!(
+                "{}",
+                json!({"gpu": g, "window_ms": w, "busy": total as f64 / span as f64, "per_pid": per})
+            );
+        }
+        "timeline" => {
+            let g = gpu_index(n, &args);
+            let w: u64 = num(&args, "--window-ms", Some(1000));
+            let mut k = n.kernels_since(g, now_ns().saturating_sub(w * 1_000_000));
+            k.reverse();
+            println!("{}", json!(k));
         }
         "wipe" => {
             n.reap();
             if n.live_slots().next().is_some() {
-                die("processes are still running on the node; stop them first", 1);
+                die(
+                    "processes are still running on the node; stop them first",
+                    1,
+                );
             }
-            std::fs::remove_dir_all(&n.dir).unwrap_or_else(|e| die(&format!("cannot remove {}: {e}", n.dir.display()), 1));
+            std::fs::remove_dir_all(&n.dir)
+                .unwrap_or_else(|e| die(&format!("cannot remove {}: {e}", n.dir.display()), 1));
             println!("removed {}", n.dir.display());
         }
         _ => die(&format!("unknown command {cmd:?}\n{USAGE}"), 2),
@@ -144,8 +187,12 @@ fn status(n: &Node) {
     let procs: Vec<_> = n
         .live_slots()
         .map(|p| {
-            let mem: Vec<u64> = (0..n.cfg.gpus.len()).map(|g| p.mem[g].load(Acquire)).collect();
-            let ctx: Vec<u32> = (0..n.cfg.gpus.len()).map(|g| p.ctx[g].load(Acquire)).collect();
+            let mem: Vec<u64> = (0..n.cfg.gpus.len())
+                .map(|g| p.mem[g].load(Acquire))
+                .collect();
+            let ctx: Vec<u32> = (0..n.cfg.gpus.len())
+                .map(|g| p.ctx[g].load(Acquire))
+                .collect();
             json!({"pid": p.pid.load(Relaxed), "memory": mem, "contexts": ctx})
         })
         .collect();
@@ -153,5 +200,11 @@ fn status(n: &Node) {
         .into_iter()
         .map(|(f, g, c, r, l)| json!({"function": f, "gpu": g, "code": c, "remaining": r, "latency_us": l}))
         .collect();
-    println!("{}", serde_json::to_string_pretty(&json!({"state_dir": n.dir, "gpus": gpus, "processes": procs, "faults": faults})).unwrap());
+    println!(
+        "{}",
+        serde_json::to_string_pretty(
+            &json!({"state_dir": n.dir, "gpus": gpus, "processes": procs, "faults": faults})
+        )
+        .unwrap()
+    );
 }
