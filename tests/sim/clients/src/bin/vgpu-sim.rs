@@ -9,6 +9,7 @@ use vgpu_sim::{mig, now_ns, Node};
 const USAGE: &str = "\
 usage: vgpu-sim <command>
   status                          the node as JSON: GPUs, memory, MIG, processes, faults
+  summary                         the same as a table, with utilisation over the last second
   reset --gpu I                   GPU reset: applies a pending MIG mode, wipes MIG instances
                                   (refused while processes hold the GPU)
   reboot                          reboot/driver reload: Hopper loses MIG mode, Ampere keeps it
@@ -65,6 +66,7 @@ fn main() {
     let n = Node::global().unwrap_or_else(|e| die(e, 1));
     match cmd {
         "status" => status(n),
+        "summary" => summary(n),
         "reset" => {
             let g = gpu_index(n, &args);
             n.reap();
@@ -207,4 +209,51 @@ fn status(n: &Node) {
         )
         .unwrap()
     );
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn summary(n: &Node) {
+    n.reap();
+    let now = now_ns();
+    println!("{:<4} {:<12} {:<42} {:>22} {:>5}  MIG", "GPU", "MODEL", "UUID", "MEMORY USED/TOTAL", "UTIL");
+    for (g, c) in n.cfg.gpus.iter().enumerate() {
+        let (busy, _) = n.busy(g, now.saturating_sub(1_000_000_000), now);
+        let st = {
+            let mut l = n.lock();
+            *n.mig(&mut l, g)
+        };
+        let mig = match (c.model.mig.is_some(), st.current, st.pending) {
+            (false, _, _) => "n/a".to_string(),
+            (true, c, p) if c != p => format!("{} (pending {})", on(c), on(p)),
+            (true, c, _) => format!("{} ({} instances)", on(c), st.gis.iter().filter(|x| x.live != 0).count()),
+        };
+        println!(
+            "{:<4} {:<12} {:<42} {:>22} {:>4}%  {}",
+            g,
+            c.model.key,
+            c.uuid,
+            format!("{} / {}", gib(n.mem_used(g)), gib(c.memory_bytes)),
+            busy / 10_000_000,
+            mig
+        );
+    }
+    println!("\n{:<8} {:<4} {:>12}", "PID", "GPU", "MEMORY");
+    for p in n.live_slots() {
+        for g in 0..n.cfg.gpus.len() {
+            if p.ctx[g].load(Acquire) > 0 {
+                println!("{:<8} {:<4} {:>12}", p.pid.load(Relaxed), g, gib(p.mem[g].load(Acquire)));
+            }
+        }
+    }
+}
+
+fn on(x: u32) -> &'static str {
+    if x == 1 {
+        "enabled"
+    } else {
+        "disabled"
+    }
 }
