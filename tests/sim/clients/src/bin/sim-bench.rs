@@ -5,8 +5,14 @@
 //! a private simulated node unless VGPU_SIM_STATE is set.
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if std::env::var_os("VGPU_CLIENT_LIBCUDA").is_none() && std::env::var_os("LD_LIBRARY_PATH").is_none() {
-        if let Some(lib) = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join("libcuda.so"))).filter(|l| l.exists()) {
+    if std::env::var_os("VGPU_CLIENT_LIBCUDA").is_none()
+        && std::env::var_os("LD_LIBRARY_PATH").is_none()
+    {
+        if let Some(lib) = std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(|d| d.join("libcuda.so")))
+            .filter(|l| l.exists())
+        {
             std::env::set_var("VGPU_CLIENT_LIBCUDA", lib);
         }
     }

@@ -218,7 +218,10 @@ fn gib(b: u64) -> String {
 fn summary(n: &Node) {
     n.reap();
     let now = now_ns();
-    println!("{:<4} {:<12} {:<42} {:>22} {:>5}  MIG", "GPU", "MODEL", "UUID", "MEMORY USED/TOTAL", "UTIL");
+    println!(
+        "{:<4} {:<12} {:<42} {:>22} {:>5}  MIG",
+        "GPU", "MODEL", "UUID", "MEMORY USED/TOTAL", "UTIL"
+    );
     for (g, c) in n.cfg.gpus.iter().enumerate() {
         let (busy, _) = n.busy(g, now.saturating_sub(1_000_000_000), now);
         let st = {
@@ -228,7 +231,11 @@ fn summary(n: &Node) {
         let mig = match (c.model.mig.is_some(), st.current, st.pending) {
             (false, _, _) => "n/a".to_string(),
             (true, c, p) if c != p => format!("{} (pending {})", on(c), on(p)),
-            (true, c, _) => format!("{} ({} instances)", on(c), st.gis.iter().filter(|x| x.live != 0).count()),
+            (true, c, _) => format!(
+                "{} ({} instances)",
+                on(c),
+                st.gis.iter().filter(|x| x.live != 0).count()
+            ),
         };
         println!(
             "{:<4} {:<12} {:<42} {:>22} {:>4}%  {}",
@@ -244,7 +251,12 @@ fn summary(n: &Node) {
     for p in n.live_slots() {
         for g in 0..n.cfg.gpus.len() {
             if p.ctx[g].load(Acquire) > 0 {
-                println!("{:<8} {:<4} {:>12}", p.pid.load(Relaxed), g, gib(p.mem[g].load(Acquire)));
+                println!(
+                    "{:<8} {:<4} {:>12}",
+                    p.pid.load(Relaxed),
+                    g,
+                    gib(p.mem[g].load(Acquire))
+                );
             }
         }
     }
