@@ -504,3 +504,48 @@ fn faults_and_bad_configuration_are_reported() {
     std::fs::remove_file(&bad).ok();
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown model \"Z9\""));
 }
+
+/// A preloaded library that defines `cuMemAlloc_v2` captures applications linked against libcuda,
+/// but not entry points obtained through `dlsym` on a private handle or through `cuGetProcAddress`:
+/// the driver binds its own symbols to itself (`-Bsymbolic`). This is the situation the interposer's
+/// `dlsym` and `cuGetProcAddress` hooks exist for, and proves the simulator behaves like the driver.
+#[test]
+fn a_preloaded_symbol_captures_only_link_time_bindings() {
+    let s = Sim::new(Some(SMALL));
+    let src = s.state.join("shim.c");
+    let so = s.state.join("libshim.so");
+    std::fs::write(&src, "unsigned int cuMemAlloc_v2(unsigned long long *p, unsigned long n) { (void)p; (void)n; return 12345; }\n").unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let st = std::process::Command::new(cc)
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&so)
+        .arg(&src)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let alloc = |bin: &str| {
+        let o = s
+            .cmd(bin)
+            .env("LD_PRELOAD", &so)
+            .args(["alloc", "--size", "1m"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        lines(&o.stdout)[0]["error"].clone()
+    };
+    assert_eq!(
+        alloc(DIRECT),
+        "CUresult(12345)",
+        "link-time binding goes to the preloaded symbol"
+    );
+    assert_eq!(
+        alloc(DLSYM),
+        Value::Null,
+        "dlsym on a private handle reaches the driver itself"
+    );
+    assert_eq!(
+        alloc(RT),
+        Value::Null,
+        "cuGetProcAddress hands out the driver's own entry point"
+    );
+}
