@@ -26,10 +26,7 @@ fn main() {
         .status()
         .unwrap_or_else(|e| panic!("cannot run {cc} to build the libcuda stub: {e}"));
     assert!(st.success(), "building the libcuda link stub failed");
-    println!(
-        "cargo:rustc-link-arg-bin=cuda-direct-app=-L{}",
-        out.display()
-    );
+    println!("cargo:rustc-link-arg-bin=cuda-direct-app=-L{}", out.display());
     println!("cargo:rustc-link-arg-bin=cuda-direct-app=-Wl,--no-as-needed");
     println!("cargo:rustc-link-arg-bin=cuda-direct-app=-lcuda");
     println!("cargo:rerun-if-changed=src/api.rs");

@@ -41,38 +41,17 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
     unsafe {
         ok((api.cuInit)(0), "cuInit");
         let mut c = std::ptr::null_mut();
-        ok(
-            (api.cuDevicePrimaryCtxRetain)(&mut c, 0),
-            "cuDevicePrimaryCtxRetain",
-        );
+        ok((api.cuDevicePrimaryCtxRetain)(&mut c, 0), "cuDevicePrimaryCtxRetain");
         ok((api.cuCtxSetCurrent)(c), "cuCtxSetCurrent");
         let mut m = std::ptr::null_mut();
-        ok(
-            (api.cuModuleLoadData)(&mut m, c"bench".as_ptr() as *const c_void),
-            "cuModuleLoadData",
-        );
+        ok((api.cuModuleLoadData)(&mut m, c"bench".as_ptr() as *const c_void), "cuModuleLoadData");
         let mut f = std::ptr::null_mut();
-        ok(
-            (api.cuModuleGetFunction)(&mut f, m, c"sleep_0ns".as_ptr()),
-            "cuModuleGetFunction",
-        );
+        ok((api.cuModuleGetFunction)(&mut f, m, c"sleep_0ns".as_ptr()), "cuModuleGetFunction");
         let mut s = std::ptr::null_mut();
         ok((api.cuStreamCreate)(&mut s, 0), "cuStreamCreate");
 
         let launch_ns = median_ns(batches, per, || {
-            (api.cuLaunchKernel)(
-                f,
-                1,
-                1,
-                1,
-                32,
-                1,
-                1,
-                0,
-                s,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            );
+            (api.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, s, std::ptr::null_mut(), std::ptr::null_mut());
         });
         ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
         let pair = || {
@@ -96,11 +75,6 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
             let (mut fr, mut t) = (0, 0);
             (api.cuMemGetInfo_v2)(&mut fr, &mut t);
         });
-        Figures {
-            launch_ns,
-            alloc_free_ns,
-            alloc_free_30k_ns,
-            get_info_ns,
-        }
+        Figures { launch_ns, alloc_free_ns, alloc_free_30k_ns, get_info_ns }
     }
 }

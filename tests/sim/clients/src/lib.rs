@@ -33,11 +33,8 @@ fn dlopen_cuda() -> Result<*mut c_void, String> {
     if h.is_null() {
         // SAFETY: dlerror returns a C string or NULL.
         let e = unsafe { libc::dlerror() };
-        let msg = if e.is_null() {
-            "unknown".into()
-        } else {
-            unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
-        };
+        let msg =
+            if e.is_null() { "unknown".into() } else { unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned() };
         return Err(format!("cannot load {name}: {msg}"));
     }
     Ok(h)
@@ -56,8 +53,7 @@ pub fn bind_dlsym() -> Result<Api, String> {
     unsafe { Api::load(|sym, _| dlsym(h, sym)) }
 }
 
-type GetProcAddressV2 =
-    unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> CUresult;
+type GetProcAddressV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> CUresult;
 
 /// Binds like the CUDA runtime: only `cuGetProcAddress_v2` is looked up by name.
 pub fn bind_runtime(b: &Binding) -> Result<Api, String> {
@@ -68,11 +64,8 @@ pub fn bind_runtime(b: &Binding) -> Result<Api, String> {
     }
     // SAFETY: cuGetProcAddress_v2 has this signature in cuda.h.
     let get: GetProcAddressV2 = unsafe { std::mem::transmute::<*mut c_void, GetProcAddressV2>(g) };
-    let flags = if b.per_thread {
-        CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
-    } else {
-        CU_GET_PROC_ADDRESS_LEGACY_STREAM
-    };
+    let flags =
+        if b.per_thread { CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM } else { CU_GET_PROC_ADDRESS_LEGACY_STREAM };
     let mut err = None;
     // SAFETY: the driver returns entry points with the declared signatures for these names.
     let api = unsafe {
@@ -82,10 +75,7 @@ pub fn bind_runtime(b: &Binding) -> Result<Api, String> {
             let c = CString::new(base).unwrap();
             let r = get(c.as_ptr(), &mut p, b.cuda_version, flags, &mut st);
             if r != CUresult::SUCCESS && err.is_none() {
-                err = Some(format!(
-                    "cuGetProcAddress_v2({base}, {}) = {} status {st}",
-                    b.cuda_version, r.0
-                ));
+                err = Some(format!("cuGetProcAddress_v2({base}, {}) = {} status {st}", b.cuda_version, r.0));
             }
             p
         })
@@ -108,15 +98,10 @@ pub fn error_name(api: &Api, r: CUresult) -> String {
 /// Entry point shared by the client binaries: parses global options, binds, runs the scenario.
 pub fn client_main(kind: &str, bind: impl FnOnce(&Binding) -> Result<Api, String>) -> ! {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let mut b = Binding {
-        cuda_version: 12040,
-        per_thread: false,
-    };
+    let mut b = Binding { cuda_version: 12040, per_thread: false };
     if let Some(i) = args.iter().position(|a| a == "--cuda-version") {
-        b.cuda_version = args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| usage_exit("--cuda-version needs a number"));
+        b.cuda_version =
+            args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or_else(|| usage_exit("--cuda-version needs a number"));
         args.drain(i..i + 2);
     }
     if let Some(i) = args.iter().position(|a| a == "--per-thread") {
@@ -124,10 +109,7 @@ pub fn client_main(kind: &str, bind: impl FnOnce(&Binding) -> Result<Api, String
         args.remove(i);
     }
     if args.is_empty() || args[0] == "--help" || args[0] == "-h" {
-        println!(
-            "usage: {kind} [--cuda-version N] [--per-thread] <scenario> [options]\n{}",
-            scenario::USAGE
-        );
+        println!("usage: {kind} [--cuda-version N] [--per-thread] <scenario> [options]\n{}", scenario::USAGE);
         std::process::exit(0);
     }
     if args[0] == "procaddr" {
@@ -165,11 +147,7 @@ fn procaddr(b: &Binding, names: &[String]) -> Result<(), String> {
     }
     // SAFETY: cuGetProcAddress_v2 has this signature in cuda.h.
     let get: GetProcAddressV2 = unsafe { std::mem::transmute::<*mut c_void, GetProcAddressV2>(g) };
-    let flags = if b.per_thread {
-        CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
-    } else {
-        CU_GET_PROC_ADDRESS_DEFAULT
-    };
+    let flags = if b.per_thread { CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM } else { CU_GET_PROC_ADDRESS_DEFAULT };
     for name in names {
         let c = CString::new(name.as_str()).map_err(|e| e.to_string())?;
         let (mut p, mut st) = (std::ptr::null_mut(), -1);

@@ -21,6 +21,8 @@ scenarios:
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
   hold                                  create a context, print ready, wait to be killed
+  contexts [--size N]                   an explicit context: allocate in it, destroy it, and
+                                        report memory before, during and after
   procaddr NAME...                      which entry point cuGetProcAddress_v2 returns for each base
                                         name at --cuda-version/--per-thread (named with dladdr)
 common: --device I (default 0); sizes accept k, m, g suffixes (powers of 1024)";
@@ -36,9 +38,7 @@ impl Opts {
         let mut map = HashMap::new();
         let mut i = 0;
         while i < args.len() {
-            let k = args[i]
-                .strip_prefix("--")
-                .ok_or_else(|| format!("unexpected argument {:?}", args[i]))?;
+            let k = args[i].strip_prefix("--").ok_or_else(|| format!("unexpected argument {:?}", args[i]))?;
             match args.get(i + 1) {
                 Some(v) if !v.starts_with("--") => {
                     map.insert(k.to_owned(), v.clone());
@@ -65,13 +65,7 @@ impl Opts {
         }
     }
     fn float(&self, k: &str) -> Res<Option<f64>> {
-        self.map
-            .get(k)
-            .map(|v| {
-                v.parse::<f64>()
-                    .map_err(|_| format!("--{k}: cannot parse {v:?}"))
-            })
-            .transpose()
+        self.map.get(k).map(|v| v.parse::<f64>().map_err(|_| format!("--{k}: cannot parse {v:?}"))).transpose()
     }
 }
 
@@ -109,11 +103,7 @@ fn setup(api: &Api, dev: i32) -> Res<CUcontext> {
         let mut d = 0;
         ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
         let mut c = std::ptr::null_mut();
-        ck(
-            api,
-            (api.cuDevicePrimaryCtxRetain)(&mut c, d),
-            "cuDevicePrimaryCtxRetain",
-        )?;
+        ck(api, (api.cuDevicePrimaryCtxRetain)(&mut c, d), "cuDevicePrimaryCtxRetain")?;
         ck(api, (api.cuCtxSetCurrent)(c), "cuCtxSetCurrent")?;
         Ok(c)
     }
@@ -145,6 +135,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "launch" => launch(api, dev, &o),
         "memcpy" => memcpy(api, dev, &o),
         "threads" => threads(api, dev, &o),
+        "contexts" => contexts(api, dev, &o),
         "hold" => {
             setup(api, dev)?;
             emit(json!({"event": "ready", "pid": std::process::id(), "mem_info": mem_info(api)}));
@@ -167,32 +158,16 @@ fn info(api: &Api, dev: i32) -> Res<()> {
             let mut d = 0;
             ck(api, (api.cuDeviceGet)(&mut d, i), "cuDeviceGet")?;
             let mut name = [0 as c_char; 128];
-            ck(
-                api,
-                (api.cuDeviceGetName)(name.as_mut_ptr(), 128, d),
-                "cuDeviceGetName",
-            )?;
+            ck(api, (api.cuDeviceGetName)(name.as_mut_ptr(), 128, d), "cuDeviceGetName")?;
             let mut bus = [0 as c_char; 32];
-            ck(
-                api,
-                (api.cuDeviceGetPCIBusId)(bus.as_mut_ptr(), 32, d),
-                "cuDeviceGetPCIBusId",
-            )?;
+            ck(api, (api.cuDeviceGetPCIBusId)(bus.as_mut_ptr(), 32, d), "cuDeviceGetPCIBusId")?;
             let mut u = CUuuid::default();
             ck(api, (api.cuDeviceGetUuid_v2)(&mut u, d), "cuDeviceGetUuid")?;
             let mut total = 0usize;
-            ck(
-                api,
-                (api.cuDeviceTotalMem_v2)(&mut total, d),
-                "cuDeviceTotalMem",
-            )?;
+            ck(api, (api.cuDeviceTotalMem_v2)(&mut total, d), "cuDeviceTotalMem")?;
             let attr = |a: i32| -> Res<i32> {
                 let mut x = 0;
-                ck(
-                    api,
-                    (api.cuDeviceGetAttribute)(&mut x, a, d),
-                    "cuDeviceGetAttribute",
-                )?;
+                ck(api, (api.cuDeviceGetAttribute)(&mut x, a, d), "cuDeviceGetAttribute")?;
                 Ok(x)
             };
             let b = u.bytes;
@@ -223,11 +198,7 @@ fn info(api: &Api, dev: i32) -> Res<()> {
 
 enum Chunk {
     Ptr(CUdeviceptr),
-    Vmm {
-        ptr: CUdeviceptr,
-        size: usize,
-        h: u64,
-    },
+    Vmm { ptr: CUdeviceptr, size: usize, h: u64 },
     Async(CUdeviceptr),
     Array(CUarray),
     Host(*mut c_void),
@@ -275,10 +246,7 @@ impl Allocator<'_> {
                     let prop = CUmemAllocationProp {
                         type_: CU_MEM_ALLOCATION_TYPE_PINNED,
                         requestedHandleTypes: 0,
-                        location: CUmemLocation {
-                            type_: CU_MEM_LOCATION_TYPE_DEVICE,
-                            id: self.dev,
-                        },
+                        location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: self.dev },
                         win32HandleMetaData: std::ptr::null_mut(),
                         allocFlags: Default::default(),
                     };
@@ -293,10 +261,7 @@ impl Allocator<'_> {
                         return Err(e);
                     }
                     r((a.cuMemMap)(ptr, sz, 0, h, 0))?;
-                    let acc = CUmemAccessDesc {
-                        location: prop.location,
-                        flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-                    };
+                    let acc = CUmemAccessDesc { location: prop.location, flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
                     r((a.cuMemSetAccess)(ptr, sz, &acc, 1))?;
                     Ok((Chunk::Vmm { ptr, size: sz, h }, sz))
                 }
@@ -307,12 +272,7 @@ impl Allocator<'_> {
                 }
                 "pool" => {
                     let mut p = 0;
-                    r((a.cuMemAllocFromPoolAsync)(
-                        &mut p,
-                        size,
-                        self.pool,
-                        self.stream,
-                    ))?;
+                    r((a.cuMemAllocFromPoolAsync)(&mut p, size, self.pool, self.stream))?;
                     Ok((Chunk::Async(p), size))
                 }
                 "array" => {
@@ -364,40 +324,23 @@ fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let kind = o.str("allocator", "device").to_owned();
     let size = o.num("size", 1 << 20)? as usize;
     let chunk = (o.num("chunk", size as u64)? as usize).max(1);
-    let mut al = Allocator {
-        api,
-        kind: kind.clone(),
-        dev,
-        stream: std::ptr::null_mut(),
-        pool: std::ptr::null_mut(),
-    };
+    let mut al = Allocator { api, kind: kind.clone(), dev, stream: std::ptr::null_mut(), pool: std::ptr::null_mut() };
     // SAFETY: out-pointers to locals; the pool properties are fully initialised.
     unsafe {
         if kind == "async" || kind == "pool" {
-            ck(
-                api,
-                (api.cuStreamCreate)(&mut al.stream, 0),
-                "cuStreamCreate",
-            )?;
+            ck(api, (api.cuStreamCreate)(&mut al.stream, 0), "cuStreamCreate")?;
         }
         if kind == "pool" {
             let props = CUmemPoolProps {
                 allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
                 handleTypes: 0,
-                location: CUmemLocation {
-                    type_: CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: dev,
-                },
+                location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
                 win32SecurityAttributes: std::ptr::null_mut(),
                 maxSize: 0,
                 usage: 0,
                 reserved: [0; 54],
             };
-            ck(
-                api,
-                (api.cuMemPoolCreate)(&mut al.pool, &props),
-                "cuMemPoolCreate",
-            )?;
+            ck(api, (api.cuMemPoolCreate)(&mut al.pool, &props), "cuMemPoolCreate")?;
         }
     }
     let mut chunks = Vec::new();
@@ -417,10 +360,8 @@ fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             }
         }
     }
-    emit(
-        json!({"event": "allocated", "pid": std::process::id(), "allocator": kind, "requested": size,
-        "allocated": done, "bytes": taken, "chunks": chunks.len(), "error": error, "mem_info": mem_info(api)}),
-    );
+    emit(json!({"event": "allocated", "pid": std::process::id(), "allocator": kind, "requested": size,
+        "allocated": done, "bytes": taken, "chunks": chunks.len(), "error": error, "mem_info": mem_info(api)}));
     if o.flag("hold") {
         hold_forever();
     }
@@ -441,11 +382,7 @@ fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     // SAFETY: plain calls on handles created above.
     unsafe {
         if !al.stream.is_null() {
-            ck(
-                api,
-                (api.cuStreamSynchronize)(al.stream),
-                "cuStreamSynchronize",
-            )?;
+            ck(api, (api.cuStreamSynchronize)(al.stream), "cuStreamSynchronize")?;
         }
         if !al.pool.is_null() {
             ck(api, (api.cuMemPoolTrimTo)(al.pool, 0), "cuMemPoolTrimTo")?;
@@ -466,13 +403,7 @@ fn launch(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         let ctx = {
             let mut c = std::ptr::null_mut();
             // SAFETY: out-pointer to a local.
-            unsafe {
-                ck(
-                    api,
-                    (api.cuDevicePrimaryCtxRetain)(&mut c, dev),
-                    "cuDevicePrimaryCtxRetain",
-                )?
-            };
+            unsafe { ck(api, (api.cuDevicePrimaryCtxRetain)(&mut c, dev), "cuDevicePrimaryCtxRetain")? };
             c as usize
         };
         let results: Vec<Res<Value>> = std::thread::scope(|s| {
@@ -480,20 +411,12 @@ fn launch(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                 .map(|_| {
                     s.spawn(move || {
                         // SAFETY: the primary context handle is valid for the process.
-                        unsafe {
-                            ck(
-                                api,
-                                (api.cuCtxSetCurrent)(ctx as CUcontext),
-                                "cuCtxSetCurrent",
-                            )?
-                        };
+                        unsafe { ck(api, (api.cuCtxSetCurrent)(ctx as CUcontext), "cuCtxSetCurrent")? };
                         launch_one(api, o)
                     })
                 })
                 .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
-                .collect()
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into()))).collect()
         });
         let mut total = 0;
         for r in results {
@@ -522,18 +445,10 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
     // which outlives every launch (they are synchronised before return).
     unsafe {
         let mut m = std::ptr::null_mut();
-        ck(
-            api,
-            (api.cuModuleLoadData)(&mut m, image.as_ptr() as *const c_void),
-            "cuModuleLoadData",
-        )?;
+        ck(api, (api.cuModuleLoadData)(&mut m, image.as_ptr() as *const c_void), "cuModuleLoadData")?;
         let mut f = std::ptr::null_mut();
         let cname = CString::new(kernel).map_err(|e| e.to_string())?;
-        ck(
-            api,
-            (api.cuModuleGetFunction)(&mut f, m, cname.as_ptr()),
-            "cuModuleGetFunction",
-        )?;
+        ck(api, (api.cuModuleGetFunction)(&mut f, m, cname.as_ptr()), "cuModuleGetFunction")?;
         let mut s = std::ptr::null_mut();
         ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
         let (mut e0, mut e1) = (std::ptr::null_mut(), std::ptr::null_mut());
@@ -570,41 +485,17 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
                         )?;
                     }
                 } else {
-                    ck(
-                        api,
-                        (api.cuStreamBeginCapture_v2)(s, 0),
-                        "cuStreamBeginCapture",
-                    )?;
+                    ck(api, (api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture")?;
                     for _ in 0..nodes {
                         ck(
                             api,
-                            (api.cuLaunchKernel)(
-                                f,
-                                grid,
-                                1,
-                                1,
-                                block,
-                                1,
-                                1,
-                                0,
-                                s,
-                                params,
-                                std::ptr::null_mut(),
-                            ),
+                            (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),
                             "cuLaunchKernel (capturing)",
                         )?;
                     }
-                    ck(
-                        api,
-                        (api.cuStreamEndCapture)(s, &mut g),
-                        "cuStreamEndCapture",
-                    )?;
+                    ck(api, (api.cuStreamEndCapture)(s, &mut g), "cuStreamEndCapture")?;
                 }
-                ck(
-                    api,
-                    (api.cuGraphInstantiateWithFlags)(&mut exec, g, 0),
-                    "cuGraphInstantiate",
-                )?;
+                ck(api, (api.cuGraphInstantiateWithFlags)(&mut exec, g, 0), "cuGraphInstantiate")?;
                 nodes as u64
             }
             "kernel" | "ex" | "coop" => 1,
@@ -612,19 +503,7 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         };
         let one = || -> CUresult {
             match path {
-                "kernel" => (api.cuLaunchKernel)(
-                    f,
-                    grid,
-                    1,
-                    1,
-                    block,
-                    1,
-                    1,
-                    0,
-                    s,
-                    params,
-                    std::ptr::null_mut(),
-                ),
+                "kernel" => (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),
                 "ex" => {
                     let cfg = CUlaunchConfig {
                         gridDimX: grid,
@@ -665,15 +544,9 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         ck(api, (api.cuEventRecord)(e1, s), "cuEventRecord")?;
         ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
         let mut ms = 0f32;
-        ck(
-            api,
-            (api.cuEventElapsedTime)(&mut ms, e0, e1),
-            "cuEventElapsedTime",
-        )?;
-        Ok(
-            json!({"event": "launched", "pid": std::process::id(), "path": path, "launches": launches,
-            "kernels": launches * per_launch, "gpu_ms": ms, "wall_ms": start_wall.elapsed().as_secs_f64() * 1e3}),
-        )
+        ck(api, (api.cuEventElapsedTime)(&mut ms, e0, e1), "cuEventElapsedTime")?;
+        Ok(json!({"event": "launched", "pid": std::process::id(), "path": path, "launches": launches,
+            "kernels": launches * per_launch, "gpu_ms": ms, "wall_ms": start_wall.elapsed().as_secs_f64() * 1e3}))
     }
 }
 
@@ -686,23 +559,11 @@ fn memcpy(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let ok = unsafe {
         let mut d = 0;
         ck(api, (api.cuMemAlloc_v2)(&mut d, n), "cuMemAlloc")?;
-        ck(
-            api,
-            (api.cuMemcpyHtoD_v2)(d, src.as_ptr() as *const c_void, n),
-            "cuMemcpyHtoD",
-        )?;
-        ck(
-            api,
-            (api.cuMemcpyDtoH_v2)(back.as_mut_ptr() as *mut c_void, d, n),
-            "cuMemcpyDtoH",
-        )?;
+        ck(api, (api.cuMemcpyHtoD_v2)(d, src.as_ptr() as *const c_void, n), "cuMemcpyHtoD")?;
+        ck(api, (api.cuMemcpyDtoH_v2)(back.as_mut_ptr() as *mut c_void, d, n), "cuMemcpyDtoH")?;
         let same = back == src;
         ck(api, (api.cuMemsetD8_v2)(d, 0xab, n), "cuMemsetD8")?;
-        ck(
-            api,
-            (api.cuMemcpyDtoH_v2)(back.as_mut_ptr() as *mut c_void, d, n),
-            "cuMemcpyDtoH",
-        )?;
+        ck(api, (api.cuMemcpyDtoH_v2)(back.as_mut_ptr() as *mut c_void, d, n), "cuMemcpyDtoH")?;
         let set = back.iter().all(|&b| b == 0xab);
         let oob = (api.cuMemcpyHtoD_v2)(d + n as u64, src.as_ptr() as *const c_void, 1);
         ck(api, (api.cuMemFree_v2)(d), "cuMemFree")?;
@@ -716,6 +577,28 @@ fn memcpy(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     } else {
         Err("data mismatch".into())
     }
+}
+
+fn contexts(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    let primary = setup(api, dev)?;
+    let size = o.num("size", 64 << 20)? as usize;
+    let before = mem_info(api);
+    // SAFETY: out-pointers to locals; the context is destroyed once.
+    unsafe {
+        let mut c = std::ptr::null_mut();
+        ck(api, (api.cuCtxCreate_v2)(&mut c, 0, dev), "cuCtxCreate")?;
+        let with_ctx = mem_info(api);
+        let mut p = 0;
+        ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")?;
+        let during = mem_info(api);
+        ck(api, (api.cuCtxDestroy_v2)(c), "cuCtxDestroy")?;
+        ck(api, (api.cuCtxSetCurrent)(primary), "cuCtxSetCurrent")?;
+        let after = mem_info(api);
+        let stale = (api.cuMemFree_v2)(p);
+        emit(json!({"event": "contexts", "before": before, "with_context": with_ctx, "during": during, "after": after,
+            "free_after_destroy": error_name(api, stale)}));
+    }
+    Ok(())
 }
 
 fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {
@@ -748,9 +631,7 @@ fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                 })
             })
             .collect();
-        hs.into_iter()
-            .flat_map(|h| h.join().unwrap_or_default())
-            .collect()
+        hs.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
     });
     emit(
         json!({"event": "threads", "threads": t, "iters": iters, "failures": errors.len(), "errors": errors, "mem_info": mem_info(api)}),

@@ -38,11 +38,7 @@ fn each_binding_path_allocates_launches_and_synchronises() {
         assert_eq!(info["devices"][0]["name"], "NVIDIA A100-SXM4-40GB");
         assert_eq!(info["devices"][1]["sm_count"], 58);
         assert_eq!(info["devices"][0]["total_mem"], 1024 * MIB);
-        assert_eq!(
-            info["mem_info"]["free"],
-            (1024 - 64) * MIB,
-            "{bin}: context overhead charged"
-        );
+        assert_eq!(info["mem_info"]["free"], (1024 - 64) * MIB, "{bin}: context overhead charged");
 
         let v = s.run(bin, &["alloc", "--size", "256m", "--chunk", "64m"]);
         assert_eq!(v[0]["allocated"], 256 * MIB, "{bin}");
@@ -51,35 +47,15 @@ fn each_binding_path_allocates_launches_and_synchronises() {
 
         let l = s.run1(bin, &["launch", "--kernel", "sleep_2ms", "--count", "10"]);
         let ms = l["gpu_ms"].as_f64().unwrap();
-        assert!(
-            (20.0..25.0).contains(&ms),
-            "{bin}: 10 x 2 ms took {ms} ms of GPU time"
-        );
-        assert!(
-            l["wall_ms"].as_f64().unwrap() >= 20.0,
-            "{bin}: synchronize waits for completion"
-        );
+        assert!((20.0..25.0).contains(&ms), "{bin}: 10 x 2 ms took {ms} ms of GPU time");
+        assert!(l["wall_ms"].as_f64().unwrap() >= 20.0, "{bin}: synchronize waits for completion");
 
         let m = s.run1(bin, &["memcpy", "--size", "3m"]);
-        assert_eq!(
-            (m["roundtrip_ok"].as_bool(), m["memset_ok"].as_bool()),
-            (Some(true), Some(true)),
-            "{bin}"
-        );
+        assert_eq!((m["roundtrip_ok"].as_bool(), m["memset_ok"].as_bool()), (Some(true), Some(true)), "{bin}");
         assert_eq!(m["out_of_bounds"], "CUDA_ERROR_INVALID_VALUE");
     }
     // Per-thread default stream entry points work the same.
-    let l = s.run1(
-        RT,
-        &[
-            "--per-thread",
-            "launch",
-            "--kernel",
-            "sleep_1ms",
-            "--count",
-            "5",
-        ],
-    );
+    let l = s.run1(RT, &["--per-thread", "launch", "--kernel", "sleep_1ms", "--count", "5"]);
     assert_eq!(l["kernels"], 5);
     assert_eq!(used(&s, 0), 0, "every process released everything at exit");
 }
@@ -106,65 +82,30 @@ fn get_proc_address_answers_per_version_and_flags() {
         ("cuLaunchKernel", "12040", false, Some("cuLaunchKernel")),
         ("cuLaunchKernel", "12040", true, Some("cuLaunchKernel_ptsz")),
         ("cuMemcpyHtoD", "12040", true, Some("cuMemcpyHtoD_v2_ptds")),
-        (
-            "cuStreamBeginCapture",
-            "10000",
-            true,
-            Some("cuStreamBeginCapture_ptsz"),
-        ),
-        (
-            "cuStreamBeginCapture",
-            "12040",
-            true,
-            Some("cuStreamBeginCapture_v2_ptsz"),
-        ),
-        (
-            "cuGraphInstantiate",
-            "11000",
-            false,
-            Some("cuGraphInstantiate_v2"),
-        ),
-        (
-            "cuGraphInstantiate",
-            "12000",
-            false,
-            Some("cuGraphInstantiateWithFlags"),
-        ),
+        ("cuStreamBeginCapture", "10000", true, Some("cuStreamBeginCapture_ptsz")),
+        ("cuStreamBeginCapture", "12040", true, Some("cuStreamBeginCapture_v2_ptsz")),
+        ("cuGraphInstantiate", "11000", false, Some("cuGraphInstantiate_v2")),
+        ("cuGraphInstantiate", "12000", false, Some("cuGraphInstantiateWithFlags")),
         ("cuGraphLaunch", "12040", true, Some("cuGraphLaunch_ptsz")),
-        (
-            "cuGetProcAddress",
-            "12000",
-            false,
-            Some("cuGetProcAddress_v2"),
-        ),
+        ("cuGetProcAddress", "12000", false, Some("cuGetProcAddress_v2")),
         ("cuMemAllocAsync", "11000", false, None),
     ];
     for &(name, ver, pt, want) in cases {
         let r = &procaddr(&s, ver, pt, &[name])[0];
         match want {
             Some(sym) => {
-                assert_eq!(
-                    (r["ret"].as_u64(), r["status"].as_i64()),
-                    (Some(0), Some(0)),
-                    "{name}@{ver}"
-                );
+                assert_eq!((r["ret"].as_u64(), r["status"].as_i64()), (Some(0), Some(0)), "{name}@{ver}");
                 assert_eq!(r["resolved"], sym, "{name}@{ver} per_thread={pt}");
             }
             None => {
                 assert_eq!(r["ret"], 500, "{name}@{ver}: CUDA_ERROR_NOT_FOUND");
-                assert_eq!(
-                    r["status"], 2,
-                    "{name}@{ver}: CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT"
-                );
+                assert_eq!(r["status"], 2, "{name}@{ver}: CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT");
                 assert_eq!(r["resolved"], Value::Null);
             }
         }
     }
     let r = &procaddr(&s, "12040", false, &["cuNoSuchFunction"])[0];
-    assert_eq!(
-        (r["ret"].as_u64(), r["status"].as_i64()),
-        (Some(500), Some(1))
-    );
+    assert_eq!((r["ret"].as_u64(), r["status"].as_i64()), (Some(500), Some(1)));
 
     // The runtime-like client cannot bind an entry point newer than the CUDA version it asks for.
     let o = s.output(RT, &["--cuda-version", "11000", "info"]);
@@ -179,72 +120,23 @@ fn get_proc_address_answers_per_version_and_flags() {
 #[test]
 fn every_allocator_is_counted_then_released() {
     let mut s = Sim::new(Some(SMALL));
-    for a in [
-        "device", "pitch", "managed", "vmm", "async", "pool", "array",
-    ] {
-        let (pid, v) = s.spawn(
-            RT,
-            &[
-                "alloc",
-                "--allocator",
-                a,
-                "--size",
-                "100m",
-                "--chunk",
-                "10m",
-                "--hold",
-            ],
-        );
+    for a in ["device", "pitch", "managed", "vmm", "async", "pool", "array"] {
+        let (pid, v) = s.spawn(RT, &["alloc", "--allocator", a, "--size", "100m", "--chunk", "10m", "--hold"]);
         assert_eq!(v["error"], Value::Null, "{a}");
         let bytes = v["bytes"].as_u64().unwrap();
         assert!(bytes >= 100 * MIB, "{a}: {bytes}");
-        assert_eq!(
-            proc_mem(&s, pid, 0),
-            Some(64 * MIB + bytes),
-            "{a}: charged to the process"
-        );
+        assert_eq!(proc_mem(&s, pid, 0), Some(64 * MIB + bytes), "{a}: charged to the process");
         assert_eq!(used(&s, 0), 64 * MIB + bytes, "{a}");
-        assert_eq!(
-            v["mem_info"]["free"],
-            1024 * MIB - 64 * MIB - bytes,
-            "{a}: cuMemGetInfo"
-        );
+        assert_eq!(v["mem_info"]["free"], 1024 * MIB - 64 * MIB - bytes, "{a}: cuMemGetInfo");
         s.kill(pid);
         assert_eq!(used(&s, 0), 0, "{a}: released after SIGKILL");
 
-        let v = s.run(
-            RT,
-            &[
-                "alloc",
-                "--allocator",
-                a,
-                "--size",
-                "100m",
-                "--chunk",
-                "10m",
-            ],
-        );
+        let v = s.run(RT, &["alloc", "--allocator", a, "--size", "100m", "--chunk", "10m"]);
         assert_eq!(v[1]["failures"], 0, "{a}");
-        assert_eq!(
-            v[1]["mem_info"]["free"],
-            (1024 - 64) * MIB,
-            "{a}: every free returns what was charged"
-        );
+        assert_eq!(v[1]["mem_info"]["free"], (1024 - 64) * MIB, "{a}: every free returns what was charged");
     }
     // Host memory is not device memory.
-    let (pid, v) = s.spawn(
-        RT,
-        &[
-            "alloc",
-            "--allocator",
-            "host",
-            "--size",
-            "2g",
-            "--chunk",
-            "512m",
-            "--hold",
-        ],
-    );
+    let (pid, v) = s.spawn(RT, &["alloc", "--allocator", "host", "--size", "2g", "--chunk", "512m", "--hold"]);
     assert_eq!(v["allocated"], 2048 * MIB);
     assert_eq!(proc_mem(&s, pid, 0), Some(64 * MIB));
 }
@@ -260,11 +152,7 @@ fn physical_memory_is_exhausted_exactly() {
     // Two processes share the GPU's memory.
     let (a, _) = s.spawn(RT, &["alloc", "--size", "600m", "--hold"]);
     let v = s.run1(DLSYM, &["alloc", "--size", "600m", "--chunk", "100m"]);
-    assert_eq!(
-        v["allocated"],
-        200 * MIB,
-        "64+600 + 64+200 fits in 1024, one more 100m does not"
-    );
+    assert_eq!(v["allocated"], 200 * MIB, "64+600 + 64+200 fits in 1024, one more 100m does not");
     assert_eq!(v["error"], "CUDA_ERROR_OUT_OF_MEMORY");
 
     // SIGKILL gives the memory back, like the driver does at process exit.
@@ -275,22 +163,28 @@ fn physical_memory_is_exhausted_exactly() {
 }
 
 #[test]
-fn many_threads_allocate_and_free() {
+fn many_threads_allocate_free_and_launch() {
     let s = Sim::new(Some(SMALL));
-    let v = s.run1(
-        RT,
-        &[
-            "threads",
-            "--threads",
-            "16",
-            "--iters",
-            "50",
-            "--size",
-            "8m",
-        ],
-    );
+    let v = s.run1(RT, &["threads", "--threads", "16", "--iters", "50", "--size", "8m"]);
     assert_eq!(v["failures"], 0, "{v}");
     assert_eq!(v["mem_info"]["free"], (1024 - 64) * MIB);
+    let v = s.run1(DIRECT, &["launch", "--threads", "4", "--kernel", "sleep_1ms", "--count", "25"]);
+    assert_eq!(v["kernels"], 100);
+    let busy: Value =
+        serde_json::from_slice(&s.output(SIM, &["util", "--gpu", "0", "--window-ms", "5000"]).stdout).unwrap();
+    assert!((busy["busy"].as_f64().unwrap() - 0.02).abs() < 1e-4, "100 x 1 ms from 4 threads: {busy}");
+}
+
+#[test]
+fn explicit_contexts_cost_memory_and_release_theirs() {
+    let s = Sim::new(Some(SMALL));
+    let v = s.run1(DLSYM, &["contexts", "--size", "100m"]);
+    let free = |k: &str| v[k]["free"].as_u64().unwrap();
+    assert_eq!(free("before"), (1024 - 64) * MIB, "{v}");
+    assert_eq!(free("with_context"), (1024 - 128) * MIB, "a second context costs its overhead");
+    assert_eq!(free("during"), (1024 - 228) * MIB);
+    assert_eq!(free("after"), (1024 - 64) * MIB, "destroying a context frees its allocations");
+    assert_eq!(v["free_after_destroy"], "CUDA_ERROR_INVALID_VALUE");
 }
 
 #[test]
@@ -310,26 +204,17 @@ fn kernels_of_two_processes_share_one_timeline() {
     assert_eq!(lines(&oa.stdout)[0]["kernels"], 60);
     assert_eq!(lines(&ob.stdout)[0]["kernels"], 60);
 
-    let u: Value = serde_json::from_slice(
-        &s.output(SIM, &["util", "--gpu", "0", "--window-ms", "5000"])
-            .stdout,
-    )
-    .unwrap();
+    let u: Value =
+        serde_json::from_slice(&s.output(SIM, &["util", "--gpu", "0", "--window-ms", "5000"]).stdout).unwrap();
     let busy = u["busy"].as_f64().unwrap();
-    assert!(
-        (busy - 0.12).abs() < 1e-3,
-        "600 ms of kernels in a 5 s window: {u}"
-    );
+    assert!((busy - 0.12).abs() < 1e-3, "600 ms of kernels in a 5 s window: {u}");
     for p in [pa, pb] {
         let share = u["per_pid"][p.to_string()].as_f64().unwrap();
         assert!((share - 0.06).abs() < 1e-3, "pid {p}: {u}");
     }
     // The timeline: 120 kernels of 5 ms, none overlapping another.
-    let t: Vec<(u64, u64, u32)> = serde_json::from_slice(
-        &s.output(SIM, &["timeline", "--gpu", "0", "--window-ms", "5000"])
-            .stdout,
-    )
-    .unwrap();
+    let t: Vec<(u64, u64, u32)> =
+        serde_json::from_slice(&s.output(SIM, &["timeline", "--gpu", "0", "--window-ms", "5000"]).stdout).unwrap();
     assert_eq!(t.len(), 120);
     for k in &t {
         assert_eq!(k.1 - k.0, 5_000_000);
@@ -347,10 +232,7 @@ fn kernels_of_two_processes_share_one_timeline() {
     assert_eq!(g["utilization"]["gpu"], 12, "{g}");
     let samples = g["process_utilization"].as_array().unwrap();
     for p in [pa, pb] {
-        let smp = samples
-            .iter()
-            .find(|x| x["pid"] == p)
-            .unwrap_or_else(|| panic!("no sample for {p}: {g}"));
+        let smp = samples.iter().find(|x| x["pid"] == p).unwrap_or_else(|| panic!("no sample for {p}: {g}"));
         assert_eq!(smp["sm"], 6);
     }
 }
@@ -365,54 +247,24 @@ fn every_launch_path_runs_on_the_timeline() {
         ("graph", vec!["--nodes", "5"], 20),
         ("capture", vec!["--nodes", "5"], 20),
     ] {
-        let mut args = vec![
-            "launch",
-            "--kernel",
-            "sleep_2ms",
-            "--count",
-            "4",
-            "--path",
-            path,
-        ];
+        let mut args = vec!["launch", "--kernel", "sleep_2ms", "--count", "4", "--path", path];
         args.extend(extra);
         let v = s.run1(RT, &args);
         assert_eq!(v["kernels"], kernels, "{path}");
         let ms = v["gpu_ms"].as_f64().unwrap();
         let want = 2.0 * kernels as f64;
-        assert!(
-            ms >= want && ms < want + 5.0,
-            "{path}: {ms} ms for {kernels} x 2 ms"
-        );
+        assert!(ms >= want && ms < want + 5.0, "{path}: {ms} ms for {kernels} x 2 ms");
     }
     // wave_: one block per SM per wave; 324 blocks on 108 SMs = 3 waves of 1 ms.
-    let v = s.run1(
-        RT,
-        &[
-            "launch", "--kernel", "wave_1ms", "--grid", "324", "--count", "2",
-        ],
-    );
+    let v = s.run1(RT, &["launch", "--kernel", "wave_1ms", "--grid", "324", "--count", "2"]);
     assert!((6.0..9.0).contains(&v["gpu_ms"].as_f64().unwrap()), "{v}");
     // param_ns: the first kernel parameter is the duration.
-    let v = s.run1(
-        DLSYM,
-        &[
-            "launch",
-            "--kernel",
-            "param_ns",
-            "--duration-ns",
-            "3000000",
-            "--count",
-            "2",
-        ],
-    );
+    let v = s.run1(DLSYM, &["launch", "--kernel", "param_ns", "--duration-ns", "3000000", "--count", "2"]);
     assert!((6.0..9.0).contains(&v["gpu_ms"].as_f64().unwrap()), "{v}");
     // A cooperative grid larger than the GPU can hold at once is refused.
     let o = s.output(
         RT,
-        &[
-            "launch", "--device", "1", "--path", "coop", "--grid", "1000", "--block", "1024",
-            "--count", "1",
-        ],
+        &["launch", "--device", "1", "--path", "coop", "--grid", "1000", "--block", "1024", "--count", "1"],
     );
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE"));
@@ -426,12 +278,7 @@ fn visible_devices_remap_ordinals() {
     let s = Sim::new(Some(SMALL));
     let uuid1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_owned();
     let one = |v: &str| {
-        let o = s
-            .cmd(RT)
-            .env("CUDA_VISIBLE_DEVICES", v)
-            .arg("info")
-            .output()
-            .unwrap();
+        let o = s.cmd(RT).env("CUDA_VISIBLE_DEVICES", v).arg("info").output().unwrap();
         (o.status.success(), lines(&o.stdout))
     };
     let (ok, v) = one("1");
@@ -443,11 +290,7 @@ fn visible_devices_remap_ordinals() {
     let (_, v) = one("1,0");
     assert_eq!(v[0]["devices"][1]["name"], "NVIDIA A100-SXM4-40GB");
     let (_, v) = one("0,7,1");
-    assert_eq!(
-        v[0]["devices"].as_array().unwrap().len(),
-        1,
-        "parsing stops at the first invalid entry"
-    );
+    assert_eq!(v[0]["devices"].as_array().unwrap().len(), 1, "parsing stops at the first invalid entry");
     let (ok, _) = one("");
     assert!(!ok, "no visible device: cuInit fails");
 }
@@ -455,21 +298,7 @@ fn visible_devices_remap_ordinals() {
 #[test]
 fn faults_and_bad_configuration_are_reported() {
     let s = Sim::new(Some(SMALL));
-    assert!(s
-        .output(
-            SIM,
-            &[
-                "fault",
-                "set",
-                "cuMemAlloc_v2",
-                "--code",
-                "2",
-                "--count",
-                "1"
-            ]
-        )
-        .status
-        .success());
+    assert!(s.output(SIM, &["fault", "set", "cuMemAlloc_v2", "--code", "2", "--count", "1"]).status.success());
     let v = s.run1(RT, &["alloc", "--size", "1m"]);
     assert_eq!(v["error"], "CUDA_ERROR_OUT_OF_MEMORY");
     assert_eq!(v["allocated"], 0);
@@ -479,28 +308,15 @@ fn faults_and_bad_configuration_are_reported() {
     // Another node description on the same state directory is refused with the reason.
     let other = s.state.with_extension("other.toml");
     std::fs::write(&other, "[[gpu]]\nmodel = \"A30\"\n").unwrap();
-    let o = s
-        .cmd(RT)
-        .env("VGPU_SIM_CONFIG", &other)
-        .arg("info")
-        .output()
-        .unwrap();
+    let o = s.cmd(RT).env("VGPU_SIM_CONFIG", &other).arg("info").output().unwrap();
     std::fs::remove_file(&other).ok();
     assert!(!o.status.success());
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        e.contains("different node description") && e.contains("CUDA_ERROR_NO_DEVICE"),
-        "{e}"
-    );
+    assert!(e.contains("different node description") && e.contains("CUDA_ERROR_NO_DEVICE"), "{e}");
 
     let bad = s.state.with_extension("bad.toml");
     std::fs::write(&bad, "[[gpu]]\nmodel = \"Z9\"\n").unwrap();
-    let o = s
-        .cmd(SIM)
-        .env("VGPU_SIM_CONFIG", &bad)
-        .arg("status")
-        .output()
-        .unwrap();
+    let o = s.cmd(SIM).env("VGPU_SIM_CONFIG", &bad).arg("status").output().unwrap();
     std::fs::remove_file(&bad).ok();
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown model \"Z9\""));
 }
@@ -514,38 +330,20 @@ fn a_preloaded_symbol_captures_only_link_time_bindings() {
     let s = Sim::new(Some(SMALL));
     let src = s.state.join("shim.c");
     let so = s.state.join("libshim.so");
-    std::fs::write(&src, "unsigned int cuMemAlloc_v2(unsigned long long *p, unsigned long n) { (void)p; (void)n; return 12345; }\n").unwrap();
+    std::fs::write(
+        &src,
+        "unsigned int cuMemAlloc_v2(unsigned long long *p, unsigned long n) { (void)p; (void)n; return 12345; }\n",
+    )
+    .unwrap();
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let st = std::process::Command::new(cc)
-        .args(["-shared", "-fPIC", "-o"])
-        .arg(&so)
-        .arg(&src)
-        .status()
-        .unwrap();
+    let st = std::process::Command::new(cc).args(["-shared", "-fPIC", "-o"]).arg(&so).arg(&src).status().unwrap();
     assert!(st.success());
     let alloc = |bin: &str| {
-        let o = s
-            .cmd(bin)
-            .env("LD_PRELOAD", &so)
-            .args(["alloc", "--size", "1m"])
-            .output()
-            .unwrap();
+        let o = s.cmd(bin).env("LD_PRELOAD", &so).args(["alloc", "--size", "1m"]).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         lines(&o.stdout)[0]["error"].clone()
     };
-    assert_eq!(
-        alloc(DIRECT),
-        "CUresult(12345)",
-        "link-time binding goes to the preloaded symbol"
-    );
-    assert_eq!(
-        alloc(DLSYM),
-        Value::Null,
-        "dlsym on a private handle reaches the driver itself"
-    );
-    assert_eq!(
-        alloc(RT),
-        Value::Null,
-        "cuGetProcAddress hands out the driver's own entry point"
-    );
+    assert_eq!(alloc(DIRECT), "CUresult(12345)", "link-time binding goes to the preloaded symbol");
+    assert_eq!(alloc(DLSYM), Value::Null, "dlsym on a private handle reaches the driver itself");
+    assert_eq!(alloc(RT), Value::Null, "cuGetProcAddress hands out the driver's own entry point");
 }

@@ -22,10 +22,7 @@ numa_node = 0
 fn nvml_agrees_with_the_driver() {
     let mut s = Sim::new(Some(NODE));
     let (p0, _) = s.spawn(RT, &["alloc", "--size", "200m", "--hold"]);
-    let (p1, _) = s.spawn(
-        DIRECT,
-        &["alloc", "--device", "1", "--size", "100m", "--hold"],
-    );
+    let (p1, _) = s.spawn(DIRECT, &["alloc", "--device", "1", "--size", "100m", "--hold"]);
     let info = s.run1(DLSYM, &["info"]);
     let n = s.nvml();
     assert_eq!(n["driver_version"], "550.54.15");
@@ -37,48 +34,24 @@ fn nvml_agrees_with_the_driver() {
         assert_eq!(g["name"], d["name"]);
         assert_eq!(g["memory"]["total"], d["total_mem"]);
         assert_eq!(g["cc"], d["cc"]);
-        assert!(g["pci"]["bus_id"]
-            .as_str()
-            .unwrap()
-            .to_lowercase()
-            .ends_with(d["pci_bus_id"].as_str().unwrap()));
-        assert_eq!(
-            g["memory"]["used"],
-            mib * MIB,
-            "gpu {i}: NVML used = the processes' memory"
-        );
-        assert_eq!(
-            g["memory"]["free"].as_u64().unwrap() + mib * MIB,
-            g["memory"]["total"].as_u64().unwrap()
-        );
+        assert!(g["pci"]["bus_id"].as_str().unwrap().to_lowercase().ends_with(d["pci_bus_id"].as_str().unwrap()));
+        assert_eq!(g["memory"]["used"], mib * MIB, "gpu {i}: NVML used = the processes' memory");
+        assert_eq!(g["memory"]["free"].as_u64().unwrap() + mib * MIB, g["memory"]["total"].as_u64().unwrap());
         let procs = g["processes"]["Ok"].as_array().unwrap();
         assert_eq!(procs.len(), 1, "gpu {i}: {procs:?}");
         assert_eq!(procs[0]["pid"], pid);
         assert_eq!(procs[0]["used"], mib * MIB);
     }
-    assert_eq!(
-        n["gpus"][2]["processes"]["Ok"],
-        Value::Array(vec![]),
-        "the L4 has no process"
-    );
+    assert_eq!(n["gpus"][2]["processes"]["Ok"], Value::Array(vec![]), "the L4 has no process");
     // Topology: GPU 0 and the L4 share NUMA node 0; GPU 1 is on node 1.
     assert_eq!(n["gpus"][0]["numa_node"], 0);
     assert_eq!(n["gpus"][1]["numa_node"], 1);
-    assert_eq!(
-        n["gpus"][0]["topology"],
-        serde_json::json!(["Internal", "System", "Node"])
-    );
+    assert_eq!(n["gpus"][0]["topology"], serde_json::json!(["Internal", "System", "Node"]));
     assert_eq!(n["gpus"][0]["cpu_affinity"][0], 0xffff_ffffu64);
     assert_eq!(n["gpus"][1]["cpu_affinity"][0], 0xffff_ffffu64 << 32);
+    assert_eq!(n["gpus"][2]["max_mig_devices"], Value::Null, "no MIG on the L4");
     assert_eq!(
-        n["gpus"][2]["max_mig_devices"],
-        Value::Null,
-        "no MIG on the L4"
-    );
-    assert_eq!(
-        n["gpus"][2]["mig_mode"]["Err"]
-            .as_str()
-            .map(|e| e.contains("not available")),
+        n["gpus"][2]["mig_mode"]["Err"].as_str().map(|e| e.contains("not available")),
         Some(true),
         "{}",
         n["gpus"][2]["mig_mode"]
@@ -86,10 +59,7 @@ fn nvml_agrees_with_the_driver() {
 
     s.kill(p0);
     let n = s.nvml();
-    assert_eq!(
-        n["gpus"][0]["memory"]["used"], 0,
-        "a SIGKILLed process's memory is gone"
-    );
+    assert_eq!(n["gpus"][0]["memory"]["used"], 0, "a SIGKILLed process's memory is gone");
     assert_eq!(n["gpus"][0]["processes"]["Ok"], Value::Array(vec![]));
 }
 
@@ -101,31 +71,17 @@ fn ret(v: &Value) -> u64 {
 fn ampere_mig_mode_waits_for_a_reset_that_clients_block() {
     let mut s = Sim::new(Some(NODE));
     let r = s.mig(0, &["mode:1"]);
-    assert_eq!(
-        (ret(&r[0]), r[0]["activation"].as_u64()),
-        (0, Some(16)),
-        "NVML_ERROR_RESET_REQUIRED"
-    );
+    assert_eq!((ret(&r[0]), r[0]["activation"].as_u64()), (0, Some(16)), "NVML_ERROR_RESET_REQUIRED");
     let n = s.nvml();
-    assert_eq!(
-        n["gpus"][0]["mig_mode"]["Ok"],
-        serde_json::json!({"current": 0, "pending": 1})
-    );
-    assert_eq!(
-        ret(&s.mig(0, &["create:19@0"])[0]),
-        3,
-        "no instances before the mode is active"
-    );
+    assert_eq!(n["gpus"][0]["mig_mode"]["Ok"], serde_json::json!({"current": 0, "pending": 1}));
+    assert_eq!(ret(&s.mig(0, &["create:19@0"])[0]), 3, "no instances before the mode is active");
 
     let (holder, _) = s.spawn(RT, &["hold"]);
     let o = s.output(SIM, &["reset", "--gpu", "0"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("in use"));
     s.kill(holder);
     assert!(s.output(SIM, &["reset", "--gpu", "0"]).status.success());
-    assert_eq!(
-        s.nvml()["gpus"][0]["mig_mode"]["Ok"],
-        serde_json::json!({"current": 1, "pending": 1})
-    );
+    assert_eq!(s.nvml()["gpus"][0]["mig_mode"]["Ok"], serde_json::json!({"current": 1, "pending": 1}));
     assert_eq!(ret(&s.mig(0, &["create:19@0"])[0]), 0);
     assert!(s.output(SIM, &["reboot"]).status.success());
     let n = s.nvml();
@@ -134,36 +90,21 @@ fn ampere_mig_mode_waits_for_a_reset_that_clients_block() {
         serde_json::json!({"current": 1, "pending": 1}),
         "Ampere keeps MIG mode"
     );
-    assert_eq!(
-        s.mig(0, &["list"])[0]["gpu_instances"],
-        Value::Array(vec![]),
-        "a reboot wipes instances"
-    );
+    assert_eq!(s.mig(0, &["list"])[0]["gpu_instances"], Value::Array(vec![]), "a reboot wipes instances");
 }
 
 #[test]
 fn hopper_mig_mode_switches_at_once_and_is_lost_at_reboot() {
     let mut s = Sim::new(Some(NODE));
     let (holder, _) = s.spawn(RT, &["hold", "--device", "1"]);
-    assert_eq!(
-        ret(&s.mig(1, &["mode:1"])[0]),
-        19,
-        "NVML_ERROR_IN_USE while a process holds the GPU"
-    );
+    assert_eq!(ret(&s.mig(1, &["mode:1"])[0]), 19, "NVML_ERROR_IN_USE while a process holds the GPU");
     s.kill(holder);
     let r = s.mig(1, &["mode:1", "create:0"]);
     assert_eq!((ret(&r[0]), r[0]["activation"].as_u64()), (0, Some(0)));
     assert_eq!(ret(&r[1]), 0, "7g instance right away");
-    assert_eq!(
-        ret(&s.mig(1, &["mode:0"])[0]),
-        19,
-        "cannot disable with instances present"
-    );
+    assert_eq!(ret(&s.mig(1, &["mode:0"])[0]), 19, "cannot disable with instances present");
     assert!(s.output(SIM, &["reboot"]).status.success());
-    assert_eq!(
-        s.nvml()["gpus"][1]["mig_mode"]["Ok"],
-        serde_json::json!({"current": 0, "pending": 0})
-    );
+    assert_eq!(s.nvml()["gpus"][1]["mig_mode"]["Ok"], serde_json::json!({"current": 0, "pending": 0}));
     // Non-MIG card.
     assert_eq!(ret(&s.mig(2, &["mode:1"])[0]), 3);
 }
@@ -196,21 +137,14 @@ fn mig_placement_rules_and_return_codes() {
         ],
     );
     let codes: Vec<u64> = r.iter().map(ret).collect();
-    assert_eq!(
-        codes,
-        vec![2, 2, 0, 23, 0, 0, 0, 0, 0, 0, 23, 0, 2],
-        "{r:?}"
-    );
+    assert_eq!(codes, vec![2, 2, 0, 23, 0, 0, 0, 0, 0, 0, 23, 0, 2], "{r:?}");
     assert_eq!(r[7]["count"], 0, "4g + 3g fill the GPU");
     assert_eq!(r[11]["count"], 6, "six more 1g next to a 1g+me");
 
     // Compute instances, IN_USE on destroy, MIG device handles.
     let r = s.mig(0, &["destroy-all", "create:0", "list"]);
     let gi = r[2]["gpu_instances"][0]["id"].as_u64().unwrap().to_string();
-    let r = s.mig(
-        0,
-        &[&format!("ci:{gi}:4"), &format!("destroy:{gi}"), "devices"],
-    );
+    let r = s.mig(0, &[&format!("ci:{gi}:4"), &format!("destroy:{gi}"), "devices"]);
     assert_eq!((ret(&r[0]), ret(&r[1])), (0, 19), "{r:?}");
     let devs = r[2]["mig_devices"].as_array().unwrap();
     assert_eq!(devs.len(), 1);
@@ -219,45 +153,15 @@ fn mig_placement_rules_and_return_codes() {
     assert_eq!(devs[0]["memory"], 40448 * MIB);
     assert_eq!(devs[0]["is_mig"], true);
     let ci = r[0]["id"].as_u64().unwrap();
-    let r = s.mig(
-        0,
-        &[
-            &format!("destroyci:{gi}:{ci}"),
-            &format!("destroy:{gi}"),
-            "list",
-        ],
-    );
+    let r = s.mig(0, &[&format!("destroyci:{gi}:{ci}"), &format!("destroy:{gi}"), "list"]);
     assert_eq!((ret(&r[0]), ret(&r[1])), (0, 0));
     assert_eq!(r[2]["gpu_instances"], Value::Array(vec![]));
 
     // Profile info by NVML profile index.
-    let r = s.mig(
-        0,
-        &[
-            "profile:0",
-            "profile:9",
-            "profile:4",
-            "profile:5",
-            "profile:40",
-        ],
-    );
-    assert_eq!(
-        (
-            r[0]["id"].as_u64(),
-            r[0]["count"].as_u64(),
-            r[0]["mib"].as_u64()
-        ),
-        (Some(19), Some(7), Some(4864))
-    );
-    assert_eq!(
-        (r[1]["id"].as_u64(), r[1]["slices"].as_u64()),
-        (Some(15), Some(1)),
-        "1g.10gb"
-    );
-    assert_eq!(
-        (r[2]["id"].as_u64(), r[2]["sm"].as_u64()),
-        (Some(0), Some(98))
-    );
+    let r = s.mig(0, &["profile:0", "profile:9", "profile:4", "profile:5", "profile:40"]);
+    assert_eq!((r[0]["id"].as_u64(), r[0]["count"].as_u64(), r[0]["mib"].as_u64()), (Some(19), Some(7), Some(4864)));
+    assert_eq!((r[1]["id"].as_u64(), r[1]["slices"].as_u64()), (Some(15), Some(1)), "1g.10gb");
+    assert_eq!((r[2]["id"].as_u64(), r[2]["sm"].as_u64()), (Some(0), Some(98)));
     assert_eq!(ret(&r[3]), 3, "no 8-slice profile on the A100");
     assert_eq!(ret(&r[4]), 2, "index beyond the profile range");
 }
@@ -320,16 +224,7 @@ fn all_nineteen_maximal_a100_layouts_are_creatable_with_placements() {
     for l in &layouts {
         let mut ops = vec!["destroy-all".to_string()];
         ops.extend(l.iter().map(|(id, start)| format!("create:{id}@{start}")));
-        ops.extend(
-            [
-                "remaining:19",
-                "remaining:14",
-                "remaining:9",
-                "remaining:5",
-                "remaining:0",
-            ]
-            .map(String::from),
-        );
+        ops.extend(["remaining:19", "remaining:14", "remaining:9", "remaining:5", "remaining:0"].map(String::from));
         let refs: Vec<&str> = ops.iter().map(String::as_str).collect();
         let r = s.mig(0, &refs);
         for (op, v) in ops.iter().zip(&r) {
@@ -343,52 +238,19 @@ fn all_nineteen_maximal_a100_layouts_are_creatable_with_placements() {
 
 #[test]
 fn hopper_and_a30_tables() {
-    let s = Sim::new(Some(
-        "[[gpu]]\nmodel = \"H200-141GB\"\n[[gpu]]\nmodel = \"A30\"\n",
-    ));
-    let r = s.mig(
-        0,
-        &[
-            "mode:1",
-            "profile:4",
-            "create:15@6",
-            "create:15@0",
-            "create:14@2",
-            "create:9@4",
-            "remaining:19",
-        ],
-    );
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H200-141GB\"\n[[gpu]]\nmodel = \"A30\"\n"));
+    let r =
+        s.mig(0, &["mode:1", "profile:4", "create:15@6", "create:15@0", "create:14@2", "create:9@4", "remaining:19"]);
     assert_eq!(r[1]["mib"], 143104);
     assert_eq!(r[1]["sm"], 132);
     let codes: Vec<u64> = r.iter().map(ret).collect();
-    assert_eq!(
-        codes,
-        vec![0, 0, 0, 0, 0, 23, 0],
-        "1g.35gb@6 + 1g.35gb@0 + 2g@2 leave no room for 3g@4: {r:?}"
-    );
-    assert_eq!(
-        r[6]["count"], 2,
-        "memory slices 4 and 5 are free, 3 compute slices left"
-    );
+    assert_eq!(codes, vec![0, 0, 0, 0, 0, 23, 0], "1g.35gb@6 + 1g.35gb@0 + 2g@2 leave no room for 3g@4: {r:?}");
+    assert_eq!(r[6]["count"], 2, "memory slices 4 and 5 are free, 3 compute slices left");
     assert_eq!(ret(&s.mig(1, &["mode:1"])[0]), 0);
     assert!(s.output(SIM, &["reset", "--gpu", "1"]).status.success());
-    let r = s.mig(
-        1,
-        &[
-            "create:0@0",
-            "remaining:14",
-            "destroy-all",
-            "create:5@2",
-            "create:5@0",
-            "create:6@0",
-        ],
-    );
+    let r = s.mig(1, &["create:0@0", "remaining:14", "destroy-all", "create:5@2", "create:5@0", "create:6@0"]);
     let codes: Vec<u64> = r.iter().map(ret).collect();
-    assert_eq!(
-        codes,
-        vec![0, 0, 0, 0, 0, 23],
-        "A30: 4g fills it; 2g@0 + 2g@2; +me has no room left: {r:?}"
-    );
+    assert_eq!(codes, vec![0, 0, 0, 0, 0, 23], "A30: 4g fills it; 2g@0 + 2g@2; +me has no room left: {r:?}");
     assert_eq!(r[1]["count"], 0);
 }
 
@@ -397,44 +259,15 @@ fn nvml_faults_and_xid_events() {
     let s = Sim::new(Some(NODE));
     let lib = s.libs.join("libnvidia-ml.so.1");
     let lib = lib.to_str().unwrap();
-    assert!(s
-        .output(
-            SIM,
-            &[
-                "fault",
-                "set",
-                "nvmlDeviceGetCount_v2",
-                "--code",
-                "15",
-                "--count",
-                "1"
-            ]
-        )
-        .status
-        .success());
+    assert!(s.output(SIM, &["fault", "set", "nvmlDeviceGetCount_v2", "--code", "15", "--count", "1"]).status.success());
     let o = s.output(NVML, &["--lib", lib, "snapshot"]);
     assert!(!o.status.success(), "the first call fails");
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("fell off the bus"),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("fell off the bus"), "{}", String::from_utf8_lossy(&o.stderr));
     s.nvml(); // then it works again
 
     // A fault on one GPU leaves the others alone.
     assert!(s
-        .output(
-            SIM,
-            &[
-                "fault",
-                "set",
-                "nvmlDeviceGetMemoryInfo_v2",
-                "--gpu",
-                "1",
-                "--code",
-                "15"
-            ]
-        )
+        .output(SIM, &["fault", "set", "nvmlDeviceGetMemoryInfo_v2", "--gpu", "1", "--code", "15"])
         .status
         .success());
     let n = s.nvml();
@@ -449,17 +282,7 @@ fn nvml_faults_and_xid_events() {
     assert!(s
         .output(
             SIM,
-            &[
-                "fault",
-                "set",
-                "nvmlDeviceGetCount_v2",
-                "--code",
-                "0",
-                "--latency-us",
-                "300000",
-                "--count",
-                "1"
-            ]
+            &["fault", "set", "nvmlDeviceGetCount_v2", "--code", "0", "--latency-us", "300000", "--count", "1"]
         )
         .status
         .success());
@@ -470,15 +293,7 @@ fn nvml_faults_and_xid_events() {
     // XID events reach a waiting NVML client.
     let mut child = s
         .cmd(NVML)
-        .args([
-            "--lib",
-            lib,
-            "events",
-            "--gpu",
-            "1",
-            "--timeout-ms",
-            "10000",
-        ])
+        .args(["--lib", lib, "events", "--gpu", "1", "--timeout-ms", "10000"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -486,16 +301,8 @@ fn nvml_faults_and_xid_events() {
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
     assert!(line.contains("registered"), "{line}");
-    assert!(
-        s.output(SIM, &["xid", "--gpu", "0", "--code", "31"])
-            .status
-            .success(),
-        "another GPU's event"
-    );
-    assert!(s
-        .output(SIM, &["xid", "--gpu", "1", "--code", "79"])
-        .status
-        .success());
+    assert!(s.output(SIM, &["xid", "--gpu", "0", "--code", "31"]).status.success(), "another GPU's event");
+    assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
     line.clear();
     out.read_line(&mut line).unwrap();
     child.wait().unwrap();

@@ -50,40 +50,19 @@ impl CUresult {
             101 => ("CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"),
             200 => ("CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"),
             201 => ("CUDA_ERROR_INVALID_CONTEXT", "invalid device context"),
-            202 => (
-                "CUDA_ERROR_CONTEXT_ALREADY_CURRENT",
-                "context already current",
-            ),
+            202 => ("CUDA_ERROR_CONTEXT_ALREADY_CURRENT", "context already current"),
             301 => ("CUDA_ERROR_FILE_NOT_FOUND", "file not found"),
             400 => ("CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"),
-            401 => (
-                "CUDA_ERROR_ILLEGAL_STATE",
-                "the operation cannot be performed in the present state",
-            ),
+            401 => ("CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"),
             500 => ("CUDA_ERROR_NOT_FOUND", "named symbol not found"),
             600 => ("CUDA_ERROR_NOT_READY", "device not ready"),
-            700 => (
-                "CUDA_ERROR_ILLEGAL_ADDRESS",
-                "an illegal memory access was encountered",
-            ),
-            701 => (
-                "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
-                "too many resources requested for launch",
-            ),
-            720 => (
-                "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
-                "too many blocks in cooperative launch",
-            ),
+            700 => ("CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"),
+            701 => ("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested for launch"),
+            720 => ("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", "too many blocks in cooperative launch"),
             800 => ("CUDA_ERROR_NOT_PERMITTED", "operation not permitted"),
             801 => ("CUDA_ERROR_NOT_SUPPORTED", "operation not supported"),
-            900 => (
-                "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
-                "operation not permitted when stream is capturing",
-            ),
-            901 => (
-                "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
-                "operation failed due to a previous error during capture",
-            ),
+            900 => ("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"),
+            901 => ("CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"),
             903 => (
                 "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
                 "operation would make the legacy stream depend on a capturing blocking stream",
@@ -338,9 +317,7 @@ pub fn parse_kernel_name(name: &str) -> Option<KernelKind> {
     } else {
         return None;
     };
-    let digits = rest
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(rest.len());
+    let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
     let n: u64 = rest[..digits].parse().ok()?;
     let mult = match &rest[digits..] {
         "ns" => 1,
@@ -357,14 +334,8 @@ mod tests {
     use super::*;
     #[test]
     fn kernel_names() {
-        assert_eq!(
-            parse_kernel_name("sleep_50us"),
-            Some(KernelKind::Fixed(50_000))
-        );
-        assert_eq!(
-            parse_kernel_name("wave_2ms"),
-            Some(KernelKind::PerWave(2_000_000))
-        );
+        assert_eq!(parse_kernel_name("sleep_50us"), Some(KernelKind::Fixed(50_000)));
+        assert_eq!(parse_kernel_name("wave_2ms"), Some(KernelKind::PerWave(2_000_000)));
         assert_eq!(parse_kernel_name("param_ns"), Some(KernelKind::Param));
         assert_eq!(parse_kernel_name("sleep_5"), None);
         assert_eq!(parse_kernel_name("gemm"), None);

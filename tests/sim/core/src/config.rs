@@ -68,9 +68,8 @@ impl Config {
     pub fn from_env() -> Result<Config, String> {
         match std::env::var_os("VGPU_SIM_CONFIG") {
             Some(p) if !p.is_empty() => {
-                let text = std::fs::read_to_string(&p).map_err(|e| {
-                    format!("cannot read VGPU_SIM_CONFIG {}: {e}", p.to_string_lossy())
-                })?;
+                let text = std::fs::read_to_string(&p)
+                    .map_err(|e| format!("cannot read VGPU_SIM_CONFIG {}: {e}", p.to_string_lossy()))?;
                 Config::parse(&text).map_err(|e| format!("{}: {e}", p.to_string_lossy()))
             }
             _ => Config::parse(DEFAULT_CONFIG),
@@ -83,10 +82,7 @@ impl Config {
             return Err("the node has no [[gpu]] entries".into());
         }
         if raw.gpu.len() > MAX_GPUS {
-            return Err(format!(
-                "{} GPUs configured; at most {MAX_GPUS}",
-                raw.gpu.len()
-            ));
+            return Err(format!("{} GPUs configured; at most {MAX_GPUS}", raw.gpu.len()));
         }
         let n = raw.gpu.len() as u32;
         let mut gpus = Vec::new();
@@ -94,21 +90,14 @@ impl Config {
             let i = i as u32;
             let model = models::model(&g.model).ok_or_else(|| {
                 let known: Vec<_> = models::MODELS.iter().map(|m| m.key).collect();
-                format!(
-                    "gpu {i}: unknown model {:?} (known: {})",
-                    g.model,
-                    known.join(", ")
-                )
+                format!("gpu {i}: unknown model {:?} (known: {})", g.model, known.join(", "))
             })?;
             let uuid = g.uuid.unwrap_or_else(|| default_uuid(i));
             if !uuid.starts_with("GPU-") {
                 return Err(format!("gpu {i}: uuid must start with GPU-"));
             }
-            let bus = g
-                .pci_bus_id
-                .unwrap_or_else(|| format!("0000:{:02x}:00.0", 0x18 + i * 0x10));
-            let (dom, b, d) =
-                parse_bus_id(&bus).ok_or_else(|| format!("gpu {i}: bad pci_bus_id {bus:?}"))?;
+            let bus = g.pci_bus_id.unwrap_or_else(|| format!("0000:{:02x}:00.0", 0x18 + i * 0x10));
+            let (dom, b, d) = parse_bus_id(&bus).ok_or_else(|| format!("gpu {i}: bad pci_bus_id {bus:?}"))?;
             let memory_mib = g.memory_mib.unwrap_or(model.memory_mib);
             if memory_mib == 0 {
                 return Err(format!("gpu {i}: memory_mib must be positive"));
@@ -121,9 +110,7 @@ impl Config {
                 pci_domain: dom,
                 pci_bus: b,
                 pci_device: d,
-                numa_node: g
-                    .numa_node
-                    .unwrap_or(if n > 1 { (i * 2 / n) as i32 } else { 0 }),
+                numa_node: g.numa_node.unwrap_or(if n > 1 { (i * 2 / n) as i32 } else { 0 }),
                 memory_bytes: memory_mib << 20,
                 sm_count: g.sm_count.unwrap_or(model.sm_count),
                 nvlink_domain: g.nvlink_domain,
@@ -167,13 +154,7 @@ pub fn state_dir() -> PathBuf {
 
 fn default_uuid(i: u32) -> String {
     let x = 0x5eed_0000_u32 + i;
-    format!(
-        "GPU-{x:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
-        i * 17 + 0x1000,
-        i,
-        i * 3,
-        0xc0de_0000_u64 + i as u64
-    )
+    format!("GPU-{x:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}", i * 17 + 0x1000, i, i * 3, 0xc0de_0000_u64 + i as u64)
 }
 
 fn parse_bus_id(s: &str) -> Option<(u32, u32, u32)> {
@@ -224,13 +205,9 @@ mod tests {
     #[test]
     fn bad_configs_are_rejected_with_reason() {
         assert!(Config::parse("").unwrap_err().contains("no [[gpu]]"));
-        assert!(Config::parse("[[gpu]]\nmodel='X1'")
-            .unwrap_err()
-            .contains("unknown model"));
+        assert!(Config::parse("[[gpu]]\nmodel='X1'").unwrap_err().contains("unknown model"));
         assert!(Config::parse("[[gpu]]\nmodel='A30'\ncolour=1").is_err());
-        assert!(Config::parse("[[gpu]]\nmodel='A30'\npci_bus_id='zz'")
-            .unwrap_err()
-            .contains("pci_bus_id"));
+        assert!(Config::parse("[[gpu]]\nmodel='A30'\npci_bus_id='zz'").unwrap_err().contains("pci_bus_id"));
     }
 
     #[test]
@@ -240,9 +217,6 @@ mod tests {
         assert_eq!(b.gpus[0].memory_bytes, 1 << 30);
         assert_eq!(b.gpus[0].sm_count, 8);
         assert_ne!(a.fingerprint(), b.fingerprint());
-        assert_eq!(
-            a.fingerprint(),
-            Config::parse("[[gpu]]\nmodel='A30'").unwrap().fingerprint()
-        );
+        assert_eq!(a.fingerprint(), Config::parse("[[gpu]]\nmodel='A30'").unwrap().fingerprint());
     }
 }

@@ -32,12 +32,7 @@ fn table(m: &Model) -> Result<&MigTable, MigErr> {
     m.mig.as_ref().ok_or(MigErr::NotSupported)
 }
 
-pub fn set_mode(
-    st: &mut MigState,
-    m: &Model,
-    mode: u32,
-    gpu_in_use: bool,
-) -> Result<Activation, MigErr> {
+pub fn set_mode(st: &mut MigState, m: &Model, mode: u32, gpu_in_use: bool) -> Result<Activation, MigErr> {
     table(m)?;
     if mode > 1 {
         return Err(MigErr::InvalidArgument);
@@ -48,11 +43,7 @@ pub fn set_mode(
     match m.arch {
         Arch::Ampere => {
             st.pending = mode;
-            Ok(if st.current == mode {
-                Activation::Done
-            } else {
-                Activation::ResetRequired
-            })
+            Ok(if st.current == mode { Activation::Done } else { Activation::ResetRequired })
         }
         _ => {
             if gpu_in_use && st.current != mode {
@@ -92,9 +83,7 @@ fn live_gis(st: &MigState) -> impl Iterator<Item = &GiRec> {
 }
 
 fn gi_fits(st: &MigState, t: &MigTable, p: &crate::models::GiProfile, start: u32) -> bool {
-    let used_compute: u32 = live_gis(st)
-        .map(|g| t.by_id(g.profile_id).map_or(0, |q| q.g))
-        .sum();
+    let used_compute: u32 = live_gis(st).map(|g| t.by_id(g.profile_id).map_or(0, |q| q.g)).sum();
     if used_compute + p.g > t.compute_slices {
         return false;
     }
@@ -109,12 +98,7 @@ pub fn placements(m: &Model, profile_id: u32) -> Result<Vec<(u32, u32)>, MigErr>
 
 /// Creates a GPU instance; `start` None lets the "driver" pick the lowest free placement.
 /// Returns the index of the record in `st.gis`.
-pub fn create_gi(
-    st: &mut MigState,
-    m: &Model,
-    profile_id: u32,
-    start: Option<u32>,
-) -> Result<usize, MigErr> {
+pub fn create_gi(st: &mut MigState, m: &Model, profile_id: u32, start: Option<u32>) -> Result<usize, MigErr> {
     let t = table(m)?;
     if st.current != 1 {
         return Err(MigErr::NotSupported);
@@ -131,26 +115,11 @@ pub fn create_gi(
     let start = match start {
         Some(s) if gi_fits(st, t, p, s) => s,
         Some(_) => return Err(MigErr::InsufficientResources),
-        None => *p
-            .starts
-            .iter()
-            .find(|&&s| gi_fits(st, t, p, s))
-            .ok_or(MigErr::InsufficientResources)?,
+        None => *p.starts.iter().find(|&&s| gi_fits(st, t, p, s)).ok_or(MigErr::InsufficientResources)?,
     };
-    let slot = st
-        .gis
-        .iter()
-        .position(|g| g.live == 0)
-        .ok_or(MigErr::InsufficientResources)?;
+    let slot = st.gis.iter().position(|g| g.live == 0).ok_or(MigErr::InsufficientResources)?;
     let id = (1..).find(|id| live_gis(st).all(|g| g.id != *id)).unwrap();
-    st.gis[slot] = GiRec {
-        live: 1,
-        id,
-        profile_id,
-        start,
-        size: p.size,
-        cis: [CiRec::default(); MAX_CI],
-    };
+    st.gis[slot] = GiRec { live: 1, id, profile_id, start, size: p.size, cis: [CiRec::default(); MAX_CI] };
     Ok(slot)
 }
 
@@ -159,11 +128,7 @@ pub fn gi_by_id(st: &MigState, id: u32) -> Option<usize> {
 }
 
 pub fn destroy_gi(st: &mut MigState, slot: usize) -> Result<(), MigErr> {
-    let g = st
-        .gis
-        .get_mut(slot)
-        .filter(|g| g.live != 0)
-        .ok_or(MigErr::NotFound)?;
+    let g = st.gis.get_mut(slot).filter(|g| g.live != 0).ok_or(MigErr::NotFound)?;
     if g.cis.iter().any(|c| c.live != 0) {
         return Err(MigErr::InUse);
     }
@@ -189,23 +154,15 @@ pub fn remaining_gi(st: &MigState, m: &Model, profile_id: u32) -> Result<u32, Mi
 
 /// Compute-slice count of a GPU instance.
 pub fn gi_slices(m: &Model, g: &GiRec) -> u32 {
-    m.mig
-        .as_ref()
-        .and_then(|t| t.by_id(g.profile_id))
-        .map_or(0, |p| p.g)
+    m.mig.as_ref().and_then(|t| t.by_id(g.profile_id)).map_or(0, |p| p.g)
 }
 
 /// (slices, instanceCount, valid starts) of compute-instance profile `ci_profile` in GPU instance `g`.
 pub fn ci_profile(m: &Model, g: &GiRec, ci_profile: u32) -> Result<(u32, u32, Vec<u32>), MigErr> {
     let gs = gi_slices(m, g);
-    let size = *CI_PROFILE_SLICES
-        .get(ci_profile as usize)
-        .ok_or(MigErr::InvalidArgument)?;
+    let size = *CI_PROFILE_SLICES.get(ci_profile as usize).ok_or(MigErr::InvalidArgument)?;
     let max = ci_max(gs, size).ok_or(MigErr::NotSupported)?;
-    let starts: Vec<u32> = (0..gs)
-        .step_by(size as usize)
-        .filter(|s| s + size <= gs)
-        .collect();
+    let starts: Vec<u32> = (0..gs).step_by(size as usize).filter(|s| s + size <= gs).collect();
     Ok((size, max, starts))
 }
 
@@ -216,11 +173,7 @@ pub fn create_ci(
     ci_profile_id: u32,
     start: Option<u32>,
 ) -> Result<usize, MigErr> {
-    let g = st
-        .gis
-        .get(gi)
-        .filter(|g| g.live != 0)
-        .ok_or(MigErr::NotFound)?;
+    let g = st.gis.get(gi).filter(|g| g.live != 0).ok_or(MigErr::NotFound)?;
     let (size, max, starts) = ci_profile(m, g, ci_profile_id)?;
     let live = || g.cis.iter().filter(|c| c.live != 0);
     if live().filter(|c| c.profile_id == ci_profile_id).count() as u32 >= max {
@@ -231,39 +184,17 @@ pub fn create_ci(
         Some(s) if !starts.contains(&s) => return Err(MigErr::InvalidArgument),
         Some(s) if fits(s) => s,
         Some(_) => return Err(MigErr::InsufficientResources),
-        None => *starts
-            .iter()
-            .find(|&&s| fits(s))
-            .ok_or(MigErr::InsufficientResources)?,
+        None => *starts.iter().find(|&&s| fits(s)).ok_or(MigErr::InsufficientResources)?,
     };
-    let slot = g
-        .cis
-        .iter()
-        .position(|c| c.live == 0)
-        .ok_or(MigErr::InsufficientResources)?;
+    let slot = g.cis.iter().position(|c| c.live == 0).ok_or(MigErr::InsufficientResources)?;
     let id = (0..).find(|id| live().all(|c| c.id != *id)).unwrap();
-    st.gis[gi].cis[slot] = CiRec {
-        live: 1,
-        id,
-        profile_id: ci_profile_id,
-        start,
-        size,
-    };
+    st.gis[gi].cis[slot] = CiRec { live: 1, id, profile_id: ci_profile_id, start, size };
     Ok(slot)
 }
 
-pub fn remaining_ci(
-    st: &MigState,
-    m: &Model,
-    gi: usize,
-    ci_profile_id: u32,
-) -> Result<u32, MigErr> {
+pub fn remaining_ci(st: &MigState, m: &Model, gi: usize, ci_profile_id: u32) -> Result<u32, MigErr> {
     let mut tmp = *st;
-    let g = st
-        .gis
-        .get(gi)
-        .filter(|g| g.live != 0)
-        .ok_or(MigErr::NotFound)?;
+    let g = st.gis.get(gi).filter(|g| g.live != 0).ok_or(MigErr::NotFound)?;
     ci_profile(m, g, ci_profile_id)?;
     let mut n = 0;
     while create_ci(&mut tmp, m, gi, ci_profile_id, None).is_ok() {
@@ -319,10 +250,7 @@ mod tests {
         let mut st = MigState::default();
         assert_eq!(set_mode(&mut st, a, 1, true), Ok(Activation::ResetRequired));
         assert_eq!((st.current, st.pending), (0, 1));
-        assert_eq!(
-            create_gi(&mut st, a, 19, Some(0)),
-            Err(MigErr::NotSupported)
-        );
+        assert_eq!(create_gi(&mut st, a, 19, Some(0)), Err(MigErr::NotSupported));
         assert_eq!(reset(&mut st, true), Err(MigErr::InUse));
         reset(&mut st, false).unwrap();
         assert_eq!(st.current, 1);
@@ -338,46 +266,24 @@ mod tests {
         assert_eq!(st.current, 0, "Hopper loses MIG mode at reboot");
 
         let l4 = model("L4").unwrap();
-        assert_eq!(
-            set_mode(&mut MigState::default(), l4, 1, false),
-            Err(MigErr::NotSupported)
-        );
+        assert_eq!(set_mode(&mut MigState::default(), l4, 1, false), Err(MigErr::NotSupported));
     }
 
     #[test]
     fn placement_rules() {
         let (mut st, m) = enabled("A100-40GB");
-        assert_eq!(
-            create_gi(&mut st.clone(), m, 19, Some(7)),
-            Err(MigErr::InvalidArgument),
-            "1g at slot 7"
-        );
-        assert_eq!(
-            create_gi(&mut st.clone(), m, 14, Some(6)),
-            Err(MigErr::InvalidArgument),
-            "2g at 6"
-        );
-        assert_eq!(
-            create_gi(&mut st.clone(), m, 99, None),
-            Err(MigErr::InvalidArgument)
-        );
+        assert_eq!(create_gi(&mut st.clone(), m, 19, Some(7)), Err(MigErr::InvalidArgument), "1g at slot 7");
+        assert_eq!(create_gi(&mut st.clone(), m, 14, Some(6)), Err(MigErr::InvalidArgument), "2g at 6");
+        assert_eq!(create_gi(&mut st.clone(), m, 99, None), Err(MigErr::InvalidArgument));
         let mut s2 = st;
         create_gi(&mut s2, m, 9, Some(0)).unwrap();
-        assert_eq!(
-            create_gi(&mut s2, m, 5, Some(0)),
-            Err(MigErr::InsufficientResources),
-            "3g@0 + 4g@0"
-        );
+        assert_eq!(create_gi(&mut s2, m, 5, Some(0)), Err(MigErr::InsufficientResources), "3g@0 + 4g@0");
         create_gi(&mut st, m, 5, Some(0)).unwrap();
         create_gi(&mut st, m, 9, Some(4)).unwrap();
         assert_eq!(remaining_gi(&st, m, 19), Ok(0));
         let (mut st, m) = enabled("A100-40GB");
         create_gi(&mut st, m, 20, Some(0)).unwrap();
-        assert_eq!(
-            create_gi(&mut st, m, 20, Some(1)),
-            Err(MigErr::InsufficientResources),
-            "second +me"
-        );
+        assert_eq!(create_gi(&mut st, m, 20, Some(1)), Err(MigErr::InsufficientResources), "second +me");
         assert_eq!(remaining_gi(&st, m, 19), Ok(6));
     }
 
@@ -392,22 +298,12 @@ mod tests {
         destroy_ci(&mut st, gi, c).unwrap();
         destroy_gi(&mut st, gi).unwrap();
         let gi = create_gi(&mut st, m, 9, Some(4)).unwrap(); // 3g
-        assert_eq!(
-            create_ci(&mut st, m, gi, 3, None),
-            Err(MigErr::NotSupported),
-            "4c in a 3g"
-        );
-        assert_eq!(
-            create_ci(&mut st, m, gi, 0, Some(3)),
-            Err(MigErr::InvalidArgument)
-        );
+        assert_eq!(create_ci(&mut st, m, gi, 3, None), Err(MigErr::NotSupported), "4c in a 3g");
+        assert_eq!(create_ci(&mut st, m, gi, 0, Some(3)), Err(MigErr::InvalidArgument));
         for _ in 0..3 {
             create_ci(&mut st, m, gi, 0, None).unwrap();
         }
-        assert_eq!(
-            create_ci(&mut st, m, gi, 0, None),
-            Err(MigErr::InsufficientResources)
-        );
+        assert_eq!(create_ci(&mut st, m, gi, 0, None), Err(MigErr::InsufficientResources));
         assert_eq!(mig_devices(&st).len(), 3);
     }
 }

@@ -131,10 +131,7 @@ pub struct Shared {
 unsafe impl Sync for Shared {}
 
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: ts is a valid out-pointer; CLOCK_MONOTONIC always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -148,14 +145,7 @@ pub fn sleep_until(deadline_ns: u64) {
     };
     // SAFETY: ts is valid; an EINTR simply returns early and we loop.
     while now_ns() < deadline_ns {
-        unsafe {
-            libc::clock_nanosleep(
-                libc::CLOCK_MONOTONIC,
-                libc::TIMER_ABSTIME,
-                &ts,
-                std::ptr::null_mut(),
-            )
-        };
+        unsafe { libc::clock_nanosleep(libc::CLOCK_MONOTONIC, libc::TIMER_ABSTIME, &ts, std::ptr::null_mut()) };
     }
 }
 
@@ -199,17 +189,14 @@ impl Node {
     /// The node of this process: `VGPU_SIM_CONFIG` and `VGPU_SIM_STATE`, opened once.
     pub fn global() -> Result<&'static Node, &'static str> {
         GLOBAL
-            .get_or_init(|| {
-                Config::from_env().and_then(|c| Node::open(c, &crate::config::state_dir()))
-            })
+            .get_or_init(|| Config::from_env().and_then(|c| Node::open(c, &crate::config::state_dir())))
             .as_ref()
             .map_err(|e| e.as_str())
     }
 
     /// Opens (creating if needed) the node in `dir`.
     pub fn open(cfg: Config, dir: &Path) -> Result<Node, String> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create state dir {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create state dir {}: {e}", dir.display()))?;
         let lock_file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -222,13 +209,7 @@ impl Node {
         let r = Self::open_locked(&cfg, dir);
         flock(&lock_file, libc::LOCK_UN).ok();
         let shared = r?;
-        Ok(Node {
-            cfg,
-            dir: dir.to_owned(),
-            shared,
-            lock_file,
-            mutex: Mutex::new(()),
-        })
+        Ok(Node { cfg, dir: dir.to_owned(), shared, lock_file, mutex: Mutex::new(()) })
     }
 
     fn open_locked(cfg: &Config, dir: &Path) -> Result<&'static Shared, String> {
@@ -250,10 +231,7 @@ impl Node {
             }
             let s = map(&f, size)?;
             if s.magic.load(Acquire) != MAGIC || s.version != VERSION {
-                return Err(format!(
-                    "{} is not a simulator state file of version {VERSION}",
-                    path.display()
-                ));
+                return Err(format!("{} is not a simulator state file of version {VERSION}", path.display()));
             }
             if s.fingerprint != cfg.fingerprint() || s.ngpus as usize != cfg.gpus.len() {
                 return Err(format!(
@@ -273,8 +251,7 @@ impl Node {
             .custom_flags(libc::O_CLOEXEC)
             .open(&tmp)
             .map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
-        f.set_len(size as u64)
-            .map_err(|e| format!("cannot size {}: {e}", tmp.display()))?;
+        f.set_len(size as u64).map_err(|e| format!("cannot size {}: {e}", tmp.display()))?;
         let s = map(&f, size)?;
         // The file is still private to us: plain initialisation is race-free.
         let p = s as *const Shared as *mut Shared;
@@ -285,8 +262,7 @@ impl Node {
             (*p).fingerprint = cfg.fingerprint();
         }
         s.magic.store(MAGIC, Release);
-        std::fs::rename(&tmp, &path)
-            .map_err(|e| format!("cannot install {}: {e}", path.display()))?;
+        std::fs::rename(&tmp, &path).map_err(|e| format!("cannot install {}: {e}", path.display()))?;
         Ok(s)
     }
 
@@ -348,9 +324,7 @@ impl Node {
             s.procs_hw.fetch_max(i as u32 + 1, AcqRel);
             return Ok((i, f));
         }
-        Err(format!(
-            "all {MAX_PROCS} simulated process slots are in use"
-        ))
+        Err(format!("all {MAX_PROCS} simulated process slots are in use"))
     }
 
     /// Releases the slots of dead processes. Returns the bytes released.
@@ -364,9 +338,7 @@ impl Node {
         static LAST: AtomicU64 = AtomicU64::new(0);
         let now = now_ns();
         let last = LAST.load(Relaxed);
-        if now.saturating_sub(last) > 50_000_000
-            && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
-        {
+        if now.saturating_sub(last) > 50_000_000 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
             self.reap();
         }
     }
@@ -379,11 +351,7 @@ impl Node {
             if slot.state.load(Acquire) != 1 {
                 continue;
             }
-            let Ok(f) = OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_CLOEXEC)
-                .open(self.proc_lock_path(i))
-            else {
+            let Ok(f) = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i)) else {
                 continue;
             };
             if flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
@@ -400,9 +368,7 @@ impl Node {
     /// Live process slots (after the last reap).
     pub fn live_slots(&self) -> impl Iterator<Item = &'static ProcSlot> {
         let hw = self.shared.procs_hw.load(Acquire) as usize;
-        self.shared.procs[..hw]
-            .iter()
-            .filter(|p| p.state.load(Acquire) == 1)
+        self.shared.procs[..hw].iter().filter(|p| p.state.load(Acquire) == 1)
     }
 
     /// Device memory in use on GPU `gpu` by all live processes.
@@ -432,8 +398,7 @@ impl Node {
 
     /// True while some live process other than `except` holds a context on `gpu`.
     pub fn gpu_in_use(&self, gpu: usize, except_pid: Option<u32>) -> bool {
-        self.live_slots()
-            .any(|p| p.ctx[gpu].load(Acquire) > 0 && Some(p.pid.load(Relaxed)) != except_pid)
+        self.live_slots().any(|p| p.ctx[gpu].load(Acquire) > 0 && Some(p.pid.load(Relaxed)) != except_pid)
     }
 
     // ----- the kernel timeline -----
@@ -475,11 +440,7 @@ impl Node {
             idx -= 1;
             let rec = &self.shared.rings[gpu][(idx as usize) % RING];
             let s1 = rec.seq.load(Acquire);
-            let (start, end, pid) = (
-                rec.start.load(Relaxed),
-                rec.end.load(Relaxed),
-                rec.pid.load(Relaxed),
-            );
+            let (start, end, pid) = (rec.start.load(Relaxed), rec.end.load(Relaxed), rec.pid.load(Relaxed));
             fence(Acquire);
             if s1 != idx + 1 || rec.seq.load(Relaxed) != s1 {
                 continue; // being overwritten
@@ -546,25 +507,14 @@ impl Node {
     // ----- fault injection -----
 
     /// Sets a fault on function `name`; `count` -1 means forever.
-    pub fn set_fault(
-        &self,
-        name: &str,
-        gpu: i32,
-        code: i32,
-        count: i64,
-        latency_us: u64,
-    ) -> Result<(), String> {
+    pub fn set_fault(&self, name: &str, gpu: i32, code: i32, count: i64, latency_us: u64) -> Result<(), String> {
         let packed = pack_name(name).ok_or("function name longer than 63 bytes")?;
         let _g = self.lock();
         let s = self.shared;
         let slot = s
             .faults
             .iter()
-            .find(|f| {
-                f.remaining.load(Acquire) != 0
-                    && unpack_eq(f, &packed)
-                    && f.gpu.load(Relaxed) == gpu
-            })
+            .find(|f| f.remaining.load(Acquire) != 0 && unpack_eq(f, &packed) && f.gpu.load(Relaxed) == gpu)
             .or_else(|| s.faults.iter().find(|f| f.remaining.load(Acquire) == 0))
             .ok_or("fault table full")?;
         for (w, v) in slot.name.iter().zip(packed) {
@@ -573,15 +523,8 @@ impl Node {
         slot.gpu.store(gpu, Relaxed);
         slot.code.store(code, Relaxed);
         slot.latency_us.store(latency_us, Relaxed);
-        slot.remaining
-            .store(if count == 0 { -1 } else { count }, Release);
-        s.fault_count.store(
-            s.faults
-                .iter()
-                .filter(|f| f.remaining.load(Acquire) != 0)
-                .count() as u32,
-            Release,
-        );
+        slot.remaining.store(if count == 0 { -1 } else { count }, Release);
+        s.fault_count.store(s.faults.iter().filter(|f| f.remaining.load(Acquire) != 0).count() as u32, Release);
         Ok(())
     }
 
@@ -656,10 +599,7 @@ fn map(f: &File, size: usize) -> Result<&'static Shared, String> {
             0,
         );
         if p == libc::MAP_FAILED {
-            return Err(format!(
-                "cannot map node state: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(format!("cannot map node state: {}", std::io::Error::last_os_error()));
         }
         Ok(&*(p as *const Shared))
     }
@@ -680,10 +620,7 @@ fn pack_name(name: &str) -> Option<[u64; 8]> {
 }
 
 fn unpack_eq(f: &FaultRec, packed: &[u64; 8]) -> bool {
-    f.name
-        .iter()
-        .zip(packed)
-        .all(|(a, b)| a.load(Relaxed) == *b)
+    f.name.iter().zip(packed).all(|(a, b)| a.load(Relaxed) == *b)
 }
 
 /// Names of the fault records in use (for `vgpu-sim status`).
@@ -692,12 +629,8 @@ pub fn fault_names(s: &Shared) -> Vec<(String, i32, i32, i64, u64)> {
         .iter()
         .filter(|f| f.remaining.load(Acquire) != 0)
         .map(|f| {
-            let bytes: Vec<u8> = f
-                .name
-                .iter()
-                .flat_map(|w| w.load(Relaxed).to_le_bytes())
-                .take_while(|&b| b != 0)
-                .collect();
+            let bytes: Vec<u8> =
+                f.name.iter().flat_map(|w| w.load(Relaxed).to_le_bytes()).take_while(|&b| b != 0).collect();
             (
                 String::from_utf8_lossy(&bytes).into_owned(),
                 f.gpu.load(Relaxed),
@@ -714,8 +647,7 @@ mod tests {
     use super::*;
 
     fn node() -> (Node, PathBuf) {
-        let dir =
-            std::env::temp_dir().join(format!("vgpu-sim-unit-{}-{}", std::process::id(), now_ns()));
+        let dir = std::env::temp_dir().join(format!("vgpu-sim-unit-{}-{}", std::process::id(), now_ns()));
         let cfg = Config::parse("[[gpu]]\nmodel='A30'\nmemory_mib=1024").unwrap();
         (Node::open(cfg, &dir).unwrap(), dir)
     }
@@ -765,17 +697,9 @@ mod tests {
         n.set_fault("nvmlDeviceGetCount_v2", -1, 999, 2, 0).unwrap();
         assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), Some(999));
         assert_eq!(n.fault("nvmlInit_v2", None), None);
-        assert_eq!(
-            n.fault("nvmlDeviceGetCount_v2", Some(0)),
-            None,
-            "node-wide faults match the node-wide check only"
-        );
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", Some(0)), None, "node-wide faults match the node-wide check only");
         assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), Some(999));
-        assert_eq!(
-            n.fault("nvmlDeviceGetCount_v2", None),
-            None,
-            "count exhausted"
-        );
+        assert_eq!(n.fault("nvmlDeviceGetCount_v2", None), None, "count exhausted");
         n.set_fault("cuMemAlloc_v2", 1, 2, -1, 0).unwrap();
         assert_eq!(n.fault("cuMemAlloc_v2", Some(0)), None);
         assert_eq!(n.fault("cuMemAlloc_v2", None), None);

@@ -47,13 +47,7 @@ pub fn init(flags: u32) -> CUresult {
         })?;
         // SAFETY: registering a plain extern "C" handler with no other callbacks.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-        Ok(Proc {
-            node,
-            slot,
-            pid: std::process::id(),
-            visible,
-            _liveness: f,
-        })
+        Ok(Proc { node, slot, pid: std::process::id(), visible, _liveness: f })
     });
     match r {
         Ok(p) if p.visible.is_empty() => CUresult::NO_DEVICE,
@@ -74,12 +68,7 @@ fn parse_visible(node: &Node) -> Vec<usize> {
         let found = if let Ok(i) = item.parse::<usize>() {
             (i < n).then_some(i)
         } else if item.starts_with("GPU-") && item.len() > 4 {
-            let m: Vec<_> = node
-                .cfg
-                .gpus
-                .iter()
-                .filter(|g| g.uuid.starts_with(item))
-                .collect();
+            let m: Vec<_> = node.cfg.gpus.iter().filter(|g| g.uuid.starts_with(item)).collect();
             (m.len() == 1).then(|| m[0].index as usize)
         } else {
             None
@@ -102,10 +91,7 @@ pub fn proc() -> R<&'static Proc> {
 
 impl Proc {
     pub fn gpu_of(&self, ordinal: CUdevice) -> R<usize> {
-        usize::try_from(ordinal)
-            .ok()
-            .and_then(|o| self.visible.get(o).copied())
-            .ok_or(CUresult::INVALID_DEVICE)
+        usize::try_from(ordinal).ok().and_then(|o| self.visible.get(o).copied()).ok_or(CUresult::INVALID_DEVICE)
     }
 
     pub fn gpu_cfg(&self, gpu: usize) -> &'static vgpu_sim::GpuConfig {
@@ -178,10 +164,7 @@ thread_local! {
 #[inline]
 pub fn current() -> R<&'static Ctx> {
     proc()?;
-    STACK
-        .with(|s| s.borrow().last().copied())
-        .filter(|c| c.live())
-        .ok_or(CUresult::INVALID_CONTEXT)
+    STACK.with(|s| s.borrow().last().copied()).filter(|c| c.live()).ok_or(CUresult::INVALID_CONTEXT)
 }
 
 pub fn ctx_from(h: CUcontext) -> R<&'static Ctx> {
@@ -221,9 +204,7 @@ pub fn primary_release(ordinal: CUdevice) -> R<()> {
     let p = proc()?;
     let gpu = p.gpu_of(ordinal)?;
     let _g = PRIMARY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let c = PRIMARY[ordinal as usize]
-        .get()
-        .ok_or(CUresult::INVALID_CONTEXT)?;
+    let c = PRIMARY[ordinal as usize].get().ok_or(CUresult::INVALID_CONTEXT)?;
     match c.refs.load(Acquire) {
         0 => Err(CUresult::INVALID_CONTEXT),
         1 => {
@@ -242,12 +223,7 @@ pub fn primary_release(ordinal: CUdevice) -> R<()> {
 pub fn primary_state(ordinal: CUdevice) -> R<(u32, bool)> {
     let p = proc()?;
     p.gpu_of(ordinal)?;
-    Ok((
-        0,
-        PRIMARY[ordinal as usize]
-            .get()
-            .is_some_and(|c| c.refs.load(Acquire) > 0),
-    ))
+    Ok((0, PRIMARY[ordinal as usize].get().is_some_and(|c| c.refs.load(Acquire) > 0)))
 }
 
 pub fn ctx_create(ordinal: CUdevice) -> R<&'static Ctx> {
@@ -278,9 +254,7 @@ pub fn push(c: &'static Ctx) {
 
 pub fn pop() -> R<&'static Ctx> {
     proc()?;
-    STACK
-        .with(|s| s.borrow_mut().pop())
-        .ok_or(CUresult::INVALID_CONTEXT)
+    STACK.with(|s| s.borrow_mut().pop()).ok_or(CUresult::INVALID_CONTEXT)
 }
 
 /// `cuCtxSetCurrent`: replaces the top of the stack (NULL pops it).

@@ -54,10 +54,7 @@ pub struct Func {
 
 pub fn module_load() -> R<CUmodule> {
     current()?;
-    Ok(leak(Module {
-        magic: AtomicU64::new(MODULE_MAGIC),
-        funcs: Mutex::new(HashMap::new()),
-    }))
+    Ok(leak(Module { magic: AtomicU64::new(MODULE_MAGIC), funcs: Mutex::new(HashMap::new()) }))
 }
 
 pub fn module_unload(h: CUmodule) -> R<()> {
@@ -74,12 +71,9 @@ pub fn module_get_function(h: CUmodule, name: &str) -> R<CUfunction> {
     let m: &Module = obj(h, MODULE_MAGIC)?;
     let kind = parse_kernel_name(name).ok_or(CUresult::NOT_FOUND)?;
     let mut funcs = m.funcs.lock().unwrap();
-    let f = *funcs.entry(name.to_owned()).or_insert_with(|| {
-        leak(Func {
-            magic: AtomicU64::new(FUNC_MAGIC),
-            kind,
-        }) as usize
-    });
+    let f = *funcs
+        .entry(name.to_owned())
+        .or_insert_with(|| leak(Func { magic: AtomicU64::new(FUNC_MAGIC), kind }) as usize);
     Ok(f as CUfunction)
 }
 
@@ -148,22 +142,14 @@ fn wait(c: &Ctx, until: u64) {
 
 pub fn stream_sync(h: CUstream) -> R<()> {
     let (c, s) = stream(h)?;
-    let until = if std::ptr::eq(s, &c.default_stream) {
-        c.last_end.load(Acquire)
-    } else {
-        s.last_end.load(Acquire)
-    };
+    let until = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
     wait(c, until);
     Ok(())
 }
 
 pub fn stream_query(h: CUstream) -> R<()> {
     let (c, s) = stream(h)?;
-    let until = if std::ptr::eq(s, &c.default_stream) {
-        c.last_end.load(Acquire)
-    } else {
-        s.last_end.load(Acquire)
-    };
+    let until = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
     if now_ns() >= until {
         Ok(())
     } else {
@@ -188,10 +174,7 @@ pub struct Event {
 
 pub fn event_create() -> R<CUevent> {
     current()?;
-    Ok(leak(Event {
-        magic: AtomicU64::new(EVENT_MAGIC),
-        ts: AtomicU64::new(0),
-    }))
+    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts: AtomicU64::new(0) }))
 }
 
 pub fn event_destroy(h: CUevent) -> R<()> {
@@ -205,11 +188,7 @@ pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
     if !s.capture.load(Acquire).is_null() {
         return Ok(()); // an event node in the captured graph: nothing to time
     }
-    let prior = if std::ptr::eq(s, &c.default_stream) {
-        c.last_end.load(Acquire)
-    } else {
-        s.last_end.load(Acquire)
-    };
+    let prior = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
     e.ts.store(prior.max(now_ns()).max(1), Release);
     Ok(())
 }
@@ -262,8 +241,7 @@ fn duration(l: &Launch, gpu: usize) -> R<u64> {
         return Err(CUresult::INVALID_VALUE);
     }
     let cfg = proc()?.gpu_cfg(gpu);
-    if l.cooperative && blocks * threads > cfg.sm_count as u64 * cfg.model.max_threads_per_sm as u64
-    {
+    if l.cooperative && blocks * threads > cfg.sm_count as u64 * cfg.model.max_threads_per_sm as u64 {
         return Err(CUresult::COOPERATIVE_LAUNCH_TOO_LARGE);
     }
     Ok(match f.kind {
@@ -324,10 +302,7 @@ pub struct GraphExec {
 
 pub fn graph_create() -> R<CUgraph> {
     proc()?;
-    Ok(leak(Graph {
-        magic: AtomicU64::new(GRAPH_MAGIC),
-        nodes: Mutex::new(Vec::new()),
-    }))
+    Ok(leak(Graph { magic: AtomicU64::new(GRAPH_MAGIC), nodes: Mutex::new(Vec::new()) }))
 }
 
 pub fn graph_destroy(h: CUgraph) -> R<()> {
@@ -348,10 +323,7 @@ pub fn graph_add_kernel(h: CUgraph, l: &Launch) -> R<CUgraphNode> {
 pub fn graph_instantiate(h: CUgraph) -> R<CUgraphExec> {
     let g: &Graph = obj(h, GRAPH_MAGIC)?;
     let durs = g.nodes.lock().unwrap().clone();
-    Ok(leak(GraphExec {
-        magic: AtomicU64::new(EXEC_MAGIC),
-        durs,
-    }))
+    Ok(leak(GraphExec { magic: AtomicU64::new(EXEC_MAGIC), durs }))
 }
 
 pub fn graph_exec_destroy(h: CUgraphExec) -> R<()> {
@@ -365,11 +337,7 @@ pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
     let cap = s.capture.load(Acquire);
     if !cap.is_null() {
         // SAFETY: see `launch`.
-        unsafe { &*cap }
-            .nodes
-            .lock()
-            .unwrap()
-            .extend_from_slice(&e.durs);
+        unsafe { &*cap }.nodes.lock().unwrap().extend_from_slice(&e.durs);
         return Ok(());
     }
     run_on(c, s, &e.durs)
@@ -385,10 +353,7 @@ pub fn begin_capture(st: CUstream) -> R<()> {
         return Err(CUresult::STREAM_CAPTURE_UNSUPPORTED);
     }
     let g = graph_create()? as *mut Graph;
-    if s.capture
-        .compare_exchange(std::ptr::null_mut(), g, AcqRel, Acquire)
-        .is_err()
-    {
+    if s.capture.compare_exchange(std::ptr::null_mut(), g, AcqRel, Acquire).is_err() {
         return Err(CUresult::ILLEGAL_STATE);
     }
     Ok(())

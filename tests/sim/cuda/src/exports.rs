@@ -47,9 +47,7 @@ fn cstr<'a>(p: *const c_char) -> R<&'a str> {
         return Err(CUresult::INVALID_VALUE);
     }
     // SAFETY: NUL-terminated string from the caller.
-    unsafe { CStr::from_ptr(p) }
-        .to_str()
-        .map_err(|_| CUresult::INVALID_VALUE)
+    unsafe { CStr::from_ptr(p) }.to_str().map_err(|_| CUresult::INVALID_VALUE)
 }
 
 fn write_cstring(dst: *mut c_char, len: i32, s: &str) -> R<()> {
@@ -119,9 +117,7 @@ fn error_cstrs(e: CUresult) -> Option<&'static (CString, CString)> {
     let t = T.get_or_init(|| {
         (0..1000u32)
             .filter_map(|c| {
-                CUresult(c)
-                    .describe()
-                    .map(|(n, d)| (c, (CString::new(n).unwrap(), CString::new(d).unwrap())))
+                CUresult(c).describe().map(|(n, d)| (c, (CString::new(n).unwrap(), CString::new(d).unwrap())))
             })
             .collect()
     });
@@ -139,20 +135,8 @@ fn current_pool() -> R<u64> {
     }
 }
 
-fn launch_args(
-    f: CUfunction,
-    g: [u32; 3],
-    b: [u32; 3],
-    params: *mut *mut c_void,
-    coop: bool,
-) -> Launch {
-    Launch {
-        f,
-        grid: g,
-        block: b,
-        params,
-        cooperative: coop,
-    }
+fn launch_args(f: CUfunction, g: [u32; 3], b: [u32; 3], params: *mut *mut c_void, coop: bool) -> Launch {
+    Launch { f, grid: g, block: b, params, cooperative: coop }
 }
 
 fn loc_device(l: &CUmemLocation) -> R<()> {

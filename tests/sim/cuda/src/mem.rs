@@ -72,10 +72,7 @@ fn mem() -> MutexGuard<'static, Option<Mem>> {
 macro_rules! with_mem {
     ($m:ident => $body:expr) => {{
         let mut g = mem();
-        let $m = g.get_or_insert_with(|| Mem {
-            next_id: 0x1000,
-            ..Default::default()
-        });
+        let $m = g.get_or_insert_with(|| Mem { next_id: 0x1000, ..Default::default() });
         $body
     }};
 }
@@ -142,9 +139,7 @@ pub fn alloc_pitch(width: usize, height: usize, elem: u32) -> R<(CUdeviceptr, us
         return Err(CUresult::INVALID_VALUE);
     }
     let pitch = round_up(width as u64, 512);
-    let size = pitch
-        .checked_mul(height as u64)
-        .ok_or(CUresult::OUT_OF_MEMORY)?;
+    let size = pitch.checked_mul(height as u64).ok_or(CUresult::OUT_OF_MEMORY)?;
     Ok((alloc(size, Kind::Device)?, pitch as usize))
 }
 
@@ -317,9 +312,7 @@ pub fn granularity(prop: &CUmemAllocationProp) -> R<u64> {
 
 pub fn create(size: u64, prop: &CUmemAllocationProp) -> R<u64> {
     let p = proc()?;
-    if prop.type_ != CU_MEM_ALLOCATION_TYPE_PINNED
-        || prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE
-    {
+    if prop.type_ != CU_MEM_ALLOCATION_TYPE_PINNED || prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
         return Err(CUresult::INVALID_VALUE);
     }
     let gpu = p.gpu_of(prop.location.id)?;
@@ -512,9 +505,7 @@ pub fn default_pool(ordinal: CUdevice) -> R<u64> {
 }
 
 pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
-    if props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED
-        || props.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE
-    {
+    if props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED || props.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
         return Err(CUresult::INVALID_VALUE);
     }
     let gpu = proc()?.gpu_of(props.location.id)?;
@@ -527,9 +518,7 @@ pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
 }
 
 fn trim(p: &mut Pool, keep: u64) -> u64 {
-    let target = round_up(p.used, GRANULARITY)
-        .max(round_up(keep, GRANULARITY))
-        .min(p.reserved);
+    let target = round_up(p.used, GRANULARITY).max(round_up(keep, GRANULARITY)).min(p.reserved);
     let freed = p.reserved - target;
     p.reserved = target;
     freed
@@ -678,10 +667,8 @@ pub fn array_size(w: usize, h: usize, d: usize, format: u32, channels: u32) -> R
         return Err(CUresult::INVALID_VALUE);
     }
     let row = round_up(w as u64 * format_bytes(format)? * channels as u64, 512);
-    let total = row
-        .checked_mul(h.max(1) as u64)
-        .and_then(|x| x.checked_mul(d.max(1) as u64))
-        .ok_or(CUresult::INVALID_VALUE)?;
+    let total =
+        row.checked_mul(h.max(1) as u64).and_then(|x| x.checked_mul(d.max(1) as u64)).ok_or(CUresult::INVALID_VALUE)?;
     Ok(round_up(total, ARRAY_ALIGNMENT))
 }
 

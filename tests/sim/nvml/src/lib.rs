@@ -142,9 +142,7 @@ fn encode(h: H) -> usize {
             H::Dev(g) => g,
             H::Gi(g, gi) => N_DEV + g * GI_IDS + gi as usize,
             H::Ci(g, gi, ci) => N_DEV + N_GI + (g * GI_IDS + gi as usize) * MAX_CI + ci as usize,
-            H::Mig(g, gi, ci) => {
-                N_DEV + N_GI + N_CI + (g * GI_IDS + gi as usize) * MAX_CI + ci as usize
-            }
+            H::Mig(g, gi, ci) => N_DEV + N_GI + N_CI + (g * GI_IDS + gi as usize) * MAX_CI + ci as usize,
         }
 }
 
@@ -157,18 +155,10 @@ fn decode(p: usize) -> R<H> {
         H::Gi(o / GI_IDS, (o % GI_IDS) as u32)
     } else if off < N_DEV + N_GI + N_CI {
         let o = off - N_DEV - N_GI;
-        H::Ci(
-            o / MAX_CI / GI_IDS,
-            ((o / MAX_CI) % GI_IDS) as u32,
-            (o % MAX_CI) as u32,
-        )
+        H::Ci(o / MAX_CI / GI_IDS, ((o / MAX_CI) % GI_IDS) as u32, (o % MAX_CI) as u32)
     } else if off < N_DEV + N_GI + 2 * N_CI {
         let o = off - N_DEV - N_GI - N_CI;
-        H::Mig(
-            o / MAX_CI / GI_IDS,
-            ((o / MAX_CI) % GI_IDS) as u32,
-            (o % MAX_CI) as u32,
-        )
+        H::Mig(o / MAX_CI / GI_IDS, ((o / MAX_CI) % GI_IDS) as u32, (o % MAX_CI) as u32)
     } else {
         return Err(INVALID);
     };
@@ -206,34 +196,17 @@ fn mig_state(n: &Node, g: usize) -> MigState {
 /// (GPU instance slot, compute instance slot) for a MIG handle that is still live.
 fn find_ci(st: &MigState, gi: u32, ci: u32) -> R<(usize, usize)> {
     let gs = mig::gi_by_id(st, gi).ok_or(NOT_FOUND)?;
-    let cs = st.gis[gs]
-        .cis
-        .iter()
-        .position(|c| c.live != 0 && c.id == ci)
-        .ok_or(NOT_FOUND)?;
+    let cs = st.gis[gs].cis.iter().position(|c| c.live != 0 && c.id == ci).ok_or(NOT_FOUND)?;
     Ok((gs, cs))
 }
 
 fn gi_profile(cfg: &GpuConfig, g: &GiRec) -> R<&'static vgpu_sim::models::GiProfile> {
-    cfg.model
-        .mig
-        .as_ref()
-        .and_then(|t| t.by_id(g.profile_id))
-        .ok_or(UNKNOWN)
+    cfg.model.mig.as_ref().and_then(|t| t.by_id(g.profile_id)).ok_or(UNKNOWN)
 }
 
 fn mig_uuid(cfg: &GpuConfig, gi: u32, ci: u32) -> String {
-    let h = cfg.uuid.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
-    format!(
-        "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-        (h >> 32) as u32,
-        gi,
-        ci,
-        (h >> 16) as u16,
-        h & 0xffff_ffff_ffff
-    )
+    let h = cfg.uuid.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    format!("MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}", (h >> 32) as u32, gi, ci, (h >> 16) as u16, h & 0xffff_ffff_ffff)
 }
 
 fn privileged() -> R<()> {
@@ -245,9 +218,7 @@ fn privileged() -> R<()> {
 }
 
 fn realtime_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 macro_rules! exports {
@@ -833,33 +804,17 @@ fn profile_by_idx(d: nvmlDevice_t, idx: c_uint) -> R<&'static vgpu_sim::models::
     if idx >= NVML_GPU_INSTANCE_PROFILE_COUNT {
         return Err(INVALID);
     }
-    c.model
-        .mig
-        .as_ref()
-        .ok_or(NOT_SUPPORTED)?
-        .by_idx(idx)
-        .ok_or(NOT_SUPPORTED)
+    c.model.mig.as_ref().ok_or(NOT_SUPPORTED)?.by_idx(idx).ok_or(NOT_SUPPORTED)
 }
 
-fn create_gi(
-    d: nvmlDevice_t,
-    pid: c_uint,
-    pl: Option<(u32, u32)>,
-    out_gi: *mut nvmlGpuInstance_t,
-) -> R<()> {
+fn create_gi(d: nvmlDevice_t, pid: c_uint, pl: Option<(u32, u32)>, out_gi: *mut nvmlGpuInstance_t) -> R<()> {
     let (n, g, c) = phys(d)?;
     privileged()?;
     if out_gi.is_null() {
         return Err(INVALID);
     }
     if let Some((_, size)) = pl {
-        let p = c
-            .model
-            .mig
-            .as_ref()
-            .ok_or(NOT_SUPPORTED)?
-            .by_id(pid)
-            .ok_or(INVALID)?;
+        let p = c.model.mig.as_ref().ok_or(NOT_SUPPORTED)?.by_id(pid).ok_or(INVALID)?;
         if size != p.size {
             return Err(INVALID);
         }
@@ -867,10 +822,7 @@ fn create_gi(
     let mut l = n.lock();
     let st = n.mig(&mut l, g);
     let slot = mig::create_gi(st, c.model, pid, pl.map(|p| p.0)).map_err(mig_err)?;
-    out(
-        out_gi,
-        encode(H::Gi(g, st.gis[slot].id)) as nvmlGpuInstance_t,
-    )
+    out(out_gi, encode(H::Gi(g, st.gis[slot].id)) as nvmlGpuInstance_t)
 }
 
 fn gi_handle(gi: nvmlGpuInstance_t) -> R<(&'static Node, usize, u32)> {
@@ -894,12 +846,7 @@ fn ci_profile_info(gi: nvmlGpuInstance_t, prof: c_uint, eng: c_uint) -> R<(u32, 
     Ok((p.sm * size / p.g, (size, max)))
 }
 
-fn create_ci(
-    gi: nvmlGpuInstance_t,
-    prof: c_uint,
-    start: Option<u32>,
-    out_ci: *mut nvmlComputeInstance_t,
-) -> R<()> {
+fn create_ci(gi: nvmlGpuInstance_t, prof: c_uint, start: Option<u32>, out_ci: *mut nvmlComputeInstance_t) -> R<()> {
     let (n, g, id) = gi_handle(gi)?;
     privileged()?;
     if out_ci.is_null() {
@@ -909,10 +856,7 @@ fn create_ci(
     let st = n.mig(&mut l, g);
     let gs = mig::gi_by_id(st, id).ok_or(INVALID)?;
     let cs = mig::create_ci(st, n.cfg.gpus[g].model, gs, prof, start).map_err(mig_err)?;
-    out(
-        out_ci,
-        encode(H::Ci(g, id, st.gis[gs].cis[cs].id)) as nvmlComputeInstance_t,
-    )
+    out(out_ci, encode(H::Ci(g, id, st.gis[gs].cis[cs].id)) as nvmlComputeInstance_t)
 }
 
 #[cfg(test)]
@@ -921,15 +865,7 @@ mod tests {
 
     #[test]
     fn handles_round_trip() {
-        for h in [
-            H::Dev(0),
-            H::Dev(15),
-            H::Gi(3, 1),
-            H::Gi(15, 8),
-            H::Ci(2, 4, 7),
-            H::Mig(1, 8, 0),
-            H::Mig(15, 8, 7),
-        ] {
+        for h in [H::Dev(0), H::Dev(15), H::Gi(3, 1), H::Gi(15, 8), H::Ci(2, 4, 7), H::Mig(1, 8, 0), H::Mig(15, 8, 7)] {
             assert_eq!(decode(encode(h)), Ok(h));
         }
         assert_eq!(decode(0), Err(INVALID));

@@ -22,26 +22,25 @@ fn main() {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let mut b = Nvml::builder();
     let lib = args.iter().position(|a| a == "--lib").map(|i| {
-        let p = args
-            .get(i + 1)
-            .cloned()
-            .unwrap_or_else(|| die("--lib needs a path"));
+        let p = args.get(i + 1).cloned().unwrap_or_else(|| die("--lib needs a path"));
         args.drain(i..i + 2);
         std::ffi::OsString::from(p)
     });
     if let Some(l) = &lib {
         b.lib_path(l);
     }
-    let nvml = b
-        .flags(InitFlags::empty())
-        .init()
-        .unwrap_or_else(|e| die(&format!("init: {e}")));
+    let nvml = b.flags(InitFlags::empty()).init().unwrap_or_else(|e| die(&format!("init: {e}")));
     match args.first().map(String::as_str) {
         Some("snapshot") => println!("{}", snapshot(&nvml)),
         Some("mig") => {
-            let g: u32 = args.iter().position(|a| a == "--gpu").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok())
+            let g: u32 = args
+                .iter()
+                .position(|a| a == "--gpu")
+                .and_then(|i| args.get(i + 1))
+                .and_then(|v| v.parse().ok())
                 .unwrap_or_else(|| die("mig needs --gpu I"));
-            let ops: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--") && a.parse::<u32>().is_err()).collect();
+            let ops: Vec<&String> =
+                args[1..].iter().filter(|a| !a.starts_with("--") && a.parse::<u32>().is_err()).collect();
             for op in ops {
                 println!("{}", mig_op(&nvml, g, op));
             }
@@ -52,17 +51,12 @@ fn main() {
 }
 
 fn snapshot(nvml: &Nvml) -> Value {
-    let n = nvml
-        .device_count()
-        .unwrap_or_else(|e| die(&format!("count: {e}")));
+    let n = nvml.device_count().unwrap_or_else(|e| die(&format!("count: {e}")));
     let mut gpus = Vec::new();
     for i in 0..n {
-        let d = nvml
-            .device_by_index(i)
-            .unwrap_or_else(|e| die(&format!("device {i}: {e}")));
-        let mem = d.memory_info().map(
-            |m| json!({"total": m.total, "used": m.used, "free": m.free, "reserved": m.reserved}),
-        );
+        let d = nvml.device_by_index(i).unwrap_or_else(|e| die(&format!("device {i}: {e}")));
+        let mem =
+            d.memory_info().map(|m| json!({"total": m.total, "used": m.used, "free": m.free, "reserved": m.reserved}));
         let procs = d.running_compute_processes().map(|ps| {
             ps.iter()
                 .map(|p| {
@@ -73,24 +67,18 @@ fn snapshot(nvml: &Nvml) -> Value {
                 })
                 .collect::<Vec<_>>()
         });
-        let util = d
-            .utilization_rates()
-            .map(|u| json!({"gpu": u.gpu, "memory": u.memory}));
-        let putil = d.process_utilization_stats(None).map(|v| {
-            v.iter()
-                .map(|s| json!({"pid": s.pid, "sm": s.sm_util, "ts": s.timestamp}))
-                .collect::<Vec<_>>()
-        });
-        let mig = d
-            .mig_mode()
-            .map(|m| json!({"current": m.current, "pending": m.pending}));
-        let pci = d.pci_info().map(|p| json!({"bus_id": p.bus_id, "device_id": p.pci_device_id, "domain": p.domain, "bus": p.bus}));
+        let util = d.utilization_rates().map(|u| json!({"gpu": u.gpu, "memory": u.memory}));
+        let putil = d
+            .process_utilization_stats(None)
+            .map(|v| v.iter().map(|s| json!({"pid": s.pid, "sm": s.sm_util, "ts": s.timestamp})).collect::<Vec<_>>());
+        let mig = d.mig_mode().map(|m| json!({"current": m.current, "pending": m.pending}));
+        let pci = d
+            .pci_info()
+            .map(|p| json!({"bus_id": p.bus_id, "device_id": p.pci_device_id, "domain": p.domain, "bus": p.bus}));
         let topo: Vec<Value> = (0..n)
             .map(|j| {
                 let o = nvml.device_by_index(j).unwrap();
-                d.topology_common_ancestor(o)
-                    .map(|l| json!(format!("{l:?}")))
-                    .unwrap_or_else(|e| json!(e.to_string()))
+                d.topology_common_ancestor(o).map(|l| json!(format!("{l:?}"))).unwrap_or_else(|e| json!(e.to_string()))
             })
             .collect();
         gpus.push(json!({
@@ -115,16 +103,11 @@ fn snapshot(nvml: &Nvml) -> Value {
 
 fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
     let lib = nvml.lib();
-    let d = nvml
-        .device_by_index(g)
-        .unwrap_or_else(|e| die(&format!("device {g}: {e}")));
+    let d = nvml.device_by_index(g).unwrap_or_else(|e| die(&format!("device {g}: {e}")));
     // SAFETY: raw NVML calls with a valid device handle and out-pointers to locals.
     let dev = unsafe { d.handle() };
     let parts: Vec<&str> = op.split(':').collect();
-    let num = |s: &str| {
-        s.parse::<u32>()
-            .unwrap_or_else(|_| die(&format!("bad number in {op}")))
-    };
+    let num = |s: &str| s.parse::<u32>().unwrap_or_else(|_| die(&format!("bad number in {op}")));
     let gi_by_id = |id: u32| -> (nvmlReturn_t, nvmlGpuInstance_t) {
         let mut gi = std::ptr::null_mut();
         // SAFETY: see above.
@@ -142,13 +125,7 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
                     // SAFETY: zeroed POD out-struct.
                     let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
                     unsafe { lib.nvmlGpuInstanceGetInfo(*gi, &mut info) };
-                    v.push((
-                        info.id,
-                        info.profileId,
-                        info.placement.start,
-                        info.placement.size,
-                        *gi,
-                    ));
+                    v.push((info.id, info.profileId, info.placement.start, info.placement.size, *gi));
                 }
             }
         }
@@ -174,12 +151,7 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
                         // the placement size is the profile's memory slices: ask NVML for it
                         let mut pl = [nvmlGpuInstancePlacement_t { start: 0, size: 0 }; 8];
                         let mut n = 8;
-                        lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(
-                            dev,
-                            pid,
-                            pl.as_mut_ptr(),
-                            &mut n,
-                        );
+                        lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(dev, pid, pl.as_mut_ptr(), &mut n);
                         let size = pl.first().map_or(0, |p| p.size);
                         lib.nvmlDeviceCreateGpuInstanceWithPlacement(
                             dev,
@@ -234,9 +206,7 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
                     for cp in 0..7 {
                         let mut arr = [std::ptr::null_mut(); 8];
                         let mut n = 0;
-                        if lib.nvmlGpuInstanceGetComputeInstances(gi, cp, arr.as_mut_ptr(), &mut n)
-                            == 0
-                        {
+                        if lib.nvmlGpuInstanceGetComputeInstances(gi, cp, arr.as_mut_ptr(), &mut n) == 0 {
                             for ci in &arr[..n as usize] {
                                 worst = worst.max(lib.nvmlComputeInstanceDestroy(*ci));
                             }
@@ -254,16 +224,8 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
             "placements" => {
                 let mut pl = [nvmlGpuInstancePlacement_t { start: 0, size: 0 }; 8];
                 let mut n = 8;
-                let r = lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(
-                    dev,
-                    num(parts[1]),
-                    pl.as_mut_ptr(),
-                    &mut n,
-                );
-                let v: Vec<_> = pl[..n.min(8) as usize]
-                    .iter()
-                    .map(|p| json!([p.start, p.size]))
-                    .collect();
+                let r = lib.nvmlDeviceGetGpuInstancePossiblePlacements_v2(dev, num(parts[1]), pl.as_mut_ptr(), &mut n);
+                let v: Vec<_> = pl[..n.min(8) as usize].iter().map(|p| json!([p.start, p.size])).collect();
                 json!({"op": op, "ret": r, "placements": v})
             }
             "profile" => {
@@ -272,7 +234,10 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
                 json!({"op": op, "ret": r, "id": info.id, "slices": info.sliceCount, "count": info.instanceCount, "mib": info.memorySizeMB, "sm": info.multiprocessorCount})
             }
             "list" => {
-                let v: Vec<_> = all_gis().iter().map(|(id, p, s, z, _)| json!({"id": id, "profile_id": p, "start": s, "size": z})).collect();
+                let v: Vec<_> = all_gis()
+                    .iter()
+                    .map(|(id, p, s, z, _)| json!({"id": id, "profile_id": p, "start": s, "size": z}))
+                    .collect();
                 json!({"op": op, "ret": 0, "gpu_instances": v})
             }
             "devices" => {
@@ -292,21 +257,11 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
 fn events(nvml: &Nvml, args: &[String]) {
     use nvml_wrapper::bitmasks::event::EventTypes;
     let get = |k: &str, d: u32| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
+        args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(d)
     };
-    let d = nvml
-        .device_by_index(get("--gpu", 0))
-        .unwrap_or_else(|e| die(&format!("device: {e}")));
-    let set = nvml
-        .create_event_set()
-        .unwrap_or_else(|e| die(&format!("event set: {e}")));
-    let set = d
-        .register_events(EventTypes::CRITICAL_XID_ERROR, set)
-        .unwrap_or_else(|e| die(&format!("register: {e}")));
+    let d = nvml.device_by_index(get("--gpu", 0)).unwrap_or_else(|e| die(&format!("device: {e}")));
+    let set = nvml.create_event_set().unwrap_or_else(|e| die(&format!("event set: {e}")));
+    let set = d.register_events(EventTypes::CRITICAL_XID_ERROR, set).unwrap_or_else(|e| die(&format!("register: {e}")));
     println!("{}", json!({"event": "registered"}));
     match set.wait(get("--timeout-ms", 5000)) {
         Ok(e) => {
@@ -314,10 +269,7 @@ fn events(nvml: &Nvml, args: &[String]) {
                 Some(nvml_wrapper::enums::event::XidError::Value(v)) => json!(v),
                 _ => Value::Null,
             };
-            println!(
-                "{}",
-                json!({"event": "xid", "xid": xid, "uuid": e.device.uuid().ok()})
-            )
+            println!("{}", json!({"event": "xid", "xid": xid, "uuid": e.device.uuid().ok()}))
         }
         Err(e) => println!("{}", json!({"event": "error", "error": e.to_string()})),
     }

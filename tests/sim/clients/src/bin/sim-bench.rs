@@ -5,13 +5,9 @@
 //! a private simulated node unless VGPU_SIM_STATE is set.
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if std::env::var_os("VGPU_CLIENT_LIBCUDA").is_none()
-        && std::env::var_os("LD_LIBRARY_PATH").is_none()
-    {
-        if let Some(lib) = std::env::current_exe()
-            .ok()
-            .and_then(|e| e.parent().map(|d| d.join("libcuda.so")))
-            .filter(|l| l.exists())
+    if std::env::var_os("VGPU_CLIENT_LIBCUDA").is_none() && std::env::var_os("LD_LIBRARY_PATH").is_none() {
+        if let Some(lib) =
+            std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join("libcuda.so"))).filter(|l| l.exists())
         {
             std::env::set_var("VGPU_CLIENT_LIBCUDA", lib);
         }
@@ -21,11 +17,7 @@ fn main() {
         std::env::set_var("VGPU_SIM_STATE", &d);
         d
     });
-    let scale = if args.iter().any(|a| a == "--quick") {
-        10
-    } else {
-        1
-    };
+    let scale = if args.iter().any(|a| a == "--quick") { 10 } else { 1 };
     let api = match vgpu_sim_clients::bind_dlsym() {
         Ok(a) => a,
         Err(e) => {
@@ -46,18 +38,8 @@ fn main() {
         return;
     }
     println!("| call | median ns |\n|---|---|");
-    println!(
-        "| cuLaunchKernel (sleep_0ns, stream) | {:.0} |",
-        f.launch_ns
-    );
-    println!(
-        "| cuMemAlloc_v2 + cuMemFree_v2 (4 KiB) | {:.0} |",
-        f.alloc_free_ns
-    );
-    println!(
-        "| cuMemAlloc_v2 + cuMemFree_v2 with {} live | {:.0} |",
-        30_000 / scale,
-        f.alloc_free_30k_ns
-    );
+    println!("| cuLaunchKernel (sleep_0ns, stream) | {:.0} |", f.launch_ns);
+    println!("| cuMemAlloc_v2 + cuMemFree_v2 (4 KiB) | {:.0} |", f.alloc_free_ns);
+    println!("| cuMemAlloc_v2 + cuMemFree_v2 with {} live | {:.0} |", 30_000 / scale, f.alloc_free_30k_ns);
     println!("| cuMemGetInfo_v2 | {:.0} |", f.get_info_ns);
 }

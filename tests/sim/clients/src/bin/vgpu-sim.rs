@@ -23,17 +23,12 @@ usage: vgpu-sim <command>
   wipe                            delete the node state (refused while processes are live)";
 
 fn arg(args: &[String], k: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == k)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
+    args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned()
 }
 
 fn num<T: std::str::FromStr>(args: &[String], k: &str, d: Option<T>) -> T {
     match arg(args, k) {
-        Some(v) => v
-            .parse()
-            .unwrap_or_else(|_| die(&format!("{k}: cannot parse {v:?}"), 2)),
+        Some(v) => v.parse().unwrap_or_else(|_| die(&format!("{k}: cannot parse {v:?}"), 2)),
         None => d.unwrap_or_else(|| die(&format!("{k} is required"), 2)),
     }
 }
@@ -46,19 +41,14 @@ fn die(msg: &str, code: i32) -> ! {
 fn gpu_index(n: &Node, args: &[String]) -> usize {
     let g: usize = num(args, "--gpu", None);
     if g >= n.cfg.gpus.len() {
-        die(
-            &format!("--gpu {g}: the node has {} GPUs", n.cfg.gpus.len()),
-            2,
-        );
+        die(&format!("--gpu {g}: the node has {} GPUs", n.cfg.gpus.len()), 2);
     }
     g
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(cmd) = args.first().map(String::as_str) else {
-        die(USAGE, 2)
-    };
+    let Some(cmd) = args.first().map(String::as_str) else { die(USAGE, 2) };
     if cmd == "--help" || cmd == "-h" {
         println!("{USAGE}");
         return;
@@ -74,19 +64,13 @@ fn main() {
             let mut l = n.lock();
             match mig::reset(n.mig(&mut l, g), busy) {
                 Ok(()) => println!("GPU {g} reset"),
-                Err(_) => die(
-                    &format!("GPU {g} is in use by running processes; reset refused"),
-                    1,
-                ),
+                Err(_) => die(&format!("GPU {g} is in use by running processes; reset refused"), 1),
             }
         }
         "reboot" => {
             n.reap();
             if n.live_slots().next().is_some() {
-                die(
-                    "processes are still running on the node; stop them first",
-                    1,
-                );
+                die("processes are still running on the node; stop them first", 1);
             }
             let mut l = n.lock();
             for (g, cfg) in n.cfg.gpus.iter().enumerate() {
@@ -127,14 +111,9 @@ fn main() {
             let now = now_ns();
             let span = w * 1_000_000;
             let (total, per) = n.busy(g, now.saturating_sub(span), now);
-            let per: serde_json::Map<String, serde_json::Value> = per
-                .into_iter()
-                .map(|(p, b)| (p.to_string(), json!(b as f64 / span as f64)))
-                .collect();
-            println!(
-                "{}",
-                json!({"gpu": g, "window_ms": w, "busy": total as f64 / span as f64, "per_pid": per})
-            );
+            let per: serde_json::Map<String, serde_json::Value> =
+                per.into_iter().map(|(p, b)| (p.to_string(), json!(b as f64 / span as f64))).collect();
+            println!("{}", json!({"gpu": g, "window_ms": w, "busy": total as f64 / span as f64, "per_pid": per}));
         }
         "timeline" => {
             let g = gpu_index(n, &args);
@@ -146,10 +125,7 @@ fn main() {
         "wipe" => {
             n.reap();
             if n.live_slots().next().is_some() {
-                die(
-                    "processes are still running on the node; stop them first",
-                    1,
-                );
+                die("processes are still running on the node; stop them first", 1);
             }
             std::fs::remove_dir_all(&n.dir)
                 .unwrap_or_else(|e| die(&format!("cannot remove {}: {e}", n.dir.display()), 1));
@@ -189,12 +165,8 @@ fn status(n: &Node) {
     let procs: Vec<_> = n
         .live_slots()
         .map(|p| {
-            let mem: Vec<u64> = (0..n.cfg.gpus.len())
-                .map(|g| p.mem[g].load(Acquire))
-                .collect();
-            let ctx: Vec<u32> = (0..n.cfg.gpus.len())
-                .map(|g| p.ctx[g].load(Acquire))
-                .collect();
+            let mem: Vec<u64> = (0..n.cfg.gpus.len()).map(|g| p.mem[g].load(Acquire)).collect();
+            let ctx: Vec<u32> = (0..n.cfg.gpus.len()).map(|g| p.ctx[g].load(Acquire)).collect();
             json!({"pid": p.pid.load(Relaxed), "memory": mem, "contexts": ctx})
         })
         .collect();
@@ -204,10 +176,8 @@ fn status(n: &Node) {
         .collect();
     println!(
         "{}",
-        serde_json::to_string_pretty(
-            &json!({"state_dir": n.dir, "gpus": gpus, "processes": procs, "faults": faults})
-        )
-        .unwrap()
+        serde_json::to_string_pretty(&json!({"state_dir": n.dir, "gpus": gpus, "processes": procs, "faults": faults}))
+            .unwrap()
     );
 }
 
@@ -218,10 +188,7 @@ fn gib(b: u64) -> String {
 fn summary(n: &Node) {
     n.reap();
     let now = now_ns();
-    println!(
-        "{:<4} {:<12} {:<42} {:>22} {:>5}  MIG",
-        "GPU", "MODEL", "UUID", "MEMORY USED/TOTAL", "UTIL"
-    );
+    println!("{:<4} {:<12} {:<42} {:>22} {:>5}  MIG", "GPU", "MODEL", "UUID", "MEMORY USED/TOTAL", "UTIL");
     for (g, c) in n.cfg.gpus.iter().enumerate() {
         let (busy, _) = n.busy(g, now.saturating_sub(1_000_000_000), now);
         let st = {
@@ -231,11 +198,7 @@ fn summary(n: &Node) {
         let mig = match (c.model.mig.is_some(), st.current, st.pending) {
             (false, _, _) => "n/a".to_string(),
             (true, c, p) if c != p => format!("{} (pending {})", on(c), on(p)),
-            (true, c, _) => format!(
-                "{} ({} instances)",
-                on(c),
-                st.gis.iter().filter(|x| x.live != 0).count()
-            ),
+            (true, c, _) => format!("{} ({} instances)", on(c), st.gis.iter().filter(|x| x.live != 0).count()),
         };
         println!(
             "{:<4} {:<12} {:<42} {:>22} {:>4}%  {}",
@@ -251,12 +214,7 @@ fn summary(n: &Node) {
     for p in n.live_slots() {
         for g in 0..n.cfg.gpus.len() {
             if p.ctx[g].load(Acquire) > 0 {
-                println!(
-                    "{:<8} {:<4} {:>12}",
-                    p.pid.load(Relaxed),
-                    g,
-                    gib(p.mem[g].load(Acquire))
-                );
+                println!("{:<8} {:<4} {:>12}", p.pid.load(Relaxed), g, gib(p.mem[g].load(Acquire)));
             }
         }
     }

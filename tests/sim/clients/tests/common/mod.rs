@@ -24,10 +24,7 @@ fn make_lib_dir() -> PathBuf {
     let bin = Path::new(RT).parent().unwrap().to_path_buf();
     let dir = bin.join("sim-lib");
     std::fs::create_dir_all(&dir).unwrap();
-    for (name, file) in [
-        ("libcuda.so.1", "libcuda.so"),
-        ("libnvidia-ml.so.1", "libnvidia_ml.so"),
-    ] {
+    for (name, file) in [("libcuda.so.1", "libcuda.so"), ("libnvidia-ml.so.1", "libnvidia_ml.so")] {
         let target = bin.join("deps").join(file);
         assert!(
             target.exists(),
@@ -66,19 +63,12 @@ impl Sim {
             std::fs::write(&p, c).unwrap();
             p
         });
-        Sim {
-            state,
-            config,
-            libs: lib_dir(),
-            children: Vec::new(),
-        }
+        Sim { state, config, libs: lib_dir(), children: Vec::new() }
     }
 
     pub fn cmd(&self, bin: &str) -> Command {
         let mut c = Command::new(bin);
-        c.env("LD_LIBRARY_PATH", &self.libs)
-            .env("VGPU_SIM_STATE", &self.state)
-            .env_remove("CUDA_VISIBLE_DEVICES");
+        c.env("LD_LIBRARY_PATH", &self.libs).env("VGPU_SIM_STATE", &self.state).env_remove("CUDA_VISIBLE_DEVICES");
         match &self.config {
             Some(p) => c.env("VGPU_SIM_CONFIG", p),
             None => c.env_remove("VGPU_SIM_CONFIG"),
@@ -112,13 +102,7 @@ impl Sim {
 
     /// Starts a client and waits for its first JSON line (e.g. `alloc --hold`).
     pub fn spawn(&mut self, bin: &str, args: &[&str]) -> (u32, Value) {
-        let mut child = self
-            .cmd(bin)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
+        let mut child = self.cmd(bin).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
         let mut out: BufReader<ChildStdout> = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
@@ -132,11 +116,7 @@ impl Sim {
 
     /// SIGKILLs a spawned child and reaps it.
     pub fn kill(&mut self, pid: u32) {
-        let i = self
-            .children
-            .iter()
-            .position(|c| c.id() == pid)
-            .expect("not a child");
+        let i = self.children.iter().position(|c| c.id() == pid).expect("not a child");
         let mut c = self.children.remove(i);
         c.kill().unwrap();
         c.wait().unwrap();
@@ -149,11 +129,7 @@ impl Sim {
     pub fn nvml(&self) -> Value {
         let lib = self.libs.join("libnvidia-ml.so.1");
         let o = self.output(NVML, &["--lib", lib.to_str().unwrap(), "snapshot"]);
-        assert!(
-            o.status.success(),
-            "nvml-probe: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        assert!(o.status.success(), "nvml-probe: {}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice(&o.stdout).unwrap()
     }
 
