@@ -34,6 +34,12 @@ fn obj<T>(h: *mut std::ffi::c_void, magic: u64) -> R<&'static T> {
     Ok(unsafe { &*(h as *const T) })
 }
 
+/// Destroys a handle: clears its magic word (the memory stays, so stale handles are detected).
+fn retire(h: *mut std::ffi::c_void, magic: u64) -> R<()> {
+    obj::<AtomicU64>(h, magic)?.store(0, Release);
+    Ok(())
+}
+
 fn leak<T>(t: T) -> *mut std::ffi::c_void {
     Box::into_raw(Box::new(t)) as *mut std::ffi::c_void
 }
@@ -140,17 +146,24 @@ fn wait(c: &Ctx, until: u64) {
     crate::mem::pools_sync(c.gpu);
 }
 
+/// When the work queued so far on `s` completes; the default stream waits for the whole context.
+fn completion(c: &Ctx, s: &Stream) -> u64 {
+    if std::ptr::eq(s, &c.default_stream) {
+        c.last_end.load(Acquire)
+    } else {
+        s.last_end.load(Acquire)
+    }
+}
+
 pub fn stream_sync(h: CUstream) -> R<()> {
     let (c, s) = stream(h)?;
-    let until = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
-    wait(c, until);
+    wait(c, completion(c, s));
     Ok(())
 }
 
 pub fn stream_query(h: CUstream) -> R<()> {
     let (c, s) = stream(h)?;
-    let until = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
-    if now_ns() >= until {
+    if now_ns() >= completion(c, s) {
         Ok(())
     } else {
         Err(CUresult::NOT_READY)
@@ -178,8 +191,7 @@ pub fn event_create() -> R<CUevent> {
 }
 
 pub fn event_destroy(h: CUevent) -> R<()> {
-    obj::<Event>(h, EVENT_MAGIC)?.magic.store(0, Release);
-    Ok(())
+    retire(h, EVENT_MAGIC)
 }
 
 pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
@@ -188,8 +200,7 @@ pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
     if !s.capture.load(Acquire).is_null() {
         return Ok(()); // an event node in the captured graph: nothing to time
     }
-    let prior = if std::ptr::eq(s, &c.default_stream) { c.last_end.load(Acquire) } else { s.last_end.load(Acquire) };
-    e.ts.store(prior.max(now_ns()).max(1), Release);
+    e.ts.store(completion(c, s).max(now_ns()).max(1), Release);
     Ok(())
 }
 
@@ -306,8 +317,7 @@ pub fn graph_create() -> R<CUgraph> {
 }
 
 pub fn graph_destroy(h: CUgraph) -> R<()> {
-    obj::<Graph>(h, GRAPH_MAGIC)?.magic.store(0, Release);
-    Ok(())
+    retire(h, GRAPH_MAGIC)
 }
 
 pub fn graph_add_kernel(h: CUgraph, l: &Launch) -> R<CUgraphNode> {
@@ -327,8 +337,7 @@ pub fn graph_instantiate(h: CUgraph) -> R<CUgraphExec> {
 }
 
 pub fn graph_exec_destroy(h: CUgraphExec) -> R<()> {
-    obj::<GraphExec>(h, EXEC_MAGIC)?.magic.store(0, Release);
-    Ok(())
+    retire(h, EXEC_MAGIC)
 }
 
 pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
