@@ -1,0 +1,125 @@
+//! The region's binary layout (ABI). Every field shared between processes is an atomic; everything
+//! read from the file is untrusted input and is validated before use.
+
+use std::mem::{offset_of, size_of};
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUREG\0");
+pub const ABI_VERSION: u32 = 1;
+pub const MAX_DEVICES: usize = 16;
+pub const MAX_SLOTS: usize = 1024;
+/// Byte offsets used for record locks; they lie beyond the end of the file (locks need no data).
+pub const INIT_LOCK_BYTE: i64 = 1 << 40;
+pub const SLOT_LOCK_BASE: i64 = (1 << 40) + 4096;
+
+#[repr(C)]
+pub struct Header {
+    pub magic: AtomicU64,
+    pub abi_version: AtomicU32,
+    pub header_size: AtomicU32,
+    pub total_size: AtomicU64,
+    pub layout_hash: AtomicU64,
+    /// 0 while being created, 1 when ready.
+    pub state: AtomicU32,
+    /// Devices described (container-visible CUDA indices 0..n).
+    pub ndevices: AtomicU32,
+    /// Bit 0: created by a process from its environment (standalone), not by the agent.
+    pub flags: AtomicU32,
+    pub creator_pid: AtomicU32,
+    /// Bumped by every limit change.
+    pub limits_generation: AtomicU64,
+    /// One past the highest slot ever claimed.
+    pub slots_hw: AtomicU32,
+    pub _pad: AtomicU32,
+    pub _reserved: [AtomicU64; 8],
+}
+
+#[repr(C)]
+pub struct Device {
+    /// `GPU-...` UUID, NUL padded, 8 bytes per word (little-endian).
+    pub uuid: [AtomicU64; 8],
+    /// Memory limit in bytes; 0 = unlimited.
+    pub mem_limit: AtomicU64,
+    /// SM limit in percent; 0 or >= 100 = unlimited.
+    pub sm_limit: AtomicU32,
+    pub _pad: AtomicU32,
+    /// Allocations refused because of the limit.
+    pub oom_rejections: AtomicU64,
+    /// Highest usage seen by a successful reservation.
+    pub peak_used: AtomicU64,
+    /// Reserved for the SM-time controller.
+    pub _sm: [AtomicU64; 12],
+}
+
+#[repr(C)]
+pub struct Slot {
+    /// 0 free, 1 live.
+    pub state: AtomicU32,
+    /// PID as the process sees itself.
+    pub pid: AtomicU32,
+    /// PID on the host, when known (filled by the agent, or equal to pid without a PID namespace).
+    pub host_pid: AtomicU32,
+    pub _pad: AtomicU32,
+    /// CLOCK_REALTIME ns at claim.
+    pub claimed_ns: AtomicU64,
+    /// Device memory held per device, context overhead included.
+    pub used: [AtomicU64; MAX_DEVICES],
+}
+
+#[repr(C)]
+pub struct Layout {
+    pub header: Header,
+    pub devices: [Device; MAX_DEVICES],
+    pub slots: [Slot; MAX_SLOTS],
+}
+
+pub const TOTAL_SIZE: usize = size_of::<Layout>();
+
+const fn fnv(mut h: u64, x: u64) -> u64 {
+    let b = x.to_le_bytes();
+    let mut i = 0;
+    while i < 8 {
+        h ^= b[i] as u64;
+        h = h.wrapping_mul(0x100_0000_01b3);
+        i += 1;
+    }
+    h
+}
+
+/// A fingerprint of every offset and size: two builds agree on it only if they agree on the layout.
+pub const LAYOUT_HASH: u64 = {
+    let parts = [
+        size_of::<Header>(),
+        offset_of!(Header, state),
+        offset_of!(Header, limits_generation),
+        offset_of!(Header, slots_hw),
+        size_of::<Device>(),
+        offset_of!(Device, mem_limit),
+        offset_of!(Device, sm_limit),
+        offset_of!(Device, oom_rejections),
+        size_of::<Slot>(),
+        offset_of!(Slot, used),
+        offset_of!(Layout, devices),
+        offset_of!(Layout, slots),
+        MAX_DEVICES,
+        MAX_SLOTS,
+        ABI_VERSION as usize,
+    ];
+    let mut h = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < parts.len() {
+        h = fnv(h, parts[i] as u64);
+        i += 1;
+    }
+    h
+};
+
+// The ABI: changing any of these is an ABI version bump.
+const _: () = {
+    assert!(size_of::<Header>() == 128);
+    assert!(size_of::<Device>() == 192);
+    assert!(size_of::<Slot>() == 152);
+    assert!(offset_of!(Layout, devices) == 128);
+    assert!(offset_of!(Layout, slots) == 128 + 192 * MAX_DEVICES);
+    assert!(TOTAL_SIZE == 128 + 192 * MAX_DEVICES + 152 * MAX_SLOTS);
+};

@@ -1,0 +1,488 @@
+//! The per-container shared region: one fixed-size file that every process of a container maps, and
+//! that the node agent and `vgpuctl` read and write.
+//!
+//! * **Exact memory accounting without a lock or a window.** A process's usage per device lives only
+//!   in its own slot. To reserve, a process adds to its slot, then sums every slot: if the sum exceeds
+//!   the limit it takes its addition back. Adds and loads are sequentially consistent, so of any two
+//!   concurrent reservations at least one sees the other (Dekker): the sum of admitted reservations
+//!   never exceeds the limit. A process killed at any instruction leaves its slot holding exactly what
+//!   it reserved, and reclaiming the slot releases exactly that.
+//! * **Liveness without PIDs.** A process holds an open-file-description record lock on one byte per
+//!   slot for its whole life; the kernel drops it when the process dies, however it dies. A slot
+//!   whose lock can be taken is dead. PID reuse cannot fool this and no process scan is needed.
+//! * **Limits** are per device and can change at any time; readers load them on every check.
+
+mod layout;
+
+pub use layout::*;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::*};
+
+/// Why a region cannot be used. Messages are meant for one stderr line.
+#[derive(Debug)]
+pub enum RegionError {
+    Io { path: PathBuf, action: &'static str, source: io::Error },
+    Truncated { path: PathBuf, len: u64 },
+    BadMagic { path: PathBuf },
+    Version { path: PathBuf, found: u32 },
+    Layout { path: PathBuf },
+    NoSlot { path: PathBuf },
+    ReadOnly { path: PathBuf },
+}
+
+impl std::fmt::Display for RegionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegionError::Io { path, action, source } => {
+                write!(f, "cannot {action} region {}: {source}", path.display())
+            }
+            RegionError::Truncated { path, len } => {
+                write!(f, "region {} is truncated or resized: {len} bytes, expected {TOTAL_SIZE}", path.display())
+            }
+            RegionError::BadMagic { path } => write!(f, "{} is not a vgpu region (bad magic)", path.display()),
+            RegionError::Version { path, found } => write!(
+                f,
+                "region {} has ABI version {found}; this build understands version {ABI_VERSION}",
+                path.display()
+            ),
+            RegionError::Layout { path } => {
+                write!(f, "region {} has a different layout (layout hash mismatch); refusing it", path.display())
+            }
+            RegionError::NoSlot { path } => {
+                write!(f, "region {}: all {MAX_SLOTS} process slots are in use", path.display())
+            }
+            RegionError::ReadOnly { path } => write!(f, "region {} is open read-only", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for RegionError {}
+
+type Result<T> = std::result::Result<T, RegionError>;
+
+/// What a new region holds (standalone creation or the agent).
+#[derive(Clone, Debug, Default)]
+pub struct Init {
+    /// Per device: (UUID, memory limit in bytes, SM limit in percent).
+    pub devices: Vec<(String, u64, u32)>,
+    /// Created from a process's environment rather than by the agent.
+    pub standalone: bool,
+}
+
+/// A mapped region.
+pub struct Region {
+    path: PathBuf,
+    file: File,
+    map: &'static Layout,
+    writable: bool,
+}
+
+fn lock(fd: i32, byte: i64, cmd: i32, ty: i32) -> io::Result<bool> {
+    // SAFETY: flock is plain data; fcntl with an OFD lock command and a valid pointer.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = ty as _;
+    fl.l_whence = libc::SEEK_SET as _;
+    fl.l_start = byte;
+    fl.l_len = 1;
+    loop {
+        // SAFETY: valid fd and flock struct.
+        let r = unsafe { libc::fcntl(fd, cmd, &mut fl) };
+        if r == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) | Some(libc::EACCES) => return Ok(false),
+            _ => return Err(e),
+        }
+    }
+}
+
+fn pack(s: &str, dst: &[AtomicU64; 8]) {
+    let mut b = [0u8; 64];
+    let n = s.len().min(63);
+    b[..n].copy_from_slice(&s.as_bytes()[..n]);
+    for (w, c) in dst.iter().zip(b.chunks_exact(8)) {
+        w.store(u64::from_le_bytes(c.try_into().unwrap()), Relaxed);
+    }
+}
+
+fn unpack(src: &[AtomicU64; 8]) -> String {
+    let b: Vec<u8> = src.iter().flat_map(|w| w.load(Relaxed).to_le_bytes()).take_while(|&c| c != 0).collect();
+    String::from_utf8_lossy(&b).into_owned()
+}
+
+pub fn now_realtime_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+impl Region {
+    /// Opens the region at `path`, creating and initialising it from `init()` if it does not exist or
+    /// is empty. Concurrent creators are serialised by a record lock that dies with its holder.
+    pub fn open_or_create(path: &Path, init: impl FnOnce() -> Init) -> Result<Region> {
+        let io = |action, source| RegionError::Io { path: path.to_owned(), action, source };
+        if let Some(dir) = path.parent() {
+            if !dir.as_os_str().is_empty() && !dir.exists() {
+                std::fs::create_dir_all(dir).map_err(|e| io("create the directory of", e))?;
+            }
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o666)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| io("open", e))?;
+        let fd = file.as_raw_fd();
+        lock(fd, INIT_LOCK_BYTE, libc::F_OFD_SETLKW, libc::F_WRLCK).map_err(|e| io("lock", e))?;
+        let r = (|| {
+            let len = file.metadata().map_err(|e| io("stat", e))?.len();
+            if len == 0 {
+                // Make the file's permissions independent of the creator's umask.
+                // SAFETY: fchmod on our open fd.
+                unsafe { libc::fchmod(fd, 0o666) };
+                file.set_len(TOTAL_SIZE as u64).map_err(|e| io("size", e))?;
+                let map = map(&file, path, true)?;
+                let h = &map.header;
+                let init = init();
+                for (i, (uuid, mem, sm)) in init.devices.iter().take(MAX_DEVICES).enumerate() {
+                    pack(uuid, &map.devices[i].uuid);
+                    map.devices[i].mem_limit.store(*mem, Relaxed);
+                    map.devices[i].sm_limit.store(*sm, Relaxed);
+                }
+                h.ndevices.store(init.devices.len().min(MAX_DEVICES) as u32, Relaxed);
+                h.flags.store(init.standalone as u32, Relaxed);
+                h.creator_pid.store(std::process::id(), Relaxed);
+                h.abi_version.store(ABI_VERSION, Relaxed);
+                h.header_size.store(std::mem::size_of::<Header>() as u32, Relaxed);
+                h.total_size.store(TOTAL_SIZE as u64, Relaxed);
+                h.layout_hash.store(LAYOUT_HASH, Relaxed);
+                h.magic.store(MAGIC, Relaxed);
+                h.state.store(1, Release);
+                Ok(map)
+            } else {
+                validate(&file, path)
+            }
+        })();
+        let _ = lock(fd, INIT_LOCK_BYTE, libc::F_OFD_SETLK, libc::F_UNLCK);
+        Ok(Region { path: path.to_owned(), file, map: r?, writable: true })
+    }
+
+    /// Opens an existing region, read-write or read-only, validating it.
+    pub fn open(path: &Path, writable: bool) -> Result<Region> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|source| RegionError::Io { path: path.to_owned(), action: "open", source })?;
+        let map = if writable { validate(&file, path)? } else { validate_ro(&file, path)? };
+        Ok(Region { path: path.to_owned(), file, map, writable })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn layout(&self) -> &'static Layout {
+        self.map
+    }
+
+    pub fn ndevices(&self) -> usize {
+        (self.map.header.ndevices.load(Acquire) as usize).min(MAX_DEVICES)
+    }
+
+    pub fn device_uuid(&self, i: usize) -> String {
+        unpack(&self.map.devices[i].uuid)
+    }
+
+    fn writable(&self) -> Result<()> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(RegionError::ReadOnly { path: self.path.clone() })
+        }
+    }
+
+    /// Records a device (agent, or a standalone process seeing a device for the first time).
+    /// Returns its index, or None when the region is full or read-only.
+    pub fn add_device(&self, uuid: &str, mem_limit: u64, sm_limit: u32) -> Option<usize> {
+        self.writable().ok()?;
+        let g = self.init_guard();
+        let n = self.ndevices();
+        if let Some(i) = (0..n).find(|&i| self.device_uuid(i) == uuid) {
+            return Some(i);
+        }
+        if n >= MAX_DEVICES {
+            return None;
+        }
+        let d = &self.map.devices[n];
+        pack(uuid, &d.uuid);
+        d.mem_limit.store(mem_limit, Relaxed);
+        d.sm_limit.store(sm_limit, Relaxed);
+        self.map.header.ndevices.store(n as u32 + 1, Release);
+        drop(g);
+        Some(n)
+    }
+
+    fn init_guard(&self) -> impl Drop + '_ {
+        struct G<'a>(&'a File);
+        impl Drop for G<'_> {
+            fn drop(&mut self) {
+                let _ = lock(self.0.as_raw_fd(), INIT_LOCK_BYTE, libc::F_OFD_SETLK, libc::F_UNLCK);
+            }
+        }
+        let _ = lock(self.file.as_raw_fd(), INIT_LOCK_BYTE, libc::F_OFD_SETLKW, libc::F_WRLCK);
+        G(&self.file)
+    }
+
+    pub fn mem_limit(&self, dev: usize) -> u64 {
+        self.map.devices[dev].mem_limit.load(Acquire)
+    }
+
+    /// Changes a device's memory limit (the agent, or an operator tool).
+    pub fn set_mem_limit(&self, dev: usize, bytes: u64) -> Result<()> {
+        self.writable()?;
+        self.map.devices[dev].mem_limit.store(bytes, Release);
+        self.map.header.limits_generation.fetch_add(1, AcqRel);
+        Ok(())
+    }
+
+    pub fn sm_limit(&self, dev: usize) -> u32 {
+        self.map.devices[dev].sm_limit.load(Acquire)
+    }
+
+    pub fn set_sm_limit(&self, dev: usize, pct: u32) -> Result<()> {
+        self.writable()?;
+        self.map.devices[dev].sm_limit.store(pct, Release);
+        self.map.header.limits_generation.fetch_add(1, AcqRel);
+        Ok(())
+    }
+
+    /// Memory in use on `dev` by every live process of the container.
+    #[inline]
+    pub fn used(&self, dev: usize) -> u64 {
+        let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
+        self.map.slots[..hw].iter().map(|s| s.used[dev].load(SeqCst)).sum()
+    }
+
+    /// Claims a process slot for the calling process. The returned [`Claim`] holds the slot's record
+    /// lock; the slot is reclaimed when the process dies.
+    pub fn claim(&self, pid: u32, host_pid: u32) -> Result<Claim> {
+        self.writable()?;
+        // A private open file description: the lock dies with this process and is not shared with a
+        // forked child that re-claims (see `Claim::reclaim_after_fork`).
+        let fd = reopen(&self.file, &self.path)?;
+        for (i, slot) in self.map.slots.iter().enumerate() {
+            let held = lock(fd.as_raw_fd(), SLOT_LOCK_BASE + i as i64, libc::F_OFD_SETLK, libc::F_WRLCK)
+                .map_err(|source| RegionError::Io { path: self.path.clone(), action: "lock a slot of", source })?;
+            if !held {
+                continue; // a live process holds it
+            }
+            // Ours now. Whatever a dead predecessor held is released here.
+            for u in &slot.used {
+                u.store(0, SeqCst);
+            }
+            slot.pid.store(pid, Relaxed);
+            slot.host_pid.store(host_pid, Relaxed);
+            slot.claimed_ns.store(now_realtime_ns(), Relaxed);
+            slot.state.store(1, Release);
+            self.map.header.slots_hw.fetch_max(i as u32 + 1, AcqRel);
+            return Ok(Claim { index: i, fd });
+        }
+        Err(RegionError::NoSlot { path: self.path.clone() })
+    }
+
+    /// Releases the slots of dead processes; returns the bytes released.
+    pub fn reap(&self) -> u64 {
+        if !self.writable {
+            return 0;
+        }
+        let Ok(fd) = reopen(&self.file, &self.path) else { return 0 };
+        let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
+        let mut freed = 0;
+        for (i, slot) in self.map.slots[..hw].iter().enumerate() {
+            if slot.state.load(Acquire) == 0 && slot.used.iter().all(|u| u.load(Relaxed) == 0) {
+                continue;
+            }
+            let byte = SLOT_LOCK_BASE + i as i64;
+            if matches!(lock(fd.as_raw_fd(), byte, libc::F_OFD_SETLK, libc::F_WRLCK), Ok(true)) {
+                for u in &slot.used {
+                    freed += u.swap(0, SeqCst);
+                }
+                slot.state.store(0, Release);
+                let _ = lock(fd.as_raw_fd(), byte, libc::F_OFD_SETLK, libc::F_UNLCK);
+            }
+        }
+        freed
+    }
+
+    /// Live slots: (index, pid, host pid, per-device usage).
+    pub fn slots(&self) -> Vec<(usize, u32, u32, Vec<u64>)> {
+        let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
+        let n = self.ndevices().max(1);
+        self.map.slots[..hw]
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.state.load(Acquire) == 1)
+            .map(|(i, s)| {
+                (
+                    i,
+                    s.pid.load(Relaxed),
+                    s.host_pid.load(Relaxed),
+                    s.used[..n].iter().map(|u| u.load(Relaxed)).collect(),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Outcome of a reservation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reserve {
+    Ok,
+    /// The container's usage plus the request would exceed the limit.
+    OverLimit,
+}
+
+/// A process's claimed slot.
+pub struct Claim {
+    pub index: usize,
+    fd: OwnedFd,
+}
+
+impl Claim {
+    /// After `fork`, the child shares its parent's lock; it drops that description and claims a
+    /// slot of its own.
+    pub fn reclaim_after_fork(self, region: &Region, pid: u32, host_pid: u32) -> Result<Claim> {
+        // Closing our copy of the shared description does not release the parent's lock.
+        drop(self.fd);
+        region.claim(pid, host_pid)
+    }
+}
+
+impl Region {
+    /// Reserves `bytes` on `dev` for `slot`, unless the container would exceed `limit` (0: none).
+    /// Lock-free; no interleaving of processes admits more than the limit.
+    #[inline]
+    pub fn reserve(&self, slot: usize, dev: usize, bytes: u64, limit: u64) -> Reserve {
+        let mine = &self.map.slots[slot].used[dev];
+        if limit == 0 {
+            mine.fetch_add(bytes, SeqCst);
+            return Reserve::Ok;
+        }
+        for _ in 0..8 {
+            mine.fetch_add(bytes, SeqCst);
+            let total = self.used(dev);
+            if total <= limit {
+                let peak = &self.map.devices[dev].peak_used;
+                if total > peak.load(Relaxed) {
+                    peak.fetch_max(total, Relaxed);
+                }
+                return Reserve::Ok;
+            }
+            mine.fetch_sub(bytes, SeqCst);
+            // No room even leaving concurrent reservations aside: refuse now. Otherwise another
+            // process's transient reservation made us fail; try again.
+            if self.used(dev) + bytes > limit {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        self.map.devices[dev].oom_rejections.fetch_add(1, Relaxed);
+        Reserve::OverLimit
+    }
+
+    /// Gives back what [`reserve`](Self::reserve) took.
+    #[inline]
+    pub fn release(&self, slot: usize, dev: usize, bytes: u64) {
+        self.map.slots[slot].used[dev].fetch_sub(bytes, SeqCst);
+    }
+}
+
+fn reopen(file: &File, path: &Path) -> Result<OwnedFd> {
+    // /proc/self/fd gives a new open file description of the same file, even if the path moved.
+    let p = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let c = std::ffi::CString::new(p).unwrap();
+    // SAFETY: valid C string; the result is checked.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    let fd = if fd < 0 {
+        // read-only regions (or no /proc): fall back to the path, read-only is enough for locks
+        // SAFETY: as above.
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) }
+    } else {
+        fd
+    };
+    if fd < 0 {
+        return Err(RegionError::Io { path: path.to_owned(), action: "reopen", source: io::Error::last_os_error() });
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn check_len(file: &File, path: &Path) -> Result<()> {
+    let len =
+        file.metadata().map_err(|source| RegionError::Io { path: path.to_owned(), action: "stat", source })?.len();
+    if len != TOTAL_SIZE as u64 {
+        return Err(RegionError::Truncated { path: path.to_owned(), len });
+    }
+    Ok(())
+}
+
+fn check_header(map: &Layout, path: &Path) -> Result<()> {
+    let h = &map.header;
+    if h.magic.load(Acquire) != MAGIC {
+        return Err(RegionError::BadMagic { path: path.to_owned() });
+    }
+    let v = h.abi_version.load(Acquire);
+    if v != ABI_VERSION {
+        return Err(RegionError::Version { path: path.to_owned(), found: v });
+    }
+    if h.layout_hash.load(Acquire) != LAYOUT_HASH
+        || h.total_size.load(Acquire) != TOTAL_SIZE as u64
+        || h.header_size.load(Acquire) != std::mem::size_of::<Header>() as u32
+    {
+        return Err(RegionError::Layout { path: path.to_owned() });
+    }
+    Ok(())
+}
+
+fn validate(file: &File, path: &Path) -> Result<&'static Layout> {
+    check_len(file, path)?;
+    let map = map(file, path, true)?;
+    check_header(map, path)?;
+    Ok(map)
+}
+
+fn validate_ro(file: &File, path: &Path) -> Result<&'static Layout> {
+    check_len(file, path)?;
+    let map = map(file, path, false)?;
+    check_header(map, path)?;
+    Ok(map)
+}
+
+fn map(file: &File, path: &Path, writable: bool) -> Result<&'static Layout> {
+    let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+    // SAFETY: maps exactly TOTAL_SIZE bytes of a file whose length was checked (or just set) to
+    // TOTAL_SIZE. The mapping is never unmapped, so the 'static reference stays valid; every field is
+    // an atomic, for which any bit pattern is valid. A read-only mapping is only ever read through
+    // the loads of the returned reference (the writers of this crate require a writable region).
+    unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), TOTAL_SIZE, prot, libc::MAP_SHARED, file.as_raw_fd(), 0);
+        if p == libc::MAP_FAILED {
+            return Err(RegionError::Io { path: path.to_owned(), action: "map", source: io::Error::last_os_error() });
+        }
+        Ok(&*(p as *const Layout))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,137 @@
+use super::*;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("vgpu-region-unit-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_file(&d);
+    d
+}
+
+fn init(limit: u64) -> impl FnOnce() -> Init {
+    move || Init { devices: vec![("GPU-aaaa".into(), limit, 0), ("GPU-bbbb".into(), 0, 30)], standalone: true }
+}
+
+#[test]
+fn create_then_reopen_sees_the_same_region() {
+    let p = tmp("create");
+    let r = Region::open_or_create(&p, init(1 << 30)).unwrap();
+    assert_eq!(r.ndevices(), 2);
+    assert_eq!(r.device_uuid(1), "GPU-bbbb");
+    assert_eq!(r.mem_limit(0), 1 << 30);
+    assert_eq!(r.sm_limit(1), 30);
+    let again = Region::open_or_create(&p, || panic!("must not re-initialise")).unwrap();
+    assert_eq!(again.mem_limit(0), 1 << 30);
+    let ro = Region::open(&p, false).unwrap();
+    assert!(ro.set_mem_limit(0, 1).is_err());
+    assert!(ro.claim(1, 1).is_err());
+    r.set_mem_limit(0, 5).unwrap();
+    assert_eq!(ro.mem_limit(0), 5, "limit changes are visible at once");
+    assert_eq!(r.add_device("GPU-bbbb", 0, 0), Some(1));
+    assert_eq!(r.add_device("GPU-cccc", 7, 0), Some(2));
+    assert_eq!(ro.ndevices(), 3);
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
+fn damaged_regions_are_refused_with_a_reason() {
+    let p = tmp("damaged");
+    Region::open_or_create(&p, init(0)).unwrap();
+    let bytes = std::fs::read(&p).unwrap();
+
+    std::fs::write(&p, &bytes[..1000]).unwrap();
+    let e = Region::open(&p, true).err().unwrap().to_string();
+    assert!(e.contains("truncated") && e.contains("1000 bytes"), "{e}");
+
+    let mut b = bytes.clone();
+    b[0] ^= 0xff;
+    std::fs::write(&p, &b).unwrap();
+    assert!(Region::open(&p, true).err().unwrap().to_string().contains("bad magic"));
+
+    let mut b = bytes.clone();
+    b[8..12].copy_from_slice(&7u32.to_le_bytes());
+    std::fs::write(&p, &b).unwrap();
+    let e = Region::open_or_create(&p, init(0)).err().unwrap().to_string();
+    assert!(e.contains("ABI version 7"), "{e}");
+
+    let mut b = bytes.clone();
+    b[24] ^= 1; // layout hash
+    std::fs::write(&p, &b).unwrap();
+    assert!(Region::open(&p, true).err().unwrap().to_string().contains("layout hash"));
+
+    std::fs::write(&p, vec![0xa5u8; TOTAL_SIZE]).unwrap();
+    assert!(Region::open(&p, true).err().unwrap().to_string().contains("bad magic"));
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
+fn reservations_respect_the_limit_and_roll_back() {
+    let p = tmp("reserve");
+    let r = Region::open_or_create(&p, init(100)).unwrap();
+    let a = r.claim(1, 1).unwrap();
+    let b = r.claim(2, 2).unwrap();
+    assert_ne!(a.index, b.index);
+    assert_eq!(r.reserve(a.index, 0, 60, 100), Reserve::Ok);
+    assert_eq!(r.reserve(b.index, 0, 41, 100), Reserve::OverLimit);
+    assert_eq!(r.reserve(b.index, 0, 40, 100), Reserve::Ok);
+    assert_eq!(r.used(0), 100);
+    r.release(a.index, 0, 60);
+    assert_eq!(r.used(0), 40);
+    assert_eq!(r.reserve(a.index, 1, 1 << 40, 0), Reserve::Ok, "no limit on device 1");
+    assert_eq!(r.layout().devices[0].oom_rejections.load(Relaxed), 1);
+    assert_eq!(r.layout().devices[0].peak_used.load(Relaxed), 100);
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
+fn dead_slots_are_reclaimed_exactly() {
+    let p = tmp("reap");
+    let r = Region::open_or_create(&p, init(0)).unwrap();
+    let a = r.claim(1, 1).unwrap();
+    let b = r.claim(2, 2).unwrap();
+    r.reserve(a.index, 0, 1000, 0);
+    r.reserve(b.index, 0, 24, 0);
+    assert_eq!(r.reap(), 0, "both alive");
+    let ia = a.index;
+    drop(a); // the "process" dies: its lock goes
+    assert_eq!(r.reap(), 1000);
+    assert_eq!(r.used(0), 24);
+    let c = r.claim(3, 3).unwrap();
+    assert_eq!(c.index, ia, "the freed slot is reused");
+    assert_eq!(r.slots().len(), 2);
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
+fn racing_reservations_never_exceed_the_limit() {
+    let p = tmp("race");
+    let limit = 64 << 20;
+    let r = Arc::new(Region::open_or_create(&p, init(limit)).unwrap());
+    let admitted = Arc::new(AtomicU64::new(0));
+    let hs: Vec<_> = (0..8)
+        .map(|i| {
+            let (r, admitted) = (r.clone(), admitted.clone());
+            std::thread::spawn(move || {
+                let c = r.claim(100 + i, 0).unwrap();
+                let mut mine = 0u64;
+                for _ in 0..10_000 {
+                    if r.reserve(c.index, 0, 1 << 20, limit) == Reserve::Ok {
+                        mine += 1 << 20;
+                        assert!(r.used(0) <= limit);
+                        if mine > 4 << 20 {
+                            r.release(c.index, 0, 1 << 20);
+                            mine -= 1 << 20;
+                        }
+                    }
+                }
+                admitted.fetch_add(mine, Relaxed);
+                c
+            })
+        })
+        .collect();
+    let claims: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(r.used(0) <= limit);
+    assert_eq!(r.used(0), admitted.load(Relaxed), "the region holds exactly what was admitted");
+    drop(claims);
+    std::fs::remove_file(p).ok();
+}
