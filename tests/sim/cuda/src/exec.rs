@@ -1,7 +1,7 @@
 //! Execution: modules and functions, streams, events, kernel launches, graphs and stream capture.
 //!
 //! Kernels run on the node's per-GPU timeline shared by every process: a launch starts at
-//! max(now, GPU busy-until) and lasts the duration its name gives (see `vgpu_sim::abi::KernelKind`).
+//! max(now, GPU busy-until) and lasts the duration its name gives (see `vgpu_sim::kernels::KernelKind`).
 //! Synchronisation sleeps until the simulated completion time.
 
 use crate::driver::{current, proc, Ctx, R};
@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering::*};
 use std::sync::Mutex;
 use vgpu_sim::abi::*;
+use vgpu_sim::kernels::{parse_kernel_name, KernelKind};
 use vgpu_sim::state::{now_ns, sleep_until};
 
 const STREAM_MAGIC: u64 = 0x5354_524d_5349_4d01;
