@@ -232,6 +232,30 @@ impl Region {
         Some(n)
     }
 
+    /// Index of the device with this UUID.
+    pub fn find_device(&self, uuid: &str) -> Option<usize> {
+        (0..self.ndevices()).find(|&i| self.device_uuid(i) == uuid)
+    }
+
+    /// Binds a device UUID to a region index: the index it already has, else `preferred` if that index
+    /// is free, else the first free index. New devices get the given limits.
+    pub fn bind_device(&self, preferred: usize, uuid: &str, mem_limit: u64, sm_limit: u32) -> Option<usize> {
+        self.writable().ok()?;
+        let _g = self.init_guard();
+        if let Some(i) = self.find_device(uuid) {
+            return Some(i);
+        }
+        let free = |i: usize| unpack(&self.map.devices[i].uuid).is_empty();
+        let i =
+            if preferred < MAX_DEVICES && free(preferred) { preferred } else { (0..MAX_DEVICES).find(|&i| free(i))? };
+        let d = &self.map.devices[i];
+        pack(uuid, &d.uuid);
+        d.mem_limit.store(mem_limit, Relaxed);
+        d.sm_limit.store(sm_limit, Relaxed);
+        self.map.header.ndevices.fetch_max(i as u32 + 1, AcqRel);
+        Some(i)
+    }
+
     fn init_guard(&self) -> impl Drop + '_ {
         struct G<'a>(&'a File);
         impl Drop for G<'_> {

@@ -135,3 +135,17 @@ fn racing_reservations_never_exceed_the_limit() {
     drop(claims);
     std::fs::remove_file(p).ok();
 }
+
+#[test]
+fn devices_bind_by_uuid_at_their_container_index() {
+    let p = tmp("bind");
+    let r = Region::open_or_create(&p, Init::default).unwrap();
+    assert_eq!(r.bind_device(1, "GPU-b", 10, 0), Some(1), "container index 1 first");
+    assert_eq!(r.ndevices(), 2);
+    assert_eq!(r.bind_device(0, "GPU-a", 20, 0), Some(0));
+    assert_eq!(r.bind_device(0, "GPU-b", 99, 0), Some(1), "known UUID keeps its index and limit");
+    assert_eq!(r.mem_limit(1), 10);
+    assert_eq!(r.bind_device(0, "GPU-c", 30, 0), Some(2), "taken index: first free one");
+    assert_eq!(r.find_device("GPU-c"), Some(2));
+    std::fs::remove_file(p).ok();
+}

@@ -1,0 +1,89 @@
+//! The intercepted API, declared once. Each line names an exported entry point, its C signature and
+//! the policy function it routes to (`pass` forwards unchanged). From these lists the macros generate
+//! the table of real driver functions, the exported hook symbols, and the name -> hook map used by
+//! the `dlsym` and `cuGetProcAddress` hooks. Every symbol not listed passes through untouched.
+
+/// CUDA driver entry points (return `CUresult`).
+macro_rules! cuda_hooks {
+    ($m:ident) => {
+        $m! {
+            // contexts (their memory overhead is charged)
+            cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) => memory::primary_retain;
+            cuDevicePrimaryCtxRelease(dev: CUdevice) => memory::primary_release;
+            cuDevicePrimaryCtxRelease_v2(dev: CUdevice) => memory::primary_release;
+            cuCtxCreate_v2(pctx: *mut CUcontext, flags: u32, dev: CUdevice) => memory::ctx_create;
+            cuCtxDestroy_v2(ctx: CUcontext) => memory::ctx_destroy;
+            // linear memory
+            cuMemAlloc(dptr: *mut u32, size: u32) => memory::alloc_v1;
+            cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => memory::alloc_v2;
+            cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: u32) => memory::alloc_pitch;
+            cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: u32) => memory::alloc_managed;
+            cuMemFree(dptr: u32) => memory::free_v1;
+            cuMemFree_v2(dptr: CUdeviceptr) => memory::free_v2;
+            // virtual memory management
+            cuMemCreate(handle: *mut u64, size: usize, prop: *const CUmemAllocationProp, flags: u64) => memory::vmm_create;
+            cuMemRelease(handle: u64) => memory::vmm_release;
+            // stream-ordered allocator
+            cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async;
+            cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async;
+            cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool;
+            cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool;
+            cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
+            cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
+            // arrays
+            cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => memory::array_create;
+            cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => memory::array3d_create;
+            cuArrayDestroy(arr: CUarray) => memory::array_destroy;
+            cuMipmappedArrayCreate(arr: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: u32) => memory::mipmapped_create;
+            cuMipmappedArrayDestroy(arr: CUmipmappedArray) => memory::mipmapped_destroy;
+            // what the container sees
+            cuMemGetInfo(free: *mut u32, total: *mut u32) => memory::get_info_v1;
+            cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => memory::get_info_v2;
+            cuDeviceTotalMem(bytes: *mut u32, dev: CUdevice) => memory::total_mem_v1;
+            cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) => memory::total_mem_v2;
+            // entry points handed out by the driver
+            cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) => procaddr::get_v1;
+            cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) => procaddr::get_v2;
+            // launches (throttled by the SM controller; forwarded for now)
+            cuLaunchKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
+            cuLaunchKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
+            cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
+            cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
+            cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => pass;
+            cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => pass;
+            cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => pass;
+            cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => pass;
+        }
+    };
+}
+
+/// NVML entry points (return `nvmlReturn_t`).
+macro_rules! nvml_hooks {
+    ($m:ident) => {
+        $m! {
+            nvmlDeviceGetMemoryInfo(dev: NvmlDevice, mem: *mut NvmlMemory) => nvml::memory_info;
+            nvmlDeviceGetMemoryInfo_v2(dev: NvmlDevice, mem: *mut NvmlMemoryV2) => nvml::memory_info_v2;
+            nvmlDeviceGetComputeRunningProcesses_v3(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
+            nvmlDeviceGetComputeRunningProcesses_v2(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
+        }
+    };
+}
+
+/// Driver functions the policies call that are not intercepted.
+macro_rules! cuda_helpers {
+    ($m:ident) => {
+        $m! {
+            cuCtxGetDevice(dev: *mut CUdevice);
+            cuDeviceGet(dev: *mut CUdevice, ordinal: i32);
+            cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);
+            cuMemGetAllocationGranularity(g: *mut usize, prop: *const CUmemAllocationProp, option: i32);
+            cuArrayGetMemoryRequirements(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, arr: CUarray, dev: CUdevice);
+            cuMipmappedArrayGetMemoryRequirements(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, arr: CUmipmappedArray, dev: CUdevice);
+            cuArrayDestroy(arr: CUarray);
+            cuMipmappedArrayDestroy(arr: CUmipmappedArray);
+            cuMemFree_v2(dptr: CUdeviceptr);
+        }
+    };
+}
+
+pub(crate) use {cuda_helpers, cuda_hooks, nvml_hooks};

@@ -1,0 +1,200 @@
+//! The interposer's configuration: the HAMi-core environment contract plus `VGPU_` additions, read
+//! once. Bad values are collected, reported once, and handled by the stated policy.
+
+use crate::MAX_DEVICES;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CorePolicy {
+    /// Limit SM time always.
+    Force,
+    /// Never limit SM time.
+    Disable,
+    /// Limit while the GPU is shared.
+    Default,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Memory limit per container-visible device index; 0 = none.
+    pub mem_limit: [u64; MAX_DEVICES],
+    /// SM limit in percent per device; 0 = none.
+    pub sm_limit: [u32; MAX_DEVICES],
+    pub region_path: String,
+    /// Read-only region holding the limits (written by the agent), if any.
+    pub limits_path: Option<String>,
+    /// Read by the SM-time controller.
+    #[allow(dead_code)]
+    pub core_policy: CorePolicy,
+    pub log_level: u8,
+    /// Device memory charged per CUDA context.
+    pub context_overhead: u64,
+    /// Count cuMemAllocManaged allocations.
+    pub count_managed: bool,
+    /// On bad configuration or an unusable region, run unlimited instead of refusing allocations.
+    pub fail_open: bool,
+    /// Problems found, one line each.
+    pub errors: Vec<String>,
+}
+
+pub const DEFAULT_REGION: &str = "/tmp/vgpu.region";
+pub const DEFAULT_CONTEXT_OVERHEAD: u64 = 256 << 20;
+
+/// `<n>`, `<n>k|m|g` (any case, powers of 1024), or `0x<hex>`.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        return u64::from_str_radix(h, 16).ok();
+    }
+    let (num, shift) = match s.as_bytes().last()? {
+        b'k' | b'K' => (&s[..s.len() - 1], 10),
+        b'm' | b'M' => (&s[..s.len() - 1], 20),
+        b'g' | b'G' => (&s[..s.len() - 1], 30),
+        _ => (s, 0),
+    };
+    let n: u64 = num.trim().parse().ok()?;
+    n.checked_mul(1 << shift)
+}
+
+fn parse_percent(s: &str) -> Option<u32> {
+    let v: u32 = s.trim().parse().ok()?;
+    Some(if v >= 100 { 0 } else { v })
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Config {
+        let mut errors = Vec::new();
+        let mut size = |k: &str| -> Option<u64> {
+            let v = get(k)?;
+            match parse_size(&v) {
+                Some(x) => Some(x),
+                None => {
+                    errors.push(format!("{k}={v:?} is not a size (bytes, or a number with k, m or g)"));
+                    None
+                }
+            }
+        };
+        let all = size("CUDA_DEVICE_MEMORY_LIMIT").unwrap_or(0);
+        let mut mem_limit = [all; MAX_DEVICES];
+        for (i, m) in mem_limit.iter_mut().enumerate() {
+            if let Some(v) = size(&format!("CUDA_DEVICE_MEMORY_LIMIT_{i}")) {
+                *m = v;
+            }
+        }
+        let context_overhead = size("VGPU_CONTEXT_OVERHEAD").unwrap_or(DEFAULT_CONTEXT_OVERHEAD);
+        let mut pct = |k: &str| -> Option<u32> {
+            let v = get(k)?;
+            match parse_percent(&v) {
+                Some(x) => Some(x),
+                None => {
+                    errors.push(format!("{k}={v:?} is not a percentage"));
+                    None
+                }
+            }
+        };
+        let all = pct("CUDA_DEVICE_SM_LIMIT").unwrap_or(0);
+        let mut sm_limit = [all; MAX_DEVICES];
+        for (i, s) in sm_limit.iter_mut().enumerate() {
+            if let Some(v) = pct(&format!("CUDA_DEVICE_SM_LIMIT_{i}")) {
+                *s = v;
+            }
+        }
+        let core_policy = match get("GPU_CORE_UTILIZATION_POLICY").as_deref().map(str::to_ascii_lowercase).as_deref() {
+            None | Some("") | Some("default") => CorePolicy::Default,
+            Some("force") => CorePolicy::Force,
+            Some("disable") => CorePolicy::Disable,
+            Some(v) => {
+                errors.push(format!("GPU_CORE_UTILIZATION_POLICY={v:?} is not force, disable or default"));
+                CorePolicy::Default
+            }
+        };
+        let log_level = match get("LIBCUDA_LOG_LEVEL") {
+            None => 1,
+            Some(v) => match v.trim().parse::<u8>() {
+                Ok(l) if l <= 4 => l,
+                _ => {
+                    errors.push(format!("LIBCUDA_LOG_LEVEL={v:?} is not 0-4"));
+                    1
+                }
+            },
+        };
+        let flag = |k: &str| get(k).is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"));
+        Config {
+            mem_limit,
+            sm_limit,
+            region_path: get("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+                .filter(|p| !p.is_empty())
+                .unwrap_or_else(|| DEFAULT_REGION.into()),
+            limits_path: get("VGPU_LIMITS_FILE").filter(|p| !p.is_empty()),
+            core_policy,
+            log_level,
+            context_overhead,
+            count_managed: get("VGPU_COUNT_MANAGED").is_none_or(|v| v.trim() != "0"),
+            fail_open: flag("VGPU_FAIL_OPEN"),
+            errors,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(kv: &[(&str, &str)]) -> Config {
+        let m: HashMap<String, String> = kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1024"), Some(1024));
+        assert_eq!(parse_size("3000m"), Some(3000 << 20));
+        assert_eq!(parse_size("8G"), Some(8 << 30));
+        assert_eq!(parse_size("16k"), Some(16 << 10));
+        assert_eq!(parse_size("0x100"), Some(256));
+        assert_eq!(parse_size("0"), Some(0));
+        for bad in ["", "m", "12q", "-5", "1.5g", "99999999999999g"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn hami_contract() {
+        let c = cfg(&[
+            ("CUDA_DEVICE_MEMORY_LIMIT", "4g"),
+            ("CUDA_DEVICE_MEMORY_LIMIT_1", "3000m"),
+            ("CUDA_DEVICE_SM_LIMIT", "30"),
+            ("CUDA_DEVICE_SM_LIMIT_2", "150"),
+            ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "/usr/local/vgpu/x.cache"),
+            ("GPU_CORE_UTILIZATION_POLICY", "FORCE"),
+        ]);
+        assert!(c.errors.is_empty(), "{:?}", c.errors);
+        assert_eq!((c.mem_limit[0], c.mem_limit[1], c.mem_limit[15]), (4 << 30, 3000 << 20, 4 << 30));
+        assert_eq!((c.sm_limit[0], c.sm_limit[2]), (30, 0), ">= 100 means no limit");
+        assert_eq!(c.region_path, "/usr/local/vgpu/x.cache");
+        assert_eq!(c.core_policy, CorePolicy::Force);
+        assert_eq!(c.log_level, 1);
+        assert!(!c.fail_open && c.count_managed);
+        let d = cfg(&[]);
+        assert_eq!((d.mem_limit[0], d.region_path.as_str()), (0, DEFAULT_REGION));
+        assert_eq!(d.context_overhead, DEFAULT_CONTEXT_OVERHEAD);
+    }
+
+    #[test]
+    fn bad_values_are_reported() {
+        let c = cfg(&[
+            ("CUDA_DEVICE_MEMORY_LIMIT", "lots"),
+            ("CUDA_DEVICE_SM_LIMIT_0", "x"),
+            ("GPU_CORE_UTILIZATION_POLICY", "sometimes"),
+            ("LIBCUDA_LOG_LEVEL", "9"),
+            ("VGPU_FAIL_OPEN", "1"),
+        ]);
+        assert_eq!(c.errors.len(), 4, "{:?}", c.errors);
+        assert!(c.errors[0].contains("CUDA_DEVICE_MEMORY_LIMIT=\"lots\""));
+        assert!(c.fail_open);
+    }
+}

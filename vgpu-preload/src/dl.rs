@@ -1,0 +1,103 @@
+//! `dlsym`: the real one, and the exported override that hands out our hooks for the driver's own
+//! entry points (applications and the CUDA runtime that `dlopen` the driver privately).
+//!
+//! The override is a naked tail-jumping trampoline on x86-64: glibc's `dlsym` resolves `RTLD_NEXT`
+//! relative to its caller's return address, so anything we do not answer ourselves must reach the
+//! real `dlsym` with the original caller's return address untouched.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering::*};
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// Address of glibc's `dlsym` (read by the trampoline).
+static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+fn real_dlsym_addr() -> usize {
+    let a = REAL_DLSYM.load(Acquire);
+    if a != 0 {
+        return a;
+    }
+    // dlvsym is not intercepted. GLIBC_2.34 moved dlsym into libc; older glibc has GLIBC_2.2.5.
+    let mut p = std::ptr::null_mut();
+    for v in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+        // SAFETY: RTLD_NEXT lookup of a libc symbol with static C strings.
+        p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), v.as_ptr()) };
+        if !p.is_null() {
+            break;
+        }
+    }
+    REAL_DLSYM.store(p as usize, Release);
+    p as usize
+}
+
+/// The real `dlsym`.
+///
+/// # Safety
+/// As `dlsym(3)`: a valid handle and a NUL-terminated name.
+pub unsafe fn real_dlsym(h: *mut c_void, name: *const c_char) -> *mut c_void {
+    let a = real_dlsym_addr();
+    if a == 0 {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: a is glibc's dlsym.
+    unsafe { std::mem::transmute::<usize, DlsymFn>(a)(h, name) }
+}
+
+/// Decides whether `dlsym(handle, name)` is answered with one of our hooks. Returns NULL to let the
+/// real `dlsym` answer. Runs for every `dlsym` in the process: cheap, allocation-free when declining.
+extern "C" fn filter(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    real_dlsym_addr();
+    if name.is_null() || crate::guard::inside() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: dlsym's contract: a NUL-terminated name.
+    let n = unsafe { CStr::from_ptr(name) }.to_bytes();
+    if !(n.starts_with(b"cu") || n.starts_with(b"nvml")) {
+        return std::ptr::null_mut();
+    }
+    let Ok(n) = std::str::from_utf8(n) else { return std::ptr::null_mut() };
+    let Some(hook) = crate::hooks::hook(n) else { return std::ptr::null_mut() };
+    if handle == libc::RTLD_DEFAULT || handle == libc::RTLD_NEXT {
+        return hook;
+    }
+    // A real handle: replace only the driver's (or NVML's) own entry point.
+    // SAFETY: the caller's handle and name, as given to dlsym.
+    let r = unsafe { real_dlsym(handle, name) };
+    if !r.is_null() && crate::hooks::real_address(n) == Some(r as usize) {
+        hook
+    } else {
+        std::ptr::null_mut()
+    }
+}
+
+#[cfg(all(not(test), target_arch = "x86_64"))]
+mod export {
+    /// The exported `dlsym`: asks [`filter`](super::filter), else tail-jumps to glibc's `dlsym`.
+    ///
+    /// # Safety
+    /// As `dlsym(3)`.
+    #[unsafe(naked)]
+    #[no_mangle]
+    pub unsafe extern "C" fn dlsym(
+        handle: *mut std::ffi::c_void,
+        name: *const std::ffi::c_char,
+    ) -> *mut std::ffi::c_void {
+        std::arch::naked_asm!(
+            "push rdi",
+            "push rsi",
+            "sub rsp, 8",
+            "call {filter}",
+            "add rsp, 8",
+            "pop rsi",
+            "pop rdi",
+            "test rax, rax",
+            "jnz 2f",
+            "jmp qword ptr [rip + {real}]",
+            "2:",
+            "ret",
+            filter = sym super::filter,
+            real = sym super::REAL_DLSYM,
+        )
+    }
+}

@@ -1,0 +1,105 @@
+//! The exported hook symbols, generated from the lists in `api.rs`, and the maps from names and real
+//! addresses to hooks that `dlsym` and `cuGetProcAddress` use.
+
+use crate::api::{cuda_hooks, nvml_hooks};
+use crate::nvml::*;
+use crate::real;
+use cuda_abi::*;
+#[allow(unused_imports)]
+use std::ffi::{c_char, c_void};
+use std::sync::OnceLock;
+
+#[cfg(not(test))]
+mod exports {
+    use super::*;
+    #[allow(unused_imports)]
+    use crate::{memory, nvml, procaddr};
+
+    macro_rules! call {
+        (pass, $real:ident, $($a:ident),*) => { $real($($a),*) };
+        ($p:path, $real:ident, $($a:ident),*) => { $p($real, $($a),*) };
+    }
+
+    macro_rules! cuda_exports {
+        ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident)?;)*) => {
+            $(
+                #[no_mangle]
+                pub unsafe extern "C" fn $name($($a: $t),*) -> CUresult {
+                    let Some(real) = real::driver().cuda.$name else { return CUresult::NOT_SUPPORTED };
+                    // SAFETY: forwarding the caller's arguments to the real entry point or its policy.
+                    crate::guard::run(|| unsafe { call!($p $(:: $q)?, real, $($a),*) }, CUresult::UNKNOWN)
+                        .unwrap_or_else(|| unsafe { real($($a),*) })
+                }
+            )*
+            pub fn cuda_hook(name: &str) -> Option<*mut c_void> {
+                match name {
+                    $(stringify!($name) => Some($name as *mut c_void),)*
+                    _ => None,
+                }
+            }
+        };
+    }
+    cuda_hooks!(cuda_exports);
+
+    macro_rules! nvml_exports {
+        ($($name:ident($($a:ident: $t:ty),*) => $p:path;)*) => {
+            $(
+                #[no_mangle]
+                pub unsafe extern "C" fn $name($($a: $t),*) -> NvmlReturn {
+                    let Some(real) = real::nvml().$name else { return NVML_ERROR_FUNCTION_NOT_FOUND };
+                    // SAFETY: as above.
+                    crate::guard::run(|| unsafe { $p(real, $($a),*) }, NVML_ERROR_UNKNOWN)
+                        .unwrap_or_else(|| unsafe { real($($a),*) })
+                }
+            )*
+            pub fn nvml_hook(name: &str) -> Option<*mut c_void> {
+                match name {
+                    $(stringify!($name) => Some($name as *mut c_void),)*
+                    _ => None,
+                }
+            }
+        };
+    }
+    nvml_hooks!(nvml_exports);
+}
+
+/// Our hook for an exported driver or NVML entry point name.
+pub fn hook(name: &str) -> Option<*mut c_void> {
+    #[cfg(not(test))]
+    {
+        exports::cuda_hook(name).or_else(|| exports::nvml_hook(name))
+    }
+    #[cfg(test)]
+    {
+        let _ = name;
+        None
+    }
+}
+
+/// (real address, hook address), sorted by real address.
+fn by_real() -> &'static [(usize, usize)] {
+    static T: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    T.get_or_init(|| {
+        let mut v: Vec<(usize, usize)> = real::driver()
+            .cuda
+            .addresses()
+            .into_iter()
+            .chain(real::nvml().addresses())
+            .filter_map(|(n, a)| hook(n).map(|h| (a, h as usize)))
+            .collect();
+        v.sort_unstable();
+        v
+    })
+}
+
+/// The real driver's (or NVML's) address of an intercepted entry point.
+pub fn real_address(name: &str) -> Option<usize> {
+    let d = &real::driver().cuda;
+    d.addresses().into_iter().chain(real::nvml().addresses()).find(|(n, _)| *n == name).map(|(_, a)| a)
+}
+
+/// The hook for exactly the entry point at `addr`, if it is one we intercept.
+pub fn hook_for_real(addr: *mut c_void) -> Option<*mut c_void> {
+    let t = by_real();
+    t.binary_search_by_key(&(addr as usize), |(r, _)| *r).ok().map(|i| t[i].1 as *mut c_void)
+}

@@ -1,0 +1,527 @@
+//! Memory policies: every device allocator reserves on the container's region before the real call
+//! and commits or rolls back after; every free releases exactly what its allocation charged.
+//! Over the limit the call returns CUDA_ERROR_OUT_OF_MEMORY and the driver is not called.
+#![allow(clippy::missing_safety_doc)]
+
+use crate::ptrmap::{pack, unpack};
+use crate::real::{cuda_fns as f, driver};
+use crate::state::{state, State};
+use cuda_abi::*;
+
+const OK: CUresult = CUresult::SUCCESS;
+
+/// Reserve `bytes` on `dev`, run `call`, and keep the reservation only if it succeeded.
+#[inline]
+fn charged(st: &State, dev: usize, bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if let Err(e) = st.reserve(dev, bytes) {
+        return e;
+    }
+    let r = call();
+    if r != OK {
+        st.release(dev, bytes);
+    }
+    r
+}
+
+#[inline]
+fn current(st: &State) -> Result<(CUdevice, usize), CUresult> {
+    st.current_dev()
+}
+
+macro_rules! tri {
+    ($e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(e) => return e,
+        }
+    };
+}
+
+// ----- linear memory -----
+
+pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    let st = state();
+    if dptr.is_null() || size == 0 {
+        return unsafe { real(dptr, size) };
+    }
+    let (_, d) = tri!(current(st));
+    let r = charged(st, d, size as u64, || unsafe { real(dptr, size) });
+    if r == OK {
+        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
+    }
+    r
+}
+
+pub unsafe fn alloc_v1(real: f::cuMemAlloc, dptr: *mut u32, size: u32) -> CUresult {
+    let st = state();
+    if dptr.is_null() || size == 0 {
+        return unsafe { real(dptr, size) };
+    }
+    let (_, d) = tri!(current(st));
+    let r = charged(st, d, size as u64, || unsafe { real(dptr, size) });
+    if r == OK {
+        st.ptrs.insert(unsafe { *dptr } as u64, pack(d, size as u64));
+    }
+    r
+}
+
+pub unsafe fn alloc_managed(real: f::cuMemAllocManaged, dptr: *mut CUdeviceptr, size: usize, flags: u32) -> CUresult {
+    let st = state();
+    if dptr.is_null() || size == 0 || !st.cfg.count_managed {
+        return unsafe { real(dptr, size, flags) };
+    }
+    let (_, d) = tri!(current(st));
+    let r = charged(st, d, size as u64, || unsafe { real(dptr, size, flags) });
+    if r == OK {
+        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
+    }
+    r
+}
+
+/// Pitched allocations reserve an estimate (rows padded to 512 bytes), then settle on the real size.
+pub unsafe fn alloc_pitch(
+    real: f::cuMemAllocPitch_v2,
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    elem: u32,
+) -> CUresult {
+    let st = state();
+    if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
+        return unsafe { real(dptr, pitch, width, height, elem) };
+    }
+    let (_, d) = tri!(current(st));
+    let Some(estimate) = (width as u64).div_ceil(512).checked_mul(512).and_then(|p| p.checked_mul(height as u64))
+    else {
+        return CUresult::OUT_OF_MEMORY;
+    };
+    let r = charged(st, d, estimate, || unsafe { real(dptr, pitch, width, height, elem) });
+    if r != OK {
+        return r;
+    }
+    let (p, actual) = unsafe { (*dptr, *pitch as u64 * height as u64) };
+    let bytes = settle(st, d, estimate, actual, || unsafe {
+        if let Some(free) = driver().helpers.cuMemFree_v2 {
+            free(p);
+        }
+    });
+    match bytes {
+        Some(b) => {
+            st.ptrs.insert(p, pack(d, b));
+            OK
+        }
+        None => CUresult::OUT_OF_MEMORY,
+    }
+}
+
+/// Moves a reservation from `estimate` to `actual`. If the extra does not fit, `undo` releases the
+/// allocation and None is returned.
+fn settle(st: &State, d: usize, estimate: u64, actual: u64, undo: impl FnOnce()) -> Option<u64> {
+    if actual > estimate {
+        if st.reserve(d, actual - estimate).is_err() {
+            undo();
+            st.release(d, estimate);
+            return None;
+        }
+    } else if actual < estimate {
+        st.release(d, estimate - actual);
+    }
+    Some(actual)
+}
+
+pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
+    let r = unsafe { real(dptr) };
+    if r == OK && dptr != 0 {
+        let st = state();
+        if let Some((d, b)) = st.ptrs.remove(dptr).map(unpack) {
+            st.release(d, b);
+        }
+    }
+    r
+}
+
+pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
+    let r = unsafe { real(dptr) };
+    if r == OK && dptr != 0 {
+        let st = state();
+        if let Some((d, b)) = st.ptrs.remove(dptr as u64).map(unpack) {
+            st.release(d, b);
+        }
+    }
+    r
+}
+
+// ----- stream-ordered allocator: charged at the requested size when allocated -----
+
+pub unsafe fn alloc_async(real: f::cuMemAllocAsync, dptr: *mut CUdeviceptr, size: usize, s: CUstream) -> CUresult {
+    let st = state();
+    if dptr.is_null() || size == 0 {
+        return unsafe { real(dptr, size, s) };
+    }
+    let (_, d) = tri!(current(st));
+    let r = charged(st, d, size as u64, || unsafe { real(dptr, size, s) });
+    if r == OK {
+        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
+    }
+    r
+}
+
+pub unsafe fn alloc_from_pool(
+    real: f::cuMemAllocFromPoolAsync,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: CUmemoryPool,
+    s: CUstream,
+) -> CUresult {
+    let st = state();
+    if dptr.is_null() || size == 0 {
+        return unsafe { real(dptr, size, pool, s) };
+    }
+    let (_, d) = tri!(current(st));
+    let r = charged(st, d, size as u64, || unsafe { real(dptr, size, pool, s) });
+    if r == OK {
+        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
+    }
+    r
+}
+
+pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {
+    let r = unsafe { real(dptr, s) };
+    if r == OK && dptr != 0 {
+        let st = state();
+        if let Some((d, b)) = st.ptrs.remove(dptr).map(unpack) {
+            st.release(d, b);
+        }
+    }
+    r
+}
+
+// ----- VMM: the physical handle is charged, rounded up to the allocation granularity -----
+
+pub unsafe fn vmm_create(
+    real: f::cuMemCreate,
+    handle: *mut u64,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    let st = state();
+    // SAFETY: optional input pointer from the caller.
+    let Some(p) = (unsafe { prop.as_ref() }) else { return unsafe { real(handle, size, prop, flags) } };
+    if handle.is_null() || size == 0 || p.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+        return unsafe { real(handle, size, prop, flags) };
+    }
+    let d = tri!(st.dev_of(p.location.id));
+    let mut g = 0usize;
+    let gran = match driver().helpers.cuMemGetAllocationGranularity {
+        Some(gf) if unsafe { gf(&mut g, prop, 0) } == OK && g > 0 => g as u64,
+        _ => 1,
+    };
+    let bytes = (size as u64).div_ceil(gran) * gran;
+    let r = charged(st, d, bytes, || unsafe { real(handle, size, prop, flags) });
+    if r == OK {
+        st.handles.insert(unsafe { *handle } | VMM_TAG, pack(d, bytes));
+    }
+    r
+}
+
+/// Handle-kind tags keep VMM handles, arrays and contexts apart in one table.
+const VMM_TAG: u64 = 1 << 63;
+const ARRAY_TAG: u64 = 1 << 62;
+const CTX_TAG: u64 = 1 << 61;
+
+pub unsafe fn vmm_release(real: f::cuMemRelease, handle: u64) -> CUresult {
+    let r = unsafe { real(handle) };
+    if r == OK {
+        let st = state();
+        if let Some((d, b)) = st.handles.remove(handle | VMM_TAG).map(unpack) {
+            st.release(d, b);
+        }
+    }
+    r
+}
+
+// ----- arrays: an estimate first, then the size the driver reports -----
+
+fn format_bytes(f: u32) -> u64 {
+    match f {
+        CU_AD_FORMAT_UNSIGNED_INT8 | CU_AD_FORMAT_SIGNED_INT8 => 1,
+        CU_AD_FORMAT_UNSIGNED_INT16 | CU_AD_FORMAT_SIGNED_INT16 | CU_AD_FORMAT_HALF => 2,
+        _ => 4,
+    }
+}
+
+/// A conservative estimate: rows padded to 512 bytes, at least 2 MiB.
+fn array_estimate(w: usize, h: usize, d: usize, format: u32, ch: u32) -> u64 {
+    let row = (w as u64 * format_bytes(format) * ch.max(1) as u64).div_ceil(512) * 512;
+    row.saturating_mul(h.max(1) as u64).saturating_mul(d.max(1) as u64).max(2 << 20)
+}
+
+unsafe fn array_common(
+    st: &State,
+    estimate: u64,
+    ord_dev: (CUdevice, usize),
+    create: impl FnOnce() -> CUresult,
+    handle: impl FnOnce() -> u64,
+    requirements: impl Fn(u64, CUdevice) -> Option<u64>,
+    destroy: impl FnOnce(u64),
+) -> CUresult {
+    let (o, d) = ord_dev;
+    let r = charged(st, d, estimate, create);
+    if r != OK {
+        return r;
+    }
+    let h = handle();
+    let actual = requirements(h, o).unwrap_or(estimate);
+    match settle(st, d, estimate, actual, || destroy(h)) {
+        Some(b) => {
+            st.handles.insert(h | ARRAY_TAG, pack(d, b));
+            OK
+        }
+        None => CUresult::OUT_OF_MEMORY,
+    }
+}
+
+fn array_req(h: u64, o: CUdevice) -> Option<u64> {
+    let f = driver().helpers.cuArrayGetMemoryRequirements?;
+    let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+    // SAFETY: out-pointer to a local; h is the array just created.
+    (unsafe { f(&mut req, h as CUarray, o) } == OK).then_some(req.size as u64)
+}
+
+fn mipmapped_req(h: u64, o: CUdevice) -> Option<u64> {
+    let f = driver().helpers.cuMipmappedArrayGetMemoryRequirements?;
+    let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+    // SAFETY: as above.
+    (unsafe { f(&mut req, h as CUmipmappedArray, o) } == OK).then_some(req.size as u64)
+}
+
+fn destroy_array(h: u64) {
+    if let Some(f) = driver().helpers.cuArrayDestroy {
+        // SAFETY: destroying the array we just created.
+        unsafe { f(h as CUarray) };
+    }
+}
+
+pub unsafe fn array_create(
+    real: f::cuArrayCreate_v2,
+    arr: *mut CUarray,
+    desc: *const CUDA_ARRAY_DESCRIPTOR,
+) -> CUresult {
+    let st = state();
+    // SAFETY: optional input pointer.
+    let Some(x) = (unsafe { desc.as_ref() }) else { return unsafe { real(arr, desc) } };
+    if arr.is_null() {
+        return unsafe { real(arr, desc) };
+    }
+    let od = tri!(current(st));
+    let est = array_estimate(x.Width, x.Height, 0, x.Format, x.NumChannels);
+    unsafe { array_common(st, est, od, || real(arr, desc), || *arr as u64, array_req, destroy_array) }
+}
+
+pub unsafe fn array3d_create(
+    real: f::cuArray3DCreate_v2,
+    arr: *mut CUarray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+) -> CUresult {
+    let st = state();
+    // SAFETY: optional input pointer.
+    let Some(x) = (unsafe { desc.as_ref() }) else { return unsafe { real(arr, desc) } };
+    if arr.is_null() {
+        return unsafe { real(arr, desc) };
+    }
+    let od = tri!(current(st));
+    let est = array_estimate(x.Width, x.Height, x.Depth, x.Format, x.NumChannels);
+    unsafe { array_common(st, est, od, || real(arr, desc), || *arr as u64, array_req, destroy_array) }
+}
+
+pub unsafe fn mipmapped_create(
+    real: f::cuMipmappedArrayCreate,
+    arr: *mut CUmipmappedArray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+    levels: u32,
+) -> CUresult {
+    let st = state();
+    // SAFETY: optional input pointer.
+    let Some(x) = (unsafe { desc.as_ref() }) else { return unsafe { real(arr, desc, levels) } };
+    if arr.is_null() || levels == 0 {
+        return unsafe { real(arr, desc, levels) };
+    }
+    let od = tri!(current(st));
+    let (mut w, mut h, mut dd, mut est) = (x.Width, x.Height, x.Depth, 0u64);
+    for _ in 0..levels.min(32) {
+        est = est.saturating_add(array_estimate(w, h, dd, x.Format, x.NumChannels));
+        w = (w / 2).max(1);
+        h = if h == 0 { 0 } else { (h / 2).max(1) };
+        dd = if dd == 0 { 0 } else { (dd / 2).max(1) };
+    }
+    let destroy = |h: u64| {
+        if let Some(f) = driver().helpers.cuMipmappedArrayDestroy {
+            // SAFETY: destroying the array we just created.
+            unsafe { f(h as CUmipmappedArray) };
+        }
+    };
+    unsafe { array_common(st, est, od, || real(arr, desc, levels), || *arr as u64, mipmapped_req, destroy) }
+}
+
+fn release_handle(key: u64) {
+    let st = state();
+    if let Some((d, b)) = st.handles.remove(key).map(unpack) {
+        st.release(d, b);
+    }
+}
+
+pub unsafe fn array_destroy(real: f::cuArrayDestroy, arr: CUarray) -> CUresult {
+    let r = unsafe { real(arr) };
+    if r == OK {
+        release_handle(arr as u64 | ARRAY_TAG);
+    }
+    r
+}
+
+pub unsafe fn mipmapped_destroy(real: f::cuMipmappedArrayDestroy, arr: CUmipmappedArray) -> CUresult {
+    let r = unsafe { real(arr) };
+    if r == OK {
+        release_handle(arr as u64 | ARRAY_TAG);
+    }
+    r
+}
+
+// ----- contexts: each costs `VGPU_CONTEXT_OVERHEAD` of device memory -----
+
+pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    let st = state();
+    let d = tri!(st.dev_of(dev));
+    let Some(refs) = st.primary_refs.get(dev as usize) else { return unsafe { real(pctx, dev) } };
+    let _g = st.primary_lock.lock().unwrap_or_else(|p| p.into_inner());
+    if refs.load(std::sync::atomic::Ordering::Acquire) > 0 {
+        let r = unsafe { real(pctx, dev) };
+        if r == OK {
+            refs.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
+        return r;
+    }
+    let r = charged(st, d, st.cfg.context_overhead, || unsafe { real(pctx, dev) });
+    if r == OK {
+        refs.store(1, std::sync::atomic::Ordering::Release);
+    }
+    r
+}
+
+pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice) -> CUresult {
+    let st = state();
+    let r = unsafe { real(dev) };
+    if r != OK {
+        return r;
+    }
+    let (Ok(d), Some(refs)) = (st.dev_of(dev), st.primary_refs.get(dev as usize)) else { return r };
+    let _g = st.primary_lock.lock().unwrap_or_else(|p| p.into_inner());
+    if refs.load(std::sync::atomic::Ordering::Acquire) == 1 {
+        st.release(d, st.cfg.context_overhead);
+    }
+    let _ = refs
+        .fetch_update(std::sync::atomic::Ordering::AcqRel, std::sync::atomic::Ordering::Acquire, |x| x.checked_sub(1));
+    r
+}
+
+pub unsafe fn ctx_create(real: f::cuCtxCreate_v2, pctx: *mut CUcontext, flags: u32, dev: CUdevice) -> CUresult {
+    let st = state();
+    if pctx.is_null() {
+        return unsafe { real(pctx, flags, dev) };
+    }
+    let d = tri!(st.dev_of(dev));
+    let bytes = st.cfg.context_overhead;
+    let r = charged(st, d, bytes, || unsafe { real(pctx, flags, dev) });
+    if r == OK {
+        st.handles.insert(unsafe { *pctx } as u64 | CTX_TAG, pack(d, bytes));
+    }
+    r
+}
+
+pub unsafe fn ctx_destroy(real: f::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
+    let r = unsafe { real(ctx) };
+    if r == OK {
+        release_handle(ctx as u64 | CTX_TAG);
+    }
+    r
+}
+
+// ----- what the container sees -----
+
+/// (free, total) of the current device as the container sees it, or None to ask the driver.
+#[inline]
+fn visible_info(st: &State) -> Result<Option<(u64, u64)>, CUresult> {
+    let (_, d) = current(st)?;
+    let limit = st.mem_limit(d);
+    if limit == 0 {
+        return Ok(None);
+    }
+    let phys = st.phys_total(d);
+    let total = if phys == 0 { limit } else { limit.min(phys) };
+    Ok(Some((total.saturating_sub(st.used(d)), total)))
+}
+
+pub unsafe fn get_info_v2(real: f::cuMemGetInfo_v2, free: *mut usize, total: *mut usize) -> CUresult {
+    if free.is_null() || total.is_null() {
+        return unsafe { real(free, total) };
+    }
+    match tri!(visible_info(state())) {
+        None => unsafe { real(free, total) },
+        Some((f, t)) => {
+            // SAFETY: non-null out-pointers from the caller.
+            unsafe {
+                *free = f as usize;
+                *total = t as usize;
+            }
+            OK
+        }
+    }
+}
+
+pub unsafe fn get_info_v1(real: f::cuMemGetInfo, free: *mut u32, total: *mut u32) -> CUresult {
+    if free.is_null() || total.is_null() {
+        return unsafe { real(free, total) };
+    }
+    match tri!(visible_info(state())) {
+        None => unsafe { real(free, total) },
+        Some((f, t)) => {
+            // SAFETY: non-null out-pointers from the caller.
+            unsafe {
+                *free = f.min(u32::MAX as u64) as u32;
+                *total = t.min(u32::MAX as u64) as u32;
+            }
+            OK
+        }
+    }
+}
+
+pub unsafe fn total_mem_v2(real: f::cuDeviceTotalMem_v2, bytes: *mut usize, dev: CUdevice) -> CUresult {
+    let r = unsafe { real(bytes, dev) };
+    if r == OK {
+        let st = state();
+        if let Ok(d) = st.dev_of(dev) {
+            let l = st.mem_limit(d);
+            if l != 0 {
+                // SAFETY: the driver just wrote through it.
+                unsafe { *bytes = (*bytes).min(l as usize) };
+            }
+        }
+    }
+    r
+}
+
+pub unsafe fn total_mem_v1(real: f::cuDeviceTotalMem, bytes: *mut u32, dev: CUdevice) -> CUresult {
+    let r = unsafe { real(bytes, dev) };
+    if r == OK {
+        let st = state();
+        if let Ok(d) = st.dev_of(dev) {
+            let l = st.mem_limit(d);
+            if l != 0 {
+                // SAFETY: the driver just wrote through it.
+                unsafe { *bytes = (*bytes).min(l.min(u32::MAX as u64) as u32) };
+            }
+        }
+    }
+    r
+}

@@ -1,0 +1,138 @@
+//! NVML inside the container: memory info shows the container's slice, and the process list shows
+//! the container's processes (so `nvidia-smi` in the container shows its slice). Devices are matched
+//! to the region by UUID; devices without a limit, and MIG devices, pass through.
+#![allow(clippy::missing_safety_doc)]
+
+use crate::real::{nvml, nvml_fns as f};
+use crate::state::state;
+use std::ffi::{c_char, c_void, CStr};
+
+pub type NvmlReturn = u32;
+pub type NvmlDevice = *mut c_void;
+pub const NVML_SUCCESS: NvmlReturn = 0;
+pub const NVML_ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
+pub const NVML_ERROR_FUNCTION_NOT_FOUND: NvmlReturn = 13;
+pub const NVML_ERROR_UNKNOWN: NvmlReturn = 999;
+
+#[repr(C)]
+pub struct NvmlMemory {
+    pub total: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+#[repr(C)]
+pub struct NvmlMemoryV2 {
+    pub version: u32,
+    pub total: u64,
+    pub reserved: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NvmlProcessInfo {
+    pub pid: u32,
+    pub used_gpu_memory: u64,
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<NvmlProcessInfo>() == 24 && std::mem::size_of::<NvmlMemoryV2>() == 40);
+
+/// The region device of an NVML handle, if it has a limit.
+fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
+    let st = state();
+    let r = st.region.as_ref()?;
+    let get = nvml().nvmlDeviceGetUUID?;
+    let mut buf = [0 as c_char; 96];
+    // SAFETY: buffer of 96 bytes as declared.
+    if unsafe { get(dev, buf.as_mut_ptr(), 96) } != NVML_SUCCESS {
+        return None;
+    }
+    // SAFETY: NVML wrote a NUL-terminated string.
+    let uuid = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().ok()?;
+    let d = r.find_device(uuid)?;
+    let limit = st.mem_limit(d);
+    (limit != 0).then_some((d, limit))
+}
+
+/// (total, used) for a limited device.
+fn slice(total: u64, d: usize, limit: u64) -> (u64, u64) {
+    let t = total.min(limit);
+    (t, state().used(d).min(t))
+}
+
+pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: *mut NvmlMemory) -> NvmlReturn {
+    let r = unsafe { real(dev, m) };
+    if r == NVML_SUCCESS && !m.is_null() {
+        if let Some((d, limit)) = limited_device(dev) {
+            // SAFETY: NVML just filled *m.
+            let m = unsafe { &mut *m };
+            let (t, u) = slice(m.total, d, limit);
+            (m.total, m.used, m.free) = (t, u, t - u);
+        }
+    }
+    r
+}
+
+pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevice, m: *mut NvmlMemoryV2) -> NvmlReturn {
+    let r = unsafe { real(dev, m) };
+    if r == NVML_SUCCESS && !m.is_null() {
+        if let Some((d, limit)) = limited_device(dev) {
+            // SAFETY: NVML just filled *m.
+            let m = unsafe { &mut *m };
+            let (t, u) = slice(m.total, d, limit);
+            (m.total, m.reserved, m.used, m.free) = (t, 0, u, t - u);
+        }
+    }
+    r
+}
+
+/// The running processes, restricted to the container's own (by PID as recorded in the region).
+pub unsafe fn processes(
+    real: f::nvmlDeviceGetComputeRunningProcesses_v3,
+    dev: NvmlDevice,
+    count: *mut u32,
+    infos: *mut NvmlProcessInfo,
+) -> NvmlReturn {
+    if count.is_null() || limited_device(dev).is_none() {
+        return unsafe { real(dev, count, infos) };
+    }
+    let st = state();
+    let Some(region) = st.region.as_ref() else { return unsafe { real(dev, count, infos) } };
+    // Ask for the whole list into our own buffer, growing it as NVML asks.
+    let mut buf: Vec<NvmlProcessInfo> = Vec::new();
+    let mut n = 0u32;
+    let mut r = unsafe { real(dev, &mut n, std::ptr::null_mut()) };
+    for _ in 0..4 {
+        if r != NVML_ERROR_INSUFFICIENT_SIZE {
+            break;
+        }
+        n += 8;
+        buf.resize(
+            n as usize,
+            NvmlProcessInfo { pid: 0, used_gpu_memory: 0, gpu_instance_id: 0, compute_instance_id: 0 },
+        );
+        r = unsafe { real(dev, &mut n, buf.as_mut_ptr()) };
+    }
+    if r != NVML_SUCCESS {
+        return r;
+    }
+    buf.truncate(n as usize);
+    let ours: Vec<u32> = region.slots().iter().flat_map(|(_, p, h, _)| [*p, *h]).filter(|p| *p != 0).collect();
+    buf.retain(|p| ours.contains(&p.pid));
+    // SAFETY: count is non-null.
+    let cap = unsafe { *count } as usize;
+    unsafe { *count = buf.len() as u32 };
+    if buf.is_empty() {
+        return NVML_SUCCESS;
+    }
+    if infos.is_null() || cap < buf.len() {
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    // SAFETY: infos holds cap >= buf.len() entries.
+    unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), infos, buf.len()) };
+    NVML_SUCCESS
+}

@@ -1,0 +1,304 @@
+//! The process's state: configuration, its slot in the container's region, the device map and the
+//! allocation tables. Created on the first call that needs it.
+
+use crate::config::Config;
+use crate::log::{vlog, ERROR, INFO};
+use crate::ptrmap::PtrMap;
+use crate::real;
+use crate::MAX_DEVICES;
+use cuda_abi::*;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Mutex, OnceLock};
+use vgpu_region::{Claim, Init, Layout, Region, Reserve};
+
+const MAX_ORDINALS: usize = 64;
+
+pub struct State {
+    pub cfg: Config,
+    /// The container's region; None when running unaccounted (fail-open).
+    pub region: Option<Region>,
+    /// Fail-closed: the configuration or the region is unusable, refuse device allocations.
+    pub refuse: bool,
+    /// Where limits are read: the agent's read-only limits file, or the region itself.
+    limits: Option<&'static Layout>,
+    _limits_region: Option<Region>,
+    slot: AtomicUsize,
+    claim: Mutex<Option<Claim>>,
+    /// CUDA ordinal -> region device index (-1: not resolved yet).
+    devmap: [AtomicI32; MAX_ORDINALS],
+    phys_total: [AtomicU64; MAX_DEVICES],
+    pub primary_refs: [AtomicU32; MAX_ORDINALS],
+    pub primary_lock: Mutex<()>,
+    /// Device pointers -> (device, bytes).
+    pub ptrs: PtrMap,
+    /// VMM handles, arrays, explicit contexts -> (device, bytes).
+    pub handles: PtrMap,
+}
+
+static STATE: OnceLock<State> = OnceLock::new();
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn child_after_fork() {
+    FORKED.store(true, Release);
+}
+
+/// The process state; the first call creates it.
+#[inline]
+pub fn state() -> &'static State {
+    let s = STATE.get_or_init(State::init);
+    if FORKED.load(Relaxed) {
+        s.after_fork();
+    }
+    s
+}
+
+fn limit_error(cfg: &Config, what: String) -> bool {
+    if cfg.fail_open {
+        vlog!(ERROR, "{what}; VGPU_FAIL_OPEN is set: running without GPU memory limits");
+        false
+    } else {
+        vlog!(ERROR, "{what}; refusing GPU memory allocations (set VGPU_FAIL_OPEN=1 to run unlimited instead)");
+        true
+    }
+}
+
+impl State {
+    fn init() -> State {
+        let cfg = Config::from_env();
+        crate::log::LEVEL.store(cfg.log_level, Relaxed);
+        let mut refuse = false;
+        if !cfg.errors.is_empty() {
+            refuse = limit_error(&cfg, format!("bad configuration: {}", cfg.errors.join("; ")));
+        }
+        let region = match Region::open_or_create(std::path::Path::new(&cfg.region_path), || Init {
+            devices: Vec::new(),
+            standalone: true,
+        }) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                refuse |= limit_error(&cfg, e.to_string());
+                None
+            }
+        };
+        let limits_region = cfg.limits_path.as_ref().and_then(|p| match Region::open(std::path::Path::new(p), false) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                refuse |= limit_error(&cfg, format!("limits: {e}"));
+                None
+            }
+        });
+        let limits = limits_region.as_ref().or(region.as_ref()).map(|r| r.layout());
+        let mut claim = None;
+        if let Some(r) = &region {
+            let freed = r.reap();
+            if freed > 0 {
+                vlog!(INFO, "reclaimed {freed} bytes held by dead processes");
+            }
+            match r.claim(std::process::id(), host_pid()) {
+                Ok(c) => claim = Some(c),
+                Err(e) => refuse |= limit_error(&cfg, e.to_string()),
+            }
+        }
+        // SAFETY: registering a plain extern "C" handler.
+        unsafe { libc::pthread_atfork(None, None, Some(child_after_fork)) };
+        State {
+            slot: AtomicUsize::new(claim.as_ref().map_or(usize::MAX, |c: &Claim| c.index)),
+            claim: Mutex::new(claim),
+            region,
+            refuse,
+            limits,
+            _limits_region: limits_region,
+            devmap: [const { AtomicI32::new(-1) }; MAX_ORDINALS],
+            phys_total: [const { AtomicU64::new(0) }; MAX_DEVICES],
+            primary_refs: [const { AtomicU32::new(0) }; MAX_ORDINALS],
+            primary_lock: Mutex::new(()),
+            ptrs: PtrMap::new(18),
+            handles: PtrMap::new(14),
+            cfg,
+        }
+    }
+
+    /// A forked child claims its own slot and starts with no allocations of its own.
+    #[cold]
+    fn after_fork(&self) {
+        let Ok(mut c) = self.claim.lock() else { return };
+        if !FORKED.swap(false, AcqRel) {
+            return;
+        }
+        if let (Some(r), Some(old)) = (&self.region, c.take()) {
+            match old.reclaim_after_fork(r, std::process::id(), host_pid()) {
+                Ok(n) => {
+                    self.slot.store(n.index, Release);
+                    *c = Some(n);
+                }
+                Err(e) => vlog!(ERROR, "after fork: {e}"),
+            }
+        }
+        self.ptrs.clear();
+        self.handles.clear();
+        for r in &self.primary_refs {
+            r.store(0, Relaxed);
+        }
+    }
+
+    pub fn slot(&self) -> usize {
+        self.slot.load(Acquire)
+    }
+
+    /// Accounting is on: a region and a slot.
+    #[inline]
+    pub fn accounting(&self) -> Option<(&Region, usize)> {
+        let slot = self.slot();
+        self.region.as_ref().filter(|_| slot != usize::MAX).map(|r| (r, slot))
+    }
+
+    #[inline]
+    pub fn mem_limit(&self, dev: usize) -> u64 {
+        self.limits.map_or(0, |l| l.devices[dev].mem_limit.load(Acquire))
+    }
+
+    /// Region device index of a CUDA device ordinal.
+    #[inline]
+    pub fn dev_of(&self, ordinal: CUdevice) -> Result<usize, CUresult> {
+        let o = usize::try_from(ordinal).map_err(|_| CUresult::INVALID_DEVICE)?;
+        let d = self.devmap.get(o).ok_or(CUresult::INVALID_DEVICE)?.load(Acquire);
+        if d >= 0 {
+            return Ok(d as usize);
+        }
+        self.resolve(o)
+    }
+
+    /// The current context's device.
+    #[inline]
+    pub fn current_dev(&self) -> Result<(CUdevice, usize), CUresult> {
+        let f = real::driver().helpers.cuCtxGetDevice.ok_or(CUresult::NOT_INITIALIZED)?;
+        let mut o = 0;
+        // SAFETY: out-pointer to a local.
+        let r = unsafe { f(&mut o) };
+        if r != CUresult::SUCCESS {
+            return Err(r);
+        }
+        Ok((o, self.dev_of(o)?))
+    }
+
+    #[cold]
+    fn resolve(&self, ordinal: usize) -> Result<usize, CUresult> {
+        let h = &real::driver().helpers;
+        let (Some(get), Some(uuid_of)) = (h.cuDeviceGet, h.cuDeviceGetUuid_v2) else {
+            return Err(CUresult::NOT_INITIALIZED);
+        };
+        let (mut dev, mut u) = (0, CUuuid::default());
+        // SAFETY: out-pointers to locals.
+        unsafe {
+            let r = get(&mut dev, ordinal as i32);
+            if r != CUresult::SUCCESS {
+                return Err(r);
+            }
+            let r = uuid_of(&mut u, dev);
+            if r != CUresult::SUCCESS {
+                return Err(r);
+            }
+        }
+        let uuid = format_uuid(&u.bytes);
+        let idx = container_index(ordinal, &uuid, self.region.as_ref());
+        let d = match &self.region {
+            Some(r) => {
+                let mem = self.cfg.mem_limit.get(idx).copied().unwrap_or(0);
+                let sm = self.cfg.sm_limit.get(idx).copied().unwrap_or(0);
+                r.bind_device(idx, &uuid, mem, sm).ok_or(CUresult::INVALID_DEVICE)?
+            }
+            None => idx.min(MAX_DEVICES - 1),
+        };
+        if let Some(total) = real::driver().cuda.cuDeviceTotalMem_v2 {
+            let mut t = 0usize;
+            // SAFETY: out-pointer to a local; the real entry point.
+            if unsafe { total(&mut t, dev) } == CUresult::SUCCESS {
+                self.phys_total[d].store(t as u64, Release);
+            }
+        }
+        vlog!(INFO, "CUDA device {ordinal} ({uuid}) is container device {d}, limit {} bytes", self.mem_limit(d));
+        self.devmap[ordinal].store(d as i32, Release);
+        Ok(d)
+    }
+
+    pub fn phys_total(&self, dev: usize) -> u64 {
+        self.phys_total[dev].load(Acquire)
+    }
+
+    /// Reserves `bytes` on `dev`; on the limit, reclaims dead processes and tries once more.
+    #[inline]
+    pub fn reserve(&self, dev: usize, bytes: u64) -> Result<(), CUresult> {
+        if self.refuse {
+            return Err(CUresult::OUT_OF_MEMORY);
+        }
+        let Some((r, slot)) = self.accounting() else { return Ok(()) };
+        if r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok {
+            return Ok(());
+        }
+        self.reserve_slow(r, slot, dev, bytes)
+    }
+
+    #[cold]
+    fn reserve_slow(&self, r: &Region, slot: usize, dev: usize, bytes: u64) -> Result<(), CUresult> {
+        if r.reap() > 0 && r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok {
+            return Ok(());
+        }
+        vlog!(
+            INFO,
+            "device {dev}: {bytes} bytes refused: container limit {} bytes, {} in use",
+            self.mem_limit(dev),
+            r.used(dev)
+        );
+        Err(CUresult::OUT_OF_MEMORY)
+    }
+
+    #[inline]
+    pub fn release(&self, dev: usize, bytes: u64) {
+        if let Some((r, slot)) = self.accounting() {
+            r.release(slot, dev, bytes);
+        }
+    }
+
+    /// Container usage on `dev`.
+    #[inline]
+    pub fn used(&self, dev: usize) -> u64 {
+        self.region.as_ref().map_or(0, |r| r.used(dev))
+    }
+}
+
+/// The container-visible index of a process's CUDA ordinal: through a numeric CUDA_VISIBLE_DEVICES,
+/// or by UUID in an existing region, else the ordinal itself.
+fn container_index(ordinal: usize, uuid: &str, region: Option<&Region>) -> usize {
+    if let Some(i) = region.and_then(|r| r.find_device(uuid)) {
+        return i;
+    }
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        let items: Vec<&str> = v.split(',').map(str::trim).collect();
+        if let Some(i) = items.get(ordinal).and_then(|s| s.parse::<usize>().ok()) {
+            return i;
+        }
+    }
+    ordinal
+}
+
+pub fn format_uuid(b: &[u8; 16]) -> String {
+    format!(
+        "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+        b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]
+    )
+}
+
+/// The host PID when it can be known from inside (no PID namespace: the PID itself).
+fn host_pid() -> u32 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    let ns: Vec<u32> = s
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|l| l.split_whitespace().filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_default();
+    if ns.len() == 1 {
+        ns[0]
+    } else {
+        0
+    }
+}
