@@ -16,6 +16,19 @@ fn charged(st: &State, dev: usize, bytes: u64, call: impl FnOnce() -> CUresult) 
     if let Err(e) = st.reserve(dev, bytes) {
         return e;
     }
+    commit(st, dev, bytes, call)
+}
+
+/// [`charged`] for a context's overhead.
+fn context_charged(st: &State, dev: usize, bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if let Err(e) = st.reserve_context(dev, bytes) {
+        return e;
+    }
+    commit(st, dev, bytes, call)
+}
+
+#[inline]
+fn commit(st: &State, dev: usize, bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let r = call();
     if r != OK {
         st.release(dev, bytes);
@@ -402,7 +415,7 @@ pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcon
         }
         return r;
     }
-    let r = charged(st, d, st.cfg.context_overhead, || unsafe { real(pctx, dev) });
+    let r = context_charged(st, d, st.cfg.context_overhead, || unsafe { real(pctx, dev) });
     if r == OK {
         refs.store(1, std::sync::atomic::Ordering::Release);
     }
@@ -432,7 +445,7 @@ pub unsafe fn ctx_create(real: f::cuCtxCreate_v2, pctx: *mut CUcontext, flags: u
     }
     let d = tri!(st.dev_of(dev));
     let bytes = st.cfg.context_overhead;
-    let r = charged(st, d, bytes, || unsafe { real(pctx, flags, dev) });
+    let r = context_charged(st, d, bytes, || unsafe { real(pctx, flags, dev) });
     if r == OK {
         st.handles.insert(unsafe { *pctx } as u64 | CTX_TAG, pack(d, bytes));
     }

@@ -226,11 +226,23 @@ impl State {
     }
 
     /// Reserves `bytes` on `dev`; on the limit, reclaims dead processes and tries once more.
+    /// Fail-closed refuses every allocation.
     #[inline]
     pub fn reserve(&self, dev: usize, bytes: u64) -> Result<(), CUresult> {
         if self.refuse {
             return Err(CUresult::OUT_OF_MEMORY);
         }
+        self.reserve_accounted(dev, bytes)
+    }
+
+    /// Reserves a context's overhead: contexts are created even when failing closed, so that an
+    /// application gets its refusal at its first allocation, where it expects one.
+    pub fn reserve_context(&self, dev: usize, bytes: u64) -> Result<(), CUresult> {
+        self.reserve_accounted(dev, bytes)
+    }
+
+    #[inline]
+    fn reserve_accounted(&self, dev: usize, bytes: u64) -> Result<(), CUresult> {
         let Some((r, slot)) = self.accounting() else { return Ok(()) };
         if r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok {
             return Ok(());

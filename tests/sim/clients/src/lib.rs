@@ -153,21 +153,26 @@ fn procaddr(b: &Binding, names: &[String]) -> Result<(), String> {
         let (mut p, mut st) = (std::ptr::null_mut(), -1);
         // SAFETY: valid C string and out-pointers to locals.
         let r = unsafe { get(c.as_ptr(), &mut p, b.cuda_version, flags, &mut st) };
-        let resolved = if p.is_null() {
-            serde_json::Value::Null
-        } else {
-            // SAFETY: dladdr with a code address and an out-struct.
-            let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-            if unsafe { libc::dladdr(p, &mut info) } != 0 && !info.dli_sname.is_null() {
-                serde_json::json!(unsafe { CStr::from_ptr(info.dli_sname) }.to_string_lossy())
-            } else {
-                serde_json::json!(format!("{p:p}"))
+        let (mut resolved, mut library) = (serde_json::Value::Null, serde_json::Value::Null);
+        if !p.is_null() {
+            // SAFETY: dladdr with a code address and an out-struct; the strings it returns are
+            // NUL-terminated and owned by the loader.
+            unsafe {
+                let mut info: libc::Dl_info = std::mem::zeroed();
+                if libc::dladdr(p, &mut info) != 0 {
+                    if !info.dli_sname.is_null() {
+                        resolved = serde_json::json!(CStr::from_ptr(info.dli_sname).to_string_lossy());
+                    }
+                    if !info.dli_fname.is_null() {
+                        library = serde_json::json!(CStr::from_ptr(info.dli_fname).to_string_lossy());
+                    }
+                }
             }
-        };
+        }
         println!(
             "{}",
             serde_json::json!({"event": "procaddr", "symbol": name, "version": b.cuda_version,
-            "flags": flags, "ret": r.0, "status": st, "resolved": resolved})
+            "flags": flags, "ret": r.0, "status": st, "resolved": resolved, "library": library})
         );
     }
     Ok(())

@@ -11,7 +11,7 @@ pub const USAGE: &str = "\
 scenarios:
   info                                  devices, versions and memory info as the driver reports them
   alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|host]
-        [--hold] [--hold-secs S] [--no-free]
+        [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
                                         allocate N bytes in chunks until done or refused
   launch [--kernel NAME] [--count N | --seconds S] [--path kernel|ex|coop|graph|capture]
          [--nodes K] [--grid G] [--block B] [--duration-ns D] [--threads T]
@@ -21,6 +21,10 @@ scenarios:
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
   hold                                  create a context, print ready, wait to be killed
+  watch [--count N] [--interval-ms T]    print cuMemGetInfo N times, T ms apart
+  fork-child [--size N] [--child-secs S]
+                                        allocate, then fork a child that touches the driver and
+                                        sleeps; the parent reports after the child exits
   contexts [--size N]                   an explicit context: allocate in it, destroy it, and
                                         report memory before, during and after
   procaddr NAME...                      which entry point cuGetProcAddress_v2 returns for each base
@@ -136,6 +140,8 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "memcpy" => memcpy(api, dev, &o),
         "threads" => threads(api, dev, &o),
         "contexts" => contexts(api, dev, &o),
+        "watch" => watch(api, dev, &o),
+        "fork-child" => fork_child(api, dev, &o),
         "hold" => {
             setup(api, dev)?;
             emit(json!({"event": "ready", "pid": std::process::id(), "mem_info": mem_info(api)}));
@@ -342,6 +348,10 @@ fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             };
             ck(api, (api.cuMemPoolCreate)(&mut al.pool, &props), "cuMemPoolCreate")?;
         }
+    }
+    if let Some(s) = o.float("delay-secs")? {
+        emit(json!({"event": "waiting", "pid": std::process::id(), "mem_info": mem_info(api)}));
+        std::thread::sleep(std::time::Duration::from_secs_f64(s));
     }
     let mut chunks = Vec::new();
     let (mut done, mut taken, mut error) = (0usize, 0usize, Value::Null);
@@ -598,6 +608,41 @@ fn contexts(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         emit(json!({"event": "contexts", "before": before, "with_context": with_ctx, "during": during, "after": after,
             "free_after_destroy": error_name(api, stale)}));
     }
+    Ok(())
+}
+
+fn watch(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    for i in 0..o.num("count", 10)? {
+        emit(json!({"event": "mem_info", "i": i, "mem_info": mem_info(api)}));
+        std::thread::sleep(std::time::Duration::from_millis(o.num("interval-ms", 100)?));
+    }
+    Ok(())
+}
+
+fn fork_child(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let size = o.num("size", 64 << 20)? as usize;
+    let secs = o.float("child-secs")?.unwrap_or(1.0);
+    // SAFETY: out-pointer to a local.
+    let mut p = 0;
+    unsafe { ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")? };
+    emit(json!({"event": "parent", "pid": std::process::id(), "mem_info": mem_info(api)}));
+    // SAFETY: the child only calls the driver, prints and exits.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        let (mut f, mut t) = (0usize, 0usize);
+        // SAFETY: out-pointers to locals.
+        let r = unsafe { (api.cuMemGetInfo_v2)(&mut f, &mut t) };
+        emit(json!({"event": "child", "pid": std::process::id(), "get_info": error_name(api, r)}));
+        std::thread::sleep(std::time::Duration::from_secs_f64(secs));
+        // SAFETY: leave without running the parent's destructors twice.
+        unsafe { libc::_exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    emit(json!({"event": "parent-after", "mem_info": mem_info(api)}));
     Ok(())
 }
 

@@ -39,6 +39,13 @@ fn make_lib_dir() -> PathBuf {
     dir
 }
 
+/// The built interposer.
+pub fn libvgpu() -> PathBuf {
+    let p = Path::new(RT).parent().unwrap().join("deps").join("libvgpu.so");
+    assert!(p.exists(), "{} is missing: build the workspace", p.display());
+    p
+}
+
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// One simulated node, private to a test.
@@ -76,6 +83,26 @@ impl Sim {
         c
     }
 
+    /// The container's region file for this node.
+    pub fn region_path(&self) -> PathBuf {
+        self.state.join("container.region")
+    }
+
+    /// A client inside a "container": libvgpu.so preloaded, the region, and the given environment.
+    pub fn limited(&self, bin: &str, env: &[(&str, &str)]) -> Command {
+        let mut c = self.cmd(bin);
+        c.env("LD_PRELOAD", libvgpu())
+            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", self.region_path())
+            .env("VGPU_CONTEXT_OVERHEAD", "64m")
+            .env_remove("CUDA_DEVICE_MEMORY_LIMIT")
+            .env_remove("LIBCUDA_LOG_LEVEL")
+            .env_remove("VGPU_FAIL_OPEN");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c
+    }
+
     pub fn output(&self, bin: &str, args: &[&str]) -> Output {
         self.cmd(bin).args(args).output().unwrap()
     }
@@ -102,12 +129,18 @@ impl Sim {
 
     /// Starts a client and waits for its first JSON line (e.g. `alloc --hold`).
     pub fn spawn(&mut self, bin: &str, args: &[&str]) -> (u32, Value) {
-        let mut child = self.cmd(bin).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
+        let c = self.cmd(bin);
+        self.spawn_cmd(c, args)
+    }
+
+    /// Starts a prepared command and waits for its first JSON line.
+    pub fn spawn_cmd(&mut self, mut cmd: Command, args: &[&str]) -> (u32, Value) {
+        let mut child = cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
         let mut out: BufReader<ChildStdout> = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
         let pid = child.id();
-        assert!(!line.is_empty(), "{bin} {args:?} exited before printing");
+        assert!(!line.is_empty(), "{cmd:?} {args:?} exited before printing");
         self.children.push(child);
         // Keep the pipe open (the child may print more) by leaking the reader into a thread.
         std::thread::spawn(move || for _ in out.lines() {});

@@ -1,0 +1,325 @@
+//! libvgpu.so preloaded into real processes on the simulated GPU: memory quotas on every binding path
+//! and allocator, across processes, with the simulator (and NVML) as ground truth.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::process::{Command, Output};
+use vgpu_region::Region;
+
+/// GPU 0: 8 GiB; GPU 1: an L4 without a container limit. 64 MiB per context, like the interposer's
+/// VGPU_CONTEXT_OVERHEAD in these tests.
+const NODE: &str = r#"
+context_overhead_mib = 64
+[[gpu]]
+model = "A100-40GB"
+memory_mib = 8192
+[[gpu]]
+model = "L4"
+"#;
+
+const LIMIT: &[(&str, &str)] = &[("CUDA_DEVICE_MEMORY_LIMIT_0", "1g")];
+
+fn out(c: &mut Command, args: &[&str]) -> Output {
+    c.args(args).output().unwrap()
+}
+
+fn json1(o: &Output) -> Value {
+    assert!(
+        o.status.success(),
+        "exit {}: {}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    lines(&o.stdout).remove(0)
+}
+
+fn region(s: &Sim) -> Region {
+    Region::open(&s.region_path(), true).unwrap()
+}
+
+/// What the simulated driver says this GPU holds (ground truth).
+fn physical_used(s: &Sim, gpu: usize) -> u64 {
+    s.status()["gpus"][gpu]["memory_used"].as_u64().unwrap()
+}
+
+#[test]
+fn every_binding_path_is_limited_and_silent() {
+    let s = Sim::new(Some(NODE));
+    let mut runs = vec![(DIRECT, vec![]), (DLSYM, vec![])];
+    for v in ["11060", "12000", "12040"] {
+        runs.push((RT, vec!["--cuda-version", v]));
+        runs.push((RT, vec!["--cuda-version", v, "--per-thread"]));
+    }
+    for (bin, pre) in runs {
+        let mut args = pre.clone();
+        args.extend(["alloc", "--size", "2g", "--chunk", "100m"]);
+        let o = out(&mut s.limited(bin, LIMIT), &args);
+        let v = json1(&o);
+        assert_eq!(v["allocated"], 900 * MIB, "{bin} {pre:?}: 64m context + 9 x 100m fit in 1g, the 10th does not");
+        assert_eq!(v["error"], "CUDA_ERROR_OUT_OF_MEMORY");
+        assert_eq!(v["mem_info"]["total"], 1024 * MIB, "{bin}: cuMemGetInfo shows the slice");
+        assert_eq!(v["mem_info"]["free"], 60 * MIB);
+        assert!(o.stderr.is_empty(), "{bin}: a healthy process prints nothing: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    assert_eq!(physical_used(&s, 0), 0);
+}
+
+#[test]
+fn get_proc_address_returns_hooks_for_exactly_the_entry_points_the_driver_returned() {
+    let s = Sim::new(Some(NODE));
+    let q = |ver: &str, pt: bool, names: &[&str]| -> Vec<Value> {
+        let mut args = vec!["--cuda-version", ver];
+        if pt {
+            args.push("--per-thread");
+        }
+        args.push("procaddr");
+        args.extend_from_slice(names);
+        let o = out(&mut s.limited(RT, LIMIT), &args);
+        assert!(o.status.success());
+        lines(&o.stdout)
+    };
+    let lib = |v: &Value| v["library"].as_str().unwrap_or("").rsplit('/').next().unwrap().to_owned();
+    let r = q("12040", false, &["cuMemAlloc", "cuLaunchKernel", "cuMemcpyHtoD", "cuGetProcAddress", "cuMemGetInfo"]);
+    for (v, sym) in
+        r.iter().zip(["cuMemAlloc_v2", "cuLaunchKernel", "cuMemcpyHtoD_v2", "cuGetProcAddress_v2", "cuMemGetInfo_v2"])
+    {
+        assert_eq!(v["resolved"], sym, "{v}");
+    }
+    assert_eq!(lib(&r[0]), "libvgpu.so", "intercepted: our hook");
+    assert_eq!(lib(&r[1]), "libvgpu.so");
+    assert_eq!(lib(&r[2]), "libcuda.so.1", "not intercepted: the driver's own entry point");
+    assert_eq!(lib(&r[3]), "libvgpu.so", "cuGetProcAddress itself is hooked");
+    // The per-thread variant the driver chose, not a guess.
+    let r = q("12040", true, &["cuLaunchKernel", "cuMemAllocAsync", "cuMemAlloc"]);
+    assert_eq!((r[0]["resolved"].as_str(), lib(&r[0]).as_str()), (Some("cuLaunchKernel_ptsz"), "libvgpu.so"));
+    assert_eq!((r[1]["resolved"].as_str(), lib(&r[1]).as_str()), (Some("cuMemAllocAsync_ptsz"), "libvgpu.so"));
+    assert_eq!(r[2]["resolved"], "cuMemAlloc_v2");
+    // Old ABI: the v1 entry point's hook, never the v2 one.
+    let r = q("3010", false, &["cuMemAlloc", "cuMemGetInfo"]);
+    assert_eq!((r[0]["resolved"].as_str(), lib(&r[0]).as_str()), (Some("cuMemAlloc"), "libvgpu.so"));
+    assert_eq!(r[1]["resolved"], "cuMemGetInfo");
+    // Versions the driver refuses stay refused.
+    let r = q("11000", false, &["cuMemAllocAsync"]);
+    assert_eq!((r[0]["ret"].as_u64(), r[0]["status"].as_i64()), (Some(500), Some(2)));
+}
+
+#[test]
+fn every_allocator_is_counted_exactly() {
+    let s = Sim::new(Some(NODE));
+    for a in ["device", "pitch", "managed", "vmm", "async", "pool", "array"] {
+        let o = out(&mut s.limited(RT, LIMIT), &["alloc", "--allocator", a, "--size", "2g", "--chunk", "100m"]);
+        let v = lines(&o.stdout);
+        assert!(o.status.success(), "{a}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(v[0]["allocated"], 900 * MIB, "{a}: {}", v[0]);
+        assert_eq!(v[0]["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{a}");
+        assert_eq!(v[1]["failures"], 0, "{a}");
+        assert_eq!(v[1]["mem_info"]["free"], (1024 - 64) * MIB, "{a}: every free gave back what it charged");
+    }
+    // Host memory is not limited.
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["alloc", "--allocator", "host", "--size", "3g", "--chunk", "1g"]));
+    assert_eq!(v["allocated"], 3072 * MIB);
+    assert_eq!(physical_used(&s, 0), 0);
+}
+
+#[test]
+fn the_container_sees_its_slice_in_cuda_and_nvml() {
+    let mut s = Sim::new(Some(NODE));
+    // Without a limit: the physical figures (never 0).
+    let v = json1(&out(&mut s.limited(RT, &[]), &["info"]));
+    assert_eq!(v["devices"][0]["total_mem"], 8192 * MIB);
+    assert_eq!(v["mem_info"]["total"], 8192 * MIB);
+    // With a limit on device 0 only (a new container: the region keeps the limits it was made with).
+    std::fs::remove_file(s.region_path()).unwrap();
+    let v = json1(&out(&mut s.limited(DLSYM, LIMIT), &["info"]));
+    assert_eq!(v["devices"][0]["total_mem"], 1024 * MIB);
+    assert_eq!(v["devices"][1]["total_mem"], 23034 * MIB, "no limit on device 1");
+    assert_eq!(v["mem_info"]["free"], 960 * MIB);
+
+    // A container process holds 300m; an outside process holds 2g on the same GPU.
+    let (inside, _) = s.spawn_cmd(s.limited(RT, LIMIT), &["alloc", "--size", "300m", "--hold"]);
+    let (outside, _) = s.spawn(RT, &["alloc", "--size", "2g", "--hold"]);
+    let lib = s.libs.join("libnvidia-ml.so.1");
+    let probe = |c: &mut Command| -> Value {
+        let o = out(c, &["--lib", lib.to_str().unwrap(), "snapshot"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let n = probe(&mut s.limited(NVML, LIMIT));
+    let g = &n["gpus"][0];
+    assert_eq!(g["memory"]["total"], 1024 * MIB, "{g}");
+    assert_eq!(g["memory"]["used"], 364 * MIB, "the container's usage, context included");
+    assert_eq!(g["memory"]["free"], 660 * MIB);
+    let pids: Vec<u64> = g["processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids, vec![inside as u64], "only the container's processes");
+    assert_eq!(n["gpus"][1]["memory"]["total"], 23034 * MIB, "unlimited device passes through");
+    // Outside the container NVML tells the physical truth.
+    let n = probe(&mut s.cmd(NVML));
+    assert_eq!(n["gpus"][0]["memory"]["used"], (364 + 2048 + 64) * MIB);
+    assert_eq!(n["gpus"][0]["processes"]["Ok"].as_array().unwrap().len(), 2);
+    s.kill(inside);
+    s.kill(outside);
+}
+
+#[test]
+fn processes_share_one_quota_and_dead_ones_give_it_back() {
+    let mut s = Sim::new(Some(NODE));
+    let (a, _) = s.spawn_cmd(s.limited(RT, LIMIT), &["alloc", "--size", "500m", "--hold"]);
+    let v = json1(&out(&mut s.limited(DIRECT, LIMIT), &["alloc", "--size", "600m", "--chunk", "100m"]));
+    assert_eq!(v["allocated"], 300 * MIB, "564m held by A; B: 64m + 3 x 100m");
+    assert_eq!(v["mem_info"]["free"], (1024 - 564 - 364) * MIB);
+    // A process that started before the kill and allocates after it gets the memory back (the OOM
+    // path reclaims dead slots).
+    let (b, w) = s.spawn_cmd(s.limited(DLSYM, LIMIT), &["alloc", "--size", "900m", "--delay-secs", "1.5", "--hold"]);
+    assert_eq!(w["event"], "waiting");
+    s.kill(a);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let r = region(&s);
+    assert_eq!(r.used(0), 964 * MIB, "B holds 900m + its context; A's share was reclaimed");
+    assert!(physical_used(&s, 0) <= 1024 * MIB);
+    s.kill(b);
+    // Twenty processes in a row, each using most of the quota.
+    for i in 0..20 {
+        let v = json1(&out(
+            &mut s.limited(if i % 2 == 0 { RT } else { DLSYM }, LIMIT),
+            &["alloc", "--size", "900m", "--chunk", "300m"],
+        ));
+        assert_eq!(v["allocated"], 900 * MIB, "run {i}");
+    }
+}
+
+#[test]
+fn racing_processes_never_exceed_the_limit() {
+    let s = Sim::new(Some(NODE));
+    let env = [("CUDA_DEVICE_MEMORY_LIMIT_0", "1g"), ("VGPU_CONTEXT_OVERHEAD", "0")];
+    let children: Vec<_> = (0..8)
+        .map(|i| {
+            s.limited(if i % 2 == 0 { RT } else { DIRECT }, &env)
+                .args(["alloc", "--size", "200m", "--chunk", "1m", "--hold-secs", "2"])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // While they hold: never above the limit, in the region and physically (contexts aside).
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let r = region(&s);
+    let held = r.used(0);
+    assert!(held <= 1024 * MIB, "{held}");
+    let mut total = 0;
+    for c in children {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success());
+        total += lines(&o.stdout)[0]["allocated"].as_u64().unwrap();
+    }
+    assert!(total <= 1024 * MIB, "admitted {total}");
+    assert!(total >= 1000 * MIB, "the quota is used, not lost to contention: {total}");
+    assert_eq!(held, total, "the region holds exactly what was admitted");
+}
+
+#[test]
+fn many_threads_allocate_and_free() {
+    let s = Sim::new(Some(NODE));
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["threads", "--threads", "16", "--iters", "50", "--size", "8m"]));
+    assert_eq!(v["failures"], 0, "{v}");
+    assert_eq!(v["mem_info"]["free"], 960 * MIB);
+    // Over-subscribed: 16 threads x 100m cannot all fit; failures are clean OOMs and nothing leaks.
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["threads", "--threads", "16", "--iters", "20", "--size", "100m"]));
+    assert!(v["errors"].as_array().unwrap().iter().all(|e| e == "CUDA_ERROR_OUT_OF_MEMORY"), "{v}");
+    assert_eq!(v["mem_info"]["free"], 960 * MIB);
+}
+
+#[test]
+fn limits_change_while_processes_run() {
+    let mut s = Sim::new(Some(NODE));
+    let (watcher, first) = s.spawn_cmd(s.limited(RT, LIMIT), &["watch", "--count", "40", "--interval-ms", "50"]);
+    assert_eq!(first["mem_info"]["total"], 1024 * MIB);
+    let r = region(&s);
+    r.set_mem_limit(0, 2048 * MIB).unwrap();
+    let v = json1(&out(
+        &mut s.limited(DIRECT, LIMIT),
+        &["alloc", "--size", "1500m", "--chunk", "500m", "--hold-secs", "0.5"],
+    ));
+    assert_eq!(v["allocated"], 1500 * MIB, "a raised limit applies to the next allocation");
+    assert_eq!(v["mem_info"]["total"], 2048 * MIB, "the region's limit wins over the environment");
+    r.set_mem_limit(0, 512 * MIB).unwrap();
+    let v = json1(&out(&mut s.limited(DIRECT, LIMIT), &["alloc", "--size", "500m", "--chunk", "100m"]));
+    assert_eq!(v["allocated"], 300 * MIB, "lowered: 64m (watcher) + 64m + 3 x 100m");
+    s.kill(watcher);
+    // The running process saw both changes.
+    let o = s.limited(RT, LIMIT).args(["watch", "--count", "1"]).output().unwrap();
+    assert_eq!(lines(&o.stdout)[0]["mem_info"]["total"], 512 * MIB);
+}
+
+#[test]
+fn slots_never_move_and_forked_children_get_their_own() {
+    let mut s = Sim::new(Some(NODE));
+    let (a, _) = s.spawn_cmd(s.limited(RT, LIMIT), &["alloc", "--size", "100m", "--hold"]);
+    let (b, _) = s.spawn_cmd(s.limited(RT, LIMIT), &["alloc", "--size", "200m", "--hold"]);
+    let (c, _) = s.spawn_cmd(s.limited(RT, LIMIT), &["alloc", "--size", "300m", "--hold"]);
+    let r = region(&s);
+    let before = r.slots();
+    let slot_of = |pid: u32| before.iter().find(|x| x.1 == pid).unwrap().0;
+    let (sa, sb, sc) = (slot_of(a), slot_of(b), slot_of(c));
+    s.kill(b);
+    r.reap();
+    let after = r.slots();
+    assert_eq!(after.iter().map(|x| (x.0, x.1)).collect::<Vec<_>>(), vec![(sa, a), (sc, c)], "no compaction");
+    assert_eq!(r.used(0), (64 + 100 + 64 + 300) * MIB);
+    let (d, _) = s.spawn_cmd(s.limited(RT, LIMIT), &["alloc", "--size", "10m", "--hold"]);
+    assert_eq!(r.slots().iter().find(|x| x.1 == d).unwrap().0, sb, "the dead slot is reused");
+
+    // fork: the child claims a slot of its own; the parent's stays and keeps its usage.
+    let child = s
+        .limited(DLSYM, LIMIT)
+        .args(["fork-child", "--size", "50m", "--child-secs", "1.5"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    let live = r.slots();
+    assert_eq!(live.len(), 5, "a, c, d, the parent and its child: {live:?}");
+    let o = child.wait_with_output().unwrap();
+    let v = lines(&o.stdout);
+    assert_eq!(v[1]["event"], "child");
+    assert_eq!(
+        v[1]["get_info"], "CUDA_ERROR_NOT_INITIALIZED",
+        "CUDA is unusable in a forked child, as with the real driver"
+    );
+    assert_eq!(v[2]["mem_info"], v[0]["mem_info"], "the parent's accounting is untouched by the child");
+}
+
+#[test]
+fn bad_configuration_and_damaged_regions_fail_closed_with_one_clear_line() {
+    let s = Sim::new(Some(NODE));
+    let o = out(&mut s.limited(RT, &[("CUDA_DEVICE_MEMORY_LIMIT", "lots")]), &["alloc", "--size", "1m"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(json1(&o)["error"], "CUDA_ERROR_OUT_OF_MEMORY", "fail-closed");
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(e.contains("CUDA_DEVICE_MEMORY_LIMIT=\"lots\"") && e.contains("VGPU_FAIL_OPEN"), "{e}");
+    let o = out(
+        &mut s.limited(RT, &[("CUDA_DEVICE_MEMORY_LIMIT", "lots"), ("VGPU_FAIL_OPEN", "1")]),
+        &["alloc", "--size", "1m"],
+    );
+    assert_eq!(json1(&o)["error"], Value::Null, "fail-open runs unlimited");
+
+    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
+    let cases: Vec<(&str, Damage)> = vec![
+        ("truncated", Box::new(|b: &mut Vec<u8>| b.truncate(4096))),
+        ("bad magic", Box::new(|b: &mut Vec<u8>| b.iter_mut().for_each(|x| *x = 0x5a))),
+        ("ABI version 9", Box::new(|b: &mut Vec<u8>| b[8..12].copy_from_slice(&9u32.to_le_bytes()))),
+        ("layout hash", Box::new(|b: &mut Vec<u8>| b[24] ^= 0x40)),
+    ];
+    json1(&out(&mut s.limited(RT, LIMIT), &["alloc", "--size", "1m"]));
+    let good = std::fs::read(s.region_path()).unwrap();
+    for (what, damage) in cases {
+        let mut b = good.clone();
+        damage(&mut b);
+        std::fs::write(s.region_path(), &b).unwrap();
+        let o = out(&mut s.limited(DIRECT, LIMIT), &["alloc", "--size", "1m"]);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(json1(&o)["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{what}");
+        assert!(e.contains(what) && e.contains("refusing"), "{what}: {e}");
+    }
+}
