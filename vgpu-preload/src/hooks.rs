@@ -76,7 +76,8 @@ pub fn hook(name: &str) -> Option<*mut c_void> {
     }
 }
 
-/// (real address, hook address), sorted by real address.
+/// (real address, hook address) of the driver's intercepted entry points, sorted by real address.
+/// (`cuGetProcAddress` only hands out driver entry points, so NVML is not loaded for this.)
 fn by_real() -> &'static [(usize, usize)] {
     static T: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
     T.get_or_init(|| {
@@ -84,7 +85,6 @@ fn by_real() -> &'static [(usize, usize)] {
             .cuda
             .addresses()
             .into_iter()
-            .chain(real::nvml().addresses())
             .filter_map(|(n, a)| hook(n).map(|h| (a, h as usize)))
             .collect();
         v.sort_unstable();
@@ -94,8 +94,8 @@ fn by_real() -> &'static [(usize, usize)] {
 
 /// The real driver's (or NVML's) address of an intercepted entry point.
 pub fn real_address(name: &str) -> Option<usize> {
-    let d = &real::driver().cuda;
-    d.addresses().into_iter().chain(real::nvml().addresses()).find(|(n, _)| *n == name).map(|(_, a)| a)
+    let all = if name.starts_with("nvml") { real::nvml().addresses() } else { real::driver().cuda.addresses() };
+    all.into_iter().find(|(n, _)| *n == name).map(|(_, a)| a)
 }
 
 /// The hook for exactly the entry point at `addr`, if it is one we intercept.

@@ -14,8 +14,8 @@ const TOMB: u64 = 1;
 const MAX_PROBE: usize = 64;
 
 pub struct PtrMap {
-    keys: &'static [AtomicU64],
-    vals: &'static [AtomicU64],
+    /// Key i at 2i, its value at 2i + 1: one cache line per probe.
+    slots: &'static [AtomicU64],
     bits: u32,
     overflow: Mutex<Option<HashMap<u64, u64>>>,
     overflowed: AtomicUsize,
@@ -24,7 +24,9 @@ pub struct PtrMap {
 fn table(n: usize) -> &'static [AtomicU64] {
     let bytes = n * 8;
     // SAFETY: a private anonymous mapping, zero-filled (all EMPTY), never unmapped; AtomicU64 accepts
-    // any bit pattern. Failure falls back to a leaked heap table.
+    // any bit pattern. Pages are committed as they are first touched (at most 256 faults over a
+    // process's life for the default table), which keeps process start cheap. Failure falls back to
+    // a leaked heap table.
     unsafe {
         let p = libc::mmap(
             std::ptr::null_mut(),
@@ -53,7 +55,7 @@ pub fn unpack(v: u64) -> (usize, u64) {
 impl PtrMap {
     pub fn new(bits: u32) -> PtrMap {
         let n = 1usize << bits;
-        PtrMap { keys: table(n), vals: table(n), bits, overflow: Mutex::new(None), overflowed: AtomicUsize::new(0) }
+        PtrMap { slots: table(2 * n), bits, overflow: Mutex::new(None), overflowed: AtomicUsize::new(0) }
     }
 
     #[inline]
@@ -64,13 +66,14 @@ impl PtrMap {
     #[inline]
     pub fn insert(&self, k: u64, v: u64) {
         debug_assert!(k > TOMB);
-        let mask = self.keys.len() - 1;
+        let mask = (1usize << self.bits) - 1;
         let h = self.home(k);
         for i in 0..MAX_PROBE {
-            let idx = (h + i) & mask;
-            let cur = self.keys[idx].load(Relaxed);
-            if (cur == EMPTY || cur == TOMB) && self.keys[idx].compare_exchange(cur, k, AcqRel, Relaxed).is_ok() {
-                self.vals[idx].store(v, Release);
+            let idx = ((h + i) & mask) * 2;
+            let key = &self.slots[idx];
+            let cur = key.load(Relaxed);
+            if (cur == EMPTY || cur == TOMB) && key.compare_exchange(cur, k, AcqRel, Relaxed).is_ok() {
+                self.slots[idx + 1].store(v, Release);
                 return;
             }
         }
@@ -90,14 +93,14 @@ impl PtrMap {
         if k <= TOMB {
             return None;
         }
-        let mask = self.keys.len() - 1;
+        let mask = (1usize << self.bits) - 1;
         let h = self.home(k);
         for i in 0..MAX_PROBE {
-            let idx = (h + i) & mask;
-            let cur = self.keys[idx].load(Acquire);
+            let idx = ((h + i) & mask) * 2;
+            let cur = self.slots[idx].load(Acquire);
             if cur == k {
-                let v = self.vals[idx].load(Acquire);
-                if self.keys[idx].compare_exchange(k, TOMB, AcqRel, Relaxed).is_ok() {
+                let v = self.slots[idx + 1].load(Acquire);
+                if self.slots[idx].compare_exchange(k, TOMB, AcqRel, Relaxed).is_ok() {
                     return Some(v);
                 }
                 return None; // freed twice concurrently: the other free got it
@@ -122,7 +125,7 @@ impl PtrMap {
 
     /// Forgets everything (a forked child starts with no allocations of its own).
     pub fn clear(&self) {
-        for k in self.keys {
+        for k in self.slots {
             k.store(EMPTY, Relaxed);
         }
         if let Ok(mut o) = self.overflow.lock() {

@@ -112,8 +112,8 @@ impl State {
             phys_total: [const { AtomicU64::new(0) }; MAX_DEVICES],
             primary_refs: [const { AtomicU32::new(0) }; MAX_ORDINALS],
             primary_lock: Mutex::new(()),
-            ptrs: PtrMap::new(18),
-            handles: PtrMap::new(14),
+            ptrs: PtrMap::new(16),
+            handles: PtrMap::new(12),
             cfg,
         }
     }

@@ -1,35 +1,53 @@
-//! Call costs of the simulated driver itself: the denominators of the interposer's overhead ratios.
-//! Usage: sim-bench [--quick] [--json]
+//! Call costs of the simulated driver, and the interposer's overhead measured against it in the same
+//! run.
+//!
+//! usage: sim-bench [--quick] [--json]            the simulator alone
+//!        sim-bench --interposer PATH [--quick]   bare vs LD_PRELOAD=PATH, side by side, plus process
+//!                                                start and 300 processes starting at once
 //!
 //! Loads `libcuda.so.1` from LD_LIBRARY_PATH, or the simulator built next to this binary, and runs on
 //! a private simulated node unless VGPU_SIM_STATE is set.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().unwrap().to_path_buf();
     if std::env::var_os("VGPU_CLIENT_LIBCUDA").is_none() && std::env::var_os("LD_LIBRARY_PATH").is_none() {
-        if let Some(lib) =
-            std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join("libcuda.so"))).filter(|l| l.exists())
-        {
+        if let Some(lib) = Some(dir.join("libcuda.so")).filter(|l| l.exists()) {
             std::env::set_var("VGPU_CLIENT_LIBCUDA", lib);
         }
     }
     let private = std::env::var_os("VGPU_SIM_STATE").is_none().then(|| {
         let d = std::env::temp_dir().join(format!("vgpu-sim-bench-{}", std::process::id()));
         std::env::set_var("VGPU_SIM_STATE", &d);
+        let cfg = d.with_extension("toml");
+        std::fs::write(&cfg, "context_overhead_mib = 1\n[[gpu]]\nmodel = \"H100-80GB\"\n").unwrap();
+        std::env::set_var("VGPU_SIM_CONFIG", &cfg);
         d
     });
-    let scale = if args.iter().any(|a| a == "--quick") { 10 } else { 1 };
-    let api = match vgpu_sim_clients::bind_dlsym() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("sim-bench: {e}");
-            std::process::exit(3);
-        }
-    };
-    let f = vgpu_sim_clients::bench::measure(&api, scale);
-    if let Some(d) = private {
-        let _ = std::fs::remove_dir_all(d);
+    if let Some(i) = args.iter().position(|a| a == "--interposer") {
+        let lib = PathBuf::from(args.get(i + 1).expect("--interposer needs a path"));
+        compare(&exe, &dir, &lib, quick);
+    } else {
+        own(quick, args.iter().any(|a| a == "--json"));
     }
-    if args.iter().any(|a| a == "--json") {
+    if let Some(d) = private {
+        let _ = std::fs::remove_dir_all(&d);
+        let _ = std::fs::remove_file(d.with_extension("toml"));
+    }
+}
+
+fn own(quick: bool, as_json: bool) {
+    let api = vgpu_sim_clients::bind_dlsym().unwrap_or_else(|e| {
+        eprintln!("sim-bench: {e}");
+        std::process::exit(3)
+    });
+    let f = vgpu_sim_clients::bench::measure(&api, if quick { 10 } else { 1 });
+    if as_json {
         println!(
             "{}",
             serde_json::json!({"launch_ns": f.launch_ns, "alloc_free_ns": f.alloc_free_ns,
@@ -40,6 +58,118 @@ fn main() {
     println!("| call | median ns |\n|---|---|");
     println!("| cuLaunchKernel (sleep_0ns, stream) | {:.0} |", f.launch_ns);
     println!("| cuMemAlloc_v2 + cuMemFree_v2 (4 KiB) | {:.0} |", f.alloc_free_ns);
-    println!("| cuMemAlloc_v2 + cuMemFree_v2 with {} live | {:.0} |", 30_000 / scale, f.alloc_free_30k_ns);
+    println!("| cuMemAlloc_v2 + cuMemFree_v2 with {} live | {:.0} |", if quick { 3000 } else { 30_000 }, f.alloc_free_30k_ns);
     println!("| cuMemGetInfo_v2 | {:.0} |", f.get_info_ns);
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Environment of a process "in a container": the interposer with a limit that is never reached.
+fn contained(c: &mut Command, lib: &Path, region: &Path) {
+    c.env("LD_PRELOAD", lib)
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", region)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "60g")
+        .env("VGPU_CONTEXT_OVERHEAD", "1m");
+}
+
+fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
+    let region = std::env::temp_dir().join(format!("vgpu-bench-{}.region", std::process::id()));
+    let run = |pre: bool| -> serde_json::Value {
+        let mut c = Command::new(exe);
+        c.arg("--json");
+        if quick {
+            c.arg("--quick");
+        }
+        if pre {
+            contained(&mut c, lib, &region);
+        }
+        let o = c.output().expect("run sim-bench");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("json")
+    };
+    let rounds = if quick { 3 } else { 5 };
+    let (mut bare, mut with) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        bare.push(run(false));
+        with.push(run(true));
+    }
+    let m = |v: &[serde_json::Value], k: &str| median(v.iter().map(|x| x[k].as_f64().unwrap()).collect());
+    println!("| measure | bare simulator | with libvgpu.so | added | budget |\n|---|---|---|---|---|");
+    for (k, what, budget) in [
+        ("launch_ns", "cuLaunchKernel, no SM limit (ns)", "+10 ns"),
+        ("alloc_free_ns", "cuMemAlloc_v2 + cuMemFree_v2 (ns)", "+150 ns"),
+        ("alloc_free_30k_live_ns", "the same pair with 30 000 live allocations (ns)", "+150 ns"),
+    ] {
+        let (b, w) = (m(&bare, k), m(&with, k));
+        println!("| {what} | {b:.0} | {w:.0} | {:+.0} | {budget} |", w - b);
+    }
+    let (b, w) = (m(&bare, "get_info_ns"), m(&with, "get_info_ns"));
+    println!("| cuMemGetInfo_v2 with a limit (ns, answered by libvgpu) | {b:.0} | {w:.0} | {:+.0} | 100 ns in total |", w - b);
+
+    // Process start: spawn to exit of a client that initialises and allocates once.
+    let app = dir.join("cuda-rt-app");
+    let start = |pre: bool| -> f64 {
+        let mut c = Command::new(&app);
+        c.args(["alloc", "--size", "1m"]).stdout(Stdio::null());
+        if pre {
+            contained(&mut c, lib, &region);
+        }
+        let t = Instant::now();
+        assert!(c.status().expect("run cuda-rt-app").success());
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    let n = if quick { 10 } else { 30 };
+    let (mut b, mut w) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        b.push(start(false));
+        w.push(start(true));
+    }
+    let (b, w) = (median(b), median(w));
+    println!("| process start to first allocation and exit (ms) | {b:.2} | {w:.2} | {:+.2} | +1 ms |", w - b);
+
+    // 300 processes at once: the time until the last one has its first allocation.
+    let burst = |pre: bool| -> f64 {
+        let t = Instant::now();
+        let children: Vec<_> = (0..300)
+            .map(|_| {
+                let mut c = Command::new(&app);
+                c.args(["alloc", "--size", "1m", "--hold-secs", "3"]).stdout(Stdio::piped());
+                if pre {
+                    contained(&mut c, lib, &region);
+                }
+                c.spawn().expect("spawn")
+            })
+            .collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut kids = Vec::new();
+        for mut c in children {
+            let out = c.stdout.take().unwrap();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                let mut line = String::new();
+                let _ = std::io::BufReader::new(out).read_line(&mut line);
+                let _ = tx.send((line.contains("\"error\":null"), Instant::now()));
+            });
+            kids.push(c);
+        }
+        drop(tx);
+        let mut last = t;
+        let mut ok = 0;
+        while let Ok((good, at)) = rx.recv_timeout(Duration::from_secs(30)) {
+            ok += good as usize;
+            last = last.max(at);
+        }
+        for mut c in kids {
+            let _ = c.wait();
+        }
+        assert_eq!(ok, 300, "every process allocated");
+        last.duration_since(t).as_secs_f64() * 1e3
+    };
+    let (b, w) = (burst(false), burst(true));
+    println!("| 300 processes started at once: last first allocation (ms) | {b:.0} | {w:.0} | {:+.0} | all within 2000 ms |", w - b);
+    let _ = std::fs::remove_file(&region);
 }
