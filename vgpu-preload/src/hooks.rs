@@ -15,20 +15,13 @@ mod exports {
     #[allow(unused_imports)]
     use crate::{memory, nvml, procaddr};
 
-    macro_rules! call {
-        (pass, $real:ident, $($a:ident),*) => { $real($($a),*) };
-        ($p:path, $real:ident, $($a:ident),*) => { $p($real, $($a),*) };
-    }
-
     macro_rules! cuda_exports {
         ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident)?;)*) => {
             $(
                 #[no_mangle]
                 pub unsafe extern "C" fn $name($($a: $t),*) -> CUresult {
                     let Some(real) = real::driver().cuda.$name else { return CUresult::NOT_SUPPORTED };
-                    // SAFETY: forwarding the caller's arguments to the real entry point or its policy.
-                    crate::guard::run(|| unsafe { call!($p $(:: $q)?, real, $($a),*) }, CUresult::UNKNOWN)
-                        .unwrap_or_else(|| unsafe { real($($a),*) })
+                    body!($p $(:: $q)?, real, $($a),*)
                 }
             )*
             pub fn cuda_hook(name: &str) -> Option<*mut c_void> {
@@ -39,6 +32,21 @@ mod exports {
             }
         };
     }
+
+    /// `pass` hooks forward at once (nothing that could panic or re-enter runs in between); the
+    /// others run their policy inside the entry guard.
+    macro_rules! body {
+        (pass, $real:ident, $($a:ident),*) => {
+            // SAFETY: forwarding the caller's arguments unchanged to the real entry point.
+            unsafe { $real($($a),*) }
+        };
+        ($p:path, $real:ident, $($a:ident),*) => {
+            // SAFETY: the policy receives the caller's arguments and the real entry point.
+            crate::guard::run(|| unsafe { $p($real, $($a),*) }, CUresult::UNKNOWN)
+                .unwrap_or_else(|| unsafe { $real($($a),*) })
+        };
+    }
+
     cuda_hooks!(cuda_exports);
 
     macro_rules! nvml_exports {
@@ -81,12 +89,8 @@ pub fn hook(name: &str) -> Option<*mut c_void> {
 fn by_real() -> &'static [(usize, usize)] {
     static T: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
     T.get_or_init(|| {
-        let mut v: Vec<(usize, usize)> = real::driver()
-            .cuda
-            .addresses()
-            .into_iter()
-            .filter_map(|(n, a)| hook(n).map(|h| (a, h as usize)))
-            .collect();
+        let mut v: Vec<(usize, usize)> =
+            real::driver().cuda.addresses().into_iter().filter_map(|(n, a)| hook(n).map(|h| (a, h as usize))).collect();
         v.sort_unstable();
         v
     })

@@ -1,8 +1,8 @@
 //! The state of one simulated node, shared by every process that uses it.
 //!
 //! A fixed-size `#[repr(C)]` file (`node.state`) in the state directory, mapped `MAP_SHARED` by every
-//! process. Counters that the hot paths touch are atomics; everything else changes only under the
-//! node lock: a process mutex plus `flock` on `node.lock`, which the kernel drops when its holder
+//! process. Counters that the hot paths touch are atomics (memory is charged without a lock, see
+//! [`Node::try_charge`]); everything else changes only under the node lock: a process mutex plus `flock` on `node.lock`, which the kernel drops when its holder
 //! dies, so a SIGKILLed process never wedges the node.
 //!
 //! Process liveness works like the real driver's free-at-exit: every process that opens the driver
@@ -17,6 +17,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering::*};
+
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUSIM1");
@@ -373,23 +374,30 @@ impl Node {
 
     /// Device memory in use on GPU `gpu` by all live processes.
     pub fn mem_used(&self, gpu: usize) -> u64 {
-        self.live_slots().map(|p| p.mem[gpu].load(Acquire)).sum()
+        self.live_slots().map(|p| p.mem[gpu].load(SeqCst)).sum()
     }
 
     /// Charges `bytes` on `gpu` to `slot` unless that would exceed the GPU's memory.
+    ///
+    /// Lock-free and exact: add to the own slot, then sum every slot, and take the addition back if
+    /// the sum is over. Of two concurrent charges at least one sees the other (sequentially consistent
+    /// add-then-load), so the GPU is never over-committed; a process killed at any point leaves its
+    /// slot holding exactly what it charged. Dead processes are reaped before giving up.
     pub fn try_charge(&self, slot: usize, gpu: usize, bytes: u64) -> bool {
         let total = self.cfg.gpus[gpu].memory_bytes;
-        let mut g = self.lock();
-        let mut used = self.mem_used(gpu);
-        if used.saturating_add(bytes) > total {
-            self.reap_locked(&mut g);
-            used = self.mem_used(gpu);
-            if used.saturating_add(bytes) > total {
+        let mine = &self.shared.procs[slot].mem[gpu];
+        for attempt in 0..8 {
+            mine.fetch_add(bytes, SeqCst);
+            if self.mem_used(gpu) <= total {
+                return true;
+            }
+            mine.fetch_sub(bytes, SeqCst);
+            let room = |n: &Node| n.mem_used(gpu).saturating_add(bytes) <= total;
+            if !room(self) && (attempt > 0 || self.reap() == 0 || !room(self)) {
                 return false;
             }
         }
-        self.shared.procs[slot].mem[gpu].fetch_add(bytes, AcqRel);
-        true
+        false
     }
 
     pub fn uncharge(&self, slot: usize, gpu: usize, bytes: u64) {

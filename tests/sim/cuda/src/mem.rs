@@ -54,6 +54,10 @@ struct Pool {
 
 #[derive(Default)]
 struct Mem {
+    /// Unmapped-later backings of freed small allocations, by length, reused by the next allocation
+    /// of the same length (saves an mmap/munmap pair; device memory is not zeroed by CUDA either).
+    spare: HashMap<usize, Vec<u64>>,
+    spare_bytes: usize,
     allocs: BTreeMap<u64, Alloc>,
     handles: HashMap<u64, PhysHandle>,
     reserves: BTreeMap<u64, Reservation>,
@@ -121,8 +125,15 @@ pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
         p.charge(c.gpu, size)?;
     }
     let len = usize::try_from(size).map_err(|_| CUresult::OUT_OF_MEMORY)?;
-    let ptr = match map_anon(len) {
-        Ok(ptr) => ptr as u64,
+    let cached = with_mem!(m => {
+        let p = m.spare.get_mut(&len).and_then(Vec::pop);
+        if p.is_some() {
+            m.spare_bytes -= len;
+        }
+        p
+    });
+    let ptr = match cached.map(Ok).unwrap_or_else(|| map_anon(len).map(|p| p as u64)) {
+        Ok(ptr) => ptr,
         Err(e) => {
             if charged {
                 p.uncharge(c.gpu, size);
@@ -132,6 +143,26 @@ pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
     };
     with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu: c.gpu, ctx: ctx_key(c), kind }));
     Ok(ptr)
+}
+
+const SPARE_MAX_LEN: usize = 1 << 20;
+const SPARE_MAX_BYTES: usize = 64 << 20;
+
+/// Unmaps a linear allocation's backing, or keeps it for reuse when it is small.
+fn retire(ptr: u64, len: usize) {
+    let kept = len <= SPARE_MAX_LEN
+        && with_mem!(m => {
+            if m.spare_bytes + len > SPARE_MAX_BYTES {
+                false
+            } else {
+                m.spare.entry(len).or_default().push(ptr);
+                m.spare_bytes += len;
+                true
+            }
+        });
+    if !kept {
+        unmap(ptr, len);
+    }
 }
 
 pub fn alloc_pitch(width: usize, height: usize, elem: u32) -> R<(CUdeviceptr, usize)> {
@@ -156,7 +187,7 @@ pub fn free(ptr: CUdeviceptr) -> R<()> {
         }
     })
     .ok_or(CUresult::INVALID_VALUE)?;
-    unmap(ptr, a.len);
+    retire(ptr, a.len);
     p.uncharge(a.gpu, a.size);
     Ok(())
 }

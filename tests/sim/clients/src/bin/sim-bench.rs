@@ -58,7 +58,11 @@ fn own(quick: bool, as_json: bool) {
     println!("| call | median ns |\n|---|---|");
     println!("| cuLaunchKernel (sleep_0ns, stream) | {:.0} |", f.launch_ns);
     println!("| cuMemAlloc_v2 + cuMemFree_v2 (4 KiB) | {:.0} |", f.alloc_free_ns);
-    println!("| cuMemAlloc_v2 + cuMemFree_v2 with {} live | {:.0} |", if quick { 3000 } else { 30_000 }, f.alloc_free_30k_ns);
+    println!(
+        "| cuMemAlloc_v2 + cuMemFree_v2 with {} live | {:.0} |",
+        if quick { 3000 } else { 30_000 },
+        f.alloc_free_30k_ns
+    );
     println!("| cuMemGetInfo_v2 | {:.0} |", f.get_info_ns);
 }
 
@@ -107,7 +111,10 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         println!("| {what} | {b:.0} | {w:.0} | {:+.0} | {budget} |", w - b);
     }
     let (b, w) = (m(&bare, "get_info_ns"), m(&with, "get_info_ns"));
-    println!("| cuMemGetInfo_v2 with a limit (ns, answered by libvgpu) | {b:.0} | {w:.0} | {:+.0} | 100 ns in total |", w - b);
+    println!(
+        "| cuMemGetInfo_v2 with a limit (ns, answered by libvgpu) | {b:.0} | {w:.0} | {:+.0} | 100 ns in total |",
+        w - b
+    );
 
     // Process start: spawn to exit of a client that initialises and allocates once.
     let app = dir.join("cuda-rt-app");
@@ -170,6 +177,9 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         last.duration_since(t).as_secs_f64() * 1e3
     };
     let (b, w) = (burst(false), burst(true));
-    println!("| 300 processes started at once: last first allocation (ms) | {b:.0} | {w:.0} | {:+.0} | all within 2000 ms |", w - b);
+    println!(
+        "| 300 processes started at once: last first allocation (ms) | {b:.0} | {w:.0} | {:+.0} | all within 2000 ms |",
+        w - b
+    );
     let _ = std::fs::remove_file(&region);
 }
