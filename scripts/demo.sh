@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== building (release)"
-cargo build --release -q -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients
+cargo build --release -q -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients -p vgpu-preload
 T=$PWD/target/release
 mkdir -p "$T/sim-lib"
 ln -sfn ../libcuda.so "$T/sim-lib/libcuda.so.1"
@@ -34,9 +34,11 @@ trap cleanup EXIT
 echo "== the devices as a CUDA application sees them (cuda-rt-app info)"
 "$T/cuda-rt-app" info
 
-echo "== workload 1: holds 12 GiB on GPU 0, allocated in 1 GiB chunks through cuGetProcAddress"
+echo "== workload 1: a \"container\" limited to 10 GiB on GPU 0 (libvgpu.so preloaded) asks for 12 GiB"
+CONTAINER=(env LD_PRELOAD="$T/libvgpu.so" CUDA_DEVICE_MEMORY_LIMIT=10g
+    CUDA_DEVICE_MEMORY_SHARED_CACHE="$VGPU_SIM_STATE/container.region")
 out1=$VGPU_SIM_STATE/w1.out
-"$T/cuda-rt-app" alloc --size 12g --chunk 1g --hold >"$out1" &
+"${CONTAINER[@]}" "$T/cuda-rt-app" alloc --size 12g --chunk 1g --hold >"$out1" &
 pids+=($!)
 echo "== workload 2: 5 ms kernels for 2 s on GPU 0 (linked directly against libcuda.so.1)"
 out2=$VGPU_SIM_STATE/w2.out
@@ -50,10 +52,13 @@ for _ in $(seq 100); do [ -s "$out1" ] && break; sleep 0.05; done
 sleep 1
 cat "$out1"
 echo
+echo "== inside the container, NVML shows the slice (nvml-probe with libvgpu.so preloaded)"
+"${CONTAINER[@]}" "$T/nvml-probe" --lib "$T/sim-lib/libnvidia-ml.so.1" snapshot | grep -o '"memory":{[^}]*}' | head -1
+echo
 echo "== vgpu-sim summary (the node's own view)"
 "$T/vgpu-sim" summary
 echo
-echo "== NVML through nvml-wrapper (what the node agent will see)"
+echo "== NVML outside the container, through nvml-wrapper (what the node agent will see)"
 "$T/nvml-probe" --lib "$T/sim-lib/libnvidia-ml.so.1" snapshot
 wait "${pids[1]}" "${pids[2]}"
 cat "$out2"
