@@ -29,3 +29,17 @@ pub fn run<R>(f: impl FnOnce() -> R, on_panic: R) -> Option<R> {
         Some(r)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panics_become_error_values_and_reentry_passes_through() {
+        let r = run(|| -> u32 { panic!("boom") }, 999);
+        assert_eq!(r, Some(999));
+        assert!(!inside(), "the guard is released after a panic");
+        let nested = run(|| run(|| 1, 0), Some(0));
+        assert_eq!(nested, Some(None), "a call made inside a hook is not policed again");
+    }
+}

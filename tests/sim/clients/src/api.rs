@@ -49,6 +49,9 @@ macro_rules! with_cuda_api {
             cuArray3DCreate_v2 = "cuArray3DCreate" : fn(a: *mut CUarray, d: *const CUDA_ARRAY3D_DESCRIPTOR);
             cuArrayDestroy = "cuArrayDestroy" : fn(a: CUarray);
             cuArrayGetMemoryRequirements = "cuArrayGetMemoryRequirements" : fn(r: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, a: CUarray, d: CUdevice);
+            cuMipmappedArrayCreate = "cuMipmappedArrayCreate" : fn(a: *mut CUmipmappedArray, d: *const CUDA_ARRAY3D_DESCRIPTOR, levels: u32);
+            cuMipmappedArrayDestroy = "cuMipmappedArrayDestroy" : fn(a: CUmipmappedArray);
+            cuMipmappedArrayGetMemoryRequirements = "cuMipmappedArrayGetMemoryRequirements" : fn(r: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, a: CUmipmappedArray, d: CUdevice);
             cuModuleLoadData = "cuModuleLoadData" : fn(m: *mut CUmodule, image: *const c_void);
             cuModuleGetFunction = "cuModuleGetFunction" : fn(f: *mut CUfunction, m: CUmodule, name: *const c_char);
             cuStreamCreate = "cuStreamCreate" : fn(s: *mut CUstream, flags: u32);

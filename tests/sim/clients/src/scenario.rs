@@ -10,7 +10,7 @@ use std::io::Write;
 pub const USAGE: &str = "\
 scenarios:
   info                                  devices, versions and memory info as the driver reports them
-  alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|host]
+  alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|mipmap|host]
         [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
                                         allocate N bytes in chunks until done or refused
   launch [--kernel NAME] [--count N | --seconds S] [--path kernel|ex|coop|graph|capture]
@@ -207,6 +207,7 @@ enum Chunk {
     Vmm { ptr: CUdeviceptr, size: usize, h: u64 },
     Async(CUdeviceptr),
     Array(CUarray),
+    Mipmap(CUmipmappedArray),
     Host(*mut c_void),
 }
 
@@ -296,6 +297,23 @@ impl Allocator<'_> {
                     r((a.cuArrayGetMemoryRequirements)(&mut req, arr, self.dev))?;
                     Ok((Chunk::Array(arr), req.size))
                 }
+                "mipmap" => {
+                    // A square 2D float texture with a full mip chain of about `size` bytes.
+                    let side = ((size as f64 * 0.75 / 4.0).sqrt() as usize).max(1);
+                    let d = CUDA_ARRAY3D_DESCRIPTOR {
+                        Width: side,
+                        Height: side,
+                        Depth: 0,
+                        Format: CU_AD_FORMAT_FLOAT,
+                        NumChannels: 1,
+                        Flags: 0,
+                    };
+                    let mut arr = std::ptr::null_mut();
+                    r((a.cuMipmappedArrayCreate)(&mut arr, &d, 4))?;
+                    let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+                    r((a.cuMipmappedArrayGetMemoryRequirements)(&mut req, arr, self.dev))?;
+                    Ok((Chunk::Mipmap(arr), req.size))
+                }
                 "host" => {
                     let mut p = std::ptr::null_mut();
                     r((a.cuMemAllocHost_v2)(&mut p, size))?;
@@ -319,6 +337,7 @@ impl Allocator<'_> {
                 }
                 Chunk::Async(p) => (a.cuMemFreeAsync)(p, self.stream),
                 Chunk::Array(x) => (a.cuArrayDestroy)(x),
+                Chunk::Mipmap(x) => (a.cuMipmappedArrayDestroy)(x),
                 Chunk::Host(p) => (a.cuMemFreeHost)(p),
             }
         }

@@ -1,5 +1,15 @@
 //! libvgpu.so preloaded into real processes on the simulated GPU: memory quotas on every binding path
 //! and allocator, across processes, with the simulator (and NVML) as ground truth.
+//!
+//! Regressions for the memory defects known in HAMi-core: limits frozen at region creation
+//! (`limits_change_while_processes_run`), slot compaction letting a live process escape
+//! (`slots_never_move_and_forked_children_get_their_own`), a SIGKILLed process's usage kept until
+//! another process starts (`processes_share_one_quota_and_dead_ones_give_it_back`), `cuDeviceTotalMem`
+//! = 0 without a limit (`the_container_sees_its_slice_in_cuda_and_nvml`), `cuGetProcAddress` answering
+//! an old-ABI request with the newer hook and ignoring flags
+//! (`get_proc_address_returns_hooks_for_exactly_the_entry_points_the_driver_returned`), a banner on
+//! every process (`every_binding_path_is_limited_and_silent`). `cuMemFree` in O(1) at 30 000 live
+//! allocations and start-up with hundreds of processes are benchmarks (docs/benchmarks.md).
 
 mod common;
 use common::*;
@@ -117,6 +127,16 @@ fn every_allocator_is_counted_exactly() {
         assert_eq!(v[1]["failures"], 0, "{a}");
         assert_eq!(v[1]["mem_info"]["free"], (1024 - 64) * MIB, "{a}: every free gave back what it charged");
     }
+    // Mipmapped arrays: charged what the driver reports for the whole chain.
+    let (pid, v) = {
+        let mut s2 = Sim::new(Some(NODE));
+        let (pid, v) =
+            s2.spawn_cmd(s2.limited(RT, LIMIT), &["alloc", "--allocator", "mipmap", "--size", "64m", "--hold"]);
+        let used = region(&s2).used(0);
+        s2.kill(pid);
+        (used, v)
+    };
+    assert_eq!(pid, 64 * MIB + v["bytes"].as_u64().unwrap(), "mipmapped: {v}");
     // Host memory is not limited.
     let v = json1(&out(&mut s.limited(RT, LIMIT), &["alloc", "--allocator", "host", "--size", "3g", "--chunk", "1g"]));
     assert_eq!(v["allocated"], 3072 * MIB);
@@ -322,4 +342,20 @@ fn bad_configuration_and_damaged_regions_fail_closed_with_one_clear_line() {
         assert_eq!(json1(&o)["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{what}");
         assert!(e.contains(what) && e.contains("refusing"), "{what}: {e}");
     }
+}
+
+#[test]
+fn limits_follow_the_container_index_through_cuda_visible_devices() {
+    let s = Sim::new(Some(NODE));
+    let env =
+        [("CUDA_DEVICE_MEMORY_LIMIT_0", "1g"), ("CUDA_DEVICE_MEMORY_LIMIT_1", "2g"), ("CUDA_VISIBLE_DEVICES", "1")];
+    let v = json1(&out(&mut s.limited(RT, &env), &["info"]));
+    assert_eq!(v["devices"].as_array().unwrap().len(), 1);
+    assert_eq!(v["devices"][0]["total_mem"], 2048 * MIB, "ordinal 0 here is the container's device 1");
+    let env = [("CUDA_DEVICE_MEMORY_LIMIT_0", "1g"), ("CUDA_DEVICE_MEMORY_LIMIT_1", "2g")];
+    let v = json1(&out(&mut s.limited(DLSYM, &env), &["info"]));
+    assert_eq!(v["devices"][0]["total_mem"], 1024 * MIB);
+    assert_eq!(v["devices"][1]["total_mem"], 2048 * MIB, "and the region agrees on which device is which");
+    let r = region(&s);
+    assert_eq!((r.ndevices(), r.mem_limit(0), r.mem_limit(1)), (2, 1024 * MIB, 2048 * MIB));
 }
