@@ -2,7 +2,7 @@
 //! read from the file is untrusted input and is validated before use.
 
 use std::mem::{offset_of, size_of};
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUREG\0");
 pub const ABI_VERSION: u32 = 1;
@@ -47,8 +47,21 @@ pub struct Device {
     pub oom_rejections: AtomicU64,
     /// Highest usage seen by a successful reservation.
     pub peak_used: AtomicU64,
-    /// Reserved for the SM-time controller.
-    pub _sm: [AtomicU64; 12],
+    /// SM-time budget shared by the container's processes, in ns of GPU time; negative is debt.
+    pub sm_tokens: AtomicI64,
+    /// CLOCK_MONOTONIC ns up to which the budget has been refilled.
+    pub sm_refilled_to: AtomicU64,
+    /// Correction of the refill rate in parts per million (0 means 1 000 000): the agent's feedback
+    /// from measured utilisation.
+    pub sm_rate_ppm: AtomicU64,
+    /// Bit 0: the GPU is shared with another container (set by the agent; the default policy limits
+    /// only then). Bit 1: the agent manages this flag.
+    pub sm_flags: AtomicU64,
+    /// Totals for observability: GPU time charged, time launches waited, launches that waited.
+    pub sm_charged_ns: AtomicU64,
+    pub sm_throttled_ns: AtomicU64,
+    pub sm_throttled_launches: AtomicU64,
+    pub _reserved: [AtomicU64; 5],
 }
 
 #[repr(C)]
@@ -97,6 +110,8 @@ pub const LAYOUT_HASH: u64 = {
         offset_of!(Device, mem_limit),
         offset_of!(Device, sm_limit),
         offset_of!(Device, oom_rejections),
+        offset_of!(Device, sm_tokens),
+        offset_of!(Device, sm_flags),
         size_of::<Slot>(),
         offset_of!(Slot, used),
         offset_of!(Layout, devices),

@@ -368,6 +368,64 @@ impl Region {
     }
 }
 
+/// SM-time budget: a token bucket per container and device in the region, in ns of GPU time,
+/// refilled by wall time at `pct` percent (times the agent's correction), capped at `burst_ns`, and
+/// allowed to go into debt so that one long kernel is paid for by the launches after it.
+impl Region {
+    /// Refills the budget up to `now_ns` and, if it is positive, charges `cost_ns`. When the budget is
+    /// in debt, returns how long to wait (ns) before trying again.
+    #[inline]
+    pub fn sm_admit(&self, dev: usize, pct: u32, now_ns: u64, cost_ns: u64) -> std::result::Result<(), u64> {
+        let d = &self.map.devices[dev];
+        let ppm = match d.sm_rate_ppm.load(Relaxed) {
+            0 => 1_000_000,
+            x => x.min(10_000_000),
+        };
+        // GPU ns earned per wall ns, in parts per 10^8.
+        let rate = (pct.clamp(1, 100) as u64 * ppm) as i64;
+        let last = d.sm_refilled_to.load(Acquire);
+        if now_ns > last + 100_000 && d.sm_refilled_to.compare_exchange(last, now_ns, AcqRel, Relaxed).is_ok() {
+            let burst = SM_BURST_WALL_NS as i64 * rate / 100_000_000;
+            let earned = if last == 0 { burst } else { ((now_ns - last) as i128 * rate as i128 / 100_000_000) as i64 };
+            let t = d.sm_tokens.fetch_add(earned, AcqRel) + earned;
+            if t > burst {
+                d.sm_tokens.fetch_min(burst, AcqRel);
+            }
+        }
+        let t = d.sm_tokens.load(Acquire);
+        if t <= 0 {
+            let wait = ((-t) as i128 * 100_000_000 / rate.max(1) as i128) as u64;
+            return Err(wait.max(100_000));
+        }
+        d.sm_tokens.fetch_sub(cost_ns as i64, AcqRel);
+        d.sm_charged_ns.fetch_add(cost_ns, Relaxed);
+        Ok(())
+    }
+
+    /// Corrects the budget once a launch's real GPU time is known (`delta` = charged - measured).
+    pub fn sm_correct(&self, dev: usize, delta_ns: i64) {
+        let d = &self.map.devices[dev];
+        d.sm_tokens.fetch_add(delta_ns, AcqRel);
+        d.sm_charged_ns.fetch_add(delta_ns.wrapping_neg() as u64, Relaxed);
+    }
+
+    /// Records a throttled launch that waited `ns`.
+    pub fn sm_note_wait(&self, dev: usize, ns: u64) {
+        let d = &self.map.devices[dev];
+        d.sm_throttled_ns.fetch_add(ns, Relaxed);
+        d.sm_throttled_launches.fetch_add(1, Relaxed);
+    }
+
+    /// Bit 0 of the SM flags: the agent says another container uses this GPU.
+    pub fn sm_shared(&self, dev: usize) -> Option<bool> {
+        let f = self.map.devices[dev].sm_flags.load(Relaxed);
+        (f & 2 != 0).then_some(f & 1 != 0)
+    }
+}
+
+/// The budget can bank at most this much wall time worth of GPU time (the bounded burst).
+pub const SM_BURST_WALL_NS: u64 = 20_000_000;
+
 /// Outcome of a reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reserve {

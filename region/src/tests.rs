@@ -149,3 +149,25 @@ fn devices_bind_by_uuid_at_their_container_index() {
     assert_eq!(r.find_device("GPU-c"), Some(2));
     std::fs::remove_file(p).ok();
 }
+
+#[test]
+fn sm_budget_refills_caps_and_carries_debt() {
+    let p = tmp("sm");
+    let r = Region::open_or_create(&p, init(0)).unwrap();
+    let t0 = 1_000_000_000;
+    // First use: a full burst (10 % of 20 ms = 2 ms of GPU time).
+    assert_eq!(r.sm_admit(0, 10, t0, 5_000_000), Ok(()));
+    // 3 ms of debt: at 10 % that takes 30 ms of wall time to pay back.
+    let wait = r.sm_admit(0, 10, t0 + 50_000, 1).unwrap_err();
+    assert!((29_000_000..=30_100_000).contains(&wait), "{wait}");
+    assert!(r.sm_admit(0, 10, t0 + 20_000_000, 1).is_err(), "still 1 ms in debt");
+    assert_eq!(r.sm_admit(0, 10, t0 + 31_000_000, 1_000_000), Ok(()));
+    // A long idle period banks no more than the burst.
+    assert_eq!(r.sm_admit(0, 10, t0 + 10_000_000_000, 1_900_000), Ok(()));
+    assert_eq!(r.sm_admit(0, 10, t0 + 10_000_000_000, 200_000), Ok(()), "2 ms banked, 1.9 ms spent: 0.1 ms left");
+    assert!(r.sm_admit(0, 10, t0 + 10_000_000_000, 1).is_err(), "0.1 ms of debt");
+    // Corrections move the budget.
+    r.sm_correct(0, 5_000_000);
+    assert_eq!(r.sm_admit(0, 10, t0 + 10_000_000_000, 1), Ok(()));
+    std::fs::remove_file(p).ok();
+}

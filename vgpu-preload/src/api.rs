@@ -44,15 +44,15 @@ macro_rules! cuda_hooks {
             // entry points handed out by the driver
             cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) => procaddr::get_v1;
             cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) => procaddr::get_v2;
-            // launches (throttled by the SM controller; forwarded for now)
-            cuLaunchKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
-            cuLaunchKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
-            cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
-            cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => pass;
-            cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => pass;
-            cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => pass;
-            cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => pass;
-            cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => pass;
+            // launches: throttled by the SM-time controller
+            cuLaunchKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel;
+            cuLaunchKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ptsz;
+            cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ex;
+            cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ex_ptsz;
+            cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative;
+            cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative_ptsz;
+            cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => sm::graph_launch;
+            cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch_ptsz;
         }
     };
 }
@@ -82,6 +82,10 @@ macro_rules! cuda_helpers {
             cuArrayDestroy(arr: CUarray);
             cuMipmappedArrayDestroy(arr: CUmipmappedArray);
             cuMemFree_v2(dptr: CUdeviceptr);
+            cuEventCreate(e: *mut CUevent, flags: u32);
+            cuEventRecord(e: CUevent, stream: CUstream);
+            cuEventQuery(e: CUevent);
+            cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
         }
     };
 }

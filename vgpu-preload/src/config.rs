@@ -22,8 +22,6 @@ pub struct Config {
     pub region_path: String,
     /// Read-only region holding the limits (written by the agent), if any.
     pub limits_path: Option<String>,
-    /// Read by the SM-time controller.
-    #[allow(dead_code)]
     pub core_policy: CorePolicy,
     pub log_level: u8,
     /// Device memory charged per CUDA context.

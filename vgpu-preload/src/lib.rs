@@ -20,6 +20,7 @@ mod nvml;
 mod procaddr;
 mod ptrmap;
 mod real;
+mod sm;
 mod state;
 
 pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;

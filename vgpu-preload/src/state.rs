@@ -29,6 +29,8 @@ pub struct State {
     phys_total: [AtomicU64; MAX_DEVICES],
     pub primary_refs: [AtomicU32; MAX_ORDINALS],
     pub primary_lock: Mutex<()>,
+    sm_any: AtomicBool,
+    sm_seen_gen: AtomicU64,
     /// Device pointers -> (device, bytes).
     pub ptrs: PtrMap,
     /// VMM handles, arrays, explicit contexts -> (device, bytes).
@@ -112,6 +114,8 @@ impl State {
             phys_total: [const { AtomicU64::new(0) }; MAX_DEVICES],
             primary_refs: [const { AtomicU32::new(0) }; MAX_ORDINALS],
             primary_lock: Mutex::new(()),
+            sm_any: AtomicBool::new(false),
+            sm_seen_gen: AtomicU64::new(0),
             ptrs: PtrMap::new(16),
             handles: PtrMap::new(12),
             cfg,
@@ -150,6 +154,26 @@ impl State {
     pub fn accounting(&self) -> Option<(&Region, usize)> {
         let slot = self.slot();
         self.region.as_ref().filter(|_| slot != usize::MAX).map(|r| (r, slot))
+    }
+
+    /// SM percentage of `dev` (0: none).
+    #[inline]
+    pub fn sm_limit(&self, dev: usize) -> u32 {
+        self.limits.map_or(0, |l| l.devices[dev].sm_limit.load(Acquire))
+    }
+
+    /// Whether any device of the container has an SM limit (re-read when the limits change).
+    #[inline]
+    pub fn sm_any(&self) -> bool {
+        let Some(l) = self.limits else { return false };
+        let gen = l.header.limits_generation.load(Acquire) + 1;
+        if self.sm_seen_gen.load(Relaxed) != gen {
+            let n = (l.header.ndevices.load(Acquire) as usize).min(MAX_DEVICES);
+            let any = l.devices[..n].iter().any(|d| matches!(d.sm_limit.load(Acquire), 1..=99));
+            self.sm_any.store(any, Relaxed);
+            self.sm_seen_gen.store(gen, Relaxed);
+        }
+        self.sm_any.load(Relaxed)
     }
 
     #[inline]

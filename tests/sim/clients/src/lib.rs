@@ -6,6 +6,7 @@
 //! * `cuda-direct-app`: linked against `libcuda.so.1` at build time;
 //! * `cuda-dlsym-app`: `dlopen` + `dlsym` of each versioned symbol.
 
+pub mod accuracy;
 pub mod api;
 pub mod bench;
 pub mod scenario;

@@ -13,7 +13,7 @@ scenarios:
   alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|mipmap|host]
         [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
                                         allocate N bytes in chunks until done or refused
-  launch [--kernel NAME] [--count N | --seconds S] [--path kernel|ex|coop|graph|capture]
+  launch [--kernel NAME] [--count N | --seconds S [--sync-every K]] [--path kernel|ex|coop|graph|capture]
          [--nodes K] [--grid G] [--block B] [--duration-ns D] [--threads T]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns)
@@ -556,11 +556,14 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         let mut launches = 0u64;
         match seconds {
             Some(secs) => {
+                let every = o.num("sync-every", 1)?.max(1);
                 let end = std::time::Instant::now() + std::time::Duration::from_secs_f64(secs);
                 while std::time::Instant::now() < end {
                     ck(api, one(), "launch")?;
-                    ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
                     launches += 1;
+                    if launches % every == 0 {
+                        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+                    }
                 }
             }
             None => {

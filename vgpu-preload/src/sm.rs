@@ -1,0 +1,311 @@
+//! SM-time quotas: every launch path passes through [`admit`], which charges the container's shared
+//! budget (a token bucket in the region, in ns of GPU time) with the launch's estimated GPU time and
+//! sleeps while the budget is in debt. Estimates come from the GPU itself: one launch in
+//! `SAMPLE_EVERY` per kernel (and every kernel's first) is bracketed by events, read later without
+//! blocking, and the budget is corrected by the difference.
+#![allow(clippy::missing_safety_doc, clippy::too_many_arguments)]
+
+use crate::config::CorePolicy;
+use crate::real::{cuda_fns as f, driver};
+use crate::state::{state, State};
+use cuda_abi::*;
+use std::cell::RefCell;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering::*};
+
+/// Launches between two measured ones, per kernel.
+const SAMPLE_EVERY: u64 = 16;
+/// Charge for a kernel never measured yet.
+const FIRST_GUESS_NS: u64 = 100_000;
+/// Longest single sleep; the budget is re-read after each.
+const MAX_SLEEP_NS: u64 = 20_000_000;
+
+fn now_coarse() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer; the clock always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Per-process estimates of a kernel's (or graph's) GPU time, keyed by function or graph handle.
+struct Estimates {
+    slots: Box<[[AtomicU64; 3]]>,
+}
+
+impl Estimates {
+    fn new() -> Estimates {
+        Estimates { slots: (0..4096).map(|_| [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]).collect() }
+    }
+
+    /// (estimate ns or 0 when unknown, launch count before this one) for `key`.
+    #[inline]
+    fn next(&self, key: u64) -> (u64, u64) {
+        let mask = self.slots.len() - 1;
+        let h = ((key >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 52) as usize;
+        for i in 0..32 {
+            let s = &self.slots[(h + i) & mask];
+            let k = s[0].load(Acquire);
+            if k == key || (k == 0 && s[0].compare_exchange(0, key, AcqRel, Acquire).is_ok()) {
+                return (s[1].load(Relaxed), s[2].fetch_add(1, Relaxed));
+            }
+        }
+        (0, 0) // table full: every launch of this kernel is measured
+    }
+
+    /// Folds a measurement in: lower values are taken at once (a measurement can only be inflated by
+    /// waiting behind other work), higher ones by an eighth. Returns the new estimate.
+    fn learn(&self, key: u64, ns: u64) -> u64 {
+        let mask = self.slots.len() - 1;
+        let h = ((key >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 52) as usize;
+        for i in 0..32 {
+            let s = &self.slots[(h + i) & mask];
+            if s[0].load(Acquire) == key {
+                let old = s[1].load(Relaxed);
+                let new = (if old == 0 || ns < old { ns } else { old + (ns - old) / 8 }).max(1);
+                s[1].store(new, Relaxed);
+                return new;
+            }
+        }
+        ns
+    }
+}
+
+struct Sample {
+    key: u64,
+    dev: usize,
+    charged: u64,
+    start: CUevent,
+    end: CUevent,
+}
+
+thread_local! {
+    static PENDING: RefCell<Vec<Sample>> = const { RefCell::new(Vec::new()) };
+    static SPARE_EVENTS: RefCell<Vec<CUevent>> = const { RefCell::new(Vec::new()) };
+}
+
+fn estimates() -> &'static Estimates {
+    static E: std::sync::OnceLock<Estimates> = std::sync::OnceLock::new();
+    E.get_or_init(Estimates::new)
+}
+
+/// The SM percentage that applies to `dev` now, or None.
+#[inline]
+fn applies(st: &State, dev: usize) -> Option<u32> {
+    let pct = st.sm_limit(dev);
+    if pct == 0 || pct >= 100 {
+        return None;
+    }
+    match st.cfg.core_policy {
+        CorePolicy::Disable => None,
+        CorePolicy::Force => Some(pct),
+        // With an agent, only while another container shares the GPU; standalone, always.
+        CorePolicy::Default => match st.region.as_ref().and_then(|r| r.sm_shared(dev)) {
+            Some(false) => None,
+            _ => Some(pct),
+        },
+    }
+}
+
+fn event() -> Option<CUevent> {
+    if let Some(e) = SPARE_EVENTS.with(|s| s.borrow_mut().pop()) {
+        return Some(e);
+    }
+    let create = driver().helpers.cuEventCreate?;
+    let mut e = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local; default flags (timing enabled).
+    (unsafe { create(&mut e, 0) } == CUresult::SUCCESS).then_some(e)
+}
+
+/// Reads finished measurements without blocking and corrects the budget.
+fn collect(st: &State) {
+    let h = &driver().helpers;
+    let (Some(query), Some(elapsed)) = (h.cuEventQuery, h.cuEventElapsedTime) else { return };
+    PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        while let Some(s) = p.first() {
+            // SAFETY: events we created and recorded.
+            if unsafe { query(s.end) } != CUresult::SUCCESS {
+                break;
+            }
+            let mut ms = 0f32;
+            // SAFETY: as above; both recorded on the same stream.
+            let ok = unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
+            let s = p.remove(0);
+            if ok {
+                // The launch is charged what the updated estimate says, not the raw measurement,
+                // which includes any time spent queued behind other containers' work.
+                let ns = estimates().learn(s.key, (ms as f64 * 1e6) as u64);
+                if let Some(r) = st.region.as_ref() {
+                    r.sm_correct(s.dev, s.charged as i64 - ns as i64);
+                }
+            }
+            SPARE_EVENTS.with(|e| e.borrow_mut().extend([s.start, s.end]));
+        }
+    });
+}
+
+/// Admits one launch of `key` on `stream` (waiting while the budget is in debt), then runs `launch`.
+#[inline]
+fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
+    let st = state();
+    if !st.sm_any() {
+        return launch();
+    }
+    admit_limited(st, key, stream, launch)
+}
+
+fn admit_limited(st: &State, key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
+    let Ok((_, dev)) = st.current_dev() else { return launch() };
+    let (Some(pct), Some(region)) = (applies(st, dev), st.region.as_ref()) else { return launch() };
+    let (est, n) = estimates().next(key);
+    let sample = est == 0 || n % SAMPLE_EVERY == 0;
+    let cost = if est == 0 { FIRST_GUESS_NS } else { est };
+    let mut waited = 0;
+    loop {
+        match region.sm_admit(dev, pct, now_coarse(), cost) {
+            Ok(()) => break,
+            Err(wait) => {
+                // Measurements that finished while we wait may pay the debt back sooner.
+                collect(st);
+                let w = wait.min(MAX_SLEEP_NS);
+                std::thread::sleep(std::time::Duration::from_nanos(w));
+                waited += w;
+                if applies(st, dev).is_none() {
+                    break; // the limit was lifted meanwhile
+                }
+            }
+        }
+    }
+    if waited > 0 {
+        region.sm_note_wait(dev, waited);
+    }
+    let rec = driver().helpers.cuEventRecord;
+    let bracket = if sample { rec.and_then(|r| Some((r, event()?, event()?))) } else { None };
+    if let Some((r, e0, _)) = bracket {
+        // SAFETY: recording our own event on the caller's stream, before its launch.
+        unsafe { r(e0, stream) };
+    }
+    let res = launch();
+    if res != CUresult::SUCCESS {
+        region.sm_correct(dev, cost as i64);
+    }
+    if let Some((r, e0, e1)) = bracket {
+        // SAFETY: as above, after the launch.
+        if res == CUresult::SUCCESS && unsafe { r(e1, stream) } == CUresult::SUCCESS {
+            PENDING.with(|p| p.borrow_mut().push(Sample { key, dev, charged: cost, start: e0, end: e1 }));
+        } else {
+            SPARE_EVENTS.with(|e| e.borrow_mut().extend([e0, e1]));
+        }
+    }
+    if n % 4 == 0 {
+        collect(st);
+    }
+    res
+}
+
+/// The per-thread default stream, for entry points of the `_ptsz` family.
+fn ptsz(s: CUstream) -> CUstream {
+    if s.is_null() {
+        CU_STREAM_PER_THREAD as CUstream
+    } else {
+        s
+    }
+}
+
+pub unsafe fn launch_kernel(
+    real: f::cuLaunchKernel,
+    k: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    shm: u32,
+    s: CUstream,
+    p: *mut *mut c_void,
+    e: *mut *mut c_void,
+) -> CUresult {
+    admit(k as u64, s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
+}
+
+pub unsafe fn launch_kernel_ptsz(
+    real: f::cuLaunchKernel_ptsz,
+    k: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    shm: u32,
+    s: CUstream,
+    p: *mut *mut c_void,
+    e: *mut *mut c_void,
+) -> CUresult {
+    admit(k as u64, ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
+}
+
+pub unsafe fn launch_kernel_ex(
+    real: f::cuLaunchKernelEx,
+    c: *const CUlaunchConfig,
+    k: CUfunction,
+    p: *mut *mut c_void,
+    e: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: optional input pointer from the caller.
+    let s = unsafe { c.as_ref() }.map_or(std::ptr::null_mut(), |c| c.hStream);
+    admit(k as u64, s, || unsafe { real(c, k, p, e) })
+}
+
+pub unsafe fn launch_kernel_ex_ptsz(
+    real: f::cuLaunchKernelEx_ptsz,
+    c: *const CUlaunchConfig,
+    k: CUfunction,
+    p: *mut *mut c_void,
+    e: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: optional input pointer from the caller.
+    let s = unsafe { c.as_ref() }.map_or(std::ptr::null_mut(), |c| c.hStream);
+    admit(k as u64, ptsz(s), || unsafe { real(c, k, p, e) })
+}
+
+pub unsafe fn launch_cooperative(
+    real: f::cuLaunchCooperativeKernel,
+    k: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    shm: u32,
+    s: CUstream,
+    p: *mut *mut c_void,
+) -> CUresult {
+    admit(k as u64, s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
+}
+
+pub unsafe fn launch_cooperative_ptsz(
+    real: f::cuLaunchCooperativeKernel_ptsz,
+    k: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    shm: u32,
+    s: CUstream,
+    p: *mut *mut c_void,
+) -> CUresult {
+    admit(k as u64, ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
+}
+
+pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {
+    admit(g as u64, s, || unsafe { real(g, s) })
+}
+
+pub unsafe fn graph_launch_ptsz(real: f::cuGraphLaunch_ptsz, g: CUgraphExec, s: CUstream) -> CUresult {
+    admit(g as u64, ptsz(s), || unsafe { real(g, s) })
+}
