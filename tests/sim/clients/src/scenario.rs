@@ -561,7 +561,7 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
                 while std::time::Instant::now() < end {
                     ck(api, one(), "launch")?;
                     launches += 1;
-                    if launches % every == 0 {
+                    if launches.is_multiple_of(every) {
                         ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
                     }
                 }

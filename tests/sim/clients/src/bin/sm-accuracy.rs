@@ -42,13 +42,13 @@ fn main() {
     for &l in if quick { &[50u32][..] } else { &[10, 50, 90][..] } {
         scenarios.push((
             one(
-                format!("graphs of 10 x sleep_200us"),
+                "graphs of 10 x sleep_200us".to_string(),
                 vec![container(l, "sleep_200us", &["--path", "graph", "--nodes", "10"])],
             ),
             vec![l as f64],
         ));
         scenarios.push((
-            one(format!("cooperative sleep_1ms"), vec![container(l, "sleep_1ms", &["--path", "coop"])]),
+            one("cooperative sleep_1ms".to_string(), vec![container(l, "sleep_1ms", &["--path", "coop"])]),
             vec![l as f64],
         ));
     }
