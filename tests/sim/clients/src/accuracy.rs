@@ -89,16 +89,31 @@ impl Harness {
             r.set_sm_limit(0, pct).unwrap();
         }
         let pids: Vec<(usize, u32)> = kids.iter().map(|(c, k)| (*c, k.id())).collect();
-        for (_, mut k) in kids {
-            let _ = k.wait();
+        // The timeline is a ring: collect it while the clients run, so fast kernels are not lost.
+        let mut seen: [std::collections::BTreeMap<(u64, u32), u64>; 2] = Default::default();
+        let mut collect = |node: &Node| {
+            for (gpu, m) in seen.iter_mut().enumerate() {
+                let from = m.keys().next_back().map_or(start, |(s, _)| s.saturating_sub(50_000_000));
+                for (s, e, p) in node.kernels_since(gpu, from) {
+                    m.insert((s, p), e);
+                }
+            }
+        };
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            collect(&node);
+            if kids.iter_mut().all(|(_, k)| k.try_wait().ok().flatten().is_some()) {
+                break;
+            }
         }
+        collect(&node);
         let t0 = start + 1_000_000_000;
         let end = start + (sc.seconds * 1e9) as u64;
         let n = sc.containers.len();
         let mut overall = vec![vec![0.0; 2]; n];
         let mut windows = vec![vec![Vec::new(); 2]; n];
         for gpu in 0..2 {
-            let k = node.kernels_since(gpu, start);
+            let k: Vec<(u64, u64, u32)> = seen[gpu].iter().map(|((s, p), e)| (*s, *e, *p)).collect();
             let busy = |ci: usize, a: u64, b: u64| -> f64 {
                 let ours: Vec<u32> = pids.iter().filter(|(c, _)| *c == ci).map(|(_, p)| *p).collect();
                 let t: u64 = k

@@ -81,7 +81,7 @@ fn contained(c: &mut Command, lib: &Path, region: &Path) {
 
 fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     let region = std::env::temp_dir().join(format!("vgpu-bench-{}.region", std::process::id()));
-    let run = |pre: bool| -> serde_json::Value {
+    let run = |pre: bool, sm: bool| -> serde_json::Value {
         let mut c = Command::new(exe);
         c.arg("--json");
         if quick {
@@ -90,15 +90,19 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         if pre {
             contained(&mut c, lib, &region);
         }
+        if sm {
+            c.env("CUDA_DEVICE_SM_LIMIT", "99").env("CUDA_DEVICE_MEMORY_SHARED_CACHE", region.with_extension("sm"));
+        }
         let o = c.output().expect("run sim-bench");
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice(&o.stdout).expect("json")
     };
     let rounds = if quick { 3 } else { 5 };
-    let (mut bare, mut with) = (Vec::new(), Vec::new());
+    let (mut bare, mut with, mut limited) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
-        bare.push(run(false));
-        with.push(run(true));
+        bare.push(run(false, false));
+        with.push(run(true, false));
+        limited.push(run(true, true));
     }
     let m = |v: &[serde_json::Value], k: &str| median(v.iter().map(|x| x[k].as_f64().unwrap()).collect());
     println!("| measure | bare simulator | with libvgpu.so | added | budget |\n|---|---|---|---|---|");
@@ -110,6 +114,8 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         let (b, w) = (m(&bare, k), m(&with, k));
         println!("| {what} | {b:.0} | {w:.0} | {:+.0} | {budget} |", w - b);
     }
+    let (b, w) = (m(&bare, "launch_ns"), m(&limited, "launch_ns"));
+    println!("| cuLaunchKernel with an SM limit (99 %), budget available (ns) | {b:.0} | {w:.0} | {:+.0} | +30 ns |", w - b);
     let (b, w) = (m(&bare, "get_info_ns"), m(&with, "get_info_ns"));
     println!(
         "| cuMemGetInfo_v2 with a limit (ns, answered by libvgpu) | {b:.0} | {w:.0} | {:+.0} | 100 ns in total |",

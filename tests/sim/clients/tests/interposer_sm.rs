@@ -1,0 +1,68 @@
+//! SM-time quotas through libvgpu.so on the simulated GPU, measured from the simulator's kernel
+//! timeline. Short runs with tolerances that hold on a loaded 2-core machine; the full accuracy table
+//! is `sm-accuracy` (docs/benchmarks.md).
+
+mod common;
+use common::*;
+use std::path::Path;
+use vgpu_sim_clients::accuracy::{container, Harness, Scenario};
+
+fn harness() -> Harness {
+    Harness::new(Path::new(RT).parent().unwrap(), &libvgpu(), &lib_dir())
+}
+
+fn one(c: vgpu_sim_clients::accuracy::Container, seconds: f64) -> Scenario {
+    Scenario { name: String::new(), containers: vec![c], seconds, change: None }
+}
+
+#[test]
+fn a_limited_container_gets_its_share_on_every_launch_path() {
+    let h = harness();
+    for (i, (limit, kernel, extra)) in [
+        (30, "sleep_1ms", vec![]),
+        (20, "sleep_20ms", vec![]),
+        (50, "sleep_200us", vec!["--path", "graph", "--nodes", "10"]),
+        (40, "sleep_1ms", vec!["--path", "coop"]),
+        (40, "sleep_500us", vec!["--path", "ex", "--sync-every", "8"]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let o = h.run(&one(container(limit, kernel, &extra), 3.5), i);
+        let got = o.overall[0][0] * 100.0;
+        assert!((got - limit as f64).abs() <= 5.0, "{kernel} {extra:?} at {limit} %: achieved {got:.1} %");
+    }
+}
+
+#[test]
+fn two_containers_split_the_gpu_by_their_limits() {
+    let h = harness();
+    let sc = Scenario {
+        name: String::new(),
+        containers: vec![container(20, "sleep_1ms", &[]), container(60, "sleep_1ms", &[])],
+        seconds: 4.0,
+        change: None,
+    };
+    let o = h.run(&sc, 0);
+    let (a, b) = (o.overall[0][0], o.overall[1][0]);
+    let ratio = a / b;
+    assert!((ratio / (20.0 / 60.0) - 1.0).abs() <= 0.2, "20/60 achieved {:.1}/{:.1}", a * 100.0, b * 100.0);
+    assert!(b * 100.0 <= 65.0 && a * 100.0 <= 25.0);
+}
+
+#[test]
+fn a_lowered_limit_takes_effect_and_policy_disable_lifts_it() {
+    let h = harness();
+    let mut sc = one(container(60, "sleep_1ms", &[]), 5.0);
+    sc.change = Some((2.0, 20));
+    let o = h.run(&sc, 0);
+    let last = o.windows[0][0].last().copied().unwrap() * 100.0;
+    let first = o.windows[0][0][0] * 100.0;
+    assert!((first - 60.0).abs() <= 6.0, "before the change: {first:.1}");
+    assert!((last - 20.0).abs() <= 5.0, "settled at the new limit: {last:.1}");
+
+    let mut c = container(30, "sleep_1ms", &[]);
+    c.policy = Some("disable");
+    let o = h.run(&one(c, 2.5), 1);
+    assert!(o.overall[0][0] > 0.9, "policy disable: unlimited ({:.2})", o.overall[0][0]);
+}
