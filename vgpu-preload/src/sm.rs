@@ -28,45 +28,58 @@ fn now_coarse() -> u64 {
 }
 
 /// Per-process estimates of a kernel's (or graph's) GPU time, keyed by function or graph handle.
+///
+/// An estimate is the smallest of the kernel's last `WINDOW` measurements: a bracket of events can
+/// only be inflated (by queueing behind other work on the GPU), so the minimum of a few recent ones is
+/// close to the kernel's own time, while a kernel that really became slower is followed within
+/// `WINDOW` measurements.
 struct Estimates {
-    slots: Box<[[AtomicU64; 3]]>,
+    /// Per entry: key, launch count, estimate, next ring position, then the ring of measurements.
+    slots: Box<[[AtomicU64; 4 + WINDOW]]>,
 }
+
+const WINDOW: usize = 8;
 
 impl Estimates {
     fn new() -> Estimates {
-        Estimates { slots: (0..4096).map(|_| [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]).collect() }
+        Estimates { slots: (0..4096).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect() }
     }
 
-    /// (estimate ns or 0 when unknown, launch count before this one) for `key`.
     #[inline]
-    fn next(&self, key: u64) -> (u64, u64) {
+    fn entry(&self, key: u64, insert: bool) -> Option<&[AtomicU64; 4 + WINDOW]> {
         let mask = self.slots.len() - 1;
         let h = ((key >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 52) as usize;
         for i in 0..32 {
             let s = &self.slots[(h + i) & mask];
             let k = s[0].load(Acquire);
-            if k == key || (k == 0 && s[0].compare_exchange(0, key, AcqRel, Acquire).is_ok()) {
-                return (s[1].load(Relaxed), s[2].fetch_add(1, Relaxed));
+            if k == key || (insert && k == 0 && s[0].compare_exchange(0, key, AcqRel, Acquire).is_ok()) {
+                return Some(s);
+            }
+            if k == 0 {
+                return None;
             }
         }
-        (0, 0) // table full: every launch of this kernel is measured
+        None
     }
 
-    /// Folds a measurement in: lower values are taken at once (a measurement can only be inflated by
-    /// waiting behind other work), higher ones by an eighth. Returns the new estimate.
-    fn learn(&self, key: u64, ns: u64) -> u64 {
-        let mask = self.slots.len() - 1;
-        let h = ((key >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 52) as usize;
-        for i in 0..32 {
-            let s = &self.slots[(h + i) & mask];
-            if s[0].load(Acquire) == key {
-                let old = s[1].load(Relaxed);
-                let new = (if old == 0 || ns < old { ns } else { old + (ns - old) / 8 }).max(1);
-                s[1].store(new, Relaxed);
-                return new;
-            }
+    /// (estimate ns or 0 when unknown, launch count before this one) for `key`.
+    #[inline]
+    fn next(&self, key: u64) -> (u64, u64) {
+        match self.entry(key, true) {
+            Some(s) => (s[2].load(Relaxed), s[1].fetch_add(1, Relaxed)),
+            None => (0, 0), // table full: every launch of this kernel is measured
         }
-        ns
+    }
+
+    /// Folds a measurement in; returns the new estimate.
+    fn learn(&self, key: u64, ns: u64) -> u64 {
+        let ns = ns.max(1);
+        let Some(s) = self.entry(key, false) else { return ns };
+        let pos = s[3].fetch_add(1, Relaxed) as usize % WINDOW;
+        s[4 + pos].store(ns, Relaxed);
+        let est = s[4..].iter().map(|x| x.load(Relaxed)).filter(|&x| x > 0).min().unwrap_or(ns);
+        s[2].store(est, Relaxed);
+        est
     }
 }
 
@@ -133,7 +146,7 @@ fn collect(st: &State) {
             let s = p.remove(0);
             if ok {
                 // The launch is charged what the updated estimate says, not the raw measurement,
-                // which includes any time spent queued behind other containers' work.
+                // which includes any time spent queued behind other work.
                 let ns = estimates().learn(s.key, (ms as f64 * 1e6) as u64);
                 if let Some(r) = st.region.as_ref() {
                     r.sm_correct(s.dev, s.charged as i64 - ns as i64);

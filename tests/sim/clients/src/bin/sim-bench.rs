@@ -115,7 +115,10 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         println!("| {what} | {b:.0} | {w:.0} | {:+.0} | {budget} |", w - b);
     }
     let (b, w) = (m(&bare, "launch_ns"), m(&limited, "launch_ns"));
-    println!("| cuLaunchKernel with an SM limit (99 %), budget available (ns) | {b:.0} | {w:.0} | {:+.0} | +30 ns |", w - b);
+    println!(
+        "| cuLaunchKernel with an SM limit (99 %), budget available (ns) | {b:.0} | {w:.0} | {:+.0} | +30 ns |",
+        w - b
+    );
     let (b, w) = (m(&bare, "get_info_ns"), m(&with, "get_info_ns"));
     println!(
         "| cuMemGetInfo_v2 with a limit (ns, answered by libvgpu) | {b:.0} | {w:.0} | {:+.0} | 100 ns in total |",
