@@ -57,7 +57,8 @@ pub struct Device {
     /// Bit 0: the GPU is shared with another container (set by the agent; the default policy limits
     /// only then). Bit 1: the agent manages this flag.
     pub sm_flags: AtomicU64,
-    /// Totals for observability: GPU time charged, time launches waited, launches that waited.
+    /// Totals for observability: GPU time measured by samples, time launches waited, launches that
+    /// waited.
     pub sm_charged_ns: AtomicU64,
     pub sm_throttled_ns: AtomicU64,
     pub sm_throttled_launches: AtomicU64,

@@ -372,9 +372,21 @@ impl Region {
 /// refilled by wall time at `pct` percent (times the agent's correction), capped at `burst_ns`, and
 /// allowed to go into debt so that one long kernel is paid for by the launches after it.
 impl Region {
+    /// Charges `cost_ns` if the budget is positive, without looking at the clock. The budget is only
+    /// ever refilled when it runs out ([`sm_admit`](Self::sm_admit)): refilling later loses nothing,
+    /// since what a refill adds depends only on the time since the last one.
+    #[inline]
+    pub fn sm_try_charge(&self, dev: usize, cost_ns: u64) -> bool {
+        let d = &self.map.devices[dev];
+        if d.sm_tokens.load(Acquire) > 0 {
+            d.sm_tokens.fetch_sub(cost_ns as i64, AcqRel);
+            return true;
+        }
+        false
+    }
+
     /// Refills the budget up to `now_ns` and, if it is positive, charges `cost_ns`. When the budget is
     /// in debt, returns how long to wait (ns) before trying again.
-    #[inline]
     pub fn sm_admit(&self, dev: usize, pct: u32, now_ns: u64, cost_ns: u64) -> std::result::Result<(), u64> {
         let d = &self.map.devices[dev];
         let ppm = match d.sm_rate_ppm.load(Relaxed) {
@@ -384,7 +396,7 @@ impl Region {
         // GPU ns earned per wall ns, in parts per 10^8.
         let rate = (pct.clamp(1, 100) as u64 * ppm) as i64;
         let last = d.sm_refilled_to.load(Acquire);
-        if now_ns > last + 100_000 && d.sm_refilled_to.compare_exchange(last, now_ns, AcqRel, Relaxed).is_ok() {
+        if now_ns > last && d.sm_refilled_to.compare_exchange(last, now_ns, AcqRel, Relaxed).is_ok() {
             let burst = SM_BURST_WALL_NS as i64 * rate / 100_000_000;
             let earned = if last == 0 { burst } else { ((now_ns - last) as i128 * rate as i128 / 100_000_000) as i64 };
             let t = d.sm_tokens.fetch_add(earned, AcqRel) + earned;
@@ -398,15 +410,15 @@ impl Region {
             return Err(wait.max(100_000));
         }
         d.sm_tokens.fetch_sub(cost_ns as i64, AcqRel);
-        d.sm_charged_ns.fetch_add(cost_ns, Relaxed);
         Ok(())
     }
 
-    /// Corrects the budget once a launch's real GPU time is known (`delta` = charged - measured).
-    pub fn sm_correct(&self, dev: usize, delta_ns: i64) {
+    /// Corrects the budget once a launch's GPU time is known (`delta` = charged - measured), and
+    /// accounts the measured time.
+    pub fn sm_correct(&self, dev: usize, delta_ns: i64, measured_ns: u64) {
         let d = &self.map.devices[dev];
         d.sm_tokens.fetch_add(delta_ns, AcqRel);
-        d.sm_charged_ns.fetch_add(delta_ns.wrapping_neg() as u64, Relaxed);
+        d.sm_charged_ns.fetch_add(measured_ns, Relaxed);
     }
 
     /// Records a throttled launch that waited `ns`.

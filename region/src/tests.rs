@@ -167,7 +167,7 @@ fn sm_budget_refills_caps_and_carries_debt() {
     assert_eq!(r.sm_admit(0, 10, t0 + 10_000_000_000, 200_000), Ok(()), "2 ms banked, 1.9 ms spent: 0.1 ms left");
     assert!(r.sm_admit(0, 10, t0 + 10_000_000_000, 1).is_err(), "0.1 ms of debt");
     // Corrections move the budget.
-    r.sm_correct(0, 5_000_000);
+    r.sm_correct(0, 5_000_000, 0);
     assert_eq!(r.sm_admit(0, 10, t0 + 10_000_000_000, 1), Ok(()));
     std::fs::remove_file(p).ok();
 }

@@ -74,6 +74,7 @@ macro_rules! cuda_helpers {
     ($m:ident) => {
         $m! {
             cuCtxGetDevice(dev: *mut CUdevice);
+            cuDeviceGetCount(n: *mut i32);
             cuDeviceGet(dev: *mut CUdevice, ordinal: i32);
             cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);
             cuMemGetAllocationGranularity(g: *mut usize, prop: *const CUmemAllocationProp, option: i32);

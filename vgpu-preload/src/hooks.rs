@@ -40,6 +40,18 @@ mod exports {
             // SAFETY: forwarding the caller's arguments unchanged to the real entry point.
             unsafe { $real($($a),*) }
         };
+        // Launches go straight to the driver unless an SM limit is configured for the container. The
+        // SM path cannot panic on its fast path and guards its slow path itself (see `sm`), so it
+        // runs without the entry guard.
+        (sm :: $f:ident, $real:ident, $($a:ident),*) => {
+            if crate::sm::engaged() {
+                // SAFETY: the policy receives the caller's arguments and the real entry point.
+                unsafe { crate::sm::$f($real, $($a),*) }
+            } else {
+                // SAFETY: as for `pass`.
+                unsafe { $real($($a),*) }
+            }
+        };
         ($p:path, $real:ident, $($a:ident),*) => {
             // SAFETY: the policy receives the caller's arguments and the real entry point.
             crate::guard::run(|| unsafe { $p($real, $($a),*) }, CUresult::UNKNOWN)

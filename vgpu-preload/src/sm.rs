@@ -9,12 +9,15 @@ use crate::config::CorePolicy;
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
 use cuda_abi::*;
-use std::cell::RefCell;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering::*};
+use std::sync::Mutex;
 
-/// Launches between two measured ones, per kernel.
-const SAMPLE_EVERY: u64 = 16;
+/// One launch in this many of each kernel is measured (and its first): often at first, then less, as
+/// the estimate settles.
+const SAMPLE_EVERY_EARLY: u64 = 16;
+const SAMPLE_EVERY: u64 = 128;
+const EARLY_LAUNCHES: u64 = 1024;
 /// Charge for a kernel never measured yet.
 const FIRST_GUESS_NS: u64 = 100_000;
 /// Longest single sleep; the budget is re-read after each.
@@ -62,13 +65,12 @@ impl Estimates {
         None
     }
 
-    /// (estimate ns or 0 when unknown, launch count before this one) for `key`.
+    /// (estimate in ns, 0 when unknown; launch count of this kernel before this one). A full table
+    /// measures every launch of the kernels it cannot hold.
     #[inline]
-    fn next(&self, key: u64) -> (u64, u64) {
-        match self.entry(key, true) {
-            Some(s) => (s[2].load(Relaxed), s[1].fetch_add(1, Relaxed)),
-            None => (0, 0), // table full: every launch of this kernel is measured
-        }
+    fn get(&self, key: u64) -> (u64, u64) {
+        let Some(s) = self.entry(key, true) else { return (0, 0) };
+        (s[2].load(Relaxed), s[1].fetch_add(1, Relaxed))
     }
 
     /// Folds a measurement in; returns the new estimate.
@@ -84,6 +86,8 @@ impl Estimates {
 }
 
 struct Sample {
+    // Event handles are plain pointers owned by this module; samples move between threads only
+    // under the PENDING lock.
     key: u64,
     dev: usize,
     charged: u64,
@@ -91,10 +95,15 @@ struct Sample {
     end: CUevent,
 }
 
-thread_local! {
-    static PENDING: RefCell<Vec<Sample>> = const { RefCell::new(Vec::new()) };
-    static SPARE_EVENTS: RefCell<Vec<CUevent>> = const { RefCell::new(Vec::new()) };
-}
+// SAFETY: a Sample holds event handles created by this process; CUDA events may be queried and
+// destroyed from any thread, and samples only move between threads under the PENDING lock.
+unsafe impl Send for Sample {}
+
+/// Measurements in flight (process-wide; touched only by measured launches and collections).
+static PENDING: Mutex<Vec<Sample>> = Mutex::new(Vec::new());
+static PENDING_N: AtomicU64 = AtomicU64::new(0);
+/// Events ready for reuse (as addresses).
+static SPARE_EVENTS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
 fn estimates() -> &'static Estimates {
     static E: std::sync::OnceLock<Estimates> = std::sync::OnceLock::new();
@@ -120,8 +129,8 @@ fn applies(st: &State, dev: usize) -> Option<u32> {
 }
 
 fn event() -> Option<CUevent> {
-    if let Some(e) = SPARE_EVENTS.with(|s| s.borrow_mut().pop()) {
-        return Some(e);
+    if let Some(e) = SPARE_EVENTS.lock().ok().and_then(|mut s| s.pop()) {
+        return Some(e as CUevent);
     }
     let create = driver().helpers.cuEventCreate?;
     let mut e = std::ptr::null_mut();
@@ -129,89 +138,155 @@ fn event() -> Option<CUevent> {
     (unsafe { create(&mut e, 0) } == CUresult::SUCCESS).then_some(e)
 }
 
+fn spare(events: [CUevent; 2]) {
+    if let Ok(mut s) = SPARE_EVENTS.lock() {
+        s.extend(events.map(|e| e as usize));
+    }
+}
+
 /// Reads finished measurements without blocking and corrects the budget.
 fn collect(st: &State) {
     let h = &driver().helpers;
     let (Some(query), Some(elapsed)) = (h.cuEventQuery, h.cuEventElapsedTime) else { return };
-    PENDING.with(|p| {
-        let mut p = p.borrow_mut();
-        while let Some(s) = p.first() {
-            // SAFETY: events we created and recorded.
-            if unsafe { query(s.end) } != CUresult::SUCCESS {
-                break;
-            }
-            let mut ms = 0f32;
-            // SAFETY: as above; both recorded on the same stream.
-            let ok = unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
-            let s = p.remove(0);
-            if ok {
-                // The launch is charged what the updated estimate says, not the raw measurement,
-                // which includes any time spent queued behind other work.
-                let ns = estimates().learn(s.key, (ms as f64 * 1e6) as u64);
-                if let Some(r) = st.region.as_ref() {
-                    r.sm_correct(s.dev, s.charged as i64 - ns as i64);
-                }
-            }
-            SPARE_EVENTS.with(|e| e.borrow_mut().extend([s.start, s.end]));
+    let Ok(mut p) = PENDING.try_lock() else { return };
+    let mut i = 0;
+    while i < p.len() {
+        let s = &p[i];
+        // SAFETY: events we created and recorded.
+        if unsafe { query(s.end) } != CUresult::SUCCESS {
+            i += 1;
+            continue;
         }
-    });
+        let mut ms = 0f32;
+        // SAFETY: as above; both recorded on the same stream.
+        let ok = unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
+        let s = p.swap_remove(i);
+        PENDING_N.fetch_sub(1, Relaxed);
+        if ok {
+            // The launch is charged what the updated estimate says, not the raw measurement,
+            // which includes any time spent queued behind other work.
+            let ns = estimates().learn(s.key, (ms as f64 * 1e6) as u64);
+            if let Some(r) = st.region.as_ref() {
+                r.sm_correct(s.dev, s.charged as i64 - ns as i64, ns);
+            }
+        }
+        spare([s.start, s.end]);
+    }
+}
+
+static GEN: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
+static SEEN: AtomicU64 = AtomicU64::new(u64::MAX);
+static ANY: AtomicBool = AtomicBool::new(false);
+
+/// Whether any device of the container has an SM limit; the launch hooks skip everything else when
+/// not. Cached process-wide and re-evaluated only when the limits' generation changes, so the
+/// common answer costs two loads.
+#[inline]
+pub fn engaged() -> bool {
+    let g = GEN.load(Acquire);
+    // SAFETY: GEN only ever holds a pointer into the region mapping, which is never unmapped.
+    if !g.is_null() && unsafe { &*g }.load(Relaxed) == SEEN.load(Relaxed) {
+        return ANY.load(Relaxed);
+    }
+    engaged_slow()
+}
+
+#[cold]
+fn engaged_slow() -> bool {
+    let st = state();
+    let any = st.sm_any();
+    if let Some(g) = st.limits_generation() {
+        ANY.store(any, Relaxed);
+        SEEN.store(g.load(Acquire), Relaxed);
+        GEN.store(g as *const AtomicU64 as *mut AtomicU64, Release);
+    }
+    any
 }
 
 /// Admits one launch of `key` on `stream` (waiting while the budget is in debt), then runs `launch`.
 #[inline]
 fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
     let st = state();
-    if !st.sm_any() {
-        return launch();
-    }
-    admit_limited(st, key, stream, launch)
-}
-
-fn admit_limited(st: &State, key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
-    let Ok((_, dev)) = st.current_dev() else { return launch() };
+    let Ok(dev) = st.launch_dev() else { return launch() };
     let (Some(pct), Some(region)) = (applies(st, dev), st.region.as_ref()) else { return launch() };
-    let (est, n) = estimates().next(key);
-    let sample = est == 0 || n % SAMPLE_EVERY == 0;
+    let (est, n) = estimates().get(key);
+    let every = if n < EARLY_LAUNCHES { SAMPLE_EVERY_EARLY } else { SAMPLE_EVERY };
+    let sample = est == 0 || n % every == 0;
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
-    let mut waited = 0;
-    loop {
-        match region.sm_admit(dev, pct, now_coarse(), cost) {
-            Ok(()) => break,
-            Err(wait) => {
-                // Measurements that finished while we wait may pay the debt back sooner.
-                collect(st);
-                let w = wait.min(MAX_SLEEP_NS);
-                std::thread::sleep(std::time::Duration::from_nanos(w));
-                waited += w;
-                if applies(st, dev).is_none() {
-                    break; // the limit was lifted meanwhile
-                }
-            }
+    if !region.sm_try_charge(dev, cost) {
+        // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| throttle(st, region, dev, pct, cost))).is_err() {
+            crate::log::vlog!(crate::log::ERROR, "internal error while throttling; launching unthrottled");
         }
     }
-    if waited > 0 {
-        region.sm_note_wait(dev, waited);
+    let res = if sample {
+        let mut res = CUresult::UNKNOWN;
+        let mut launch = Some(launch);
+        let measured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            res = measure(region, key, dev, cost, stream, launch.take().unwrap());
+        }));
+        match (measured, launch) {
+            (Err(_), Some(l)) => l(),
+            _ => res,
+        }
+    } else {
+        let res = launch();
+        if res != CUresult::SUCCESS {
+            region.sm_correct(dev, cost as i64, 0);
+        }
+        res
+    };
+    if (sample || n % SAMPLE_EVERY_EARLY == SAMPLE_EVERY_EARLY / 2) && PENDING_N.load(Relaxed) > 0 {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| collect(st)));
     }
+    res
+}
+
+/// Waits (sleeping) until the budget admits a launch of `cost`.
+fn throttle(st: &State, region: &vgpu_region::Region, dev: usize, pct: u32, cost: u64) {
+    let mut waited = 0;
+    while let Err(wait) = region.sm_admit(dev, pct, now_coarse(), cost) {
+        // Measurements that finished while we wait may pay the debt back sooner.
+        collect(st);
+        let w = wait.min(MAX_SLEEP_NS);
+        std::thread::sleep(std::time::Duration::from_nanos(w));
+        waited += w;
+        if applies(st, dev).is_none() {
+            break; // the limit was lifted meanwhile
+        }
+    }
+    region.sm_note_wait(dev, waited);
+}
+
+/// Runs `launch` between two events and queues the measurement.
+fn measure(
+    region: &vgpu_region::Region,
+    key: u64,
+    dev: usize,
+    cost: u64,
+    stream: CUstream,
+    launch: impl FnOnce() -> CUresult,
+) -> CUresult {
     let rec = driver().helpers.cuEventRecord;
-    let bracket = if sample { rec.and_then(|r| Some((r, event()?, event()?))) } else { None };
+    let bracket = rec.and_then(|r| Some((r, event()?, event()?)));
     if let Some((r, e0, _)) = bracket {
         // SAFETY: recording our own event on the caller's stream, before its launch.
         unsafe { r(e0, stream) };
     }
     let res = launch();
     if res != CUresult::SUCCESS {
-        region.sm_correct(dev, cost as i64);
+        region.sm_correct(dev, cost as i64, 0);
     }
     if let Some((r, e0, e1)) = bracket {
         // SAFETY: as above, after the launch.
         if res == CUresult::SUCCESS && unsafe { r(e1, stream) } == CUresult::SUCCESS {
-            PENDING.with(|p| p.borrow_mut().push(Sample { key, dev, charged: cost, start: e0, end: e1 }));
+            if let Ok(mut p) = PENDING.lock() {
+                p.push(Sample { key, dev, charged: cost, start: e0, end: e1 });
+                PENDING_N.fetch_add(1, Relaxed);
+            }
         } else {
-            SPARE_EVENTS.with(|e| e.borrow_mut().extend([e0, e1]));
+            spare([e0, e1]);
         }
-    }
-    if n % 4 == 0 {
-        collect(st);
     }
     res
 }

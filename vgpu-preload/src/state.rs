@@ -31,6 +31,8 @@ pub struct State {
     pub primary_lock: Mutex<()>,
     sm_any: AtomicBool,
     sm_seen_gen: AtomicU64,
+    /// The region device, when the process sees exactly one CUDA device (-1 otherwise).
+    only_dev: AtomicI32,
     /// Device pointers -> (device, bytes).
     pub ptrs: PtrMap,
     /// VMM handles, arrays, explicit contexts -> (device, bytes).
@@ -116,6 +118,7 @@ impl State {
             primary_lock: Mutex::new(()),
             sm_any: AtomicBool::new(false),
             sm_seen_gen: AtomicU64::new(0),
+            only_dev: AtomicI32::new(-1),
             ptrs: PtrMap::new(16),
             handles: PtrMap::new(12),
             cfg,
@@ -163,7 +166,6 @@ impl State {
     }
 
     /// Whether any device of the container has an SM limit (re-read when the limits change).
-    #[inline]
     pub fn sm_any(&self) -> bool {
         let Some(l) = self.limits else { return false };
         let gen = l.header.limits_generation.load(Acquire) + 1;
@@ -174,6 +176,11 @@ impl State {
             self.sm_seen_gen.store(gen, Relaxed);
         }
         self.sm_any.load(Relaxed)
+    }
+
+    /// The limits' generation counter (for callers that cache what depends on the limits).
+    pub fn limits_generation(&self) -> Option<&'static AtomicU64> {
+        self.limits.map(|l| &l.header.limits_generation)
     }
 
     #[inline]
@@ -203,6 +210,16 @@ impl State {
             return Err(r);
         }
         Ok((o, self.dev_of(o)?))
+    }
+
+    /// The device a launch runs on: without asking the driver when the process sees one device.
+    #[inline]
+    pub fn launch_dev(&self) -> Result<usize, CUresult> {
+        let d = self.only_dev.load(Relaxed);
+        if d >= 0 {
+            return Ok(d as usize);
+        }
+        self.current_dev().map(|(_, d)| d)
     }
 
     #[cold]
@@ -241,6 +258,13 @@ impl State {
             }
         }
         vlog!(INFO, "CUDA device {ordinal} ({uuid}) is container device {d}, limit {} bytes", self.mem_limit(d));
+        if let Some(count) = h.cuDeviceGetCount {
+            let mut n = 0;
+            // SAFETY: out-pointer to a local.
+            if unsafe { count(&mut n) } == CUresult::SUCCESS && n == 1 {
+                self.only_dev.store(d as i32, Relaxed);
+            }
+        }
         self.devmap[ordinal].store(d as i32, Release);
         Ok(d)
     }
