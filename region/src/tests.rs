@@ -171,3 +171,17 @@ fn sm_budget_refills_caps_and_carries_debt() {
     assert_eq!(r.sm_admit(0, 10, t0 + 10_000_000_000, 1), Ok(()));
     std::fs::remove_file(p).ok();
 }
+
+#[test]
+fn sm_rate_correction_scales_the_refill() {
+    let p = tmp("smrate");
+    let r = Region::open_or_create(&p, init(0)).unwrap();
+    let t0 = 1_000_000_000;
+    r.sm_admit(0, 50, t0, 10_000_000).unwrap(); // burst 10 ms, 10 ms spent
+    r.layout().devices[0].sm_rate_ppm.store(500_000, Relaxed); // the agent measured twice the share
+                                                               // 10 ms of wall time now earns 2.5 ms instead of 5 ms.
+    assert!(r.sm_admit(0, 50, t0 + 10_000_000, 1).is_ok());
+    let t = r.layout().devices[0].sm_tokens.load(Relaxed);
+    assert!((2_400_000..=2_600_000).contains(&t), "{t}");
+    std::fs::remove_file(p).ok();
+}

@@ -51,6 +51,7 @@ macro_rules! cuda_hooks {
             cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ex_ptsz;
             cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative;
             cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative_ptsz;
+            cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: u32, flags: u32) => sm::launch_cooperative_multi;
             cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => sm::graph_launch;
             cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch_ptsz;
         }

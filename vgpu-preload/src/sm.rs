@@ -390,6 +390,19 @@ pub unsafe fn launch_cooperative_ptsz(
     admit(k as u64, ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
 }
 
+/// The multi-device cooperative launch is charged as one launch of its first kernel on the current
+/// device (the form is deprecated; every device's kernel runs the same time in a cooperative launch).
+pub unsafe fn launch_cooperative_multi(
+    real: f::cuLaunchCooperativeKernelMultiDevice,
+    list: *mut CUDA_LAUNCH_PARAMS,
+    n: u32,
+    flags: u32,
+) -> CUresult {
+    // SAFETY: optional input pointer from the caller.
+    let Some(first) = (unsafe { list.as_ref() }) else { return unsafe { real(list, n, flags) } };
+    admit(first.function as u64, first.hStream, || unsafe { real(list, n, flags) })
+}
+
 pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {
     admit(g as u64, s, || unsafe { real(g, s) })
 }
