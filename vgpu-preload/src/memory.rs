@@ -52,17 +52,25 @@ macro_rules! tri {
 
 // ----- linear memory -----
 
-pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+/// The common shape of a linear allocator: charge `size` on the current device, call the driver,
+/// remember the pointer it wrote to `dptr`. `counted` false (or a NULL `dptr`, or size 0) forwards.
+#[inline]
+unsafe fn linear(dptr: *mut CUdeviceptr, size: usize, counted: bool, call: impl Fn() -> CUresult) -> CUresult {
     let st = state();
-    if dptr.is_null() || size == 0 {
-        return unsafe { real(dptr, size) };
+    if dptr.is_null() || size == 0 || !counted {
+        return call();
     }
     let (_, d) = tri!(current(st));
-    let r = charged(st, d, size as u64, || unsafe { real(dptr, size) });
+    let r = charged(st, d, size as u64, &call);
     if r == OK {
+        // SAFETY: the driver just wrote the new pointer through dptr.
         st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
     }
     r
+}
+
+pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    unsafe { linear(dptr, size, true, || real(dptr, size)) }
 }
 
 pub unsafe fn alloc_v1(real: f::cuMemAlloc, dptr: *mut u32, size: u32) -> CUresult {
@@ -79,16 +87,7 @@ pub unsafe fn alloc_v1(real: f::cuMemAlloc, dptr: *mut u32, size: u32) -> CUresu
 }
 
 pub unsafe fn alloc_managed(real: f::cuMemAllocManaged, dptr: *mut CUdeviceptr, size: usize, flags: u32) -> CUresult {
-    let st = state();
-    if dptr.is_null() || size == 0 || !st.cfg.count_managed {
-        return unsafe { real(dptr, size, flags) };
-    }
-    let (_, d) = tri!(current(st));
-    let r = charged(st, d, size as u64, || unsafe { real(dptr, size, flags) });
-    if r == OK {
-        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
-    }
-    r
+    unsafe { linear(dptr, size, state().cfg.count_managed, || real(dptr, size, flags)) }
 }
 
 /// Pitched allocations reserve an estimate (rows padded to 512 bytes), then settle on the real size.
@@ -143,8 +142,9 @@ fn settle(st: &State, d: usize, estimate: u64, actual: u64, undo: impl FnOnce())
     Some(actual)
 }
 
-pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
-    let r = unsafe { real(dptr) };
+/// After a successful free, releases exactly what the allocation charged.
+#[inline]
+fn freed(r: CUresult, dptr: CUdeviceptr) -> CUresult {
     if r == OK && dptr != 0 {
         let st = state();
         if let Some((d, b)) = st.ptrs.remove(dptr).map(unpack) {
@@ -154,30 +154,18 @@ pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
     r
 }
 
+pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
+    freed(unsafe { real(dptr) }, dptr)
+}
+
 pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
-    let r = unsafe { real(dptr) };
-    if r == OK && dptr != 0 {
-        let st = state();
-        if let Some((d, b)) = st.ptrs.remove(dptr as u64).map(unpack) {
-            st.release(d, b);
-        }
-    }
-    r
+    freed(unsafe { real(dptr) }, dptr as u64)
 }
 
 // ----- stream-ordered allocator: charged at the requested size when allocated -----
 
 pub unsafe fn alloc_async(real: f::cuMemAllocAsync, dptr: *mut CUdeviceptr, size: usize, s: CUstream) -> CUresult {
-    let st = state();
-    if dptr.is_null() || size == 0 {
-        return unsafe { real(dptr, size, s) };
-    }
-    let (_, d) = tri!(current(st));
-    let r = charged(st, d, size as u64, || unsafe { real(dptr, size, s) });
-    if r == OK {
-        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
-    }
-    r
+    unsafe { linear(dptr, size, true, || real(dptr, size, s)) }
 }
 
 pub unsafe fn alloc_from_pool(
@@ -187,27 +175,11 @@ pub unsafe fn alloc_from_pool(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
-    let st = state();
-    if dptr.is_null() || size == 0 {
-        return unsafe { real(dptr, size, pool, s) };
-    }
-    let (_, d) = tri!(current(st));
-    let r = charged(st, d, size as u64, || unsafe { real(dptr, size, pool, s) });
-    if r == OK {
-        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
-    }
-    r
+    unsafe { linear(dptr, size, true, || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {
-    let r = unsafe { real(dptr, s) };
-    if r == OK && dptr != 0 {
-        let st = state();
-        if let Some((d, b)) = st.ptrs.remove(dptr).map(unpack) {
-            st.release(d, b);
-        }
-    }
-    r
+    freed(unsafe { real(dptr, s) }, dptr)
 }
 
 // ----- VMM: the physical handle is charged, rounded up to the allocation granularity -----
