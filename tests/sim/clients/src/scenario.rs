@@ -25,6 +25,8 @@ scenarios:
   fork-child [--size N] [--child-secs S]
                                         allocate, then fork a child that touches the driver and
                                         sleeps; the parent reports after the child exits
+  exec-self [--size N]                  allocate, then exec this program to hold a context (same PID,
+                                        new image)
   contexts [--size N]                   an explicit context: allocate in it, destroy it, and
                                         report memory before, during and after
   procaddr NAME...                      which entry point cuGetProcAddress_v2 returns for each base
@@ -142,6 +144,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "contexts" => contexts(api, dev, &o),
         "watch" => watch(api, dev, &o),
         "fork-child" => fork_child(api, dev, &o),
+        "exec-self" => exec_self(api, dev, &o),
         "hold" => {
             setup(api, dev)?;
             emit(json!({"event": "ready", "pid": std::process::id(), "mem_info": mem_info(api)}));
@@ -666,6 +669,22 @@ fn fork_child(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     unsafe { libc::waitpid(child, &mut status, 0) };
     emit(json!({"event": "parent-after", "mem_info": mem_info(api)}));
     Ok(())
+}
+
+fn exec_self(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let size = o.num("size", 64 << 20)? as usize;
+    let mut p = 0;
+    // SAFETY: out-pointer to a local.
+    unsafe { ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")? };
+    emit(json!({"event": "before-exec", "pid": std::process::id(), "mem_info": mem_info(api)}));
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let err = std::os::unix::process::CommandExt::exec(std::process::Command::new(exe).args([
+        "hold",
+        "--device",
+        &dev.to_string(),
+    ]));
+    Err(format!("exec: {err}"))
 }
 
 fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {

@@ -290,6 +290,28 @@ fn slots_never_move_and_forked_children_get_their_own() {
     let (d, _) = s.spawn_cmd(s.limited(RT, LIMIT), &["alloc", "--size", "10m", "--hold"]);
     assert_eq!(r.slots().iter().find(|x| x.1 == d).unwrap().0, sb, "the dead slot is reused");
 
+    // exec: the new image (same PID) claims a new slot; what the old image held is reclaimed.
+    let mut c = s.limited(RT, LIMIT);
+    c.args(["exec-self", "--size", "200m"]).stdout(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    use std::io::BufRead;
+    out.read_line(&mut line).unwrap();
+    let before: Value = serde_json::from_str(&line).unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    let after: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(after["event"], "ready");
+    assert_eq!(after["pid"], before["pid"], "same process");
+    r.reap();
+    let pid = child.id();
+    let mine: Vec<_> = r.slots().into_iter().filter(|x| x.1 == pid).collect();
+    assert_eq!(mine.len(), 1, "one live slot for the PID: {mine:?}");
+    assert_eq!(mine[0].3[0], 64 * MIB, "the new image holds its context only; the 200m went with the old image");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
     // fork: the child claims a slot of its own; the parent's stays and keeps its usage.
     let child = s
         .limited(DLSYM, LIMIT)
