@@ -1,0 +1,180 @@
+//! Agent configuration: a TOML file, then environment (`VGPU_AGENT_*`), then command-line flags, each
+//! overriding the one before; validated once, with messages that name the file, key and problem.
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    state_dir: Option<PathBuf>,
+    socket: Option<PathBuf>,
+    nvml_library: Option<PathBuf>,
+    monitor_interval_ms: Option<u64>,
+    log_format: Option<String>,
+    escape_action: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// What the agent does with a process that escapes its quota.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EscapeAction {
+    Report,
+    Kill,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    /// NVML library to load; None: the system's `libnvidia-ml.so.1`.
+    pub nvml_library: Option<PathBuf>,
+    pub monitor_interval_ms: u64,
+    pub log_format: LogFormat,
+    pub escape_action: EscapeAction,
+}
+
+/// Overrides from the command line.
+#[derive(Clone, Debug, Default)]
+pub struct Flags {
+    pub config: Option<PathBuf>,
+    pub state_dir: Option<PathBuf>,
+    pub nvml_library: Option<PathBuf>,
+}
+
+#[derive(Debug)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/vgpu/agent.toml";
+
+impl Config {
+    /// Loads the configuration: `flags.config` (or `VGPU_AGENT_CONFIG`, or the default path if it
+    /// exists), then the environment, then the flags.
+    pub fn load(flags: &Flags, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let path = flags.config.clone().or_else(|| env("VGPU_AGENT_CONFIG").map(PathBuf::from));
+        let file = match &path {
+            Some(p) => Self::read(p)?,
+            None if Path::new(DEFAULT_CONFIG_PATH).exists() => Self::read(Path::new(DEFAULT_CONFIG_PATH))?,
+            None => FileConfig::default(),
+        };
+        let where_ = path.as_ref().map_or("configuration".to_string(), |p| p.display().to_string());
+        let bad = |key: &str, msg: String| ConfigError(format!("{where_}: {key}: {msg}"));
+
+        let state_dir = flags
+            .state_dir
+            .clone()
+            .or_else(|| env("VGPU_AGENT_STATE_DIR").map(PathBuf::from))
+            .or(file.state_dir)
+            .unwrap_or_else(|| PathBuf::from("/var/lib/vgpu"));
+        let socket = env("VGPU_AGENT_SOCKET")
+            .map(PathBuf::from)
+            .or(file.socket)
+            .unwrap_or_else(|| PathBuf::from("/run/vgpu/agent.sock"));
+        for (k, p) in [("state_dir", &state_dir), ("socket", &socket)] {
+            if !p.is_absolute() {
+                return Err(bad(k, format!("{} is not an absolute path", p.display())));
+            }
+        }
+        let nvml_library = flags
+            .nvml_library
+            .clone()
+            .or_else(|| env("VGPU_AGENT_NVML_LIBRARY").map(PathBuf::from))
+            .or(file.nvml_library);
+        let monitor_interval_ms = match env("VGPU_AGENT_MONITOR_INTERVAL_MS") {
+            Some(v) => v.trim().parse().map_err(|_| bad("monitor_interval_ms", format!("{v:?} is not a number")))?,
+            None => file.monitor_interval_ms.unwrap_or(100),
+        };
+        if !(10..=60_000).contains(&monitor_interval_ms) {
+            return Err(bad("monitor_interval_ms", format!("{monitor_interval_ms} is outside 10..=60000")));
+        }
+        let log_format = match env("VGPU_AGENT_LOG_FORMAT").or(file.log_format).as_deref() {
+            None | Some("text") => LogFormat::Text,
+            Some("json") => LogFormat::Json,
+            Some(v) => return Err(bad("log_format", format!("{v:?} is not text or json"))),
+        };
+        let escape_action = match file.escape_action.as_deref() {
+            None | Some("report") => EscapeAction::Report,
+            Some("kill") => EscapeAction::Kill,
+            Some(v) => return Err(bad("escape_action", format!("{v:?} is not report or kill"))),
+        };
+        Ok(Config { state_dir, socket, nvml_library, monitor_interval_ms, log_format, escape_action })
+    }
+
+    fn read(p: &Path) -> Result<FileConfig, ConfigError> {
+        let text = std::fs::read_to_string(p).map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
+        toml::from_str(&text).map_err(|e| ConfigError(format!("{}: {}", p.display(), e.to_string().trim_end())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn load(file: Option<&str>, env: &[(&str, &str)], flags: Flags) -> Result<Config, ConfigError> {
+        let mut flags = flags;
+        let dir = std::env::temp_dir().join(format!(
+            "vgpu-agent-cfg-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        if let Some(f) = file {
+            let p = dir.join("agent.toml");
+            std::fs::write(&p, f).unwrap();
+            flags.config = Some(p);
+        }
+        let env: HashMap<String, String> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let r = Config::load(&flags, |k| env.get(k).cloned());
+        std::fs::remove_dir_all(dir).ok();
+        r
+    }
+
+    #[test]
+    fn defaults_and_precedence() {
+        let c = load(None, &[], Flags::default()).unwrap();
+        assert_eq!(c.state_dir, PathBuf::from("/var/lib/vgpu"));
+        assert_eq!(
+            (c.monitor_interval_ms, c.log_format, c.escape_action),
+            (100, LogFormat::Text, EscapeAction::Report)
+        );
+        let c = load(
+            Some("state_dir = \"/srv/a\"\nmonitor_interval_ms = 250\nescape_action = \"kill\"\nnvml_library = \"/x/nvml.so\""),
+            &[("VGPU_AGENT_STATE_DIR", "/srv/b"), ("VGPU_AGENT_LOG_FORMAT", "json")],
+            Flags { state_dir: Some("/srv/c".into()), ..Default::default() },
+        )
+        .unwrap();
+        assert_eq!(c.state_dir, PathBuf::from("/srv/c"), "flags over environment over file");
+        assert_eq!((c.monitor_interval_ms, c.log_format, c.escape_action), (250, LogFormat::Json, EscapeAction::Kill));
+        assert_eq!(c.nvml_library, Some(PathBuf::from("/x/nvml.so")));
+    }
+
+    #[test]
+    fn bad_files_are_rejected_precisely() {
+        let e = load(Some("monitor_interval_ms = 5"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("monitor_interval_ms: 5 is outside"), "{e}");
+        let e = load(Some("colour = 1"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("unknown field `colour`"), "{e}");
+        let e = load(Some("state_dir = \"relative\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("state_dir: relative is not an absolute path"), "{e}");
+        let e = load(Some("escape_action = \"shout\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("escape_action: \"shout\""), "{e}");
+        let e = load(Some("monitor_interval_ms = \"x\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("agent.toml") && e.contains("monitor_interval_ms"), "{e}");
+        let e = load(None, &[("VGPU_AGENT_MONITOR_INTERVAL_MS", "soon")], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("\"soon\" is not a number"), "{e}");
+    }
+}
