@@ -1,0 +1,309 @@
+//! Slices: per-container regions under the state directory, with limits only the agent writes, and
+//! a small record per slice so that a restarted agent recovers every slice.
+//!
+//! Layout under `<state_dir>/slices/<name>/`:
+//! * `region`: the usage region, mounted read-write into the container;
+//! * `limits`: a region holding the limits, mounted read-only (the container cannot raise them);
+//! * `slice.json`: the record (what was asked, when).
+//!
+//! Library installs go to `<state_dir>/lib/libvgpu.so.<version>.<digest>`, written to a temporary
+//! name and renamed, never overwriting a file that running containers may have mapped.
+
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use vgpu_region::{Init, Region};
+
+#[derive(Debug)]
+pub struct SliceError(pub String);
+
+impl std::fmt::Display for SliceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for SliceError {}
+
+type Result<T> = std::result::Result<T, SliceError>;
+
+/// One device of a slice, in the container's device order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SliceGpu {
+    pub uuid: String,
+    /// Bytes; 0 = no limit.
+    pub memory: u64,
+    /// Percent; 0 = no limit.
+    pub sm: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slice {
+    pub name: String,
+    pub gpus: Vec<SliceGpu>,
+    /// Seconds since the epoch.
+    pub created: u64,
+}
+
+pub struct SliceStore {
+    root: PathBuf,
+}
+
+/// Where the container sees the slice's files.
+pub const CONTAINER_DIR: &str = "/usr/local/vgpu";
+
+fn io(what: String) -> impl FnOnce(std::io::Error) -> SliceError {
+    move |e| SliceError(format!("{what}: {e}"))
+}
+
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_' || b == b'.')
+        && !name.starts_with('.')
+}
+
+/// Writes `data` to `path` through a temporary file and a rename (readers never see a partial file).
+fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(io(format!("cannot create {}", tmp.display())))?;
+    f.write_all(data).and_then(|_| f.sync_all()).map_err(io(format!("cannot write {}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(io(format!("cannot install {}", path.display())))
+}
+
+impl SliceStore {
+    pub fn open(state_dir: &Path) -> Result<SliceStore> {
+        let root = state_dir.join("slices");
+        std::fs::create_dir_all(&root).map_err(io(format!("cannot create {}", root.display())))?;
+        Ok(SliceStore { root })
+    }
+
+    pub fn dir(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+
+    /// Creates a slice; fails if one of that name exists.
+    pub fn create(&self, name: &str, gpus: Vec<SliceGpu>) -> Result<Slice> {
+        if !valid_name(name) {
+            return Err(SliceError(format!(
+                "invalid slice name {name:?}: use 1-63 lower-case letters, digits, '-', '_' or '.'"
+            )));
+        }
+        if gpus.is_empty() || gpus.len() > vgpu_region::MAX_DEVICES {
+            return Err(SliceError(format!("a slice has 1 to {} GPUs", vgpu_region::MAX_DEVICES)));
+        }
+        if let Some(g) = gpus.iter().find(|g| g.sm > 100) {
+            return Err(SliceError(format!("SM limit {} % of {} is above 100", g.sm, g.uuid)));
+        }
+        let dir = self.dir(name);
+        std::fs::create_dir(&dir).map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => SliceError(format!("slice {name} already exists")),
+            _ => SliceError(format!("cannot create {}: {e}", dir.display())),
+        })?;
+        let init =
+            || Init { devices: gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(), standalone: false };
+        let made = (|| {
+            Region::open_or_create(&dir.join("limits"), init).map_err(|e| SliceError(e.to_string()))?;
+            Region::open_or_create(&dir.join("region"), init).map_err(|e| SliceError(e.to_string()))?;
+            let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created };
+            write_atomic(&dir.join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
+            Ok(s)
+        })();
+        if made.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        made
+    }
+
+    pub fn get(&self, name: &str) -> Result<Slice> {
+        let p = self.dir(name).join("slice.json");
+        let data = std::fs::read(&p).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => SliceError(format!("no slice named {name}")),
+            _ => SliceError(format!("cannot read {}: {e}", p.display())),
+        })?;
+        serde_json::from_slice(&data).map_err(|e| SliceError(format!("{}: {e}", p.display())))
+    }
+
+    /// Every slice on record (what a restarted agent recovers). Damaged records are reported, not
+    /// skipped silently.
+    pub fn list(&self) -> Result<Vec<Slice>> {
+        let mut v = Vec::new();
+        let rd = std::fs::read_dir(&self.root).map_err(io(format!("cannot list {}", self.root.display())))?;
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if valid_name(&name) && e.path().join("slice.json").exists() {
+                v.push(self.get(&name)?);
+            }
+        }
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(v)
+    }
+
+    /// Changes limits; running processes apply them at their next allocation or launch.
+    pub fn update(&self, name: &str, gpus: &[SliceGpu]) -> Result<Slice> {
+        let mut s = self.get(name)?;
+        let limits = Region::open(&self.dir(name).join("limits"), true).map_err(|e| SliceError(e.to_string()))?;
+        let region = Region::open(&self.dir(name).join("region"), true).map_err(|e| SliceError(e.to_string()))?;
+        for g in gpus {
+            let i = s
+                .gpus
+                .iter()
+                .position(|x| x.uuid == g.uuid)
+                .ok_or_else(|| SliceError(format!("slice {name} has no GPU {}", g.uuid)))?;
+            if g.sm > 100 {
+                return Err(SliceError(format!("SM limit {} % is above 100", g.sm)));
+            }
+            for r in [&limits, &region] {
+                r.set_mem_limit(i, g.memory).map_err(|e| SliceError(e.to_string()))?;
+                r.set_sm_limit(i, g.sm).map_err(|e| SliceError(e.to_string()))?;
+            }
+            s.gpus[i] = g.clone();
+        }
+        write_atomic(&self.dir(name).join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
+        Ok(s)
+    }
+
+    /// Deletes a slice. Refused while processes of the container are alive, unless `force`.
+    pub fn delete(&self, name: &str, force: bool) -> Result<()> {
+        self.get(name)?;
+        let dir = self.dir(name);
+        if !force {
+            if let Ok(r) = Region::open(&dir.join("region"), true) {
+                r.reap();
+                let live = r.slots();
+                if !live.is_empty() {
+                    return Err(SliceError(format!(
+                        "slice {name} has {} live process(es); stop them or force the deletion",
+                        live.len()
+                    )));
+                }
+            }
+        }
+        std::fs::remove_dir_all(&dir).map_err(io(format!("cannot remove {}", dir.display())))
+    }
+
+    /// The environment and mounts that put a process into this slice (for `docker run`).
+    pub fn injection(
+        &self,
+        name: &str,
+        library: &Path,
+    ) -> Result<(Vec<(String, String)>, Vec<(PathBuf, String, bool)>)> {
+        let s = self.get(name)?;
+        let mut env = vec![
+            ("LD_PRELOAD".to_string(), format!("{CONTAINER_DIR}/libvgpu.so")),
+            ("CUDA_DEVICE_MEMORY_SHARED_CACHE".to_string(), format!("{CONTAINER_DIR}/region")),
+            ("VGPU_LIMITS_FILE".to_string(), format!("{CONTAINER_DIR}/limits")),
+            (
+                "NVIDIA_VISIBLE_DEVICES".to_string(),
+                s.gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>().join(","),
+            ),
+        ];
+        for (i, g) in s.gpus.iter().enumerate() {
+            if g.memory > 0 {
+                env.push((format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"), format!("{}m", g.memory.div_ceil(1 << 20))));
+            }
+            if g.sm > 0 && g.sm < 100 {
+                env.push((format!("CUDA_DEVICE_SM_LIMIT_{i}"), g.sm.to_string()));
+            }
+        }
+        let dir = self.dir(name);
+        let mounts = vec![
+            (dir.clone(), CONTAINER_DIR.to_string(), false),
+            (dir.join("limits"), format!("{CONTAINER_DIR}/limits"), true),
+            (library.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true),
+        ];
+        Ok((env, mounts))
+    }
+}
+
+/// Installs `src` as `<lib_dir>/libvgpu.so.<version>.<digest>` (content-addressed, written to a
+/// temporary name and renamed; an existing file of that name is the same content and is kept).
+pub fn install_library(src: &Path, lib_dir: &Path, version: &str) -> Result<PathBuf> {
+    let data = std::fs::read(src).map_err(io(format!("cannot read {}", src.display())))?;
+    let digest = data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3));
+    std::fs::create_dir_all(lib_dir).map_err(io(format!("cannot create {}", lib_dir.display())))?;
+    let dst = lib_dir.join(format!("libvgpu.so.{version}.{digest:016x}"));
+    if !dst.exists() {
+        write_atomic(&dst, &data)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))
+            .map_err(io(format!("cannot chmod {}", dst.display())))?;
+    }
+    Ok(dst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store() -> (SliceStore, PathBuf) {
+        let d =
+            std::env::temp_dir().join(format!("vgpu-slices-{}-{:?}", std::process::id(), std::thread::current().id()));
+        let _ = std::fs::remove_dir_all(&d);
+        (SliceStore::open(&d).unwrap(), d)
+    }
+
+    fn gpu(m: u64, sm: u32) -> SliceGpu {
+        SliceGpu { uuid: "GPU-aaaa".into(), memory: m, sm }
+    }
+
+    #[test]
+    fn create_get_update_list_delete() {
+        let (s, d) = store();
+        let a = s.create("job1", vec![gpu(8 << 30, 30)]).unwrap();
+        assert_eq!(s.get("job1").unwrap(), a);
+        assert!(s.create("job1", vec![gpu(1, 0)]).unwrap_err().0.contains("already exists"));
+        assert!(s.create("Bad Name", vec![gpu(1, 0)]).unwrap_err().0.contains("invalid slice name"));
+        assert!(s.create("x", vec![gpu(1, 120)]).unwrap_err().0.contains("above 100"));
+        let limits = Region::open(&s.dir("job1").join("limits"), false).unwrap();
+        assert_eq!(
+            (limits.mem_limit(0), limits.sm_limit(0), limits.device_uuid(0)),
+            (8 << 30, 30, "GPU-aaaa".to_string())
+        );
+        s.update("job1", &[gpu(4 << 30, 50)]).unwrap();
+        assert_eq!((limits.mem_limit(0), limits.sm_limit(0)), (4 << 30, 50), "seen live through the mapping");
+        assert!(s
+            .update("job1", &[SliceGpu { uuid: "GPU-zz".into(), memory: 1, sm: 0 }])
+            .unwrap_err()
+            .0
+            .contains("no GPU"));
+        s.create("job0", vec![gpu(1 << 30, 0)]).unwrap();
+        let names: Vec<String> = s.list().unwrap().into_iter().map(|x| x.name).collect();
+        assert_eq!(names, vec!["job0", "job1"]);
+        // A live process in the slice blocks deletion.
+        let region = Region::open(&s.dir("job1").join("region"), true).unwrap();
+        let claim = region.claim(42, 42).unwrap();
+        assert!(s.delete("job1", false).unwrap_err().0.contains("1 live process"));
+        drop(claim);
+        s.delete("job1", false).unwrap();
+        assert!(s.get("job1").unwrap_err().0.contains("no slice named job1"));
+        // A restarted agent recovers what is on disk.
+        let again = SliceStore::open(&d).unwrap();
+        assert_eq!(again.list().unwrap().len(), 1);
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn injection_and_library_install() {
+        let (s, d) = store();
+        s.create("web", vec![gpu(3000 << 20, 25), SliceGpu { uuid: "GPU-bbbb".into(), memory: 0, sm: 0 }]).unwrap();
+        let src = d.join("libvgpu.so");
+        std::fs::write(&src, b"v1").unwrap();
+        let lib = install_library(&src, &d.join("lib"), "0.1.0").unwrap();
+        assert!(lib.file_name().unwrap().to_string_lossy().starts_with("libvgpu.so.0.1.0."));
+        assert_eq!(install_library(&src, &d.join("lib"), "0.1.0").unwrap(), lib, "same content, same file");
+        std::fs::write(&src, b"v2").unwrap();
+        let lib2 = install_library(&src, &d.join("lib"), "0.1.0").unwrap();
+        assert_ne!(lib2, lib, "new content gets a new name");
+        assert_eq!(std::fs::read(&lib).unwrap(), b"v1", "the old file is left for running containers");
+        let (env, mounts) = s.injection("web", &lib).unwrap();
+        let get = |k: &str| env.iter().find(|(a, _)| a == k).map(|(_, v)| v.clone());
+        assert_eq!(get("CUDA_DEVICE_MEMORY_LIMIT_0").as_deref(), Some("3000m"));
+        assert_eq!(get("CUDA_DEVICE_SM_LIMIT_0").as_deref(), Some("25"));
+        assert_eq!(get("CUDA_DEVICE_MEMORY_LIMIT_1"), None);
+        assert_eq!(get("NVIDIA_VISIBLE_DEVICES").as_deref(), Some("GPU-aaaa,GPU-bbbb"));
+        assert!(mounts.iter().any(|(h, c, ro)| h.ends_with("limits") && c == "/usr/local/vgpu/limits" && *ro));
+        std::fs::remove_dir_all(d).ok();
+    }
+}
