@@ -45,6 +45,21 @@ pub struct Slice {
     pub created: u64,
 }
 
+/// A bind mount into the container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Mount {
+    pub host: PathBuf,
+    pub container: String,
+    pub read_only: bool,
+}
+
+/// What puts a process into a slice.
+#[derive(Clone, Debug, Serialize)]
+pub struct Injection {
+    pub env: Vec<(String, String)>,
+    pub mounts: Vec<Mount>,
+}
+
 pub struct SliceStore {
     root: PathBuf,
 }
@@ -208,12 +223,13 @@ impl SliceStore {
             }
         }
         let dir = self.dir(name);
+        let m = |host: PathBuf, container: String, read_only| Mount { host, container, read_only };
         let mounts = vec![
-            (dir.clone(), CONTAINER_DIR.to_string(), false),
-            (dir.join("limits"), format!("{CONTAINER_DIR}/limits"), true),
-            (library.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true),
+            m(dir.clone(), CONTAINER_DIR.to_string(), false),
+            m(dir.join("limits"), format!("{CONTAINER_DIR}/limits"), true),
+            m(library.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true),
         ];
-        Ok((env, mounts))
+        Ok(Injection { env, mounts })
     }
 }
 
@@ -297,13 +313,16 @@ mod tests {
         let lib2 = install_library(&src, &d.join("lib"), "0.1.0").unwrap();
         assert_ne!(lib2, lib, "new content gets a new name");
         assert_eq!(std::fs::read(&lib).unwrap(), b"v1", "the old file is left for running containers");
-        let (env, mounts) = s.injection("web", &lib).unwrap();
-        let get = |k: &str| env.iter().find(|(a, _)| a == k).map(|(_, v)| v.clone());
+        let inj = s.injection("web", &lib).unwrap();
+        let get = |k: &str| inj.env.iter().find(|(a, _)| a == k).map(|(_, v)| v.clone());
         assert_eq!(get("CUDA_DEVICE_MEMORY_LIMIT_0").as_deref(), Some("3000m"));
         assert_eq!(get("CUDA_DEVICE_SM_LIMIT_0").as_deref(), Some("25"));
         assert_eq!(get("CUDA_DEVICE_MEMORY_LIMIT_1"), None);
         assert_eq!(get("NVIDIA_VISIBLE_DEVICES").as_deref(), Some("GPU-aaaa,GPU-bbbb"));
-        assert!(mounts.iter().any(|(h, c, ro)| h.ends_with("limits") && c == "/usr/local/vgpu/limits" && *ro));
+        assert!(inj
+            .mounts
+            .iter()
+            .any(|m| m.host.ends_with("limits") && m.container == "/usr/local/vgpu/limits" && m.read_only));
         std::fs::remove_dir_all(d).ok();
     }
 }
