@@ -199,11 +199,7 @@ impl SliceStore {
     }
 
     /// The environment and mounts that put a process into this slice (for `docker run`).
-    pub fn injection(
-        &self,
-        name: &str,
-        library: &Path,
-    ) -> Result<(Vec<(String, String)>, Vec<(PathBuf, String, bool)>)> {
+    pub fn injection(&self, name: &str, library: &Path) -> Result<Injection> {
         let s = self.get(name)?;
         let mut env = vec![
             ("LD_PRELOAD".to_string(), format!("{CONTAINER_DIR}/libvgpu.so")),
