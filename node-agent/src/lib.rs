@@ -3,4 +3,5 @@
 
 pub mod config;
 pub mod discovery;
+pub mod monitor;
 pub mod slices;

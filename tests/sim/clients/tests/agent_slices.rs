@@ -8,10 +8,14 @@ use common::*;
 use vgpu_agent::slices::{SliceGpu, SliceStore};
 use vgpu_region::Region;
 
+/// The monitoring test changes this process's environment; the tests of this file run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 const NODE: &str = "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n";
 
 #[test]
 fn agent_slices_limit_processes_and_cannot_be_raised_from_inside() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let s = Sim::new(Some(NODE));
     let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
     let store = SliceStore::open(&s.state.join("agent")).unwrap();
@@ -42,4 +46,71 @@ fn agent_slices_limit_processes_and_cannot_be_raised_from_inside() {
     let v = run("3g");
     assert_eq!(v["allocated"], 1900 * MIB);
     assert_eq!(v["mem_info"]["total"], 2048 * MIB);
+}
+
+#[test]
+fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut s = Sim::new(Some(NODE));
+    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    let store = SliceStore::open(&s.state.join("agent")).unwrap();
+    store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }]).unwrap();
+    let dir = store.dir("job1");
+    let c = inside(&s, &dir, "64m");
+    let (pin, _) = s.spawn_cmd(c, &["alloc", "--size", "300m", "--hold"]);
+    let (pout, _) = s.spawn(RT, &["alloc", "--size", "500m", "--hold"]);
+
+    // This test alone loads NVML in this process: point it at this test's simulated node.
+    std::env::set_var("VGPU_SIM_STATE", &s.state);
+    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
+    let nvml = vgpu_agent::discovery::open(Some(&s.libs.join("libnvidia-ml.so.1"))).unwrap();
+    let r = vgpu_agent::monitor::tick(&nvml, &store).unwrap();
+    assert_eq!(r.usage.len(), 1);
+    let u = &r.usage[0];
+    assert_eq!((u.slice.as_str(), u.pids.clone()), ("job1", vec![pin]));
+    assert_eq!((u.accounted, u.measured), (364 * MIB, 364 * MIB), "the interposer's account matches NVML");
+    assert_eq!(
+        r.escapes,
+        vec![vgpu_agent::monitor::Escape::Unaccounted { gpu: uuid.clone(), pid: pout, memory: 564 * MIB }]
+    );
+    let region = Region::open(&dir.join("region"), true).unwrap();
+    assert_eq!(
+        region.layout().devices[0].sm_flags.load(std::sync::atomic::Ordering::Relaxed),
+        3,
+        "shared, agent-managed"
+    );
+
+    // A dead process is reclaimed within one pass; without the outsider the GPU is not shared.
+    s.kill(pin);
+    s.kill(pout);
+    let r = vgpu_agent::monitor::tick(&nvml, &store).unwrap();
+    assert_eq!(r.reclaimed, 364 * MIB);
+    assert!(r.escapes.is_empty(), "{:?}", r.escapes);
+    assert_eq!(region.layout().devices[0].sm_flags.load(std::sync::atomic::Ordering::Relaxed), 2);
+
+    // A slice process whose context is not accounted (overhead set to 0) ends up over its limit as
+    // NVML measures it: reported.
+    let c = inside(&s, &dir, "0");
+    let (p, _) = s.spawn_cmd(c, &["alloc", "--size", "1000m", "--hold"]);
+    let r = vgpu_agent::monitor::tick(&nvml, &store).unwrap();
+    assert_eq!(
+        r.escapes,
+        vec![vgpu_agent::monitor::Escape::OverLimit {
+            slice: "job1".into(),
+            gpu: uuid,
+            measured: 1064 * MIB,
+            limit: 1 << 30
+        }]
+    );
+    s.kill(p);
+}
+
+/// A client inside the slice at `dir` (what the agent's injection gives a container).
+fn inside(s: &Sim, dir: &std::path::Path, overhead: &str) -> std::process::Command {
+    let mut c = s.cmd(RT);
+    c.env("LD_PRELOAD", libvgpu())
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
+        .env("VGPU_LIMITS_FILE", dir.join("limits"))
+        .env("VGPU_CONTEXT_OVERHEAD", overhead);
+    c
 }
