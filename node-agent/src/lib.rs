@@ -1,7 +1,8 @@
-//! The vgpu node agent's library: configuration and GPU discovery through NVML. The daemon's other
-//! responsibilities (slices, monitoring, API, metrics) arrive with their issue.
+//! The vgpu node agent's library: configuration, GPU discovery through NVML, slices, the monitoring
+//! pass and the main loop. The gRPC API and metrics arrive with their issue.
 
 pub mod config;
+pub mod daemon;
 pub mod discovery;
 pub mod monitor;
 pub mod slices;

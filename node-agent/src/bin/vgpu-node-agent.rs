@@ -1,12 +1,15 @@
-//! vgpu-node-agent. For now: `vgpu-node-agent [--config PATH] [--state-dir DIR] [--nvml-library PATH]
-//! discover` loads and validates the configuration and prints the node's GPU inventory as JSON.
+//! vgpu-node-agent [--config PATH] [--state-dir DIR] [--nvml-library PATH] <command>
+//!   run        recover the slices, monitor them until SIGTERM/SIGINT, write <state_dir>/status.json
+//!   discover   print the node's GPU inventory as JSON
 //!
-//! Exit codes: 0 success, 2 usage or configuration error, 3 NVML unavailable.
+//! Exit codes: 0 success, 1 the daemon failed, 2 usage or configuration error, 3 NVML unavailable.
 use vgpu_agent::config::{Config, Flags};
 use vgpu_agent::discovery;
 
+const USAGE: &str = "usage: vgpu-node-agent [--config PATH] [--state-dir DIR] [--nvml-library PATH] run|discover";
+
 fn usage() -> ! {
-    eprintln!("usage: vgpu-node-agent [--config PATH] [--state-dir DIR] [--nvml-library PATH] discover");
+    eprintln!("{USAGE}");
     std::process::exit(2)
 }
 
@@ -19,9 +22,9 @@ fn main() {
             "--config" => flags.config = Some(args.next().unwrap_or_else(|| usage()).into()),
             "--state-dir" => flags.state_dir = Some(args.next().unwrap_or_else(|| usage()).into()),
             "--nvml-library" => flags.nvml_library = Some(args.next().unwrap_or_else(|| usage()).into()),
-            "discover" if cmd.is_none() => cmd = Some(a),
+            "discover" | "run" if cmd.is_none() => cmd = Some(a),
             "-h" | "--help" => {
-                println!("vgpu-node-agent [--config PATH] [--state-dir DIR] [--nvml-library PATH] discover");
+                println!("{USAGE}");
                 return;
             }
             _ => usage(),
@@ -34,6 +37,18 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(2)
     });
+    if cmd.as_deref() == Some("run") {
+        let builder = tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false);
+        match cfg.log_format {
+            vgpu_agent::config::LogFormat::Json => builder.json().init(),
+            vgpu_agent::config::LogFormat::Text => builder.init(),
+        }
+        if let Err(e) = vgpu_agent::daemon::run(&cfg) {
+            tracing::error!(error = %e, "agent failed");
+            std::process::exit(if e.contains("NVML") { 3 } else { 1 });
+        }
+        return;
+    }
     let inv = discovery::open(cfg.nvml_library.as_deref()).and_then(|n| discovery::discover(&n)).unwrap_or_else(|e| {
         eprintln!("error: {e}");
         std::process::exit(3)

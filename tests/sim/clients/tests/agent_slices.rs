@@ -114,3 +114,63 @@ fn inside(s: &Sim, dir: &std::path::Path, overhead: &str) -> std::process::Comma
         .env("VGPU_CONTEXT_OVERHEAD", overhead);
     c
 }
+
+#[test]
+fn the_agent_daemon_monitors_slices_reclaims_and_stops_cleanly() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut s = Sim::new(Some(NODE));
+    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    let state = s.state.join("agent");
+    let store = SliceStore::open(&state).unwrap();
+    store.create("job1", vec![SliceGpu { uuid, memory: 1 << 30, sm: 0 }]).unwrap();
+    let agent_bin = std::path::Path::new(RT).parent().unwrap().join("vgpu-node-agent");
+    assert!(agent_bin.exists(), "{} is built with the workspace", agent_bin.display());
+    let agent = s
+        .cmd(agent_bin.to_str().unwrap())
+        .env("VGPU_AGENT_MONITOR_INTERVAL_MS", "50")
+        .env("VGPU_AGENT_LOG_FORMAT", "json")
+        .args(["--state-dir", state.to_str().unwrap(), "--nvml-library"])
+        .arg(s.libs.join("libnvidia-ml.so.1"))
+        .arg("run")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = || -> Option<serde_json::Value> {
+        serde_json::from_slice(&std::fs::read(state.join("status.json")).ok()?).ok()
+    };
+    let wait_for = |what: &str, f: &dyn Fn(&serde_json::Value) -> bool| {
+        let t = std::time::Instant::now();
+        loop {
+            if let Some(v) = status() {
+                if f(&v) {
+                    return v;
+                }
+            }
+            assert!(t.elapsed() < std::time::Duration::from_secs(10), "timed out waiting for {what}: {:?}", status());
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let c = inside(&s, &store.dir("job1"), "64m");
+    let (pin, _) = s.spawn_cmd(c, &["alloc", "--size", "300m", "--hold"]);
+    let v = wait_for("the slice's usage", &|v| v["report"]["usage"][0]["measured"] == 364 * MIB);
+    assert_eq!(v["slices"][0]["name"], "job1");
+    assert_eq!(v["report"]["usage"][0]["pids"][0], pin);
+    assert!(v["loop_us"].as_u64().unwrap() < 50_000);
+    s.kill(pin);
+    // Reclaimed within a pass or two: the slot is gone from the region.
+    let t = std::time::Instant::now();
+    let region = Region::open(&store.dir("job1").join("region"), true).unwrap();
+    while !region.slots().is_empty() {
+        assert!(t.elapsed() < std::time::Duration::from_secs(2), "dead slot not reclaimed");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(region.used(0), 0);
+    // SIGTERM: a clean exit, logged.
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let out = agent.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("\"recovered slices\"") && log.contains("\"shutting down\""), "{log}");
+    assert!(log.contains("reclaimed memory of dead processes"), "{log}");
+}
