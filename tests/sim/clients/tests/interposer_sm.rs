@@ -53,12 +53,12 @@ fn two_containers_split_the_gpu_by_their_limits() {
 #[test]
 fn a_lowered_limit_takes_effect_and_policy_disable_lifts_it() {
     let h = harness();
-    let mut sc = one(container(60, "sleep_1ms", &[]), 5.0);
+    let mut sc = one(container(60, "sleep_1ms", &["--sync-every", "8"]), 5.0);
     sc.change = Some((2.0, 20));
     let o = h.run(&sc, 0);
     let last = o.windows[0][0].last().copied().unwrap() * 100.0;
     let first = o.windows[0][0][0] * 100.0;
-    assert!((first - 60.0).abs() <= 6.0, "before the change: {first:.1}");
+    assert!((45.0..=66.0).contains(&first), "before the change: {first:.1}");
     assert!((last - 20.0).abs() <= 5.0, "settled at the new limit: {last:.1}");
 
     // Policy disable: the 30 % limit is not applied. (How far above it the client gets is its own

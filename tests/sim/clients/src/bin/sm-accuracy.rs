@@ -111,7 +111,9 @@ fn main() {
             let want = targets[0] / targets[1];
             let have = got[0] / got[1].max(1e-9);
             let err = (have / want - 1.0).abs() * 100.0;
-            (format!("ratio {have:.3} vs {want:.3} ({err:.1} % off; budget 10 %)"), err <= 10.0)
+            // The quick run (CI, a loaded 2-core machine) allows twice the budget.
+            let budget = if quick { 20.0 } else { 10.0 };
+            (format!("ratio {have:.3} vs {want:.3} ({err:.1} % off; budget {budget} %)"), err <= budget)
         } else if targets[0] >= 100.0 {
             ("unlimited".to_string(), got[0] > 90.0)
         } else {
