@@ -243,21 +243,24 @@ fn array_estimate(w: usize, h: usize, d: usize, format: u32, ch: u32) -> u64 {
     row.saturating_mul(h.max(1) as u64).saturating_mul(d.max(1) as u64).max(2 << 20)
 }
 
+/// Creates an array through `create`, reserving `estimate` first and settling on what the driver
+/// reports afterwards. `estimate` None (no descriptor) or a NULL `out` forwards unchanged.
 unsafe fn array_common(
-    st: &State,
-    estimate: u64,
-    ord_dev: (CUdevice, usize),
-    create: impl FnOnce() -> CUresult,
-    handle: impl FnOnce() -> u64,
+    estimate: Option<u64>,
+    out: *mut *mut std::ffi::c_void,
+    create: impl Fn() -> CUresult,
     requirements: impl Fn(u64, CUdevice) -> Option<u64>,
     destroy: impl FnOnce(u64),
 ) -> CUresult {
-    let (o, d) = ord_dev;
-    let r = charged(st, d, estimate, create);
+    let st = state();
+    let Some(estimate) = estimate.filter(|_| !out.is_null()) else { return create() };
+    let (o, d) = tri!(current(st));
+    let r = charged(st, d, estimate, &create);
     if r != OK {
         return r;
     }
-    let h = handle();
+    // SAFETY: the driver just wrote the new handle through `out`.
+    let h = unsafe { *out } as u64;
     let actual = requirements(h, o).unwrap_or(estimate);
     match settle(st, d, estimate, actual, || destroy(h)) {
         Some(b) => {
@@ -294,15 +297,9 @@ pub unsafe fn array_create(
     arr: *mut CUarray,
     desc: *const CUDA_ARRAY_DESCRIPTOR,
 ) -> CUresult {
-    let st = state();
     // SAFETY: optional input pointer.
-    let Some(x) = (unsafe { desc.as_ref() }) else { return unsafe { real(arr, desc) } };
-    if arr.is_null() {
-        return unsafe { real(arr, desc) };
-    }
-    let od = tri!(current(st));
-    let est = array_estimate(x.Width, x.Height, 0, x.Format, x.NumChannels);
-    unsafe { array_common(st, est, od, || real(arr, desc), || *arr as u64, array_req, destroy_array) }
+    let est = unsafe { desc.as_ref() }.map(|x| array_estimate(x.Width, x.Height, 0, x.Format, x.NumChannels));
+    unsafe { array_common(est, arr, || real(arr, desc), array_req, destroy_array) }
 }
 
 pub unsafe fn array3d_create(
@@ -310,15 +307,9 @@ pub unsafe fn array3d_create(
     arr: *mut CUarray,
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
 ) -> CUresult {
-    let st = state();
     // SAFETY: optional input pointer.
-    let Some(x) = (unsafe { desc.as_ref() }) else { return unsafe { real(arr, desc) } };
-    if arr.is_null() {
-        return unsafe { real(arr, desc) };
-    }
-    let od = tri!(current(st));
-    let est = array_estimate(x.Width, x.Height, x.Depth, x.Format, x.NumChannels);
-    unsafe { array_common(st, est, od, || real(arr, desc), || *arr as u64, array_req, destroy_array) }
+    let est = unsafe { desc.as_ref() }.map(|x| array_estimate(x.Width, x.Height, x.Depth, x.Format, x.NumChannels));
+    unsafe { array_common(est, arr, || real(arr, desc), array_req, destroy_array) }
 }
 
 pub unsafe fn mipmapped_create(
@@ -327,27 +318,24 @@ pub unsafe fn mipmapped_create(
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: u32,
 ) -> CUresult {
-    let st = state();
     // SAFETY: optional input pointer.
-    let Some(x) = (unsafe { desc.as_ref() }) else { return unsafe { real(arr, desc, levels) } };
-    if arr.is_null() || levels == 0 {
-        return unsafe { real(arr, desc, levels) };
-    }
-    let od = tri!(current(st));
-    let (mut w, mut h, mut dd, mut est) = (x.Width, x.Height, x.Depth, 0u64);
-    for _ in 0..levels.min(32) {
-        est = est.saturating_add(array_estimate(w, h, dd, x.Format, x.NumChannels));
-        w = (w / 2).max(1);
-        h = if h == 0 { 0 } else { (h / 2).max(1) };
-        dd = if dd == 0 { 0 } else { (dd / 2).max(1) };
-    }
+    let est = unsafe { desc.as_ref() }.filter(|_| levels > 0).map(|x| {
+        let (mut w, mut h, mut dd, mut est) = (x.Width, x.Height, x.Depth, 0u64);
+        for _ in 0..levels.min(32) {
+            est = est.saturating_add(array_estimate(w, h, dd, x.Format, x.NumChannels));
+            w = (w / 2).max(1);
+            h = if h == 0 { 0 } else { (h / 2).max(1) };
+            dd = if dd == 0 { 0 } else { (dd / 2).max(1) };
+        }
+        est
+    });
     let destroy = |h: u64| {
         if let Some(f) = driver().helpers.cuMipmappedArrayDestroy {
             // SAFETY: destroying the array we just created.
             unsafe { f(h as CUmipmappedArray) };
         }
     };
-    unsafe { array_common(st, est, od, || real(arr, desc, levels), || *arr as u64, mipmapped_req, destroy) }
+    unsafe { array_common(est, arr, || real(arr, desc, levels), mipmapped_req, destroy) }
 }
 
 fn release_handle(key: u64) {
