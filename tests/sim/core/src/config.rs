@@ -96,7 +96,7 @@ impl Config {
             if !uuid.starts_with("GPU-") {
                 return Err(format!("gpu {i}: uuid must start with GPU-"));
             }
-            let bus = g.pci_bus_id.unwrap_or_else(|| format!("0000:{:02x}:00.0", 0x18 + i * 0x10));
+            let bus = g.pci_bus_id.unwrap_or_else(|| format!("0000:{:02x}:00.0", 0x18 + (i % 8) * 0x10 + i / 8));
             let (dom, b, d) = parse_bus_id(&bus).ok_or_else(|| format!("gpu {i}: bad pci_bus_id {bus:?}"))?;
             let memory_mib = g.memory_mib.unwrap_or(model.memory_mib);
             if memory_mib == 0 {

@@ -156,6 +156,9 @@ pub struct Node {
     shared: &'static Shared,
     lock_file: File,
     mutex: Mutex<()>,
+    /// Process lock files this process has opened to check liveness, kept open (a monitor checks
+    /// every process many times a second).
+    liveness: Mutex<Vec<Option<File>>>,
 }
 
 /// Proof that the node lock is held.
@@ -210,7 +213,14 @@ impl Node {
         let r = Self::open_locked(&cfg, dir);
         flock(&lock_file, libc::LOCK_UN).ok();
         let shared = r?;
-        Ok(Node { cfg, dir: dir.to_owned(), shared, lock_file, mutex: Mutex::new(()) })
+        Ok(Node {
+            cfg,
+            dir: dir.to_owned(),
+            shared,
+            lock_file,
+            mutex: Mutex::new(()),
+            liveness: Mutex::new(Vec::new()),
+        })
     }
 
     fn open_locked(cfg: &Config, dir: &Path) -> Result<&'static Shared, String> {
@@ -320,7 +330,7 @@ impl Node {
                 slot.ctx[d].store(0, Relaxed);
                 slot.mem[d].store(0, Relaxed);
             }
-            slot.pid.store(std::process::id(), Relaxed);
+            slot.pid.store(crate::host_pid(), Relaxed);
             slot.state.store(1, Release);
             s.procs_hw.fetch_max(i as u32 + 1, AcqRel);
             return Ok((i, f));
@@ -337,30 +347,54 @@ impl Node {
     /// [`reap`](Self::reap), at most every 50 ms per process.
     pub fn maybe_reap(&self) {
         static LAST: AtomicU64 = AtomicU64::new(0);
-        let now = now_ns();
-        let last = LAST.load(Relaxed);
-        if now.saturating_sub(last) > 50_000_000 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
+        Self::at_most_every(&LAST, 50_000_000, || {
             self.reap();
+        });
+    }
+
+    /// [`reap`](Self::reap) for NVML queries: at most every 10 ms per process, so that a monitor
+    /// asking about many GPUs in one pass checks process liveness once (a dead process's memory is
+    /// still released within 10 ms of the next query, as a driver frees it asynchronously).
+    pub fn reap_for_query(&self) {
+        static LAST: AtomicU64 = AtomicU64::new(0);
+        Self::at_most_every(&LAST, 10_000_000, || {
+            self.reap();
+        });
+    }
+
+    fn at_most_every(last: &AtomicU64, ns: u64, f: impl FnOnce()) {
+        let now = now_ns();
+        let l = last.load(Relaxed);
+        if (l == 0 || now.saturating_sub(l) > ns) && last.compare_exchange(l, now, Relaxed, Relaxed).is_ok() {
+            f();
         }
     }
 
     fn reap_locked(&self, _g: &mut Locked<'_>) -> u64 {
         let s = self.shared;
         let hw = s.procs_hw.load(Acquire) as usize;
+        let mut files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
+        if files.len() < hw {
+            files.resize_with(hw, || None);
+        }
         let mut freed = 0;
         for (i, slot) in s.procs[..hw].iter().enumerate() {
             if slot.state.load(Acquire) != 1 {
                 continue;
             }
-            let Ok(f) = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i)) else {
-                continue;
-            };
-            if flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+            if files[i].is_none() {
+                files[i] =
+                    OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i)).ok();
+            }
+            let Some(f) = &files[i] else { continue };
+            if flock(f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+                // Dead: release its resources, and the lock (the file stays open for next time).
                 for d in 0..MAX_GPUS {
                     freed += slot.mem[d].swap(0, AcqRel);
                     slot.ctx[d].store(0, Relaxed);
                 }
                 slot.state.store(0, Release);
+                let _ = flock(f, libc::LOCK_UN);
             }
         }
         freed

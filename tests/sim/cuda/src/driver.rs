@@ -47,7 +47,7 @@ pub fn init(flags: u32) -> CUresult {
         })?;
         // SAFETY: registering a plain extern "C" handler with no other callbacks.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-        Ok(Proc { node, slot, pid: std::process::id(), visible, _liveness: f })
+        Ok(Proc { node, slot, pid: vgpu_sim::host_pid(), visible, _liveness: f })
     });
     match r {
         Ok(p) if p.visible.is_empty() => CUresult::NO_DEVICE,

@@ -540,8 +540,10 @@ exports! {
                     }
                 }
             }
-            if now_ns() >= deadline { return Err(TIMEOUT); }
-            std::thread::sleep(std::time::Duration::from_millis(2));
+            let now = now_ns();
+            if now >= deadline { return Err(TIMEOUT); }
+            // Events arrive within 25 ms (a watcher of many GPUs must not spin).
+            std::thread::sleep(std::time::Duration::from_nanos((deadline - now).min(25_000_000)));
         }
     }
     fn nvmlEventSetFree(set: nvmlEventSet_t) {
@@ -752,7 +754,7 @@ fn memory(d: nvmlDevice_t) -> R<(u64, u64)> {
     match decode(d as usize)? {
         H::Dev(g) => {
             let c = gpu_of(n, g)?;
-            n.reap();
+            n.reap_for_query();
             Ok((c.memory_bytes, n.mem_used(g).min(c.memory_bytes)))
         }
         H::Mig(g, gi, ci) => {
@@ -771,7 +773,7 @@ fn processes(d: nvmlDevice_t) -> R<Vec<(u32, u64)>> {
     match decode(d as usize)? {
         H::Dev(g) => {
             gpu_of(n, g)?;
-            n.reap();
+            n.reap_for_query();
             Ok(n.live_slots()
                 .filter(|p| p.ctx[g].load(Acquire) > 0)
                 .map(|p| (p.pid.load(Relaxed), p.mem[g].load(Acquire)))
