@@ -79,6 +79,9 @@ pub struct Region {
     file: File,
     map: &'static Layout,
     writable: bool,
+    /// A second open file description for taking dead slots' locks (opened at the first reap and
+    /// kept: a monitor reaps every pass).
+    reap_fd: std::sync::OnceLock<OwnedFd>,
 }
 
 fn lock(fd: i32, byte: i64, cmd: i32, ty: i32) -> io::Result<bool> {
@@ -172,7 +175,7 @@ impl Region {
             }
         })();
         let _ = lock(fd, INIT_LOCK_BYTE, libc::F_OFD_SETLK, libc::F_UNLCK);
-        Ok(Region { path: path.to_owned(), file, map: r?, writable: true })
+        Ok(Region { path: path.to_owned(), file, map: r?, writable: true, reap_fd: Default::default() })
     }
 
     /// Opens an existing region, read-write or read-only, validating it.
@@ -184,7 +187,7 @@ impl Region {
             .open(path)
             .map_err(|source| RegionError::Io { path: path.to_owned(), action: "open", source })?;
         let map = if writable { validate(&file, path)? } else { validate_ro(&file, path)? };
-        Ok(Region { path: path.to_owned(), file, map, writable })
+        Ok(Region { path: path.to_owned(), file, map, writable, reap_fd: Default::default() })
     }
 
     pub fn path(&self) -> &Path {
@@ -326,14 +329,29 @@ impl Region {
 
     /// Releases the slots of dead processes; returns the bytes released.
     pub fn reap(&self) -> u64 {
+        self.reap_where(|_, _| true)
+    }
+
+    /// [`reap`](Self::reap) limited to the live-looking slots for which `check(pid, host_pid)` is
+    /// true (a monitor that knows some processes are alive skips their lock test).
+    pub fn reap_where(&self, check: impl Fn(u32, u32) -> bool) -> u64 {
         if !self.writable {
             return 0;
         }
-        let Ok(fd) = reopen(&self.file, &self.path) else { return 0 };
+        let fd = match self.reap_fd.get() {
+            Some(fd) => fd,
+            None => match reopen(&self.file, &self.path) {
+                Ok(fd) => self.reap_fd.get_or_init(|| fd),
+                Err(_) => return 0,
+            },
+        };
         let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
         let mut freed = 0;
         for (i, slot) in self.map.slots[..hw].iter().enumerate() {
             if slot.state.load(Acquire) == 0 && slot.used.iter().all(|u| u.load(Relaxed) == 0) {
+                continue;
+            }
+            if slot.state.load(Acquire) != 0 && !check(slot.pid.load(Relaxed), slot.host_pid.load(Relaxed)) {
                 continue;
             }
             let byte = SLOT_LOCK_BASE + i as i64;

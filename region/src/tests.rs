@@ -103,6 +103,25 @@ fn dead_slots_are_reclaimed_exactly() {
 }
 
 #[test]
+fn reap_where_skips_only_the_slots_it_is_told_are_alive() {
+    let p = tmp("reap-where");
+    let r = Region::open_or_create(&p, init(0)).unwrap();
+    let a = r.claim(10, 110).unwrap();
+    let b = r.claim(20, 0).unwrap();
+    r.reserve(a.index, 0, 7, 0);
+    r.reserve(b.index, 0, 5, 0);
+    drop(a);
+    drop(b);
+    // Told (wrongly) that host PID 110 is alive: its slot is skipped; the other is reclaimed.
+    assert_eq!(r.reap_where(|_, host| host != 110), 5);
+    assert_eq!(r.used(0), 7);
+    // The next unrestricted reap finds it.
+    assert_eq!(r.reap_where(|pid, _| pid == 10), 7);
+    assert_eq!(r.used(0), 0);
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
 fn racing_reservations_never_exceed_the_limit() {
     let p = tmp("race");
     let limit = 64 << 20;
