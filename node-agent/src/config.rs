@@ -13,6 +13,9 @@ struct FileConfig {
     monitor_interval_ms: Option<u64>,
     log_format: Option<String>,
     escape_action: Option<String>,
+    library: Option<PathBuf>,
+    metrics_address: Option<String>,
+    health_recovery_s: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +40,13 @@ pub struct Config {
     pub monitor_interval_ms: u64,
     pub log_format: LogFormat,
     pub escape_action: EscapeAction,
+    /// The `libvgpu.so` to install for containers (copied under a versioned, content-addressed name).
+    pub library: PathBuf,
+    /// Prometheus endpoint (`host:port`); None: no metrics endpoint.
+    pub metrics_address: Option<std::net::SocketAddr>,
+    /// A GPU marked unhealthy by a critical XID becomes healthy again after this many seconds
+    /// without another one (and NVML answering for it).
+    pub health_recovery_s: u64,
 }
 
 /// Overrides from the command line.
@@ -45,6 +55,8 @@ pub struct Flags {
     pub config: Option<PathBuf>,
     pub state_dir: Option<PathBuf>,
     pub nvml_library: Option<PathBuf>,
+    pub socket: Option<PathBuf>,
+    pub metrics_address: Option<String>,
 }
 
 #[derive(Debug)]
@@ -59,6 +71,8 @@ impl std::fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/vgpu/agent.toml";
+/// Where `scripts/install.sh` and the container image put the library.
+pub const DEFAULT_LIBRARY: &str = "/usr/local/lib/vgpu/libvgpu.so";
 
 impl Config {
     /// Loads the configuration: `flags.config` (or `VGPU_AGENT_CONFIG`, or the default path if it
@@ -79,8 +93,10 @@ impl Config {
             .or_else(|| env("VGPU_AGENT_STATE_DIR").map(PathBuf::from))
             .or(file.state_dir)
             .unwrap_or_else(|| PathBuf::from("/var/lib/vgpu"));
-        let socket = env("VGPU_AGENT_SOCKET")
-            .map(PathBuf::from)
+        let socket = flags
+            .socket
+            .clone()
+            .or_else(|| env("VGPU_AGENT_SOCKET").map(PathBuf::from))
             .or(file.socket)
             .unwrap_or_else(|| PathBuf::from("/run/vgpu/agent.sock"));
         for (k, p) in [("state_dir", &state_dir), ("socket", &socket)] {
@@ -105,12 +121,43 @@ impl Config {
             Some("json") => LogFormat::Json,
             Some(v) => return Err(bad("log_format", format!("{v:?} is not text or json"))),
         };
-        let escape_action = match file.escape_action.as_deref() {
+        let escape_action = match env("VGPU_AGENT_ESCAPE_ACTION").or(file.escape_action).as_deref() {
             None | Some("report") => EscapeAction::Report,
             Some("kill") => EscapeAction::Kill,
             Some(v) => return Err(bad("escape_action", format!("{v:?} is not report or kill"))),
         };
-        Ok(Config { state_dir, socket, nvml_library, monitor_interval_ms, log_format, escape_action })
+        let library = env("VGPU_AGENT_LIBRARY")
+            .map(PathBuf::from)
+            .or(file.library)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_LIBRARY));
+        let metrics_address = match flags
+            .metrics_address
+            .clone()
+            .or_else(|| env("VGPU_AGENT_METRICS_ADDRESS"))
+            .or(file.metrics_address)
+            .as_deref()
+        {
+            None => Some(std::net::SocketAddr::from(([0, 0, 0, 0], 9394))),
+            Some("" | "off") => None,
+            Some(v) => Some(v.parse().map_err(|_| {
+                bad("metrics_address", format!("{v:?} is not an address such as 0.0.0.0:9394 (or \"off\")"))
+            })?),
+        };
+        let health_recovery_s = file.health_recovery_s.unwrap_or(60);
+        if !(1..=86_400).contains(&health_recovery_s) {
+            return Err(bad("health_recovery_s", format!("{health_recovery_s} is outside 1..=86400")));
+        }
+        Ok(Config {
+            state_dir,
+            socket,
+            nvml_library,
+            monitor_interval_ms,
+            log_format,
+            escape_action,
+            library,
+            metrics_address,
+            health_recovery_s,
+        })
     }
 
     fn read(p: &Path) -> Result<FileConfig, ConfigError> {
@@ -160,6 +207,14 @@ mod tests {
         assert_eq!(c.state_dir, PathBuf::from("/srv/c"), "flags over environment over file");
         assert_eq!((c.monitor_interval_ms, c.log_format, c.escape_action), (250, LogFormat::Json, EscapeAction::Kill));
         assert_eq!(c.nvml_library, Some(PathBuf::from("/x/nvml.so")));
+        assert_eq!(c.metrics_address, Some("0.0.0.0:9394".parse().unwrap()));
+        let c = load(
+            Some("metrics_address = \"127.0.0.1:9500\""),
+            &[("VGPU_AGENT_METRICS_ADDRESS", "off")],
+            Flags::default(),
+        )
+        .unwrap();
+        assert_eq!(c.metrics_address, None, "the environment switches metrics off");
     }
 
     #[test]
@@ -174,6 +229,10 @@ mod tests {
         assert!(e.contains("escape_action: \"shout\""), "{e}");
         let e = load(Some("monitor_interval_ms = \"x\""), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("agent.toml") && e.contains("monitor_interval_ms"), "{e}");
+        let e = load(Some("metrics_address = \"localhost\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("metrics_address: \"localhost\" is not an address"), "{e}");
+        let e = load(Some("health_recovery_s = 0"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("health_recovery_s: 0 is outside"), "{e}");
         let e = load(None, &[("VGPU_AGENT_MONITOR_INTERVAL_MS", "soon")], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("\"soon\" is not a number"), "{e}");
     }

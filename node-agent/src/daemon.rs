@@ -1,91 +1,154 @@
-//! The agent's main loop (first part): recover the slices on record, then run a monitoring pass every
-//! `monitor_interval_ms` until SIGTERM or SIGINT, logging escapes and writing a status snapshot
-//! (`<state_dir>/status.json`, replaced atomically) for operators and tools.
+//! The agent daemon. Start-up order: load the slice record and install the library (fast), serve the
+//! API socket at once (readiness false), then discover GPUs, start the XID watcher and the
+//! monitoring thread; ready after the first pass. SIGTERM or SIGINT stops it cleanly: the socket is
+//! removed, the threads joined. Running containers stay enforced without the agent: their limits
+//! live in their regions, which outlive it.
 
+use crate::agent::{Agent, VERSION};
 use crate::config::Config;
-use crate::discovery::{self, Inventory};
-use crate::monitor::{self, Escape, Report};
-use crate::slices::{Slice, SliceStore};
-use serde::Serialize;
+use crate::discovery;
+use crate::monitor::Monitor;
+use crate::slices::{install_library, SliceStore};
 use std::sync::atomic::{AtomicBool, Ordering::*};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-static STOP: AtomicBool = AtomicBool::new(false);
+/// How often the inventory (MIG layout, topology) is read again.
+const INVENTORY_REFRESH: Duration = Duration::from_secs(30);
 
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, SeqCst);
+pub fn run(cfg: Config) -> Result<u64, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(4)
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    rt.block_on(run_async(cfg))
 }
 
-#[derive(Serialize)]
-struct Status<'a> {
-    inventory: &'a Inventory,
-    slices: &'a [Slice],
-    report: &'a Report,
-    /// Duration of the last pass, in microseconds.
-    loop_us: u64,
-}
-
-/// Runs until a termination signal; returns the number of passes made.
-pub fn run(cfg: &Config) -> Result<u64, String> {
-    // SAFETY: installing an async-signal-safe handler (it only stores to an atomic).
-    unsafe {
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-    }
+async fn run_async(cfg: Config) -> Result<u64, String> {
     std::fs::create_dir_all(&cfg.state_dir).map_err(|e| format!("cannot create {}: {e}", cfg.state_dir.display()))?;
+    // The state directory holds the limits: only the agent writes there.
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o755));
     let store = SliceStore::open(&cfg.state_dir).map_err(|e| e.to_string())?;
-    let recovered = store.list().map_err(|e| e.to_string())?;
-    tracing::info!(slices = recovered.len(), state_dir = %cfg.state_dir.display(), "recovered slices");
-    let nvml = discovery::open(cfg.nvml_library.as_deref()).map_err(|e| e.to_string())?;
-    let inventory = discovery::discover(&nvml).map_err(|e| e.to_string())?;
-    for g in &inventory.gpus {
+    let library = if cfg.library.exists() {
+        let l = install_library(&cfg.library, &cfg.state_dir.join("lib"), VERSION).map_err(|e| e.to_string())?;
+        tracing::info!(library = %l.display(), "libvgpu.so installed for containers");
+        Some(l)
+    } else {
+        tracing::warn!(library = %cfg.library.display(), "libvgpu.so not found: slices get no library mount");
+        None
+    };
+    // The template a container's /etc/ld.so.preload is mounted from.
+    let tpl = cfg.state_dir.join("ld.so.preload");
+    let line = format!("{}/libvgpu.so\n", crate::slices::CONTAINER_DIR);
+    if std::fs::read_to_string(&tpl).ok().as_deref() != Some(line.as_str()) {
+        let tmp = tpl.with_extension("tmp");
+        std::fs::write(&tmp, &line)
+            .and_then(|_| std::fs::rename(&tmp, &tpl))
+            .map_err(|e| format!("cannot write {}: {e}", tpl.display()))?;
+    }
+    let agent = Arc::new(Agent::new(cfg.clone(), store, library)?);
+    tracing::info!(slices = agent.slices().len(), state_dir = %cfg.state_dir.display(), "recovered slices");
+
+    let listener = crate::api::bind(&cfg.socket)?;
+    tracing::info!(socket = %cfg.socket.display(), "serving the API");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut srx = stop_rx.clone();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(crate::api::server(agent.clone()))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
+                let _ = srx.wait_for(|s| *s).await;
+            }),
+    );
+    let metrics = match cfg.metrics_address {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+            let bound = l.local_addr().map_err(|e| e.to_string())?;
+            *agent.metrics_address.write() = Some(bound);
+            tracing::info!(address = %bound, "serving metrics");
+            Some(tokio::spawn(crate::metrics::serve(l, agent.clone())))
+        }
+        None => None,
+    };
+
+    // NVML is synchronous: discovery, XID events and passes run on threads of their own.
+    let stop = Arc::new(AtomicBool::new(false));
+    let nvml = {
+        let lib = cfg.nvml_library.clone();
+        tokio::task::spawn_blocking(move || discovery::open(lib.as_deref()))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?
+    };
+    let nvml = Arc::new(nvml);
+    let inv = discovery::discover(&nvml).map_err(|e| e.to_string())?;
+    for g in &inv.gpus {
         tracing::info!(gpu = %g.uuid, index = g.index, name = %g.name, memory = g.memory_total, "discovered GPU");
     }
-    let period = Duration::from_millis(cfg.monitor_interval_ms);
-    let mut passes = 0;
-    while !STOP.load(SeqCst) {
-        let t = Instant::now();
-        match monitor::tick(&nvml, &store) {
-            Ok(report) => {
-                if report.reclaimed > 0 {
-                    tracing::info!(bytes = report.reclaimed, "reclaimed memory of dead processes");
-                }
-                for e in &report.escapes {
-                    match e {
-                        Escape::Unaccounted { gpu, pid, memory } => {
-                            tracing::warn!(gpu = %gpu, pid, memory, "GPU process outside every slice")
-                        }
-                        Escape::OverLimit { slice, gpu, measured, limit } => {
-                            tracing::warn!(slice = %slice, gpu = %gpu, measured, limit, "slice over its memory limit")
-                        }
-                    }
-                }
-                let slices = store.list().unwrap_or_default();
-                let status = Status {
-                    inventory: &inventory,
-                    slices: &slices,
-                    report: &report,
-                    loop_us: t.elapsed().as_micros() as u64,
-                };
-                write_status(cfg, &status);
-            }
-            Err(e) => tracing::error!(error = %e, "monitoring pass failed"),
-        }
-        passes += 1;
-        let spent = t.elapsed();
-        if spent < period {
-            std::thread::sleep(period - spent);
-        }
+    *agent.inventory.write() = inv;
+    let xids = {
+        let (n, h, s) = (nvml.clone(), agent.health.clone(), stop.clone());
+        std::thread::Builder::new().name("xid-events".into()).spawn(move || crate::health::watch_xids(n, h, s))
     }
-    tracing::info!(passes, "shutting down");
+    .map_err(|e| e.to_string())?;
+    let monitor = {
+        let (n, a, s) = (nvml.clone(), agent.clone(), stop.clone());
+        std::thread::Builder::new().name("monitor".into()).spawn(move || monitor_loop(&n, &a, &s))
+    }
+    .map_err(|e| e.to_string())?;
+
+    let mut term =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut int =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("shutting down");
+    stop.store(true, SeqCst);
+    let _ = stop_tx.send(true);
+    if let Some(m) = metrics {
+        m.abort();
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    let _ = std::fs::remove_file(&cfg.socket);
+    let passes = tokio::task::spawn_blocking(move || {
+        let _ = xids.join();
+        monitor.join().unwrap_or(0)
+    })
+    .await
+    .unwrap_or(0);
+    tracing::info!(passes, "stopped");
     Ok(passes)
 }
 
-fn write_status(cfg: &Config, status: &Status<'_>) {
-    let path = cfg.state_dir.join("status.json");
-    let tmp = cfg.state_dir.join("status.json.tmp");
-    let data = serde_json::to_vec_pretty(status).expect("serialisable");
-    if let Err(e) = std::fs::write(&tmp, data).and_then(|_| std::fs::rename(&tmp, &path)) {
-        tracing::error!(error = %e, path = %path.display(), "cannot write the status snapshot");
+fn monitor_loop(nvml: &nvml_wrapper::Nvml, agent: &Agent, stop: &AtomicBool) -> u64 {
+    let period = Duration::from_millis(agent.cfg.monitor_interval_ms);
+    let mut m = Monitor::new(agent.cfg.escape_action);
+    let mut passes = 0;
+    let mut refreshed = Instant::now();
+    while !stop.load(Relaxed) {
+        let t = Instant::now();
+        if refreshed.elapsed() >= INVENTORY_REFRESH {
+            refreshed = t;
+            match discovery::discover(nvml) {
+                Ok(inv) => *agent.inventory.write() = inv,
+                Err(e) => tracing::warn!(error = %e, "inventory refresh failed"),
+            }
+        }
+        let slices = agent.slices();
+        let pass = m.pass(nvml, &agent.store, &slices);
+        agent.publish(pass, t.elapsed().as_micros() as u64);
+        passes += 1;
+        let spent = t.elapsed();
+        if spent < period {
+            agent.sleep(period - spent);
+        }
     }
+    passes
 }

@@ -18,7 +18,7 @@ impl std::fmt::Display for DiscoveryError {
 
 impl std::error::Error for DiscoveryError {}
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Inventory {
     pub driver_version: String,
     /// CUDA version the driver supports, e.g. 12040.
@@ -65,6 +65,8 @@ pub struct GpuInstance {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct MigDevice {
+    /// The GPU instance this MIG device is.
+    pub gpu_instance_id: Option<u32>,
     pub uuid: String,
     pub name: String,
     pub memory_total: u64,
@@ -192,6 +194,11 @@ fn mig(nvml: &Nvml, d: &Device) -> Option<Mig> {
     let devices = (0..d.mig_device_count().unwrap_or(0))
         .filter_map(|i| d.mig_device_by_index(i).ok())
         .map(|m| MigDevice {
+            gpu_instance_id: {
+                let mut id = 0;
+                // SAFETY: a MIG device handle nvml-wrapper just gave us; `id` is a valid out-pointer.
+                (unsafe { lib.nvmlDeviceGetGpuInstanceId(m.handle(), &mut id) } == 0).then_some(id)
+            },
             uuid: m.uuid().unwrap_or_default(),
             name: m.name().unwrap_or_default(),
             memory_total: m.memory_info().map_or(0, |x| x.total),

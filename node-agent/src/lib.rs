@@ -1,8 +1,14 @@
-//! The vgpu node agent's library: configuration, GPU discovery through NVML, slices, the monitoring
-//! pass and the main loop. The gRPC API and metrics arrive with their issue.
+//! The vgpu node agent's library: configuration, GPU discovery and health through NVML, slices,
+//! the monitoring pass, the gRPC API, metrics and the daemon. `vgpuctl` is built from it too.
 
+pub mod agent;
+pub mod api;
 pub mod config;
+pub mod ctl;
 pub mod daemon;
 pub mod discovery;
+pub mod health;
+pub mod metrics;
 pub mod monitor;
+pub mod procfs;
 pub mod slices;

@@ -10,6 +10,7 @@
 //! name and renamed, never overwriting a file that running containers may have mapped.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use vgpu_region::{Init, Region};
@@ -43,6 +44,9 @@ pub struct Slice {
     pub gpus: Vec<SliceGpu>,
     /// Seconds since the epoch.
     pub created: u64,
+    /// Free-form owner labels (e.g. namespace, pod, container).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
 }
 
 /// A bind mount into the container.
@@ -98,7 +102,7 @@ impl SliceStore {
     }
 
     /// Creates a slice; fails if one of that name exists.
-    pub fn create(&self, name: &str, gpus: Vec<SliceGpu>) -> Result<Slice> {
+    pub fn create(&self, name: &str, gpus: Vec<SliceGpu>, labels: BTreeMap<String, String>) -> Result<Slice> {
         if !valid_name(name) {
             return Err(SliceError(format!(
                 "invalid slice name {name:?}: use 1-63 lower-case letters, digits, '-', '_' or '.'"
@@ -121,7 +125,7 @@ impl SliceStore {
             Region::open_or_create(&dir.join("limits"), init).map_err(|e| SliceError(e.to_string()))?;
             Region::open_or_create(&dir.join("region"), init).map_err(|e| SliceError(e.to_string()))?;
             let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-            let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created };
+            let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels };
             write_atomic(&dir.join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
             Ok(s)
         })();
@@ -199,7 +203,7 @@ impl SliceStore {
     }
 
     /// The environment and mounts that put a process into this slice (for `docker run`).
-    pub fn injection(&self, name: &str, library: &Path) -> Result<Injection> {
+    pub fn injection(&self, name: &str, library: Option<&Path>) -> Result<Injection> {
         let s = self.get(name)?;
         let mut env = vec![
             ("LD_PRELOAD".to_string(), format!("{CONTAINER_DIR}/libvgpu.so")),
@@ -220,11 +224,13 @@ impl SliceStore {
         }
         let dir = self.dir(name);
         let m = |host: PathBuf, container: String, read_only| Mount { host, container, read_only };
-        let mounts = vec![
+        let mut mounts = vec![
             m(dir.clone(), CONTAINER_DIR.to_string(), false),
             m(dir.join("limits"), format!("{CONTAINER_DIR}/limits"), true),
-            m(library.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true),
         ];
+        if let Some(lib) = library {
+            mounts.push(m(lib.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true));
+        }
         Ok(Injection { env, mounts })
     }
 }
@@ -263,11 +269,15 @@ mod tests {
     #[test]
     fn create_get_update_list_delete() {
         let (s, d) = store();
-        let a = s.create("job1", vec![gpu(8 << 30, 30)]).unwrap();
+        let a = s.create("job1", vec![gpu(8 << 30, 30)], Default::default()).unwrap();
         assert_eq!(s.get("job1").unwrap(), a);
-        assert!(s.create("job1", vec![gpu(1, 0)]).unwrap_err().0.contains("already exists"));
-        assert!(s.create("Bad Name", vec![gpu(1, 0)]).unwrap_err().0.contains("invalid slice name"));
-        assert!(s.create("x", vec![gpu(1, 120)]).unwrap_err().0.contains("above 100"));
+        assert!(s.create("job1", vec![gpu(1, 0)], Default::default()).unwrap_err().0.contains("already exists"));
+        assert!(s
+            .create("Bad Name", vec![gpu(1, 0)], Default::default())
+            .unwrap_err()
+            .0
+            .contains("invalid slice name"));
+        assert!(s.create("x", vec![gpu(1, 120)], Default::default()).unwrap_err().0.contains("above 100"));
         let limits = Region::open(&s.dir("job1").join("limits"), false).unwrap();
         assert_eq!(
             (limits.mem_limit(0), limits.sm_limit(0), limits.device_uuid(0)),
@@ -280,7 +290,7 @@ mod tests {
             .unwrap_err()
             .0
             .contains("no GPU"));
-        s.create("job0", vec![gpu(1 << 30, 0)]).unwrap();
+        s.create("job0", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
         let names: Vec<String> = s.list().unwrap().into_iter().map(|x| x.name).collect();
         assert_eq!(names, vec!["job0", "job1"]);
         // A live process in the slice blocks deletion.
@@ -299,7 +309,12 @@ mod tests {
     #[test]
     fn injection_and_library_install() {
         let (s, d) = store();
-        s.create("web", vec![gpu(3000 << 20, 25), SliceGpu { uuid: "GPU-bbbb".into(), memory: 0, sm: 0 }]).unwrap();
+        s.create(
+            "web",
+            vec![gpu(3000 << 20, 25), SliceGpu { uuid: "GPU-bbbb".into(), memory: 0, sm: 0 }],
+            Default::default(),
+        )
+        .unwrap();
         let src = d.join("libvgpu.so");
         std::fs::write(&src, b"v1").unwrap();
         let lib = install_library(&src, &d.join("lib"), "0.1.0").unwrap();
@@ -309,7 +324,7 @@ mod tests {
         let lib2 = install_library(&src, &d.join("lib"), "0.1.0").unwrap();
         assert_ne!(lib2, lib, "new content gets a new name");
         assert_eq!(std::fs::read(&lib).unwrap(), b"v1", "the old file is left for running containers");
-        let inj = s.injection("web", &lib).unwrap();
+        let inj = s.injection("web", Some(&lib)).unwrap();
         let get = |k: &str| inj.env.iter().find(|(a, _)| a == k).map(|(_, v)| v.clone());
         assert_eq!(get("CUDA_DEVICE_MEMORY_LIMIT_0").as_deref(), Some("3000m"));
         assert_eq!(get("CUDA_DEVICE_SM_LIMIT_0").as_deref(), Some("25"));

@@ -1,0 +1,394 @@
+//! The agent's shared state: configuration, the slice record (kept in memory, persisted by the
+//! store), the inventory, GPU health, counters and the latest status, which the monitoring thread
+//! publishes after every pass and the API and metrics endpoints read.
+
+use crate::config::Config;
+use crate::discovery::Inventory;
+use crate::health::Health;
+use crate::monitor::Pass;
+use crate::slices::{Injection, Slice, SliceError, SliceGpu, SliceStore};
+use parking_lot::{Mutex, RwLock};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+use tokio::sync::watch;
+use vgpu_proto::v1 as pb;
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[derive(Default)]
+pub struct Stats {
+    pub passes: AtomicU64,
+    pub reclaimed_bytes: AtomicU64,
+    pub escapes_total: AtomicU64,
+    pub escapes_unaccounted: AtomicU64,
+    pub escapes_over_limit: AtomicU64,
+    pub loop_us: AtomicU64,
+    pub loop_max_us: AtomicU64,
+    pub loop_us_total: AtomicU64,
+}
+
+pub struct Agent {
+    pub cfg: Config,
+    pub store: SliceStore,
+    slices: RwLock<BTreeMap<String, Slice>>,
+    /// The same, as the monitoring thread reads it every pass (rebuilt on change).
+    snapshot: RwLock<Arc<Vec<Slice>>>,
+    /// Serialises slice changes (the record on disk and in memory change together).
+    changing: Mutex<()>,
+    pub library: Option<PathBuf>,
+    pub inventory: RwLock<Inventory>,
+    pub health: Arc<Health>,
+    pub stats: Stats,
+    pub ready: AtomicBool,
+    status: watch::Sender<Arc<pb::NodeStatus>>,
+    started: Instant,
+    hostname: String,
+    /// Bound metrics address (after binding port 0, the real port).
+    pub metrics_address: RwLock<Option<std::net::SocketAddr>>,
+    /// Resident memory, read every tenth pass.
+    rss: AtomicU64,
+    /// Wakes the monitoring thread for a pass now (after a slice change).
+    kick: (std::sync::Mutex<bool>, std::sync::Condvar),
+}
+
+fn hostname() -> String {
+    let mut b = [0u8; 256];
+    // SAFETY: the buffer is writable for its length; gethostname NUL-terminates within it or truncates.
+    unsafe { libc::gethostname(b.as_mut_ptr().cast(), b.len() - 1) };
+    String::from_utf8_lossy(&b[..b.iter().position(|&c| c == 0).unwrap_or(0)]).into_owned()
+}
+
+/// A slice API error: what gRPC status it maps to, and the message.
+#[derive(Debug)]
+pub enum ApiError {
+    Invalid(String),
+    NotFound(String),
+    Exists(String),
+    Busy(String),
+    Internal(String),
+}
+
+impl From<SliceError> for ApiError {
+    fn from(e: SliceError) -> ApiError {
+        let m = e.0;
+        if m.contains("already exists") {
+            ApiError::Exists(m)
+        } else if m.starts_with("no slice named") || m.contains(" has no GPU ") {
+            ApiError::NotFound(m)
+        } else if m.contains("live process") {
+            ApiError::Busy(m)
+        } else if m.starts_with("invalid") || m.contains("above 100") || m.starts_with("a slice has") {
+            ApiError::Invalid(m)
+        } else {
+            ApiError::Internal(m)
+        }
+    }
+}
+
+impl Agent {
+    pub fn new(cfg: Config, store: SliceStore, library: Option<PathBuf>) -> Result<Agent, String> {
+        let list = store.list().map_err(|e| e.to_string())?;
+        let snapshot = RwLock::new(Arc::new(list.clone()));
+        let slices = list.into_iter().map(|s| (s.name.clone(), s)).collect();
+        let health = Arc::new(Health::new(std::time::Duration::from_secs(cfg.health_recovery_s)));
+        Ok(Agent {
+            cfg,
+            store,
+            slices: RwLock::new(slices),
+            snapshot,
+            changing: Mutex::new(()),
+            library,
+            inventory: RwLock::new(Inventory::default()),
+            health,
+            stats: Stats::default(),
+            ready: AtomicBool::new(false),
+            status: watch::Sender::new(Arc::new(pb::NodeStatus::default())),
+            started: Instant::now(),
+            hostname: hostname(),
+            metrics_address: RwLock::new(None),
+            kick: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
+            rss: AtomicU64::new(0),
+        })
+    }
+
+    /// Sleeps until `timeout` passes or a pass is asked for.
+    pub fn sleep(&self, timeout: std::time::Duration) {
+        let (m, c) = &self.kick;
+        let g = m.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut g, _) = c.wait_timeout_while(g, timeout, |k| !*k).unwrap_or_else(|p| p.into_inner());
+        *g = false;
+    }
+
+    /// Asks for a pass now and waits (up to a second) until one has been published, so that a status
+    /// read after a slice change shows it.
+    fn refresh(&self) {
+        if !self.ready.load(Acquire) {
+            return;
+        }
+        let seq = self.status().sequence;
+        let (m, c) = &self.kick;
+        *m.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        c.notify_all();
+        let t = Instant::now();
+        // Two passes: the one running when asked may have started before the change.
+        while self.status().sequence < seq + 2 && t.elapsed() < std::time::Duration::from_secs(1) {
+            *m.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            c.notify_all();
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// Every slice, in name order.
+    pub fn slices(&self) -> Arc<Vec<Slice>> {
+        self.snapshot.read().clone()
+    }
+
+    fn changed(&self) {
+        *self.snapshot.write() = Arc::new(self.slices.read().values().cloned().collect());
+    }
+
+    pub fn status(&self) -> Arc<pb::NodeStatus> {
+        self.status.borrow().clone()
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Arc<pb::NodeStatus>> {
+        self.status.subscribe()
+    }
+
+    /// Resolves a GPU given as a node index or a UUID (or a unique UUID prefix).
+    fn resolve_gpu(&self, gpu: &str) -> Result<(String, u64), ApiError> {
+        let inv = self.inventory.read();
+        let g = if let Ok(i) = gpu.parse::<u32>() {
+            inv.gpus.iter().find(|g| g.index == i)
+        } else {
+            let m: Vec<_> = inv.gpus.iter().filter(|g| g.uuid.starts_with(gpu)).collect();
+            if m.len() > 1 {
+                return Err(ApiError::Invalid(format!("GPU {gpu:?} matches {} GPUs; give more of the UUID", m.len())));
+            }
+            m.first().copied()
+        };
+        let g = g.ok_or_else(|| {
+            ApiError::Invalid(format!(
+                "no GPU {gpu:?} on this node (it has {} GPUs: indices 0..{})",
+                inv.gpus.len(),
+                inv.gpus.len()
+            ))
+        })?;
+        Ok((g.uuid.clone(), g.memory_total))
+    }
+
+    fn limits(&self, gpus: &[pb::SliceGpuLimit]) -> Result<Vec<SliceGpu>, ApiError> {
+        let mut v: Vec<SliceGpu> = Vec::new();
+        for g in gpus {
+            let (uuid, total) = self.resolve_gpu(&g.gpu)?;
+            if g.memory > total {
+                return Err(ApiError::Invalid(format!(
+                    "memory limit {} is more than GPU {} has ({} bytes)",
+                    g.memory, g.gpu, total
+                )));
+            }
+            if v.iter().any(|x| x.uuid == uuid) {
+                return Err(ApiError::Invalid(format!("GPU {} given twice", g.gpu)));
+            }
+            v.push(SliceGpu { uuid, memory: g.memory, sm: g.sm });
+        }
+        Ok(v)
+    }
+
+    pub fn create_slice(&self, req: pb::CreateSliceRequest) -> Result<pb::SliceDetail, ApiError> {
+        if req.gpus.is_empty() {
+            return Err(ApiError::Invalid("a slice needs at least one GPU".into()));
+        }
+        let gpus = self.limits(&req.gpus)?;
+        let _g = self.changing.lock();
+        let s = self.store.create(&req.name, gpus, req.labels.into_iter().collect())?;
+        tracing::info!(slice = %s.name, gpus = s.gpus.len(), "slice created");
+        self.slices.write().insert(s.name.clone(), s.clone());
+        self.changed();
+        drop(_g);
+        self.refresh();
+        self.detail(&s)
+    }
+
+    pub fn update_slice(&self, req: pb::UpdateSliceRequest) -> Result<pb::SliceDetail, ApiError> {
+        let gpus = self.limits(&req.gpus)?;
+        let _g = self.changing.lock();
+        let s = self.store.update(&req.name, &gpus)?;
+        tracing::info!(slice = %s.name, "slice limits changed");
+        self.slices.write().insert(s.name.clone(), s.clone());
+        self.changed();
+        drop(_g);
+        self.refresh();
+        self.detail(&s)
+    }
+
+    pub fn delete_slice(&self, name: &str, force: bool) -> Result<(), ApiError> {
+        let _g = self.changing.lock();
+        self.store.delete(name, force)?;
+        self.slices.write().remove(name);
+        self.changed();
+        tracing::info!(slice = %name, force, "slice deleted");
+        drop(_g);
+        self.refresh();
+        Ok(())
+    }
+
+    pub fn get_slice(&self, name: &str) -> Result<pb::SliceDetail, ApiError> {
+        let s = self
+            .slices
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ApiError::NotFound(format!("no slice named {name}")))?;
+        self.detail(&s)
+    }
+
+    pub fn detail(&self, s: &Slice) -> Result<pb::SliceDetail, ApiError> {
+        let Injection { env, mounts } = self.store.injection(&s.name, self.library.as_deref())?;
+        Ok(pb::SliceDetail {
+            name: s.name.clone(),
+            labels: s.labels.clone().into_iter().collect(),
+            created_unix: s.created,
+            gpus: s
+                .gpus
+                .iter()
+                .map(|g| pb::SliceGpuLimit { gpu: g.uuid.clone(), memory: g.memory, sm: g.sm })
+                .collect(),
+            env: env.into_iter().collect(),
+            mounts: mounts
+                .into_iter()
+                .map(|m| pb::Mount {
+                    host_path: m.host.display().to_string(),
+                    container_path: m.container,
+                    read_only: m.read_only,
+                })
+                .collect(),
+            state_dir: self.store.dir(&s.name).display().to_string(),
+        })
+    }
+
+    pub fn health_response(&self) -> pb::HealthResponse {
+        let ready = self.ready.load(Acquire);
+        let mut problems = Vec::new();
+        if !ready {
+            problems.push("no monitoring pass completed yet".to_string());
+        }
+        if self.library.is_none() {
+            problems.push(format!("libvgpu.so not installed: {} is missing", self.cfg.library.display()));
+        }
+        for g in &self.status().gpus {
+            if !g.healthy {
+                problems.push(format!("GPU {} ({}) unhealthy: {}", g.index, g.uuid, g.health_reason));
+            }
+        }
+        pb::HealthResponse {
+            live: true,
+            ready,
+            problems,
+            metrics_address: self.metrics_address.read().map(|a| a.to_string()).unwrap_or_default(),
+        }
+    }
+
+    /// Folds a monitoring pass into the counters and publishes the node's status.
+    pub fn publish(&self, pass: Pass, loop_us: u64) {
+        let st = &self.stats;
+        let passes = st.passes.fetch_add(1, Relaxed) + 1;
+        st.reclaimed_bytes.fetch_add(pass.reclaimed, Relaxed);
+        st.escapes_total.fetch_add(pass.new_escapes.iter().sum(), Relaxed);
+        st.escapes_unaccounted.fetch_add(pass.new_escapes[pb::escape::Kind::Unaccounted as usize], Relaxed);
+        st.escapes_over_limit.fetch_add(pass.new_escapes[pb::escape::Kind::OverLimit as usize], Relaxed);
+        st.loop_us.store(loop_us, Relaxed);
+        st.loop_max_us.fetch_max(loop_us, Relaxed);
+        st.loop_us_total.fetch_add(loop_us, Relaxed);
+        if pass.reclaimed > 0 {
+            tracing::info!(bytes = pass.reclaimed, "reclaimed memory of dead processes");
+        }
+        let inv = self.inventory.read();
+        let gpus = pass
+            .gpus
+            .iter()
+            .map(|g| {
+                let info = inv.gpus.iter().find(|x| x.uuid == g.uuid || (g.uuid.is_empty() && x.index == g.index));
+                let (healthy, health_reason) =
+                    self.health.check(info.map_or(g.uuid.as_str(), |i| i.uuid.as_str()), g.error.as_deref());
+                let mig = info.and_then(|i| i.mig.as_ref());
+                let mode = if mig.is_some_and(|m| m.enabled) {
+                    "mig"
+                } else if g.slices > 1 || (g.outsiders && g.slices > 0) {
+                    "shared"
+                } else {
+                    "exclusive"
+                };
+                pb::GpuStatus {
+                    index: g.index,
+                    uuid: info.map_or(g.uuid.clone(), |i| i.uuid.clone()),
+                    model: info.map(|i| i.name.clone()).unwrap_or_default(),
+                    mode: mode.into(),
+                    memory_used: g.memory_used,
+                    memory_total: g.memory_total,
+                    utilization: g.utilization,
+                    healthy,
+                    health_reason,
+                    sm_count: info.and_then(|i| i.sm_count).unwrap_or(0),
+                    numa_node: info.and_then(|i| i.numa_node).map_or(-1, |n| n as i32),
+                    pci_bus_id: info.map(|i| i.pci_bus_id.clone()).unwrap_or_default(),
+                    mig: Some(pb::MigStatus {
+                        supported: mig.is_some(),
+                        enabled: mig.is_some_and(|m| m.enabled),
+                        pending: mig.is_some_and(|m| m.pending),
+                        instances: mig
+                            .map(|m| {
+                                m.gpu_instances
+                                    .iter()
+                                    .map(|gi| (gi, m.devices.iter().find(|d| d.gpu_instance_id == Some(gi.id))))
+                                    .map(|(gi, dev)| pb::MigInstance {
+                                        gpu_instance_id: gi.id,
+                                        profile_id: gi.profile_id,
+                                        start: gi.start,
+                                        size: gi.size,
+                                        uuid: dev.map(|d| d.uuid.clone()).unwrap_or_default(),
+                                        name: dev.map(|d| d.name.clone()).unwrap_or_default(),
+                                        memory_total: dev.map_or(0, |d| d.memory_total),
+                                        compute_instances: gi.compute_instances.len() as u32,
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                    }),
+                }
+            })
+            .collect();
+        let status = pb::NodeStatus {
+            hostname: self.hostname.clone(),
+            agent_version: VERSION.into(),
+            driver_version: inv.driver_version.clone(),
+            cuda_version: inv.cuda_version,
+            timestamp_ms: SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            sequence: passes,
+            gpus,
+            slices: pass.slices,
+            escapes: pass.escapes,
+            agent: Some(pb::AgentStats {
+                loop_us,
+                loop_max_us: st.loop_max_us.load(Relaxed),
+                passes,
+                reclaimed_bytes: st.reclaimed_bytes.load(Relaxed),
+                escapes_total: st.escapes_total.load(Relaxed),
+                resident_bytes: if passes % 10 == 1 {
+                    let r = crate::procfs::self_rss();
+                    self.rss.store(r, Relaxed);
+                    r
+                } else {
+                    self.rss.load(Relaxed)
+                },
+                uptime_s: self.started.elapsed().as_secs(),
+            }),
+        };
+        drop(inv);
+        self.status.send_replace(Arc::new(status));
+        self.ready.store(true, Release);
+    }
+}

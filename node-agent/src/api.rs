@@ -1,0 +1,160 @@
+//! The `vgpu.v1.Agent` gRPC service over the agent's Unix socket, and the client side that
+//! `vgpuctl` and tests use.
+
+use crate::agent::{Agent, ApiError};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use vgpu_proto::v1 as pb;
+use vgpu_proto::v1::agent_server::AgentServer;
+
+pub struct Service {
+    agent: Arc<Agent>,
+}
+
+impl From<ApiError> for Status {
+    fn from(e: ApiError) -> Status {
+        match e {
+            ApiError::Invalid(m) => Status::invalid_argument(m),
+            ApiError::NotFound(m) => Status::not_found(m),
+            ApiError::Exists(m) => Status::already_exists(m),
+            ApiError::Busy(m) => Status::failed_precondition(m),
+            ApiError::Internal(m) => Status::internal(m),
+        }
+    }
+}
+
+impl Service {
+    fn ready(&self) -> Result<(), Status> {
+        if self.agent.ready.load(std::sync::atomic::Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(Status::unavailable("the agent is starting: GPU discovery or the first monitoring pass is not done"))
+        }
+    }
+}
+
+pub fn server(agent: Arc<Agent>) -> AgentServer<Service> {
+    AgentServer::new(Service { agent })
+}
+
+/// Runs a blocking slice operation (file system work) off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| Status::internal(e.to_string()))?.map_err(Status::from)
+}
+
+#[tonic::async_trait]
+impl pb::agent_server::Agent for Service {
+    async fn status(&self, _: Request<pb::StatusRequest>) -> Result<Response<pb::NodeStatus>, Status> {
+        self.ready()?;
+        Ok(Response::new((*self.agent.status()).clone()))
+    }
+
+    type WatchStatusStream = ReceiverStream<Result<pb::NodeStatus, Status>>;
+
+    async fn watch_status(
+        &self,
+        req: Request<pb::WatchStatusRequest>,
+    ) -> Result<Response<Self::WatchStatusStream>, Status> {
+        let min = Duration::from_millis(req.into_inner().min_interval_ms.clamp(10, 3_600_000) as u64);
+        let mut rx = self.agent.subscribe();
+        let (tx, out) = tokio::sync::mpsc::channel(2);
+        tokio::spawn(async move {
+            loop {
+                let s = (**rx.borrow_and_update()).clone();
+                if s.sequence > 0 && tx.send(Ok(s)).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(min).await;
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(out)))
+    }
+
+    async fn create_slice(&self, req: Request<pb::CreateSliceRequest>) -> Result<Response<pb::SliceDetail>, Status> {
+        self.ready()?;
+        let a = self.agent.clone();
+        Ok(Response::new(blocking(move || a.create_slice(req.into_inner())).await?))
+    }
+
+    async fn update_slice(&self, req: Request<pb::UpdateSliceRequest>) -> Result<Response<pb::SliceDetail>, Status> {
+        self.ready()?;
+        let a = self.agent.clone();
+        Ok(Response::new(blocking(move || a.update_slice(req.into_inner())).await?))
+    }
+
+    async fn delete_slice(
+        &self,
+        req: Request<pb::DeleteSliceRequest>,
+    ) -> Result<Response<pb::DeleteSliceResponse>, Status> {
+        let a = self.agent.clone();
+        let r = req.into_inner();
+        blocking(move || a.delete_slice(&r.name, r.force)).await?;
+        Ok(Response::new(pb::DeleteSliceResponse {}))
+    }
+
+    async fn list_slices(&self, _: Request<pb::ListSlicesRequest>) -> Result<Response<pb::ListSlicesResponse>, Status> {
+        let slices = self.agent.slices().iter().map(|s| self.agent.detail(s)).collect::<Result<_, _>>()?;
+        Ok(Response::new(pb::ListSlicesResponse { slices }))
+    }
+
+    async fn get_slice(&self, req: Request<pb::GetSliceRequest>) -> Result<Response<pb::SliceDetail>, Status> {
+        Ok(Response::new(self.agent.get_slice(&req.into_inner().name)?))
+    }
+
+    async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+        Ok(Response::new(self.agent.health_response()))
+    }
+}
+
+/// Binds the API socket: refuses if another agent answers on it, removes a stale one, and leaves
+/// the socket readable and writable by its owner and group only (mode 0660).
+pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!("another agent is serving on {}", path.display()));
+        }
+        std::fs::remove_file(path).map_err(|e| format!("cannot remove the stale socket {}: {e}", path.display()))?;
+    }
+    // The socket is created with the umask's permissions: make it 0660 from the start (no window in
+    // which others could connect). The agent is single-threaded at this point.
+    // SAFETY: umask has no preconditions.
+    let old = unsafe { libc::umask(0o117) };
+    let l = std::os::unix::net::UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let l = l.map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    l.set_nonblocking(true).map_err(|e| e.to_string())?;
+    tokio::net::UnixListener::from_std(l).map_err(|e| e.to_string())
+}
+
+/// A client of the agent on the Unix socket at `path`.
+pub async fn connect(path: &Path) -> Result<pb::agent_client::AgentClient<tonic::transport::Channel>, String> {
+    let p: PathBuf = path.to_owned();
+    // The URI is required by the API but unused: the connector dials the socket.
+    let channel =
+        tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let p = p.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                }
+            }))
+            .await
+            .map_err(|e| {
+                let cause = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
+                format!(
+                    "cannot reach the agent at {}{cause} (is vgpu-node-agent running? see `vgpuctl doctor`)",
+                    path.display()
+                )
+            })?;
+    Ok(pb::agent_client::AgentClient::new(channel))
+}

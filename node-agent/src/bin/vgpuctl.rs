@@ -1,0 +1,237 @@
+//! vgpuctl: the operator's command line for the vgpu node agent (over its Unix socket).
+//! Exit codes: 0 success, 1 the operation failed (or `doctor` found a failure), 2 usage error,
+//! 3 the agent cannot be reached.
+
+use clap::{Args, Parser, Subcommand};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use vgpu_agent::config::{Config, Flags};
+use vgpu_agent::ctl::{self, Style};
+use vgpu_proto::v1 as pb;
+
+#[derive(Parser)]
+#[command(name = "vgpuctl", version, about = "Operate the vgpu node agent: status, slices, diagnosis")]
+struct Cli {
+    /// The agent's socket [default: the agent configuration's, or /run/vgpu/agent.sock]
+    #[arg(long, global = true, env = "VGPU_SOCKET")]
+    socket: Option<PathBuf>,
+    /// The agent's configuration file (for defaults and `doctor`)
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// Print JSON instead of tables
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// GPUs and slices on this node
+    Status {
+        /// Keep printing as the agent's status changes
+        #[arg(long)]
+        watch: bool,
+        /// With --watch: at most one update per this many milliseconds
+        #[arg(long, default_value_t = 1000)]
+        interval: u32,
+    },
+    /// Create, change, delete and list slices (for hosts without Kubernetes)
+    #[command(subcommand)]
+    Slice(SliceCmd),
+    /// One slice: limits, environment, mounts, usage
+    Inspect { name: String },
+    /// Check NVML, the driver, the library, the state directory, the agent, kubelet and CDI
+    Doctor,
+}
+
+#[derive(Args)]
+struct Limits {
+    /// GPU index or UUID; repeat or separate with commas for several GPUs
+    #[arg(long, value_delimiter = ',', required = true)]
+    gpu: Vec<String>,
+    /// Memory limit per GPU, e.g. 8GiB, 512m [default: none]
+    #[arg(long, value_parser = ctl::parse_size)]
+    memory: Option<u64>,
+    /// SM-time limit per GPU in percent, 1-100 [default: none]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
+    sm: Option<u32>,
+}
+
+#[derive(Subcommand)]
+enum SliceCmd {
+    /// Create a slice and print how to run a container in it
+    Create {
+        #[arg(long)]
+        name: String,
+        #[command(flatten)]
+        limits: Limits,
+        /// Owner labels, key=value (e.g. namespace=ml)
+        #[arg(long = "label", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+    },
+    /// Change a slice's limits (running processes follow at once)
+    Update {
+        name: String,
+        #[command(flatten)]
+        limits: Limits,
+    },
+    /// Delete a slice (refused while its processes run, unless --force)
+    Delete {
+        name: String,
+        #[arg(long)]
+        force: bool,
+    },
+    /// List slices
+    List,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("{s:?} is not key=value"))
+}
+
+fn die(code: i32, msg: impl std::fmt::Display) -> ! {
+    eprintln!("vgpuctl: {msg}");
+    std::process::exit(code)
+}
+
+fn grpc_err(s: tonic::Status) -> ! {
+    let code = match s.code() {
+        tonic::Code::Unavailable => 3,
+        _ => 1,
+    };
+    die(code, s.message())
+}
+
+fn json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string_pretty(v).expect("serialisable")
+}
+
+fn limits(l: &Limits) -> Vec<pb::SliceGpuLimit> {
+    l.gpu
+        .iter()
+        .map(|g| pb::SliceGpuLimit { gpu: g.clone(), memory: l.memory.unwrap_or(0), sm: l.sm.unwrap_or(0) })
+        .collect()
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let flags = Flags { config: cli.config.clone(), socket: cli.socket.clone(), ..Default::default() };
+    let cfg = Config::load(&flags, |k| std::env::var(k).ok()).unwrap_or_else(|e| die(2, e));
+    let style = Style { colour: std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none() };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| die(1, e));
+    rt.block_on(async {
+        if let Cmd::Doctor = cli.cmd {
+            let health = match vgpu_agent::api::connect(&cfg.socket).await {
+                Ok(mut c) => c.health(pb::HealthRequest {}).await.map(|r| r.into_inner()).map_err(|e| e.message().to_string()),
+                Err(e) => Err(e),
+            };
+            let checks = tokio::task::spawn_blocking(move || ctl::doctor(&cfg, health)).await.unwrap_or_else(|e| die(1, e));
+            if cli.json {
+                println!("{}", json(&checks));
+            } else {
+                print!("{}", ctl::render_doctor(&checks, style));
+            }
+            std::process::exit(if checks.iter().any(|c| c.level == "fail") { 1 } else { 0 });
+        }
+        let mut c = vgpu_agent::api::connect(&cfg.socket).await.unwrap_or_else(|e| die(3, e));
+        match cli.cmd {
+            Cmd::Status { watch: false, .. } => {
+                let st = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                if cli.json {
+                    println!("{}", json(&st));
+                } else {
+                    print!("{}", ctl::render_status(&st, style));
+                }
+            }
+            Cmd::Status { watch: true, interval } => {
+                let mut s = c
+                    .watch_status(pb::WatchStatusRequest { min_interval_ms: interval })
+                    .await
+                    .unwrap_or_else(|e| grpc_err(e))
+                    .into_inner();
+                let mut out = std::io::stdout();
+                while let Some(st) = s.message().await.unwrap_or_else(|e| grpc_err(e)) {
+                    let text = if cli.json {
+                        format!("{}\n", serde_json::to_string(&st).expect("serialisable"))
+                    } else if style.colour {
+                        format!("\x1b[H\x1b[2J{}", ctl::render_status(&st, style))
+                    } else {
+                        format!("{}\n", ctl::render_status(&st, style))
+                    };
+                    if out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_err() {
+                        return; // the reader went away
+                    }
+                }
+            }
+            Cmd::Slice(SliceCmd::Create { name, limits: l, labels }) => {
+                let req = pb::CreateSliceRequest { name, gpus: limits(&l), labels: labels.into_iter().collect() };
+                let d = c.create_slice(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                println!("{}", if cli.json { json(&d) } else { ctl::render_slice(&d) });
+            }
+            Cmd::Slice(SliceCmd::Update { name, limits: l }) => {
+                let d = c.update_slice(pb::UpdateSliceRequest { name, gpus: limits(&l) }).await.unwrap_or_else(|e| grpc_err(e));
+                let d = d.into_inner();
+                println!("{}", if cli.json { json(&d) } else { ctl::render_slice(&d) });
+            }
+            Cmd::Slice(SliceCmd::Delete { name, force }) => {
+                c.delete_slice(pb::DeleteSliceRequest { name: name.clone(), force }).await.unwrap_or_else(|e| grpc_err(e));
+                if !cli.json {
+                    println!("slice {name} deleted");
+                }
+            }
+            Cmd::Slice(SliceCmd::List) => {
+                let l = c.list_slices(pb::ListSlicesRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                if cli.json {
+                    println!("{}", json(&l.slices));
+                } else if l.slices.is_empty() {
+                    println!("no slices");
+                } else {
+                    for d in &l.slices {
+                        let gpus: Vec<String> = d
+                            .gpus
+                            .iter()
+                            .map(|g| {
+                                let m = if g.memory == 0 { "-".into() } else { ctl::human(g.memory) };
+                                let sm = if g.sm == 0 { "-".into() } else { format!("{}%", g.sm) };
+                                format!("{} mem {m} sm {sm}", g.gpu)
+                            })
+                            .collect();
+                        println!("{:<24} {}", d.name, gpus.join("; "));
+                    }
+                }
+            }
+            Cmd::Inspect { name } => {
+                let d = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                let st = c.status(pb::StatusRequest {}).await.ok().map(|r| r.into_inner());
+                let usage = st.and_then(|s| s.slices.into_iter().find(|s| s.name == name));
+                if cli.json {
+                    println!("{}", json(&serde_json::json!({ "slice": d, "status": usage })));
+                } else {
+                    print!("{}", ctl::render_slice(&d));
+                    if let Some(u) = usage {
+                        for g in &u.gpus {
+                            println!(
+                                "usage on {}: memory {} of {} (NVML {}; peak {}), SM {}% of {}%, throttled {:.1}s in {} launches, {} OOM refusals",
+                                g.uuid,
+                                ctl::human(g.memory_used),
+                                ctl::human(g.memory_limit),
+                                ctl::human(g.memory_measured),
+                                ctl::human(g.memory_peak),
+                                g.sm_used,
+                                g.sm_limit,
+                                g.throttled_ns as f64 / 1e9,
+                                g.throttled_launches,
+                                g.oom_rejections
+                            );
+                        }
+                        for p in &u.processes {
+                            println!("process {} (host {}) on {}: {}", p.pid, p.host_pid, p.gpu, ctl::human(p.memory));
+                        }
+                    }
+                }
+            }
+            Cmd::Doctor => unreachable!("handled above"),
+        }
+    });
+}

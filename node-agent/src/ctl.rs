@@ -1,0 +1,563 @@
+//! What `vgpuctl` prints and parses: sizes, the status table, slice details and the doctor's checks.
+
+use crate::config::Config;
+use std::fmt::Write;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+use vgpu_proto::v1 as pb;
+
+/// Parses a size: a number of bytes, or a number (decimals allowed) with a unit: `KiB`, `MiB`, `GiB`,
+/// `TiB` or `k`, `m`, `g`, `t` (powers of 1024, as the HAMi contract has them), or `KB`, `MB`, `GB`,
+/// `TB` (powers of 1000). Case-insensitive.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size such as 8GiB, 512m or 1073741824"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "ki" | "kib" => 1 << 10,
+        "m" | "mi" | "mib" => 1 << 20,
+        "g" | "gi" | "gib" => 1 << 30,
+        "t" | "ti" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        u => return Err(format!("{s:?}: unknown unit {u:?} (use KiB, MiB, GiB, TiB, or KB, MB, GB, TB)")),
+    };
+    let v = n * mult as f64;
+    if !v.is_finite() || v >= u64::MAX as f64 {
+        return Err(format!("{s:?} is too large"));
+    }
+    Ok(v.round() as u64)
+}
+
+/// `1.5 GiB`, `512 MiB`, `0 B`.
+pub fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+fn secs(ns: u64) -> String {
+    let s = ns as f64 / 1e9;
+    if s < 60.0 {
+        format!("{s:.1}s")
+    } else if s < 3600.0 {
+        format!("{:.1}m", s / 60.0)
+    } else {
+        format!("{:.1}h", s / 3600.0)
+    }
+}
+
+/// Terminal colours (none when not on a terminal or with `NO_COLOR`).
+#[derive(Clone, Copy)]
+pub struct Style {
+    pub colour: bool,
+}
+
+impl Style {
+    fn paint(&self, code: &str, s: &str) -> String {
+        if self.colour {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    }
+    fn red(&self, s: &str) -> String {
+        self.paint("31", s)
+    }
+    fn green(&self, s: &str) -> String {
+        self.paint("32", s)
+    }
+    fn yellow(&self, s: &str) -> String {
+        self.paint("33", s)
+    }
+    fn bold(&self, s: &str) -> String {
+        self.paint("1", s)
+    }
+}
+
+/// Lays out rows in columns; widths ignore colour escapes.
+fn table(rows: &[Vec<String>]) -> String {
+    let visible = |s: &str| {
+        let mut n = 0;
+        let mut esc = false;
+        for c in s.chars() {
+            match (esc, c) {
+                (false, '\x1b') => esc = true,
+                (true, 'm') => esc = false,
+                (true, _) => {}
+                _ => n += 1,
+            }
+        }
+        n
+    };
+    let cols = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+    let w: Vec<usize> =
+        (0..cols).map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| visible(s)).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    for r in rows {
+        let mut line = String::new();
+        for (i, cell) in r.iter().enumerate() {
+            line.push_str(cell);
+            if i + 1 < r.len() {
+                line.push_str(&" ".repeat(w[i] - visible(cell) + 2));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn short_uuid(u: &str) -> String {
+    u.chars().take(12).collect()
+}
+
+fn pct_of(used: u64, limit: u64) -> f64 {
+    if limit == 0 {
+        0.0
+    } else {
+        used as f64 * 100.0 / limit as f64
+    }
+}
+
+/// The status as an operator reads it.
+pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
+    let mut o = String::new();
+    let a = st.agent.unwrap_or_default();
+    let _ = writeln!(
+        o,
+        "{} {}  agent {}  driver {}  CUDA {}.{}  pass {} ({:.1} ms)",
+        style.bold("NODE"),
+        st.hostname,
+        st.agent_version,
+        st.driver_version,
+        st.cuda_version / 1000,
+        st.cuda_version % 1000 / 10,
+        st.sequence,
+        a.loop_us as f64 / 1000.0
+    );
+    o.push('\n');
+    let mut rows =
+        vec![["GPU", "MODEL", "UUID", "MODE", "MEMORY USED", "UTIL", "HEALTH"].map(|s| style.bold(s)).to_vec()];
+    for g in &st.gpus {
+        let mig = g.mig.clone().unwrap_or_default();
+        let mode = if mig.enabled {
+            let layout: Vec<String> =
+                mig.instances.iter().map(|i| i.name.rsplit(' ').next().unwrap_or("?").to_string()).collect();
+            format!("mig [{}]{}", layout.join(" "), if mig.pending { " (pending reset)" } else { "" })
+        } else if mig.pending {
+            format!("{} (MIG pending reset)", g.mode)
+        } else {
+            g.mode.clone()
+        };
+        let health = if g.healthy { style.green("ok") } else { style.red(&format!("UNHEALTHY: {}", g.health_reason)) };
+        rows.push(vec![
+            g.index.to_string(),
+            g.model.clone(),
+            short_uuid(&g.uuid),
+            mode,
+            format!("{} / {}", human(g.memory_used), human(g.memory_total)),
+            format!("{}%", g.utilization),
+            health,
+        ]);
+    }
+    o.push_str(&table(&rows));
+    o.push('\n');
+    if st.slices.is_empty() {
+        o.push_str("no slices (create one: vgpuctl slice create --gpu 0 --memory 8GiB --sm 30 --name job1)\n");
+    } else {
+        let mut rows = vec![["SLICE", "GPU", "MEMORY USED / LIMIT", "SM USED / LIMIT", "THROTTLED", "PROCESSES"]
+            .map(|s| style.bold(s))
+            .to_vec()];
+        for s in &st.slices {
+            let owner = match (s.labels.get("namespace"), s.labels.get("pod"), s.labels.get("container")) {
+                (Some(n), Some(p), Some(c)) => format!("{}  ({n}/{p}/{c})", s.name),
+                _ => s.name.clone(),
+            };
+            for (i, g) in s.gpus.iter().enumerate() {
+                let lim = if g.memory_limit == 0 { "none".to_string() } else { human(g.memory_limit) };
+                let mem = format!("{} / {lim}", human(g.memory_used));
+                let mem = if g.memory_limit > 0 && pct_of(g.memory_used, g.memory_limit) >= 90.0 {
+                    style.yellow(&mem)
+                } else {
+                    mem
+                };
+                let sm_lim =
+                    if g.sm_limit == 0 || g.sm_limit >= 100 { "none".to_string() } else { format!("{}%", g.sm_limit) };
+                let procs: Vec<String> = s
+                    .processes
+                    .iter()
+                    .filter(|p| p.gpu == g.uuid)
+                    .map(|p| {
+                        let pid = if p.host_pid != 0 && p.host_pid != p.pid {
+                            format!("{} (ctr {})", p.host_pid, p.pid)
+                        } else {
+                            p.pid.to_string()
+                        };
+                        format!("{pid} {}", human(p.memory))
+                    })
+                    .collect();
+                rows.push(vec![
+                    if i == 0 { owner.clone() } else { String::new() },
+                    if g.gpu_index == u32::MAX { "?".into() } else { g.gpu_index.to_string() },
+                    mem,
+                    format!("{}% / {sm_lim}", g.sm_used),
+                    if g.throttled_launches > 0 {
+                        format!("{} ({} launches)", secs(g.throttled_ns), g.throttled_launches)
+                    } else {
+                        "-".into()
+                    },
+                    if procs.is_empty() { "-".into() } else { procs.join(", ") },
+                ]);
+            }
+        }
+        o.push_str(&table(&rows));
+    }
+    if !st.escapes.is_empty() {
+        o.push('\n');
+        o.push_str(&style.red("ESCAPES"));
+        o.push('\n');
+        for e in &st.escapes {
+            let line = if e.kind == pb::escape::Kind::OverLimit as i32 {
+                format!(
+                    "slice {} over its limit on {}: NVML measures {} > {} (pid {}, {})",
+                    e.slice,
+                    short_uuid(&e.gpu),
+                    human(e.measured),
+                    human(e.limit),
+                    e.pid,
+                    e.action
+                )
+            } else {
+                format!(
+                    "pid {} on {} outside every slice: {} ({})",
+                    e.pid,
+                    short_uuid(&e.gpu),
+                    human(e.measured),
+                    e.action
+                )
+            };
+            let _ = writeln!(o, "  {line}");
+        }
+    }
+    o
+}
+
+/// A slice's limits, environment and mounts, and the `docker run` flags that put a container in it.
+pub fn render_slice(d: &pb::SliceDetail) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "slice {}  (state {})", d.name, d.state_dir);
+    for (i, g) in d.gpus.iter().enumerate() {
+        let mem = if g.memory == 0 { "no memory limit".to_string() } else { format!("memory {}", human(g.memory)) };
+        let sm = if g.sm == 0 || g.sm >= 100 { "no SM limit".to_string() } else { format!("SM {}%", g.sm) };
+        let _ = writeln!(o, "  device {i}: {}  {mem}, {sm}", g.gpu);
+    }
+    let mut labels: Vec<_> = d.labels.iter().collect();
+    labels.sort();
+    for (k, v) in labels {
+        let _ = writeln!(o, "  label {k}={v}");
+    }
+    o.push_str("environment:\n");
+    let mut env: Vec<_> = d.env.iter().collect();
+    env.sort();
+    for (k, v) in &env {
+        let _ = writeln!(o, "  {k}={v}");
+    }
+    o.push_str("mounts:\n");
+    for m in &d.mounts {
+        let _ =
+            writeln!(o, "  {} -> {}{}", m.host_path, m.container_path, if m.read_only { " (read-only)" } else { "" });
+    }
+    o.push_str("docker/podman run flags (add --gpus or the CDI device for the GPUs themselves):\n ");
+    for (k, v) in &env {
+        let _ = write!(o, " -e {k}={v}");
+    }
+    for m in &d.mounts {
+        let _ = write!(o, " -v {}:{}{}", m.host_path, m.container_path, if m.read_only { ":ro" } else { "" });
+    }
+    o.push('\n');
+    o
+}
+
+/// One finding of `vgpuctl doctor`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    /// "ok", "warn", "fail" or "skip".
+    pub level: &'static str,
+    pub detail: String,
+    /// What to do about it (empty when nothing).
+    pub fix: String,
+}
+
+fn check(name: &'static str, level: &'static str, detail: String, fix: &str) -> Check {
+    Check { name, level, detail, fix: fix.to_string() }
+}
+
+/// The checks that need no agent; `agent` is the result of asking the agent for its health.
+pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Check> {
+    let mut v = Vec::new();
+    // NVML and the driver.
+    match crate::discovery::open(cfg.nvml_library.as_deref()).and_then(|n| crate::discovery::discover(&n)) {
+        Ok(inv) => v.push(check(
+            "nvml",
+            "ok",
+            format!(
+                "NVML loads: {} GPU(s), driver {}, CUDA {}.{}",
+                inv.gpus.len(),
+                inv.driver_version,
+                inv.cuda_version / 1000,
+                inv.cuda_version % 1000 / 10
+            ),
+            "",
+        )),
+        Err(e) => v.push(check(
+            "nvml",
+            "fail",
+            e.to_string(),
+            "install the NVIDIA driver, or set nvml_library in the agent's configuration",
+        )),
+    }
+    let cuda = std::ffi::CString::new("libcuda.so.1").expect("no NUL");
+    // SAFETY: dlopen with a valid C string; the handle is closed at once.
+    let h = unsafe { libc::dlopen(cuda.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        v.push(check(
+            "driver",
+            "fail",
+            "libcuda.so.1 cannot be loaded".into(),
+            "install the NVIDIA driver's CUDA library (libcuda.so.1) or fix the loader path",
+        ));
+    } else {
+        // SAFETY: a handle dlopen just returned.
+        unsafe { libc::dlclose(h) };
+        v.push(check("driver", "ok", "libcuda.so.1 loads".into(), ""));
+    }
+    // The library.
+    match std::fs::read(&cfg.library) {
+        Ok(b) if b.starts_with(b"\x7fELF") => {
+            let installed: Vec<String> = std::fs::read_dir(cfg.state_dir.join("lib"))
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .filter(|n| n.starts_with("libvgpu.so."))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let exports = ["cuMemAlloc_v2", "cuLaunchKernel", "cuGetProcAddress_v2", "nvmlDeviceGetMemoryInfo"]
+                .iter()
+                .all(|s| b.windows(s.len()).any(|w| w == s.as_bytes()));
+            if !exports {
+                v.push(check(
+                    "library",
+                    "fail",
+                    format!("{} is not libvgpu.so (hook symbols missing)", cfg.library.display()),
+                    "reinstall: scripts/install.sh",
+                ));
+            } else if installed.is_empty() {
+                v.push(check(
+                    "library",
+                    "warn",
+                    format!(
+                        "{} present; no versioned copy in {}/lib yet",
+                        cfg.library.display(),
+                        cfg.state_dir.display()
+                    ),
+                    "start the agent: it installs the library for containers",
+                ));
+            } else {
+                v.push(check(
+                    "library",
+                    "ok",
+                    format!("{} present; installed for containers: {}", cfg.library.display(), installed.join(", ")),
+                    "",
+                ));
+            }
+        }
+        Ok(_) => v.push(check(
+            "library",
+            "fail",
+            format!("{} is not an ELF shared object", cfg.library.display()),
+            "reinstall: scripts/install.sh",
+        )),
+        Err(e) => v.push(check(
+            "library",
+            "fail",
+            format!("{}: {e}", cfg.library.display()),
+            "install it: scripts/install.sh (or set library in the agent's configuration)",
+        )),
+    }
+    // The preload template, and the host's own preload file.
+    let tpl = cfg.state_dir.join("ld.so.preload");
+    match std::fs::read_to_string(&tpl) {
+        Ok(t) if t.trim() == format!("{}/libvgpu.so", crate::slices::CONTAINER_DIR) => v.push(check(
+            "preload",
+            "ok",
+            format!("{} names {}/libvgpu.so", tpl.display(), crate::slices::CONTAINER_DIR),
+            "",
+        )),
+        Ok(t) => v.push(check(
+            "preload",
+            "fail",
+            format!("{} holds {:?}", tpl.display(), t.trim()),
+            "remove it and restart the agent, which rewrites it",
+        )),
+        Err(_) => v.push(check(
+            "preload",
+            "warn",
+            format!("{} missing", tpl.display()),
+            "start the agent: it writes the template",
+        )),
+    }
+    if std::fs::read_to_string("/etc/ld.so.preload").is_ok_and(|t| t.contains("libvgpu")) {
+        v.push(check(
+            "host-preload",
+            "warn",
+            "the host's /etc/ld.so.preload loads libvgpu.so into every host process".into(),
+            "remove the line: only containers should preload it",
+        ));
+    }
+    // The state directory.
+    match std::fs::metadata(&cfg.state_dir) {
+        Ok(m) if m.permissions().mode() & 0o022 != 0 => v.push(check(
+            "state-dir",
+            "fail",
+            format!(
+                "{} is writable by group or others (mode {:o}): containers could change limits",
+                cfg.state_dir.display(),
+                m.permissions().mode() & 0o7777
+            ),
+            "chmod 0755 it",
+        )),
+        // SAFETY: geteuid has no preconditions.
+        Ok(m) if m.uid() != unsafe { libc::geteuid() } && m.uid() != 0 => v.push(check(
+            "state-dir",
+            "warn",
+            format!("{} is owned by uid {}", cfg.state_dir.display(), m.uid()),
+            "chown it to the agent's user (root)",
+        )),
+        Ok(_) => v.push(check(
+            "state-dir",
+            "ok",
+            format!("{} exists, writable only by its owner", cfg.state_dir.display()),
+            "",
+        )),
+        Err(e) => v.push(check(
+            "state-dir",
+            "fail",
+            format!("{}: {e}", cfg.state_dir.display()),
+            "start the agent (it creates it) or set state_dir",
+        )),
+    }
+    // The agent's socket.
+    match std::fs::metadata(&cfg.socket) {
+        Ok(m) if !m.file_type().is_socket() => v.push(check(
+            "agent-socket",
+            "fail",
+            format!("{} is not a socket", cfg.socket.display()),
+            "remove it and restart the agent",
+        )),
+        Ok(m) if m.permissions().mode() & 0o007 != 0 => v.push(check(
+            "agent-socket",
+            "fail",
+            format!("{} is accessible to others (mode {:o})", cfg.socket.display(), m.permissions().mode() & 0o777),
+            "restart the agent (it creates the socket with mode 0660)",
+        )),
+        Ok(_) => match &agent {
+            Ok(h) if h.ready && h.problems.is_empty() => {
+                v.push(check("agent", "ok", format!("agent at {} is ready", cfg.socket.display()), ""))
+            }
+            Ok(h) if h.ready => v.push(check(
+                "agent",
+                "warn",
+                format!("agent ready; problems: {}", h.problems.join("; ")),
+                "see the agent's log",
+            )),
+            Ok(h) => v.push(check(
+                "agent",
+                "warn",
+                format!("agent starting: {}", h.problems.join("; ")),
+                "wait a moment; if it stays, see the agent's log",
+            )),
+            Err(e) => v.push(check("agent", "fail", e.clone(), "start the agent: systemctl start vgpu-node-agent")),
+        },
+        Err(_) => v.push(check(
+            "agent-socket",
+            "fail",
+            format!("{} does not exist", cfg.socket.display()),
+            "start the agent: systemctl start vgpu-node-agent",
+        )),
+    }
+    // Kubernetes and CDI, when present.
+    let kubelet = Path::new("/var/lib/kubelet/device-plugins/kubelet.sock");
+    if kubelet.exists() {
+        v.push(check("kubelet", "ok", format!("{} present", kubelet.display()), ""));
+    } else {
+        v.push(check("kubelet", "skip", "no kubelet device-plugin socket (not a Kubernetes node)".into(), ""));
+    }
+    let cdi: Vec<&str> = ["/etc/cdi", "/var/run/cdi"].into_iter().filter(|d| Path::new(d).is_dir()).collect();
+    if cdi.is_empty() {
+        v.push(check("cdi", "skip", "no CDI directory (/etc/cdi, /var/run/cdi)".into(), ""));
+    } else {
+        v.push(check("cdi", "ok", format!("CDI directories: {}", cdi.join(", ")), ""));
+    }
+    v
+}
+
+pub fn render_doctor(checks: &[Check], style: Style) -> String {
+    let mut o = String::new();
+    for c in checks {
+        let tag = match c.level {
+            "ok" => style.green("ok  "),
+            "warn" => style.yellow("WARN"),
+            "fail" => style.red("FAIL"),
+            _ => "skip".to_string(),
+        };
+        let _ = writeln!(o, "{tag}  {:<13} {}", c.name, c.detail);
+        if !c.fix.is_empty() {
+            let _ = writeln!(o, "      {:<13} fix: {}", "", c.fix);
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("8GiB").unwrap(), 8 << 30);
+        assert_eq!(parse_size("8g").unwrap(), 8 << 30);
+        assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("8 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("lots").unwrap_err().contains("is not a size"));
+        assert!(parse_size("1e30").is_err());
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(1536 << 20), "1.5 GiB");
+        assert_eq!(human(512 << 20), "512.0 MiB");
+    }
+
+    #[test]
+    fn tables_align_with_colour() {
+        let st = Style { colour: true };
+        let t = table(&[vec![st.red("a"), "b".into()], vec!["ccc".into(), "d".into()]]);
+        assert_eq!(t, "\x1b[31ma\x1b[0m    b\nccc  d\n");
+    }
+}

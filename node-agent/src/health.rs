@@ -1,0 +1,165 @@
+//! GPU health: critical XID events from NVML's event API mark a GPU unhealthy; it becomes healthy
+//! again once `recovery` has passed without another critical XID and NVML answers for it. NVML
+//! failing for a GPU in a monitoring pass also marks it unhealthy until it answers again.
+//!
+//! XIDs that report an application's own fault (the kernel, not the GPU, misbehaved) do not make a
+//! GPU unhealthy: 13 (graphics engine exception), 31 (memory page fault), 43 (GPU stopped
+//! processing), 45 (preemptive cleanup), 68 (video processor exception), 109 (context switch timeout).
+
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::Nvml;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::*};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+pub fn is_critical(xid: u64) -> bool {
+    !matches!(xid, 13 | 31 | 43 | 45 | 68 | 109)
+}
+
+#[derive(Clone, Debug)]
+struct Bad {
+    last: Instant,
+    reason: String,
+}
+
+pub struct Health {
+    recovery: Duration,
+    bad: Mutex<HashMap<String, Bad>>,
+    /// Critical XIDs seen since start.
+    pub xids: std::sync::atomic::AtomicU64,
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    let s = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (s.div_euclid(86_400), s.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+impl Health {
+    pub fn new(recovery: Duration) -> Health {
+        Health { recovery, bad: Mutex::new(HashMap::new()), xids: 0.into() }
+    }
+
+    /// Records an XID on `uuid`; returns whether it made the GPU unhealthy.
+    pub fn xid(&self, uuid: &str, xid: u64) -> bool {
+        if !is_critical(xid) {
+            tracing::info!(gpu = %uuid, xid, "application XID (the GPU stays healthy)");
+            return false;
+        }
+        self.xids.fetch_add(1, Relaxed);
+        let reason = format!("XID {xid} at {}", rfc3339(SystemTime::now()));
+        tracing::warn!(gpu = %uuid, xid, "critical XID: GPU marked unhealthy");
+        self.bad.lock().insert(uuid.to_owned(), Bad { last: Instant::now(), reason });
+        true
+    }
+
+    /// A monitoring pass's verdict for `uuid`: `error` when NVML failed for it. Returns (healthy, why).
+    pub fn check(&self, uuid: &str, error: Option<&str>) -> (bool, String) {
+        let mut bad = self.bad.lock();
+        if let Some(e) = error {
+            let b = bad.entry(uuid.to_owned()).or_insert_with(|| Bad { last: Instant::now(), reason: String::new() });
+            b.reason = format!("NVML: {e}");
+            b.last = Instant::now();
+            return (false, b.reason.clone());
+        }
+        match bad.get(uuid) {
+            None => (true, String::new()),
+            Some(b) if b.last.elapsed() >= self.recovery || b.reason.starts_with("NVML:") => {
+                tracing::info!(gpu = %uuid, was = %b.reason, "GPU healthy again");
+                bad.remove(uuid);
+                (true, String::new())
+            }
+            Some(b) => (false, b.reason.clone()),
+        }
+    }
+}
+
+/// Waits for critical-XID events on every GPU until `stop`; a thread of its own (NVML's wait blocks).
+pub fn watch_xids(nvml: Arc<Nvml>, health: Arc<Health>, stop: Arc<AtomicBool>) {
+    let set = match nvml.create_event_set() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "NVML events unavailable: GPU health from monitoring passes only");
+            return;
+        }
+    };
+    let mut set = Some(set);
+    for i in 0..nvml.device_count().unwrap_or(0) {
+        let Ok(d) = nvml.device_by_index(i) else { continue };
+        let supported = d.supported_event_types().map(|t| t.contains(EventTypes::CRITICAL_XID_ERROR));
+        if !matches!(supported, Ok(true)) {
+            tracing::warn!(gpu = i, "GPU does not report XID events");
+            continue;
+        }
+        match d.register_events(EventTypes::CRITICAL_XID_ERROR, set.take().expect("set")) {
+            Ok(s) => set = Some(s),
+            Err(e) => {
+                tracing::warn!(gpu = i, error = %e.error, "cannot register for XID events");
+                match nvml.create_event_set() {
+                    Ok(s) => set = Some(s),
+                    Err(_) => return,
+                }
+            }
+        }
+    }
+    let set = set.expect("set");
+    while !stop.load(Relaxed) {
+        match set.wait(200) {
+            Ok(ev) => {
+                let xid = match ev.event_data {
+                    Some(XidError::Value(v)) => v,
+                    _ => 0,
+                };
+                if let Ok(uuid) = ev.device.uuid() {
+                    health.xid(&uuid, xid);
+                }
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "waiting for NVML events failed");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn critical_xids_mark_unhealthy_until_quiet_and_nvml_errors_until_answering() {
+        let h = Health::new(Duration::from_millis(50));
+        assert!(!h.xid("GPU-a", 31), "an application fault leaves the GPU healthy");
+        assert_eq!(h.check("GPU-a", None), (true, String::new()));
+        assert!(h.xid("GPU-a", 79));
+        let (ok, why) = h.check("GPU-a", None);
+        assert!(!ok && why.starts_with("XID 79 at 20"), "{why}");
+        assert!(h.check("GPU-b", None).0, "other GPUs unaffected");
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(h.check("GPU-a", None).0, "recovered after a quiet period");
+        assert_eq!(h.check("GPU-b", Some("GPU is lost")), (false, "NVML: GPU is lost".into()));
+        assert!(h.check("GPU-b", None).0, "NVML answers again");
+        assert_eq!(h.xids.load(Relaxed), 1);
+    }
+
+    #[test]
+    fn dates() {
+        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_000_000)), "2026-11-30T00:53:20Z");
+    }
+}

@@ -1,0 +1,218 @@
+//! The Prometheus endpoint: the HAMi node-monitor metric names (so existing dashboards keep
+//! working) and vgpu's own, rendered from the latest status at scrape time. A minimal HTTP/1.1
+//! server: `GET /metrics`, `GET /healthz` (200 when ready), anything else 404.
+
+use crate::agent::Agent;
+use std::fmt::Write;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use vgpu_proto::v1 as pb;
+
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+struct Out(String);
+
+impl Out {
+    fn head(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+    fn put(&mut self, name: &str, labels: &[(&str, &str)], v: f64) {
+        let l: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{}\"", esc(v))).collect();
+        if l.is_empty() {
+            let _ = writeln!(self.0, "{name} {v}");
+        } else {
+            let _ = writeln!(self.0, "{name}{{{}}} {v}", l.join(","));
+        }
+    }
+}
+
+/// Kubernetes owner labels of a slice (empty outside Kubernetes).
+fn owner(s: &pb::SliceStatus) -> [(&'static str, String); 4] {
+    let l = |k: &str| s.labels.get(k).cloned().unwrap_or_default();
+    [("namespace", l("namespace")), ("pod", l("pod")), ("container", l("container")), ("slice", s.name.clone())]
+}
+
+pub fn render(agent: &Agent) -> String {
+    let st = agent.status();
+    let mut o = Out(String::with_capacity(16 * 1024));
+    // --- HAMi node-monitor names ---
+    o.head("hami_host_gpu_memory_used_bytes", "gauge", "Device memory in use on the GPU (all processes).");
+    for g in &st.gpus {
+        o.put(
+            "hami_host_gpu_memory_used_bytes",
+            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
+            g.memory_used as f64,
+        );
+    }
+    o.head("hami_host_gpu_utilization_ratio", "gauge", "GPU utilisation over NVML's last sample period (0..1).");
+    for g in &st.gpus {
+        o.put(
+            "hami_host_gpu_utilization_ratio",
+            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
+            g.utilization as f64 / 100.0,
+        );
+    }
+    let per_slice_gpu = |o: &mut Out, name: &str, f: &dyn Fn(&pb::SliceGpuStatus) -> f64| {
+        for s in &st.slices {
+            let ow = owner(s);
+            for (i, g) in s.gpus.iter().enumerate() {
+                let idx = i.to_string();
+                let mut l: Vec<(&str, &str)> = ow.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                l.push(("vdevice_index", &idx));
+                l.push(("device_uuid", &g.uuid));
+                o.put(name, &l, f(g));
+            }
+        }
+    };
+    o.head(
+        "hami_vgpu_memory_used_bytes",
+        "gauge",
+        "Device memory a container's processes hold, as its interposers account it.",
+    );
+    per_slice_gpu(&mut o, "hami_vgpu_memory_used_bytes", &|g| g.memory_used as f64);
+    o.head("hami_vgpu_memory_limit_bytes", "gauge", "A container's device memory limit (0: none).");
+    per_slice_gpu(&mut o, "hami_vgpu_memory_limit_bytes", &|g| g.memory_limit as f64);
+    o.head(
+        "hami_container_device_utilization_ratio",
+        "gauge",
+        "Share of the GPU's time a container used in the last pass (0..1).",
+    );
+    per_slice_gpu(&mut o, "hami_container_device_utilization_ratio", &|g| g.sm_used as f64 / 100.0);
+    o.head("hami_mig_device_info", "gauge", "MIG instances (value 1).");
+    for g in &st.gpus {
+        for m in g.mig.iter().flat_map(|m| &m.instances) {
+            o.put(
+                "hami_mig_device_info",
+                &[
+                    ("device_uuid", &g.uuid),
+                    ("device_index", &g.index.to_string()),
+                    ("mig_uuid", &m.uuid),
+                    ("profile", &m.name),
+                    ("gpu_instance_id", &m.gpu_instance_id.to_string()),
+                ],
+                1.0,
+            );
+        }
+    }
+    // --- vgpu's own ---
+    o.head("vgpu_gpu_healthy", "gauge", "1 when the GPU is healthy (no recent critical XID, NVML answers).");
+    for g in &st.gpus {
+        o.put(
+            "vgpu_gpu_healthy",
+            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
+            g.healthy as u8 as f64,
+        );
+    }
+    o.head("vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.");
+    for g in &st.gpus {
+        o.put(
+            "vgpu_gpu_memory_total_bytes",
+            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
+            g.memory_total as f64,
+        );
+    }
+    o.head("vgpu_slice_memory_measured_bytes", "gauge", "Device memory of a slice's processes as NVML measures it.");
+    per_slice_gpu(&mut o, "vgpu_slice_memory_measured_bytes", &|g| g.memory_measured as f64);
+    o.head(
+        "vgpu_slice_memory_drift_bytes",
+        "gauge",
+        "NVML-measured minus interposer-accounted memory (contexts, escapes).",
+    );
+    per_slice_gpu(&mut o, "vgpu_slice_memory_drift_bytes", &|g| g.memory_measured as f64 - g.memory_used as f64);
+    o.head("vgpu_slice_memory_peak_bytes", "gauge", "Highest accounted memory of a slice.");
+    per_slice_gpu(&mut o, "vgpu_slice_memory_peak_bytes", &|g| g.memory_peak as f64);
+    o.head("vgpu_slice_sm_limit_ratio", "gauge", "A slice's SM-time limit (0..1; 0: none).");
+    per_slice_gpu(&mut o, "vgpu_slice_sm_limit_ratio", &|g| g.sm_limit as f64 / 100.0);
+    o.head("vgpu_slice_throttled_seconds_total", "counter", "Time a slice's launches waited for SM budget.");
+    per_slice_gpu(&mut o, "vgpu_slice_throttled_seconds_total", &|g| g.throttled_ns as f64 / 1e9);
+    o.head("vgpu_slice_throttled_launches_total", "counter", "Launches of a slice that waited for SM budget.");
+    per_slice_gpu(&mut o, "vgpu_slice_throttled_launches_total", &|g| g.throttled_launches as f64);
+    o.head("vgpu_slice_oom_rejections_total", "counter", "Allocations refused because they would pass the limit.");
+    per_slice_gpu(&mut o, "vgpu_slice_oom_rejections_total", &|g| g.oom_rejections as f64);
+    o.head(
+        "vgpu_slice_sm_rate_correction_ratio",
+        "gauge",
+        "The agent's correction of the SM budget's refill rate (1: none).",
+    );
+    per_slice_gpu(&mut o, "vgpu_slice_sm_rate_correction_ratio", &|g| g.sm_rate_ppm as f64 / 1e6);
+    o.head("vgpu_slice_processes", "gauge", "Live processes of a slice.");
+    for s in &st.slices {
+        let ow = owner(s);
+        let l: Vec<(&str, &str)> = ow.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut pids: Vec<u32> = s.processes.iter().map(|p| p.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        o.put("vgpu_slice_processes", &l, pids.len() as f64);
+    }
+    let s = &agent.stats;
+    o.head(
+        "vgpu_reclaimed_bytes_total",
+        "counter",
+        "Device memory accounted to dead processes and released by the agent.",
+    );
+    o.put("vgpu_reclaimed_bytes_total", &[], s.reclaimed_bytes.load(Relaxed) as f64);
+    o.head("vgpu_escapes_total", "counter", "Escapes detected (each counted once while it lasts).");
+    o.put("vgpu_escapes_total", &[("kind", "unaccounted")], s.escapes_unaccounted.load(Relaxed) as f64);
+    o.put("vgpu_escapes_total", &[("kind", "over_limit")], s.escapes_over_limit.load(Relaxed) as f64);
+    o.head("vgpu_escapes_active", "gauge", "Escapes seen in the last monitoring pass.");
+    o.put("vgpu_escapes_active", &[], st.escapes.len() as f64);
+    o.head("vgpu_gpu_critical_xids_total", "counter", "Critical XID events received.");
+    o.put("vgpu_gpu_critical_xids_total", &[], agent.health.xids.load(Relaxed) as f64);
+    o.head("vgpu_agent_loop_seconds", "gauge", "Duration of the last monitoring pass.");
+    o.put("vgpu_agent_loop_seconds", &[], s.loop_us.load(Relaxed) as f64 / 1e6);
+    o.head("vgpu_agent_loop_max_seconds", "gauge", "Longest monitoring pass since start.");
+    o.put("vgpu_agent_loop_max_seconds", &[], s.loop_max_us.load(Relaxed) as f64 / 1e6);
+    o.head("vgpu_agent_loop_seconds_total", "counter", "Time spent in monitoring passes.");
+    o.put("vgpu_agent_loop_seconds_total", &[], s.loop_us_total.load(Relaxed) as f64 / 1e6);
+    o.head("vgpu_agent_passes_total", "counter", "Monitoring passes made.");
+    o.put("vgpu_agent_passes_total", &[], s.passes.load(Relaxed) as f64);
+    o.head("vgpu_agent_resident_bytes", "gauge", "The agent's resident memory.");
+    o.put("vgpu_agent_resident_bytes", &[], crate::procfs::self_rss() as f64);
+    o.head("vgpu_agent_cpu_seconds_total", "counter", "CPU time the agent used.");
+    o.put("vgpu_agent_cpu_seconds_total", &[], crate::procfs::self_cpu_ns() as f64 / 1e9);
+    o.0
+}
+
+/// Serves the endpoint until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            let mut buf = Vec::with_capacity(1024);
+            let mut chunk = [0u8; 1024];
+            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+                    let n = sock.read(&mut chunk).await.ok().filter(|&n| n > 0)?;
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                Some(())
+            })
+            .await;
+            if !matches!(read, Ok(Some(()))) {
+                return;
+            }
+            let line = String::from_utf8_lossy(&buf[..buf.iter().position(|&b| b == b'\r').unwrap_or(0)]).into_owned();
+            let mut parts = line.split(' ');
+            let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            let path = path.split('?').next().unwrap_or("");
+            let (code, ctype, body) = match (method, path) {
+                ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(&agent)),
+                ("GET", "/healthz") if agent.ready.load(Relaxed) => ("200 OK", "text/plain", "ok\n".to_string()),
+                ("GET", "/healthz") => ("503 Service Unavailable", "text/plain", "starting\n".to_string()),
+                ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics\n".to_string()),
+                _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
+            };
+            let head = format!(
+                "HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = sock.write_all(head.as_bytes()).await;
+            let _ = sock.write_all(body.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}

@@ -1,0 +1,136 @@
+//! What the agent reads from `/proc`: a process's PIDs in its namespaces, its start time (to guard
+//! caches against PID reuse), which files it has mapped, and the agent's own resource use.
+
+use std::path::PathBuf;
+
+fn proc_dir() -> PathBuf {
+    PathBuf::from("/proc")
+}
+
+/// `NSpid` of `/proc/<pid>/status`: the PID in every namespace from the one of this `/proc` mount
+/// inwards (the last entry is the PID inside the process's own namespace).
+pub fn ns_pids(pid: u32) -> Option<Vec<u32>> {
+    let s = std::fs::read_to_string(proc_dir().join(pid.to_string()).join("status")).ok()?;
+    parse_ns_pids(&s)
+}
+
+pub fn parse_ns_pids(status: &str) -> Option<Vec<u32>> {
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    let v: Vec<u32> = line.split_whitespace().map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    (!v.is_empty()).then_some(v)
+}
+
+/// Field 22 of `/proc/<pid>/stat` (start time in clock ticks since boot): with the PID, it names a
+/// process uniquely.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(proc_dir().join(pid.to_string()).join("stat")).ok()?;
+    parse_start_time(&s)
+}
+
+pub fn parse_start_time(stat: &str) -> Option<u64> {
+    // The command name (field 2) may hold spaces and parentheses: fields restart after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// A file identity as `/proc/<pid>/maps` shows it: (major, minor, inode).
+pub type FileId = (u32, u32, u64);
+
+/// The identity of the file at `path` (what a mapping of it shows in `/proc/<pid>/maps`).
+pub fn file_id(path: &std::path::Path) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    let dev = m.dev();
+    Some((libc::major(dev), libc::minor(dev), m.ino()))
+}
+
+/// The first of `wanted` that process `pid` has mapped.
+pub fn mapped<T>(pid: u32, wanted: &[(FileId, T)]) -> Option<&T> {
+    let s = std::fs::read_to_string(proc_dir().join(pid.to_string()).join("maps")).ok()?;
+    find_mapped(&s, wanted)
+}
+
+pub fn find_mapped<'a, T>(maps: &str, wanted: &'a [(FileId, T)]) -> Option<&'a T> {
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(_), Some(_), Some(_), Some(dev), Some(ino)) = (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let Ok(ino) = ino.parse::<u64>() else { continue };
+        if ino == 0 {
+            continue;
+        }
+        let Some((maj, min)) = dev.split_once(':') else { continue };
+        let (Ok(maj), Ok(min)) = (u32::from_str_radix(maj, 16), u32::from_str_radix(min, 16)) else { continue };
+        if let Some((_, t)) = wanted.iter().find(|(id, _)| *id == (maj, min, ino)) {
+            return Some(t);
+        }
+    }
+    None
+}
+
+/// This process's resident set size in bytes.
+pub fn self_rss() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = s.split_whitespace().nth(1).and_then(|x| x.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64
+}
+
+/// CPU time this process has used (user + system), in nanoseconds.
+pub fn self_cpu_ns() -> u64 {
+    // SAFETY: getrusage fills the zeroed struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_nspid_stat_and_maps() {
+        assert_eq!(parse_ns_pids("Name:\tx\nNSpid:\t17624\t2\nNSpgid: 1\n"), Some(vec![17624, 2]));
+        assert_eq!(parse_ns_pids("NSpid:\t31\n"), Some(vec![31]));
+        assert_eq!(parse_ns_pids("Name:\tx\n"), None);
+        let stat = "42 (a b) c) S 1 42 42 0 -1 4194304 100 0 0 0 5 6 0 0 20 0 1 0 987654 1000 200";
+        assert_eq!(parse_start_time(stat), Some(987654));
+        let maps = "7f00-7f10 rw-s 00000000 fd:01 1234 /usr/local/vgpu/region\n\
+                    7f20-7f30 r-xp 00000000 00:00 0 [vdso]\n\
+                    7f40-7f50 rw-s 00000000 103:02 99 /x (deleted)\n";
+        let wanted = [((0xfd, 1, 1235), "other"), ((0x103, 2, 99), "b"), ((0xfd, 1, 1234), "a")];
+        assert_eq!(find_mapped(maps, &wanted), Some(&"a"));
+        assert_eq!(find_mapped(maps, &wanted[..1]), None);
+    }
+
+    #[test]
+    fn reads_this_process() {
+        let me = std::process::id();
+        assert_eq!(ns_pids(me).unwrap().first().copied(), Some(me), "the test runs in the host namespace");
+        assert!(start_time(me).unwrap() > 0);
+        assert!(self_rss() > 1 << 20);
+        let f = std::env::temp_dir().join(format!("vgpu-procfs-{me}"));
+        std::fs::write(&f, [0u8; 4096]).unwrap();
+        let file = std::fs::File::open(&f).unwrap();
+        // SAFETY: a private read-only mapping of a file this test owns, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let id = file_id(&f).unwrap();
+        assert_eq!(mapped(me, &[(id, 7)]), Some(&7));
+        unsafe { libc::munmap(p, 4096) };
+        assert_eq!(mapped(me, &[(id, 7)]), None, "gone once unmapped");
+        std::fs::remove_file(f).ok();
+    }
+}

@@ -1,0 +1,16 @@
+//! Compiles `vgpu/**/*.proto` with protox (a pure-Rust protobuf compiler) and generates prost
+//! messages and tonic clients and servers.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let files = ["vgpu/v1/agent.proto"];
+    for f in files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    let fds = protox::compile(files, ["."])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        // JSON output (`vgpuctl --json`) serialises the messages as they are.
+        .type_attribute(".", "#[derive(serde::Serialize)]")
+        .compile_fds(fds)?;
+    Ok(())
+}

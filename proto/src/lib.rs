@@ -1,0 +1,7 @@
+//! vgpu's gRPC APIs: generated prost messages and tonic clients and servers.
+
+/// The node agent's API (`vgpu.v1.Agent`).
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("vgpu.v1");
+}

@@ -1,0 +1,524 @@
+//! The agent daemon as operators run it: the `vgpu-node-agent` binary on the simulated GPU (NVML
+//! loaded through nvml-wrapper), driven with the `vgpuctl` binary over its Unix socket (gRPC),
+//! metrics scraped over HTTP, workloads started with the environment and files the agent's
+//! injection names, the agent SIGKILLed and restarted under running workloads.
+
+mod common;
+use common::*;
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const NODE: &str =
+    "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n[[gpu]]\nmodel = \"H100-80GB\"\n";
+
+fn bin(name: &str) -> String {
+    let p = Path::new(RT).parent().unwrap().join(name);
+    assert!(p.exists(), "{} is built with the workspace", p.display());
+    p.display().to_string()
+}
+
+struct Agent {
+    child: Option<Child>,
+    state: PathBuf,
+    socket: PathBuf,
+    metrics: String,
+    log: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Agent {
+    fn start(s: &Sim, env: &[(&str, &str)]) -> Agent {
+        let state = s.state.join("agent");
+        let mut a = Agent {
+            child: None,
+            socket: s.state.join("run").join("agent.sock"),
+            metrics: format!("127.0.0.1:{}", free_port()),
+            log: s.state.join("agent.log"),
+            state,
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        };
+        a.spawn(s);
+        a
+    }
+
+    fn spawn(&mut self, s: &Sim) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut c = s.cmd(&bin("vgpu-node-agent"));
+        c.env("VGPU_AGENT_MONITOR_INTERVAL_MS", "50")
+            .env("VGPU_AGENT_LOG_FORMAT", "json")
+            .env("VGPU_AGENT_LIBRARY", libvgpu())
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .args(["--state-dir", self.state.to_str().unwrap(), "--socket", self.socket.to_str().unwrap()])
+            .args(["--metrics-address", &self.metrics, "--nvml-library"])
+            .arg(s.libs.join("libnvidia-ml.so.1"))
+            .arg("run")
+            .stderr(log);
+        self.child = Some(c.spawn().unwrap());
+        self.wait("ready", |v| v["sequence"].as_u64().unwrap_or(0) > 0);
+    }
+
+    fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(bin("vgpuctl"))
+            .env("VGPU_SOCKET", &self.socket)
+            .env_remove("VGPU_AGENT_CONFIG")
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    fn ctl_ok(&self, args: &[&str]) -> String {
+        let o = self.ctl(args);
+        assert!(o.status.success(), "vgpuctl {args:?}: {}\n{}", String::from_utf8_lossy(&o.stderr), self.log_text());
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    fn status(&self) -> Option<Value> {
+        let o = self.ctl(&["status", "--json"]);
+        o.status.success().then(|| serde_json::from_slice(&o.stdout).unwrap())
+    }
+
+    fn wait(&self, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+        let t = Instant::now();
+        loop {
+            if let Some(v) = self.status() {
+                if f(&v) {
+                    return v;
+                }
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "timed out waiting for {what}: {:?}\n{}",
+                self.status(),
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn sigkill(&mut self) {
+        let mut c = self.child.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    fn sigterm(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().unwrap();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        c.wait().unwrap()
+    }
+
+    fn scrape(&self, path: &str) -> (String, String) {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&self.metrics).unwrap();
+        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut r = String::new();
+        c.read_to_string(&mut r).unwrap();
+        let (head, body) = r.split_once("\r\n\r\n").unwrap();
+        (head.lines().next().unwrap().to_string(), body.to_string())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A command in a slice as a container would run: the injection's environment, with container
+/// paths mapped back through its mounts (the test runs on the host).
+fn in_slice(s: &Sim, detail: &Value, bin: &str) -> Command {
+    let mut c = s.cmd(bin);
+    let mounts = detail["mounts"].as_array().unwrap();
+    let host = |v: &str| -> String {
+        mounts
+            .iter()
+            .filter(|m| v.starts_with(m["container_path"].as_str().unwrap()))
+            .max_by_key(|m| m["container_path"].as_str().unwrap().len())
+            .map_or(v.to_string(), |m| {
+                v.replacen(m["container_path"].as_str().unwrap(), m["host_path"].as_str().unwrap(), 1)
+            })
+    };
+    for (k, v) in detail["env"].as_object().unwrap() {
+        // The container runtime turns NVIDIA_VISIBLE_DEVICES into the devices the container sees.
+        let k = if k == "NVIDIA_VISIBLE_DEVICES" { "CUDA_VISIBLE_DEVICES" } else { k };
+        c.env(k, host(v.as_str().unwrap()));
+    }
+    c.env("VGPU_CONTEXT_OVERHEAD", "64m");
+    c
+}
+
+/// The slice of that name in a status (Null when absent).
+fn slice_of<'a>(st: &'a Value, name: &str) -> &'a Value {
+    static NULL: Value = Value::Null;
+    st["slices"].as_array().and_then(|a| a.iter().find(|s| s["name"] == name)).unwrap_or(&NULL)
+}
+
+fn metric(body: &str, name: &str, label: &str) -> f64 {
+    body.lines()
+        .find(|l| l.starts_with(name) && l.contains(label))
+        .unwrap_or_else(|| panic!("no {name} with {label} in\n{body}"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
+    let mut s = Sim::new(Some(NODE));
+    let mut a = Agent::start(&s, &[]);
+    // The socket is the owner's and group's only.
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&a.socket).unwrap().permissions().mode() & 0o777, 0o660);
+
+    // Slices over gRPC, through vgpuctl.
+    let out = a.ctl_ok(&["slice", "create", "--name", "job1", "--gpu", "0", "--memory", "1GiB", "--sm", "30"]);
+    assert!(out.contains("-e CUDA_DEVICE_MEMORY_LIMIT_0=1024m") && out.contains("/usr/local/vgpu/limits:ro"), "{out}");
+    let j1: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "job1", "--json"])).unwrap();
+    let j1 = j1["slice"].clone();
+    assert!(j1["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["host_path"].as_str().unwrap().contains("/lib/libvgpu.so.0.")));
+    let j2: Value = serde_json::from_str(
+        &a.ctl_ok(&["slice", "create", "--name", "job2", "--gpu", "0", "--memory", "512m", "--json"]),
+    )
+    .unwrap();
+    // Bad requests are refused with the reason.
+    let o = a.ctl(&["slice", "create", "--name", "job1", "--gpu", "0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("slice job1 already exists"));
+    let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "7"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no GPU \"7\" on this node"), "{o:?}");
+    let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "0", "--memory", "100GiB"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is more than GPU 0 has"), "{o:?}");
+    let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "0", "--memory", "lots"]);
+    assert_eq!(o.status.code(), Some(2), "a usage error");
+    let list = a.ctl_ok(&["slice", "list"]);
+    assert!(list.contains("job1") && list.contains("job2"), "{list}");
+
+    // Workloads in each slice, one outside.
+    let (p1, _) = s.spawn_cmd(in_slice(&s, &j1, RT), &["alloc", "--size", "300m", "--hold"]);
+    let over = in_slice(&s, &j1, RT).args(["alloc", "--size", "2g", "--chunk", "100m"]).output().unwrap();
+    assert_eq!(
+        lines(&over.stdout)[0]["allocated"],
+        500 * MIB,
+        "1 GiB less p1's 364 MiB less this context, in 100 MiB steps"
+    );
+    let (p2, _) = s.spawn_cmd(in_slice(&s, &j2, RT), &["alloc", "--size", "200m", "--hold"]);
+    let (pout, _) = s.spawn(RT, &["alloc", "--size", "100m", "--hold"]);
+    let st = a.wait("both slices' processes and the escape", |v| {
+        slice_of(v, "job1")["gpus"][0]["memory_used"] == 364 * MIB
+            && slice_of(v, "job2")["gpus"][0]["memory_used"] == 264 * MIB
+            && v["escapes"].as_array().unwrap().len() == 1
+    });
+    let g0 = &st["gpus"][0];
+    assert_eq!((g0["mode"].as_str(), g0["healthy"].as_bool()), (Some("shared"), Some(true)));
+    assert_eq!(st["gpus"][1]["mode"], "exclusive");
+    let j1s = slice_of(&st, "job1");
+    assert_eq!(j1s["processes"][0]["host_pid"], p1);
+    assert_eq!(j1s["gpus"][0]["memory_measured"], 364 * MIB);
+    assert_eq!(j1s["gpus"][0]["oom_rejections"], 1);
+    assert_eq!(slice_of(&st, "job2")["processes"][0]["pid"], p2);
+    assert_eq!((st["escapes"][0]["pid"].as_u64(), st["escapes"][0]["kind"].as_i64()), (Some(pout as u64), Some(1)));
+
+    // The table names the same things.
+    let table = a.ctl_ok(&["status"]);
+    assert!(!table.contains('\x1b'), "no colour when not on a terminal");
+    for want in [
+        "NVIDIA A100-SXM4-40GB",
+        "shared",
+        "job1",
+        "364.0 MiB / 1.0 GiB",
+        "0% / 30%",
+        &format!("{p1} 364.0 MiB"),
+        "outside every slice",
+    ] {
+        assert!(table.contains(want), "{want:?} missing from\n{table}");
+    }
+
+    // Metrics over HTTP: HAMi's names and ours.
+    let (code, body) = a.scrape("/metrics");
+    assert_eq!(code, "HTTP/1.1 200 OK");
+    assert_eq!(metric(&body, "hami_vgpu_memory_used_bytes", "slice=\"job1\""), (364 * MIB) as f64);
+    assert_eq!(metric(&body, "hami_vgpu_memory_limit_bytes", "slice=\"job2\""), (512 * MIB) as f64);
+    assert_eq!(metric(&body, "vgpu_slice_oom_rejections_total", "slice=\"job1\""), 1.0);
+    assert_eq!(metric(&body, "vgpu_escapes_total", "kind=\"unaccounted\""), 1.0);
+    assert!(metric(&body, "hami_host_gpu_memory_used_bytes", "device_index=\"0\"") >= (728 * MIB) as f64);
+    assert!(metric(&body, "vgpu_agent_passes_total", "") >= 1.0);
+    assert_eq!(a.scrape("/healthz").0, "HTTP/1.1 200 OK");
+    assert_eq!(a.scrape("/nope").0, "HTTP/1.1 404 Not Found");
+
+    // Limits change live over gRPC.
+    a.ctl_ok(&["slice", "update", "job1", "--gpu", "0", "--memory", "2GiB", "--sm", "50"]);
+    let more = in_slice(&s, &j1, RT).args(["alloc", "--size", "2g", "--chunk", "100m"]).output().unwrap();
+    assert_eq!(lines(&more.stdout)[0]["allocated"], 1600 * MIB);
+
+    // A dead process is reclaimed within one monitoring pass of the agent noticing.
+    // (after two passes that began once the last process had exited, which reclaimed its context)
+    let s0 = a.status().unwrap()["sequence"].as_u64().unwrap();
+    let v = a.wait("the finished process reclaimed", |v| {
+        v["sequence"].as_u64().unwrap() >= s0 + 2 && slice_of(v, "job1")["gpus"][0]["memory_used"] == 364 * MIB
+    });
+    let reclaimed = v["agent"]["reclaimed_bytes"].as_u64().unwrap();
+    s.kill(p1);
+    let before = a.status().unwrap()["sequence"].as_u64().unwrap();
+    let v = a.wait("reclaim", |v| slice_of(v, "job1")["gpus"][0]["memory_used"] == 0);
+    assert!(v["sequence"].as_u64().unwrap() <= before + 2, "reclaimed in pass {} (first seen {before})", v["sequence"]);
+    assert_eq!(v["agent"]["reclaimed_bytes"].as_u64().unwrap() - reclaimed, 364 * MIB);
+
+    // Deletion is refused while the slice runs, then allowed.
+    let o = a.ctl(&["slice", "delete", "job2"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("1 live process"), "{o:?}");
+    s.kill(p2);
+    a.wait("job2 idle", |v| slice_of(v, "job2")["processes"].as_array().is_some_and(|p| p.is_empty()));
+    a.ctl_ok(&["slice", "delete", "job2"]);
+    assert!(!a.state.join("slices/job2").exists());
+    let o = a.ctl(&["inspect", "job2"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no slice named job2"));
+
+    // The watch stream delivers successive passes.
+    let mut w = Command::new(bin("vgpuctl"))
+        .env("VGPU_SOCKET", &a.socket)
+        .args(["status", "--watch", "--json", "--interval", "100"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut r = std::io::BufReader::new(w.stdout.take().unwrap());
+    let mut seqs = Vec::new();
+    for _ in 0..3 {
+        let mut l = String::new();
+        std::io::BufRead::read_line(&mut r, &mut l).unwrap();
+        seqs.push(serde_json::from_str::<Value>(&l).unwrap()["sequence"].as_u64().unwrap());
+    }
+    w.kill().unwrap();
+    w.wait().unwrap();
+    assert!(seqs.windows(2).all(|p| p[1] > p[0]), "{seqs:?}");
+
+    // SIGTERM: a clean exit, the socket removed.
+    assert!(a.sigterm().success());
+    assert!(!a.socket.exists());
+    let log = a.log_text();
+    assert!(log.contains("\"shutting down\"") && log.contains("\"stopped\""), "{log}");
+    let o = a.ctl(&["status"]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot reach the agent"), "{o:?}");
+}
+
+#[test]
+fn a_sigkilled_agent_leaves_workloads_enforced_and_recovers_everything() {
+    let mut s = Sim::new(Some(NODE));
+    let mut a = Agent::start(&s, &[]);
+    let d: Value = serde_json::from_str(
+        &a.ctl_ok(&["slice", "create", "--name", "web", "--gpu", "1", "--memory", "1GiB", "--json"]),
+    )
+    .unwrap();
+    a.ctl_ok(&["slice", "create", "--name", "batch", "--gpu", "0,1", "--memory", "2GiB", "--sm", "40"]);
+    let (p, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--device", "0", "--size", "500m", "--hold"]);
+    a.wait("usage", |v| slice_of(v, "web")["gpus"][0]["memory_used"] == 564 * MIB);
+
+    a.sigkill();
+    assert!(a.ctl(&["status"]).status.code() == Some(3));
+    // Still enforced without the agent: the limit lives in the region.
+    let o = in_slice(&s, &d, RT).args(["alloc", "--device", "0", "--size", "1g", "--chunk", "100m"]).output().unwrap();
+    assert_eq!(lines(&o.stdout)[0]["allocated"], 300 * MIB, "1 GiB - 564 MiB - 64 MiB context, in 100 MiB chunks");
+
+    // A process dies while the agent is down.
+    let (q, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--device", "0", "--size", "100m", "--hold"]);
+    s.kill(q);
+
+    // Restarted (a stale socket file is left behind by SIGKILL): everything comes back.
+    assert!(a.socket.exists(), "SIGKILL leaves the socket file");
+    a.spawn(&s);
+    let v = a.wait("recovered", |v| {
+        v["slices"].as_array().is_some_and(|a| a.len() == 2)
+            && slice_of(v, "web")["gpus"][0]["memory_used"] == 564 * MIB
+    });
+    assert_eq!(slice_of(&v, "web")["processes"][0]["host_pid"], p);
+    assert_eq!(slice_of(&v, "batch")["gpus"].as_array().unwrap().len(), 2);
+    assert_eq!(slice_of(&v, "batch")["gpus"][1]["sm_limit"], 40);
+    assert!(a.log_text().contains("\"recovered slices\",\"slices\":2"), "{}", a.log_text());
+    // The library was not installed twice.
+    assert_eq!(std::fs::read_dir(a.state.join("lib")).unwrap().count(), 1);
+    // A second agent on the same socket is refused.
+    let o = s
+        .cmd(&bin("vgpu-node-agent"))
+        .env("VGPU_AGENT_LIBRARY", libvgpu())
+        .args([
+            "--state-dir",
+            a.state.to_str().unwrap(),
+            "--socket",
+            a.socket.to_str().unwrap(),
+            "--metrics-address",
+            "off",
+        ])
+        .arg("--nvml-library")
+        .arg(s.libs.join("libnvidia-ml.so.1"))
+        .arg("run")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("another agent is serving"), "{o:?}");
+}
+
+#[test]
+fn escapes_are_caught_and_killed_when_configured_and_xids_mark_gpus_unhealthy() {
+    let mut s = Sim::new(Some(NODE));
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "escape_action = \"kill\"\nhealth_recovery_s = 1\n").unwrap();
+    let a = Agent::start(&s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
+    let d: Value = serde_json::from_str(
+        &a.ctl_ok(&["slice", "create", "--name", "t", "--gpu", "0", "--memory", "1GiB", "--json"]),
+    )
+    .unwrap();
+    let (p, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--size", "100m", "--hold"]);
+    // A process that bypasses the interposer (no LD_PRELOAD) on the slice's GPU.
+    let mut rogue = s.cmd(RT).args(["alloc", "--size", "2g", "--hold"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(rogue.stdout.as_mut().unwrap()), &mut line).unwrap();
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = rogue.try_wait().unwrap() {
+            break st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "the escaping process was not killed");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL));
+    let log = a.log_text();
+    assert!(log.contains("GPU process outside every slice") && log.contains("\"action\":\"killed\""), "{log}");
+    let v = a.wait("the escape counted", |v| {
+        v["agent"]["escapes_total"] == 1 && v["escapes"].as_array().unwrap().is_empty()
+    });
+    assert_eq!(slice_of(&v, "t")["processes"][0]["host_pid"], p, "the slice's own process is untouched");
+
+    // A critical XID makes the GPU unhealthy; it recovers after the quiet period. An application
+    // XID does not.
+    assert!(s.output(SIM, &["xid", "--gpu", "0", "--code", "31"]).status.success());
+    assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+    let v = a.wait("unhealthy", |v| v["gpus"][1]["healthy"] == false);
+    assert!(v["gpus"][1]["health_reason"].as_str().unwrap().starts_with("XID 79 at "), "{v}");
+    assert_eq!(v["gpus"][0]["healthy"], true);
+    let table = a.ctl_ok(&["status"]);
+    assert!(table.contains("UNHEALTHY: XID 79"), "{table}");
+    let doctor = a.ctl(&["--config", cfg.to_str().unwrap(), "doctor"]);
+    let text = String::from_utf8_lossy(&doctor.stdout);
+    assert!(text.contains("unhealthy: XID 79"), "{text}");
+    a.wait("recovered", |v| v["gpus"][1]["healthy"] == true);
+}
+
+#[test]
+fn processes_in_a_pid_namespace_are_mapped_to_their_slice() {
+    // Needs PID namespaces (root, or unprivileged user namespaces).
+    let probe = |args: &[&str]| Command::new("unshare").args(args).arg("true").status().is_ok_and(|s| s.success());
+    let prefix: Vec<&str> = if probe(&["--pid", "--fork"]) {
+        vec!["--pid", "--fork", "--kill-child"]
+    } else if probe(&["--user", "--map-root-user", "--pid", "--fork"]) {
+        vec!["--user", "--map-root-user", "--pid", "--fork", "--kill-child"]
+    } else {
+        eprintln!("SKIPPED: this machine allows no PID namespaces (unshare failed)");
+        return;
+    };
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let d: Value = serde_json::from_str(
+        &a.ctl_ok(&["slice", "create", "--name", "ns", "--gpu", "0", "--memory", "1GiB", "--json"]),
+    )
+    .unwrap();
+    let mut c = in_slice(&s, &d, "unshare");
+    c.args(&prefix).arg(RT);
+    let (outer, _) = s.spawn_cmd(c, &["alloc", "--size", "200m", "--hold"]);
+    let v = a.wait("the namespaced process attributed", |v| {
+        slice_of(v, "ns")["processes"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["host_pid"].as_u64().unwrap_or(0) != 0))
+    });
+    let p = &slice_of(&v, "ns")["processes"][0];
+    assert_eq!(p["pid"], 1, "PID 1 inside its namespace: {v}");
+    assert_ne!(p["host_pid"], 1);
+    assert_ne!(p["host_pid"].as_u64().unwrap(), outer as u64, "the app, not unshare");
+    assert_eq!(p["memory"], 264 * MIB);
+    assert_eq!(slice_of(&v, "ns")["gpus"][0]["memory_measured"], 264 * MIB, "NVML's figure attributed to the slice");
+    assert!(v["escapes"].as_array().unwrap().is_empty(), "not an escape: {v}");
+}
+
+#[test]
+fn bad_configuration_is_rejected_precisely() {
+    let s = Sim::new(Some(NODE));
+    let cfg = s.state.join("bad.toml");
+    std::fs::write(&cfg, "monitor_interval_ms = 1\n").unwrap();
+    let o = s.cmd(&bin("vgpu-node-agent")).args(["--config", cfg.to_str().unwrap(), "run"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("bad.toml: monitor_interval_ms: 1 is outside 10..=60000"), "{e}");
+    std::fs::write(&cfg, "state_dir = \"/x\"\nsocket = 5\n").unwrap();
+    let o = s.cmd(&bin("vgpu-node-agent")).args(["--config", cfg.to_str().unwrap(), "run"]).output().unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("bad.toml") && e.contains("socket"), "{e}");
+    let o = s.cmd(&bin("vgpu-node-agent")).args(["--metrics-address", "nowhere", "run"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("metrics_address: \"nowhere\" is not an address"), "{o:?}");
+}
+
+#[test]
+fn doctor_reports_what_to_fix() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "state_dir = \"{}\"\nsocket = \"{}\"\nlibrary = \"{}\"\nnvml_library = \"{}\"\n",
+            a.state.display(),
+            a.socket.display(),
+            libvgpu().display(),
+            s.libs.join("libnvidia-ml.so.1").display()
+        ),
+    )
+    .unwrap();
+    let run = |cfg: &Path| {
+        let o = s.cmd(&bin("vgpuctl")).args(["--config", cfg.to_str().unwrap(), "doctor", "--json"]).output().unwrap();
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
+        let level = |n: &str| {
+            v.as_array().unwrap().iter().find(|c| c["name"] == n).map(|c| c["level"].as_str().unwrap().to_string())
+        };
+        (o.status.code(), level("nvml"), level("library"), level("preload"), level("state-dir"), level("agent"), v)
+    };
+    let (code, nvml, lib, pre, state, agent, v) = run(&cfg);
+    assert_eq!(
+        (nvml.as_deref(), lib.as_deref(), pre.as_deref(), state.as_deref(), agent.as_deref()),
+        (Some("ok"), Some("ok"), Some("ok"), Some("ok"), Some("ok")),
+        "{v}"
+    );
+    // The simulated libcuda is on LD_LIBRARY_PATH: the driver check passes too, so nothing fails.
+    assert_eq!(code, Some(0), "{v}");
+    // A world-writable state directory and a missing library are failures, with the fix.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&a.state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::write(
+        &cfg,
+        std::fs::read_to_string(&cfg).unwrap().replace(&libvgpu().display().to_string(), "/nonexistent/libvgpu.so"),
+    )
+    .unwrap();
+    let (code, _, lib, _, state, _, v) = run(&cfg);
+    assert_eq!((code, lib.as_deref(), state.as_deref()), (Some(1), Some("fail"), Some("fail")), "{v}");
+    assert!(v.to_string().contains("chmod 0755"), "{v}");
+    std::fs::set_permissions(&a.state, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
