@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Quick start: builds the simulated GPU node and runs demo workloads on it, then shows what the
-# driver, NVML and the simulator's own view report. Needs only cargo and a C compiler.
+# Quick start: builds vgpu and the simulated GPU node, starts the node agent on it, creates two
+# slices on one GPU with vgpuctl, runs a workload in each (and one outside every slice), and shows
+# `vgpuctl status` and some metrics. Needs only cargo and a C compiler.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== building (release)"
-cargo build --release -q -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients -p vgpu-preload
+cargo build --release -q -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients -p vgpu-preload -p vgpu-node-agent
 T=$PWD/target/release
 mkdir -p "$T/sim-lib"
 ln -sfn ../libcuda.so "$T/sim-lib/libcuda.so.1"
 ln -sfn ../libnvidia_ml.so "$T/sim-lib/libnvidia-ml.so.1"
 
 export LD_LIBRARY_PATH=$T/sim-lib
-VGPU_SIM_STATE=$(mktemp -d "${TMPDIR:-/tmp}/vgpu-demo.XXXXXX")
-export VGPU_SIM_STATE
-export VGPU_SIM_CONFIG=$VGPU_SIM_STATE.toml
+DEMO=$(mktemp -d "${TMPDIR:-/tmp}/vgpu-demo.XXXXXX")
+export VGPU_SIM_STATE=$DEMO/node VGPU_SIM_CONFIG=$DEMO/node.toml VGPU_SOCKET=$DEMO/agent.sock
+mkdir -p "$VGPU_SIM_STATE"
 cat >"$VGPU_SIM_CONFIG" <<'TOML'
 # The demo node: one H100 and one A100 40GB.
 [[gpu]]
@@ -26,41 +27,59 @@ TOML
 pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+    [ -n "${agent:-}" ] && kill -TERM "$agent" 2>/dev/null && wait "$agent" 2>/dev/null
     wait 2>/dev/null || true
-    rm -rf "$VGPU_SIM_STATE" "$VGPU_SIM_CONFIG"
+    rm -rf "$DEMO"
 }
 trap cleanup EXIT
 
-echo "== the devices as a CUDA application sees them (cuda-rt-app info)"
-"$T/cuda-rt-app" info
+echo "== starting vgpu-node-agent on the simulated node (log: $DEMO/agent.log)"
+"$T/vgpu-node-agent" --state-dir "$DEMO/state" --socket "$VGPU_SOCKET" --metrics-address 127.0.0.1:0 \
+    --nvml-library "$T/sim-lib/libnvidia-ml.so.1" run 2>"$DEMO/agent.log" &
+agent=$!
+export VGPU_AGENT_LIBRARY=$T/libvgpu.so
+for _ in $(seq 100); do "$T/vgpuctl" status >/dev/null 2>&1 && break; sleep 0.05; done
 
-echo "== workload 1: a \"container\" limited to 10 GiB on GPU 0 (libvgpu.so preloaded) asks for 12 GiB"
-CONTAINER=(env LD_PRELOAD="$T/libvgpu.so" CUDA_DEVICE_MEMORY_LIMIT=10g
-    CUDA_DEVICE_MEMORY_SHARED_CACHE="$VGPU_SIM_STATE/container.region")
-out1=$VGPU_SIM_STATE/w1.out
-"${CONTAINER[@]}" "$T/cuda-rt-app" alloc --size 12g --chunk 1g --hold >"$out1" &
-pids+=($!)
-echo "== workload 2: 5 ms kernels for 2 s on GPU 0 (linked directly against libcuda.so.1)"
-out2=$VGPU_SIM_STATE/w2.out
-"$T/cuda-direct-app" launch --kernel sleep_5ms --seconds 2 >"$out2" &
-pids+=($!)
-echo "== workload 3: VMM allocations on GPU 1 (dlsym binding)"
-"$T/cuda-dlsym-app" alloc --device 1 --allocator vmm --size 3g --chunk 512m --hold-secs 2 >"$VGPU_SIM_STATE/w3.out" &
-pids+=($!)
+echo "== two slices on GPU 0: train (8 GiB, 30 % SM) and notebook (4 GiB, 60 % SM)"
+"$T/vgpuctl" slice create --name train --gpu 0 --memory 8GiB --sm 30 | sed -n '1,2p'
+"$T/vgpuctl" slice create --name notebook --gpu 0 --memory 4GiB --sm 60 | sed -n '1,2p'
+uuid=$("$T/vgpuctl" slice list | awk '/^train/ {print $2}')
 
-for _ in $(seq 100); do [ -s "$out1" ] && break; sleep 0.05; done
-sleep 1
-cat "$out1"
+# A process in a slice: what the printed docker flags give a container, with host paths.
+in_slice() {
+    local s=$DEMO/state/slices/$1
+    printf '%s\n' env LD_PRELOAD="$T/libvgpu.so" CUDA_DEVICE_MEMORY_SHARED_CACHE="$s/region" \
+        VGPU_LIMITS_FILE="$s/limits" CUDA_VISIBLE_DEVICES="$uuid"
+}
+mapfile -t TRAIN < <(in_slice train)
+mapfile -t NOTEBOOK < <(in_slice notebook)
+
+echo "== workloads: in train, ask for 12 GiB (gets 8) and run 5 ms kernels; in notebook, run 5 ms kernels"
+"${TRAIN[@]}" "$T/cuda-rt-app" alloc --size 12g --chunk 1g --hold >"$DEMO/w1.out" &
+pids+=($!)
+"${TRAIN[@]}" "$T/cuda-rt-app" launch --kernel sleep_5ms --seconds 4 >"$DEMO/w2.out" &
+pids+=($!)
+"${NOTEBOOK[@]}" "$T/cuda-rt-app" launch --kernel sleep_5ms --seconds 4 >"$DEMO/w3.out" &
+pids+=($!)
+echo "== and one process outside every slice on the same GPU (an escape the agent reports)"
+"$T/cuda-rt-app" alloc --size 1g --hold >/dev/null &
+pids+=($!)
+for _ in $(seq 100); do [ -s "$DEMO/w1.out" ] && break; sleep 0.05; done
+echo "train's allocation: $(grep -o '"allocated":[0-9]*' "$DEMO/w1.out") bytes (limit 8 GiB, less its CUDA context)"
+sleep 2.5
+
 echo
-echo "== inside the container, NVML shows the slice (nvml-probe with libvgpu.so preloaded)"
-"${CONTAINER[@]}" "$T/nvml-probe" --lib "$T/sim-lib/libnvidia-ml.so.1" snapshot | grep -o '"memory":{[^}]*}' | head -1
+echo "== vgpuctl status"
+"$T/vgpuctl" status
 echo
-echo "== vgpu-sim summary (the node's own view)"
-"$T/vgpu-sim" summary
-echo
-echo "== NVML outside the container, through nvml-wrapper (what the node agent will see)"
-"$T/nvml-probe" --lib "$T/sim-lib/libnvidia-ml.so.1" snapshot
+echo "== some metrics (Prometheus, HAMi names and vgpu's)"
+addr=$(grep -o 'serving metrics address=[0-9.:]*' "$DEMO/agent.log" | cut -d= -f2)
+curl -s "http://$addr/metrics" 2>/dev/null | grep -E '^(hami_vgpu_memory_used_bytes|hami_container_device_utilization_ratio|vgpu_escapes_total|vgpu_agent_loop_seconds)[{ ]' |
+    head -8 || echo "(curl not installed: metrics at http://$addr/metrics)"
 wait "${pids[1]}" "${pids[2]}"
-cat "$out2"
+echo
+echo "5 ms kernels run per slice in 4 s (train 30 %, notebook 60 %; 800 would be the whole GPU):"
+echo "  train:    $(grep -o '"launches":[0-9]*' "$DEMO/w2.out" | cut -d: -f2)"
+echo "  notebook: $(grep -o '"launches":[0-9]*' "$DEMO/w3.out" | cut -d: -f2)"
 echo
 echo "Demo done. Run the tests with: cargo test --workspace"

@@ -20,7 +20,7 @@ if [ "$build" = 1 ]; then
     cargo build --release -q -p vgpu-node-agent -p vgpu-preload
 fi
 lib=${lib:-target/release/libvgpu.so}
-for f in target/release/vgpu-node-agent "$lib"; do
+for f in target/release/vgpu-node-agent target/release/vgpuctl "$lib"; do
     [ -f "$f" ] || { echo "error: $f is missing (build first, or pass --libvgpu)" >&2; exit 1; }
 done
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
@@ -28,6 +28,7 @@ digest=$(sha256sum "$lib" | cut -c1-16)
 libdir="$destdir/usr/local/lib/vgpu"
 install -d "$destdir/usr/local/bin" "$libdir" "$destdir/etc/vgpu" "$destdir/etc/systemd/system" "$destdir/var/lib/vgpu"
 install -m 0755 target/release/vgpu-node-agent "$destdir/usr/local/bin/vgpu-node-agent"
+install -m 0755 target/release/vgpuctl "$destdir/usr/local/bin/vgpuctl"
 versioned="$libdir/libvgpu.so.$version.$digest"
 if [ ! -e "$versioned" ]; then
     install -m 0755 "$lib" "$versioned.tmp.$$"
@@ -38,6 +39,6 @@ ln -sfn "libvgpu.so.$version.$digest" "$libdir/libvgpu.so.tmp.$$"
 mv -T "$libdir/libvgpu.so.tmp.$$" "$libdir/libvgpu.so"
 [ -e "$destdir/etc/vgpu/agent.toml" ] || install -m 0644 packaging/agent.toml "$destdir/etc/vgpu/agent.toml"
 install -m 0644 packaging/systemd/vgpu-node-agent.service "$destdir/etc/systemd/system/vgpu-node-agent.service"
-echo "installed: $destdir/usr/local/bin/vgpu-node-agent, $versioned, $destdir/etc/vgpu/agent.toml,"
+echo "installed: $destdir/usr/local/bin/vgpu-node-agent, $destdir/usr/local/bin/vgpuctl, $versioned, $destdir/etc/vgpu/agent.toml,"
 echo "           $destdir/etc/systemd/system/vgpu-node-agent.service"
 [ -n "$destdir" ] || echo "next: systemctl daemon-reload && systemctl enable --now vgpu-node-agent"
