@@ -1,0 +1,255 @@
+//! Carrying targets out on a backend, safely:
+//! * the desired state of every GPU is recorded (`<dir>/desired/<uuid>.json`) before anything
+//!   changes, so that [`reconcile`] re-applies it after a reboot or driver reload (Hopper loses the
+//!   mode and every instance; Ampere keeps the mode and loses the instances at a reset);
+//! * an apply in progress is journalled (`<dir>/journal/<uuid>.json`) and removed when done; an
+//!   apply interrupted half-way (crash, kill, power) is resumed by [`reconcile`]: planning is
+//!   idempotent, so re-planning from what exists towards the journalled target finishes the job;
+//! * a mode change that waits for a GPU reset is reported as pending, never pretended.
+
+use crate::backend::{MigBackend, MigError, ModeChange};
+use crate::config::{wants, Desired};
+use crate::model::Gpu;
+use crate::planner::{self, Plan, Step};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct Record {
+    gpu_uuid: String,
+    desired: Desired,
+    force: bool,
+}
+
+/// The applier's files.
+pub struct Store {
+    dir: PathBuf,
+}
+
+fn write_atomic(path: &Path, data: &[u8]) -> Result<(), MigError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data)
+        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| MigError(format!("cannot write {}: {e}", path.display())))
+}
+
+impl Store {
+    pub fn open(dir: &Path) -> Result<Store, MigError> {
+        for d in ["desired", "journal"] {
+            std::fs::create_dir_all(dir.join(d))
+                .map_err(|e| MigError(format!("cannot create {}: {e}", dir.display())))?;
+        }
+        Ok(Store { dir: dir.to_owned() })
+    }
+
+    fn path(&self, kind: &str, uuid: &str) -> PathBuf {
+        self.dir.join(kind).join(format!("{uuid}.json"))
+    }
+
+    fn put(&self, kind: &str, r: &Record) -> Result<(), MigError> {
+        write_atomic(&self.path(kind, &r.gpu_uuid), &serde_json::to_vec_pretty(r).expect("serialisable"))
+    }
+
+    fn list(&self, kind: &str) -> Vec<Record> {
+        let Ok(rd) = std::fs::read_dir(self.dir.join(kind)) else { return Vec::new() };
+        rd.flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+            .collect()
+    }
+
+    /// The recorded desired state of a GPU.
+    pub fn desired(&self, uuid: &str) -> Option<Desired> {
+        self.list("desired").into_iter().find(|r| r.gpu_uuid == uuid).map(|r| r.desired)
+    }
+
+    /// GPUs with an apply in progress (what a restart resumes).
+    pub fn in_progress(&self) -> Vec<String> {
+        self.list("journal").into_iter().map(|r| r.gpu_uuid).collect()
+    }
+}
+
+/// What an apply did to one GPU.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Outcome {
+    pub gpu: u32,
+    pub mode: ModeChange,
+    /// The mode change waits for a GPU reset: the layout is applied after it.
+    pub pending_reset: bool,
+    pub plan: Option<Plan>,
+}
+
+fn find_gpu(b: &dyn MigBackend, uuid: &str) -> Result<Gpu, MigError> {
+    for i in 0..b.gpu_count()? {
+        let g = b.gpu(i)?;
+        if g.uuid == uuid {
+            return Ok(g);
+        }
+    }
+    Err(MigError(format!("no GPU {uuid} on this node")))
+}
+
+/// Runs a plan's steps.
+pub fn execute(b: &dyn MigBackend, gpu: u32, plan: &Plan) -> Result<(), MigError> {
+    for s in &plan.steps {
+        match s {
+            Step::Destroy { gi, .. } => b.destroy(gpu, *gi)?,
+            Step::Create { profile, start } => {
+                b.create(gpu, *profile, *start)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The plan that would bring GPU `gpu` to `d` (None: only the mode changes, or nothing).
+pub fn plan_gpu(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Option<Plan>, MigError> {
+    let g = b.gpu(gpu)?;
+    if !d.mig_enabled || !g.mig_enabled {
+        return Ok(None);
+    }
+    let w = wants(&g, d).map_err(|e| MigError(e.0))?;
+    planner::plan(&g, &w, force).map(Some).map_err(|e| MigError(format!("GPU {gpu} ({}): {e}", g.name)))
+}
+
+/// Brings GPU `gpu` to `d`: records it, switches the mode if needed, then applies the minimal plan.
+pub fn apply_gpu(b: &dyn MigBackend, store: &Store, gpu: u32, d: &Desired, force: bool) -> Result<Outcome, MigError> {
+    let g = b.gpu(gpu)?;
+    // Refuse an impossible target before touching anything.
+    if d.mig_enabled && g.mig_enabled {
+        plan_gpu(b, gpu, d, force)?;
+    }
+    let rec = Record { gpu_uuid: g.uuid.clone(), desired: d.clone(), force };
+    store.put("desired", &rec)?;
+    store.put("journal", &rec)?;
+    let r = run(b, gpu, d, force);
+    if r.is_ok() {
+        let _ = std::fs::remove_file(store.path("journal", &g.uuid));
+    }
+    r
+}
+
+fn run(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Outcome, MigError> {
+    let g = b.gpu(gpu)?;
+    let mut mode = ModeChange::Unchanged;
+    if g.mig_enabled != d.mig_enabled || g.mode_pending {
+        if !d.mig_enabled && g.mig_enabled {
+            // Instances go before the mode: destroy them (busy ones only when forced).
+            let p = planner::plan(&g, &[], force).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
+            execute(b, gpu, &p)?;
+        }
+        mode = b.set_mode(gpu, d.mig_enabled)?;
+        if mode == ModeChange::PendingReset {
+            return Ok(Outcome { gpu, mode, pending_reset: true, plan: None });
+        }
+    }
+    let plan = plan_gpu(b, gpu, d, force)?;
+    if let Some(p) = &plan {
+        execute(b, gpu, p)?;
+    }
+    Ok(Outcome { gpu, mode, pending_reset: false, plan })
+}
+
+/// Whether GPU `gpu` is as `d` says: the mode, and the multiset of profiles.
+pub fn check(b: &dyn MigBackend, gpu: u32, d: &Desired) -> Result<Vec<String>, MigError> {
+    let g = b.gpu(gpu)?;
+    let mut diffs = Vec::new();
+    if g.mig_enabled != d.mig_enabled {
+        diffs.push(format!("MIG mode is {}, wanted {}", on(g.mig_enabled), on(d.mig_enabled)));
+    }
+    if g.mode_pending {
+        diffs.push("a MIG mode change is pending a GPU reset".into());
+    }
+    if g.mig_enabled && d.mig_enabled {
+        for (name, &n) in &d.devices {
+            let have =
+                g.profile_named(name).map_or(0, |p| g.instances.iter().filter(|i| i.profile == p.id).count() as u32);
+            if have != n {
+                diffs.push(format!("{have} x {name}, wanted {n}"));
+            }
+        }
+        for i in &g.instances {
+            let name = g.profile(i.profile).map_or("?".to_string(), |p| p.name.clone());
+            if !d.devices.keys().any(|k| g.profile_named(k).is_some_and(|p| p.id == i.profile)) {
+                diffs.push(format!("unwanted {name} at slice {}", i.start));
+            }
+        }
+    }
+    Ok(diffs)
+}
+
+fn on(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// After a restart, a reboot or a driver reload: finishes journalled applies, then re-applies every
+/// recorded desired state that no longer holds. Returns what it did per GPU.
+pub fn reconcile(b: &dyn MigBackend, store: &Store) -> Vec<Result<Outcome, MigError>> {
+    let mut out = Vec::new();
+    let journal: Vec<Record> = store.list("journal");
+    for r in store.list("desired") {
+        let g = match find_gpu(b, &r.gpu_uuid) {
+            Ok(g) => g,
+            Err(e) => {
+                out.push(Err(e));
+                continue;
+            }
+        };
+        let interrupted = journal.iter().any(|j| j.gpu_uuid == r.gpu_uuid);
+        let holds = check(b, g.index, &r.desired).map(|d| d.is_empty()).unwrap_or(false);
+        if interrupted || !holds {
+            let force = journal.iter().find(|j| j.gpu_uuid == r.gpu_uuid).is_some_and(|j| j.force);
+            out.push(apply_gpu(b, store, g.index, &r.desired, force));
+        }
+    }
+    out
+}
+
+/// A GPU instance made for one request (dynamic mode).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Allocation {
+    pub gpu: u32,
+    pub gi: u32,
+    pub profile: String,
+    pub start: u32,
+    /// The MIG device to give the workload (`NVIDIA_VISIBLE_DEVICES`).
+    pub uuid: Option<String>,
+}
+
+/// Dynamic mode: makes the best-fitting GPU instance for `req` on GPU `gpu`, at the placement that
+/// keeps the most room (see [`planner::choose`]), with its compute instance. A GPU is managed either
+/// dynamically or declaratively: [`reconcile`] would remove dynamic instances from a GPU that has a
+/// recorded desired layout.
+pub fn allocate(b: &dyn MigBackend, gpu: u32, req: &planner::Request) -> Result<Allocation, MigError> {
+    let g = b.gpu(gpu)?;
+    if !g.mig_enabled {
+        return Err(MigError(format!("GPU {gpu} ({}): MIG mode is off", g.name)));
+    }
+    let p = planner::choose(&g, req).map_err(MigError)?;
+    let gi = b.create(gpu, p.profile, p.start)?;
+    let after = b.gpu(gpu)?;
+    let inst = after.instances.iter().find(|i| i.gi == gi);
+    Ok(Allocation {
+        gpu,
+        gi,
+        profile: g.profile(p.profile).map_or(String::new(), |x| x.name.clone()),
+        start: p.start,
+        uuid: inst.and_then(|i| i.uuid.clone()),
+    })
+}
+
+/// Dynamic mode: destroys an allocation's GPU instance once idle (refused while processes run on it).
+pub fn release(b: &dyn MigBackend, gpu: u32, gi: u32) -> Result<(), MigError> {
+    let g = b.gpu(gpu)?;
+    let inst =
+        g.instances.iter().find(|i| i.gi == gi).ok_or_else(|| MigError(format!("GPU {gpu}: no GPU instance {gi}")))?;
+    if inst.busy {
+        return Err(MigError(format!("GPU {gpu}: GPU instance {gi} still runs processes")));
+    }
+    b.destroy(gpu, gi)
+}

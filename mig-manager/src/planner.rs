@@ -1,0 +1,397 @@
+//! Pure planning: no NVML, no I/O.
+//!
+//! Validity of a layout, as NVML enforces it: every GPU instance sits at one of its profile's
+//! placements, memory ranges never overlap, and no profile has more instances than its count.
+//! A plan keeps as many existing instances as the target allows (each kept instance saves a destroy
+//! and a create), never touches a busy one unless forced, and names every placement explicitly: a
+//! driver left to choose can pick one that blocks later profiles.
+
+use crate::model::{mask, Gpu, Instance, Placed, Profile};
+use serde::{Deserialize, Serialize};
+
+/// One GPU instance of a target layout: a profile, and optionally a fixed placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Want {
+    pub profile: u32,
+    pub start: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Step {
+    /// Destroy a GPU instance (its compute instances first).
+    Destroy { gi: u32, profile: u32, start: u32 },
+    /// Create a GPU instance at an explicit placement, with one compute instance spanning it.
+    Create { profile: u32, start: u32 },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Instances kept as they are.
+    pub keep: Vec<u32>,
+    pub steps: Vec<Step>,
+    /// The layout after the plan, in start order.
+    pub layout: Vec<Placed>,
+}
+
+/// Why a target cannot be reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Impossible {
+    UnknownProfile(u32),
+    BadPlacement {
+        profile: String,
+        start: u32,
+        valid: Vec<u32>,
+    },
+    TooMany {
+        profile: String,
+        wanted: u32,
+        max: u32,
+    },
+    /// A busy instance is not part of the target (or its slices are needed).
+    Busy {
+        gi: u32,
+        profile: String,
+        start: u32,
+    },
+    /// The profiles do not fit together on this GPU, whatever the placements.
+    NoFit {
+        wanted: Vec<String>,
+        slices: u32,
+    },
+}
+
+impl std::fmt::Display for Impossible {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Impossible::UnknownProfile(p) => write!(f, "the GPU has no MIG profile with id {p}"),
+            Impossible::BadPlacement { profile, start, valid } => {
+                write!(f, "{profile} cannot start at memory slice {start} (valid starts: {valid:?})")
+            }
+            Impossible::TooMany { profile, wanted, max } => {
+                write!(f, "{wanted} x {profile} wanted, but the GPU allows at most {max}")
+            }
+            Impossible::Busy { gi, profile, start } => write!(
+                f,
+                "GPU instance {gi} ({profile} at slice {start}) is in use and the target does not keep it \
+                 (stop its workload, or force)"
+            ),
+            Impossible::NoFit { wanted, slices } => write!(
+                f,
+                "{} do not fit together in the GPU's {slices} memory slices with any valid placements",
+                wanted.join(" + ")
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Impossible {}
+
+fn name(gpu: &Gpu, id: u32) -> String {
+    gpu.profile(id).map_or(format!("profile {id}"), |p| p.name.clone())
+}
+
+/// Checks what can be checked without a search.
+fn validate(gpu: &Gpu, want: &[Want]) -> Result<(), Impossible> {
+    for w in want {
+        let p = gpu.profile(w.profile).ok_or(Impossible::UnknownProfile(w.profile))?;
+        if let Some(s) = w.start {
+            if !p.starts.contains(&s) {
+                return Err(Impossible::BadPlacement { profile: p.name.clone(), start: s, valid: p.starts.clone() });
+            }
+        }
+    }
+    for p in &gpu.profiles {
+        let n = want.iter().filter(|w| w.profile == p.id).count() as u32;
+        if n > p.max {
+            return Err(Impossible::TooMany { profile: p.name.clone(), wanted: n, max: p.max });
+        }
+    }
+    let slices: u32 = want.iter().filter_map(|w| gpu.profile(w.profile)).map(|p| p.memory_slices).sum();
+    if slices > gpu.memory_slices {
+        return Err(no_fit(gpu, want));
+    }
+    Ok(())
+}
+
+fn no_fit(gpu: &Gpu, want: &[Want]) -> Impossible {
+    Impossible::NoFit { wanted: want.iter().map(|w| name(gpu, w.profile)).collect(), slices: gpu.memory_slices }
+}
+
+struct Search<'a> {
+    gpu: &'a Gpu,
+    want: Vec<(Want, &'a Profile)>,
+    /// Instances the plan may not destroy.
+    pinned: Vec<&'a Instance>,
+    best: Option<(usize, u64, Vec<Choice>)>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Choice {
+    Reuse(usize),
+    New(u32),
+}
+
+impl Search<'_> {
+    /// Depth-first over the wanted instances (largest first), each either reusing an existing
+    /// instance or placed anew; keeps the choice that reuses most, then leaves the most room.
+    fn go(&mut self, i: usize, used: u64, reused: usize, taken: &mut Vec<bool>, path: &mut Vec<Choice>) {
+        if let Some((best, _, _)) = &self.best {
+            // Even reusing every remaining wanted instance cannot beat the best.
+            if reused + (self.want.len() - i) < *best {
+                return;
+            }
+        }
+        if i == self.want.len() {
+            if taken
+                .iter()
+                .enumerate()
+                .any(|(k, t)| !t && self.pinned.iter().any(|p| std::ptr::eq(*p, &self.gpu.instances[k])))
+            {
+                return;
+            }
+            let room = room_score(self.gpu, used);
+            let better = match &self.best {
+                None => true,
+                Some((r, s, _)) => reused > *r || (reused == *r && room > *s),
+            };
+            if better {
+                self.best = Some((reused, room, path.clone()));
+            }
+            return;
+        }
+        let (w, p) = self.want[i];
+        // Reuse an existing instance of the profile.
+        for k in 0..self.gpu.instances.len() {
+            let inst = &self.gpu.instances[k];
+            if taken[k] || inst.profile != w.profile || w.start.is_some_and(|s| s != inst.start) {
+                continue;
+            }
+            let m = mask(inst.start, inst.size);
+            if used & m != 0 {
+                continue;
+            }
+            taken[k] = true;
+            path.push(Choice::Reuse(k));
+            self.go(i + 1, used | m, reused + 1, taken, path);
+            path.pop();
+            taken[k] = false;
+        }
+        // Or a new one, off the slices of instances that must stay.
+        let pinned_mask = self.pinned.iter().fold(0, |m, x| m | mask(x.start, x.size));
+        let starts: Vec<u32> = match w.start {
+            Some(s) => vec![s],
+            None => p.starts.clone(),
+        };
+        for s in starts {
+            let m = mask(s, p.memory_slices);
+            if used & m != 0 || pinned_mask & m != 0 {
+                continue;
+            }
+            path.push(Choice::New(s));
+            self.go(i + 1, used | m, reused, taken, path);
+            path.pop();
+        }
+    }
+}
+
+/// How much room a set of used slices leaves: for every profile, how many more instances could still
+/// be placed, weighted by the square of their size (a free 4-slice placement is worth more than four
+/// scattered single slices).
+pub fn room_score(gpu: &Gpu, used: u64) -> u64 {
+    gpu.profiles
+        .iter()
+        .map(|p| {
+            let free = p.starts.iter().filter(|&&s| used & mask(s, p.memory_slices) == 0).count() as u64;
+            free * (p.memory_slices as u64).pow(2)
+        })
+        .sum()
+}
+
+/// The minimal plan from the GPU's instances to `want`. Busy instances are kept unless `force`.
+pub fn plan(gpu: &Gpu, want: &[Want], force: bool) -> Result<Plan, Impossible> {
+    validate(gpu, want)?;
+    let mut w: Vec<(Want, &Profile)> = want.iter().map(|w| (*w, gpu.profile(w.profile).expect("validated"))).collect();
+    // Largest and fixed first: prunes early.
+    w.sort_by_key(|(x, p)| (std::cmp::Reverse(p.memory_slices), x.start.is_none(), x.start));
+    let pinned: Vec<&Instance> = if force { Vec::new() } else { gpu.instances.iter().filter(|i| i.busy).collect() };
+    // A busy instance that no wanted instance can keep makes the target impossible.
+    for b in &pinned {
+        if !want.iter().any(|x| x.profile == b.profile && x.start.is_none_or(|s| s == b.start)) {
+            return Err(Impossible::Busy { gi: b.gi, profile: name(gpu, b.profile), start: b.start });
+        }
+    }
+    let mut s = Search { gpu, want: w, pinned, best: None };
+    let mut taken = vec![false; gpu.instances.len()];
+    s.go(0, 0, 0, &mut taken, &mut Vec::new());
+    let Some((_, _, choice)) = s.best.take() else {
+        if let Some(b) = s.pinned.first() {
+            // It fits on an empty GPU but not around the busy instances.
+            let mut empty = gpu.clone();
+            empty.instances.clear();
+            if plan(&empty, want, false).is_ok() {
+                return Err(Impossible::Busy { gi: b.gi, profile: name(gpu, b.profile), start: b.start });
+            }
+        }
+        return Err(no_fit(gpu, want));
+    };
+    let mut keep = Vec::new();
+    let mut layout = Vec::new();
+    let mut creates = Vec::new();
+    for ((x, _), c) in s.want.iter().zip(&choice) {
+        match c {
+            Choice::Reuse(k) => {
+                let inst = &gpu.instances[*k];
+                keep.push(inst.gi);
+                layout.push(Placed { profile: inst.profile, start: inst.start });
+            }
+            Choice::New(st) => {
+                creates.push(Step::Create { profile: x.profile, start: *st });
+                layout.push(Placed { profile: x.profile, start: *st });
+            }
+        }
+    }
+    let mut steps: Vec<Step> = gpu
+        .instances
+        .iter()
+        .filter(|i| !keep.contains(&i.gi))
+        .map(|i| Step::Destroy { gi: i.gi, profile: i.profile, start: i.start })
+        .collect();
+    creates.sort_by_key(|c| if let Step::Create { start, .. } = c { *start } else { 0 });
+    steps.extend(creates);
+    keep.sort_unstable();
+    layout.sort_by_key(|p| p.start);
+    Ok(Plan { keep, steps, layout })
+}
+
+/// A dynamic request: what a workload needs, not a profile name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub memory_mib: u64,
+    /// Compute slices (0: any).
+    pub compute: u32,
+    /// Streaming multiprocessors (0: any).
+    pub sms: u32,
+    /// Needs the media engines (JPEG and OFA), as `+me` profiles and full GPUs have.
+    pub media: bool,
+}
+
+/// The best-fitting profile for `req` and the placement that leaves the most room, given the GPU's
+/// instances now. Best fit: the fewest memory slices, then the fewest compute slices, then the least
+/// memory; this picks double-memory profiles (`1g.10gb` on an A100 40GB) over wider ones and `+me`
+/// profiles only when media engines are asked for.
+pub fn choose(gpu: &Gpu, req: &Request) -> Result<Placed, String> {
+    let fits = |p: &Profile| {
+        p.memory_mib >= req.memory_mib
+            && p.compute >= req.compute
+            && p.sms >= req.sms
+            && (!req.media || (p.jpegs > 0 && p.ofas > 0))
+            && (req.media || !p.media_extended())
+    };
+    let mut candidates: Vec<&Profile> = gpu.profiles.iter().filter(|p| fits(p)).collect();
+    if candidates.is_empty() {
+        return Err(format!(
+            "no MIG profile of {} offers {} MiB{}{}{}",
+            gpu.name,
+            req.memory_mib,
+            if req.compute > 0 { format!(", {} compute slices", req.compute) } else { String::new() },
+            if req.sms > 0 { format!(", {} SMs", req.sms) } else { String::new() },
+            if req.media { ", media engines" } else { "" }
+        ));
+    }
+    candidates.sort_by_key(|p| (p.memory_slices, p.compute, p.memory_mib, p.id));
+    let used = gpu.used_mask();
+    for p in candidates {
+        let count = gpu.instances.iter().filter(|i| i.profile == p.id).count() as u32;
+        if count >= p.max {
+            continue;
+        }
+        let best = p
+            .starts
+            .iter()
+            .filter(|&&s| used & mask(s, p.memory_slices) == 0)
+            .map(|&s| (room_score(gpu, used | mask(s, p.memory_slices)), std::cmp::Reverse(s)))
+            .max();
+        if let Some((_, std::cmp::Reverse(start))) = best {
+            return Ok(Placed { profile: p.id, start });
+        }
+    }
+    Err(format!(
+        "no room on {} for {} MiB: its free memory slices cannot hold a fitting profile",
+        gpu.name, req.memory_mib
+    ))
+}
+
+/// Node-level dynamic choice: the GPU (and placement) where the request costs the least room, so
+/// that small instances gather on GPUs already cut up and whole GPUs stay whole for large ones.
+/// Ties go to the lowest index.
+pub fn choose_on(gpus: &[Gpu], req: &Request) -> Result<(usize, Placed), String> {
+    let mut best: Option<(u64, u32, usize, Placed)> = None;
+    let mut last_err = String::from("no GPUs");
+    for (i, g) in gpus.iter().enumerate() {
+        if !g.mig_enabled {
+            continue;
+        }
+        match choose(g, req) {
+            Ok(p) => {
+                let used = g.used_mask();
+                let size = g.profile(p.profile).map_or(0, |x| x.memory_slices);
+                let loss = room_score(g, used) - room_score(g, used | mask(p.start, size));
+                // Fewer slices first (a best fit), then the least room lost.
+                let key = (loss, size);
+                if best.as_ref().is_none_or(|b| (key.1, key.0) < (b.1, b.0)) {
+                    best = Some((loss, size, i, p));
+                }
+            }
+            Err(e) => last_err = e,
+        }
+    }
+    best.map(|(_, _, i, p)| (i, p)).ok_or(last_err)
+}
+
+/// The greedy placer of the benchmark's baseline (HAMi-like): among the profiles without media
+/// extension or double memory, the smallest by memory that fits, at the lowest free placement.
+pub fn choose_greedy(gpu: &Gpu, req: &Request) -> Option<Placed> {
+    // A double-memory profile has the compute of another with fewer memory slices.
+    let double = |p: &Profile| {
+        gpu.profiles.iter().any(|q| !q.media_extended() && q.compute == p.compute && q.memory_slices < p.memory_slices)
+    };
+    let mut c: Vec<&Profile> = gpu
+        .profiles
+        .iter()
+        .filter(|p| !p.media_extended() && !double(p))
+        .filter(|p| p.memory_mib >= req.memory_mib && p.compute >= req.compute)
+        .collect();
+    c.sort_by_key(|p| (p.memory_mib, p.compute));
+    let used = gpu.used_mask();
+    for p in c {
+        if gpu.instances.iter().filter(|i| i.profile == p.id).count() as u32 >= p.max {
+            continue;
+        }
+        if let Some(&s) = p.starts.iter().find(|&&s| used & mask(s, p.memory_slices) == 0) {
+            return Some(Placed { profile: p.id, start: s });
+        }
+    }
+    None
+}
+
+/// Free memory slices that the largest still-placeable profile cannot use, as a share of the free
+/// slices (0: the free space is one usable block; 1: none of it can be used).
+pub fn fragmentation(gpu: &Gpu) -> f64 {
+    let used = gpu.used_mask();
+    let free = gpu.memory_slices - used.count_ones().min(gpu.memory_slices);
+    if free == 0 {
+        return 0.0;
+    }
+    let largest = gpu
+        .profiles
+        .iter()
+        .filter(|p| gpu.instances.iter().filter(|i| i.profile == p.id).count() < p.max as usize)
+        .filter(|p| p.starts.iter().any(|&s| used & mask(s, p.memory_slices) == 0))
+        .map(|p| p.memory_slices)
+        .max()
+        .unwrap_or(0);
+    1.0 - largest as f64 / free as f64
+}
+
+#[cfg(test)]
+mod tests;
