@@ -48,6 +48,10 @@ pub struct Agent {
     hostname: String,
     /// Bound metrics address (after binding port 0, the real port).
     pub metrics_address: RwLock<Option<std::net::SocketAddr>>,
+    /// NVML, once opened (the MIG operations use it).
+    pub nvml: std::sync::OnceLock<Arc<nvml_wrapper::Nvml>>,
+    /// The MIG applier's records (`<state_dir>/mig`), and one MIG operation at a time.
+    pub mig: Mutex<vgpu_mig::apply::Store>,
     /// Resident memory, read every tenth pass.
     rss: AtomicU64,
     /// Wakes the monitoring thread for a pass now (after a slice change).
@@ -94,6 +98,7 @@ impl Agent {
         let snapshot = RwLock::new(Arc::new(list.clone()));
         let slices = list.into_iter().map(|s| (s.name.clone(), s)).collect();
         let health = Arc::new(Health::new(std::time::Duration::from_secs(cfg.health_recovery_s)));
+        let mig = Mutex::new(vgpu_mig::apply::Store::open(&cfg.state_dir.join("mig")).map_err(|e| e.0)?);
         Ok(Agent {
             cfg,
             store,
@@ -111,6 +116,8 @@ impl Agent {
             metrics_address: RwLock::new(None),
             kick: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             rss: AtomicU64::new(0),
+            nvml: std::sync::OnceLock::new(),
+            mig,
         })
     }
 
@@ -268,6 +275,27 @@ impl Agent {
                 .collect(),
             state_dir: self.store.dir(&s.name).display().to_string(),
         })
+    }
+
+    /// A MIG operation (status, plan, apply, assert) on the agent's NVML; after an apply, the
+    /// inventory is read again and a pass published, so the status stream shows the new layout.
+    pub fn mig(&self, req: Option<pb::MigRequest>, op: crate::mig::Op) -> Result<pb::MigReport, ApiError> {
+        let nvml = self.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
+        let store = self.mig.lock();
+        let r = crate::mig::run(nvml.clone(), &store, &req.unwrap_or_default(), op);
+        drop(store);
+        if op == crate::mig::Op::Apply {
+            if let Ok(inv) = crate::discovery::discover(&nvml) {
+                *self.inventory.write() = inv;
+            }
+            self.refresh();
+        }
+        r
+    }
+
+    pub fn mig_status(&self) -> Result<pb::MigStatusResponse, ApiError> {
+        let nvml = self.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
+        crate::mig::status(nvml, &self.mig.lock())
     }
 
     pub fn health_response(&self) -> pb::HealthResponse {

@@ -27,6 +27,13 @@ impl From<ApiError> for Status {
 }
 
 impl Service {
+    async fn mig(&self, req: Request<pb::MigRequest>, op: crate::mig::Op) -> Result<Response<pb::MigReport>, Status> {
+        self.ready()?;
+        let a = self.agent.clone();
+        let r = req.into_inner();
+        Ok(Response::new(blocking(move || a.mig(Some(r), op)).await?))
+    }
+
     fn ready(&self) -> Result<(), Status> {
         if self.agent.ready.load(std::sync::atomic::Ordering::Acquire) {
             Ok(())
@@ -109,6 +116,24 @@ impl pb::agent_server::Agent for Service {
 
     async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
         Ok(Response::new(self.agent.health_response()))
+    }
+
+    async fn mig_status(&self, _: Request<pb::MigStatusRequest>) -> Result<Response<pb::MigStatusResponse>, Status> {
+        self.ready()?;
+        let a = self.agent.clone();
+        Ok(Response::new(blocking(move || a.mig_status()).await?))
+    }
+
+    async fn mig_plan(&self, req: Request<pb::MigRequest>) -> Result<Response<pb::MigReport>, Status> {
+        self.mig(req, crate::mig::Op::Plan).await
+    }
+
+    async fn mig_apply(&self, req: Request<pb::MigRequest>) -> Result<Response<pb::MigReport>, Status> {
+        self.mig(req, crate::mig::Op::Apply).await
+    }
+
+    async fn mig_assert(&self, req: Request<pb::MigRequest>) -> Result<Response<pb::MigReport>, Status> {
+        self.mig(req, crate::mig::Op::Assert).await
     }
 }
 

@@ -292,6 +292,73 @@ pub fn render_slice(d: &pb::SliceDetail) -> String {
     o
 }
 
+/// `vgpuctl mig status`.
+pub fn render_mig_status(st: &pb::MigStatusResponse) -> String {
+    if st.gpus.is_empty() {
+        return "no MIG-capable GPUs\n".into();
+    }
+    let mut rows =
+        vec![["GPU", "MODEL", "MIG", "INSTANCES (profile@slice)", "RECORDED LAYOUT"].map(String::from).to_vec()];
+    for g in &st.gpus {
+        let mode = match (g.enabled, g.pending_reset) {
+            (_, true) => format!("{} (change pending a reset)", if g.enabled { "on" } else { "off" }),
+            (true, false) => "on".into(),
+            (false, false) => "off".into(),
+        };
+        let inst: Vec<String> = g.instances.iter().map(|i| format!("{}@{}", i.name, i.start)).collect();
+        let mut desired = g.desired.join(", ");
+        if g.in_progress {
+            desired.push_str(" (apply interrupted: resumed at agent start)");
+        }
+        rows.push(vec![
+            g.index.to_string(),
+            g.model.clone(),
+            mode,
+            if inst.is_empty() { "-".into() } else { inst.join(" ") },
+            if desired.is_empty() { "-".into() } else { desired },
+        ]);
+    }
+    table(&rows)
+}
+
+/// `vgpuctl mig plan|apply|assert`.
+pub fn render_mig_report(r: &pb::MigReport, op: &str) -> String {
+    let mut o = String::new();
+    for g in &r.gpus {
+        let _ = write!(o, "GPU {}", g.gpu);
+        if !g.error.is_empty() {
+            let _ = writeln!(o, ": cannot {op}: {}", g.error);
+            continue;
+        }
+        o.push('\n');
+        if !g.mode_change.is_empty() {
+            let _ = writeln!(
+                o,
+                "  {} MIG mode{}",
+                g.mode_change,
+                if g.pending_reset { " (pending a GPU reset)" } else { "" }
+            );
+        } else if g.pending_reset {
+            let _ = writeln!(o, "  MIG mode change pending a GPU reset: the layout follows after it");
+        }
+        for s in &g.steps {
+            let _ = writeln!(o, "  {s}");
+        }
+        if op != "assert" {
+            let _ = writeln!(o, "  {} step(s), {} instance(s) kept", g.steps.len(), g.kept);
+        }
+        if op == "assert" || op == "apply" {
+            if g.differences.is_empty() && !g.pending_reset {
+                o.push_str("  matches the config\n");
+            }
+            for d in &g.differences {
+                let _ = writeln!(o, "  differs: {d}");
+            }
+        }
+    }
+    o
+}
+
 /// One finding of `vgpuctl doctor`.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Check {

@@ -85,6 +85,14 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
             .map_err(|e| e.to_string())?
     };
     let nvml = Arc::new(nvml);
+    let _ = agent.nvml.set(nvml.clone());
+    // Recorded MIG layouts that no longer hold (a reboot, an interrupted apply) come back first.
+    {
+        let (n, a) = (nvml.clone(), agent.clone());
+        tokio::task::spawn_blocking(move || crate::mig::reconcile(n, &a.mig.lock()))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
     let inv = discovery::discover(&nvml).map_err(|e| e.to_string())?;
     for g in &inv.gpus {
         tracing::info!(gpu = %g.uuid, index = g.index, name = %g.name, memory = g.memory_total, "discovered GPU");

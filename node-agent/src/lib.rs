@@ -9,6 +9,7 @@ pub mod daemon;
 pub mod discovery;
 pub mod health;
 pub mod metrics;
+pub mod mig;
 pub mod monitor;
 pub mod procfs;
 pub mod slices;

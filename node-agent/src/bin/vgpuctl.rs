@@ -43,6 +43,37 @@ enum Cmd {
     Inspect { name: String },
     /// Check NVML, the driver, the library, the state directory, the agent, kubelet and CDI
     Doctor,
+    /// MIG layouts: status, and mig-parted configs planned, applied and asserted
+    #[command(subcommand)]
+    Mig(MigCmd),
+}
+
+#[derive(Args)]
+struct MigArgs {
+    /// A mig-parted v1 configuration file
+    #[arg(long, short = 'f')]
+    file: PathBuf,
+    /// Which of its mig-configs (as in the nvidia.com/mig.config label)
+    #[arg(long)]
+    name: String,
+    /// Only these GPU indices [default: every GPU the config selects]
+    #[arg(long, value_delimiter = ',')]
+    gpu: Vec<u32>,
+    /// Destroy busy instances where the target needs it
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Subcommand)]
+enum MigCmd {
+    /// Mode, instances and recorded layout of every MIG-capable GPU
+    Status,
+    /// What applying a config would do (nothing changes)
+    Plan(MigArgs),
+    /// Apply a config incrementally (recorded: re-applied after a reboot)
+    Apply(MigArgs),
+    /// Exit 0 if the GPUs are as the config says, 1 otherwise
+    Assert(MigArgs),
 }
 
 #[derive(Args)]
@@ -232,6 +263,38 @@ fn main() {
                 }
             }
             Cmd::Doctor => unreachable!("handled above"),
+            Cmd::Mig(MigCmd::Status) => {
+                let st = c.mig_status(pb::MigStatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                if cli.json {
+                    println!("{}", json(&st));
+                } else {
+                    print!("{}", ctl::render_mig_status(&st));
+                }
+            }
+            Cmd::Mig(cmd) => {
+                let (a, op) = match &cmd {
+                    MigCmd::Plan(a) => (a, "plan"),
+                    MigCmd::Apply(a) => (a, "apply"),
+                    MigCmd::Assert(a) => (a, "assert"),
+                    MigCmd::Status => unreachable!("handled above"),
+                };
+                let text = std::fs::read_to_string(&a.file).unwrap_or_else(|e| die(2, format!("{}: {e}", a.file.display())));
+                let req = pb::MigRequest { config_yaml: text, config_name: a.name.clone(), gpus: a.gpu.clone(), force: a.force };
+                let r = match op {
+                    "plan" => c.mig_plan(req).await,
+                    "apply" => c.mig_apply(req).await,
+                    _ => c.mig_assert(req).await,
+                }
+                .unwrap_or_else(|e| grpc_err(e))
+                .into_inner();
+                if cli.json {
+                    println!("{}", json(&r));
+                } else {
+                    print!("{}", ctl::render_mig_report(&r, op));
+                }
+                let failed = r.gpus.iter().any(|g| !g.error.is_empty() || (op != "plan" && !g.differences.is_empty() && !g.pending_reset));
+                std::process::exit(i32::from(failed));
+            }
         }
     });
 }

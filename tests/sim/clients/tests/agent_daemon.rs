@@ -522,3 +522,49 @@ fn doctor_reports_what_to_fix() {
     assert!(v.to_string().contains("chmod 0755"), "{v}");
     std::fs::set_permissions(&a.state, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
+
+#[test]
+fn mig_through_the_agent_plan_apply_assert_and_restore_after_reboot() {
+    let mut s = Sim::new(Some(NODE));
+    let mut a = Agent::start(&s, &[]);
+    let cfg = s.state.join("mig.yaml");
+    std::fs::write(
+        &cfg,
+        "version: v1\nmig-configs:\n  balanced:\n    - device-filter: \"0x233010DE\"\n      devices: all\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 2\n        \"2g.20gb\": 1\n        \"3g.40gb\": 1\n  all-1g:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 7\n",
+    )
+    .unwrap();
+    let c = cfg.to_str().unwrap();
+    let plan = a.ctl_ok(&["mig", "plan", "-f", c, "--name", "balanced"]);
+    assert!(
+        plan.contains("GPU 1\n  enable MIG mode")
+            && plan.contains("create 3g.40gb at slice")
+            && plan.contains("4 step(s)"),
+        "{plan}"
+    );
+    assert!(!plan.contains("GPU 0"), "the filter selects the H100 only: {plan}");
+    let o = a.ctl(&["mig", "assert", "-f", c, "--name", "balanced"]);
+    assert_eq!(o.status.code(), Some(1), "not applied yet");
+    let out = a.ctl_ok(&["mig", "apply", "-f", c, "--name", "balanced"]);
+    assert!(out.contains("matches the config"), "{out}");
+    a.ctl_ok(&["mig", "assert", "-f", c, "--name", "balanced"]);
+    // The status (and its stream) shows the layout at once.
+    let st = a.status().unwrap();
+    assert_eq!(st["gpus"][1]["mode"], "mig");
+    assert_eq!(st["gpus"][1]["mig"]["instances"].as_array().unwrap().len(), 4, "{}", st["gpus"][1]);
+    let table = a.ctl_ok(&["mig", "status"]);
+    assert!(table.contains("3g.40gb@") && table.contains("1g.10gb: 2"), "{table}");
+    // Incremental: to 7 x 1g.10gb keeps the two 1g.10gb.
+    let plan = a.ctl_ok(&["mig", "plan", "-f", c, "--name", "all-1g"]);
+    assert!(plan.contains("2 instance(s) kept"), "{plan}");
+    // Bad input is refused with the reason.
+    let o = a.ctl(&["mig", "apply", "-f", c, "--name", "nope"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no mig-config named \"nope\""), "{o:?}");
+    // A reboot (the agent down): Hopper loses the mode and the instances; the restarted agent
+    // re-applies the recorded layout.
+    a.sigterm();
+    assert!(s.output(SIM, &["reboot"]).status.success());
+    a.spawn(&s);
+    a.ctl_ok(&["mig", "assert", "-f", c, "--name", "balanced"]);
+    assert!(a.log_text().contains("MIG layout restored"), "{}", a.log_text());
+    let _ = &mut s;
+}

@@ -1,0 +1,204 @@
+//! MIG through the agent: status, and mig-parted configs planned, applied (recorded, so they come
+//! back after a reboot) and asserted, on the agent's NVML. One MIG operation at a time.
+
+use crate::agent::ApiError;
+use nvml_wrapper::Nvml;
+use std::sync::Arc;
+use vgpu_mig::apply::{self, Store};
+use vgpu_mig::backend::{MigBackend, ModeChange, NvmlBackend};
+use vgpu_mig::config::{self, Desired};
+use vgpu_mig::planner::Step;
+use vgpu_proto::v1 as pb;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Plan,
+    Apply,
+    Assert,
+}
+
+pub fn status(nvml: Arc<Nvml>, store: &Store) -> Result<pb::MigStatusResponse, ApiError> {
+    let b = NvmlBackend::new(nvml);
+    let n = b.gpu_count().map_err(|e| ApiError::Internal(e.0))?;
+    let in_progress = store.in_progress();
+    let mut gpus = Vec::new();
+    for i in 0..n {
+        let Ok(g) = b.gpu(i) else { continue };
+        if g.profiles.is_empty() {
+            continue; // not MIG-capable
+        }
+        gpus.push(pb::MigGpu {
+            index: g.index,
+            uuid: g.uuid.clone(),
+            model: g.name.clone(),
+            enabled: g.mig_enabled,
+            pending_reset: g.mode_pending,
+            memory_slices: g.memory_slices,
+            profiles: g
+                .profiles
+                .iter()
+                .map(|p| pb::MigProfileInfo {
+                    id: p.id,
+                    name: p.name.clone(),
+                    compute_slices: p.compute,
+                    memory_slices: p.memory_slices,
+                    memory_mib: p.memory_mib,
+                    max: p.max,
+                    starts: p.starts.clone(),
+                })
+                .collect(),
+            instances: g
+                .instances
+                .iter()
+                .map(|i| pb::MigInstance {
+                    gpu_instance_id: i.gi,
+                    profile_id: i.profile,
+                    start: i.start,
+                    size: i.size,
+                    uuid: i.uuid.clone().unwrap_or_default(),
+                    name: g.profile(i.profile).map(|p| p.name.clone()).unwrap_or_default(),
+                    memory_total: g.profile(i.profile).map_or(0, |p| p.memory_mib << 20),
+                    compute_instances: i.compute_instances.len() as u32,
+                })
+                .collect(),
+            desired: store.desired(&g.uuid).map(|d| describe(&d)).unwrap_or_default(),
+            in_progress: in_progress.contains(&g.uuid),
+        });
+    }
+    Ok(pb::MigStatusResponse { gpus })
+}
+
+fn describe(d: &Desired) -> Vec<String> {
+    if !d.mig_enabled {
+        return vec!["MIG disabled".into()];
+    }
+    d.devices.iter().map(|(k, v)| format!("{k}: {v}")).collect()
+}
+
+/// Plans, applies or asserts a mig-parted config on the GPUs it selects (or `req.gpus`).
+pub fn run(nvml: Arc<Nvml>, store: &Store, req: &pb::MigRequest, op: Op) -> Result<pb::MigReport, ApiError> {
+    let file = config::File::parse(&req.config_yaml).map_err(|e| ApiError::Invalid(e.0))?;
+    if !file.mig_configs.contains_key(&req.config_name) {
+        return Err(ApiError::Invalid(format!(
+            "no mig-config named {:?} (have: {})",
+            req.config_name,
+            file.mig_configs.keys().cloned().collect::<Vec<_>>().join(", ")
+        )));
+    }
+    let b = NvmlBackend::new(nvml);
+    let n = b.gpu_count().map_err(|e| ApiError::Internal(e.0))?;
+    if let Some(g) = req.gpus.iter().find(|&&g| g >= n) {
+        return Err(ApiError::Invalid(format!("no GPU {g} on this node (it has {n})")));
+    }
+    let mut out = Vec::new();
+    for i in 0..n {
+        if !req.gpus.is_empty() && !req.gpus.contains(&i) {
+            continue;
+        }
+        let pci = b.pci_device_id(i).map_err(|e| ApiError::Internal(e.0))?;
+        let Some(d) = file.desired(&req.config_name, i, &pci).map_err(|e| ApiError::Invalid(e.0))? else { continue };
+        let mut r = pb::MigGpuReport { gpu: i, ..Default::default() };
+        let g = match b.gpu(i) {
+            Ok(g) => g,
+            Err(e) => {
+                r.error = e.0;
+                out.push(r);
+                continue;
+            }
+        };
+        r.uuid = g.uuid.clone();
+        if g.profiles.is_empty() {
+            r.error = format!("GPU {i} ({}) does not support MIG", g.name);
+            out.push(r);
+            continue;
+        }
+        r.mode_change = match (g.mig_enabled, d.mig_enabled) {
+            (false, true) => "enable".into(),
+            (true, false) => "disable".into(),
+            _ => String::new(),
+        };
+        let name = |id: u32| g.profile(id).map_or(format!("profile {id}"), |p| p.name.clone());
+        let describe_steps = |steps: &[Step]| -> Vec<String> {
+            steps
+                .iter()
+                .map(|s| match s {
+                    Step::Destroy { gi, profile, start } => {
+                        format!("destroy {} (GPU instance {gi}) at slice {start}", name(*profile))
+                    }
+                    Step::Create { profile, start } => format!("create {} at slice {start}", name(*profile)),
+                })
+                .collect()
+        };
+        match op {
+            Op::Assert => match apply::check(&b, i, &d) {
+                Ok(diffs) => r.differences = diffs,
+                Err(e) => r.error = e.0,
+            },
+            Op::Plan => {
+                // With MIG off, plan against an empty layout (what enabling gives).
+                let target =
+                    if g.mig_enabled { apply::plan_gpu(&b, i, &d, req.force) } else { plan_empty(&g, &d, req.force) };
+                match target {
+                    Ok(Some(p)) => {
+                        r.steps = describe_steps(&p.steps);
+                        r.kept = p.keep.len() as u32;
+                    }
+                    Ok(None) => {}
+                    Err(e) => r.error = e.0,
+                }
+                r.pending_reset = g.mode_pending;
+            }
+            Op::Apply => match apply::apply_gpu(&b, store, i, &d, req.force) {
+                Ok(o) => {
+                    r.pending_reset = o.pending_reset;
+                    if o.mode == ModeChange::Unchanged {
+                        r.mode_change.clear();
+                    }
+                    if let Some(p) = o.plan {
+                        r.steps = describe_steps(&p.steps);
+                        r.kept = p.keep.len() as u32;
+                    }
+                    if !o.pending_reset {
+                        r.differences = apply::check(&b, i, &d).unwrap_or_default();
+                    }
+                    tracing::info!(gpu = i, config = %req.config_name, steps = r.steps.len(), pending_reset = r.pending_reset, "MIG layout applied");
+                }
+                Err(e) => r.error = e.0,
+            },
+        }
+        out.push(r);
+    }
+    if out.is_empty() {
+        return Err(ApiError::Invalid(format!("mig-config {:?} selects no GPU of this node", req.config_name)));
+    }
+    Ok(pb::MigReport { gpus: out })
+}
+
+fn plan_empty(
+    g: &vgpu_mig::model::Gpu,
+    d: &Desired,
+    force: bool,
+) -> Result<Option<vgpu_mig::planner::Plan>, vgpu_mig::backend::MigError> {
+    if !d.mig_enabled {
+        return Ok(None);
+    }
+    let mut e = g.clone();
+    e.instances.clear();
+    e.mig_enabled = true;
+    let w = config::wants(&e, d).map_err(|x| vgpu_mig::backend::MigError(x.0))?;
+    vgpu_mig::planner::plan(&e, &w, force)
+        .map(Some)
+        .map_err(|x| vgpu_mig::backend::MigError(format!("GPU {}: {x}", g.index)))
+}
+
+/// After start-up: finishes interrupted applies and re-applies recorded layouts that no longer hold
+/// (after a reboot or driver reload).
+pub fn reconcile(nvml: Arc<Nvml>, store: &Store) {
+    let b = NvmlBackend::new(nvml);
+    for r in apply::reconcile(&b, store) {
+        match r {
+            Ok(o) => tracing::info!(gpu = o.gpu, pending_reset = o.pending_reset, "MIG layout restored"),
+            Err(e) => tracing::warn!(error = %e, "MIG layout could not be restored"),
+        }
+    }
+}

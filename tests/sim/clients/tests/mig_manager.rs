@@ -1,0 +1,293 @@
+//! The MIG manager against the simulated `libnvidia-ml.so.1`, loaded through nvml-wrapper in this
+//! process: profiles read from NVML, mig-parted configs applied incrementally, Ampere's pending mode
+//! and a reset blocked by a process, Hopper losing its mode at reboot and the desired layout coming
+//! back, an apply interrupted half-way and resumed from its journal, busy instances preserved.
+
+mod common;
+use common::*;
+
+use std::sync::Arc;
+use vgpu_mig::apply::{self, Store};
+use vgpu_mig::backend::{MigBackend, MigError, ModeChange, NvmlBackend};
+use vgpu_mig::config::{self, Desired};
+use vgpu_mig::model::Gpu;
+
+const NODE: &str = "[[gpu]]\nmodel = \"A100-40GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"A30\"\n[[gpu]]\nmodel = \"H200-141GB\"\n";
+
+/// Written in mig-parted's v1 format as its documentation and the GPU operator's default config
+/// use it: named configs, `devices: all` or indices, `device-filter` by PCI device id.
+const CONFIG: &str = r#"
+version: v1
+mig-configs:
+  all-disabled:
+    - devices: all
+      mig-enabled: false
+  all-enabled:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {}
+  all-1g.5gb:
+    - device-filter: ["0x20B010DE", "0x20B110DE"]
+      devices: all
+      mig-enabled: true
+      mig-devices:
+        "1g.5gb": 7
+  all-balanced:
+    - device-filter: ["0x20B010DE", "0x20B110DE"]
+      devices: all
+      mig-enabled: true
+      mig-devices:
+        "1g.5gb": 2
+        "2g.10gb": 1
+        "3g.20gb": 1
+    - device-filter: "0x233010DE"
+      devices: all
+      mig-enabled: true
+      mig-devices:
+        "1g.10gb": 2
+        "2g.20gb": 1
+        "3g.40gb": 1
+    - device-filter: ["0x20B710DE"]
+      devices: all
+      mig-enabled: true
+      mig-devices:
+        "1g.6gb": 2
+        "2g.12gb": 1
+  custom:
+    - devices: [3]
+      mig-enabled: true
+      mig-devices:
+        "7g.141gb": 1
+"#;
+
+/// Panics (an agent killed mid-apply) after `left` changes.
+struct Crashing<'a> {
+    inner: &'a dyn MigBackend,
+    left: std::cell::Cell<u32>,
+}
+
+impl Crashing<'_> {
+    fn tick(&self) {
+        if self.left.get() == 0 {
+            panic!("simulated crash in the middle of an apply");
+        }
+        self.left.set(self.left.get() - 1);
+    }
+}
+
+impl MigBackend for Crashing<'_> {
+    fn gpu_count(&self) -> Result<u32, MigError> {
+        self.inner.gpu_count()
+    }
+    fn gpu(&self, gpu: u32) -> Result<Gpu, MigError> {
+        self.inner.gpu(gpu)
+    }
+    fn set_mode(&self, gpu: u32, enabled: bool) -> Result<ModeChange, MigError> {
+        self.tick();
+        self.inner.set_mode(gpu, enabled)
+    }
+    fn create(&self, gpu: u32, profile: u32, start: u32) -> Result<u32, MigError> {
+        self.tick();
+        self.inner.create(gpu, profile, start)
+    }
+    fn destroy(&self, gpu: u32, gi: u32) -> Result<(), MigError> {
+        self.tick();
+        self.inner.destroy(gpu, gi)
+    }
+    fn pci_device_id(&self, gpu: u32) -> Result<String, MigError> {
+        self.inner.pci_device_id(gpu)
+    }
+}
+
+/// Marks GPU instances busy, as a workload on them would.
+struct Busy<'a> {
+    inner: &'a dyn MigBackend,
+    busy: Vec<(u32, u32)>,
+}
+
+impl MigBackend for Busy<'_> {
+    fn gpu_count(&self) -> Result<u32, MigError> {
+        self.inner.gpu_count()
+    }
+    fn gpu(&self, gpu: u32) -> Result<Gpu, MigError> {
+        let mut g = self.inner.gpu(gpu)?;
+        for i in &mut g.instances {
+            i.busy |= self.busy.contains(&(gpu, i.gi));
+        }
+        Ok(g)
+    }
+    fn set_mode(&self, gpu: u32, enabled: bool) -> Result<ModeChange, MigError> {
+        self.inner.set_mode(gpu, enabled)
+    }
+    fn create(&self, gpu: u32, profile: u32, start: u32) -> Result<u32, MigError> {
+        self.inner.create(gpu, profile, start)
+    }
+    fn destroy(&self, gpu: u32, gi: u32) -> Result<(), MigError> {
+        self.inner.destroy(gpu, gi)
+    }
+    fn pci_device_id(&self, gpu: u32) -> Result<String, MigError> {
+        self.inner.pci_device_id(gpu)
+    }
+}
+
+fn desired(f: &config::File, name: &str, b: &dyn MigBackend, gpu: u32) -> Desired {
+    f.desired(name, gpu, &b.pci_device_id(gpu).unwrap()).unwrap().unwrap_or_else(|| panic!("{name} selects GPU {gpu}"))
+}
+
+fn layout(b: &dyn MigBackend, gpu: u32) -> Vec<(String, u32)> {
+    let g = b.gpu(gpu).unwrap();
+    g.instances.iter().map(|i| (g.profile(i.profile).unwrap().name.clone(), i.start)).collect()
+}
+
+#[test]
+fn mig_manager_on_the_simulated_node() {
+    let mut s = Sim::new(Some(NODE));
+    std::env::set_var("VGPU_SIM_STATE", &s.state);
+    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
+    let nvml =
+        Arc::new(nvml_wrapper::Nvml::builder().lib_path(s.libs.join("libnvidia-ml.so.1").as_os_str()).init().unwrap());
+    let b = NvmlBackend::new(nvml);
+    let store = Store::open(&s.state.join("mig")).unwrap();
+    let f = config::File::parse(CONFIG).unwrap();
+
+    // Profiles and placements come from NVML.
+    let a100 = b.gpu(0).unwrap();
+    assert_eq!((a100.memory_slices, a100.profiles.len()), (8, 7));
+    let p = a100.profile_named("1g.10gb").unwrap();
+    assert_eq!((p.compute, p.memory_slices, p.starts.clone(), p.max), (1, 2, vec![0, 2, 4, 6], 4));
+    assert!(a100.profile_named("MIG 1g.5gb+me").unwrap().media_extended());
+    let a30 = b.gpu(2).unwrap();
+    assert_eq!(a30.memory_slices, 4);
+    assert!(b.gpu(1).unwrap().profile_named("3g.40gb").is_some());
+    assert!(b.gpu(3).unwrap().profile_named("7g.141gb").is_some(), "{:?}", b.gpu(3).unwrap().profiles);
+    assert_eq!(b.pci_device_id(0).unwrap(), "0x20B010DE");
+
+    // Ampere: the mode waits for a reset, which a process on the GPU blocks.
+    let d = desired(&f, "all-balanced", &b, 0);
+    let out = apply::apply_gpu(&b, &store, 0, &d, false).unwrap();
+    assert_eq!((out.mode, out.pending_reset), (ModeChange::PendingReset, true));
+    assert!(b.gpu(0).unwrap().mode_pending);
+    assert!(apply::check(&b, 0, &d).unwrap().iter().any(|x| x.contains("pending a GPU reset")));
+    let (pid, _) = s.spawn(RT, &["alloc", "--size", "64m", "--hold"]);
+    let o = s.output(SIM, &["reset", "--gpu", "0"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("in use"), "{o:?}");
+    s.kill(pid);
+    assert!(s.output(SIM, &["reset", "--gpu", "0"]).status.success());
+    // After the reset, reconciling applies the recorded layout.
+    let r = apply::reconcile(&b, &store);
+    assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
+    assert_eq!(apply::check(&b, 0, &d).unwrap(), Vec::<String>::new());
+    let l = layout(&b, 0);
+    assert_eq!(l.len(), 4, "{l:?}");
+    // Every instance has one compute instance spanning it, and a MIG device.
+    assert!(b.gpu(0).unwrap().instances.iter().all(|i| i.compute_instances.len() == 1 && i.uuid.is_some()));
+
+    // Idempotent: applying again changes nothing.
+    let again = apply::apply_gpu(&b, &store, 0, &d, false).unwrap();
+    assert!(again.plan.unwrap().steps.is_empty());
+
+    // Incremental: to all-1g.5gb keeps the two 1g.5gb.
+    let d1 = desired(&f, "all-1g.5gb", &b, 0);
+    let plan = apply::plan_gpu(&b, 0, &d1, false).unwrap().unwrap();
+    assert_eq!(plan.keep.len(), 2, "{plan:?}");
+    // Interrupted after two changes (a crash): the journal says so; a restart finishes the job.
+    let crashing = Crashing { inner: &b, left: 2.into() };
+    let r =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| apply::apply_gpu(&crashing, &store, 0, &d1, false)));
+    assert!(r.is_err());
+    let uuid = b.gpu(0).unwrap().uuid;
+    assert_eq!(store.in_progress(), vec![uuid.clone()]);
+    assert_ne!(apply::check(&b, 0, &d1).unwrap(), Vec::<String>::new(), "half-way");
+    let r = apply::reconcile(&b, &store);
+    assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
+    assert_eq!(apply::check(&b, 0, &d1).unwrap(), Vec::<String>::new());
+    assert!(store.in_progress().is_empty());
+    assert_eq!(layout(&b, 0).len(), 7);
+
+    // A busy instance is kept: a target that needs its slices is refused and nothing changes. (The
+    // 1g.5gb at slice 4 leaves no place for the 2g.10gb once the 3g.20gb takes slices 0-3.)
+    let gi = b.gpu(0).unwrap().instances.iter().find(|i| i.start == 4).unwrap().gi;
+    let busy = Busy { inner: &b, busy: vec![(0, gi)] };
+    let before = layout(&b, 0);
+    let e = apply::apply_gpu(&busy, &store, 0, &desired(&f, "all-balanced", &b, 0), false).unwrap_err();
+    assert!(e.0.contains("in use"), "{e}");
+    assert_eq!(layout(&b, 0), before);
+    // Forced, it goes.
+    apply::apply_gpu(&busy, &store, 0, &desired(&f, "all-balanced", &b, 0), true).unwrap();
+    assert_eq!(layout(&b, 0).len(), 4);
+
+    // Hopper switches at once; H100 and H200 get their own profile names from NVML.
+    let out = apply::apply_gpu(&b, &store, 1, &desired(&f, "all-balanced", &b, 1), false).unwrap();
+    assert_eq!(out.mode, ModeChange::Applied);
+    assert_eq!(layout(&b, 1).len(), 4);
+    apply::apply_gpu(&b, &store, 3, &desired(&f, "custom", &b, 3), false).unwrap();
+    assert_eq!(layout(&b, 3), vec![("7g.141gb".to_string(), 0)]);
+    // A30 (4 memory slices): pending, then reset, then reconciled.
+    let d30 = desired(&f, "all-balanced", &b, 2);
+    assert!(apply::apply_gpu(&b, &store, 2, &d30, false).unwrap().pending_reset);
+    assert!(s.output(SIM, &["reset", "--gpu", "2"]).status.success());
+    apply::reconcile(&b, &store);
+    assert_eq!(apply::check(&b, 2, &d30).unwrap(), Vec::<String>::new());
+
+    // A reboot: Hopper loses the mode and every instance, Ampere keeps the mode but loses the
+    // instances. Reconciling brings all four back.
+    assert!(s.output(SIM, &["reboot"]).status.success());
+    assert!(!b.gpu(1).unwrap().mig_enabled);
+    assert!(b.gpu(0).unwrap().instances.is_empty());
+    let r = apply::reconcile(&b, &store);
+    assert_eq!(r.len(), 4, "{r:?}");
+    for (gpu, name) in [(0, "all-balanced"), (1, "all-balanced"), (2, "all-balanced"), (3, "custom")] {
+        assert_eq!(apply::check(&b, gpu, &desired(&f, name, &b, gpu)).unwrap(), Vec::<String>::new(), "GPU {gpu}");
+    }
+
+    // Errors name the problem: an unknown config, a profile the GPU lacks, an impossible layout.
+    assert!(f.desired("nope", 0, "0x20B010DE").unwrap_err().0.contains("no mig-config named \"nope\""));
+    let bad = Desired { mig_enabled: true, devices: [("9g.99gb".to_string(), 1)].into() };
+    assert!(apply::apply_gpu(&b, &store, 0, &bad, false).unwrap_err().0.contains("has no MIG profile \"9g.99gb\""));
+    let too_many = Desired { mig_enabled: true, devices: [("4g.20gb".to_string(), 2)].into() };
+    let e = apply::apply_gpu(&b, &store, 0, &too_many, false).unwrap_err();
+    assert!(e.0.contains("at most 1"), "{e}");
+    assert_eq!(apply::check(&b, 0, &desired(&f, "all-balanced", &b, 0)).unwrap(), Vec::<String>::new(), "untouched");
+
+    // Dynamic mode on the H200 (its layout is released first): requests, not profile names.
+    apply::apply_gpu(&b, &store, 3, &Desired { mig_enabled: true, devices: Default::default() }, false).unwrap();
+    let req = |mib, media| vgpu_mig::planner::Request { memory_mib: mib, compute: 0, sms: 0, media };
+    let a = apply::allocate(&b, 3, &req(16 << 10, false)).unwrap();
+    assert!(a.profile.starts_with("1g."), "the smallest fitting profile: {a:?}");
+    assert!(a.uuid.as_deref().is_some_and(|u| u.starts_with("MIG-")), "{a:?}");
+    let m = apply::allocate(&b, 3, &req(1 << 10, true)).unwrap();
+    assert!(m.profile.ends_with("+me"), "{m:?}");
+    assert!(apply::allocate(&b, 3, &req(1 << 30, false)).unwrap_err().0.contains("no MIG profile"));
+    apply::release(&b, 3, a.gi).unwrap();
+    apply::release(&b, 3, m.gi).unwrap();
+    assert!(b.gpu(3).unwrap().instances.is_empty());
+    assert!(apply::release(&b, 3, a.gi).unwrap_err().0.contains("no GPU instance"));
+
+    // Disabling destroys the instances first (Hopper: at once).
+    let off = desired(&f, "all-disabled", &b, 1);
+    assert_eq!(apply::apply_gpu(&b, &store, 1, &off, false).unwrap().mode, ModeChange::Applied);
+    assert!(!b.gpu(1).unwrap().mig_enabled);
+}
+
+#[test]
+fn mig_parted_configs_are_parsed_and_bad_ones_rejected_precisely() {
+    let f = config::File::parse(CONFIG).unwrap();
+    assert_eq!(f.mig_configs.len(), 5);
+    let d = f.desired("all-balanced", 0, "0x20b010de").unwrap().unwrap();
+    assert_eq!(d.devices.get("3g.20gb"), Some(&1));
+    assert_eq!(f.desired("all-balanced", 0, "0x9999").unwrap(), None, "no entry selects this GPU");
+    assert_eq!(f.desired("custom", 2, "0x20B710DE").unwrap(), None);
+    assert!(f.desired("custom", 3, "0x233510DE").unwrap().is_some());
+    let e = config::File::parse("version: v2\nmig-configs: {}\n").unwrap_err();
+    assert!(e.0.contains("version \"v2\" is not supported"), "{e}");
+    let e = config::File::parse("version: v1\nmig-configs:\n  x:\n    - devices: some\n      mig-enabled: true\n")
+        .unwrap_err();
+    assert!(e.0.contains("x[0]: devices must be \"all\""), "{e}");
+    let e = config::File::parse("version: v1\nmig-configs:\n  x:\n    - devices: all\n      mig-enabled: true\n      mig-devices: {\"1c.3g.20gb\": 2}\n").unwrap_err();
+    assert!(e.0.contains("compute-instance sub-profiles are not supported"), "{e}");
+    let e = config::File::parse(
+        "version: v1\nmig-configs:\n  x:\n    - devices: all\n      mig-enabled: true\n      colour: red\n",
+    )
+    .unwrap_err();
+    assert!(e.0.contains("colour"), "{e}");
+}
