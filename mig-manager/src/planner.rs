@@ -263,6 +263,43 @@ pub fn plan(gpu: &Gpu, want: &[Want], force: bool) -> Result<Plan, Impossible> {
     Ok(Plan { keep, steps, layout })
 }
 
+/// Every valid layout of the given profiles to which no instance of them can be added (for an A100
+/// with 1g, 2g, 3g, 4g and 7g: the 19 layouts of NVIDIA's MIG guide).
+pub fn maximal_layouts(gpu: &Gpu, profiles: &[u32]) -> Vec<Vec<Placed>> {
+    fn go(gpu: &Gpu, profiles: &[u32], cur: &mut Vec<Placed>, out: &mut Vec<Vec<Placed>>) {
+        let size = |id: u32| gpu.profile(id).map_or(0, |p| p.memory_slices);
+        let used = cur.iter().fold(0, |m, p| m | mask(p.start, size(p.profile)));
+        let mut extended = false;
+        for &id in profiles {
+            let Some(p) = gpu.profile(id) else { continue };
+            if cur.iter().filter(|x| x.profile == id).count() as u32 >= p.max {
+                continue;
+            }
+            for &s in &p.starts {
+                if used & mask(s, p.memory_slices) != 0 {
+                    continue;
+                }
+                extended = true;
+                // Instances in start order: each layout is built once.
+                if cur.last().is_some_and(|l| l.start >= s) {
+                    continue;
+                }
+                cur.push(Placed { profile: id, start: s });
+                go(gpu, profiles, cur, out);
+                cur.pop();
+            }
+        }
+        if !extended {
+            out.push(cur.clone());
+        }
+    }
+    let mut out = Vec::new();
+    go(gpu, profiles, &mut Vec::new(), &mut out);
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// A dynamic request: what a workload needs, not a profile name.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Request {

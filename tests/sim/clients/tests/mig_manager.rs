@@ -182,6 +182,26 @@ fn mig_manager_on_the_simulated_node() {
     // Every instance has one compute instance spanning it, and a MIG device.
     assert!(b.gpu(0).unwrap().instances.iter().all(|i| i.compute_instances.len() == 1 && i.uuid.is_some()));
 
+    // The planner's validity agrees with the driver's: every maximal A100 layout of 1g/2g/3g/4g/7g,
+    // each reached from the one before (explicit placements, minimal steps), is accepted by NVML.
+    let g = b.gpu(0).unwrap();
+    let ids: Vec<u32> =
+        ["1g.5gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"].iter().map(|n| g.profile_named(n).unwrap().id).collect();
+    let layouts = vgpu_mig::planner::maximal_layouts(&g, &ids);
+    assert_eq!(layouts.len(), 19);
+    for l in layouts.iter().chain([&layouts[0]]) {
+        let want: Vec<_> =
+            l.iter().map(|p| vgpu_mig::planner::Want { profile: p.profile, start: Some(p.start) }).collect();
+        let p = vgpu_mig::planner::plan(&b.gpu(0).unwrap(), &want, false).unwrap();
+        apply::execute(&b, 0, &p).unwrap_or_else(|e| panic!("{l:?}: {e}"));
+        let mut got: Vec<_> = b.gpu(0).unwrap().instances.iter().map(|i| (i.profile, i.start)).collect();
+        got.sort();
+        let mut exp: Vec<_> = l.iter().map(|p| (p.profile, p.start)).collect();
+        exp.sort();
+        assert_eq!(got, exp);
+    }
+    apply::apply_gpu(&b, &store, 0, &d, false).unwrap();
+
     // Idempotent: applying again changes nothing.
     let again = apply::apply_gpu(&b, &store, 0, &d, false).unwrap();
     assert!(again.plan.unwrap().steps.is_empty());
