@@ -16,6 +16,10 @@ struct FileConfig {
     library: Option<PathBuf>,
     metrics_address: Option<String>,
     health_recovery_s: Option<u64>,
+    device_plugin: Option<String>,
+    kubelet_dir: Option<PathBuf>,
+    split_count: Option<u32>,
+    resource_name: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +51,13 @@ pub struct Config {
     /// A GPU marked unhealthy by a critical XID becomes healthy again after this many seconds
     /// without another one (and NVML answering for it).
     pub health_recovery_s: u64,
+    /// Serve the kubelet device plugin API (when kubelet's socket is there).
+    pub device_plugin: bool,
+    /// Kubelet's device-plugin directory (its `kubelet.sock`, and where the plugin's socket goes).
+    pub kubelet_dir: PathBuf,
+    /// Devices advertised per GPU; a container given k of them gets k/split of the GPU's memory and time.
+    pub split_count: u32,
+    pub resource_name: String,
 }
 
 /// Overrides from the command line.
@@ -147,7 +158,28 @@ impl Config {
         if !(1..=86_400).contains(&health_recovery_s) {
             return Err(bad("health_recovery_s", format!("{health_recovery_s} is outside 1..=86400")));
         }
+        let device_plugin = match env("VGPU_AGENT_DEVICE_PLUGIN").or(file.device_plugin).as_deref() {
+            None | Some("auto") | Some("on") => true,
+            Some("off") => false,
+            Some(v) => return Err(bad("device_plugin", format!("{v:?} is not auto or off"))),
+        };
+        let kubelet_dir = env("VGPU_AGENT_KUBELET_DIR")
+            .map(PathBuf::from)
+            .or(file.kubelet_dir)
+            .unwrap_or_else(|| PathBuf::from("/var/lib/kubelet/device-plugins"));
+        let split_count = file.split_count.unwrap_or(10);
+        if !(1..=100).contains(&split_count) {
+            return Err(bad("split_count", format!("{split_count} is outside 1..=100")));
+        }
+        let resource_name = file.resource_name.unwrap_or_else(|| "nvidia.com/gpu".into());
+        if !resource_name.contains('/') || resource_name.len() > 63 + 254 {
+            return Err(bad("resource_name", format!("{resource_name:?} is not of the form domain/name")));
+        }
         Ok(Config {
+            device_plugin,
+            kubelet_dir,
+            split_count,
+            resource_name,
             state_dir,
             socket,
             nvml_library,

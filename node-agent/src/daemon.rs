@@ -108,6 +108,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         std::thread::Builder::new().name("monitor".into()).spawn(move || monitor_loop(&n, &a, &s))
     }
     .map_err(|e| e.to_string())?;
+    let plugin = cfg.device_plugin.then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), stop_rx.clone())));
 
     let mut term =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| e.to_string())?;
@@ -124,6 +125,9 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         m.abort();
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    if let Some(p) = plugin {
+        let _ = tokio::time::timeout(Duration::from_secs(5), p).await;
+    }
     let _ = std::fs::remove_file(&cfg.socket);
     let passes = tokio::task::spawn_blocking(move || {
         let _ = xids.join();

@@ -6,6 +6,7 @@ pub mod api;
 pub mod config;
 pub mod ctl;
 pub mod daemon;
+pub mod deviceplugin;
 pub mod discovery;
 pub mod health;
 pub mod metrics;

@@ -403,21 +403,21 @@ impl Monitor {
                 continue;
             }
             pass.new_escapes[(e.kind as usize).min(2)] += 1;
-            if e.kind == pb::escape::Kind::Unaccounted as i32 && !e.slice.is_empty() {
-                tracing::warn!(gpu = %e.gpu, pid = e.pid, slice = %e.slice, memory = e.measured, "slice process on a GPU outside its slice");
-            } else if e.kind == pb::escape::Kind::Unaccounted as i32 {
-                tracing::warn!(gpu = %e.gpu, pid = e.pid, memory = e.measured, "GPU process outside every slice");
-            } else {
-                tracing::warn!(slice = %e.slice, gpu = %e.gpu, measured = e.measured, limit = e.limit, pid = e.pid,
-                    "slice over its memory limit as NVML measures it");
-            }
             if self.action == EscapeAction::Kill && e.pid != 0 {
                 // SAFETY: kill(2) with a PID NVML reported in this pass and a valid signal.
                 let r = unsafe { libc::kill(e.pid as libc::pid_t, libc::SIGKILL) };
                 e.action = if r == 0 { "killed".into() } else { "kill failed".into() };
-                tracing::warn!(pid = e.pid, action = %e.action, "escape action");
                 // Killed: the next pass sees the process gone; its next escape is a new one.
                 now.remove(&escape_key(e));
+            }
+            if e.kind == pb::escape::Kind::Unaccounted as i32 && !e.slice.is_empty() {
+                tracing::warn!(gpu = %e.gpu, pid = e.pid, slice = %e.slice, memory = e.measured, action = %e.action,
+                    "slice process on a GPU outside its slice");
+            } else if e.kind == pb::escape::Kind::Unaccounted as i32 {
+                tracing::warn!(gpu = %e.gpu, pid = e.pid, memory = e.measured, action = %e.action, "GPU process outside every slice");
+            } else {
+                tracing::warn!(slice = %e.slice, gpu = %e.gpu, measured = e.measured, limit = e.limit, pid = e.pid,
+                    action = %e.action, "slice over its memory limit as NVML measures it");
             }
         }
         self.active = now;

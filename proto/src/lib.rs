@@ -5,3 +5,10 @@ pub mod v1 {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("vgpu.v1");
 }
+
+/// The kubelet device plugin API (`v1beta1`): our own `.proto` with upstream's messages and field
+/// numbers.
+pub mod deviceplugin {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("v1beta1");
+}

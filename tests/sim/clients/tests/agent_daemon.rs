@@ -4,169 +4,16 @@
 //! injection names, the agent SIGKILLed and restarted under running workloads.
 
 mod common;
+use common::agent::*;
 use common::*;
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const NODE: &str =
     "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n[[gpu]]\nmodel = \"H100-80GB\"\n";
-
-fn bin(name: &str) -> String {
-    let p = Path::new(RT).parent().unwrap().join(name);
-    assert!(p.exists(), "{} is built with the workspace", p.display());
-    p.display().to_string()
-}
-
-struct Agent {
-    child: Option<Child>,
-    state: PathBuf,
-    socket: PathBuf,
-    metrics: String,
-    log: PathBuf,
-    env: Vec<(String, String)>,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-impl Agent {
-    fn start(s: &Sim, env: &[(&str, &str)]) -> Agent {
-        let state = s.state.join("agent");
-        let mut a = Agent {
-            child: None,
-            socket: s.state.join("run").join("agent.sock"),
-            metrics: format!("127.0.0.1:{}", free_port()),
-            log: s.state.join("agent.log"),
-            state,
-            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        };
-        a.spawn(s);
-        a
-    }
-
-    fn spawn(&mut self, s: &Sim) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
-        let mut c = s.cmd(&bin("vgpu-node-agent"));
-        c.env("VGPU_AGENT_MONITOR_INTERVAL_MS", "50")
-            .env("VGPU_AGENT_LOG_FORMAT", "json")
-            .env("VGPU_AGENT_LIBRARY", libvgpu())
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .args(["--state-dir", self.state.to_str().unwrap(), "--socket", self.socket.to_str().unwrap()])
-            .args(["--metrics-address", &self.metrics, "--nvml-library"])
-            .arg(s.libs.join("libnvidia-ml.so.1"))
-            .arg("run")
-            .stderr(log);
-        self.child = Some(c.spawn().unwrap());
-        self.wait("ready", |v| v["sequence"].as_u64().unwrap_or(0) > 0);
-    }
-
-    fn ctl(&self, args: &[&str]) -> Output {
-        Command::new(bin("vgpuctl"))
-            .env("VGPU_SOCKET", &self.socket)
-            .env_remove("VGPU_AGENT_CONFIG")
-            .args(args)
-            .output()
-            .unwrap()
-    }
-
-    fn ctl_ok(&self, args: &[&str]) -> String {
-        let o = self.ctl(args);
-        assert!(o.status.success(), "vgpuctl {args:?}: {}\n{}", String::from_utf8_lossy(&o.stderr), self.log_text());
-        String::from_utf8(o.stdout).unwrap()
-    }
-
-    fn status(&self) -> Option<Value> {
-        let o = self.ctl(&["status", "--json"]);
-        o.status.success().then(|| serde_json::from_slice(&o.stdout).unwrap())
-    }
-
-    fn wait(&self, what: &str, f: impl Fn(&Value) -> bool) -> Value {
-        let t = Instant::now();
-        loop {
-            if let Some(v) = self.status() {
-                if f(&v) {
-                    return v;
-                }
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(15),
-                "timed out waiting for {what}: {:?}\n{}",
-                self.status(),
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn sigkill(&mut self) {
-        let mut c = self.child.take().unwrap();
-        c.kill().unwrap();
-        c.wait().unwrap();
-    }
-
-    fn sigterm(&mut self) -> std::process::ExitStatus {
-        let mut c = self.child.take().unwrap();
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        c.wait().unwrap()
-    }
-
-    fn scrape(&self, path: &str) -> (String, String) {
-        use std::io::{Read, Write};
-        let mut c = std::net::TcpStream::connect(&self.metrics).unwrap();
-        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-        let mut r = String::new();
-        c.read_to_string(&mut r).unwrap();
-        let (head, body) = r.split_once("\r\n\r\n").unwrap();
-        (head.lines().next().unwrap().to_string(), body.to_string())
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// A command in a slice as a container would run: the injection's environment, with container
-/// paths mapped back through its mounts (the test runs on the host).
-fn in_slice(s: &Sim, detail: &Value, bin: &str) -> Command {
-    let mut c = s.cmd(bin);
-    let mounts = detail["mounts"].as_array().unwrap();
-    let host = |v: &str| -> String {
-        mounts
-            .iter()
-            .filter(|m| v.starts_with(m["container_path"].as_str().unwrap()))
-            .max_by_key(|m| m["container_path"].as_str().unwrap().len())
-            .map_or(v.to_string(), |m| {
-                v.replacen(m["container_path"].as_str().unwrap(), m["host_path"].as_str().unwrap(), 1)
-            })
-    };
-    for (k, v) in detail["env"].as_object().unwrap() {
-        // The container runtime turns NVIDIA_VISIBLE_DEVICES into the devices the container sees.
-        let k = if k == "NVIDIA_VISIBLE_DEVICES" { "CUDA_VISIBLE_DEVICES" } else { k };
-        c.env(k, host(v.as_str().unwrap()));
-    }
-    c.env("VGPU_CONTEXT_OVERHEAD", "64m");
-    c
-}
-
-/// The slice of that name in a status (Null when absent).
-fn slice_of<'a>(st: &'a Value, name: &str) -> &'a Value {
-    static NULL: Value = Value::Null;
-    st["slices"].as_array().and_then(|a| a.iter().find(|s| s["name"] == name)).unwrap_or(&NULL)
-}
 
 fn metric(body: &str, name: &str, label: &str) -> f64 {
     body.lines()
@@ -403,8 +250,13 @@ fn escapes_are_caught_and_killed_when_configured_and_xids_mark_gpus_unhealthy() 
     };
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGKILL));
-    let log = a.log_text();
-    assert!(log.contains("GPU process outside every slice") && log.contains("\"action\":\"killed\""), "{log}");
+    // (the agent logs after it acts: wait for the line)
+    let t = Instant::now();
+    while !(a.log_text().contains("GPU process outside every slice") && a.log_text().contains("\"action\":\"killed\""))
+    {
+        assert!(t.elapsed() < Duration::from_secs(5), "{}", a.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let v = a.wait("the escape counted", |v| {
         v["agent"]["escapes_total"] == 1 && v["escapes"].as_array().unwrap().is_empty()
     });

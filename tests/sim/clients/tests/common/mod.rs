@@ -2,6 +2,8 @@
 //! node description), the simulated libraries on LD_LIBRARY_PATH, JSON-speaking clients.
 #![allow(dead_code)]
 
+pub mod agent;
+
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,306 @@
+//! The kubelet device plugin (API v1beta1), first part: registration, re-registration when kubelet
+//! restarts, ListAndWatch with health, GetPreferredAllocation, and Allocate in *replica* mode: each
+//! GPU is advertised as `split_count` devices (`<GPU-UUID>-<n>`), and a container given k of one GPU's
+//! devices gets a slice with k/split of its memory and of its time. The HAMi and Volcano
+//! annotation protocols (limits decided by their schedulers) build on this.
+//!
+//! Kubelet restarts delete plugin sockets and recreate `kubelet.sock`: the plugin watches both and
+//! serves and registers again at once. The gRPC server starts before registration (kubelet dials
+//! back as soon as it accepts).
+
+use crate::agent::Agent;
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use vgpu_proto::deviceplugin as dp;
+
+/// The plugin's socket file name in kubelet's directory.
+pub const SOCKET: &str = "vgpu.sock";
+/// Kubelet's gRPC message limit is 4 MiB; stay well under it.
+const MAX_LIST_BYTES: usize = 3 << 20;
+
+pub struct Plugin {
+    agent: Arc<Agent>,
+}
+
+/// The devices advertised now: per GPU (not in MIG mode), `split` replicas with its health and NUMA node.
+pub fn devices(agent: &Agent) -> Vec<dp::Device> {
+    let st = agent.status();
+    let inv = agent.inventory.read();
+    let split = agent.cfg.split_count;
+    let mut v = Vec::new();
+    for g in &inv.gpus {
+        if g.mig.as_ref().is_some_and(|m| m.enabled) {
+            continue;
+        }
+        let healthy = st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy);
+        let topology = g.numa_node.map(|n| dp::TopologyInfo { nodes: vec![dp::NumaNode { id: n as i64 }] });
+        for n in 0..split {
+            v.push(dp::Device {
+                id: format!("{}-{n}", g.uuid),
+                health: if healthy { "Healthy" } else { "Unhealthy" }.into(),
+                topology: topology.clone(),
+            });
+        }
+    }
+    v
+}
+
+/// The GPU UUID of a replica device ID.
+fn gpu_of(id: &str) -> &str {
+    id.rsplit_once('-').map_or(id, |(g, _)| g)
+}
+
+impl Plugin {
+    /// A container's slice: limits from the replicas it was given, named after them (a container
+    /// restart gets the same answer and the same files).
+    fn allocate_one(&self, ids: &[String]) -> Result<dp::ContainerAllocateResponse, Status> {
+        let a = &self.agent;
+        let split = a.cfg.split_count as u64;
+        let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
+        for id in ids {
+            *per_gpu.entry(gpu_of(id).to_string()).or_default() += 1;
+        }
+        let inv = a.inventory.read().clone();
+        let mut gpus = Vec::new();
+        for (uuid, k) in &per_gpu {
+            let g = inv
+                .gpus
+                .iter()
+                .find(|g| &g.uuid == uuid)
+                .ok_or_else(|| Status::invalid_argument(format!("device of unknown GPU {uuid}")))?;
+            let memory = (g.memory_total / split * k) >> 20 << 20;
+            let sm = (100 * k / split) as u32;
+            gpus.push(vgpu_proto::v1::SliceGpuLimit { gpu: uuid.clone(), memory, sm: if sm >= 100 { 0 } else { sm } });
+        }
+        let mut sorted = ids.to_vec();
+        sorted.sort();
+        let digest = sorted
+            .join(",")
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        let name = format!("k8s-{digest:016x}");
+        let labels =
+            [("source".to_string(), "kubelet".to_string()), ("devices".to_string(), sorted.len().to_string())].into();
+        let detail = match a.get_slice(&name) {
+            Ok(d) => d,
+            Err(_) => a
+                .create_slice(vgpu_proto::v1::CreateSliceRequest { name: name.clone(), gpus, labels })
+                .map_err(Status::from)?,
+        };
+        let mut envs: std::collections::HashMap<String, String> = detail.env.into_iter().collect();
+        // Kubernetes containers load the library through /etc/ld.so.preload (below), as HAMi's do.
+        envs.remove("LD_PRELOAD");
+        let mut mounts: Vec<dp::Mount> = detail
+            .mounts
+            .into_iter()
+            .map(|m| dp::Mount { container_path: m.container_path, host_path: m.host_path, read_only: m.read_only })
+            .collect();
+        mounts.push(dp::Mount {
+            container_path: "/etc/ld.so.preload".into(),
+            host_path: a.cfg.state_dir.join("ld.so.preload").display().to_string(),
+            read_only: true,
+        });
+        Ok(dp::ContainerAllocateResponse { envs, mounts, ..Default::default() })
+    }
+}
+
+#[tonic::async_trait]
+impl dp::device_plugin_server::DevicePlugin for Plugin {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<dp::Empty>,
+    ) -> Result<Response<dp::DevicePluginOptions>, Status> {
+        Ok(Response::new(dp::DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: true,
+        }))
+    }
+
+    type ListAndWatchStream = ReceiverStream<Result<dp::ListAndWatchResponse, Status>>;
+
+    async fn list_and_watch(&self, _: Request<dp::Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let agent = self.agent.clone();
+        let mut rx = agent.subscribe();
+        let (tx, out) = tokio::sync::mpsc::channel(2);
+        tokio::spawn(async move {
+            let mut last: Option<Vec<dp::Device>> = None;
+            loop {
+                let now = devices(&agent);
+                if last.as_ref() != Some(&now) {
+                    let msg = dp::ListAndWatchResponse { devices: now.clone() };
+                    if prost::Message::encoded_len(&msg) > MAX_LIST_BYTES {
+                        tracing::error!(
+                            devices = now.len(),
+                            "device list over the kubelet message limit: lower split_count"
+                        );
+                    }
+                    if tx.send(Ok(msg)).await.is_err() {
+                        return;
+                    }
+                    last = Some(now);
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(out)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        req: Request<dp::PreferredAllocationRequest>,
+    ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
+        // Replicas of as few GPUs as possible, preferring the GPU with the most replicas available
+        // (packing keeps other GPUs whole).
+        let mut out = Vec::new();
+        for c in req.into_inner().container_requests {
+            let mut chosen: Vec<String> = c.must_include_device_i_ds.clone();
+            let mut by_gpu: BTreeMap<&str, Vec<&String>> = BTreeMap::new();
+            for id in &c.available_device_i_ds {
+                if !chosen.contains(id) {
+                    by_gpu.entry(gpu_of(id)).or_default().push(id);
+                }
+            }
+            let mut gpus: Vec<(&str, Vec<&String>)> = by_gpu.into_iter().collect();
+            gpus.sort_by_key(|(g, v)| {
+                (std::cmp::Reverse(chosen.iter().filter(|c| gpu_of(c) == *g).count()), std::cmp::Reverse(v.len()))
+            });
+            for (_, ids) in gpus {
+                for id in ids {
+                    if chosen.len() >= c.allocation_size.max(0) as usize {
+                        break;
+                    }
+                    chosen.push(id.clone());
+                }
+            }
+            out.push(dp::ContainerPreferredAllocationResponse { device_i_ds: chosen });
+        }
+        Ok(Response::new(dp::PreferredAllocationResponse { container_responses: out }))
+    }
+
+    async fn allocate(&self, req: Request<dp::AllocateRequest>) -> Result<Response<dp::AllocateResponse>, Status> {
+        let mut out = Vec::new();
+        for c in req.into_inner().container_requests {
+            let me = Plugin { agent: self.agent.clone() };
+            let r = tokio::task::spawn_blocking(move || me.allocate_one(&c.devices_ids))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))??;
+            out.push(r);
+        }
+        Ok(Response::new(dp::AllocateResponse { container_responses: out }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<dp::PreStartContainerRequest>,
+    ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
+        Ok(Response::new(dp::PreStartContainerResponse {}))
+    }
+}
+
+fn inode(p: &Path) -> Option<u64> {
+    std::fs::metadata(p).ok().map(|m| m.ino())
+}
+
+async fn register(dir: &Path, resource: &str) -> Result<(), String> {
+    let kubelet = dir.join("kubelet.sock");
+    let ch =
+        tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let p = kubelet.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                }
+            }))
+            .await
+            .map_err(|e| format!("cannot reach kubelet: {e}"))?;
+    dp::registration_client::RegistrationClient::new(ch)
+        .register(dp::RegisterRequest {
+            version: "v1beta1".into(),
+            endpoint: SOCKET.into(),
+            resource_name: resource.into(),
+            options: Some(dp::DevicePluginOptions {
+                pre_start_required: false,
+                get_preferred_allocation_available: true,
+            }),
+        })
+        .await
+        .map_err(|e| format!("kubelet refused the registration: {}", e.message()))?;
+    Ok(())
+}
+
+/// Serves and registers the plugin for as long as the agent runs, again whenever kubelet restarts.
+pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let dir: PathBuf = agent.cfg.kubelet_dir.clone();
+    let kubelet = dir.join("kubelet.sock");
+    let ours = dir.join(SOCKET);
+    loop {
+        // Wait for kubelet.
+        while inode(&kubelet).is_none() {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = stop.changed() => return,
+            }
+        }
+        let kubelet_ino = inode(&kubelet);
+        let _ = std::fs::remove_file(&ours);
+        let listener = match crate::api::bind(&ours) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "device plugin: cannot listen");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
+        };
+        let our_ino = inode(&ours);
+        let (down_tx, mut down_rx) = tokio::sync::watch::channel(false);
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(dp::device_plugin_server::DevicePluginServer::new(Plugin { agent: agent.clone() }))
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
+                    let _ = down_rx.wait_for(|d| *d).await;
+                }),
+        );
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            match register(&dir, &agent.cfg.resource_name).await {
+                Ok(()) => {
+                    tracing::info!(resource = %agent.cfg.resource_name, socket = %ours.display(), "registered with kubelet");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "device plugin registration failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    if inode(&kubelet) != kubelet_ino {
+                        break;
+                    }
+                }
+            }
+        }
+        // Watch for a kubelet restart (its socket recreated, ours removed).
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                _ = stop.changed() => {
+                    let _ = down_tx.send(true);
+                    let _ = server.await;
+                    let _ = std::fs::remove_file(&ours);
+                    return;
+                }
+            }
+            if inode(&kubelet) != kubelet_ino || inode(&ours) != our_ino {
+                tracing::info!("kubelet restarted: serving and registering again");
+                break;
+            }
+        }
+        let _ = down_tx.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    }
+}

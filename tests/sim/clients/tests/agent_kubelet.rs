@@ -1,0 +1,181 @@
+//! The agent's kubelet device plugin against a fake kubelet (our own tonic Registration server on a
+//! Unix socket, as kubelet serves it): registration, ListAndWatch with health, preferred allocation,
+//! Allocate checked field by field and its environment and mounts limiting a real process, and
+//! re-registration when kubelet restarts.
+
+mod common;
+use common::agent::*;
+use common::*;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use vgpu_proto::deviceplugin as dp;
+
+const NODE: &str =
+    "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n[[gpu]]\nmodel = \"H100-80GB\"\n";
+
+struct FakeKubelet {
+    tx: mpsc::UnboundedSender<dp::RegisterRequest>,
+}
+
+#[tonic::async_trait]
+impl dp::registration_server::Registration for FakeKubelet {
+    async fn register(
+        &self,
+        r: tonic::Request<dp::RegisterRequest>,
+    ) -> Result<tonic::Response<dp::Empty>, tonic::Status> {
+        let _ = self.tx.send(r.into_inner());
+        Ok(tonic::Response::new(dp::Empty {}))
+    }
+}
+
+/// Serves Registration on `<dir>/kubelet.sock` until the returned sender is dropped or fires.
+fn start_kubelet(dir: &Path, tx: mpsc::UnboundedSender<dp::RegisterRequest>) -> tokio::sync::oneshot::Sender<()> {
+    let sock = dir.join("kubelet.sock");
+    let _ = std::fs::remove_file(&sock);
+    let l = tokio::net::UnixListener::bind(&sock).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(dp::registration_server::RegistrationServer::new(FakeKubelet { tx }))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), async {
+                let _ = stopped.await;
+            }),
+    );
+    stop
+}
+
+async fn plugin(sock: PathBuf) -> dp::device_plugin_client::DevicePluginClient<tonic::transport::Channel> {
+    let ch =
+        tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let p = sock.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                }
+            }))
+            .await
+            .unwrap();
+    dp::device_plugin_client::DevicePluginClient::new(ch)
+}
+
+async fn next_register(rx: &mut mpsc::UnboundedReceiver<dp::RegisterRequest>, what: &str) -> dp::RegisterRequest {
+    tokio::time::timeout(Duration::from_secs(15), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("no registration: {what}"))
+        .unwrap()
+}
+
+#[test]
+fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
+    let mut s = Sim::new(Some(NODE));
+    let kdir = s.state.join("kubelet");
+    std::fs::create_dir_all(&kdir).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let stop = rt.block_on(async { start_kubelet(&kdir, tx.clone()) });
+    let a = Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap())]);
+    let st = a.status().unwrap();
+    let uuid0 = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let uuid1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
+
+    let reg = rt.block_on(next_register(&mut rx, "first"));
+    assert_eq!(
+        (reg.version.as_str(), reg.endpoint.as_str(), reg.resource_name.as_str()),
+        ("v1beta1", "vgpu.sock", "nvidia.com/gpu")
+    );
+    assert!(reg.options.unwrap().get_preferred_allocation_available);
+
+    rt.block_on(async {
+        let mut c = plugin(kdir.join(&reg.endpoint)).await;
+        let opts = c.get_device_plugin_options(dp::Empty {}).await.unwrap().into_inner();
+        assert!(!opts.pre_start_required);
+        let mut lw = c.list_and_watch(dp::Empty {}).await.unwrap().into_inner();
+        let first = lw.message().await.unwrap().unwrap();
+        assert_eq!(first.devices.len(), 20, "2 GPUs x split_count 10");
+        assert!(first.devices.iter().all(|d| d.health == "Healthy"));
+        let d0 = first.devices.iter().find(|d| d.id == format!("{uuid0}-0")).unwrap();
+        assert_eq!(d0.topology.as_ref().unwrap().nodes[0].id, 0);
+        assert_eq!(first.devices.iter().find(|d| d.id == format!("{uuid1}-9")).unwrap().topology.as_ref().unwrap().nodes[0].id, 1);
+
+        // Preferred: replicas of one GPU, the one already asked for.
+        let all: Vec<String> = first.devices.iter().map(|d| d.id.clone()).collect();
+        let pref = c
+            .get_preferred_allocation(dp::PreferredAllocationRequest {
+                container_requests: vec![dp::ContainerPreferredAllocationRequest {
+                    available_device_i_ds: all.clone(),
+                    must_include_device_i_ds: vec![format!("{uuid1}-4")],
+                    allocation_size: 3,
+                }],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let ids = &pref.container_responses[0].device_i_ds;
+        assert_eq!(ids.len(), 3);
+        assert!(ids.iter().all(|i| i.starts_with(&uuid1)), "{ids:?}");
+
+        // Allocate 3 of GPU 0's 10 replicas: 30 % of its memory and of its time.
+        let req = dp::AllocateRequest {
+            container_requests: vec![dp::ContainerAllocateRequest { devices_ids: (0..3).map(|n| format!("{uuid0}-{n}")).collect() }],
+        };
+        let r = c.allocate(req.clone()).await.unwrap().into_inner();
+        let cr = &r.container_responses[0];
+        assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("2457m"));
+        assert_eq!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str), Some("30"));
+        assert_eq!(cr.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&uuid0));
+        assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_SHARED_CACHE").map(String::as_str), Some("/usr/local/vgpu/region"));
+        assert!(!cr.envs.contains_key("LD_PRELOAD"), "the preload file does it");
+        let mount = |cp: &str| cr.mounts.iter().find(|m| m.container_path == cp).unwrap_or_else(|| panic!("no mount {cp}: {cr:?}"));
+        assert!(!mount("/usr/local/vgpu").read_only);
+        assert!(mount("/usr/local/vgpu/limits").read_only);
+        assert!(mount("/usr/local/vgpu/libvgpu.so").read_only && mount("/usr/local/vgpu/libvgpu.so").host_path.contains("/lib/libvgpu.so.0."));
+        let pre = mount("/etc/ld.so.preload");
+        assert!(pre.read_only);
+        assert_eq!(std::fs::read_to_string(&pre.host_path).unwrap().trim(), "/usr/local/vgpu/libvgpu.so");
+        // A container restart gets the same answer (same files).
+        let again = c.allocate(req).await.unwrap().into_inner();
+        assert_eq!(again.container_responses[0].mounts, cr.mounts);
+
+        // That environment and those mounts limit a real process (LD_PRELOAD stands for the preload
+        // file, which a test on the host cannot mount).
+        let detail = serde_json::json!({
+            "env": cr.envs.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect::<serde_json::Map<_, _>>(),
+            "mounts": cr.mounts.iter().map(|m| serde_json::json!({"container_path": m.container_path, "host_path": m.host_path})).collect::<Vec<_>>(),
+        });
+        let mut cmd = in_slice(&s, &detail, RT);
+        cmd.env("LD_PRELOAD", libvgpu()).args(["alloc", "--size", "4g", "--chunk", "256m"]);
+        let o = cmd.output().unwrap();
+        let v = lines(&o.stdout).remove(0);
+        assert_eq!(v["allocated"], 2304 * MIB, "2457 MiB less the 64 MiB context, in 256 MiB chunks: {v}");
+        assert_eq!(v["mem_info"]["total"], 2457 * MIB);
+
+        // A critical XID on GPU 1: its replicas turn Unhealthy in the stream.
+        assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(10), lw.message()).await.expect("a health update").unwrap().unwrap();
+            if m.devices.iter().any(|d| d.id.starts_with(&uuid1) && d.health == "Unhealthy") {
+                assert!(m.devices.iter().filter(|d| d.id.starts_with(&uuid0)).all(|d| d.health == "Healthy"));
+                break;
+            }
+        }
+    });
+
+    // Kubelet restarts: it removes plugin sockets and recreates its own; the plugin registers again.
+    let _ = stop.send(());
+    let _ = std::fs::remove_file(kdir.join("vgpu.sock"));
+    std::thread::sleep(Duration::from_millis(300));
+    let stop2 = rt.block_on(async { start_kubelet(&kdir, tx.clone()) });
+    let reg2 = rt.block_on(next_register(&mut rx, "after the kubelet restart"));
+    assert_eq!(reg2.endpoint, "vgpu.sock");
+    assert!(kdir.join("vgpu.sock").exists());
+    rt.block_on(async {
+        let mut c = plugin(kdir.join("vgpu.sock")).await;
+        let mut lw = c.list_and_watch(dp::Empty {}).await.unwrap().into_inner();
+        assert_eq!(lw.message().await.unwrap().unwrap().devices.len(), 20);
+    });
+    let _ = stop2.send(());
+    assert!(a.log_text().contains("kubelet restarted"), "{}", a.log_text());
+    let _ = &mut s;
+}

@@ -1,0 +1,162 @@
+//! The agent as a process for tests: started on a test's simulated node, driven with `vgpuctl`,
+//! scraped over HTTP, killed and restarted.
+
+use super::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+
+pub fn bin(name: &str) -> String {
+    let p = Path::new(RT).parent().unwrap().join(name);
+    assert!(p.exists(), "{} is built with the workspace", p.display());
+    p.display().to_string()
+}
+
+pub struct Agent {
+    child: Option<Child>,
+    pub state: PathBuf,
+    pub socket: PathBuf,
+    pub metrics: String,
+    pub log: PathBuf,
+    pub env: Vec<(String, String)>,
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Agent {
+    pub fn start(s: &Sim, env: &[(&str, &str)]) -> Agent {
+        let state = s.state.join("agent");
+        let mut a = Agent {
+            child: None,
+            socket: s.state.join("run").join("agent.sock"),
+            metrics: format!("127.0.0.1:{}", free_port()),
+            log: s.state.join("agent.log"),
+            state,
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        };
+        a.spawn(s);
+        a
+    }
+
+    pub fn spawn(&mut self, s: &Sim) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut c = s.cmd(&bin("vgpu-node-agent"));
+        c.env("VGPU_AGENT_MONITOR_INTERVAL_MS", "50")
+            .env("VGPU_AGENT_LOG_FORMAT", "json")
+            .env("VGPU_AGENT_LIBRARY", libvgpu())
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .args(["--state-dir", self.state.to_str().unwrap(), "--socket", self.socket.to_str().unwrap()])
+            .args(["--metrics-address", &self.metrics, "--nvml-library"])
+            .arg(s.libs.join("libnvidia-ml.so.1"))
+            .arg("run")
+            .stderr(log);
+        self.child = Some(c.spawn().unwrap());
+        self.wait("ready", |v| v["sequence"].as_u64().unwrap_or(0) > 0);
+    }
+
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(bin("vgpuctl"))
+            .env("VGPU_SOCKET", &self.socket)
+            .env_remove("VGPU_AGENT_CONFIG")
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    pub fn ctl_ok(&self, args: &[&str]) -> String {
+        let o = self.ctl(args);
+        assert!(o.status.success(), "vgpuctl {args:?}: {}\n{}", String::from_utf8_lossy(&o.stderr), self.log_text());
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    pub fn status(&self) -> Option<Value> {
+        let o = self.ctl(&["status", "--json"]);
+        o.status.success().then(|| serde_json::from_slice(&o.stdout).unwrap())
+    }
+
+    pub fn wait(&self, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+        let t = Instant::now();
+        loop {
+            if let Some(v) = self.status() {
+                if f(&v) {
+                    return v;
+                }
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "timed out waiting for {what}: {:?}\n{}",
+                self.status(),
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn sigkill(&mut self) {
+        let mut c = self.child.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    pub fn sigterm(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().unwrap();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        c.wait().unwrap()
+    }
+
+    pub fn scrape(&self, path: &str) -> (String, String) {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&self.metrics).unwrap();
+        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut r = String::new();
+        c.read_to_string(&mut r).unwrap();
+        let (head, body) = r.split_once("\r\n\r\n").unwrap();
+        (head.lines().next().unwrap().to_string(), body.to_string())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A command in a slice as a container would run: the injection's environment, with container
+/// paths mapped back through its mounts (the test runs on the host).
+pub fn in_slice(s: &Sim, detail: &Value, bin: &str) -> Command {
+    let mut c = s.cmd(bin);
+    let mounts = detail["mounts"].as_array().unwrap();
+    let host = |v: &str| -> String {
+        mounts
+            .iter()
+            .filter(|m| v.starts_with(m["container_path"].as_str().unwrap()))
+            .max_by_key(|m| m["container_path"].as_str().unwrap().len())
+            .map_or(v.to_string(), |m| {
+                v.replacen(m["container_path"].as_str().unwrap(), m["host_path"].as_str().unwrap(), 1)
+            })
+    };
+    for (k, v) in detail["env"].as_object().unwrap() {
+        // The container runtime turns NVIDIA_VISIBLE_DEVICES into the devices the container sees.
+        let k = if k == "NVIDIA_VISIBLE_DEVICES" { "CUDA_VISIBLE_DEVICES" } else { k };
+        c.env(k, host(v.as_str().unwrap()));
+    }
+    c.env("VGPU_CONTEXT_OVERHEAD", "64m");
+    c
+}
+
+/// The slice of that name in a status (Null when absent).
+pub fn slice_of<'a>(st: &'a Value, name: &str) -> &'a Value {
+    static NULL: Value = Value::Null;
+    st["slices"].as_array().and_then(|a| a.iter().find(|s| s["name"] == name)).unwrap_or(&NULL)
+}
