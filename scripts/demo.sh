@@ -34,10 +34,10 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== starting vgpu-node-agent on the simulated node (log: $DEMO/agent.log)"
+export VGPU_AGENT_LIBRARY=$T/libvgpu.so VGPU_AGENT_CDI_DIR=$DEMO/cdi VGPU_AGENT_KUBELET_DIR=$DEMO/kubelet
 "$T/vgpu-node-agent" --state-dir "$DEMO/state" --socket "$VGPU_SOCKET" --metrics-address 127.0.0.1:0 \
     --nvml-library "$T/sim-lib/libnvidia-ml.so.1" run 2>"$DEMO/agent.log" &
 agent=$!
-export VGPU_AGENT_LIBRARY=$T/libvgpu.so
 for _ in $(seq 100); do "$T/vgpuctl" status >/dev/null 2>&1 && break; sleep 0.05; done
 
 echo "== two slices on GPU 0: train (8 GiB, 30 % SM) and notebook (4 GiB, 60 % SM)"

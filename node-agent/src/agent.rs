@@ -213,6 +213,7 @@ impl Agent {
         let _g = self.changing.lock();
         let s = self.store.create(&req.name, gpus, req.labels.into_iter().collect())?;
         tracing::info!(slice = %s.name, gpus = s.gpus.len(), "slice created");
+        self.write_cdi(&s.name);
         self.slices.write().insert(s.name.clone(), s.clone());
         self.changed();
         drop(_g);
@@ -235,12 +236,29 @@ impl Agent {
     pub fn delete_slice(&self, name: &str, force: bool) -> Result<(), ApiError> {
         let _g = self.changing.lock();
         self.store.delete(name, force)?;
+        if let Some(d) = &self.cfg.cdi_dir {
+            crate::cdi::remove(d, name);
+        }
         self.slices.write().remove(name);
         self.changed();
         tracing::info!(slice = %name, force, "slice deleted");
         drop(_g);
         self.refresh();
         Ok(())
+    }
+
+    /// Writes the slice's CDI spec (when a CDI directory is configured); failures are logged, the
+    /// environment and mounts still work without it.
+    pub fn write_cdi(&self, name: &str) {
+        let Some(dir) = &self.cfg.cdi_dir else { return };
+        match self.store.injection(name, self.library.as_deref()) {
+            Ok(inj) => {
+                if let Err(e) = crate::cdi::write(dir, name, &inj) {
+                    tracing::warn!(slice = %name, dir = %dir.display(), error = %e, "cannot write the CDI spec");
+                }
+            }
+            Err(e) => tracing::warn!(slice = %name, error = %e, "no injection for the CDI spec"),
+        }
     }
 
     pub fn get_slice(&self, name: &str) -> Result<pb::SliceDetail, ApiError> {
@@ -274,6 +292,7 @@ impl Agent {
                 })
                 .collect(),
             state_dir: self.store.dir(&s.name).display().to_string(),
+            cdi_device: if self.cfg.cdi_dir.is_some() { crate::cdi::device_name(&s.name) } else { String::new() },
         })
     }
 

@@ -20,6 +20,7 @@ struct FileConfig {
     kubelet_dir: Option<PathBuf>,
     split_count: Option<u32>,
     resource_name: Option<String>,
+    cdi_dir: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +59,8 @@ pub struct Config {
     /// Devices advertised per GPU; a container given k of them gets k/split of the GPU's memory and time.
     pub split_count: u32,
     pub resource_name: String,
+    /// Where CDI specs for slices go; None: none written.
+    pub cdi_dir: Option<PathBuf>,
 }
 
 /// Overrides from the command line.
@@ -175,7 +178,14 @@ impl Config {
         if !resource_name.contains('/') || resource_name.len() > 63 + 254 {
             return Err(bad("resource_name", format!("{resource_name:?} is not of the form domain/name")));
         }
+        let cdi_dir = match env("VGPU_AGENT_CDI_DIR").or(file.cdi_dir).as_deref() {
+            None => Some(PathBuf::from("/var/run/cdi")),
+            Some("" | "off") => None,
+            Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
+            Some(p) => return Err(bad("cdi_dir", format!("{p} is not an absolute path (or \"off\")"))),
+        };
         Ok(Config {
+            cdi_dir,
             device_plugin,
             kubelet_dir,
             split_count,

@@ -281,6 +281,9 @@ pub fn render_slice(d: &pb::SliceDetail) -> String {
         let _ =
             writeln!(o, "  {} -> {}{}", m.host_path, m.container_path, if m.read_only { " (read-only)" } else { "" });
     }
+    if !d.cdi_device.is_empty() {
+        let _ = writeln!(o, "CDI device (CDI-enabled runtimes, e.g. podman run --device {}):", d.cdi_device);
+    }
     o.push_str("docker/podman run flags (add --gpus or the CDI device for the GPUs themselves):\n ");
     for (k, v) in &env {
         let _ = write!(o, " -e {k}={v}");

@@ -105,6 +105,8 @@ impl Plugin {
             host_path: a.cfg.state_dir.join("ld.so.preload").display().to_string(),
             read_only: true,
         });
+        // The same edits are in the slice's CDI spec; naming the CDI device here as well would make a
+        // CDI-enabled runtime apply the mounts twice.
         Ok(dp::ContainerAllocateResponse { envs, mounts, ..Default::default() })
     }
 }

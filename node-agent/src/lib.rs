@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod cdi;
 pub mod config;
 pub mod ctl;
 pub mod daemon;

@@ -39,6 +39,15 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     assert!(out.contains("-e CUDA_DEVICE_MEMORY_LIMIT_0=1024m") && out.contains("/usr/local/vgpu/limits:ro"), "{out}");
     let j1: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "job1", "--json"])).unwrap();
     let j1 = j1["slice"].clone();
+    // Its CDI spec: the same edits, for CDI-enabled runtimes.
+    assert_eq!(j1["cdi_device"], "vgpu.io/slice=job1");
+    let cdi: Value = serde_json::from_slice(&std::fs::read(a.state.join("cdi/vgpu-job1.json")).unwrap()).unwrap();
+    assert_eq!((cdi["cdiVersion"].as_str(), cdi["kind"].as_str()), (Some("0.5.0"), Some("vgpu.io/slice")));
+    assert!(cdi["devices"][0]["containerEdits"]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e == "CUDA_DEVICE_MEMORY_LIMIT_0=1024m"));
     assert!(j1["mounts"]
         .as_array()
         .unwrap()
@@ -136,7 +145,9 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("1 live process"), "{o:?}");
     s.kill(p2);
     a.wait("job2 idle", |v| slice_of(v, "job2")["processes"].as_array().is_some_and(|p| p.is_empty()));
+    assert!(a.state.join("cdi/vgpu-job2.json").exists());
     a.ctl_ok(&["slice", "delete", "job2"]);
+    assert!(!a.state.join("cdi/vgpu-job2.json").exists(), "the CDI spec goes with the slice");
     assert!(!a.state.join("slices/job2").exists());
     let o = a.ctl(&["inspect", "job2"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("no slice named job2"));

@@ -111,6 +111,8 @@ fn main() {
     let mut c = Command::new(&agent_bin);
     env(&mut c);
     c.env("VGPU_AGENT_LIBRARY", &libvgpu)
+        .env("VGPU_AGENT_CDI_DIR", work.join("cdi"))
+        .env("VGPU_AGENT_KUBELET_DIR", work.join("kubelet"))
         .args(["--state-dir", work.join("state").to_str().unwrap(), "--socket", socket.to_str().unwrap()])
         .args(["--metrics-address", "127.0.0.1:0", "--nvml-library"])
         .arg(libs.join("libnvidia-ml.so.1"))

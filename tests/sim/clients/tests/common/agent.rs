@@ -47,6 +47,7 @@ impl Agent {
         c.env("VGPU_AGENT_MONITOR_INTERVAL_MS", "50")
             .env("VGPU_AGENT_LOG_FORMAT", "json")
             .env("VGPU_AGENT_LIBRARY", libvgpu())
+            .env("VGPU_AGENT_CDI_DIR", self.state.join("cdi"))
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .args(["--state-dir", self.state.to_str().unwrap(), "--socket", self.socket.to_str().unwrap()])
             .args(["--metrics-address", &self.metrics, "--nvml-library"])

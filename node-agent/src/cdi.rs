@@ -1,0 +1,93 @@
+//! CDI (Container Device Interface) specs for slices, for CDI-enabled runtimes (containerd with
+//! `enable_cdi`, CRI-O, podman): one file per slice, `<cdi_dir>/vgpu-<slice>.json`, kind
+//! `vgpu.io/slice`, one device named after the slice whose container edits are the slice's
+//! injection (environment and mounts). `cdiVersion` is 0.5.0, the lowest these fields need; no other
+//! fields are written (runtimes reject unknown ones). Written by write-and-rename, removed with the
+//! slice.
+
+use crate::slices::Injection;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+pub const KIND: &str = "vgpu.io/slice";
+
+pub fn path(dir: &Path, slice: &str) -> PathBuf {
+    dir.join(format!("vgpu-{slice}.json"))
+}
+
+/// The fully qualified CDI device name of a slice.
+pub fn device_name(slice: &str) -> String {
+    format!("{KIND}={slice}")
+}
+
+pub fn spec(slice: &str, inj: &Injection) -> serde_json::Value {
+    let env: Vec<String> = inj.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mounts: Vec<serde_json::Value> = inj
+        .mounts
+        .iter()
+        .map(|m| {
+            let mut options = vec!["bind"];
+            if m.read_only {
+                options.push("ro");
+            }
+            json!({"hostPath": m.host.display().to_string(), "containerPath": m.container, "options": options})
+        })
+        .collect();
+    json!({
+        "cdiVersion": "0.5.0",
+        "kind": KIND,
+        "devices": [{"name": slice, "containerEdits": {"env": env, "mounts": mounts}}],
+    })
+}
+
+pub fn write(dir: &Path, slice: &str, inj: &Injection) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let p = path(dir, slice);
+    let tmp = p.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&spec(slice, inj)).expect("serialisable"))?;
+    std::fs::rename(&tmp, &p)
+}
+
+pub fn remove(dir: &Path, slice: &str) {
+    let _ = std::fs::remove_file(path(dir, slice));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::slices::Mount;
+
+    #[test]
+    fn specs_have_exactly_the_fields_cdi_0_5_0_defines() {
+        let inj = Injection {
+            env: vec![("CUDA_DEVICE_MEMORY_LIMIT_0".into(), "1024m".into())],
+            mounts: vec![
+                Mount { host: "/var/lib/vgpu/slices/a".into(), container: "/usr/local/vgpu".into(), read_only: false },
+                Mount {
+                    host: "/var/lib/vgpu/slices/a/limits".into(),
+                    container: "/usr/local/vgpu/limits".into(),
+                    read_only: true,
+                },
+            ],
+        };
+        let s = spec("a", &inj);
+        assert_eq!(s["cdiVersion"], "0.5.0");
+        assert_eq!(s["kind"], "vgpu.io/slice");
+        let mut keys: Vec<&String> = s.as_object().unwrap().keys().collect();
+        keys.sort();
+        assert_eq!(keys, ["cdiVersion", "devices", "kind"]);
+        let d = &s["devices"][0];
+        assert_eq!(d["name"], "a");
+        assert_eq!(d["containerEdits"]["env"][0], "CUDA_DEVICE_MEMORY_LIMIT_0=1024m");
+        assert_eq!(d["containerEdits"]["mounts"][1]["options"], json!(["bind", "ro"]));
+        assert_eq!(d["containerEdits"]["mounts"][0]["options"], json!(["bind"]));
+        assert_eq!(device_name("a"), "vgpu.io/slice=a");
+        let dir = std::env::temp_dir().join(format!("vgpu-cdi-{}", std::process::id()));
+        write(&dir, "a", &inj).unwrap();
+        let back: serde_json::Value = serde_json::from_slice(&std::fs::read(path(&dir, "a")).unwrap()).unwrap();
+        assert_eq!(back, s);
+        remove(&dir, "a");
+        assert!(!path(&dir, "a").exists());
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
