@@ -35,6 +35,9 @@ pub struct Config {
 }
 
 pub const DEFAULT_REGION: &str = "/tmp/vgpu.region";
+/// Where the agent's injection puts a slice's files in a container.
+pub const INJECTED_REGION: &str = "/usr/local/vgpu/region";
+pub const INJECTED_LIMITS: &str = "/usr/local/vgpu/limits";
 pub const DEFAULT_CONTEXT_OVERHEAD: u64 = 256 << 20;
 
 /// `<n>`, `<n>k|m|g` (any case, powers of 1024), or `0x<hex>`.
@@ -59,8 +62,21 @@ fn parse_percent(s: &str) -> Option<u32> {
 }
 
 impl Config {
+    /// From the process environment. Without `CUDA_DEVICE_MEMORY_SHARED_CACHE` and
+    /// `VGPU_LIMITS_FILE`, the files the agent's injection mounts (`/usr/local/vgpu/region` and
+    /// `/usr/local/vgpu/limits`) are used when they exist: an OCI hook can mount files into a
+    /// container but cannot change its environment.
     pub fn from_env() -> Config {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        Self::from_lookup(|k| {
+            std::env::var(k).ok().or_else(|| {
+                let injected = match k {
+                    "CUDA_DEVICE_MEMORY_SHARED_CACHE" => INJECTED_REGION,
+                    "VGPU_LIMITS_FILE" => INJECTED_LIMITS,
+                    _ => return None,
+                };
+                std::path::Path::new(injected).exists().then(|| injected.to_string())
+            })
+        })
     }
 
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Config {

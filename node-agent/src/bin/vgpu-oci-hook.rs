@@ -1,0 +1,186 @@
+//! vgpu-oci-hook: puts containers of plain runc/containerd hosts into slices.
+//!
+//! Configure it as a `createRuntime` hook (`vgpu-oci-hook [--socket PATH]`) and a `poststop` hook
+//! (`vgpu-oci-hook [--socket PATH] poststop`). It reads the OCI state on stdin and the container's
+//! `config.json`; a container whose environment asks for nothing (`VGPU_MEMORY`, `VGPU_SM` or
+//! `VGPU_SLICE`) is left alone. Otherwise it asks the agent for a slice (`VGPU_SLICE`: an existing
+//! one; else `oci-<container id>` with `VGPU_MEMORY` and `VGPU_SM` on `VGPU_GPUS` or
+//! `NVIDIA_VISIBLE_DEVICES`, default GPU 0) and bind-mounts, inside the container's mount namespace,
+//! the slice directory at `/usr/local/vgpu`, its limits file and the versioned `libvgpu.so`
+//! read-only, and `/etc/ld.so.preload`. A hook cannot change the container's environment: the
+//! interposer finds the mounted region and limits by their paths. `poststop` deletes the slice it
+//! made. Errors go to stderr and fail the hook (the runtime then refuses to start the container).
+
+use serde_json::Value;
+use std::ffi::CString;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use vgpu_proto::v1 as pb;
+
+fn die(msg: impl std::fmt::Display) -> ! {
+    eprintln!("vgpu-oci-hook: {msg}");
+    std::process::exit(1)
+}
+
+fn slice_name(id: &str) -> String {
+    let clean: String = id
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '-' })
+        .take(59)
+        .collect();
+    format!("oci-{}", clean.trim_start_matches('.'))
+}
+
+fn c(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_encoded_bytes()).unwrap_or_else(|_| die(format!("bad path {}", p.display())))
+}
+
+/// In a fresh single-threaded process: enter the container's mount namespace and make the mounts
+/// (`setns` into a mount namespace needs a single-threaded caller).
+fn inject(pid: &str, rootfs: &Path, mounts: &[(String, String, bool)]) {
+    let ns = c(Path::new(&format!("/proc/{pid}/ns/mnt")));
+    // SAFETY: plain syscalls with valid C strings; the fd is closed by the process's exit.
+    unsafe {
+        let fd = libc::open(ns.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+        if fd < 0 || libc::setns(fd, libc::CLONE_NEWNS) != 0 {
+            die(format!("cannot enter the mount namespace of {pid}: {}", std::io::Error::last_os_error()));
+        }
+    }
+    for (host, container, ro) in mounts {
+        let target = rootfs.join(container.trim_start_matches('/'));
+        let is_dir = Path::new(host).is_dir();
+        if is_dir {
+            std::fs::create_dir_all(&target).unwrap_or_else(|e| die(format!("mkdir {}: {e}", target.display())));
+        } else if !target.exists() {
+            if let Some(d) = target.parent() {
+                std::fs::create_dir_all(d).unwrap_or_else(|e| die(format!("mkdir {}: {e}", d.display())));
+            }
+            std::fs::write(&target, b"").unwrap_or_else(|e| die(format!("cannot create {}: {e}", target.display())));
+        }
+        let (src, dst) = (c(Path::new(host)), c(&target));
+        // SAFETY: valid C strings; a bind mount, then (read-only) a remount of the same target.
+        unsafe {
+            if libc::mount(src.as_ptr(), dst.as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) != 0 {
+                die(format!("mount {host} on {}: {}", target.display(), std::io::Error::last_os_error()));
+            }
+            if *ro {
+                let flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY;
+                if libc::mount(std::ptr::null(), dst.as_ptr(), std::ptr::null(), flags, std::ptr::null()) != 0 {
+                    die(format!("remount {} read-only: {}", target.display(), std::io::Error::last_os_error()));
+                }
+            }
+        }
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut socket = PathBuf::from(std::env::var("VGPU_SOCKET").unwrap_or_else(|_| "/run/vgpu/agent.sock".into()));
+    let mut stage = "createRuntime".to_string();
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--socket" => socket = args.next().unwrap_or_else(|| die("--socket needs a path")).into(),
+            "--inject" => {
+                // Internal: --inject PID ROOTFS MOUNTS-JSON
+                let (pid, rootfs, json) = (args.next(), args.next(), args.next());
+                let (Some(pid), Some(rootfs), Some(json)) = (pid, rootfs, json) else {
+                    die("--inject PID ROOTFS JSON")
+                };
+                let m: Vec<(String, String, bool)> = serde_json::from_str(&json).unwrap_or_else(|e| die(e));
+                inject(&pid, Path::new(&rootfs), &m);
+                return;
+            }
+            "createRuntime" | "prestart" | "poststop" => stage = a,
+            "-h" | "--help" => {
+                println!("usage: vgpu-oci-hook [--socket PATH] [createRuntime|poststop]  (OCI state on stdin)");
+                return;
+            }
+            _ => die(format!("unknown argument {a:?}")),
+        }
+    }
+    let mut input = String::new();
+    std::io::stdin().read_to_string(&mut input).unwrap_or_else(|e| die(format!("reading the OCI state: {e}")));
+    let state: Value = serde_json::from_str(&input).unwrap_or_else(|e| die(format!("bad OCI state: {e}")));
+    let id = state["id"].as_str().unwrap_or_else(|| die("OCI state without id")).to_string();
+    let bundle = PathBuf::from(state["bundle"].as_str().unwrap_or_else(|| die("OCI state without bundle")));
+    let cfg_text = std::fs::read_to_string(bundle.join("config.json"))
+        .unwrap_or_else(|e| die(format!("{}/config.json: {e}", bundle.display())));
+    let cfg: Value = serde_json::from_str(&cfg_text).unwrap_or_else(|e| die(format!("config.json: {e}")));
+    let env: std::collections::HashMap<String, String> = cfg["process"]["env"]
+        .as_array()
+        .map(|a| {
+            a.iter().filter_map(|e| e.as_str()?.split_once('=').map(|(k, v)| (k.to_string(), v.to_string()))).collect()
+        })
+        .unwrap_or_default();
+    let asks = ["VGPU_MEMORY", "VGPU_SM", "VGPU_SLICE"].iter().any(|k| env.contains_key(*k));
+    if !asks {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| die(e));
+    let name = env.get("VGPU_SLICE").cloned().unwrap_or_else(|| slice_name(&id));
+    if stage == "poststop" {
+        if !env.contains_key("VGPU_SLICE") {
+            rt.block_on(async {
+                if let Ok(mut c) = vgpu_agent::api::connect(&socket).await {
+                    let _ = c.delete_slice(pb::DeleteSliceRequest { name: name.clone(), force: true }).await;
+                }
+            });
+        }
+        return;
+    }
+    let pid = state["pid"].as_u64().unwrap_or_else(|| die("OCI state without pid")).to_string();
+    let detail = rt.block_on(async {
+        let mut c = vgpu_agent::api::connect(&socket).await.unwrap_or_else(|e| die(e));
+        if env.contains_key("VGPU_SLICE") {
+            return c
+                .get_slice(pb::GetSliceRequest { name: name.clone() })
+                .await
+                .unwrap_or_else(|e| die(e.message()))
+                .into_inner();
+        }
+        let memory = env
+            .get("VGPU_MEMORY")
+            .map_or(0, |v| vgpu_agent::ctl::parse_size(v).unwrap_or_else(|e| die(format!("VGPU_MEMORY: {e}"))));
+        let sm = env.get("VGPU_SM").map_or(0, |v| {
+            v.trim().parse::<u32>().unwrap_or_else(|_| die(format!("VGPU_SM={v:?} is not a percentage")))
+        });
+        let gpus = env.get("VGPU_GPUS").or(env.get("NVIDIA_VISIBLE_DEVICES")).cloned().unwrap_or_else(|| "0".into());
+        let req = pb::CreateSliceRequest {
+            name: name.clone(),
+            gpus: gpus
+                .split(',')
+                .filter(|g| !g.is_empty())
+                .map(|g| pb::SliceGpuLimit { gpu: g.trim().into(), memory, sm })
+                .collect(),
+            labels: [("container".to_string(), id.clone()), ("source".to_string(), "oci-hook".to_string())].into(),
+        };
+        match c.create_slice(req).await {
+            Ok(r) => r.into_inner(),
+            // A restarted container keeps its slice.
+            Err(e) if e.code() == tonic::Code::AlreadyExists => c
+                .get_slice(pb::GetSliceRequest { name: name.clone() })
+                .await
+                .unwrap_or_else(|e| die(e.message()))
+                .into_inner(),
+            Err(e) => die(e.message()),
+        }
+    });
+    drop(rt);
+    let root = cfg["root"]["path"].as_str().unwrap_or("rootfs");
+    let rootfs = if root.starts_with('/') { PathBuf::from(root) } else { bundle.join(root) };
+    let mut mounts: Vec<(String, String, bool)> =
+        detail.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone(), m.read_only)).collect();
+    let template = Path::new(&detail.state_dir).parent().and_then(|p| p.parent()).map(|s| s.join("ld.so.preload"));
+    if let Some(t) = template.filter(|t| t.exists()) {
+        mounts.push((t.display().to_string(), "/etc/ld.so.preload".into(), true));
+    }
+    let me = std::env::current_exe().unwrap_or_else(|e| die(e));
+    let st = std::process::Command::new(me)
+        .args(["--inject", &pid, &rootfs.display().to_string(), &serde_json::to_string(&mounts).expect("serialisable")])
+        .status()
+        .unwrap_or_else(|e| die(e));
+    if !st.success() {
+        std::process::exit(1);
+    }
+}
