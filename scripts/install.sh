@@ -20,7 +20,7 @@ if [ "$build" = 1 ]; then
     cargo build --release -q -p vgpu-node-agent -p vgpu-preload
 fi
 lib=${lib:-target/release/libvgpu.so}
-for f in target/release/vgpu-node-agent target/release/vgpuctl "$lib"; do
+for f in target/release/vgpu-node-agent target/release/vgpuctl target/release/vgpu-oci-hook "$lib"; do
     [ -f "$f" ] || { echo "error: $f is missing (build first, or pass --libvgpu)" >&2; exit 1; }
 done
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
@@ -29,6 +29,7 @@ libdir="$destdir/usr/local/lib/vgpu"
 install -d "$destdir/usr/local/bin" "$libdir" "$destdir/etc/vgpu" "$destdir/etc/systemd/system" "$destdir/var/lib/vgpu"
 install -m 0755 target/release/vgpu-node-agent "$destdir/usr/local/bin/vgpu-node-agent"
 install -m 0755 target/release/vgpuctl "$destdir/usr/local/bin/vgpuctl"
+install -m 0755 target/release/vgpu-oci-hook "$destdir/usr/local/bin/vgpu-oci-hook"
 versioned="$libdir/libvgpu.so.$version.$digest"
 if [ ! -e "$versioned" ]; then
     install -m 0755 "$lib" "$versioned.tmp.$$"
