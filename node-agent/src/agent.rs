@@ -52,6 +52,8 @@ pub struct Agent {
     pub nvml: std::sync::OnceLock<Arc<nvml_wrapper::Nvml>>,
     /// The MIG applier's records (`<state_dir>/mig`), and one MIG operation at a time.
     pub mig: Mutex<vgpu_mig::apply::Store>,
+    /// The Kubernetes client (HAMi mode), once connected.
+    pub kube: std::sync::OnceLock<Arc<crate::k8s::Kube>>,
     /// Resident memory, read every tenth pass.
     rss: AtomicU64,
     /// Wakes the monitoring thread for a pass now (after a slice change).
@@ -117,6 +119,7 @@ impl Agent {
             kick: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             rss: AtomicU64::new(0),
             nvml: std::sync::OnceLock::new(),
+            kube: std::sync::OnceLock::new(),
             mig,
         })
     }

@@ -21,6 +21,11 @@ struct FileConfig {
     split_count: Option<u32>,
     resource_name: Option<String>,
     cdi_dir: Option<String>,
+    compat: Option<String>,
+    kube_api: Option<String>,
+    node_name: Option<String>,
+    register_interval_s: Option<u64>,
+    hami_register_format: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +66,23 @@ pub struct Config {
     pub resource_name: String,
     /// Where CDI specs for slices go; None: none written.
     pub cdi_dir: Option<PathBuf>,
+    /// What Allocate follows: the replicas kubelet gives (`Replicas`), or HAMi's scheduler's pod
+    /// annotations (`Hami`).
+    pub compat: Compat,
+    /// The Kubernetes API server URL; None: in-cluster configuration or kubeconfig.
+    pub kube_api: Option<String>,
+    /// This node's name in Kubernetes.
+    pub node_name: String,
+    /// How often the node's register annotation is refreshed and dead pods' slices collected.
+    pub register_interval_s: u64,
+    /// HAMi's v2.7 text register annotation with its handshake, instead of v2.8 JSON.
+    pub hami_text_register: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compat {
+    Replicas,
+    Hami,
 }
 
 /// Overrides from the command line.
@@ -184,7 +206,30 @@ impl Config {
             Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
             Some(p) => return Err(bad("cdi_dir", format!("{p} is not an absolute path (or \"off\")"))),
         };
+        let compat = match env("VGPU_AGENT_COMPAT").or(file.compat).as_deref() {
+            None | Some("replicas") => Compat::Replicas,
+            Some("hami") => Compat::Hami,
+            Some(v) => return Err(bad("compat", format!("{v:?} is not replicas or hami"))),
+        };
+        let kube_api = env("VGPU_AGENT_KUBE_API").or(file.kube_api).filter(|s| !s.is_empty());
+        let node_name = env("NODE_NAME").or(file.node_name).unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string()
+        });
+        let register_interval_s = file.register_interval_s.unwrap_or(30);
+        if !(1..=3600).contains(&register_interval_s) {
+            return Err(bad("register_interval_s", format!("{register_interval_s} is outside 1..=3600")));
+        }
+        let hami_text_register = match file.hami_register_format.as_deref() {
+            None | Some("json") => false,
+            Some("text") => true,
+            Some(v) => return Err(bad("hami_register_format", format!("{v:?} is not json or text"))),
+        };
         Ok(Config {
+            compat,
+            kube_api,
+            node_name,
+            register_interval_s,
+            hami_text_register,
             cdi_dir,
             device_plugin,
             kubelet_dir,

@@ -109,6 +109,20 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     }
     .map_err(|e| e.to_string())?;
     let plugin = cfg.device_plugin.then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), stop_rx.clone())));
+    let kube = (cfg.compat == crate::config::Compat::Hami).then(|| {
+        let (a, stop) = (agent.clone(), stop_rx.clone());
+        tokio::spawn(async move {
+            match crate::k8s::Kube::connect(a.cfg.kube_api.as_deref(), &a.cfg.node_name).await {
+                Ok(k) => {
+                    let k = Arc::new(k);
+                    let _ = a.kube.set(k.clone());
+                    tracing::info!(node = %a.cfg.node_name, "connected to the Kubernetes API (HAMi mode)");
+                    crate::k8s::run(a.clone(), k, a.cfg.hami_text_register, stop).await;
+                }
+                Err(e) => tracing::error!(error = %e, "HAMi mode without the Kubernetes API: Allocate will fail"),
+            }
+        })
+    });
 
     let mut term =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| e.to_string())?;
@@ -125,8 +139,8 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         m.abort();
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    if let Some(p) = plugin {
-        let _ = tokio::time::timeout(Duration::from_secs(5), p).await;
+    for t in [plugin, kube].into_iter().flatten() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     let _ = std::fs::remove_file(&cfg.socket);
     let passes = tokio::task::spawn_blocking(move || {

@@ -92,23 +92,28 @@ impl Plugin {
                 .create_slice(vgpu_proto::v1::CreateSliceRequest { name: name.clone(), gpus, labels })
                 .map_err(Status::from)?,
         };
-        let mut envs: std::collections::HashMap<String, String> = detail.env.into_iter().collect();
-        // Kubernetes containers load the library through /etc/ld.so.preload (below), as HAMi's do.
-        envs.remove("LD_PRELOAD");
-        let mut mounts: Vec<dp::Mount> = detail
-            .mounts
-            .into_iter()
-            .map(|m| dp::Mount { container_path: m.container_path, host_path: m.host_path, read_only: m.read_only })
-            .collect();
-        mounts.push(dp::Mount {
-            container_path: "/etc/ld.so.preload".into(),
-            host_path: a.cfg.state_dir.join("ld.so.preload").display().to_string(),
-            read_only: true,
-        });
-        // The same edits are in the slice's CDI spec; naming the CDI device here as well would make a
-        // CDI-enabled runtime apply the mounts twice.
-        Ok(dp::ContainerAllocateResponse { envs, mounts, ..Default::default() })
+        Ok(response(a, detail))
     }
+}
+
+/// A container's answer from its slice: the slice's environment and mounts, with
+/// `/etc/ld.so.preload` instead of `LD_PRELOAD` (as HAMi's device plugin does).
+fn response(a: &Agent, detail: vgpu_proto::v1::SliceDetail) -> dp::ContainerAllocateResponse {
+    let mut envs: std::collections::HashMap<String, String> = detail.env.into_iter().collect();
+    envs.remove("LD_PRELOAD");
+    let mut mounts: Vec<dp::Mount> = detail
+        .mounts
+        .into_iter()
+        .map(|m| dp::Mount { container_path: m.container_path, host_path: m.host_path, read_only: m.read_only })
+        .collect();
+    mounts.push(dp::Mount {
+        container_path: "/etc/ld.so.preload".into(),
+        host_path: a.cfg.state_dir.join("ld.so.preload").display().to_string(),
+        read_only: true,
+    });
+    // The same edits are in the slice's CDI spec; naming the CDI device here as well would make a
+    // CDI-enabled runtime apply the mounts twice.
+    dp::ContainerAllocateResponse { envs, mounts, ..Default::default() }
 }
 
 #[tonic::async_trait]
@@ -189,10 +194,24 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
     async fn allocate(&self, req: Request<dp::AllocateRequest>) -> Result<Response<dp::AllocateResponse>, Status> {
         let mut out = Vec::new();
         for c in req.into_inner().container_requests {
-            let me = Plugin { agent: self.agent.clone() };
-            let r = tokio::task::spawn_blocking(move || me.allocate_one(&c.devices_ids))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))??;
+            let r = if self.agent.cfg.compat == crate::config::Compat::Hami {
+                let kube = self
+                    .agent
+                    .kube
+                    .get()
+                    .cloned()
+                    .ok_or_else(|| Status::unavailable("not connected to the Kubernetes API"))?;
+                let detail = kube
+                    .allocate(self.agent.clone(), c.devices_ids.len())
+                    .await
+                    .map_err(Status::failed_precondition)?;
+                response(&self.agent, detail)
+            } else {
+                let me = Plugin { agent: self.agent.clone() };
+                tokio::task::spawn_blocking(move || me.allocate_one(&c.devices_ids))
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))??
+            };
             out.push(r);
         }
         Ok(Response::new(dp::AllocateResponse { container_responses: out }))

@@ -49,6 +49,11 @@ fn rfc3339(t: SystemTime) -> String {
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
 }
 
+/// Now, as `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn rfc3339_now() -> String {
+    rfc3339(SystemTime::now())
+}
+
 impl Health {
     pub fn new(recovery: Duration) -> Health {
         Health { recovery, bad: Mutex::new(HashMap::new()), xids: 0.into() }

@@ -5,60 +5,15 @@
 
 mod common;
 use common::agent::*;
+use common::kubelet::{plugin, start as start_kubelet};
 use common::*;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use vgpu_proto::deviceplugin as dp;
 
 const NODE: &str =
     "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n[[gpu]]\nmodel = \"H100-80GB\"\n";
-
-struct FakeKubelet {
-    tx: mpsc::UnboundedSender<dp::RegisterRequest>,
-}
-
-#[tonic::async_trait]
-impl dp::registration_server::Registration for FakeKubelet {
-    async fn register(
-        &self,
-        r: tonic::Request<dp::RegisterRequest>,
-    ) -> Result<tonic::Response<dp::Empty>, tonic::Status> {
-        let _ = self.tx.send(r.into_inner());
-        Ok(tonic::Response::new(dp::Empty {}))
-    }
-}
-
-/// Serves Registration on `<dir>/kubelet.sock` until the returned sender is dropped or fires.
-fn start_kubelet(dir: &Path, tx: mpsc::UnboundedSender<dp::RegisterRequest>) -> tokio::sync::oneshot::Sender<()> {
-    let sock = dir.join("kubelet.sock");
-    let _ = std::fs::remove_file(&sock);
-    let l = tokio::net::UnixListener::bind(&sock).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(dp::registration_server::RegistrationServer::new(FakeKubelet { tx }))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), async {
-                let _ = stopped.await;
-            }),
-    );
-    stop
-}
-
-async fn plugin(sock: PathBuf) -> dp::device_plugin_client::DevicePluginClient<tonic::transport::Channel> {
-    let ch =
-        tonic::transport::Endpoint::from_static("http://localhost")
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let p = sock.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
-                }
-            }))
-            .await
-            .unwrap();
-    dp::device_plugin_client::DevicePluginClient::new(ch)
-}
 
 async fn next_register(rx: &mut mpsc::UnboundedReceiver<dp::RegisterRequest>, what: &str) -> dp::RegisterRequest {
     tokio::time::timeout(Duration::from_secs(15), rx.recv())

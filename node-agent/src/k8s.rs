@@ -1,0 +1,309 @@
+//! The Kubernetes side of HAMi compatibility (kube-rs): this node's register annotation, the
+//! pending pod's device assignment at Allocate time (with the bind-phase protocol and the node lock),
+//! and slices removed once their pod is gone. Every annotation patch carries the object's
+//! `resourceVersion`, so a concurrent writer makes it fail rather than be overwritten.
+
+use crate::agent::Agent;
+use crate::hami::{self, ContainerDevice, RegisteredDevice};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use std::sync::Arc;
+use vgpu_proto::v1 as pb;
+
+pub struct Kube {
+    client: kube::Client,
+    pub node: String,
+}
+
+fn err(what: &str) -> impl Fn(kube::Error) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+fn ann(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, k: &str) -> Option<String> {
+    meta.annotations.as_ref()?.get(k).cloned()
+}
+
+/// A merge patch of annotations (None removes one), guarded by `resource_version`.
+fn annotation_patch(resource_version: Option<&str>, set: &[(&str, Option<String>)]) -> serde_json::Value {
+    let mut a = serde_json::Map::new();
+    for (k, v) in set {
+        a.insert(k.to_string(), v.clone().map_or(serde_json::Value::Null, serde_json::Value::String));
+    }
+    let mut meta = serde_json::json!({ "annotations": a });
+    if let Some(rv) = resource_version {
+        meta["resourceVersion"] = rv.into();
+    }
+    serde_json::json!({ "metadata": meta })
+}
+
+/// A slice name for a pod's container entry (DNS-label sized; long names end in a digest).
+fn slice_name(ns: &str, pod: &str, idx: usize) -> String {
+    let full = format!("{ns}-{pod}-{idx}");
+    let clean: String = full
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c.to_ascii_lowercase() } else { '-' })
+        .collect();
+    if clean.len() <= 63 {
+        return clean;
+    }
+    let digest = full.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    format!("{}-{digest:016x}", &clean[..46])
+}
+
+impl Kube {
+    /// `api`: an API server URL (tests, or outside a cluster without kubeconfig); None: in-cluster
+    /// configuration or the kubeconfig, as kubectl finds them.
+    pub async fn connect(api: Option<&str>, node: &str) -> Result<Kube, String> {
+        let config = match api {
+            Some(url) => kube::Config::new(url.parse().map_err(|e| format!("kube_api {url:?}: {e}"))?),
+            None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
+        };
+        let client = kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?;
+        Ok(Kube { client, node: node.to_string() })
+    }
+
+    async fn pods(&self) -> Result<Vec<Pod>, String> {
+        let api: Api<Pod> = Api::all(self.client.clone());
+        let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
+        Ok(api.list(&lp).await.map_err(err("listing this node's pods"))?.items)
+    }
+
+    async fn patch_pod(&self, pod: &Pod, set: &[(&str, Option<String>)]) -> Result<(), String> {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        let p = annotation_patch(pod.metadata.resource_version.as_deref(), set);
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .map_err(err(&format!("patching pod {ns}/{name}")))?;
+        Ok(())
+    }
+
+    async fn patch_node(&self, node: &Node, set: &[(&str, Option<String>)]) -> Result<(), String> {
+        let api: Api<Node> = Api::all(self.client.clone());
+        let p = annotation_patch(node.metadata.resource_version.as_deref(), set);
+        api.patch(&self.node, &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .map_err(err(&format!("patching node {}", self.node)))?;
+        Ok(())
+    }
+
+    async fn get_node(&self) -> Result<Node, String> {
+        let api: Api<Node> = Api::all(self.client.clone());
+        api.get(&self.node).await.map_err(err(&format!("reading node {}", self.node)))
+    }
+
+    /// Writes this node's GPUs in HAMi's register annotation, when it changed (v2.8 JSON, or the v2.7
+    /// text form with its handshake).
+    pub async fn register(&self, agent: &Agent, text_format: bool) -> Result<bool, String> {
+        let node = self.get_node().await?;
+        let st = agent.status();
+        let inv = agent.inventory.read().clone();
+        let devs: Vec<RegisteredDevice> = inv
+            .gpus
+            .iter()
+            .map(|g| RegisteredDevice {
+                id: g.uuid.clone(),
+                index: g.index,
+                count: agent.cfg.split_count,
+                devmem: (g.memory_total >> 20) as u32,
+                devcore: 100,
+                ty: format!("NVIDIA-{}", g.name),
+                numa: g.numa_node.unwrap_or(0),
+                mode: if g.mig.as_ref().is_some_and(|m| m.enabled) { "mig" } else { "hami-core" }.into(),
+                health: st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy),
+            })
+            .collect();
+        let value = if text_format { hami::register_text(&devs) } else { hami::register_json(&devs) };
+        let mut set = Vec::new();
+        if ann(&node.metadata, hami::NODE_REGISTER).as_deref() != Some(value.as_str()) {
+            set.push((hami::NODE_REGISTER, Some(value)));
+        }
+        if text_format {
+            set.push((hami::NODE_HANDSHAKE, Some(format!("Reported {}", chrono_like_now()))));
+        }
+        if set.is_empty() {
+            return Ok(false);
+        }
+        self.patch_node(&node, &set).await?;
+        Ok(true)
+    }
+
+    /// Allocate in HAMi mode, for one container asking for `count` devices: the pending pod (the
+    /// node lock's owner, else the oldest pod on this node in bind phase "allocating"), its first
+    /// container entry not yet consumed, a slice with that entry's limits; the entry is then marked
+    /// consumed, and once none is left the pod's bind phase becomes "success" and the node lock is
+    /// released. On a mismatch the bind phase becomes "failed".
+    pub async fn allocate(&self, agent: Arc<Agent>, count: usize) -> Result<pb::SliceDetail, String> {
+        let node = self.get_node().await?;
+        let lock = ann(&node.metadata, hami::NODE_LOCK);
+        let owner: Option<(String, String)> = lock.as_deref().and_then(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f.len() >= 3).then(|| (f[1].to_string(), f[2].to_string()))
+        });
+        let pods = self.pods().await?;
+        let pending: Vec<&Pod> = pods
+            .iter()
+            .filter(|p| ann(&p.metadata, hami::BIND_PHASE).as_deref() == Some("allocating"))
+            .filter(|p| ann(&p.metadata, hami::TO_ALLOCATE).is_some())
+            .collect();
+        let pod = pending
+            .iter()
+            .find(|p| {
+                owner.as_ref().is_some_and(|(ns, n)| {
+                    p.metadata.namespace.as_deref() == Some(ns) && p.metadata.name.as_deref() == Some(n)
+                })
+            })
+            .or_else(|| {
+                pending.iter().min_by_key(|p| {
+                    ann(&p.metadata, hami::BIND_TIME).and_then(|t| t.parse::<u64>().ok()).unwrap_or(u64::MAX)
+                })
+            })
+            .copied()
+            .ok_or_else(|| {
+                format!("no pod on node {} is waiting for its GPUs (bind phase \"allocating\")", self.node)
+            })?;
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let fail = |msg: String| async move {
+            let _ = self.patch_pod(pod, &[(hami::BIND_PHASE, Some("failed".into()))]).await;
+            let _ = self.release_lock(&ns_name(pod)).await;
+            Err::<pb::SliceDetail, String>(msg)
+        };
+        let mut entries = match hami::decode(&ann(&pod.metadata, hami::TO_ALLOCATE).unwrap_or_default()) {
+            Ok(e) => e,
+            Err(e) => return fail(format!("pod {ns}/{name}: {}: {e}", hami::TO_ALLOCATE)).await,
+        };
+        let Some(idx) = entries.iter().position(|e| !e.is_empty()) else {
+            return fail(format!("pod {ns}/{name}: every container's devices are already allocated")).await;
+        };
+        if entries[idx].len() != count {
+            return fail(format!(
+                "pod {ns}/{name}: kubelet asks for {count} device(s), the scheduler assigned {} (device number not matched)",
+                entries[idx].len()
+            ))
+            .await;
+        }
+        let devices: Vec<ContainerDevice> = std::mem::take(&mut entries[idx]);
+        // Container names in annotation order: init containers first.
+        let spec = pod.spec.clone().unwrap_or_default();
+        let ctr_names: Vec<String> =
+            spec.init_containers.unwrap_or_default().into_iter().chain(spec.containers).map(|c| c.name).collect();
+        let container = ctr_names.get(idx).cloned().unwrap_or_else(|| idx.to_string());
+        let req = pb::CreateSliceRequest {
+            name: slice_name(&ns, &name, idx),
+            gpus: devices
+                .iter()
+                .map(|d| pb::SliceGpuLimit {
+                    gpu: d.uuid.clone(),
+                    memory: d.mem_mib << 20,
+                    sm: if d.cores >= 100 { 0 } else { d.cores },
+                })
+                .collect(),
+            labels: [
+                ("source".to_string(), "hami".to_string()),
+                ("namespace".to_string(), ns.clone()),
+                ("pod".to_string(), name.clone()),
+                ("container".to_string(), container),
+                ("pod-uid".to_string(), pod.metadata.uid.clone().unwrap_or_default()),
+            ]
+            .into(),
+        };
+        let slice = req.name.clone();
+        let a = agent.clone();
+        let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {
+            Ok(d) => Ok(d),
+            // A container restarted by kubelet: its slice is there.
+            Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&slice).map_err(|e| format!("{e:?}")),
+            Err(e) => Err(format!("{e:?}")),
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let detail = match made {
+            Ok(d) => d,
+            Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
+        };
+        let done = entries.iter().all(|e| e.is_empty());
+        let mut set = vec![(hami::TO_ALLOCATE, Some(hami::encode(&entries)))];
+        if done {
+            set.push((hami::BIND_PHASE, Some("success".into())));
+        }
+        self.patch_pod(pod, &set).await?;
+        if done {
+            self.release_lock(&ns_name(pod)).await?;
+        }
+        tracing::info!(pod = %format!("{ns}/{name}"), slice = %detail.name, done, "HAMi allocation");
+        Ok(detail)
+    }
+
+    /// Removes the node lock if `owner` (namespace/name) holds it.
+    async fn release_lock(&self, owner: &str) -> Result<(), String> {
+        let node = self.get_node().await?;
+        let Some(l) = ann(&node.metadata, hami::NODE_LOCK) else { return Ok(()) };
+        let f: Vec<&str> = l.split(',').collect();
+        if f.len() >= 3 && format!("{}/{}", f[1], f[2]) == owner {
+            self.patch_node(&node, &[(hami::NODE_LOCK, None)]).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes slices made for pods that no longer exist on this node.
+    pub async fn collect(&self, agent: &Agent) -> Result<usize, String> {
+        let pods = self.pods().await?;
+        let uids: std::collections::HashSet<String> = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
+        let mut n = 0;
+        for s in agent.slices().iter() {
+            let Some(uid) = s.labels.get("pod-uid") else { continue };
+            if s.labels.get("source").map(String::as_str) == Some("hami")
+                && !uids.contains(uid)
+                && agent.delete_slice(&s.name, false).is_ok()
+            {
+                tracing::info!(slice = %s.name, "slice of a deleted pod removed");
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
+
+fn ns_name(p: &Pod) -> String {
+    format!("{}/{}", p.metadata.namespace.as_deref().unwrap_or(""), p.metadata.name.as_deref().unwrap_or(""))
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC), as HAMi's handshake writes times.
+fn chrono_like_now() -> String {
+    let s = crate::health::rfc3339_now();
+    s.replacen('T', " ", 1).trim_end_matches('Z').to_string()
+}
+
+/// Registers the node now and every 30 s, and removes slices of deleted pods, until the agent stops.
+pub async fn run(agent: Arc<Agent>, kube: Arc<Kube>, text_format: bool, mut stop: tokio::sync::watch::Receiver<bool>) {
+    loop {
+        match kube.register(&agent, text_format).await {
+            Ok(true) => tracing::info!(node = %kube.node, "HAMi node annotation written"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "HAMi node registration failed"),
+        }
+        if let Err(e) = kube.collect(&agent).await {
+            tracing::warn!(error = %e, "slice collection failed");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(agent.cfg.register_interval_s)) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slice_names_and_patches() {
+        assert_eq!(slice_name("ml", "Train_1", 2), "ml-train-1-2");
+        let long = slice_name(&"n".repeat(40), &"p".repeat(40), 0);
+        assert!(long.len() <= 63, "{long}");
+        let p = annotation_patch(Some("42"), &[("a", Some("b".into())), ("c", None)]);
+        assert_eq!(p, serde_json::json!({"metadata": {"resourceVersion": "42", "annotations": {"a": "b", "c": null}}}));
+    }
+}

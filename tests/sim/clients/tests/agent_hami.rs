@@ -1,0 +1,264 @@
+//! HAMi compatibility against a fake Kubernetes API server (a small HTTP server on 127.0.0.1 that
+//! keeps pods and a node as JSON, answers kube-rs's list/get/merge-patch calls and enforces
+//! resourceVersion guards) and a fake kubelet: the node register annotation, Allocate following the
+//! scheduler's annotations exactly as HAMi's scheduler writes them (init and GPU-less containers
+//! included), the bind phase and node lock, a device-count mismatch, and slices removed once their
+//! pod is gone.
+
+mod common;
+use common::agent::*;
+use common::kubelet;
+use common::*;
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use vgpu_proto::deviceplugin as dp;
+
+const NODE: &str =
+    "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n[[gpu]]\nmodel = \"H100-80GB\"\n";
+
+#[derive(Default)]
+struct Cluster {
+    node: Value,
+    pods: Vec<Value>,
+    rv: u64,
+}
+
+fn merge(dst: &mut Value, patch: &Value) {
+    match (dst, patch) {
+        (Value::Object(d), Value::Object(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    d.remove(k);
+                } else {
+                    merge(d.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        (d, p) => *d = p.clone(),
+    }
+}
+
+fn serve(cluster: Arc<Mutex<Cluster>>) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = format!("http://{}", l.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in l.incoming().flatten() {
+            let cluster = cluster.clone();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut w = conn;
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut parts = line.split_whitespace();
+                    let (method, target) =
+                        (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
+                    let mut len = 0;
+                    loop {
+                        let mut h = String::new();
+                        r.read_line(&mut h).unwrap();
+                        if h.trim().is_empty() {
+                            break;
+                        }
+                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0; len];
+                    r.read_exact(&mut body).unwrap();
+                    let (code, resp) = handle(&cluster, &method, &target, &body);
+                    let text = resp.to_string();
+                    write!(
+                        w,
+                        "HTTP/1.1 {code} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+                        text.len()
+                    )
+                    .unwrap();
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> (u16, Value) {
+    let mut c = cluster.lock().unwrap();
+    let path = target.split('?').next().unwrap();
+    let conflict = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict", "code": 409, "message": "the object has been modified"});
+    let not_found = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"});
+    let seg: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    match (method, seg.as_slice()) {
+        ("GET", ["api", "v1", "pods"]) => {
+            assert!(target.contains("fieldSelector=spec.nodeName%3Dnode1"), "{target}");
+            (
+                200,
+                json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": c.rv.to_string()}, "items": c.pods}),
+            )
+        }
+        ("GET", ["api", "v1", "nodes", "node1"]) => (200, c.node.clone()),
+        ("PATCH", rest) => {
+            let patch: Value = serde_json::from_slice(body).unwrap();
+            c.rv += 1;
+            let rv = c.rv.to_string();
+            let obj: &mut Value = match rest {
+                ["api", "v1", "nodes", "node1"] => &mut c.node,
+                ["api", "v1", "namespaces", ns, "pods", name] => {
+                    match c
+                        .pods
+                        .iter_mut()
+                        .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
+                    {
+                        Some(p) => p,
+                        None => return (404, not_found),
+                    }
+                }
+                _ => return (404, not_found),
+            };
+            if let Some(want) = patch["metadata"]["resourceVersion"].as_str() {
+                if obj["metadata"]["resourceVersion"].as_str() != Some(want) {
+                    return (409, conflict);
+                }
+            }
+            merge(obj, &patch);
+            obj["metadata"]["resourceVersion"] = rv.into();
+            (200, obj.clone())
+        }
+        _ => (404, not_found),
+    }
+}
+
+fn pod(ns: &str, name: &str, uid: &str, bind_time: &str, devices: &str, containers: &[&str], init: &[&str]) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "uid": uid, "resourceVersion": "1", "annotations": {
+            "hami.io/bind-phase": "allocating", "hami.io/bind-time": bind_time, "hami.io/vgpu-node": "node1",
+            "hami.io/vgpu-devices-to-allocate": devices, "hami.io/vgpu-devices-allocated": devices}},
+        "spec": {"nodeName": "node1",
+                 "initContainers": init.iter().map(|n| json!({"name": n})).collect::<Vec<_>>(),
+                 "containers": containers.iter().map(|n| json!({"name": n})).collect::<Vec<_>>()},
+    })
+}
+
+fn wait(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(15), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn hami_mode_follows_the_schedulers_annotations() {
+    let mut s = Sim::new(Some(NODE));
+    let st = {
+        // GPU UUIDs: ask the simulator.
+        s.status()
+    };
+    let g0 = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let g1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1",
+                     "annotations": {"hami.io/mutex.lock": "2026-11-29T10:00:00Z,ml,train"}}}),
+        pods: vec![
+            // The lock owner: an init container and a sidecar without GPUs, one container with 3000 MiB and 30 %.
+            pod("ml", "train", "uid-train", "200", &format!(";{g0},NVIDIA,3000,30:;;"), &["main", "side"], &["init"]),
+            // Older, but not the lock owner; two devices for its one container.
+            pod("other", "x", "uid-x", "100", &format!("{g0},NVIDIA,1000,0:{g1},NVIDIA,1000,0:;"), &["c"], &[]),
+        ],
+        rv: 10,
+    }));
+    let api = serve(cluster.clone());
+    let kdir = s.state.join("kubelet");
+    std::fs::create_dir_all(&kdir).unwrap();
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "compat = \"hami\"\nregister_interval_s = 1\n").unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
+    let a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
+            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
+            ("VGPU_AGENT_KUBE_API", &api),
+            ("NODE_NAME", "node1"),
+        ],
+    );
+
+    // The node register annotation (v2.8 JSON).
+    wait("the node annotation", || {
+        cluster.lock().unwrap().node["metadata"]["annotations"]["hami.io/node-nvidia-register"].is_string()
+    });
+    let reg: Value = serde_json::from_str(
+        cluster.lock().unwrap().node["metadata"]["annotations"]["hami.io/node-nvidia-register"].as_str().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(reg[0]["id"], g0);
+    assert_eq!(
+        (reg[0]["count"].as_u64(), reg[0]["devmem"].as_u64(), reg[0]["devcore"].as_u64()),
+        (Some(10), Some(8192), Some(100))
+    );
+    assert_eq!(reg[0]["type"], "NVIDIA-NVIDIA A100-SXM4-40GB");
+    assert_eq!((reg[0]["mode"].as_str(), reg[0]["health"].as_bool()), (Some("hami-core"), Some(true)));
+    assert!(reg[0].get("index").is_none(), "zero fields are left out, as HAMi writes them");
+    assert_eq!(reg[1]["numa"], 1);
+
+    let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
+    rt.block_on(async {
+        let mut c = kubelet::plugin(kdir.join(&reg.endpoint)).await;
+        // kubelet picks any replica ID; HAMi mode follows the annotations.
+        let r = c
+            .allocate(dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g1}-7")] }] })
+            .await
+            .unwrap()
+            .into_inner();
+        let cr = &r.container_responses[0];
+        assert_eq!(cr.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&g0));
+        assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("3000m"));
+        assert_eq!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str), Some("30"));
+        assert!(cr.mounts.iter().any(|m| m.container_path == "/etc/ld.so.preload" && m.read_only));
+
+        // A process with that environment gets its 3000 MiB.
+        let detail = json!({
+            "env": cr.envs.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect::<serde_json::Map<_, _>>(),
+            "mounts": cr.mounts.iter().map(|m| json!({"container_path": m.container_path, "host_path": m.host_path})).collect::<Vec<_>>(),
+        });
+        let o = in_slice(&s, &detail, RT).env("LD_PRELOAD", libvgpu()).args(["alloc", "--size", "4g", "--chunk", "100m"]).output().unwrap();
+        assert_eq!(lines(&o.stdout)[0]["allocated"], 2900 * MIB, "3000 MiB less the 64 MiB context, in 100 MiB chunks");
+
+        // The pod's entry is consumed, its bind phase is success, the node lock is released.
+        {
+            let cl = cluster.lock().unwrap();
+            let p = cl.pods.iter().find(|p| p["metadata"]["name"] == "train").unwrap();
+            assert_eq!(p["metadata"]["annotations"]["hami.io/vgpu-devices-to-allocate"], ";;;");
+            assert_eq!(p["metadata"]["annotations"]["hami.io/bind-phase"], "success");
+            assert!(cl.node["metadata"]["annotations"].get("hami.io/mutex.lock").is_none(), "{}", cl.node);
+        }
+        let v = a.status().unwrap();
+        let sl = v["slices"].as_array().unwrap().iter().find(|x| x["labels"]["pod"] == "train").expect("the pod's slice").clone();
+        assert_eq!((sl["labels"]["namespace"].as_str(), sl["labels"]["container"].as_str()), (Some("ml"), Some("main")));
+
+        // Next pending pod: its container has two devices but kubelet asks for one: refused, failed.
+        let e = c
+            .allocate(dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g0}-1")] }] })
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("device number not matched"), "{e}");
+        let cl = cluster.lock().unwrap();
+        let x = cl.pods.iter().find(|p| p["metadata"]["name"] == "x").unwrap();
+        assert_eq!(x["metadata"]["annotations"]["hami.io/bind-phase"], "failed");
+    });
+
+    // The pod goes: its slice goes.
+    cluster.lock().unwrap().pods.retain(|p| p["metadata"]["name"] != "train");
+    wait("the deleted pod's slice removed", || {
+        a.status().is_some_and(|v| !v["slices"].as_array().unwrap().iter().any(|x| x["labels"]["pod"] == "train"))
+    });
+    let _ = &mut s;
+}
