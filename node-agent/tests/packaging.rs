@@ -1,0 +1,161 @@
+//! The Helm chart and the plain manifests: the manifests are the chart's templates rendered with its
+//! default values (kept in sync: this test fails when they drift; `VGPU_UPDATE_MANIFESTS=1` rewrites
+//! them), every document parses into its k8s-openapi type with the fields the agent needs, and the
+//! ConfigMap's agent configuration passes the agent's own validation.
+//!
+//! The templates use only `{{ .Values.<key> }}`, `{{ .Release.Namespace }}` and whole-file
+//! `{{- if .Values.<key> }}` / `{{- end }}`; the renderer here refuses anything else, so what it
+//! checks is what Helm renders.
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use std::path::{Path, PathBuf};
+
+const NAMESPACE: &str = "vgpu-system";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn render(template: &str, values: &yaml_serde::Value) -> String {
+    let value = |key: &str| -> String {
+        match &values[key] {
+            yaml_serde::Value::String(s) => s.clone(),
+            yaml_serde::Value::Number(n) => n.to_string(),
+            yaml_serde::Value::Bool(b) => b.to_string(),
+            v => panic!("value {key}: {v:?} is not a scalar"),
+        }
+    };
+    let mut out = String::new();
+    let mut lines = template.lines().peekable();
+    if let Some(first) = lines.peek() {
+        if let Some(key) = first.trim().strip_prefix("{{- if .Values.").and_then(|r| r.strip_suffix(" }}")) {
+            if !matches!(values[key], yaml_serde::Value::Bool(true)) {
+                return String::new();
+            }
+            lines.next();
+        }
+    }
+    for line in lines {
+        if line.trim() == "{{- end }}" {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(i) = rest.find("{{") {
+            out.push_str(&rest[..i]);
+            let j = rest[i..].find("}}").expect("closed") + i;
+            let expr = rest[i + 2..j].trim();
+            if expr == ".Release.Namespace" {
+                out.push_str(NAMESPACE);
+            } else if let Some(k) = expr.strip_prefix(".Values.") {
+                out.push_str(&value(k));
+            } else {
+                panic!("template expression {expr:?} is beyond what this chart uses");
+            }
+            rest = &rest[j + 2..];
+        }
+        out.push_str(rest);
+        out.push('\n');
+    }
+    out
+}
+
+#[test]
+fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
+    let chart = root().join("packaging/helm/vgpu");
+    let values: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let mut names: Vec<PathBuf> =
+        std::fs::read_dir(chart.join("templates")).unwrap().map(|e| e.unwrap().path()).collect();
+    names.sort();
+    let mut rendered = format!("# Rendered from packaging/helm/vgpu with its default values, namespace {NAMESPACE}.\n# Apply the namespace first: kubectl create namespace {NAMESPACE}\n");
+    for t in names {
+        let r = render(&std::fs::read_to_string(&t).unwrap(), &values);
+        if !r.trim().is_empty() {
+            rendered.push_str("---\n");
+            rendered.push_str(&r);
+        }
+    }
+    let path = root().join("packaging/manifests/vgpu.yaml");
+    if std::env::var_os("VGPU_UPDATE_MANIFESTS").is_some() {
+        std::fs::write(&path, &rendered).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(committed == rendered, "packaging/manifests/vgpu.yaml is not the rendered chart: run VGPU_UPDATE_MANIFESTS=1 cargo test -p vgpu-node-agent --test packaging");
+
+    let mut kinds = Vec::new();
+    for doc in rendered.split("\n---\n").filter(|d| d.lines().any(|l| l.starts_with("kind:"))) {
+        let v: yaml_serde::Value = yaml_serde::from_str(doc).unwrap();
+        let kind = v["kind"].as_str().unwrap().to_string();
+        match kind.as_str() {
+            "ServiceAccount" => {
+                let sa: ServiceAccount = yaml_serde::from_str(doc).unwrap();
+                assert_eq!(sa.metadata.namespace.as_deref(), Some(NAMESPACE));
+            }
+            "ClusterRole" => {
+                let r: ClusterRole = yaml_serde::from_str(doc).unwrap();
+                let rules = r.rules.unwrap();
+                // Exactly what the agent calls: pods get/list/patch, nodes get/patch.
+                let verbs = |res: &str| {
+                    rules
+                        .iter()
+                        .find(|x| x.resources.as_ref().unwrap().contains(&res.to_string()))
+                        .unwrap()
+                        .verbs
+                        .clone()
+                };
+                assert_eq!(verbs("pods"), ["get", "list", "patch"]);
+                assert_eq!(verbs("nodes"), ["get", "patch"]);
+            }
+            "ClusterRoleBinding" => {
+                let b: ClusterRoleBinding = yaml_serde::from_str(doc).unwrap();
+                assert_eq!(b.subjects.unwrap()[0].namespace.as_deref(), Some(NAMESPACE));
+            }
+            "ConfigMap" => {
+                let c: ConfigMap = yaml_serde::from_str(doc).unwrap();
+                let toml = c.data.unwrap()["agent.toml"].clone();
+                let f = std::env::temp_dir().join(format!("vgpu-packaging-{}.toml", std::process::id()));
+                std::fs::write(&f, toml).unwrap();
+                let flags = vgpu_agent::config::Flags { config: Some(f.clone()), ..Default::default() };
+                let cfg = vgpu_agent::config::Config::load(&flags, |_| None)
+                    .unwrap_or_else(|e| panic!("the chart's agent.toml: {e}"));
+                assert_eq!(cfg.compat, vgpu_agent::config::Compat::Hami);
+                assert_eq!(cfg.kubelet_dir, PathBuf::from("/var/lib/kubelet/device-plugins"));
+                std::fs::remove_file(f).ok();
+            }
+            "DaemonSet" => {
+                let d: DaemonSet = yaml_serde::from_str(doc).unwrap();
+                let spec = d.spec.unwrap().template.spec.unwrap();
+                assert_eq!(spec.priority_class_name.as_deref(), Some("system-node-critical"));
+                assert_eq!(spec.host_pid, Some(true));
+                assert!(spec.tolerations.unwrap().iter().any(|t| t.key.as_deref() == Some("nvidia.com/gpu")));
+                assert!(spec.node_selector.unwrap().contains_key("nvidia.com/gpu.present"));
+                let c = &spec.containers[0];
+                assert!(c.env.as_ref().unwrap().iter().any(|e| e.name == "NODE_NAME" && e.value_from.is_some()));
+                let mounts: Vec<String> =
+                    c.volume_mounts.as_ref().unwrap().iter().map(|m| m.mount_path.clone()).collect();
+                for p in ["/var/lib/vgpu", "/run/vgpu", "/var/lib/kubelet/device-plugins", "/var/run/cdi", "/etc/vgpu"]
+                {
+                    assert!(mounts.contains(&p.to_string()), "{p} not mounted: {mounts:?}");
+                }
+                // Host paths equal container paths: the paths the agent hands to kubelet are host paths.
+                for v in spec.volumes.unwrap() {
+                    if let Some(h) = v.host_path {
+                        let m = c.volume_mounts.as_ref().unwrap().iter().find(|m| m.name == v.name).unwrap();
+                        assert_eq!(h.path, m.mount_path);
+                    }
+                }
+            }
+            k => panic!("unexpected kind {k}"),
+        }
+        kinds.push(kind);
+    }
+    assert_eq!(kinds, ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"]);
+
+    // The optional monitor renders when enabled.
+    let mut v2 = values.clone();
+    v2["serviceMonitor"] = yaml_serde::Value::Bool(true);
+    let sm = render(&std::fs::read_to_string(chart.join("templates/servicemonitor.yaml")).unwrap(), &v2);
+    assert!(sm.contains("kind: ServiceMonitor") && sm.contains("port: 9394"), "{sm}");
+}
