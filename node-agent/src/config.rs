@@ -26,6 +26,7 @@ struct FileConfig {
     node_name: Option<String>,
     register_interval_s: Option<u64>,
     hami_register_format: Option<String>,
+    memory_factor: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,12 +78,16 @@ pub struct Config {
     pub register_interval_s: u64,
     /// HAMi's v2.7 text register annotation with its handshake, instead of v2.8 JSON.
     pub hami_text_register: bool,
+    /// Volcano mode: MiB per `volcano.sh/vgpu-memory` device (Volcano's `gpuMemoryFactor`; its
+    /// scheduler must use the same).
+    pub memory_factor: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Compat {
     Replicas,
     Hami,
+    Volcano,
 }
 
 /// Overrides from the command line.
@@ -209,7 +214,8 @@ impl Config {
         let compat = match env("VGPU_AGENT_COMPAT").or(file.compat).as_deref() {
             None | Some("replicas") => Compat::Replicas,
             Some("hami") => Compat::Hami,
-            Some(v) => return Err(bad("compat", format!("{v:?} is not replicas or hami"))),
+            Some("volcano") => Compat::Volcano,
+            Some(v) => return Err(bad("compat", format!("{v:?} is not replicas, hami or volcano"))),
         };
         let kube_api = env("VGPU_AGENT_KUBE_API").or(file.kube_api).filter(|s| !s.is_empty());
         let node_name = env("NODE_NAME").or(file.node_name).unwrap_or_else(|| {
@@ -224,7 +230,12 @@ impl Config {
             Some("text") => true,
             Some(v) => return Err(bad("hami_register_format", format!("{v:?} is not json or text"))),
         };
+        let memory_factor = file.memory_factor.unwrap_or(1024);
+        if !(1..=1 << 20).contains(&memory_factor) {
+            return Err(bad("memory_factor", format!("{memory_factor} is outside 1..=1048576")));
+        }
         Ok(Config {
+            memory_factor,
             compat,
             kube_api,
             node_name,

@@ -109,17 +109,22 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     }
     .map_err(|e| e.to_string())?;
     let plugin = cfg.device_plugin.then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), stop_rx.clone())));
-    let kube = (cfg.compat == crate::config::Compat::Hami).then(|| {
+    let proto = match cfg.compat {
+        crate::config::Compat::Hami => Some(&crate::hami::HAMI),
+        crate::config::Compat::Volcano => Some(&crate::hami::VOLCANO),
+        crate::config::Compat::Replicas => None,
+    };
+    let kube = proto.map(|proto| {
         let (a, stop) = (agent.clone(), stop_rx.clone());
         tokio::spawn(async move {
-            match crate::k8s::Kube::connect(a.cfg.kube_api.as_deref(), &a.cfg.node_name).await {
+            match crate::k8s::Kube::connect(a.cfg.kube_api.as_deref(), &a.cfg.node_name, proto).await {
                 Ok(k) => {
                     let k = Arc::new(k);
                     let _ = a.kube.set(k.clone());
-                    tracing::info!(node = %a.cfg.node_name, "connected to the Kubernetes API (HAMi mode)");
+                    tracing::info!(node = %a.cfg.node_name, protocol = proto.name, "connected to the Kubernetes API");
                     crate::k8s::run(a.clone(), k, a.cfg.hami_text_register, stop).await;
                 }
-                Err(e) => tracing::error!(error = %e, "HAMi mode without the Kubernetes API: Allocate will fail"),
+                Err(e) => tracing::error!(error = %e, "no Kubernetes API: Allocate will fail until the agent restarts with one"),
             }
         })
     });

@@ -25,10 +25,34 @@ const MAX_LIST_BYTES: usize = 3 << 20;
 
 pub struct Plugin {
     agent: Arc<Agent>,
+    kind: Kind,
 }
 
-/// The devices advertised now: per GPU (not in MIG mode), `split` replicas with its health and NUMA node.
-pub fn devices(agent: &Agent) -> Vec<dp::Device> {
+/// What a registered resource counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// `split_count` shares per GPU; the resource Allocate acts on.
+    Replicas,
+    /// Volcano's `vgpu-memory`: one device per `memory_factor` MiB.
+    Memory,
+    /// Volcano's `vgpu-cores`: 100 per GPU.
+    Cores,
+}
+
+/// The resources to register: (resource name, socket file name, kind).
+pub fn resources(cfg: &crate::config::Config) -> Vec<(String, String, Kind)> {
+    match cfg.compat {
+        crate::config::Compat::Volcano => vec![
+            ("volcano.sh/vgpu-number".into(), SOCKET.into(), Kind::Replicas),
+            ("volcano.sh/vgpu-memory".into(), "vgpu-memory.sock".into(), Kind::Memory),
+            ("volcano.sh/vgpu-cores".into(), "vgpu-cores.sock".into(), Kind::Cores),
+        ],
+        _ => vec![(cfg.resource_name.clone(), SOCKET.into(), Kind::Replicas)],
+    }
+}
+
+/// The devices of a resource now: per GPU (not in MIG mode), with its health and NUMA node.
+pub fn devices(agent: &Agent, kind: Kind) -> Vec<dp::Device> {
     let st = agent.status();
     let inv = agent.inventory.read();
     let split = agent.cfg.split_count;
@@ -39,9 +63,14 @@ pub fn devices(agent: &Agent) -> Vec<dp::Device> {
         }
         let healthy = st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy);
         let topology = g.numa_node.map(|n| dp::TopologyInfo { nodes: vec![dp::NumaNode { id: n as i64 }] });
-        for n in 0..split {
+        let (n_devices, tag) = match kind {
+            Kind::Replicas => (split as u64, ""),
+            Kind::Memory => ((g.memory_total >> 20) / agent.cfg.memory_factor.max(1) as u64, "mem-"),
+            Kind::Cores => (100, "core-"),
+        };
+        for n in 0..n_devices {
             v.push(dp::Device {
-                id: format!("{}-{n}", g.uuid),
+                id: format!("{}-{tag}{n}", g.uuid),
                 health: if healthy { "Healthy" } else { "Unhealthy" }.into(),
                 topology: topology.clone(),
             });
@@ -132,12 +161,13 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
 
     async fn list_and_watch(&self, _: Request<dp::Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let agent = self.agent.clone();
+        let kind = self.kind;
         let mut rx = agent.subscribe();
         let (tx, out) = tokio::sync::mpsc::channel(2);
         tokio::spawn(async move {
             let mut last: Option<Vec<dp::Device>> = None;
             loop {
-                let now = devices(&agent);
+                let now = devices(&agent, kind);
                 if last.as_ref() != Some(&now) {
                     let msg = dp::ListAndWatchResponse { devices: now.clone() };
                     if prost::Message::encoded_len(&msg) > MAX_LIST_BYTES {
@@ -194,7 +224,10 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
     async fn allocate(&self, req: Request<dp::AllocateRequest>) -> Result<Response<dp::AllocateResponse>, Status> {
         let mut out = Vec::new();
         for c in req.into_inner().container_requests {
-            let r = if self.agent.cfg.compat == crate::config::Compat::Hami {
+            let r = if self.kind != Kind::Replicas {
+                // Volcano's memory and cores resources only count; the number resource allocates.
+                dp::ContainerAllocateResponse::default()
+            } else if self.agent.cfg.compat != crate::config::Compat::Replicas {
                 let kube = self
                     .agent
                     .kube
@@ -207,7 +240,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     .map_err(Status::failed_precondition)?;
                 response(&self.agent, detail)
             } else {
-                let me = Plugin { agent: self.agent.clone() };
+                let me = Plugin { agent: self.agent.clone(), kind: self.kind };
                 tokio::task::spawn_blocking(move || me.allocate_one(&c.devices_ids))
                     .await
                     .map_err(|e| Status::internal(e.to_string()))??
@@ -229,7 +262,7 @@ fn inode(p: &Path) -> Option<u64> {
     std::fs::metadata(p).ok().map(|m| m.ino())
 }
 
-async fn register(dir: &Path, resource: &str) -> Result<(), String> {
+async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), String> {
     let kubelet = dir.join("kubelet.sock");
     let ch =
         tonic::transport::Endpoint::from_static("http://localhost")
@@ -244,7 +277,7 @@ async fn register(dir: &Path, resource: &str) -> Result<(), String> {
     dp::registration_client::RegistrationClient::new(ch)
         .register(dp::RegisterRequest {
             version: "v1beta1".into(),
-            endpoint: SOCKET.into(),
+            endpoint: socket.into(),
             resource_name: resource.into(),
             options: Some(dp::DevicePluginOptions {
                 pre_start_required: false,
@@ -256,11 +289,27 @@ async fn register(dir: &Path, resource: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Serves and registers the plugin for as long as the agent runs, again whenever kubelet restarts.
-pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// Serves and registers every resource for as long as the agent runs, again whenever kubelet restarts.
+pub async fn run(agent: Arc<Agent>, stop: tokio::sync::watch::Receiver<bool>) {
+    let tasks: Vec<_> = resources(&agent.cfg)
+        .into_iter()
+        .map(|(resource, socket, kind)| tokio::spawn(serve(agent.clone(), resource, socket, kind, stop.clone())))
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+async fn serve(
+    agent: Arc<Agent>,
+    resource: String,
+    socket: String,
+    kind: Kind,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let dir: PathBuf = agent.cfg.kubelet_dir.clone();
     let kubelet = dir.join("kubelet.sock");
-    let ours = dir.join(SOCKET);
+    let ours = dir.join(&socket);
     loop {
         // Wait for kubelet.
         while inode(&kubelet).is_none() {
@@ -283,16 +332,16 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
         let (down_tx, mut down_rx) = tokio::sync::watch::channel(false);
         let server = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(dp::device_plugin_server::DevicePluginServer::new(Plugin { agent: agent.clone() }))
+                .add_service(dp::device_plugin_server::DevicePluginServer::new(Plugin { agent: agent.clone(), kind }))
                 .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
                     let _ = down_rx.wait_for(|d| *d).await;
                 }),
         );
         let mut backoff = Duration::from_millis(200);
         loop {
-            match register(&dir, &agent.cfg.resource_name).await {
+            match register(&dir, &resource, &socket).await {
                 Ok(()) => {
-                    tracing::info!(resource = %agent.cfg.resource_name, socket = %ours.display(), "registered with kubelet");
+                    tracing::info!(resource = %resource, socket = %ours.display(), "registered with kubelet");
                     break;
                 }
                 Err(e) => {

@@ -13,6 +13,7 @@ use vgpu_proto::v1 as pb;
 pub struct Kube {
     client: kube::Client,
     pub node: String,
+    pub proto: &'static hami::Protocol,
 }
 
 fn err(what: &str) -> impl Fn(kube::Error) -> String + '_ {
@@ -53,13 +54,13 @@ fn slice_name(ns: &str, pod: &str, idx: usize) -> String {
 impl Kube {
     /// `api`: an API server URL (tests, or outside a cluster without kubeconfig); None: in-cluster
     /// configuration or the kubeconfig, as kubectl finds them.
-    pub async fn connect(api: Option<&str>, node: &str) -> Result<Kube, String> {
+    pub async fn connect(api: Option<&str>, node: &str, proto: &'static hami::Protocol) -> Result<Kube, String> {
         let config = match api {
             Some(url) => kube::Config::new(url.parse().map_err(|e| format!("kube_api {url:?}: {e}"))?),
             None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
         };
         let client = kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?;
-        Ok(Kube { client, node: node.to_string() })
+        Ok(Kube { client, node: node.to_string(), proto })
     }
 
     async fn pods(&self) -> Result<Vec<Pod>, String> {
@@ -114,12 +115,19 @@ impl Kube {
                 health: st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy),
             })
             .collect();
-        let value = if text_format { hami::register_text(&devs) } else { hami::register_json(&devs) };
+        let volcano = self.proto.name == hami::VOLCANO.name;
+        let value = if volcano {
+            hami::register_volcano(&devs, agent.cfg.memory_factor)
+        } else if text_format {
+            hami::register_text(&devs)
+        } else {
+            hami::register_json(&devs)
+        };
         let mut set = Vec::new();
-        if ann(&node.metadata, hami::NODE_REGISTER).as_deref() != Some(value.as_str()) {
-            set.push((hami::NODE_REGISTER, Some(value)));
+        if ann(&node.metadata, self.proto.register).as_deref() != Some(value.as_str()) {
+            set.push((self.proto.register, Some(value)));
         }
-        if text_format {
+        if text_format && !volcano {
             set.push((hami::NODE_HANDSHAKE, Some(format!("Reported {}", chrono_like_now()))));
         }
         if set.is_empty() {
@@ -136,7 +144,8 @@ impl Kube {
     /// released. On a mismatch the bind phase becomes "failed".
     pub async fn allocate(&self, agent: Arc<Agent>, count: usize) -> Result<pb::SliceDetail, String> {
         let node = self.get_node().await?;
-        let lock = ann(&node.metadata, hami::NODE_LOCK);
+        let p = self.proto;
+        let lock = ann(&node.metadata, p.lock).filter(|_| p.lock_names_owner);
         let owner: Option<(String, String)> = lock.as_deref().and_then(|l| {
             let f: Vec<&str> = l.split(',').collect();
             (f.len() >= 3).then(|| (f[1].to_string(), f[2].to_string()))
@@ -144,8 +153,8 @@ impl Kube {
         let pods = self.pods().await?;
         let pending: Vec<&Pod> = pods
             .iter()
-            .filter(|p| ann(&p.metadata, hami::BIND_PHASE).as_deref() == Some("allocating"))
-            .filter(|p| ann(&p.metadata, hami::TO_ALLOCATE).is_some())
+            .filter(|x| ann(&x.metadata, p.bind_phase).as_deref() == Some("allocating"))
+            .filter(|x| ann(&x.metadata, p.to_allocate).is_some())
             .collect();
         let pod = pending
             .iter()
@@ -156,7 +165,7 @@ impl Kube {
             })
             .or_else(|| {
                 pending.iter().min_by_key(|p| {
-                    ann(&p.metadata, hami::BIND_TIME).and_then(|t| t.parse::<u64>().ok()).unwrap_or(u64::MAX)
+                    ann(&p.metadata, self.proto.bind_time).and_then(|t| t.parse::<u64>().ok()).unwrap_or(u64::MAX)
                 })
             })
             .copied()
@@ -166,14 +175,15 @@ impl Kube {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         let fail = |msg: String| async move {
-            let _ = self.patch_pod(pod, &[(hami::BIND_PHASE, Some("failed".into()))]).await;
+            let _ = self.patch_pod(pod, &[(self.proto.bind_phase, Some("failed".into()))]).await;
             let _ = self.release_lock(&ns_name(pod)).await;
             Err::<pb::SliceDetail, String>(msg)
         };
-        let mut entries = match hami::decode(&ann(&pod.metadata, hami::TO_ALLOCATE).unwrap_or_default()) {
-            Ok(e) => e,
-            Err(e) => return fail(format!("pod {ns}/{name}: {}: {e}", hami::TO_ALLOCATE)).await,
-        };
+        let mut entries =
+            match hami::decode(&ann(&pod.metadata, p.to_allocate).unwrap_or_default(), p.trailing_separator) {
+                Ok(e) => e,
+                Err(e) => return fail(format!("pod {ns}/{name}: {}: {e}", p.to_allocate)).await,
+            };
         let Some(idx) = entries.iter().position(|e| !e.is_empty()) else {
             return fail(format!("pod {ns}/{name}: every container's devices are already allocated")).await;
         };
@@ -201,7 +211,7 @@ impl Kube {
                 })
                 .collect(),
             labels: [
-                ("source".to_string(), "hami".to_string()),
+                ("source".to_string(), p.name.to_string()),
                 ("namespace".to_string(), ns.clone()),
                 ("pod".to_string(), name.clone()),
                 ("container".to_string(), container),
@@ -224,25 +234,26 @@ impl Kube {
             Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
         };
         let done = entries.iter().all(|e| e.is_empty());
-        let mut set = vec![(hami::TO_ALLOCATE, Some(hami::encode(&entries)))];
+        let encoded = if p.trailing_separator { hami::encode(&entries) } else { hami::encode_joined(&entries) };
+        let mut set = vec![(p.to_allocate, Some(encoded))];
         if done {
-            set.push((hami::BIND_PHASE, Some("success".into())));
+            set.push((p.bind_phase, Some("success".into())));
         }
         self.patch_pod(pod, &set).await?;
         if done {
             self.release_lock(&ns_name(pod)).await?;
         }
-        tracing::info!(pod = %format!("{ns}/{name}"), slice = %detail.name, done, "HAMi allocation");
+        tracing::info!(pod = %format!("{ns}/{name}"), slice = %detail.name, done, protocol = p.name, "allocation from the scheduler's annotations");
         Ok(detail)
     }
 
-    /// Removes the node lock if `owner` (namespace/name) holds it.
+    /// Removes the node lock if `owner` (namespace/name) holds it (Volcano's names no owner: removed).
     async fn release_lock(&self, owner: &str) -> Result<(), String> {
         let node = self.get_node().await?;
-        let Some(l) = ann(&node.metadata, hami::NODE_LOCK) else { return Ok(()) };
+        let Some(l) = ann(&node.metadata, self.proto.lock) else { return Ok(()) };
         let f: Vec<&str> = l.split(',').collect();
-        if f.len() >= 3 && format!("{}/{}", f[1], f[2]) == owner {
-            self.patch_node(&node, &[(hami::NODE_LOCK, None)]).await?;
+        if !self.proto.lock_names_owner || (f.len() >= 3 && format!("{}/{}", f[1], f[2]) == owner) {
+            self.patch_node(&node, &[(self.proto.lock, None)]).await?;
         }
         Ok(())
     }

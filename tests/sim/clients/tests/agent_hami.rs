@@ -11,6 +11,7 @@ use common::kubelet;
 use common::*;
 
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
@@ -260,5 +261,116 @@ fn hami_mode_follows_the_schedulers_annotations() {
     wait("the deleted pod's slice removed", || {
         a.status().is_some_and(|v| !v["slices"].as_array().unwrap().iter().any(|x| x["labels"]["pod"] == "train"))
     });
+    let _ = &mut s;
+}
+
+fn vpod(ns: &str, name: &str, uid: &str, devices: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "uid": uid, "resourceVersion": "1", "annotations": {
+            "volcano.sh/bind-phase": "allocating", "volcano.sh/bind-time": "100", "volcano.sh/vgpu-node": "node1",
+            "volcano.sh/devices-to-allocate": devices, "volcano.sh/vgpu-ids-new": devices}},
+        "spec": {"nodeName": "node1", "containers": [{"name": "a"}, {"name": "b"}]},
+    })
+}
+
+#[test]
+fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
+    let mut s = Sim::new(Some(NODE));
+    let st = s.status();
+    let g0 = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let g1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1",
+                     "annotations": {"hamivgpu": "2026-11-29T10:00:00Z"}}}),
+        // Volcano's encoding: containers joined by ';' without a trailing one; the second container has no GPU.
+        pods: vec![vpod("batch", "job", "uid-job", &format!("{g1},NVIDIA,2048,50:;"))],
+        rv: 10,
+    }));
+    let api = serve(cluster.clone());
+    let kdir = s.state.join("kubelet");
+    std::fs::create_dir_all(&kdir).unwrap();
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "compat = \"volcano\"\nregister_interval_s = 1\nmemory_factor = 1024\n").unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
+    let _a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
+            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
+            ("VGPU_AGENT_KUBE_API", &api),
+            ("NODE_NAME", "node1"),
+        ],
+    );
+    // Three resources, each on its own socket; all non-zero.
+    let mut regs = BTreeMap::new();
+    rt.block_on(async {
+        while regs.len() < 3 {
+            let r =
+                tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.expect("three registrations").unwrap();
+            regs.insert(r.resource_name.clone(), r.endpoint.clone());
+        }
+    });
+    assert_eq!(
+        regs.keys().cloned().collect::<Vec<_>>(),
+        ["volcano.sh/vgpu-cores", "volcano.sh/vgpu-memory", "volcano.sh/vgpu-number"]
+    );
+    rt.block_on(async {
+        let count = |sock: String| {
+            let path = kdir.join(sock);
+            async move {
+                let mut c = kubelet::plugin(path).await;
+                c.list_and_watch(dp::Empty {})
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .message()
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .devices
+                    .len()
+            }
+        };
+        assert_eq!(count(regs["volcano.sh/vgpu-number"].clone()).await, 20);
+        assert_eq!(count(regs["volcano.sh/vgpu-cores"].clone()).await, 200);
+        assert_eq!(
+            count(regs["volcano.sh/vgpu-memory"].clone()).await,
+            8 + 79,
+            "8192 MiB and 81559 MiB in 1024 MiB units"
+        );
+        let mut c = kubelet::plugin(kdir.join(&regs["volcano.sh/vgpu-number"])).await;
+        let r = c
+            .allocate(dp::AllocateRequest {
+                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g0}-3")] }],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let cr = &r.container_responses[0];
+        assert_eq!(cr.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&g1));
+        assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("2048m"));
+        assert_eq!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str), Some("50"));
+        // The memory resource answers without allocating anything.
+        let mut m = kubelet::plugin(kdir.join(&regs["volcano.sh/vgpu-memory"])).await;
+        let e = m
+            .allocate(dp::AllocateRequest {
+                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g1}-mem-0")] }],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(e.container_responses[0].envs.is_empty());
+    });
+    let cl = cluster.lock().unwrap();
+    let p = &cl.pods[0]["metadata"]["annotations"];
+    assert_eq!(p["volcano.sh/devices-to-allocate"], ";", "consumed, joined Volcano's way");
+    assert_eq!(p["volcano.sh/bind-phase"], "success");
+    assert!(cl.node["metadata"]["annotations"].get("hamivgpu").is_none(), "the node lock is released");
+    let reg = cl.node["metadata"]["annotations"]["volcano.sh/node-vgpu-register"].as_str().unwrap();
+    assert!(reg.starts_with(&format!("{g0},10,8,NVIDIA-NVIDIA A100-SXM4-40GB,true,hami-core:{g1},10,79,")), "{reg}");
+    drop(cl);
     let _ = &mut s;
 }
