@@ -256,6 +256,18 @@ fn hami_mode_follows_the_schedulers_annotations() {
         assert_eq!(x["metadata"]["annotations"]["hami.io/bind-phase"], "failed");
     });
 
+    // The agent is killed and restarted: it registers again, and the allocation survives (the slice
+    // is on disk, its pod still exists).
+    let mut a = a;
+    a.sigkill();
+    a.spawn(&s);
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.expect("re-registration").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(1500)); // a collection pass (register_interval_s = 1)
+    let v = a.status().unwrap();
+    assert!(v["slices"].as_array().unwrap().iter().any(|x| x["labels"]["pod"] == "train"), "{v}");
+
     // The pod goes: its slice goes.
     cluster.lock().unwrap().pods.retain(|p| p["metadata"]["name"] != "train");
     wait("the deleted pod's slice removed", || {
