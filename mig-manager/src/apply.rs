@@ -106,7 +106,8 @@ pub fn execute(b: &dyn MigBackend, gpu: u32, plan: &Plan) -> Result<(), MigError
 /// The plan that would bring GPU `gpu` to `d` (None: only the mode changes, or nothing).
 pub fn plan_gpu(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Option<Plan>, MigError> {
     let g = b.gpu(gpu)?;
-    if !d.mig_enabled || !g.mig_enabled {
+    // MIG on with no devices named: the mode only; instances are made per request (dynamic mode).
+    if !d.mig_enabled || !g.mig_enabled || d.devices.is_empty() {
         return Ok(None);
     }
     let w = wants(&g, d).map_err(|e| MigError(e.0))?;
@@ -169,7 +170,7 @@ pub fn check(b: &dyn MigBackend, gpu: u32, d: &Desired) -> Result<Vec<String>, M
                 diffs.push(format!("{have} x {name}, wanted {n}"));
             }
         }
-        for i in &g.instances {
+        for i in g.instances.iter().filter(|_| !d.devices.is_empty()) {
             let name = g.profile(i.profile).map_or("?".to_string(), |p| p.name.clone());
             if !d.devices.keys().any(|k| g.profile_named(k).is_some_and(|p| p.id == i.profile)) {
                 diffs.push(format!("unwanted {name} at slice {}", i.start));
@@ -223,8 +224,8 @@ pub struct Allocation {
 
 /// Dynamic mode: makes the best-fitting GPU instance for `req` on GPU `gpu`, at the placement that
 /// keeps the most room (see [`planner::choose`]), with its compute instance. A GPU is managed either
-/// dynamically or declaratively: [`reconcile`] would remove dynamic instances from a GPU that has a
-/// recorded desired layout.
+/// dynamically or declaratively: a recorded layout naming devices would remove dynamic instances at
+/// the next [`reconcile`]; a config with `mig-enabled: true` and no `mig-devices` sets the mode only.
 pub fn allocate(b: &dyn MigBackend, gpu: u32, req: &planner::Request) -> Result<Allocation, MigError> {
     let g = b.gpu(gpu)?;
     if !g.mig_enabled {

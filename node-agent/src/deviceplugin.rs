@@ -234,11 +234,18 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     .get()
                     .cloned()
                     .ok_or_else(|| Status::unavailable("not connected to the Kubernetes API"))?;
-                let detail = kube
+                match kube
                     .allocate(self.agent.clone(), c.devices_ids.len())
                     .await
-                    .map_err(Status::failed_precondition)?;
-                response(&self.agent, detail)
+                    .map_err(Status::failed_precondition)?
+                {
+                    crate::k8s::Allocated::Slice(detail) => response(&self.agent, detail),
+                    // MIG: the instance is the isolation; only the device is named (as HAMi does).
+                    crate::k8s::Allocated::Mig(uuids) => dp::ContainerAllocateResponse {
+                        envs: [("NVIDIA_VISIBLE_DEVICES".to_string(), uuids.join(","))].into(),
+                        ..Default::default()
+                    },
+                }
             } else {
                 let me = Plugin { agent: self.agent.clone(), kind: self.kind };
                 tokio::task::spawn_blocking(move || me.allocate_one(&c.devices_ids))

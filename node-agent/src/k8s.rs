@@ -142,7 +142,7 @@ impl Kube {
     /// container entry not yet consumed, a slice with that entry's limits; the entry is then marked
     /// consumed, and once none is left the pod's bind phase becomes "success" and the node lock is
     /// released. On a mismatch the bind phase becomes "failed".
-    pub async fn allocate(&self, agent: Arc<Agent>, count: usize) -> Result<pb::SliceDetail, String> {
+    pub async fn allocate(&self, agent: Arc<Agent>, count: usize) -> Result<Allocated, String> {
         let node = self.get_node().await?;
         let p = self.proto;
         let lock = ann(&node.metadata, p.lock).filter(|_| p.lock_names_owner);
@@ -177,7 +177,7 @@ impl Kube {
         let fail = |msg: String| async move {
             let _ = self.patch_pod(pod, &[(self.proto.bind_phase, Some("failed".into()))]).await;
             let _ = self.release_lock(&ns_name(pod)).await;
-            Err::<pb::SliceDetail, String>(msg)
+            Err::<Allocated, String>(msg)
         };
         let mut entries =
             match hami::decode(&ann(&pod.metadata, p.to_allocate).unwrap_or_default(), p.trailing_separator) {
@@ -200,38 +200,59 @@ impl Kube {
         let ctr_names: Vec<String> =
             spec.init_containers.unwrap_or_default().into_iter().chain(spec.containers).map(|c| c.name).collect();
         let container = ctr_names.get(idx).cloned().unwrap_or_else(|| idx.to_string());
-        let req = pb::CreateSliceRequest {
-            name: slice_name(&ns, &name, idx),
-            gpus: devices
-                .iter()
-                .map(|d| pb::SliceGpuLimit {
-                    gpu: d.uuid.clone(),
-                    memory: d.mem_mib << 20,
-                    sm: if d.cores >= 100 { 0 } else { d.cores },
-                })
-                .collect(),
-            labels: [
-                ("source".to_string(), p.name.to_string()),
-                ("namespace".to_string(), ns.clone()),
-                ("pod".to_string(), name.clone()),
-                ("container".to_string(), container),
-                ("pod-uid".to_string(), pod.metadata.uid.clone().unwrap_or_default()),
-            ]
-            .into(),
+        let slice = slice_name(&ns, &name, idx);
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let inv = agent.inventory.read().clone();
+        let on_mig = |d: &ContainerDevice| {
+            inv.gpus.iter().any(|g| g.uuid == d.uuid && g.mig.as_ref().is_some_and(|m| m.enabled))
         };
-        let slice = req.name.clone();
-        let a = agent.clone();
-        let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {
-            Ok(d) => Ok(d),
-            // A container restarted by kubelet: its slice is there.
-            Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&slice).map_err(|e| format!("{e:?}")),
-            Err(e) => Err(format!("{e:?}")),
-        })
-        .await
-        .map_err(|e| e.to_string())?;
-        let detail = match made {
-            Ok(d) => d,
-            Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
+        let allocated = if devices.iter().all(on_mig) {
+            // MIG GPUs: an instance per device, made for this container.
+            let a = agent.clone();
+            let (devs, key, uid2) = (devices.clone(), slice.clone(), uid.clone());
+            match tokio::task::spawn_blocking(move || mig_allocate(&a, &key, &uid2, &devs))
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                Ok(uuids) => Allocated::Mig(uuids),
+                Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
+            }
+        } else if devices.iter().any(on_mig) {
+            return fail(format!("pod {ns}/{name}: a container mixes MIG and whole GPUs")).await;
+        } else {
+            let req = pb::CreateSliceRequest {
+                name: slice.clone(),
+                gpus: devices
+                    .iter()
+                    .map(|d| pb::SliceGpuLimit {
+                        gpu: d.uuid.clone(),
+                        memory: d.mem_mib << 20,
+                        sm: if d.cores >= 100 { 0 } else { d.cores },
+                    })
+                    .collect(),
+                labels: [
+                    ("source".to_string(), p.name.to_string()),
+                    ("namespace".to_string(), ns.clone()),
+                    ("pod".to_string(), name.clone()),
+                    ("container".to_string(), container),
+                    ("pod-uid".to_string(), uid.clone()),
+                ]
+                .into(),
+            };
+            let a = agent.clone();
+            let key = slice.clone();
+            let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {
+                Ok(d) => Ok(d),
+                // A container restarted by kubelet: its slice is there.
+                Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&key).map_err(|e| format!("{e:?}")),
+                Err(e) => Err(format!("{e:?}")),
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            match made {
+                Ok(d) => Allocated::Slice(d),
+                Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
+            }
         };
         let done = entries.iter().all(|e| e.is_empty());
         let encoded = if p.trailing_separator { hami::encode(&entries) } else { hami::encode_joined(&entries) };
@@ -243,8 +264,8 @@ impl Kube {
         if done {
             self.release_lock(&ns_name(pod)).await?;
         }
-        tracing::info!(pod = %format!("{ns}/{name}"), slice = %detail.name, done, protocol = p.name, "allocation from the scheduler's annotations");
-        Ok(detail)
+        tracing::info!(pod = %format!("{ns}/{name}"), allocation = %slice, done, protocol = p.name, "allocation from the scheduler's annotations");
+        Ok(allocated)
     }
 
     /// Removes the node lock if `owner` (namespace/name) holds it (Volcano's names no owner: removed).
@@ -273,8 +294,100 @@ impl Kube {
                 n += 1;
             }
         }
+        // MIG instances made for pods that are gone.
+        for (key, rec) in mig_records(agent) {
+            if !uids.contains(&rec.pod_uid) {
+                if let Err(e) = mig_release(agent, &key, &rec) {
+                    tracing::warn!(allocation = %key, error = %e, "MIG instance of a deleted pod not released");
+                } else {
+                    tracing::info!(allocation = %key, "MIG instance of a deleted pod released");
+                    n += 1;
+                }
+            }
+        }
         Ok(n)
     }
+}
+
+/// What Allocate gives a container: a slice, or MIG devices.
+pub enum Allocated {
+    Slice(pb::SliceDetail),
+    Mig(Vec<String>),
+}
+
+/// A container's MIG instances, recorded so that a container restart gets the same ones and a deleted
+/// pod's are destroyed.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct MigRecord {
+    pod_uid: String,
+    allocations: Vec<vgpu_mig::apply::Allocation>,
+}
+
+fn mig_dir(agent: &Agent) -> std::path::PathBuf {
+    agent.cfg.state_dir.join("mig").join("allocations")
+}
+
+fn mig_records(agent: &Agent) -> Vec<(String, MigRecord)> {
+    let Ok(rd) = std::fs::read_dir(mig_dir(agent)) else { return Vec::new() };
+    rd.flatten()
+        .filter_map(|e| {
+            let key = e.path().file_stem()?.to_string_lossy().into_owned();
+            Some((key, serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok()?))
+        })
+        .collect()
+}
+
+fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDevice]) -> Result<Vec<String>, String> {
+    let path = mig_dir(agent).join(format!("{key}.json"));
+    if let Ok(rec) = serde_json::from_slice::<MigRecord>(&std::fs::read(&path).unwrap_or_default()) {
+        return Ok(rec.allocations.into_iter().filter_map(|a| a.uuid).collect());
+    }
+    let nvml = agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+    let b = vgpu_mig::backend::NvmlBackend::new(nvml.clone());
+    let _g = agent.mig.lock();
+    let inv = agent.inventory.read().clone();
+    let mut made = Vec::new();
+    for d in devices {
+        let g = inv.gpus.iter().find(|g| g.uuid == d.uuid).ok_or_else(|| format!("no GPU {}", d.uuid))?;
+        let gpu = vgpu_mig::backend::MigBackend::gpu(&b, g.index).map_err(|e| e.0)?;
+        let full = gpu.profiles.iter().map(|p| p.compute).max().unwrap_or(7);
+        let compute = if (1..100).contains(&d.cores) { (d.cores * full).div_ceil(100) } else { 0 };
+        let req = vgpu_mig::planner::Request { memory_mib: d.mem_mib, compute, sms: 0, media: false };
+        match vgpu_mig::apply::allocate(&b, g.index, &req) {
+            Ok(a) => made.push(a),
+            Err(e) => {
+                for a in &made {
+                    let _ = vgpu_mig::apply::release(&b, a.gpu, a.gi);
+                }
+                return Err(e.0);
+            }
+        }
+    }
+    std::fs::create_dir_all(mig_dir(agent)).map_err(|e| e.to_string())?;
+    let rec = MigRecord { pod_uid: pod_uid.to_string(), allocations: made };
+    std::fs::write(&path, serde_json::to_vec_pretty(&rec).expect("serialisable")).map_err(|e| e.to_string())?;
+    if let Ok(inv) = crate::discovery::discover(&nvml) {
+        *agent.inventory.write() = inv;
+    }
+    Ok(rec.allocations.into_iter().filter_map(|a| a.uuid).collect())
+}
+
+fn mig_release(agent: &Agent, key: &str, rec: &MigRecord) -> Result<(), String> {
+    let nvml = agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+    let b = vgpu_mig::backend::NvmlBackend::new(nvml.clone());
+    let _g = agent.mig.lock();
+    for a in &rec.allocations {
+        match vgpu_mig::apply::release(&b, a.gpu, a.gi) {
+            Ok(()) => {}
+            Err(e) if e.0.contains("no GPU instance") => {}
+            Err(e) => return Err(e.0),
+        }
+    }
+    let _ = std::fs::remove_file(mig_dir(agent).join(format!("{key}.json")));
+    if let Ok(inv) = crate::discovery::discover(&nvml) {
+        *agent.inventory.write() = inv;
+    }
+    Ok(())
 }
 
 fn ns_name(p: &Pod) -> String {

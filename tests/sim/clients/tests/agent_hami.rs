@@ -386,3 +386,70 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
     drop(cl);
     let _ = &mut s;
 }
+
+#[test]
+fn hami_mode_on_a_mig_gpu_makes_an_instance_per_container_and_destroys_it_with_the_pod() {
+    let mut s = Sim::new(Some(NODE));
+    let st = s.status();
+    let g1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
+        pods: vec![pod("ml", "infer", "uid-infer", "100", &format!("{g1},NVIDIA,15000,0:;"), &["main"], &[])],
+        rv: 10,
+    }));
+    let api = serve(cluster.clone());
+    let kdir = s.state.join("kubelet");
+    std::fs::create_dir_all(&kdir).unwrap();
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "compat = \"hami\"\nregister_interval_s = 1\n").unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
+    let a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
+            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
+            ("VGPU_AGENT_KUBE_API", &api),
+            ("NODE_NAME", "node1"),
+        ],
+    );
+    // MIG on for the H100, no layout: instances are made per request.
+    let mig = s.state.join("mig.yaml");
+    std::fs::write(&mig, "version: v1\nmig-configs:\n  dynamic:\n    - devices: [1]\n      mig-enabled: true\n")
+        .unwrap();
+    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "dynamic"]);
+    let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
+    let uuid = rt.block_on(async {
+        let mut c = kubelet::plugin(kdir.join(&reg.endpoint)).await;
+        let r = c
+            .allocate(dp::AllocateRequest {
+                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g1}-0")] }],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let cr = r.container_responses[0].clone();
+        assert_eq!(cr.envs.len(), 1, "only the MIG device, as HAMi does: {cr:?}");
+        assert!(cr.mounts.is_empty());
+        cr.envs["NVIDIA_VISIBLE_DEVICES"].clone()
+    });
+    assert!(uuid.starts_with("MIG-"), "{uuid}");
+    let st: Value = serde_json::from_str(&a.ctl_ok(&["mig", "status", "--json"])).unwrap();
+    let h100 = st["gpus"].as_array().unwrap().iter().find(|g| g["index"] == 1).unwrap().clone();
+    let inst = h100["instances"].as_array().unwrap();
+    assert_eq!(inst.len(), 1, "{h100}");
+    assert_eq!(inst[0]["uuid"], uuid.as_str());
+    assert!(inst[0]["memory_total"].as_u64().unwrap() >= 15000 << 20, "fits the 15000 MiB asked: {}", inst[0]);
+    assert_eq!(cluster.lock().unwrap().pods[0]["metadata"]["annotations"]["hami.io/bind-phase"], "success");
+
+    // The pod goes: its instance goes.
+    cluster.lock().unwrap().pods.clear();
+    wait("the instance destroyed", || {
+        let st: Value = serde_json::from_str(&a.ctl_ok(&["mig", "status", "--json"])).unwrap();
+        st["gpus"].as_array().unwrap().iter().find(|g| g["index"] == 1).unwrap()["instances"]
+            .as_array()
+            .is_none_or(|v| v.is_empty())
+    });
+    let _ = &mut s;
+}
