@@ -75,6 +75,9 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         None => None,
     };
 
+    // The device plugin serves before the slow work too (its device list follows the first pass).
+    let plugin = cfg.device_plugin.then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), stop_rx.clone())));
+
     // NVML is synchronous: discovery, XID events and passes run on threads of their own.
     let stop = Arc::new(AtomicBool::new(false));
     let nvml = {
@@ -108,7 +111,6 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         std::thread::Builder::new().name("monitor".into()).spawn(move || monitor_loop(&n, &a, &s))
     }
     .map_err(|e| e.to_string())?;
-    let plugin = cfg.device_plugin.then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), stop_rx.clone())));
     let proto = match cfg.compat {
         crate::config::Compat::Hami => Some(&crate::hami::HAMI),
         crate::config::Compat::Volcano => Some(&crate::hami::VOLCANO),

@@ -239,7 +239,13 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     .await
                     .map_err(Status::failed_precondition)?
                 {
-                    crate::k8s::Allocated::Slice(detail) => response(&self.agent, detail),
+                    crate::k8s::Allocated::Slice(detail, preload) => {
+                        let mut r = response(&self.agent, detail);
+                        if !preload {
+                            r.mounts.retain(|m| m.container_path != "/etc/ld.so.preload");
+                        }
+                        r
+                    }
                     // MIG: the instance is the isolation; only the device is named (as HAMi does).
                     crate::k8s::Allocated::Mig(uuids) => dp::ContainerAllocateResponse {
                         envs: [("NVIDIA_VISIBLE_DEVICES".to_string(), uuids.join(","))].into(),

@@ -200,6 +200,18 @@ impl Kube {
         let ctr_names: Vec<String> =
             spec.init_containers.unwrap_or_default().into_iter().chain(spec.containers).map(|c| c.name).collect();
         let container = ctr_names.get(idx).cloned().unwrap_or_else(|| idx.to_string());
+        // `CUDA_DISABLE_CONTROL=true` in the container's spec: no preload file (HAMi's convention).
+        let spec2 = pod.spec.clone().unwrap_or_default();
+        let disable_control = spec2
+            .init_containers
+            .unwrap_or_default()
+            .into_iter()
+            .chain(spec2.containers)
+            .nth(idx)
+            .and_then(|c| c.env)
+            .is_some_and(|env| {
+                env.iter().any(|e| e.name == "CUDA_DISABLE_CONTROL" && e.value.as_deref() == Some("true"))
+            });
         let slice = slice_name(&ns, &name, idx);
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let inv = agent.inventory.read().clone();
@@ -250,7 +262,7 @@ impl Kube {
             .await
             .map_err(|e| e.to_string())?;
             match made {
-                Ok(d) => Allocated::Slice(d),
+                Ok(d) => Allocated::Slice(d, !disable_control),
                 Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
             }
         };
@@ -311,7 +323,8 @@ impl Kube {
 
 /// What Allocate gives a container: a slice, or MIG devices.
 pub enum Allocated {
-    Slice(pb::SliceDetail),
+    /// The slice, and whether to mount `/etc/ld.so.preload`.
+    Slice(pb::SliceDetail, bool),
     Mig(Vec<String>),
 }
 

@@ -171,6 +171,12 @@ fn hami_mode_follows_the_schedulers_annotations() {
             pod("ml", "train", "uid-train", "200", &format!(";{g0},NVIDIA,3000,30:;;"), &["main", "side"], &["init"]),
             // Older, but not the lock owner; two devices for its one container.
             pod("other", "x", "uid-x", "100", &format!("{g0},NVIDIA,1000,0:{g1},NVIDIA,1000,0:;"), &["c"], &[]),
+            // Newest; its container sets CUDA_DISABLE_CONTROL=true.
+            {
+                let mut p = pod("ml", "free", "uid-free", "300", &format!("{g1},NVIDIA,500,0:;"), &["c"], &[]);
+                p["spec"]["containers"][0]["env"] = json!([{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]);
+                p
+            },
         ],
         rv: 10,
     }));
@@ -251,9 +257,21 @@ fn hami_mode_follows_the_schedulers_annotations() {
             .await
             .unwrap_err();
         assert!(e.message().contains("device number not matched"), "{e}");
-        let cl = cluster.lock().unwrap();
-        let x = cl.pods.iter().find(|p| p["metadata"]["name"] == "x").unwrap();
-        assert_eq!(x["metadata"]["annotations"]["hami.io/bind-phase"], "failed");
+        {
+            let cl = cluster.lock().unwrap();
+            let x = cl.pods.iter().find(|p| p["metadata"]["name"] == "x").unwrap();
+            assert_eq!(x["metadata"]["annotations"]["hami.io/bind-phase"], "failed");
+        }
+        // CUDA_DISABLE_CONTROL=true: limits and files, but no preload file.
+        let r = c
+            .allocate(dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g1}-2")] }] })
+            .await
+            .unwrap()
+            .into_inner();
+        let cr = &r.container_responses[0];
+        assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("500m"));
+        assert!(!cr.mounts.iter().any(|m| m.container_path == "/etc/ld.so.preload"), "{cr:?}");
+        assert!(cr.mounts.iter().any(|m| m.container_path == "/usr/local/vgpu/libvgpu.so"));
     });
 
     // The agent is killed and restarted: it registers again, and the allocation survives (the slice
