@@ -240,7 +240,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     .map_err(Status::failed_precondition)?
                 {
                     crate::k8s::Allocated::Slice(detail, preload) => {
-                        let mut r = response(&self.agent, detail);
+                        let mut r = response(&self.agent, *detail);
                         if !preload {
                             r.mounts.retain(|m| m.container_path != "/etc/ld.so.preload");
                         }

@@ -262,7 +262,7 @@ impl Kube {
             .await
             .map_err(|e| e.to_string())?;
             match made {
-                Ok(d) => Allocated::Slice(d, !disable_control),
+                Ok(d) => Allocated::Slice(Box::new(d), !disable_control),
                 Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
             }
         };
@@ -324,7 +324,7 @@ impl Kube {
 /// What Allocate gives a container: a slice, or MIG devices.
 pub enum Allocated {
     /// The slice, and whether to mount `/etc/ld.so.preload`.
-    Slice(pb::SliceDetail, bool),
+    Slice(Box<pb::SliceDetail>, bool),
     Mig(Vec<String>),
 }
 
