@@ -38,23 +38,16 @@ fn owner(s: &pb::SliceStatus) -> [(&'static str, String); 4] {
 pub fn render(agent: &Agent) -> String {
     let st = agent.status();
     let mut o = Out(String::with_capacity(16 * 1024));
+    let per_gpu = |o: &mut Out, name: &str, f: &dyn Fn(&pb::GpuStatus) -> f64| {
+        for g in &st.gpus {
+            o.put(name, &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())], f(g));
+        }
+    };
     // --- HAMi node-monitor names ---
     o.head("hami_host_gpu_memory_used_bytes", "gauge", "Device memory in use on the GPU (all processes).");
-    for g in &st.gpus {
-        o.put(
-            "hami_host_gpu_memory_used_bytes",
-            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
-            g.memory_used as f64,
-        );
-    }
+    per_gpu(&mut o, "hami_host_gpu_memory_used_bytes", &|g| g.memory_used as f64);
     o.head("hami_host_gpu_utilization_ratio", "gauge", "GPU utilisation over NVML's last sample period (0..1).");
-    for g in &st.gpus {
-        o.put(
-            "hami_host_gpu_utilization_ratio",
-            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
-            g.utilization as f64 / 100.0,
-        );
-    }
+    per_gpu(&mut o, "hami_host_gpu_utilization_ratio", &|g| g.utilization as f64 / 100.0);
     let per_slice_gpu = |o: &mut Out, name: &str, f: &dyn Fn(&pb::SliceGpuStatus) -> f64| {
         for s in &st.slices {
             let ow = owner(s);
@@ -99,21 +92,9 @@ pub fn render(agent: &Agent) -> String {
     }
     // --- vgpu's own ---
     o.head("vgpu_gpu_healthy", "gauge", "1 when the GPU is healthy (no recent critical XID, NVML answers).");
-    for g in &st.gpus {
-        o.put(
-            "vgpu_gpu_healthy",
-            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
-            g.healthy as u8 as f64,
-        );
-    }
+    per_gpu(&mut o, "vgpu_gpu_healthy", &|g| g.healthy as u8 as f64);
     o.head("vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.");
-    for g in &st.gpus {
-        o.put(
-            "vgpu_gpu_memory_total_bytes",
-            &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())],
-            g.memory_total as f64,
-        );
-    }
+    per_gpu(&mut o, "vgpu_gpu_memory_total_bytes", &|g| g.memory_total as f64);
     o.head("vgpu_slice_memory_measured_bytes", "gauge", "Device memory of a slice's processes as NVML measures it.");
     per_slice_gpu(&mut o, "vgpu_slice_memory_measured_bytes", &|g| g.memory_measured as f64);
     o.head(

@@ -154,6 +154,37 @@ fn wait(what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// The harness of a test: a fake API server holding `cluster`, a fake kubelet, and the agent with
+/// `config` (TOML) pointed at both as node "node1".
+struct Harness {
+    kdir: std::path::PathBuf,
+    rt: tokio::runtime::Runtime,
+    rx: tokio::sync::mpsc::UnboundedReceiver<dp::RegisterRequest>,
+    _kubelet: tokio::sync::oneshot::Sender<()>,
+    a: Agent,
+}
+
+fn harness(s: &Sim, cluster: &Arc<Mutex<Cluster>>, config: &str) -> Harness {
+    let api = serve(cluster.clone());
+    let kdir = s.state.join("kubelet");
+    std::fs::create_dir_all(&kdir).unwrap();
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
+    let a = Agent::start(
+        s,
+        &[
+            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
+            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
+            ("VGPU_AGENT_KUBE_API", &api),
+            ("NODE_NAME", "node1"),
+        ],
+    );
+    Harness { kdir, rt, rx, _kubelet, a }
+}
+
 #[test]
 fn hami_mode_follows_the_schedulers_annotations() {
     let mut s = Sim::new(Some(NODE));
@@ -180,23 +211,8 @@ fn hami_mode_follows_the_schedulers_annotations() {
         ],
         rv: 10,
     }));
-    let api = serve(cluster.clone());
-    let kdir = s.state.join("kubelet");
-    std::fs::create_dir_all(&kdir).unwrap();
-    let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "compat = \"hami\"\nregister_interval_s = 1\n").unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
-    let a = Agent::start(
-        &s,
-        &[
-            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
-            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
-            ("VGPU_AGENT_KUBE_API", &api),
-            ("NODE_NAME", "node1"),
-        ],
-    );
+    let Harness { kdir, rt, mut rx, _kubelet, a } =
+        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
 
     // The node register annotation (v2.8 JSON).
     wait("the node annotation", || {
@@ -317,23 +333,8 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
         pods: vec![vpod("batch", "job", "uid-job", &format!("{g1},NVIDIA,2048,50:;"))],
         rv: 10,
     }));
-    let api = serve(cluster.clone());
-    let kdir = s.state.join("kubelet");
-    std::fs::create_dir_all(&kdir).unwrap();
-    let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "compat = \"volcano\"\nregister_interval_s = 1\nmemory_factor = 1024\n").unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
-    let _a = Agent::start(
-        &s,
-        &[
-            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
-            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
-            ("VGPU_AGENT_KUBE_API", &api),
-            ("NODE_NAME", "node1"),
-        ],
-    );
+    let Harness { kdir, rt, mut rx, _kubelet, a: _a } =
+        harness(&s, &cluster, "compat = \"volcano\"\nregister_interval_s = 1\nmemory_factor = 1024\n");
     // Three resources, each on its own socket; all non-zero.
     let mut regs = BTreeMap::new();
     rt.block_on(async {
@@ -415,23 +416,8 @@ fn hami_mode_on_a_mig_gpu_makes_an_instance_per_container_and_destroys_it_with_t
         pods: vec![pod("ml", "infer", "uid-infer", "100", &format!("{g1},NVIDIA,15000,0:;"), &["main"], &[])],
         rv: 10,
     }));
-    let api = serve(cluster.clone());
-    let kdir = s.state.join("kubelet");
-    std::fs::create_dir_all(&kdir).unwrap();
-    let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "compat = \"hami\"\nregister_interval_s = 1\n").unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
-    let a = Agent::start(
-        &s,
-        &[
-            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
-            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
-            ("VGPU_AGENT_KUBE_API", &api),
-            ("NODE_NAME", "node1"),
-        ],
-    );
+    let Harness { kdir, rt, mut rx, _kubelet, a } =
+        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
     // MIG on for the H100, no layout: instances are made per request.
     let mig = s.state.join("mig.yaml");
     std::fs::write(&mig, "version: v1\nmig-configs:\n  dynamic:\n    - devices: [1]\n      mig-enabled: true\n")
