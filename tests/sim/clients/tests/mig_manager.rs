@@ -269,12 +269,19 @@ fn mig_manager_on_the_simulated_node() {
     assert!(e.0.contains("at most 1"), "{e}");
     assert_eq!(apply::check(&b, 0, &desired(&f, "all-balanced", &b, 0)).unwrap(), Vec::<String>::new(), "untouched");
 
-    // Dynamic mode on the H200 (its layout is released first): requests, not profile names.
+    // Dynamic mode on the H200: its layout is destroyed, then MIG mode alone is recorded (a config
+    // with no devices), and instances are made per request.
+    for i in b.gpu(3).unwrap().instances {
+        b.destroy(3, i.gi).unwrap();
+    }
     apply::apply_gpu(&b, &store, 3, &Desired { mig_enabled: true, devices: Default::default() }, false).unwrap();
     let req = |mib, media| vgpu_mig::planner::Request { memory_mib: mib, compute: 0, sms: 0, media };
     let a = apply::allocate(&b, 3, &req(16 << 10, false)).unwrap();
     assert!(a.profile.starts_with("1g."), "the smallest fitting profile: {a:?}");
     assert!(a.uuid.as_deref().is_some_and(|u| u.starts_with("MIG-")), "{a:?}");
+    // Recording the mode alone keeps dynamic instances through a reconcile.
+    apply::reconcile(&b, &store);
+    assert_eq!(b.gpu(3).unwrap().instances.len(), 1, "the dynamic instance survives");
     let m = apply::allocate(&b, 3, &req(1 << 10, true)).unwrap();
     assert!(m.profile.ends_with("+me"), "{m:?}");
     assert!(apply::allocate(&b, 3, &req(1 << 30, false)).unwrap_err().0.contains("no MIG profile"));
