@@ -38,17 +38,30 @@ fn owner(s: &pb::SliceStatus) -> [(&'static str, String); 4] {
 pub fn render(agent: &Agent) -> String {
     let st = agent.status();
     let mut o = Out(String::with_capacity(16 * 1024));
-    let per_gpu = |o: &mut Out, name: &str, f: &dyn Fn(&pb::GpuStatus) -> f64| {
+    // One metric: its HELP/TYPE head, then a sample per GPU (or per slice and GPU).
+    let per_gpu = |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::GpuStatus) -> f64| {
+        o.head(name, kind, help);
         for g in &st.gpus {
             o.put(name, &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())], f(g));
         }
     };
     // --- HAMi node-monitor names ---
-    o.head("hami_host_gpu_memory_used_bytes", "gauge", "Device memory in use on the GPU (all processes).");
-    per_gpu(&mut o, "hami_host_gpu_memory_used_bytes", &|g| g.memory_used as f64);
-    o.head("hami_host_gpu_utilization_ratio", "gauge", "GPU utilisation over NVML's last sample period (0..1).");
-    per_gpu(&mut o, "hami_host_gpu_utilization_ratio", &|g| g.utilization as f64 / 100.0);
-    let per_slice_gpu = |o: &mut Out, name: &str, f: &dyn Fn(&pb::SliceGpuStatus) -> f64| {
+    per_gpu(
+        &mut o,
+        "hami_host_gpu_memory_used_bytes",
+        "gauge",
+        "Device memory in use on the GPU (all processes).",
+        &|g| g.memory_used as f64,
+    );
+    per_gpu(
+        &mut o,
+        "hami_host_gpu_utilization_ratio",
+        "gauge",
+        "GPU utilisation over NVML's last sample period (0..1).",
+        &|g| g.utilization as f64 / 100.0,
+    );
+    let per_slice_gpu = |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::SliceGpuStatus) -> f64| {
+        o.head(name, kind, help);
         for s in &st.slices {
             let ow = owner(s);
             for (i, g) in s.gpus.iter().enumerate() {
@@ -60,20 +73,27 @@ pub fn render(agent: &Agent) -> String {
             }
         }
     };
-    o.head(
+    per_slice_gpu(
+        &mut o,
         "hami_vgpu_memory_used_bytes",
         "gauge",
         "Device memory a container's processes hold, as its interposers account it.",
+        &|g| g.memory_used as f64,
     );
-    per_slice_gpu(&mut o, "hami_vgpu_memory_used_bytes", &|g| g.memory_used as f64);
-    o.head("hami_vgpu_memory_limit_bytes", "gauge", "A container's device memory limit (0: none).");
-    per_slice_gpu(&mut o, "hami_vgpu_memory_limit_bytes", &|g| g.memory_limit as f64);
-    o.head(
+    per_slice_gpu(
+        &mut o,
+        "hami_vgpu_memory_limit_bytes",
+        "gauge",
+        "A container's device memory limit (0: none).",
+        &|g| g.memory_limit as f64,
+    );
+    per_slice_gpu(
+        &mut o,
         "hami_container_device_utilization_ratio",
         "gauge",
         "Share of the GPU's time a container used in the last pass (0..1).",
+        &|g| g.sm_used as f64 / 100.0,
     );
-    per_slice_gpu(&mut o, "hami_container_device_utilization_ratio", &|g| g.sm_used as f64 / 100.0);
     o.head("hami_mig_device_info", "gauge", "MIG instances (value 1).");
     for g in &st.gpus {
         for m in g.mig.iter().flat_map(|m| &m.instances) {
@@ -91,34 +111,62 @@ pub fn render(agent: &Agent) -> String {
         }
     }
     // --- vgpu's own ---
-    o.head("vgpu_gpu_healthy", "gauge", "1 when the GPU is healthy (no recent critical XID, NVML answers).");
-    per_gpu(&mut o, "vgpu_gpu_healthy", &|g| g.healthy as u8 as f64);
-    o.head("vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.");
-    per_gpu(&mut o, "vgpu_gpu_memory_total_bytes", &|g| g.memory_total as f64);
-    o.head("vgpu_slice_memory_measured_bytes", "gauge", "Device memory of a slice's processes as NVML measures it.");
-    per_slice_gpu(&mut o, "vgpu_slice_memory_measured_bytes", &|g| g.memory_measured as f64);
-    o.head(
+    per_gpu(
+        &mut o,
+        "vgpu_gpu_healthy",
+        "gauge",
+        "1 when the GPU is healthy (no recent critical XID, NVML answers).",
+        &|g| g.healthy as u8 as f64,
+    );
+    per_gpu(&mut o, "vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.", &|g| g.memory_total as f64);
+    per_slice_gpu(
+        &mut o,
+        "vgpu_slice_memory_measured_bytes",
+        "gauge",
+        "Device memory of a slice's processes as NVML measures it.",
+        &|g| g.memory_measured as f64,
+    );
+    per_slice_gpu(
+        &mut o,
         "vgpu_slice_memory_drift_bytes",
         "gauge",
         "NVML-measured minus interposer-accounted memory (contexts, escapes).",
+        &|g| g.memory_measured as f64 - g.memory_used as f64,
     );
-    per_slice_gpu(&mut o, "vgpu_slice_memory_drift_bytes", &|g| g.memory_measured as f64 - g.memory_used as f64);
-    o.head("vgpu_slice_memory_peak_bytes", "gauge", "Highest accounted memory of a slice.");
-    per_slice_gpu(&mut o, "vgpu_slice_memory_peak_bytes", &|g| g.memory_peak as f64);
-    o.head("vgpu_slice_sm_limit_ratio", "gauge", "A slice's SM-time limit (0..1; 0: none).");
-    per_slice_gpu(&mut o, "vgpu_slice_sm_limit_ratio", &|g| g.sm_limit as f64 / 100.0);
-    o.head("vgpu_slice_throttled_seconds_total", "counter", "Time a slice's launches waited for SM budget.");
-    per_slice_gpu(&mut o, "vgpu_slice_throttled_seconds_total", &|g| g.throttled_ns as f64 / 1e9);
-    o.head("vgpu_slice_throttled_launches_total", "counter", "Launches of a slice that waited for SM budget.");
-    per_slice_gpu(&mut o, "vgpu_slice_throttled_launches_total", &|g| g.throttled_launches as f64);
-    o.head("vgpu_slice_oom_rejections_total", "counter", "Allocations refused because they would pass the limit.");
-    per_slice_gpu(&mut o, "vgpu_slice_oom_rejections_total", &|g| g.oom_rejections as f64);
-    o.head(
+    per_slice_gpu(&mut o, "vgpu_slice_memory_peak_bytes", "gauge", "Highest accounted memory of a slice.", &|g| {
+        g.memory_peak as f64
+    });
+    per_slice_gpu(&mut o, "vgpu_slice_sm_limit_ratio", "gauge", "A slice's SM-time limit (0..1; 0: none).", &|g| {
+        g.sm_limit as f64 / 100.0
+    });
+    per_slice_gpu(
+        &mut o,
+        "vgpu_slice_throttled_seconds_total",
+        "counter",
+        "Time a slice's launches waited for SM budget.",
+        &|g| g.throttled_ns as f64 / 1e9,
+    );
+    per_slice_gpu(
+        &mut o,
+        "vgpu_slice_throttled_launches_total",
+        "counter",
+        "Launches of a slice that waited for SM budget.",
+        &|g| g.throttled_launches as f64,
+    );
+    per_slice_gpu(
+        &mut o,
+        "vgpu_slice_oom_rejections_total",
+        "counter",
+        "Allocations refused because they would pass the limit.",
+        &|g| g.oom_rejections as f64,
+    );
+    per_slice_gpu(
+        &mut o,
         "vgpu_slice_sm_rate_correction_ratio",
         "gauge",
         "The agent's correction of the SM budget's refill rate (1: none).",
+        &|g| g.sm_rate_ppm as f64 / 1e6,
     );
-    per_slice_gpu(&mut o, "vgpu_slice_sm_rate_correction_ratio", &|g| g.sm_rate_ppm as f64 / 1e6);
     o.head("vgpu_slice_processes", "gauge", "Live processes of a slice.");
     for s in &st.slices {
         let ow = owner(s);
