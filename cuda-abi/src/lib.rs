@@ -32,6 +32,7 @@ impl CUresult {
     pub const STREAM_CAPTURE_UNSUPPORTED: Self = Self(900);
     pub const STREAM_CAPTURE_INVALIDATED: Self = Self(901);
     pub const STREAM_CAPTURE_UNMATCHED: Self = Self(903);
+    pub const CAPTURED_EVENT: Self = Self(907);
     pub const UNKNOWN: Self = Self(999);
 
     pub fn is_ok(self) -> bool {
@@ -63,6 +64,9 @@ impl CUresult {
             801 => ("CUDA_ERROR_NOT_SUPPORTED", "operation not supported"),
             900 => ("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"),
             901 => ("CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"),
+            907 => {
+                ("CUDA_ERROR_CAPTURED_EVENT", "operation not permitted on an event last recorded in a capturing stream")
+            }
             903 => (
                 "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
                 "operation would make the legacy stream depend on a capturing blocking stream",

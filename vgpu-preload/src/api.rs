@@ -54,6 +54,15 @@ macro_rules! cuda_hooks {
             cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: u32, flags: u32) => sm::launch_cooperative_multi;
             cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => sm::graph_launch;
             cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch_ptsz;
+            // stream capture: launches into a graph being captured run nothing and are not charged
+            cuStreamBeginCapture(stream: CUstream) => capture::begin_v1;
+            cuStreamBeginCapture_ptsz(stream: CUstream) => capture::begin_v1_ptsz;
+            cuStreamBeginCapture_v2(stream: CUstream, mode: i32) => capture::begin;
+            cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: i32) => capture::begin_ptsz;
+            cuStreamBeginCaptureToGraph(stream: CUstream, graph: CUgraph, deps: *const c_void, data: *const c_void, n: usize, mode: i32) => capture::begin_to_graph;
+            cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: CUgraph, deps: *const c_void, data: *const c_void, n: usize, mode: i32) => capture::begin_to_graph_ptsz;
+            cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) => capture::end;
+            cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut CUgraph) => capture::end_ptsz;
         }
     };
 }
@@ -88,6 +97,7 @@ macro_rules! cuda_helpers {
             cuEventRecord(e: CUevent, stream: CUstream);
             cuEventQuery(e: CUevent);
             cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
+            cuStreamIsCapturing(stream: CUstream, status: *mut i32);
         }
     };
 }

@@ -10,6 +10,7 @@
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
 mod api;
+mod capture;
 mod config;
 mod dl;
 mod guard;

@@ -5,6 +5,7 @@
 //! blocking, and the budget is corrected by the difference.
 #![allow(clippy::missing_safety_doc, clippy::too_many_arguments)]
 
+use crate::capture::{self, ptsz};
 use crate::config::CorePolicy;
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
@@ -148,18 +149,23 @@ fn spare(events: [CUevent; 2]) {
 fn collect(st: &State) {
     let h = &driver().helpers;
     let (Some(query), Some(elapsed)) = (h.cuEventQuery, h.cuEventElapsedTime) else { return };
+    if capture::any_open() {
+        return;
+    }
     let Ok(mut p) = PENDING.try_lock() else { return };
     let mut i = 0;
     while i < p.len() {
         let s = &p[i];
         // SAFETY: events we created and recorded.
-        if unsafe { query(s.end) } != CUresult::SUCCESS {
+        let q = unsafe { query(s.end) };
+        if q == CUresult::NOT_READY {
             i += 1;
             continue;
         }
         let mut ms = 0f32;
-        // SAFETY: as above; both recorded on the same stream.
-        let ok = unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
+        // SAFETY: as above; both recorded on the same stream. Any other answer than success (an
+        // event that cannot be timed) drops the measurement; the launch keeps its charge.
+        let ok = q == CUresult::SUCCESS && unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
         let s = p.swap_remove(i);
         PENDING_N.fetch_sub(1, Relaxed);
         if ok {
@@ -209,9 +215,14 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     let st = state();
     let Ok(dev) = st.launch_dev() else { return launch() };
     let (Some(pct), Some(region)) = (applies(st, dev), st.region.as_ref()) else { return launch() };
+    if capture::capturing(stream) {
+        return launch(); // becomes a graph node; charged when the graph is launched
+    }
+    // While any capture is open, no timing events are recorded or queried (see `capture`).
+    let open = capture::any_open();
     let (est, n) = estimates().get(key);
     let every = if n < EARLY_LAUNCHES { SAMPLE_EVERY_EARLY } else { SAMPLE_EVERY };
-    let sample = est == 0 || n % every == 0;
+    let sample = !open && (est == 0 || n % every == 0);
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
     if !region.sm_try_charge(dev, cost) {
         // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
@@ -236,7 +247,7 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
         }
         res
     };
-    if (sample || n % SAMPLE_EVERY_EARLY == SAMPLE_EVERY_EARLY / 2) && PENDING_N.load(Relaxed) > 0 {
+    if !open && (sample || n % SAMPLE_EVERY_EARLY == SAMPLE_EVERY_EARLY / 2) && PENDING_N.load(Relaxed) > 0 {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| collect(st)));
     }
     res
@@ -289,15 +300,6 @@ fn measure(
         }
     }
     res
-}
-
-/// The per-thread default stream, for entry points of the `_ptsz` family.
-fn ptsz(s: CUstream) -> CUstream {
-    if s.is_null() {
-        CU_STREAM_PER_THREAD as CUstream
-    } else {
-        s
-    }
 }
 
 pub unsafe fn launch_kernel(

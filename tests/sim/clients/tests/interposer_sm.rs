@@ -68,3 +68,36 @@ fn a_lowered_limit_takes_effect_and_policy_disable_lifts_it() {
     let o = h.run(&one(c, 2.5), 1);
     assert!(o.overall[0][0] > 0.6, "policy disable: unlimited ({:.2})", o.overall[0][0]);
 }
+
+/// Launches captured into a graph run nothing and must not be charged (nor bracketed by timing
+/// events, which the driver refuses to query once recorded into a capture): capturing 400 launches
+/// of a 1 ms kernel under a 10 % limit waits for nothing, and the graph's replays are charged and
+/// limited like any launch.
+#[test]
+fn captured_launches_are_not_charged_and_replays_are() {
+    let s = Sim::new(None);
+    let env = [("CUDA_DEVICE_SM_LIMIT", "10")];
+    let o = s
+        .limited(DIRECT, &env)
+        .args(["launch", "--path", "capture", "--nodes", "400", "--kernel", "sleep_1ms", "--count", "1"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let launched = lines(&o.stdout).into_iter().find(|v| v["event"] == "launched").unwrap();
+    assert_eq!(launched["kernels"], 400);
+    let r = vgpu_region::Region::open(&s.region_path(), false).unwrap();
+    let d = &r.layout().devices[0];
+    let waited = d.sm_throttled_ns.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(waited, 0, "the capture was throttled for {} ms", waited / 1_000_000);
+
+    // Replays: 100 launches of a 1 ms graph (100 x 10 us) at 10 % wait for the budget (the first
+    // ones are admitted on the bounded burst).
+    let o = s
+        .limited(DIRECT, &env)
+        .args(["launch", "--path", "capture", "--nodes", "100", "--kernel", "sleep_10us", "--count", "100"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let waited = d.sm_throttled_ns.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(waited > 0, "graph replays were not limited");
+}

@@ -182,9 +182,12 @@ pub fn ctx_sync() -> R<()> {
 #[repr(C)]
 pub struct Event {
     magic: AtomicU64,
-    /// Simulated completion time; 0 = never recorded.
+    /// Simulated completion time; 0 = never recorded; `CAPTURED`: last recorded into a capture.
     ts: AtomicU64,
 }
+
+/// `Event::ts` of an event last recorded in a capturing stream: it cannot be queried or timed.
+const CAPTURED: u64 = u64::MAX;
 
 pub fn event_create() -> R<CUevent> {
     current()?;
@@ -199,7 +202,8 @@ pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
     let e: &Event = obj(h, EVENT_MAGIC)?;
     let (c, s) = stream(st)?;
     if !s.capture.load(Acquire).is_null() {
-        return Ok(()); // an event node in the captured graph: nothing to time
+        e.ts.store(CAPTURED, Release); // an event node in the captured graph: nothing to time
+        return Ok(());
     }
     e.ts.store(completion(c, s).max(now_ns()).max(1), Release);
     Ok(())
@@ -207,7 +211,11 @@ pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
 
 pub fn event_query(h: CUevent) -> R<()> {
     let e: &Event = obj(h, EVENT_MAGIC)?;
-    if now_ns() >= e.ts.load(Acquire) {
+    let ts = e.ts.load(Acquire);
+    if ts == CAPTURED {
+        return Err(CUresult::CAPTURED_EVENT);
+    }
+    if now_ns() >= ts {
         Ok(())
     } else {
         Err(CUresult::NOT_READY)
@@ -217,7 +225,11 @@ pub fn event_query(h: CUevent) -> R<()> {
 pub fn event_sync(h: CUevent) -> R<()> {
     let e: &Event = obj(h, EVENT_MAGIC)?;
     let c = current()?;
-    wait(c, e.ts.load(Acquire));
+    let ts = e.ts.load(Acquire);
+    if ts == CAPTURED {
+        return Err(CUresult::CAPTURED_EVENT);
+    }
+    wait(c, ts);
     Ok(())
 }
 
@@ -225,6 +237,9 @@ pub fn event_elapsed(a: CUevent, b: CUevent) -> R<f32> {
     let a: &Event = obj(a, EVENT_MAGIC)?;
     let b: &Event = obj(b, EVENT_MAGIC)?;
     let (ta, tb) = (a.ts.load(Acquire), b.ts.load(Acquire));
+    if ta == CAPTURED || tb == CAPTURED {
+        return Err(CUresult::CAPTURED_EVENT);
+    }
     if ta == 0 || tb == 0 {
         return Err(CUresult::INVALID_HANDLE);
     }
