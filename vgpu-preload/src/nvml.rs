@@ -53,7 +53,19 @@ fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
     }
     // SAFETY: NVML wrote a NUL-terminated string.
     let uuid = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().ok()?;
-    let d = r.find_device(uuid)?;
+    let d = match r.find_device(uuid) {
+        Some(d) => d,
+        // Not used through CUDA in this container yet (nvidia-smi before any CUDA process, or a
+        // process that only uses NVML): bound like CUDA would bind it.
+        None => {
+            let mut index = 0u32;
+            // SAFETY: out-pointer to a local.
+            if unsafe { nvml().nvmlDeviceGetIndex?(dev, &mut index) } != NVML_SUCCESS {
+                return None;
+            }
+            st.bind_nvml(index as usize, uuid)?
+        }
+    };
     let limit = st.mem_limit(d);
     (limit != 0).then_some((d, limit))
 }

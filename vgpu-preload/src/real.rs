@@ -105,11 +105,13 @@ macro_rules! define_real_nvml {
             use super::*;
             $(pub type $name = unsafe extern "C" fn($($t),*) -> NvmlReturn;)*
             pub type nvmlDeviceGetUUID = unsafe extern "C" fn(NvmlDevice, *mut c_char, u32) -> NvmlReturn;
+            pub type nvmlDeviceGetIndex = unsafe extern "C" fn(NvmlDevice, *mut u32) -> NvmlReturn;
         }
         #[allow(non_snake_case)]
         pub struct Nvml {
             $(pub $name: Option<nvml_fns::$name>,)*
             pub nvmlDeviceGetUUID: Option<nvml_fns::nvmlDeviceGetUUID>,
+            pub nvmlDeviceGetIndex: Option<nvml_fns::nvmlDeviceGetIndex>,
         }
         impl Nvml {
             fn load(h: *mut c_void) -> Nvml {
@@ -123,6 +125,11 @@ macro_rules! define_real_nvml {
                         let p = sym(h, "nvmlDeviceGetUUID\0");
                         // SAFETY: as above.
                         (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, nvml_fns::nvmlDeviceGetUUID>(p) })
+                    },
+                    nvmlDeviceGetIndex: {
+                        let p = sym(h, "nvmlDeviceGetIndex\0");
+                        // SAFETY: as above.
+                        (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, nvml_fns::nvmlDeviceGetIndex>(p) })
                     },
                 }
             }

@@ -269,6 +269,30 @@ impl State {
         Ok(d)
     }
 
+    /// Binds the device NVML lists at `index` (the container's own enumeration) to the region, with
+    /// the container index CUDA would give it: its position in a `CUDA_VISIBLE_DEVICES` of UUIDs, the
+    /// index itself for one of numbers or none. None when CUDA would not see the device.
+    #[cold]
+    pub fn bind_nvml(&self, index: usize, uuid: &str) -> Option<usize> {
+        let r = self.region.as_ref()?;
+        let idx = match std::env::var("CUDA_VISIBLE_DEVICES") {
+            Ok(v) => {
+                let items: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+                if items.iter().all(|s| s.parse::<usize>().is_ok()) {
+                    items.iter().any(|s| s.parse::<usize>() == Ok(index)).then_some(index)?
+                } else {
+                    items.iter().position(|s| uuid == *s || (s.starts_with("GPU-") && uuid.starts_with(s)))?
+                }
+            }
+            Err(_) => index,
+        };
+        let mem = self.cfg.mem_limit.get(idx).copied().unwrap_or(0);
+        let sm = self.cfg.sm_limit.get(idx).copied().unwrap_or(0);
+        let d = r.bind_device(idx, uuid, mem, sm)?;
+        vlog!(INFO, "NVML device {index} ({uuid}) is container device {d}, limit {} bytes", self.mem_limit(d));
+        Some(d)
+    }
+
     pub fn phys_total(&self, dev: usize) -> u64 {
         self.phys_total[dev].load(Acquire)
     }

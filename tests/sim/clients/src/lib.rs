@@ -26,7 +26,7 @@ pub struct Binding {
     pub per_thread: bool,
 }
 
-fn dlopen_cuda() -> Result<*mut c_void, String> {
+pub fn dlopen_cuda() -> Result<*mut c_void, String> {
     let name = std::env::var("VGPU_CLIENT_LIBCUDA").unwrap_or_else(|_| "libcuda.so.1".into());
     let c = CString::new(name.clone()).map_err(|e| e.to_string())?;
     // SAFETY: dlopen with a valid C string; failure is reported through dlerror.

@@ -182,6 +182,34 @@ fn the_container_sees_its_slice_in_cuda_and_nvml() {
     s.kill(outside);
 }
 
+/// `nvidia-smi` run before any CUDA process of the container (standalone mode: the region is new and
+/// knows no device yet) shows the limit too, for the devices CUDA would see, with the container
+/// indices CUDA would give them.
+#[test]
+fn nvml_before_any_cuda_process_shows_the_limit() {
+    let s = Sim::new(Some(NODE));
+    let lib = s.libs.join("libnvidia-ml.so.1");
+    let probe = |c: &mut Command| -> Value {
+        let o = out(c, &["--lib", lib.to_str().unwrap(), "snapshot"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let totals = |n: &Value| -> Vec<u64> {
+        n["gpus"].as_array().unwrap().iter().map(|g| g["memory"]["total"].as_u64().unwrap()).collect()
+    };
+    let n = probe(&mut s.limited(NVML, &[("CUDA_DEVICE_MEMORY_LIMIT", "2g")]));
+    assert_eq!(totals(&n), vec![2048 * MIB, 2048 * MIB]);
+    // CUDA_VISIBLE_DEVICES=1: only device 1 is the container's, as container index 1 (numbers keep
+    // their index, like `CUDA_DEVICE_MEMORY_LIMIT_1`); a CUDA process later agrees.
+    std::fs::remove_file(s.region_path()).unwrap();
+    let env = [("CUDA_VISIBLE_DEVICES", "1"), ("CUDA_DEVICE_MEMORY_LIMIT_1", "3g")];
+    let n = probe(&mut s.limited(NVML, &env));
+    assert_eq!(totals(&n), vec![8192 * MIB, 3072 * MIB]);
+    let v = json1(&out(&mut s.limited(DLSYM, &env), &["info"]));
+    assert_eq!(v["devices"][0]["total_mem"], 3072 * MIB);
+    assert_eq!(region(&s).find_device(n["gpus"][1]["uuid"].as_str().unwrap()), Some(1));
+}
+
 #[test]
 fn processes_share_one_quota_and_dead_ones_give_it_back() {
     let mut s = Sim::new(Some(NODE));

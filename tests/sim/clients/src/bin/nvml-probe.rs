@@ -8,6 +8,9 @@
 //!   (registers for XID events, prints {"event":"registered"}, then the first event or a timeout)
 //!   Each OP prints {"op", "ret"(NVML code), ...}; MIG calls that nvml-wrapper lacks go through its
 //!   raw function table.
+//!        nvml-probe [--lib PATH] util --gpu I [--seconds S] [--interval-ms M]
+//!   (samples the GPU's utilization for S seconds; prints the mean and the mean SM utilization of
+//!   each process seen)
 use nvml_wrapper::bitmasks::InitFlags;
 use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings::*;
@@ -46,7 +49,8 @@ fn main() {
             }
         }
         Some("events") => events(&nvml, &args),
-        _ => die("usage: nvml-probe [--lib PATH] snapshot | mig --gpu I OP... | events --gpu I [--timeout-ms T]"),
+        Some("util") => println!("{}", util(&nvml, &args)),
+        _ => die("usage: nvml-probe [--lib PATH] snapshot | mig --gpu I OP... | events --gpu I [--timeout-ms T] | util --gpu I [--seconds S] [--interval-ms M]"),
     }
 }
 
@@ -273,4 +277,44 @@ fn events(nvml: &Nvml, args: &[String]) {
         }
         Err(e) => println!("{}", json!({"event": "error", "error": e.to_string()})),
     }
+}
+
+fn arg(args: &[String], name: &str, default: f64) -> f64 {
+    match args.iter().position(|a| a == name) {
+        None => default,
+        Some(i) => {
+            args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or_else(|| die(&format!("{name} needs a number")))
+        }
+    }
+}
+
+/// Mean utilization over a window, sampled every interval: the GPU's (`nvmlDeviceGetUtilizationRates`)
+/// and each process's SM share (`nvmlDeviceGetProcessUtilization`, samples newer than the last read).
+fn util(nvml: &Nvml, args: &[String]) -> Value {
+    let g = arg(args, "--gpu", 0.0) as u32;
+    let seconds = arg(args, "--seconds", 3.0);
+    let interval = std::time::Duration::from_millis(arg(args, "--interval-ms", 100.0) as u64);
+    let d = nvml.device_by_index(g).unwrap_or_else(|e| die(&format!("device {g}: {e}")));
+    let end = std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds);
+    let (mut sum, mut n) = (0f64, 0u32);
+    let mut per: std::collections::BTreeMap<u32, (f64, u32)> = Default::default();
+    let mut last_seen = None;
+    while std::time::Instant::now() < end {
+        std::thread::sleep(interval);
+        if let Ok(u) = d.utilization_rates() {
+            sum += u.gpu as f64;
+            n += 1;
+        }
+        if let Ok(ps) = d.process_utilization_stats(last_seen) {
+            for p in &ps {
+                let e = per.entry(p.pid).or_default();
+                e.0 += p.sm_util as f64;
+                e.1 += 1;
+                last_seen = Some(last_seen.unwrap_or(0).max(p.timestamp));
+            }
+        }
+    }
+    let procs: Vec<Value> =
+        per.into_iter().map(|(pid, (s, k))| json!({"pid": pid, "sm": s / k as f64, "samples": k})).collect();
+    json!({"gpu": g, "samples": n, "mean_gpu": if n > 0 { sum / n as f64 } else { -1.0 }, "processes": procs})
 }

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""PyTorch workloads of the real-GPU suite (tests/gpu/suite.py runs each in its own process, with or
+without libvgpu.so preloaded). Usage: torch_worker.py TASK [JSON-ARGS]
+
+Prints JSON objects, one per line; the last one is the result. Tasks that are timed print
+{"event": "ready"} once warmed up and wait for a line on stdin ("go") before their timed part, so
+that several workers and the NVML sampler share one window. Errors print {"error": ...} and exit 1.
+"""
+import json
+import sys
+import time
+import traceback
+
+
+def emit(obj):
+    print(json.dumps(obj), flush=True)
+
+
+def ready_then_wait():
+    emit({"event": "ready"})
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit("stdin closed before go")
+
+
+def smoke(torch, a):
+    x = torch.ones(1024, device="cuda")
+    return {
+        "sum": float(x.sum().item()),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0),
+    }
+
+
+def meminfo(torch, a):
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    props = torch.cuda.get_device_properties(0)
+    return {"free": free, "total": total, "total_memory": props.total_memory, "name": props.name}
+
+
+def oom(torch, a):
+    chunk = int(a.get("chunk", 512 << 20))
+    torch.ones(1, device="cuda")
+    base_free, total = torch.cuda.mem_get_info()
+    held, error, message = [], None, ""
+    while len(held) < 100000:
+        try:
+            held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError as e:
+            error, message = type(e).__name__, str(e).splitlines()[0][:200]
+            break
+    # The suite measures the process's real usage (NVML, outside the interposer) at this point.
+    emit({"event": "at-oom", "chunks": len(held)})
+    if a.get("pause"):
+        sys.stdin.readline()
+    small_ok = True
+    try:
+        s = torch.empty(64 << 20, dtype=torch.uint8, device="cuda") if len(held) > 0 else None
+        del s
+    except torch.OutOfMemoryError:
+        small_ok = False
+    # After freeing one chunk, the same request fits again.
+    refit = None
+    if held:
+        held.pop()
+        torch.cuda.empty_cache()
+        try:
+            held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+            refit = True
+        except torch.OutOfMemoryError:
+            refit = False
+    n = len(held)
+    held.clear()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    after_free, _ = torch.cuda.mem_get_info()
+    return {
+        "chunk": chunk,
+        "chunks": n,
+        "allocated": n * chunk,
+        "error": error,
+        "message": message,
+        "small_after_oom": small_ok,
+        "refit_after_free": refit,
+        "base_free": base_free,
+        "after_free": after_free,
+        "total": total,
+    }
+
+
+def train(torch, a):
+    torch.manual_seed(0)
+    n = int(a.get("n", 4096))
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    got = (x @ y).float()
+    ref = x.float() @ y.float()
+    rel = float((got - ref).norm() / ref.norm())
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inp = torch.randn(256, 1024, device="cuda")
+    target = torch.randn(256, 1024, device="cuda")
+    losses = []
+    for _ in range(30):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(inp), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "matmul_rel_err": rel,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "max_reserved": torch.cuda.max_memory_reserved(),
+        "free": free,
+        "total": total,
+    }
+
+
+def _timed(torch, seconds, step):
+    """Runs step() repeatedly for `seconds`, synchronising every few calls; returns calls/s."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    n = 0
+    while time.perf_counter() < end:
+        for _ in range(4):
+            step()
+        n += 4
+        torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def matmul(torch, a):
+    n = int(a.get("n", 8192))
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        torch.matmul(x, y, out=out)
+
+    _timed(torch, float(a.get("warmup", 1.0)), step)
+    ready_then_wait()
+    rate = _timed(torch, float(a.get("seconds", 5.0)), step)
+    return {"per_s": rate, "n": n, "tflops": rate * 2 * n**3 / 1e12}
+
+
+def graph(torch, a):
+    n = int(a.get("n", 4096))
+    depth = int(a.get("depth", 8))
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / n**0.5
+    w = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / n**0.5
+
+    def body(inp):
+        h = inp
+        for _ in range(depth):
+            h = torch.tanh(h @ w)
+        return h
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body(x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = body(x)
+    g.replay()
+    torch.cuda.synchronize()
+    eager = body(x)
+    match = bool(torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-2))
+    _timed(torch, float(a.get("warmup", 1.0)), g.replay)
+    ready_then_wait()
+    rate = _timed(torch, float(a.get("seconds", 5.0)), g.replay)
+    return {"replays_per_s": rate, "match": match, "kernels_per_replay": 2 * depth}
+
+
+def launch(torch, a):
+    x = torch.zeros(1, device="cuda")
+    for _ in range(1000):
+        x.add_(1)
+    torch.cuda.synchronize()
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(int(a.get("ops", 4000))):
+            x.add_(1)
+        torch.cuda.synchronize()
+        best = max(best, int(a.get("ops", 4000)) / (time.perf_counter() - t0))
+    return {"ops_per_s": best}
+
+
+def hold(torch, a):
+    t = torch.empty(int(a["bytes"]), dtype=torch.uint8, device="cuda")
+    t.fill_(1)
+    torch.cuda.synchronize()
+    emit({"event": "holding", "bytes": t.numel()})
+    sys.stdin.readline()
+    return {"held": t.numel()}
+
+
+TASKS = {
+    "smoke": smoke,
+    "meminfo": meminfo,
+    "oom": oom,
+    "train": train,
+    "matmul": matmul,
+    "graph": graph,
+    "launch": launch,
+    "hold": hold,
+}
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] not in TASKS:
+        print("usage: torch_worker.py {%s} [JSON-ARGS]" % "|".join(TASKS), file=sys.stderr)
+        return 2
+    args = json.loads(argv[2]) if len(argv) > 2 else {}
+    try:
+        import torch
+
+        emit(TASKS[argv[1]](torch, args))
+        return 0
+    except SystemExit:
+        raise
+    except BaseException as e:  # report anything, including CUDA errors, as the result
+        emit({"error": "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")})
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,288 @@
+//! The driver-API helper of the real-GPU suite (`tests/gpu/run.sh`): small, timed uses of the CUDA
+//! driver through `dlopen("libcuda.so.1")` + `dlsym`, the same on a real GPU and on the simulated one.
+//! Its one kernel is PTX (JIT-compiled by any driver): `param_ns(u64 ns)` spins on the GPU's global
+//! timer for `ns` nanoseconds, which is also what the simulator's kernel of that name does.
+//!
+//! usage: gpu-probe info
+//!        gpu-probe latency [--launches N] [--allocs N] [--size BYTES]
+//!        gpu-probe alloc --size BYTES            (allocates, frees, reports)
+//!        gpu-probe hold --size BYTES             (allocates, reports, sleeps until killed)
+//!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S]
+//! Each prints one JSON object; exit 1 on a driver error, 2 on bad usage.
+use serde_json::{json, Value};
+use std::ffi::{c_char, c_void, CStr};
+use std::time::{Duration, Instant};
+use vgpu_sim_clients::abi::*;
+
+const PTX: &str = "
+.version 6.4
+.target sm_60
+.address_size 64
+.visible .entry param_ns(.param .u64 ns)
+{
+    .reg .pred %p;
+    .reg .b64 %r<4>;
+    ld.param.u64 %r0, [ns];
+    mov.u64 %r1, %globaltimer;
+    add.u64 %r2, %r1, %r0;
+SPIN:
+    mov.u64 %r3, %globaltimer;
+    setp.lt.u64 %p, %r3, %r2;
+    @%p bra SPIN;
+    ret;
+}
+\0";
+
+macro_rules! table {
+    ($($name:ident : fn($($t:ty),*);)*) => {
+        #[allow(non_snake_case)]
+        struct Cuda { $($name: unsafe extern "C" fn($($t),*) -> CUresult,)* }
+        fn bind() -> Result<Cuda, String> {
+            let h = vgpu_sim_clients::dlopen_cuda()?;
+            Ok(Cuda { $($name: {
+                // SAFETY: a live dlopen handle and a NUL-terminated name.
+                let p = unsafe { libc::dlsym(h, concat!(stringify!($name), "\0").as_ptr() as *const c_char) };
+                if p.is_null() { return Err(format!("libcuda.so.1 has no {}", stringify!($name))); }
+                // SAFETY: the driver's symbol of this name has this signature (cuda.h).
+                unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($t),*) -> CUresult>(p) }
+            },)* })
+        }
+    };
+}
+
+table! {
+    cuInit: fn(u32);
+    cuGetErrorName: fn(CUresult, *mut *const c_char);
+    cuDriverGetVersion: fn(*mut i32);
+    cuDeviceGet: fn(*mut CUdevice, i32);
+    cuDeviceGetName: fn(*mut c_char, i32, CUdevice);
+    cuDeviceTotalMem_v2: fn(*mut usize, CUdevice);
+    cuDevicePrimaryCtxRetain: fn(*mut CUcontext, CUdevice);
+    cuCtxSetCurrent: fn(CUcontext);
+    cuCtxSynchronize: fn();
+    cuMemGetInfo_v2: fn(*mut usize, *mut usize);
+    cuMemAlloc_v2: fn(*mut CUdeviceptr, usize);
+    cuMemFree_v2: fn(CUdeviceptr);
+    cuModuleLoadData: fn(*mut CUmodule, *const c_void);
+    cuModuleGetFunction: fn(*mut CUfunction, CUmodule, *const c_char);
+    cuLaunchKernel: fn(CUfunction, u32, u32, u32, u32, u32, u32, u32, CUstream, *mut *mut c_void, *mut *mut c_void);
+}
+
+struct Probe {
+    cu: Cuda,
+}
+
+impl Probe {
+    fn name(&self, r: CUresult) -> String {
+        let mut s: *const c_char = std::ptr::null();
+        // SAFETY: out-pointer to a local; the driver returns a static string or NULL.
+        unsafe {
+            if (self.cu.cuGetErrorName)(r, &mut s) == CUresult::SUCCESS && !s.is_null() {
+                return CStr::from_ptr(s).to_string_lossy().into_owned();
+            }
+        }
+        format!("CUresult({})", r.0)
+    }
+
+    fn ck(&self, r: CUresult, what: &str) -> Result<(), String> {
+        if r == CUresult::SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("{what}: {}", self.name(r)))
+        }
+    }
+
+    /// cuInit, device 0, its primary context made current.
+    fn open() -> Result<(Probe, CUdevice), String> {
+        let p = Probe { cu: bind()? };
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals.
+        unsafe {
+            p.ck((p.cu.cuInit)(0), "cuInit")?;
+            p.ck((p.cu.cuDeviceGet)(&mut dev, 0), "cuDeviceGet")?;
+            p.ck((p.cu.cuDevicePrimaryCtxRetain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            p.ck((p.cu.cuCtxSetCurrent)(ctx), "cuCtxSetCurrent")?;
+        }
+        Ok((p, dev))
+    }
+
+    fn kernel(&self) -> Result<CUfunction, String> {
+        let (mut m, mut f) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: a NUL-terminated PTX image and name; out-pointers to locals.
+        unsafe {
+            self.ck((self.cu.cuModuleLoadData)(&mut m, PTX.as_ptr() as *const c_void), "cuModuleLoadData")?;
+            self.ck((self.cu.cuModuleGetFunction)(&mut f, m, c"param_ns".as_ptr()), "cuModuleGetFunction")?;
+        }
+        Ok(f)
+    }
+
+    fn launch(&self, f: CUfunction, ns: &mut u64) -> CUresult {
+        let mut arg = ns as *mut u64 as *mut c_void;
+        // SAFETY: one kernel parameter (a u64) that lives across the call; the driver copies it.
+        unsafe {
+            (self.cu.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, std::ptr::null_mut(), &mut arg, std::ptr::null_mut())
+        }
+    }
+
+    fn sync(&self) -> Result<(), String> {
+        // SAFETY: no arguments.
+        self.ck(unsafe { (self.cu.cuCtxSynchronize)() }, "cuCtxSynchronize")
+    }
+}
+
+fn opt(args: &[String], name: &str, default: f64) -> Result<f64, String> {
+    match args.iter().position(|a| a == name) {
+        None => Ok(default),
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|v| v.parse::<f64>().ok().or_else(|| vgpu_sim_clients::scenario::parse_size(v).map(|x| x as f64)))
+            .ok_or_else(|| format!("{name} needs a number")),
+    }
+}
+
+fn info() -> Result<Value, String> {
+    let (p, dev) = Probe::open()?;
+    let mut name = [0 as c_char; 128];
+    let (mut total_dev, mut free, mut total, mut ver) = (0usize, 0usize, 0usize, 0i32);
+    // SAFETY: out-pointers to locals; the name buffer holds 128 bytes.
+    unsafe {
+        p.ck((p.cu.cuDriverGetVersion)(&mut ver), "cuDriverGetVersion")?;
+        p.ck((p.cu.cuDeviceGetName)(name.as_mut_ptr(), 128, dev), "cuDeviceGetName")?;
+        p.ck((p.cu.cuDeviceTotalMem_v2)(&mut total_dev, dev), "cuDeviceTotalMem")?;
+        p.ck((p.cu.cuMemGetInfo_v2)(&mut free, &mut total), "cuMemGetInfo")?;
+    }
+    // SAFETY: the driver wrote a NUL-terminated name.
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
+    Ok(json!({"name": name, "driver_version": ver, "device_total": total_dev, "mem_total": total, "mem_free": free}))
+}
+
+/// Per-call CPU cost of launches and of alloc/free pairs: the best of 5 rounds (the least disturbed).
+fn latency(args: &[String]) -> Result<Value, String> {
+    let launches = opt(args, "--launches", 50_000.0)? as usize;
+    let allocs = opt(args, "--allocs", 5_000.0)? as usize;
+    let size = opt(args, "--size", (1 << 20) as f64)? as usize;
+    let (p, _) = Probe::open()?;
+    let f = p.kernel()?;
+    let mut ns = 0u64;
+    // Warm-up: first launches JIT and set things up.
+    for _ in 0..256 {
+        p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
+    }
+    p.sync()?;
+    let mut best_launch = f64::MAX;
+    for _ in 0..5 {
+        let mut spent = Duration::ZERO;
+        let mut done = 0;
+        while done < launches / 5 {
+            // Batches short enough that the launch queue never fills (a full queue blocks the call).
+            let t = Instant::now();
+            for _ in 0..128 {
+                p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
+            }
+            spent += t.elapsed();
+            done += 128;
+            p.sync()?;
+        }
+        best_launch = best_launch.min(spent.as_nanos() as f64 / done as f64);
+    }
+    let (mut best_alloc, mut best_free) = (f64::MAX, f64::MAX);
+    for _ in 0..5 {
+        let (mut ta, mut tf) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..(allocs / 5).max(1) {
+            let mut d = 0;
+            let t = Instant::now();
+            // SAFETY: out-pointer to a local; the pointer is freed right after.
+            let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, size) };
+            ta += t.elapsed();
+            p.ck(r, "cuMemAlloc")?;
+            let t = Instant::now();
+            // SAFETY: d was allocated just above.
+            let r = unsafe { (p.cu.cuMemFree_v2)(d) };
+            tf += t.elapsed();
+            p.ck(r, "cuMemFree")?;
+        }
+        let n = (allocs / 5).max(1) as f64;
+        if ta.as_nanos() as f64 / n + (tf.as_nanos() as f64 / n) < best_alloc + best_free {
+            best_alloc = ta.as_nanos() as f64 / n;
+            best_free = tf.as_nanos() as f64 / n;
+        }
+    }
+    Ok(json!({"launch_ns": best_launch, "alloc_ns": best_alloc, "free_ns": best_free, "alloc_size": size}))
+}
+
+fn alloc(args: &[String], hold: bool) -> Result<Value, String> {
+    let size = opt(args, "--size", -1.0)?;
+    if size <= 0.0 {
+        return Err("--size BYTES is required".into());
+    }
+    let (p, _) = Probe::open()?;
+    let mut d = 0;
+    // SAFETY: out-pointer to a local.
+    let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, size as usize) };
+    let v = json!({"size": size as u64, "ok": r == CUresult::SUCCESS,
+        "result": if r == CUresult::SUCCESS { "CUDA_SUCCESS".to_string() } else { p.name(r) }});
+    if hold && r == CUresult::SUCCESS {
+        println!("{v}");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    if r == CUresult::SUCCESS {
+        // SAFETY: allocated just above.
+        p.ck(unsafe { (p.cu.cuMemFree_v2)(d) }, "cuMemFree")?;
+    }
+    Ok(v)
+}
+
+/// Launches `ns`-long kernels for `seconds` (after `--start-at`, a UNIX time, if given) and reports
+/// how many completed: the achieved share of the GPU's time is kernels x ns / elapsed.
+fn spin(args: &[String]) -> Result<Value, String> {
+    let mut ns = opt(args, "--ns", 1_000_000.0)? as u64;
+    let seconds = opt(args, "--seconds", 3.0)?;
+    let start_at = opt(args, "--start-at", 0.0)?;
+    let (p, _) = Probe::open()?;
+    let f = p.kernel()?;
+    p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
+    p.sync()?;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    if start_at > now {
+        std::thread::sleep(Duration::from_secs_f64(start_at - now));
+    }
+    let t = Instant::now();
+    let end = t + Duration::from_secs_f64(seconds);
+    let mut kernels = 0u64;
+    while Instant::now() < end {
+        for _ in 0..4 {
+            p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
+        }
+        p.sync()?;
+        kernels += 4;
+    }
+    let elapsed = t.elapsed().as_secs_f64();
+    Ok(json!({"kernels": kernels, "kernel_ns": ns, "seconds": elapsed,
+        "per_s": kernels as f64 / elapsed, "busy": kernels as f64 * ns as f64 / 1e9 / elapsed}))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let r = match args.first().map(String::as_str) {
+        Some("info") => info(),
+        Some("latency") => latency(&args[1..]),
+        Some("alloc") => alloc(&args[1..], false),
+        Some("hold") => alloc(&args[1..], true),
+        Some("spin") => spin(&args[1..]),
+        _ => {
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | spin [--ns NS] [--seconds S] [--start-at T]");
+            std::process::exit(2);
+        }
+    };
+    match r {
+        Ok(v) => println!("{v}"),
+        Err(e) => {
+            println!("{}", json!({"error": e}));
+            eprintln!("gpu-probe: {e}");
+            std::process::exit(1);
+        }
+    }
+}

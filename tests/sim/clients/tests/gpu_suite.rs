@@ -1,0 +1,85 @@
+//! The real-GPU suite (tests/gpu/run.sh) run on the simulated GPU: its options, its report, and every
+//! check that has a driver-API form, with the helpers (gpu-probe, nvml-probe), libvgpu.so, the agent
+//! and vgpuctl as built. PyTorch is left out (--no-torch): those checks report "skip" here and only
+//! run on a machine with an NVIDIA GPU (docs/gpu-validation.md).
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn run_sh() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../gpu/run.sh")
+}
+
+fn suite(s: &Sim, args: &[&str]) -> Output {
+    let mut c: Command = s.cmd(run_sh().to_str().unwrap());
+    c.arg("--lib").arg(libvgpu()).arg("--bin-dir").arg(Path::new(RT).parent().unwrap()).args(args);
+    c.output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn options_are_checked_and_checks_listed() {
+    let s = Sim::new(None);
+    let o = suite(&s, &["--list"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let listed: Vec<String> =
+        String::from_utf8_lossy(&o.stdout).lines().map(|l| l.split_whitespace().next().unwrap().to_string()).collect();
+    for c in ["load", "mem-info", "oom", "train", "shared-quota", "nvml", "cuda-graph", "sm-30", "sm-60", "sm-25-75"] {
+        assert!(listed.iter().any(|l| l == c), "{c} not listed: {listed:?}");
+    }
+    for (args, want) in [
+        (vec!["--only", "nope"], "unknown check nope"),
+        (vec!["--limit", "lots"], "not a size"),
+        (vec!["--lib", "/nonexistent/libvgpu.so"], "no such library"),
+    ] {
+        let mut c = s.cmd(run_sh().to_str().unwrap());
+        if args[0] != "--lib" {
+            c.arg("--lib").arg(libvgpu());
+        }
+        let o = c.args(&args).arg("--bin-dir").arg(Path::new(RT).parent().unwrap()).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(text(&o).contains(want), "{args:?}: {}", text(&o));
+    }
+}
+
+#[test]
+fn the_suite_passes_on_the_simulated_gpu() {
+    let s = Sim::new(None);
+    let out = s.state.join("results");
+    let o = suite(&s, &["--no-torch", "--quick", "--out", out.to_str().unwrap()]);
+    let log = std::fs::read_to_string(out.join("log.txt")).unwrap_or_default();
+    let r: Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap())
+        .unwrap_or_else(|e| panic!("results.json: {e}\n{}", text(&o)));
+    let status = |name: &str| -> (String, Value) {
+        let c = r["checks"].as_array().unwrap().iter().find(|c| c["name"] == name).unwrap_or_else(|| panic!("{name}"));
+        (c["status"].as_str().unwrap().to_string(), c.clone())
+    };
+    for name in ["load", "mem-info", "oom", "shared-quota", "nvml", "sm-30", "sm-60", "agent"] {
+        let (st, c) = status(name);
+        assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
+    }
+    for name in ["train", "cuda-graph"] {
+        assert_eq!(status(name).0, "skip", "{name} needs PyTorch");
+    }
+    // Timed against each other on a shared machine: reported, not asserted (a debug build here).
+    let (_, c) = status("overhead");
+    assert!(c["values"]["launch_ratio"].as_f64().is_some_and(|x| x > 0.0), "{c}");
+    let (_, c) = status("sm-25-75");
+    assert!(c["values"]["a_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
+    // The report: one row per check, the environment first.
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("| check | result | measured |"), "{md}");
+    assert!(md.contains("- gpu: NVIDIA"), "{md}");
+    for c in r["checks"].as_array().unwrap() {
+        let row = format!("| {} | {} |", c["name"].as_str().unwrap(), c["status"].as_str().unwrap().to_uppercase());
+        assert!(md.contains(&row), "{row} missing:\n{md}");
+    }
+    let failed = r["checks"].as_array().unwrap().iter().any(|c| c["status"] == "fail");
+    assert_eq!(o.status.code(), Some(if failed { 1 } else { 0 }), "{}", text(&o));
+}
