@@ -58,6 +58,14 @@ pub struct Agent {
     rss: AtomicU64,
     /// Wakes the monitoring thread for a pass now (after a slice change).
     kick: (std::sync::Mutex<bool>, std::sync::Condvar),
+    /// Notified after every published pass and every drain change (the capacity reporter waits on it).
+    pub capacity_changed: tokio::sync::Notify,
+    /// GPUs the scheduler drained (by UUID), persisted in `<state_dir>/drained.json`.
+    pub drained: RwLock<std::collections::BTreeSet<String>>,
+    /// MIG profile tables by GPU UUID (they never change), read once from NVML.
+    pub mig_profiles: Mutex<std::collections::HashMap<String, Vec<vgpu_mig::model::Profile>>>,
+    /// The capacity reporter's connection state.
+    pub reporter: Arc<crate::report::ReporterState>,
 }
 
 fn hostname() -> String {
@@ -101,6 +109,7 @@ impl Agent {
         let slices = list.into_iter().map(|s| (s.name.clone(), s)).collect();
         let health = Arc::new(Health::new(std::time::Duration::from_secs(cfg.health_recovery_s)));
         let mig = Mutex::new(vgpu_mig::apply::Store::open(&cfg.state_dir.join("mig")).map_err(|e| e.0)?);
+        let cfg_state_dir = cfg.state_dir.clone();
         Ok(Agent {
             cfg,
             store,
@@ -121,6 +130,10 @@ impl Agent {
             nvml: std::sync::OnceLock::new(),
             kube: std::sync::OnceLock::new(),
             mig,
+            capacity_changed: tokio::sync::Notify::new(),
+            drained: RwLock::new(crate::capacity::load_drained(&cfg_state_dir)),
+            mig_profiles: Mutex::new(Default::default()),
+            reporter: Default::default(),
         })
     }
 
@@ -156,7 +169,7 @@ impl Agent {
         self.snapshot.read().clone()
     }
 
-    fn changed(&self) {
+    fn resnapshot(&self) {
         *self.snapshot.write() = Arc::new(self.slices.read().values().cloned().collect());
     }
 
@@ -169,7 +182,7 @@ impl Agent {
     }
 
     /// Resolves a GPU given as a node index or a UUID (or a unique UUID prefix).
-    fn resolve_gpu(&self, gpu: &str) -> Result<(String, u64), ApiError> {
+    pub fn resolve_gpu(&self, gpu: &str) -> Result<(String, u64), ApiError> {
         let inv = self.inventory.read();
         let g = if let Ok(i) = gpu.parse::<u32>() {
             inv.gpus.iter().find(|g| g.index == i)
@@ -218,7 +231,7 @@ impl Agent {
         tracing::info!(slice = %s.name, gpus = s.gpus.len(), "slice created");
         self.write_cdi(&s.name);
         self.slices.write().insert(s.name.clone(), s.clone());
-        self.changed();
+        self.resnapshot();
         drop(_g);
         self.refresh();
         self.detail(&s)
@@ -230,7 +243,7 @@ impl Agent {
         let s = self.store.update(&req.name, &gpus)?;
         tracing::info!(slice = %s.name, "slice limits changed");
         self.slices.write().insert(s.name.clone(), s.clone());
-        self.changed();
+        self.resnapshot();
         drop(_g);
         self.refresh();
         self.detail(&s)
@@ -243,7 +256,7 @@ impl Agent {
             crate::cdi::remove(d, name);
         }
         self.slices.write().remove(name);
-        self.changed();
+        self.resnapshot();
         tracing::info!(slice = %name, force, "slice deleted");
         drop(_g);
         self.refresh();
@@ -440,5 +453,6 @@ impl Agent {
         drop(inv);
         self.status.send_replace(Arc::new(status));
         self.ready.store(true, Release);
+        self.capacity_changed.notify_one();
     }
 }

@@ -83,6 +83,23 @@ impl pb::agent_server::Agent for Service {
         Ok(Response::new(ReceiverStream::new(out)))
     }
 
+    async fn capacity(&self, _: Request<pb::CapacityRequest>) -> Result<Response<pb::CapacityResponse>, Status> {
+        self.ready()?;
+        let a = self.agent.clone();
+        let capacity = tokio::task::spawn_blocking(move || a.node_capacity())
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let r = &self.agent.reporter;
+        use std::sync::atomic::Ordering::Relaxed;
+        Ok(Response::new(pb::CapacityResponse {
+            capacity: Some(capacity),
+            endpoint: self.agent.cfg.scheduler.as_ref().map(|s| s.endpoint.to_string()).unwrap_or_default(),
+            connected: r.connected.load(Relaxed),
+            last_error: r.last_error.lock().clone(),
+            reconnects: r.connections.load(Relaxed).saturating_sub(1),
+        }))
+    }
+
     async fn create_slice(&self, req: Request<pb::CreateSliceRequest>) -> Result<Response<pb::SliceDetail>, Status> {
         self.ready()?;
         let a = self.agent.clone();

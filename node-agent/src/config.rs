@@ -27,6 +27,11 @@ struct FileConfig {
     register_interval_s: Option<u64>,
     hami_register_format: Option<String>,
     memory_factor: Option<u32>,
+    scheduler_endpoint: Option<String>,
+    scheduler_ca: Option<PathBuf>,
+    scheduler_token_file: Option<PathBuf>,
+    scheduler_server_name: Option<String>,
+    scheduler_heartbeat_s: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +86,8 @@ pub struct Config {
     /// Volcano mode: MiB per `volcano.sh/vgpu-memory` device (Volcano's `gpuMemoryFactor`; its
     /// scheduler must use the same).
     pub memory_factor: u32,
+    /// Capacity reporting to the central scheduler; None: off.
+    pub scheduler: Option<crate::report::ReportConfig>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -234,7 +241,35 @@ impl Config {
         if !(1..=1 << 20).contains(&memory_factor) {
             return Err(bad("memory_factor", format!("{memory_factor} is outside 1..=1048576")));
         }
+        let scheduler = match env("VGPU_AGENT_SCHEDULER_ENDPOINT").or(file.scheduler_endpoint).as_deref() {
+            None | Some("" | "off") => None,
+            Some(e) => {
+                let endpoint = crate::report::Endpoint::parse(e).map_err(|m| bad("scheduler_endpoint", m))?;
+                let mut r = crate::report::ReportConfig::new(endpoint, node_name.clone());
+                r.ca = env("VGPU_AGENT_SCHEDULER_CA").map(PathBuf::from).or(file.scheduler_ca);
+                r.token_file = env("VGPU_AGENT_SCHEDULER_TOKEN_FILE").map(PathBuf::from).or(file.scheduler_token_file);
+                r.server_name = file.scheduler_server_name;
+                let hb = file.scheduler_heartbeat_s.unwrap_or(10);
+                if !(1..=3600).contains(&hb) {
+                    return Err(bad("scheduler_heartbeat_s", format!("{hb} is outside 1..=3600")));
+                }
+                r.heartbeat = std::time::Duration::from_secs(hb);
+                if matches!(r.endpoint, crate::report::Endpoint::Https { .. }) {
+                    for (k, v) in [("scheduler_ca", &r.ca), ("scheduler_token_file", &r.token_file)] {
+                        match v {
+                            None => return Err(bad(k, format!("is required for {e} (TLS and a bearer token)"))),
+                            Some(p) if !p.is_file() => {
+                                return Err(bad(k, format!("{} is not a readable file", p.display())))
+                            }
+                            Some(_) => {}
+                        }
+                    }
+                }
+                Some(r)
+            }
+        };
         Ok(Config {
+            scheduler,
             memory_factor,
             compat,
             kube_api,
@@ -286,6 +321,31 @@ mod tests {
         let r = Config::load(&flags, |k| env.get(k).cloned());
         std::fs::remove_dir_all(dir).ok();
         r
+    }
+
+    #[test]
+    fn scheduler_reporting_needs_tls_material_for_https() {
+        assert!(load(None, &[], Flags::default()).unwrap().scheduler.is_none());
+        let e = load(Some("scheduler_endpoint = \"http://s:1\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("scheduler_endpoint") && e.contains("plain http"), "{e}");
+        let e = load(Some("scheduler_endpoint = \"https://s:1\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("scheduler_ca: is required"), "{e}");
+        let f = "scheduler_endpoint = \"https://s:1\"\nscheduler_ca = \"/nonexistent/ca.pem\"\nscheduler_token_file = \"/etc/hostname\"";
+        let e = load(Some(f), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/ca.pem is not a readable file"), "{e}");
+        let c = load(
+            None,
+            &[("VGPU_AGENT_SCHEDULER_ENDPOINT", "unix:///run/s.sock"), ("NODE_NAME", "n1")],
+            Flags::default(),
+        )
+        .unwrap()
+        .scheduler
+        .unwrap();
+        assert_eq!((c.endpoint.to_string(), c.node.as_str()), ("unix:///run/s.sock".to_string(), "n1"));
+        let e = load(Some("scheduler_endpoint = \"unix:///s\"\nscheduler_heartbeat_s = 0"), &[], Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("scheduler_heartbeat_s"), "{e}");
     }
 
     #[test]

@@ -604,6 +604,105 @@ pub fn render_doctor(checks: &[Check], style: Style) -> String {
     o
 }
 
+/// One GPU's capacity as table cells: memory free / total, SM free, slices, MIG, health.
+fn capacity_cells(g: &vgpu_proto::scheduler::v1::GpuCapacity, style: Style) -> Vec<String> {
+    let mig = match &g.mig {
+        Some(m) if m.enabled => {
+            let inst: Vec<String> = m.instances.iter().map(|i| i.profile.clone()).collect();
+            let room: Vec<String> = m.room.iter().map(|r| format!("{}x{}", r.profile, r.starts.len())).collect();
+            format!(
+                "[{}]{}{}",
+                inst.join(" "),
+                if room.is_empty() { String::new() } else { format!(" room {}", room.join(" ")) },
+                if m.pending { " (pending reset)" } else { "" }
+            )
+        }
+        Some(m) if m.pending => "pending reset".into(),
+        Some(_) => "off".into(),
+        None => "-".into(),
+    };
+    let mut health = if g.healthy { style.green("ok") } else { style.red(&format!("UNHEALTHY: {}", g.health_reason)) };
+    if g.draining {
+        health = format!("{health} {}", style.yellow("draining"));
+    }
+    vec![
+        g.index.to_string(),
+        g.model.clone(),
+        format!("{} / {}", human(g.memory_allocatable), human(g.memory_total)),
+        format!("{}%", g.sm_allocatable),
+        g.slices.to_string(),
+        mig,
+        health,
+    ]
+}
+
+const CAPACITY_HEAD: [&str; 7] = ["GPU", "MODEL", "MEMORY FREE / TOTAL", "SM FREE", "SLICES", "MIG", "HEALTH"];
+
+/// What the agent reports to the scheduler (`vgpuctl capacity`).
+pub fn render_capacity(r: &pb::CapacityResponse, style: Style) -> String {
+    let mut o = String::new();
+    let c = r.capacity.clone().unwrap_or_default();
+    let conn = if r.endpoint.is_empty() {
+        "reporting off (set scheduler_endpoint)".to_string()
+    } else if r.connected {
+        format!("{} to {}", style.green("connected"), r.endpoint)
+    } else {
+        format!(
+            "{} to {}{}",
+            style.red("not connected"),
+            r.endpoint,
+            if r.last_error.is_empty() { String::new() } else { format!(": {}", r.last_error) }
+        )
+    };
+    let _ = writeln!(o, "{} {}  {conn}\n", style.bold("NODE"), c.node);
+    let mut rows = vec![CAPACITY_HEAD.map(|s| style.bold(s)).to_vec()];
+    rows.extend(c.gpus.iter().map(|g| capacity_cells(g, style)));
+    o.push_str(&table(&rows));
+    o
+}
+
+/// The reference receiver's cluster view (`vgpuctl cluster status`).
+pub fn render_cluster(st: &vgpu_proto::scheduler::v1::ClusterStatus, style: Style) -> String {
+    let mut o = String::new();
+    let (mut gpus, mut free, mut total, mut up) = (0usize, 0u64, 0u64, 0usize);
+    for n in &st.nodes {
+        let c = n.capacity.clone().unwrap_or_default();
+        let state = match (n.connected, n.stale) {
+            (true, false) => style.green("connected"),
+            (true, true) => style.yellow("stale"),
+            _ => style.red("disconnected"),
+        };
+        up += usize::from(n.connected && !n.stale);
+        let _ = writeln!(
+            o,
+            "{} {}  {state}  agent {}  seen {:.1}s ago  seq {}  driver {}",
+            style.bold("NODE"),
+            c.node,
+            n.agent_version,
+            n.last_seen_ms_ago as f64 / 1000.0,
+            c.sequence,
+            c.driver_version
+        );
+        let mut rows = vec![CAPACITY_HEAD.map(|s| style.bold(s)).to_vec()];
+        for g in &c.gpus {
+            gpus += 1;
+            free += g.memory_allocatable;
+            total += g.memory_total;
+            rows.push(capacity_cells(g, style));
+        }
+        o.push_str(&table(&rows));
+        o.push('\n');
+    }
+    let _ = writeln!(
+        o,
+        "{} nodes ({up} connected), {gpus} GPUs, {} of {} GPU memory allocatable",
+        st.nodes.len(),
+        human(free),
+        human(total)
+    );
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -111,6 +111,13 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         std::thread::Builder::new().name("monitor".into()).spawn(move || monitor_loop(&n, &a, &s))
     }
     .map_err(|e| e.to_string())?;
+    // Capacity reporting to the central scheduler (when configured): after discovery, so that the
+    // first snapshot has the GPUs.
+    let report_stop = Arc::new(tokio::sync::Notify::new());
+    let reporter = cfg.scheduler.clone().map(|rc| {
+        tracing::info!(endpoint = %rc.endpoint, node = %rc.node, "reporting capacity to the scheduler");
+        tokio::spawn(crate::report::run(rc, agent.clone(), agent.reporter.clone(), report_stop.clone()))
+    });
     let proto = match cfg.compat {
         crate::config::Compat::Hami => Some(&crate::hami::HAMI),
         crate::config::Compat::Volcano => Some(&crate::hami::VOLCANO),
@@ -146,7 +153,8 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         m.abort();
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    for t in [plugin, kube].into_iter().flatten() {
+    report_stop.notify_one();
+    for t in [plugin, kube, reporter].into_iter().flatten() {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     let _ = std::fs::remove_file(&cfg.socket);

@@ -40,6 +40,8 @@ pub struct Gpu {
     pub numa_node: Option<u32>,
     /// Common ancestor level towards every GPU (index order), as NVML names it.
     pub topology: Vec<String>,
+    /// NVLink peer-to-peer towards every GPU (index order; false to itself).
+    pub nvlink: Vec<bool>,
     pub processes: Vec<(u32, u64)>,
     /// None: the GPU does not support MIG.
     pub mig: Option<Mig>,
@@ -102,6 +104,15 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
                     .map_or_else(|e| format!("unknown ({e})"), |l| format!("{l:?}"))
             })
             .collect();
+        let nvlink = devices
+            .iter()
+            .enumerate()
+            .map(|(j, o)| {
+                j != i
+                    && d.p2p_status(o, nvml_wrapper::enum_wrappers::device::P2pCapabilitiesIndex::NvLink)
+                        .is_ok_and(|s| s == nvml_wrapper::enum_wrappers::device::P2pStatus::Ok)
+            })
+            .collect();
         let processes = d
             .running_compute_processes()
             .map(|ps| {
@@ -121,6 +132,7 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
             compute_capability: (cc.major, cc.minor),
             numa_node: d.numa_node_id().ok(),
             topology,
+            nvlink,
             processes,
             mig: mig(nvml, d),
         });

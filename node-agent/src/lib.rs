@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod capacity;
 pub mod cdi;
 pub mod config;
 pub mod ctl;
@@ -16,4 +17,5 @@ pub mod metrics;
 pub mod mig;
 pub mod monitor;
 pub mod procfs;
+pub mod report;
 pub mod slices;

@@ -6,6 +6,15 @@ pub mod v1 {
     tonic::include_proto!("vgpu.v1");
 }
 
+/// The scheduler API (`vgpu.scheduler.v1`): node capacity streamed to the central scheduler, its
+/// requests to the node, and the reference receiver's cluster view.
+pub mod scheduler {
+    pub mod v1 {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("vgpu.scheduler.v1");
+    }
+}
+
 /// The kubelet device plugin API (`v1beta1`): our own `.proto` with upstream's messages and field
 /// numbers.
 pub mod deviceplugin {

@@ -46,6 +46,39 @@ enum Cmd {
     /// MIG layouts: status, and mig-parted configs planned, applied and asserted
     #[command(subcommand)]
     Mig(MigCmd),
+    /// What this node reports to the central scheduler, and the connection's state
+    Capacity,
+    /// The cluster view of a capacity receiver (vgpu-receiver or a scheduler serving vgpu.scheduler.v1)
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+}
+
+#[derive(Args)]
+struct Receiver {
+    /// The receiver: https://host:port or unix:///path
+    #[arg(long, env = "VGPU_CLUSTER_SERVER")]
+    server: String,
+    /// PEM file of the CA that signed the receiver's certificate (https)
+    #[arg(long, env = "VGPU_CLUSTER_CA")]
+    ca: Option<PathBuf>,
+    /// File holding the bearer token
+    #[arg(long, env = "VGPU_CLUSTER_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Name to check the receiver's certificate against [default: the server's host]
+    #[arg(long)]
+    server_name: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Every node and GPU the receiver knows, with its free capacity
+    Status {
+        #[command(flatten)]
+        receiver: Receiver,
+        /// Only this node
+        #[arg(long)]
+        node: Option<String>,
+    },
 }
 
 #[derive(Args)]
@@ -165,6 +198,15 @@ fn main() {
             }
             std::process::exit(if checks.iter().any(|c| c.level == "fail") { 1 } else { 0 });
         }
+        if let Cmd::Cluster(ClusterCmd::Status { receiver: r, node }) = &cli.cmd {
+            let st = cluster_status(r, node.clone().unwrap_or_default()).await;
+            if cli.json {
+                println!("{}", json(&st));
+            } else {
+                print!("{}", ctl::render_cluster(&st, style));
+            }
+            return;
+        }
         let mut c = vgpu_agent::api::connect(&cfg.socket).await.unwrap_or_else(|e| die(3, e));
         match cli.cmd {
             Cmd::Status { watch: false, .. } => {
@@ -262,7 +304,15 @@ fn main() {
                     }
                 }
             }
-            Cmd::Doctor => unreachable!("handled above"),
+            Cmd::Doctor | Cmd::Cluster(_) => unreachable!("handled above"),
+            Cmd::Capacity => {
+                let r = c.capacity(pb::CapacityRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                if cli.json {
+                    println!("{}", json(&r));
+                } else {
+                    print!("{}", ctl::render_capacity(&r, style));
+                }
+            }
             Cmd::Mig(MigCmd::Status) => {
                 let st = c.mig_status(pb::MigStatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
                 if cli.json {
@@ -297,4 +347,26 @@ fn main() {
             }
         }
     });
+}
+
+async fn cluster_status(r: &Receiver, node: String) -> vgpu_proto::scheduler::v1::ClusterStatus {
+    use vgpu_agent::report;
+    let endpoint = report::Endpoint::parse(&r.server).unwrap_or_else(|e| die(2, e));
+    let token = match &r.token_file {
+        Some(p) => report::read_token(p).unwrap_or_else(|e| die(2, e)),
+        None => None,
+    };
+    let ch = report::channel(&endpoint, r.ca.as_deref(), r.server_name.as_deref()).await.unwrap_or_else(|e| die(3, e));
+    let mut req = tonic::Request::new(vgpu_proto::scheduler::v1::ClusterStatusRequest { node });
+    if let Some(t) = token {
+        let v = format!("Bearer {t}")
+            .parse()
+            .unwrap_or_else(|_| die(2, "the token holds characters not allowed in a header"));
+        req.metadata_mut().insert("authorization", v);
+    }
+    vgpu_proto::scheduler::v1::cluster_client::ClusterClient::new(ch)
+        .status(req)
+        .await
+        .unwrap_or_else(|e| grpc_err(e))
+        .into_inner()
 }

@@ -498,11 +498,12 @@ exports! {
             else if ca.numa_node == cb.numa_node { nvmlGpuLevel_enum_NVML_TOPOLOGY_NODE }
             else { nvmlGpuLevel_enum_NVML_TOPOLOGY_SYSTEM })
     }
-    fn nvmlDeviceGetP2PStatus(a: nvmlDevice_t, b: nvmlDevice_t, _idx: nvmlGpuP2PCapsIndex_t, st: *mut nvmlGpuP2PStatus_t) {
+    fn nvmlDeviceGetP2PStatus(a: nvmlDevice_t, b: nvmlDevice_t, idx: nvmlGpuP2PCapsIndex_t, st: *mut nvmlGpuP2PStatus_t) {
         let (_, ga, ca) = phys(a)?;
         let (_, gb, cb) = phys(b)?;
         let linked = ga != gb && ca.nvlink_domain.is_some() && ca.nvlink_domain == cb.nvlink_domain;
-        let same_numa = ga != gb && ca.numa_node == cb.numa_node;
+        // Over NVLink only between linked GPUs; reads and writes also through PCIe within a NUMA node.
+        let same_numa = ga != gb && ca.numa_node == cb.numa_node && idx != nvmlGpuP2PCapsIndex_enum_NVML_P2P_CAPS_INDEX_NVLINK;
         out(st, if linked || same_numa { nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_OK } else { nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_NOT_SUPPORTED })
     }
 

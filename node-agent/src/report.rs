@@ -1,0 +1,463 @@
+//! Capacity reporting to the central scheduler (`vgpu.scheduler.v1`): the node connects out, sends a
+//! Hello and a full snapshot, then deltas (the GPUs that changed, each message with the next sequence
+//! number) and heartbeats, and serves the scheduler's requests on the same stream.
+//!
+//! Nothing is queued while disconnected: the reporter keeps only what it last sent, and after a
+//! reconnect it sends the whole state again, so changes made meanwhile are coalesced into one
+//! snapshot and memory stays bounded. Reconnects back off exponentially with full jitter (a random
+//! wait between 0 and the current back-off), so that a thousand nodes losing one receiver do not
+//! come back at the same instant.
+//!
+//! The reporter is generic over its [`Source`]: the agent is one, the scale benchmark's synthetic
+//! nodes are others.
+
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, Notify};
+use vgpu_proto::scheduler::v1 as sp;
+
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Where the scheduler listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `unix:///path`: a local socket (TLS not needed; a token is sent when configured).
+    Unix(PathBuf),
+    /// `https://host:port`: TLS with the configured CA, and a bearer token.
+    Https { uri: String, host: String },
+}
+
+impl Endpoint {
+    /// Parses `unix:///path` or `https://host:port`. Plain `http://` is refused: capacity and
+    /// requests are not sent over the network unauthenticated.
+    pub fn parse(s: &str) -> Result<Endpoint, String> {
+        if let Some(p) = s.strip_prefix("unix://") {
+            if !p.starts_with('/') {
+                return Err(format!("{s:?}: a unix endpoint needs an absolute path (unix:///run/sched.sock)"));
+            }
+            return Ok(Endpoint::Unix(PathBuf::from(p)));
+        }
+        if let Some(rest) = s.strip_prefix("https://") {
+            let authority = rest.split('/').next().unwrap_or("");
+            let host = if let Some(v6) = authority.strip_prefix('[') {
+                v6.split(']').next().unwrap_or("").to_string()
+            } else {
+                authority.rsplit_once(':').map_or(authority, |(h, _)| h).to_string()
+            };
+            if host.is_empty() || !authority.contains(':') {
+                return Err(format!("{s:?}: expected https://host:port"));
+            }
+            return Ok(Endpoint::Https { uri: format!("https://{authority}"), host });
+        }
+        if s.starts_with("http://") {
+            return Err(format!("{s:?}: plain http is not allowed; use https:// (TLS and a token) or unix://"));
+        }
+        Err(format!("{s:?} is not https://host:port or unix:///path"))
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Unix(p) => write!(f, "unix://{}", p.display()),
+            Endpoint::Https { uri, .. } => f.write_str(uri),
+        }
+    }
+}
+
+/// How to reach the scheduler and how to behave.
+#[derive(Clone, Debug)]
+pub struct ReportConfig {
+    pub endpoint: Endpoint,
+    /// PEM file of the CA that signed the scheduler's certificate (https).
+    pub ca: Option<PathBuf>,
+    /// File holding the bearer token (read at every connection, so it can be rotated).
+    pub token_file: Option<PathBuf>,
+    /// The name the scheduler's certificate is checked against (default: the endpoint's host).
+    pub server_name: Option<String>,
+    pub node: String,
+    pub heartbeat: Duration,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+}
+
+impl ReportConfig {
+    pub fn new(endpoint: Endpoint, node: String) -> ReportConfig {
+        ReportConfig {
+            endpoint,
+            ca: None,
+            token_file: None,
+            server_name: None,
+            node,
+            heartbeat: Duration::from_secs(10),
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What the reporter reports and serves.
+pub trait Source: Send + Sync + 'static {
+    /// The node's capacity now (node, epoch, sequence and timestamp are filled in by the reporter).
+    fn capacity(&self) -> sp::NodeCapacity;
+    /// Notified (`notify_one`) whenever the capacity may have changed.
+    fn changed(&self) -> &Notify;
+    /// Serves one request (runs on a blocking thread).
+    fn handle(&self, req: &sp::NodeRequest) -> sp::RequestResult;
+}
+
+/// The connection's state, for status displays and tests.
+#[derive(Default)]
+pub struct ReporterState {
+    pub connected: AtomicBool,
+    /// Connections made (the first one included).
+    pub connections: AtomicU64,
+    pub attempts: AtomicU64,
+    pub last_error: Mutex<String>,
+    /// The last sequence number sent.
+    pub sequence: AtomicU64,
+}
+
+/// The bearer token in a file (trimmed); None when the file holds nothing.
+pub fn read_token(p: &Path) -> Result<Option<String>, String> {
+    let t = std::fs::read_to_string(p).map_err(|e| format!("cannot read the token file {}: {e}", p.display()))?;
+    let t = t.trim();
+    Ok((!t.is_empty()).then(|| t.to_string()))
+}
+
+/// A channel to `endpoint` (TLS with `ca` for https).
+pub async fn channel(
+    endpoint: &Endpoint,
+    ca: Option<&Path>,
+    server_name: Option<&str>,
+) -> Result<tonic::transport::Channel, String> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint as E};
+    let cause = |e: tonic::transport::Error| {
+        let c = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
+        format!("cannot connect to {endpoint}{c}")
+    };
+    match endpoint {
+        Endpoint::Unix(p) => {
+            let p = p.clone();
+            E::from_static("http://localhost")
+                .connect_timeout(Duration::from_secs(10))
+                .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                    let p = p.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                    }
+                }))
+                .await
+                .map_err(cause)
+        }
+        Endpoint::Https { uri, host } => {
+            let ca = ca.ok_or_else(|| format!("{endpoint}: a CA file is needed for https"))?;
+            let pem = std::fs::read(ca).map_err(|e| format!("cannot read the CA file {}: {e}", ca.display()))?;
+            let tls = ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(pem))
+                .domain_name(server_name.unwrap_or(host).to_string());
+            E::from_shared(uri.clone())
+                .map_err(|e| format!("{endpoint}: {e}"))?
+                .tls_config(tls)
+                .map_err(|e| format!("{endpoint}: {e}"))?
+                .connect_timeout(Duration::from_secs(10))
+                .http2_keep_alive_interval(Duration::from_secs(30))
+                .keep_alive_timeout(Duration::from_secs(10))
+                .connect()
+                .await
+                .map_err(cause)
+        }
+    }
+}
+
+/// A small xorshift generator for the jitter (seeded per reporter).
+struct Jitter(u64);
+
+impl Jitter {
+    fn new(seed: u64) -> Jitter {
+        Jitter(seed | 1)
+    }
+    /// Uniform in [0, d].
+    fn upto(&mut self, d: Duration) -> Duration {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        d.mul_f64((self.0 >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A new epoch: the time in microseconds, which a restarted agent never repeats.
+pub fn new_epoch() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64)
+}
+
+/// The GPUs of `now` that differ from `last`, and those gone; None when node-level fields changed
+/// (a snapshot is sent instead).
+pub fn diff(last: &sp::NodeCapacity, now: &sp::NodeCapacity) -> Option<(Vec<sp::GpuCapacity>, Vec<String>)> {
+    if last.driver_version != now.driver_version || last.cuda_version != now.cuda_version || last.node != now.node {
+        return None;
+    }
+    let changed = now.gpus.iter().filter(|g| last.gpus.iter().find(|l| l.uuid == g.uuid) != Some(g)).cloned().collect();
+    let removed =
+        last.gpus.iter().filter(|l| !now.gpus.iter().any(|g| g.uuid == l.uuid)).map(|l| l.uuid.clone()).collect();
+    Some((changed, removed))
+}
+
+/// Recent request results by id (a retried request gets its first answer).
+struct Answered(VecDeque<sp::RequestResult>);
+
+const ANSWERED: usize = 256;
+
+/// Runs the reporter until `stop` is notified.
+pub async fn run<S: Source>(cfg: ReportConfig, src: Arc<S>, state: Arc<ReporterState>, stop: Arc<Notify>) {
+    let epoch = new_epoch();
+    // Seeded by time, process and node name, so that nodes (or reporters of one process) started at
+    // the same instant still draw different waits.
+    let name = cfg.node.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let mut jitter = Jitter::new(epoch ^ ((std::process::id() as u64) << 32) ^ name);
+    let mut backoff = cfg.backoff_initial;
+    let answered = Arc::new(Mutex::new(Answered(VecDeque::new())));
+    loop {
+        state.attempts.fetch_add(1, Relaxed);
+        let started = Instant::now();
+        let r = tokio::select! {
+            r = session(&cfg, &src, &state, epoch, &answered) => r,
+            _ = stop.notified() => return,
+        };
+        state.connected.store(false, Release);
+        match r {
+            Ok(()) => tracing::warn!(endpoint = %cfg.endpoint, "the scheduler closed the capacity stream"),
+            Err(e) => {
+                tracing::warn!(endpoint = %cfg.endpoint, error = %e, "capacity reporting: not connected");
+                *state.last_error.lock() = e;
+            }
+        }
+        // A connection that lasted starts the back-off over.
+        if started.elapsed() > cfg.backoff_max {
+            backoff = cfg.backoff_initial;
+        }
+        let wait = jitter.upto(backoff);
+        backoff = (backoff * 2).min(cfg.backoff_max);
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.notified() => return,
+        }
+    }
+}
+
+fn msg(body: sp::node_message::Body) -> sp::NodeMessage {
+    sp::NodeMessage { body: Some(body) }
+}
+
+async fn session<S: Source>(
+    cfg: &ReportConfig,
+    src: &Arc<S>,
+    state: &ReporterState,
+    epoch: u64,
+    answered: &Arc<Mutex<Answered>>,
+) -> Result<(), String> {
+    let ch = channel(&cfg.endpoint, cfg.ca.as_deref(), cfg.server_name.as_deref()).await?;
+    let token = match &cfg.token_file {
+        Some(p) => read_token(p)?,
+        None => None,
+    };
+    if token.is_none() && matches!(cfg.endpoint, Endpoint::Https { .. }) {
+        return Err(format!("{}: a bearer token is needed for https (scheduler_token_file)", cfg.endpoint));
+    }
+    let (tx, rx) = mpsc::channel::<sp::NodeMessage>(16);
+    tx.send(msg(sp::node_message::Body::Hello(sp::Hello {
+        protocol_version: PROTOCOL_VERSION,
+        node: cfg.node.clone(),
+        agent_version: crate::agent::VERSION.to_string(),
+        epoch,
+    })))
+    .await
+    .map_err(|_| "internal: stream closed".to_string())?;
+    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    if let Some(t) = token {
+        let v = format!("Bearer {t}")
+            .parse()
+            .map_err(|_| "the token holds characters not allowed in a header".to_string())?;
+        req.metadata_mut().insert("authorization", v);
+    }
+    let mut client = sp::capacity_client::CapacityClient::new(ch).max_decoding_message_size(16 << 20);
+    let mut inbound =
+        client.report(req).await.map_err(|s| format!("{}: {}", cfg.endpoint, status_text(&s)))?.into_inner();
+    let welcome = match tokio::time::timeout(Duration::from_secs(10), inbound.message()).await {
+        Err(_) => return Err(format!("{}: no Welcome within 10 s", cfg.endpoint)),
+        Ok(Err(s)) => return Err(format!("{}: {}", cfg.endpoint, status_text(&s))),
+        Ok(Ok(None)) => return Err(format!("{}: the stream ended before a Welcome", cfg.endpoint)),
+        Ok(Ok(Some(m))) => match m.body {
+            Some(sp::scheduler_message::Body::Welcome(w)) => w,
+            _ => return Err(format!("{}: the first message was not a Welcome", cfg.endpoint)),
+        },
+    };
+    let heartbeat = match welcome.heartbeat_interval_ms {
+        0 => cfg.heartbeat,
+        ms => Duration::from_millis(ms as u64).max(Duration::from_millis(100)),
+    };
+    state.connected.store(true, Release);
+    state.connections.fetch_add(1, Relaxed);
+    tracing::info!(endpoint = %cfg.endpoint, node = %cfg.node, "capacity reporting connected");
+
+    let stamp = |mut c: sp::NodeCapacity, seq: u64| {
+        c.node = cfg.node.clone();
+        c.epoch = epoch;
+        c.sequence = seq;
+        c.timestamp_ms = now_ms();
+        c
+    };
+    let send = |m: sp::NodeMessage| {
+        let tx = tx.clone();
+        async move { tx.send(m).await.map_err(|_| "the stream closed".to_string()) }
+    };
+    let mut seq = state.sequence.load(Relaxed) + 1;
+    let mut last = stamp(src.capacity(), seq);
+    send(msg(sp::node_message::Body::Snapshot(last.clone()))).await?;
+    state.sequence.store(seq, Relaxed);
+    let (done_tx, mut done_rx) = mpsc::channel::<sp::RequestResult>(16);
+    let mut hb = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
+    hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Sends what changed since `last` (a delta, or a snapshot when node-level fields changed).
+    macro_rules! flush {
+        () => {{
+            let now = src.capacity();
+            match diff(&last, &now) {
+                Some((changed, removed)) if changed.is_empty() && removed.is_empty() => {}
+                d => {
+                    seq += 1;
+                    let now = stamp(now, seq);
+                    let body = match d {
+                        Some((changed, removed)) => sp::node_message::Body::Delta(sp::CapacityDelta {
+                            epoch,
+                            sequence: seq,
+                            timestamp_ms: now.timestamp_ms,
+                            changed,
+                            removed,
+                        }),
+                        None => sp::node_message::Body::Snapshot(now.clone()),
+                    };
+                    send(msg(body)).await?;
+                    state.sequence.store(seq, Relaxed);
+                    last = now;
+                    hb.reset();
+                }
+            }
+        }};
+    }
+    loop {
+        tokio::select! {
+            _ = src.changed().notified() => flush!(),
+            _ = hb.tick() => {
+                send(msg(sp::node_message::Body::Heartbeat(sp::Heartbeat { epoch, sequence: seq, timestamp_ms: now_ms() }))).await?;
+            }
+            Some(r) = done_rx.recv() => {
+                // The change a request made is reported before its answer.
+                flush!();
+                send(msg(sp::node_message::Body::Result(r))).await?;
+            }
+            m = inbound.message() => match m {
+                Ok(Some(m)) => match m.body {
+                    Some(sp::scheduler_message::Body::Resync(r)) => {
+                        tracing::info!(reason = %r.reason, "the scheduler asked for a full snapshot");
+                        seq += 1;
+                        last = stamp(src.capacity(), seq);
+                        send(msg(sp::node_message::Body::Snapshot(last.clone()))).await?;
+                        state.sequence.store(seq, Relaxed);
+                    }
+                    Some(sp::scheduler_message::Body::Request(r)) => {
+                        let cached = answered.lock().0.iter().find(|a| !r.id.is_empty() && a.id == r.id).cloned();
+                        if let Some(a) = cached {
+                            send(msg(sp::node_message::Body::Result(a))).await?;
+                            continue;
+                        }
+                        let (src, done, answered) = (src.clone(), done_tx.clone(), answered.clone());
+                        tokio::spawn(async move {
+                            let res = tokio::task::spawn_blocking(move || {
+                                let mut a = src.handle(&r);
+                                a.id = r.id.clone();
+                                a
+                            })
+                            .await
+                            .unwrap_or_else(|e| sp::RequestResult { ok: false, error: format!("internal error: {e}"), ..Default::default() });
+                            {
+                                let mut q = answered.lock();
+                                if q.0.len() >= ANSWERED {
+                                    q.0.pop_front();
+                                }
+                                q.0.push_back(res.clone());
+                            }
+                            let _ = done.send(res).await;
+                        });
+                    }
+                    // A Welcome again, or a message kind this version does not know: ignored.
+                    _ => {}
+                },
+                Ok(None) => return Ok(()),
+                Err(s) => return Err(format!("{}: {}", cfg.endpoint, status_text(&s))),
+            },
+        }
+    }
+}
+
+fn status_text(s: &tonic::Status) -> String {
+    let m = s.message();
+    let cause = std::error::Error::source(s).map_or(String::new(), |c| format!(" ({c})"));
+    format!("{:?}{}{cause}", s.code(), if m.is_empty() { String::new() } else { format!(": {m}") })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(Endpoint::parse("unix:///run/s.sock").unwrap(), Endpoint::Unix("/run/s.sock".into()));
+        assert_eq!(
+            Endpoint::parse("https://sched.example:9400").unwrap(),
+            Endpoint::Https { uri: "https://sched.example:9400".into(), host: "sched.example".into() }
+        );
+        assert_eq!(
+            Endpoint::parse("https://[::1]:9400/x").unwrap(),
+            Endpoint::Https { uri: "https://[::1]:9400".into(), host: "::1".into() }
+        );
+        assert!(Endpoint::parse("http://sched:9400").unwrap_err().contains("plain http is not allowed"));
+        assert!(Endpoint::parse("https://sched").unwrap_err().contains("host:port"));
+        assert!(Endpoint::parse("unix://run/s.sock").unwrap_err().contains("absolute"));
+        assert!(Endpoint::parse("sched:9400").is_err());
+    }
+
+    #[test]
+    fn jitter_stays_within_its_window_and_spreads() {
+        let mut j = Jitter::new(12345);
+        let d = Duration::from_secs(2);
+        let v: Vec<Duration> = (0..1000).map(|_| j.upto(d)).collect();
+        assert!(v.iter().all(|x| *x <= d));
+        let below_half = v.iter().filter(|x| **x < d / 2).count();
+        assert!((400..600).contains(&below_half), "{below_half} of 1000 below half the window");
+    }
+
+    fn gpu(uuid: &str, mem: u64) -> sp::GpuCapacity {
+        sp::GpuCapacity { uuid: uuid.into(), memory_allocatable: mem, ..Default::default() }
+    }
+
+    #[test]
+    fn diffs_name_changed_added_and_removed_gpus() {
+        let a = sp::NodeCapacity { gpus: vec![gpu("A", 1), gpu("B", 2), gpu("C", 3)], ..Default::default() };
+        let b = sp::NodeCapacity { gpus: vec![gpu("A", 1), gpu("B", 5), gpu("D", 4)], ..Default::default() };
+        let (changed, removed) = diff(&a, &b).unwrap();
+        assert_eq!(changed, vec![gpu("B", 5), gpu("D", 4)]);
+        assert_eq!(removed, vec!["C".to_string()]);
+        assert_eq!(diff(&a, &a), Some((vec![], vec![])));
+        let c = sp::NodeCapacity { driver_version: "x".into(), ..a.clone() };
+        assert_eq!(diff(&a, &c), None, "node-level change: a snapshot");
+    }
+}

@@ -1,0 +1,200 @@
+//! vgpu-receiver: the reference receiver of node capacity. Node agents connect to it (TLS and a bearer
+//! token over TCP, or a Unix socket); `vgpuctl cluster status` reads its cluster view.
+//!
+//!   vgpu-receiver serve --listen 0.0.0.0:9400 --tls-cert server.pem --tls-key server-key.pem --token-file token
+//!   vgpu-receiver gen-certs --out DIR --host receiver.example --host 10.0.0.5
+use clap::{Parser, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use vgpu_receiver::{certs, metrics, Cluster, Settings};
+
+#[derive(Parser)]
+#[command(name = "vgpu-receiver", version, about = "vgpu's reference receiver of node capacity (vgpu.scheduler.v1)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Accept node agents' capacity streams and serve the cluster view.
+    Serve {
+        /// TCP address for nodes and vgpuctl (needs --tls-cert, --tls-key and --token-file).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// PEM certificate (chain) of the receiver.
+        #[arg(long)]
+        tls_cert: Option<PathBuf>,
+        /// PEM private key of the certificate.
+        #[arg(long)]
+        tls_key: Option<PathBuf>,
+        /// Accepted bearer tokens, one per line (read once at start).
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+        /// A Unix socket to serve on as well (or instead); no TLS there.
+        #[arg(long)]
+        unix: Option<PathBuf>,
+        /// Prometheus metrics address (plain HTTP), e.g. 127.0.0.1:9401.
+        #[arg(long)]
+        metrics_address: Option<SocketAddr>,
+        /// Heartbeat period asked of nodes, ms; a node silent for three is stale.
+        #[arg(long, default_value_t = 10_000)]
+        heartbeat_ms: u64,
+    },
+    /// Make a private CA, a server certificate for the given names, its key and a token.
+    GenCerts {
+        #[arg(long)]
+        out: PathBuf,
+        /// A DNS name or IP address of the receiver (repeatable) [default: localhost, 127.0.0.1].
+        #[arg(long)]
+        host: Vec<String>,
+    },
+}
+
+fn die(code: i32, msg: impl std::fmt::Display) -> ! {
+    eprintln!("vgpu-receiver: {msg}");
+    std::process::exit(code)
+}
+
+/// Many nodes mean many sockets: raise the open-file limit to the hard limit.
+fn raise_nofile() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: valid out-pointer; RLIMIT_NOFILE exists.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::GenCerts { out, mut host } => {
+            if host.is_empty() {
+                host = vec!["localhost".into(), "127.0.0.1".into()];
+            }
+            let b = certs::generate(&host).unwrap_or_else(|e| die(1, e));
+            certs::write(&out, &b).unwrap_or_else(|e| die(1, e));
+            println!(
+                "wrote {0}/ca.pem, {0}/server.pem, {0}/server-key.pem and {0}/token for {1}",
+                out.display(),
+                host.join(", ")
+            );
+        }
+        Cmd::Serve { listen, tls_cert, tls_key, token_file, unix, metrics_address, heartbeat_ms } => {
+            use std::io::IsTerminal;
+            tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).init();
+            if listen.is_none() && unix.is_none() {
+                die(2, "nothing to serve on: give --listen ADDR (with TLS and a token) and/or --unix PATH");
+            }
+            let tokens: Vec<String> = match &token_file {
+                Some(p) => std::fs::read_to_string(p)
+                    .unwrap_or_else(|e| die(2, format!("cannot read {}: {e}", p.display())))
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from)
+                    .collect(),
+                None => Vec::new(),
+            };
+            let tls = match (listen, &tls_cert, &tls_key) {
+                (None, _, _) => None,
+                (Some(_), Some(c), Some(k)) => {
+                    if tokens.is_empty() {
+                        die(2, "--listen needs --token-file with at least one token (TCP requires TLS and a token)");
+                    }
+                    let read = |p: &PathBuf| {
+                        std::fs::read(p).unwrap_or_else(|e| die(2, format!("cannot read {}: {e}", p.display())))
+                    };
+                    Some(
+                        tonic::transport::ServerTlsConfig::new()
+                            .identity(tonic::transport::Identity::from_pem(read(c), read(k))),
+                    )
+                }
+                (Some(_), _, _) => die(2, "--listen needs --tls-cert and --tls-key (TCP requires TLS and a token)"),
+            };
+            if !(100..=3_600_000).contains(&heartbeat_ms) {
+                die(2, "--heartbeat-ms must be within 100..=3600000");
+            }
+            raise_nofile();
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap_or_else(|e| die(1, e));
+            rt.block_on(serve(
+                listen,
+                tls,
+                unix,
+                metrics_address,
+                Settings { tokens, heartbeat: Duration::from_millis(heartbeat_ms) },
+            ));
+        }
+    }
+}
+
+async fn serve(
+    listen: Option<SocketAddr>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    unix: Option<PathBuf>,
+    metrics_address: Option<SocketAddr>,
+    settings: Settings,
+) {
+    let cluster = Cluster::new(settings);
+    let mut tasks = Vec::new();
+    let router = |c: &Arc<Cluster>| {
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            .add_service(c.capacity_service())
+            .add_service(c.cluster_service())
+    };
+    if let (Some(addr), Some(tls)) = (listen, tls) {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .unwrap_or_else(|e| die(1, format!("cannot listen on {addr}: {e}")));
+        let bound = l.local_addr().unwrap_or(addr);
+        tracing::info!(address = %bound, "serving node capacity (TLS)");
+        eprintln!("listening on {bound}");
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+        let mut b = tonic::transport::Server::builder()
+            .tls_config(tls)
+            .unwrap_or_else(|e| die(2, format!("bad TLS certificate or key: {e}")))
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(10)));
+        let r = b.add_service(cluster.capacity_service()).add_service(cluster.cluster_service());
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = r.serve_with_incoming(incoming).await {
+                die(1, format!("serving {bound}: {e}"));
+            }
+        }));
+    }
+    if let Some(p) = unix {
+        let _ = std::fs::remove_file(&p);
+        let l = tokio::net::UnixListener::bind(&p)
+            .unwrap_or_else(|e| die(1, format!("cannot listen on {}: {e}", p.display())));
+        tracing::info!(socket = %p.display(), "serving node capacity (Unix socket)");
+        let r = router(&cluster);
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = r.serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(l)).await {
+                die(1, format!("serving {}: {e}", p.display()));
+            }
+        }));
+    }
+    if let Some(addr) = metrics_address {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .unwrap_or_else(|e| die(1, format!("cannot listen on {addr}: {e}")));
+        let bound = l.local_addr().unwrap_or(addr);
+        tracing::info!(address = %bound, "serving metrics");
+        eprintln!("metrics on {bound}");
+        tasks.push(tokio::spawn(metrics::serve(l, cluster.clone())));
+    }
+    let mut term =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap_or_else(|e| die(1, e));
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("stopping");
+}

@@ -1,0 +1,66 @@
+//! A private CA and a server certificate for the receiver (`vgpu-receiver gen-certs`), for trying
+//! vgpu out and for its tests. Production clusters use their own PKI (cert-manager, a corporate CA):
+//! the receiver only needs a PEM certificate and key, and each agent the CA that signed them.
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use std::path::Path;
+
+/// PEM texts of a fresh CA, a server certificate for `hosts` (DNS names or IP addresses) signed by
+/// it, the server's key, and a random bearer token.
+pub struct Bundle {
+    pub ca: String,
+    pub cert: String,
+    pub key: String,
+    pub token: String,
+}
+
+pub fn generate(hosts: &[String]) -> Result<Bundle, String> {
+    let e = |e: rcgen::Error| format!("cannot make the certificates: {e}");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(e)?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "vgpu receiver CA");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    let ca_key = KeyPair::generate().map_err(e)?;
+    let ca_cert = ca.self_signed(&ca_key).map_err(e)?;
+    let issuer = Issuer::new(ca, ca_key);
+    let mut srv = CertificateParams::new(hosts.to_vec()).map_err(e)?;
+    srv.distinguished_name.push(DnType::CommonName, hosts.first().map_or("vgpu-receiver", |h| h.as_str()));
+    srv.use_authority_key_identifier_extension = true;
+    srv.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    srv.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let key = KeyPair::generate().map_err(e)?;
+    let cert = srv.signed_by(&key, &issuer).map_err(e)?;
+    Ok(Bundle { ca: ca_cert.pem(), cert: cert.pem(), key: key.serialize_pem(), token: token()? })
+}
+
+/// 32 random bytes, hex.
+pub fn token() -> Result<String, String> {
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Writes `ca.pem`, `server.pem`, `server-key.pem` (0600) and `token` (0600) into `dir`.
+pub fn write(dir: &Path, b: &Bundle) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    for (name, text, mode) in [
+        ("ca.pem", &b.ca, 0o644),
+        ("server.pem", &b.cert, 0o644),
+        ("server-key.pem", &b.key, 0o600),
+        ("token", &b.token, 0o600),
+    ] {
+        let p = dir.join(name);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&p)
+            .map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+        std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+    }
+    Ok(())
+}

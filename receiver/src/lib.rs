@@ -1,0 +1,476 @@
+//! vgpu's reference receiver of node capacity (`vgpu.scheduler.v1`): accepts the capacity streams of
+//! many node agents, keeps the cluster view (each node's snapshot with its deltas applied in order),
+//! sends nodes requests and routes their answers back, and publishes what it applied.
+//!
+//! A scheduler can embed it: build a [`Cluster`], serve [`Cluster::capacity_service`] (and
+//! optionally [`Cluster::cluster_service`]), then read [`Cluster::view`], follow
+//! [`Cluster::subscribe`], and call [`Cluster::request`]. Or use it as the pattern for its own.
+//!
+//! Robustness: every node has its own task and lock; a node that sends something malformed is told
+//! (a Resync, or its stream ends with an error) and nobody else notices. A delta applies only on top
+//! of the sequence before it; after a gap the receiver asks for a snapshot and applies nothing until
+//! it comes.
+
+pub mod certs;
+pub mod metrics;
+
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+use vgpu_proto::scheduler::v1 as sp;
+
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Limits on what one node may send (anything larger is malformed).
+const MAX_GPUS: usize = 256;
+const MAX_NAME: usize = 253;
+
+type Outbound = mpsc::Sender<Result<sp::SchedulerMessage, Status>>;
+
+/// What to do after a message.
+enum Step {
+    Next,
+    Answer(sp::SchedulerMessage),
+    Reject(Status),
+    Stop,
+}
+
+struct Node {
+    capacity: sp::NodeCapacity,
+    /// A snapshot of the current epoch arrived and every delta since applied in order.
+    in_sync: bool,
+    /// The stream currently serving this node (a newer one replaces it).
+    session: u64,
+    tx: Option<Outbound>,
+    connected: bool,
+    last_seen: Instant,
+    agent_version: String,
+    peer: String,
+    pending: HashMap<String, oneshot::Sender<sp::RequestResult>>,
+}
+
+/// Counters (exported as Prometheus metrics).
+#[derive(Default)]
+pub struct Counters {
+    pub streams: AtomicU64,
+    pub snapshots: AtomicU64,
+    pub deltas: AtomicU64,
+    pub heartbeats: AtomicU64,
+    pub results: AtomicU64,
+    pub resyncs: AtomicU64,
+    pub rejected_auth: AtomicU64,
+    pub rejected_malformed: AtomicU64,
+    pub requests_ok: AtomicU64,
+    pub requests_failed: AtomicU64,
+}
+
+/// The receiver's settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Accepted bearer tokens (empty: none required, for Unix sockets only).
+    pub tokens: Vec<String>,
+    /// The heartbeat period asked of nodes; a node silent for three is stale.
+    pub heartbeat: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings { tokens: Vec::new(), heartbeat: Duration::from_secs(10) }
+    }
+}
+
+/// The cluster view and everything that changes it.
+pub struct Cluster {
+    nodes: RwLock<HashMap<String, Arc<Mutex<Node>>>>,
+    events: broadcast::Sender<sp::ClusterEvent>,
+    sessions: AtomicU64,
+    pub settings: Settings,
+    pub counters: Counters,
+    pub started: Instant,
+}
+
+fn event(node: &str, kind: &str, c: &sp::NodeCapacity, gpus: Vec<String>) -> sp::ClusterEvent {
+    sp::ClusterEvent { node: node.to_string(), kind: kind.to_string(), epoch: c.epoch, sequence: c.sequence, gpus }
+}
+
+/// Constant-time comparison (a token check must not tell how much of a guess was right).
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// What is wrong with a node's capacity, if anything.
+fn check_gpus(gpus: &[sp::GpuCapacity]) -> Result<(), String> {
+    if gpus.len() > MAX_GPUS {
+        return Err(format!("{} GPUs (at most {MAX_GPUS})", gpus.len()));
+    }
+    for (i, g) in gpus.iter().enumerate() {
+        if g.uuid.is_empty() || g.uuid.len() > 96 {
+            return Err(format!("GPU {i} has no (or an oversized) uuid"));
+        }
+        if gpus[..i].iter().any(|o| o.uuid == g.uuid) {
+            return Err(format!("GPU {} listed twice", g.uuid));
+        }
+    }
+    Ok(())
+}
+
+impl Cluster {
+    pub fn new(settings: Settings) -> Arc<Cluster> {
+        Arc::new(Cluster {
+            nodes: RwLock::new(HashMap::new()),
+            events: broadcast::channel(8192).0,
+            sessions: AtomicU64::new(0),
+            settings,
+            counters: Counters::default(),
+            started: Instant::now(),
+        })
+    }
+
+    /// The tonic service nodes connect to.
+    pub fn capacity_service(self: &Arc<Self>) -> sp::capacity_server::CapacityServer<CapacitySvc> {
+        sp::capacity_server::CapacityServer::new(CapacitySvc(self.clone())).max_decoding_message_size(16 << 20)
+    }
+
+    /// The tonic service of the cluster view (`vgpuctl cluster status`), requests and events.
+    pub fn cluster_service(self: &Arc<Self>) -> sp::cluster_server::ClusterServer<ClusterSvc> {
+        sp::cluster_server::ClusterServer::new(ClusterSvc(self.clone()))
+    }
+
+    /// Applied changes as they happen (a slow reader loses the oldest and gets a "lagged" event).
+    pub fn subscribe(&self) -> broadcast::Receiver<sp::ClusterEvent> {
+        self.events.subscribe()
+    }
+
+    /// Every node (or one), as the receiver knows it now.
+    pub fn view(&self, only: Option<&str>) -> sp::ClusterStatus {
+        let stale_after = self.settings.heartbeat * 3;
+        let mut nodes: Vec<sp::NodeView> = self
+            .nodes
+            .read()
+            .iter()
+            .filter(|(k, _)| only.is_none_or(|o| o == k.as_str()))
+            .map(|(_, n)| {
+                let n = n.lock();
+                let ago = n.last_seen.elapsed();
+                sp::NodeView {
+                    capacity: Some(n.capacity.clone()),
+                    connected: n.connected,
+                    last_seen_ms_ago: ago.as_millis() as u64,
+                    stale: ago > stale_after,
+                    agent_version: n.agent_version.clone(),
+                    peer: n.peer.clone(),
+                    synced: n.in_sync,
+                }
+            })
+            .collect();
+        nodes.sort_by(|a, b| {
+            let name = |v: &sp::NodeView| v.capacity.as_ref().map(|c| c.node.clone()).unwrap_or_default();
+            name(a).cmp(&name(b))
+        });
+        sp::ClusterStatus { nodes }
+    }
+
+    /// (connected, known) node counts.
+    pub fn counts(&self) -> (usize, usize) {
+        let nodes = self.nodes.read();
+        (nodes.values().filter(|n| n.lock().connected).count(), nodes.len())
+    }
+
+    /// Sends `req` to `node` and waits for its answer.
+    pub async fn request(
+        &self,
+        node: &str,
+        mut req: sp::NodeRequest,
+        timeout: Duration,
+    ) -> Result<sp::RequestResult, Status> {
+        if req.id.is_empty() {
+            req.id = format!("r{}-{}", self.sessions.load(Relaxed), self.started.elapsed().as_nanos());
+        }
+        let (tx, rx) = oneshot::channel();
+        let out = {
+            let n = self.nodes.read().get(node).cloned().ok_or_else(|| Status::not_found(format!("no node {node}")))?;
+            let mut n = n.lock();
+            let out =
+                n.tx.clone()
+                    .filter(|_| n.connected)
+                    .ok_or_else(|| Status::unavailable(format!("node {node} is not connected")))?;
+            n.pending.insert(req.id.clone(), tx);
+            out
+        };
+        let id = req.id.clone();
+        out.send(Ok(sp::SchedulerMessage { body: Some(sp::scheduler_message::Body::Request(req)) }))
+            .await
+            .map_err(|_| Status::unavailable(format!("node {node} disconnected")))?;
+        let r = match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(_)) => Err(Status::unavailable(format!("node {node} disconnected before answering"))),
+            Err(_) => Err(Status::deadline_exceeded(format!("node {node} did not answer request {id} in time"))),
+        };
+        if let Some(n) = self.nodes.read().get(node) {
+            n.lock().pending.remove(&id);
+        }
+        match &r {
+            Ok(x) if x.ok => self.counters.requests_ok.fetch_add(1, Relaxed),
+            _ => self.counters.requests_failed.fetch_add(1, Relaxed),
+        };
+        r
+    }
+
+    /// Applies one message of a node's stream (under the node's lock, never across an await).
+    fn apply(&self, node: &Mutex<Node>, session: u64, hello: &sp::Hello, asked: &mut bool, m: sp::NodeMessage) -> Step {
+        let resync = |reason: String| {
+            Step::Answer(sp::SchedulerMessage {
+                body: Some(sp::scheduler_message::Body::Resync(sp::Resync { reason })),
+            })
+        };
+        let name = &hello.node;
+        let mut n = node.lock();
+        if n.session != session {
+            return Step::Stop; // replaced by a newer stream
+        }
+        n.last_seen = Instant::now();
+        match m.body {
+            Some(sp::node_message::Body::Snapshot(c)) => {
+                self.counters.snapshots.fetch_add(1, Relaxed);
+                if let Err(e) = check_gpus(&c.gpus) {
+                    return Step::Reject(Status::invalid_argument(format!("malformed snapshot: {e}")));
+                }
+                if &c.node != name || c.epoch != hello.epoch {
+                    return Step::Reject(Status::invalid_argument("malformed snapshot: of another node or epoch"));
+                }
+                let gpus = c.gpus.iter().map(|g| g.uuid.clone()).collect();
+                n.capacity = c;
+                n.in_sync = true;
+                *asked = false;
+                let _ = self.events.send(event(name, "snapshot", &n.capacity, gpus));
+                Step::Next
+            }
+            Some(sp::node_message::Body::Delta(d)) => {
+                self.counters.deltas.fetch_add(1, Relaxed);
+                let fits = n.in_sync && d.epoch == n.capacity.epoch && d.sequence == n.capacity.sequence + 1;
+                let valid = check_gpus(&d.changed).and_then(|_| {
+                    match d.removed.iter().find(|u| !n.capacity.gpus.iter().any(|g| &g.uuid == *u)) {
+                        Some(u) => Err(format!("removes unknown GPU {u}")),
+                        None => Ok(()),
+                    }
+                });
+                if fits && valid.is_ok() {
+                    let mut gpus: Vec<String> = d.changed.iter().map(|g| g.uuid.clone()).collect();
+                    let c = &mut n.capacity;
+                    for g in d.changed {
+                        match c.gpus.iter_mut().find(|x| x.uuid == g.uuid) {
+                            Some(x) => *x = g,
+                            None => c.gpus.push(g),
+                        }
+                    }
+                    c.gpus.retain(|g| !d.removed.contains(&g.uuid));
+                    c.gpus.sort_by_key(|g| g.index);
+                    c.sequence = d.sequence;
+                    c.timestamp_ms = d.timestamp_ms;
+                    gpus.extend(d.removed);
+                    let _ = self.events.send(event(name, "delta", c, gpus));
+                    return Step::Next;
+                }
+                n.in_sync = false;
+                if *asked {
+                    return Step::Next;
+                }
+                *asked = true;
+                self.counters.resyncs.fetch_add(1, Relaxed);
+                match valid {
+                    Err(e) => resync(format!("delta {}: {e}", d.sequence)),
+                    Ok(()) => resync(format!("delta {} does not follow {}", d.sequence, n.capacity.sequence)),
+                }
+            }
+            Some(sp::node_message::Body::Heartbeat(h)) => {
+                self.counters.heartbeats.fetch_add(1, Relaxed);
+                if n.in_sync && (h.epoch != n.capacity.epoch || h.sequence != n.capacity.sequence) && !*asked {
+                    n.in_sync = false;
+                    *asked = true;
+                    self.counters.resyncs.fetch_add(1, Relaxed);
+                    return resync(format!("heartbeat at {} but {} applied", h.sequence, n.capacity.sequence));
+                }
+                Step::Next
+            }
+            Some(sp::node_message::Body::Result(r)) => {
+                self.counters.results.fetch_add(1, Relaxed);
+                if let Some(w) = n.pending.remove(&r.id) {
+                    let _ = w.send(r);
+                }
+                Step::Next
+            }
+            Some(sp::node_message::Body::Hello(_)) => Step::Reject(Status::failed_precondition("a second Hello")),
+            None => Step::Next, // a message kind this version does not know
+        }
+    }
+
+    fn authorized<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        if self.settings.tokens.is_empty() {
+            return Ok(());
+        }
+        let got =
+            req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        match got {
+            Some(t) if self.settings.tokens.iter().any(|k| same(k.as_bytes(), t.trim().as_bytes())) => Ok(()),
+            _ => {
+                self.counters.rejected_auth.fetch_add(1, Relaxed);
+                Err(Status::unauthenticated("a valid bearer token is required"))
+            }
+        }
+    }
+
+    /// Serves one node's stream until it ends.
+    async fn serve_node(self: Arc<Self>, mut inbound: Streaming<sp::NodeMessage>, tx: Outbound, peer: String) {
+        let reject = |tx: &Outbound, s: Status| {
+            self.counters.rejected_malformed.fetch_add(1, Relaxed);
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(Err(s)).await;
+            }
+        };
+        let hello = match tokio::time::timeout(Duration::from_secs(10), inbound.message()).await {
+            Ok(Ok(Some(sp::NodeMessage { body: Some(sp::node_message::Body::Hello(h)) }))) => h,
+            Ok(Ok(Some(_))) => {
+                return reject(&tx, Status::failed_precondition("the first message must be a Hello")).await
+            }
+            Ok(Err(_)) | Ok(Ok(None)) => return,
+            Err(_) => return reject(&tx, Status::deadline_exceeded("no Hello within 10 s")).await,
+        };
+        if hello.protocol_version != PROTOCOL_VERSION {
+            let m = format!(
+                "protocol version {} is not supported (this receiver speaks {PROTOCOL_VERSION})",
+                hello.protocol_version
+            );
+            return reject(&tx, Status::failed_precondition(m)).await;
+        }
+        let name = hello.node.clone();
+        if name.is_empty() || name.len() > MAX_NAME || name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return reject(&tx, Status::invalid_argument("Hello.node must be a node name")).await;
+        }
+        let session = self.sessions.fetch_add(1, Relaxed) + 1;
+        let node = self
+            .nodes
+            .write()
+            .entry(name.clone())
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(Node {
+                    capacity: sp::NodeCapacity { node: name.clone(), ..Default::default() },
+                    in_sync: false,
+                    session: 0,
+                    tx: None,
+                    connected: false,
+                    last_seen: Instant::now(),
+                    agent_version: String::new(),
+                    peer: String::new(),
+                    pending: HashMap::new(),
+                }))
+            })
+            .clone();
+        {
+            let mut n = node.lock();
+            // A newer stream of the same node replaces the old one (its outbound side ends).
+            n.session = session;
+            n.tx = Some(tx.clone());
+            n.connected = true;
+            n.last_seen = Instant::now();
+            n.agent_version = hello.agent_version.clone();
+            n.peer = peer;
+            if n.capacity.epoch != hello.epoch {
+                n.in_sync = false;
+            }
+            let _ = self.events.send(event(&name, "connected", &n.capacity, vec![]));
+        }
+        let welcome = sp::SchedulerMessage {
+            body: Some(sp::scheduler_message::Body::Welcome(sp::Welcome {
+                protocol_version: PROTOCOL_VERSION,
+                heartbeat_interval_ms: self.settings.heartbeat.as_millis() as u32,
+            })),
+        };
+        if tx.send(Ok(welcome)).await.is_err() {
+            return;
+        }
+        // Whether a Resync is outstanding (sent, snapshot not yet come): one per gap.
+        let mut asked = false;
+        loop {
+            let m = match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(_) => break,
+            };
+            match self.apply(&node, session, &hello, &mut asked, m) {
+                Step::Next => {}
+                Step::Answer(a) => {
+                    if tx.send(Ok(a)).await.is_err() {
+                        break;
+                    }
+                }
+                Step::Reject(s) => return reject(&tx, s).await,
+                Step::Stop => break,
+            }
+        }
+        let mut n = node.lock();
+        if n.session == session {
+            n.connected = false;
+            n.tx = None;
+            n.pending.clear();
+            let _ = self.events.send(event(&name, "disconnected", &n.capacity, vec![]));
+        }
+    }
+}
+
+/// The `Capacity` service.
+pub struct CapacitySvc(Arc<Cluster>);
+
+type Out<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl sp::capacity_server::Capacity for CapacitySvc {
+    type ReportStream = Out<sp::SchedulerMessage>;
+
+    async fn report(&self, req: Request<Streaming<sp::NodeMessage>>) -> Result<Response<Self::ReportStream>, Status> {
+        self.0.counters.streams.fetch_add(1, Relaxed);
+        self.0.authorized(&req)?;
+        let peer = req.remote_addr().map(|a| a.to_string()).unwrap_or_else(|| "local".into());
+        let (tx, rx) = mpsc::channel(32);
+        tokio::spawn(self.0.clone().serve_node(req.into_inner(), tx, peer));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
+
+/// The `Cluster` service.
+pub struct ClusterSvc(Arc<Cluster>);
+
+#[tonic::async_trait]
+impl sp::cluster_server::Cluster for ClusterSvc {
+    async fn status(&self, req: Request<sp::ClusterStatusRequest>) -> Result<Response<sp::ClusterStatus>, Status> {
+        self.0.authorized(&req)?;
+        let only = req.into_inner().node;
+        Ok(Response::new(self.0.view((!only.is_empty()).then_some(only.as_str()))))
+    }
+
+    async fn request(&self, req: Request<sp::ClusterRequest>) -> Result<Response<sp::RequestResult>, Status> {
+        self.0.authorized(&req)?;
+        let r = req.into_inner();
+        let nr = r.request.ok_or_else(|| Status::invalid_argument("no request"))?;
+        let t = if r.timeout_ms == 0 { Duration::from_secs(30) } else { Duration::from_millis(r.timeout_ms as u64) };
+        Ok(Response::new(self.0.request(&r.node, nr, t).await?))
+    }
+
+    type WatchStream = Out<sp::ClusterEvent>;
+
+    async fn watch(&self, req: Request<sp::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        self.0.authorized(&req)?;
+        let rx = self.0.subscribe();
+        let s = tokio_stream::StreamExt::map(tokio_stream::wrappers::BroadcastStream::new(rx), |e| {
+            Ok(e.unwrap_or_else(|lag| sp::ClusterEvent { kind: format!("lagged: {lag}"), ..Default::default() }))
+        });
+        Ok(Response::new(Box::pin(s)))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,556 @@
+//! Capacity reporting (`vgpu.scheduler.v1`) over real sockets: the agent (a process on the simulated
+//! node) or in-process reporters against the `vgpu-receiver` binary with TLS and a bearer token.
+//! Snapshot then deltas reconstruct the agent's state exactly; receiver and agent restarts and a cut
+//! resync; bad certificates and tokens are refused; malformed streams are refused without harming
+//! other nodes; a MIG instance asked for through the receiver is made on the node.
+
+mod common;
+use common::agent::{bin, free_port, Agent};
+use common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vgpu_agent::report::{self, Endpoint, ReportConfig, ReporterState, Source};
+use vgpu_proto::scheduler::v1 as sp;
+
+/// The receiver as a process, with its certificates.
+struct Receiver {
+    child: Option<Child>,
+    dir: PathBuf,
+    port: u16,
+    metrics: u16,
+}
+
+fn gen_certs(dir: &Path) {
+    let o = Command::new(bin("vgpu-receiver")).args(["gen-certs", "--out"]).arg(dir).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+impl Receiver {
+    fn start(dir: &Path) -> Receiver {
+        gen_certs(dir);
+        let mut r = Receiver { child: None, dir: dir.to_owned(), port: free_port(), metrics: free_port() };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("receiver.log")).unwrap();
+        let d = &self.dir;
+        let c = Command::new(bin("vgpu-receiver"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port), "--heartbeat-ms", "500"])
+            .args(["--metrics-address", &format!("127.0.0.1:{}", self.metrics)])
+            .arg("--tls-cert")
+            .arg(d.join("server.pem"))
+            .arg("--tls-key")
+            .arg(d.join("server-key.pem"))
+            .arg("--token-file")
+            .arg(d.join("token"))
+            .stderr(log)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(c);
+        wait_until("the receiver listens", || std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok());
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    fn agent_env(&self, node: &str) -> Vec<(String, String)> {
+        vec![
+            ("VGPU_AGENT_SCHEDULER_ENDPOINT".into(), self.endpoint()),
+            ("VGPU_AGENT_SCHEDULER_CA".into(), self.dir.join("ca.pem").display().to_string()),
+            ("VGPU_AGENT_SCHEDULER_TOKEN_FILE".into(), self.dir.join("token").display().to_string()),
+            ("NODE_NAME".into(), node.into()),
+        ]
+    }
+
+    fn report_config(&self, node: &str) -> ReportConfig {
+        let mut c = ReportConfig::new(Endpoint::parse(&self.endpoint()).unwrap(), node.into());
+        c.ca = Some(self.dir.join("ca.pem"));
+        c.token_file = Some(self.dir.join("token"));
+        c.backoff_initial = Duration::from_millis(50);
+        c.backoff_max = Duration::from_millis(400);
+        c
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("receiver.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// A Cluster client of the receiver (TLS).
+async fn cluster(r: &Receiver) -> sp::cluster_client::ClusterClient<tonic::transport::Channel> {
+    let ch =
+        report::channel(&Endpoint::parse(&r.endpoint()).unwrap(), Some(&r.dir.join("ca.pem")), None).await.unwrap();
+    sp::cluster_client::ClusterClient::new(ch)
+}
+
+/// A request with the receiver's bearer token.
+fn authed<T>(r: &Receiver, msg: T) -> tonic::Request<T> {
+    let token = std::fs::read_to_string(r.dir.join("token")).unwrap();
+    let mut req = tonic::Request::new(msg);
+    req.metadata_mut().insert("authorization", format!("Bearer {}", token.trim()).parse().unwrap());
+    req
+}
+
+/// The receiver's view of `node` (None: unknown).
+fn node_view(rt: &tokio::runtime::Runtime, r: &Receiver, node: &str) -> Option<sp::NodeView> {
+    rt.block_on(async {
+        let mut c = cluster(r).await;
+        let v = c.status(authed(r, sp::ClusterStatusRequest { node: node.into() })).await.unwrap().into_inner();
+        v.nodes.into_iter().next()
+    })
+}
+
+/// A node's capacity without what differs between sender and receiver by design (sequence, time).
+fn comparable(c: &sp::NodeCapacity) -> Value {
+    let mut v = serde_json::to_value(c).unwrap();
+    for k in ["sequence", "timestamp_ms", "epoch"] {
+        v.as_object_mut().unwrap().remove(k);
+    }
+    v
+}
+
+/// What the agent itself reports now (`vgpuctl capacity --json`).
+fn agent_capacity(a: &Agent) -> Value {
+    serde_json::from_str(&a.ctl_ok(&["capacity", "--json"])).unwrap()
+}
+
+/// Waits until the receiver's view of `node` equals what the agent reports (GPU by GPU, field by
+/// field), and returns it.
+fn converged(rt: &tokio::runtime::Runtime, r: &Receiver, a: &Agent, node: &str, what: &str) -> sp::NodeView {
+    let t = Instant::now();
+    loop {
+        let mut want = agent_capacity(a)["capacity"].clone();
+        for k in ["sequence", "timestamp_ms", "epoch"] {
+            want.as_object_mut().unwrap().remove(k);
+        }
+        want["node"] = Value::from(node);
+        if let Some(v) = node_view(rt, r, node) {
+            if v.connected && v.synced && comparable(v.capacity.as_ref().unwrap()) == want {
+                return v;
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                panic!(
+                    "{what}: the receiver's view never matched the agent's\nreceiver: {}\nagent: {}\n{}\n{}",
+                    comparable(v.capacity.as_ref().unwrap()),
+                    want,
+                    a.log_text(),
+                    r.log()
+                );
+            }
+        } else if t.elapsed() > Duration::from_secs(20) {
+            panic!("{what}: node {node} never appeared\n{}\n{}", a.log_text(), r.log());
+        }
+        std::thread::sleep(Duration::from_millis(30));
+    }
+}
+
+fn metric(r: &Receiver, name: &str) -> f64 {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", r.metrics)).unwrap();
+    write!(c, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut s = String::new();
+    c.read_to_string(&mut s).unwrap();
+    s.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(f64::NAN)
+}
+
+fn envs(v: &[(String, String)]) -> Vec<(&str, &str)> {
+    v.iter().map(|(k, x)| (k.as_str(), x.as_str())).collect()
+}
+
+fn request(
+    rt: &tokio::runtime::Runtime,
+    r: &Receiver,
+    node: &str,
+    id: &str,
+    op: sp::node_request::Op,
+) -> sp::RequestResult {
+    rt.block_on(async {
+        let req = sp::ClusterRequest {
+            node: node.into(),
+            request: Some(sp::NodeRequest { id: id.into(), op: Some(op) }),
+            timeout_ms: 20_000,
+        };
+        cluster(r).await.request(authed(r, req)).await.unwrap().into_inner()
+    })
+}
+
+const NODE: &str = r#"
+[[gpu]]
+model = "H100-80GB"
+[[gpu]]
+model = "A100-40GB"
+[[gpu]]
+model = "L4"
+"#;
+
+#[test]
+fn snapshot_then_deltas_reconstruct_the_agents_state() {
+    let s = Sim::new(Some(NODE));
+    let r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    let env = r.agent_env("node-a");
+    let a = Agent::start(&s, &envs(&env));
+    let first = converged(&rt, &r, &a, "node-a", "first snapshot");
+    let c = first.capacity.unwrap();
+    assert_eq!(c.gpus.len(), 3);
+    assert_eq!(c.gpus[0].peers.len(), 2, "every other GPU is a peer");
+    assert!(c.gpus[1].mig.is_some() && c.gpus[2].mig.is_none(), "the A100 can do MIG, the L4 cannot");
+    for args in [
+        &["slice", "create", "--name", "j1", "--gpu", "0", "--memory", "8GiB", "--sm", "30"][..],
+        &["slice", "create", "--name", "j2", "--gpu", "0", "--sm", "50"],
+        &["slice", "create", "--name", "j3", "--gpu", "2", "--memory", "4GiB"],
+        &["slice", "update", "j1", "--gpu", "0", "--memory", "16GiB", "--sm", "20"],
+        &["slice", "delete", "j2"],
+    ] {
+        a.ctl_ok(args);
+        converged(&rt, &r, &a, "node-a", &args.join(" "));
+    }
+    let res = request(&rt, &r, "node-a", "drain-1", sp::node_request::Op::DrainGpu(sp::DrainGpu { gpu: "1".into() }));
+    assert!(res.ok, "{res:?}");
+    let v = converged(&rt, &r, &a, "node-a", "drain");
+    let g = &v.capacity.as_ref().unwrap().gpus;
+    assert_eq!(g[0].memory_allocatable, g[0].memory_total - (16 << 30));
+    assert_eq!((g[0].sm_allocatable, g[0].slices), (80, 1));
+    assert_eq!(g[2].sm_allocatable, 0, "a slice without an SM limit takes the GPU's time");
+    assert!(g[1].draining && g[1].memory_allocatable == 0);
+    // One snapshot, the rest deltas, no gaps.
+    assert_eq!(metric(&r, "vgpu_receiver_messages_total{kind=\"snapshot\"}"), 1.0, "{}", r.log());
+    assert!(metric(&r, "vgpu_receiver_messages_total{kind=\"delta\"}") >= 6.0);
+    assert_eq!(metric(&r, "vgpu_receiver_resyncs_total"), 0.0);
+}
+
+#[test]
+fn receiver_restart_cut_and_agent_restart_resync() {
+    let s = Sim::new(Some(NODE));
+    let mut r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    let env = r.agent_env("node-b");
+    let mut a = Agent::start(&s, &envs(&env));
+    let epoch = converged(&rt, &r, &a, "node-b", "first snapshot").capacity.unwrap().epoch;
+    // The receiver goes away; the node changes meanwhile; the receiver comes back.
+    r.kill();
+    wait_until("the agent notices", || agent_capacity(&a)["connected"] == false);
+    a.ctl_ok(&["slice", "create", "--name", "during-cut", "--gpu", "0", "--memory", "8GiB", "--sm", "25"]);
+    a.ctl_ok(&["slice", "create", "--name", "during-cut-2", "--gpu", "2", "--sm", "40"]);
+    std::thread::sleep(Duration::from_millis(300));
+    r.spawn();
+    let v = converged(&rt, &r, &a, "node-b", "after the receiver restarted");
+    assert_eq!(v.capacity.unwrap().epoch, epoch, "the same run of the agent");
+    assert!(agent_capacity(&a)["reconnects"].as_u64().unwrap() >= 1);
+    // The agent dies and comes back: a new epoch replaces what the receiver had.
+    a.sigkill();
+    wait_until("the receiver sees the node gone", || node_view(&rt, &r, "node-b").is_some_and(|v| !v.connected));
+    a.spawn(&s);
+    wait_until("the new run's snapshot", || {
+        node_view(&rt, &r, "node-b").is_some_and(|v| v.connected && v.synced && v.capacity.unwrap().epoch != epoch)
+    });
+    converged(&rt, &r, &a, "node-b", "after the agent restarted");
+}
+
+/// A synthetic node for in-process reporters.
+struct Fake {
+    cap: std::sync::Mutex<sp::NodeCapacity>,
+    n: tokio::sync::Notify,
+}
+
+impl Fake {
+    fn new(gpus: usize) -> Arc<Fake> {
+        let gpus = (0..gpus)
+            .map(|i| sp::GpuCapacity {
+                uuid: format!("GPU-fake-{i}"),
+                index: i as u32,
+                model: "NVIDIA H100 80GB HBM3".into(),
+                memory_total: 80 << 30,
+                memory_allocatable: 80 << 30,
+                sm_allocatable: 100,
+                healthy: true,
+                ..Default::default()
+            })
+            .collect();
+        Arc::new(Fake {
+            cap: std::sync::Mutex::new(sp::NodeCapacity { gpus, ..Default::default() }),
+            n: Default::default(),
+        })
+    }
+
+    fn set_free(&self, gpu: usize, bytes: u64) {
+        self.cap.lock().unwrap().gpus[gpu].memory_allocatable = bytes;
+        self.n.notify_one();
+    }
+}
+
+impl Source for Fake {
+    fn capacity(&self) -> sp::NodeCapacity {
+        self.cap.lock().unwrap().clone()
+    }
+    fn changed(&self) -> &tokio::sync::Notify {
+        &self.n
+    }
+    fn handle(&self, _: &sp::NodeRequest) -> sp::RequestResult {
+        sp::RequestResult { ok: true, ..Default::default() }
+    }
+}
+
+fn reporter(rt: &tokio::runtime::Runtime, cfg: ReportConfig, src: Arc<Fake>) -> Arc<ReporterState> {
+    let st = Arc::new(ReporterState::default());
+    rt.spawn(report::run(cfg, src, st.clone(), Arc::new(tokio::sync::Notify::new())));
+    st
+}
+
+#[test]
+fn bad_certificates_and_tokens_are_refused() {
+    let s = Sim::new(None);
+    let r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    let good = reporter(&rt, r.report_config("good"), Fake::new(2));
+    // A wrong token.
+    let bad_token = s.state.join("bad-token");
+    std::fs::write(&bad_token, "not-the-token\n").unwrap();
+    let mut c = r.report_config("wrong-token");
+    c.token_file = Some(bad_token);
+    let wrong_token = reporter(&rt, c, Fake::new(1));
+    // A CA that did not sign the receiver's certificate.
+    gen_certs(&s.state.join("other-ca"));
+    let mut c = r.report_config("wrong-ca");
+    c.ca = Some(s.state.join("other-ca").join("ca.pem"));
+    let wrong_ca = reporter(&rt, c, Fake::new(1));
+    wait_until("the refusals are seen", || {
+        !wrong_token.last_error.lock().is_empty() && !wrong_ca.last_error.lock().is_empty()
+    });
+    assert!(wrong_token.last_error.lock().contains("Unauthenticated"), "{}", wrong_token.last_error.lock());
+    let e = wrong_ca.last_error.lock().clone();
+    assert!(e.to_lowercase().contains("certificate") || e.contains("UnknownIssuer"), "{e}");
+    wait_until("the good node is in", || node_view(&rt, &r, "good").is_some_and(|v| v.connected));
+    assert!(node_view(&rt, &r, "wrong-token").is_none() && node_view(&rt, &r, "wrong-ca").is_none());
+    assert!(!wrong_token.connected.load(std::sync::atomic::Ordering::Relaxed));
+    assert!(metric(&r, "vgpu_receiver_rejected_auth_total") >= 1.0);
+    // The cluster view needs the token too.
+    let o = Command::new(bin("vgpuctl"))
+        .args(["cluster", "status", "--server", &r.endpoint(), "--ca"])
+        .arg(r.dir.join("ca.pem"))
+        .env_remove("VGPU_CLUSTER_TOKEN_FILE")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("bearer token"), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(bin("vgpuctl"))
+        .args(["cluster", "status", "--server", &r.endpoint(), "--ca"])
+        .arg(r.dir.join("ca.pem"))
+        .arg("--token-file")
+        .arg(r.dir.join("token"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && text.contains("NODE good") && text.contains("1 nodes (1 connected), 2 GPUs"),
+        "{text}"
+    );
+    drop(good);
+}
+
+/// Raw streams: what the receiver answers to each message list (the answers, or the error code).
+fn raw(
+    rt: &tokio::runtime::Runtime,
+    r: &Receiver,
+    msgs: Vec<sp::node_message::Body>,
+    token: bool,
+) -> Result<Vec<String>, (tonic::Code, String)> {
+    rt.block_on(async {
+        let ch =
+            report::channel(&Endpoint::parse(&r.endpoint()).unwrap(), Some(&r.dir.join("ca.pem")), None).await.unwrap();
+        let mut c = sp::capacity_client::CapacityClient::new(ch);
+        let stream = tokio_stream::iter(msgs.into_iter().map(|b| sp::NodeMessage { body: Some(b) }));
+        let req = if token { authed(r, stream) } else { tonic::Request::new(stream) };
+        let mut s = c.report(req).await.map_err(|e| (e.code(), e.message().to_string()))?.into_inner();
+        let mut got = Vec::new();
+        loop {
+            match s.message().await {
+                Ok(Some(m)) => got.push(match m.body {
+                    Some(sp::scheduler_message::Body::Welcome(_)) => "welcome".to_string(),
+                    Some(sp::scheduler_message::Body::Resync(x)) => format!("resync: {}", x.reason),
+                    other => format!("{other:?}"),
+                }),
+                Ok(None) => return Ok(got),
+                Err(e) => return Err((e.code(), format!("{got:?} then {}", e.message()))),
+            }
+        }
+    })
+}
+
+#[test]
+fn malformed_streams_are_refused_without_harming_other_nodes() {
+    use sp::node_message::Body as B;
+    let s = Sim::new(None);
+    let r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    let fake = Fake::new(8);
+    let _good = reporter(&rt, r.report_config("good"), fake.clone());
+    wait_until("the good node is in", || node_view(&rt, &r, "good").is_some_and(|v| v.connected && v.synced));
+    let before = node_view(&rt, &r, "good").unwrap().capacity.unwrap();
+
+    let hello = |node: &str, v: u32| {
+        B::Hello(sp::Hello { protocol_version: v, node: node.into(), agent_version: "x".into(), epoch: 7 })
+    };
+    let gpu = |u: &str| sp::GpuCapacity { uuid: u.into(), ..Default::default() };
+    let snap = |node: &str, gpus: Vec<sp::GpuCapacity>| {
+        B::Snapshot(sp::NodeCapacity { node: node.into(), epoch: 7, sequence: 1, gpus, ..Default::default() })
+    };
+    let delta = |seq: u64, removed: Vec<String>| {
+        B::Delta(sp::CapacityDelta { epoch: 7, sequence: seq, changed: vec![gpu("G1")], removed, ..Default::default() })
+    };
+    let e = raw(&rt, &r, vec![delta(2, vec![])], true).unwrap_err();
+    assert_eq!(e.0, tonic::Code::FailedPrecondition, "no Hello first: {e:?}");
+    let e = raw(&rt, &r, vec![hello("v99", 99)], true).unwrap_err();
+    assert!(e.0 == tonic::Code::FailedPrecondition && e.1.contains("protocol version 99"), "{e:?}");
+    let e = raw(&rt, &r, vec![hello("a b", 1)], true).unwrap_err();
+    assert_eq!(e.0, tonic::Code::InvalidArgument, "a node name with a space: {e:?}");
+    let e = raw(&rt, &r, vec![hello("dup", 1), snap("dup", vec![gpu("G1"), gpu("G1")])], true).unwrap_err();
+    assert!(e.0 == tonic::Code::InvalidArgument && e.1.contains("twice"), "{e:?}");
+    let e = raw(&rt, &r, vec![hello("other", 1), snap("good", vec![gpu("G1")])], true).unwrap_err();
+    assert_eq!(e.0, tonic::Code::InvalidArgument, "a snapshot naming another node: {e:?}");
+    let got = raw(&rt, &r, vec![hello("gap", 1), snap("gap", vec![gpu("G1")]), delta(5, vec![])], true).unwrap();
+    assert!(got.len() == 2 && got[1].starts_with("resync: delta 5 does not follow 1"), "{got:?}");
+    let got = raw(&rt, &r, vec![hello("ghost", 1), snap("ghost", vec![gpu("G1")]), delta(2, vec!["G9".into()])], true)
+        .unwrap();
+    assert!(got.len() == 2 && got[1].contains("removes unknown GPU G9"), "{got:?}");
+    let e = raw(&rt, &r, vec![hello("anon", 1)], false).unwrap_err();
+    assert_eq!(e.0, tonic::Code::Unauthenticated);
+    // The gap's delta was not applied.
+    let gap = node_view(&rt, &r, "gap").unwrap().capacity.unwrap();
+    assert_eq!((gap.sequence, gap.gpus.len()), (1, 1));
+    // The good node kept its state and its stream.
+    let after = node_view(&rt, &r, "good").unwrap();
+    assert!(after.connected);
+    assert_eq!(comparable(after.capacity.as_ref().unwrap()), comparable(&before));
+    fake.set_free(3, 12 << 30);
+    wait_until("the good node's change arrives", || {
+        node_view(&rt, &r, "good").unwrap().capacity.unwrap().gpus[3].memory_allocatable == 12 << 30
+    });
+    assert!(metric(&r, "vgpu_receiver_rejected_malformed_total") >= 5.0);
+}
+
+#[test]
+fn requests_from_the_receiver_are_carried_out_on_the_node() {
+    use sp::node_request::Op;
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"L4\"\n"));
+    assert_eq!(s.mig(0, &["mode:1"])[0]["ret"], 0);
+    let r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    let env = r.agent_env("node-m");
+    let a = Agent::start(&s, &envs(&env));
+    converged(&rt, &r, &a, "node-m", "first snapshot");
+    let mig = Op::CreateMigInstance(sp::CreateMigInstance {
+        gpu: "0".into(),
+        profile: "1g.10gb".into(),
+        ..Default::default()
+    });
+    let res = request(&rt, &r, "node-m", "mig-1", mig.clone());
+    let Some(sp::request_result::Detail::MigInstance(m)) = res.detail.clone() else {
+        panic!("{res:?}\n{}", a.log_text())
+    };
+    assert!(res.ok && m.profile == "1g.10gb" && m.mig_uuid.starts_with("MIG-"), "{res:?}");
+    // A retry with the same id gets the same answer and makes nothing more.
+    assert_eq!(request(&rt, &r, "node-m", "mig-1", mig), res);
+    let gis = s.mig(0, &["list"]);
+    assert_eq!(gis[0]["gpu_instances"].as_array().unwrap().len(), 1, "{gis:?}");
+    let v = converged(&rt, &r, &a, "node-m", "the instance in the view");
+    let mc = v.capacity.unwrap().gpus[0].mig.clone().unwrap();
+    assert_eq!(mc.instances.len(), 1);
+    assert_eq!((mc.instances[0].profile.as_str(), mc.instances[0].uuid.as_str()), ("1g.10gb", m.mig_uuid.as_str()));
+    let room = mc.room.iter().find(|x| x.profile == "1g.10gb").unwrap();
+    assert!(!room.starts.contains(&m.start) && room.starts.len() == 6, "{room:?}");
+    // Best fit without a profile: 20000 MiB is a 1g.20gb.
+    let res = request(
+        &rt,
+        &r,
+        "node-m",
+        "mig-2",
+        Op::CreateMigInstance(sp::CreateMigInstance { memory_mib: 20_000, ..Default::default() }),
+    );
+    let Some(sp::request_result::Detail::MigInstance(m2)) = res.detail else { panic!("{res:?}") };
+    assert_eq!(m2.profile, "1g.20gb");
+    let res = request(
+        &rt,
+        &r,
+        "node-m",
+        "mig-3",
+        Op::DeleteMigInstance(sp::DeleteMigInstance { gpu: "0".into(), gpu_instance_id: m.gpu_instance_id }),
+    );
+    assert!(res.ok, "{res:?}");
+    assert_eq!(s.mig(0, &["list"])[0]["gpu_instances"].as_array().unwrap().len(), 1);
+    converged(&rt, &r, &a, "node-m", "after deleting one");
+    // Errors come back as results.
+    let res = request(
+        &rt,
+        &r,
+        "node-m",
+        "mig-4",
+        Op::CreateMigInstance(sp::CreateMigInstance {
+            gpu: "1".into(),
+            profile: "1g.10gb".into(),
+            ..Default::default()
+        }),
+    );
+    assert!(!res.ok && res.error.contains("MIG"), "{res:?}");
+    // Slices, and drains that stop new ones.
+    let slice = |name: &str| {
+        Op::CreateSlice(sp::CreateSlice {
+            name: name.into(),
+            gpu: "1".into(),
+            memory: 4 << 30,
+            sm: 50,
+            ..Default::default()
+        })
+    };
+    let res = request(&rt, &r, "node-m", "s-1", slice("pod-a"));
+    let Some(sp::request_result::Detail::Slice(sd)) = res.detail else { panic!("{res:?}") };
+    assert!(sd.env.contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE"), "{sd:?}");
+    let res = request(&rt, &r, "node-m", "s-2", slice("on-mig").clone());
+    assert!(res.ok);
+    let res = request(
+        &rt,
+        &r,
+        "node-m",
+        "s-3",
+        Op::CreateSlice(sp::CreateSlice { name: "x".into(), gpu: "0".into(), ..Default::default() }),
+    );
+    assert!(!res.ok && res.error.contains("MIG mode"), "{res:?}");
+    assert!(request(&rt, &r, "node-m", "d-1", Op::DrainGpu(sp::DrainGpu { gpu: "1".into() })).ok);
+    let res = request(&rt, &r, "node-m", "s-4", slice("pod-b"));
+    assert!(!res.ok && res.error.contains("drained"), "{res:?}");
+    let v = converged(&rt, &r, &a, "node-m", "drained");
+    assert!(v.capacity.unwrap().gpus[1].draining);
+    assert!(a.ctl_ok(&["slice", "list"]).contains("pod-a"));
+}
