@@ -95,7 +95,7 @@ impl ReportConfig {
             node,
             heartbeat: Duration::from_secs(10),
             backoff_initial: Duration::from_millis(500),
-            backoff_max: Duration::from_secs(30),
+            backoff_max: Duration::from_secs(10),
         }
     }
 }
@@ -202,7 +202,7 @@ pub fn new_epoch() -> u64 {
 /// The GPUs of `now` that differ from `last`, and those gone; None when node-level fields changed
 /// (a snapshot is sent instead).
 pub fn diff(last: &sp::NodeCapacity, now: &sp::NodeCapacity) -> Option<(Vec<sp::GpuCapacity>, Vec<String>)> {
-    if last.driver_version != now.driver_version || last.cuda_version != now.cuda_version || last.node != now.node {
+    if last.driver_version != now.driver_version || last.cuda_version != now.cuda_version {
         return None;
     }
     let changed = now.gpus.iter().filter(|g| last.gpus.iter().find(|l| l.uuid == g.uuid) != Some(g)).cloned().collect();
