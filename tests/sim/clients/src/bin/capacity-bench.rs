@@ -306,7 +306,7 @@ fn main() {
         }
         {
             let mut c = src.cap.lock().unwrap();
-            c.gpus[(i % 4) as usize].memory_allocatable -= 1 << 20;
+            c.gpus[i % 4].memory_allocatable -= 1 << 20;
         }
         pending.entry(name.clone()).or_default().push_back(Instant::now());
         src.n.notify_one();
