@@ -133,6 +133,11 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                 assert!(spec.node_selector.unwrap().contains_key("nvidia.com/gpu.present"));
                 let c = &spec.containers[0];
                 assert!(c.env.as_ref().unwrap().iter().any(|e| e.name == "NODE_NAME" && e.value_from.is_some()));
+                // Capacity reporting is off by default and its Secret optional.
+                let ep = c.env.as_ref().unwrap().iter().find(|e| e.name == "VGPU_AGENT_SCHEDULER_ENDPOINT").unwrap();
+                assert_eq!(ep.value.as_deref(), Some(""));
+                let sched = spec.volumes.as_ref().unwrap().iter().find(|v| v.name == "scheduler").unwrap();
+                assert_eq!(sched.secret.as_ref().unwrap().optional, Some(true));
                 let mounts: Vec<String> =
                     c.volume_mounts.as_ref().unwrap().iter().map(|m| m.mount_path.clone()).collect();
                 for p in ["/var/lib/vgpu", "/run/vgpu", "/var/lib/kubelet/device-plugins", "/var/run/cdi", "/etc/vgpu"]
@@ -158,4 +163,26 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
     v2["serviceMonitor"] = yaml_serde::Value::Bool(true);
     let sm = render(&std::fs::read_to_string(chart.join("templates/servicemonitor.yaml")).unwrap(), &v2);
     assert!(sm.contains("kind: ServiceMonitor") && sm.contains("port: 9394"), "{sm}");
+}
+
+#[test]
+fn the_receiver_renders_when_enabled() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::Service;
+    let chart = root().join("packaging/helm/vgpu");
+    let mut values: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let t = std::fs::read_to_string(chart.join("templates/receiver.yaml")).unwrap();
+    assert!(render(&t, &values).trim().is_empty(), "off by default");
+    values["receiver"] = yaml_serde::Value::Bool(true);
+    let r = render(&t, &values);
+    let docs: Vec<&str> = r.split("\n---\n").collect();
+    let d: Deployment = yaml_serde::from_str(docs[0]).unwrap();
+    let spec = d.spec.unwrap().template.spec.unwrap();
+    let c = &spec.containers[0];
+    assert_eq!(c.command.as_ref().unwrap()[0], "/usr/local/bin/vgpu-receiver");
+    assert!(c.args.as_ref().unwrap().contains(&"--listen=0.0.0.0:9400".to_string()));
+    assert_eq!(spec.volumes.unwrap()[0].secret.as_ref().unwrap().secret_name.as_deref(), Some("vgpu-receiver-tls"));
+    let svc: Service = yaml_serde::from_str(docs[1]).unwrap();
+    assert_eq!(svc.spec.unwrap().ports.unwrap()[0].port, 9400);
 }
