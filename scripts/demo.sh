@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Quick start: builds vgpu and the simulated GPU node, starts the node agent on it, creates two
-# slices on one GPU with vgpuctl, runs a workload in each (and one outside every slice), and shows
-# `vgpuctl status` and some metrics. Needs only cargo and a C compiler.
+# Quick start: builds vgpu and the simulated GPU node, starts the node agent on it (streaming its
+# capacity to a local vgpu-receiver), creates two slices on one GPU with vgpuctl, runs a workload in
+# each (and one outside every slice), and shows `vgpuctl status`, some metrics and the receiver's
+# cluster view. Needs only cargo and a C compiler.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== building (release)"
-cargo build --release -q -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients -p vgpu-preload -p vgpu-node-agent
+cargo build --release -q -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients -p vgpu-preload -p vgpu-node-agent -p vgpu-receiver
 T=$PWD/target/release
 mkdir -p "$T/sim-lib"
 ln -sfn ../libcuda.so "$T/sim-lib/libcuda.so.1"
@@ -28,10 +29,16 @@ pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     [ -n "${agent:-}" ] && kill -TERM "$agent" 2>/dev/null && wait "$agent" 2>/dev/null
+    [ -n "${receiver:-}" ] && kill -TERM "$receiver" 2>/dev/null && wait "$receiver" 2>/dev/null
     wait 2>/dev/null || true
     rm -rf "$DEMO"
 }
 trap cleanup EXIT
+
+echo "== starting vgpu-receiver (the reference capacity receiver) on a Unix socket"
+"$T/vgpu-receiver" serve --unix "$DEMO/receiver.sock" 2>"$DEMO/receiver.log" &
+receiver=$!
+export VGPU_AGENT_SCHEDULER_ENDPOINT=unix://$DEMO/receiver.sock NODE_NAME=demo-node
 
 echo "== starting vgpu-node-agent on the simulated node (log: $DEMO/agent.log)"
 export VGPU_AGENT_LIBRARY=$T/libvgpu.so VGPU_AGENT_CDI_DIR=$DEMO/cdi VGPU_AGENT_KUBELET_DIR=$DEMO/kubelet
@@ -76,6 +83,9 @@ echo "== some metrics (Prometheus, HAMi names and vgpu's)"
 addr=$(grep -o 'serving metrics address=[0-9.:]*' "$DEMO/agent.log" | cut -d= -f2)
 curl -s "http://$addr/metrics" 2>/dev/null | grep -E '^(hami_vgpu_memory_used_bytes|hami_container_device_utilization_ratio|vgpu_escapes_total|vgpu_agent_loop_seconds)[{ ]' |
     head -8 || echo "(curl not installed: metrics at http://$addr/metrics)"
+echo
+echo "== what the central scheduler sees (vgpuctl cluster status, from the receiver)"
+"$T/vgpuctl" cluster status --server "unix://$DEMO/receiver.sock"
 wait "${pids[1]}" "${pids[2]}"
 echo
 echo "5 ms kernels run per slice in 4 s (train 30 %, notebook 60 %; 800 would be the whole GPU):"

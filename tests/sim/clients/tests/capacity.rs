@@ -554,3 +554,23 @@ fn requests_from_the_receiver_are_carried_out_on_the_node() {
     assert!(v.capacity.unwrap().gpus[1].draining);
     assert!(a.ctl_ok(&["slice", "list"]).contains("pod-a"));
 }
+
+#[test]
+fn a_unix_socket_endpoint_needs_no_tls() {
+    let s = Sim::new(None);
+    let sock = s.state.join("receiver.sock");
+    let mut child =
+        Command::new(bin("vgpu-receiver")).args(["serve", "--unix"]).arg(&sock).stderr(Stdio::null()).spawn().unwrap();
+    wait_until("the socket is there", || sock.exists());
+    let rt = rt();
+    let ep = format!("unix://{}", sock.display());
+    let st = reporter(&rt, ReportConfig::new(Endpoint::parse(&ep).unwrap(), "local".into()), Fake::new(3));
+    wait_until("the node connects", || st.connected.load(std::sync::atomic::Ordering::Relaxed));
+    let o = Command::new(bin("vgpuctl")).args(["cluster", "status", "--server", &ep, "--json"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["nodes"][0]["capacity"]["node"], "local");
+    assert_eq!(v["nodes"][0]["capacity"]["gpus"].as_array().unwrap().len(), 3);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
