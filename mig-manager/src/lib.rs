@@ -16,3 +16,32 @@ pub mod backend;
 pub mod config;
 pub mod model;
 pub mod planner;
+
+/// Entry points of the fuzz targets (`fuzz/`), also run over the stored corpora by the unit tests.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// A mig-parted file: parsed, or refused with a message; what parses resolves for an A100.
+    pub fn mig_config(data: &[u8]) {
+        let Ok(text) = std::str::from_utf8(data) else { return };
+        match crate::config::File::parse(text) {
+            Ok(f) => {
+                let _ = format!("{f:?}");
+            }
+            Err(e) => assert!(!e.to_string().is_empty()),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_fuzz_corpus_runs_cleanly() {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/mig_config");
+            let mut n = 0;
+            for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+                super::mig_config(&std::fs::read(e.unwrap().path()).unwrap());
+                n += 1;
+            }
+            assert!(n > 0);
+        }
+    }
+}

@@ -132,7 +132,23 @@ impl Config {
             None if Path::new(DEFAULT_CONFIG_PATH).exists() => Self::read(Path::new(DEFAULT_CONFIG_PATH))?,
             None => FileConfig::default(),
         };
-        let where_ = path.as_ref().map_or("configuration".to_string(), |p| p.display().to_string());
+        Self::build(file, path.as_deref(), flags, env)
+    }
+
+    /// The configuration a TOML text gives alone (no environment, no flags).
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let file: FileConfig =
+            toml::from_str(text).map_err(|e| ConfigError(format!("configuration: {}", e.to_string().trim_end())))?;
+        Self::build(file, None, &Flags::default(), |_| None)
+    }
+
+    fn build(
+        file: FileConfig,
+        path: Option<&Path>,
+        flags: &Flags,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let where_ = path.map_or("configuration".to_string(), |p| p.display().to_string());
         let bad = |key: &str, msg: String| ConfigError(format!("{where_}: {key}: {msg}"));
 
         let state_dir = flags

@@ -19,3 +19,47 @@ pub mod monitor;
 pub mod procfs;
 pub mod report;
 pub mod slices;
+
+/// Entry points of the fuzz targets (`fuzz/`), also run over the stored corpora by the unit tests.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// A HAMi or Volcano device annotation, both encodings: decoded or refused, never a panic.
+    pub fn hami_decode(data: &[u8]) {
+        let s = String::from_utf8_lossy(data);
+        for trailing in [false, true] {
+            if let Ok(v) = crate::hami::decode(&s, trailing) {
+                for c in v.iter().flatten() {
+                    assert!(c.uuid.len() <= s.len());
+                }
+            }
+        }
+    }
+
+    /// The agent's TOML configuration: accepted or refused with a message naming the key.
+    pub fn agent_config(data: &[u8]) {
+        if let Ok(text) = std::str::from_utf8(data) {
+            if let Err(e) = crate::config::Config::from_toml(text) {
+                assert!(!e.0.is_empty());
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        fn corpus(target: &str, f: fn(&[u8])) {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus").join(target);
+            let mut n = 0;
+            for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+                f(&std::fs::read(e.unwrap().path()).unwrap());
+                n += 1;
+            }
+            assert!(n > 0);
+        }
+
+        #[test]
+        fn the_fuzz_corpora_run_cleanly() {
+            corpus("hami_decode", super::hami_decode);
+            corpus("agent_config", super::agent_config);
+        }
+    }
+}

@@ -211,9 +211,10 @@ impl Monitor {
             let Some(c) = self.regions.get(&s.name) else { continue };
             // A process NVML lists (by host PID, or as last attributed) is alive: no lock test, except
             // in every tenth pass (a PID reused within a pass cannot hide a death for long).
-            pass.reclaimed += c.region.reap_where(|pid, host| {
+            let freed = c.region.reap_where(|pid, host| {
                 full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(s.name.as_str(), pid)))
             });
+            pass.reclaimed = pass.reclaimed.saturating_add(freed);
             let live: Vec<LiveSlot> = c.region.slots().into_iter().map(|(_, p, h, u)| (p, h, u)).collect();
             for (pid, host, _) in &live {
                 if *host != 0 {

@@ -254,10 +254,14 @@ impl Cluster {
                 self.counters.deltas.fetch_add(1, Relaxed);
                 let fits = n.in_sync && d.epoch == n.capacity.epoch && d.sequence == n.capacity.sequence + 1;
                 let valid = check_gpus(&d.changed).and_then(|_| {
-                    match d.removed.iter().find(|u| !n.capacity.gpus.iter().any(|g| &g.uuid == *u)) {
-                        Some(u) => Err(format!("removes unknown GPU {u}")),
-                        None => Ok(()),
+                    if let Some(u) = d.removed.iter().find(|u| !n.capacity.gpus.iter().any(|g| &g.uuid == *u)) {
+                        return Err(format!("removes unknown GPU {u}"));
                     }
+                    let added = d.changed.iter().filter(|g| !n.capacity.gpus.iter().any(|x| x.uuid == g.uuid)).count();
+                    if n.capacity.gpus.len() + added > MAX_GPUS {
+                        return Err(format!("would make more than {MAX_GPUS} GPUs"));
+                    }
+                    Ok(())
                 });
                 if fits && valid.is_ok() {
                     let mut gpus: Vec<String> = d.changed.iter().map(|g| g.uuid.clone()).collect();
@@ -309,6 +313,45 @@ impl Cluster {
         }
     }
 
+    /// Makes (or takes over) the node's entry for a new stream; returns it and the session id.
+    fn register(&self, hello: &sp::Hello, tx: Outbound, peer: String) -> (Arc<Mutex<Node>>, u64) {
+        let name = hello.node.clone();
+        let session = self.sessions.fetch_add(1, Relaxed) + 1;
+        let node = self
+            .nodes
+            .write()
+            .entry(name.clone())
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(Node {
+                    capacity: sp::NodeCapacity { node: name.clone(), ..Default::default() },
+                    in_sync: false,
+                    session: 0,
+                    tx: None,
+                    connected: false,
+                    last_seen: Instant::now(),
+                    agent_version: String::new(),
+                    peer: String::new(),
+                    pending: HashMap::new(),
+                }))
+            })
+            .clone();
+        {
+            let mut n = node.lock();
+            // A newer stream of the same node replaces the old one (its outbound side ends).
+            n.session = session;
+            n.tx = Some(tx);
+            n.connected = true;
+            n.last_seen = Instant::now();
+            n.agent_version = hello.agent_version.clone();
+            n.peer = peer;
+            if n.capacity.epoch != hello.epoch {
+                n.in_sync = false;
+            }
+            let _ = self.events.send(event(&name, "connected", &n.capacity, vec![]));
+        }
+        (node, session)
+    }
+
     fn authorized<T>(&self, req: &Request<T>) -> Result<(), Status> {
         if self.settings.tokens.is_empty() {
             return Ok(());
@@ -352,39 +395,7 @@ impl Cluster {
         if name.is_empty() || name.len() > MAX_NAME || name.chars().any(|c| c.is_control() || c.is_whitespace()) {
             return reject(&tx, Status::invalid_argument("Hello.node must be a node name")).await;
         }
-        let session = self.sessions.fetch_add(1, Relaxed) + 1;
-        let node = self
-            .nodes
-            .write()
-            .entry(name.clone())
-            .or_insert_with(|| {
-                Arc::new(Mutex::new(Node {
-                    capacity: sp::NodeCapacity { node: name.clone(), ..Default::default() },
-                    in_sync: false,
-                    session: 0,
-                    tx: None,
-                    connected: false,
-                    last_seen: Instant::now(),
-                    agent_version: String::new(),
-                    peer: String::new(),
-                    pending: HashMap::new(),
-                }))
-            })
-            .clone();
-        {
-            let mut n = node.lock();
-            // A newer stream of the same node replaces the old one (its outbound side ends).
-            n.session = session;
-            n.tx = Some(tx.clone());
-            n.connected = true;
-            n.last_seen = Instant::now();
-            n.agent_version = hello.agent_version.clone();
-            n.peer = peer;
-            if n.capacity.epoch != hello.epoch {
-                n.in_sync = false;
-            }
-            let _ = self.events.send(event(&name, "connected", &n.capacity, vec![]));
-        }
+        let (node, session) = self.register(&hello, tx.clone(), peer);
         let welcome = sp::SchedulerMessage {
             body: Some(sp::scheduler_message::Body::Welcome(sp::Welcome {
                 protocol_version: PROTOCOL_VERSION,
@@ -469,6 +480,48 @@ impl sp::cluster_server::Cluster for ClusterSvc {
             Ok(e.unwrap_or_else(|lag| sp::ClusterEvent { kind: format!("lagged: {lag}"), ..Default::default() }))
         });
         Ok(Response::new(Box::pin(s)))
+    }
+}
+
+/// Entry points of the fuzz targets (`fuzz/`), also run over the stored corpora by the unit tests.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// Length-delimited `NodeMessage`s as one node's stream (the first, if a Hello, introduces it):
+    /// applied in order; every outcome is an answer, a refusal or nothing, never a panic.
+    pub fn messages(data: &[u8]) {
+        let mut buf = data;
+        let mut msgs = Vec::new();
+        while !buf.is_empty() && msgs.len() < 64 {
+            match <sp::NodeMessage as prost::Message>::decode_length_delimited(&mut buf) {
+                Ok(m) => msgs.push(m),
+                Err(_) => break,
+            }
+        }
+        let c = Cluster::new(Settings::default());
+        let hello = match msgs.first().and_then(|m| m.body.clone()) {
+            Some(sp::node_message::Body::Hello(h)) if !h.node.is_empty() => h,
+            _ => sp::Hello {
+                protocol_version: PROTOCOL_VERSION,
+                node: "fuzz".into(),
+                agent_version: String::new(),
+                epoch: 7,
+            },
+        };
+        let (tx, _rx) = mpsc::channel(1);
+        let (node, session) = c.register(&hello, tx, "fuzz".into());
+        let mut asked = false;
+        for m in msgs {
+            if let Step::Reject(_) | Step::Stop = c.apply(&node, session, &hello, &mut asked, m) {
+                break;
+            }
+        }
+        let v = c.view(None);
+        for n in &v.nodes {
+            let cap = n.capacity.as_ref().expect("a capacity");
+            assert!(check_gpus(&cap.gpus).is_ok() || !n.synced, "an applied state is always well-formed");
+        }
     }
 }
 

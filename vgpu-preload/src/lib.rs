@@ -25,3 +25,37 @@ mod sm;
 mod state;
 
 pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;
+
+/// Entry points of the fuzz targets (`fuzz/`), also run over the stored corpora by the unit tests.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// `KEY=VALUE` lines as the process environment: the configuration must be read without a panic,
+    /// every problem reported as a message.
+    pub fn env(data: &[u8]) {
+        let text = String::from_utf8_lossy(data);
+        let vars: Vec<(&str, &str)> = text.lines().filter_map(|l| l.split_once('=')).collect();
+        let c = crate::config::Config::from_lookup(|k| {
+            vars.iter().rev().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        });
+        for e in &c.errors {
+            assert!(!e.is_empty());
+        }
+        for (_, v) in &vars {
+            let _ = crate::config::parse_size(v);
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_fuzz_corpus_runs_cleanly() {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/env_config");
+            let mut n = 0;
+            for e in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+                super::env(&std::fs::read(e.unwrap().path()).unwrap());
+                n += 1;
+            }
+            assert!(n > 0);
+        }
+    }
+}
