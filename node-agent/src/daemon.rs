@@ -31,6 +31,9 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o755));
     let store = SliceStore::open(&cfg.state_dir).map_err(|e| e.to_string())?;
+    for repair in store.recover() {
+        tracing::warn!(%repair, "slice store repaired after an interrupted change");
+    }
     let library = if cfg.library.exists() {
         let l = install_library(&cfg.library, &cfg.state_dir.join("lib"), VERSION).map_err(|e| e.to_string())?;
         tracing::info!(library = %l.display(), "libvgpu.so installed for containers");

@@ -115,6 +115,10 @@ impl SliceStore {
             return Err(SliceError(format!("SM limit {} % of {} is above 100", g.sm, g.uuid)));
         }
         let dir = self.dir(name);
+        // A directory without its record is what an interrupted create or delete left: not a slice.
+        if dir.is_dir() && !dir.join("slice.json").exists() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
         std::fs::create_dir(&dir).map_err(|e| match e.kind() {
             std::io::ErrorKind::AlreadyExists => SliceError(format!("slice {name} already exists")),
             _ => SliceError(format!("cannot create {}: {e}", dir.display())),
@@ -159,11 +163,11 @@ impl SliceStore {
         Ok(v)
     }
 
-    /// Changes limits; running processes apply them at their next allocation or launch.
+    /// Changes limits; running processes apply them at their next allocation or launch. The record
+    /// is written first: an agent killed before the regions follow brings them in line at its next
+    /// start ([`recover`](Self::recover)).
     pub fn update(&self, name: &str, gpus: &[SliceGpu]) -> Result<Slice> {
         let mut s = self.get(name)?;
-        let limits = Region::open(&self.dir(name).join("limits"), true).map_err(|e| SliceError(e.to_string()))?;
-        let region = Region::open(&self.dir(name).join("region"), true).map_err(|e| SliceError(e.to_string()))?;
         for g in gpus {
             let i = s
                 .gpus
@@ -173,14 +177,79 @@ impl SliceStore {
             if g.sm > 100 {
                 return Err(SliceError(format!("SM limit {} % is above 100", g.sm)));
             }
-            for r in [&limits, &region] {
-                r.set_mem_limit(i, g.memory).map_err(|e| SliceError(e.to_string()))?;
-                r.set_sm_limit(i, g.sm).map_err(|e| SliceError(e.to_string()))?;
-            }
             s.gpus[i] = g.clone();
         }
         write_atomic(&self.dir(name).join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
+        self.apply_limits(&s)?;
         Ok(s)
+    }
+
+    /// Writes a slice's limits from its record into its limits file and region (where they differ).
+    fn apply_limits(&self, s: &Slice) -> Result<bool> {
+        let mut changed = false;
+        for f in ["limits", "region"] {
+            let r = Region::open(&self.dir(&s.name).join(f), true).map_err(|e| SliceError(e.to_string()))?;
+            for (i, g) in s.gpus.iter().enumerate() {
+                if r.mem_limit(i) != g.memory {
+                    r.set_mem_limit(i, g.memory).map_err(|e| SliceError(e.to_string()))?;
+                    changed = true;
+                }
+                if r.sm_limit(i) != g.sm {
+                    r.set_sm_limit(i, g.sm).map_err(|e| SliceError(e.to_string()))?;
+                    changed = true;
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Brings the store to a consistent state after an agent was killed mid-change (run at start):
+    /// a directory without a record (an interrupted create or delete) is removed; a slice whose
+    /// limits file or region is missing or unreadable gets new ones; limits that differ from the
+    /// record are rewritten. Returns one line per repair.
+    pub fn recover(&self) -> Vec<String> {
+        let mut done = Vec::new();
+        let Ok(rd) = std::fs::read_dir(&self.root) else { return done };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let dir = e.path();
+            if !valid_name(&name) || !dir.is_dir() {
+                continue;
+            }
+            let s = match self.get(&name) {
+                Ok(s) => s,
+                Err(_) if !dir.join("slice.json").exists() => {
+                    if std::fs::remove_dir_all(&dir).is_ok() {
+                        done.push(format!("removed {}: an interrupted create or delete", dir.display()));
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    done.push(format!("left {} alone: {e}", dir.display()));
+                    continue;
+                }
+            };
+            for f in ["limits", "region"] {
+                let p = dir.join(f);
+                if Region::open(&p, true).is_err() {
+                    let _ = std::fs::remove_file(&p);
+                    let init = || Init {
+                        devices: s.gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(),
+                        standalone: false,
+                    };
+                    match Region::open_or_create(&p, init) {
+                        Ok(_) => done.push(format!("recreated {} (missing or unreadable)", p.display())),
+                        Err(e) => done.push(format!("cannot recreate {}: {e}", p.display())),
+                    }
+                }
+            }
+            match self.apply_limits(&s) {
+                Ok(true) => done.push(format!("slice {name}: limits brought in line with its record")),
+                Ok(false) => {}
+                Err(e) => done.push(format!("slice {name}: {e}")),
+            }
+        }
+        done
     }
 
     /// Deletes a slice. Refused while processes of the container are alive, unless `force`.
@@ -199,6 +268,9 @@ impl SliceStore {
                 }
             }
         }
+        // The record goes first: a deletion interrupted after it leaves a directory that is no
+        // longer a slice, which the next create or start removes.
+        std::fs::remove_file(dir.join("slice.json")).map_err(io(format!("cannot remove {}", dir.display())))?;
         std::fs::remove_dir_all(&dir).map_err(io(format!("cannot remove {}", dir.display())))
     }
 
@@ -253,6 +325,40 @@ pub fn install_library(src: &Path, lib_dir: &Path, version: &str) -> Result<Path
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_interrupted_change_is_repaired_at_start() {
+        let (st, d) = store();
+        let gpu = |m| vec![super::SliceGpu { uuid: "GPU-a".into(), memory: m, sm: 30 }];
+        st.create("ok", gpu(1 << 30), Default::default()).unwrap();
+        st.create("drift", gpu(1 << 30), Default::default()).unwrap();
+        st.create("lost", gpu(2 << 30), Default::default()).unwrap();
+        // Killed during a create (the record not yet written) and during a delete (record gone).
+        std::fs::create_dir(st.dir("half")).unwrap();
+        std::fs::write(st.dir("half").join("region"), b"partial").unwrap();
+        // Killed after an update wrote its record, before the regions followed.
+        let mut s = st.get("drift").unwrap();
+        s.gpus[0].memory = 3 << 30;
+        super::write_atomic(&st.dir("drift").join("slice.json"), &serde_json::to_vec(&s).unwrap()).unwrap();
+        // A limits file gone and a region overwritten.
+        std::fs::remove_file(st.dir("lost").join("limits")).unwrap();
+        std::fs::write(st.dir("lost").join("region"), vec![0xffu8; 4096]).unwrap();
+        // A new slice of the half-made one's name works even before recovery.
+        let repairs = st.recover();
+        assert_eq!(repairs.len(), 4, "{repairs:?}");
+        assert!(!st.dir("half").exists());
+        assert_eq!(st.list().unwrap().iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["drift", "lost", "ok"]);
+        for f in ["limits", "region"] {
+            let r = vgpu_region::Region::open(&st.dir("drift").join(f), false).unwrap();
+            assert_eq!(r.mem_limit(0), 3 << 30, "{f}");
+            let r = vgpu_region::Region::open(&st.dir("lost").join(f), false).unwrap();
+            assert_eq!((r.mem_limit(0), r.sm_limit(0), r.device_uuid(0).as_str()), (2 << 30, 30, "GPU-a"), "{f}");
+        }
+        assert!(st.recover().is_empty(), "nothing left to repair");
+        std::fs::create_dir(st.dir("again")).unwrap();
+        st.create("again", gpu(1 << 30), Default::default()).expect("a leftover directory does not block a create");
+        std::fs::remove_dir_all(d).ok();
+    }
+
     use super::*;
 
     fn store() -> (SliceStore, PathBuf) {

@@ -1,0 +1,151 @@
+//! Fault injection with real signals: processes SIGKILLed at random points while they allocate and
+//! free, and the agent SIGKILLed at random points while slices are created, changed and deleted.
+//! Afterwards the accounting must be exact again, nothing may be stuck, and the agent must come back
+//! consistent. `VGPU_FAULT_ITERATIONS` sets the number of kills (CI runs the default; the long run
+//! uses 1000: `VGPU_FAULT_ITERATIONS=1000 cargo test -p vgpu-sim-clients --test faults`).
+
+mod common;
+use common::agent::{bin, Agent};
+use common::*;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use vgpu_region::Region;
+
+const MIB: u64 = 1 << 20;
+
+fn iterations(default: usize) -> usize {
+    std::env::var("VGPU_FAULT_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// A small xorshift for the kill points (seeded from the clock; printed, so a failure can be rerun).
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Rng {
+        let seed = std::env::var("VGPU_FAULT_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+        });
+        eprintln!("fault injection seed: VGPU_FAULT_SEED={seed}");
+        Rng(seed)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Waits for a child, killing it (and failing) past `limit`: a hang is a failure, not a stuck test.
+fn wait_bounded(mut c: Child, limit: Duration, what: &str) -> std::process::Output {
+    let t = Instant::now();
+    loop {
+        if c.try_wait().unwrap().is_some() {
+            return c.wait_with_output().unwrap();
+        }
+        if t.elapsed() > limit {
+            let _ = c.kill();
+            let o = c.wait_with_output().unwrap();
+            panic!("{what} did not finish within {limit:?} (a deadlock?): {}", String::from_utf8_lossy(&o.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn processes_killed_while_allocating_and_freeing_leave_exact_accounting() {
+    let s = Sim::new(Some("context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
+    let limit = [("CUDA_DEVICE_MEMORY_LIMIT", "2g")];
+    let mut rng = Rng::new();
+    let n = iterations(40);
+    for i in 0..n {
+        // Four threads allocating and freeing 1-16 MiB as fast as they can, killed somewhere in
+        // start-up, context creation, or the middle of an allocation or a free.
+        let size = format!("{}m", 1 + rng.below(16));
+        let mut c = s.limited(RT, &limit);
+        c.args(["threads", "--threads", "4", "--iters", "1000000", "--size", &size])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut child = c.spawn().unwrap();
+        std::thread::sleep(Duration::from_micros(500 + rng.below(30_000)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // A sibling can still use the whole quota at once: the dead process's share came back (the
+        // interposer reclaims at its first refusal), and nothing is left locked.
+        let mut c = s.limited(RT, &limit);
+        c.args(["alloc", "--size", "1920m", "--chunk", "1920m"]).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let o = wait_bounded(c.spawn().unwrap(), Duration::from_secs(20), "the next process");
+        let v = lines(&o.stdout).into_iter().find(|v| v["event"] == "allocated").unwrap_or_default();
+        assert_eq!(
+            v["allocated"].as_u64(),
+            Some(1920 * MIB),
+            "iteration {i} (size {size}): the whole quota less one context is allocatable: {v}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    // Every process is gone: the region and the simulated driver both account nothing.
+    let r = Region::open(&s.region_path(), true).unwrap();
+    r.reap();
+    assert_eq!(r.used(0), 0, "the region after {n} kills");
+    assert!(r.slots().is_empty());
+    let t = Instant::now();
+    while s.status()["gpus"][0]["memory_used"].as_u64() != Some(0) {
+        assert!(t.elapsed() < Duration::from_secs(5), "the driver still holds memory: {}", s.status());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn the_agent_killed_during_slice_changes_comes_back_consistent() {
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    let mut a = Agent::start(&s, &[]);
+    let mut rng = Rng::new();
+    let names = ["s0", "s1", "s2", "s3"];
+    for i in 0..iterations(8).min(100) {
+        // vgpuctl changing slices in a loop, as fast as the agent answers.
+        let socket = a.socket.clone();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let st = stop.clone();
+        let churn = std::thread::spawn(move || {
+            let mut k = 0u64;
+            while !st.load(std::sync::atomic::Ordering::Relaxed) {
+                let name = names[(k % 4) as usize];
+                let mem = format!("{}GiB", 1 + k % 7);
+                let args: Vec<&str> = match k % 3 {
+                    0 => vec!["slice", "create", "--name", name, "--gpu", "0", "--memory", &mem, "--sm", "20"],
+                    1 => vec!["slice", "update", name, "--gpu", "0", "--memory", &mem, "--sm", "30"],
+                    _ => vec!["slice", "delete", name],
+                };
+                let _ = Command::new(bin("vgpuctl")).env("VGPU_SOCKET", &socket).args(&args).output();
+                k += 1;
+            }
+        });
+        std::thread::sleep(Duration::from_millis(20 + rng.below(200)));
+        a.sigkill();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        churn.join().unwrap();
+        a.spawn(&s);
+        // After the restart: every directory is a slice, and every slice's files agree with its record.
+        let listed = a.ctl_ok(&["--json", "slice", "list"]);
+        let listed: Vec<serde_json::Value> = serde_json::from_str(&listed).unwrap();
+        let root = a.state.join("slices");
+        for e in std::fs::read_dir(&root).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let rec = listed.iter().find(|d| d["name"] == name.as_str());
+            assert!(rec.is_some(), "iteration {i}: {name} is a directory but not a slice\n{}", a.log_text());
+            let rec = rec.unwrap();
+            for f in ["limits", "region"] {
+                let r = Region::open(&e.path().join(f), false)
+                    .unwrap_or_else(|err| panic!("iteration {i}: {name}/{f}: {err}\n{}", a.log_text()));
+                assert_eq!(r.mem_limit(0), rec["gpus"][0]["memory"].as_u64().unwrap(), "iteration {i}: {name}/{f}");
+                assert_eq!(r.sm_limit(0) as u64, rec["gpus"][0]["sm"].as_u64().unwrap(), "iteration {i}: {name}/{f}");
+            }
+        }
+        // Every name can be made again (nothing half-made blocks it).
+        for n in names {
+            let _ = a.ctl(&["slice", "delete", n]);
+            a.ctl_ok(&["slice", "create", "--name", n, "--gpu", "0", "--memory", "1GiB"]);
+            a.ctl_ok(&["slice", "delete", n]);
+        }
+    }
+}
