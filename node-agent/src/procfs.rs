@@ -129,6 +129,7 @@ mod tests {
         assert_ne!(p, libc::MAP_FAILED);
         let id = file_id(&f).unwrap();
         assert_eq!(mapped(me, &[(id, 7)]), Some(&7));
+        // SAFETY: unmaps the one page this function mapped above, not used after.
         unsafe { libc::munmap(p, 4096) };
         assert_eq!(mapped(me, &[(id, 7)]), None, "gone once unmapped");
         std::fs::remove_file(f).ok();

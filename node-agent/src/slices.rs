@@ -127,6 +127,12 @@ impl SliceStore {
             || Init { devices: gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(), standalone: false };
         let made = (|| {
             Region::open_or_create(&dir.join("limits"), init).map_err(|e| SliceError(e.to_string()))?;
+            // Only the agent writes limits (containers get the file read-only; on the host, other
+            // users must not raise them). The region stays writable by every user: a container's
+            // processes, whatever their uid, account their usage in it.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.join("limits"), std::fs::Permissions::from_mode(0o644))
+                .map_err(io(format!("cannot restrict {}", dir.join("limits").display())))?;
             Region::open_or_create(&dir.join("region"), init).map_err(|e| SliceError(e.to_string()))?;
             let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
             let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels };
@@ -238,7 +244,13 @@ impl SliceStore {
                         standalone: false,
                     };
                     match Region::open_or_create(&p, init) {
-                        Ok(_) => done.push(format!("recreated {} (missing or unreadable)", p.display())),
+                        Ok(_) => {
+                            if f == "limits" {
+                                use std::os::unix::fs::PermissionsExt;
+                                let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644));
+                            }
+                            done.push(format!("recreated {} (missing or unreadable)", p.display()))
+                        }
                         Err(e) => done.push(format!("cannot recreate {}: {e}", p.display())),
                     }
                 }

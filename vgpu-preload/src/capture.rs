@@ -50,18 +50,22 @@ pub fn ptsz(s: CUstream) -> CUstream {
 }
 
 pub unsafe fn begin_v1(real: f::cuStreamBeginCapture, s: CUstream) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     opened(unsafe { real(s) })
 }
 
 pub unsafe fn begin_v1_ptsz(real: f::cuStreamBeginCapture_ptsz, s: CUstream) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     opened(unsafe { real(s) })
 }
 
 pub unsafe fn begin(real: f::cuStreamBeginCapture_v2, s: CUstream, mode: i32) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     opened(unsafe { real(s, mode) })
 }
 
 pub unsafe fn begin_ptsz(real: f::cuStreamBeginCapture_v2_ptsz, s: CUstream, mode: i32) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     opened(unsafe { real(s, mode) })
 }
 
@@ -74,6 +78,7 @@ pub unsafe fn begin_to_graph(
     n: usize,
     mode: i32,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     opened(unsafe { real(s, g, deps, data, n, mode) })
 }
 
@@ -86,6 +91,7 @@ pub unsafe fn begin_to_graph_ptsz(
     n: usize,
     mode: i32,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     opened(unsafe { real(s, g, deps, data, n, mode) })
 }
 
@@ -100,10 +106,12 @@ fn ended(was: bool, r: CUresult) -> CUresult {
 
 pub unsafe fn end(real: f::cuStreamEndCapture, s: CUstream, g: *mut CUgraph) -> CUresult {
     let was = capturing(s);
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     ended(was, unsafe { real(s, g) })
 }
 
 pub unsafe fn end_ptsz(real: f::cuStreamEndCapture_ptsz, s: CUstream, g: *mut CUgraph) -> CUresult {
     let was = capturing(ptsz(s));
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     ended(was, unsafe { real(s, g) })
 }

@@ -70,23 +70,28 @@ unsafe fn linear(dptr: *mut CUdeviceptr, size: usize, counted: bool, call: impl 
 }
 
 pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     unsafe { linear(dptr, size, true, || real(dptr, size)) }
 }
 
 pub unsafe fn alloc_v1(real: f::cuMemAlloc, dptr: *mut u32, size: u32) -> CUresult {
     let st = state();
     if dptr.is_null() || size == 0 {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dptr, size) };
     }
     let (_, d) = tri!(current(st));
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = charged(st, d, size as u64, || unsafe { real(dptr, size) });
     if r == OK {
+        // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
         st.ptrs.insert(unsafe { *dptr } as u64, pack(d, size as u64));
     }
     r
 }
 
 pub unsafe fn alloc_managed(real: f::cuMemAllocManaged, dptr: *mut CUdeviceptr, size: usize, flags: u32) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     unsafe { linear(dptr, size, state().cfg.count_managed, || real(dptr, size, flags)) }
 }
 
@@ -101,6 +106,7 @@ pub unsafe fn alloc_pitch(
 ) -> CUresult {
     let st = state();
     if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dptr, pitch, width, height, elem) };
     }
     let (_, d) = tri!(current(st));
@@ -108,10 +114,12 @@ pub unsafe fn alloc_pitch(
     else {
         return CUresult::OUT_OF_MEMORY;
     };
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = charged(st, d, estimate, || unsafe { real(dptr, pitch, width, height, elem) });
     if r != OK {
         return r;
     }
+    // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
     let (p, actual) = unsafe { (*dptr, *pitch as u64 * height as u64) };
     let bytes = settle(st, d, estimate, actual, || unsafe {
         if let Some(free) = driver().helpers.cuMemFree_v2 {
@@ -155,16 +163,19 @@ fn freed(r: CUresult, dptr: CUdeviceptr) -> CUresult {
 }
 
 pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     freed(unsafe { real(dptr) }, dptr)
 }
 
 pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     freed(unsafe { real(dptr) }, dptr as u64)
 }
 
 // ----- stream-ordered allocator: charged at the requested size when allocated -----
 
 pub unsafe fn alloc_async(real: f::cuMemAllocAsync, dptr: *mut CUdeviceptr, size: usize, s: CUstream) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     unsafe { linear(dptr, size, true, || real(dptr, size, s)) }
 }
 
@@ -175,10 +186,12 @@ pub unsafe fn alloc_from_pool(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     unsafe { linear(dptr, size, true, || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     freed(unsafe { real(dptr, s) }, dptr)
 }
 
@@ -200,12 +213,15 @@ pub unsafe fn vmm_create(
     let d = tri!(st.dev_of(p.location.id));
     let mut g = 0usize;
     let gran = match driver().helpers.cuMemGetAllocationGranularity {
+        // SAFETY: an out-pointer to a local and the caller's allocation properties.
         Some(gf) if unsafe { gf(&mut g, prop, 0) } == OK && g > 0 => g as u64,
         _ => 1,
     };
     let bytes = (size as u64).div_ceil(gran) * gran;
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = charged(st, d, bytes, || unsafe { real(handle, size, prop, flags) });
     if r == OK {
+        // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
         st.handles.insert(unsafe { *handle } | VMM_TAG, pack(d, bytes));
     }
     r
@@ -217,6 +233,7 @@ const ARRAY_TAG: u64 = 1 << 62;
 const CTX_TAG: u64 = 1 << 61;
 
 pub unsafe fn vmm_release(real: f::cuMemRelease, handle: u64) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(handle) };
     if r == OK {
         let st = state();
@@ -346,6 +363,7 @@ fn release_handle(key: u64) {
 }
 
 pub unsafe fn array_destroy(real: f::cuArrayDestroy, arr: CUarray) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(arr) };
     if r == OK {
         release_handle(arr as u64 | ARRAY_TAG);
@@ -354,6 +372,7 @@ pub unsafe fn array_destroy(real: f::cuArrayDestroy, arr: CUarray) -> CUresult {
 }
 
 pub unsafe fn mipmapped_destroy(real: f::cuMipmappedArrayDestroy, arr: CUmipmappedArray) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(arr) };
     if r == OK {
         release_handle(arr as u64 | ARRAY_TAG);
@@ -366,15 +385,18 @@ pub unsafe fn mipmapped_destroy(real: f::cuMipmappedArrayDestroy, arr: CUmipmapp
 pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
     let st = state();
     let d = tri!(st.dev_of(dev));
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let Some(refs) = st.primary_refs.get(dev as usize) else { return unsafe { real(pctx, dev) } };
     let _g = st.primary_lock.lock().unwrap_or_else(|p| p.into_inner());
     if refs.load(std::sync::atomic::Ordering::Acquire) > 0 {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         let r = unsafe { real(pctx, dev) };
         if r == OK {
             refs.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         }
         return r;
     }
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = context_charged(st, d, st.cfg.context_overhead, || unsafe { real(pctx, dev) });
     if r == OK {
         refs.store(1, std::sync::atomic::Ordering::Release);
@@ -384,6 +406,7 @@ pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcon
 
 pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice) -> CUresult {
     let st = state();
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(dev) };
     if r != OK {
         return r;
@@ -401,18 +424,22 @@ pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice)
 pub unsafe fn ctx_create(real: f::cuCtxCreate_v2, pctx: *mut CUcontext, flags: u32, dev: CUdevice) -> CUresult {
     let st = state();
     if pctx.is_null() {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(pctx, flags, dev) };
     }
     let d = tri!(st.dev_of(dev));
     let bytes = st.cfg.context_overhead;
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = context_charged(st, d, bytes, || unsafe { real(pctx, flags, dev) });
     if r == OK {
+        // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
         st.handles.insert(unsafe { *pctx } as u64 | CTX_TAG, pack(d, bytes));
     }
     r
 }
 
 pub unsafe fn ctx_destroy(real: f::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(ctx) };
     if r == OK {
         release_handle(ctx as u64 | CTX_TAG);
@@ -437,9 +464,11 @@ fn visible_info(st: &State) -> Result<Option<(u64, u64)>, CUresult> {
 
 pub unsafe fn get_info_v2(real: f::cuMemGetInfo_v2, free: *mut usize, total: *mut usize) -> CUresult {
     if free.is_null() || total.is_null() {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(free, total) };
     }
     match tri!(visible_info(state())) {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         None => unsafe { real(free, total) },
         Some((f, t)) => {
             // SAFETY: non-null out-pointers from the caller.
@@ -454,9 +483,11 @@ pub unsafe fn get_info_v2(real: f::cuMemGetInfo_v2, free: *mut usize, total: *mu
 
 pub unsafe fn get_info_v1(real: f::cuMemGetInfo, free: *mut u32, total: *mut u32) -> CUresult {
     if free.is_null() || total.is_null() {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(free, total) };
     }
     match tri!(visible_info(state())) {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         None => unsafe { real(free, total) },
         Some((f, t)) => {
             // SAFETY: non-null out-pointers from the caller.
@@ -470,6 +501,7 @@ pub unsafe fn get_info_v1(real: f::cuMemGetInfo, free: *mut u32, total: *mut u32
 }
 
 pub unsafe fn total_mem_v2(real: f::cuDeviceTotalMem_v2, bytes: *mut usize, dev: CUdevice) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(bytes, dev) };
     if r == OK {
         let st = state();
@@ -485,6 +517,7 @@ pub unsafe fn total_mem_v2(real: f::cuDeviceTotalMem_v2, bytes: *mut usize, dev:
 }
 
 pub unsafe fn total_mem_v1(real: f::cuDeviceTotalMem, bytes: *mut u32, dev: CUdevice) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(bytes, dev) };
     if r == OK {
         let st = state();

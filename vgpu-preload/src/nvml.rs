@@ -77,6 +77,7 @@ fn slice(total: u64, d: usize, limit: u64) -> (u64, u64) {
 }
 
 pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: *mut NvmlMemory) -> NvmlReturn {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(dev, m) };
     if r == NVML_SUCCESS && !m.is_null() {
         if let Some((d, limit)) = limited_device(dev) {
@@ -90,6 +91,7 @@ pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: 
 }
 
 pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevice, m: *mut NvmlMemoryV2) -> NvmlReturn {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(dev, m) };
     if r == NVML_SUCCESS && !m.is_null() {
         if let Some((d, limit)) = limited_device(dev) {
@@ -110,13 +112,16 @@ pub unsafe fn processes(
     infos: *mut NvmlProcessInfo,
 ) -> NvmlReturn {
     if count.is_null() || limited_device(dev).is_none() {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dev, count, infos) };
     }
     let st = state();
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let Some(region) = st.region.as_ref() else { return unsafe { real(dev, count, infos) } };
     // Ask for the whole list into our own buffer, growing it as NVML asks.
     let mut buf: Vec<NvmlProcessInfo> = Vec::new();
     let mut n = 0u32;
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let mut r = unsafe { real(dev, &mut n, std::ptr::null_mut()) };
     for _ in 0..4 {
         if r != NVML_ERROR_INSUFFICIENT_SIZE {
@@ -127,6 +132,7 @@ pub unsafe fn processes(
             n as usize,
             NvmlProcessInfo { pid: 0, used_gpu_memory: 0, gpu_instance_id: 0, compute_instance_id: 0 },
         );
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         r = unsafe { real(dev, &mut n, buf.as_mut_ptr()) };
     }
     if r != NVML_SUCCESS {

@@ -26,6 +26,7 @@ pub unsafe fn get_v1(
     ver: i32,
     flags: u64,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     unsafe { rewrite(real(sym, pfn, ver, flags), pfn) }
 }
 
@@ -37,5 +38,6 @@ pub unsafe fn get_v2(
     flags: u64,
     status: *mut i32,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     unsafe { rewrite(real(sym, pfn, ver, flags, status), pfn) }
 }

@@ -316,6 +316,7 @@ pub unsafe fn launch_kernel(
     p: *mut *mut c_void,
     e: *mut *mut c_void,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(k as u64, s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
 }
 
@@ -333,6 +334,7 @@ pub unsafe fn launch_kernel_ptsz(
     p: *mut *mut c_void,
     e: *mut *mut c_void,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(k as u64, ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
 }
 
@@ -373,6 +375,7 @@ pub unsafe fn launch_cooperative(
     s: CUstream,
     p: *mut *mut c_void,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(k as u64, s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
 }
 
@@ -389,6 +392,7 @@ pub unsafe fn launch_cooperative_ptsz(
     s: CUstream,
     p: *mut *mut c_void,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(k as u64, ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
 }
 
@@ -410,5 +414,6 @@ pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) 
 }
 
 pub unsafe fn graph_launch_ptsz(real: f::cuGraphLaunch_ptsz, g: CUgraphExec, s: CUstream) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(g as u64, ptsz(s), || unsafe { real(g, s) })
 }

@@ -39,6 +39,14 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     assert!(out.contains("-e CUDA_DEVICE_MEMORY_LIMIT_0=1024m") && out.contains("/usr/local/vgpu/limits:ro"), "{out}");
     let j1: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "job1", "--json"])).unwrap();
     let j1 = j1["slice"].clone();
+    // On disk: the state directory and the slice's record are the agent's to write; the limits file
+    // is the agent's alone (0644); the region is writable by the container's processes, whatever
+    // their uid (0666).
+    let mode = |p: std::path::PathBuf| std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+    let sd = a.state.join("slices/job1");
+    assert_eq!(mode(a.state.clone()), 0o755);
+    assert_eq!((mode(sd.join("limits")), mode(sd.join("region"))), (0o644, 0o666));
+    assert_eq!(mode(sd.join("slice.json")) & 0o022, 0, "the record is not writable by others");
     // Its CDI spec: the same edits, for CDI-enabled runtimes.
     assert_eq!(j1["cdi_device"], "vgpu.io/slice=job1");
     let cdi: Value = serde_json::from_slice(&std::fs::read(a.state.join("cdi/vgpu-job1.json")).unwrap()).unwrap();

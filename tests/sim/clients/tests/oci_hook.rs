@@ -79,10 +79,17 @@ fn runc_containers_get_their_slice_through_the_hook() {
 
     // Asks for 1 GiB and 30 %: mounted, limits read-only, preload file in place.
     let b1 = s.state.join("bundle1");
-    let script = "cat /etc/ld.so.preload; ls /usr/local/vgpu; \
-                  (echo x >> /usr/local/vgpu/limits) 2>/dev/null && echo LIMITS-WRITABLE || echo LIMITS-READONLY; \
-                  (echo x >> /usr/local/vgpu/libvgpu.so) 2>/dev/null && echo LIB-WRITABLE || echo LIB-READONLY; \
-                  wc -c < /usr/local/vgpu/limits";
+    // Another container's slice exists: the container must not see it (nor the agent's state).
+    a.ctl_ok(&["slice", "create", "--name", "other", "--gpu", "0", "--memory", "2GiB"]);
+    let script = format!(
+        "cat /etc/ld.so.preload; ls /usr/local/vgpu; \
+         (echo x >> /usr/local/vgpu/limits) 2>/dev/null && echo LIMITS-WRITABLE || echo LIMITS-READONLY; \
+         (echo x >> /usr/local/vgpu/libvgpu.so) 2>/dev/null && echo LIB-WRITABLE || echo LIB-READONLY; \
+         (ls {0}/slices/other || ls {0}) >/dev/null 2>&1 && echo OTHERS-VISIBLE || echo OTHERS-HIDDEN; \
+         wc -c < /usr/local/vgpu/limits",
+        a.state.display()
+    );
+    let script = script.as_str();
     bundle(&b1, &["VGPU_MEMORY=1GiB", "VGPU_SM=30", "VGPU_GPUS=0"], script, &hook, &a.socket);
     let out = run(&b1, &id);
     let lines: Vec<&str> = out.lines().collect();
@@ -91,6 +98,7 @@ fn runc_containers_get_their_slice_through_the_hook() {
         assert!(lines.contains(&f), "{f} missing in\n{out}");
     }
     assert!(out.contains("LIMITS-READONLY") && out.contains("LIB-READONLY"), "{out}");
+    assert!(out.contains("OTHERS-HIDDEN"), "another container's slice is out of reach: {out}");
     let size: u64 = lines.last().unwrap().trim().parse().unwrap();
     assert_eq!(size, vgpu_region::TOTAL_SIZE as u64, "the slice's limits region");
     // The agent made the slice with the asked limits, and poststop removed it.
