@@ -3,7 +3,11 @@
 //! memory and CPU share over a window, and `vgpuctl status` end to end (process start, connect, RPC,
 //! render), against the budgets (30 MiB, 1 % of one core, 50 ms).
 //!
-//! usage: agent-bench [--quick] [--seconds N] [--gpus N] [--slices N]
+//! usage: agent-bench [--quick] [--seconds N] [--gpus N] [--slices N] [--soak SECONDS]
+//!
+//! `--soak S` replaces the measurement with a soak: S seconds of churn (processes killed and
+//! replaced, slices deleted and made again, four changes a second) with the agent's memory, CPU and
+//! open files sampled every 30 s, and a check that no slice directory or region slot leaked.
 //!
 //! The agent's CPU includes what its NVML calls cost, here the simulator's (which checks process
 //! liveness on every query, where a driver already knows). To tell the two apart, the same run also
@@ -183,6 +187,38 @@ fn main() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    if let Some(i) = args.iter().position(|a| a == "--soak") {
+        let secs: u64 = args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or(600);
+        let spawn = |i: usize, size: &str| -> Child {
+            let sd = work.join("state/slices").join(format!("s{i:03}"));
+            let mut p = Command::new(&app);
+            env(&mut p);
+            p.env("LD_PRELOAD", &libvgpu)
+                .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", sd.join("region"))
+                .env("VGPU_LIMITS_FILE", sd.join("limits"))
+                .env("CUDA_VISIBLE_DEVICES", &uuids[i % ngpus])
+                .args(["alloc", "--size", size, "--hold"])
+                .stdout(Stdio::null());
+            p.spawn().unwrap()
+        };
+        let ctl_ok = |args: &[&str]| {
+            let mut c = Command::new(&ctl);
+            env(&mut c);
+            let o = c.args(args).output().unwrap();
+            assert!(o.status.success(), "vgpuctl {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        };
+        soak(agent.id(), secs, nslices, &mut procs, &spawn, &ctl_ok, &work, ngpus);
+        for mut p in procs {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+        let _ = agent.wait();
+        let _ = std::fs::remove_dir_all(&work);
+        return;
+    }
+
     // The window.
     let pid = agent.id();
     let (t0, _, _) = usage(pid);
@@ -248,4 +284,100 @@ fn main() {
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     let _ = agent.wait();
     let _ = std::fs::remove_dir_all(&work);
+}
+
+/// Open file descriptors of a process.
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// The soak: for `secs`, four times a second one slice's process is SIGKILLed and replaced (with
+/// another allocation size), and every other time the slice itself is deleted and made again; the
+/// agent's memory, CPU and open files are sampled every 30 s. At the end every slice must have
+/// exactly its one live process accounted, and the state directory exactly the slices.
+#[allow(clippy::too_many_arguments)]
+fn soak(
+    pid: u32,
+    secs: u64,
+    nslices: usize,
+    procs: &mut [Child],
+    spawn: &dyn Fn(usize, &str) -> Child,
+    ctl_ok: &dyn Fn(&[&str]),
+    work: &std::path::Path,
+    ngpus: usize,
+) {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let start = Instant::now();
+    let (mut last_ticks, rss0, _) = usage(pid);
+    let fd0 = fds(pid);
+    let mut last = Instant::now();
+    let mut samples = Vec::new();
+    let mut churn = 0u64;
+    println!("soak: {nslices} slices on {ngpus} GPUs, one process each, churn 4/s, {secs} s");
+    println!("  {:>6}  {:>9}  {:>8}  {:>5}  {:>8}", "t (s)", "RSS (MiB)", "CPU (%)", "fds", "churned");
+    println!("  {:>6}  {:>9.1}  {:>8}  {:>5}  {:>8}", 0, rss0 as f64 / 1048576.0, "-", fd0, 0);
+    while start.elapsed() < Duration::from_secs(secs) {
+        std::thread::sleep(Duration::from_millis(250));
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let i = (x % nslices as u64) as usize;
+        let _ = procs[i].kill();
+        let _ = procs[i].wait();
+        if churn % 2 == 1 {
+            let name = format!("s{i:03}");
+            ctl_ok(&["slice", "delete", &name, "--force"]);
+            let gpu = (i % ngpus).to_string();
+            ctl_ok(&["slice", "create", "--name", &name, "--gpu", &gpu, "--memory", "4GiB", "--sm", "10"]);
+        }
+        procs[i] = spawn(i, &format!("{}m", 16 + (x >> 20) % 64));
+        churn += 1;
+        if last.elapsed() >= Duration::from_secs(30) {
+            let (ticks, rss, _) = usage(pid);
+            let cpu = (ticks - last_ticks) as f64 / hz / last.elapsed().as_secs_f64() * 100.0;
+            last_ticks = ticks;
+            last = Instant::now();
+            let f = fds(pid);
+            println!(
+                "  {:>6.0}  {:>9.1}  {:>8.2}  {:>5}  {:>8}",
+                start.elapsed().as_secs_f64(),
+                rss as f64 / 1048576.0,
+                cpu,
+                f,
+                churn
+            );
+            samples.push((rss, cpu, f));
+        }
+    }
+    // Let the agent see the last changes, then check what is on disk and in the regions.
+    std::thread::sleep(Duration::from_secs(2));
+    let dirs = std::fs::read_dir(work.join("state/slices")).unwrap().count();
+    let mut extra_slots = 0;
+    for i in 0..nslices {
+        let r = vgpu_region::Region::open(&work.join("state/slices").join(format!("s{i:03}/region")), true).unwrap();
+        r.reap();
+        extra_slots += r.slots().len().saturating_sub(1);
+    }
+    let (first, lastv) = (samples.first().copied(), samples.last().copied());
+    println!("  {churn} processes killed and replaced, {} slices deleted and made again", churn / 2);
+    println!(
+        "  slice directories: {dirs} (expected {nslices}); slots held by dead processes after reaping: {extra_slots}"
+    );
+    if let (Some(a), Some(b)) = (first, lastv) {
+        let cpus: Vec<f64> = samples.iter().map(|s| s.1).collect();
+        println!(
+            "  RSS {:.1} -> {:.1} MiB over the run ({:+.1} MiB from the first sample); CPU {:.2}-{:.2} %; open files {} -> {}",
+            a.0 as f64 / 1048576.0,
+            b.0 as f64 / 1048576.0,
+            (b.0 as f64 - a.0 as f64) / 1048576.0,
+            cpus.iter().cloned().fold(f64::MAX, f64::min),
+            cpus.iter().cloned().fold(0.0, f64::max),
+            a.2,
+            b.2
+        );
+    }
+    assert_eq!(dirs, nslices, "leaked or lost slice directories");
+    assert_eq!(extra_slots, 0, "slots of dead processes left");
 }
