@@ -17,6 +17,10 @@ use std::time::{Duration, Instant};
 const INVENTORY_REFRESH: Duration = Duration::from_secs(30);
 
 pub fn run(cfg: Config) -> Result<u64, String> {
+    // Past a file-size limit (ulimit -f), writes fail with EFBIG like on a full disk, instead of the
+    // signal killing the agent.
+    // SAFETY: setting a signal's disposition to SIG_IGN has no preconditions.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(4)

@@ -151,7 +151,15 @@ impl Region {
                 // Make the file's permissions independent of the creator's umask.
                 // SAFETY: fchmod on our open fd.
                 unsafe { libc::fchmod(fd, 0o666) };
-                file.set_len(TOTAL_SIZE as u64).map_err(|e| io("size", e))?;
+                // Blocks reserved now, not a sparse file: on a full file system a shared mapping of
+                // a sparse file faults (SIGBUS) at the first write; this fails cleanly instead.
+                // SAFETY: posix_fallocate on our open fd; it returns an errno value.
+                let rc = unsafe { libc::posix_fallocate(fd, 0, TOTAL_SIZE as libc::off_t) };
+                if rc != 0 {
+                    let e = io::Error::from_raw_os_error(rc);
+                    let _ = file.set_len(0);
+                    return Err(io("reserve space for", e));
+                }
                 let map = map(&file, path, true)?;
                 let h = &map.header;
                 let init = init();

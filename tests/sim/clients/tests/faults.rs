@@ -149,3 +149,40 @@ fn the_agent_killed_during_slice_changes_comes_back_consistent() {
         }
     }
 }
+
+/// Sets a process's file-size limit (bytes; `None`: unlimited): writes past it fail with EFBIG, the
+/// way they fail with ENOSPC on a full disk.
+fn file_size_limit(pid: u32, bytes: Option<u64>) {
+    let v = bytes.unwrap_or(libc::RLIM_INFINITY);
+    let lim = libc::rlimit { rlim_cur: v, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: a valid rlimit for our own child; the old value is not asked for.
+    let r = unsafe { libc::prlimit(pid as i32, libc::RLIMIT_FSIZE, &lim, std::ptr::null_mut()) };
+    assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+#[test]
+fn a_full_state_directory_fails_slice_changes_cleanly() {
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    let a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "before", "--gpu", "0", "--memory", "2GiB", "--sm", "20"]);
+    let pid = a.pid();
+    // Too little room for a region: the create fails, says why, and leaves nothing behind.
+    file_size_limit(pid, Some(64 << 10));
+    let o = a.ctl(&["slice", "create", "--name", "full", "--gpu", "0", "--memory", "1GiB"]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("File too large") || err.contains("space"), "{err}");
+    assert!(!a.state.join("slices/full").exists(), "a failed create leaves no directory");
+    // No room even for a record: an update fails before anything changes.
+    file_size_limit(pid, Some(0));
+    let o = a.ctl(&["slice", "update", "before", "--gpu", "0", "--memory", "3GiB", "--sm", "20"]);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = Region::open(&a.state.join("slices/before/limits"), false).unwrap();
+    assert_eq!(r.mem_limit(0), 2 << 30, "the limits did not change without their record");
+    // The agent kept serving, and works again once there is room.
+    assert!(a.status().is_some(), "{}", a.log_text());
+    file_size_limit(pid, None);
+    a.ctl_ok(&["slice", "create", "--name", "full", "--gpu", "0", "--memory", "1GiB"]);
+    a.ctl_ok(&["slice", "update", "before", "--gpu", "0", "--memory", "3GiB", "--sm", "20"]);
+    assert_eq!(Region::open(&a.state.join("slices/before/limits"), false).unwrap().mem_limit(0), 3 << 30);
+}
