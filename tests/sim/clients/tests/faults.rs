@@ -186,3 +186,31 @@ fn a_full_state_directory_fails_slice_changes_cleanly() {
     a.ctl_ok(&["slice", "update", "before", "--gpu", "0", "--memory", "3GiB", "--sm", "20"]);
     assert_eq!(Region::open(&a.state.join("slices/before/limits"), false).unwrap().mem_limit(0), 3 << 30);
 }
+
+#[test]
+fn the_agent_survives_nvml_failing_and_slow() {
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"L4\"\n"));
+    let a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "j", "--gpu", "0", "--memory", "2GiB"]);
+    let fault = |args: &[&str]| assert!(s.output(SIM, args).status.success());
+    // NVML fails for GPU 0: it is unhealthy, with the reason; GPU 1 and the API are unaffected.
+    fault(&["fault", "set", "nvmlDeviceGetMemoryInfo_v2", "--gpu", "0", "--code", "15"]);
+    let st = a.wait("GPU 0 unhealthy", |v| v["gpus"][0]["healthy"] == false);
+    assert!(st["gpus"][0]["health_reason"].as_str().unwrap().contains("NVML"), "{st}");
+    assert_eq!(st["gpus"][1]["healthy"], true);
+    let cap: serde_json::Value = serde_json::from_str(&a.ctl_ok(&["capacity", "--json"])).unwrap();
+    assert_eq!(cap["capacity"]["gpus"][0]["memory_allocatable"], 0, "nothing to offer on a failing GPU");
+    a.ctl_ok(&["slice", "create", "--name", "k", "--gpu", "1", "--memory", "1GiB"]);
+    fault(&["fault", "clear"]);
+    a.wait("GPU 0 healthy again once NVML answers", |v| v["gpus"][0]["healthy"] == true);
+    // NVML answers slowly (every process query takes 3 s): passes slow down, the API does not wait
+    // for them.
+    fault(&["fault", "set", "nvmlDeviceGetComputeRunningProcesses_v3", "--code", "0", "--latency-us", "3000000"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let out = a.ctl_ok(&["slice", "create", "--name", "during-slow-nvml", "--gpu", "1", "--sm", "20"]);
+    assert!(out.contains("during-slow-nvml"));
+    assert!(a.status().is_some());
+    assert!(t.elapsed() < Duration::from_secs(3), "the API waited for a slow pass: {:?}", t.elapsed());
+    fault(&["fault", "clear"]);
+}
