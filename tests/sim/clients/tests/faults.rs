@@ -214,3 +214,39 @@ fn the_agent_survives_nvml_failing_and_slow() {
     assert!(t.elapsed() < Duration::from_secs(3), "the API waited for a slow pass: {:?}", t.elapsed());
     fault(&["fault", "clear"]);
 }
+
+#[test]
+fn the_agent_killed_during_a_mig_apply_never_leaves_half_a_layout() {
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    let cfg = s.state.join("mig.yaml");
+    std::fs::write(
+        &cfg,
+        "version: v1\nmig-configs:\n  seven:\n    - devices: all\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 7\n  mixed:\n    - devices: all\n      mig-enabled: true\n      mig-devices:\n        \"3g.40gb\": 1\n        \"2g.20gb\": 1\n        \"1g.10gb\": 2\n",
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap().to_string();
+    let mut a = Agent::start(&s, &[]);
+    a.ctl_ok(&["mig", "apply", "-f", &cfg, "--name", "seven"]);
+    let mut rng = Rng::new();
+    let holds = |a: &Agent, name: &str| a.ctl(&["mig", "assert", "-f", &cfg, "--name", name]).status.success();
+    for i in 0..iterations(6).min(50) {
+        let target = if i % 2 == 0 { "mixed" } else { "seven" };
+        let apply = Command::new(bin("vgpuctl"))
+            .env("VGPU_SOCKET", &a.socket)
+            .args(["mig", "apply", "-f", &cfg, "--name", target])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_micros(rng.below(40_000)));
+        a.sigkill();
+        wait_bounded(apply, Duration::from_secs(20), "vgpuctl mig apply");
+        a.spawn(&s);
+        // Either the apply never started, or the restarted agent finished it from its journal.
+        let (new, old) = (holds(&a, target), holds(&a, if target == "mixed" { "seven" } else { "mixed" }));
+        assert!(new || old, "iteration {i}: neither layout holds after the restart\n{}", a.log_text());
+        if !new {
+            a.ctl_ok(&["mig", "apply", "-f", &cfg, "--name", target]);
+        }
+    }
+}
