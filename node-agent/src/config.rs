@@ -32,6 +32,10 @@ struct FileConfig {
     scheduler_token_file: Option<PathBuf>,
     scheduler_server_name: Option<String>,
     scheduler_heartbeat_s: Option<u64>,
+    metrics_tls_cert: Option<PathBuf>,
+    metrics_tls_key: Option<PathBuf>,
+    metrics_token_file: Option<PathBuf>,
+    metrics_insecure: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +64,9 @@ pub struct Config {
     pub library: PathBuf,
     /// Prometheus endpoint (`host:port`); None: no metrics endpoint.
     pub metrics_address: Option<std::net::SocketAddr>,
+    /// TLS and a bearer token for the metrics endpoint (required off loopback unless insecure).
+    pub metrics_tls: Option<(PathBuf, PathBuf)>,
+    pub metrics_token_file: Option<PathBuf>,
     /// A GPU marked unhealthy by a critical XID becomes healthy again after this many seconds
     /// without another one (and NVML answering for it).
     pub health_recovery_s: u64,
@@ -201,12 +208,45 @@ impl Config {
             .or(file.metrics_address)
             .as_deref()
         {
-            None => Some(std::net::SocketAddr::from(([0, 0, 0, 0], 9394))),
+            None => Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9394))),
             Some("" | "off") => None,
             Some(v) => Some(v.parse().map_err(|_| {
                 bad("metrics_address", format!("{v:?} is not an address such as 0.0.0.0:9394 (or \"off\")"))
             })?),
         };
+        // The metrics endpoint is the agent's only TCP listener: off loopback it needs TLS and a
+        // token, unless plain HTTP is asked for explicitly (a port a NetworkPolicy protects).
+        let metrics_tls = match (file.metrics_tls_cert, file.metrics_tls_key) {
+            (Some(c), Some(k)) => {
+                for (key, p) in [("metrics_tls_cert", &c), ("metrics_tls_key", &k)] {
+                    if !p.is_file() {
+                        return Err(bad(key, format!("{} is not a readable file", p.display())));
+                    }
+                }
+                Some((c, k))
+            }
+            (None, None) => None,
+            _ => return Err(bad("metrics_tls_cert", "and metrics_tls_key go together".into())),
+        };
+        let metrics_token_file = file.metrics_token_file;
+        if let Some(p) = &metrics_token_file {
+            if !p.is_file() {
+                return Err(bad("metrics_token_file", format!("{} is not a readable file", p.display())));
+            }
+        }
+        if let Some(a) = metrics_address {
+            let secured = metrics_tls.is_some() && metrics_token_file.is_some();
+            if !a.ip().is_loopback() && !secured && !file.metrics_insecure.unwrap_or(false) {
+                return Err(bad(
+                    "metrics_address",
+                    format!(
+                        "{a} is reachable from the network: give metrics_tls_cert, metrics_tls_key and \
+                         metrics_token_file, bind it to 127.0.0.1, or set metrics_insecure = true (plain HTTP, \
+                         e.g. behind a NetworkPolicy)"
+                    ),
+                ));
+            }
+        }
         let health_recovery_s = file.health_recovery_s.unwrap_or(60);
         if !(1..=86_400).contains(&health_recovery_s) {
             return Err(bad("health_recovery_s", format!("{health_recovery_s} is outside 1..=86400")));
@@ -305,6 +345,8 @@ impl Config {
             escape_action,
             library,
             metrics_address,
+            metrics_tls,
+            metrics_token_file,
             health_recovery_s,
         })
     }
@@ -337,6 +379,19 @@ mod tests {
         let r = Config::load(&flags, |k| env.get(k).cloned());
         std::fs::remove_dir_all(dir).ok();
         r
+    }
+
+    #[test]
+    fn metrics_off_loopback_need_tls_and_a_token_or_an_explicit_opt_out() {
+        let e = load(Some("metrics_address = \"0.0.0.0:9394\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("reachable from the network") && e.contains("metrics_insecure"), "{e}");
+        let c =
+            load(Some("metrics_address = \"0.0.0.0:9394\"\nmetrics_insecure = true"), &[], Flags::default()).unwrap();
+        assert!(c.metrics_tls.is_none());
+        let f = "metrics_address = \"0.0.0.0:9394\"\nmetrics_tls_cert = \"/etc/hostname\"\nmetrics_tls_key = \"/etc/hostname\"\nmetrics_token_file = \"/etc/hostname\"";
+        assert!(load(Some(f), &[], Flags::default()).unwrap().metrics_tls.is_some());
+        let e = load(Some("metrics_tls_cert = \"/etc/hostname\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("go together"), "{e}");
     }
 
     #[test]
@@ -381,7 +436,7 @@ mod tests {
         assert_eq!(c.state_dir, PathBuf::from("/srv/c"), "flags over environment over file");
         assert_eq!((c.monitor_interval_ms, c.log_format, c.escape_action), (250, LogFormat::Json, EscapeAction::Kill));
         assert_eq!(c.nvml_library, Some(PathBuf::from("/x/nvml.so")));
-        assert_eq!(c.metrics_address, Some("0.0.0.0:9394".parse().unwrap()));
+        assert_eq!(c.metrics_address, Some("127.0.0.1:9394".parse().unwrap()));
         let c = load(
             Some("metrics_address = \"127.0.0.1:9500\""),
             &[("VGPU_AGENT_METRICS_ADDRESS", "off")],

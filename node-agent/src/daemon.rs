@@ -77,7 +77,12 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
             let bound = l.local_addr().map_err(|e| e.to_string())?;
             *agent.metrics_address.write() = Some(bound);
             tracing::info!(address = %bound, "serving metrics");
-            Some(tokio::spawn(crate::metrics::serve(l, agent.clone())))
+            let tls = crate::metrics::acceptor(&cfg)?;
+            let token = match &cfg.metrics_token_file {
+                Some(p) => crate::report::read_token(p)?,
+                None => None,
+            };
+            Some(tokio::spawn(crate::metrics::serve(l, agent.clone(), tls, token)))
         }
         None => None,
     };

@@ -206,42 +206,103 @@ pub fn render(agent: &Agent) -> String {
 }
 
 /// Serves the endpoint until the task is dropped.
-pub async fn serve(listener: tokio::net::TcpListener, agent: Arc<Agent>) {
+/// TLS for the metrics endpoint, from the configured PEM files (None: plain HTTP).
+pub fn acceptor(cfg: &crate::config::Config) -> Result<Option<tokio_rustls::TlsAcceptor>, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let Some((cert, key)) = &cfg.metrics_tls else { return Ok(None) };
+    let bad = |p: &std::path::Path, e: &dyn std::fmt::Display| format!("metrics TLS: {}: {e}", p.display());
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .map_err(|e| bad(cert, &e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad(cert, &e))?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, &e))?;
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let sc = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("metrics TLS: {e}"))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("metrics TLS: {e}"))?;
+    Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(sc))))
+}
+
+/// Serves `/metrics` (with the bearer token when one is configured) and `/healthz` (open: probes
+/// carry no token, and it tells nothing but readiness), over TLS when `tls` is given.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    agent: Arc<Agent>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    token: Option<String>,
+) {
+    let token = token.map(Arc::new);
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else { continue };
-        let agent = agent.clone();
+        let Ok((sock, _)) = listener.accept().await else { continue };
+        let (agent, tls, token) = (agent.clone(), tls.clone(), token.clone());
         tokio::spawn(async move {
-            let mut buf = Vec::with_capacity(1024);
-            let mut chunk = [0u8; 1024];
-            let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
-                    let n = sock.read(&mut chunk).await.ok().filter(|&n| n > 0)?;
-                    buf.extend_from_slice(&chunk[..n]);
+            let limit = std::time::Duration::from_secs(5);
+            match tls {
+                Some(t) => {
+                    if let Ok(Ok(s)) = tokio::time::timeout(limit, t.accept(sock)).await {
+                        answer(s, &agent, token.as_deref().map(String::as_str)).await;
+                    }
                 }
-                Some(())
-            })
-            .await;
-            if !matches!(read, Ok(Some(()))) {
-                return;
+                None => answer(sock, &agent, token.as_deref().map(String::as_str)).await,
             }
-            let line = String::from_utf8_lossy(&buf[..buf.iter().position(|&b| b == b'\r').unwrap_or(0)]).into_owned();
-            let mut parts = line.split(' ');
-            let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            let path = path.split('?').next().unwrap_or("");
-            let (code, ctype, body) = match (method, path) {
-                ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(&agent)),
-                ("GET", "/healthz") if agent.ready.load(Relaxed) => ("200 OK", "text/plain", "ok\n".to_string()),
-                ("GET", "/healthz") => ("503 Service Unavailable", "text/plain", "starting\n".to_string()),
-                ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics\n".to_string()),
-                _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
-            };
-            let head = format!(
-                "HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            let _ = sock.write_all(body.as_bytes()).await;
-            let _ = sock.shutdown().await;
         });
     }
+}
+
+/// Constant-time comparison of a presented token.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    mut sock: S,
+    agent: &Agent,
+    token: Option<&str>,
+) {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+            let n = sock.read(&mut chunk).await.ok().filter(|&n| n > 0)?;
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        Some(())
+    })
+    .await;
+    if !matches!(read, Ok(Some(()))) {
+        return;
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let line = head.lines().next().unwrap_or("").to_string();
+    let authorized = token.is_none_or(|t| {
+        head.lines().any(|l| {
+            let (k, v) = l.split_once(':').unwrap_or(("", ""));
+            k.trim().eq_ignore_ascii_case("authorization")
+                && v.trim().strip_prefix("Bearer ").is_some_and(|p| same(p.trim().as_bytes(), t.as_bytes()))
+        })
+    });
+    let mut parts = line.split(' ');
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = path.split('?').next().unwrap_or("");
+    let (code, ctype, body) = match (method, path) {
+        ("GET", "/metrics") if !authorized => {
+            ("401 Unauthorized", "text/plain", "a bearer token is required\n".to_string())
+        }
+        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(agent)),
+        ("GET", "/healthz") if agent.ready.load(Relaxed) => ("200 OK", "text/plain", "ok\n".to_string()),
+        ("GET", "/healthz") => ("503 Service Unavailable", "text/plain", "starting\n".to_string()),
+        ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics\n".to_string()),
+        _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
+    };
+    let head = format!(
+        "HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = sock.write_all(head.as_bytes()).await;
+    let _ = sock.write_all(body.as_bytes()).await;
+    let _ = sock.shutdown().await;
 }

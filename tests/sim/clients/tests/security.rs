@@ -1,0 +1,87 @@
+//! The agent's only TCP endpoint, metrics, with TLS and a bearer token: plain HTTP gets no answer,
+//! TLS without the token gets 401 for /metrics, the token gets the metrics; /healthz stays open for
+//! probes. (Limits files, permissions and container isolation are tested in agent_daemon and
+//! oci_hook; the threat model is docs/security.md.)
+
+mod common;
+use common::agent::{bin, Agent};
+use common::*;
+use std::io::{Read, Write};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn https_get(addr: &str, ca: &std::path::Path, path: &str, token: Option<&str>) -> String {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let cfg = tokio_rustls::rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let conn = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut s = conn.connect("127.0.0.1".try_into().unwrap(), tcp).await.unwrap();
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n").as_bytes()).await.unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out
+}
+
+#[test]
+fn metrics_over_tls_need_the_token() {
+    let s = Sim::new(None);
+    let certs = s.state.join("certs");
+    let o = std::process::Command::new(bin("vgpu-receiver")).args(["gen-certs", "--out"]).arg(&certs).output().unwrap();
+    assert!(o.status.success());
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "metrics_tls_cert = \"{0}/server.pem\"\nmetrics_tls_key = \"{0}/server-key.pem\"\nmetrics_token_file = \"{0}/token\"\n",
+            certs.display()
+        ),
+    )
+    .unwrap();
+    let a = Agent::start(&s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
+    let token = std::fs::read_to_string(certs.join("token")).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let ca = certs.join("ca.pem");
+    let ok = rt.block_on(https_get(&a.metrics, &ca, "/metrics", Some(token.trim())));
+    assert!(ok.starts_with("HTTP/1.1 200") && ok.contains("vgpu_agent_loop_seconds"), "{ok}");
+    let denied = rt.block_on(https_get(&a.metrics, &ca, "/metrics", Some("wrong")));
+    assert!(denied.starts_with("HTTP/1.1 401"), "{denied}");
+    let denied = rt.block_on(https_get(&a.metrics, &ca, "/metrics", None));
+    assert!(denied.starts_with("HTTP/1.1 401"), "{denied}");
+    let health = rt.block_on(https_get(&a.metrics, &ca, "/healthz", None));
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    // Plain HTTP to the TLS port gets no HTTP answer.
+    let mut c = std::net::TcpStream::connect(&a.metrics).unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = Vec::new();
+    let _ = c.read_to_end(&mut out);
+    assert!(!String::from_utf8_lossy(&out).contains("vgpu_agent"), "metrics leaked over plain HTTP");
+}
+
+#[test]
+fn the_agent_refuses_plain_metrics_on_the_network() {
+    let s = Sim::new(None);
+    let o = s
+        .cmd(&bin("vgpu-node-agent"))
+        .args([
+            "--state-dir",
+            s.state.join("agent").to_str().unwrap(),
+            "--socket",
+            s.state.join("a.sock").to_str().unwrap(),
+        ])
+        .args(["--metrics-address", "0.0.0.0:0", "run"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("reachable from the network"));
+}
