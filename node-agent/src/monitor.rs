@@ -31,6 +31,8 @@ pub const RATE_MAX_PPM: u64 = 4_000_000;
 
 struct Cached {
     region: Region,
+    /// The slice's creation time: a slice made again under the same name is another region.
+    created_ns: u64,
     id: Option<FileId>,
     throttled_launches: [u64; vgpu_region::MAX_DEVICES],
     /// Smoothed measured SM share per device (percent; NaN before the first sample).
@@ -131,8 +133,9 @@ impl Monitor {
     /// One pass over `slices` (the agent's record) and every GPU NVML reports.
     pub fn pass(&mut self, nvml: &Nvml, store: &SliceStore, slices: &[Slice]) -> Pass {
         let mut pass = Pass::default();
-        let names: HashSet<&str> = slices.iter().map(|s| s.name.as_str()).collect();
-        self.regions.retain(|name, _| names.contains(name.as_str()));
+        // A slice deleted and made again between two passes is a new region file: drop the old one.
+        let current: HashMap<&str, u64> = slices.iter().map(|s| (s.name.as_str(), s.created_ns)).collect();
+        self.regions.retain(|name, c| current.get(name.as_str()) == Some(&c.created_ns));
         for s in slices {
             if !self.regions.contains_key(&s.name) {
                 let path = store.dir(&s.name).join("region");
@@ -140,6 +143,7 @@ impl Monitor {
                     Ok(region) => {
                         let c = Cached {
                             region,
+                            created_ns: s.created_ns,
                             id: procfs::file_id(&path),
                             throttled_launches: [0; vgpu_region::MAX_DEVICES],
                             sm_ewma: [f64::NAN; vgpu_region::MAX_DEVICES],

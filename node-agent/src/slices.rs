@@ -47,6 +47,10 @@ pub struct Slice {
     /// Free-form owner labels (e.g. namespace, pod, container).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// Nanoseconds since the epoch at creation: tells a slice from an earlier one of the same name
+    /// (0 in records written before it existed).
+    #[serde(default)]
+    pub created_ns: u64,
 }
 
 /// A bind mount into the container.
@@ -134,8 +138,9 @@ impl SliceStore {
             std::fs::set_permissions(dir.join("limits"), std::fs::Permissions::from_mode(0o644))
                 .map_err(io(format!("cannot restrict {}", dir.join("limits").display())))?;
             Region::open_or_create(&dir.join("region"), init).map_err(|e| SliceError(e.to_string()))?;
-            let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-            let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels };
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let (created, created_ns) = (now.as_secs(), now.as_nanos() as u64);
+            let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels, created_ns };
             write_atomic(&dir.join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
             Ok(s)
         })();

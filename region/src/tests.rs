@@ -204,3 +204,22 @@ fn sm_rate_correction_scales_the_refill() {
     assert!((2_400_000..=2_600_000).contains(&t), "{t}");
     std::fs::remove_file(p).ok();
 }
+
+#[test]
+fn dropping_a_region_unmaps_it() {
+    let p = std::env::temp_dir().join(format!("vgpu-region-unmap-{}", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    let maps = || {
+        std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("vgpu-region-unmap")).count()
+    };
+    let r = Region::open_or_create(&p, || Init { devices: vec![], standalone: true }).unwrap();
+    assert_eq!(maps(), 1);
+    for _ in 0..200 {
+        let again = Region::open(&p, true).unwrap();
+        assert_eq!(again.used(0), 0);
+    }
+    assert_eq!(maps(), 1, "each open's mapping goes with it");
+    drop(r);
+    assert_eq!(maps(), 0);
+    std::fs::remove_file(p).unwrap();
+}

@@ -91,7 +91,8 @@ impl State {
                 None
             }
         });
-        let limits = limits_region.as_ref().or(region.as_ref()).map(|r| r.layout());
+        // SAFETY: both regions move into the State, which lives in a static and is never dropped.
+        let limits = limits_region.as_ref().or(region.as_ref()).map(|r| unsafe { r.layout_static() });
         let mut claim = None;
         if let Some(r) = &region {
             let freed = r.reap();
