@@ -93,6 +93,9 @@ pub struct Monitor {
     active: HashSet<String>,
     action: EscapeAction,
     passes: u64,
+    /// Slices whose region could not be opened, and when to try again (every 10 s, logged once
+    /// per try instead of every pass).
+    unopened: HashMap<String, std::time::Instant>,
 }
 
 /// The SM controller: the refill rate's new correction, from the old one, the limit and the measured
@@ -127,6 +130,7 @@ impl Monitor {
             active: HashSet::default(),
             action,
             passes: 0,
+            unopened: HashMap::default(),
         }
     }
 
@@ -136,8 +140,11 @@ impl Monitor {
         // A slice deleted and made again between two passes is a new region file: drop the old one.
         let current: HashMap<&str, u64> = slices.iter().map(|s| (s.name.as_str(), s.created_ns)).collect();
         self.regions.retain(|name, c| current.get(name.as_str()) == Some(&c.created_ns));
+        self.unopened.retain(|name, _| current.contains_key(name.as_str()));
         for s in slices {
-            if !self.regions.contains_key(&s.name) {
+            if !self.regions.contains_key(&s.name)
+                && self.unopened.get(&s.name).is_none_or(|t| *t <= std::time::Instant::now())
+            {
                 let path = store.dir(&s.name).join("region");
                 match Region::open(&path, true) {
                     Ok(region) => {
@@ -151,8 +158,13 @@ impl Monitor {
                             streak: [0; vgpu_region::MAX_DEVICES],
                         };
                         self.regions.insert(s.name.clone(), c);
+                        self.unopened.remove(&s.name);
                     }
-                    Err(e) => tracing::error!(slice = %s.name, error = %e, "cannot open the slice's region"),
+                    Err(e) => {
+                        tracing::error!(slice = %s.name, error = %e, "cannot open the slice's region (next try in 10 s)");
+                        let next = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                        self.unopened.insert(s.name.clone(), next);
+                    }
                 }
             }
         }

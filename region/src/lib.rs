@@ -588,22 +588,33 @@ fn check_header(map: &Layout, path: &Path) -> Result<()> {
 
 fn validate(file: &File, path: &Path) -> Result<&'static Layout> {
     check_len(file, path)?;
-    let map = map(file, path, true)?;
-    check_header(map, path)?;
-    Ok(map)
+    checked(map(file, path, true)?, path)
 }
 
 fn validate_ro(file: &File, path: &Path) -> Result<&'static Layout> {
     check_len(file, path)?;
-    let map = map(file, path, false)?;
-    check_header(map, path)?;
-    Ok(map)
+    checked(map(file, path, false)?, path)
+}
+
+/// The mapping if its header is valid; otherwise unmapped (a caller retrying a damaged region,
+/// as the agent's monitor does every pass, must not leak a mapping per try).
+fn checked(map: &'static Layout, path: &Path) -> Result<&'static Layout> {
+    match check_header(map, path) {
+        Ok(()) => Ok(map),
+        Err(e) => {
+            // SAFETY: the mapping was made just above by `map` and no reference to it is kept.
+            unsafe { libc::munmap(map as *const Layout as *mut libc::c_void, TOTAL_SIZE) };
+            Err(e)
+        }
+    }
 }
 
 fn map(file: &File, path: &Path, writable: bool) -> Result<&'static Layout> {
     let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
     // SAFETY: maps exactly TOTAL_SIZE bytes of a file whose length was checked (or just set) to
-    // TOTAL_SIZE. The mapping is never unmapped, so the 'static reference stays valid; every field is
+    // TOTAL_SIZE. The mapping lives as long as the Region that owns it (unmapped by its Drop; the
+    // reference never escapes a borrow of it except through `layout_static`, whose caller keeps the
+    // Region forever), so the reference stays valid while used; every field is
     // an atomic, for which any bit pattern is valid. A read-only mapping is only ever read through
     // the loads of the returned reference (the writers of this crate require a writable region).
     unsafe {

@@ -219,6 +219,14 @@ fn dropping_a_region_unmaps_it() {
         assert_eq!(again.used(0), 0);
     }
     assert_eq!(maps(), 1, "each open's mapping goes with it");
+    // Failed opens (a damaged header) leave no mapping either.
+    let bad = p.with_extension("bad");
+    std::fs::write(&bad, vec![0u8; TOTAL_SIZE]).unwrap();
+    for _ in 0..50 {
+        assert!(Region::open(&bad, true).is_err());
+    }
+    assert_eq!(maps(), 1);
+    std::fs::remove_file(&bad).unwrap();
     drop(r);
     assert_eq!(maps(), 0);
     std::fs::remove_file(p).unwrap();

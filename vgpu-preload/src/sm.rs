@@ -190,7 +190,8 @@ static ANY: AtomicBool = AtomicBool::new(false);
 #[inline]
 pub fn engaged() -> bool {
     let g = GEN.load(Acquire);
-    // SAFETY: GEN only ever holds a pointer into the region mapping, which is never unmapped.
+    // SAFETY: GEN only ever holds a pointer into the limits mapping of the process's State, whose
+    // regions live in a static and are never dropped (so never unmapped).
     if !g.is_null() && unsafe { &*g }.load(Relaxed) == SEEN.load(Relaxed) {
         return ANY.load(Relaxed);
     }
