@@ -200,6 +200,18 @@ struct Seen {
     deltas: HashMap<String, VecDeque<Instant>>,
 }
 
+/// Matches the changes sent (per node, in order) with the deltas the watcher saw; latencies in ms.
+fn collect(seen: &Mutex<Seen>, pending: &mut HashMap<String, VecDeque<Instant>>, lat: &mut Vec<f64>) {
+    let mut g = seen.lock().unwrap();
+    for (node, q) in pending.iter_mut() {
+        while let (Some(sent), Some(arrived)) = (q.front().copied(), g.deltas.get_mut(node).and_then(|d| d.pop_front()))
+        {
+            q.pop_front();
+            lat.push(arrived.duration_since(sent).as_secs_f64() * 1e3);
+        }
+    }
+}
+
 async fn watch(dir: PathBuf, port: u16, seen: Arc<Mutex<Seen>>) {
     let ep = Endpoint::parse(&format!("https://127.0.0.1:{port}")).unwrap();
     let ch = report::channel(&ep, Some(&dir.join("ca.pem")), None).await.expect("watch channel");
@@ -310,29 +322,12 @@ fn main() {
         }
         pending.entry(name.clone()).or_default().push_back(Instant::now());
         src.n.notify_one();
-        // Collect what arrived.
-        let mut g = seen.lock().unwrap();
-        for (node, q) in pending.iter_mut() {
-            while let (Some(sent), Some(arrived)) =
-                (q.front().copied(), g.deltas.get_mut(node).and_then(|d| d.pop_front()))
-            {
-                q.pop_front();
-                lat.push(arrived.duration_since(sent).as_secs_f64() * 1e3);
-            }
-        }
+        collect(&seen, &mut pending, &mut lat);
     }
     let wait_end = Instant::now() + Duration::from_secs(10);
     while pending.values().any(|q| !q.is_empty()) && Instant::now() < wait_end {
         std::thread::sleep(Duration::from_millis(5));
-        let mut g = seen.lock().unwrap();
-        for (node, q) in pending.iter_mut() {
-            while let (Some(sent), Some(arrived)) =
-                (q.front().copied(), g.deltas.get_mut(node).and_then(|d| d.pop_front()))
-            {
-                q.pop_front();
-                lat.push(arrived.duration_since(sent).as_secs_f64() * 1e3);
-            }
-        }
+        collect(&seen, &mut pending, &mut lat);
     }
     let steady_s = start.elapsed().as_secs_f64();
     let (cpu1, rss_steady) = usage(recv.pid());
