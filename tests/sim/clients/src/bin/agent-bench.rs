@@ -149,28 +149,31 @@ fn main() {
         let v: serde_json::Value = serde_json::from_slice(&status(true).1.stdout).unwrap();
         v["gpus"].as_array().unwrap().iter().map(|g| g["uuid"].as_str().unwrap().to_string()).collect()
     };
-    let t = Instant::now();
-    let mut procs: Vec<Child> = Vec::new();
-    for i in 0..nslices {
-        let name = format!("s{i:03}");
-        let gpu = (i % ngpus).to_string();
-        let mut c = Command::new(&ctl);
-        env(&mut c);
-        let o = c
-            .args(["slice", "create", "--name", &name, "--gpu", &gpu, "--memory", "4GiB", "--sm", "10"])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let sd = work.join("state/slices").join(&name);
+    // A process in slice i as its container would run it, and vgpuctl that must succeed.
+    let spawn = |i: usize, size: &str| -> Child {
+        let sd = work.join("state/slices").join(format!("s{i:03}"));
         let mut p = Command::new(&app);
         env(&mut p);
         p.env("LD_PRELOAD", &libvgpu)
             .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", sd.join("region"))
             .env("VGPU_LIMITS_FILE", sd.join("limits"))
             .env("CUDA_VISIBLE_DEVICES", &uuids[i % ngpus])
-            .args(["alloc", "--size", "64m", "--hold"])
+            .args(["alloc", "--size", size, "--hold"])
             .stdout(Stdio::null());
-        procs.push(p.spawn().unwrap());
+        p.spawn().unwrap()
+    };
+    let ctl_ok = |args: &[&str]| {
+        let mut c = Command::new(&ctl);
+        env(&mut c);
+        let o = c.args(args).output().unwrap();
+        assert!(o.status.success(), "vgpuctl {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    };
+    let t = Instant::now();
+    let mut procs: Vec<Child> = Vec::new();
+    for i in 0..nslices {
+        let (name, gpu) = (format!("s{i:03}"), (i % ngpus).to_string());
+        ctl_ok(&["slice", "create", "--name", &name, "--gpu", &gpu, "--memory", "4GiB", "--sm", "10"]);
+        procs.push(spawn(i, "64m"));
     }
     let setup = t.elapsed();
     // Wait until the agent sees every process.
@@ -189,24 +192,6 @@ fn main() {
 
     if let Some(i) = args.iter().position(|a| a == "--soak") {
         let secs: u64 = args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or(600);
-        let spawn = |i: usize, size: &str| -> Child {
-            let sd = work.join("state/slices").join(format!("s{i:03}"));
-            let mut p = Command::new(&app);
-            env(&mut p);
-            p.env("LD_PRELOAD", &libvgpu)
-                .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", sd.join("region"))
-                .env("VGPU_LIMITS_FILE", sd.join("limits"))
-                .env("CUDA_VISIBLE_DEVICES", &uuids[i % ngpus])
-                .args(["alloc", "--size", size, "--hold"])
-                .stdout(Stdio::null());
-            p.spawn().unwrap()
-        };
-        let ctl_ok = |args: &[&str]| {
-            let mut c = Command::new(&ctl);
-            env(&mut c);
-            let o = c.args(args).output().unwrap();
-            assert!(o.status.success(), "vgpuctl {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-        };
         soak(agent.id(), secs, nslices, &mut procs, &spawn, &ctl_ok, &work, ngpus);
         for mut p in procs {
             let _ = p.kill();
