@@ -56,11 +56,11 @@ macro_rules! cuda_hooks {
             cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch_ptsz;
             // stream capture: launches into a graph being captured run nothing and are not charged
             cuStreamBeginCapture(stream: CUstream) => capture::begin_v1;
-            cuStreamBeginCapture_ptsz(stream: CUstream) => capture::begin_v1_ptsz;
+            cuStreamBeginCapture_ptsz(stream: CUstream) => capture::begin_v1;
             cuStreamBeginCapture_v2(stream: CUstream, mode: i32) => capture::begin;
-            cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: i32) => capture::begin_ptsz;
+            cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: i32) => capture::begin;
             cuStreamBeginCaptureToGraph(stream: CUstream, graph: CUgraph, deps: *const c_void, data: *const c_void, n: usize, mode: i32) => capture::begin_to_graph;
-            cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: CUgraph, deps: *const c_void, data: *const c_void, n: usize, mode: i32) => capture::begin_to_graph_ptsz;
+            cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: CUgraph, deps: *const c_void, data: *const c_void, n: usize, mode: i32) => capture::begin_to_graph;
             cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) => capture::end;
             cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut CUgraph) => capture::end_ptsz;
         }

@@ -49,12 +49,9 @@ pub fn ptsz(s: CUstream) -> CUstream {
     }
 }
 
+// The `_ptsz` forms have the same signatures and route here too (their stream argument is only
+// forwarded).
 pub unsafe fn begin_v1(real: f::cuStreamBeginCapture, s: CUstream) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(unsafe { real(s) })
-}
-
-pub unsafe fn begin_v1_ptsz(real: f::cuStreamBeginCapture_ptsz, s: CUstream) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     opened(unsafe { real(s) })
 }
@@ -64,26 +61,8 @@ pub unsafe fn begin(real: f::cuStreamBeginCapture_v2, s: CUstream, mode: i32) ->
     opened(unsafe { real(s, mode) })
 }
 
-pub unsafe fn begin_ptsz(real: f::cuStreamBeginCapture_v2_ptsz, s: CUstream, mode: i32) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(unsafe { real(s, mode) })
-}
-
 pub unsafe fn begin_to_graph(
     real: f::cuStreamBeginCaptureToGraph,
-    s: CUstream,
-    g: CUgraph,
-    deps: *const c_void,
-    data: *const c_void,
-    n: usize,
-    mode: i32,
-) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(unsafe { real(s, g, deps, data, n, mode) })
-}
-
-pub unsafe fn begin_to_graph_ptsz(
-    real: f::cuStreamBeginCaptureToGraph_ptsz,
     s: CUstream,
     g: CUgraph,
     deps: *const c_void,
