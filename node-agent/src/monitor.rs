@@ -18,6 +18,7 @@ use nvml_wrapper::Nvml;
 // A fast hash for the pass's many small maps (SipHash showed in its profile); keys are ours.
 use foldhash::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 use vgpu_proto::v1 as pb;
 use vgpu_region::Region;
 
@@ -34,6 +35,13 @@ struct Cached {
     /// The slice's creation time: a slice made again under the same name is another region.
     created_ns: u64,
     id: Option<FileId>,
+    /// In the current pass: its live slots, a range of `Monitor::live`.
+    live: std::ops::Range<usize>,
+    /// In the current pass: where each of its devices is in the pass's GPUs (`usize::MAX`: not seen).
+    gpu_pos: [usize; vgpu_region::MAX_DEVICES],
+    /// In the current pass: its processes as NVML lists them, with their SM share (kept allocated
+    /// from pass to pass).
+    nvml: Vec<NvmlProc>,
     throttled_launches: [u64; vgpu_region::MAX_DEVICES],
     /// Smoothed measured SM share per device (percent; NaN before the first sample).
     sm_ewma: [f64; vgpu_region::MAX_DEVICES],
@@ -48,9 +56,18 @@ struct Cached {
 const CONTROL_AFTER: u32 = 10;
 
 /// A live slot: (PID in the container, host PID or 0, bytes per device).
-type LiveSlot = (u32, u32, Vec<u64>);
-/// A slice's process as NVML reports it on one GPU: (host PID, PID in the container, bytes).
-type GpuProc = (u32, u32, u64);
+type LiveSlot = (u32, u32, [u64; vgpu_region::MAX_DEVICES]);
+
+/// A slice's process as NVML reports it on one GPU.
+#[derive(Clone, Copy, Debug)]
+struct NvmlProc {
+    gpu_index: u32,
+    host_pid: u32,
+    /// Its PID inside the container.
+    pid: u32,
+    bytes: u64,
+    sm: u32,
+}
 
 struct ProcOwner {
     start: u64,
@@ -86,8 +103,19 @@ pub struct Pass {
     pub reclaimed: u64,
 }
 
+/// The monitor's state between passes. What it keeps per slice is aligned with the agent's list of
+/// slices (realigned only when that list changes), and the per-pass indexes are kept (cleared, not
+/// dropped) and keyed by position in that list: a pass at 16 GPUs x 128 slices otherwise spent most
+/// of its own time allocating, freeing and hashing (measured with perf; docs/benchmarks.md).
 pub struct Monitor {
-    regions: HashMap<String, Cached>,
+    /// Per slice of `list`, in its order: its open region and what the pass keeps for it.
+    regions: Vec<Option<Cached>>,
+    /// The agent's list of slices that `regions` is aligned with.
+    list: Option<Arc<Vec<Slice>>>,
+    /// Slice name -> position in `list`.
+    index: HashMap<String, usize>,
+    /// The GPUs' UUIDs in the last pass, in NVML's order (the slices' `gpu_pos` refer to them).
+    gpu_uuids: Vec<String>,
     procs: HashMap<u32, ProcOwner>,
     util_seen: HashMap<u32, u64>,
     active: HashSet<String>,
@@ -96,6 +124,19 @@ pub struct Monitor {
     /// Slices whose region could not be opened, and when to try again (every 10 s, logged once
     /// per try instead of every pass).
     unopened: HashMap<String, std::time::Instant>,
+    /// Per pass: every slice's live slots (each slice's range is in its `Cached`).
+    live: Vec<LiveSlot>,
+    /// Per pass: host PID -> (slice index, PID inside the container), from the slots.
+    by_host: HashMap<u32, (usize, u32)>,
+    /// Per pass: region file -> slice index.
+    by_file: Vec<(FileId, usize)>,
+    /// Per pass: host PIDs NVML lists on some GPU; (slice index, PID inside) of those attributed.
+    alive: HashSet<u32>,
+    alive_inner: HashSet<(usize, u32)>,
+    /// Per pass: GPUs whose utilisation samples cover exactly the time since the last pass.
+    fresh: HashSet<u32>,
+    /// Slices per GPU (by position in `gpu_uuids`).
+    users: Vec<u32>,
 }
 
 /// The SM controller: the refill rate's new correction, from the old one, the limit and the measured
@@ -124,55 +165,47 @@ fn nvml_err(what: &str, e: NvmlError) -> String {
 impl Monitor {
     pub fn new(action: EscapeAction) -> Monitor {
         Monitor {
-            regions: HashMap::default(),
+            regions: Vec::new(),
+            list: None,
+            index: HashMap::default(),
+            gpu_uuids: Vec::new(),
             procs: HashMap::default(),
             util_seen: HashMap::default(),
             active: HashSet::default(),
             action,
             passes: 0,
             unopened: HashMap::default(),
+            live: Vec::new(),
+            by_host: HashMap::default(),
+            by_file: Vec::new(),
+            alive: HashSet::default(),
+            alive_inner: HashSet::default(),
+            fresh: HashSet::default(),
+            users: Vec::new(),
         }
     }
 
-    /// One pass over `slices` (the agent's record) and every GPU NVML reports.
-    pub fn pass(&mut self, nvml: &Nvml, store: &SliceStore, slices: &[Slice]) -> Pass {
+    /// One pass over `slices` (the agent's record, as shared by the agent: a new list is recognised
+    /// by its address) and every GPU NVML reports.
+    pub fn pass(&mut self, nvml: &Nvml, store: &SliceStore, slices: &Arc<Vec<Slice>>) -> Pass {
         let mut pass = Pass::default();
-        // A slice deleted and made again between two passes is a new region file: drop the old one.
-        let current: HashMap<&str, u64> = slices.iter().map(|s| (s.name.as_str(), s.created_ns)).collect();
-        self.regions.retain(|name, c| current.get(name.as_str()) == Some(&c.created_ns));
-        self.unopened.retain(|name, _| current.contains_key(name.as_str()));
-        for s in slices {
-            if !self.regions.contains_key(&s.name)
-                && self.unopened.get(&s.name).is_none_or(|t| *t <= std::time::Instant::now())
-            {
-                let path = store.dir(&s.name).join("region");
-                match Region::open(&path, true) {
-                    Ok(region) => {
-                        let c = Cached {
-                            region,
-                            created_ns: s.created_ns,
-                            id: procfs::file_id(&path),
-                            throttled_launches: [0; vgpu_region::MAX_DEVICES],
-                            sm_ewma: [f64::NAN; vgpu_region::MAX_DEVICES],
-                            sm_ctl: [f64::NAN; vgpu_region::MAX_DEVICES],
-                            streak: [0; vgpu_region::MAX_DEVICES],
-                        };
-                        self.regions.insert(s.name.clone(), c);
-                        self.unopened.remove(&s.name);
-                    }
-                    Err(e) => {
-                        tracing::error!(slice = %s.name, error = %e, "cannot open the slice's region (next try in 10 s)");
-                        let next = std::time::Instant::now() + std::time::Duration::from_secs(10);
-                        self.unopened.insert(s.name.clone(), next);
-                    }
-                }
+        let realigned = !self.list.as_ref().is_some_and(|l| Arc::ptr_eq(l, slices));
+        if realigned {
+            self.realign(slices);
+        }
+        let now = std::time::Instant::now();
+        let mut opened = false;
+        for (i, s) in slices.iter().enumerate() {
+            if self.regions[i].is_none() && self.unopened.get(&s.name).is_none_or(|t| *t <= now) {
+                self.regions[i] = self.open(store, s);
+                opened |= self.regions[i].is_some();
             }
         }
+        let slices: &[Slice] = slices;
         // NVML first: which processes hold contexts now.
         let count = nvml.device_count().unwrap_or(0);
         let mut queried = Vec::with_capacity(count as usize);
-        // GPUs whose utilisation samples cover exactly the time since the last pass.
-        let mut fresh = HashSet::default();
+        self.fresh.clear();
         for i in 0..count {
             let mut g = GpuSample { index: i, ..Default::default() };
             let sample = (|| -> Result<_, String> {
@@ -206,86 +239,106 @@ impl Monitor {
             if let Some(t) = samples.iter().map(|s| s.timestamp).max() {
                 // The first call covers NVML's whole sample window, not one pass.
                 if self.util_seen.insert(i, t).is_some() {
-                    fresh.insert(i);
+                    self.fresh.insert(i);
                 }
             }
             queried.push((g, procs, samples));
         }
         self.passes += 1;
         let full = self.passes % 10 == 1;
-        let alive: HashSet<u32> = queried.iter().flat_map(|(_, p, _)| p.iter().map(|x| x.0)).collect();
-        let alive_inner: HashSet<(&str, u32)> = self
-            .procs
-            .iter()
-            .filter(|(host, _)| alive.contains(host))
-            .filter_map(|(_, o)| o.owner.as_ref().map(|(s, p)| (s.as_str(), *p)))
-            .collect();
-        // Slots: reclaim the dead, index the living by host PID.
-        let mut by_host: HashMap<u32, (String, u32)> = HashMap::default();
-        let mut slots: HashMap<&str, Vec<LiveSlot>> = HashMap::default();
-        for s in slices {
-            let Some(c) = self.regions.get(&s.name) else { continue };
-            // A process NVML lists (by host PID, or as last attributed) is alive: no lock test, except
-            // in every tenth pass (a PID reused within a pass cannot hide a death for long).
-            let freed = c.region.reap_where(|pid, host| {
-                full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(s.name.as_str(), pid)))
-            });
-            pass.reclaimed = pass.reclaimed.saturating_add(freed);
-            let live: Vec<LiveSlot> = c.region.slots().into_iter().map(|(_, p, h, u)| (p, h, u)).collect();
-            for (pid, host, _) in &live {
-                if *host != 0 {
-                    by_host.insert(*host, (s.name.clone(), *pid));
+        self.alive.clear();
+        self.alive.extend(queried.iter().flat_map(|(_, p, _)| p.iter().map(|x| x.0)));
+        self.alive_inner.clear();
+        for (host, o) in &self.procs {
+            if let (true, Some((slice, pid))) = (self.alive.contains(host), &o.owner) {
+                if let Some(&i) = self.index.get(slice.as_str()) {
+                    self.alive_inner.insert((i, *pid));
                 }
             }
-            slots.insert(&s.name, live);
         }
-        let by_file: Vec<(FileId, String)> =
-            self.regions.iter().filter_map(|(n, c)| Some((c.id?, n.clone()))).collect();
-
-        // Per slice and device: (host pid, container pid, NVML memory), and SM samples.
-        // Keyed by (slice name, GPU index).
-        let mut nvml_procs: HashMap<(&str, u32), Vec<GpuProc>> = HashMap::default();
-        let mut sm_used: HashMap<(&str, u32), u32> = HashMap::default();
-        let by_name: HashMap<&str, &Slice> = slices.iter().map(|s| (s.name.as_str(), s)).collect();
-        let mut gpu_users: HashMap<&str, u32> = HashMap::default();
-        for s in slices {
-            for g in &s.gpus {
-                *gpu_users.entry(g.uuid.as_str()).or_default() += 1;
+        // Which GPUs each slice uses: worked out again when the slices, their regions or the GPUs
+        // changed.
+        let gpus_changed = self.gpu_uuids.len() != queried.len()
+            || self.gpu_uuids.iter().zip(&queried).any(|(u, (g, _, _))| *u != g.uuid);
+        let mut users = vec![0u32; queried.len()];
+        if realigned || opened || gpus_changed {
+            self.gpu_uuids = queried.iter().map(|(g, _, _)| g.uuid.clone()).collect();
+            let gpu_at: HashMap<&str, usize> =
+                queried.iter().enumerate().map(|(k, (g, _, _))| (g.uuid.as_str(), k)).collect();
+            for (c, s) in self.regions.iter_mut().zip(slices) {
+                let Some(c) = c else { continue };
+                c.gpu_pos = [usize::MAX; vgpu_region::MAX_DEVICES];
+                for (dev, sg) in s.gpus.iter().enumerate().take(vgpu_region::MAX_DEVICES) {
+                    c.gpu_pos[dev] = gpu_at.get(sg.uuid.as_str()).copied().unwrap_or(usize::MAX);
+                }
+            }
+            self.users.clear();
+            // Every slice counts as a user of its GPUs, whether or not its region could be opened.
+            self.users.resize(queried.len(), 0);
+            for sg in slices.iter().flat_map(|s| &s.gpus) {
+                if let Some(&k) = gpu_at.get(sg.uuid.as_str()) {
+                    self.users[k] += 1;
+                }
             }
         }
+        users.copy_from_slice(&self.users);
+        // Slots: reclaim the dead, index the living by host PID.
+        self.live.clear();
+        self.by_host.clear();
+        for (i, c) in self.regions.iter_mut().enumerate() {
+            let Some(c) = c else { continue };
+            // A process NVML lists (by host PID, or as last attributed) is alive: no lock test, except
+            // in every tenth pass (a PID reused within a pass cannot hide a death for long).
+            let (alive, alive_inner) = (&self.alive, &self.alive_inner);
+            let freed = c.region.reap_where(|pid, host| {
+                full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(i, pid)))
+            });
+            pass.reclaimed = pass.reclaimed.saturating_add(freed);
+            let start = self.live.len();
+            let (live, by_host) = (&mut self.live, &mut self.by_host);
+            c.region.for_each_slot(|_, pid, host, used| {
+                if host != 0 {
+                    by_host.insert(host, (i, pid));
+                }
+                live.push((pid, host, *used));
+            });
+            c.live = start..self.live.len();
+            c.nvml.clear();
+        }
+        self.by_file.clear();
+        self.by_file.extend(self.regions.iter().enumerate().filter_map(|(i, c)| Some((c.as_ref()?.id?, i))));
+
+        // Each GPU process: its slice's (with its SM share), or an escape.
         let mut seen_pids = HashSet::default();
-        for (mut g, procs, samples) in queried {
+        for (k, (mut g, procs, samples)) in queried.into_iter().enumerate() {
             if g.error.is_some() {
                 pass.gpus.push(g);
                 continue;
             }
-            let users = gpu_users.get(g.uuid.as_str()).copied().unwrap_or(0);
-            g.slices = users;
+            g.slices = users[k];
             for (pid, mem) in procs {
                 seen_pids.insert(pid);
-                let owner = self.owner(pid, &by_host, &by_file);
-                match owner {
+                match self.owner(pid, slices) {
                     // A slice's process on a GPU that is not the slice's.
-                    Some((slice, _))
-                        if !by_name.get(slice.as_str()).is_some_and(|s| s.gpus.iter().any(|x| x.uuid == g.uuid)) =>
-                    {
+                    Some((i, _)) if !self.regions[i].as_ref().is_some_and(|c| c.gpu_pos.contains(&k)) => {
                         g.outsiders = true;
                         pass.escapes.push(pb::Escape {
                             kind: pb::escape::Kind::Unaccounted as i32,
                             gpu: g.uuid.clone(),
-                            slice,
+                            slice: slices[i].name.clone(),
                             pid,
                             measured: mem,
                             ..Default::default()
                         });
                     }
-                    Some((slice, inner)) => {
+                    Some((i, inner)) => {
                         let sm = samples.iter().filter(|s| s.pid == pid).map(|s| s.sm_util).max().unwrap_or(0);
-                        let Some(s) = by_name.get(slice.as_str()) else { continue };
-                        *sm_used.entry((s.name.as_str(), g.index)).or_default() += sm;
-                        nvml_procs.entry((s.name.as_str(), g.index)).or_default().push((pid, inner, mem));
+                        if let Some(c) = &mut self.regions[i] {
+                            let p = NvmlProc { gpu_index: g.index, host_pid: pid, pid: inner, bytes: mem, sm };
+                            c.nvml.push(p);
+                        }
                     }
-                    None if users > 0 => {
+                    None if g.slices > 0 => {
                         g.outsiders = true;
                         pass.escapes.push(pb::Escape {
                             kind: pb::escape::Kind::Unaccounted as i32,
@@ -303,9 +356,9 @@ impl Monitor {
         self.procs.retain(|pid, _| seen_pids.contains(pid));
 
         // Per slice: usage, processes, SM flags and rate, over-limit escapes.
-        let gpu_at: HashMap<&str, usize> = pass.gpus.iter().enumerate().map(|(i, g)| (g.uuid.as_str(), i)).collect();
-        for s in slices {
-            let Some(c) = self.regions.get_mut(&s.name) else { continue };
+        pass.slices.reserve(slices.len());
+        for (c, s) in self.regions.iter_mut().zip(slices) {
+            let Some(c) = c else { continue };
             let layout = c.region.layout();
             let mut st = pb::SliceStatus {
                 name: s.name.clone(),
@@ -313,25 +366,26 @@ impl Monitor {
                 created_unix: s.created,
                 ..Default::default()
             };
-            let live = slots.get(s.name.as_str()).cloned().unwrap_or_default();
-            for (dev, sg) in s.gpus.iter().enumerate() {
-                let gpu = gpu_at.get(sg.uuid.as_str()).map(|&i| &pass.gpus[i]);
+            let live = &self.live[c.live.clone()];
+            for (dev, sg) in s.gpus.iter().enumerate().take(vgpu_region::MAX_DEVICES) {
+                let gpu = pass.gpus.get(c.gpu_pos[dev]);
                 let d = &layout.devices[dev];
-                let key = (s.name.as_str(), gpu.map_or(u32::MAX, |g| g.index));
-                let mine = nvml_procs.get(&key).cloned().unwrap_or_default();
-                let measured: u64 = mine.iter().map(|p| p.2).sum();
+                let gpu_index = gpu.map_or(u32::MAX, |g| g.index);
+                let nv = &c.nvml;
+                let mine = || nv.iter().filter(move |p| p.gpu_index == gpu_index);
+                let measured: u64 = mine().map(|p| p.bytes).sum();
                 if let Some(g) = gpu {
                     let shared = g.slices > 1 || g.outsiders;
                     d.sm_flags.store(SM_MANAGED | if shared { SM_SHARED } else { 0 }, Relaxed);
                 }
-                let sm = sm_used.get(&key).copied().unwrap_or(0).min(100) as f64;
+                let sm = mine().map(|p| p.sm).sum::<u32>().min(100) as f64;
                 let e = &mut c.sm_ewma[dev];
                 *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
                 let throttled = d.sm_throttled_launches.load(Relaxed);
                 // The controller: only while the slice is throttled (its demand exceeds its budget),
                 // from samples of full passes, after a second of it, outside a 1-point dead band.
                 let limit = c.region.sm_limit(dev).min(sg.sm.max(1));
-                let sampled = gpu.is_some_and(|g| fresh.contains(&g.index));
+                let sampled = gpu.is_some_and(|g| self.fresh.contains(&g.index));
                 if throttled > c.throttled_launches[dev] && sampled && (1..100).contains(&sg.sm) {
                     c.streak[dev] += 1;
                     let e = &mut c.sm_ctl[dev];
@@ -354,16 +408,15 @@ impl Monitor {
                         gpu: sg.uuid.clone(),
                         slice: s.name.clone(),
                         // The process most over its own account: the likely culprit.
-                        pid: mine
-                            .iter()
-                            .max_by_key(|(host, inner, mem)| {
+                        pid: mine()
+                            .max_by_key(|p| {
                                 let acct = live
                                     .iter()
-                                    .find(|(p, h, _)| *h == *host || *p == *inner)
+                                    .find(|(pid, host, _)| *host == p.host_pid || *pid == p.pid)
                                     .map_or(0, |(_, _, u)| u[dev]);
-                                mem.saturating_sub(acct)
+                                p.bytes.saturating_sub(acct)
                             })
-                            .map_or(0, |p| p.0),
+                            .map_or(0, |p| p.host_pid),
                         measured,
                         limit: sg.memory,
                         ..Default::default()
@@ -372,7 +425,7 @@ impl Monitor {
                 let rate = d.sm_rate_ppm.load(Relaxed);
                 st.gpus.push(pb::SliceGpuStatus {
                     uuid: sg.uuid.clone(),
-                    gpu_index: gpu.map_or(u32::MAX, |g| g.index),
+                    gpu_index,
                     memory_limit: sg.memory,
                     memory_used: c.region.used(dev),
                     memory_measured: measured,
@@ -385,13 +438,10 @@ impl Monitor {
                     memory_peak: d.peak_used.load(Relaxed),
                     sm_rate_ppm: if rate == 0 { 1_000_000 } else { rate },
                 });
-                for (pid, host, used) in &live {
-                    let host_pid = if *host != 0 {
-                        *host
-                    } else {
-                        mine.iter().find(|(_, inner, _)| inner == pid).map_or(0, |p| p.0)
-                    };
-                    if used[dev] > 0 || mine.iter().any(|p| p.0 == host_pid && host_pid != 0) {
+                for (pid, host, used) in live {
+                    let host_pid =
+                        if *host != 0 { *host } else { mine().find(|p| p.pid == *pid).map_or(0, |p| p.host_pid) };
+                    if used[dev] > 0 || (host_pid != 0 && mine().any(|p| p.host_pid == host_pid)) {
                         st.processes.push(pb::ProcessStatus {
                             host_pid,
                             pid: *pid,
@@ -401,7 +451,7 @@ impl Monitor {
                     }
                 }
             }
-            for (pid, host, used) in &live {
+            for (pid, host, used) in live {
                 if used.iter().all(|&u| u == 0) && !st.processes.iter().any(|p| p.pid == *pid) {
                     st.processes.push(pb::ProcessStatus { host_pid: *host, pid: *pid, ..Default::default() });
                 }
@@ -441,28 +491,72 @@ impl Monitor {
         pass
     }
 
-    /// The slice (and the PID inside its container) of GPU process `pid` (host PID).
-    fn owner(
-        &mut self,
-        pid: u32,
-        by_host: &HashMap<u32, (String, u32)>,
-        by_file: &[(FileId, String)],
-    ) -> Option<(String, u32)> {
-        if let Some(o) = by_host.get(&pid) {
-            return Some(o.clone());
+    /// Aligns what is kept per slice with a new list of slices: a slice in both keeps its region and
+    /// state; a deleted one, or one deleted and made again (a new region file), loses them.
+    fn realign(&mut self, slices: &Arc<Vec<Slice>>) {
+        let mut old: HashMap<String, Cached> = HashMap::default();
+        if let Some(list) = self.list.take() {
+            for (c, s) in self.regions.drain(..).zip(list.iter()) {
+                if let Some(c) = c {
+                    old.insert(s.name.clone(), c);
+                }
+            }
+        }
+        self.regions = slices.iter().map(|s| old.remove(&s.name).filter(|c| c.created_ns == s.created_ns)).collect();
+        self.index = slices.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect();
+        self.unopened.retain(|name, _| self.index.contains_key(name));
+        self.list = Some(slices.clone());
+    }
+
+    /// Opens a slice's region (a failure is logged and tried again in 10 s).
+    fn open(&mut self, store: &SliceStore, s: &Slice) -> Option<Cached> {
+        let path = store.dir(&s.name).join("region");
+        match Region::open(&path, true) {
+            Ok(region) => {
+                self.unopened.remove(&s.name);
+                Some(Cached {
+                    region,
+                    created_ns: s.created_ns,
+                    id: procfs::file_id(&path),
+                    live: 0..0,
+                    // Not known yet: worked out in this pass.
+                    gpu_pos: [usize::MAX; vgpu_region::MAX_DEVICES],
+                    nvml: Vec::new(),
+                    throttled_launches: [0; vgpu_region::MAX_DEVICES],
+                    sm_ewma: [f64::NAN; vgpu_region::MAX_DEVICES],
+                    sm_ctl: [f64::NAN; vgpu_region::MAX_DEVICES],
+                    streak: [0; vgpu_region::MAX_DEVICES],
+                })
+            }
+            Err(e) => {
+                tracing::error!(slice = %s.name, error = %e, "cannot open the slice's region (next try in 10 s)");
+                let next = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                self.unopened.insert(s.name.clone(), next);
+                None
+            }
+        }
+    }
+
+    /// The slice (its index in `slices`, the pass's list) and the PID inside its container of GPU
+    /// process `pid` (host PID).
+    fn owner(&mut self, pid: u32, slices: &[Slice]) -> Option<(usize, u32)> {
+        if let Some(&o) = self.by_host.get(&pid) {
+            return Some(o);
         }
         let start = procfs::start_time(pid)?;
         if let Some(c) = self.procs.get(&pid) {
             if c.start == start {
                 // A cached owner must still exist (the slice may have been deleted).
-                return c.owner.clone().filter(|(s, _)| by_file.iter().any(|(_, n)| n == s));
+                let (slice, inner) = c.owner.as_ref()?;
+                return self.index.get(slice.as_str()).filter(|&&i| self.regions[i].is_some()).map(|&i| (i, *inner));
             }
         }
-        let owner = procfs::mapped(pid, by_file).map(|slice| {
+        let owner = procfs::mapped(pid, &self.by_file).map(|&i| {
             let inner = procfs::ns_pids(pid).and_then(|v| v.last().copied()).unwrap_or(pid);
-            (slice.clone(), inner)
+            (i, inner)
         });
-        self.procs.insert(pid, ProcOwner { start, owner: owner.clone() });
+        let cached = owner.map(|(i, inner)| (slices[i].name.clone(), inner));
+        self.procs.insert(pid, ProcOwner { start, owner: cached });
         owner
     }
 }

@@ -387,21 +387,27 @@ impl Region {
 
     /// Live slots: (index, pid, host pid, per-device usage).
     pub fn slots(&self) -> Vec<(usize, u32, u32, Vec<u64>)> {
-        let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
         let n = self.ndevices().max(1);
-        self.map.slots[..hw]
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.state.load(Acquire) == 1)
-            .map(|(i, s)| {
-                (
-                    i,
-                    s.pid.load(Relaxed),
-                    s.host_pid.load(Relaxed),
-                    s.used[..n].iter().map(|u| u.load(Relaxed)).collect(),
-                )
-            })
-            .collect()
+        let mut v = Vec::new();
+        self.for_each_slot(|i, pid, host, used| v.push((i, pid, host, used[..n].to_vec())));
+        v
+    }
+
+    /// The live slots without allocating: `f(index, pid, host_pid, bytes per device)` for each (all
+    /// [`MAX_DEVICES`] entries; those past [`ndevices`](Self::ndevices) are 0). For the agent's pass.
+    pub fn for_each_slot(&self, mut f: impl FnMut(usize, u32, u32, &[u64; MAX_DEVICES])) {
+        let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
+        let n = self.ndevices().clamp(1, MAX_DEVICES);
+        for (i, s) in self.map.slots[..hw].iter().enumerate() {
+            if s.state.load(Acquire) != 1 {
+                continue;
+            }
+            let mut used = [0u64; MAX_DEVICES];
+            for (u, a) in used[..n].iter_mut().zip(&s.used) {
+                *u = a.load(Relaxed);
+            }
+            f(i, s.pid.load(Relaxed), s.host_pid.load(Relaxed), &used);
+        }
     }
 }
 

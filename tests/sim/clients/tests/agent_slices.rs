@@ -68,8 +68,10 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
     let nvml = vgpu_agent::discovery::open(Some(&s.libs.join("libnvidia-ml.so.1"))).unwrap();
     let mut m = Monitor::new(EscapeAction::Report);
-    let mut pass = || m.pass(&nvml, &store, &store.list().unwrap());
-    let r = pass();
+    // Like the agent, one shared list of slices until the slices change.
+    let mut list = std::sync::Arc::new(store.list().unwrap());
+    let mut pass = |list: &std::sync::Arc<Vec<_>>| m.pass(&nvml, &store, list);
+    let r = pass(&list);
     assert_eq!(r.slices.len(), 1);
     let u = &r.slices[0];
     assert_eq!(u.name, "job1");
@@ -86,7 +88,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
         3,
         "shared, agent-managed"
     );
-    let r = pass();
+    let r = pass(&list);
     assert_eq!((r.escapes.len(), r.new_escapes[Kind::Unaccounted as usize]), (1, 0), "an ongoing escape is new once");
 
     // A dead process is reclaimed within one pass; without the outsider the GPU is not shared.
@@ -95,7 +97,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     // The agent skips the lock test for processes NVML still lists; the simulated driver drops a
     // dead process from its lists within 10 ms (as a driver tears contexts down asynchronously).
     std::thread::sleep(std::time::Duration::from_millis(20));
-    let r = pass();
+    let r = pass(&list);
     assert_eq!(r.reclaimed, 364 * MIB);
     assert!(r.escapes.is_empty(), "{:?}", r.escapes);
     assert_eq!(region.layout().devices[0].sm_flags.load(std::sync::atomic::Ordering::Relaxed), 2);
@@ -104,13 +106,38 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     // NVML measures it: reported, naming the process.
     let c = inside(&s, &dir, "0");
     let (p, _) = s.spawn_cmd(c, &["alloc", "--size", "1000m", "--hold"]);
-    let r = pass();
+    let r = pass(&list);
     assert_eq!(r.escapes.len(), 1, "{:?}", r.escapes);
     let e = &r.escapes[0];
     assert_eq!(
         (e.kind, e.slice.as_str(), e.gpu.as_str(), e.measured, e.limit, e.pid),
         (Kind::OverLimit as i32, "job1", uuid.as_str(), 1064 * MIB, 1 << 30, p)
     );
+    s.kill(p);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(pass(&list).reclaimed, 1000 * MIB);
+
+    // The slices change: job1 deleted and made again (a new region file, its old state dropped) and
+    // a slice placed before it in the list. What the monitor keeps follows the slices, not positions.
+    store.delete("job1", true).unwrap();
+    store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    store
+        .create("aa-first", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default())
+        .unwrap();
+    list = std::sync::Arc::new(store.list().unwrap());
+    let names: Vec<_> = list.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["aa-first", "job1"]);
+    let (p, _) = s.spawn_cmd(inside(&s, &dir, "64m"), &["alloc", "--size", "100m", "--hold"]);
+    for _ in 0..2 {
+        let r = pass(&list);
+        assert!(r.escapes.is_empty(), "{:?}", r.escapes);
+        let by_name = |n: &str| r.slices.iter().find(|x| x.name == n).unwrap().clone();
+        let (a, j) = (by_name("aa-first"), by_name("job1"));
+        assert!(a.processes.is_empty() && a.gpus[0].memory_used == 0, "{a:?}");
+        assert_eq!(j.processes.iter().map(|p| (p.host_pid, p.memory)).collect::<Vec<_>>(), vec![(p, 164 * MIB)]);
+        assert_eq!((j.gpus[0].memory_used, j.gpus[0].memory_measured, j.gpus[0].gpu_index), (164 * MIB, 164 * MIB, 0));
+        assert_eq!(j.gpus[0].memory_peak, 164 * MIB, "the new region's peak, not the old one's");
+    }
     s.kill(p);
 }
 
