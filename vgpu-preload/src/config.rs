@@ -30,8 +30,13 @@ pub struct Config {
     pub count_managed: bool,
     /// On bad configuration or an unusable region, run unlimited instead of refusing allocations.
     pub fail_open: bool,
+    /// The agent's files are mounted into this container (its limits file exists at
+    /// [`INJECTED_LIMITS`]): they are the configuration, and the environment cannot loosen it.
+    pub managed: bool,
     /// Problems found, one line each.
     pub errors: Vec<String>,
+    /// Settings of the environment ignored because the container is managed, one line each.
+    pub ignored: Vec<String>,
 }
 
 pub const DEFAULT_REGION: &str = "/tmp/vgpu.region";
@@ -62,24 +67,37 @@ fn parse_percent(s: &str) -> Option<u32> {
 }
 
 impl Config {
-    /// From the process environment. Without `CUDA_DEVICE_MEMORY_SHARED_CACHE` and
-    /// `VGPU_LIMITS_FILE`, the files the agent's injection mounts (`/usr/local/vgpu/region` and
-    /// `/usr/local/vgpu/limits`) are used when they exist: an OCI hook can mount files into a
-    /// container but cannot change its environment.
+    /// From the process environment. Where the agent's injection mounted a slice's files
+    /// (`/usr/local/vgpu/region` and the read-only `/usr/local/vgpu/limits`; an OCI hook can mount
+    /// files into a container but cannot change its environment), the container is managed: those
+    /// files are used whatever the environment says (see [`Config::managed`]).
     pub fn from_env() -> Config {
-        Self::from_lookup(|k| {
-            std::env::var(k).ok().or_else(|| {
-                let injected = match k {
-                    "CUDA_DEVICE_MEMORY_SHARED_CACHE" => INJECTED_REGION,
-                    "VGPU_LIMITS_FILE" => INJECTED_LIMITS,
-                    _ => return None,
-                };
-                std::path::Path::new(injected).exists().then(|| injected.to_string())
-            })
-        })
+        let managed = std::path::Path::new(INJECTED_LIMITS).exists();
+        Self::from_lookup_in(
+            |k| {
+                std::env::var(k).ok().or_else(|| {
+                    // A region mounted without a limits file: used when nothing else is named.
+                    let region =
+                        k == "CUDA_DEVICE_MEMORY_SHARED_CACHE" && std::path::Path::new(INJECTED_REGION).exists();
+                    region.then(|| INJECTED_REGION.to_string())
+                })
+            },
+            managed,
+        )
     }
 
+    /// From `get`, for a container that is not managed.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Config {
+        Self::from_lookup_in(get, false)
+    }
+
+    /// From `get`; in a `managed` container the environment is the process's own (a hostile workload
+    /// sets what it likes) and may only tighten what the agent's files say: the region and limits
+    /// files are the injected ones, `VGPU_FAIL_OPEN`, `GPU_CORE_UTILIZATION_POLICY=disable` and
+    /// `VGPU_COUNT_MANAGED=0` are ignored, and `VGPU_CONTEXT_OVERHEAD` may raise the per-context
+    /// charge but not lower it below the default. (The limits themselves always come from the
+    /// limits file when there is one.) What was ignored is listed in `ignored`.
+    pub fn from_lookup_in(get: impl Fn(&str) -> Option<String>, managed: bool) -> Config {
         let mut errors = Vec::new();
         let mut size = |k: &str| -> Option<u64> {
             let v = get(k)?;
@@ -136,7 +154,7 @@ impl Config {
             },
         };
         let flag = |k: &str| get(k).is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"));
-        Config {
+        let mut c = Config {
             mem_limit,
             sm_limit,
             region_path: get("CUDA_DEVICE_MEMORY_SHARED_CACHE")
@@ -148,7 +166,48 @@ impl Config {
             context_overhead,
             count_managed: get("VGPU_COUNT_MANAGED").is_none_or(|v| v.trim() != "0"),
             fail_open: flag("VGPU_FAIL_OPEN"),
+            managed,
             errors,
+            ignored: Vec::new(),
+        };
+        if managed {
+            c.lock_to_injected(get("CUDA_DEVICE_MEMORY_SHARED_CACHE"), get("VGPU_LIMITS_FILE"));
+        }
+        c
+    }
+
+    /// The managed container's rules (see [`from_lookup_in`](Self::from_lookup_in)).
+    fn lock_to_injected(&mut self, region: Option<String>, limits: Option<String>) {
+        let ignored = &mut self.ignored;
+        for (k, set, injected) in [
+            ("CUDA_DEVICE_MEMORY_SHARED_CACHE", region, INJECTED_REGION),
+            ("VGPU_LIMITS_FILE", limits, INJECTED_LIMITS),
+        ] {
+            if let Some(v) = set.filter(|v| v != injected) {
+                ignored.push(format!("{k}={v:?} (the agent's {injected} is used)"));
+            }
+        }
+        self.region_path = INJECTED_REGION.into();
+        self.limits_path = Some(INJECTED_LIMITS.into());
+        if self.fail_open {
+            ignored.push("VGPU_FAIL_OPEN".into());
+            self.fail_open = false;
+        }
+        if self.core_policy == CorePolicy::Disable {
+            ignored.push("GPU_CORE_UTILIZATION_POLICY=disable (default is used)".into());
+            self.core_policy = CorePolicy::Default;
+        }
+        if !self.count_managed {
+            ignored.push("VGPU_COUNT_MANAGED=0".into());
+            self.count_managed = true;
+        }
+        if self.context_overhead < DEFAULT_CONTEXT_OVERHEAD {
+            ignored.push(format!(
+                "VGPU_CONTEXT_OVERHEAD={} (below the default {} MiB)",
+                self.context_overhead,
+                DEFAULT_CONTEXT_OVERHEAD >> 20
+            ));
+            self.context_overhead = DEFAULT_CONTEXT_OVERHEAD;
         }
     }
 }
@@ -210,5 +269,42 @@ mod tests {
         assert_eq!(c.errors.len(), 4, "{:?}", c.errors);
         assert!(c.errors[0].contains("CUDA_DEVICE_MEMORY_LIMIT=\"lots\""));
         assert!(c.fail_open);
+    }
+
+    #[test]
+    fn a_managed_container_cannot_loosen_the_agent_s_configuration() {
+        let hostile = [
+            ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "/tmp/own.region"),
+            ("VGPU_LIMITS_FILE", "/tmp/own.limits"),
+            ("VGPU_FAIL_OPEN", "1"),
+            ("GPU_CORE_UTILIZATION_POLICY", "disable"),
+            ("VGPU_COUNT_MANAGED", "0"),
+            ("VGPU_CONTEXT_OVERHEAD", "0"),
+        ];
+        let m: std::collections::HashMap<&str, &str> = hostile.into_iter().collect();
+        let get = |k: &str| m.get(k).map(|v| v.to_string());
+        // Not managed: the environment is the configuration (the HAMi contract).
+        let c = Config::from_lookup_in(get, false);
+        assert_eq!((c.region_path.as_str(), c.limits_path.as_deref()), ("/tmp/own.region", Some("/tmp/own.limits")));
+        assert!(c.fail_open && !c.count_managed && c.core_policy == CorePolicy::Disable && c.context_overhead == 0);
+        assert!(c.ignored.is_empty() && !c.managed);
+        // Managed: the agent's files, and nothing that loosens them.
+        let c = Config::from_lookup_in(get, true);
+        assert_eq!((c.region_path.as_str(), c.limits_path.as_deref()), (INJECTED_REGION, Some(INJECTED_LIMITS)));
+        assert!(!c.fail_open && c.count_managed && c.core_policy == CorePolicy::Default);
+        assert_eq!(c.context_overhead, DEFAULT_CONTEXT_OVERHEAD);
+        assert_eq!(c.ignored.len(), 6, "{:?}", c.ignored);
+        assert!(c.ignored[0].starts_with("CUDA_DEVICE_MEMORY_SHARED_CACHE=\"/tmp/own.region\""), "{:?}", c.ignored);
+        // What tightens still applies; the agent's own values are not reported as ignored.
+        let tight = [
+            ("CUDA_DEVICE_MEMORY_SHARED_CACHE", INJECTED_REGION),
+            ("VGPU_LIMITS_FILE", INJECTED_LIMITS),
+            ("GPU_CORE_UTILIZATION_POLICY", "force"),
+            ("VGPU_CONTEXT_OVERHEAD", "1g"),
+        ];
+        let m: std::collections::HashMap<&str, &str> = tight.into_iter().collect();
+        let c = Config::from_lookup_in(|k| m.get(k).map(|v| v.to_string()), true);
+        assert!(c.ignored.is_empty(), "{:?}", c.ignored);
+        assert_eq!((c.core_policy, c.context_overhead), (CorePolicy::Force, 1 << 30));
     }
 }

@@ -30,16 +30,21 @@ pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;
 #[doc(hidden)]
 pub mod fuzzing {
     /// `KEY=VALUE` lines as the process environment: the configuration must be read without a panic,
-    /// every problem reported as a message.
+    /// every problem reported as a message; in a managed container, whatever the environment, the
+    /// agent's files are used and nothing is loosened.
     pub fn env(data: &[u8]) {
+        use crate::config::{Config, CorePolicy, DEFAULT_CONTEXT_OVERHEAD, INJECTED_LIMITS, INJECTED_REGION};
         let text = String::from_utf8_lossy(data);
         let vars: Vec<(&str, &str)> = text.lines().filter_map(|l| l.split_once('=')).collect();
-        let c = crate::config::Config::from_lookup(|k| {
-            vars.iter().rev().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
-        });
+        let get = |k: &str| vars.iter().rev().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        let c = Config::from_lookup(get);
         for e in &c.errors {
             assert!(!e.is_empty());
         }
+        let m = Config::from_lookup_in(get, true);
+        assert_eq!((m.region_path.as_str(), m.limits_path.as_deref()), (INJECTED_REGION, Some(INJECTED_LIMITS)));
+        assert!(!m.fail_open && m.count_managed && m.core_policy != CorePolicy::Disable);
+        assert!(m.context_overhead >= DEFAULT_CONTEXT_OVERHEAD);
         for (_, v) in &vars {
             let _ = crate::config::parse_size(v);
         }

@@ -8,6 +8,7 @@ static LINES: AtomicU32 = AtomicU32::new(0);
 const MAX_LINES: u32 = 200;
 
 pub const ERROR: u8 = 0;
+pub const WARN: u8 = 1;
 pub const INFO: u8 = 2;
 
 pub fn enabled(level: u8) -> bool {

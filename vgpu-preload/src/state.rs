@@ -2,7 +2,7 @@
 //! allocation tables. Created on the first call that needs it.
 
 use crate::config::Config;
-use crate::log::{vlog, ERROR, INFO};
+use crate::log::{vlog, ERROR, INFO, WARN};
 use crate::ptrmap::PtrMap;
 use crate::real;
 use crate::MAX_DEVICES;
@@ -60,6 +60,9 @@ fn limit_error(cfg: &Config, what: String) -> bool {
     if cfg.fail_open {
         vlog!(ERROR, "{what}; VGPU_FAIL_OPEN is set: running without GPU memory limits");
         false
+    } else if cfg.managed {
+        vlog!(ERROR, "{what}; refusing GPU memory allocations (the agent's files in this container are unusable)");
+        true
     } else {
         vlog!(ERROR, "{what}; refusing GPU memory allocations (set VGPU_FAIL_OPEN=1 to run unlimited instead)");
         true
@@ -71,6 +74,9 @@ impl State {
         let cfg = Config::from_env();
         crate::log::LEVEL.store(cfg.log_level, Relaxed);
         let mut refuse = false;
+        if !cfg.ignored.is_empty() {
+            vlog!(WARN, "in a container the agent manages, ignored: {}", cfg.ignored.join("; "));
+        }
         if !cfg.errors.is_empty() {
             refuse = limit_error(&cfg, format!("bad configuration: {}", cfg.errors.join("; ")));
         }

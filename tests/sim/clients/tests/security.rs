@@ -1,6 +1,7 @@
 //! The agent's only TCP endpoint, metrics, with TLS and a bearer token: plain HTTP gets no answer,
 //! TLS without the token gets 401 for /metrics, the token gets the metrics; /healthz stays open for
-//! probes. (Limits files, permissions and container isolation are tested in agent_daemon and
+//! probes. A container with the agent's files mounted cannot loosen its limits through its own
+//! environment. (Limits files, permissions and container isolation are tested in agent_daemon and
 //! oci_hook; the threat model is docs/security.md.)
 
 mod common;
@@ -84,4 +85,74 @@ fn the_agent_refuses_plain_metrics_on_the_network() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stderr).contains("reachable from the network"));
+}
+
+/// Root and unshare(1) for a private mount namespace, else skipped (CI runs as root and sets
+/// VGPU_REQUIRE_RUNC: not skipped there).
+fn can_mount() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let unshare = std::process::Command::new("unshare").arg("--version").output().is_ok_and(|o| o.status.success());
+    if root && unshare {
+        return true;
+    }
+    assert!(std::env::var_os("VGPU_REQUIRE_RUNC").is_none(), "needs root ({root}) and unshare ({unshare})");
+    eprintln!("SKIPPED: needs root and unshare");
+    false
+}
+
+#[test]
+fn a_managed_container_s_environment_cannot_loosen_its_limits() {
+    use vgpu_agent::slices::{SliceGpu, SliceStore};
+    if !can_mount() {
+        return;
+    }
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
+    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    let store = SliceStore::open(&s.state.join("agent")).unwrap();
+    store.create("job", vec![SliceGpu { uuid, memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    let dir = store.dir("job");
+    let own = s.state.join("own.region");
+    let own = own.to_str().unwrap();
+    // Everything a workload could set to get more than its slice.
+    let hostile = [
+        ("CUDA_DEVICE_MEMORY_SHARED_CACHE", own),
+        ("VGPU_LIMITS_FILE", own),
+        ("CUDA_DEVICE_MEMORY_LIMIT", "100g"),
+        ("VGPU_FAIL_OPEN", "1"),
+        ("GPU_CORE_UTILIZATION_POLICY", "disable"),
+        ("VGPU_COUNT_MANAGED", "0"),
+        ("VGPU_CONTEXT_OVERHEAD", "0"),
+    ];
+    // In a private mount namespace, the slice's files where the agent's injection puts them (the
+    // directory, and its limits file read-only over it), then the workload.
+    let run = |mounted: bool| {
+        let script = if mounted {
+            "mount --make-rprivate / && mount -t tmpfs vgpu-test /usr/local && mkdir /usr/local/vgpu \
+             && mount --bind \"$1\" /usr/local/vgpu && mount --bind -o ro \"$1/limits\" /usr/local/vgpu/limits \
+             && shift && exec \"$@\""
+        } else {
+            "shift; exec \"$@\""
+        };
+        let o = s
+            .cmd("unshare")
+            .args(["-m", "--", "sh", "-c", script, "sh", dir.to_str().unwrap(), RT])
+            .args(["alloc", "--size", "2g", "--chunk", "100m"])
+            .env("LD_PRELOAD", libvgpu())
+            .envs(hostile)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        (lines(&o.stdout).remove(0), err)
+    };
+    // Without the agent's files the environment is the configuration (the HAMi contract)...
+    let (v, _) = run(false);
+    assert_eq!(v["allocated"], 2048 * MIB, "not managed: the environment's 100 GiB");
+    // ...with them, the slice's 1 GiB less the default 256 MiB per context, in the slice's region.
+    let (v, err) = run(true);
+    assert_eq!(v["allocated"], 700 * MIB, "{err}");
+    assert!(err.contains("ignored: CUDA_DEVICE_MEMORY_SHARED_CACHE") && err.contains("VGPU_FAIL_OPEN"), "{err}");
+    let region = vgpu_region::Region::open(&dir.join("region"), false).unwrap();
+    assert_eq!(region.layout().devices[0].peak_used.load(std::sync::atomic::Ordering::Relaxed), 956 * MIB);
 }
