@@ -187,6 +187,91 @@ fn a_full_state_directory_fails_slice_changes_cleanly() {
     assert_eq!(Region::open(&a.state.join("slices/before/limits"), false).unwrap().mem_limit(0), 3 << 30);
 }
 
+/// A small tmpfs mounted at a path for the length of a test (root only), unmounted when dropped.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    /// None (the test skips) without root or mount(8), except where CI requires it
+    /// (VGPU_REQUIRE_RUNC, set by .ci/run, which runs as root).
+    fn mount(at: &std::path::Path, size: &str) -> Option<Tmpfs> {
+        std::fs::create_dir_all(at).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        let ok = root
+            && Command::new("mount")
+                .args(["-t", "tmpfs", "-o", &format!("size={size}"), "vgpu-test-full"])
+                .arg(at)
+                .status()
+                .is_ok_and(|s| s.success());
+        if !ok {
+            assert!(std::env::var_os("VGPU_REQUIRE_RUNC").is_none(), "cannot mount a tmpfs (root: {root})");
+            eprintln!("SKIPPED: needs root to mount a tmpfs");
+            return None;
+        }
+        Some(Tmpfs(at.to_owned()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_really_full_file_system_fails_slice_changes_cleanly_and_running_slices_keep_working() {
+    let s = Sim::new(Some("context_overhead_mib = 64\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    // The agent's state directory on a file system of its own: room for its copy of libvgpu.so and
+    // 4 MiB more.
+    let room = std::fs::metadata(libvgpu()).unwrap().len() / 1024 + 4096;
+    let Some(_fs) = Tmpfs::mount(&s.state.join("agent"), &format!("{room}k")) else { return };
+    let a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "before", "--gpu", "0", "--memory", "2GiB", "--sm", "20"]);
+    // Fill it.
+    let filler = a.state.join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    let chunk = vec![0u8; 64 << 10];
+    let err = loop {
+        if let Err(e) = std::io::Write::write_all(&mut f, &chunk) {
+            break e;
+        }
+    };
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    let _ = std::io::Write::flush(&mut f);
+    // A process starting in the existing slice claims a slot and accounts its memory in the mapped
+    // region: its blocks were reserved when the slice was made, so no write faults (SIGBUS).
+    let dir = a.state.join("slices/before");
+    let o = s
+        .cmd(RT)
+        .env("LD_PRELOAD", libvgpu())
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
+        .env("VGPU_LIMITS_FILE", dir.join("limits"))
+        .env("VGPU_CONTEXT_OVERHEAD", "64m")
+        .args(["alloc", "--size", "3g", "--chunk", "100m"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{:?}: {}", o.status, String::from_utf8_lossy(&o.stderr));
+    assert_eq!(lines(&o.stdout)[0]["allocated"], 1900 * MIB, "the slice's 2 GiB, on a full disk");
+    // A new slice: refused with the file system's own error, nothing left behind.
+    let o = a.ctl(&["slice", "create", "--name", "full", "--gpu", "0", "--memory", "1GiB"]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(!a.state.join("slices/full").exists(), "a failed create leaves no directory");
+    // A change: refused, the limits unchanged.
+    let o = a.ctl(&["slice", "update", "before", "--gpu", "0", "--memory", "3GiB", "--sm", "20"]);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(Region::open(&dir.join("limits"), false).unwrap().mem_limit(0), 2 << 30);
+    // The agent kept serving; with room again, both work.
+    assert!(a.status().is_some(), "{}", a.log_text());
+    drop(f);
+    std::fs::remove_file(&filler).unwrap();
+    a.ctl_ok(&["slice", "create", "--name", "full", "--gpu", "0", "--memory", "1GiB"]);
+    a.ctl_ok(&["slice", "update", "before", "--gpu", "0", "--memory", "3GiB", "--sm", "20"]);
+    assert_eq!(Region::open(&dir.join("limits"), false).unwrap().mem_limit(0), 3 << 30);
+    drop(a);
+}
+
 #[test]
 fn the_agent_survives_nvml_failing_and_slow() {
     let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"L4\"\n"));
