@@ -25,15 +25,7 @@ fn agent_slices_limit_processes_and_cannot_be_raised_from_inside() {
     store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
     let dir = store.dir("job1");
     let run = |size: &str| {
-        let o = s
-            .cmd(RT)
-            .env("LD_PRELOAD", libvgpu())
-            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
-            .env("VGPU_LIMITS_FILE", dir.join("limits"))
-            .env("VGPU_CONTEXT_OVERHEAD", "64m")
-            .args(["alloc", "--size", size, "--chunk", "100m"])
-            .output()
-            .unwrap();
+        let o = s.in_slice(RT, &dir, "64m").args(["alloc", "--size", size, "--chunk", "100m"]).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         lines(&o.stdout).remove(0)
     };
@@ -59,7 +51,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     let store = SliceStore::open(&s.state.join("agent")).unwrap();
     store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
     let dir = store.dir("job1");
-    let c = inside(&s, &dir, "64m");
+    let c = s.in_slice(RT, &dir, "64m");
     let (pin, _) = s.spawn_cmd(c, &["alloc", "--size", "300m", "--hold"]);
     let (pout, _) = s.spawn(RT, &["alloc", "--size", "500m", "--hold"]);
 
@@ -104,7 +96,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
 
     // A slice process whose context is not accounted (overhead set to 0) ends up over its limit as
     // NVML measures it: reported, naming the process.
-    let c = inside(&s, &dir, "0");
+    let c = s.in_slice(RT, &dir, "0");
     let (p, _) = s.spawn_cmd(c, &["alloc", "--size", "1000m", "--hold"]);
     let r = pass(&list);
     assert_eq!(r.escapes.len(), 1, "{:?}", r.escapes);
@@ -127,7 +119,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     list = std::sync::Arc::new(store.list().unwrap());
     let names: Vec<_> = list.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aa-first", "job1"]);
-    let (p, _) = s.spawn_cmd(inside(&s, &dir, "64m"), &["alloc", "--size", "100m", "--hold"]);
+    let (p, _) = s.spawn_cmd(s.in_slice(RT, &dir, "64m"), &["alloc", "--size", "100m", "--hold"]);
     for _ in 0..2 {
         let r = pass(&list);
         assert!(r.escapes.is_empty(), "{:?}", r.escapes);
@@ -139,14 +131,4 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
         assert_eq!(j.gpus[0].memory_peak, 164 * MIB, "the new region's peak, not the old one's");
     }
     s.kill(p);
-}
-
-/// A client inside the slice at `dir` (what the agent's injection gives a container).
-fn inside(s: &Sim, dir: &std::path::Path, overhead: &str) -> std::process::Command {
-    let mut c = s.cmd(RT);
-    c.env("LD_PRELOAD", libvgpu())
-        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
-        .env("VGPU_LIMITS_FILE", dir.join("limits"))
-        .env("VGPU_CONTEXT_OVERHEAD", overhead);
-    c
 }

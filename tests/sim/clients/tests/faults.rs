@@ -241,15 +241,7 @@ fn a_really_full_file_system_fails_slice_changes_cleanly_and_running_slices_keep
     // A process starting in the existing slice claims a slot and accounts its memory in the mapped
     // region: its blocks were reserved when the slice was made, so no write faults (SIGBUS).
     let dir = a.state.join("slices/before");
-    let o = s
-        .cmd(RT)
-        .env("LD_PRELOAD", libvgpu())
-        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
-        .env("VGPU_LIMITS_FILE", dir.join("limits"))
-        .env("VGPU_CONTEXT_OVERHEAD", "64m")
-        .args(["alloc", "--size", "3g", "--chunk", "100m"])
-        .output()
-        .unwrap();
+    let o = s.in_slice(RT, &dir, "64m").args(["alloc", "--size", "3g", "--chunk", "100m"]).output().unwrap();
     assert!(o.status.success(), "{:?}: {}", o.status, String::from_utf8_lossy(&o.stderr));
     assert_eq!(lines(&o.stdout)[0]["allocated"], 1900 * MIB, "the slice's 2 GiB, on a full disk");
     // A new slice: refused with the file system's own error, nothing left behind.

@@ -91,6 +91,18 @@ impl Sim {
         self.state.join("container.region")
     }
 
+    /// `bin` as a process of the agent's slice whose directory is `dir` (what the agent's injection
+    /// gives a container: libvgpu.so, the slice's region and read-only limits), charging `overhead`
+    /// per context.
+    pub fn in_slice(&self, bin: &str, dir: &Path, overhead: &str) -> Command {
+        let mut c = self.cmd(bin);
+        c.env("LD_PRELOAD", libvgpu())
+            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
+            .env("VGPU_LIMITS_FILE", dir.join("limits"))
+            .env("VGPU_CONTEXT_OVERHEAD", overhead);
+        c
+    }
+
     /// A client inside a "container": libvgpu.so preloaded, the region, and the given environment.
     pub fn limited(&self, bin: &str, env: &[(&str, &str)]) -> Command {
         let mut c = self.cmd(bin);
