@@ -260,7 +260,6 @@ impl Monitor {
         // changed.
         let gpus_changed = self.gpu_uuids.len() != queried.len()
             || self.gpu_uuids.iter().zip(&queried).any(|(u, (g, _, _))| *u != g.uuid);
-        let mut users = vec![0u32; queried.len()];
         if realigned || opened || gpus_changed {
             self.gpu_uuids = queried.iter().map(|(g, _, _)| g.uuid.clone()).collect();
             let gpu_at: HashMap<&str, usize> =
@@ -281,7 +280,6 @@ impl Monitor {
                 }
             }
         }
-        users.copy_from_slice(&self.users);
         // Slots: reclaim the dead, index the living by host PID.
         self.live.clear();
         self.by_host.clear();
@@ -315,7 +313,7 @@ impl Monitor {
                 pass.gpus.push(g);
                 continue;
             }
-            g.slices = users[k];
+            g.slices = self.users[k];
             for (pid, mem) in procs {
                 seen_pids.insert(pid);
                 match self.owner(pid, slices) {
