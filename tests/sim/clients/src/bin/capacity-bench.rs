@@ -216,9 +216,32 @@ async fn watch(dir: PathBuf, port: u16, seen: Arc<Mutex<Seen>>) {
     let ep = Endpoint::parse(&format!("https://127.0.0.1:{port}")).unwrap();
     let ch = report::channel(&ep, Some(&dir.join("ca.pem")), None).await.expect("watch channel");
     let token = std::fs::read_to_string(dir.join("token")).unwrap();
-    let mut req = tonic::Request::new(sp::WatchRequest {});
-    req.metadata_mut().insert("authorization", format!("Bearer {}", token.trim()).parse().unwrap());
-    let mut s = sp::cluster_client::ClusterClient::new(ch).watch(req).await.expect("watch").into_inner();
+    fn authed<T>(token: &str, m: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(m);
+        req.metadata_mut().insert("authorization", format!("Bearer {}", token.trim()).parse().unwrap());
+        req
+    }
+    let mut client = sp::cluster_client::ClusterClient::new(ch);
+    let mut s = client.watch(authed(&token, sp::WatchRequest {})).await.expect("watch").into_inner();
+    // Nodes whose snapshot came before the watch did (the receiver had subscribed it by the time it
+    // answered): in the view already, counted as back now (an overestimate).
+    let view = client.status(authed(&token, sp::ClusterStatusRequest::default())).await.expect("status").into_inner();
+    {
+        let now = Instant::now();
+        let mut g = seen.lock().unwrap();
+        let mut early = 0;
+        for v in view.nodes.into_iter().filter(|v| v.synced) {
+            if let Some(c) = v.capacity {
+                g.snapshots.entry(c.node).or_insert_with(|| {
+                    early += 1;
+                    now
+                });
+            }
+        }
+        if early > 0 {
+            eprintln!("{early} nodes were back before the watch started (counted as back when it did)");
+        }
+    }
     while let Ok(Some(e)) = s.message().await {
         let now = Instant::now();
         let mut g = seen.lock().unwrap();
