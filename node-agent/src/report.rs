@@ -122,11 +122,19 @@ pub struct ReporterState {
     pub sequence: AtomicU64,
 }
 
-/// The bearer token in a file (trimmed); None when the file holds nothing.
+/// The bearer token in a file (its one line, trimmed; `#` lines are comments); None when the file
+/// holds nothing.
 pub fn read_token(p: &Path) -> Result<Option<String>, String> {
     let t = std::fs::read_to_string(p).map_err(|e| format!("cannot read the token file {}: {e}", p.display()))?;
-    let t = t.trim();
-    Ok((!t.is_empty()).then(|| t.to_string()))
+    let mut lines = t.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#'));
+    let token = lines.next();
+    if lines.next().is_some() || token.is_some_and(|t| t.contains(char::is_whitespace)) {
+        return Err(format!(
+            "the token file {} must hold one token on one line (a receiver's token file, with roles, is not a client's)",
+            p.display()
+        ));
+    }
+    Ok(token.map(str::to_string))
 }
 
 /// A channel to `endpoint` (TLS with `ca` for https).
@@ -459,5 +467,28 @@ mod tests {
         assert_eq!(diff(&a, &a), Some((vec![], vec![])));
         let c = sp::NodeCapacity { driver_version: "x".into(), ..a.clone() };
         assert_eq!(diff(&a, &c), None, "node-level change: a snapshot");
+    }
+
+    #[test]
+    fn a_token_file_holds_one_token() {
+        let d = std::env::temp_dir().join(format!("vgpu-read-token-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let f = d.join("t");
+        for (text, want) in [
+            ("abc\n", Ok(Some("abc"))),
+            ("# node n1\n\n  abc  \n\n", Ok(Some("abc"))),
+            ("\n# nothing\n", Ok(None)),
+            ("abc\ndef\n", Err("one token on one line")),
+            ("node n1 abc\n", Err("one token on one line")),
+        ] {
+            std::fs::write(&f, text).unwrap();
+            match (read_token(&f), want) {
+                (Ok(got), Ok(w)) => assert_eq!(got.as_deref(), w, "{text:?}"),
+                (Err(e), Err(w)) => assert!(e.contains(w), "{text:?}: {e}"),
+                (got, w) => panic!("{text:?}: got {got:?}, wanted {w:?}"),
+            }
+        }
+        assert!(read_token(&d.join("missing")).unwrap_err().contains("cannot read"));
+        std::fs::remove_dir_all(d).unwrap();
     }
 }

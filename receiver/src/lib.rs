@@ -11,8 +11,11 @@
 //! of the sequence before it; after a gap the receiver asks for a snapshot and applies nothing until
 //! it comes.
 
+pub mod auth;
 pub mod certs;
 pub mod metrics;
+
+pub use auth::{Auth, Role, Tokens};
 
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -28,7 +31,7 @@ use vgpu_proto::scheduler::v1 as sp;
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Limits on what one node may send (anything larger is malformed).
 const MAX_GPUS: usize = 256;
-const MAX_NAME: usize = 253;
+pub(crate) const MAX_NAME: usize = 253;
 
 type Outbound = mpsc::Sender<Result<sp::SchedulerMessage, Status>>;
 
@@ -72,15 +75,15 @@ pub struct Counters {
 /// The receiver's settings.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    /// Accepted bearer tokens (empty: none required, for Unix sockets only).
-    pub tokens: Vec<String>,
+    /// Accepted bearer tokens and their roles (none: no authentication, for Unix sockets only).
+    pub auth: Arc<Auth>,
     /// The heartbeat period asked of nodes; a node silent for three is stale.
     pub heartbeat: Duration,
 }
 
 impl Default for Settings {
     fn default() -> Settings {
-        Settings { tokens: Vec::new(), heartbeat: Duration::from_secs(10) }
+        Settings { auth: Arc::new(Auth::fixed(Tokens::default())), heartbeat: Duration::from_secs(10) }
     }
 }
 
@@ -96,11 +99,6 @@ pub struct Cluster {
 
 fn event(node: &str, kind: &str, c: &sp::NodeCapacity, gpus: Vec<String>) -> sp::ClusterEvent {
     sp::ClusterEvent { node: node.to_string(), kind: kind.to_string(), epoch: c.epoch, sequence: c.sequence, gpus }
-}
-
-/// Constant-time comparison (a token check must not tell how much of a guess was right).
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// What is wrong with a node's capacity, if anything.
@@ -352,23 +350,60 @@ impl Cluster {
         (node, session)
     }
 
-    fn authorized<T>(&self, req: &Request<T>) -> Result<(), Status> {
-        if self.settings.tokens.is_empty() {
-            return Ok(());
+    /// Who sent `req`, if its token allows `need`.
+    fn authorized<T>(&self, req: &Request<T>, need: Need) -> Result<Grant, Status> {
+        let auth = &self.settings.auth;
+        if auth.is_open() {
+            return Ok(Grant { role: Role::Cluster, token: String::new(), generation: 0 });
         }
-        let got =
-            req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        match got {
-            Some(t) if self.settings.tokens.iter().any(|k| same(k.as_bytes(), t.trim().as_bytes())) => Ok(()),
-            _ => {
-                self.counters.rejected_auth.fetch_add(1, Relaxed);
-                Err(Status::unauthenticated("a valid bearer token is required"))
-            }
+        let (tokens, generation) = auth.current();
+        let got = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        let Some((token, role)) = got.and_then(|t| tokens.role(t).map(|r| (t, r.clone()))) else {
+            self.counters.rejected_auth.fetch_add(1, Relaxed);
+            return Err(Status::unauthenticated("a valid bearer token is required"));
+        };
+        let allowed = matches!(
+            (&role, need),
+            (Role::Cluster, _) | (Role::Node(_) | Role::Nodes, Need::Stream) | (Role::Reader, Need::Read)
+        );
+        if !allowed {
+            self.counters.rejected_auth.fetch_add(1, Relaxed);
+            let what = match need {
+                Need::Stream => "report a node's capacity",
+                Need::Read => "read the cluster view",
+                Need::Request => "send requests to nodes",
+            };
+            return Err(Status::permission_denied(format!("a {role} token may not {what}")));
         }
+        Ok(Grant { role, token: token.to_string(), generation })
+    }
+
+    /// Whether a grant still holds (its token not revoked or changed role since it was given).
+    fn still_valid(&self, g: &mut Grant) -> bool {
+        if self.settings.auth.is_open() {
+            return true;
+        }
+        let (tokens, generation) = self.settings.auth.current();
+        if generation == g.generation {
+            return true;
+        }
+        g.generation = generation;
+        tokens.role(&g.token) == Some(&g.role)
     }
 
     /// Serves one node's stream until it ends.
-    async fn serve_node(self: Arc<Self>, mut inbound: Streaming<sp::NodeMessage>, tx: Outbound, peer: String) {
+    async fn serve_node(
+        self: Arc<Self>,
+        mut inbound: Streaming<sp::NodeMessage>,
+        tx: Outbound,
+        peer: String,
+        mut grant: Grant,
+    ) {
         let reject = |tx: &Outbound, s: Status| {
             self.counters.rejected_malformed.fetch_add(1, Relaxed);
             let tx = tx.clone();
@@ -392,8 +427,16 @@ impl Cluster {
             return reject(&tx, Status::failed_precondition(m)).await;
         }
         let name = hello.node.clone();
-        if name.is_empty() || name.len() > MAX_NAME || name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        if !auth::valid_node(&name) {
             return reject(&tx, Status::invalid_argument("Hello.node must be a node name")).await;
+        }
+        if let Role::Node(n) = &grant.role {
+            if *n != name {
+                self.counters.rejected_auth.fetch_add(1, Relaxed);
+                let _ =
+                    tx.send(Err(Status::permission_denied(format!("this token is for node {n}, not {name}")))).await;
+                return;
+            }
         }
         let (node, session) = self.register(&hello, tx.clone(), peer);
         let welcome = sp::SchedulerMessage {
@@ -412,6 +455,12 @@ impl Cluster {
                 Ok(Some(m)) => m,
                 Ok(None) | Err(_) => break,
             };
+            if !self.still_valid(&mut grant) {
+                self.counters.rejected_auth.fetch_add(1, Relaxed);
+                tracing::warn!(node = %name, "token revoked; stream ended");
+                let _ = tx.send(Err(Status::unauthenticated("the token was revoked"))).await;
+                break;
+            }
             match self.apply(&node, session, &hello, &mut asked, m) {
                 Step::Next => {}
                 Step::Answer(a) => {
@@ -419,7 +468,10 @@ impl Cluster {
                         break;
                     }
                 }
-                Step::Reject(s) => return reject(&tx, s).await,
+                Step::Reject(s) => {
+                    reject(&tx, s).await;
+                    break;
+                }
                 Step::Stop => break,
             }
         }
@@ -433,6 +485,21 @@ impl Cluster {
     }
 }
 
+/// What a call needs its token to allow.
+#[derive(Clone, Copy)]
+enum Need {
+    Stream,
+    Read,
+    Request,
+}
+
+/// Who a call's token speaks for, and the token generation it was checked against.
+struct Grant {
+    role: Role,
+    token: String,
+    generation: u64,
+}
+
 /// The `Capacity` service.
 pub struct CapacitySvc(Arc<Cluster>);
 
@@ -444,10 +511,10 @@ impl sp::capacity_server::Capacity for CapacitySvc {
 
     async fn report(&self, req: Request<Streaming<sp::NodeMessage>>) -> Result<Response<Self::ReportStream>, Status> {
         self.0.counters.streams.fetch_add(1, Relaxed);
-        self.0.authorized(&req)?;
+        let grant = self.0.authorized(&req, Need::Stream)?;
         let peer = req.remote_addr().map(|a| a.to_string()).unwrap_or_else(|| "local".into());
         let (tx, rx) = mpsc::channel(32);
-        tokio::spawn(self.0.clone().serve_node(req.into_inner(), tx, peer));
+        tokio::spawn(self.0.clone().serve_node(req.into_inner(), tx, peer, grant));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 }
@@ -458,13 +525,13 @@ pub struct ClusterSvc(Arc<Cluster>);
 #[tonic::async_trait]
 impl sp::cluster_server::Cluster for ClusterSvc {
     async fn status(&self, req: Request<sp::ClusterStatusRequest>) -> Result<Response<sp::ClusterStatus>, Status> {
-        self.0.authorized(&req)?;
+        self.0.authorized(&req, Need::Read)?;
         let only = req.into_inner().node;
         Ok(Response::new(self.0.view((!only.is_empty()).then_some(only.as_str()))))
     }
 
     async fn request(&self, req: Request<sp::ClusterRequest>) -> Result<Response<sp::RequestResult>, Status> {
-        self.0.authorized(&req)?;
+        self.0.authorized(&req, Need::Request)?;
         let r = req.into_inner();
         let nr = r.request.ok_or_else(|| Status::invalid_argument("no request"))?;
         let t = if r.timeout_ms == 0 { Duration::from_secs(30) } else { Duration::from_millis(r.timeout_ms as u64) };
@@ -474,9 +541,14 @@ impl sp::cluster_server::Cluster for ClusterSvc {
     type WatchStream = Out<sp::ClusterEvent>;
 
     async fn watch(&self, req: Request<sp::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        self.0.authorized(&req)?;
+        let mut grant = self.0.authorized(&req, Need::Read)?;
         let rx = self.0.subscribe();
-        let s = tokio_stream::StreamExt::map(tokio_stream::wrappers::BroadcastStream::new(rx), |e| {
+        let cluster = self.0.clone();
+        // A revoked token's watch ends at its next event.
+        let events = tokio_stream::StreamExt::take_while(tokio_stream::wrappers::BroadcastStream::new(rx), move |_| {
+            cluster.still_valid(&mut grant)
+        });
+        let s = tokio_stream::StreamExt::map(events, |e| {
             Ok(e.unwrap_or_else(|lag| sp::ClusterEvent { kind: format!("lagged: {lag}"), ..Default::default() }))
         });
         Ok(Response::new(Box::pin(s)))

@@ -42,7 +42,7 @@ pub fn render(c: &Cluster) -> String {
     );
     counter(
         "vgpu_receiver_rejected_auth_total",
-        "Streams refused for a missing or wrong token.",
+        "Streams and calls refused for a missing, wrong, revoked or insufficient token.",
         k.rejected_auth.load(Relaxed),
     );
     counter(

@@ -4,10 +4,99 @@ use super::*;
 
 #[test]
 fn tokens_compare_in_constant_time_and_exactly() {
+    use auth::same;
     assert!(same(b"abc", b"abc"));
     assert!(!same(b"abc", b"abd"));
     assert!(!same(b"abc", b"abcd"));
     assert!(!same(b"", b"a"));
+}
+
+const T1: &str = "0123456789abcdef0001";
+const T2: &str = "0123456789abcdef0002";
+const T3: &str = "0123456789abcdef0003";
+
+#[test]
+fn token_files_give_each_token_a_role() {
+    let t = Tokens::parse(&format!("# comment\n\n  {T1}  \nreader {T2}\nnode gpu-7 {T3}\nnodes {T3}x\n")).unwrap();
+    assert_eq!(t.len(), 4);
+    assert_eq!(t.role(&format!("{T3}x")), Some(&Role::Nodes));
+    assert_eq!(t.role(T1), Some(&Role::Cluster));
+    assert_eq!(t.role(T2), Some(&Role::Reader));
+    assert_eq!(t.role(T3), Some(&Role::Node("gpu-7".into())));
+    assert_eq!(t.role("0123456789abcdef0004"), None);
+    assert_eq!(t.role(&T1[..10]), None);
+    assert!(t.has_node("gpu-7") && !t.has_node("gpu-8"));
+    for (text, want) in [
+        ("short\n", "line 1: a token must have at least 16"),
+        (&format!("{T1}\nnode {T2}\n") as &str, "line 2: expected"),
+        (&format!("writer {T1}\n"), "line 1: expected"),
+        (&format!("node a b {T1}\n"), "line 1: expected"),
+        (&format!("{T1}\nreader {T1}\n"), "line 2: this token is already listed"),
+        ("reader 0123456789abcdef\u{7f}01\n", "printable ASCII"),
+    ] {
+        let e = Tokens::parse(text).unwrap_err();
+        assert!(e.contains(want), "{text:?}: {e}");
+    }
+}
+
+fn temp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("vgpu-receiver-auth-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Two looks at the token file.
+fn settle(a: &Auth) {
+    a.recheck_now();
+    a.current();
+    a.recheck_now();
+}
+
+#[test]
+fn a_changed_token_file_is_reloaded_and_a_broken_one_is_not() {
+    let d = temp("reload");
+    let f = d.join("tokens");
+    std::fs::write(&f, format!("{T1}\n")).unwrap();
+    let a = Auth::from_file(&f).unwrap();
+    let (t, g0) = a.current();
+    assert_eq!(t.role(T1), Some(&Role::Cluster));
+    // A new node token: in force at the next look, with a new generation.
+    let tok = auth::add_token(&f, &Role::Node("n1".into())).unwrap();
+    assert_eq!(tok.len(), 64);
+    // Seen once: not yet read (it could be half-written); unchanged at the next look: read.
+    a.recheck_now();
+    assert_eq!(a.current().1, g0);
+    a.recheck_now();
+    let (t, g1) = a.current();
+    assert!(g1 > g0);
+    assert_eq!(t.role(&tok), Some(&Role::Node("n1".into())));
+    assert_eq!(t.role(T1), Some(&Role::Cluster));
+    // A second token for the same node is refused; the file is unchanged.
+    let before = std::fs::read_to_string(&f).unwrap();
+    assert!(auth::add_token(&f, &Role::Node("n1".into())).unwrap_err().contains("already has a token for node n1"));
+    assert!(auth::add_token(&f, &Role::Node("bad name".into())).unwrap_err().contains("not a node name"));
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), before);
+    // A broken file (or one listing nothing) keeps the tokens before it.
+    for broken in ["garbage here now\n".to_string(), "# empty\n".to_string()] {
+        std::fs::write(&f, broken).unwrap();
+        settle(&a);
+        let (t, g) = a.current();
+        assert_eq!(g, g1);
+        assert_eq!(t.role(&tok), Some(&Role::Node("n1".into())));
+    }
+    // Revoking (deleting the line) takes effect.
+    std::fs::write(&f, format!("{T2}\n")).unwrap();
+    settle(&a);
+    let (t, g2) = a.current();
+    assert!(g2 > g1);
+    assert_eq!(t.role(&tok), None);
+    assert_eq!(t.role(T2), Some(&Role::Cluster));
+    // Unreadable at start: an error, not an open receiver.
+    assert!(Auth::from_file(&d.join("missing")).unwrap_err().contains("cannot read"));
+    std::fs::write(&f, "").unwrap();
+    assert!(Auth::from_file(&f).unwrap_err().contains("at least one token"));
+    std::fs::remove_dir_all(d).unwrap();
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use vgpu_receiver::{certs, metrics, Cluster, Settings};
+use vgpu_receiver::{auth, certs, metrics, Auth, Cluster, Role, Settings, Tokens};
 
 #[derive(Parser)]
 #[command(name = "vgpu-receiver", version, about = "vgpu's reference receiver of node capacity (vgpu.scheduler.v1)")]
@@ -30,7 +30,8 @@ enum Cmd {
         /// PEM private key of the certificate.
         #[arg(long)]
         tls_key: Option<PathBuf>,
-        /// Accepted bearer tokens, one per line (read once at start).
+        /// Accepted bearer tokens, one per line: `TOKEN` (cluster), `reader TOKEN` or
+        /// `nodes TOKEN` or `node NAME TOKEN`; re-read when it changes.
         #[arg(long)]
         token_file: Option<PathBuf>,
         /// A Unix socket to serve on as well (or instead); no TLS there.
@@ -43,6 +44,28 @@ enum Cmd {
         #[arg(long, default_value_t = 10_000)]
         heartbeat_ms: u64,
     },
+    /// Add a fresh token to a token file (the running receiver picks it up within a second) and
+    /// write it to --out (0600) or print it. Revoke a token by deleting its line.
+    AddToken {
+        /// The receiver's token file (made 0600 if absent).
+        #[arg(long)]
+        token_file: PathBuf,
+        /// A token for this node's capacity stream only.
+        #[arg(long, conflicts_with_all = ["reader", "nodes", "cluster"])]
+        node: Option<String>,
+        /// A token that may only read the cluster view (Cluster.Status and Cluster.Watch).
+        #[arg(long, conflicts_with_all = ["nodes", "cluster"])]
+        reader: bool,
+        /// A token for any node's capacity stream and nothing else (one Secret for a DaemonSet).
+        #[arg(long, conflicts_with = "cluster")]
+        nodes: bool,
+        /// A token that may do everything (any node's stream, the cluster view, requests).
+        #[arg(long)]
+        cluster: bool,
+        /// Where to write the token (0600); without it the token is printed.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Make a private CA, a server certificate for the given names, its key and a token.
     GenCerts {
         #[arg(long)]
@@ -51,6 +74,14 @@ enum Cmd {
         #[arg(long)]
         host: Vec<String>,
     },
+}
+
+/// Writes `text` to a new file readable by its owner only (an existing file is replaced).
+fn write_secret(p: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(p);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(p)?;
+    std::io::Write::write_all(&mut f, format!("{text}\n").as_bytes())
 }
 
 fn die(code: i32, msg: impl std::fmt::Display) -> ! {
@@ -85,27 +116,43 @@ fn main() {
                 host.join(", ")
             );
         }
+        Cmd::AddToken { token_file, node, reader, nodes, cluster, out } => {
+            let role = match (node, reader, nodes, cluster) {
+                (Some(n), ..) => Role::Node(n),
+                (None, true, ..) => Role::Reader,
+                (None, false, true, _) => Role::Nodes,
+                (None, false, false, true) => Role::Cluster,
+                (None, false, false, false) => {
+                    die(2, "say what the token is for: --node NAME, --nodes, --reader or --cluster")
+                }
+            };
+            let token = auth::add_token(&token_file, &role).unwrap_or_else(|e| die(1, e));
+            match out {
+                Some(p) => {
+                    write_secret(&p, &token).unwrap_or_else(|e| die(1, format!("cannot write {}: {e}", p.display())));
+                    eprintln!("added a {role} token to {}; the token is in {}", token_file.display(), p.display());
+                }
+                None => {
+                    println!("{token}");
+                    eprintln!("added a {role} token to {}", token_file.display());
+                }
+            }
+        }
         Cmd::Serve { listen, tls_cert, tls_key, token_file, unix, metrics_address, heartbeat_ms } => {
             use std::io::IsTerminal;
             tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).init();
             if listen.is_none() && unix.is_none() {
                 die(2, "nothing to serve on: give --listen ADDR (with TLS and a token) and/or --unix PATH");
             }
-            let tokens: Vec<String> = match &token_file {
-                Some(p) => std::fs::read_to_string(p)
-                    .unwrap_or_else(|e| die(2, format!("cannot read {}: {e}", p.display())))
-                    .lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                    .map(String::from)
-                    .collect(),
-                None => Vec::new(),
+            let auth = match &token_file {
+                Some(p) => Auth::from_file(p).unwrap_or_else(|e| die(2, e)),
+                None => Auth::fixed(Tokens::default()),
             };
             let tls = match (listen, &tls_cert, &tls_key) {
                 (None, _, _) => None,
                 (Some(_), Some(c), Some(k)) => {
-                    if tokens.is_empty() {
-                        die(2, "--listen needs --token-file with at least one token (TCP requires TLS and a token)");
+                    if auth.is_open() {
+                        die(2, "--listen needs --token-file (TCP requires TLS and a token)");
                     }
                     let read = |p: &PathBuf| {
                         std::fs::read(p).unwrap_or_else(|e| die(2, format!("cannot read {}: {e}", p.display())))
@@ -127,7 +174,7 @@ fn main() {
                 tls,
                 unix,
                 metrics_address,
-                Settings { tokens, heartbeat: Duration::from_millis(heartbeat_ms) },
+                Settings { auth: Arc::new(auth), heartbeat: Duration::from_millis(heartbeat_ms) },
             ));
         }
     }

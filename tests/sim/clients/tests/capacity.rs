@@ -115,9 +115,13 @@ async fn cluster(r: &Receiver) -> sp::cluster_client::ClusterClient<tonic::trans
     sp::cluster_client::ClusterClient::new(ch)
 }
 
-/// A request with the receiver's bearer token.
+/// A request with the receiver's (cluster) bearer token: the first line of its token file.
 fn authed<T>(r: &Receiver, msg: T) -> tonic::Request<T> {
-    let token = std::fs::read_to_string(r.dir.join("token")).unwrap();
+    let tokens = std::fs::read_to_string(r.dir.join("token")).unwrap();
+    with_token(tokens.lines().next().unwrap(), msg)
+}
+
+fn with_token<T>(token: &str, msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
     req.metadata_mut().insert("authorization", format!("Bearer {}", token.trim()).parse().unwrap());
     req
@@ -380,6 +384,129 @@ fn bad_certificates_and_tokens_are_refused() {
     drop(good);
 }
 
+/// `vgpu-receiver add-token --token-file <the receiver's> ARGS`: its stdout, or its exit code and stderr.
+fn add_token(r: &Receiver, args: &[&str]) -> Result<String, (Option<i32>, String)> {
+    let o = Command::new(bin("vgpu-receiver"))
+        .arg("add-token")
+        .arg("--token-file")
+        .arg(r.dir.join("token"))
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    if o.status.success() {
+        Ok(String::from_utf8(o.stdout).unwrap())
+    } else {
+        Err((o.status.code(), err))
+    }
+}
+
+#[test]
+fn node_tokens_speak_for_one_node_readers_only_read_and_revoked_tokens_end_streams() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = Sim::new(None);
+    let r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    // Tokens added while the receiver runs.
+    let n1 = s.state.join("n1.token");
+    add_token(&r, &["--node", "n1", "--out", n1.to_str().unwrap()]).unwrap();
+    assert_eq!(std::fs::metadata(&n1).unwrap().permissions().mode() & 0o777, 0o600);
+    let n1_token = std::fs::read_to_string(&n1).unwrap().trim().to_string();
+    let reader = add_token(&r, &["--reader"]).unwrap().trim().to_string();
+    assert_eq!(reader.len(), 64);
+    let (code, e) = add_token(&r, &["--node", "n1"]).unwrap_err();
+    assert!(code == Some(1) && e.contains("already has a token for node n1"), "{e}");
+    assert_eq!(add_token(&r, &[]).unwrap_err().0, Some(2), "a token's role must be given");
+    // The node token brings node n1 in (once the receiver has re-read its file).
+    let mut c = r.report_config("n1");
+    c.token_file = Some(n1.clone());
+    let good = reporter(&rt, c, Fake::new(1));
+    wait_until("n1 is in", || node_view(&rt, &r, "n1").is_some_and(|v| v.connected && v.synced));
+    // The same token claiming another node is refused.
+    let mut c = r.report_config("n2");
+    c.token_file = Some(n1.clone());
+    let imposter = reporter(&rt, c, Fake::new(1));
+    wait_until("the imposter is refused", || !imposter.last_error.lock().is_empty());
+    let e = imposter.last_error.lock().clone();
+    assert!(e.contains("this token is for node n1, not n2"), "{e}");
+    assert!(node_view(&rt, &r, "n2").is_none());
+    // A node token reads nothing and asks nothing; a reader token reads and asks nothing.
+    let denied = |token: &str, ask: bool| {
+        rt.block_on(async {
+            let mut c = cluster(&r).await;
+            let e = if ask {
+                let req = sp::ClusterRequest {
+                    node: "n1".into(),
+                    request: Some(sp::NodeRequest {
+                        id: "x".into(),
+                        op: Some(sp::node_request::Op::DrainGpu(sp::DrainGpu { gpu: "0".into() })),
+                    }),
+                    timeout_ms: 1000,
+                };
+                c.request(with_token(token, req)).await.map(|_| ()).unwrap_err()
+            } else {
+                c.status(with_token(token, sp::ClusterStatusRequest::default())).await.map(|_| ()).unwrap_err()
+            };
+            (e.code(), e.message().to_string())
+        })
+    };
+    assert_eq!(
+        denied(&n1_token, false),
+        (tonic::Code::PermissionDenied, "a node n1 token may not read the cluster view".into())
+    );
+    assert_eq!(denied(&n1_token, true).0, tonic::Code::PermissionDenied);
+    assert_eq!(
+        denied(&reader, true),
+        (tonic::Code::PermissionDenied, "a reader token may not send requests to nodes".into())
+    );
+    let reader_file = s.state.join("reader.token");
+    std::fs::write(&reader_file, format!("{reader}\n")).unwrap();
+    let o = Command::new(bin("vgpuctl"))
+        .args(["cluster", "status", "--server", &r.endpoint(), "--ca"])
+        .arg(r.dir.join("ca.pem"))
+        .arg("--token-file")
+        .arg(&reader_file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.contains("NODE n1"), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    // A reader token cannot report a node either.
+    let mut c = r.report_config("n3");
+    c.token_file = Some(reader_file);
+    let reads_only = reporter(&rt, c, Fake::new(1));
+    wait_until("the reader's stream is refused", || !reads_only.last_error.lock().is_empty());
+    let e = reads_only.last_error.lock().clone();
+    assert!(e.contains("a reader token may not report a node's capacity"), "{e}");
+    // A `nodes` token (one Secret for a DaemonSet): any node's stream, nothing else.
+    let fleet = s.state.join("fleet.token");
+    add_token(&r, &["--nodes", "--out", fleet.to_str().unwrap()]).unwrap();
+    let fleet_token = std::fs::read_to_string(&fleet).unwrap().trim().to_string();
+    let mut c = r.report_config("n4");
+    c.token_file = Some(fleet);
+    let _n4 = reporter(&rt, c, Fake::new(1));
+    wait_until("n4 is in", || node_view(&rt, &r, "n4").is_some_and(|v| v.connected && v.synced));
+    assert_eq!(denied(&fleet_token, false).0, tonic::Code::PermissionDenied);
+    assert_eq!(
+        denied(&fleet_token, true),
+        (tonic::Code::PermissionDenied, "a nodes token may not send requests to nodes".into())
+    );
+    // Revoking n1's token (deleting its line) ends its open stream and keeps it out.
+    let file = r.dir.join("token");
+    let kept: String = std::fs::read_to_string(&file)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("node n1 "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&file, kept).unwrap();
+    wait_until("n1's stream ends", || node_view(&rt, &r, "n1").is_some_and(|v| !v.connected));
+    wait_until("n1 is refused", || good.last_error.lock().contains("Unauthenticated"));
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(node_view(&rt, &r, "n1").is_some_and(|v| !v.connected), "{}", r.log());
+    assert!(r.log().contains("token revoked"), "{}", r.log());
+    assert!(metric(&r, "vgpu_receiver_rejected_auth_total") >= 5.0);
+}
+
 /// Raw streams: what the receiver answers to each message list (the answers, or the error code).
 fn raw(
     rt: &tokio::runtime::Runtime,
@@ -438,6 +565,9 @@ fn malformed_streams_are_refused_without_harming_other_nodes() {
     assert_eq!(e.0, tonic::Code::InvalidArgument, "a node name with a space: {e:?}");
     let e = raw(&rt, &r, vec![hello("dup", 1), snap("dup", vec![gpu("G1"), gpu("G1")])], true).unwrap_err();
     assert!(e.0 == tonic::Code::InvalidArgument && e.1.contains("twice"), "{e:?}");
+    wait_until("a refused stream's node shows disconnected", || {
+        node_view(&rt, &r, "dup").is_some_and(|v| !v.connected && !v.synced)
+    });
     let e = raw(&rt, &r, vec![hello("other", 1), snap("good", vec![gpu("G1")])], true).unwrap_err();
     assert_eq!(e.0, tonic::Code::InvalidArgument, "a snapshot naming another node: {e:?}");
     let got = raw(&rt, &r, vec![hello("gap", 1), snap("gap", vec![gpu("G1")]), delta(5, vec![])], true).unwrap();
