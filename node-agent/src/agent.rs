@@ -28,6 +28,8 @@ pub struct Stats {
     pub loop_us: AtomicU64,
     pub loop_max_us: AtomicU64,
     pub loop_us_total: AtomicU64,
+    /// Replica slices removed because no container holds their devices any more.
+    pub slices_collected: AtomicU64,
 }
 
 pub struct Agent {

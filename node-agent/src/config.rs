@@ -18,6 +18,8 @@ struct FileConfig {
     health_recovery_s: Option<u64>,
     device_plugin: Option<String>,
     kubelet_dir: Option<PathBuf>,
+    pod_resources_socket: Option<String>,
+    slice_gc_grace_s: Option<u64>,
     split_count: Option<u32>,
     resource_name: Option<String>,
     cdi_dir: Option<String>,
@@ -74,6 +76,11 @@ pub struct Config {
     pub device_plugin: bool,
     /// Kubelet's device-plugin directory (its `kubelet.sock`, and where the plugin's socket goes).
     pub kubelet_dir: PathBuf,
+    /// Kubelet's pod resources API (which devices each container holds), for removing the slices of
+    /// replicas no container holds any more; None: not used.
+    pub pod_resources_socket: Option<PathBuf>,
+    /// How long a replica slice must have gone unallocated before it can be removed.
+    pub slice_gc_grace_s: u64,
     /// Devices advertised per GPU; a container given k of them gets k/split of the GPU's memory and time.
     pub split_count: u32,
     pub resource_name: String,
@@ -260,6 +267,21 @@ impl Config {
             .map(PathBuf::from)
             .or(file.kubelet_dir)
             .unwrap_or_else(|| PathBuf::from("/var/lib/kubelet/device-plugins"));
+        // Beside the device-plugin directory, as kubelet lays them out.
+        let pod_resources_socket = match env("VGPU_AGENT_POD_RESOURCES_SOCKET").or(file.pod_resources_socket).as_deref()
+        {
+            None => Some(kubelet_dir.parent().unwrap_or(Path::new("/")).join("pod-resources/kubelet.sock")),
+            Some("" | "off") => None,
+            Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
+            Some(p) => return Err(bad("pod_resources_socket", format!("{p} is not an absolute path (or \"off\")"))),
+        };
+        let slice_gc_grace_s = match env("VGPU_AGENT_SLICE_GC_GRACE_S") {
+            Some(v) => v.parse().map_err(|_| bad("slice_gc_grace_s", format!("{v:?} is not a number of seconds")))?,
+            None => file.slice_gc_grace_s.unwrap_or(60),
+        };
+        if !(1..=86_400).contains(&slice_gc_grace_s) {
+            return Err(bad("slice_gc_grace_s", format!("{slice_gc_grace_s} is outside 1..=86400")));
+        }
         let split_count = file.split_count.unwrap_or(10);
         if !(1..=100).contains(&split_count) {
             return Err(bad("split_count", format!("{split_count} is outside 1..=100")));
@@ -335,6 +357,8 @@ impl Config {
             cdi_dir,
             device_plugin,
             kubelet_dir,
+            pod_resources_socket,
+            slice_gc_grace_s,
             split_count,
             resource_name,
             state_dir,
@@ -392,6 +416,21 @@ mod tests {
         assert!(load(Some(f), &[], Flags::default()).unwrap().metrics_tls.is_some());
         let e = load(Some("metrics_tls_cert = \"/etc/hostname\""), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("go together"), "{e}");
+    }
+
+    #[test]
+    fn the_pod_resources_socket_sits_beside_the_device_plugin_directory() {
+        let c = load(None, &[], Flags::default()).unwrap();
+        assert_eq!(c.pod_resources_socket.as_deref(), Some(Path::new("/var/lib/kubelet/pod-resources/kubelet.sock")));
+        assert_eq!(c.slice_gc_grace_s, 60);
+        let c = load(None, &[("VGPU_AGENT_KUBELET_DIR", "/k/device-plugins")], Flags::default()).unwrap();
+        assert_eq!(c.pod_resources_socket.as_deref(), Some(Path::new("/k/pod-resources/kubelet.sock")));
+        let c = load(Some("pod_resources_socket = \"off\"\nslice_gc_grace_s = 5"), &[], Flags::default()).unwrap();
+        assert_eq!((c.pod_resources_socket, c.slice_gc_grace_s), (None, 5));
+        let e = load(Some("pod_resources_socket = \"kubelet.sock\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("pod_resources_socket") && e.contains("absolute"), "{e}");
+        let e = load(None, &[("VGPU_AGENT_SLICE_GC_GRACE_S", "0")], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("slice_gc_grace_s") && e.contains("outside"), "{e}");
     }
 
     #[test]

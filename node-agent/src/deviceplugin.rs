@@ -7,25 +7,46 @@
 //! Kubelet restarts delete plugin sockets and recreate `kubelet.sock`: the plugin watches both and
 //! serves and registers again at once. The gRPC server starts before registration (kubelet dials
 //! back as soon as it accepts).
+//!
+//! Replica slices outlive their containers (a restarted container gets the same slice); once no
+//! container holds a slice's devices any more, as kubelet's pod resources API tells, the slice is
+//! removed (see [`collect`]).
 
 use crate::agent::Agent;
-use std::collections::BTreeMap;
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use vgpu_proto::deviceplugin as dp;
+use vgpu_proto::podresources as pr;
 
 /// The plugin's socket file name in kubelet's directory.
 pub const SOCKET: &str = "vgpu.sock";
 /// Kubelet's gRPC message limit is 4 MiB; stay well under it.
 const MAX_LIST_BYTES: usize = 3 << 20;
 
+#[derive(Clone)]
 pub struct Plugin {
     agent: Arc<Agent>,
     kind: Kind,
+    recent: Recent,
+}
+
+/// When each replica slice was last handed to a container (by this run of the agent).
+type Recent = Arc<Mutex<HashMap<String, Instant>>>;
+
+/// The slice of a container given these replica devices: named after them, so the same devices get
+/// the same slice.
+pub fn slice_name(ids: &[String]) -> String {
+    let mut sorted = ids.to_vec();
+    sorted.sort();
+    let digest =
+        sorted.join(",").bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    format!("k8s-{digest:016x}")
 }
 
 /// What a registered resource counts.
@@ -106,15 +127,10 @@ impl Plugin {
             let sm = (100 * k / split) as u32;
             gpus.push(vgpu_proto::v1::SliceGpuLimit { gpu: uuid.clone(), memory, sm: if sm >= 100 { 0 } else { sm } });
         }
-        let mut sorted = ids.to_vec();
-        sorted.sort();
-        let digest = sorted
-            .join(",")
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-        let name = format!("k8s-{digest:016x}");
+        let name = slice_name(ids);
+        self.recent.lock().insert(name.clone(), Instant::now());
         let labels =
-            [("source".to_string(), "kubelet".to_string()), ("devices".to_string(), sorted.len().to_string())].into();
+            [("source".to_string(), "kubelet".to_string()), ("devices".to_string(), ids.len().to_string())].into();
         let detail = match a.get_slice(&name) {
             Ok(d) => d,
             Err(_) => a
@@ -253,7 +269,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     },
                 }
             } else {
-                let me = Plugin { agent: self.agent.clone(), kind: self.kind };
+                let me = self.clone();
                 tokio::task::spawn_blocking(move || me.allocate_one(&c.devices_ids))
                     .await
                     .map_err(|e| Status::internal(e.to_string()))??
@@ -268,6 +284,111 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         _: Request<dp::PreStartContainerRequest>,
     ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
         Ok(Response::new(dp::PreStartContainerResponse {}))
+    }
+}
+
+/// The slices kubelet's containers hold now: one per container given devices of `resource`.
+pub fn held_slices(list: &pr::ListPodResourcesResponse, resource: &str) -> HashSet<String> {
+    list.pod_resources
+        .iter()
+        .flat_map(|p| &p.containers)
+        .filter_map(|c| {
+            let ids: Vec<String> = c
+                .devices
+                .iter()
+                .filter(|d| d.resource_name == resource)
+                .flat_map(|d| d.device_ids.iter().cloned())
+                .collect();
+            (!ids.is_empty()).then(|| slice_name(&ids))
+        })
+        .collect()
+}
+
+/// What kubelet's pod resources API lists now.
+async fn list_pod_resources(sock: &Path) -> Result<pr::ListPodResourcesResponse, String> {
+    let p = sock.to_owned();
+    let call = async move {
+        let ch = tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let p = p.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                }
+            }))
+            .await
+            .map_err(|e| format!("cannot connect: {e}"))?;
+        pr::pod_resources_lister_client::PodResourcesListerClient::new(ch)
+            .max_decoding_message_size(64 << 20)
+            .list(pr::ListPodResourcesRequest {})
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|e| format!("List failed: {}", e.message()))
+    };
+    tokio::time::timeout(Duration::from_secs(10), call).await.map_err(|_| "no answer within 10 s".to_string())?
+}
+
+/// Removes replica slices no container holds any more. A slice goes when kubelet's pod resources
+/// API has not listed its devices for two looks in a row, it was not handed out within the grace
+/// period (`slice_gc_grace_s`; after an agent restart, counted from the restart), and no process of
+/// it lives (a live one keeps it until it exits). While the API cannot be read nothing is removed.
+pub async fn collect(agent: Arc<Agent>, sock: PathBuf, recent: Recent, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let grace = Duration::from_secs(agent.cfg.slice_gc_grace_s);
+    let every = (grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(10));
+    let started = Instant::now();
+    let mut missing_before: HashSet<String> = HashSet::new();
+    let mut unavailable = false;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+        let list = match list_pod_resources(&sock).await {
+            Ok(l) => {
+                if unavailable {
+                    tracing::info!(socket = %sock.display(), "kubelet pod resources API answers again");
+                    unavailable = false;
+                }
+                l
+            }
+            Err(e) => {
+                if !unavailable {
+                    tracing::warn!(socket = %sock.display(), error = %e,
+                        "kubelet pod resources API unavailable: slices of removed containers are kept until it answers");
+                    unavailable = true;
+                }
+                missing_before.clear();
+                continue;
+            }
+        };
+        let held = held_slices(&list, &agent.cfg.resource_name);
+        let mut missing = HashSet::new();
+        for s in agent.slices().iter() {
+            if s.labels.get("source").map(String::as_str) != Some("kubelet") || held.contains(&s.name) {
+                continue;
+            }
+            let last = recent.lock().get(&s.name).copied().unwrap_or(started);
+            if last.elapsed() < grace {
+                continue;
+            }
+            if !missing_before.contains(&s.name) {
+                missing.insert(s.name.clone());
+                continue;
+            }
+            let (a, name) = (agent.clone(), s.name.clone());
+            match tokio::task::spawn_blocking(move || a.delete_slice(&name, false)).await {
+                Ok(Ok(())) => {
+                    tracing::info!(slice = %s.name, "replica slice removed: no container holds its devices");
+                    recent.lock().remove(&s.name);
+                    agent.stats.slices_collected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(slice = %s.name, error = ?e, "replica slice kept for now");
+                    missing.insert(s.name.clone());
+                }
+                Err(e) => tracing::warn!(slice = %s.name, error = %e, "replica slice removal failed"),
+            }
+        }
+        missing_before = missing;
     }
 }
 
@@ -304,10 +425,18 @@ async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), String
 
 /// Serves and registers every resource for as long as the agent runs, again whenever kubelet restarts.
 pub async fn run(agent: Arc<Agent>, stop: tokio::sync::watch::Receiver<bool>) {
-    let tasks: Vec<_> = resources(&agent.cfg)
+    let recent = Recent::default();
+    let mut tasks: Vec<_> = resources(&agent.cfg)
         .into_iter()
-        .map(|(resource, socket, kind)| tokio::spawn(serve(agent.clone(), resource, socket, kind, stop.clone())))
+        .map(|(resource, socket, kind)| {
+            tokio::spawn(serve(agent.clone(), resource, socket, kind, recent.clone(), stop.clone()))
+        })
         .collect();
+    if agent.cfg.compat == crate::config::Compat::Replicas {
+        if let Some(sock) = agent.cfg.pod_resources_socket.clone() {
+            tasks.push(tokio::spawn(collect(agent.clone(), sock, recent, stop.clone())));
+        }
+    }
     for t in tasks {
         let _ = t.await;
     }
@@ -318,6 +447,7 @@ async fn serve(
     resource: String,
     socket: String,
     kind: Kind,
+    recent: Recent,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let dir: PathBuf = agent.cfg.kubelet_dir.clone();
@@ -345,7 +475,11 @@ async fn serve(
         let (down_tx, mut down_rx) = tokio::sync::watch::channel(false);
         let server = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(dp::device_plugin_server::DevicePluginServer::new(Plugin { agent: agent.clone(), kind }))
+                .add_service(dp::device_plugin_server::DevicePluginServer::new(Plugin {
+                    agent: agent.clone(),
+                    kind,
+                    recent: recent.clone(),
+                }))
                 .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
                     let _ = down_rx.wait_for(|d| *d).await;
                 }),
@@ -385,5 +519,49 @@ async fn serve(
         }
         let _ = down_tx.send(true);
         let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn container(devs: &[(&str, &[&str])]) -> pr::ContainerResources {
+        pr::ContainerResources {
+            name: "c".into(),
+            devices: devs
+                .iter()
+                .map(|(r, ids)| pr::ContainerDevices {
+                    resource_name: r.to_string(),
+                    device_ids: ids.iter().map(|s| s.to_string()).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn held_slices_are_named_by_each_containers_devices_of_our_resource() {
+        let v = |ids: &[&str]| ids.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(slice_name(&v(&["G-1", "G-0"])), slice_name(&v(&["G-0", "G-1"])), "order does not matter");
+        assert_ne!(slice_name(&v(&["G-0"])), slice_name(&v(&["G-0", "G-1"])));
+        let list = pr::ListPodResourcesResponse {
+            pod_resources: vec![pr::PodResources {
+                name: "p".into(),
+                namespace: "n".into(),
+                containers: vec![
+                    // Devices of one resource may come in several entries.
+                    container(&[
+                        ("nvidia.com/gpu", &["G-1"]),
+                        ("example.com/nic", &["N-0"]),
+                        ("nvidia.com/gpu", &["G-0"]),
+                    ]),
+                    container(&[("example.com/nic", &["G-2"])]),
+                    container(&[]),
+                ],
+            }],
+        };
+        let held = held_slices(&list, "nvidia.com/gpu");
+        assert_eq!(held, [slice_name(&v(&["G-0", "G-1"]))].into_iter().collect());
+        assert!(held_slices(&list, "other/res").is_empty());
     }
 }

@@ -186,6 +186,12 @@ pub fn render(agent: &Agent) -> String {
     o.head("vgpu_escapes_total", "counter", "Escapes detected (each counted once while it lasts).");
     o.put("vgpu_escapes_total", &[("kind", "unaccounted")], s.escapes_unaccounted.load(Relaxed) as f64);
     o.put("vgpu_escapes_total", &[("kind", "over_limit")], s.escapes_over_limit.load(Relaxed) as f64);
+    o.head(
+        "vgpu_slices_collected_total",
+        "counter",
+        "Replica slices removed because no container holds their devices any more (kubelet pod resources).",
+    );
+    o.put("vgpu_slices_collected_total", &[], s.slices_collected.load(Relaxed) as f64);
     o.head("vgpu_escapes_active", "gauge", "Escapes seen in the last monitoring pass.");
     o.put("vgpu_escapes_active", &[], st.escapes.len() as f64);
     o.head("vgpu_gpu_critical_xids_total", "counter", "Critical XID events received.");

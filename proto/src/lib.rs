@@ -21,3 +21,10 @@ pub mod deviceplugin {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("v1beta1");
 }
+
+/// The kubelet pod resources API (`v1`): which devices each container holds. Our own `.proto` with
+/// upstream's messages and field numbers (only what vgpu reads).
+pub mod podresources {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("v1");
+}

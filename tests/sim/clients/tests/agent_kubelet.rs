@@ -1,11 +1,12 @@
 //! The agent's kubelet device plugin against a fake kubelet (our own tonic Registration server on a
 //! Unix socket, as kubelet serves it): registration, ListAndWatch with health, preferred allocation,
 //! Allocate checked field by field and its environment and mounts limiting a real process, and
-//! re-registration when kubelet restarts.
+//! re-registration when kubelet restarts; replica slices removed once kubelet's pod resources API
+//! no longer lists their devices.
 
 mod common;
 use common::agent::*;
-use common::kubelet::{plugin, start as start_kubelet};
+use common::kubelet::{plugin, pod, serve_pod_resources, start as start_kubelet, PodList};
 use common::*;
 
 use std::time::Duration;
@@ -133,4 +134,98 @@ fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
     let _ = stop2.send(());
     assert!(a.log_text().contains("kubelet restarted"), "{}", a.log_text());
     let _ = &mut s;
+}
+
+/// What a replica Allocate answers, as `in_slice` takes it.
+fn detail_of(cr: &dp::ContainerAllocateResponse) -> serde_json::Value {
+    serde_json::json!({
+        "env": cr.envs.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect::<serde_json::Map<_, _>>(),
+        "mounts": cr.mounts.iter().map(|m| serde_json::json!({"container_path": m.container_path, "host_path": m.host_path})).collect::<Vec<_>>(),
+    })
+}
+
+#[test]
+fn replica_slices_go_once_no_container_holds_their_devices() {
+    use vgpu_agent::deviceplugin::slice_name;
+    let mut s = Sim::new(Some(NODE));
+    let kdir = s.state.join("kubelet");
+    std::fs::create_dir_all(&kdir).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let _kubelet = rt.block_on(async { start_kubelet(&kdir, tx) });
+    let a =
+        Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()), ("VGPU_AGENT_SLICE_GC_GRACE_S", "1")]);
+    let uuid0 = a.status().unwrap()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let reg = rt.block_on(next_register(&mut rx, "first"));
+    let ids = |ns: &[u32]| -> Vec<String> { ns.iter().map(|n| format!("{uuid0}-{n}")).collect() };
+    let (da, db, dc) = (ids(&[0, 1]), ids(&[2]), ids(&[3, 4]));
+    let answers: Vec<dp::ContainerAllocateResponse> = rt.block_on(async {
+        let mut c = plugin(kdir.join(&reg.endpoint)).await;
+        let req = dp::AllocateRequest {
+            container_requests: [&da, &db, &dc]
+                .iter()
+                .map(|d| dp::ContainerAllocateRequest { devices_ids: d.to_vec() })
+                .collect(),
+        };
+        c.allocate(req).await.unwrap().into_inner().container_responses
+    });
+    let (sa, sb, sc) = (slice_name(&da), slice_name(&db), slice_name(&dc));
+    let names = || -> Vec<String> {
+        let mut v: Vec<String> = a.status().unwrap()["slices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["name"].as_str().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    let mut all = vec![sa.clone(), sb.clone(), sc.clone()];
+    all.sort();
+    assert_eq!(names(), all);
+
+    // No pod resources API yet: nothing is removed, and the log says why.
+    std::thread::sleep(Duration::from_millis(3500));
+    assert_eq!(names(), all);
+    assert!(a.log_text().contains("pod resources API unavailable"), "{}", a.log_text());
+
+    // Kubelet lists container A (its devices in another order) and a container holding another
+    // resource's devices that happen to share IDs with B; C's container is gone but a process of its
+    // slice still runs.
+    let list = PodList::default();
+    list.lock().unwrap().pod_resources = vec![
+        pod("a", &[("main", &[("nvidia.com/gpu", &[da[1].clone(), da[0].clone()])])]),
+        pod("other", &[("nic", &[("example.com/nic", &db)]), ("idle", &[])]),
+    ];
+    let sock = s.state.join("pod-resources/kubelet.sock");
+    let _pr = rt.block_on(async { serve_pod_resources(&sock, list.clone()) });
+    let mut cmd = in_slice(&s, &detail_of(&answers[2]), RT);
+    cmd.env("LD_PRELOAD", libvgpu());
+    let (p, _) = s.spawn_cmd(cmd, &["alloc", "--size", "100m", "--hold"]);
+    a.wait("B's slice removed", |st| slice_of(st, &sb).is_null());
+    assert!(a.log_text().contains("answers again"), "{}", a.log_text());
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(
+        names(),
+        {
+            let mut v = vec![sa.clone(), sc.clone()];
+            v.sort();
+            v
+        },
+        "A is held, C has a live process"
+    );
+    // C's process exits: its slice goes too. A stays while kubelet lists it.
+    s.kill(p);
+    a.wait("C's slice removed", |st| slice_of(st, &sc).is_null());
+    assert_eq!(names(), vec![sa.clone()]);
+    let (_, metrics) = a.scrape("/metrics");
+    assert!(metrics.contains("vgpu_slices_collected_total 2"), "{metrics}");
+    // A container given B's devices again gets its slice again.
+    rt.block_on(async {
+        let mut c = plugin(kdir.join(&reg.endpoint)).await;
+        let req =
+            dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: db.clone() }] };
+        c.allocate(req).await.unwrap();
+    });
+    assert!(names().contains(&sb));
 }

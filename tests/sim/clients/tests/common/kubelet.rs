@@ -1,6 +1,10 @@
-//! A fake kubelet's Registration server (records what plugins register) and a device plugin client.
+//! A fake kubelet's Registration server (records what plugins register), its pod resources server
+//! (answers what the test sets), and a device plugin client.
+#![allow(dead_code)]
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use vgpu_proto::deviceplugin as dp;
+use vgpu_proto::podresources as pr;
 
 struct K(tokio::sync::mpsc::UnboundedSender<dp::RegisterRequest>);
 
@@ -48,4 +52,56 @@ pub async fn plugin(sock: PathBuf) -> dp::device_plugin_client::DevicePluginClie
             .await
             .unwrap();
     dp::device_plugin_client::DevicePluginClient::new(ch)
+}
+
+/// What the fake pod resources API answers (set by the test).
+pub type PodList = Arc<Mutex<pr::ListPodResourcesResponse>>;
+
+struct Lister(PodList);
+
+#[tonic::async_trait]
+impl pr::pod_resources_lister_server::PodResourcesLister for Lister {
+    async fn list(
+        &self,
+        _: tonic::Request<pr::ListPodResourcesRequest>,
+    ) -> Result<tonic::Response<pr::ListPodResourcesResponse>, tonic::Status> {
+        Ok(tonic::Response::new(self.0.lock().unwrap().clone()))
+    }
+}
+
+/// Serves the pod resources API on `sock` (made with its directory) until the sender fires.
+pub fn serve_pod_resources(sock: &Path, list: PodList) -> tokio::sync::oneshot::Sender<()> {
+    std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
+    let _ = std::fs::remove_file(sock);
+    let l = tokio::net::UnixListener::bind(sock).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pr::pod_resources_lister_server::PodResourcesListerServer::new(Lister(list)))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), async {
+                let _ = stopped.await;
+            }),
+    );
+    stop
+}
+
+/// A container's devices: `(resource, ids)` entries.
+pub type Devices<'a> = &'a [(&'a str, &'a [String])];
+
+/// A pod whose containers, `(name, devices)`, hold these devices.
+pub fn pod(name: &str, containers: &[(&str, Devices)]) -> pr::PodResources {
+    pr::PodResources {
+        name: name.into(),
+        namespace: "default".into(),
+        containers: containers
+            .iter()
+            .map(|(c, devs)| pr::ContainerResources {
+                name: c.to_string(),
+                devices: devs
+                    .iter()
+                    .map(|(r, ids)| pr::ContainerDevices { resource_name: r.to_string(), device_ids: ids.to_vec() })
+                    .collect(),
+            })
+            .collect(),
+    }
 }
