@@ -251,6 +251,26 @@ impl Agent {
         self.detail(&s)
     }
 
+    /// Sets `labels` on a slice (merged into those it has); nothing is written when none changes.
+    pub fn label_slice(&self, name: &str, labels: &[(&str, &str)]) -> Result<(), ApiError> {
+        let _g = self.changing.lock();
+        let Some(cur) = self.slices.read().get(name).cloned() else {
+            return Err(ApiError::NotFound(format!("no slice named {name}")));
+        };
+        if labels.iter().all(|(k, v)| cur.labels.get(*k).map(String::as_str) == Some(*v)) {
+            return Ok(());
+        }
+        let mut merged = cur.labels.clone();
+        for (k, v) in labels {
+            merged.insert(k.to_string(), v.to_string());
+        }
+        let s = self.store.set_labels(name, merged)?;
+        tracing::info!(slice = %name, labels = ?labels, "slice labelled");
+        self.slices.write().insert(s.name.clone(), s);
+        self.resnapshot();
+        Ok(())
+    }
+
     pub fn delete_slice(&self, name: &str, force: bool) -> Result<(), ApiError> {
         let _g = self.changing.lock();
         self.store.delete(name, force)?;

@@ -287,21 +287,27 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
     }
 }
 
-/// The slices kubelet's containers hold now: one per container given devices of `resource`.
-pub fn held_slices(list: &pr::ListPodResourcesResponse, resource: &str) -> HashSet<String> {
-    list.pod_resources
-        .iter()
-        .flat_map(|p| &p.containers)
-        .filter_map(|c| {
+/// Who holds a slice: namespace, pod, container.
+pub type Holder = (String, String, String);
+
+/// The slices kubelet's containers hold now (one per container given devices of `resource`), and
+/// who holds each.
+pub fn held_slices(list: &pr::ListPodResourcesResponse, resource: &str) -> HashMap<String, Holder> {
+    let mut held = HashMap::new();
+    for p in &list.pod_resources {
+        for c in &p.containers {
             let ids: Vec<String> = c
                 .devices
                 .iter()
                 .filter(|d| d.resource_name == resource)
                 .flat_map(|d| d.device_ids.iter().cloned())
                 .collect();
-            (!ids.is_empty()).then(|| slice_name(&ids))
-        })
-        .collect()
+            if !ids.is_empty() {
+                held.insert(slice_name(&ids), (p.namespace.clone(), p.name.clone(), c.name.clone()));
+            }
+        }
+    }
+    held
 }
 
 /// What kubelet's pod resources API lists now.
@@ -327,7 +333,9 @@ async fn list_pod_resources(sock: &Path) -> Result<pr::ListPodResourcesResponse,
     tokio::time::timeout(Duration::from_secs(10), call).await.map_err(|_| "no answer within 10 s".to_string())?
 }
 
-/// Removes replica slices no container holds any more. A slice goes when kubelet's pod resources
+/// Labels replica slices with the pod and container holding them (`namespace`, `pod`, `container`:
+/// what `vgpuctl status` and the metrics show), and removes those no container holds any more. A
+/// slice goes when kubelet's pod resources
 /// API has not listed its devices for two looks in a row, it was not handed out within the grace
 /// period (`slice_gc_grace_s`; after an agent restart, counted from the restart), and no process of
 /// it lives (a live one keeps it until it exits). While the API cannot be read nothing is removed.
@@ -363,7 +371,14 @@ pub async fn collect(agent: Arc<Agent>, sock: PathBuf, recent: Recent, mut stop:
         let held = held_slices(&list, &agent.cfg.resource_name);
         let mut missing = HashSet::new();
         for s in agent.slices().iter() {
-            if s.labels.get("source").map(String::as_str) != Some("kubelet") || held.contains(&s.name) {
+            if s.labels.get("source").map(String::as_str) != Some("kubelet") {
+                continue;
+            }
+            if let Some((ns, pod, container)) = held.get(&s.name) {
+                let labels = [("namespace", ns.as_str()), ("pod", pod.as_str()), ("container", container.as_str())];
+                if let Err(e) = agent.label_slice(&s.name, &labels) {
+                    tracing::warn!(slice = %s.name, error = ?e, "cannot label the slice with its pod");
+                }
                 continue;
             }
             let last = recent.lock().get(&s.name).copied().unwrap_or(started);
@@ -561,7 +576,8 @@ mod tests {
             }],
         };
         let held = held_slices(&list, "nvidia.com/gpu");
-        assert_eq!(held, [slice_name(&v(&["G-0", "G-1"]))].into_iter().collect());
+        let holder = ("n".to_string(), "p".to_string(), "c".to_string());
+        assert_eq!(held, [(slice_name(&v(&["G-0", "G-1"])), holder)].into_iter().collect());
         assert!(held_slices(&list, "other/res").is_empty());
     }
 }

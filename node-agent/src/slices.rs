@@ -195,6 +195,14 @@ impl SliceStore {
         Ok(s)
     }
 
+    /// Replaces a slice's labels (the record only; limits and files are untouched).
+    pub fn set_labels(&self, name: &str, labels: BTreeMap<String, String>) -> Result<Slice> {
+        let mut s = self.get(name)?;
+        s.labels = labels;
+        write_atomic(&self.dir(name).join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
+        Ok(s)
+    }
+
     /// Writes a slice's limits from its record into its limits file and region (where they differ).
     fn apply_limits(&self, s: &Slice) -> Result<bool> {
         let mut changed = false;

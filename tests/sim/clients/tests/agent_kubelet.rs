@@ -203,6 +203,13 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
     cmd.env("LD_PRELOAD", libvgpu());
     let (p, _) = s.spawn_cmd(cmd, &["alloc", "--size", "100m", "--hold"]);
     a.wait("B's slice removed", |st| slice_of(st, &sb).is_null());
+    // A held slice is labelled with its pod and container (status and metrics show them).
+    let st = a.wait("A labelled", |st| slice_of(st, &sa)["labels"]["pod"] == "a");
+    let l = &slice_of(&st, &sa)["labels"];
+    assert_eq!(
+        (&l["namespace"], &l["container"], &l["source"]),
+        (&"default".into(), &"main".into(), &"kubelet".into())
+    );
     assert!(a.log_text().contains("answers again"), "{}", a.log_text());
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(
@@ -220,6 +227,10 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
     assert_eq!(names(), vec![sa.clone()]);
     let (_, metrics) = a.scrape("/metrics");
     assert!(metrics.contains("vgpu_slices_collected_total 2"), "{metrics}");
+    assert!(
+        metrics.contains(&format!("namespace=\"default\",pod=\"a\",container=\"main\",slice=\"{sa}\"")),
+        "{metrics}"
+    );
     // A container given B's devices again gets its slice again.
     rt.block_on(async {
         let mut c = plugin(kdir.join(&reg.endpoint)).await;
