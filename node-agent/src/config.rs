@@ -33,6 +33,8 @@ struct FileConfig {
     scheduler_ca: Option<PathBuf>,
     scheduler_token_file: Option<PathBuf>,
     scheduler_server_name: Option<String>,
+    scheduler_client_cert: Option<PathBuf>,
+    scheduler_client_key: Option<PathBuf>,
     scheduler_heartbeat_s: Option<u64>,
     metrics_tls_cert: Option<PathBuf>,
     metrics_tls_key: Option<PathBuf>,
@@ -327,6 +329,31 @@ impl Config {
                 r.ca = env("VGPU_AGENT_SCHEDULER_CA").map(PathBuf::from).or(file.scheduler_ca);
                 r.token_file = env("VGPU_AGENT_SCHEDULER_TOKEN_FILE").map(PathBuf::from).or(file.scheduler_token_file);
                 r.server_name = file.scheduler_server_name;
+                let cert = env("VGPU_AGENT_SCHEDULER_CLIENT_CERT").map(PathBuf::from).or(file.scheduler_client_cert);
+                let key = env("VGPU_AGENT_SCHEDULER_CLIENT_KEY").map(PathBuf::from).or(file.scheduler_client_key);
+                r.identity = match (cert, key) {
+                    (None, None) => None,
+                    (Some(c), Some(k)) => {
+                        if !matches!(r.endpoint, crate::report::Endpoint::Https { .. }) {
+                            return Err(bad(
+                                "scheduler_client_cert",
+                                "a client certificate is for https endpoints".into(),
+                            ));
+                        }
+                        for (name, p) in [("scheduler_client_cert", &c), ("scheduler_client_key", &k)] {
+                            if !p.is_file() {
+                                return Err(bad(name, format!("{} is not a readable file", p.display())));
+                            }
+                        }
+                        Some((c, k))
+                    }
+                    _ => {
+                        return Err(bad(
+                            "scheduler_client_cert",
+                            "scheduler_client_cert and scheduler_client_key go together".into(),
+                        ))
+                    }
+                };
                 let hb = file.scheduler_heartbeat_s.unwrap_or(10);
                 if !(1..=3600).contains(&hb) {
                     return Err(bad("scheduler_heartbeat_s", format!("{hb} is outside 1..=3600")));
@@ -456,6 +483,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("scheduler_heartbeat_s"), "{e}");
+        let https = "scheduler_endpoint = \"https://s:1\"\nscheduler_ca = \"/etc/hostname\"\nscheduler_token_file = \"/etc/hostname\"\n";
+        let e = load(Some(&format!("{https}scheduler_client_cert = \"/etc/hostname\"")), &[], Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("go together"), "{e}");
+        let both = "scheduler_client_cert = \"/etc/hostname\"\nscheduler_client_key = \"/etc/hostname\"";
+        let c = load(Some(&format!("{https}{both}")), &[], Flags::default()).unwrap().scheduler.unwrap();
+        assert_eq!(c.identity, Some((PathBuf::from("/etc/hostname"), PathBuf::from("/etc/hostname"))));
+        let e = load(Some(&format!("scheduler_endpoint = \"unix:///s\"\n{both}")), &[], Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("for https"), "{e}");
     }
 
     #[test]

@@ -79,6 +79,9 @@ pub struct ReportConfig {
     pub token_file: Option<PathBuf>,
     /// The name the scheduler's certificate is checked against (default: the endpoint's host).
     pub server_name: Option<String>,
+    /// A client certificate and its key (PEM files) for schedulers that require mutual TLS; read at
+    /// every connection, so they can be renewed.
+    pub identity: Option<(PathBuf, PathBuf)>,
     pub node: String,
     pub heartbeat: Duration,
     pub backoff_initial: Duration,
@@ -92,6 +95,7 @@ impl ReportConfig {
             ca: None,
             token_file: None,
             server_name: None,
+            identity: None,
             node,
             heartbeat: Duration::from_secs(10),
             backoff_initial: Duration::from_millis(500),
@@ -143,7 +147,18 @@ pub async fn channel(
     ca: Option<&Path>,
     server_name: Option<&str>,
 ) -> Result<tonic::transport::Channel, String> {
-    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint as E};
+    channel_with(endpoint, ca, server_name, None).await
+}
+
+/// A channel to `endpoint` (TLS with `ca` for https), presenting the client certificate and key in
+/// `identity` (PEM files) where given.
+pub async fn channel_with(
+    endpoint: &Endpoint,
+    ca: Option<&Path>,
+    server_name: Option<&str>,
+    identity: Option<(&Path, &Path)>,
+) -> Result<tonic::transport::Channel, String> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint as E, Identity};
     let cause = |e: tonic::transport::Error| {
         let c = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
         format!("cannot connect to {endpoint}{c}")
@@ -165,9 +180,15 @@ pub async fn channel(
         Endpoint::Https { uri, host } => {
             let ca = ca.ok_or_else(|| format!("{endpoint}: a CA file is needed for https"))?;
             let pem = std::fs::read(ca).map_err(|e| format!("cannot read the CA file {}: {e}", ca.display()))?;
-            let tls = ClientTlsConfig::new()
+            let mut tls = ClientTlsConfig::new()
                 .ca_certificate(Certificate::from_pem(pem))
                 .domain_name(server_name.unwrap_or(host).to_string());
+            if let Some((cert, key)) = identity {
+                let read = |p: &Path, what: &str| {
+                    std::fs::read(p).map_err(|e| format!("cannot read the client {what} {}: {e}", p.display()))
+                };
+                tls = tls.identity(Identity::from_pem(read(cert, "certificate")?, read(key, "key")?));
+            }
             E::from_shared(uri.clone())
                 .map_err(|e| format!("{endpoint}: {e}"))?
                 .tls_config(tls)
@@ -272,7 +293,8 @@ async fn session<S: Source>(
     epoch: u64,
     answered: &Arc<Mutex<Answered>>,
 ) -> Result<(), String> {
-    let ch = channel(&cfg.endpoint, cfg.ca.as_deref(), cfg.server_name.as_deref()).await?;
+    let identity = cfg.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+    let ch = channel_with(&cfg.endpoint, cfg.ca.as_deref(), cfg.server_name.as_deref(), identity).await?;
     let token = match &cfg.token_file {
         Some(p) => read_token(p)?,
         None => None,

@@ -20,13 +20,48 @@ fn gen_certs_writes_a_ca_a_server_certificate_a_private_key_and_a_token() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for (f, mode) in [("ca.pem", 0o644), ("server.pem", 0o644), ("server-key.pem", 0o600), ("token", 0o600)] {
+    for (f, mode) in
+        [("ca.pem", 0o644), ("ca-key.pem", 0o600), ("server.pem", 0o644), ("server-key.pem", 0o600), ("token", 0o600)]
+    {
         let m = std::fs::metadata(d.join(f)).unwrap().permissions().mode() & 0o777;
         assert_eq!(m, mode, "{f}");
     }
     assert!(std::fs::read_to_string(d.join("ca.pem")).unwrap().starts_with("-----BEGIN CERTIFICATE-----"));
     assert!(std::fs::read_to_string(d.join("server-key.pem")).unwrap().contains("PRIVATE KEY"));
     assert_eq!(std::fs::read_to_string(d.join("token")).unwrap().len(), 64);
+    // A client certificate from that CA.
+    let o = Command::new(BIN)
+        .args(["gen-client-cert", "--ca-dir"])
+        .arg(&d)
+        .args(["--name", "node-7", "--out"])
+        .arg(d.join("clients"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (f, mode) in [("node-7.pem", 0o644), ("node-7-key.pem", 0o600)] {
+        let m = std::fs::metadata(d.join("clients").join(f)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(m, mode, "{f}");
+    }
+    assert!(std::fs::read_to_string(d.join("clients/node-7.pem")).unwrap().starts_with("-----BEGIN CERTIFICATE-----"));
+    for (args, want) in [
+        (vec!["--name", "a b"], "cannot be a certificate name"),
+        (vec!["--name", "../x"], "cannot be a certificate name"),
+    ] {
+        let o = Command::new(BIN)
+            .args(["gen-client-cert", "--ca-dir"])
+            .arg(&d)
+            .args(&args)
+            .args(["--out", "/tmp"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.code() == Some(2) && err.contains(want), "{args:?}: {err}");
+    }
+    let o = Command::new(BIN)
+        .args(["gen-client-cert", "--ca-dir", "/nonexistent", "--name", "n", "--out", "/tmp"])
+        .output()
+        .unwrap();
+    assert!(o.status.code() == Some(1) && String::from_utf8_lossy(&o.stderr).contains("ca-key.pem"));
     std::fs::remove_dir_all(d).unwrap();
 }
 
@@ -49,6 +84,7 @@ fn tcp_needs_tls_and_a_token() {
             "at least one token",
         ),
         (vec!["serve", "--unix", "/tmp/x.sock", "--heartbeat-ms", "5"], "--heartbeat-ms"),
+        (vec!["serve", "--unix", "/tmp/x.sock", "--client-ca", &cert], "--client-ca is for --listen"),
         (
             vec!["serve", "--listen", "127.0.0.1:0", "--tls-cert", &key, "--tls-key", &cert, "--token-file", &token],
             "TLS",

@@ -67,6 +67,12 @@ struct Receiver {
     /// Name to check the receiver's certificate against [default: the server's host]
     #[arg(long)]
     server_name: Option<String>,
+    /// PEM client certificate, for a receiver that requires mutual TLS (with --key)
+    #[arg(long, env = "VGPU_CLUSTER_CERT", requires = "key")]
+    cert: Option<PathBuf>,
+    /// PEM key of the client certificate
+    #[arg(long, env = "VGPU_CLUSTER_KEY", requires = "cert")]
+    key: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -356,7 +362,10 @@ async fn cluster_status(r: &Receiver, node: String) -> vgpu_proto::scheduler::v1
         Some(p) => report::read_token(p).unwrap_or_else(|e| die(2, e)),
         None => None,
     };
-    let ch = report::channel(&endpoint, r.ca.as_deref(), r.server_name.as_deref()).await.unwrap_or_else(|e| die(3, e));
+    let identity = r.cert.as_deref().zip(r.key.as_deref());
+    let ch = report::channel_with(&endpoint, r.ca.as_deref(), r.server_name.as_deref(), identity)
+        .await
+        .unwrap_or_else(|e| die(3, e));
     let mut req = tonic::Request::new(vgpu_proto::scheduler::v1::ClusterStatusRequest { node });
     if let Some(t) = token {
         let v = format!("Bearer {t}")

@@ -3,6 +3,7 @@
 //!
 //!   vgpu-receiver serve --listen 0.0.0.0:9400 --tls-cert server.pem --tls-key server-key.pem --token-file token
 //!   vgpu-receiver gen-certs --out DIR --host receiver.example --host 10.0.0.5
+//!   vgpu-receiver gen-client-cert --ca-dir DIR --name node-7 --out DIR   (with serve --client-ca DIR/ca.pem)
 use clap::{Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -30,6 +31,10 @@ enum Cmd {
         /// PEM private key of the certificate.
         #[arg(long)]
         tls_key: Option<PathBuf>,
+        /// Require mutual TLS on --listen: clients must present a certificate signed by this CA
+        /// (PEM), as well as a token.
+        #[arg(long)]
+        client_ca: Option<PathBuf>,
         /// Accepted bearer tokens, one per line: `TOKEN` (cluster), `reader TOKEN` or
         /// `nodes TOKEN` or `node NAME TOKEN`; re-read when it changes.
         #[arg(long)]
@@ -66,7 +71,20 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Make a private CA, a server certificate for the given names, its key and a token.
+    /// Make a client certificate for mutual TLS (`--client-ca`), signed by the CA that gen-certs made:
+    /// writes NAME.pem and NAME-key.pem (0600) into --out.
+    GenClientCert {
+        /// The directory gen-certs wrote (its ca-key.pem signs).
+        #[arg(long)]
+        ca_dir: PathBuf,
+        /// The certificate's common name (e.g. the node's name).
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Make a private CA (ca.pem, ca-key.pem), a server certificate for the given names, its key and
+    /// a token.
     GenCerts {
         #[arg(long)]
         out: PathBuf,
@@ -111,10 +129,22 @@ fn main() {
             let b = certs::generate(&host).unwrap_or_else(|e| die(1, e));
             certs::write(&out, &b).unwrap_or_else(|e| die(1, e));
             println!(
-                "wrote {0}/ca.pem, {0}/server.pem, {0}/server-key.pem and {0}/token for {1}",
+                "wrote {0}/ca.pem, {0}/ca-key.pem, {0}/server.pem, {0}/server-key.pem and {0}/token for {1}",
                 out.display(),
                 host.join(", ")
             );
+        }
+        Cmd::GenClientCert { ca_dir, name, out } => {
+            if !auth::valid_node(&name) || name.contains('/') {
+                die(2, format!("{name:?} cannot be a certificate name (no spaces or slashes)"));
+            }
+            let key_path = ca_dir.join("ca-key.pem");
+            let ca_key = std::fs::read_to_string(&key_path)
+                .unwrap_or_else(|e| die(1, format!("cannot read {}: {e}", key_path.display())));
+            let (cert, key) = certs::client(&ca_key, &name).unwrap_or_else(|e| die(1, e));
+            let (c, k) = (format!("{name}.pem"), format!("{name}-key.pem"));
+            certs::write_files(&out, &[(&c, &cert, 0o644), (&k, &key, 0o600)]).unwrap_or_else(|e| die(1, e));
+            println!("wrote {0}/{c} and {0}/{k}", out.display());
         }
         Cmd::AddToken { token_file, node, reader, nodes, cluster, out } => {
             let role = match (node, reader, nodes, cluster) {
@@ -138,7 +168,7 @@ fn main() {
                 }
             }
         }
-        Cmd::Serve { listen, tls_cert, tls_key, token_file, unix, metrics_address, heartbeat_ms } => {
+        Cmd::Serve { listen, tls_cert, tls_key, client_ca, token_file, unix, metrics_address, heartbeat_ms } => {
             use std::io::IsTerminal;
             tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).init();
             if listen.is_none() && unix.is_none() {
@@ -157,13 +187,18 @@ fn main() {
                     let read = |p: &PathBuf| {
                         std::fs::read(p).unwrap_or_else(|e| die(2, format!("cannot read {}: {e}", p.display())))
                     };
-                    Some(
-                        tonic::transport::ServerTlsConfig::new()
-                            .identity(tonic::transport::Identity::from_pem(read(c), read(k))),
-                    )
+                    let tls = tonic::transport::ServerTlsConfig::new()
+                        .identity(tonic::transport::Identity::from_pem(read(c), read(k)));
+                    Some(match &client_ca {
+                        Some(ca) => tls.client_ca_root(tonic::transport::Certificate::from_pem(read(ca))),
+                        None => tls,
+                    })
                 }
                 (Some(_), _, _) => die(2, "--listen needs --tls-cert and --tls-key (TCP requires TLS and a token)"),
             };
+            if client_ca.is_some() && tls.is_none() {
+                die(2, "--client-ca is for --listen (TLS)");
+            }
             if !(100..=3_600_000).contains(&heartbeat_ms) {
                 die(2, "--heartbeat-ms must be within 100..=3600000");
             }

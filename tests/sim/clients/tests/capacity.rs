@@ -21,6 +21,8 @@ struct Receiver {
     dir: PathBuf,
     port: u16,
     metrics: u16,
+    /// More `serve` arguments.
+    extra: Vec<String>,
 }
 
 fn gen_certs(dir: &Path) {
@@ -30,8 +32,13 @@ fn gen_certs(dir: &Path) {
 
 impl Receiver {
     fn start(dir: &Path) -> Receiver {
+        Receiver::start_with(dir, &[])
+    }
+
+    fn start_with(dir: &Path, extra: &[&str]) -> Receiver {
         gen_certs(dir);
-        let mut r = Receiver { child: None, dir: dir.to_owned(), port: free_port(), metrics: free_port() };
+        let extra = extra.iter().map(|a| a.to_string()).collect();
+        let mut r = Receiver { child: None, dir: dir.to_owned(), port: free_port(), metrics: free_port(), extra };
         r.spawn();
         r
     }
@@ -48,6 +55,7 @@ impl Receiver {
             .arg(d.join("server-key.pem"))
             .arg("--token-file")
             .arg(d.join("token"))
+            .args(&self.extra)
             .stderr(log)
             .stdout(Stdio::null())
             .spawn()
@@ -505,6 +513,92 @@ fn node_tokens_speak_for_one_node_readers_only_read_and_revoked_tokens_end_strea
     assert!(node_view(&rt, &r, "n1").is_some_and(|v| !v.connected), "{}", r.log());
     assert!(r.log().contains("token revoked"), "{}", r.log());
     assert!(metric(&r, "vgpu_receiver_rejected_auth_total") >= 5.0);
+}
+
+/// `vgpu-receiver gen-client-cert` from the CA in `ca_dir`: (certificate, key).
+fn client_cert(ca_dir: &Path, name: &str, out: &Path) -> (PathBuf, PathBuf) {
+    let o = Command::new(bin("vgpu-receiver"))
+        .args(["gen-client-cert", "--ca-dir"])
+        .arg(ca_dir)
+        .args(["--name", name, "--out"])
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (out.join(format!("{name}.pem")), out.join(format!("{name}-key.pem")))
+}
+
+#[test]
+fn mutual_tls_refuses_clients_without_a_certificate_from_its_ca() {
+    let s = Sim::new(None);
+    let dir = s.state.join("receiver");
+    // The receiver's own CA signs the clients' certificates too (gen-certs runs in start_with).
+    let ca = dir.join("ca.pem").display().to_string();
+    let r = Receiver::start_with(&dir, &["--client-ca", &ca]);
+    let rt = rt();
+    let (cert, key) = client_cert(&dir, "n1", &s.state.join("clients"));
+    // A node with a certificate from the CA (and the token): in.
+    let mut c = r.report_config("n1");
+    c.identity = Some((cert.clone(), key.clone()));
+    let good = reporter(&rt, c, Fake::new(1));
+    // Without a certificate, and with one from another CA: refused in the handshake.
+    let bare = reporter(&rt, r.report_config("bare"), Fake::new(1));
+    gen_certs(&s.state.join("other-ca"));
+    let (ocert, okey) = client_cert(&s.state.join("other-ca"), "n2", &s.state.join("other-clients"));
+    let mut c = r.report_config("n2");
+    c.identity = Some((ocert, okey));
+    let foreign = reporter(&rt, c, Fake::new(1));
+    wait_until("the refusals are seen", || !bare.last_error.lock().is_empty() && !foreign.last_error.lock().is_empty());
+    let mut refused = Vec::new();
+    for st in [&bare, &foreign] {
+        let e = st.last_error.lock().clone();
+        assert!(!st.connected.load(std::sync::atomic::Ordering::Relaxed), "{e}");
+        refused.push(e);
+    }
+    assert!(refused.iter().all(|e| !e.contains("Unauthenticated")), "refused before any token is read: {refused:?}");
+    // The cluster view, with and without a certificate (the token alone is not enough).
+    let status = |with_cert: bool| {
+        let mut cmd = Command::new(bin("vgpuctl"));
+        cmd.args(["cluster", "status", "--server", &r.endpoint(), "--ca", &ca, "--token-file"])
+            .arg(r.dir.join("token"));
+        if with_cert {
+            cmd.arg("--cert").arg(&cert).arg("--key").arg(&key);
+        }
+        cmd.output().unwrap()
+    };
+    let mut o = status(true);
+    for _ in 0..200 {
+        if String::from_utf8_lossy(&o.stdout).contains("NODE n1") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        o = status(true);
+    }
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.contains("NODE n1") && !text.contains("NODE bare"), "{text}");
+    assert!(good.connected.load(std::sync::atomic::Ordering::Relaxed));
+    let o = status(false);
+    assert!(!o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert!(
+        node_view_mtls(&rt, &r, &cert, &key, "bare").is_none() && node_view_mtls(&rt, &r, &cert, &key, "n2").is_none()
+    );
+}
+
+/// `node_view` for a receiver that requires a client certificate.
+fn node_view_mtls(
+    rt: &tokio::runtime::Runtime,
+    r: &Receiver,
+    cert: &Path,
+    key: &Path,
+    node: &str,
+) -> Option<sp::NodeView> {
+    rt.block_on(async {
+        let ep = Endpoint::parse(&r.endpoint()).unwrap();
+        let ch = report::channel_with(&ep, Some(&r.dir.join("ca.pem")), None, Some((cert, key))).await.unwrap();
+        let mut c = sp::cluster_client::ClusterClient::new(ch);
+        let v = c.status(authed(r, sp::ClusterStatusRequest { node: node.into() })).await.unwrap().into_inner();
+        v.nodes.into_iter().next()
+    })
 }
 
 /// Raw streams: what the receiver answers to each message list (the answers, or the error code).
