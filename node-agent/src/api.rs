@@ -178,25 +178,27 @@ pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
     tokio::net::UnixListener::from_std(l).map_err(|e| e.to_string())
 }
 
-/// A client of the agent on the Unix socket at `path`.
-pub async fn connect(path: &Path) -> Result<pb::agent_client::AgentClient<tonic::transport::Channel>, String> {
+/// A gRPC channel to the Unix socket at `path` (the agent's, kubelet's, a local scheduler's).
+pub async fn unix_channel(path: &Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
     let p: PathBuf = path.to_owned();
     // The URI is required by the API but unused: the connector dials the socket.
-    let channel =
-        tonic::transport::Endpoint::from_static("http://localhost")
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let p = p.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
-                }
-            }))
-            .await
-            .map_err(|e| {
-                let cause = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
-                format!(
-                    "cannot reach the agent at {}{cause} (is vgpu-node-agent running? see `vgpuctl doctor`)",
-                    path.display()
-                )
-            })?;
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_timeout(std::time::Duration::from_secs(10))
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let p = p.clone();
+            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+        }))
+        .await
+}
+
+/// A client of the agent on the Unix socket at `path`.
+pub async fn connect(path: &Path) -> Result<pb::agent_client::AgentClient<tonic::transport::Channel>, String> {
+    let channel = unix_channel(path).await.map_err(|e| {
+        let cause = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
+        format!(
+            "cannot reach the agent at {}{cause} (is vgpu-node-agent running? see `vgpuctl doctor`)",
+            path.display()
+        )
+    })?;
     Ok(pb::agent_client::AgentClient::new(channel))
 }

@@ -312,17 +312,8 @@ pub fn held_slices(list: &pr::ListPodResourcesResponse, resource: &str) -> HashM
 
 /// What kubelet's pod resources API lists now.
 async fn list_pod_resources(sock: &Path) -> Result<pr::ListPodResourcesResponse, String> {
-    let p = sock.to_owned();
     let call = async move {
-        let ch = tonic::transport::Endpoint::from_static("http://localhost")
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let p = p.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
-                }
-            }))
-            .await
-            .map_err(|e| format!("cannot connect: {e}"))?;
+        let ch = crate::api::unix_channel(sock).await.map_err(|e| format!("cannot connect: {e}"))?;
         pr::pod_resources_lister_client::PodResourcesListerClient::new(ch)
             .max_decoding_message_size(64 << 20)
             .list(pr::ListPodResourcesRequest {})
@@ -412,17 +403,8 @@ fn inode(p: &Path) -> Option<u64> {
 }
 
 async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), String> {
-    let kubelet = dir.join("kubelet.sock");
     let ch =
-        tonic::transport::Endpoint::from_static("http://localhost")
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let p = kubelet.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
-                }
-            }))
-            .await
-            .map_err(|e| format!("cannot reach kubelet: {e}"))?;
+        crate::api::unix_channel(&dir.join("kubelet.sock")).await.map_err(|e| format!("cannot reach kubelet: {e}"))?;
     dp::registration_client::RegistrationClient::new(ch)
         .register(dp::RegisterRequest {
             version: "v1beta1".into(),

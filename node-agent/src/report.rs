@@ -164,19 +164,7 @@ pub async fn channel_with(
         format!("cannot connect to {endpoint}{c}")
     };
     match endpoint {
-        Endpoint::Unix(p) => {
-            let p = p.clone();
-            E::from_static("http://localhost")
-                .connect_timeout(Duration::from_secs(10))
-                .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                    let p = p.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
-                    }
-                }))
-                .await
-                .map_err(cause)
-        }
+        Endpoint::Unix(p) => crate::api::unix_channel(p).await.map_err(cause),
         Endpoint::Https { uri, host } => {
             let ca = ca.ok_or_else(|| format!("{endpoint}: a CA file is needed for https"))?;
             let pem = std::fs::read(ca).map_err(|e| format!("cannot read the CA file {}: {e}", ca.display()))?;
