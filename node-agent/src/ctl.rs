@@ -572,9 +572,28 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
         )),
     }
     // Kubernetes and CDI, when present.
-    let kubelet = Path::new("/var/lib/kubelet/device-plugins/kubelet.sock");
+    let kubelet = cfg.kubelet_dir.join("kubelet.sock");
     if kubelet.exists() {
         v.push(check("kubelet", "ok", format!("{} present", kubelet.display()), ""));
+        // Replica slices are collected through kubelet's pod resources API.
+        if cfg.device_plugin && cfg.compat == crate::config::Compat::Replicas {
+            let is_socket = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_socket());
+            v.push(match &cfg.pod_resources_socket {
+                Some(p) if is_socket(p) => check("pod-resources", "ok", format!("{} present", p.display()), ""),
+                Some(p) => check(
+                    "pod-resources",
+                    "warn",
+                    format!("{} missing: slices of removed containers are kept", p.display()),
+                    "mount kubelet's pod-resources directory into the agent (the Helm chart does), or set pod_resources_socket",
+                ),
+                None => check(
+                    "pod-resources",
+                    "warn",
+                    "pod_resources_socket is off: slices of removed containers are kept".into(),
+                    "delete them with vgpuctl slice delete, or set pod_resources_socket",
+                ),
+            });
+        }
     } else {
         v.push(check("kubelet", "skip", "no kubelet device-plugin socket (not a Kubernetes node)".into(), ""));
     }
