@@ -307,11 +307,24 @@ async fn session<S: Source>(
         req.metadata_mut().insert("authorization", v);
     }
     let mut client = sp::capacity_client::CapacityClient::new(ch).max_decoding_message_size(16 << 20);
-    let mut inbound =
-        client.report(req).await.map_err(|s| format!("{}: {}", cfg.endpoint, status_text(&s)))?.into_inner();
+    // Before the Welcome, a connection the scheduler closes without a gRPC status is most often a
+    // TLS handshake it refused for want of a client certificate (TLS 1.3 tells the client only then).
+    let hint = |s: &tonic::Status| {
+        let t = status_text(s);
+        let refused = ["connection closed", "connection reset", "CertificateRequired"].iter().any(|w| t.contains(w));
+        if refused && cfg.identity.is_none() && matches!(cfg.endpoint, Endpoint::Https { .. }) {
+            format!(
+                "{}: {t}; if the scheduler requires mutual TLS, set scheduler_client_cert and scheduler_client_key",
+                cfg.endpoint
+            )
+        } else {
+            format!("{}: {t}", cfg.endpoint)
+        }
+    };
+    let mut inbound = client.report(req).await.map_err(|s| hint(&s))?.into_inner();
     let welcome = match tokio::time::timeout(Duration::from_secs(10), inbound.message()).await {
         Err(_) => return Err(format!("{}: no Welcome within 10 s", cfg.endpoint)),
-        Ok(Err(s)) => return Err(format!("{}: {}", cfg.endpoint, status_text(&s))),
+        Ok(Err(s)) => return Err(hint(&s)),
         Ok(Ok(None)) => return Err(format!("{}: the stream ended before a Welcome", cfg.endpoint)),
         Ok(Ok(Some(m))) => match m.body {
             Some(sp::scheduler_message::Body::Welcome(w)) => w,
@@ -426,9 +439,19 @@ async fn session<S: Source>(
     }
 }
 
+/// A status with its whole chain of causes (a refused TLS handshake shows only at the bottom).
 fn status_text(s: &tonic::Status) -> String {
     let m = s.message();
-    let cause = std::error::Error::source(s).map_or(String::new(), |c| format!(" ({c})"));
+    let mut causes: Vec<String> = Vec::new();
+    let mut c = std::error::Error::source(s);
+    while let Some(e) = c {
+        let t = e.to_string();
+        if causes.last() != Some(&t) && t != m {
+            causes.push(t);
+        }
+        c = e.source();
+    }
+    let cause = if causes.is_empty() { String::new() } else { format!(" ({})", causes.join(": ")) };
     format!("{:?}{}{cause}", s.code(), if m.is_empty() { String::new() } else { format!(": {m}") })
 }
 

@@ -556,6 +556,7 @@ fn mutual_tls_refuses_clients_without_a_certificate_from_its_ca() {
         refused.push(e);
     }
     assert!(refused.iter().all(|e| !e.contains("Unauthenticated")), "refused before any token is read: {refused:?}");
+    assert!(refused[0].contains("set scheduler_client_cert and scheduler_client_key"), "a hint: {refused:?}");
     // The cluster view, with and without a certificate (the token alone is not enough).
     let status = |with_cert: bool| {
         let mut cmd = Command::new(bin("vgpuctl"));
