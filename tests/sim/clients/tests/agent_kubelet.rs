@@ -152,9 +152,12 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
     std::fs::create_dir_all(&kdir).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let _kubelet = rt.block_on(async { start_kubelet(&kdir, tx) });
     let a =
         Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()), ("VGPU_AGENT_SLICE_GC_GRACE_S", "1")]);
+    // No kubelet yet (as on a host without Kubernetes): the pod resources API is not asked for.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(!a.log_text().contains("pod resources"), "{}", a.log_text());
+    let _kubelet = rt.block_on(async { start_kubelet(&kdir, tx) });
     let uuid0 = a.status().unwrap()["gpus"][0]["uuid"].as_str().unwrap().to_string();
     let reg = rt.block_on(next_register(&mut rx, "first"));
     let ids = |ns: &[u32]| -> Vec<String> { ns.iter().map(|n| format!("{uuid0}-{n}")).collect() };
