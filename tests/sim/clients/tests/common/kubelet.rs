@@ -19,39 +19,29 @@ impl dp::registration_server::Registration for K {
     }
 }
 
-/// Serves Registration on `<dir>/kubelet.sock` until the returned sender fires or is dropped.
+/// Serves `router` on a fresh Unix socket at `sock` until the returned sender fires or is dropped.
+fn serve_unix(sock: &Path, router: tonic::transport::server::Router) -> tokio::sync::oneshot::Sender<()> {
+    let _ = std::fs::remove_file(sock);
+    let l = tokio::net::UnixListener::bind(sock).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(router.serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), async {
+        let _ = stopped.await;
+    }));
+    stop
+}
+
+/// Serves Registration on `<dir>/kubelet.sock` (recreated, as a restarted kubelet does).
 pub fn start(
     dir: &Path,
     tx: tokio::sync::mpsc::UnboundedSender<dp::RegisterRequest>,
 ) -> tokio::sync::oneshot::Sender<()> {
-    // A restarted kubelet recreates its socket.
-    let sock = dir.join("kubelet.sock");
-    let _ = std::fs::remove_file(&sock);
-    let l = tokio::net::UnixListener::bind(&sock).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(dp::registration_server::RegistrationServer::new(K(tx)))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), async {
-                let _ = stopped.await;
-            }),
-    );
-    stop
+    let svc = dp::registration_server::RegistrationServer::new(K(tx));
+    serve_unix(&dir.join("kubelet.sock"), tonic::transport::Server::builder().add_service(svc))
 }
 
 /// A client of the plugin serving on `sock`.
 pub async fn plugin(sock: PathBuf) -> dp::device_plugin_client::DevicePluginClient<tonic::transport::Channel> {
-    let ch =
-        tonic::transport::Endpoint::from_static("http://localhost")
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let p = sock.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
-                }
-            }))
-            .await
-            .unwrap();
-    dp::device_plugin_client::DevicePluginClient::new(ch)
+    dp::device_plugin_client::DevicePluginClient::new(vgpu_agent::api::unix_channel(&sock).await.unwrap())
 }
 
 /// What the fake pod resources API answers (set by the test).
@@ -72,17 +62,8 @@ impl pr::pod_resources_lister_server::PodResourcesLister for Lister {
 /// Serves the pod resources API on `sock` (made with its directory) until the sender fires.
 pub fn serve_pod_resources(sock: &Path, list: PodList) -> tokio::sync::oneshot::Sender<()> {
     std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
-    let _ = std::fs::remove_file(sock);
-    let l = tokio::net::UnixListener::bind(sock).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pr::pod_resources_lister_server::PodResourcesListerServer::new(Lister(list)))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(l), async {
-                let _ = stopped.await;
-            }),
-    );
-    stop
+    let svc = pr::pod_resources_lister_server::PodResourcesListerServer::new(Lister(list));
+    serve_unix(sock, tonic::transport::Server::builder().add_service(svc))
 }
 
 /// A container's devices: `(resource, ids)` entries.
