@@ -327,9 +327,9 @@ async fn list_pod_resources(sock: &Path) -> Result<pr::ListPodResourcesResponse,
 /// Labels replica slices with the pod and container holding them (`namespace`, `pod`, `container`:
 /// what `vgpuctl status` and the metrics show), and removes those no container holds any more. A
 /// slice goes when kubelet's pod resources API has not listed its devices for two looks in a row, it
-/// was not handed out within the grace period (`slice_gc_grace_s`; after an agent restart, counted from the restart), and no process of
-/// it lives (a live one keeps it until it exits). While the API cannot be read (or kubelet's own
-/// socket is absent) nothing is removed.
+/// was not handed out within the grace period (`slice_gc_grace_s`; after an agent restart, counted
+/// from the restart), and no process of it lives (a live one keeps it until it exits). While the API
+/// cannot be read (or kubelet's own socket is absent) nothing is removed.
 pub async fn collect(agent: Arc<Agent>, sock: PathBuf, recent: Recent, mut stop: tokio::sync::watch::Receiver<bool>) {
     let grace = Duration::from_secs(agent.cfg.slice_gc_grace_s);
     let every = (grace / 2).clamp(Duration::from_secs(1), Duration::from_secs(10));
