@@ -307,11 +307,12 @@ async fn session<S: Source>(
         req.metadata_mut().insert("authorization", v);
     }
     let mut client = sp::capacity_client::CapacityClient::new(ch).max_decoding_message_size(16 << 20);
-    // Before the Welcome, a connection the scheduler closes without a gRPC status is most often a
-    // TLS handshake it refused for want of a client certificate (TLS 1.3 tells the client only then).
+    // Before the Welcome, a connection the scheduler drops without a gRPC status (closed, reset, a
+    // broken pipe, or the TLS alert itself, whichever the client sees first) is most often a TLS
+    // handshake it refused for want of a client certificate (TLS 1.3 tells the client only then).
     let hint = |s: &tonic::Status| {
         let t = status_text(s);
-        let refused = ["connection closed", "connection reset", "CertificateRequired"].iter().any(|w| t.contains(w));
+        let refused = ["transport error", "CertificateRequired"].iter().any(|w| t.contains(w));
         if refused && cfg.identity.is_none() && matches!(cfg.endpoint, Endpoint::Https { .. }) {
             format!(
                 "{}: {t}; if the scheduler requires mutual TLS, set scheduler_client_cert and scheduler_client_key",

@@ -577,7 +577,8 @@ fn mutual_tls_refuses_clients_without_a_certificate_from_its_ca() {
     }
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && text.contains("NODE n1") && !text.contains("NODE bare"), "{text}");
-    assert!(good.connected.load(std::sync::atomic::Ordering::Relaxed));
+    // The receiver lists a node at its Hello; the reporter counts itself connected at the Welcome.
+    wait_until("n1's reporter is connected", || good.connected.load(std::sync::atomic::Ordering::Relaxed));
     let o = status(false);
     assert!(!o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
     assert!(
