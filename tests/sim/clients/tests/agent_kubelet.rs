@@ -228,7 +228,15 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
     s.kill(p);
     a.wait("C's slice removed", |st| slice_of(st, &sc).is_null());
     assert_eq!(names(), vec![sa.clone()]);
-    let (_, metrics) = a.scrape("/metrics");
+    // The counter follows the removal (counted once the delete has returned).
+    let t = std::time::Instant::now();
+    let metrics = loop {
+        let (_, m) = a.scrape("/metrics");
+        if m.contains("vgpu_slices_collected_total 2") || t.elapsed() > Duration::from_secs(5) {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(metrics.contains("vgpu_slices_collected_total 2"), "{metrics}");
     assert!(
         metrics.contains(&format!("namespace=\"default\",pod=\"a\",container=\"main\",slice=\"{sa}\"")),
