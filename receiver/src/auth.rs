@@ -156,6 +156,8 @@ fn stamp(p: &Path) -> std::io::Result<Stamp> {
 #[derive(Debug)]
 pub struct Auth {
     file: Option<PathBuf>,
+    /// No token file and no tokens: fixed at construction (a file never reloads to empty).
+    open: bool,
     state: Mutex<State>,
 }
 
@@ -177,6 +179,7 @@ impl Auth {
     pub fn fixed(tokens: Tokens) -> Auth {
         Auth {
             file: None,
+            open: tokens.is_empty(),
             state: Mutex::new(State {
                 tokens: Arc::new(tokens),
                 generation: 0,
@@ -195,6 +198,7 @@ impl Auth {
         let tokens = read(file)?;
         Ok(Auth {
             file: Some(file.to_owned()),
+            open: false,
             state: Mutex::new(State {
                 tokens: Arc::new(tokens),
                 generation: 0,
@@ -244,7 +248,7 @@ impl Auth {
 
     /// Whether authentication is off (no token file and no tokens: Unix sockets only).
     pub fn is_open(&self) -> bool {
-        self.file.is_none() && self.state.lock().tokens.is_empty()
+        self.open
     }
 }
 
