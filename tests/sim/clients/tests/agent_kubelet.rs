@@ -23,13 +23,26 @@ async fn next_register(rx: &mut mpsc::UnboundedReceiver<dp::RegisterRequest>, wh
         .unwrap()
 }
 
-#[test]
-fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
-    let mut s = Sim::new(Some(NODE));
+/// A simulated node with a directory for kubelet's sockets, a runtime for the fake kubelet, and the
+/// channel its Registration server reports to.
+fn kubelet_node() -> (
+    Sim,
+    std::path::PathBuf,
+    tokio::runtime::Runtime,
+    mpsc::UnboundedSender<dp::RegisterRequest>,
+    mpsc::UnboundedReceiver<dp::RegisterRequest>,
+) {
+    let s = Sim::new(Some(NODE));
     let kdir = s.state.join("kubelet");
     std::fs::create_dir_all(&kdir).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
+    (s, kdir, rt, tx, rx)
+}
+
+#[test]
+fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
+    let (mut s, kdir, rt, tx, mut rx) = kubelet_node();
     let stop = rt.block_on(async { start_kubelet(&kdir, tx.clone()) });
     let a = Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap())]);
     let st = a.status().unwrap();
@@ -147,11 +160,7 @@ fn detail_of(cr: &dp::ContainerAllocateResponse) -> serde_json::Value {
 #[test]
 fn replica_slices_go_once_no_container_holds_their_devices() {
     use vgpu_agent::deviceplugin::slice_name;
-    let mut s = Sim::new(Some(NODE));
-    let kdir = s.state.join("kubelet");
-    std::fs::create_dir_all(&kdir).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (mut s, kdir, rt, tx, mut rx) = kubelet_node();
     let a =
         Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()), ("VGPU_AGENT_SLICE_GC_GRACE_S", "1")]);
     // No kubelet yet (as on a host without Kubernetes): the pod resources API is not asked for.
