@@ -329,8 +329,10 @@ impl Config {
                 r.ca = env("VGPU_AGENT_SCHEDULER_CA").map(PathBuf::from).or(file.scheduler_ca);
                 r.token_file = env("VGPU_AGENT_SCHEDULER_TOKEN_FILE").map(PathBuf::from).or(file.scheduler_token_file);
                 r.server_name = file.scheduler_server_name;
-                let cert = env("VGPU_AGENT_SCHEDULER_CLIENT_CERT").map(PathBuf::from).or(file.scheduler_client_cert);
-                let key = env("VGPU_AGENT_SCHEDULER_CLIENT_KEY").map(PathBuf::from).or(file.scheduler_client_key);
+                // An empty value is unset (the Helm chart always passes these two).
+                let nonempty = |v: Option<String>| v.filter(|s| !s.is_empty()).map(PathBuf::from);
+                let cert = nonempty(env("VGPU_AGENT_SCHEDULER_CLIENT_CERT")).or(file.scheduler_client_cert);
+                let key = nonempty(env("VGPU_AGENT_SCHEDULER_CLIENT_KEY")).or(file.scheduler_client_key);
                 r.identity = match (cert, key) {
                     (None, None) => None,
                     (Some(c), Some(k)) => {
@@ -495,6 +497,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("for https"), "{e}");
+        let empty = [("VGPU_AGENT_SCHEDULER_CLIENT_CERT", ""), ("VGPU_AGENT_SCHEDULER_CLIENT_KEY", "")];
+        let c = load(Some(https), &empty, Flags::default()).unwrap().scheduler.unwrap();
+        assert_eq!(c.identity, None, "empty values (the Helm chart's default) are unset");
     }
 
     #[test]

@@ -134,8 +134,11 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                 let c = &spec.containers[0];
                 assert!(c.env.as_ref().unwrap().iter().any(|e| e.name == "NODE_NAME" && e.value_from.is_some()));
                 // Capacity reporting is off by default and its Secret optional.
-                let ep = c.env.as_ref().unwrap().iter().find(|e| e.name == "VGPU_AGENT_SCHEDULER_ENDPOINT").unwrap();
-                assert_eq!(ep.value.as_deref(), Some(""));
+                let env = |name: &str| c.env.as_ref().unwrap().iter().find(|e| e.name == name).unwrap().value.clone();
+                assert_eq!(env("VGPU_AGENT_SCHEDULER_ENDPOINT").as_deref(), Some(""));
+                // So is mutual TLS (the agent reads these empty values as unset).
+                assert_eq!(env("VGPU_AGENT_SCHEDULER_CLIENT_CERT").as_deref(), Some(""));
+                assert_eq!(env("VGPU_AGENT_SCHEDULER_CLIENT_KEY").as_deref(), Some(""));
                 let sched = spec.volumes.as_ref().unwrap().iter().find(|v| v.name == "scheduler").unwrap();
                 assert_eq!(sched.secret.as_ref().unwrap().optional, Some(true));
                 let mounts: Vec<String> =
@@ -185,4 +188,10 @@ fn the_receiver_renders_when_enabled() {
     assert_eq!(spec.volumes.unwrap()[0].secret.as_ref().unwrap().secret_name.as_deref(), Some("vgpu-receiver-tls"));
     let svc: Service = yaml_serde::from_str(docs[1]).unwrap();
     assert_eq!(svc.spec.unwrap().ports.unwrap()[0].port, 9400);
+    // Mutual TLS is off by default (an empty --client-ca) and on with the CA's path.
+    assert!(c.args.as_ref().unwrap().contains(&"--client-ca=".to_string()));
+    values["receiverClientCa"] = yaml_serde::Value::String("/etc/vgpu-receiver/ca.pem".into());
+    let d: Deployment = yaml_serde::from_str(render(&t, &values).split("\n---\n").next().unwrap()).unwrap();
+    let args = d.spec.unwrap().template.spec.unwrap().containers[0].args.clone().unwrap();
+    assert!(args.contains(&"--client-ca=/etc/vgpu-receiver/ca.pem".to_string()), "{args:?}");
 }

@@ -47,12 +47,13 @@ pub fn generate(hosts: &[String]) -> Result<Bundle, String> {
     Ok(Bundle { ca: ca_cert.pem(), ca_key: ca_key_pem, cert: cert.pem(), key: key.serialize_pem(), token: token()? })
 }
 
-/// A client certificate for `name` (its common name) and its key, PEM, signed by the CA that
+/// A client certificate for `name` (its common name, and its subject alternative name, which
+/// `--require-node-certs` compares with the node's name) and its key, PEM, signed by the CA that
 /// `gen-certs` made (given by its key).
 pub fn client(ca_key_pem: &str, name: &str) -> Result<(String, String), String> {
     let ca_key = KeyPair::from_pem(ca_key_pem).map_err(|e| format!("not a CA key: {e}"))?;
     let issuer = Issuer::new(ca_params()?, ca_key);
-    let mut p = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+    let mut p = CertificateParams::new(vec![name.to_string()]).map_err(err)?;
     p.distinguished_name.push(DnType::CommonName, name);
     p.use_authority_key_identifier_extension = true;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -60,6 +61,14 @@ pub fn client(ca_key_pem: &str, name: &str) -> Result<(String, String), String> 
     let key = KeyPair::generate().map_err(err)?;
     let cert = p.signed_by(&key, &issuer).map_err(err)?;
     Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// Whether a client certificate (DER) names `node`: a DNS name (wildcards as in TLS) or an IP
+/// address among its subject alternative names. The common name does not count.
+pub fn names(cert: &rustls_pki_types::CertificateDer<'_>, node: &str) -> bool {
+    let Ok(cert) = webpki::EndEntityCert::try_from(cert) else { return false };
+    let Ok(name) = rustls_pki_types::ServerName::try_from(node) else { return false };
+    cert.verify_is_valid_for_subject_name(&name).is_ok()
 }
 
 /// 32 random bytes, hex.

@@ -79,11 +79,18 @@ pub struct Settings {
     pub auth: Arc<Auth>,
     /// The heartbeat period asked of nodes; a node silent for three is stale.
     pub heartbeat: Duration,
+    /// A node's stream (other than over a Unix socket) must come with a client certificate that
+    /// names the node (see [`certs::names`]); its token must allow it as well.
+    pub node_certs: bool,
 }
 
 impl Default for Settings {
     fn default() -> Settings {
-        Settings { auth: Arc::new(Auth::fixed(Tokens::default())), heartbeat: Duration::from_secs(10) }
+        Settings {
+            auth: Arc::new(Auth::fixed(Tokens::default())),
+            heartbeat: Duration::from_secs(10),
+            node_certs: false,
+        }
     }
 }
 
@@ -401,7 +408,7 @@ impl Cluster {
         self: Arc<Self>,
         mut inbound: Streaming<sp::NodeMessage>,
         tx: Outbound,
-        peer: String,
+        peer: Peer,
         mut grant: Grant,
     ) {
         let reject = |tx: &Outbound, s: Status| {
@@ -438,7 +445,14 @@ impl Cluster {
                 return;
             }
         }
-        let (node, session) = self.register(&hello, tx.clone(), peer);
+        if self.settings.node_certs && !peer.local && !peer.cert.as_ref().is_some_and(|c| certs::names(c, &name)) {
+            self.counters.rejected_auth.fetch_add(1, Relaxed);
+            let m =
+                format!("the client certificate does not name node {name} (the receiver requires node certificates)");
+            let _ = tx.send(Err(Status::permission_denied(m))).await;
+            return;
+        }
+        let (node, session) = self.register(&hello, tx.clone(), peer.addr);
         let welcome = sp::SchedulerMessage {
             body: Some(sp::scheduler_message::Body::Welcome(sp::Welcome {
                 protocol_version: PROTOCOL_VERSION,
@@ -493,6 +507,16 @@ enum Need {
     Request,
 }
 
+/// Where a node's stream comes from.
+struct Peer {
+    /// Its address ("local" over a Unix socket).
+    addr: String,
+    /// Over a Unix socket.
+    local: bool,
+    /// Its client certificate (TLS only).
+    cert: Option<tonic::transport::CertificateDer<'static>>,
+}
+
 /// Who a call's token speaks for, and the token generation it was checked against.
 struct Grant {
     role: Role,
@@ -512,7 +536,11 @@ impl sp::capacity_server::Capacity for CapacitySvc {
     async fn report(&self, req: Request<Streaming<sp::NodeMessage>>) -> Result<Response<Self::ReportStream>, Status> {
         self.0.counters.streams.fetch_add(1, Relaxed);
         let grant = self.0.authorized(&req, Need::Stream)?;
-        let peer = req.remote_addr().map(|a| a.to_string()).unwrap_or_else(|| "local".into());
+        let peer = Peer {
+            addr: req.remote_addr().map(|a| a.to_string()).unwrap_or_else(|| "local".into()),
+            local: req.extensions().get::<tonic::transport::server::UdsConnectInfo>().is_some(),
+            cert: req.peer_certs().and_then(|c| c.first().cloned()),
+        };
         let (tx, rx) = mpsc::channel(32);
         tokio::spawn(self.0.clone().serve_node(req.into_inner(), tx, peer, grant));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))

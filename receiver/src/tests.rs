@@ -206,3 +206,28 @@ fn write_fuzz_seeds() {
         std::fs::write(dir.join(name), buf).unwrap();
     }
 }
+
+#[test]
+fn a_client_certificate_names_a_node_by_its_subject_alternative_names_only() {
+    use rustls_pki_types::pem::PemObject;
+    let b = crate::certs::generate(&["receiver.example".into()]).unwrap();
+    let der = |name: &str| {
+        let (pem, _) = crate::certs::client(&b.ca_key, name).unwrap();
+        rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+    };
+    let n1 = der("n1");
+    assert!(crate::certs::names(&n1, "n1"));
+    assert!(crate::certs::names(&n1, "N1"), "DNS names compare without case");
+    assert!(
+        !crate::certs::names(&n1, "n2") && !crate::certs::names(&n1, "n1.example") && !crate::certs::names(&n1, "")
+    );
+    assert!(crate::certs::names(&der("10.0.0.5"), "10.0.0.5") && !crate::certs::names(&der("10.0.0.5"), "10.0.0.6"));
+    let pool = der("*.pool.example");
+    assert!(crate::certs::names(&pool, "gpu-7.pool.example") && !crate::certs::names(&pool, "gpu-7.other.example"));
+    // A certificate with the name only as its common name does not name the node.
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.distinguished_name.push(rcgen::DnType::CommonName, "n1");
+    let cn_only = p.self_signed(&rcgen::KeyPair::generate().unwrap()).unwrap();
+    assert!(!crate::certs::names(&rustls_pki_types::CertificateDer::from(cn_only.der().to_vec()), "n1"));
+    assert!(!crate::certs::names(&rustls_pki_types::CertificateDer::from(vec![0x30, 0x03, 1, 2, 3]), "n1"));
+}

@@ -3,7 +3,8 @@
 //!
 //!   vgpu-receiver serve --listen 0.0.0.0:9400 --tls-cert server.pem --tls-key server-key.pem --token-file token
 //!   vgpu-receiver gen-certs --out DIR --host receiver.example --host 10.0.0.5
-//!   vgpu-receiver gen-client-cert --ca-dir DIR --name node-7 --out DIR   (with serve --client-ca DIR/ca.pem)
+//!   vgpu-receiver gen-client-cert --ca-dir DIR --name node-7 --out DIR   (with serve --client-ca DIR/ca.pem,
+//!                                                                         and --require-node-certs)
 use clap::{Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -32,9 +33,14 @@ enum Cmd {
         #[arg(long)]
         tls_key: Option<PathBuf>,
         /// Require mutual TLS on --listen: clients must present a certificate signed by this CA
-        /// (PEM), as well as a token.
+        /// (PEM), as well as a token. An empty value is off.
         #[arg(long)]
-        client_ca: Option<PathBuf>,
+        client_ca: Option<String>,
+        /// With --client-ca: a node's capacity stream must come with a certificate that names the
+        /// node (a DNS name or IP address among its subject alternative names; gen-client-cert
+        /// --name NODE makes one), so that one node's key cannot speak for another.
+        #[arg(long)]
+        require_node_certs: bool,
         /// Accepted bearer tokens, one per line: `TOKEN` (cluster), `reader TOKEN` or
         /// `nodes TOKEN` or `node NAME TOKEN`; re-read when it changes.
         #[arg(long)]
@@ -77,7 +83,8 @@ enum Cmd {
         /// The directory gen-certs wrote (its ca-key.pem signs).
         #[arg(long)]
         ca_dir: PathBuf,
-        /// The certificate's common name (e.g. the node's name).
+        /// The certificate's name, as its common name and subject alternative name (a node's name
+        /// for --require-node-certs).
         #[arg(long)]
         name: String,
         #[arg(long)]
@@ -168,7 +175,22 @@ fn main() {
                 }
             }
         }
-        Cmd::Serve { listen, tls_cert, tls_key, client_ca, token_file, unix, metrics_address, heartbeat_ms } => {
+        Cmd::Serve {
+            listen,
+            tls_cert,
+            tls_key,
+            client_ca,
+            require_node_certs,
+            token_file,
+            unix,
+            metrics_address,
+            heartbeat_ms,
+        } => {
+            // An empty --client-ca is off (the Helm chart always passes it).
+            let client_ca = client_ca.filter(|p| !p.is_empty()).map(PathBuf::from);
+            if require_node_certs && client_ca.is_none() {
+                die(2, "--require-node-certs needs --client-ca (the CA of the nodes' certificates)");
+            }
             use std::io::IsTerminal;
             tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).init();
             if listen.is_none() && unix.is_none() {
@@ -209,7 +231,11 @@ fn main() {
                 tls,
                 unix,
                 metrics_address,
-                Settings { auth: Arc::new(auth), heartbeat: Duration::from_millis(heartbeat_ms) },
+                Settings {
+                    auth: Arc::new(auth),
+                    heartbeat: Duration::from_millis(heartbeat_ms),
+                    node_certs: require_node_certs,
+                },
             ));
         }
     }

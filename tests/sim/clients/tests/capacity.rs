@@ -586,6 +586,61 @@ fn mutual_tls_refuses_clients_without_a_certificate_from_its_ca() {
     );
 }
 
+#[test]
+fn node_certificates_must_name_their_node_when_the_receiver_requires_it() {
+    let s = Sim::new(None);
+    let dir = s.state.join("receiver");
+    let ca = dir.join("ca.pem").display().to_string();
+    let sock = s.state.join("receiver.sock");
+    let sock = sock.to_str().unwrap();
+    let r = Receiver::start_with(&dir, &["--client-ca", &ca, "--require-node-certs", "--unix", sock]);
+    let rt = rt();
+    let clients = s.state.join("clients");
+    let (n1, n1_key) = client_cert(&dir, "n1", &clients);
+    let (shared, shared_key) = client_cert(&dir, "vgpu-agents", &clients);
+    let with = |node: &str, cert: &Path, key: &Path| {
+        let mut c = r.report_config(node);
+        c.identity = Some((cert.to_owned(), key.to_owned()));
+        reporter(&rt, c, Fake::new(1))
+    };
+    // n1 with its own certificate (and a token that may stream any node): in.
+    let good = with("n1", &n1, &n1_key);
+    // n1's key speaking for n2, and one certificate shared by every node: out, though the CA
+    // signed both and the token allows any node.
+    let imposter = with("n2", &n1, &n1_key);
+    let sharing = with("n3", &shared, &shared_key);
+    // The Unix socket is local and has no certificates: a node there needs none (only the token).
+    let mut c = ReportConfig::new(Endpoint::parse(&format!("unix://{sock}")).unwrap(), "n4".into());
+    c.token_file = Some(r.dir.join("token"));
+    let local = reporter(&rt, c, Fake::new(1));
+    wait_until("n1 and n4 are in and the others refused", || {
+        good.connected.load(std::sync::atomic::Ordering::Relaxed)
+            && local.connected.load(std::sync::atomic::Ordering::Relaxed)
+            && !imposter.last_error.lock().is_empty()
+            && !sharing.last_error.lock().is_empty()
+    });
+    for (st, node) in [(&imposter, "n2"), (&sharing, "n3")] {
+        let e = st.last_error.lock().clone();
+        assert!(e.contains(&format!("the client certificate does not name node {node}")), "{e}");
+        assert!(!st.connected.load(std::sync::atomic::Ordering::Relaxed), "{e}");
+    }
+    // Readers are not nodes: the shared certificate reads the view, which has n1 only.
+    assert!(node_view_mtls(&rt, &r, &shared, &shared_key, "n1").is_some());
+    assert!(
+        node_view_mtls(&rt, &r, &shared, &shared_key, "n2").is_none()
+            && node_view_mtls(&rt, &r, &shared, &shared_key, "n3").is_none()
+    );
+    // Without --client-ca the option is refused at start.
+    let o = Command::new(bin("vgpu-receiver"))
+        .args(["serve", "--unix"])
+        .arg(s.state.join("r.sock"))
+        .args(["--client-ca", "", "--require-node-certs"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && e.contains("--require-node-certs needs --client-ca"), "{e}");
+}
+
 /// `node_view` for a receiver that requires a client certificate.
 fn node_view_mtls(
     rt: &tokio::runtime::Runtime,
