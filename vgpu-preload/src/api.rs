@@ -11,6 +11,8 @@ macro_rules! cuda_hooks {
             cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) => memory::primary_retain;
             cuDevicePrimaryCtxRelease(dev: CUdevice) => memory::primary_release;
             cuDevicePrimaryCtxRelease_v2(dev: CUdevice) => memory::primary_release;
+            cuDevicePrimaryCtxReset(dev: CUdevice) => memory::primary_reset;
+            cuDevicePrimaryCtxReset_v2(dev: CUdevice) => memory::primary_reset;
             cuCtxCreate_v2(pctx: *mut CUcontext, flags: u32, dev: CUdevice) => memory::ctx_create;
             cuCtxDestroy_v2(ctx: CUcontext) => memory::ctx_destroy;
             // linear memory
@@ -84,6 +86,7 @@ macro_rules! cuda_helpers {
     ($m:ident) => {
         $m! {
             cuCtxGetDevice(dev: *mut CUdevice);
+            cuCtxGetCurrent(ctx: *mut CUcontext);
             cuDeviceGetCount(n: *mut i32);
             cuDeviceGet(dev: *mut CUdevice, ordinal: i32);
             cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);

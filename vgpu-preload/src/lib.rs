@@ -12,6 +12,7 @@
 mod api;
 mod capture;
 mod config;
+mod contexts;
 mod dl;
 mod guard;
 mod hooks;

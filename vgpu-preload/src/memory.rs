@@ -3,7 +3,8 @@
 //! Over the limit the call returns CUDA_ERROR_OUT_OF_MEMORY and the driver is not called.
 #![allow(clippy::missing_safety_doc)]
 
-use crate::ptrmap::{pack, unpack};
+use crate::log::{vlog, INFO};
+use crate::ptrmap::{ctx_of, pack, pack_in, unpack};
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
 use cuda_abi::*;
@@ -50,28 +51,96 @@ macro_rules! tri {
     };
 }
 
+/// The current context's handle (0: none, or the driver lacks the call).
+#[inline]
+fn current_ctx() -> u64 {
+    let Some(get) = driver().helpers.cuCtxGetCurrent else { return 0 };
+    let mut c: CUcontext = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    if unsafe { get(&mut c) } != OK {
+        return 0;
+    }
+    c as u64
+}
+
+/// Where an allocation is made: the current context's region device and the context's id (0: not
+/// tracked). One driver call, as `current` is, once the context is known.
+#[inline]
+fn site(st: &State) -> Result<(usize, u64), CUresult> {
+    let ctx = current_ctx();
+    if ctx != 0 {
+        if let Some(found) = st.contexts.lookup(ctx) {
+            return Ok(found);
+        }
+    }
+    let (_, d) = current(st)?;
+    Ok((d, if ctx == 0 { 0 } else { st.contexts.add(ctx, d) }))
+}
+
+/// The id of the current context, a context of region device `d` (0: not tracked).
+fn ctx_id(st: &State, d: usize) -> u64 {
+    match current_ctx() {
+        0 => 0,
+        ctx => st.contexts.lookup(ctx).map_or_else(|| st.contexts.add(ctx, d), |(_, id)| id),
+    }
+}
+
+/// A context went (destroyed, its primary context released for the last time, or reset), and the
+/// driver freed what was allocated in it: release those allocations from the container's usage.
+#[cold]
+fn context_gone(st: &State, ctx: u64) {
+    if ctx == 0 {
+        return;
+    }
+    let ids = st.contexts.retire(ctx);
+    if ids == 0 {
+        return;
+    }
+    let (mut n, mut bytes) = (0u64, 0u64);
+    let gone = |v: u64| 1u64.checked_shl(ctx_of(v) as u32).is_some_and(|bit| ids & bit != 0);
+    for map in [&st.ptrs, &st.handles] {
+        map.take_where(gone, |v| {
+            let (d, b) = unpack(v);
+            st.release(d, b);
+            n += 1;
+            bytes += b;
+        });
+    }
+    st.contexts.free(ids);
+    if n > 0 {
+        vlog!(INFO, "a context went: released {bytes} bytes of {n} allocations the driver freed with it");
+    }
+}
+
 // ----- linear memory -----
 
 /// The common shape of a linear allocator: charge `size` on the current device, call the driver,
 /// remember the pointer it wrote to `dptr`. `counted` false (or a NULL `dptr`, or size 0) forwards.
+/// `scoped`: the allocation belongs to the current context and goes with it.
 #[inline]
-unsafe fn linear(dptr: *mut CUdeviceptr, size: usize, counted: bool, call: impl Fn() -> CUresult) -> CUresult {
+unsafe fn linear(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    counted: bool,
+    scoped: bool,
+    call: impl Fn() -> CUresult,
+) -> CUresult {
     let st = state();
     if dptr.is_null() || size == 0 || !counted {
         return call();
     }
-    let (_, d) = tri!(current(st));
+    let (d, ctx) = if scoped { tri!(site(st)) } else { (tri!(current(st)).1, 0) };
     let r = charged(st, d, size as u64, &call);
     if r == OK {
         // SAFETY: the driver just wrote the new pointer through dptr.
-        st.ptrs.insert(unsafe { *dptr }, pack(d, size as u64));
+        st.ptrs.insert(unsafe { *dptr }, pack_in(d, ctx, size as u64));
     }
     r
 }
 
 pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, true, || real(dptr, size)) }
+    unsafe { linear(dptr, size, true, true, || real(dptr, size)) }
 }
 
 pub unsafe fn alloc_v1(real: f::cuMemAlloc, dptr: *mut u32, size: u32) -> CUresult {
@@ -80,19 +149,19 @@ pub unsafe fn alloc_v1(real: f::cuMemAlloc, dptr: *mut u32, size: u32) -> CUresu
         // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dptr, size) };
     }
-    let (_, d) = tri!(current(st));
+    let (d, ctx) = tri!(site(st));
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = charged(st, d, size as u64, || unsafe { real(dptr, size) });
     if r == OK {
         // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
-        st.ptrs.insert(unsafe { *dptr } as u64, pack(d, size as u64));
+        st.ptrs.insert(unsafe { *dptr } as u64, pack_in(d, ctx, size as u64));
     }
     r
 }
 
 pub unsafe fn alloc_managed(real: f::cuMemAllocManaged, dptr: *mut CUdeviceptr, size: usize, flags: u32) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, state().cfg.count_managed, || real(dptr, size, flags)) }
+    unsafe { linear(dptr, size, state().cfg.count_managed, true, || real(dptr, size, flags)) }
 }
 
 /// Pitched allocations reserve an estimate (rows padded to 512 bytes), then settle on the real size.
@@ -109,7 +178,7 @@ pub unsafe fn alloc_pitch(
         // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dptr, pitch, width, height, elem) };
     }
-    let (_, d) = tri!(current(st));
+    let (d, ctx) = tri!(site(st));
     let Some(estimate) = (width as u64).div_ceil(512).checked_mul(512).and_then(|p| p.checked_mul(height as u64))
     else {
         return CUresult::OUT_OF_MEMORY;
@@ -128,7 +197,7 @@ pub unsafe fn alloc_pitch(
     });
     match bytes {
         Some(b) => {
-            st.ptrs.insert(p, pack(d, b));
+            st.ptrs.insert(p, pack_in(d, ctx, b));
             OK
         }
         None => CUresult::OUT_OF_MEMORY,
@@ -173,10 +242,12 @@ pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
 }
 
 // ----- stream-ordered allocator: charged at the requested size when allocated -----
+// Pools belong to the device, not to a context: their allocations are never released when a
+// context goes (only when freed), so a context's end cannot make them uncounted.
 
 pub unsafe fn alloc_async(real: f::cuMemAllocAsync, dptr: *mut CUdeviceptr, size: usize, s: CUstream) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, true, || real(dptr, size, s)) }
+    unsafe { linear(dptr, size, true, false, || real(dptr, size, s)) }
 }
 
 pub unsafe fn alloc_from_pool(
@@ -187,7 +258,7 @@ pub unsafe fn alloc_from_pool(
     s: CUstream,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, true, || real(dptr, size, pool, s)) }
+    unsafe { linear(dptr, size, true, false, || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {
@@ -272,6 +343,7 @@ unsafe fn array_common(
     let st = state();
     let Some(estimate) = estimate.filter(|_| !out.is_null()) else { return create() };
     let (o, d) = tri!(current(st));
+    let ctx = ctx_id(st, d);
     let r = charged(st, d, estimate, &create);
     if r != OK {
         return r;
@@ -281,7 +353,7 @@ unsafe fn array_common(
     let actual = requirements(h, o).unwrap_or(estimate);
     match settle(st, d, estimate, actual, || destroy(h)) {
         Some(b) => {
-            st.handles.insert(h | ARRAY_TAG, pack(d, b));
+            st.handles.insert(h | ARRAY_TAG, pack_in(d, ctx, b));
             OK
         }
         None => CUresult::OUT_OF_MEMORY,
@@ -400,6 +472,10 @@ pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcon
     let r = context_charged(st, d, st.cfg.context_overhead, || unsafe { real(pctx, dev) });
     if r == OK {
         refs.store(1, std::sync::atomic::Ordering::Release);
+        if let Some(c) = st.primary_ctx.get(dev as usize) {
+            // SAFETY: the driver returned success, so it wrote the caller's out-pointer.
+            c.store(unsafe { *pctx } as u64, std::sync::atomic::Ordering::Release);
+        }
     }
     r
 }
@@ -415,9 +491,24 @@ pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice)
     let _g = st.primary_lock.lock().unwrap_or_else(|p| p.into_inner());
     if refs.load(std::sync::atomic::Ordering::Acquire) == 1 {
         st.release(d, st.cfg.context_overhead);
+        // The last release destroys the primary context, and what was allocated in it.
+        context_gone(st, st.primary_ctx[dev as usize].load(std::sync::atomic::Ordering::Acquire));
     }
     let _ = refs
         .fetch_update(std::sync::atomic::Ordering::AcqRel, std::sync::atomic::Ordering::Acquire, |x| x.checked_sub(1));
+    r
+}
+
+/// Resetting a primary context frees every allocation made in it; the context stays retained.
+pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    let r = unsafe { real(dev) };
+    if r == OK {
+        let st = state();
+        if let Some(c) = st.primary_ctx.get(dev as usize) {
+            context_gone(st, c.load(std::sync::atomic::Ordering::Acquire));
+        }
+    }
     r
 }
 
@@ -443,6 +534,7 @@ pub unsafe fn ctx_destroy(real: f::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult 
     let r = unsafe { real(ctx) };
     if r == OK {
         release_handle(ctx as u64 | CTX_TAG);
+        context_gone(state(), ctx as u64);
     }
     r
 }

@@ -2,8 +2,13 @@
 //! exactly what its allocation charged, in O(1), without locks or allocation on the hot path.
 //!
 //! Open addressing with linear probing over a table mapped once (pages are committed as touched).
-//! Keys are never 0 (empty) or 1 (tombstone). An insert that finds no place within `MAX_PROBE`
-//! slots goes to a mutex-protected overflow map (a slow path that a sane workload never reaches).
+//! Keys are never 0 (empty), 1 (tombstone) or 2 (busy). An insert claims a slot as busy, writes the
+//! value, then publishes the key, so whoever sees a key sees its value; a sweep ([`PtrMap::take_where`])
+//! claims an entry as busy before it reads the value, so what it judges is that entry's own value
+//! (not an earlier occupant's), and a remove that meets a busy slot waits the few instructions it
+//! stays busy. An insert
+//! that finds no place within `MAX_PROBE` slots goes to a mutex-protected overflow map (a slow path
+//! that a sane workload never reaches).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
@@ -11,6 +16,7 @@ use std::sync::Mutex;
 
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
+const BUSY: u64 = 2;
 const MAX_PROBE: usize = 64;
 
 pub struct PtrMap {
@@ -43,13 +49,27 @@ fn table(n: usize) -> &'static [AtomicU64] {
     }
 }
 
-/// Packs (device, bytes) into one word: device in the top 8 bits.
+const BYTES: u64 = (1 << 48) - 1;
+
+/// Packs (device, bytes) into one word: device in the top 8 bits, no context (see [`pack_in`]).
 pub fn pack(dev: usize, bytes: u64) -> u64 {
-    (dev as u64) << 56 | (bytes & ((1 << 56) - 1))
+    pack_in(dev, 0, bytes)
 }
 
+/// Packs (device, context id, bytes): device in the top 8 bits, the id of the context the
+/// allocation belongs to in the next 8 (0: none that is tracked), bytes in the low 48 (256 TiB).
+pub fn pack_in(dev: usize, ctx: u64, bytes: u64) -> u64 {
+    (dev as u64) << 56 | (ctx & 0xff) << 48 | (bytes & BYTES)
+}
+
+/// (device, bytes).
 pub fn unpack(v: u64) -> (usize, u64) {
-    ((v >> 56) as usize, v & ((1 << 56) - 1))
+    ((v >> 56) as usize, v & BYTES)
+}
+
+/// The context id of a packed value.
+pub fn ctx_of(v: u64) -> u64 {
+    (v >> 48) & 0xff
 }
 
 impl PtrMap {
@@ -65,15 +85,16 @@ impl PtrMap {
 
     #[inline]
     pub fn insert(&self, k: u64, v: u64) {
-        debug_assert!(k > TOMB);
+        debug_assert!(k > BUSY);
         let mask = (1usize << self.bits) - 1;
         let h = self.home(k);
         for i in 0..MAX_PROBE {
             let idx = ((h + i) & mask) * 2;
             let key = &self.slots[idx];
             let cur = key.load(Relaxed);
-            if (cur == EMPTY || cur == TOMB) && key.compare_exchange(cur, k, AcqRel, Relaxed).is_ok() {
-                self.slots[idx + 1].store(v, Release);
+            if (cur == EMPTY || cur == TOMB) && key.compare_exchange(cur, BUSY, AcqRel, Relaxed).is_ok() {
+                self.slots[idx + 1].store(v, Relaxed);
+                key.store(k, Release);
                 return;
             }
         }
@@ -90,20 +111,32 @@ impl PtrMap {
     /// Removes `k`, returning its value.
     #[inline]
     pub fn remove(&self, k: u64) -> Option<u64> {
-        if k <= TOMB {
+        if k <= BUSY {
             return None;
         }
         let mask = (1usize << self.bits) - 1;
         let h = self.home(k);
         for i in 0..MAX_PROBE {
             let idx = ((h + i) & mask) * 2;
-            let cur = self.slots[idx].load(Acquire);
-            if cur == k {
-                let v = self.slots[idx + 1].load(Acquire);
-                if self.slots[idx].compare_exchange(k, TOMB, AcqRel, Relaxed).is_ok() {
-                    return Some(v);
+            let key = &self.slots[idx];
+            let mut cur = key.load(Acquire);
+            loop {
+                if cur == BUSY {
+                    // Being filled, or looked at by a sweep: a few instructions.
+                    std::hint::spin_loop();
+                    cur = key.load(Acquire);
+                    continue;
                 }
-                return None; // freed twice concurrently: the other free got it
+                if cur != k {
+                    break;
+                }
+                let v = self.slots[idx + 1].load(Acquire);
+                match key.compare_exchange(k, TOMB, AcqRel, Acquire) {
+                    Ok(_) => return Some(v),
+                    Err(BUSY) => cur = BUSY,
+                    // Freed twice concurrently, or taken by a sweep: the other got it.
+                    Err(_) => return None,
+                }
             }
             if cur == EMPTY {
                 break;
@@ -121,6 +154,44 @@ impl PtrMap {
         let v = o.as_mut()?.remove(&k)?;
         self.overflowed.fetch_sub(1, AcqRel);
         Some(v)
+    }
+
+    /// Removes every entry whose value satisfies `gone`, handing each value to `taken` (a cold path:
+    /// it reads the whole table). Entries inserted or removed meanwhile are either seen whole or
+    /// not at all.
+    pub fn take_where(&self, gone: impl Fn(u64) -> bool, mut taken: impl FnMut(u64)) {
+        for i in (0..self.slots.len()).step_by(2) {
+            let k = self.slots[i].load(Acquire);
+            if k <= BUSY {
+                continue;
+            }
+            // Claimed, the entry cannot change under us (nor be taken by a remove) until released.
+            if self.slots[i].compare_exchange(k, BUSY, AcqRel, Relaxed).is_err() {
+                continue;
+            }
+            let v = self.slots[i + 1].load(Relaxed);
+            if gone(v) {
+                self.slots[i].store(TOMB, Release);
+                taken(v);
+            } else {
+                self.slots[i].store(k, Release);
+            }
+        }
+        if self.overflowed.load(Acquire) == 0 {
+            return;
+        }
+        let mut o = self.overflow.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = o.as_mut() {
+            let before = m.len();
+            m.retain(|_, v| {
+                let g = gone(*v);
+                if g {
+                    taken(*v);
+                }
+                !g
+            });
+            self.overflowed.fetch_sub(before - m.len(), AcqRel);
+        }
     }
 
     /// Forgets everything (a forked child starts with no allocations of its own).
@@ -201,5 +272,54 @@ mod tests {
     #[test]
     fn packing() {
         assert_eq!(unpack(pack(15, 123 << 30)), (15, 123 << 30));
+        let v = pack_in(255, 63, BYTES);
+        assert_eq!((unpack(v), ctx_of(v)), ((255, BYTES), 63));
+        assert_eq!(ctx_of(pack(3, 1 << 40)), 0);
+    }
+
+    #[test]
+    fn take_where_removes_exactly_the_matching_entries_in_table_and_overflow() {
+        let m = PtrMap::new(6); // 64 slots: most of these overflow
+        for i in 3..300u64 {
+            m.insert(i << 12, pack_in(0, i % 3, i));
+        }
+        assert!(m.overflowed.load(Relaxed) > 0);
+        let mut taken = Vec::new();
+        m.take_where(|v| ctx_of(v) == 1, |v| taken.push(unpack(v).1));
+        taken.sort();
+        assert_eq!(taken, (3..300u64).filter(|i| i % 3 == 1).collect::<Vec<_>>());
+        for i in 3..300u64 {
+            assert_eq!(m.remove(i << 12).is_some(), i % 3 != 1, "{i}");
+        }
+        assert_eq!(m.overflowed.load(Relaxed), 0);
+    }
+
+    #[test]
+    fn take_where_beside_concurrent_inserts_never_takes_what_it_should_not() {
+        // One slot is used over and over: by an entry of context 1, removed (its value stays behind
+        // in the slot), then by one of context 2. A sweep for context 1 running meanwhile must never
+        // take the context 2 entry through the value its slot's last occupant left behind.
+        use std::sync::atomic::AtomicBool;
+        let m = std::sync::Arc::new(PtrMap::new(4));
+        let k1 = 0x7f00_0000_1000u64;
+        let k2 = (1..).map(|i| k1 + (i << 12)).find(|&k| m.home(k) == m.home(k1)).unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let (m2, stop2) = (m.clone(), stop.clone());
+        let sweeper = std::thread::spawn(move || {
+            let mut sweeps = 0u64;
+            while !stop2.load(Relaxed) {
+                m2.take_where(|v| ctx_of(v) == 1, |_| {});
+                sweeps += 1;
+            }
+            sweeps
+        });
+        for i in 0..300_000u64 {
+            m.insert(k1, pack_in(0, 1, i));
+            m.remove(k1);
+            m.insert(k2, pack_in(0, 2, i));
+            assert_eq!(m.remove(k2), Some(pack_in(0, 2, i)), "iteration {i}: a sweep took context 2's entry");
+        }
+        stop.store(true, Relaxed);
+        assert!(sweeper.join().unwrap() > 0);
     }
 }

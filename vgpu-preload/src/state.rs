@@ -28,14 +28,18 @@ pub struct State {
     devmap: [AtomicI32; MAX_ORDINALS],
     phys_total: [AtomicU64; MAX_DEVICES],
     pub primary_refs: [AtomicU32; MAX_ORDINALS],
+    /// Each ordinal's primary context, as its first retain returned it (0: not seen).
+    pub primary_ctx: [AtomicU64; MAX_ORDINALS],
     pub primary_lock: Mutex<()>,
+    /// The contexts allocations were made in (see `contexts`).
+    pub contexts: crate::contexts::Contexts,
     sm_any: AtomicBool,
     sm_seen_gen: AtomicU64,
     /// The region device, when the process sees exactly one CUDA device (-1 otherwise).
     only_dev: AtomicI32,
-    /// Device pointers -> (device, bytes).
+    /// Device pointers -> (device, context id, bytes).
     pub ptrs: PtrMap,
-    /// VMM handles, arrays, explicit contexts -> (device, bytes).
+    /// VMM handles, arrays, explicit contexts -> (device, context id, bytes).
     pub handles: PtrMap,
 }
 
@@ -122,7 +126,9 @@ impl State {
             devmap: [const { AtomicI32::new(-1) }; MAX_ORDINALS],
             phys_total: [const { AtomicU64::new(0) }; MAX_DEVICES],
             primary_refs: [const { AtomicU32::new(0) }; MAX_ORDINALS],
+            primary_ctx: [const { AtomicU64::new(0) }; MAX_ORDINALS],
             primary_lock: Mutex::new(()),
+            contexts: crate::contexts::Contexts::new(),
             sm_any: AtomicBool::new(false),
             sm_seen_gen: AtomicU64::new(0),
             only_dev: AtomicI32::new(-1),
@@ -150,8 +156,12 @@ impl State {
         }
         self.ptrs.clear();
         self.handles.clear();
+        self.contexts.clear();
         for r in &self.primary_refs {
             r.store(0, Relaxed);
+        }
+        for c in &self.primary_ctx {
+            c.store(0, Relaxed);
         }
     }
 

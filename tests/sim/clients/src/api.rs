@@ -18,6 +18,7 @@ macro_rules! with_cuda_api {
             cuDeviceGetPCIBusId = "cuDeviceGetPCIBusId" : fn(s: *mut c_char, len: i32, d: CUdevice);
             cuDevicePrimaryCtxRetain = "cuDevicePrimaryCtxRetain" : fn(c: *mut CUcontext, d: CUdevice);
             cuDevicePrimaryCtxRelease_v2 = "cuDevicePrimaryCtxRelease" : fn(d: CUdevice);
+            cuDevicePrimaryCtxReset_v2 = "cuDevicePrimaryCtxReset" : fn(d: CUdevice);
             cuCtxCreate_v2 = "cuCtxCreate" : fn(c: *mut CUcontext, flags: u32, d: CUdevice);
             cuCtxDestroy_v2 = "cuCtxDestroy" : fn(c: CUcontext);
             cuCtxSetCurrent = "cuCtxSetCurrent" : fn(c: CUcontext);

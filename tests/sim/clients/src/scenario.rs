@@ -142,6 +142,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "memcpy" => memcpy(api, dev, &o),
         "threads" => threads(api, dev, &o),
         "contexts" => contexts(api, dev, &o),
+        "context-end" => context_end(api, dev, &o),
         "watch" => watch(api, dev, &o),
         "fork-child" => fork_child(api, dev, &o),
         "exec-self" => exec_self(api, dev, &o),
@@ -632,6 +633,57 @@ fn contexts(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         let stale = (api.cuMemFree_v2)(p);
         emit(json!({"event": "contexts", "before": before, "with_context": with_ctx, "during": during, "after": after,
             "free_after_destroy": error_name(api, stale)}));
+    }
+    Ok(())
+}
+
+/// Allocates in a context (linear, pitched and an array: `--size` each, about), then ends the
+/// context `--how`: `destroy` (an explicit context), `release` (the primary context's last release,
+/// then retained again) or `reset` (`cuDevicePrimaryCtxReset`); then allocates `--again` bytes.
+fn context_end(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    let primary = setup(api, dev)?;
+    let size = o.num("size", 64 << 20)? as usize;
+    let how = o.str("how", "destroy");
+    let base = mem_info(api);
+    // SAFETY: out-pointers to locals; every handle is one the driver just returned.
+    unsafe {
+        let mut d = 0;
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        let mut c = std::ptr::null_mut();
+        if how == "destroy" {
+            ck(api, (api.cuCtxCreate_v2)(&mut c, 0, d), "cuCtxCreate")?;
+        }
+        let (mut p, mut q, mut pitch) = (0, 0, 0);
+        ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")?;
+        ck(api, (api.cuMemAllocPitch_v2)(&mut q, &mut pitch, 4096, size / 4096, 4), "cuMemAllocPitch")?;
+        let desc = CUDA_ARRAY3D_DESCRIPTOR {
+            Width: size / 4,
+            Height: 0,
+            Depth: 0,
+            Format: CU_AD_FORMAT_FLOAT,
+            NumChannels: 1,
+            Flags: 0,
+        };
+        let mut arr = std::ptr::null_mut();
+        ck(api, (api.cuArray3DCreate_v2)(&mut arr, &desc), "cuArray3DCreate")?;
+        let during = mem_info(api);
+        match how {
+            "destroy" => {
+                ck(api, (api.cuCtxDestroy_v2)(c), "cuCtxDestroy")?;
+                ck(api, (api.cuCtxSetCurrent)(primary), "cuCtxSetCurrent")?;
+            }
+            "release" => {
+                ck(api, (api.cuDevicePrimaryCtxRelease_v2)(d), "cuDevicePrimaryCtxRelease")?;
+                setup(api, dev)?;
+            }
+            "reset" => ck(api, (api.cuDevicePrimaryCtxReset_v2)(d), "cuDevicePrimaryCtxReset")?,
+            h => return Err(format!("--how {h}: not destroy, release or reset")),
+        }
+        let after = mem_info(api);
+        let mut r = 0;
+        let again = (api.cuMemAlloc_v2)(&mut r, o.num("again", size as u64)? as usize);
+        emit(json!({"event": "context_end", "how": how, "base": base, "during": during, "after": after,
+            "again": error_name(api, again), "again_mem_info": mem_info(api)}));
     }
     Ok(())
 }

@@ -144,6 +144,34 @@ fn every_allocator_is_counted_exactly() {
 }
 
 #[test]
+fn memory_the_driver_frees_with_a_context_is_given_back() {
+    // A context's allocations (linear, pitched, an array) go with it: destroyed, its primary
+    // context released for the last time, or reset (what cudaDeviceReset does). The container's
+    // usage must follow, or a process that resets and allocates again is refused memory it has.
+    let s = Sim::new(Some(NODE));
+    for (bin, pre, how) in [
+        (DIRECT, vec![], "destroy"),
+        (DLSYM, vec![], "release"),
+        (DIRECT, vec![], "reset"),
+        (RT, vec!["--cuda-version", "12040"], "reset"),
+    ] {
+        let mut args = pre.clone();
+        args.extend(["context-end", "--how", how, "--size", "200m", "--again", "800m"]);
+        // The simulated driver frees them (ground truth), and so does the interposer's account.
+        let plain = json1(&out(&mut s.cmd(bin), &args));
+        let v = json1(&out(&mut s.limited(bin, LIMIT), &args));
+        let free = |v: &Value, k: &str| v[k]["free"].as_u64().unwrap_or_else(|| panic!("{bin} {how}: {v}"));
+        assert_eq!(free(&plain, "after"), free(&plain, "base"), "{bin} {how}: the driver frees them: {plain}");
+        assert_eq!(free(&v, "base"), (1024 - 64) * MIB, "{bin} {how}: {v}");
+        assert!(free(&v, "during") <= (1024 - 64 - 600) * MIB, "{bin} {how}: all three charged: {v}");
+        assert_eq!(free(&v, "after"), (1024 - 64) * MIB, "{bin} {how}: back to the context alone: {v}");
+        assert_eq!(v["again"], "CUDA_SUCCESS", "{bin} {how}: {v}");
+        assert_eq!(free(&v, "again_mem_info"), (1024 - 64 - 800) * MIB, "{bin} {how}: {v}");
+    }
+    assert_eq!(physical_used(&s, 0), 0);
+}
+
+#[test]
 fn the_container_sees_its_slice_in_cuda_and_nvml() {
     let mut s = Sim::new(Some(NODE));
     // Without a limit: the physical figures (never 0).

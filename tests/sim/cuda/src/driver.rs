@@ -220,6 +220,17 @@ pub fn primary_release(ordinal: CUdevice) -> R<()> {
     }
 }
 
+/// `cuDevicePrimaryCtxReset`: frees everything allocated in the primary context; it stays retained.
+pub fn primary_reset(ordinal: CUdevice) -> R<()> {
+    let p = proc()?;
+    p.gpu_of(ordinal)?;
+    let _g = PRIMARY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = PRIMARY[ordinal as usize].get() {
+        crate::mem::release_context_memory(c);
+    }
+    Ok(())
+}
+
 pub fn primary_state(ordinal: CUdevice) -> R<(u32, bool)> {
     let p = proc()?;
     p.gpu_of(ordinal)?;

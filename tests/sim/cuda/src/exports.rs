@@ -214,6 +214,8 @@ exports! {
     }
     fn cuDevicePrimaryCtxRelease(dev: CUdevice) { driver::primary_release(dev) }
     fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) { driver::primary_release(dev) }
+    fn cuDevicePrimaryCtxReset(dev: CUdevice) { driver::primary_reset(dev) }
+    fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) { driver::primary_reset(dev) }
     fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut u32, active: *mut i32) {
         let (f, a) = driver::primary_state(dev)?;
         out(flags, f)?;

@@ -63,7 +63,8 @@ struct Mem {
     reserves: BTreeMap<u64, Reservation>,
     pools: HashMap<u64, Pool>,
     /// array handle -> (gpu, size)
-    arrays: HashMap<u64, (usize, u64)>,
+    /// Array handle -> (GPU, bytes, context).
+    arrays: HashMap<u64, (usize, u64, usize)>,
     next_id: u64,
 }
 
@@ -196,15 +197,23 @@ pub fn free(ptr: CUdeviceptr) -> R<()> {
 pub fn release_context_memory(c: &Ctx) {
     let Ok(p) = proc() else { return };
     let key = ctx_key(c);
-    let gone: Vec<(u64, Alloc)> = with_mem!(m => {
+    type Gone = (Vec<(u64, Alloc)>, Vec<(usize, u64)>);
+    let (gone, arrays): Gone = with_mem!(m => {
         let ptrs: Vec<u64> = m.allocs.iter().filter(|(_, a)| a.ctx == key).map(|(k, _)| *k).collect();
-        ptrs.into_iter().filter_map(|k| m.allocs.remove(&k).map(|a| (k, a))).collect()
+        let arrays: Vec<u64> = m.arrays.iter().filter(|(_, a)| a.2 == key).map(|(h, _)| *h).collect();
+        (
+            ptrs.into_iter().filter_map(|k| m.allocs.remove(&k).map(|a| (k, a))).collect(),
+            arrays.into_iter().filter_map(|h| m.arrays.remove(&h).map(|(gpu, size, _)| (gpu, size))).collect(),
+        )
     });
     for (ptr, a) in gone {
         unmap(ptr, a.len);
         if matches!(a.kind, Kind::Device | Kind::Managed) {
             p.uncharge(a.gpu, a.size);
         }
+    }
+    for (gpu, size) in arrays {
+        p.uncharge(gpu, size);
     }
 }
 
@@ -725,20 +734,20 @@ pub fn array_create(size: u64) -> R<u64> {
     Ok(with_mem!(m => {
         m.next_id += 1;
         let h = m.next_id;
-        m.arrays.insert(h, (c.gpu, size));
+        m.arrays.insert(h, (c.gpu, size, ctx_key(c)));
         h
     }))
 }
 
 pub fn array_destroy(h: u64) -> R<()> {
     let p = proc()?;
-    let (gpu, size) = with_mem!(m => m.arrays.remove(&h)).ok_or(CUresult::INVALID_HANDLE)?;
+    let (gpu, size, _) = with_mem!(m => m.arrays.remove(&h)).ok_or(CUresult::INVALID_HANDLE)?;
     p.uncharge(gpu, size);
     Ok(())
 }
 
 pub fn array_requirements(h: u64) -> R<(u64, u64)> {
     proc()?;
-    let (_, size) = with_mem!(m => m.arrays.get(&h).copied()).ok_or(CUresult::INVALID_HANDLE)?;
+    let (_, size, _) = with_mem!(m => m.arrays.get(&h).copied()).ok_or(CUresult::INVALID_HANDLE)?;
     Ok((size, ARRAY_ALIGNMENT))
 }

@@ -27,6 +27,7 @@ static TABLE: &[(&str, Versions, Versions)] = &[
     ("cuDeviceComputeCapability", &[(2000, "cuDeviceComputeCapability")], &[]),
     ("cuDevicePrimaryCtxRetain", &[(7000, "cuDevicePrimaryCtxRetain")], &[]),
     ("cuDevicePrimaryCtxRelease", &[(7000, "cuDevicePrimaryCtxRelease"), (11000, "cuDevicePrimaryCtxRelease_v2")], &[]),
+    ("cuDevicePrimaryCtxReset", &[(7000, "cuDevicePrimaryCtxReset"), (11000, "cuDevicePrimaryCtxReset_v2")], &[]),
     ("cuDevicePrimaryCtxGetState", &[(7000, "cuDevicePrimaryCtxGetState")], &[]),
     (
         "cuDevicePrimaryCtxSetFlags",
