@@ -492,6 +492,22 @@ def check_shared_quota(s):
     return summary, v
 
 
+def check_context_reset(s):
+    """Memory the driver frees when a context is reset (cudaDeviceReset) comes back to the quota."""
+    lim = 4 * GIB
+    size = int(lim * 0.6)  # twice this is over the limit: the second allocation fits only if the first was given back
+    region = os.path.join(s.tmp, "reset.region")
+    bare = s.probe(["reset", "--size", str(size)], s.env(False))
+    j = s.probe(["reset", "--size", str(size)], s.env(True, mem=lim, region=region))
+    v = {"limit": lim, "size": size, "limited": j, "bare": bare}
+    summary = "%s allocated under a %s limit, primary context reset, %s again: %s; free %s -> %s -> %s (without libvgpu: %s -> %s -> %s)" % (
+        human(size), human(lim), human(size), j["again"], human(j["base"]["free"]), human(j["during"]["free"]),
+        human(j["after"]["free"]), human(bare["base"]["free"]), human(bare["during"]["free"]), human(bare["after"]["free"]))
+    if not j["again_ok"] or j["after"]["free"] != j["base"]["free"]:
+        raise Fail(summary, v)
+    return summary, v
+
+
 def check_nvml(s):
     """nvidia-smi (NVML) in the limited environment shows the limit."""
     lim = s.limit
@@ -689,6 +705,7 @@ CHECKS = [
     ("oom", check_oom),
     ("train", check_train),
     ("shared-quota", check_shared_quota),
+    ("context-reset", check_context_reset),
     ("nvml", check_nvml),
     ("cuda-graph", check_graph),
     ("sm-30", check_sm_30),

@@ -30,7 +30,19 @@ fn options_are_checked_and_checks_listed() {
     assert!(o.status.success(), "{}", text(&o));
     let listed: Vec<String> =
         String::from_utf8_lossy(&o.stdout).lines().map(|l| l.split_whitespace().next().unwrap().to_string()).collect();
-    for c in ["load", "mem-info", "oom", "train", "shared-quota", "nvml", "cuda-graph", "sm-30", "sm-60", "sm-25-75"] {
+    for c in [
+        "load",
+        "mem-info",
+        "oom",
+        "train",
+        "shared-quota",
+        "context-reset",
+        "nvml",
+        "cuda-graph",
+        "sm-30",
+        "sm-60",
+        "sm-25-75",
+    ] {
         assert!(listed.iter().any(|l| l == c), "{c} not listed: {listed:?}");
     }
     for (args, want) in [
@@ -60,7 +72,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
         let c = r["checks"].as_array().unwrap().iter().find(|c| c["name"] == name).unwrap_or_else(|| panic!("{name}"));
         (c["status"].as_str().unwrap().to_string(), c.clone())
     };
-    for name in ["load", "mem-info", "oom", "shared-quota", "nvml", "sm-30", "sm-60", "agent"] {
+    for name in ["load", "mem-info", "oom", "shared-quota", "context-reset", "nvml", "sm-30", "sm-60", "agent"] {
         let (st, c) = status(name);
         assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
     }

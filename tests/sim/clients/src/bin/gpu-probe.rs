@@ -7,6 +7,7 @@
 //!        gpu-probe latency [--launches N] [--allocs N] [--size BYTES]
 //!        gpu-probe alloc --size BYTES            (allocates, frees, reports)
 //!        gpu-probe hold --size BYTES             (allocates, reports, sleeps until killed)
+//!        gpu-probe reset --size BYTES            (allocates, resets the primary context, allocates again)
 //!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S]
 //! Each prints one JSON object; exit 1 on a driver error, 2 on bad usage.
 use serde_json::{json, Value};
@@ -58,6 +59,7 @@ table! {
     cuDeviceGetName: fn(*mut c_char, i32, CUdevice);
     cuDeviceTotalMem_v2: fn(*mut usize, CUdevice);
     cuDevicePrimaryCtxRetain: fn(*mut CUcontext, CUdevice);
+    cuDevicePrimaryCtxReset_v2: fn(CUdevice);
     cuCtxSetCurrent: fn(CUcontext);
     cuCtxSynchronize: fn();
     cuMemGetInfo_v2: fn(*mut usize, *mut usize);
@@ -235,6 +237,44 @@ fn alloc(args: &[String], hold: bool) -> Result<Value, String> {
     Ok(v)
 }
 
+/// (free, total) of the current device as this process sees it.
+fn mem_info(p: &Probe) -> Result<Value, String> {
+    let (mut f, mut t) = (0usize, 0usize);
+    // SAFETY: out-pointers to locals.
+    p.ck(unsafe { (p.cu.cuMemGetInfo_v2)(&mut f, &mut t) }, "cuMemGetInfo")?;
+    Ok(json!({"free": f, "total": t}))
+}
+
+/// Allocates `--size`, resets the primary context (what `cudaDeviceReset` does: the driver frees
+/// every allocation in it), retains it again and allocates `--size` once more.
+fn reset(args: &[String]) -> Result<Value, String> {
+    let size = opt(args, "--size", -1.0)?;
+    if size <= 0.0 {
+        return Err("--size BYTES is required".into());
+    }
+    let (p, dev) = Probe::open()?;
+    let base = mem_info(&p)?;
+    let (mut a, mut b, mut ctx) = (0, 0, std::ptr::null_mut());
+    // SAFETY: out-pointers to locals; the device is the one opened.
+    unsafe {
+        p.ck((p.cu.cuMemAlloc_v2)(&mut a, size as usize), "cuMemAlloc")?;
+        let during = mem_info(&p)?;
+        p.ck((p.cu.cuDevicePrimaryCtxReset_v2)(dev), "cuDevicePrimaryCtxReset")?;
+        p.ck((p.cu.cuDevicePrimaryCtxRetain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+        p.ck((p.cu.cuCtxSetCurrent)(ctx), "cuCtxSetCurrent")?;
+        let after = mem_info(&p)?;
+        let r = (p.cu.cuMemAlloc_v2)(&mut b, size as usize);
+        let again = mem_info(&p)?;
+        if r == CUresult::SUCCESS {
+            p.ck((p.cu.cuMemFree_v2)(b), "cuMemFree")?;
+        }
+        Ok(
+            json!({"size": size as u64, "base": base, "during": during, "after": after, "again_ok": r == CUresult::SUCCESS,
+            "again": if r == CUresult::SUCCESS { "CUDA_SUCCESS".to_string() } else { p.name(r) }, "again_mem_info": again}),
+        )
+    }
+}
+
 /// Launches `ns`-long kernels for `seconds` (after `--start-at`, a UNIX time, if given) and reports
 /// how many completed: the achieved share of the GPU's time is kernels x ns / elapsed.
 fn spin(args: &[String]) -> Result<Value, String> {
@@ -272,8 +312,9 @@ fn main() {
         Some("alloc") => alloc(&args[1..], false),
         Some("hold") => alloc(&args[1..], true),
         Some("spin") => spin(&args[1..]),
+        Some("reset") => reset(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | spin [--ns NS] [--seconds S] [--start-at T]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | reset --size B | spin [--ns NS] [--seconds S] [--start-at T]");
             std::process::exit(2);
         }
     };
