@@ -14,6 +14,7 @@ macro_rules! cuda_hooks {
             cuDevicePrimaryCtxReset(dev: CUdevice) => memory::primary_reset;
             cuDevicePrimaryCtxReset_v2(dev: CUdevice) => memory::primary_reset;
             cuCtxCreate_v2(pctx: *mut CUcontext, flags: u32, dev: CUdevice) => memory::ctx_create;
+            cuCtxDestroy(ctx: CUcontext) => memory::ctx_destroy;
             cuCtxDestroy_v2(ctx: CUcontext) => memory::ctx_destroy;
             // linear memory
             cuMemAlloc(dptr: *mut u32, size: u32) => memory::alloc_v1;

@@ -107,9 +107,11 @@ fn get_proc_address_returns_hooks_for_exactly_the_entry_points_the_driver_return
     assert_eq!((r[1]["resolved"].as_str(), lib(&r[1]).as_str()), (Some("cuMemAllocAsync_ptsz"), "libvgpu.so"));
     assert_eq!(r[2]["resolved"], "cuMemAlloc_v2");
     // Old ABI: the v1 entry point's hook, never the v2 one.
-    let r = q("3010", false, &["cuMemAlloc", "cuMemGetInfo"]);
+    let r = q("3010", false, &["cuMemAlloc", "cuMemGetInfo", "cuCtxDestroy"]);
     assert_eq!((r[0]["resolved"].as_str(), lib(&r[0]).as_str()), (Some("cuMemAlloc"), "libvgpu.so"));
     assert_eq!(r[1]["resolved"], "cuMemGetInfo");
+    // A context destroyed through the old entry point gives its memory back too.
+    assert_eq!((r[2]["resolved"].as_str(), lib(&r[2]).as_str()), (Some("cuCtxDestroy"), "libvgpu.so"));
     // Versions the driver refuses stay refused.
     let r = q("11000", false, &["cuMemAllocAsync"]);
     assert_eq!((r[0]["ret"].as_u64(), r[0]["status"].as_i64()), (Some(500), Some(2)));
