@@ -2,11 +2,12 @@
 //! exactly what its allocation charged, in O(1), without locks or allocation on the hot path.
 //!
 //! Open addressing with linear probing over a table mapped once (pages are committed as touched).
-//! Keys are never 0 (empty), 1 (tombstone) or 2 (busy). An insert claims a slot as busy, writes the
-//! value, then publishes the key, so whoever sees a key sees its value; a sweep ([`PtrMap::take_where`])
-//! claims an entry as busy before it reads the value, so what it judges is that entry's own value
-//! (not an earlier occupant's), and a remove that meets a busy slot waits the few instructions it
-//! stays busy. An insert
+//! Keys are never 0 (empty), 1 (tombstone), 2 (filling) or 3 (held). An insert claims a free slot
+//! as filling, writes the value, then publishes the key, so whoever sees a key sees its value (a
+//! filling slot holds no key anyone could be removing, so removes pass it by). A sweep
+//! ([`PtrMap::take_where`], only when a context goes) holds an entry while it reads the value, so what
+//! it judges is that entry's own value (not an earlier occupant's), and a remove that meets a held
+//! slot waits the few instructions it stays held. An insert
 //! that finds no place within `MAX_PROBE` slots goes to a mutex-protected overflow map (a slow path
 //! that a sane workload never reaches).
 
@@ -16,7 +17,8 @@ use std::sync::Mutex;
 
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
-const BUSY: u64 = 2;
+const FILLING: u64 = 2;
+const HELD: u64 = 3;
 const MAX_PROBE: usize = 64;
 
 pub struct PtrMap {
@@ -85,14 +87,14 @@ impl PtrMap {
 
     #[inline]
     pub fn insert(&self, k: u64, v: u64) {
-        debug_assert!(k > BUSY);
+        debug_assert!(k > HELD);
         let mask = (1usize << self.bits) - 1;
         let h = self.home(k);
         for i in 0..MAX_PROBE {
             let idx = ((h + i) & mask) * 2;
             let key = &self.slots[idx];
             let cur = key.load(Relaxed);
-            if (cur == EMPTY || cur == TOMB) && key.compare_exchange(cur, BUSY, AcqRel, Relaxed).is_ok() {
+            if (cur == EMPTY || cur == TOMB) && key.compare_exchange(cur, FILLING, AcqRel, Relaxed).is_ok() {
                 self.slots[idx + 1].store(v, Relaxed);
                 key.store(k, Release);
                 return;
@@ -111,7 +113,7 @@ impl PtrMap {
     /// Removes `k`, returning its value.
     #[inline]
     pub fn remove(&self, k: u64) -> Option<u64> {
-        if k <= BUSY {
+        if k <= HELD {
             return None;
         }
         let mask = (1usize << self.bits) - 1;
@@ -121,8 +123,8 @@ impl PtrMap {
             let key = &self.slots[idx];
             let mut cur = key.load(Acquire);
             loop {
-                if cur == BUSY {
-                    // Being filled, or looked at by a sweep: a few instructions.
+                if cur == HELD {
+                    // Looked at by a sweep: a few instructions.
                     std::hint::spin_loop();
                     cur = key.load(Acquire);
                     continue;
@@ -133,7 +135,7 @@ impl PtrMap {
                 let v = self.slots[idx + 1].load(Acquire);
                 match key.compare_exchange(k, TOMB, AcqRel, Acquire) {
                     Ok(_) => return Some(v),
-                    Err(BUSY) => cur = BUSY,
+                    Err(HELD) => cur = HELD,
                     // Freed twice concurrently, or taken by a sweep: the other got it.
                     Err(_) => return None,
                 }
@@ -162,11 +164,11 @@ impl PtrMap {
     pub fn take_where(&self, gone: impl Fn(u64) -> bool, mut taken: impl FnMut(u64)) {
         for i in (0..self.slots.len()).step_by(2) {
             let k = self.slots[i].load(Acquire);
-            if k <= BUSY {
+            if k <= HELD {
                 continue;
             }
             // Claimed, the entry cannot change under us (nor be taken by a remove) until released.
-            if self.slots[i].compare_exchange(k, BUSY, AcqRel, Relaxed).is_err() {
+            if self.slots[i].compare_exchange(k, HELD, AcqRel, Relaxed).is_err() {
                 continue;
             }
             let v = self.slots[i + 1].load(Relaxed);
