@@ -2,10 +2,13 @@
 //!
 //! Configure it as a `createRuntime` hook (`vgpu-oci-hook [--socket PATH]`) and a `poststop` hook
 //! (`vgpu-oci-hook [--socket PATH] poststop`). It reads the OCI state on stdin and the container's
-//! `config.json`; a container whose environment asks for nothing (`VGPU_MEMORY`, `VGPU_SM` or
-//! `VGPU_SLICE`) is left alone. Otherwise it asks the agent for a slice (`VGPU_SLICE`: an existing
-//! one; else `oci-<container id>` with `VGPU_MEMORY` and `VGPU_SM` on `VGPU_GPUS` or
-//! `NVIDIA_VISIBLE_DEVICES`, default GPU 0) and bind-mounts, inside the container's mount namespace,
+//! `config.json`; a container whose environment asks for nothing (`VGPU_MEMORY`, `VGPU_SM`,
+//! `VGPU_SLICE`, or KAI's `GPU_PORTION`), or whose `/usr/local/vgpu` is already mounted (a device
+//! plugin put it in a slice), is left alone. Otherwise it asks the agent for a slice (`VGPU_SLICE`: an
+//! existing one; else `oci-<container id>` with `VGPU_MEMORY` and `VGPU_SM` on `VGPU_GPUS` or
+//! `NVIDIA_VISIBLE_DEVICES`, default GPU 0; for KAI's fractional GPUs, the `GPU_PORTION` of the one
+//! GPU in `NVIDIA_VISIBLE_DEVICES`, or exactly `CUDA_DEVICE_MEMORY_LIMIT` where KAI's hamicore
+//! plugin set it) and bind-mounts, inside the container's mount namespace,
 //! the slice directory at `/usr/local/vgpu`, its limits file and the versioned `libvgpu.so`
 //! read-only, and `/etc/ld.so.preload`. A hook cannot change the container's environment: the
 //! interposer finds the mounted region and limits by their paths. `poststop` deletes the slice it
@@ -30,6 +33,28 @@ fn slice_name(id: &str) -> String {
         .take(59)
         .collect();
     format!("oci-{}", clean.trim_start_matches('.'))
+}
+
+type Env = std::collections::HashMap<String, String>;
+
+/// The memory limit of a KAI fractional GPU: `CUDA_DEVICE_MEMORY_LIMIT` (or `_0`) where KAI's
+/// hamicore plugin set it, else `GPU_PORTION` (0 < p <= 1) of the GPU's memory (`total`), in whole MiB.
+fn kai_memory(env: &Env, total: u64) -> Result<u64, String> {
+    if let Some(v) = env.get("CUDA_DEVICE_MEMORY_LIMIT_0").or(env.get("CUDA_DEVICE_MEMORY_LIMIT")) {
+        return vgpu_agent::ctl::parse_size(v).map_err(|e| format!("CUDA_DEVICE_MEMORY_LIMIT: {e}"));
+    }
+    let v = env.get("GPU_PORTION").map_or("", |v| v.trim());
+    match v.parse::<f64>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(((total as f64 * p) as u64) & !((1 << 20) - 1)),
+        _ => Err(format!("GPU_PORTION={v:?} is not a fraction of a GPU (0 < p <= 1)")),
+    }
+}
+
+/// Whether the container already has `/usr/local/vgpu` among its mounts.
+fn already_in_a_slice(cfg: &Value) -> bool {
+    cfg["mounts"].as_array().is_some_and(|m| {
+        m.iter().any(|m| m["destination"].as_str().is_some_and(|d| d.trim_end_matches('/') == "/usr/local/vgpu"))
+    })
 }
 
 fn c(p: &Path) -> CString {
@@ -107,14 +132,14 @@ fn main() {
     let cfg_text = std::fs::read_to_string(bundle.join("config.json"))
         .unwrap_or_else(|e| die(format!("{}/config.json: {e}", bundle.display())));
     let cfg: Value = serde_json::from_str(&cfg_text).unwrap_or_else(|e| die(format!("config.json: {e}")));
-    let env: std::collections::HashMap<String, String> = cfg["process"]["env"]
+    let env: Env = cfg["process"]["env"]
         .as_array()
         .map(|a| {
             a.iter().filter_map(|e| e.as_str()?.split_once('=').map(|(k, v)| (k.to_string(), v.to_string()))).collect()
         })
         .unwrap_or_default();
-    let asks = ["VGPU_MEMORY", "VGPU_SM", "VGPU_SLICE"].iter().any(|k| env.contains_key(*k));
-    if !asks {
+    let asks = ["VGPU_MEMORY", "VGPU_SM", "VGPU_SLICE", "GPU_PORTION"].iter().any(|k| env.contains_key(*k));
+    if !asks || already_in_a_slice(&cfg) {
         return;
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| die(e));
@@ -139,13 +164,31 @@ fn main() {
                 .unwrap_or_else(|e| die(e.message()))
                 .into_inner();
         }
-        let memory = env
+        let gpus = env.get("VGPU_GPUS").or(env.get("NVIDIA_VISIBLE_DEVICES")).cloned().unwrap_or_else(|| "0".into());
+        let mut memory = env
             .get("VGPU_MEMORY")
             .map_or(0, |v| vgpu_agent::ctl::parse_size(v).unwrap_or_else(|e| die(format!("VGPU_MEMORY: {e}"))));
-        let sm = env.get("VGPU_SM").map_or(0, |v| {
-            v.trim().parse::<u32>().unwrap_or_else(|_| die(format!("VGPU_SM={v:?} is not a percentage")))
-        });
-        let gpus = env.get("VGPU_GPUS").or(env.get("NVIDIA_VISIBLE_DEVICES")).cloned().unwrap_or_else(|| "0".into());
+        let percent = |k: &str| {
+            env.get(k)
+                .map(|v| v.trim().parse::<u32>().unwrap_or_else(|_| die(format!("{k}={v:?} is not a percentage"))))
+        };
+        let mut sm = percent("VGPU_SM").unwrap_or(0);
+        if memory == 0 && env.contains_key("GPU_PORTION") {
+            // HAMi's convention: 0 or 100 and more is no limit.
+            sm = percent("CUDA_DEVICE_SM_LIMIT").filter(|&p| sm == 0 && p < 100).unwrap_or(sm);
+            // KAI: a fraction of the one GPU it chose for the pod.
+            let gpu = gpus.trim();
+            if gpu.is_empty() || gpu.contains(',') || matches!(gpu, "all" | "none" | "void") {
+                die(format!("GPU_PORTION is a fraction of one GPU, but NVIDIA_VISIBLE_DEVICES is {gpu:?}"));
+            }
+            let status = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| die(e.message())).into_inner();
+            let g = status
+                .gpus
+                .iter()
+                .find(|g| g.uuid == gpu || g.index.to_string() == gpu)
+                .unwrap_or_else(|| die(format!("GPU {gpu} (NVIDIA_VISIBLE_DEVICES) is not on this node")));
+            memory = kai_memory(&env, g.memory_total).unwrap_or_else(|e| die(e));
+        }
         let req = pb::CreateSliceRequest {
             name: name.clone(),
             gpus: gpus

@@ -113,3 +113,70 @@ fn runc_containers_get_their_slice_through_the_hook() {
     assert!(out.contains("No such file or directory"), "{out}");
     assert!(!out.contains("libvgpu.so\n"), "{out}");
 }
+
+/// `runc run` that is expected to fail: its stderr.
+fn run_failing(dir: &Path, id: &str) -> String {
+    let o = Command::new("runc").args(["run", id]).current_dir(dir).output().unwrap();
+    let _ = Command::new("runc").args(["delete", "--force", id]).output();
+    assert!(!o.status.success(), "runc run succeeded: {}", String::from_utf8_lossy(&o.stdout));
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn kai_fractional_gpus_get_their_portion_through_the_hook() {
+    if !available() {
+        return;
+    }
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let hook = bin("vgpu-oci-hook");
+    let id = format!("vgpu-kai-{}", std::process::id());
+    let st = a.wait("the GPU is listed", |v| v["gpus"][0]["uuid"].as_str().is_some());
+    let uuid = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let total = st["gpus"][0]["memory_total"].as_u64().unwrap();
+    let visible = format!("NVIDIA_VISIBLE_DEVICES={uuid}");
+    let record = |env: &[&str], n: &str| -> Value {
+        let b = s.state.join(format!("kai-{n}"));
+        bundle(&b, env, "cat /usr/local/vgpu/slice.json", &hook, &a.socket);
+        serde_json::from_str(&run(&b, &format!("{id}-{n}"))).unwrap()
+    };
+    // KAI alone: a quarter of the GPU's memory, no SM limit (KAI shares time, it does not divide it).
+    let r = record(&["GPU_PORTION=0.25", &visible], "quarter");
+    assert_eq!(r["gpus"][0]["uuid"], uuid.as_str(), "{r}");
+    let quarter = total / 4 / MIB * MIB;
+    assert_eq!((r["gpus"][0]["memory"].as_u64(), r["gpus"][0]["sm"].as_u64()), (Some(quarter), Some(0)), "{r}");
+    assert_eq!(r["labels"]["source"], "oci-hook", "{r}");
+    // With KAI's hamicore plugin: its exact limit (HAMi's syntax) and SM share.
+    let r =
+        record(&["GPU_PORTION=0.5", &visible, "CUDA_DEVICE_MEMORY_LIMIT=6000m", "CUDA_DEVICE_SM_LIMIT=40"], "hamicore");
+    assert_eq!((r["gpus"][0]["memory"].as_u64(), r["gpus"][0]["sm"].as_u64()), (Some(6000 * MIB), Some(40)), "{r}");
+    // Nonsense is refused with the reason, and the container does not start.
+    for (env, want) in [
+        (vec!["GPU_PORTION=2", visible.as_str()], "is not a fraction of a GPU (0 < p <= 1)"),
+        (vec!["GPU_PORTION=0.5", "NVIDIA_VISIBLE_DEVICES=all"], "a fraction of one GPU"),
+        (
+            vec!["GPU_PORTION=0.5", "NVIDIA_VISIBLE_DEVICES=GPU-nope"],
+            "GPU GPU-nope (NVIDIA_VISIBLE_DEVICES) is not on this node",
+        ),
+    ] {
+        let b = s.state.join(format!("kai-bad-{}", want.len()));
+        bundle(&b, &env, "true", &hook, &a.socket);
+        let e = run_failing(&b, &format!("{id}-bad"));
+        assert!(e.contains(want), "{env:?}: {e}");
+    }
+    // A container a device plugin already put in a slice (its /usr/local/vgpu is mounted) is left alone.
+    let b = s.state.join("kai-mounted");
+    bundle(&b, &["GPU_PORTION=0.5", &visible], "ls /usr/local/vgpu", &hook, &a.socket);
+    let theirs = s.state.join("theirs");
+    std::fs::create_dir_all(&theirs).unwrap();
+    std::fs::write(theirs.join("marker"), "").unwrap();
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+    cfg["mounts"].as_array_mut().unwrap().push(json!({
+        "destination": "/usr/local/vgpu", "type": "bind", "source": theirs.display().to_string(), "options": ["rbind", "ro"]
+    }));
+    std::fs::write(b.join("config.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    assert_eq!(run(&b, &format!("{id}-mounted")).trim(), "marker");
+    let list = a.ctl_ok(&["slice", "list"]);
+    assert!(!list.contains(&format!("{id}-mounted")) && !list.contains("kai"), "{list}");
+    assert!(!a.log_text().contains(&format!("oci-{id}-mounted")), "no slice was made for it");
+}
