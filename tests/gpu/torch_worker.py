@@ -43,7 +43,14 @@ def meminfo(torch, a):
 def oom(torch, a):
     chunk = int(a.get("chunk", 512 << 20))
     torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    # The baseline without the allocator's cached blocks (the end frees them too).
+    torch.cuda.empty_cache()
     base_free, total = torch.cuda.mem_get_info()
+    # The suite measures what the CUDA context really holds (NVML) at this point.
+    emit({"event": "baseline"})
+    if a.get("pause"):
+        sys.stdin.readline()
     held, error, message = [], None, ""
     while len(held) < 100000:
         try:
@@ -80,7 +87,8 @@ def oom(torch, a):
         "chunk": chunk,
         "chunks": n,
         "allocated": n * chunk,
-        "error": error,
+        # Not "error": that key means the worker itself failed.
+        "oom_error": error,
         "message": message,
         "small_after_oom": small_ok,
         "refit_after_free": refit,

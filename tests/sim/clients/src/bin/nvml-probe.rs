@@ -289,7 +289,8 @@ fn arg(args: &[String], name: &str, default: f64) -> f64 {
 }
 
 /// Mean utilization over a window, sampled every interval: the GPU's (`nvmlDeviceGetUtilizationRates`)
-/// and each process's SM share (`nvmlDeviceGetProcessUtilization`, samples newer than the last read).
+/// and each process's SM share (`nvmlDeviceGetProcessUtilization`, samples newer than the last read),
+/// and the mean SM clock and power draw where NVML reports them (-1 where it does not).
 fn util(nvml: &Nvml, args: &[String]) -> Value {
     let g = arg(args, "--gpu", 0.0) as u32;
     let seconds = arg(args, "--seconds", 3.0);
@@ -297,6 +298,7 @@ fn util(nvml: &Nvml, args: &[String]) -> Value {
     let d = nvml.device_by_index(g).unwrap_or_else(|e| die(&format!("device {g}: {e}")));
     let end = std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds);
     let (mut sum, mut n) = (0f64, 0u32);
+    let (mut clock, mut nc, mut power, mut np) = (0f64, 0u32, 0f64, 0u32);
     let mut per: std::collections::BTreeMap<u32, (f64, u32)> = Default::default();
     let mut last_seen = None;
     while std::time::Instant::now() < end {
@@ -304,6 +306,14 @@ fn util(nvml: &Nvml, args: &[String]) -> Value {
         if let Ok(u) = d.utilization_rates() {
             sum += u.gpu as f64;
             n += 1;
+        }
+        if let Ok(mhz) = d.clock_info(nvml_wrapper::enum_wrappers::device::Clock::SM) {
+            clock += mhz as f64;
+            nc += 1;
+        }
+        if let Ok(mw) = d.power_usage() {
+            power += mw as f64 / 1000.0;
+            np += 1;
         }
         if let Ok(ps) = d.process_utilization_stats(last_seen) {
             for p in &ps {
@@ -316,5 +326,7 @@ fn util(nvml: &Nvml, args: &[String]) -> Value {
     }
     let procs: Vec<Value> =
         per.into_iter().map(|(pid, (s, k))| json!({"pid": pid, "sm": s / k as f64, "samples": k})).collect();
-    json!({"gpu": g, "samples": n, "mean_gpu": if n > 0 { sum / n as f64 } else { -1.0 }, "processes": procs})
+    let mean = |s: f64, k: u32| if k > 0 { s / k as f64 } else { -1.0 };
+    json!({"gpu": g, "samples": n, "mean_gpu": mean(sum, n), "mean_sm_clock_mhz": mean(clock, nc),
+        "mean_power_w": mean(power, np), "processes": procs})
 }
