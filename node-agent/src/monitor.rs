@@ -49,6 +49,70 @@ struct Cached {
     sm_ctl: [f64; vgpu_region::MAX_DEVICES],
     /// Consecutive passes in which the slice was throttled on the device.
     streak: [u32; vgpu_region::MAX_DEVICES],
+    /// Per live process (slot, PID): what the agent added to its usage so that it matches what the
+    /// driver holds for it (see [`true_up`]), and the excess the last pass saw.
+    trued: HashMap<(usize, u32), TrueUp>,
+}
+
+/// The agent's share of one process's accounted usage, per device.
+#[derive(Clone, Copy, Default)]
+struct TrueUp {
+    added: [u64; vgpu_region::MAX_DEVICES],
+    last_excess: [u64; vgpu_region::MAX_DEVICES],
+    /// Seen in the current pass.
+    seen: bool,
+}
+
+/// Changes smaller than this are left alone (NVML's figures move by a few MiB on their own).
+const TRUE_UP_STEP: u64 = 8 << 20;
+
+/// Charges each live process of a slice for what the driver holds for it beyond what it charged
+/// itself (NVML's per-process figure minus its own accounting): memory the interposer cannot see,
+/// such as a CUDA context bigger than `VGPU_CONTEXT_OVERHEAD`, or modules loaded later. The agent's
+/// part is kept per process and moved as the excess moves; it goes when the process's slot does.
+/// An excess counts once two passes in a row saw it (the smaller of the two), so that a figure NVML
+/// has not brought down yet after a free is not charged.
+fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index: &[Option<u32>]) {
+    for j in c.live.clone() {
+        let ((pid, host, used), slot) = (&mut live[j], live_slot[j]);
+        // What NVML says the process holds beyond its own account, per device (most processes:
+        // nothing, and then no entry is made or looked for again).
+        let mut excess = [0u64; vgpu_region::MAX_DEVICES];
+        let t = c.trued.get_mut(&(slot, *pid));
+        for (dev, gi) in gpu_index.iter().enumerate() {
+            let Some(gi) = *gi else { continue };
+            let measured: u64 = c
+                .nvml
+                .iter()
+                .filter(|p| p.gpu_index == gi && ((*host != 0 && p.host_pid == *host) || p.pid == *pid))
+                .map(|p| p.bytes)
+                .sum();
+            let own = used[dev].saturating_sub(t.as_ref().map_or(0, |t| t.added[dev]));
+            excess[dev] = measured.saturating_sub(own);
+        }
+        let t = match t {
+            Some(t) => t,
+            None if excess.iter().all(|&e| e == 0) => continue,
+            None => c.trued.entry((slot, *pid)).or_default(),
+        };
+        t.seen = true;
+        for dev in 0..gpu_index.len() {
+            let target = excess[dev].min(t.last_excess[dev]);
+            t.last_excess[dev] = excess[dev];
+            let added = t.added[dev];
+            if target.abs_diff(added) >= TRUE_UP_STEP || (target == 0 && added > 0) {
+                let delta = target as i64 - added as i64;
+                if c.region.adjust_for(slot, *pid, dev, delta) {
+                    t.added[dev] = target;
+                    used[dev] = used[dev].saturating_add_signed(delta);
+                }
+            }
+        }
+    }
+    // Entries of processes gone, or whose excess is gone and was given back, are dropped.
+    c.trued.retain(|_, t| {
+        std::mem::take(&mut t.seen) && (t.added.iter().any(|&a| a > 0) || t.last_excess.iter().any(|&e| e > 0))
+    });
 }
 
 /// Throttled passes in a row before the controller acts (a second at 100 ms): a workload starting,
@@ -126,6 +190,8 @@ pub struct Monitor {
     unopened: HashMap<String, std::time::Instant>,
     /// Per pass: every slice's live slots (each slice's range is in its `Cached`).
     live: Vec<LiveSlot>,
+    /// Per pass: the slot index of each entry of `live`.
+    live_slot: Vec<usize>,
     /// Per pass: host PID -> (slice index, PID inside the container), from the slots.
     by_host: HashMap<u32, (usize, u32)>,
     /// Per pass: region file -> slice index.
@@ -176,6 +242,7 @@ impl Monitor {
             passes: 0,
             unopened: HashMap::default(),
             live: Vec::new(),
+            live_slot: Vec::new(),
             by_host: HashMap::default(),
             by_file: Vec::new(),
             alive: HashSet::default(),
@@ -282,6 +349,7 @@ impl Monitor {
         }
         // Slots: reclaim the dead, index the living by host PID.
         self.live.clear();
+        self.live_slot.clear();
         self.by_host.clear();
         for (i, c) in self.regions.iter_mut().enumerate() {
             let Some(c) = c else { continue };
@@ -293,12 +361,13 @@ impl Monitor {
             });
             pass.reclaimed = pass.reclaimed.saturating_add(freed);
             let start = self.live.len();
-            let (live, by_host) = (&mut self.live, &mut self.by_host);
-            c.region.for_each_slot(|_, pid, host, used| {
+            let (live, live_slot, by_host) = (&mut self.live, &mut self.live_slot, &mut self.by_host);
+            c.region.for_each_slot(|slot, pid, host, used| {
                 if host != 0 {
                     by_host.insert(host, (i, pid));
                 }
                 live.push((pid, host, *used));
+                live_slot.push(slot);
             });
             c.live = start..self.live.len();
             c.nvml.clear();
@@ -357,6 +426,10 @@ impl Monitor {
         pass.slices.reserve(slices.len());
         for (c, s) in self.regions.iter_mut().zip(slices) {
             let Some(c) = c else { continue };
+            let gpus = &pass.gpus;
+            let gpu_index = |dev: usize| gpus.get(c.gpu_pos[dev]).map(|g| g.index);
+            let gpu_index: [Option<u32>; vgpu_region::MAX_DEVICES] = std::array::from_fn(gpu_index);
+            true_up(c, &mut self.live, &self.live_slot, &gpu_index[..s.gpus.len().min(vgpu_region::MAX_DEVICES)]);
             let layout = c.region.layout();
             let mut st = pb::SliceStatus {
                 name: s.name.clone(),
@@ -524,6 +597,7 @@ impl Monitor {
                     sm_ewma: [f64::NAN; vgpu_region::MAX_DEVICES],
                     sm_ctl: [f64::NAN; vgpu_region::MAX_DEVICES],
                     streak: [0; vgpu_region::MAX_DEVICES],
+                    trued: HashMap::default(),
                 })
             }
             Err(e) => {

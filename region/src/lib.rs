@@ -385,6 +385,34 @@ impl Region {
         freed
     }
 
+    /// Adds `delta` bytes (negative: takes them back) to the usage of slot `slot` on device `dev`,
+    /// if the slot still belongs to the live process `pid`: how the agent charges a process for
+    /// device memory the driver holds for it beyond what the process charged itself. False, with
+    /// nothing changed, when the slot is free or another process's (checked before and after).
+    pub fn adjust_for(&self, slot: usize, pid: u32, dev: usize, delta: i64) -> bool {
+        if !self.writable || slot >= MAX_SLOTS || dev >= MAX_DEVICES {
+            return false;
+        }
+        let s = &self.map.slots[slot];
+        let mine = || s.state.load(Acquire) == 1 && s.pid.load(Acquire) == pid;
+        let apply = |d: i64| {
+            if d >= 0 {
+                s.used[dev].fetch_add(d as u64, SeqCst);
+            } else {
+                s.used[dev].fetch_sub(d.unsigned_abs(), SeqCst);
+            }
+        };
+        if !mine() {
+            return false;
+        }
+        apply(delta);
+        if !mine() {
+            apply(-delta);
+            return false;
+        }
+        true
+    }
+
     /// Live slots: (index, pid, host pid, per-device usage).
     pub fn slots(&self) -> Vec<(usize, u32, u32, Vec<u64>)> {
         let n = self.ndevices().max(1);

@@ -132,3 +132,48 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     }
     s.kill(p);
 }
+
+#[test]
+fn what_the_driver_holds_beyond_a_process_s_own_account_is_charged_to_it() {
+    // A CUDA context bigger than the interposer's charge for it (here: the simulated driver's 64 MiB
+    // against a charge of 0), as on an H200 where PyTorch's context is 610 MiB against 256 MiB.
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut s = Sim::new(Some(NODE));
+    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    let store = SliceStore::open(&s.state.join("agent")).unwrap();
+    store.create("job1", vec![SliceGpu { uuid, memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    let dir = store.dir("job1");
+    let (a, _) = s.spawn_cmd(s.in_slice(RT, &dir, "0"), &["alloc", "--size", "100m", "--hold"]);
+    std::env::set_var("VGPU_SIM_STATE", &s.state);
+    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
+    let nvml = vgpu_agent::discovery::open(Some(&s.libs.join("libnvidia-ml.so.1"))).unwrap();
+    let mut m = Monitor::new(EscapeAction::Report);
+    let list = std::sync::Arc::new(store.list().unwrap());
+    let mut pass = |list: &std::sync::Arc<Vec<_>>| m.pass(&nvml, &store, list);
+    let used = |r: &vgpu_agent::monitor::Pass| {
+        let g = &r.slices[0].gpus[0];
+        (g.memory_used, g.memory_measured, r.slices[0].processes[0].memory)
+    };
+    // One pass sees the excess; it is charged once a second pass sees it too.
+    assert_eq!(used(&pass(&list)), (100 * MIB, 164 * MIB, 100 * MIB));
+    assert_eq!(used(&pass(&list)), (164 * MIB, 164 * MIB, 164 * MIB), "the context the driver holds, charged");
+    assert_eq!(used(&pass(&list)), (164 * MIB, 164 * MIB, 164 * MIB), "and only once");
+    // Another process of the container now finds 164 MiB taken, not 100: 7 x 100 MiB fit beside
+    // its own 64 MiB context under the 1 GiB limit, not 8.
+    let o = s.in_slice(RT, &dir, "64m").args(["alloc", "--size", "2g", "--chunk", "100m"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(lines(&o.stdout)[0]["allocated"], 700 * MIB);
+    // The process goes: what it held, the agent's part included, is reclaimed with its slot (and
+    // the context charge the other process left behind at its exit, with its own slot).
+    s.kill(a);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let r = pass(&list);
+    assert_eq!(r.reclaimed, (164 + 64) * MIB);
+    assert_eq!(r.slices[0].gpus[0].memory_used, 0);
+    // A process whose own account covers what the driver holds is not charged more.
+    let (b, _) = s.spawn_cmd(s.in_slice(RT, &dir, "64m"), &["alloc", "--size", "100m", "--hold"]);
+    for _ in 0..3 {
+        assert_eq!(used(&pass(&list)), (164 * MIB, 164 * MIB, 164 * MIB));
+    }
+    s.kill(b);
+}
