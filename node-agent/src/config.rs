@@ -13,6 +13,7 @@ struct FileConfig {
     monitor_interval_ms: Option<u64>,
     log_format: Option<String>,
     escape_action: Option<String>,
+    memory_true_up: Option<bool>,
     library: Option<PathBuf>,
     metrics_address: Option<String>,
     health_recovery_s: Option<u64>,
@@ -64,6 +65,8 @@ pub struct Config {
     pub monitor_interval_ms: u64,
     pub log_format: LogFormat,
     pub escape_action: EscapeAction,
+    /// Charge slice processes for what the driver holds beyond their own account (see `monitor`).
+    pub memory_true_up: bool,
     /// The `libvgpu.so` to install for containers (copied under a versioned, content-addressed name).
     pub library: PathBuf,
     /// Prometheus endpoint (`host:port`); None: no metrics endpoint.
@@ -205,6 +208,12 @@ impl Config {
             None | Some("report") => EscapeAction::Report,
             Some("kill") => EscapeAction::Kill,
             Some(v) => return Err(bad("escape_action", format!("{v:?} is not report or kill"))),
+        };
+        let memory_true_up = match env("VGPU_AGENT_MEMORY_TRUE_UP").as_deref() {
+            None => file.memory_true_up.unwrap_or(true),
+            Some("1" | "true") => true,
+            Some("0" | "false") => false,
+            Some(v) => return Err(bad("memory_true_up", format!("{v:?} is not true or false"))),
         };
         let library = env("VGPU_AGENT_LIBRARY")
             .map(PathBuf::from)
@@ -396,6 +405,7 @@ impl Config {
             monitor_interval_ms,
             log_format,
             escape_action,
+            memory_true_up,
             library,
             metrics_address,
             metrics_tls,
@@ -518,6 +528,13 @@ mod tests {
         .unwrap();
         assert_eq!(c.state_dir, PathBuf::from("/srv/c"), "flags over environment over file");
         assert_eq!((c.monitor_interval_ms, c.log_format, c.escape_action), (250, LogFormat::Json, EscapeAction::Kill));
+        assert!(c.memory_true_up, "on by default");
+        let off = load(Some("memory_true_up = false"), &[], Flags::default()).unwrap();
+        assert!(!off.memory_true_up);
+        let on = load(Some("memory_true_up = false"), &[("VGPU_AGENT_MEMORY_TRUE_UP", "1")], Flags::default()).unwrap();
+        assert!(on.memory_true_up, "the environment over the file");
+        let e = load(None, &[("VGPU_AGENT_MEMORY_TRUE_UP", "maybe")], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("memory_true_up"), "{e}");
         assert_eq!(c.nvml_library, Some(PathBuf::from("/x/nvml.so")));
         assert_eq!(c.metrics_address, Some("127.0.0.1:9394".parse().unwrap()));
         let c = load(

@@ -203,6 +203,8 @@ pub struct Monitor {
     fresh: HashSet<u32>,
     /// Slices per GPU (by position in `gpu_uuids`).
     users: Vec<u32>,
+    /// Whether to charge processes for what the driver holds beyond their own account.
+    true_up: bool,
 }
 
 /// The SM controller: the refill rate's new correction, from the old one, the limit and the measured
@@ -249,11 +251,19 @@ impl Monitor {
             alive_inner: HashSet::default(),
             fresh: HashSet::default(),
             users: Vec::new(),
+            true_up: true,
         }
     }
 
     /// One pass over `slices` (the agent's record, as shared by the agent: a new list is recognised
     /// by its address) and every GPU NVML reports.
+    /// Turns the true-up of what the driver holds beyond each process's account on or off (on by
+    /// default; the agent's `memory_true_up`).
+    pub fn with_true_up(mut self, on: bool) -> Monitor {
+        self.true_up = on;
+        self
+    }
+
     pub fn pass(&mut self, nvml: &Nvml, store: &SliceStore, slices: &Arc<Vec<Slice>>) -> Pass {
         let mut pass = Pass::default();
         let realigned = !self.list.as_ref().is_some_and(|l| Arc::ptr_eq(l, slices));
@@ -429,7 +439,9 @@ impl Monitor {
             let gpus = &pass.gpus;
             let gpu_index = |dev: usize| gpus.get(c.gpu_pos[dev]).map(|g| g.index);
             let gpu_index: [Option<u32>; vgpu_region::MAX_DEVICES] = std::array::from_fn(gpu_index);
-            true_up(c, &mut self.live, &self.live_slot, &gpu_index[..s.gpus.len().min(vgpu_region::MAX_DEVICES)]);
+            if self.true_up {
+                true_up(c, &mut self.live, &self.live_slot, &gpu_index[..s.gpus.len().min(vgpu_region::MAX_DEVICES)]);
+            }
             let layout = c.region.layout();
             let mut st = pb::SliceStatus {
                 name: s.name.clone(),

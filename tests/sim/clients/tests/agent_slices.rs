@@ -176,4 +176,12 @@ fn what_the_driver_holds_beyond_a_process_s_own_account_is_charged_to_it() {
         assert_eq!(used(&pass(&list)), (164 * MIB, 164 * MIB, 164 * MIB));
     }
     s.kill(b);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    // `memory_true_up = false`: the process's own account stands.
+    let mut m = Monitor::new(EscapeAction::Report).with_true_up(false);
+    let (c, _) = s.spawn_cmd(s.in_slice(RT, &dir, "0"), &["alloc", "--size", "100m", "--hold"]);
+    for _ in 0..3 {
+        assert_eq!(used(&m.pass(&nvml, &store, &list)), (100 * MIB, 164 * MIB, 100 * MIB));
+    }
+    s.kill(c);
 }
