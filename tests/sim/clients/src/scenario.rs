@@ -287,14 +287,7 @@ impl Allocator<'_> {
                     Ok((Chunk::Async(p), size))
                 }
                 "array" => {
-                    let d = CUDA_ARRAY3D_DESCRIPTOR {
-                        Width: size.div_ceil(4).max(1),
-                        Height: 0,
-                        Depth: 0,
-                        Format: CU_AD_FORMAT_FLOAT,
-                        NumChannels: 1,
-                        Flags: 0,
-                    };
+                    let d = float_array(size);
                     let mut arr = std::ptr::null_mut();
                     r((a.cuArray3DCreate_v2)(&mut arr, &d))?;
                     let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
@@ -637,6 +630,18 @@ fn contexts(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     Ok(())
 }
 
+/// A one-dimensional array of floats of about `bytes`.
+fn float_array(bytes: usize) -> CUDA_ARRAY3D_DESCRIPTOR {
+    CUDA_ARRAY3D_DESCRIPTOR {
+        Width: bytes.div_ceil(4).max(1),
+        Height: 0,
+        Depth: 0,
+        Format: CU_AD_FORMAT_FLOAT,
+        NumChannels: 1,
+        Flags: 0,
+    }
+}
+
 /// Allocates in a context (linear, pitched and an array: `--size` each, about), then ends the
 /// context `--how`: `destroy` (an explicit context), `release` (the primary context's last release,
 /// then retained again) or `reset` (`cuDevicePrimaryCtxReset`); then allocates `--again` bytes.
@@ -656,14 +661,7 @@ fn context_end(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         let (mut p, mut q, mut pitch) = (0, 0, 0);
         ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")?;
         ck(api, (api.cuMemAllocPitch_v2)(&mut q, &mut pitch, 4096, size / 4096, 4), "cuMemAllocPitch")?;
-        let desc = CUDA_ARRAY3D_DESCRIPTOR {
-            Width: size / 4,
-            Height: 0,
-            Depth: 0,
-            Format: CU_AD_FORMAT_FLOAT,
-            NumChannels: 1,
-            Flags: 0,
-        };
+        let desc = float_array(size);
         let mut arr = std::ptr::null_mut();
         ck(api, (api.cuArray3DCreate_v2)(&mut arr, &desc), "cuArray3DCreate")?;
         let during = mem_info(api);
