@@ -16,13 +16,27 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const NODE: &str = "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n";
 
+/// The agent's slice store for `s`, with slice `job1`: 1 GiB of GPU 0. Returns the store and the GPU's UUID.
+fn store_with_job1(s: &Sim) -> (SliceStore, String) {
+    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
+    let store = SliceStore::open(&s.state.join("agent")).unwrap();
+    store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    (store, uuid)
+}
+
+/// NVML of `s`'s simulated node, loaded into this process (which changes its environment: the
+/// tests of this file run one at a time).
+fn nvml_of(s: &Sim) -> nvml_wrapper::Nvml {
+    std::env::set_var("VGPU_SIM_STATE", &s.state);
+    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
+    vgpu_agent::discovery::open(Some(&s.libs.join("libnvidia-ml.so.1"))).unwrap()
+}
+
 #[test]
 fn agent_slices_limit_processes_and_cannot_be_raised_from_inside() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let s = Sim::new(Some(NODE));
-    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
-    let store = SliceStore::open(&s.state.join("agent")).unwrap();
-    store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    let (store, uuid) = store_with_job1(&s);
     let dir = store.dir("job1");
     let run = |size: &str| {
         let o = s.in_slice(RT, &dir, "64m").args(["alloc", "--size", size, "--chunk", "100m"]).output().unwrap();
@@ -47,18 +61,13 @@ fn agent_slices_limit_processes_and_cannot_be_raised_from_inside() {
 fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let mut s = Sim::new(Some(NODE));
-    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
-    let store = SliceStore::open(&s.state.join("agent")).unwrap();
-    store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    let (store, uuid) = store_with_job1(&s);
     let dir = store.dir("job1");
     let c = s.in_slice(RT, &dir, "64m");
     let (pin, _) = s.spawn_cmd(c, &["alloc", "--size", "300m", "--hold"]);
     let (pout, _) = s.spawn(RT, &["alloc", "--size", "500m", "--hold"]);
 
-    // This test alone loads NVML in this process: point it at this test's simulated node.
-    std::env::set_var("VGPU_SIM_STATE", &s.state);
-    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
-    let nvml = vgpu_agent::discovery::open(Some(&s.libs.join("libnvidia-ml.so.1"))).unwrap();
+    let nvml = nvml_of(&s);
     let mut m = Monitor::new(EscapeAction::Report);
     // Like the agent, one shared list of slices until the slices change.
     let mut list = std::sync::Arc::new(store.list().unwrap());
@@ -139,14 +148,10 @@ fn what_the_driver_holds_beyond_a_process_s_own_account_is_charged_to_it() {
     // against a charge of 0), as on an H200 where PyTorch's context is 610 MiB against 256 MiB.
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let mut s = Sim::new(Some(NODE));
-    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
-    let store = SliceStore::open(&s.state.join("agent")).unwrap();
-    store.create("job1", vec![SliceGpu { uuid, memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    let (store, _) = store_with_job1(&s);
     let dir = store.dir("job1");
     let (a, _) = s.spawn_cmd(s.in_slice(RT, &dir, "0"), &["alloc", "--size", "100m", "--hold"]);
-    std::env::set_var("VGPU_SIM_STATE", &s.state);
-    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
-    let nvml = vgpu_agent::discovery::open(Some(&s.libs.join("libnvidia-ml.so.1"))).unwrap();
+    let nvml = nvml_of(&s);
     let mut m = Monitor::new(EscapeAction::Report);
     let list = std::sync::Arc::new(store.list().unwrap());
     let mut pass = |list: &std::sync::Arc<Vec<_>>| m.pass(&nvml, &store, list);
