@@ -415,6 +415,7 @@ impl Agent {
                     memory_used: g.memory_used,
                     memory_total: g.memory_total,
                     utilization: g.utilization,
+                    sm_feedback_held: g.sm_feedback_held,
                     healthy,
                     health_reason,
                     sm_count: info.and_then(|i| i.sm_count).unwrap_or(0),

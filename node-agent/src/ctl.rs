@@ -175,6 +175,16 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
         ]);
     }
     o.push_str(&table(&rows));
+    for g in st.gpus.iter().filter(|g| g.sm_feedback_held) {
+        let _ = writeln!(
+            o,
+            "{}",
+            style.yellow(&format!(
+                "GPU {}: NVML's per-process SM samples add up to more than its utilisation; SM-rate corrections held",
+                g.index
+            ))
+        );
+    }
     o.push('\n');
     if st.slices.is_empty() {
         o.push_str("no slices (create one: vgpuctl slice create --gpu 0 --memory 8GiB --sm 30 --name job1)\n");

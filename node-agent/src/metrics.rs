@@ -119,6 +119,13 @@ pub fn render(agent: &Agent) -> String {
         &|g| g.healthy as u8 as f64,
     );
     per_gpu(&mut o, "vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.", &|g| g.memory_total as f64);
+    per_gpu(
+        &mut o,
+        "vgpu_gpu_sm_feedback_held",
+        "gauge",
+        "1 while NVML's per-process SM samples on the GPU do not add up and SM-rate corrections are held.",
+        &|g| g.sm_feedback_held as u8 as f64,
+    );
     per_slice_gpu(
         &mut o,
         "vgpu_slice_memory_measured_bytes",

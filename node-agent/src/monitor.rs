@@ -45,9 +45,10 @@ struct Cached {
     throttled_launches: [u64; vgpu_region::MAX_DEVICES],
     /// Smoothed measured SM share per device (percent; NaN before the first sample).
     sm_ewma: [f64; vgpu_region::MAX_DEVICES],
-    /// The same, over the current run of throttled passes only (what the controller acts on).
+    /// The same, over the new samples of the current run of throttled passes only (what the
+    /// controller acts on).
     sm_ctl: [f64; vgpu_region::MAX_DEVICES],
-    /// Consecutive passes in which the slice was throttled on the device.
+    /// New samples in the current run of passes in which the slice was throttled on the device.
     streak: [u32; vgpu_region::MAX_DEVICES],
     /// Per live process (slot, PID): what the agent added to its usage so that it matches what the
     /// driver holds for it (see [`true_up`]), and the excess the last pass saw.
@@ -115,9 +116,36 @@ fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index
     });
 }
 
-/// Throttled passes in a row before the controller acts (a second at 100 ms): a workload starting,
-/// stopping or changing phase is not corrected for.
+/// New samples, in a run of throttled passes, before the controller acts (a second when every 100 ms
+/// pass brings one): a workload starting, stopping or changing phase is not corrected for.
 const CONTROL_AFTER: u32 = 10;
+
+/// A process's latest NVML SM sample counts for this many passes after it arrived: NVML samples each
+/// process on its own period (about 1/6 s on recent GPUs, so not in every 100 ms pass), and the last
+/// value stands for the process until a newer one comes. A process whose samples stop (it went idle)
+/// counts as 0 after that.
+const SAMPLE_STALE_PASSES: u64 = 20;
+
+/// Per-process SM samples of a GPU that add up to more than the GPU's own utilisation by more than
+/// this (points) are not shares of its time. An H200 with two time-sliced processes reported 92 % and
+/// 93 % for them while the GPU was 99 % busy and their real shares were about 25 % and 70 %: each
+/// process was credited nearly the whole GPU. Acting on that would drive both budgets to the
+/// controller's floor. The margin covers the different windows of the two figures.
+const OVERLAP_MARGIN: u32 = 25;
+
+/// Passes the controller holds on a GPU after its per-process samples last failed to add up (3 s at
+/// 100 ms; the sums of a few consistent passes in between are not trusted).
+const HOLD_PASSES: u64 = 30;
+
+/// A process's latest NVML SM sample on one GPU.
+#[derive(Clone, Copy)]
+struct SmSample {
+    sm: u32,
+    /// NVML's timestamp (us).
+    timestamp: u64,
+    /// The pass that read it.
+    pass: u64,
+}
 
 /// A live slot: (PID in the container, host PID or 0, bytes per device).
 type LiveSlot = (u32, u32, [u64; vgpu_region::MAX_DEVICES]);
@@ -130,7 +158,10 @@ struct NvmlProc {
     /// Its PID inside the container.
     pid: u32,
     bytes: u64,
+    /// Its latest SM sample (percent; 0 when none is current).
     sm: u32,
+    /// Whether that sample arrived in this pass.
+    sm_new: bool,
 }
 
 struct ProcOwner {
@@ -147,6 +178,9 @@ pub struct GpuSample {
     pub memory_used: u64,
     pub memory_total: u64,
     pub utilization: u32,
+    /// Its processes' SM samples do not add up to its utilisation (see [`OVERLAP_MARGIN`]): the SM
+    /// controller holds its corrections for the slices on it.
+    pub sm_feedback_held: bool,
     /// Slices using it, and whether processes outside every slice use it.
     pub slices: u32,
     pub outsiders: bool,
@@ -182,6 +216,10 @@ pub struct Monitor {
     gpu_uuids: Vec<String>,
     procs: HashMap<u32, ProcOwner>,
     util_seen: HashMap<u32, u64>,
+    /// (GPU index, host PID) -> that process's latest SM sample.
+    sm_samples: HashMap<(u32, u32), SmSample>,
+    /// GPU index -> the pass until which its SM feedback is held.
+    held_until: HashMap<u32, u64>,
     active: HashSet<String>,
     action: EscapeAction,
     passes: u64,
@@ -239,6 +277,8 @@ impl Monitor {
             gpu_uuids: Vec::new(),
             procs: HashMap::default(),
             util_seen: HashMap::default(),
+            sm_samples: HashMap::default(),
+            held_until: HashMap::default(),
             active: HashSet::default(),
             action,
             passes: 0,
@@ -280,6 +320,7 @@ impl Monitor {
         }
         let slices: &[Slice] = slices;
         // NVML first: which processes hold contexts now.
+        self.passes += 1;
         let count = nvml.device_count().unwrap_or(0);
         let mut queried = Vec::with_capacity(count as usize);
         self.fresh.clear();
@@ -309,7 +350,7 @@ impl Monitor {
                 Ok(x) => x,
                 Err(e) => {
                     g.error = Some(e);
-                    queried.push((g, Vec::new(), Vec::new()));
+                    queried.push((g, Vec::new()));
                     continue;
                 }
             };
@@ -319,12 +360,17 @@ impl Monitor {
                     self.fresh.insert(i);
                 }
             }
-            queried.push((g, procs, samples));
+            for x in &samples {
+                let e = self.sm_samples.entry((i, x.pid)).or_insert(SmSample { sm: 0, timestamp: 0, pass: 0 });
+                if x.timestamp >= e.timestamp {
+                    *e = SmSample { sm: x.sm_util, timestamp: x.timestamp, pass: self.passes };
+                }
+            }
+            queried.push((g, procs));
         }
-        self.passes += 1;
         let full = self.passes % 10 == 1;
         self.alive.clear();
-        self.alive.extend(queried.iter().flat_map(|(_, p, _)| p.iter().map(|x| x.0)));
+        self.alive.extend(queried.iter().flat_map(|(_, p)| p.iter().map(|x| x.0)));
         self.alive_inner.clear();
         for (host, o) in &self.procs {
             if let (true, Some((slice, pid))) = (self.alive.contains(host), &o.owner) {
@@ -336,11 +382,11 @@ impl Monitor {
         // Which GPUs each slice uses: worked out again when the slices, their regions or the GPUs
         // changed.
         let gpus_changed = self.gpu_uuids.len() != queried.len()
-            || self.gpu_uuids.iter().zip(&queried).any(|(u, (g, _, _))| *u != g.uuid);
+            || self.gpu_uuids.iter().zip(&queried).any(|(u, (g, _))| *u != g.uuid);
         if realigned || opened || gpus_changed {
-            self.gpu_uuids = queried.iter().map(|(g, _, _)| g.uuid.clone()).collect();
+            self.gpu_uuids = queried.iter().map(|(g, _)| g.uuid.clone()).collect();
             let gpu_at: HashMap<&str, usize> =
-                queried.iter().enumerate().map(|(k, (g, _, _))| (g.uuid.as_str(), k)).collect();
+                queried.iter().enumerate().map(|(k, (g, _))| (g.uuid.as_str(), k)).collect();
             for (c, s) in self.regions.iter_mut().zip(slices) {
                 let Some(c) = c else { continue };
                 c.gpu_pos = [usize::MAX; vgpu_region::MAX_DEVICES];
@@ -387,12 +433,34 @@ impl Monitor {
 
         // Each GPU process: its slice's (with its SM share), or an escape.
         let mut seen_pids = HashSet::default();
-        for (k, (mut g, procs, samples)) in queried.into_iter().enumerate() {
+        // Samples older than a few passes no longer stand for their process.
+        let passes = self.passes;
+        self.sm_samples.retain(|_, x| x.pass + SAMPLE_STALE_PASSES >= passes);
+        for (k, (mut g, procs)) in queried.into_iter().enumerate() {
             if g.error.is_some() {
                 pass.gpus.push(g);
                 continue;
             }
             g.slices = self.users[k];
+            // Do the GPU's per-process samples add up to (no more than) its utilisation?
+            let (mut sum, mut active) = (0u32, 0u32);
+            for (pid, _) in &procs {
+                if let Some(x) = self.sm_samples.get(&(g.index, *pid)).filter(|x| x.sm > 0) {
+                    sum += x.sm;
+                    active += 1;
+                }
+            }
+            let was_held = self.held_until.get(&g.index).is_some_and(|&u| u >= passes);
+            if active >= 2 && sum > g.utilization + OVERLAP_MARGIN {
+                if !was_held {
+                    tracing::warn!(gpu = %g.uuid, processes_sum = sum, utilization = g.utilization,
+                        "per-process SM samples add up to more than the GPU's utilisation; SM feedback held");
+                }
+                self.held_until.insert(g.index, passes + HOLD_PASSES);
+            } else if was_held && self.held_until.get(&g.index) == Some(&passes) {
+                tracing::info!(gpu = %g.uuid, "per-process SM samples add up again; SM feedback resumed");
+            }
+            g.sm_feedback_held = self.held_until.get(&g.index).is_some_and(|&u| u > passes);
             for (pid, mem) in procs {
                 seen_pids.insert(pid);
                 match self.owner(pid, slices) {
@@ -409,9 +477,10 @@ impl Monitor {
                         });
                     }
                     Some((i, inner)) => {
-                        let sm = samples.iter().filter(|s| s.pid == pid).map(|s| s.sm_util).max().unwrap_or(0);
+                        let x = self.sm_samples.get(&(g.index, pid));
+                        let (sm, sm_new) = x.map_or((0, false), |x| (x.sm, x.pass == passes));
                         if let Some(c) = &mut self.regions[i] {
-                            let p = NvmlProc { gpu_index: g.index, host_pid: pid, pid: inner, bytes: mem, sm };
+                            let p = NvmlProc { gpu_index: g.index, host_pid: pid, pid: inner, bytes: mem, sm, sm_new };
                             c.nvml.push(p);
                         }
                     }
@@ -466,10 +535,15 @@ impl Monitor {
                 *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
                 let throttled = d.sm_throttled_launches.load(Relaxed);
                 // The controller: only while the slice is throttled (its demand exceeds its budget),
-                // from samples of full passes, after a second of it, outside a 1-point dead band.
+                // from new samples (not the first, which covers NVML's whole window), after ten of
+                // them, outside a 1-point dead band, and not while the GPU's samples do not add up.
                 let limit = c.region.sm_limit(dev).min(sg.sm.max(1));
-                let sampled = gpu.is_some_and(|g| self.fresh.contains(&g.index));
-                if throttled > c.throttled_launches[dev] && sampled && (1..100).contains(&sg.sm) {
+                let held = gpu.is_none_or(|g| g.sm_feedback_held);
+                let sampled = gpu.is_some_and(|g| self.fresh.contains(&g.index)) && mine().any(|p| p.sm_new);
+                if throttled <= c.throttled_launches[dev] || held || !(1..100).contains(&sg.sm) {
+                    c.streak[dev] = 0;
+                    c.sm_ctl[dev] = f64::NAN;
+                } else if sampled {
                     c.streak[dev] += 1;
                     let e = &mut c.sm_ctl[dev];
                     *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
@@ -480,10 +554,8 @@ impl Monitor {
                             d.sm_rate_ppm.store(new, Relaxed);
                         }
                     }
-                } else {
-                    c.streak[dev] = 0;
-                    c.sm_ctl[dev] = f64::NAN;
                 }
+                // Throttled, but no new sample in this pass: the run goes on.
                 c.throttled_launches[dev] = throttled;
                 if sg.memory > 0 && measured > sg.memory {
                     pass.escapes.push(pb::Escape {

@@ -458,3 +458,55 @@ fn mig_through_the_agent_plan_apply_assert_and_restore_after_reboot() {
     assert!(a.log_text().contains("MIG layout restored"), "{}", a.log_text());
     let _ = &mut s;
 }
+
+/// Two slices at 25 % and 75 % on one GPU, both saturating it with 5 ms kernels for 4 s: the status
+/// and `vgpuctl status` 3 s in, and each slice's kernel count.
+fn two_throttled_slices(nvml: &str) -> (Value, String, [u64; 2]) {
+    let s = Sim::new(Some(&format!("context_overhead_mib = 64\n{nvml}\n[[gpu]]\nmodel = \"A100-40GB\"\n")));
+    let a = Agent::start(&s, &[]);
+    let mut apps = Vec::new();
+    for (name, sm) in [("low", "25"), ("high", "75")] {
+        let out = a.ctl_ok(&["slice", "create", "--name", name, "--gpu", "0", "--memory", "1g", "--sm", sm, "--json"]);
+        let detail: Value = serde_json::from_str(&out).unwrap();
+        let c = in_slice(&s, &detail, RT)
+            .args(["launch", "--kernel", "sleep_5ms", "--seconds", "4"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        apps.push(c);
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let (st, table) = (a.status().unwrap(), a.ctl_ok(&["status"]));
+    let mut k = [0; 2];
+    for (i, c) in apps.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{o:?}");
+        k[i] = lines(&o.stdout).last().unwrap()["kernels"].as_u64().unwrap();
+    }
+    (st, table, k)
+}
+
+#[test]
+fn the_sm_controller_holds_when_per_process_samples_do_not_add_up() {
+    // A driver that credits every time-sliced process with the GPU's whole busy share (as an H200
+    // did): both slices seem to use nearly all of it, which, acted on, would drive both budgets to
+    // the controller's floor.
+    let (st, table, k) = two_throttled_slices("process_util = \"gpu\"");
+    assert_eq!(st["gpus"][0]["sm_feedback_held"], true, "{st}");
+    for name in ["low", "high"] {
+        let rate = slice_of(&st, name)["gpus"][0]["sm_rate_ppm"].as_u64().unwrap();
+        assert!(rate >= 950_000, "{name}: the rate was corrected to {rate} ppm on samples that do not add up");
+    }
+    assert!(table.contains("GPU 0: NVML's per-process SM samples add up to more than its utilisation"), "{table}");
+    // 4 s of 5 ms kernels is 800 for the whole GPU: the interposers' own accounting stands.
+    assert!((170..=230).contains(&k[0]) && (540..=630).contains(&k[1]), "25/75 ran {k:?} of 800");
+
+    // A driver whose samples add up, taken every 150 ms (three passes): nothing held, and each
+    // process's latest sample stands for it in the passes between samples.
+    let (st, table, k) = two_throttled_slices("process_util = \"own\"\nprocess_sample_ms = 150");
+    assert_eq!(st["gpus"][0]["sm_feedback_held"], false, "{st}");
+    let used = |name| slice_of(&st, name)["gpus"][0]["sm_used"].as_u64().unwrap();
+    assert!((20..=30).contains(&used("low")) && (68..=82).contains(&used("high")), "{st}");
+    assert!(!table.contains("corrections held"), "{table}");
+    assert!((170..=230).contains(&k[0]) && (540..=630).contains(&k[1]), "25/75 ran {k:?} of 800");
+}

@@ -13,6 +13,8 @@ struct RawConfig {
     driver_version: Option<String>,
     context_overhead_mib: Option<u64>,
     util_window_ms: Option<u64>,
+    process_util: Option<String>,
+    process_sample_ms: Option<u64>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
 }
@@ -52,7 +54,22 @@ pub struct Config {
     pub driver_version: String,
     pub context_overhead_bytes: u64,
     pub util_window_ns: u64,
+    /// How NVML's per-process SM samples credit processes.
+    pub process_util: ProcessUtil,
+    /// Per-process samples are taken at this period (0: whenever asked, over the time since the
+    /// last one read). A real driver samples every 1/6 s or so.
+    pub process_sample_ns: u64,
     pub gpus: Vec<GpuConfig>,
+}
+
+/// How `nvmlDeviceGetProcessUtilization` credits processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessUtil {
+    /// Each process its own kernels' share of the window (they add up to the GPU's utilisation).
+    Own,
+    /// Each process that ran in the window the GPU's whole busy share, as an H200 with two
+    /// time-sliced processes reported them (92 % and 93 % with the GPU 99 % busy).
+    Gpu,
 }
 
 pub const DEFAULT_CONFIG: &str = r#"
@@ -116,11 +133,18 @@ impl Config {
                 nvlink_domain: g.nvlink_domain,
             });
         }
+        let process_util = match raw.process_util.as_deref() {
+            None | Some("own") => ProcessUtil::Own,
+            Some("gpu") => ProcessUtil::Gpu,
+            Some(x) => return Err(format!("process_util = {x:?}: \"own\" or \"gpu\"")),
+        };
         Ok(Config {
             cuda_version: raw.cuda_version.unwrap_or(12040),
             driver_version: raw.driver_version.unwrap_or_else(|| "550.54.15".into()),
             context_overhead_bytes: raw.context_overhead_mib.unwrap_or(256) << 20,
             util_window_ns: raw.util_window_ms.unwrap_or(1000).max(1) * 1_000_000,
+            process_util,
+            process_sample_ns: raw.process_sample_ms.unwrap_or(0) * 1_000_000,
             gpus,
         })
     }
@@ -208,6 +232,10 @@ mod tests {
         assert!(Config::parse("[[gpu]]\nmodel='X1'").unwrap_err().contains("unknown model"));
         assert!(Config::parse("[[gpu]]\nmodel='A30'\ncolour=1").is_err());
         assert!(Config::parse("[[gpu]]\nmodel='A30'\npci_bus_id='zz'").unwrap_err().contains("pci_bus_id"));
+        let e = Config::parse("process_util='mine'\n[[gpu]]\nmodel='A30'").unwrap_err();
+        assert!(e.contains("process_util = \"mine\""), "{e}");
+        let c = Config::parse("process_util='gpu'\nprocess_sample_ms=150\n[[gpu]]\nmodel='A30'").unwrap();
+        assert_eq!((c.process_util, c.process_sample_ns), (ProcessUtil::Gpu, 150_000_000));
     }
 
     #[test]

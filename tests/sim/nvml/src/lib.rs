@@ -452,13 +452,27 @@ exports! {
     }
     fn nvmlDeviceGetProcessUtilization(d: nvmlDevice_t, s: *mut nvmlProcessUtilizationSample_t, count: *mut c_uint, last_seen: u64) {
         let (n, g, _) = phys(d)?;
-        let (mono, real) = (now_ns(), realtime_us());
+        let (mut mono, mut real) = (now_ns(), realtime_us());
+        // Sampled at a period: the newest sample is the last period's end.
+        if let Some(p) = Some(n.cfg.process_sample_ns).filter(|&p| p > 0) {
+            // The wall clock of a period's end, the same in every call of this process.
+            static OFFSET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+            let offset = *OFFSET.get_or_init(|| real.saturating_sub(mono / 1000));
+            mono -= mono % p;
+            real = mono / 1000 + offset;
+            if last_seen >= real {
+                if !count.is_null() { out(count, 0)?; }
+                return Err(NOT_FOUND);
+            }
+        }
         let w = n.cfg.util_window_ns;
         let since = if last_seen == 0 || last_seen >= real { mono.saturating_sub(w) }
             else { mono.saturating_sub((real - last_seen).saturating_mul(1000)).max(mono.saturating_sub(w)) };
         let span = (mono - since).max(1);
-        let (_, per) = n.busy(g, since, mono);
+        let (total, per) = n.busy(g, since, mono);
+        let whole = n.cfg.process_util == vgpu_sim::config::ProcessUtil::Gpu;
         let samples: Vec<nvmlProcessUtilizationSample_t> = per.into_iter()
+            .map(|(pid, b)| (pid, if whole { total } else { b }))
             .map(|(pid, b)| nvmlProcessUtilizationSample_t {
                 pid, timeStamp: real, smUtil: ((b * 100 + span / 2) / span).min(100) as c_uint,
                 memUtil: 0, encUtil: 0, decUtil: 0,
