@@ -126,16 +126,25 @@ const CONTROL_AFTER: u32 = 10;
 /// counts as 0 after that.
 const SAMPLE_STALE_PASSES: u64 = 20;
 
-/// Per-process SM samples of a GPU that add up to more than the GPU's own utilisation by more than
-/// this (points) are not shares of its time. An H200 with two time-sliced processes reported 92 % and
-/// 93 % for them while the GPU was 99 % busy and their real shares were about 25 % and 70 %: each
-/// process was credited nearly the whole GPU. Acting on that would drive both budgets to the
-/// controller's floor. The margin covers the different windows of the two figures.
+/// Per-process SM samples of a GPU that add up to more than 100 %, or to more than the GPU's own
+/// utilisation while that is steady, by more than this (points) are not shares of its time. An H200
+/// with two time-sliced processes reported 92 % and 93 % for them while the GPU was 99 % busy and their
+/// real shares were about 25 % and 70 %: each process was credited nearly the whole GPU. Acting on
+/// that would drive both budgets to the controller's floor. The margin covers the different windows
+/// of the two figures; the GPU's figure is only compared with while steady (it trails the
+/// per-process samples when a workload starts, by up to its window of up to a second).
 const OVERLAP_MARGIN: u32 = 25;
 
-/// Passes the controller holds on a GPU after its per-process samples last failed to add up (3 s at
-/// 100 ms; the sums of a few consistent passes in between are not trusted).
-const HOLD_PASSES: u64 = 30;
+/// Passes over which the GPU's utilisation must stay within `OVERLAP_MARGIN` points to count as steady.
+const STEADY_PASSES: usize = 10;
+
+/// Passes in a row that must find a GPU's samples not adding up before its feedback is held: a GPU
+/// idle until a moment ago still shows its old utilisation for a pass.
+const OVERLAP_PASSES: u32 = 3;
+
+/// Passes the controller holds on a GPU after its per-process samples last failed to add up (a
+/// second at 100 ms: the sums of a few consistent passes in between are not trusted).
+const HOLD_PASSES: u64 = 10;
 
 /// A process's latest NVML SM sample on one GPU.
 #[derive(Clone, Copy)]
@@ -220,6 +229,9 @@ pub struct Monitor {
     sm_samples: HashMap<(u32, u32), SmSample>,
     /// GPU index -> the pass until which its SM feedback is held.
     held_until: HashMap<u32, u64>,
+    /// GPU index -> its utilisation in the last `STEADY_PASSES` passes (a ring), and how many
+    /// passes in a row found its samples not adding up.
+    util_hist: HashMap<u32, ([u32; STEADY_PASSES], u32)>,
     active: HashSet<String>,
     action: EscapeAction,
     passes: u64,
@@ -279,6 +291,7 @@ impl Monitor {
             util_seen: HashMap::default(),
             sm_samples: HashMap::default(),
             held_until: HashMap::default(),
+            util_hist: HashMap::default(),
             active: HashSet::default(),
             action,
             passes: 0,
@@ -450,8 +463,15 @@ impl Monitor {
                     active += 1;
                 }
             }
+            let (hist, run) = self.util_hist.entry(g.index).or_insert(([u32::MAX; STEADY_PASSES], 0));
+            hist[passes as usize % STEADY_PASSES] = g.utilization;
+            let (lo, hi) = hist.iter().fold((u32::MAX, 0), |(lo, hi), &u| (lo.min(u), hi.max(u)));
+            let steady = hi != u32::MAX && hi - lo <= OVERLAP_MARGIN;
+            let overlap =
+                active >= 2 && (sum > 100 + OVERLAP_MARGIN || (steady && sum > g.utilization + OVERLAP_MARGIN));
+            *run = if overlap { *run + 1 } else { 0 };
             let was_held = self.held_until.get(&g.index).is_some_and(|&u| u >= passes);
-            if active >= 2 && sum > g.utilization + OVERLAP_MARGIN {
+            if *run >= OVERLAP_PASSES {
                 if !was_held {
                     tracing::warn!(gpu = %g.uuid, processes_sum = sum, utilization = g.utilization,
                         "per-process SM samples add up to more than the GPU's utilisation; SM feedback held");

@@ -652,96 +652,167 @@ def check_overhead(s):
     return summary, v
 
 
-def check_agent(s):
-    """The agent discovers the GPU read-only; a slice's process shows in `vgpuctl status`."""
-    agent, ctl = s.bin("vgpu-node-agent"), s.bin("vgpuctl")
-    d = os.path.join(s.tmp, "agent")
-    os.makedirs(d, exist_ok=True)
-    sock = os.path.join(d, "agent.sock")
-    env = s.env(False, extra={
-        "VGPU_AGENT_LIBRARY": s.lib, "VGPU_AGENT_CDI_DIR": os.path.join(d, "cdi"), "VGPU_AGENT_KUBELET_DIR": os.path.join(d, "kubelet"),
-        "VGPU_AGENT_DEVICE_PLUGIN": "off", "VGPU_AGENT_ESCAPE_ACTION": "report", "VGPU_AGENT_METRICS_ADDRESS": "127.0.0.1:0"})
-    env.pop("NODE_NAME", None)
-    log = open(os.path.join(d, "agent.log"), "w")
-    a = subprocess.Popen([agent, "--state-dir", os.path.join(d, "state"), "--socket", sock, "run"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    work = None
-    try:
-        status = None
+class AgentRun:
+    """vgpu-node-agent on the real NVML (read-only: no MIG layout, escapes only reported), driven
+    with vgpuctl; stopped with SIGTERM on exit."""
+
+    def __init__(self, s, name):
+        self.s = s
+        self.ctl = s.bin("vgpuctl")
+        agent = s.bin("vgpu-node-agent")
+        self.d = os.path.join(s.tmp, name)
+        os.makedirs(self.d, exist_ok=True)
+        self.sock = os.path.join(self.d, "agent.sock")
+        self.env = s.env(False, extra={
+            "VGPU_AGENT_LIBRARY": s.lib, "VGPU_AGENT_CDI_DIR": os.path.join(self.d, "cdi"),
+            "VGPU_AGENT_KUBELET_DIR": os.path.join(self.d, "kubelet"), "VGPU_AGENT_DEVICE_PLUGIN": "off",
+            "VGPU_AGENT_ESCAPE_ACTION": "report", "VGPU_AGENT_METRICS_ADDRESS": "127.0.0.1:0"})
+        self.env.pop("NODE_NAME", None)
+        self.logf = open(os.path.join(self.d, "agent.log"), "w")
+        self.p = subprocess.Popen([agent, "--state-dir", os.path.join(self.d, "state"), "--socket", self.sock, "run"],
+                                  env=self.env, stdout=self.logf, stderr=subprocess.STDOUT)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            self.p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        self.logf.close()
+        self.s.say("agent log:\n" + self.log()[-4000:])
+
+    def log(self):
+        return open(os.path.join(self.d, "agent.log")).read()
+
+    def vgpuctl(self, args, timeout=30):
+        return self.s.run([self.ctl, "--socket", self.sock] + args, self.env, timeout=timeout)
+
+    def status(self):
+        rc, _, out, _ = self.vgpuctl(["--json", "status"])
+        return json.loads(out) if rc == 0 else {}
+
+    def first_gpu(self):
         end = time.time() + 60
         while time.time() < end:
-            rc, _, out, _ = s.run([ctl, "--socket", sock, "--json", "status"], env, timeout=30)
-            if rc == 0:
-                status = json.loads(out)
-                if status.get("gpus"):
-                    break
+            st = self.status()
+            if st.get("gpus"):
+                return st["gpus"][0]
             time.sleep(0.5)
-        if not status or not status.get("gpus"):
-            raise Fail("the agent did not report a GPU within 60 s (log: %s)" % tail(open(os.path.join(d, "agent.log")).read()))
-        g = status["gpus"][0]
-        rc, _, out, err = s.run([ctl, "--socket", sock, "slice", "create", "--name", "gpu-suite", "--gpu", "0", "--memory", "4GiB", "--sm", "50"], env)
+        raise Fail("the agent did not report a GPU within 60 s (log: %s)" % tail(self.log()))
+
+    def slice_env(self, name, gpu, memory, sm):
+        rc, _, _, err = self.vgpuctl(["slice", "create", "--name", name, "--gpu", "0", "--memory", memory, "--sm", str(sm)])
         if rc != 0:
             raise Fail("slice create: %s" % tail(err))
-        sd = os.path.join(d, "state", "slices", "gpu-suite")
-        wenv = s.env(False, extra={"LD_PRELOAD": s.lib, "CUDA_DEVICE_MEMORY_SHARED_CACHE": os.path.join(sd, "region"),
-                                   "VGPU_LIMITS_FILE": os.path.join(sd, "limits"), "CUDA_VISIBLE_DEVICES": g["uuid"]})
-        if s.torch:
-            work = Proc(s, s.worker_argv("hold", {"bytes": GIB}), wenv)
-            work.expect("holding", 120)
-        else:
-            work = Proc(s, [s.bin("gpu-probe"), "hold", "--size", str(GIB)], wenv)
-            end = time.time() + 60
-            while not work.lines and time.time() < end:
-                time.sleep(0.05)
-        sl, end = None, time.time() + 20
-        while time.time() < end:
-            rc, _, out, _ = s.run([ctl, "--socket", sock, "--json", "status"], env, timeout=30)
-            st = json.loads(out) if rc == 0 else {}
-            sl = next((x for x in st.get("slices", []) if x["name"] == "gpu-suite"), None)
-            # A pass that began before the process allocated still shows its context only: wait for one after.
-            if sl and any(p.get("host_pid") == work.pid for p in sl.get("processes", [])) and \
-                    sl["gpus"][0].get("memory_used", 0) >= GIB and sl["gpus"][0].get("memory_measured", 0) >= GIB:
-                break
-            time.sleep(0.5)
-        # The agent charges the process for what the driver holds beyond its own account (its CUDA
-        # context's real size): within two passes, accounted comes up to measured.
-        first = dict(sl["gpus"][0]) if sl else {}
-        end = time.time() + 10
-        while sl and time.time() < end:
-            g0 = sl["gpus"][0]
-            if g0.get("memory_used", 0) + 64 * MIB >= g0.get("memory_measured", 0):
-                break
-            time.sleep(0.5)
-            rc, _, out, _ = s.run([ctl, "--socket", sock, "--json", "status"], env, timeout=30)
-            st = json.loads(out) if rc == 0 else {}
-            sl = next((x for x in st.get("slices", []) if x["name"] == "gpu-suite"), sl)
-        rc, _, table, _ = s.run([ctl, "--socket", sock, "status"], env, timeout=30)
-        rc_mig, _, mig, mig_err = s.run([ctl, "--socket", sock, "mig", "status"], env, timeout=60)
-        sg = sl["gpus"][0] if sl else {}
-        v = {"gpu": g.get("model"), "memory_total": g.get("memory_total"), "slice": sl, "status_table": table, "mig_status_rc": rc_mig,
-             "mig_status": (mig or mig_err).strip()[:2000]}
-        seen = bool(sl) and any(p.get("host_pid") == work.pid for p in sl.get("processes", []))
-        summary = "found %s (%s); slice 4 GiB/50 %%: its process %s, accounted %s (first seen: %s), NVML-measured %s; vgpuctl mig status rc=%d" % (
-            g.get("model"), human(g.get("memory_total")), "listed" if seen else "NOT listed", human(sg.get("memory_used")),
-            human(first.get("memory_used")), human(sg.get("memory_measured")), rc_mig)
-        if not seen or sg.get("memory_used", 0) < GIB or sg.get("memory_measured", 0) < GIB or \
-                sg.get("memory_used", 0) + 64 * MIB < sg.get("memory_measured", 0):
-            raise Fail(summary, v)
-        work.send("done")
-        work.kill()
-        rc, _, _, err = s.run([ctl, "--socket", sock, "slice", "delete", "gpu-suite"], env)
-        if rc != 0:
-            raise Fail("slice delete: %s" % tail(err))
-        return summary, v
-    finally:
-        if work:
-            work.kill()
-        a.send_signal(signal.SIGTERM)
+        sd = os.path.join(self.d, "state", "slices", name)
+        return self.s.env(False, extra={"LD_PRELOAD": self.s.lib, "CUDA_DEVICE_MEMORY_SHARED_CACHE": os.path.join(sd, "region"),
+                                        "VGPU_LIMITS_FILE": os.path.join(sd, "limits"), "CUDA_VISIBLE_DEVICES": gpu["uuid"]})
+
+
+def slice_in(status, name):
+    return next((x for x in status.get("slices", []) if x["name"] == name), None)
+
+
+def check_agent(s):
+    """The agent discovers the GPU read-only; a slice's process shows in `vgpuctl status`."""
+    with AgentRun(s, "agent") as a:
+        work = None
         try:
-            a.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            a.kill()
-        log.close()
-        s.say("agent log:\n" + open(os.path.join(d, "agent.log")).read()[-4000:])
+            g = a.first_gpu()
+            wenv = a.slice_env("gpu-suite", g, "4GiB", 50)
+            if s.torch:
+                work = Proc(s, s.worker_argv("hold", {"bytes": GIB}), wenv)
+                work.expect("holding", 120)
+            else:
+                work = Proc(s, [s.bin("gpu-probe"), "hold", "--size", str(GIB)], wenv)
+                end = time.time() + 60
+                while not work.lines and time.time() < end:
+                    time.sleep(0.05)
+            sl, end = None, time.time() + 20
+            while time.time() < end:
+                sl = slice_in(a.status(), "gpu-suite")
+                # A pass that began before the process allocated still shows its context only: wait for one after.
+                if sl and any(p.get("host_pid") == work.pid for p in sl.get("processes", [])) and \
+                        sl["gpus"][0].get("memory_used", 0) >= GIB and sl["gpus"][0].get("memory_measured", 0) >= GIB:
+                    break
+                time.sleep(0.5)
+            # The agent charges the process for what the driver holds beyond its own account (its CUDA
+            # context's real size): within two passes, accounted comes up to measured.
+            first = dict(sl["gpus"][0]) if sl else {}
+            end = time.time() + 10
+            while sl and time.time() < end:
+                g0 = sl["gpus"][0]
+                if g0.get("memory_used", 0) + 64 * MIB >= g0.get("memory_measured", 0):
+                    break
+                time.sleep(0.5)
+                sl = slice_in(a.status(), "gpu-suite") or sl
+            rc, _, table, _ = a.vgpuctl(["status"])
+            rc_mig, _, mig, mig_err = a.vgpuctl(["mig", "status"], timeout=60)
+            sg = sl["gpus"][0] if sl else {}
+            v = {"gpu": g.get("model"), "memory_total": g.get("memory_total"), "slice": sl, "status_table": table, "mig_status_rc": rc_mig,
+                 "mig_status": (mig or mig_err).strip()[:2000]}
+            seen = bool(sl) and any(p.get("host_pid") == work.pid for p in sl.get("processes", []))
+            summary = "found %s (%s); slice 4 GiB/50 %%: its process %s, accounted %s (first seen: %s), NVML-measured %s; vgpuctl mig status rc=%d" % (
+                g.get("model"), human(g.get("memory_total")), "listed" if seen else "NOT listed", human(sg.get("memory_used")),
+                human(first.get("memory_used")), human(sg.get("memory_measured")), rc_mig)
+            if not seen or sg.get("memory_used", 0) < GIB or sg.get("memory_measured", 0) < GIB or \
+                    sg.get("memory_used", 0) + 64 * MIB < sg.get("memory_measured", 0):
+                raise Fail(summary, v)
+            work.send("done")
+            work.kill()
+            rc, _, _, err = a.vgpuctl(["slice", "delete", "gpu-suite"])
+            if rc != 0:
+                raise Fail("slice delete: %s" % tail(err))
+            return summary, v
+        finally:
+            if work:
+                work.kill()
+
+
+def check_agent_sm(s):
+    """Two agent slices at 25 % and 75 % side by side: the shares, and what the agent's SM feedback
+    made of NVML's per-process samples (held when they do not add up; the refill-rate corrections)."""
+    kind = s.sm_workload()
+    base, base_util, _ = s.baseline(kind)
+    with AgentRun(s, "agent-sm") as a:
+        g = a.first_gpu()
+        envs = [a.slice_env("low", g, "16GiB", 25), a.slice_env("high", g, "16GiB", 75)]
+        seen = []
+        stop = threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                st = a.status()
+                if st.get("gpus"):
+                    seen.append({"held": st["gpus"][0].get("sm_feedback_held", False),
+                                 "utilization": st["gpus"][0].get("utilization"),
+                                 "slices": {n: ((slice_in(st, n) or {}).get("gpus") or [{}])[0] for n in ("low", "high")}})
+                stop.wait(0.5)
+
+        w = threading.Thread(target=watch, daemon=True)
+        w.start()
+        try:
+            (lo, hi), util = s.timed([(envs[0], kind), (envs[1], kind)], s.seconds * 2)
+        finally:
+            stop.set()
+            w.join()
+    glo, ghi = 100.0 * s.rate(lo) / base, 100.0 * s.rate(hi) / base
+    held = sum(1 for x in seen if x["held"])
+    rates = {n: min((x["slices"][n].get("sm_rate_ppm") or 1e6 for x in seen), default=1e6) / 1e6 for n in ("low", "high")}
+    used = {n: [x["slices"][n].get("sm_used") for x in seen[-4:]] for n in ("low", "high")}
+    v = {"low_pct": glo, "high_pct": ghi, "nvml": util, "nvml_unlimited": base_util, "workload": kind, "statuses": seen,
+         "held_statuses": held, "lowest_rate": rates}
+    summary = ("25 %% and 75 %% slices side by side: %.1f %% and %.1f %% of the unlimited throughput; NVML utilization %s; "
+               "SM feedback held in %d of %d statuses; lowest rate corrections %.2fx and %.2fx; NVML per-process shares last seen %s and %s") % (
+        glo, ghi, fmt_pct(util and util.get("mean_gpu")), held, len(seen), rates["low"], rates["high"], used["low"], used["high"])
+    # As sm-25-75, with the agent's feedback on top: it must not make the shares worse (budgets
+    # corrected on per-process samples that are not shares would show here far below).
+    if not (within(glo, 25, 5) and within(ghi, 75, 5)):
+        raise Fail(summary, v)
+    return summary, v
 
 
 CHECKS = [
@@ -758,6 +829,7 @@ CHECKS = [
     ("sm-25-75", check_sm_two),
     ("overhead", check_overhead),
     ("agent", check_agent),
+    ("agent-sm", check_agent_sm),
 ]
 
 

@@ -42,6 +42,8 @@ fn options_are_checked_and_checks_listed() {
         "sm-30",
         "sm-60",
         "sm-25-75",
+        "agent",
+        "agent-sm",
     ] {
         assert!(listed.iter().any(|l| l == c), "{c} not listed: {listed:?}");
     }
@@ -84,6 +86,12 @@ fn the_suite_passes_on_the_simulated_gpu() {
     assert!(c["values"]["launch_ratio"].as_f64().is_some_and(|x| x > 0.0), "{c}");
     let (_, c) = status("sm-25-75");
     assert!(c["values"]["a_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
+    let (_, c) = status("agent-sm");
+    assert!(c["values"]["low_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
+    assert!(
+        c["values"]["statuses"].as_array().is_some_and(|v| !v.is_empty()),
+        "the agent's status during the run: {c}"
+    );
     // The report: one row per check, the environment first.
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
     assert!(md.contains("| check | result | measured |"), "{md}");
