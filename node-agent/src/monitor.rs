@@ -128,11 +128,11 @@ const SAMPLE_STALE_PASSES: u64 = 20;
 
 /// Per-process SM samples of a GPU that add up to more than 100 %, or to more than the GPU's own
 /// utilisation while that is steady, by more than this (points) are not shares of its time. An H200
-/// with two time-sliced processes reported 92 % and 93 % for them while the GPU was 99 % busy and their
-/// real shares were about 25 % and 70 %: each process was credited nearly the whole GPU. Acting on
-/// that would drive both budgets to the controller's floor. The margin covers the different windows
-/// of the two figures; the GPU's figure is only compared with while steady (it trails the
-/// per-process samples when a workload starts, by up to its window of up to a second).
+/// with two time-sliced processes reported 92 % and 93 % for them while the GPU was 99 % busy and
+/// their throughputs were 27 % and 67 % of one alone: each process was credited nearly the whole
+/// GPU. Acting on that would drive both budgets to the controller's floor. The margin covers the
+/// different windows of the two figures; the GPU's figure is only compared with while steady (it
+/// trails the per-process samples when a workload starts, by up to its window of up to a second).
 const OVERLAP_MARGIN: u32 = 25;
 
 /// Passes over which the GPU's utilisation must stay within `OVERLAP_MARGIN` points to count as steady.
