@@ -224,7 +224,11 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
                     if i == 0 { owner.clone() } else { String::new() },
                     if g.gpu_index == u32::MAX { "?".into() } else { g.gpu_index.to_string() },
                     mem,
-                    format!("{}% / {sm_lim}", g.sm_used),
+                    if (1..100).contains(&g.sm_limit) {
+                        format!("{}% / {sm_lim} (charged {}%)", g.sm_used, g.sm_accounted)
+                    } else {
+                        format!("{}% / {sm_lim}", g.sm_used)
+                    },
                     if g.throttled_launches > 0 {
                         format!("{} ({} launches)", secs(g.throttled_ns), g.throttled_launches)
                     } else {

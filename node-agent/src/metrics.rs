@@ -174,6 +174,13 @@ pub fn render(agent: &Agent) -> String {
         "The agent's correction of the SM budget's refill rate (1: none).",
         &|g| g.sm_rate_ppm as f64 / 1e6,
     );
+    per_slice_gpu(
+        &mut o,
+        "vgpu_slice_sm_accounted_ratio",
+        "gauge",
+        "Share of the GPU's time a slice's interposers charged its launches (0..1; 0 while no SM limit applies).",
+        &|g| g.sm_accounted as f64 / 100.0,
+    );
     o.head("vgpu_slice_processes", "gauge", "Live processes of a slice.");
     for s in &st.slices {
         let ow = owner(s);

@@ -50,6 +50,10 @@ struct Cached {
     sm_ctl: [f64; vgpu_region::MAX_DEVICES],
     /// New samples in the current run of passes in which the slice was throttled on the device.
     streak: [u32; vgpu_region::MAX_DEVICES],
+    /// Per device: the GPU time its launches were charged in all, when the last pass read it
+    /// (monotonic ns), and that share of the time since the previous reading, smoothed (percent).
+    sm_acct: [(i64, u64); vgpu_region::MAX_DEVICES],
+    sm_acct_ewma: [f64; vgpu_region::MAX_DEVICES],
     /// Per live process (slot, PID): what the agent added to its usage so that it matches what the
     /// driver holds for it (see [`true_up`]), and the excess the last pass saw.
     trued: HashMap<(usize, u32), TrueUp>,
@@ -232,6 +236,8 @@ pub struct Monitor {
     /// GPU index -> its utilisation in the last `STEADY_PASSES` passes (a ring), and how many
     /// passes in a row found its samples not adding up.
     util_hist: HashMap<u32, ([u32; STEADY_PASSES], u32)>,
+    /// The origin of the pass's monotonic timestamps.
+    epoch: std::time::Instant,
     active: HashSet<String>,
     action: EscapeAction,
     passes: u64,
@@ -292,6 +298,7 @@ impl Monitor {
             sm_samples: HashMap::default(),
             held_until: HashMap::default(),
             util_hist: HashMap::default(),
+            epoch: std::time::Instant::now(),
             active: HashSet::default(),
             action,
             passes: 0,
@@ -523,6 +530,8 @@ impl Monitor {
 
         // Per slice: usage, processes, SM flags and rate, over-limit escapes.
         pass.slices.reserve(slices.len());
+        // Monotonic ns (never 0) at which this pass read the slices' SM accounting.
+        let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
         for (c, s) in self.regions.iter_mut().zip(slices) {
             let Some(c) = c else { continue };
             let gpus = &pass.gpus;
@@ -553,6 +562,15 @@ impl Monitor {
                 let sm = mine().map(|p| p.sm).sum::<u32>().min(100) as f64;
                 let e = &mut c.sm_ewma[dev];
                 *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
+                // What the interposers charged since the last pass, as a share of the time between.
+                let (acct, at) = (c.region.sm_accounted_ns(dev), now_ns);
+                let (last, last_at) = c.sm_acct[dev];
+                if last_at > 0 && at > last_at {
+                    let share = (acct.wrapping_sub(last) as f64 * 100.0 / (at - last_at) as f64).max(0.0);
+                    let e = &mut c.sm_acct_ewma[dev];
+                    *e = 0.8 * *e + 0.2 * share;
+                }
+                c.sm_acct[dev] = (acct, at);
                 let throttled = d.sm_throttled_launches.load(Relaxed);
                 // The controller: only while the slice is throttled (its demand exceeds its budget),
                 // from new samples (not the first, which covers NVML's whole window), after ten of
@@ -612,6 +630,7 @@ impl Monitor {
                     oom_rejections: d.oom_rejections.load(Relaxed),
                     memory_peak: d.peak_used.load(Relaxed),
                     sm_rate_ppm: if rate == 0 { 1_000_000 } else { rate },
+                    sm_accounted: c.sm_acct_ewma[dev].round() as u32,
                 });
                 for (pid, host, used) in live {
                     let host_pid =
@@ -701,6 +720,8 @@ impl Monitor {
                     sm_ewma: [f64::NAN; vgpu_region::MAX_DEVICES],
                     sm_ctl: [f64::NAN; vgpu_region::MAX_DEVICES],
                     streak: [0; vgpu_region::MAX_DEVICES],
+                    sm_acct: [(0, 0); vgpu_region::MAX_DEVICES],
+                    sm_acct_ewma: [0.0; vgpu_region::MAX_DEVICES],
                     trued: HashMap::default(),
                 })
             }

@@ -62,7 +62,11 @@ pub struct Device {
     pub sm_charged_ns: AtomicU64,
     pub sm_throttled_ns: AtomicU64,
     pub sm_throttled_launches: AtomicU64,
-    pub _reserved: [AtomicU64; 5],
+    /// GPU ns the budget has been refilled with (what the cap kept), ever: with `sm_tokens`, what the
+    /// container's launches were charged over a window is (change of this) - (change of the
+    /// tokens). Written on the refill path only. Libraries from before it leave it 0.
+    pub sm_earned_ns: AtomicU64,
+    pub _reserved: [AtomicU64; 4],
 }
 
 #[repr(C)]

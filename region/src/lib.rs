@@ -471,9 +471,12 @@ impl Region {
             let burst = SM_BURST_WALL_NS as i64 * rate / 100_000_000;
             let earned = if last == 0 { burst } else { ((now_ns - last) as i128 * rate as i128 / 100_000_000) as i64 };
             let t = d.sm_tokens.fetch_add(earned, AcqRel).saturating_add(earned);
+            let mut kept = earned;
             if t > burst {
-                d.sm_tokens.fetch_min(burst, AcqRel);
+                let before = d.sm_tokens.fetch_min(burst, AcqRel);
+                kept -= (before - burst).clamp(0, earned);
             }
+            d.sm_earned_ns.fetch_add(kept.max(0) as u64, Relaxed);
         }
         let t = d.sm_tokens.load(Acquire);
         if t <= 0 {
@@ -490,6 +493,15 @@ impl Region {
         let d = &self.map.devices[dev];
         d.sm_tokens.fetch_add(delta_ns, AcqRel);
         d.sm_charged_ns.fetch_add(measured_ns, Relaxed);
+    }
+
+    /// GPU ns the container's launches on `dev` have been charged in all, net of corrections, as
+    /// far as the budget tells (refills kept less the budget left); the difference of two readings
+    /// is what was charged between them.
+    pub fn sm_accounted_ns(&self, dev: usize) -> i64 {
+        let d = &self.map.devices[dev];
+        let earned = d.sm_earned_ns.load(Acquire);
+        (earned as i64).wrapping_sub(d.sm_tokens.load(Acquire))
     }
 
     /// Records a throttled launch that waited `ns`.

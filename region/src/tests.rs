@@ -192,6 +192,32 @@ fn sm_budget_refills_caps_and_carries_debt() {
 }
 
 #[test]
+fn what_launches_were_charged_is_told_by_refills_and_the_budget() {
+    let p = tmp("smacct");
+    let r = Region::open_or_create(&p, init(0)).unwrap();
+    let t0 = 1_000_000_000;
+    let mut charged = 0i64;
+    let mut admit = |at: u64, cost: u64| {
+        if r.sm_admit(0, 10, at, cost).is_ok() {
+            charged += cost as i64;
+        }
+    };
+    // Charges through refills (first burst, earned time), a refused launch, and debt.
+    admit(t0, 1_500_000);
+    admit(t0 + 1_000, 1_000_000);
+    admit(t0 + 2_000, 1);
+    admit(t0 + 40_000_000, 700_000);
+    // An idle second: the refill is capped, and the cut is not counted as earned.
+    admit(t0 + 1_040_000_000, 2_000_000);
+    admit(t0 + 1_040_000_000, 50_000);
+    assert_eq!(r.sm_accounted_ns(0), charged);
+    // A correction (charged more than the launch took) is taken off.
+    r.sm_correct(0, 300_000, 0);
+    assert_eq!(r.sm_accounted_ns(0), charged - 300_000);
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
 fn sm_rate_correction_scales_the_refill() {
     let p = tmp("smrate");
     let r = Region::open_or_create(&p, init(0)).unwrap();

@@ -803,11 +803,14 @@ def check_agent_sm(s):
     held = sum(1 for x in seen if x["held"])
     rates = {n: min((x["slices"][n].get("sm_rate_ppm") or 1e6 for x in seen), default=1e6) / 1e6 for n in ("low", "high")}
     used = {n: [x["slices"][n].get("sm_used") for x in seen[-4:]] for n in ("low", "high")}
+    charged = {n: [x["slices"][n].get("sm_accounted") for x in seen[-4:]] for n in ("low", "high")}
     v = {"low_pct": glo, "high_pct": ghi, "nvml": util, "nvml_unlimited": base_util, "workload": kind, "statuses": seen,
          "held_statuses": held, "lowest_rate": rates}
     summary = ("25 %% and 75 %% slices side by side: %.1f %% and %.1f %% of the unlimited throughput; NVML utilization %s; "
-               "SM feedback held in %d of %d statuses; lowest rate corrections %.2fx and %.2fx; NVML per-process shares last seen %s and %s") % (
-        glo, ghi, fmt_pct(util and util.get("mean_gpu")), held, len(seen), rates["low"], rates["high"], used["low"], used["high"])
+               "SM feedback held in %d of %d statuses; lowest rate corrections %.2fx and %.2fx; NVML per-process shares last seen %s and %s; "
+               "charged by the interposers %s and %s") % (
+        glo, ghi, fmt_pct(util and util.get("mean_gpu")), held, len(seen), rates["low"], rates["high"], used["low"], used["high"],
+        charged["low"], charged["high"])
     # As sm-25-75, with the agent's feedback on top: it must not make the shares worse (budgets
     # corrected on per-process samples that are not shares would show here far below).
     if not (within(glo, 25, 5) and within(ghi, 75, 5)):

@@ -501,6 +501,10 @@ fn the_sm_controller_holds_when_per_process_samples_do_not_add_up() {
         assert!(rate >= 950_000, "{name}: the rate was corrected to {rate} ppm on samples that do not add up");
     }
     assert!(table.contains("GPU 0: NVML's per-process SM samples add up to more than its utilisation"), "{table}");
+    // What the interposers charged (their own accounting) is shown beside NVML's figure.
+    let acct = |st: &Value, name| slice_of(st, name)["gpus"][0]["sm_accounted"].as_u64().unwrap();
+    assert!((20..=30).contains(&acct(&st, "low")) && (65..=82).contains(&acct(&st, "high")), "{st}");
+    assert!(table.contains(&format!("/ 25% (charged {}%)", acct(&st, "low"))), "{table}");
     // 4 s of 5 ms kernels is 800 for the whole GPU: the interposers' own accounting stands.
     assert!((170..=230).contains(&k[0]) && (540..=630).contains(&k[1]), "25/75 ran {k:?} of 800");
 
@@ -512,6 +516,7 @@ fn the_sm_controller_holds_when_per_process_samples_do_not_add_up() {
     assert_eq!(held, 0, "held on samples that add up");
     let used = |name| slice_of(&st, name)["gpus"][0]["sm_used"].as_u64().unwrap();
     assert!((17..=33).contains(&used("low")) && (60..=86).contains(&used("high")), "{st}");
+    assert!((20..=30).contains(&acct(&st, "low")) && (65..=82).contains(&acct(&st, "high")), "{st}");
     assert!(!table.contains("corrections held"), "{table}");
     assert!((170..=230).contains(&k[0]) && (540..=630).contains(&k[1]), "25/75 ran {k:?} of 800");
 }
