@@ -703,8 +703,9 @@ class AgentRun:
             time.sleep(0.5)
         raise Fail("the agent did not report a GPU within 60 s (log: %s)" % tail(self.log()))
 
-    def slice_env(self, name, gpu, memory, sm):
-        rc, _, _, err = self.vgpuctl(["slice", "create", "--name", name, "--gpu", "0", "--memory", memory, "--sm", str(sm)])
+    def slice_env(self, name, gpu, memory, sm=None):
+        sm_args = [] if sm is None else ["--sm", str(sm)]
+        rc, _, _, err = self.vgpuctl(["slice", "create", "--name", name, "--gpu", "0", "--memory", str(memory)] + sm_args)
         if rc != 0:
             raise Fail("slice create: %s" % tail(err))
         sd = os.path.join(self.d, "state", "slices", name)
@@ -772,6 +773,62 @@ def check_agent(s):
                 work.kill()
 
 
+def check_oom_agent(s):
+    """`oom` in an agent slice of the same limit: the agent charges the process for what the driver
+    holds beyond its own account (the CUDA context's real size), so when it is refused it really
+    holds no more than the limit."""
+    lim = s.limit
+    with AgentRun(s, "agent-oom") as a:
+        env = a.slice_env("oom", a.first_gpu(), lim)
+
+        def trued_up(pid):
+            """Waits (10 s at most) until the agent accounts the process at what NVML measures."""
+            end, sg = time.time() + 10, {}
+            while time.time() < end:
+                sl = slice_in(a.status(), "oom") or {}
+                sg = (sl.get("gpus") or [{}])[0]
+                if any(p.get("host_pid") == pid for p in sl.get("processes", [])) and \
+                        sg.get("memory_used", 0) + 64 * MIB >= sg.get("memory_measured", 0) > 0:
+                    break
+                time.sleep(0.25)
+            return sg
+
+        if s.torch:
+            p = Proc(s, s.worker_argv("oom", {"chunk": 512 * MIB, "pause": True}), env)
+            try:
+                p.expect("baseline", 180)
+                at_start = trued_up(p.pid)
+                p.send("go")
+                p.expect("at-oom", 180)
+                real = nvml_process_used(s, p.pid)
+                p.send("go")
+                j = p.result(120)
+            finally:
+                p.kill()
+            refused, chunks = j["oom_error"] == "OutOfMemoryError", j["chunks"]
+        else:
+            p = Proc(s, [s.bin("gpu-probe"), "fill", "--chunk", str(512 * MIB), "--pause"], env)
+            try:
+                p.expect("ready", 60)
+                at_start = trued_up(p.pid)
+                p.send("go")
+                end = time.time() + 60
+                while len([x for x in p.lines if x]) < 2 and time.time() < end:
+                    time.sleep(0.05)
+                j = (parse_json(p.lines[1]) if len(p.lines) > 1 and p.lines[1] else None) or {}
+                real = nvml_process_used(s, p.pid)
+            finally:
+                p.kill()
+            refused, chunks = j.get("result") == "CUDA_ERROR_OUT_OF_MEMORY", j.get("chunks", 0)
+    v = dict(j, limit=lim, nvml_used_at_oom=real, slice_before=at_start)
+    summary = "in a %s slice: before allocating, accounted %s and NVML %s; refused after %d x 512 MiB; real usage then (NVML) %s" % (
+        human(lim), human(at_start.get("memory_used")), human(at_start.get("memory_measured")), chunks, human(real))
+    if not refused or real is None or real > lim:
+        raise Fail(summary + ("" if refused else "; not refused") + (
+            "; over the limit" if real is not None and real > lim else ""), v)
+    return summary, v
+
+
 def check_agent_sm(s):
     """Two agent slices at 25 % and 75 % side by side: the shares, and what the agent's SM feedback
     made of NVML's per-process samples (held when they do not add up; the refill-rate corrections)."""
@@ -832,6 +889,7 @@ CHECKS = [
     ("sm-25-75", check_sm_two),
     ("overhead", check_overhead),
     ("agent", check_agent),
+    ("oom-agent", check_oom_agent),
     ("agent-sm", check_agent_sm),
 ]
 

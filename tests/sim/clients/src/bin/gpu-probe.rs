@@ -7,6 +7,9 @@
 //!        gpu-probe latency [--launches N] [--allocs N] [--size BYTES]
 //!        gpu-probe alloc --size BYTES            (allocates, frees, reports)
 //!        gpu-probe hold --size BYTES             (allocates, reports, sleeps until killed)
+//!        gpu-probe fill --chunk BYTES [--pause]  (allocates chunks until refused, reports, sleeps until
+//!                                                killed; --pause: says "ready" with its context made and
+//!                                                waits for a line on stdin first)
 //!        gpu-probe reset --size BYTES            (allocates, resets the primary context, allocates again)
 //!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S]
 //! Each prints one JSON object; exit 1 on a driver error, 2 on bad usage.
@@ -237,6 +240,36 @@ fn alloc(args: &[String], hold: bool) -> Result<Value, String> {
     Ok(v)
 }
 
+/// Allocates `--chunk` bytes at a time until the driver refuses one, reports, and holds it all until
+/// killed (the suite reads what the process really holds meanwhile).
+fn fill(args: &[String]) -> Result<Value, String> {
+    let chunk = opt(args, "--chunk", -1.0)?;
+    if chunk <= 0.0 {
+        return Err("--chunk BYTES is required".into());
+    }
+    let (p, _) = Probe::open()?;
+    if args.iter().any(|a| a == "--pause") {
+        println!("{}", json!({"event": "ready"}));
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+    }
+    let mut n = 0u64;
+    let r = loop {
+        let mut d = 0;
+        // SAFETY: out-pointer to a local.
+        let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, chunk as usize) };
+        if r != CUresult::SUCCESS || n >= 1 << 20 {
+            break r;
+        }
+        n += 1;
+    };
+    let v = json!({"chunks": n, "allocated": n * chunk as u64, "result": p.name(r)});
+    println!("{v}");
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
 /// (free, total) of the current device as this process sees it.
 fn mem_info(p: &Probe) -> Result<Value, String> {
     let (mut f, mut t) = (0usize, 0usize);
@@ -311,10 +344,11 @@ fn main() {
         Some("latency") => latency(&args[1..]),
         Some("alloc") => alloc(&args[1..], false),
         Some("hold") => alloc(&args[1..], true),
+        Some("fill") => fill(&args[1..]),
         Some("spin") => spin(&args[1..]),
         Some("reset") => reset(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | reset --size B | spin [--ns NS] [--seconds S] [--start-at T]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T]");
             std::process::exit(2);
         }
     };
