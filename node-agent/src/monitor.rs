@@ -142,13 +142,24 @@ const OVERLAP_MARGIN: u32 = 25;
 /// Passes over which the GPU's utilisation must stay within `OVERLAP_MARGIN` points to count as steady.
 const STEADY_PASSES: usize = 10;
 
-/// Passes in a row that must find a GPU's samples not adding up before its feedback is held: a GPU
-/// idle until a moment ago still shows its old utilisation for a pass.
-const OVERLAP_PASSES: u32 = 3;
+/// How long a GPU's samples must fail to add up without a break before the GPU is reported as held
+/// (status, metric, log): longer than a workload's start, when the GPU's figure (a window of up to a
+/// second) trails its processes' samples. The controller itself skips every pass that fails.
+const HELD_AFTER_NS: u64 = 2_000_000_000;
 
-/// Passes the controller holds on a GPU after its per-process samples last failed to add up (a
-/// second at 100 ms: the sums of a few consistent passes in between are not trusted).
-const HOLD_PASSES: u64 = 10;
+/// How long a GPU stays reported as held after its samples last failed to add up.
+const HELD_FOR_NS: u64 = 1_000_000_000;
+
+/// Per GPU: what the check that its processes' SM samples add up keeps between passes.
+struct Feedback {
+    /// Its utilisation in the last `STEADY_PASSES` passes (a ring; `u32::MAX` not yet seen).
+    util: [u32; STEADY_PASSES],
+    /// Since when (monotonic ns) its samples have failed to add up, without a break.
+    failing_since: Option<u64>,
+    /// Reported held until then (monotonic ns), and whether it was in the last pass.
+    held_until: u64,
+    held: bool,
+}
 
 /// A process's latest NVML SM sample on one GPU.
 #[derive(Clone, Copy)]
@@ -191,9 +202,11 @@ pub struct GpuSample {
     pub memory_used: u64,
     pub memory_total: u64,
     pub utilization: u32,
-    /// Its processes' SM samples do not add up to its utilisation (see [`OVERLAP_MARGIN`]): the SM
-    /// controller holds its corrections for the slices on it.
+    /// Its processes' SM samples have not added up for a while (see [`OVERLAP_MARGIN`],
+    /// [`HELD_AFTER_NS`]): the SM controller holds its corrections for the slices on it.
     pub sm_feedback_held: bool,
+    /// They do not add up in this pass: the controller skips it.
+    pub sm_samples_fail: bool,
     /// Slices using it, and whether processes outside every slice use it.
     pub slices: u32,
     pub outsiders: bool,
@@ -231,11 +244,8 @@ pub struct Monitor {
     util_seen: HashMap<u32, u64>,
     /// (GPU index, host PID) -> that process's latest SM sample.
     sm_samples: HashMap<(u32, u32), SmSample>,
-    /// GPU index -> the pass until which its SM feedback is held.
-    held_until: HashMap<u32, u64>,
-    /// GPU index -> its utilisation in the last `STEADY_PASSES` passes (a ring), and how many
-    /// passes in a row found its samples not adding up.
-    util_hist: HashMap<u32, ([u32; STEADY_PASSES], u32)>,
+    /// GPU index -> the check of its per-process samples.
+    feedback: HashMap<u32, Feedback>,
     /// The origin of the pass's monotonic timestamps.
     epoch: std::time::Instant,
     active: HashSet<String>,
@@ -296,8 +306,7 @@ impl Monitor {
             procs: HashMap::default(),
             util_seen: HashMap::default(),
             sm_samples: HashMap::default(),
-            held_until: HashMap::default(),
-            util_hist: HashMap::default(),
+            feedback: HashMap::default(),
             epoch: std::time::Instant::now(),
             active: HashSet::default(),
             action,
@@ -453,6 +462,8 @@ impl Monitor {
 
         // Each GPU process: its slice's (with its SM share), or an escape.
         let mut seen_pids = HashSet::default();
+        // Monotonic ns (never 0) of this pass.
+        let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
         // Samples older than a few passes no longer stand for their process.
         let passes = self.passes;
         self.sm_samples.retain(|_, x| x.pass + SAMPLE_STALE_PASSES >= passes);
@@ -470,24 +481,29 @@ impl Monitor {
                     active += 1;
                 }
             }
-            let (hist, run) = self.util_hist.entry(g.index).or_insert(([u32::MAX; STEADY_PASSES], 0));
-            hist[passes as usize % STEADY_PASSES] = g.utilization;
-            let (lo, hi) = hist.iter().fold((u32::MAX, 0), |(lo, hi), &u| (lo.min(u), hi.max(u)));
+            let f = self.feedback.entry(g.index).or_insert(Feedback {
+                util: [u32::MAX; STEADY_PASSES],
+                failing_since: None,
+                held_until: 0,
+                held: false,
+            });
+            f.util[passes as usize % STEADY_PASSES] = g.utilization;
+            let (lo, hi) = f.util.iter().fold((u32::MAX, 0), |(lo, hi), &u| (lo.min(u), hi.max(u)));
             let steady = hi != u32::MAX && hi - lo <= OVERLAP_MARGIN;
-            let overlap =
-                active >= 2 && (sum > 100 + OVERLAP_MARGIN || (steady && sum > g.utilization + OVERLAP_MARGIN));
-            *run = if overlap { *run + 1 } else { 0 };
-            let was_held = self.held_until.get(&g.index).is_some_and(|&u| u >= passes);
-            if *run >= OVERLAP_PASSES {
-                if !was_held {
-                    tracing::warn!(gpu = %g.uuid, processes_sum = sum, utilization = g.utilization,
-                        "per-process SM samples add up to more than the GPU's utilisation; SM feedback held");
-                }
-                self.held_until.insert(g.index, passes + HOLD_PASSES);
-            } else if was_held && self.held_until.get(&g.index) == Some(&passes) {
+            let fail = active >= 2 && (sum > 100 + OVERLAP_MARGIN || (steady && sum > g.utilization + OVERLAP_MARGIN));
+            f.failing_since = if fail { Some(f.failing_since.unwrap_or(now_ns)) } else { None };
+            if f.failing_since.is_some_and(|t| now_ns - t >= HELD_AFTER_NS) {
+                f.held_until = now_ns + HELD_FOR_NS;
+            }
+            let held = now_ns < f.held_until;
+            if held && !f.held {
+                tracing::warn!(gpu = %g.uuid, processes_sum = sum, utilization = g.utilization,
+                    "per-process SM samples add up to more than the GPU's utilisation; SM feedback held");
+            } else if !held && f.held {
                 tracing::info!(gpu = %g.uuid, "per-process SM samples add up again; SM feedback resumed");
             }
-            g.sm_feedback_held = self.held_until.get(&g.index).is_some_and(|&u| u > passes);
+            f.held = held;
+            (g.sm_feedback_held, g.sm_samples_fail) = (held, fail);
             for (pid, mem) in procs {
                 seen_pids.insert(pid);
                 match self.owner(pid, slices) {
@@ -530,8 +546,6 @@ impl Monitor {
 
         // Per slice: usage, processes, SM flags and rate, over-limit escapes.
         pass.slices.reserve(slices.len());
-        // Monotonic ns (never 0) at which this pass read the slices' SM accounting.
-        let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
         for (c, s) in self.regions.iter_mut().zip(slices) {
             let Some(c) = c else { continue };
             let gpus = &pass.gpus;
@@ -574,9 +588,10 @@ impl Monitor {
                 let throttled = d.sm_throttled_launches.load(Relaxed);
                 // The controller: only while the slice is throttled (its demand exceeds its budget),
                 // from new samples (not the first, which covers NVML's whole window), after ten of
-                // them, outside a 1-point dead band, and not while the GPU's samples do not add up.
+                // them, outside a 1-point dead band, and not while the GPU's samples do not add up
+                // (a pass where they do not restarts the count).
                 let limit = c.region.sm_limit(dev).min(sg.sm.max(1));
-                let held = gpu.is_none_or(|g| g.sm_feedback_held);
+                let held = gpu.is_none_or(|g| g.sm_feedback_held || g.sm_samples_fail);
                 let sampled = gpu.is_some_and(|g| self.fresh.contains(&g.index)) && mine().any(|p| p.sm_new);
                 if throttled <= c.throttled_launches[dev] || held || !(1..100).contains(&sg.sm) {
                     c.streak[dev] = 0;
