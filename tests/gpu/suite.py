@@ -416,6 +416,22 @@ def nvml_process_used(s, pid):
     return None
 
 
+def torch_oom(s, env, at_baseline):
+    """The PyTorch `oom` worker: 512 MiB tensors until refused. Returns its result, what NVML says
+    the process really holds when refused, and what `at_baseline(pid)` gave before it allocated."""
+    p = Proc(s, s.worker_argv("oom", {"chunk": 512 * MIB, "pause": True}), env)
+    try:
+        p.expect("baseline", 180)
+        before = at_baseline(p.pid)
+        p.send("go")
+        p.expect("at-oom", 180)
+        real = nvml_process_used(s, p.pid)
+        p.send("go")
+        return p.result(120), real, before
+    finally:
+        p.kill()
+
+
 def check_oom(s):
     """Past the limit: the out-of-memory error; under it: success; after freeing: the baseline."""
     lim = s.limit
@@ -425,17 +441,7 @@ def check_oom(s):
         if over["ok"] or not under["ok"] or over["result"] != "CUDA_ERROR_OUT_OF_MEMORY":
             raise Fail("over the limit: %s; half the limit: %s" % (over["result"], under["result"]))
         return "limit+1 MiB: %s; limit/2: ok" % over["result"], {"over": over, "under": under}
-    p = Proc(s, s.worker_argv("oom", {"chunk": 512 * MIB, "pause": True}), s.env(True, mem=lim))
-    try:
-        p.expect("baseline", 180)
-        context = nvml_process_used(s, p.pid)
-        p.send("go")
-        p.expect("at-oom", 180)
-        real = nvml_process_used(s, p.pid)
-        p.send("go")
-        j = p.result(120)
-    finally:
-        p.kill()
+    j, real, context = torch_oom(s, s.env(True, mem=lim), lambda pid: nvml_process_used(s, pid))
     v = dict(j, limit=lim, nvml_used_at_oom=real, nvml_context=context)
     problems = []
     if j["oom_error"] != "OutOfMemoryError":
@@ -703,6 +709,16 @@ class AgentRun:
             time.sleep(0.5)
         raise Fail("the agent did not report a GPU within 60 s (log: %s)" % tail(self.log()))
 
+    def wait_slice(self, name, ok, timeout):
+        """Polls the status until slice `name` satisfies `ok` (at most `timeout` s); returns the last
+        status of it seen (None if it never showed)."""
+        end, sl = time.time() + timeout, None
+        while True:
+            sl = slice_in(self.status(), name) or sl
+            if (sl and ok(sl)) or time.time() >= end:
+                return sl
+            time.sleep(0.25)
+
     def slice_env(self, name, gpu, memory, sm=None):
         sm_args = [] if sm is None else ["--sm", str(sm)]
         rc, _, _, err = self.vgpuctl(["slice", "create", "--name", name, "--gpu", "0", "--memory", str(memory)] + sm_args)
@@ -715,6 +731,18 @@ class AgentRun:
 
 def slice_in(status, name):
     return next((x for x in status.get("slices", []) if x["name"] == name), None)
+
+
+def listed(sl, pid):
+    """Whether process `pid` (host PID) is listed in slice status `sl`."""
+    return any(p.get("host_pid") == pid for p in sl.get("processes", []))
+
+
+def trued(sl):
+    """Whether the slice's accounted memory on its first GPU is within 64 MiB of what NVML measures
+    (the agent's true-up has charged what the driver holds beyond the processes' own accounts)."""
+    g = sl["gpus"][0]
+    return g.get("memory_used", 0) + 64 * MIB >= g.get("memory_measured", 0)
 
 
 def check_agent(s):
@@ -732,35 +760,24 @@ def check_agent(s):
                 end = time.time() + 60
                 while not work.lines and time.time() < end:
                     time.sleep(0.05)
-            sl, end = None, time.time() + 20
-            while time.time() < end:
-                sl = slice_in(a.status(), "gpu-suite")
-                # A pass that began before the process allocated still shows its context only: wait for one after.
-                if sl and any(p.get("host_pid") == work.pid for p in sl.get("processes", [])) and \
-                        sl["gpus"][0].get("memory_used", 0) >= GIB and sl["gpus"][0].get("memory_measured", 0) >= GIB:
-                    break
-                time.sleep(0.5)
+            # A pass that began before the process allocated still shows its context only: wait for one after.
+            sl = a.wait_slice("gpu-suite", lambda sl: listed(sl, work.pid) and sl["gpus"][0].get("memory_used", 0) >= GIB
+                              and sl["gpus"][0].get("memory_measured", 0) >= GIB, 20)
             # The agent charges the process for what the driver holds beyond its own account (its CUDA
             # context's real size): within two passes, accounted comes up to measured.
             first = dict(sl["gpus"][0]) if sl else {}
-            end = time.time() + 10
-            while sl and time.time() < end:
-                g0 = sl["gpus"][0]
-                if g0.get("memory_used", 0) + 64 * MIB >= g0.get("memory_measured", 0):
-                    break
-                time.sleep(0.5)
-                sl = slice_in(a.status(), "gpu-suite") or sl
+            if sl:
+                sl = a.wait_slice("gpu-suite", trued, 10) or sl
             rc, _, table, _ = a.vgpuctl(["status"])
             rc_mig, _, mig, mig_err = a.vgpuctl(["mig", "status"], timeout=60)
             sg = sl["gpus"][0] if sl else {}
             v = {"gpu": g.get("model"), "memory_total": g.get("memory_total"), "slice": sl, "status_table": table, "mig_status_rc": rc_mig,
                  "mig_status": (mig or mig_err).strip()[:2000]}
-            seen = bool(sl) and any(p.get("host_pid") == work.pid for p in sl.get("processes", []))
+            seen = bool(sl) and listed(sl, work.pid)
             summary = "found %s (%s); slice 4 GiB/50 %%: its process %s, accounted %s (first seen: %s), NVML-measured %s; vgpuctl mig status rc=%d" % (
                 g.get("model"), human(g.get("memory_total")), "listed" if seen else "NOT listed", human(sg.get("memory_used")),
                 human(first.get("memory_used")), human(sg.get("memory_measured")), rc_mig)
-            if not seen or sg.get("memory_used", 0) < GIB or sg.get("memory_measured", 0) < GIB or \
-                    sg.get("memory_used", 0) + 64 * MIB < sg.get("memory_measured", 0):
+            if not seen or sg.get("memory_used", 0) < GIB or sg.get("memory_measured", 0) < GIB or not trued(sl):
                 raise Fail(summary, v)
             work.send("done")
             work.kill()
@@ -783,28 +800,11 @@ def check_oom_agent(s):
 
         def trued_up(pid):
             """Waits (10 s at most) until the agent accounts the process at what NVML measures."""
-            end, sg = time.time() + 10, {}
-            while time.time() < end:
-                sl = slice_in(a.status(), "oom") or {}
-                sg = (sl.get("gpus") or [{}])[0]
-                if any(p.get("host_pid") == pid for p in sl.get("processes", [])) and \
-                        sg.get("memory_used", 0) + 64 * MIB >= sg.get("memory_measured", 0) > 0:
-                    break
-                time.sleep(0.25)
-            return sg
+            sl = a.wait_slice("oom", lambda sl: listed(sl, pid) and trued(sl) and sl["gpus"][0].get("memory_measured", 0) > 0, 10)
+            return ((sl or {}).get("gpus") or [{}])[0]
 
         if s.torch:
-            p = Proc(s, s.worker_argv("oom", {"chunk": 512 * MIB, "pause": True}), env)
-            try:
-                p.expect("baseline", 180)
-                at_start = trued_up(p.pid)
-                p.send("go")
-                p.expect("at-oom", 180)
-                real = nvml_process_used(s, p.pid)
-                p.send("go")
-                j = p.result(120)
-            finally:
-                p.kill()
+            j, real, at_start = torch_oom(s, env, trued_up)
             refused, chunks = j["oom_error"] == "OutOfMemoryError", j["chunks"]
         else:
             p = Proc(s, [s.bin("gpu-probe"), "fill", "--chunk", str(512 * MIB), "--pause"], env)
