@@ -60,6 +60,29 @@ fn secs(ns: u64) -> String {
     }
 }
 
+/// A past span as a person reads it: whole seconds, minutes, hours or days.
+fn span(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m", s / 60),
+        3600..86400 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{:02}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+/// When a slice's kernels last ran on a GPU, as of the status's time: "3s ago", or "none in 5m"
+/// when the agent has seen none since it began watching the slice.
+fn last_kernel(now_ms: u64, last_ms: u64, watched_ms: u64) -> String {
+    if last_ms > 0 {
+        format!("{} ago", span(now_ms.saturating_sub(last_ms)))
+    } else if watched_ms > 0 {
+        format!("none in {}", span(now_ms.saturating_sub(watched_ms)))
+    } else {
+        "-".into()
+    }
+}
+
 /// Terminal colours (none when not on a terminal or with `NO_COLOR`).
 #[derive(Clone, Copy)]
 pub struct Style {
@@ -189,9 +212,10 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
     if st.slices.is_empty() {
         o.push_str("no slices (create one: vgpuctl slice create --gpu 0 --memory 8GiB --sm 30 --name job1)\n");
     } else {
-        let mut rows = vec![["SLICE", "GPU", "MEMORY USED / LIMIT", "SM USED / LIMIT", "THROTTLED", "PROCESSES"]
-            .map(|s| style.bold(s))
-            .to_vec()];
+        let mut rows =
+            vec![["SLICE", "GPU", "MEMORY USED / LIMIT", "SM USED / LIMIT", "THROTTLED", "LAST KERNEL", "PROCESSES"]
+                .map(|s| style.bold(s))
+                .to_vec()];
         for s in &st.slices {
             let owner = match (s.labels.get("namespace"), s.labels.get("pod"), s.labels.get("container")) {
                 (Some(n), Some(p), Some(c)) => format!("{}  ({n}/{p}/{c})", s.name),
@@ -234,6 +258,7 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
                     } else {
                         "-".into()
                     },
+                    last_kernel(st.timestamp_ms, g.last_kernel_unix_ms, s.watched_since_unix_ms),
                     if procs.is_empty() { "-".into() } else { procs.join(", ") },
                 ]);
             }
@@ -761,5 +786,18 @@ mod tests {
         let st = Style { colour: true };
         let t = table(&[vec![st.red("a"), "b".into()], vec!["ccc".into(), "d".into()]]);
         assert_eq!(t, "\x1b[31ma\x1b[0m    b\nccc  d\n");
+    }
+
+    #[test]
+    fn last_kernels_read_as_spans() {
+        let now = 10_000_000_000;
+        assert_eq!(last_kernel(now, now - 3_400, 1), "3s ago");
+        assert_eq!(last_kernel(now, now - 125_000, 1), "2m ago");
+        assert_eq!(last_kernel(now, now - (2 * 3600 + 5 * 60) * 1000, 1), "2h05m ago");
+        assert_eq!(last_kernel(now, now - (3 * 86400 + 4 * 3600) * 1000, 1), "3d04h ago");
+        assert_eq!(last_kernel(now, 0, now - 300_000), "none in 5m");
+        // A sample dated a little after the status (clocks read apart): not a negative span.
+        assert_eq!(last_kernel(now, now + 50, 1), "0s ago");
+        assert_eq!(last_kernel(now, 0, 0), "-");
     }
 }

@@ -60,39 +60,52 @@ pub fn render(agent: &Agent) -> String {
         "GPU utilisation over NVML's last sample period (0..1).",
         &|g| g.utilization as f64 / 100.0,
     );
-    let per_slice_gpu = |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::SliceGpuStatus) -> f64| {
-        o.head(name, kind, help);
-        for s in &st.slices {
-            let ow = owner(s);
-            for (i, g) in s.gpus.iter().enumerate() {
-                let idx = i.to_string();
-                let mut l: Vec<(&str, &str)> = ow.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                l.push(("vdevice_index", &idx));
-                l.push(("device_uuid", &g.uuid));
-                o.put(name, &l, f(g));
+    let per_slice_gpu =
+        |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::SliceStatus, &pb::SliceGpuStatus) -> f64| {
+            o.head(name, kind, help);
+            for s in &st.slices {
+                let ow = owner(s);
+                for (i, g) in s.gpus.iter().enumerate() {
+                    let idx = i.to_string();
+                    let mut l: Vec<(&str, &str)> = ow.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    l.push(("vdevice_index", &idx));
+                    l.push(("device_uuid", &g.uuid));
+                    o.put(name, &l, f(s, g));
+                }
             }
-        }
-    };
+        };
     per_slice_gpu(
         &mut o,
         "hami_vgpu_memory_used_bytes",
         "gauge",
         "Device memory a container's processes hold, as its interposers account it.",
-        &|g| g.memory_used as f64,
+        &|_, g| g.memory_used as f64,
     );
     per_slice_gpu(
         &mut o,
         "hami_vgpu_memory_limit_bytes",
         "gauge",
         "A container's device memory limit (0: none).",
-        &|g| g.memory_limit as f64,
+        &|_, g| g.memory_limit as f64,
     );
     per_slice_gpu(
         &mut o,
         "hami_container_device_utilization_ratio",
         "gauge",
         "Share of the GPU's time a container used in the last pass (0..1).",
-        &|g| g.sm_used as f64 / 100.0,
+        &|_, g| g.sm_used as f64 / 100.0,
+    );
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    per_slice_gpu(
+        &mut o,
+        "hami_container_last_kernel_elapsed_seconds",
+        "gauge",
+        "Seconds since the agent last saw a container's kernels on the GPU (NVML per-process samples, or launches \
+         its interposers charged); with none seen, since the agent began watching it (a lower bound).",
+        &|s, g| {
+            let since = if g.last_kernel_unix_ms > 0 { g.last_kernel_unix_ms } else { s.watched_since_unix_ms };
+            now_ms.saturating_sub(since) as f64 / 1000.0
+        },
     );
     o.head("hami_mig_device_info", "gauge", "MIG instances (value 1).");
     for g in &st.gpus {
@@ -131,19 +144,19 @@ pub fn render(agent: &Agent) -> String {
         "vgpu_slice_memory_measured_bytes",
         "gauge",
         "Device memory of a slice's processes as NVML measures it.",
-        &|g| g.memory_measured as f64,
+        &|_, g| g.memory_measured as f64,
     );
     per_slice_gpu(
         &mut o,
         "vgpu_slice_memory_drift_bytes",
         "gauge",
         "NVML-measured minus interposer-accounted memory (contexts, escapes).",
-        &|g| g.memory_measured as f64 - g.memory_used as f64,
+        &|_, g| g.memory_measured as f64 - g.memory_used as f64,
     );
-    per_slice_gpu(&mut o, "vgpu_slice_memory_peak_bytes", "gauge", "Highest accounted memory of a slice.", &|g| {
+    per_slice_gpu(&mut o, "vgpu_slice_memory_peak_bytes", "gauge", "Highest accounted memory of a slice.", &|_, g| {
         g.memory_peak as f64
     });
-    per_slice_gpu(&mut o, "vgpu_slice_sm_limit_ratio", "gauge", "A slice's SM-time limit (0..1; 0: none).", &|g| {
+    per_slice_gpu(&mut o, "vgpu_slice_sm_limit_ratio", "gauge", "A slice's SM-time limit (0..1; 0: none).", &|_, g| {
         g.sm_limit as f64 / 100.0
     });
     per_slice_gpu(
@@ -151,35 +164,35 @@ pub fn render(agent: &Agent) -> String {
         "vgpu_slice_throttled_seconds_total",
         "counter",
         "Time a slice's launches waited for SM budget.",
-        &|g| g.throttled_ns as f64 / 1e9,
+        &|_, g| g.throttled_ns as f64 / 1e9,
     );
     per_slice_gpu(
         &mut o,
         "vgpu_slice_throttled_launches_total",
         "counter",
         "Launches of a slice that waited for SM budget.",
-        &|g| g.throttled_launches as f64,
+        &|_, g| g.throttled_launches as f64,
     );
     per_slice_gpu(
         &mut o,
         "vgpu_slice_oom_rejections_total",
         "counter",
         "Allocations refused because they would pass the limit.",
-        &|g| g.oom_rejections as f64,
+        &|_, g| g.oom_rejections as f64,
     );
     per_slice_gpu(
         &mut o,
         "vgpu_slice_sm_rate_correction_ratio",
         "gauge",
         "The agent's correction of the SM budget's refill rate (1: none).",
-        &|g| g.sm_rate_ppm as f64 / 1e6,
+        &|_, g| g.sm_rate_ppm as f64 / 1e6,
     );
     per_slice_gpu(
         &mut o,
         "vgpu_slice_sm_accounted_ratio",
         "gauge",
         "Share of the GPU's time a slice's interposers charged its launches (0..1; 0 while no SM limit applies).",
-        &|g| g.sm_accounted as f64 / 100.0,
+        &|_, g| g.sm_accounted as f64 / 100.0,
     );
     o.head("vgpu_slice_processes", "gauge", "Live processes of a slice.");
     for s in &st.slices {

@@ -54,6 +54,10 @@ struct Cached {
     /// (monotonic ns), and that share of the time since the previous reading, smoothed (percent).
     sm_acct: [(i64, u64); vgpu_region::MAX_DEVICES],
     sm_acct_ewma: [f64; vgpu_region::MAX_DEVICES],
+    /// Per device: wall-clock ms of the slice's latest kernel seen (0: none yet), and since when the
+    /// agent has watched the slice (0 until its first pass).
+    last_kernel_ms: [u64; vgpu_region::MAX_DEVICES],
+    watched_since_ms: u64,
     /// Per live process (slot, PID): what the agent added to its usage so that it matches what the
     /// driver holds for it (see [`true_up`]), and the excess the last pass saw.
     trued: HashMap<(usize, u32), TrueUp>,
@@ -186,6 +190,8 @@ struct NvmlProc {
     sm: u32,
     /// Whether that sample arrived in this pass.
     sm_new: bool,
+    /// NVML's timestamp of that sample (wall-clock us; 0 when none).
+    sm_at_us: u64,
 }
 
 struct ProcOwner {
@@ -521,9 +527,17 @@ impl Monitor {
                     }
                     Some((i, inner)) => {
                         let x = self.sm_samples.get(&(g.index, pid));
-                        let (sm, sm_new) = x.map_or((0, false), |x| (x.sm, x.pass == passes));
+                        let (sm, sm_new, sm_at_us) = x.map_or((0, false, 0), |x| (x.sm, x.pass == passes, x.timestamp));
                         if let Some(c) = &mut self.regions[i] {
-                            let p = NvmlProc { gpu_index: g.index, host_pid: pid, pid: inner, bytes: mem, sm, sm_new };
+                            let p = NvmlProc {
+                                gpu_index: g.index,
+                                host_pid: pid,
+                                pid: inner,
+                                bytes: mem,
+                                sm,
+                                sm_new,
+                                sm_at_us,
+                            };
                             c.nvml.push(p);
                         }
                     }
@@ -546,8 +560,13 @@ impl Monitor {
 
         // Per slice: usage, processes, SM flags and rate, over-limit escapes.
         pass.slices.reserve(slices.len());
+        let wall_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         for (c, s) in self.regions.iter_mut().zip(slices) {
             let Some(c) = c else { continue };
+            if c.watched_since_ms == 0 {
+                c.watched_since_ms = wall_ms;
+            }
             let gpus = &pass.gpus;
             let gpu_index = |dev: usize| gpus.get(c.gpu_pos[dev]).map(|g| g.index);
             let gpu_index: [Option<u32>; vgpu_region::MAX_DEVICES] = std::array::from_fn(gpu_index);
@@ -559,6 +578,7 @@ impl Monitor {
                 name: s.name.clone(),
                 labels: s.labels.clone().into_iter().collect(),
                 created_unix: s.created,
+                watched_since_unix_ms: c.watched_since_ms,
                 ..Default::default()
             };
             let live = &self.live[c.live.clone()];
@@ -579,6 +599,13 @@ impl Monitor {
                 // What the interposers charged since the last pass, as a share of the time between.
                 let (acct, at) = (c.region.sm_accounted_ns(dev), now_ns);
                 let (last, last_at) = c.sm_acct[dev];
+                // The slice's latest kernel: launches charged since the last pass (the budget moves
+                // only with launches), or NVML's newest sample of its processes above 0 (the only
+                // sign while no SM limit applies). Samples are dated by NVML; never in the future.
+                let sampled_at = mine().filter(|p| p.sm > 0).map(|p| (p.sm_at_us / 1000).min(wall_ms)).max();
+                let charged = last_at > 0 && acct != last;
+                let lk = &mut c.last_kernel_ms[dev];
+                *lk = (*lk).max(sampled_at.unwrap_or(0)).max(if charged { wall_ms } else { 0 });
                 if last_at > 0 && at > last_at {
                     let share = (acct.wrapping_sub(last) as f64 * 100.0 / (at - last_at) as f64).max(0.0);
                     let e = &mut c.sm_acct_ewma[dev];
@@ -646,6 +673,7 @@ impl Monitor {
                     memory_peak: d.peak_used.load(Relaxed),
                     sm_rate_ppm: if rate == 0 { 1_000_000 } else { rate },
                     sm_accounted: c.sm_acct_ewma[dev].round() as u32,
+                    last_kernel_unix_ms: c.last_kernel_ms[dev],
                 });
                 for (pid, host, used) in live {
                     let host_pid =
@@ -737,6 +765,8 @@ impl Monitor {
                     streak: [0; vgpu_region::MAX_DEVICES],
                     sm_acct: [(0, 0); vgpu_region::MAX_DEVICES],
                     sm_acct_ewma: [0.0; vgpu_region::MAX_DEVICES],
+                    last_kernel_ms: [0; vgpu_region::MAX_DEVICES],
+                    watched_since_ms: 0,
                     trued: HashMap::default(),
                 })
             }

@@ -521,3 +521,76 @@ fn the_sm_controller_holds_when_per_process_samples_do_not_add_up() {
     assert!(!table.contains("corrections held"), "{table}");
     assert!((210..=290).contains(&k[0]) && (670..=790).contains(&k[1]), "25/75 ran {k:?} of 1000");
 }
+
+/// Current wall-clock time in ms.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+#[test]
+fn each_slice_s_last_kernel_is_reported_from_nvml_samples_or_from_its_charged_launches() {
+    // The slice's kernels seen through NVML's per-process samples, whether or not a limit applies;
+    // and through the launches its interposers charged where the driver has no such samples.
+    for (nvml, seen) in [("own", ["busy", "limited"]), ("none", ["limited", "limited"])] {
+        let mut s = Sim::new(Some(&format!(
+            "context_overhead_mib = 64\nprocess_util = \"{nvml}\"\n[[gpu]]\nmodel = \"A100-40GB\"\n"
+        )));
+        let a = Agent::start(&s, &[]);
+        let mut detail = std::collections::HashMap::new();
+        for (name, sm) in [("busy", None), ("limited", Some("50")), ("idle", None)] {
+            let mut args = vec!["slice", "create", "--name", name, "--gpu", "0", "--memory", "1g", "--json"];
+            args.extend(sm.map(|x| ["--sm", x]).into_iter().flatten());
+            detail.insert(name, serde_json::from_str::<Value>(&a.ctl_ok(&args)).unwrap());
+        }
+        // Every slice watched (and so GPU 0 shared: the 50 % limit applies).
+        a.wait("three slices", |v| v["slices"].as_array().unwrap().len() == 3);
+        let (idle, _) = s.spawn_cmd(in_slice(&s, &detail["idle"], RT), &["alloc", "--size", "100m", "--hold"]);
+        let start = wall_ms();
+        let runs: Vec<_> = ["busy", "limited"]
+            .into_iter()
+            .map(|n| {
+                let mut c = in_slice(&s, &detail[n], RT);
+                c.args(["launch", "--kernel", "sleep_5ms", "--seconds", "1"]).stdout(Stdio::null()).spawn().unwrap()
+            })
+            .collect();
+        for mut c in runs {
+            assert!(c.wait().unwrap().success());
+        }
+        let end = wall_ms();
+        std::thread::sleep(Duration::from_millis(1500));
+        let st = a.wait("a pass after the kernels", |v| v["timestamp_ms"].as_u64().unwrap() > end + 1400);
+        let last = |n| slice_of(&st, n)["gpus"][0]["last_kernel_unix_ms"].as_u64().unwrap_or(0);
+        for n in ["busy", "limited"] {
+            let l = last(n);
+            if seen.contains(&n) {
+                // Within the run, give or take NVML's sample period and one agent pass.
+                assert!(l >= start && l <= end + 300, "{nvml}: {n}'s last kernel at {l}, ran {start}..{end}");
+            } else {
+                assert_eq!(l, 0, "{nvml}: {n}'s kernels cannot be seen without per-process samples");
+            }
+        }
+        assert_eq!(last("idle"), 0, "{nvml}: the idle slice ran no kernel");
+        let watched = slice_of(&st, "idle")["watched_since_unix_ms"].as_u64().unwrap();
+        assert!(watched > 0 && watched <= start, "{st}");
+
+        // The HAMi metric: seconds since the last kernel, or since the agent began watching.
+        let (_, body) = a.scrape("/metrics");
+        let name = "hami_container_last_kernel_elapsed_seconds";
+        let scraped = wall_ms();
+        let elapsed = |n: &str| metric(&body, name, &format!("slice=\"{n}\""));
+        let l = last("limited");
+        let want = (scraped - l) as f64 / 1000.0;
+        assert!((elapsed("limited") - want).abs() < 0.5, "{} vs {want}\n{body}", elapsed("limited"));
+        assert!(elapsed("limited") >= 1.4, "{body}");
+        let want = (scraped - watched) as f64 / 1000.0;
+        assert!((elapsed("idle") - want).abs() < 0.5 && elapsed("idle") > elapsed("limited"), "{body}");
+
+        // vgpuctl: how long ago, or none since it watched.
+        let table = a.ctl_ok(&["status"]);
+        assert!(table.contains("LAST KERNEL"), "{table}");
+        let row = |n: &str| table.lines().find(|l| l.starts_with(n)).unwrap_or_else(|| panic!("{table}")).to_string();
+        assert!(row("limited").contains("s ago"), "{table}");
+        assert!(row("idle").contains("none in "), "{table}");
+        s.kill(idle);
+    }
+}

@@ -70,6 +70,9 @@ pub enum ProcessUtil {
     /// Each process that ran in the window the GPU's whole busy share, as an H200 with two
     /// time-sliced processes reported them (92 % and 93 % with the GPU 99 % busy).
     Gpu,
+    /// No per-process samples: the call answers NOT_SUPPORTED, as on GPUs and MIG instances
+    /// without them.
+    None,
 }
 
 pub const DEFAULT_CONFIG: &str = r#"
@@ -136,7 +139,8 @@ impl Config {
         let process_util = match raw.process_util.as_deref() {
             None | Some("own") => ProcessUtil::Own,
             Some("gpu") => ProcessUtil::Gpu,
-            Some(x) => return Err(format!("process_util = {x:?}: \"own\" or \"gpu\"")),
+            Some("none") => ProcessUtil::None,
+            Some(x) => return Err(format!("process_util = {x:?}: \"own\", \"gpu\" or \"none\"")),
         };
         Ok(Config {
             cuda_version: raw.cuda_version.unwrap_or(12040),
@@ -236,6 +240,7 @@ mod tests {
         assert!(e.contains("process_util = \"mine\""), "{e}");
         let c = Config::parse("process_util='gpu'\nprocess_sample_ms=150\n[[gpu]]\nmodel='A30'").unwrap();
         assert_eq!((c.process_util, c.process_sample_ns), (ProcessUtil::Gpu, 150_000_000));
+        assert_eq!(Config::parse("process_util='none'\n[[gpu]]\nmodel='A30'").unwrap().process_util, ProcessUtil::None);
     }
 
     #[test]

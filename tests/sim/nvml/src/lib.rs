@@ -452,6 +452,9 @@ exports! {
     }
     fn nvmlDeviceGetProcessUtilization(d: nvmlDevice_t, s: *mut nvmlProcessUtilizationSample_t, count: *mut c_uint, last_seen: u64) {
         let (n, g, _) = phys(d)?;
+        if n.cfg.process_util == vgpu_sim::config::ProcessUtil::None {
+            return Err(NOT_SUPPORTED);
+        }
         let (mut mono, mut real) = (now_ns(), realtime_us());
         // Sampled at a period: the newest sample is the last period's end.
         if let Some(p) = Some(n.cfg.process_sample_ns).filter(|&p| p > 0) {
