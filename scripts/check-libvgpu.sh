@@ -17,7 +17,7 @@ else
     echo "ok: newest glibc symbol version is $newest (baseline $baseline)"
 fi
 
-allowed='^(libc\.so\.6|libdl\.so\.2|libpthread\.so\.0|libm\.so\.6|librt\.so\.1|libgcc_s\.so\.1|ld-linux-x86-64\.so\.2)$'
+allowed='^(libc\.so\.6|libdl\.so\.2|libpthread\.so\.0|libm\.so\.6|librt\.so\.1|libgcc_s\.so\.1|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1)$'
 bad=$(readelf -d "$lib" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | grep -Ev "$allowed" || true)
 if [ -n "$bad" ]; then
     echo "FAIL: unexpected shared-library dependencies: $bad"

@@ -1,9 +1,12 @@
 //! `dlsym`: the real one, and the exported override that hands out our hooks for the driver's own
 //! entry points (applications and the CUDA runtime that `dlopen` the driver privately).
 //!
-//! The override is a naked tail-jumping trampoline on x86-64: glibc's `dlsym` resolves `RTLD_NEXT`
-//! relative to its caller's return address, so anything we do not answer ourselves must reach the
-//! real `dlsym` with the original caller's return address untouched.
+//! The override is a naked tail-jumping trampoline (x86-64 and AArch64): glibc's `dlsym` resolves
+//! `RTLD_NEXT` relative to its caller's return address, so anything we do not answer ourselves must
+//! reach the real `dlsym` with the original caller's return address (the stack slot on x86-64, the
+//! link register on AArch64) untouched. On other architectures `dlsym` is not overridden: code that
+//! looks the driver up with `dlsym` gets the driver's entry points (only `cuGetProcAddress` and
+//! symbol binding are intercepted there).
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering::*};
@@ -95,6 +98,41 @@ mod export {
             "jnz 2f",
             "jmp qword ptr [rip + {real}]",
             "2:",
+            "ret",
+            filter = sym super::filter,
+            real = sym super::REAL_DLSYM,
+        )
+    }
+}
+
+#[cfg(all(not(test), target_arch = "aarch64"))]
+mod export {
+    /// The exported `dlsym`: asks [`filter`](super::filter), else tail-jumps to glibc's `dlsym`
+    /// with the caller's link register restored.
+    ///
+    /// # Safety
+    /// As `dlsym(3)`.
+    #[unsafe(naked)]
+    #[no_mangle]
+    pub unsafe extern "C" fn dlsym(
+        handle: *mut std::ffi::c_void,
+        name: *const std::ffi::c_char,
+    ) -> *mut std::ffi::c_void {
+        std::arch::naked_asm!(
+            // A frame (keeps sp 16-byte aligned) holding fp, lr and the two arguments.
+            "stp x29, x30, [sp, #-32]!",
+            "mov x29, sp",
+            "stp x0, x1, [sp, #16]",
+            "bl {filter}",
+            "cbnz x0, 2f",
+            "ldp x0, x1, [sp, #16]",
+            "ldp x29, x30, [sp], #32",
+            // x16 is the intra-procedure-call scratch register: free to use in a tail call.
+            "adrp x16, {real}",
+            "ldr x16, [x16, :lo12:{real}]",
+            "br x16",
+            "2:",
+            "ldp x29, x30, [sp], #32",
             "ret",
             filter = sym super::filter,
             real = sym super::REAL_DLSYM,

@@ -439,3 +439,50 @@ fn limits_follow_the_container_index_through_cuda_visible_devices() {
     let r = region(&s);
     assert_eq!((r.ndevices(), r.mem_limit(0), r.mem_limit(1)), (2, 1024 * MIB, 2048 * MIB));
 }
+
+/// Builds tests/c-probe (an application in C that binds the driver with dlopen + dlsym, and two
+/// libraries that each define `marker`) with the system C compiler, into a fresh directory.
+fn c_probe() -> std::path::PathBuf {
+    let src = format!("{}/../../c-probe", env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::temp_dir().join(format!("vgpu-c-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.to_str().unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let build = |args: &[&str]| {
+        let o = Command::new(&cc).args(args).output().unwrap_or_else(|e| panic!("cannot run {cc}: {e}"));
+        assert!(o.status.success(), "{cc} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    };
+    build(&["-shared", "-fPIC", "-o", &format!("{d}/libprobe-b.so"), &format!("{src}/probe-b.c")]);
+    build(&["-shared", "-fPIC", "-o", &format!("{d}/libprobe-a.so"), &format!("{src}/probe-a.c"), "-ldl"]);
+    // libprobe-a.so before libprobe-b.so in the search order.
+    build(&[
+        "-o",
+        &format!("{d}/probe"),
+        &format!("{src}/probe.c"),
+        &format!("-L{d}"),
+        &format!("-Wl,-rpath,{d}"),
+        "-Wl,--no-as-needed",
+        "-lprobe-a",
+        "-lprobe-b",
+        "-ldl",
+    ]);
+    dir.join("probe")
+}
+
+#[test]
+fn an_application_in_c_is_limited_through_dlsym_and_rtld_next_still_resolves_past_its_caller() {
+    let s = Sim::new(Some(NODE));
+    let probe = c_probe();
+    let probe = probe.to_str().unwrap();
+    let plain = json1(&out(&mut s.cmd(probe), &["128", "20"]));
+    assert_eq!((plain["total"].as_u64(), plain["granted"].as_u64()), (Some(8192 * MIB), Some(20)), "{plain}");
+    // libprobe-a.so's dlsym(RTLD_NEXT, "marker") finds libprobe-b.so's (2), not its own (1).
+    assert_eq!(plain["next"], 2, "{plain}");
+    let v = json1(&out(&mut s.limited(probe, LIMIT), &["128", "20"]));
+    assert_eq!(v["total"], 1024 * MIB, "{v}");
+    assert_eq!((v["granted"].as_u64(), v["refused"].as_u64()), (Some(7), Some(2)), "64m context + 7 x 128m: {v}");
+    assert_eq!(v["proc_address"], 2, "cuMemAlloc through cuGetProcAddress refused too: {v}");
+    // Through libvgpu.so's dlsym: glibc must still see libprobe-a.so as the caller.
+    assert_eq!(v["next"], 2, "{v}");
+    let _ = std::fs::remove_dir_all(std::path::Path::new(probe).parent().unwrap());
+}
