@@ -264,6 +264,21 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
             }
         }
         o.push_str(&table(&rows));
+        for s in &st.slices {
+            for g in s.gpus.iter().filter(|g| g.spilled_allocations > 0) {
+                let gpu = if g.gpu_index == u32::MAX { short_uuid(&g.uuid) } else { g.gpu_index.to_string() };
+                let _ = writeln!(
+                    o,
+                    "{}",
+                    style.yellow(&format!(
+                        "slice {} on GPU {gpu}: {} allocation(s), {} in all, served as unified memory: the GPU was full (CUDA_OVERSUBSCRIBE)",
+                        s.name,
+                        g.spilled_allocations,
+                        human(g.spilled_bytes)
+                    ))
+                );
+            }
+        }
     }
     if !st.escapes.is_empty() {
         o.push('\n');

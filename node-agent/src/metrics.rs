@@ -182,6 +182,13 @@ pub fn render(agent: &Agent) -> String {
     );
     per_slice_gpu(
         &mut o,
+        "vgpu_slice_spilled_bytes_total",
+        "counter",
+        "Bytes of allocations the GPU had no room for, served as unified memory (CUDA_OVERSUBSCRIBE).",
+        &|_, g| g.spilled_bytes as f64,
+    );
+    per_slice_gpu(
+        &mut o,
         "vgpu_slice_sm_rate_correction_ratio",
         "gauge",
         "The agent's correction of the SM budget's refill rate (1: none).",

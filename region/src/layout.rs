@@ -66,7 +66,12 @@ pub struct Device {
     /// container's launches were charged over a window is (change of this) - (change of the
     /// tokens). Written on the refill path only. Libraries from before it leave it 0.
     pub sm_earned_ns: AtomicU64,
-    pub _reserved: [AtomicU64; 4],
+    /// Allocations the driver refused for want of physical memory that were served as unified
+    /// (managed) memory instead, and their bytes, ever (`CUDA_OVERSUBSCRIBE`). Libraries from before
+    /// them leave them 0.
+    pub spilled_allocs: AtomicU64,
+    pub spilled_bytes: AtomicU64,
+    pub _reserved: [AtomicU64; 2],
 }
 
 #[repr(C)]

@@ -582,6 +582,19 @@ impl Region {
     pub fn release(&self, slot: usize, dev: usize, bytes: u64) {
         self.map.slots[slot].used[dev].fetch_sub(bytes, SeqCst);
     }
+
+    /// Records an allocation of `bytes` served as unified memory because the GPU had no room.
+    pub fn note_spill(&self, dev: usize, bytes: u64) {
+        let d = &self.map.devices[dev];
+        d.spilled_allocs.fetch_add(1, Relaxed);
+        d.spilled_bytes.fetch_add(bytes, Relaxed);
+    }
+
+    /// (allocations, bytes) served as unified memory on `dev`, ever.
+    pub fn spilled(&self, dev: usize) -> (u64, u64) {
+        let d = &self.map.devices[dev];
+        (d.spilled_allocs.load(Relaxed), d.spilled_bytes.load(Relaxed))
+    }
 }
 
 fn reopen(file: &File, path: &Path) -> Result<OwnedFd> {

@@ -30,6 +30,9 @@ pub struct Config {
     pub count_managed: bool,
     /// On bad configuration or an unusable region, run unlimited instead of refusing allocations.
     pub fail_open: bool,
+    /// `CUDA_OVERSUBSCRIBE`: a `cuMemAlloc` within the limit that the GPU has no physical room for
+    /// is served as unified (managed) memory, which the driver pages between GPU and host.
+    pub oversubscribe: bool,
     /// The agent's files are mounted into this container (its limits file exists at
     /// [`INJECTED_LIMITS`]): they are the configuration, and the environment cannot loosen it.
     pub managed: bool,
@@ -153,7 +156,9 @@ impl Config {
                 }
             },
         };
-        let flag = |k: &str| get(k).is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes" | "on"));
+        let flag = |k: &str| {
+            get(k).is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+        };
         let mut c = Config {
             mem_limit,
             sm_limit,
@@ -166,6 +171,7 @@ impl Config {
             context_overhead,
             count_managed: get("VGPU_COUNT_MANAGED").is_none_or(|v| v.trim() != "0"),
             fail_open: flag("VGPU_FAIL_OPEN"),
+            oversubscribe: flag("CUDA_OVERSUBSCRIBE"),
             managed,
             errors,
             ignored: Vec::new(),
@@ -244,8 +250,10 @@ mod tests {
             ("CUDA_DEVICE_SM_LIMIT_2", "150"),
             ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "/usr/local/vgpu/x.cache"),
             ("GPU_CORE_UTILIZATION_POLICY", "FORCE"),
+            ("CUDA_OVERSUBSCRIBE", "True"),
         ]);
         assert!(c.errors.is_empty(), "{:?}", c.errors);
+        assert!(c.oversubscribe);
         assert_eq!((c.mem_limit[0], c.mem_limit[1], c.mem_limit[15]), (4 << 30, 3000 << 20, 4 << 30));
         assert_eq!((c.sm_limit[0], c.sm_limit[2]), (30, 0), ">= 100 means no limit");
         assert_eq!(c.region_path, "/usr/local/vgpu/x.cache");
@@ -254,6 +262,7 @@ mod tests {
         assert!(!c.fail_open && c.count_managed);
         let d = cfg(&[]);
         assert_eq!((d.mem_limit[0], d.region_path.as_str()), (0, DEFAULT_REGION));
+        assert!(!d.oversubscribe && !cfg(&[("CUDA_OVERSUBSCRIBE", "false")]).oversubscribe);
         assert_eq!(d.context_overhead, DEFAULT_CONTEXT_OVERHEAD);
     }
 

@@ -185,6 +185,10 @@ fn limits(l: &Limits) -> Vec<pb::SliceGpuLimit> {
 }
 
 fn main() {
+    // Like any Unix filter: when the reader goes (`vgpuctl status | head`), end quietly by SIGPIPE
+    // rather than report a failed write (Rust ignores SIGPIPE by default).
+    // SAFETY: restores the default disposition of one signal before any thread is started.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     let flags = Flags { config: cli.config.clone(), socket: cli.socket.clone(), ..Default::default() };
     let cfg = Config::load(&flags, |k| std::env::var(k).ok()).unwrap_or_else(|e| die(2, e));

@@ -118,6 +118,21 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
         assert!(table.contains(want), "{want:?} missing from\n{table}");
     }
 
+    // Into a pipe nobody reads any more (`vgpuctl status | head -0`): ended by SIGPIPE, quietly.
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) fills the two descriptors; the read end is closed at once.
+    unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        libc::close(fds[0]);
+    }
+    use std::os::fd::FromRawFd;
+    // SAFETY: fds[1] is an open descriptor owned by nothing else.
+    let gone = Stdio::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fds[1]) });
+    let o = Command::new(bin("vgpuctl")).env("VGPU_SOCKET", &a.socket).arg("status").stdout(gone).output().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(o.status.signal(), Some(libc::SIGPIPE), "{o:?}");
+    assert!(o.stderr.is_empty(), "{}", String::from_utf8_lossy(&o.stderr));
+
     // Metrics over HTTP: HAMi's names and ours.
     let (code, body) = a.scrape("/metrics");
     assert_eq!(code, "HTTP/1.1 200 OK");
@@ -593,4 +608,33 @@ fn each_slice_s_last_kernel_is_reported_from_nvml_samples_or_from_its_charged_la
         assert!(row("idle").contains("none in "), "{table}");
         s.kill(idle);
     }
+}
+
+#[test]
+fn allocations_served_as_unified_memory_are_reported_per_slice() {
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let mut detail = std::collections::HashMap::new();
+    for (name, memory) in [("big", "7500m"), ("over", "2g")] {
+        let out = a.ctl_ok(&["slice", "create", "--name", name, "--gpu", "0", "--memory", memory, "--json"]);
+        detail.insert(name, serde_json::from_str::<Value>(&out).unwrap());
+    }
+    // 7 GiB and a 64 MiB context of GPU 0's 8 GiB held by "big"; "over" (2 GiB, 64 MiB charged per
+    // context here) gets 19 x 100 MiB: 8 fit on the GPU beside its context, 11 become unified memory.
+    s.spawn_cmd(in_slice(&s, &detail["big"], RT), &["alloc", "--size", "7g", "--hold"]);
+    let mut c = in_slice(&s, &detail["over"], RT);
+    c.env("CUDA_OVERSUBSCRIBE", "true");
+    let (_, v) = s.spawn_cmd(c, &["alloc", "--size", "4g", "--chunk", "100m", "--hold"]);
+    assert_eq!(v["allocated"], 1900 * MIB, "{v}");
+    let st = a.wait("the spill reported", |v| slice_of(v, "over")["gpus"][0]["spilled_allocations"] == 11);
+    assert_eq!(slice_of(&st, "over")["gpus"][0]["spilled_bytes"], 1100 * MIB);
+    assert_eq!(slice_of(&st, "big")["gpus"][0]["spilled_allocations"].as_u64().unwrap_or(0), 0);
+    let table = a.ctl_ok(&["status"]);
+    assert!(
+        table.contains("slice over on GPU 0: 11 allocation(s), 1.1 GiB in all, served as unified memory"),
+        "{table}"
+    );
+    assert!(!table.contains("slice big on GPU 0"), "{table}");
+    let (_, body) = a.scrape("/metrics");
+    assert_eq!(metric(&body, "vgpu_slice_spilled_bytes_total", "slice=\"over\""), (1100 * MIB) as f64);
 }

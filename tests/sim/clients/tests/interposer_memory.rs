@@ -486,3 +486,54 @@ fn an_application_in_c_is_limited_through_dlsym_and_rtld_next_still_resolves_pas
     assert_eq!(v["next"], 2, "{v}");
     let _ = std::fs::remove_dir_all(std::path::Path::new(probe).parent().unwrap());
 }
+
+#[test]
+fn with_cuda_oversubscribe_what_the_gpu_has_no_room_for_becomes_unified_memory_within_the_limit() {
+    // GPU 0 (8 GiB): a process outside the container holds 7 GiB and its 64 MiB context: 960 MiB
+    // are left. The container's limit is 2 GiB.
+    let mut s = Sim::new(Some(NODE));
+    let (hog, _) = s.spawn(RT, &["alloc", "--size", "7g", "--hold"]);
+    let hog_used = physical_used(&s, 0);
+    assert_eq!(hog_used, 7232 * MIB);
+    let limit = [("CUDA_DEVICE_MEMORY_LIMIT_0", "2g")];
+    let args = ["alloc", "--size", "4g", "--chunk", "100m"];
+
+    // Without CUDA_OVERSUBSCRIBE the GPU's room decides: its context and 8 chunks.
+    let v = json1(&out(&mut s.limited(RT, &limit), &args));
+    assert_eq!((v["allocated"].as_u64(), v["error"].as_str()), (Some(800 * MIB), Some("CUDA_ERROR_OUT_OF_MEMORY")));
+    assert_eq!(region(&s).spilled(0), (0, 0));
+
+    // With it, the limit decides: 64 MiB + 19 x 100 MiB fit in 2 GiB; 8 chunks on the GPU, 11 as
+    // unified memory (on the host here), which the GPU's usage does not count.
+    let c = s.limited(RT, &[limit[0], ("CUDA_OVERSUBSCRIBE", "true")]);
+    let (p, v) = s.spawn_cmd(c, &[&args[..], &["--hold"]].concat());
+    assert_eq!((v["allocated"].as_u64(), v["error"].as_str()), (Some(1900 * MIB), Some("CUDA_ERROR_OUT_OF_MEMORY")));
+    assert_eq!(v["mem_info"]["total"], 2048 * MIB, "{v}");
+    assert_eq!(region(&s).spilled(0), (11, 1100 * MIB));
+    assert_eq!(region(&s).used(0), 1964 * MIB, "the container is charged for all of it");
+    assert_eq!(physical_used(&s, 0), hog_used + 864 * MIB, "the GPU holds only what fitted");
+    // Freed by the process's end like the rest: nothing left on the GPU or in the region.
+    s.kill(p);
+    assert_eq!(physical_used(&s, 0), hog_used);
+    let r = region(&s);
+    r.reap();
+    assert_eq!(r.used(0), 0);
+
+    // Freed one by one with cuMemFree: the frees of unified memory succeed and give the quota back.
+    let o = out(&mut s.limited(RT, &[limit[0], ("CUDA_OVERSUBSCRIBE", "1")]), &args);
+    assert_eq!(json1(&o)["allocated"], 1900 * MIB);
+    let freed = &lines(&o.stdout)[1];
+    assert_eq!((freed["chunks"].as_u64(), freed["failures"].as_u64()), (Some(19), Some(0)), "{freed}");
+    assert_eq!(freed["mem_info"]["free"], 1984 * MIB, "only the context is left: {freed}");
+    assert_eq!(region(&s).spilled(0), (22, 2200 * MIB));
+    assert_eq!(physical_used(&s, 0), hog_used);
+    s.kill(hog);
+
+    // A GPU whose unified memory does not page on demand: the GPU's room decides, as without.
+    let mut s = Sim::new(Some(&NODE.replacen("memory_mib = 8192", "memory_mib = 8192\nmanaged_paging = false", 1)));
+    let (hog, _) = s.spawn(RT, &["alloc", "--size", "7g", "--hold"]);
+    let v = json1(&out(&mut s.limited(RT, &[limit[0], ("CUDA_OVERSUBSCRIBE", "true")]), &args));
+    assert_eq!(v["allocated"], 800 * MIB, "{v}");
+    assert_eq!(region(&s).spilled(0), (0, 0));
+    s.kill(hog);
+}

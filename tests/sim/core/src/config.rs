@@ -29,6 +29,7 @@ struct RawGpu {
     memory_mib: Option<u64>,
     sm_count: Option<u32>,
     nvlink_domain: Option<u32>,
+    managed_paging: Option<bool>,
 }
 
 /// One simulated GPU, every field resolved.
@@ -46,6 +47,10 @@ pub struct GpuConfig {
     pub memory_bytes: u64,
     pub sm_count: u32,
     pub nvlink_domain: Option<u32>,
+    /// Unified memory pages on demand (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS): managed
+    /// memory beyond the GPU's free memory is granted and lives on the host. Without it, managed
+    /// memory must fit on the GPU.
+    pub managed_paging: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -133,6 +138,7 @@ impl Config {
                 numa_node: g.numa_node.unwrap_or(if n > 1 { (i * 2 / n) as i32 } else { 0 }),
                 memory_bytes: memory_mib << 20,
                 sm_count: g.sm_count.unwrap_or(model.sm_count),
+                managed_paging: g.managed_paging.unwrap_or(true),
                 nvlink_domain: g.nvlink_domain,
             });
         }

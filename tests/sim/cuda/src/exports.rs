@@ -96,6 +96,7 @@ fn attribute(attr: i32, dev: CUdevice) -> R<i32> {
         CU_DEVICE_ATTRIBUTE_CLOCK_RATE => 1_755_000,
         CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => g.sm_count as i32,
         CU_DEVICE_ATTRIBUTE_INTEGRATED => 0,
+        CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS => g.managed_paging as i32,
         CU_DEVICE_ATTRIBUTE_PCI_BUS_ID => g.pci_bus as i32,
         CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID => g.pci_device as i32,
         CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID => g.pci_domain as i32,

@@ -2,7 +2,9 @@
 //!
 //! Device pointers are addresses of private `MAP_NORESERVE` host mappings, so copies work and a large
 //! device costs nothing until touched. Physical usage is charged to this process on the node; the
-//! node refuses what exceeds the GPU's memory (CUDA_ERROR_OUT_OF_MEMORY).
+//! node refuses what exceeds the GPU's memory (CUDA_ERROR_OUT_OF_MEMORY). Managed (unified) memory
+//! is resident on the GPU while it fits; beyond the GPU's free memory it is granted anyway and lives
+//! on the host (not charged to the GPU), as unified memory on GPUs that page on demand does.
 
 use crate::driver::{current, proc, Ctx, R};
 use std::collections::{BTreeMap, HashMap};
@@ -25,6 +27,8 @@ struct Alloc {
     gpu: usize,
     ctx: usize,
     kind: Kind,
+    /// Charged to the GPU's memory (false: managed memory living on the host).
+    charged: bool,
 }
 
 struct PhysHandle {
@@ -121,10 +125,13 @@ pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
     if size == 0 {
         return Err(CUresult::INVALID_VALUE);
     }
-    let charged = matches!(kind, Kind::Device | Kind::Managed);
-    if charged {
-        p.charge(c.gpu, size)?;
-    }
+    let charged = match kind {
+        Kind::Device => p.charge(c.gpu, size).map(|_| true)?,
+        // No room on the GPU: unified memory that pages on demand lives on the host.
+        Kind::Managed if p.gpu_cfg(c.gpu).managed_paging => p.charge(c.gpu, size).is_ok(),
+        Kind::Managed => p.charge(c.gpu, size).map(|_| true)?,
+        Kind::Pool(_) => false,
+    };
     let len = usize::try_from(size).map_err(|_| CUresult::OUT_OF_MEMORY)?;
     let cached = with_mem!(m => {
         let p = m.spare.get_mut(&len).and_then(Vec::pop);
@@ -142,7 +149,7 @@ pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
             return Err(e);
         }
     };
-    with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu: c.gpu, ctx: ctx_key(c), kind }));
+    with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu: c.gpu, ctx: ctx_key(c), kind, charged }));
     Ok(ptr)
 }
 
@@ -189,7 +196,9 @@ pub fn free(ptr: CUdeviceptr) -> R<()> {
     })
     .ok_or(CUresult::INVALID_VALUE)?;
     retire(ptr, a.len);
-    p.uncharge(a.gpu, a.size);
+    if a.charged {
+        p.uncharge(a.gpu, a.size);
+    }
     Ok(())
 }
 
@@ -208,7 +217,7 @@ pub fn release_context_memory(c: &Ctx) {
     });
     for (ptr, a) in gone {
         unmap(ptr, a.len);
-        if matches!(a.kind, Kind::Device | Kind::Managed) {
+        if a.charged {
             p.uncharge(a.gpu, a.size);
         }
     }
@@ -607,7 +616,7 @@ pub fn pool_alloc(id: Option<u64>, size: u64) -> R<CUdeviceptr> {
     match map_anon(len) {
         Ok(ptr) => {
             let ptr = ptr as u64;
-            with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu, ctx: ctx_key(c), kind: Kind::Pool(id) }));
+            with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu, ctx: ctx_key(c), kind: Kind::Pool(id), charged: false }));
             Ok(ptr)
         }
         Err(e) => {
