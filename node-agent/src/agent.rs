@@ -183,6 +183,12 @@ impl Agent {
         self.status.subscribe()
     }
 
+    /// What a GPU of `total` bytes counts as for slices, the device plugin and capacity reports:
+    /// `total` times `memory_scaling`, in whole MiB (`total` itself at 1).
+    pub fn scaled(&self, total: u64) -> u64 {
+        scaled(total, self.cfg.memory_scaling)
+    }
+
     /// Resolves a GPU given as a node index or a UUID (or a unique UUID prefix).
     pub fn resolve_gpu(&self, gpu: &str) -> Result<(String, u64), ApiError> {
         let inv = self.inventory.read();
@@ -209,10 +215,13 @@ impl Agent {
         let mut v: Vec<SliceGpu> = Vec::new();
         for g in gpus {
             let (uuid, total) = self.resolve_gpu(&g.gpu)?;
-            if g.memory > total {
+            let cap = self.scaled(total);
+            if g.memory > cap {
+                let scaling =
+                    if cap == total { String::new() } else { format!(", memory_scaling {}", self.cfg.memory_scaling) };
                 return Err(ApiError::Invalid(format!(
-                    "memory limit {} is more than GPU {} has ({} bytes)",
-                    g.memory, g.gpu, total
+                    "memory limit {} is more than GPU {} has ({cap} bytes{scaling})",
+                    g.memory, g.gpu
                 )));
             }
             if v.iter().any(|x| x.uuid == uuid) {
@@ -477,5 +486,25 @@ impl Agent {
         self.status.send_replace(Arc::new(status));
         self.ready.store(true, Release);
         self.capacity_changed.notify_one();
+    }
+}
+
+/// `total` bytes times `scaling`, in whole MiB; `total` itself at 1.
+pub fn scaled(total: u64, scaling: f64) -> u64 {
+    if scaling == 1.0 {
+        total
+    } else {
+        ((total >> 20) as f64 * scaling) as u64 * (1 << 20)
+    }
+}
+
+#[cfg(test)]
+mod scaling_tests {
+    #[test]
+    fn scaled_memory_is_whole_mib() {
+        assert_eq!(super::scaled(80 << 30, 1.0), 80 << 30);
+        assert_eq!(super::scaled((80 << 30) + 5, 1.0), (80 << 30) + 5, "unchanged at 1");
+        assert_eq!(super::scaled(80 << 30, 1.5), 120 << 30);
+        assert_eq!(super::scaled(1000 << 20, 0.333), 333 << 20);
     }
 }

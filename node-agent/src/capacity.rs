@@ -50,8 +50,10 @@ impl Agent {
                 let st = status.gpus.iter().find(|s| s.uuid == g.uuid);
                 let healthy = st.is_none_or(|s| s.healthy);
                 let mine: Vec<_> = slices.iter().flat_map(|s| s.gpus.iter()).filter(|x| x.uuid == g.uuid).collect();
+                // What the GPU's memory counts as (memory_scaling), and what the slices were promised.
+                let memory_capacity = self.scaled(g.memory_total);
                 let memory_promised: u64 =
-                    mine.iter().map(|x| if x.memory == 0 { g.memory_total } else { x.memory }).sum();
+                    mine.iter().map(|x| if x.memory == 0 { memory_capacity } else { x.memory }).sum();
                 let sm_promised: u32 = mine.iter().map(|x| if x.sm == 0 { 100 } else { x.sm }).sum();
                 let draining = drained.contains(&g.uuid);
                 let mig_on = g.mig.as_ref().is_some_and(|m| m.enabled);
@@ -111,7 +113,7 @@ impl Agent {
                     model: g.name.clone(),
                     memory_total: g.memory_total,
                     memory_allocatable: if open && !mig_on {
-                        g.memory_total.saturating_sub(memory_promised)
+                        memory_capacity.saturating_sub(memory_promised)
                     } else {
                         0
                     },

@@ -30,6 +30,7 @@ struct FileConfig {
     register_interval_s: Option<u64>,
     hami_register_format: Option<String>,
     memory_factor: Option<u32>,
+    memory_scaling: Option<f64>,
     scheduler_endpoint: Option<String>,
     scheduler_ca: Option<PathBuf>,
     scheduler_token_file: Option<PathBuf>,
@@ -105,6 +106,10 @@ pub struct Config {
     /// Volcano mode: MiB per `volcano.sh/vgpu-memory` device (Volcano's `gpuMemoryFactor`; its
     /// scheduler must use the same).
     pub memory_factor: u32,
+    /// What each GPU's memory counts as for slices, the device plugin and capacity reports (HAMi's
+    /// `deviceMemoryScaling`): above 1 the slices' limits may add up to more than the GPU has, and
+    /// what a container's allocations find no physical room for is served as unified memory.
+    pub memory_scaling: f64,
     /// Capacity reporting to the central scheduler; None: off.
     pub scheduler: Option<crate::report::ReportConfig>,
 }
@@ -330,6 +335,13 @@ impl Config {
         if !(1..=1 << 20).contains(&memory_factor) {
             return Err(bad("memory_factor", format!("{memory_factor} is outside 1..=1048576")));
         }
+        let memory_scaling = match env("VGPU_AGENT_MEMORY_SCALING") {
+            Some(v) => v.trim().parse().map_err(|_| bad("memory_scaling", format!("{v:?} is not a number")))?,
+            None => file.memory_scaling.unwrap_or(1.0),
+        };
+        if !(memory_scaling > 0.0 && memory_scaling <= 10.0) {
+            return Err(bad("memory_scaling", format!("{memory_scaling} is outside (0, 10]")));
+        }
         let scheduler = match env("VGPU_AGENT_SCHEDULER_ENDPOINT").or(file.scheduler_endpoint).as_deref() {
             None | Some("" | "off") => None,
             Some(e) => {
@@ -387,6 +399,7 @@ impl Config {
         Ok(Config {
             scheduler,
             memory_factor,
+            memory_scaling,
             compat,
             kube_api,
             node_name,
@@ -562,6 +575,15 @@ mod tests {
         assert!(e.contains("metrics_address: \"localhost\" is not an address"), "{e}");
         let e = load(Some("health_recovery_s = 0"), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("health_recovery_s: 0 is outside"), "{e}");
+        for v in ["0", "-1", "11", "nan"] {
+            let e = load(Some(&format!("memory_scaling = {v}")), &[], Flags::default()).unwrap_err().to_string();
+            assert!(e.contains("memory_scaling:") && e.contains("is outside (0, 10]"), "{v}: {e}");
+        }
+        let c = load(Some("memory_scaling = 1.5"), &[], Flags::default()).unwrap();
+        assert_eq!(c.memory_scaling, 1.5);
+        assert_eq!(load(None, &[], Flags::default()).unwrap().memory_scaling, 1.0);
+        let c = load(Some("memory_scaling = 1.5"), &[("VGPU_AGENT_MEMORY_SCALING", "2")], Flags::default()).unwrap();
+        assert_eq!(c.memory_scaling, 2.0, "the environment wins");
         let e = load(None, &[("VGPU_AGENT_MONITOR_INTERVAL_MS", "soon")], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("\"soon\" is not a number"), "{e}");
     }

@@ -34,7 +34,8 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     // The state directory holds the limits: only the agent writes there.
     use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o755));
-    let store = SliceStore::open(&cfg.state_dir).map_err(|e| e.to_string())?;
+    let store =
+        SliceStore::open(&cfg.state_dir).map_err(|e| e.to_string())?.with_oversubscribe(cfg.memory_scaling > 1.0);
     for repair in store.recover() {
         tracing::warn!(%repair, "slice store repaired after an interrupted change");
     }

@@ -86,7 +86,7 @@ pub fn devices(agent: &Agent, kind: Kind) -> Vec<dp::Device> {
         let topology = g.numa_node.map(|n| dp::TopologyInfo { nodes: vec![dp::NumaNode { id: n as i64 }] });
         let (n_devices, tag) = match kind {
             Kind::Replicas => (split as u64, ""),
-            Kind::Memory => ((g.memory_total >> 20) / agent.cfg.memory_factor.max(1) as u64, "mem-"),
+            Kind::Memory => ((agent.scaled(g.memory_total) >> 20) / agent.cfg.memory_factor.max(1) as u64, "mem-"),
             Kind::Cores => (100, "core-"),
         };
         for n in 0..n_devices {
@@ -123,7 +123,7 @@ impl Plugin {
                 .iter()
                 .find(|g| &g.uuid == uuid)
                 .ok_or_else(|| Status::invalid_argument(format!("device of unknown GPU {uuid}")))?;
-            let memory = (g.memory_total / split * k) >> 20 << 20;
+            let memory = (a.scaled(g.memory_total) / split * k) >> 20 << 20;
             let sm = (100 * k / split) as u32;
             gpus.push(vgpu_proto::v1::SliceGpuLimit { gpu: uuid.clone(), memory, sm: if sm >= 100 { 0 } else { sm } });
         }

@@ -107,7 +107,7 @@ impl Kube {
                 id: g.uuid.clone(),
                 index: g.index,
                 count: agent.cfg.split_count,
-                devmem: (g.memory_total >> 20) as u32,
+                devmem: (agent.scaled(g.memory_total) >> 20) as u32,
                 devcore: 100,
                 ty: format!("NVIDIA-{}", g.name),
                 numa: g.numa_node.unwrap_or(0),

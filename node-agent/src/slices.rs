@@ -70,6 +70,9 @@ pub struct Injection {
 
 pub struct SliceStore {
     root: PathBuf,
+    /// The node's memory is oversubscribed (`memory_scaling` above 1): every slice's files carry the
+    /// flag that lets its interposers serve what the GPU has no room for as unified memory.
+    oversubscribe: bool,
 }
 
 /// Where the container sees the slice's files.
@@ -98,7 +101,14 @@ impl SliceStore {
     pub fn open(state_dir: &Path) -> Result<SliceStore> {
         let root = state_dir.join("slices");
         std::fs::create_dir_all(&root).map_err(io(format!("cannot create {}", root.display())))?;
-        Ok(SliceStore { root })
+        Ok(SliceStore { root, oversubscribe: false })
+    }
+
+    /// Sets whether slices get the oversubscription flag (new ones at creation, existing ones at
+    /// [`recover`](Self::recover) and at their next update).
+    pub fn with_oversubscribe(mut self, on: bool) -> SliceStore {
+        self.oversubscribe = on;
+        self
     }
 
     pub fn dir(&self, name: &str) -> PathBuf {
@@ -130,14 +140,16 @@ impl SliceStore {
         let init =
             || Init { devices: gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(), standalone: false };
         let made = (|| {
-            Region::open_or_create(&dir.join("limits"), init).map_err(|e| SliceError(e.to_string()))?;
+            let limits = Region::open_or_create(&dir.join("limits"), init).map_err(|e| SliceError(e.to_string()))?;
+            limits.set_oversubscribe(self.oversubscribe).map_err(|e| SliceError(e.to_string()))?;
             // Only the agent writes limits (containers get the file read-only; on the host, other
             // users must not raise them). The region stays writable by every user: a container's
             // processes, whatever their uid, account their usage in it.
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(dir.join("limits"), std::fs::Permissions::from_mode(0o644))
                 .map_err(io(format!("cannot restrict {}", dir.join("limits").display())))?;
-            Region::open_or_create(&dir.join("region"), init).map_err(|e| SliceError(e.to_string()))?;
+            let region = Region::open_or_create(&dir.join("region"), init).map_err(|e| SliceError(e.to_string()))?;
+            region.set_oversubscribe(self.oversubscribe).map_err(|e| SliceError(e.to_string()))?;
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let (created, created_ns) = (now.as_secs(), now.as_nanos() as u64);
             let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels, created_ns };
@@ -208,6 +220,10 @@ impl SliceStore {
         let mut changed = false;
         for f in ["limits", "region"] {
             let r = Region::open(&self.dir(&s.name).join(f), true).map_err(|e| SliceError(e.to_string()))?;
+            if r.oversubscribe() != self.oversubscribe {
+                r.set_oversubscribe(self.oversubscribe).map_err(|e| SliceError(e.to_string()))?;
+                changed = true;
+            }
             for (i, g) in s.gpus.iter().enumerate() {
                 if r.mem_limit(i) != g.memory {
                     r.set_mem_limit(i, g.memory).map_err(|e| SliceError(e.to_string()))?;
@@ -311,6 +327,9 @@ impl SliceStore {
                 s.gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>().join(","),
             ),
         ];
+        if self.oversubscribe {
+            env.push(("CUDA_OVERSUBSCRIBE".to_string(), "true".to_string()));
+        }
         for (i, g) in s.gpus.iter().enumerate() {
             if g.memory > 0 {
                 env.push((format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"), format!("{}m", g.memory.div_ceil(1 << 20))));

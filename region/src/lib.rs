@@ -303,6 +303,23 @@ impl Region {
         self.map.devices[dev].sm_limit.load(Acquire)
     }
 
+    /// Whether allocations the GPU has no physical room for may be served as unified memory (set by
+    /// the agent when the node's memory is oversubscribed).
+    pub fn oversubscribe(&self) -> bool {
+        self.map.header.flags.load(Acquire) & FLAG_OVERSUBSCRIBE != 0
+    }
+
+    pub fn set_oversubscribe(&self, on: bool) -> Result<()> {
+        self.writable()?;
+        let f = &self.map.header.flags;
+        if on {
+            f.fetch_or(FLAG_OVERSUBSCRIBE, AcqRel);
+        } else {
+            f.fetch_and(!FLAG_OVERSUBSCRIBE, AcqRel);
+        }
+        Ok(())
+    }
+
     pub fn set_sm_limit(&self, dev: usize, pct: u32) -> Result<()> {
         self.writable()?;
         self.map.devices[dev].sm_limit.store(pct, Release);
@@ -520,6 +537,9 @@ impl Region {
 
 /// The budget can bank at most this much wall time worth of GPU time (the bounded burst).
 pub const SM_BURST_WALL_NS: u64 = 20_000_000;
+
+/// Header flag: allocations the GPU has no physical room for may be served as unified memory.
+pub const FLAG_OVERSUBSCRIBE: u32 = 2;
 
 /// Outcome of a reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

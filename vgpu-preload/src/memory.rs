@@ -139,32 +139,28 @@ unsafe fn linear(
 }
 
 pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
-    let st = state();
-    if !st.cfg.oversubscribe {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { linear(dptr, size, true, true, || real(dptr, size)) };
-    }
-    // SAFETY: as above; `spill` gets the same out-pointer and size.
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's
+    // contract); `spill` gets the same out-pointer and size.
     unsafe {
         linear(dptr, size, true, true, || match real(dptr, size) {
-            CUresult::OUT_OF_MEMORY => spill(st, dptr, size),
+            CUresult::OUT_OF_MEMORY if state().oversubscribe() => spill(state(), dptr, size),
             r => r,
         })
     }
 }
 
-/// `CUDA_OVERSUBSCRIBE`: the driver refused `size` bytes that are within the container's limit (the
+/// `CUDA_OVERSUBSCRIBE` (or the agent's flag): the driver refused `size` bytes that are within the container's limit (the
 /// caller holds their reservation) for want of physical memory. Serve them as unified memory, which
 /// a GPU that pages on demand (concurrent managed access: Linux, Pascal and later) keeps between
 /// itself and the host; where unified memory must fit on the GPU, the driver refuses it too and the
 /// refusal stands. The pointer is freed by `cuMemFree` like any other.
 ///
 /// # Safety
-/// `dptr` is the caller's non-null out-pointer.
+/// `dptr` is the caller's out-pointer (NULL is refused).
 #[cold]
 unsafe fn spill(st: &State, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
     let refused = CUresult::OUT_OF_MEMORY;
-    let Some(managed) = driver().cuda.cuMemAllocManaged else { return refused };
+    let Some(managed) = driver().cuda.cuMemAllocManaged.filter(|_| !dptr.is_null()) else { return refused };
     let Ok((_, region_dev)) = current(st) else { return refused };
     // SAFETY: the caller's out-pointer and size (see above).
     let r = unsafe { managed(dptr, size, CU_MEM_ATTACH_GLOBAL) };

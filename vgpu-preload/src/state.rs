@@ -205,6 +205,13 @@ impl State {
         self.limits.map_or(0, |l| l.devices[dev].mem_limit.load(Acquire))
     }
 
+    /// Whether an allocation the GPU has no room for may be served as unified memory:
+    /// `CUDA_OVERSUBSCRIBE`, or the agent's flag in the limits.
+    pub fn oversubscribe(&self) -> bool {
+        self.cfg.oversubscribe
+            || self.limits.is_some_and(|l| l.header.flags.load(Acquire) & vgpu_region::FLAG_OVERSUBSCRIBE != 0)
+    }
+
     /// Region device index of a CUDA device ordinal.
     #[inline]
     pub fn dev_of(&self, ordinal: CUdevice) -> Result<usize, CUresult> {

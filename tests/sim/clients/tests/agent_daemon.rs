@@ -638,3 +638,41 @@ fn allocations_served_as_unified_memory_are_reported_per_slice() {
     let (_, body) = a.scrape("/metrics");
     assert_eq!(metric(&body, "vgpu_slice_spilled_bytes_total", "slice=\"over\""), (1100 * MIB) as f64);
 }
+
+#[test]
+fn with_memory_scaling_slices_add_up_past_the_gpu_and_what_has_no_room_becomes_unified_memory() {
+    let mut s = Sim::new(Some(NODE));
+    let mut a = Agent::start(&s, &[("VGPU_AGENT_MEMORY_SCALING", "1.5")]);
+    // GPU 0's 8 GiB count as 12 GiB.
+    let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "0", "--memory", "12.5g"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("is more than GPU 0 has (12884901888 bytes, memory_scaling 1.5)"), "{e}");
+    let mut detail = std::collections::HashMap::new();
+    for (name, memory) in [("a", "6g"), ("b", "5g")] {
+        let out = a.ctl_ok(&["slice", "create", "--name", name, "--gpu", "0", "--memory", memory, "--json"]);
+        detail.insert(name, serde_json::from_str::<Value>(&out).unwrap());
+    }
+    assert_eq!(detail["b"]["env"]["CUDA_OVERSUBSCRIBE"], "true", "{}", detail["b"]);
+    // "a" holds 5 GiB and a 64 MiB context; "b" gets its 4 GiB although 2944 MiB are left: 29 x 100 MiB
+    // on the GPU, 11 as unified memory. The flag in its limits file is enough (no environment).
+    s.spawn_cmd(in_slice(&s, &detail["a"], RT), &["alloc", "--size", "5g", "--hold"]);
+    let mut c = in_slice(&s, &detail["b"], RT);
+    c.env_remove("CUDA_OVERSUBSCRIBE");
+    let (b, v) = s.spawn_cmd(c, &["alloc", "--size", "4000m", "--chunk", "100m", "--hold"]);
+    assert_eq!((v["allocated"].as_u64(), v["error"].as_str()), (Some(4000 * MIB), None), "{v}");
+    let st = a.wait("b's spill", |v| slice_of(v, "b")["gpus"][0]["spilled_allocations"] == 11);
+    assert_eq!(slice_of(&st, "b")["gpus"][0]["memory_used"], 4064 * MIB);
+    assert!(st["escapes"].as_array().unwrap().is_empty(), "{st}");
+    s.kill(b);
+
+    // Back to 1 (an agent restart): the flag goes from every slice's files, and the variable from
+    // their injection.
+    let limits = a.state.join("slices/b/limits");
+    assert!(vgpu_region::Region::open(&limits, false).unwrap().oversubscribe());
+    assert!(a.sigterm().success());
+    a.env.clear();
+    a.spawn(&s);
+    assert!(!vgpu_region::Region::open(&limits, false).unwrap().oversubscribe());
+    let v: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "b", "--json"])).unwrap();
+    assert!(v["slice"]["env"].get("CUDA_OVERSUBSCRIBE").is_none(), "{v}");
+}

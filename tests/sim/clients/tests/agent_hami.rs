@@ -212,9 +212,9 @@ fn hami_mode_follows_the_schedulers_annotations() {
         rv: 10,
     }));
     let Harness { kdir, rt, mut rx, _kubelet, a } =
-        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
+        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\nmemory_scaling = 1.5\n");
 
-    // The node register annotation (v2.8 JSON).
+    // The node register annotation (v2.8 JSON), the memory scaled as HAMi's deviceMemoryScaling does.
     wait("the node annotation", || {
         cluster.lock().unwrap().node["metadata"]["annotations"]["hami.io/node-nvidia-register"].is_string()
     });
@@ -225,7 +225,7 @@ fn hami_mode_follows_the_schedulers_annotations() {
     assert_eq!(reg[0]["id"], g0);
     assert_eq!(
         (reg[0]["count"].as_u64(), reg[0]["devmem"].as_u64(), reg[0]["devcore"].as_u64()),
-        (Some(10), Some(8192), Some(100))
+        (Some(10), Some(12288), Some(100))
     );
     assert_eq!(reg[0]["type"], "NVIDIA-NVIDIA A100-SXM4-40GB");
     assert_eq!((reg[0]["mode"].as_str(), reg[0]["health"].as_bool()), (Some("hami-core"), Some(true)));
@@ -245,6 +245,7 @@ fn hami_mode_follows_the_schedulers_annotations() {
         assert_eq!(cr.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&g0));
         assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("3000m"));
         assert_eq!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str), Some("30"));
+        assert_eq!(cr.envs.get("CUDA_OVERSUBSCRIBE").map(String::as_str), Some("true"), "memory_scaling above 1");
         assert!(cr.mounts.iter().any(|m| m.container_path == "/etc/ld.so.preload" && m.read_only));
 
         // A process with that environment gets its 3000 MiB.

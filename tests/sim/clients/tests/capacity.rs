@@ -228,6 +228,22 @@ model = "L4"
 "#;
 
 #[test]
+fn with_memory_scaling_the_scheduler_sees_the_scaled_memory_as_allocatable() {
+    let s = Sim::new(Some(NODE));
+    let r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    let mut env = r.agent_env("node-s");
+    env.push(("VGPU_AGENT_MEMORY_SCALING".into(), "1.5".into()));
+    let a = Agent::start(&s, &envs(&env));
+    // 100 GiB on an 80 GB H100: more than it has, less than 1.5 times it.
+    a.ctl_ok(&["slice", "create", "--name", "big", "--gpu", "0", "--memory", "100GiB"]);
+    let v = converged(&rt, &r, &a, "node-s", "a slice past the GPU's memory");
+    let g = &v.capacity.as_ref().unwrap().gpus[0];
+    let scaled = ((g.memory_total >> 20) as f64 * 1.5) as u64 * (1 << 20);
+    assert_eq!(g.memory_allocatable, scaled - (100 << 30), "{g:?}");
+}
+
+#[test]
 fn snapshot_then_deltas_reconstruct_the_agents_state() {
     let s = Sim::new(Some(NODE));
     let r = Receiver::start(&s.state.join("receiver"));
