@@ -260,3 +260,25 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
     });
     assert!(names().contains(&sb));
 }
+
+#[test]
+fn with_memory_scaling_a_replica_is_its_share_of_the_scaled_memory() {
+    let (s, kdir, rt, tx, mut rx) = kubelet_node();
+    let _stop = rt.block_on(async { start_kubelet(&kdir, tx.clone()) });
+    let a = Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()), ("VGPU_AGENT_MEMORY_SCALING", "2")]);
+    let uuid0 = a.status().unwrap()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let reg = rt.block_on(next_register(&mut rx, "first"));
+    rt.block_on(async {
+        let mut c = plugin(kdir.join(&reg.endpoint)).await;
+        let req = dp::AllocateRequest {
+            container_requests: vec![dp::ContainerAllocateRequest {
+                devices_ids: (0..3).map(|n| format!("{uuid0}-{n}")).collect(),
+            }],
+        };
+        let r = c.allocate(req).await.unwrap().into_inner();
+        let cr = &r.container_responses[0];
+        // 3 of 10 replicas of 8 GiB counted twice: 4915 MiB, on a GPU that has 8192.
+        assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("4915m"));
+        assert_eq!(cr.envs.get("CUDA_OVERSUBSCRIBE").map(String::as_str), Some("true"));
+    });
+}
