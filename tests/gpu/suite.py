@@ -829,6 +829,47 @@ def check_oom_agent(s):
     return summary, v
 
 
+def fill_once(s, env, chunk, touch_last=0, touch_bytes=0):
+    """One `gpu-probe fill`: its report, and what NVML says the process held at that moment."""
+    argv = [s.bin("gpu-probe"), "fill", "--chunk", str(chunk)]
+    if touch_last:
+        argv += ["--touch-last", str(touch_last), "--touch-bytes", str(touch_bytes)]
+    p = Proc(s, argv, env)
+    try:
+        end = time.time() + 120
+        while not [x for x in p.lines if x] and time.time() < end:
+            time.sleep(0.05)
+        j = (parse_json(p.lines[0]) if p.lines and p.lines[0] else None) or {}
+        real = nvml_process_used(s, p.pid)
+    finally:
+        p.kill()
+    if not j:
+        raise Fail("gpu-probe fill reported nothing: %s" % tail("".join(p.err)))
+    return j, real
+
+
+def check_oversubscribe(s):
+    """CUDA_OVERSUBSCRIBE with a limit 2 GiB above what the GPU has free: allocations the GPU has no
+    room for are served as unified memory and work (set on the GPU, read back), and the limit still
+    stops them. Fills the GPU for a few seconds; changes no setting."""
+    chunk, touch = 512 * MIB, 64 * MIB
+    free = s.probe(["info"], s.env(False))["mem_free"]
+    lim = (free // chunk + 4) * chunk
+    bare, _ = fill_once(s, s.env(True, mem=lim), chunk)
+    j, real = fill_once(s, s.env(True, mem=lim, extra={"CUDA_OVERSUBSCRIBE": "true"}), chunk, 4, touch)
+    v = {"limit": lim, "gpu_free": free, "without": bare, "with": j, "nvml_used": real}
+    summary = "limit %s, the GPU %s free: without CUDA_OVERSUBSCRIBE refused after %s (%s); with it after %s (%s), %s past the GPU's room; the last %s chunks set on the GPU (%s each) and read back in %.2f s: %s; NVML: the process held %s" % (
+        human(lim), human(free), human(bare.get("allocated")), bare.get("result"), human(j.get("allocated")), j.get("result"),
+        human(max(0, j.get("allocated", 0) - bare.get("allocated", 0))), j.get("touched"), human(touch), j.get("touch_seconds") or 0,
+        j.get("touch_error") or "ok", human(real))
+    ok = (bare.get("result") == j.get("result") == "CUDA_ERROR_OUT_OF_MEMORY" and bare.get("allocated", 0) <= free
+          and j.get("allocated", 0) >= bare.get("allocated", 0) + 2 * chunk and j.get("allocated", 0) <= lim
+          and j.get("touched") and not j.get("touch_error"))
+    if not ok:
+        raise Fail(summary, v)
+    return summary, v
+
+
 def check_agent_sm(s):
     """Two agent slices at 25 % and 75 % side by side: the shares, and what the agent's SM feedback
     made of NVML's per-process samples (held when they do not add up; the refill-rate corrections)."""
@@ -887,6 +928,7 @@ CHECKS = [
     ("sm-30", check_sm_30),
     ("sm-60", check_sm_60),
     ("sm-25-75", check_sm_two),
+    ("oversubscribe", check_oversubscribe),
     ("overhead", check_overhead),
     ("agent", check_agent),
     ("oom-agent", check_oom_agent),

@@ -42,6 +42,7 @@ fn options_are_checked_and_checks_listed() {
         "sm-30",
         "sm-60",
         "sm-25-75",
+        "oversubscribe",
         "agent",
         "oom-agent",
         "agent-sm",
@@ -78,9 +79,19 @@ fn the_suite_passes_on_the_simulated_gpu() {
         let c = r["checks"].as_array().unwrap().iter().find(|c| c["name"] == name).unwrap_or_else(|| panic!("{name}"));
         (c["status"].as_str().unwrap().to_string(), c.clone())
     };
-    for name in
-        ["load", "mem-info", "oom", "shared-quota", "context-reset", "nvml", "sm-30", "sm-60", "agent", "oom-agent"]
-    {
+    for name in [
+        "load",
+        "mem-info",
+        "oom",
+        "shared-quota",
+        "context-reset",
+        "nvml",
+        "sm-30",
+        "sm-60",
+        "oversubscribe",
+        "agent",
+        "oom-agent",
+    ] {
         let (st, c) = status(name);
         assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
     }

@@ -7,9 +7,12 @@
 //!        gpu-probe latency [--launches N] [--allocs N] [--size BYTES]
 //!        gpu-probe alloc --size BYTES            (allocates, frees, reports)
 //!        gpu-probe hold --size BYTES             (allocates, reports, sleeps until killed)
-//!        gpu-probe fill --chunk BYTES [--pause]  (allocates chunks until refused, reports, sleeps until
+//!        gpu-probe fill --chunk BYTES [--pause] [--touch-last N --touch-bytes B]
+//!                                                (allocates chunks until refused, reports, sleeps until
 //!                                                killed; --pause: says "ready" with its context made and
-//!                                                waits for a line on stdin first)
+//!                                                waits for a line on stdin first; --touch-last: before
+//!                                                reporting, sets the first B bytes of each of the last N
+//!                                                chunks on the GPU and reads them back)
 //!        gpu-probe reset --size BYTES            (allocates, resets the primary context, allocates again)
 //!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S]
 //! Each prints one JSON object; exit 1 on a driver error, 2 on bad usage.
@@ -68,6 +71,8 @@ table! {
     cuMemGetInfo_v2: fn(*mut usize, *mut usize);
     cuMemAlloc_v2: fn(*mut CUdeviceptr, usize);
     cuMemFree_v2: fn(CUdeviceptr);
+    cuMemsetD8_v2: fn(CUdeviceptr, u8, usize);
+    cuMemcpyDtoH_v2: fn(*mut c_void, CUdeviceptr, usize);
     cuModuleLoadData: fn(*mut CUmodule, *const c_void);
     cuModuleGetFunction: fn(*mut CUfunction, CUmodule, *const c_char);
     cuLaunchKernel: fn(CUfunction, u32, u32, u32, u32, u32, u32, u32, CUstream, *mut *mut c_void, *mut *mut c_void);
@@ -253,17 +258,48 @@ fn fill(args: &[String]) -> Result<Value, String> {
         let mut line = String::new();
         let _ = std::io::stdin().read_line(&mut line);
     }
-    let mut n = 0u64;
+    let mut chunks = Vec::new();
     let r = loop {
         let mut d = 0;
         // SAFETY: out-pointer to a local.
         let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, chunk as usize) };
-        if r != CUresult::SUCCESS || n >= 1 << 20 {
+        if r != CUresult::SUCCESS || chunks.len() >= 1 << 20 {
             break r;
         }
-        n += 1;
+        chunks.push(d);
     };
-    let v = json!({"chunks": n, "allocated": n * chunk as u64, "result": p.name(r)});
+    let n = chunks.len() as u64;
+    let mut v = json!({"chunks": n, "allocated": n * chunk as u64, "result": p.name(r)});
+    let last = opt(args, "--touch-last", 0.0)? as usize;
+    if last > 0 {
+        // Written by the GPU (cuMemsetD8 runs on it), read back through a copy: the memory works.
+        let bytes = (opt(args, "--touch-bytes", chunk)? as usize).min(chunk as usize);
+        let t = Instant::now();
+        let touched = (|| -> Result<(), String> {
+            for (k, &d) in chunks.iter().rev().take(last).enumerate() {
+                let want = 0x40 + k as u8;
+                // SAFETY: d is a live allocation of at least `bytes` bytes.
+                p.ck(unsafe { (p.cu.cuMemsetD8_v2)(d, want, bytes) }, "cuMemsetD8")?;
+                p.sync()?;
+                let mut got = [0u8; 2];
+                for (i, at) in [0, bytes - 1].into_iter().enumerate() {
+                    // SAFETY: one byte into a local, from inside the allocation.
+                    p.ck(
+                        unsafe { (p.cu.cuMemcpyDtoH_v2)(got[i..].as_mut_ptr().cast(), d + at as u64, 1) },
+                        "cuMemcpyDtoH",
+                    )?;
+                }
+                if got != [want; 2] {
+                    return Err(format!("chunk {} from the end read back {got:?}, not {want}", k + 1));
+                }
+            }
+            Ok(())
+        })();
+        v["touched"] = json!(chunks.len().min(last));
+        v["touch_bytes"] = json!(bytes);
+        v["touch_seconds"] = json!(t.elapsed().as_secs_f64());
+        v["touch_error"] = json!(touched.err());
+    }
     println!("{v}");
     loop {
         std::thread::sleep(Duration::from_secs(3600));
@@ -348,7 +384,7 @@ fn main() {
         Some("spin") => spin(&args[1..]),
         Some("reset") => reset(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T]");
             std::process::exit(2);
         }
     };
