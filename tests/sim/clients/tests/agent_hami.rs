@@ -334,8 +334,11 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
         pods: vec![vpod("batch", "job", "uid-job", &format!("{g1},NVIDIA,2048,50:;"))],
         rv: 10,
     }));
-    let Harness { kdir, rt, mut rx, _kubelet, a: _a } =
-        harness(&s, &cluster, "compat = \"volcano\"\nregister_interval_s = 1\nmemory_factor = 1024\n");
+    let Harness { kdir, rt, mut rx, _kubelet, a: _a } = harness(
+        &s,
+        &cluster,
+        "compat = \"volcano\"\nregister_interval_s = 1\nmemory_factor = 1024\nmemory_scaling = 2\n",
+    );
     // Three resources, each on its own socket; all non-zero.
     let mut regs = BTreeMap::new();
     rt.block_on(async {
@@ -370,8 +373,8 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
         assert_eq!(count(regs["volcano.sh/vgpu-cores"].clone()).await, 200);
         assert_eq!(
             count(regs["volcano.sh/vgpu-memory"].clone()).await,
-            8 + 79,
-            "8192 MiB and 81559 MiB in 1024 MiB units"
+            16 + 159,
+            "8192 MiB and 81559 MiB, counted twice (memory_scaling 2), in 1024 MiB units"
         );
         let mut c = kubelet::plugin(kdir.join(&regs["volcano.sh/vgpu-number"])).await;
         let r = c
@@ -385,6 +388,7 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
         assert_eq!(cr.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&g1));
         assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("2048m"));
         assert_eq!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str), Some("50"));
+        assert_eq!(cr.envs.get("CUDA_OVERSUBSCRIBE").map(String::as_str), Some("true"));
         // The memory resource answers without allocating anything.
         let mut m = kubelet::plugin(kdir.join(&regs["volcano.sh/vgpu-memory"])).await;
         let e = m
@@ -402,7 +406,7 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
     assert_eq!(p["volcano.sh/bind-phase"], "success");
     assert!(cl.node["metadata"]["annotations"].get("hamivgpu").is_none(), "the node lock is released");
     let reg = cl.node["metadata"]["annotations"]["volcano.sh/node-vgpu-register"].as_str().unwrap();
-    assert!(reg.starts_with(&format!("{g0},10,8,NVIDIA-NVIDIA A100-SXM4-40GB,true,hami-core:{g1},10,79,")), "{reg}");
+    assert!(reg.starts_with(&format!("{g0},10,16,NVIDIA-NVIDIA A100-SXM4-40GB,true,hami-core:{g1},10,159,")), "{reg}");
     drop(cl);
     let _ = &mut s;
 }
