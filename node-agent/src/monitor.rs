@@ -658,6 +658,7 @@ impl Monitor {
                     });
                 }
                 let rate = d.sm_rate_ppm.load(Relaxed);
+                let (spilled_allocations, spilled_bytes) = c.region.spilled(dev);
                 st.gpus.push(pb::SliceGpuStatus {
                     uuid: sg.uuid.clone(),
                     gpu_index,
@@ -674,8 +675,8 @@ impl Monitor {
                     sm_rate_ppm: if rate == 0 { 1_000_000 } else { rate },
                     sm_accounted: c.sm_acct_ewma[dev].round() as u32,
                     last_kernel_unix_ms: c.last_kernel_ms[dev],
-                    spilled_allocations: c.region.spilled(dev).0,
-                    spilled_bytes: c.region.spilled(dev).1,
+                    spilled_allocations,
+                    spilled_bytes,
                 });
                 for (pid, host, used) in live {
                     let host_pid =

@@ -74,9 +74,10 @@ extern "C" fn filter(handle: *mut c_void, name: *const c_char) -> *mut c_void {
     }
 }
 
-#[cfg(all(not(test), target_arch = "x86_64"))]
+#[cfg(all(not(test), any(target_arch = "x86_64", target_arch = "aarch64")))]
 mod export {
-    /// The exported `dlsym`: asks [`filter`](super::filter), else tail-jumps to glibc's `dlsym`.
+    /// The exported `dlsym`: asks [`filter`](super::filter), else tail-jumps to glibc's `dlsym` with
+    /// the caller's return address (x86-64: on the stack; AArch64: the link register) as it came.
     ///
     /// # Safety
     /// As `dlsym(3)`.
@@ -86,6 +87,7 @@ mod export {
         handle: *mut std::ffi::c_void,
         name: *const std::ffi::c_char,
     ) -> *mut std::ffi::c_void {
+        #[cfg(target_arch = "x86_64")]
         std::arch::naked_asm!(
             "push rdi",
             "push rsi",
@@ -101,23 +103,8 @@ mod export {
             "ret",
             filter = sym super::filter,
             real = sym super::REAL_DLSYM,
-        )
-    }
-}
-
-#[cfg(all(not(test), target_arch = "aarch64"))]
-mod export {
-    /// The exported `dlsym`: asks [`filter`](super::filter), else tail-jumps to glibc's `dlsym`
-    /// with the caller's link register restored.
-    ///
-    /// # Safety
-    /// As `dlsym(3)`.
-    #[unsafe(naked)]
-    #[no_mangle]
-    pub unsafe extern "C" fn dlsym(
-        handle: *mut std::ffi::c_void,
-        name: *const std::ffi::c_char,
-    ) -> *mut std::ffi::c_void {
+        );
+        #[cfg(target_arch = "aarch64")]
         std::arch::naked_asm!(
             // A frame (keeps sp 16-byte aligned) holding fp, lr and the two arguments.
             "stp x29, x30, [sp, #-32]!",
@@ -136,6 +123,6 @@ mod export {
             "ret",
             filter = sym super::filter,
             real = sym super::REAL_DLSYM,
-        )
+        );
     }
 }
