@@ -149,11 +149,11 @@ pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usi
     }
 }
 
-/// `CUDA_OVERSUBSCRIBE` (or the agent's flag): the driver refused `size` bytes that are within the container's limit (the
-/// caller holds their reservation) for want of physical memory. Serve them as unified memory, which
-/// a GPU that pages on demand (concurrent managed access: Linux, Pascal and later) keeps between
-/// itself and the host; where unified memory must fit on the GPU, the driver refuses it too and the
-/// refusal stands. The pointer is freed by `cuMemFree` like any other.
+/// `CUDA_OVERSUBSCRIBE` (or the agent's flag): the driver refused `size` bytes that are within the
+/// container's limit (the caller holds their reservation) for want of physical memory. Serve them as
+/// unified memory, which a GPU that pages on demand (concurrent managed access: Linux, Pascal and
+/// later) keeps between itself and the host; where unified memory must fit on the GPU, the driver
+/// refuses it too and the refusal stands. The pointer is freed by `cuMemFree` like any other.
 ///
 /// # Safety
 /// `dptr` is the caller's out-pointer (NULL is refused).
