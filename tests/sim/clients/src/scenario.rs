@@ -11,8 +11,9 @@ pub const USAGE: &str = "\
 scenarios:
   info                                  devices, versions and memory info as the driver reports them
   alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|mipmap|host]
-        [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
-                                        allocate N bytes in chunks until done or refused
+        [--modules K] [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
+                                        allocate N bytes in chunks until done or refused (after
+                                        loading K modules)
   launch [--kernel NAME] [--count N | --seconds S [--sync-every K]] [--path kernel|ex|coop|graph|capture]
          [--nodes K] [--grid G] [--block B] [--duration-ns D] [--threads T]
                                         launch kernels (simulator convention: sleep_<N><unit>,
@@ -364,6 +365,16 @@ fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             };
             ck(api, (api.cuMemPoolCreate)(&mut al.pool, &props), "cuMemPoolCreate")?;
         }
+    }
+    // Modules loaded first (as a framework loads its kernels): driver memory no allocation call sees.
+    for _ in 0..o.num("modules", 0)? {
+        let mut m = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local and a NUL-terminated image.
+        ck(
+            api,
+            unsafe { (api.cuModuleLoadData)(&mut m, c"vgpu-sim module".as_ptr() as *const c_void) },
+            "cuModuleLoadData",
+        )?;
     }
     if let Some(s) = o.float("delay-secs")? {
         emit(json!({"event": "waiting", "pid": std::process::id(), "mem_info": mem_info(api)}));

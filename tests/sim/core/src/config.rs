@@ -12,6 +12,7 @@ struct RawConfig {
     cuda_version: Option<i32>,
     driver_version: Option<String>,
     context_overhead_mib: Option<u64>,
+    module_overhead_mib: Option<u64>,
     util_window_ms: Option<u64>,
     process_util: Option<String>,
     process_sample_ms: Option<u64>,
@@ -58,6 +59,9 @@ pub struct Config {
     pub cuda_version: i32,
     pub driver_version: String,
     pub context_overhead_bytes: u64,
+    /// Device memory each loaded module holds in its context (code, constants), until it is
+    /// unloaded or its context goes. Not allocated through any call an interposer sees.
+    pub module_overhead_bytes: u64,
     pub util_window_ns: u64,
     /// How NVML's per-process SM samples credit processes.
     pub process_util: ProcessUtil,
@@ -152,6 +156,7 @@ impl Config {
             cuda_version: raw.cuda_version.unwrap_or(12040),
             driver_version: raw.driver_version.unwrap_or_else(|| "550.54.15".into()),
             context_overhead_bytes: raw.context_overhead_mib.unwrap_or(256) << 20,
+            module_overhead_bytes: raw.module_overhead_mib.unwrap_or(0) << 20,
             util_window_ns: raw.util_window_ms.unwrap_or(1000).max(1) * 1_000_000,
             process_util,
             process_sample_ns: raw.process_sample_ms.unwrap_or(0) * 1_000_000,
@@ -165,6 +170,7 @@ impl Config {
         h.write(self.driver_version.as_bytes());
         h.write(&self.cuda_version.to_le_bytes());
         h.write(&self.context_overhead_bytes.to_le_bytes());
+        h.write(&self.module_overhead_bytes.to_le_bytes());
         for g in &self.gpus {
             h.write(g.model.key.as_bytes());
             h.write(g.uuid.as_bytes());

@@ -133,6 +133,8 @@ pub struct Ctx {
     pub refs: AtomicU32,
     /// End of the last work queued in this context.
     pub last_end: AtomicU64,
+    /// Device memory its loaded modules hold (freed with it).
+    pub module_bytes: AtomicU64,
     pub default_stream: crate::exec::Stream,
 }
 
@@ -145,6 +147,7 @@ impl Ctx {
             primary,
             refs: AtomicU32::new(0),
             last_end: AtomicU64::new(0),
+            module_bytes: AtomicU64::new(0),
             default_stream: crate::exec::Stream::new(std::ptr::null()),
         }));
         c.default_stream.set_ctx(c);

@@ -51,6 +51,9 @@ fn leak<T>(t: T) -> *mut std::ffi::c_void {
 pub struct Module {
     magic: AtomicU64,
     funcs: Mutex<HashMap<String, usize>>,
+    /// The context it was loaded in, and the device memory it holds there.
+    ctx: &'static Ctx,
+    bytes: u64,
 }
 
 #[repr(C)]
@@ -60,13 +63,22 @@ pub struct Func {
 }
 
 pub fn module_load() -> R<CUmodule> {
-    current()?;
-    Ok(leak(Module { magic: AtomicU64::new(MODULE_MAGIC), funcs: Mutex::new(HashMap::new()) }))
+    let ctx = current()?;
+    let bytes = proc()?.node.cfg.module_overhead_bytes;
+    if bytes > 0 {
+        proc()?.charge(ctx.gpu, bytes)?;
+        ctx.module_bytes.fetch_add(bytes, AcqRel);
+    }
+    Ok(leak(Module { magic: AtomicU64::new(MODULE_MAGIC), funcs: Mutex::new(HashMap::new()), ctx, bytes }))
 }
 
 pub fn module_unload(h: CUmodule) -> R<()> {
     let m: &Module = obj(h, MODULE_MAGIC)?;
     m.magic.store(0, Release);
+    // Its memory, unless its context went (and took it) in the meantime.
+    if m.bytes > 0 && m.ctx.module_bytes.fetch_update(AcqRel, Acquire, |b| b.checked_sub(m.bytes)).is_ok() {
+        proc()?.uncharge(m.ctx.gpu, m.bytes);
+    }
     for f in m.funcs.lock().unwrap().values() {
         // SAFETY: values are leaked `Func` pointers created below.
         unsafe { &*(*f as *const Func) }.magic.store(0, Release);

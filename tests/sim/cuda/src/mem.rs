@@ -224,6 +224,8 @@ pub fn release_context_memory(c: &Ctx) {
     for (gpu, size) in arrays {
         p.uncharge(gpu, size);
     }
+    // Its modules are unloaded with it (a reset context starts with none).
+    p.uncharge(c.gpu, c.module_bytes.swap(0, std::sync::atomic::Ordering::AcqRel));
 }
 
 /// (free, total) of the current context's device.
