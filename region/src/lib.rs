@@ -309,6 +309,11 @@ impl Region {
         self.map.header.flags.load(Acquire) & FLAG_OVERSUBSCRIBE != 0
     }
 
+    /// Whether a process created the region from its environment (no agent writes or watches it).
+    pub fn standalone(&self) -> bool {
+        self.map.header.flags.load(Acquire) & 1 != 0
+    }
+
     pub fn set_oversubscribe(&self, on: bool) -> Result<()> {
         self.writable()?;
         let f = &self.map.header.flags;
@@ -427,6 +432,28 @@ impl Region {
             apply(-delta);
             return false;
         }
+        true
+    }
+
+    /// What slot `slot` holds on `dev` (0 for indices out of range).
+    pub fn slot_used(&self, slot: usize, dev: usize) -> u64 {
+        if slot >= MAX_SLOTS || dev >= MAX_DEVICES {
+            return 0;
+        }
+        self.map.slots[slot].used[dev].load(SeqCst)
+    }
+
+    /// Records the host PID of the live process `pid` in its slot `slot`, learned after its claim
+    /// (a process in a PID namespace). False, with nothing changed, if the slot is not `pid`'s.
+    pub fn set_host_pid(&self, slot: usize, pid: u32, host_pid: u32) -> bool {
+        if !self.writable || slot >= MAX_SLOTS {
+            return false;
+        }
+        let s = &self.map.slots[slot];
+        if s.state.load(Acquire) != 1 || s.pid.load(Acquire) != pid {
+            return false;
+        }
+        s.host_pid.store(host_pid, Release);
         true
     }
 
@@ -570,10 +597,20 @@ impl Region {
     /// Lock-free; no interleaving of processes admits more than the limit.
     #[inline]
     pub fn reserve(&self, slot: usize, dev: usize, bytes: u64, limit: u64) -> Reserve {
+        match self.reserve_seen(slot, dev, bytes, limit) {
+            Some(_) => Reserve::Ok,
+            None => Reserve::OverLimit,
+        }
+    }
+
+    /// [`reserve`](Self::reserve), telling the container's usage on `dev` it saw with the
+    /// reservation made (0 with no limit, where it does not look); None: over the limit.
+    #[inline]
+    pub fn reserve_seen(&self, slot: usize, dev: usize, bytes: u64, limit: u64) -> Option<u64> {
         let mine = &self.map.slots[slot].used[dev];
         if limit == 0 {
             mine.fetch_add(bytes, SeqCst);
-            return Reserve::Ok;
+            return Some(0);
         }
         for _ in 0..8 {
             mine.fetch_add(bytes, SeqCst);
@@ -583,7 +620,7 @@ impl Region {
                 if total > peak.load(Relaxed) {
                     peak.fetch_max(total, Relaxed);
                 }
-                return Reserve::Ok;
+                return Some(total);
             }
             mine.fetch_sub(bytes, SeqCst);
             // No room even leaving concurrent reservations aside: refuse now. Otherwise another
@@ -594,7 +631,7 @@ impl Region {
             std::hint::spin_loop();
         }
         self.map.devices[dev].oom_rejections.fetch_add(1, Relaxed);
-        Reserve::OverLimit
+        None
     }
 
     /// Gives back what [`reserve`](Self::reserve) took.

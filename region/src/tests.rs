@@ -274,3 +274,27 @@ fn the_oversubscribe_flag_is_the_writers_and_leaves_the_standalone_bit_alone() {
     assert_eq!(r.layout().header.flags.load(std::sync::atomic::Ordering::Relaxed) & 1, standalone);
     std::fs::remove_file(p).ok();
 }
+
+#[test]
+fn a_process_records_its_host_pid_in_its_own_slot_only() {
+    let p = tmp("hostpid");
+    let r = Region::open_or_create(&p, init(1 << 30)).unwrap();
+    assert!(r.standalone());
+    let agent = tmp("hostpid-agent");
+    let a = Region::open_or_create(&agent, || Init { devices: vec![("GPU-aaaa".into(), 0, 0)], standalone: false })
+        .unwrap();
+    assert!(!a.standalone(), "a region the agent made is not standalone");
+    let c = r.claim(42, 0).unwrap();
+    assert_eq!(r.reserve(c.index, 0, 4096, 1 << 30), Reserve::Ok);
+    assert_eq!((r.slot_used(c.index, 0), r.slot_used(c.index, 1), r.slot_used(MAX_SLOTS, 0)), (4096, 0, 0));
+    assert!(!r.set_host_pid(c.index, 43, 9000), "not the slot's process");
+    assert!(!r.set_host_pid(c.index + 1, 42, 9000), "a free slot");
+    assert_eq!(r.slots()[0].2, 0);
+    assert!(r.set_host_pid(c.index, 42, 9000));
+    assert_eq!(r.slots()[0].2, 9000);
+    let ro = Region::open(&p, false).unwrap();
+    assert!(!ro.set_host_pid(c.index, 42, 1), "a read-only mapping cannot");
+    assert_eq!(ro.slots()[0].2, 9000);
+    std::fs::remove_file(p).ok();
+    std::fs::remove_file(agent).ok();
+}

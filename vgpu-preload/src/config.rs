@@ -33,6 +33,9 @@ pub struct Config {
     /// `CUDA_OVERSUBSCRIBE`: a `cuMemAlloc` within the limit that the GPU has no physical room for
     /// is served as unified (managed) memory, which the driver pages between GPU and host.
     pub oversubscribe: bool,
+    /// Where no agent watches the region, charge the process for device memory NVML says the
+    /// driver holds for it beyond its own account (`VGPU_MEMORY_TRUE_UP`, on unless 0/false/no/off).
+    pub memory_true_up: bool,
     /// The agent's files are mounted into this container (its limits file exists at
     /// [`INJECTED_LIMITS`]): they are the configuration, and the environment cannot loosen it.
     pub managed: bool,
@@ -172,6 +175,8 @@ impl Config {
             count_managed: get("VGPU_COUNT_MANAGED").is_none_or(|v| v.trim() != "0"),
             fail_open: flag("VGPU_FAIL_OPEN"),
             oversubscribe: flag("CUDA_OVERSUBSCRIBE"),
+            memory_true_up: !get("VGPU_MEMORY_TRUE_UP")
+                .is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "false" | "no" | "off")),
             managed,
             errors,
             ignored: Vec::new(),
@@ -263,6 +268,11 @@ mod tests {
         let d = cfg(&[]);
         assert_eq!((d.mem_limit[0], d.region_path.as_str()), (0, DEFAULT_REGION));
         assert!(!d.oversubscribe && !cfg(&[("CUDA_OVERSUBSCRIBE", "false")]).oversubscribe);
+        assert!(d.memory_true_up && cfg(&[("VGPU_MEMORY_TRUE_UP", "yes")]).memory_true_up);
+        assert!(
+            !cfg(&[("VGPU_MEMORY_TRUE_UP", " Off")]).memory_true_up
+                && !cfg(&[("VGPU_MEMORY_TRUE_UP", "0")]).memory_true_up
+        );
         assert_eq!(d.context_overhead, DEFAULT_CONTEXT_OVERHEAD);
     }
 

@@ -24,6 +24,7 @@ mod ptrmap;
 mod real;
 mod sm;
 mod state;
+mod trueup;
 
 pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;
 

@@ -457,11 +457,12 @@ pub unsafe fn mipmapped_create(
     unsafe { array_common(est, arr, || real(arr, desc, levels), mipmapped_req, destroy) }
 }
 
-fn release_handle(key: u64) {
+/// Releases what a handle charged; its device, if it was known.
+fn release_handle(key: u64) -> Option<usize> {
     let st = state();
-    if let Some((d, b)) = st.handles.remove(key).map(unpack) {
-        st.release(d, b);
-    }
+    let (d, b) = st.handles.remove(key).map(unpack)?;
+    st.release(d, b);
+    Some(d)
 }
 
 pub unsafe fn array_destroy(real: f::cuArrayDestroy, arr: CUarray) -> CUresult {
@@ -498,6 +499,7 @@ pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcon
         }
         return r;
     }
+    let before = st.trueup.before_context(st, d);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = context_charged(st, d, st.cfg.context_overhead, || unsafe { real(pctx, dev) });
     if r == OK {
@@ -506,6 +508,7 @@ pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcon
             // SAFETY: the driver returned success, so it wrote the caller's out-pointer.
             c.store(unsafe { *pctx } as u64, std::sync::atomic::Ordering::Release);
         }
+        st.trueup.after_context(st, d, before);
     }
     r
 }
@@ -523,6 +526,7 @@ pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice)
         st.release(d, st.cfg.context_overhead);
         // The last release destroys the primary context, and what was allocated in it.
         context_gone(st, st.primary_ctx[dev as usize].load(std::sync::atomic::Ordering::Acquire));
+        st.trueup.context_gone(st, d);
     }
     let _ = refs
         .fetch_update(std::sync::atomic::Ordering::AcqRel, std::sync::atomic::Ordering::Acquire, |x| x.checked_sub(1));
@@ -550,11 +554,13 @@ pub unsafe fn ctx_create(real: f::cuCtxCreate_v2, pctx: *mut CUcontext, flags: u
     }
     let d = tri!(st.dev_of(dev));
     let bytes = st.cfg.context_overhead;
+    let before = st.trueup.before_context(st, d);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = context_charged(st, d, bytes, || unsafe { real(pctx, flags, dev) });
     if r == OK {
         // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
         st.handles.insert(unsafe { *pctx } as u64 | CTX_TAG, pack(d, bytes));
+        st.trueup.after_context(st, d, before);
     }
     r
 }
@@ -563,8 +569,12 @@ pub unsafe fn ctx_destroy(real: f::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult 
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(ctx) };
     if r == OK {
-        release_handle(ctx as u64 | CTX_TAG);
-        context_gone(state(), ctx as u64);
+        let st = state();
+        let dev = release_handle(ctx as u64 | CTX_TAG);
+        context_gone(st, ctx as u64);
+        if let Some(d) = dev {
+            st.trueup.context_gone(st, d);
+        }
     }
     r
 }

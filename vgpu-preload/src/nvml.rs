@@ -118,27 +118,11 @@ pub unsafe fn processes(
     let st = state();
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let Some(region) = st.region.as_ref() else { return unsafe { real(dev, count, infos) } };
-    // Ask for the whole list into our own buffer, growing it as NVML asks.
-    let mut buf: Vec<NvmlProcessInfo> = Vec::new();
-    let mut n = 0u32;
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let mut r = unsafe { real(dev, &mut n, std::ptr::null_mut()) };
-    for _ in 0..4 {
-        if r != NVML_ERROR_INSUFFICIENT_SIZE {
-            break;
-        }
-        n += 8;
-        buf.resize(
-            n as usize,
-            NvmlProcessInfo { pid: 0, used_gpu_memory: 0, gpu_instance_id: 0, compute_instance_id: 0 },
-        );
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        r = unsafe { real(dev, &mut n, buf.as_mut_ptr()) };
-    }
-    if r != NVML_SUCCESS {
-        return r;
-    }
-    buf.truncate(n as usize);
+    // SAFETY: the real entry point and the caller's handle.
+    let mut buf = match unsafe { list_processes(real, dev) } {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let ours: Vec<u32> = region.slots().iter().flat_map(|(_, p, h, _)| [*p, *h]).filter(|p| *p != 0).collect();
     buf.retain(|p| ours.contains(&p.pid));
     // SAFETY: count is non-null.
@@ -153,4 +137,32 @@ pub unsafe fn processes(
     // SAFETY: infos holds cap >= buf.len() entries.
     unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), infos, buf.len()) };
     NVML_SUCCESS
+}
+
+/// Every process `real` lists for `dev`, into a buffer grown as NVML asks.
+pub unsafe fn list_processes(
+    real: f::nvmlDeviceGetComputeRunningProcesses_v3,
+    dev: NvmlDevice,
+) -> Result<Vec<NvmlProcessInfo>, NvmlReturn> {
+    let mut buf: Vec<NvmlProcessInfo> = Vec::new();
+    let mut n = 0u32;
+    // SAFETY: a count query (NULL array) through the real entry point.
+    let mut r = unsafe { real(dev, &mut n, std::ptr::null_mut()) };
+    for _ in 0..4 {
+        if r != NVML_ERROR_INSUFFICIENT_SIZE {
+            break;
+        }
+        n += 8;
+        buf.resize(
+            n as usize,
+            NvmlProcessInfo { pid: 0, used_gpu_memory: 0, gpu_instance_id: 0, compute_instance_id: 0 },
+        );
+        // SAFETY: buf holds n entries, as the count says.
+        r = unsafe { real(dev, &mut n, buf.as_mut_ptr()) };
+    }
+    if r != NVML_SUCCESS {
+        return Err(r);
+    }
+    buf.truncate(n as usize);
+    Ok(buf)
 }

@@ -100,18 +100,25 @@ cuda_helpers!(define_helpers);
 
 macro_rules! define_real_nvml {
     ($($name:ident($($a:ident: $t:ty),*) => $p:path;)*) => {
+        define_real_nvml!(@ [$($name($($t),*))*] [
+            // Not intercepted; what the NVML hooks and the standalone true-up call themselves.
+            nvmlInit_v2(),
+            nvmlDeviceGetUUID(NvmlDevice, *mut c_char, u32),
+            nvmlDeviceGetIndex(NvmlDevice, *mut u32),
+            nvmlDeviceGetHandleByUUID(*const c_char, *mut NvmlDevice),
+        ]);
+    };
+    (@ [$($name:ident($($t:ty),*))*] [$($x:ident($($xt:ty),*),)*]) => {
         #[allow(non_camel_case_types)]
         pub mod nvml_fns {
             use super::*;
             $(pub type $name = unsafe extern "C" fn($($t),*) -> NvmlReturn;)*
-            pub type nvmlDeviceGetUUID = unsafe extern "C" fn(NvmlDevice, *mut c_char, u32) -> NvmlReturn;
-            pub type nvmlDeviceGetIndex = unsafe extern "C" fn(NvmlDevice, *mut u32) -> NvmlReturn;
+            $(pub type $x = unsafe extern "C" fn($($xt),*) -> NvmlReturn;)*
         }
         #[allow(non_snake_case)]
         pub struct Nvml {
             $(pub $name: Option<nvml_fns::$name>,)*
-            pub nvmlDeviceGetUUID: Option<nvml_fns::nvmlDeviceGetUUID>,
-            pub nvmlDeviceGetIndex: Option<nvml_fns::nvmlDeviceGetIndex>,
+            $(pub $x: Option<nvml_fns::$x>,)*
         }
         impl Nvml {
             fn load(h: *mut c_void) -> Nvml {
@@ -121,16 +128,11 @@ macro_rules! define_real_nvml {
                         // SAFETY: NVML's symbol of this name has this signature (nvml.h).
                         (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, nvml_fns::$name>(p) })
                     },)*
-                    nvmlDeviceGetUUID: {
-                        let p = sym(h, "nvmlDeviceGetUUID\0");
+                    $($x: {
+                        let p = sym(h, concat!(stringify!($x), "\0"));
                         // SAFETY: as above.
-                        (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, nvml_fns::nvmlDeviceGetUUID>(p) })
-                    },
-                    nvmlDeviceGetIndex: {
-                        let p = sym(h, "nvmlDeviceGetIndex\0");
-                        // SAFETY: as above.
-                        (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, nvml_fns::nvmlDeviceGetIndex>(p) })
-                    },
+                        (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, nvml_fns::$x>(p) })
+                    },)*
                 }
             }
             pub fn addresses(&self) -> Vec<(&'static str, usize)> {

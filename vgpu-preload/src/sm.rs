@@ -24,7 +24,7 @@ const FIRST_GUESS_NS: u64 = 100_000;
 /// Longest single sleep; the budget is re-read after each.
 const MAX_SLEEP_NS: u64 = 20_000_000;
 
-fn now_coarse() -> u64 {
+pub(crate) fn now_coarse() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: valid out-pointer; the clock always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };

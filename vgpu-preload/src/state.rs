@@ -37,6 +37,8 @@ pub struct State {
     sm_seen_gen: AtomicU64,
     /// The region device, when the process sees exactly one CUDA device (-1 otherwise).
     only_dev: AtomicI32,
+    /// Charges for device memory the driver holds beyond what the calls charged (standalone).
+    pub trueup: crate::trueup::TrueUp,
     /// Device pointers -> (device, context id, bytes).
     pub ptrs: PtrMap,
     /// VMM handles, arrays, explicit contexts -> (device, context id, bytes).
@@ -114,6 +116,9 @@ impl State {
                 Err(e) => refuse |= limit_error(&cfg, e.to_string()),
             }
         }
+        // No agent watches a region a process created: each process trues itself up.
+        let standalone = region.as_ref().is_some_and(|r| r.standalone()) && limits_region.is_none();
+        let trueup = crate::trueup::TrueUp::new(cfg.memory_true_up && standalone, host_pid());
         // SAFETY: registering a plain extern "C" handler.
         unsafe { libc::pthread_atfork(None, None, Some(child_after_fork)) };
         State {
@@ -134,6 +139,7 @@ impl State {
             only_dev: AtomicI32::new(-1),
             ptrs: PtrMap::new(16),
             handles: PtrMap::new(12),
+            trueup,
             cfg,
         }
     }
@@ -154,6 +160,7 @@ impl State {
                 Err(e) => vlog!(ERROR, "after fork: {e}"),
             }
         }
+        self.trueup.after_fork(host_pid());
         self.ptrs.clear();
         self.handles.clear();
         self.contexts.clear();
@@ -340,15 +347,42 @@ impl State {
     #[inline]
     fn reserve_accounted(&self, dev: usize, bytes: u64) -> Result<(), CUresult> {
         let Some((r, slot)) = self.accounting() else { return Ok(()) };
-        if r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok {
-            return Ok(());
+        let limit = self.mem_limit(dev);
+        match r.reserve_seen(slot, dev, bytes, limit) {
+            // Within a quarter of the limit (at most 1 GiB) of it, where no agent watches: what the
+            // driver holds beyond the process's calls may be what takes it over (see `trueup`).
+            Some(total) if limit != 0 && total > limit - (limit / 4).min(1 << 30) && self.trueup.on() => {
+                self.reserve_near(r, slot, dev, bytes, limit)
+            }
+            Some(_) => Ok(()),
+            None => self.reserve_slow(r, slot, dev, bytes),
         }
-        self.reserve_slow(r, slot, dev, bytes)
+    }
+
+    /// A reservation that brought the container near its limit: true up this process's charge,
+    /// and keep the reservation only if the container is still within the limit.
+    #[cold]
+    fn reserve_near(&self, r: &Region, slot: usize, dev: usize, bytes: u64, limit: u64) -> Result<(), CUresult> {
+        if self.trueup.near_limit(self, dev, false, bytes) && r.used(dev) > limit {
+            r.release(slot, dev, bytes);
+            if r.reserve(slot, dev, bytes, limit) == Reserve::Ok {
+                return Ok(());
+            }
+            return self.reserve_slow(r, slot, dev, bytes);
+        }
+        Ok(())
     }
 
     #[cold]
     fn reserve_slow(&self, r: &Region, slot: usize, dev: usize, bytes: u64) -> Result<(), CUresult> {
         if r.reap() > 0 && r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok {
+            return Ok(());
+        }
+        // What the true-up charges may have gone (a context or module the driver let go).
+        if self.trueup.added(dev) > 0
+            && self.trueup.near_limit(self, dev, true, 0)
+            && r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok
+        {
             return Ok(());
         }
         vlog!(

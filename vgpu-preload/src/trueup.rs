@@ -1,0 +1,210 @@
+//! The standalone true-up. A CUDA context holds more device memory than `VGPU_CONTEXT_OVERHEAD`
+//! charges on some GPUs (610 MiB for PyTorch's on an H200), and modules loaded later add more:
+//! memory no hooked call allocates. Where the agent watches a container, it charges each process
+//! for what NVML says the driver holds for it beyond its own account. Where none does (a region a
+//! process created from its environment, as under HAMi's or Volcano's device plugin), each process
+//! does the same for itself, from NVML's per-process figure for its own host PID:
+//!
+//! * right after its first context on a device (the context's real size), and after a context
+//!   went (its memory with it);
+//! * on allocations that bring the container within a quarter of its limit (at most 1 GiB), at most
+//!   once per 100 ms, before the reservation that would admit them;
+//! * before refusing an allocation, at most once per 10 ms (memory the driver gave back is no
+//!   longer charged).
+//!
+//! In a PID namespace the process does not know its host PID: it learns it from NVML at its first
+//! context, as the one process that appears in the device's list while the context is created (if
+//! others appear at the same moment it cannot tell, and tries again at its next first context on a
+//! device). All of it is off the hot paths: the allocation path compares one total it already has.
+
+use crate::log::{vlog, INFO};
+use crate::nvml::{list_processes, NvmlDevice, NVML_SUCCESS};
+use crate::real::nvml;
+use crate::state::State;
+use crate::MAX_DEVICES;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Mutex, OnceLock};
+
+/// Changes smaller than this are left alone (NVML's figures move by a few MiB on their own).
+const STEP: u64 = 8 << 20;
+/// Near the limit, at most one measurement per device per this long.
+const PERIOD_NS: u64 = 100_000_000;
+/// NVML's "not available" for a process's memory.
+const NOT_AVAILABLE: u64 = u64::MAX;
+
+pub struct TrueUp {
+    /// Set once the region is known to be standalone and the setting allows it.
+    on: AtomicBool,
+    /// This process's PID as NVML lists it (0: not known yet).
+    host_pid: AtomicU32,
+    /// Bytes charged per device by the true-up, on top of the process's own account.
+    added: [AtomicU64; MAX_DEVICES],
+    /// When each device was last measured (monotonic ns).
+    last_ns: [AtomicU64; MAX_DEVICES],
+    /// A context was created on the device in this process (its host PID is then in the list
+    /// before the next one, so a new one cannot tell it).
+    had_context: [AtomicBool; MAX_DEVICES],
+    lock: Mutex<()>,
+}
+
+impl TrueUp {
+    pub fn new(on: bool, host_pid: u32) -> TrueUp {
+        TrueUp {
+            on: AtomicBool::new(on),
+            host_pid: AtomicU32::new(host_pid),
+            added: [const { AtomicU64::new(0) }; MAX_DEVICES],
+            last_ns: [const { AtomicU64::new(0) }; MAX_DEVICES],
+            had_context: [const { AtomicBool::new(false) }; MAX_DEVICES],
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// Whether allocations near the limit are checked: the hot path's only question.
+    #[inline]
+    pub fn on(&self) -> bool {
+        self.on.load(Relaxed)
+    }
+
+    /// A forked child: a new process, with its own slot and no context.
+    pub fn after_fork(&self, host_pid: u32) {
+        self.host_pid.store(host_pid, Release);
+        for i in 0..MAX_DEVICES {
+            self.added[i].store(0, Relaxed);
+            self.last_ns[i].store(0, Relaxed);
+            self.had_context[i].store(false, Relaxed);
+        }
+    }
+
+    /// Bytes the true-up charges on `dev` now.
+    pub fn added(&self, dev: usize) -> u64 {
+        self.added[dev].load(Acquire)
+    }
+
+    /// Before a context is created on `dev`: the PIDs NVML lists there, when this process's host
+    /// PID is still to be learned from them.
+    #[cold]
+    pub fn before_context(&self, st: &State, dev: usize) -> Option<Vec<u32>> {
+        if !self.on() || self.host_pid.load(Acquire) != 0 || self.had_context[dev].load(Acquire) {
+            return None;
+        }
+        if st.mem_limit(dev) == 0 {
+            return None;
+        }
+        processes(st, dev).map(|v| v.into_iter().map(|(pid, _)| pid).collect())
+    }
+
+    /// After a context was created on `dev` (`before` from [`before_context`](Self::before_context)).
+    #[cold]
+    pub fn after_context(&self, st: &State, dev: usize, before: Option<Vec<u32>>) {
+        if !self.on() {
+            return;
+        }
+        self.had_context[dev].store(true, Release);
+        if let (Some(before), Some(after)) = (before, processes(st, dev)) {
+            let mut new: Vec<u32> = after.into_iter().map(|(pid, _)| pid).filter(|p| !before.contains(p)).collect();
+            new.dedup();
+            if let [pid] = new[..] {
+                self.host_pid.store(pid, Release);
+                if let Some((r, slot)) = st.accounting() {
+                    r.set_host_pid(slot, std::process::id(), pid);
+                }
+                vlog!(INFO, "host PID {pid} (from NVML, at this process's first context)");
+            } else {
+                vlog!(INFO, "cannot tell this process's host PID ({} new in NVML's list); no true-up yet", new.len());
+            }
+        }
+        self.measure(st, dev, false, 0);
+    }
+
+    /// A context on `dev` went: what the driver held for it went too.
+    #[cold]
+    pub fn context_gone(&self, st: &State, dev: usize) {
+        if self.on() && self.added(dev) > 0 {
+            self.measure(st, dev, true, 0);
+        }
+    }
+
+    /// The container's usage on `dev` came near its limit: measure, unless measured in the last
+    /// 100 ms (10 ms with `force`, before a refusal).
+    /// True when the charge changed.
+    #[cold]
+    /// `pending`: bytes this call reserved and the driver has not allocated yet.
+    pub fn near_limit(&self, st: &State, dev: usize, force: bool, pending: u64) -> bool {
+        let now = crate::sm::now_coarse();
+        let last = self.last_ns[dev].load(Relaxed);
+        let period = if force { PERIOD_NS / 10 } else { PERIOD_NS };
+        if last != 0 && now.saturating_sub(last) < period {
+            return false;
+        }
+        self.last_ns[dev].store(now.max(1), Relaxed);
+        self.measure(st, dev, false, pending)
+    }
+
+    /// Moves the true-up's charge on `dev` to what NVML says the driver holds for this process
+    /// beyond its own account (less `pending`, reserved for a call not made yet). `gone`: a context
+    /// went, and a process NVML no longer lists holds nothing there.
+    fn measure(&self, st: &State, dev: usize, gone: bool, pending: u64) -> bool {
+        let host = self.host_pid.load(Acquire);
+        let Some((r, slot)) = st.accounting() else { return false };
+        if host == 0 || st.mem_limit(dev) == 0 {
+            return false;
+        }
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(list) = processes(st, dev) else { return false };
+        let mine: Vec<u64> = list.iter().filter(|(pid, _)| *pid == host).map(|(_, b)| *b).collect();
+        if (mine.is_empty() && !gone) || mine.contains(&NOT_AVAILABLE) {
+            return false;
+        }
+        let measured: u64 = mine.iter().sum();
+        let added = self.added[dev].load(Acquire);
+        let own = r.slot_used(slot, dev).saturating_sub(added).saturating_sub(pending);
+        let target = measured.saturating_sub(own);
+        if target.abs_diff(added) < STEP && !(target == 0 && added > 0) {
+            return false;
+        }
+        if !r.adjust_for(slot, std::process::id(), dev, target as i64 - added as i64) {
+            return false;
+        }
+        self.added[dev].store(target, Release);
+        vlog!(
+            INFO,
+            "device {dev}: the driver holds {measured} bytes for this process, {own} charged by its calls: \
+             {target} bytes more charged"
+        );
+        true
+    }
+}
+
+/// NVML, initialised once by this library (its own reference; the application's init and shutdown
+/// pair is unaffected). None when it cannot be used.
+fn nvml_ready() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    *READY.get_or_init(|| {
+        // SAFETY: nvmlInit_v2 takes no arguments; NVML counts initialisations.
+        let ok = nvml().nvmlInit_v2.is_some_and(|init| unsafe { init() } == NVML_SUCCESS);
+        if !ok {
+            vlog!(INFO, "NVML unavailable: device memory the driver holds beyond what is allocated is not charged");
+        }
+        ok
+    })
+}
+
+/// (PID, bytes) of each process NVML lists on the region device `dev`; None if NVML cannot say
+/// (no NVML, or a device it does not know by this UUID, such as a MIG instance).
+fn processes(st: &State, dev: usize) -> Option<Vec<(u32, u64)>> {
+    if !nvml_ready() {
+        return None;
+    }
+    let uuid = CString::new(st.region.as_ref()?.device_uuid(dev)).ok()?;
+    let by_uuid = nvml().nvmlDeviceGetHandleByUUID?;
+    let mut h: NvmlDevice = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated UUID and an out-pointer to a local.
+    if unsafe { by_uuid(uuid.as_ptr(), &mut h) } != NVML_SUCCESS {
+        return None;
+    }
+    let real = nvml().nvmlDeviceGetComputeRunningProcesses_v3.or(nvml().nvmlDeviceGetComputeRunningProcesses_v2)?;
+    // SAFETY: the real entry point with a handle NVML just gave.
+    let list = unsafe { list_processes(real, h) }.ok()?;
+    Some(list.into_iter().map(|p| (p.pid, p.used_gpu_memory)).collect())
+}
