@@ -633,7 +633,8 @@ def check_graph(s):
 
 
 def check_overhead(s):
-    """Launch and cuMemAlloc/cuMemFree cost with and without the interposer (no limit set)."""
+    """Launch and cuMemAlloc/cuMemFree cost with and without the interposer (no limit set); the first
+    context's cost under a limit with the standalone true-up off and on."""
     args = ["latency", "--launches", "20000" if s.o.quick else "50000", "--allocs", "2000" if s.o.quick else "5000"]
     # Alternate to spread drift over both sides; keep the best of each.
     runs = {False: [], True: []}
@@ -646,6 +647,15 @@ def check_overhead(s):
          "launch_delta_ns": w["launch_ns"] - b["launch_ns"], "pair_delta_ns": pair_w - pair_b}
     summary = "cuLaunchKernel %.0f -> %.0f ns (x%.3f, %+.0f ns); cuMemAlloc+cuMemFree 1 MiB %.0f -> %.0f ns (x%.3f, %+.0f ns)" % (
         b["launch_ns"], w["launch_ns"], v["launch_ratio"], v["launch_delta_ns"], pair_b, pair_w, v["pair_ratio"], v["pair_delta_ns"])
+    # The first context under a memory limit (cuInit to a current primary context), with the
+    # standalone true-up off and on: on, it also initialises NVML and lists the GPU's processes twice
+    # there. A cold path with no budget: reported, best of three each.
+    first = {False: [], True: []}
+    for tu in (False, True) * 3:
+        env = s.env(True, mem=s.limit, extra={"VGPU_MEMORY_TRUE_UP": "1" if tu else "0"})
+        first[tu].append(s.probe(["alloc", "--size", str(MIB)], env)["open_ms"])
+    v["first_context_ms"] = {"true_up_off": min(first[False]), "true_up_on": min(first[True])}
+    summary += "; first context under a limit %.1f ms (true-up off) / %.1f ms (on)" % (min(first[False]), min(first[True]))
     if s.torch:
         t0 = s.torch_task("launch", s.env(False))
         t1 = s.torch_task("launch", s.env(True))
@@ -851,6 +861,67 @@ def fill_once(s, env, chunk, touch_last=0, touch_bytes=0):
     return j, real
 
 
+def child_pid(pid):
+    """The one child of process `pid` (unshare --fork's), or None."""
+    try:
+        kids = open("/proc/%d/task/%d/children" % (pid, pid)).read().split()
+        return int(kids[0]) if kids else None
+    except (OSError, ValueError):
+        return None
+
+
+def fill_in_pid_namespace(s, env, chunk):
+    """`fill_once` in a new PID namespace (unshare, as root), where the process does not know the
+    PID NVML lists it under. None where that cannot be done here."""
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or not unshare:
+        return None
+    rc, _, _, _ = s.run([unshare, "--pid", "--fork", "--kill-child", "true"], s.env(False))
+    if rc != 0:
+        return None
+    p = Proc(s, [unshare, "--pid", "--fork", "--kill-child", "--", s.bin("gpu-probe"), "fill", "--chunk", str(chunk)], env)
+    try:
+        end = time.time() + 120
+        while not [x for x in p.lines if x] and time.time() < end:
+            time.sleep(0.05)
+        j = (parse_json(p.lines[0]) if p.lines and p.lines[0] else None) or {}
+        kid = child_pid(p.pid)
+        real = nvml_process_used(s, kid) if kid else None
+    finally:
+        p.kill()
+    if not j:
+        raise Fail("gpu-probe fill in a PID namespace reported nothing: %s" % tail("".join(p.err)))
+    return j, real
+
+
+def check_true_up(s):
+    """Without an agent, each process charges itself what the driver really holds for it (its CUDA
+    context beyond the 256 MiB charged at its creation): `gpu-probe fill` (256 MiB chunks) under the
+    limit with the true-up off, on, and on in a PID namespace (where the process learns its host PID
+    from NVML). On, what NVML says the process holds when refused must be within the limit."""
+    lim, chunk = s.limit, 256 * MIB
+    off, real_off = fill_once(s, s.env(True, mem=lim, extra={"VGPU_MEMORY_TRUE_UP": "0"}), chunk)
+    on, real_on = fill_once(s, s.env(True, mem=lim), chunk)
+    ns = fill_in_pid_namespace(s, s.env(True, mem=lim), chunk)
+    v = {"limit": lim, "chunk": chunk, "off": off, "nvml_off": real_off, "on": on, "nvml_on": real_on}
+    parts = ["limit %s: true-up off: refused after %s, NVML %s" % (human(lim), human(off.get("allocated")), human(real_off)),
+             "on: after %s, NVML %s" % (human(on.get("allocated")), human(real_on))]
+    runs = [(on, real_on)]
+    if ns is None:
+        parts.append("in a PID namespace: not run (needs root and unshare)")
+    else:
+        v["pid_namespace"], v["nvml_pid_namespace"] = ns
+        parts.append("in a PID namespace: after %s, NVML %s" % (human(ns[0].get("allocated")), human(ns[1])))
+        runs.append(ns)
+    if real_off is not None and real_off <= lim:
+        parts.append("(the context fits its 256 MiB charge here: off and on cannot differ)")
+    summary = "; ".join(parts)
+    bad = [j for j, real in runs if j.get("result") != "CUDA_ERROR_OUT_OF_MEMORY" or real is None or real > lim]
+    if bad:
+        raise Fail(summary + "; over the limit, unmeasured or not refused", v)
+    return summary, v
+
+
 def check_oversubscribe(s):
     """CUDA_OVERSUBSCRIBE with a limit 2 GiB above what the GPU has free: allocations the GPU has no
     room for are served as unified memory and work (set on the GPU, read back), and the limit still
@@ -931,6 +1002,7 @@ CHECKS = [
     ("sm-30", check_sm_30),
     ("sm-60", check_sm_60),
     ("sm-25-75", check_sm_two),
+    ("true-up", check_true_up),
     ("oversubscribe", check_oversubscribe),
     ("overhead", check_overhead),
     ("agent", check_agent),

@@ -102,16 +102,15 @@ impl TrueUp {
         }
         self.had_context[dev].store(true, Release);
         if let (Some(before), Some(after)) = (before, processes(st, dev)) {
-            let mut new: Vec<u32> = after.into_iter().map(|(pid, _)| pid).filter(|p| !before.contains(p)).collect();
-            new.dedup();
-            if let [pid] = new[..] {
-                self.host_pid.store(pid, Release);
-                if let Some((r, slot)) = st.accounting() {
-                    r.set_host_pid(slot, std::process::id(), pid);
+            match learned(&before, after.iter().map(|(pid, _)| *pid)) {
+                Ok(pid) => {
+                    self.host_pid.store(pid, Release);
+                    if let Some((r, slot)) = st.accounting() {
+                        r.set_host_pid(slot, std::process::id(), pid);
+                    }
+                    vlog!(INFO, "host PID {pid} (from NVML, at this process's first context)");
                 }
-                vlog!(INFO, "host PID {pid} (from NVML, at this process's first context)");
-            } else {
-                vlog!(INFO, "cannot tell this process's host PID ({} new in NVML's list); no true-up yet", new.len());
+                Err(n) => vlog!(INFO, "cannot tell this process's host PID ({n} new in NVML's list); no true-up yet"),
             }
         }
         self.measure(st, dev, false, 0);
@@ -126,10 +125,9 @@ impl TrueUp {
     }
 
     /// The container's usage on `dev` came near its limit: measure, unless measured in the last
-    /// 100 ms (10 ms with `force`, before a refusal).
-    /// True when the charge changed.
+    /// 100 ms (10 ms with `force`, before a refusal). `pending`: bytes this call reserved and the
+    /// driver has not allocated yet. True when the charge changed.
     #[cold]
-    /// `pending`: bytes this call reserved and the driver has not allocated yet.
     pub fn near_limit(&self, st: &State, dev: usize, force: bool, pending: u64) -> bool {
         let now = crate::sm::now_coarse();
         let last = self.last_ns[dev].load(Relaxed);
@@ -176,6 +174,17 @@ impl TrueUp {
     }
 }
 
+/// The one PID in `after` that is not in `before`; else how many there are.
+fn learned(before: &[u32], after: impl Iterator<Item = u32>) -> Result<u32, usize> {
+    let mut new: Vec<u32> = after.filter(|p| !before.contains(p)).collect();
+    new.sort_unstable();
+    new.dedup();
+    match new[..] {
+        [pid] => Ok(pid),
+        _ => Err(new.len()),
+    }
+}
+
 /// NVML, initialised once by this library (its own reference; the application's init and shutdown
 /// pair is unaffected). None when it cannot be used.
 fn nvml_ready() -> bool {
@@ -207,4 +216,22 @@ fn processes(st: &State, dev: usize) -> Option<Vec<(u32, u64)>> {
     // SAFETY: the real entry point with a handle NVML just gave.
     let list = unsafe { list_processes(real, h) }.ok()?;
     Some(list.into_iter().map(|p| (p.pid, p.used_gpu_memory)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::learned;
+
+    #[test]
+    fn the_host_pid_is_the_one_that_appeared_and_only_if_it_is_the_only_one() {
+        let before = [100, 200];
+        assert_eq!(learned(&before, [100, 300, 200].into_iter()), Ok(300));
+        // Listed twice (one entry per compute instance, say): still one process.
+        assert_eq!(learned(&before, [300, 100, 300].into_iter()), Ok(300));
+        // Another process of the node created a context at the same moment: cannot tell.
+        assert_eq!(learned(&before, [100, 300, 400].into_iter()), Err(2));
+        // Not listed (NVML does not show it yet, or at all): nothing learned.
+        assert_eq!(learned(&before, [200].into_iter()), Err(0));
+        assert_eq!(learned(&[], [7].into_iter()), Ok(7));
+    }
 }

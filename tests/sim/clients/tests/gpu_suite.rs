@@ -42,6 +42,7 @@ fn options_are_checked_and_checks_listed() {
         "sm-30",
         "sm-60",
         "sm-25-75",
+        "true-up",
         "oversubscribe",
         "agent",
         "oom-agent",
@@ -88,6 +89,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
         "nvml",
         "sm-30",
         "sm-60",
+        "true-up",
         "oversubscribe",
         "agent",
         "oom-agent",
@@ -97,6 +99,14 @@ fn the_suite_passes_on_the_simulated_gpu() {
     }
     for name in ["train", "cuda-graph"] {
         assert_eq!(status(name).0, "skip", "{name} needs PyTorch");
+    }
+    // `true-up` tells the two apart here: with it off, the process really holds more than the limit
+    // (640 MiB contexts charged 256). As root (CI) its PID-namespace run must have happened too.
+    let (_, c) = status("true-up");
+    let v = &c["values"];
+    assert!(v["nvml_off"].as_u64() > v["limit"].as_u64(), "{c}");
+    if std::env::var_os("VGPU_REQUIRE_RUNC").is_some() {
+        assert!(v["nvml_pid_namespace"].as_u64().is_some(), "{c}");
     }
     // Timed against each other on a shared machine: reported, not asserted (a debug build here).
     let (_, c) = status("overhead");

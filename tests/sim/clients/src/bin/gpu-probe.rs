@@ -226,11 +226,13 @@ fn alloc(args: &[String], hold: bool) -> Result<Value, String> {
     if size <= 0.0 {
         return Err("--size BYTES is required".into());
     }
+    let t = Instant::now();
     let (p, _) = Probe::open()?;
+    let open_ms = t.elapsed().as_secs_f64() * 1e3;
     let mut d = 0;
     // SAFETY: out-pointer to a local.
     let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, size as usize) };
-    let v = json!({"size": size as u64, "ok": r == CUresult::SUCCESS,
+    let v = json!({"size": size as u64, "ok": r == CUresult::SUCCESS, "open_ms": open_ms,
         "result": if r == CUresult::SUCCESS { "CUDA_SUCCESS".to_string() } else { p.name(r) }});
     if hold && r == CUresult::SUCCESS {
         println!("{v}");
