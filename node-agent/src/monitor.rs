@@ -539,6 +539,14 @@ impl Monitor {
                                 sm_at_us,
                             };
                             c.nvml.push(p);
+                            // A process that could not name itself to NVML (in a PID namespace): its
+                            // host PID goes into its slot, where NVML's process list inside the
+                            // container (nvidia-smi) and the next passes find it.
+                            if let Some(j) = c.live.clone().find(|&j| self.live[j].0 == inner && self.live[j].1 == 0) {
+                                if c.region.set_host_pid(self.live_slot[j], inner, pid) {
+                                    self.live[j].1 = pid;
+                                }
+                            }
                         }
                     }
                     None if g.slices > 0 => {

@@ -123,7 +123,10 @@ pub unsafe fn processes(
         Ok(b) => b,
         Err(r) => return r,
     };
-    let ours: Vec<u32> = region.slots().iter().flat_map(|(_, p, h, _)| [*p, *h]).filter(|p| *p != 0).collect();
+    // NVML lists host PIDs: a slot's host PID where known (its inner PID, in a PID namespace, may be
+    // another process's host PID), else its PID (no namespace, or it could not be told).
+    let ours: Vec<u32> =
+        region.slots().iter().map(|(_, p, h, _)| if *h != 0 { *h } else { *p }).filter(|p| *p != 0).collect();
     buf.retain(|p| ours.contains(&p.pid));
     // SAFETY: count is non-null.
     let cap = unsafe { *count } as usize;

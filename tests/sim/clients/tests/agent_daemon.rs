@@ -344,6 +344,18 @@ fn processes_in_a_pid_namespace_are_mapped_to_their_slice() {
     assert_eq!(p["memory"], 264 * MIB);
     assert_eq!(slice_of(&v, "ns")["gpus"][0]["memory_measured"], 264 * MIB, "NVML's figure attributed to the slice");
     assert!(v["escapes"].as_array().unwrap().is_empty(), "not an escape: {v}");
+    // The agent wrote the host PID into the process's slot, so NVML's process list inside the
+    // container (what nvidia-smi shows) has it, and only it.
+    let host = p["host_pid"].as_u64().unwrap() as u32;
+    let region = vgpu_region::Region::open(&a.state.join("slices/ns/region"), false).unwrap();
+    assert_eq!(region.slots().iter().map(|(_, pid, h, _)| (*pid, *h)).collect::<Vec<_>>(), vec![(1, host)]);
+    let lib = s.libs.join("libnvidia-ml.so.1");
+    let o = in_slice(&s, &d, NVML).args(["--lib", lib.to_str().unwrap(), "snapshot"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let snap: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let listed: Vec<u64> =
+        snap["gpus"][0]["processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
+    assert_eq!(listed, vec![host as u64], "{snap}");
 }
 
 #[test]

@@ -203,6 +203,14 @@ fn the_container_sees_its_slice_in_cuda_and_nvml() {
     assert_eq!(g["memory"]["free"], 660 * MIB);
     let pids: Vec<u64> = g["processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
     assert_eq!(pids, vec![inside as u64], "only the container's processes");
+    // A container process in a PID namespace whose PID there is the outside process's host PID:
+    // named by its host PID (known), its inner PID must not list the stranger.
+    let r = region(&s);
+    let _claim = r.claim(outside, 4_000_000).unwrap();
+    let n = probe(&mut s.limited(NVML, LIMIT));
+    let pids: Vec<u64> =
+        n["gpus"][0]["processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids, vec![inside as u64], "not the process whose host PID is another's inner PID");
     assert_eq!(n["gpus"][1]["memory"]["total"], 23034 * MIB, "unlimited device passes through");
     // Outside the container NVML tells the physical truth.
     let n = probe(&mut s.cmd(NVML));
