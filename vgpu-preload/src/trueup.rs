@@ -15,7 +15,8 @@
 //! In a PID namespace the process does not know its host PID: it learns it from NVML at its first
 //! context, as the one process that appears in the device's list while the context is created (if
 //! others appear at the same moment it cannot tell, and tries again at its next first context on a
-//! device). All of it is off the hot paths: the allocation path compares one total it already has.
+//! device). Not under MPS (NVML then lists clients' memory under the MPS server's PID). All of it
+//! is off the hot paths: the allocation path compares one total it already has.
 
 use crate::log::{vlog, INFO};
 use crate::nvml::{list_processes, NvmlDevice, NVML_SUCCESS};
@@ -212,10 +213,28 @@ fn processes(st: &State, dev: usize) -> Option<Vec<(u32, u64)>> {
     if unsafe { by_uuid(uuid.as_ptr(), &mut h) } != NVML_SUCCESS {
         return None;
     }
+    // Under MPS a client's memory shows under the MPS server's PID, which can also be the one PID
+    // that appears at a client's first context: no per-process figure to go by.
+    if let Some(mps) = nvml().nvmlDeviceGetMPSComputeRunningProcesses_v3 {
+        // SAFETY: the real entry point (same signature as the compute list's) with NVML's handle.
+        if unsafe { list_processes(mps, h) }.is_ok_and(|l| !l.is_empty()) {
+            mps_noted(dev);
+            return None;
+        }
+    }
     let real = nvml().nvmlDeviceGetComputeRunningProcesses_v3.or(nvml().nvmlDeviceGetComputeRunningProcesses_v2)?;
     // SAFETY: the real entry point with a handle NVML just gave.
     let list = unsafe { list_processes(real, h) }.ok()?;
     Some(list.into_iter().map(|p| (p.pid, p.used_gpu_memory)).collect())
+}
+
+/// Says once per process that MPS keeps the true-up off on a device.
+#[cold]
+fn mps_noted(dev: usize) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Relaxed) {
+        vlog!(INFO, "device {dev} runs MPS clients: NVML's per-process memory is the MPS server's; no true-up there");
+    }
 }
 
 #[cfg(test)]

@@ -624,4 +624,18 @@ fn without_an_agent_each_process_is_charged_for_what_the_driver_really_holds_for
         }
         assert_eq!(r.used(0), 0, "nothing left charged once the process is gone");
     }
+
+    // Under MPS NVML lists the clients apart, and the server is the one new compute process at a
+    // client's first context: no true-up (as with it off).
+    let mut s = Sim::new(Some(
+        "mps = true\ncontext_overhead_mib = 640\nmodule_overhead_mib = 50\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+    ));
+    let server = s.state.join("nvidia-cuda-mps-server");
+    std::os::unix::fs::symlink(RT, &server).unwrap();
+    let (srv, _) = s.spawn(server.to_str().unwrap(), &["alloc", "--size", "100m", "--hold"]);
+    let (p, v) = s.spawn_cmd(s.limited(RT, &[limit]), &args);
+    assert_eq!(v["allocated"], 1900 * MIB, "{v}");
+    assert_eq!(region(&s).used(0), 1964 * MIB);
+    s.kill(p);
+    s.kill(srv);
 }

@@ -16,6 +16,7 @@ struct RawConfig {
     util_window_ms: Option<u64>,
     process_util: Option<String>,
     process_sample_ms: Option<u64>,
+    mps: Option<bool>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
 }
@@ -68,6 +69,9 @@ pub struct Config {
     /// Per-process samples are taken at this period (0: whenever asked, over the time since the
     /// last one read). A real driver samples every 1/6 s or so.
     pub process_sample_ns: u64,
+    /// While a process named `nvidia-cuda-mps-server` holds a context on a GPU, NVML's compute list
+    /// there shows only it and its MPS client list every other process (their memory stays theirs).
+    pub mps: bool,
     pub gpus: Vec<GpuConfig>,
 }
 
@@ -160,6 +164,7 @@ impl Config {
             util_window_ns: raw.util_window_ms.unwrap_or(1000).max(1) * 1_000_000,
             process_util,
             process_sample_ns: raw.process_sample_ms.unwrap_or(0) * 1_000_000,
+            mps: raw.mps.unwrap_or(false),
             gpus,
         })
     }

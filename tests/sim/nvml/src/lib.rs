@@ -417,19 +417,16 @@ exports! {
         out(m, nvmlMemory_v2_t { version, total, reserved: 0, free: total - used, used })
     }
     fn nvmlDeviceGetComputeRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
-        let list: Vec<nvmlProcessInfo_t> = processes(d)?.into_iter()
-            .map(|(pid, mem)| nvmlProcessInfo_t { pid, usedGpuMemory: mem, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX })
-            .collect();
-        write_list(infos, count, &list)
+        write_list(infos, count, &process_infos(d, false)?)
     }
     fn nvmlDeviceGetComputeRunningProcesses_v2(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v2_t) {
-        let list: Vec<nvmlProcessInfo_v2_t> = processes(d)?.into_iter()
+        let list: Vec<nvmlProcessInfo_v2_t> = listed(d, false)?.into_iter()
             .map(|(pid, mem)| nvmlProcessInfo_v2_t { pid, usedGpuMemory: mem, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX })
             .collect();
         write_list(infos, count, &list)
     }
     fn nvmlDeviceGetComputeRunningProcesses(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) {
-        let list: Vec<nvmlProcessInfo_v1_t> = processes(d)?.into_iter()
+        let list: Vec<nvmlProcessInfo_v1_t> = listed(d, false)?.into_iter()
             .map(|(pid, mem)| nvmlProcessInfo_v1_t { pid, usedGpuMemory: mem })
             .collect();
         write_list(infos, count, &list)
@@ -439,8 +436,7 @@ exports! {
         write_list(infos, count, &[])
     }
     fn nvmlDeviceGetMPSComputeRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
-        phys(d)?;
-        write_list(infos, count, &[])
+        write_list(infos, count, &process_infos(d, true)?)
     }
     fn nvmlDeviceGetUtilizationRates(d: nvmlDevice_t, u: *mut nvmlUtilization_t) {
         let (n, g, _) = phys(d)?;
@@ -783,6 +779,37 @@ fn memory(d: nvmlDevice_t) -> R<(u64, u64)> {
         }
         _ => Err(INVALID),
     }
+}
+
+/// Whether `pid` is an MPS server (`comm` keeps 15 characters of `nvidia-cuda-mps-server`).
+fn mps_server(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == "nvidia-cuda-mps")
+}
+
+/// The processes NVML's compute list (`mps` false) or MPS client list (`mps` true) shows: with
+/// `mps = true` in the node description and an MPS server on the GPU, the compute list holds the
+/// server and the MPS list every other process (its clients); otherwise the compute list holds all.
+fn listed(d: nvmlDevice_t, mps: bool) -> R<Vec<(u32, u64)>> {
+    let all = processes(d)?;
+    let on = node()?.cfg.mps && all.iter().any(|(pid, _)| mps_server(*pid));
+    Ok(match (on, mps) {
+        (false, false) => all,
+        (false, true) => Vec::new(),
+        (true, clients) => all.into_iter().filter(|(pid, _)| mps_server(*pid) != clients).collect(),
+    })
+}
+
+/// [`listed`] as `nvmlProcessInfo_t` (v2 and v3 share the layout).
+fn process_infos(d: nvmlDevice_t, mps: bool) -> R<Vec<nvmlProcessInfo_t>> {
+    Ok(listed(d, mps)?
+        .into_iter()
+        .map(|(pid, mem)| nvmlProcessInfo_t {
+            pid,
+            usedGpuMemory: mem,
+            gpuInstanceId: u32::MAX,
+            computeInstanceId: u32::MAX,
+        })
+        .collect())
 }
 
 /// (pid, bytes) of the processes holding a context on a physical GPU.
