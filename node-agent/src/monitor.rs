@@ -277,6 +277,8 @@ pub struct Monitor {
     users: Vec<u32>,
     /// Whether to charge processes for what the driver holds beyond their own account.
     true_up: bool,
+    /// GPU indices where the last pass saw an MPS server: their MPS client lists are read too.
+    mps: HashSet<u32>,
 }
 
 /// The SM controller: the refill rate's new correction, from the old one, the limit and the measured
@@ -327,6 +329,7 @@ impl Monitor {
             fresh: HashSet::default(),
             users: Vec::new(),
             true_up: true,
+            mps: HashSet::default(),
         }
     }
 
@@ -367,12 +370,23 @@ impl Monitor {
                 let m = d.memory_info().map_err(|e| nvml_err("memory", e))?;
                 (g.memory_used, g.memory_total) = (m.used, m.total);
                 g.utilization = d.utilization_rates().map(|u| u.gpu).unwrap_or(0);
-                let procs: Vec<(u32, u64)> = d
+                let used = |p: nvml_wrapper::struct_wrappers::device::ProcessInfo| {
+                    (p.pid, if let UsedGpuMemory::Used(b) = p.used_gpu_memory { b } else { 0 })
+                };
+                let mut procs: Vec<(u32, u64)> = d
                     .running_compute_processes()
                     .map_err(|e| nvml_err("processes", e))?
                     .into_iter()
-                    .map(|p| (p.pid, if let UsedGpuMemory::Used(b) = p.used_gpu_memory { b } else { 0 }))
+                    .map(used)
                     .collect();
+                // Where an MPS server runs, its clients' work is in its context: each client is in
+                // NVML's MPS list, with its own memory, and is attributed like any process.
+                if self.mps.contains(&i) {
+                    let clients: Vec<(u32, u64)> =
+                        d.mps_running_compute_processes().unwrap_or_default().into_iter().map(used).collect();
+                    procs.retain(|(pid, _)| !clients.iter().any(|(c, _)| c == pid));
+                    procs.extend(clients);
+                }
                 let last = self.util_seen.get(&i).copied().unwrap_or(0);
                 let samples = match d.process_utilization_stats(last) {
                     Ok(v) => v,
@@ -466,8 +480,9 @@ impl Monitor {
         self.by_file.clear();
         self.by_file.extend(self.regions.iter().enumerate().filter_map(|(i, c)| Some((c.as_ref()?.id?, i))));
 
-        // Each GPU process: its slice's (with its SM share), or an escape.
+        // Each GPU process: its slice's (with its SM share), an MPS server, or an escape.
         let mut seen_pids = HashSet::default();
+        let mut mps = HashSet::default();
         // Monotonic ns (never 0) of this pass.
         let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
         // Samples older than a few passes no longer stand for their process.
@@ -549,6 +564,10 @@ impl Monitor {
                             }
                         }
                     }
+                    // An MPS server runs its clients' work, theirs to account: not an escape.
+                    None if g.slices > 0 && procfs::is_mps_server(pid) => {
+                        mps.insert(g.index);
+                    }
                     None if g.slices > 0 => {
                         g.outsiders = true;
                         pass.escapes.push(pb::Escape {
@@ -565,6 +584,7 @@ impl Monitor {
             pass.gpus.push(g);
         }
         self.procs.retain(|pid, _| seen_pids.contains(pid));
+        self.mps = mps;
 
         // Per slice: usage, processes, SM flags and rate, over-limit escapes.
         pass.slices.reserve(slices.len());

@@ -20,6 +20,15 @@ pub fn parse_ns_pids(status: &str) -> Option<Vec<u32>> {
     (!v.is_empty()).then_some(v)
 }
 
+/// The MPS control daemon's server (`nvidia-cuda-mps-server`): NVML lists it among a GPU's compute
+/// processes, holding its clients' work; its clients are in NVML's MPS list.
+pub fn is_mps_server(pid: u32) -> bool {
+    // `comm` holds 15 characters: "nvidia-cuda-mps" (the control daemon's too, but it never holds a
+    // GPU context).
+    std::fs::read_to_string(proc_dir().join(pid.to_string()).join("comm"))
+        .is_ok_and(|c| c.trim_end() == "nvidia-cuda-mps")
+}
+
 /// Field 22 of `/proc/<pid>/stat` (start time in clock ticks since boot): with the PID, it names a
 /// process uniquely.
 pub fn start_time(pid: u32) -> Option<u64> {

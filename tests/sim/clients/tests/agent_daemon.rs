@@ -312,6 +312,38 @@ fn escapes_are_caught_and_killed_when_configured_and_xids_mark_gpus_unhealthy() 
 }
 
 #[test]
+fn an_mps_server_is_not_an_escape_even_where_escapes_are_killed() {
+    // MPS: the server holds its clients' work and belongs to no slice; each client (in NVML's MPS
+    // list) is attributed to its slice like any process.
+    let mut s = Sim::new(Some(&format!("mps = true\n{NODE}")));
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "escape_action = \"kill\"\n").unwrap();
+    let a = Agent::start(&s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
+    let d: Value = serde_json::from_str(
+        &a.ctl_ok(&["slice", "create", "--name", "t", "--gpu", "0", "--memory", "1GiB", "--json"]),
+    )
+    .unwrap();
+    let server = s.state.join("nvidia-cuda-mps-server");
+    std::os::unix::fs::symlink(RT, &server).unwrap();
+    let (srv, _) = s.spawn(server.to_str().unwrap(), &["alloc", "--size", "200m", "--hold"]);
+    let (client, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--size", "100m", "--hold"]);
+    // NVML lists the client only as the server's: measured through the MPS list.
+    let v = a.wait("the client measured", |v| slice_of(v, "t")["gpus"][0]["memory_measured"] == 164 * MIB);
+    assert!(slice_of(&v, "t")["processes"].as_array().unwrap().iter().any(|p| p["host_pid"] == client), "{v}");
+    // Ten passes later the server is still alive and nothing was reported.
+    let passes = v["agent"]["passes"].as_u64().unwrap_or(0);
+    let v = a.wait("ten more passes", |v| v["agent"]["passes"].as_u64().unwrap_or(0) >= passes + 10);
+    assert!(std::path::Path::new(&format!("/proc/{srv}")).exists(), "the MPS server was killed: {}", a.log_text());
+    assert_eq!(
+        (v["agent"]["escapes_total"].as_u64(), v["escapes"].as_array().map(Vec::len)),
+        (Some(0), Some(0)),
+        "{v}"
+    );
+    s.kill(srv);
+    s.kill(client);
+}
+
+#[test]
 fn processes_in_a_pid_namespace_are_mapped_to_their_slice() {
     // Needs PID namespaces (root, or unprivileged user namespaces).
     let probe = |args: &[&str]| Command::new("unshare").args(args).arg("true").status().is_ok_and(|s| s.success());
