@@ -14,6 +14,8 @@ macro_rules! cuda_hooks {
             cuDevicePrimaryCtxReset(dev: CUdevice) => memory::primary_reset;
             cuDevicePrimaryCtxReset_v2(dev: CUdevice) => memory::primary_reset;
             cuCtxCreate_v2(pctx: *mut CUcontext, flags: u32, dev: CUdevice) => memory::ctx_create;
+            cuCtxCreate_v3(pctx: *mut CUcontext, params: *mut c_void, n: i32, flags: u32, dev: CUdevice) => memory::ctx_create_v3;
+            cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut c_void, flags: u32, dev: CUdevice) => memory::ctx_create_v4;
             cuCtxDestroy(ctx: CUcontext) => memory::ctx_destroy;
             cuCtxDestroy_v2(ctx: CUcontext) => memory::ctx_destroy;
             // linear memory

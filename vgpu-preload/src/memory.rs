@@ -8,6 +8,7 @@ use crate::ptrmap::{ctx_of, pack, pack_in, unpack};
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
 use cuda_abi::*;
+use std::ffi::c_void;
 
 const OK: CUresult = CUresult::SUCCESS;
 
@@ -547,18 +548,51 @@ pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> 
 }
 
 pub unsafe fn ctx_create(real: f::cuCtxCreate_v2, pctx: *mut CUcontext, flags: u32, dev: CUdevice) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    unsafe { created(pctx, dev, || real(pctx, flags, dev)) }
+}
+
+/// `cuCtxCreate_v3` (execution affinity): charged as v2's.
+pub unsafe fn ctx_create_v3(
+    real: f::cuCtxCreate_v3,
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    n: i32,
+    flags: u32,
+    dev: CUdevice,
+) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    unsafe { created(pctx, dev, || real(pctx, params, n, flags, dev)) }
+}
+
+/// `cuCtxCreate_v4` (create parameters; what `cuCtxCreate` means from CUDA 13): charged as v2's.
+pub unsafe fn ctx_create_v4(
+    real: f::cuCtxCreate_v4,
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    flags: u32,
+    dev: CUdevice,
+) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    unsafe { created(pctx, dev, || real(pctx, params, flags, dev)) }
+}
+
+/// A new (non-primary) context on `dev` that `call` creates into `*pctx`: its overhead charged,
+/// remembered until it is destroyed.
+///
+/// # Safety
+/// `call` is the real entry point applied to the caller's arguments; `pctx` is the caller's.
+unsafe fn created(pctx: *mut CUcontext, dev: CUdevice, call: impl FnOnce() -> CUresult) -> CUresult {
     let st = state();
     if pctx.is_null() {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(pctx, flags, dev) };
+        return call();
     }
     let d = tri!(st.dev_of(dev));
     let bytes = st.cfg.context_overhead;
     let before = st.trueup.before_context(st, d);
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = context_charged(st, d, bytes, || unsafe { real(pctx, flags, dev) });
+    let r = context_charged(st, d, bytes, call);
     if r == OK {
-        // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
+        // SAFETY: the driver returned success, so it wrote the caller's out-pointer.
         st.handles.insert(unsafe { *pctx } as u64 | CTX_TAG, pack(d, bytes));
         st.trueup.after_context(st, d, before);
     }

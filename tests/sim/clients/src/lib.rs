@@ -41,6 +41,11 @@ pub fn dlopen_cuda() -> Result<*mut c_void, String> {
     Ok(h)
 }
 
+/// An entry point of the driver by its exported name (`dlsym` on a private handle), or NULL.
+pub fn driver_symbol(name: &str) -> Result<*mut c_void, String> {
+    Ok(dlsym(dlopen_cuda()?, name))
+}
+
 fn dlsym(h: *mut c_void, name: &str) -> *mut c_void {
     let c = CString::new(name).unwrap();
     // SAFETY: h is a live dlopen handle; c is a valid C string.
@@ -70,18 +75,28 @@ pub fn bind_runtime(b: &Binding) -> Result<Api, String> {
     let mut err = None;
     // SAFETY: the driver returns entry points with the declared signatures for these names.
     let api = unsafe {
-        Api::load(|_, base| {
+        Api::load(|name, base| {
             let mut p = std::ptr::null_mut();
             let mut st = 0;
             let c = CString::new(base).unwrap();
-            let r = get(c.as_ptr(), &mut p, b.cuda_version, flags, &mut st);
+            let version = abi_version(name).map_or(b.cuda_version, |v| v.min(b.cuda_version));
+            let r = get(c.as_ptr(), &mut p, version, flags, &mut st);
             if r != CUresult::SUCCESS && err.is_none() {
-                err = Some(format!("cuGetProcAddress_v2({base}, {}) = {} status {st}", b.cuda_version, r.0));
+                err = Some(format!("cuGetProcAddress_v2({base}, {version}) = {} status {st}", r.0));
             }
             p
         })
     };
     api.map_err(|e| err.unwrap_or(e))
+}
+
+/// The CUDA version whose ABI the table's entry `name` has, where later versions changed the
+/// signature behind the same base name (as the runtime asks for `PFN_cuCtxCreate_v3020`).
+fn abi_version(name: &str) -> Option<i32> {
+    match name {
+        "cuCtxCreate_v2" => Some(3020),
+        _ => None,
+    }
 }
 
 /// A CUDA error as its name (CUDA_ERROR_OUT_OF_MEMORY), through the bound table.

@@ -30,6 +30,8 @@ scenarios:
                                         new image)
   contexts [--size N]                   an explicit context: allocate in it, destroy it, and
                                         report memory before, during and after
+  context-end [--how destroy|release|reset] [--create v2|v3|v4] [--size N] [--again N]
+                                        allocate in a context, end it as told, allocate again
   procaddr NAME...                      which entry point cuGetProcAddress_v2 returns for each base
                                         name at --cuda-version/--per-thread (named with dladdr)
 common: --device I (default 0); sizes accept k, m, g suffixes (powers of 1024)";
@@ -667,7 +669,25 @@ fn context_end(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
         let mut c = std::ptr::null_mut();
         if how == "destroy" {
-            ck(api, (api.cuCtxCreate_v2)(&mut c, 0, d), "cuCtxCreate")?;
+            // Through the entry point of `--create` (v3 and v4 by name: the table binds v2's ABI).
+            match o.str("create", "v2") {
+                "v2" => ck(api, (api.cuCtxCreate_v2)(&mut c, 0, d), "cuCtxCreate")?,
+                "v3" => {
+                    type V3 = unsafe extern "C" fn(*mut CUcontext, *mut c_void, i32, u32, CUdevice) -> CUresult;
+                    let f = crate::driver_symbol("cuCtxCreate_v3")?;
+                    // SAFETY: cuCtxCreate_v3 has this signature in cuda.h (no affinity parameters).
+                    let f = std::mem::transmute::<*mut c_void, V3>(f);
+                    ck(api, f(&mut c, std::ptr::null_mut(), 0, 0, d), "cuCtxCreate_v3")?;
+                }
+                "v4" => {
+                    type V4 = unsafe extern "C" fn(*mut CUcontext, *mut c_void, u32, CUdevice) -> CUresult;
+                    let f = crate::driver_symbol("cuCtxCreate_v4")?;
+                    // SAFETY: cuCtxCreate_v4 has this signature in cuda.h (no create parameters).
+                    let f = std::mem::transmute::<*mut c_void, V4>(f);
+                    ck(api, f(&mut c, std::ptr::null_mut(), 0, d), "cuCtxCreate_v4")?;
+                }
+                v => return Err(format!("--create {v}: not v2, v3 or v4")),
+            }
         }
         let (mut p, mut q, mut pitch) = (0, 0, 0);
         ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")?;

@@ -112,6 +112,11 @@ fn get_proc_address_returns_hooks_for_exactly_the_entry_points_the_driver_return
     assert_eq!(r[1]["resolved"], "cuMemGetInfo");
     // A context destroyed through the old entry point gives its memory back too.
     assert_eq!((r[2]["resolved"].as_str(), lib(&r[2]).as_str()), (Some("cuCtxDestroy"), "libvgpu.so"));
+    // The context entry point of each ABI: hooked, the one the driver chose.
+    for (ver, sym) in [("11000", "cuCtxCreate_v2"), ("12040", "cuCtxCreate_v3"), ("12050", "cuCtxCreate_v4")] {
+        let r = q(ver, false, &["cuCtxCreate"]);
+        assert_eq!((r[0]["resolved"].as_str(), lib(&r[0]).as_str()), (Some(sym), "libvgpu.so"), "{ver}");
+    }
     // Versions the driver refuses stay refused.
     let r = q("11000", false, &["cuMemAllocAsync"]);
     assert_eq!((r[0]["ret"].as_u64(), r[0]["status"].as_i64()), (Some(500), Some(2)));
@@ -171,6 +176,22 @@ fn memory_the_driver_frees_with_a_context_is_given_back() {
         assert_eq!(free(&v, "again_mem_info"), (1024 - 64 - 800) * MIB, "{bin} {how}: {v}");
     }
     assert_eq!(physical_used(&s, 0), 0);
+}
+
+#[test]
+fn contexts_created_through_every_cu_ctx_create_are_charged() {
+    // v3 (execution affinity) and v4 (what `cuCtxCreate` means from CUDA 13) cost a context like v2.
+    let s = Sim::new(Some(NODE));
+    let during = |create: &str| -> Value {
+        let args = ["context-end", "--how", "destroy", "--create", create, "--size", "64m"];
+        let v = json1(&out(&mut s.limited(DIRECT, LIMIT), &args));
+        assert_eq!(v["after"], v["base"], "{create}: the context and its allocations given back: {v}");
+        v["during"].clone()
+    };
+    let v2 = during("v2");
+    assert!(v2["free"].as_u64().unwrap() <= (1024 - 64 - 64 - 192) * MIB, "its 64 MiB charged: {v2}");
+    assert_eq!(during("v3"), v2);
+    assert_eq!(during("v4"), v2);
 }
 
 #[test]

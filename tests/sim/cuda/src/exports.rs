@@ -234,6 +234,16 @@ exports! {
         if c.is_null() { return Err(CUresult::INVALID_VALUE); }
         out(c, driver::handle(driver::ctx_create(dev)?))
     }
+    // Execution affinity (v3) and create parameters (v4, what `cuCtxCreate` means from CUDA 13): not
+    // simulated, a context like v2's.
+    fn cuCtxCreate_v3(c: *mut CUcontext, _params: *mut c_void, _n: i32, _flags: u32, dev: CUdevice) {
+        if c.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(c, driver::handle(driver::ctx_create(dev)?))
+    }
+    fn cuCtxCreate_v4(c: *mut CUcontext, _params: *mut c_void, _flags: u32, dev: CUdevice) {
+        if c.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(c, driver::handle(driver::ctx_create(dev)?))
+    }
     fn cuCtxDestroy(c: CUcontext) { driver::ctx_destroy(driver::ctx_from(c)?) }
     fn cuCtxDestroy_v2(c: CUcontext) { driver::ctx_destroy(driver::ctx_from(c)?) }
     fn cuCtxPushCurrent(c: CUcontext) { proc()?; driver::push(driver::ctx_from(c)?); Ok(()) }

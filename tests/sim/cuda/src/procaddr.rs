@@ -34,7 +34,11 @@ static TABLE: &[(&str, Versions, Versions)] = &[
         &[(7000, "cuDevicePrimaryCtxSetFlags"), (11000, "cuDevicePrimaryCtxSetFlags_v2")],
         &[],
     ),
-    ("cuCtxCreate", &[(2000, "cuCtxCreate"), (3020, "cuCtxCreate_v2")], &[]),
+    (
+        "cuCtxCreate",
+        &[(2000, "cuCtxCreate"), (3020, "cuCtxCreate_v2"), (11040, "cuCtxCreate_v3"), (12050, "cuCtxCreate_v4")],
+        &[],
+    ),
     ("cuCtxDestroy", &[(2000, "cuCtxDestroy"), (4000, "cuCtxDestroy_v2")], &[]),
     ("cuCtxPushCurrent", &[(2000, "cuCtxPushCurrent"), (4000, "cuCtxPushCurrent_v2")], &[]),
     ("cuCtxPopCurrent", &[(2000, "cuCtxPopCurrent"), (4000, "cuCtxPopCurrent_v2")], &[]),
