@@ -349,8 +349,8 @@ impl State {
         let Some((r, slot)) = self.accounting() else { return Ok(()) };
         let limit = self.mem_limit(dev);
         match r.reserve_seen(slot, dev, bytes, limit) {
-            // Within a quarter of the limit (at most 1 GiB) of it, where no agent watches: what the
-            // driver holds beyond the process's calls may be what takes it over (see `trueup`).
+            // Within min(limit / 4, 1 GiB) of the limit, where no agent watches: what the driver
+            // holds beyond the process's calls may be what takes the container over (see `trueup`).
             Some(total) if limit != 0 && total > limit - (limit / 4).min(1 << 30) && self.trueup.on() => {
                 self.reserve_near(r, slot, dev, bytes, limit)
             }

@@ -7,7 +7,7 @@
 //!
 //! * right after its first context on a device (the context's real size), and after a context
 //!   went (its memory with it);
-//! * on allocations that bring the container within a quarter of its limit (at most 1 GiB), at most
+//! * on allocations that bring the container within min(limit / 4, 1 GiB) of its limit, at most
 //!   once per 100 ms, before the reservation that would admit them;
 //! * before refusing an allocation, at most once per 10 ms (memory the driver gave back is no
 //!   longer charged).
