@@ -18,7 +18,7 @@
 //! device). Not under MPS (NVML then lists clients' memory under the MPS server's PID). All of it
 //! is off the hot paths: the allocation path compares one total it already has.
 
-use crate::log::{vlog, INFO};
+use crate::log::{vlog, INFO, WARN};
 use crate::nvml::{list_processes, NvmlDevice, NVML_SUCCESS};
 use crate::real::nvml;
 use crate::state::State;
@@ -114,7 +114,18 @@ impl TrueUp {
                 Err(n) => vlog!(INFO, "cannot tell this process's host PID ({n} new in NVML's list); no true-up yet"),
             }
         }
-        self.measure(st, dev, false, 0);
+        if self.measure(st, dev, false, 0) {
+            let (limit, used) = (st.mem_limit(dev), st.used(dev));
+            if used > limit {
+                vlog!(
+                    WARN,
+                    "device {dev}: the container's CUDA contexts alone hold {} MiB, more than its {} MiB limit: \
+                     every allocation will be refused",
+                    used >> 20,
+                    limit >> 20
+                );
+            }
+        }
     }
 
     /// A context on `dev` went: what the driver held for it went too.

@@ -646,6 +646,15 @@ fn without_an_agent_each_process_is_charged_for_what_the_driver_really_holds_for
         assert_eq!(r.used(0), 0, "nothing left charged once the process is gone");
     }
 
+    // A limit below what the context really holds: said once, and every allocation refused.
+    let mut c = s.limited(RT, &[("CUDA_DEVICE_MEMORY_LIMIT_0", "512m")]);
+    c.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", s.state.join("small.region"));
+    let o = out(&mut c, &["alloc", "--size", "1m"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("CUDA contexts alone hold 640 MiB, more than its 512 MiB limit"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert_eq!(json1(&o)["error"], "CUDA_ERROR_OUT_OF_MEMORY");
+
     // Under MPS NVML lists the clients apart, and the server is the one new compute process at a
     // client's first context: no true-up (as with it off).
     let mut s = Sim::new(Some(
