@@ -842,9 +842,10 @@ def check_oom_agent(s):
     return summary, v
 
 
-def fill_once(s, env, chunk, touch_last=0, touch_bytes=0):
-    """One `gpu-probe fill`: its report, and what NVML says the process held at that moment."""
-    argv = [s.bin("gpu-probe"), "fill", "--chunk", str(chunk)]
+def fill_once(s, env, chunk, touch_last=0, touch_bytes=0, wrap=()):
+    """One `gpu-probe fill` (run through `wrap`, a command that forks it, when given): its report,
+    and what NVML says the process held at that moment."""
+    argv = list(wrap) + [s.bin("gpu-probe"), "fill", "--chunk", str(chunk)]
     if touch_last:
         argv += ["--touch-last", str(touch_last), "--touch-bytes", str(touch_bytes)]
     p = Proc(s, argv, env)
@@ -853,7 +854,8 @@ def fill_once(s, env, chunk, touch_last=0, touch_bytes=0):
         while not [x for x in p.lines if x] and time.time() < end:
             time.sleep(0.05)
         j = (parse_json(p.lines[0]) if p.lines and p.lines[0] else None) or {}
-        real = nvml_process_used(s, p.pid)
+        pid = child_pid(p.pid) if wrap else p.pid
+        real = nvml_process_used(s, pid) if pid else None
     finally:
         p.kill()
     if not j:
@@ -879,19 +881,7 @@ def fill_in_pid_namespace(s, env, chunk):
     rc, _, _, _ = s.run([unshare, "--pid", "--fork", "--kill-child", "true"], s.env(False))
     if rc != 0:
         return None
-    p = Proc(s, [unshare, "--pid", "--fork", "--kill-child", "--", s.bin("gpu-probe"), "fill", "--chunk", str(chunk)], env)
-    try:
-        end = time.time() + 120
-        while not [x for x in p.lines if x] and time.time() < end:
-            time.sleep(0.05)
-        j = (parse_json(p.lines[0]) if p.lines and p.lines[0] else None) or {}
-        kid = child_pid(p.pid)
-        real = nvml_process_used(s, kid) if kid else None
-    finally:
-        p.kill()
-    if not j:
-        raise Fail("gpu-probe fill in a PID namespace reported nothing: %s" % tail("".join(p.err)))
-    return j, real
+    return fill_once(s, env, chunk, wrap=[unshare, "--pid", "--fork", "--kill-child", "--"])
 
 
 def check_true_up(s):

@@ -259,16 +259,23 @@ fn a_sigkilled_agent_leaves_workloads_enforced_and_recovers_everything() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("another agent is serving"), "{o:?}");
 }
 
-#[test]
-fn escapes_are_caught_and_killed_when_configured_and_xids_mark_gpus_unhealthy() {
-    let mut s = Sim::new(Some(NODE));
+/// An agent that kills escapes (its configuration file: `escape_action = "kill"` and `more`), with
+/// a 1 GiB slice `t` on GPU 0: (agent, configuration file, the slice's detail).
+fn killing_agent(s: &Sim, more: &str) -> (Agent, std::path::PathBuf, Value) {
     let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "escape_action = \"kill\"\nhealth_recovery_s = 1\n").unwrap();
-    let a = Agent::start(&s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
+    std::fs::write(&cfg, format!("escape_action = \"kill\"\n{more}")).unwrap();
+    let a = Agent::start(s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
     let d: Value = serde_json::from_str(
         &a.ctl_ok(&["slice", "create", "--name", "t", "--gpu", "0", "--memory", "1GiB", "--json"]),
     )
     .unwrap();
+    (a, cfg, d)
+}
+
+#[test]
+fn escapes_are_caught_and_killed_when_configured_and_xids_mark_gpus_unhealthy() {
+    let mut s = Sim::new(Some(NODE));
+    let (a, cfg, d) = killing_agent(&s, "health_recovery_s = 1\n");
     let (p, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--size", "100m", "--hold"]);
     // A process that bypasses the interposer (no LD_PRELOAD) on the slice's GPU.
     let mut rogue = s.cmd(RT).args(["alloc", "--size", "2g", "--hold"]).stdout(Stdio::piped()).spawn().unwrap();
@@ -316,13 +323,7 @@ fn an_mps_server_is_not_an_escape_even_where_escapes_are_killed() {
     // MPS: the server holds its clients' work and belongs to no slice; each client (in NVML's MPS
     // list) is attributed to its slice like any process.
     let mut s = Sim::new(Some(&format!("mps = true\n{NODE}")));
-    let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "escape_action = \"kill\"\n").unwrap();
-    let a = Agent::start(&s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
-    let d: Value = serde_json::from_str(
-        &a.ctl_ok(&["slice", "create", "--name", "t", "--gpu", "0", "--memory", "1GiB", "--json"]),
-    )
-    .unwrap();
+    let (a, _, d) = killing_agent(&s, "");
     let server = s.state.join("nvidia-cuda-mps-server");
     std::os::unix::fs::symlink(RT, &server).unwrap();
     let (srv, _) = s.spawn(server.to_str().unwrap(), &["alloc", "--size", "200m", "--hold"]);
