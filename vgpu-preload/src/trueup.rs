@@ -35,8 +35,8 @@ const PERIOD_NS: u64 = 100_000_000;
 const NOT_AVAILABLE: u64 = u64::MAX;
 
 pub struct TrueUp {
-    /// Set once the region is known to be standalone and the setting allows it.
-    on: AtomicBool,
+    /// The region is standalone (no agent watches it) and the setting allows it.
+    on: bool,
     /// This process's PID as NVML lists it (0: not known yet).
     host_pid: AtomicU32,
     /// Bytes charged per device by the true-up, on top of the process's own account.
@@ -52,7 +52,7 @@ pub struct TrueUp {
 impl TrueUp {
     pub fn new(on: bool, host_pid: u32) -> TrueUp {
         TrueUp {
-            on: AtomicBool::new(on),
+            on,
             host_pid: AtomicU32::new(host_pid),
             added: [const { AtomicU64::new(0) }; MAX_DEVICES],
             last_ns: [const { AtomicU64::new(0) }; MAX_DEVICES],
@@ -64,7 +64,7 @@ impl TrueUp {
     /// Whether allocations near the limit are checked: the hot path's only question.
     #[inline]
     pub fn on(&self) -> bool {
-        self.on.load(Relaxed)
+        self.on
     }
 
     /// A forked child: a new process, with its own slot and no context.
