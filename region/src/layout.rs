@@ -23,7 +23,8 @@ pub struct Header {
     pub state: AtomicU32,
     /// Devices described (container-visible CUDA indices 0..n).
     pub ndevices: AtomicU32,
-    /// Bit 0: created by a process from its environment (standalone), not by the agent. Bit 1
+    /// Bit 0 ([`FLAG_STANDALONE`](crate::FLAG_STANDALONE)): created by a process from its
+    /// environment, not by the agent. Bit 1
     /// ([`FLAG_OVERSUBSCRIBE`](crate::FLAG_OVERSUBSCRIBE)): allocations the GPU has no room for may
     /// be served as unified memory.
     pub flags: AtomicU32,

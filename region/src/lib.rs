@@ -169,7 +169,7 @@ impl Region {
                     map.devices[i].sm_limit.store(*sm, Relaxed);
                 }
                 h.ndevices.store(init.devices.len().min(MAX_DEVICES) as u32, Relaxed);
-                h.flags.store(init.standalone as u32, Relaxed);
+                h.flags.store(if init.standalone { FLAG_STANDALONE } else { 0 }, Relaxed);
                 h.creator_pid.store(std::process::id(), Relaxed);
                 h.abi_version.store(ABI_VERSION, Relaxed);
                 h.header_size.store(std::mem::size_of::<Header>() as u32, Relaxed);
@@ -311,7 +311,7 @@ impl Region {
 
     /// Whether a process created the region from its environment (no agent writes or watches it).
     pub fn standalone(&self) -> bool {
-        self.map.header.flags.load(Acquire) & 1 != 0
+        self.map.header.flags.load(Acquire) & FLAG_STANDALONE != 0
     }
 
     pub fn set_oversubscribe(&self, on: bool) -> Result<()> {
@@ -565,6 +565,8 @@ impl Region {
 /// The budget can bank at most this much wall time worth of GPU time (the bounded burst).
 pub const SM_BURST_WALL_NS: u64 = 20_000_000;
 
+/// Header flag: a process created the region from its environment (standalone), not the agent.
+pub const FLAG_STANDALONE: u32 = 1;
 /// Header flag: allocations the GPU has no physical room for may be served as unified memory.
 pub const FLAG_OVERSUBSCRIBE: u32 = 2;
 
