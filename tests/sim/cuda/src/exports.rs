@@ -63,6 +63,14 @@ fn write_cstring(dst: *mut c_char, len: i32, s: &str) -> R<()> {
     Ok(())
 }
 
+/// `cuCtxCreate*`: a new context on `dev`, current, into `*c`.
+fn new_context(c: *mut CUcontext, dev: CUdevice) -> R<()> {
+    if c.is_null() {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    out(c, driver::handle(driver::ctx_create(dev)?))
+}
+
 fn gpu(dev: CUdevice) -> R<(usize, &'static vgpu_sim::GpuConfig)> {
     let p = proc()?;
     let g = p.gpu_of(dev)?;
@@ -226,24 +234,12 @@ exports! {
     fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, _flags: u32) { gpu(dev).map(|_| ()) }
 
     // ----- contexts -----
-    fn cuCtxCreate(c: *mut CUcontext, _flags: u32, dev: CUdevice) {
-        if c.is_null() { return Err(CUresult::INVALID_VALUE); }
-        out(c, driver::handle(driver::ctx_create(dev)?))
-    }
-    fn cuCtxCreate_v2(c: *mut CUcontext, _flags: u32, dev: CUdevice) {
-        if c.is_null() { return Err(CUresult::INVALID_VALUE); }
-        out(c, driver::handle(driver::ctx_create(dev)?))
-    }
+    fn cuCtxCreate(c: *mut CUcontext, _flags: u32, dev: CUdevice) { new_context(c, dev) }
+    fn cuCtxCreate_v2(c: *mut CUcontext, _flags: u32, dev: CUdevice) { new_context(c, dev) }
     // Execution affinity (v3) and create parameters (v4, what `cuCtxCreate` means from CUDA 13): not
     // simulated, a context like v2's.
-    fn cuCtxCreate_v3(c: *mut CUcontext, _params: *mut c_void, _n: i32, _flags: u32, dev: CUdevice) {
-        if c.is_null() { return Err(CUresult::INVALID_VALUE); }
-        out(c, driver::handle(driver::ctx_create(dev)?))
-    }
-    fn cuCtxCreate_v4(c: *mut CUcontext, _params: *mut c_void, _flags: u32, dev: CUdevice) {
-        if c.is_null() { return Err(CUresult::INVALID_VALUE); }
-        out(c, driver::handle(driver::ctx_create(dev)?))
-    }
+    fn cuCtxCreate_v3(c: *mut CUcontext, _params: *mut c_void, _n: i32, _flags: u32, dev: CUdevice) { new_context(c, dev) }
+    fn cuCtxCreate_v4(c: *mut CUcontext, _params: *mut c_void, _flags: u32, dev: CUdevice) { new_context(c, dev) }
     fn cuCtxDestroy(c: CUcontext) { driver::ctx_destroy(driver::ctx_from(c)?) }
     fn cuCtxDestroy_v2(c: CUcontext) { driver::ctx_destroy(driver::ctx_from(c)?) }
     fn cuCtxPushCurrent(c: CUcontext) { proc()?; driver::push(driver::ctx_from(c)?); Ok(()) }
