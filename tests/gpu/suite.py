@@ -184,6 +184,19 @@ class Suite:
             self._baseline[kind] = (self.rate(r), util, r)
         return self._baseline[kind]
 
+    def pair_baseline(self, kind):
+        """Two unlimited processes of a workload side by side, without the interposer (measured
+        once): what the GPU gives two time-sliced processes together, as % of one process alone,
+        and NVML utilization meanwhile. Switching between their contexts costs GPU time that no
+        limit can hand out."""
+        key = "pair:" + kind
+        if key not in self._baseline:
+            base = self.baseline(kind)[0]
+            (a, b), util = self.timed([(self.env(False), kind), (self.env(False), kind)], self.seconds)
+            self._baseline[key] = (100.0 * (self.rate(a) + self.rate(b)) / base, util,
+                                   [100.0 * self.rate(a) / base, 100.0 * self.rate(b) / base])
+        return self._baseline[key]
+
 
 class Proc:
     """A worker whose JSON lines are read as they come."""
@@ -597,18 +610,36 @@ def check_sm_60(s):
     return sm_check(s, 60)
 
 
+def pair_shares(s, kind, ga, gb):
+    """What two processes at 25 % and 75 % got, judged against one process alone and against two
+    unlimited processes side by side. Two processes without MPS are time-sliced, and the switches
+    between their contexts cost GPU time no limit can hand out: where two unlimited processes reach
+    only P % of one alone together, 25 % and 75 % of the GPU's time are 25 % and 75 % of P.
+    Returns (passed, values, text)."""
+    pair, pair_util, each = s.pair_baseline(kind)
+    sa, sb = 100.0 * ga / pair, 100.0 * gb / pair
+    ok = (within(ga, 25, 5) and within(gb, 75, 5)) or (within(sa, 25, 5) and within(sb, 75, 5))
+    v = {"pair_unlimited_pct": pair, "pair_unlimited_each_pct": each, "pair_unlimited_nvml": pair_util,
+         "a_share_of_pair_pct": sa, "b_share_of_pair_pct": sb}
+    text = ("two unlimited processes side by side reach %.1f %% of one alone (%.1f + %.1f; NVML %s), "
+            "so these are %.1f %% and %.1f %% of what two processes get") % (
+        pair, each[0], each[1], fmt_pct(pair_util and pair_util.get("mean_gpu")), sa, sb)
+    return ok, v, text
+
+
 def check_sm_two(s):
     """Two limited processes (different containers) at 25 % and 75 % side by side."""
     kind = s.sm_workload()
     base, base_util, _ = s.baseline(kind)
     (a, b), util = s.timed([(s.env(True, sm=25), kind), (s.env(True, sm=75), kind)], s.seconds)
     ga, gb = 100.0 * s.rate(a) / base, 100.0 * s.rate(b) / base
-    v = {"a_pct": ga, "b_pct": gb, "nvml": util, "nvml_unlimited": base_util, "workload": kind}
+    ok, pv, ptext = pair_shares(s, kind, ga, gb)
+    v = dict({"a_pct": ga, "b_pct": gb, "nvml": util, "nvml_unlimited": base_util, "workload": kind}, **pv)
     c, c0 = util and util.get("mean_sm_clock_mhz"), base_util and base_util.get("mean_sm_clock_mhz")
     clocks = "" if not c or not c0 or c < 0 or c0 < 0 else "; SM clock %.0f MHz (unlimited: %.0f MHz)" % (c, c0)
-    summary = "25 %% and 75 %% side by side: %.1f %% and %.1f %% of the unlimited throughput; NVML utilization %s%s" % (
-        ga, gb, fmt_pct(util and util.get("mean_gpu")), clocks)
-    if not (within(ga, 25, 5) and within(gb, 75, 5)):
+    summary = "25 %% and 75 %% side by side: %.1f %% and %.1f %% of the unlimited throughput; NVML utilization %s%s; %s" % (
+        ga, gb, fmt_pct(util and util.get("mean_gpu")), clocks, ptext)
+    if not ok:
         raise Fail(summary, v)
     return summary, v
 
@@ -975,7 +1006,10 @@ def check_agent_sm(s):
         charged["low"], charged["high"])
     # As sm-25-75, with the agent's feedback on top: it must not make the shares worse (budgets
     # corrected on per-process samples that are not shares would show here far below).
-    if not (within(glo, 25, 5) and within(ghi, 75, 5)):
+    ok, pv, ptext = pair_shares(s, kind, glo, ghi)
+    v.update(pv)
+    summary += "; " + ptext
+    if not ok:
         raise Fail(summary, v)
     return summary, v
 

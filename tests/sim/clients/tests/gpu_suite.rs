@@ -113,6 +113,9 @@ fn the_suite_passes_on_the_simulated_gpu() {
     assert!(c["values"]["launch_ratio"].as_f64().is_some_and(|x| x > 0.0), "{c}");
     let (_, c) = status("sm-25-75");
     assert!(c["values"]["a_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
+    // Two unlimited processes share the simulated GPU's one timeline: together about one alone
+    // (on a time-sliced real GPU, less by what the switches cost).
+    assert!(c["values"]["pair_unlimited_pct"].as_f64().is_some_and(|x| x > 70.0 && x < 130.0), "{c}");
     let (_, c) = status("agent-sm");
     assert!(c["values"]["low_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
     assert!(
