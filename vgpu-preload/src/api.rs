@@ -57,6 +57,10 @@ macro_rules! cuda_hooks {
             cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative;
             cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative_ptsz;
             cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: u32, flags: u32) => sm::launch_cooperative_multi;
+            // the deprecated launch API (block shape and parameters set on the function beforehand)
+            cuLaunch(f: CUfunction) => sm::launch_legacy;
+            cuLaunchGrid(f: CUfunction, w: i32, h: i32) => sm::launch_grid;
+            cuLaunchGridAsync(f: CUfunction, w: i32, h: i32, stream: CUstream) => sm::launch_grid_async;
             cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => sm::graph_launch;
             cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch_ptsz;
             // stream capture: launches into a graph being captured run nothing and are not charged

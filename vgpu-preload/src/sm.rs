@@ -410,6 +410,22 @@ pub unsafe fn launch_cooperative_multi(
     admit(first.function as u64, first.hStream, || unsafe { real(list, n, flags) })
 }
 
+/// The deprecated launches run on the default stream (`cuLaunch`: a 1 x 1 grid), or on `s`.
+pub unsafe fn launch_legacy(real: f::cuLaunch, k: CUfunction) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    admit(k as u64, std::ptr::null_mut(), || unsafe { real(k) })
+}
+
+pub unsafe fn launch_grid(real: f::cuLaunchGrid, k: CUfunction, w: i32, h: i32) -> CUresult {
+    // SAFETY: as above.
+    admit(k as u64, std::ptr::null_mut(), || unsafe { real(k, w, h) })
+}
+
+pub unsafe fn launch_grid_async(real: f::cuLaunchGridAsync, k: CUfunction, w: i32, h: i32, s: CUstream) -> CUresult {
+    // SAFETY: as above.
+    admit(k as u64, s, || unsafe { real(k, w, h, s) })
+}
+
 pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {
     admit(g as u64, s, || unsafe { real(g, s) })
 }

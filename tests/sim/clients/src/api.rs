@@ -65,6 +65,12 @@ macro_rules! with_cuda_api {
             cuLaunchKernel = "cuLaunchKernel" : fn(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, s: CUstream, p: *mut *mut c_void, extra: *mut *mut c_void);
             cuLaunchKernelEx = "cuLaunchKernelEx" : fn(c: *const CUlaunchConfig, f: CUfunction, p: *mut *mut c_void, extra: *mut *mut c_void);
             cuLaunchCooperativeKernel = "cuLaunchCooperativeKernel" : fn(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, s: CUstream, p: *mut *mut c_void);
+            cuFuncSetBlockShape = "cuFuncSetBlockShape" : fn(f: CUfunction, x: i32, y: i32, z: i32);
+            cuParamSetSize = "cuParamSetSize" : fn(f: CUfunction, n: u32);
+            cuParamSetv = "cuParamSetv" : fn(f: CUfunction, offset: i32, p: *mut c_void, n: u32);
+            cuLaunch = "cuLaunch" : fn(f: CUfunction);
+            cuLaunchGrid = "cuLaunchGrid" : fn(f: CUfunction, w: i32, h: i32);
+            cuLaunchGridAsync = "cuLaunchGridAsync" : fn(f: CUfunction, w: i32, h: i32, s: CUstream);
             cuGraphCreate = "cuGraphCreate" : fn(g: *mut CUgraph, flags: u32);
             cuGraphAddKernelNode_v2 = "cuGraphAddKernelNode" : fn(n: *mut CUgraphNode, g: CUgraph, deps: *const CUgraphNode, nd: usize, p: *const CUDA_KERNEL_NODE_PARAMS_v2);
             cuGraphInstantiateWithFlags = "cuGraphInstantiate" : fn(e: *mut CUgraphExec, g: CUgraph, flags: u64);

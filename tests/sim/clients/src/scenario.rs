@@ -14,10 +14,12 @@ scenarios:
         [--modules K] [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
                                         allocate N bytes in chunks until done or refused (after
                                         loading K modules)
-  launch [--kernel NAME] [--count N | --seconds S [--sync-every K]] [--path kernel|ex|coop|graph|capture]
+  launch [--kernel NAME] [--count N | --seconds S [--sync-every K]]
+         [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
          [--nodes K] [--grid G] [--block B] [--duration-ns D] [--threads T]
                                         launch kernels (simulator convention: sleep_<N><unit>,
-                                        wave_<N><unit>, param_ns)
+                                        wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
+                                        legacy-default: cuLaunch/cuLaunchGrid (default stream)
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -489,7 +491,10 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         let cname = CString::new(kernel).map_err(|e| e.to_string())?;
         ck(api, (api.cuModuleGetFunction)(&mut f, m, cname.as_ptr()), "cuModuleGetFunction")?;
         let mut s = std::ptr::null_mut();
-        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+        // The deprecated cuLaunch and cuLaunchGrid run on the default stream.
+        if path != "legacy-default" {
+            ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+        }
         let (mut e0, mut e1) = (std::ptr::null_mut(), std::ptr::null_mut());
         ck(api, (api.cuEventCreate)(&mut e0, 0), "cuEventCreate")?;
         ck(api, (api.cuEventCreate)(&mut e1, 0), "cuEventCreate")?;
@@ -538,9 +543,17 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
                 nodes as u64
             }
             "kernel" | "ex" | "coop" => 1,
+            "legacy" | "legacy-default" => {
+                ck(api, (api.cuFuncSetBlockShape)(f, block as i32, 1, 1), "cuFuncSetBlockShape")?;
+                ck(api, (api.cuParamSetv)(f, 0, &mut dur as *mut u64 as *mut c_void, 8), "cuParamSetv")?;
+                ck(api, (api.cuParamSetSize)(f, 8), "cuParamSetSize")?;
+                1
+            }
             p => return Err(format!("unknown launch path {p:?}")),
         };
-        let one = || -> CUresult {
+        let mut n = 0u64;
+        let mut one = || -> CUresult {
+            n += 1;
             match path {
                 "kernel" => (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),
                 "ex" => {
@@ -559,6 +572,10 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
                     (api.cuLaunchKernelEx)(&cfg, f, params, std::ptr::null_mut())
                 }
                 "coop" => (api.cuLaunchCooperativeKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params),
+                "legacy" => (api.cuLaunchGridAsync)(f, grid as i32, 1, s),
+                // Alternately the two forms without a stream (cuLaunch is a 1 x 1 grid).
+                "legacy-default" if grid == 1 && n.is_multiple_of(2) => (api.cuLaunch)(f),
+                "legacy-default" => (api.cuLaunchGrid)(f, grid as i32, 1),
                 _ => (api.cuGraphLaunch)(exec, s),
             }
         };

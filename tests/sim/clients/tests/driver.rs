@@ -246,6 +246,8 @@ fn every_launch_path_runs_on_the_timeline() {
         ("coop", vec![], 4),
         ("graph", vec!["--nodes", "5"], 20),
         ("capture", vec!["--nodes", "5"], 20),
+        ("legacy", vec![], 4),
+        ("legacy-default", vec![], 4),
     ] {
         let mut args = vec!["launch", "--kernel", "sleep_2ms", "--count", "4", "--path", path];
         args.extend(extra);
@@ -260,6 +262,12 @@ fn every_launch_path_runs_on_the_timeline() {
     assert!((6.0..9.0).contains(&v["gpu_ms"].as_f64().unwrap()), "{v}");
     // param_ns: the first kernel parameter is the duration.
     let v = s.run1(DLSYM, &["launch", "--kernel", "param_ns", "--duration-ns", "3000000", "--count", "2"]);
+    assert!((6.0..9.0).contains(&v["gpu_ms"].as_f64().unwrap()), "{v}");
+    // ... also when set with cuParamSetv for the deprecated launch API.
+    let v = s.run1(
+        DLSYM,
+        &["launch", "--path", "legacy", "--kernel", "param_ns", "--duration-ns", "3000000", "--count", "2"],
+    );
     assert!((6.0..9.0).contains(&v["gpu_ms"].as_f64().unwrap()), "{v}");
     // A cooperative grid larger than the GPU can hold at once is refused.
     let o = s.output(

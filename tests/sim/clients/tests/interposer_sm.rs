@@ -24,6 +24,8 @@ fn a_limited_container_gets_its_share_on_every_launch_path() {
         (50, "sleep_200us", vec!["--path", "graph", "--nodes", "10"]),
         (40, "sleep_1ms", vec!["--path", "coop"]),
         (40, "sleep_500us", vec!["--path", "ex", "--sync-every", "8"]),
+        (30, "sleep_1ms", vec!["--path", "legacy"]),
+        (40, "sleep_2ms", vec!["--path", "legacy-default"]),
     ]
     .into_iter()
     .enumerate()

@@ -60,6 +60,17 @@ pub struct Module {
 pub struct Func {
     magic: AtomicU64,
     kind: KernelKind,
+    /// What the deprecated launch API (`cuLaunch`, `cuLaunchGrid`, `cuLaunchGridAsync`) launches
+    /// with, set by `cuFuncSetBlockShape` and `cuParamSet*`.
+    legacy: Mutex<Legacy>,
+}
+
+#[derive(Default)]
+struct Legacy {
+    block: [u32; 3],
+    /// The parameter buffer; kept 8-byte aligned so `param_ns` can read a u64 from offset 0.
+    params: Vec<u64>,
+    params_len: usize,
 }
 
 pub fn module_load() -> R<CUmodule> {
@@ -92,7 +103,7 @@ pub fn module_get_function(h: CUmodule, name: &str) -> R<CUfunction> {
     let mut funcs = m.funcs.lock().unwrap();
     let f = *funcs
         .entry(name.to_owned())
-        .or_insert_with(|| leak(Func { magic: AtomicU64::new(FUNC_MAGIC), kind }) as usize);
+        .or_insert_with(|| leak(Func { magic: AtomicU64::new(FUNC_MAGIC), kind, legacy: Mutex::default() }) as usize);
     Ok(f as CUfunction)
 }
 
@@ -322,6 +333,66 @@ pub fn launch(l: &Launch, st: CUstream) -> R<()> {
         return Ok(());
     }
     run_on(c, s, &[d])
+}
+
+/// A valid function handle (`cuFuncSetSharedSize`, whose size the simulator does not use).
+pub fn func_check(h: CUfunction) -> R<()> {
+    obj::<Func>(h, FUNC_MAGIC).map(|_| ())
+}
+
+/// `cuFuncSetBlockShape`.
+pub fn func_set_block_shape(h: CUfunction, x: i32, y: i32, z: i32) -> R<()> {
+    let f: &Func = obj(h, FUNC_MAGIC)?;
+    if x <= 0 || y <= 0 || z <= 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    f.legacy.lock().unwrap().block = [x as u32, y as u32, z as u32];
+    Ok(())
+}
+
+/// `cuParamSetSize`.
+pub fn param_set_size(h: CUfunction, n: u32) -> R<()> {
+    let f: &Func = obj(h, FUNC_MAGIC)?;
+    let mut l = f.legacy.lock().unwrap();
+    l.params.resize((n as usize).div_ceil(8), 0);
+    l.params_len = n as usize;
+    Ok(())
+}
+
+/// `cuParamSetv` (and `cuParamSeti`): copies `bytes` into the parameter buffer at `offset`.
+pub fn param_set(h: CUfunction, offset: i32, bytes: &[u8]) -> R<()> {
+    let f: &Func = obj(h, FUNC_MAGIC)?;
+    if offset < 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let mut l = f.legacy.lock().unwrap();
+    let end = offset as usize + bytes.len();
+    if end > l.params.len() * 8 {
+        l.params.resize(end.div_ceil(8), 0);
+    }
+    l.params_len = l.params_len.max(end);
+    // SAFETY: the buffer holds at least `end` bytes (resized above); u64 has no invalid bit patterns.
+    let buf = unsafe { std::slice::from_raw_parts_mut(l.params.as_mut_ptr() as *mut u8, l.params.len() * 8) };
+    buf[offset as usize..end].copy_from_slice(bytes);
+    Ok(())
+}
+
+/// `cuLaunch`, `cuLaunchGrid` and `cuLaunchGridAsync`: a launch with the block shape and the
+/// parameters set beforehand.
+pub fn launch_legacy(h: CUfunction, grid: [i32; 2], st: CUstream) -> R<()> {
+    let f: &Func = obj(h, FUNC_MAGIC)?;
+    if grid[0] <= 0 || grid[1] <= 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let (block, mut p0) = {
+        let l = f.legacy.lock().unwrap();
+        let p0 = if l.params_len >= 8 { l.params[0] } else { 0 };
+        (l.block, p0)
+    };
+    // `param_ns` reads its duration through the first parameter pointer, as for cuLaunchKernel.
+    let mut arg = if p0 > 0 { &mut p0 as *mut u64 as *mut std::ffi::c_void } else { std::ptr::null_mut() };
+    let l = Launch { f: h, grid: [grid[0] as u32, grid[1] as u32, 1], block, params: &mut arg, cooperative: false };
+    launch(&l, st)
 }
 
 // ----- graphs -----

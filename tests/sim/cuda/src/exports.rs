@@ -553,6 +553,20 @@ exports! {
     fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, _shm: u32, s: CUstream, p: *mut *mut c_void) {
         exec::launch(&launch_args(f, [gx, gy, gz], [bx, by, bz], p, true), s)
     }
+    // The deprecated launch API: block shape and parameters set on the function beforehand.
+    fn cuFuncSetBlockShape(f: CUfunction, x: i32, y: i32, z: i32) { exec::func_set_block_shape(f, x, y, z) }
+    fn cuFuncSetSharedSize(f: CUfunction, _bytes: u32) { exec::func_check(f) }
+    fn cuParamSetSize(f: CUfunction, n: u32) { exec::param_set_size(f, n) }
+    fn cuParamSeti(f: CUfunction, offset: i32, v: u32) { exec::param_set(f, offset, &v.to_ne_bytes()) }
+    fn cuParamSetv(f: CUfunction, offset: i32, p: *mut c_void, n: u32) {
+        if p.is_null() && n > 0 { return Err(CUresult::INVALID_VALUE); }
+        // SAFETY: the caller passes `n` readable bytes at `p`.
+        let b = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(p as *const u8, n as usize) } };
+        exec::param_set(f, offset, b)
+    }
+    fn cuLaunch(f: CUfunction) { exec::launch_legacy(f, [1, 1], std::ptr::null_mut()) }
+    fn cuLaunchGrid(f: CUfunction, w: i32, h: i32) { exec::launch_legacy(f, [w, h], std::ptr::null_mut()) }
+    fn cuLaunchGridAsync(f: CUfunction, w: i32, h: i32, s: CUstream) { exec::launch_legacy(f, [w, h], s) }
     fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: u32, _flags: u32) {
         if list.is_null() || n == 0 { return Err(CUresult::INVALID_VALUE); }
         // SAFETY: the caller passes `n` launch descriptions.
