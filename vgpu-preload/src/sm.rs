@@ -31,7 +31,8 @@ pub(crate) fn now_coarse() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Per-process estimates of a kernel's (or graph's) GPU time, keyed by function or graph handle.
+/// Per-process estimates of a kernel's (or graph's) GPU time, keyed by function and grid (see
+/// [`kernel_key`]) or by graph handle.
 ///
 /// An estimate is the smallest of the kernel's last `WINDOW` measurements: a bracket of events can
 /// only be inflated (by queueing behind other work on the GPU), so the minimum of a few recent ones is
@@ -43,16 +44,19 @@ struct Estimates {
 }
 
 const WINDOW: usize = 8;
+/// log2 of the number of entries: 8192 (768 KiB, allocated at the first limited launch). One
+/// function launched with many grids takes one entry per grid.
+const TABLE_BITS: u32 = 13;
 
 impl Estimates {
     fn new() -> Estimates {
-        Estimates { slots: (0..4096).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect() }
+        Estimates { slots: (0..1 << TABLE_BITS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect() }
     }
 
     #[inline]
     fn entry(&self, key: u64, insert: bool) -> Option<&[AtomicU64; 4 + WINDOW]> {
         let mask = self.slots.len() - 1;
-        let h = ((key >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 52) as usize;
+        let h = ((key >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - TABLE_BITS)) as usize;
         for i in 0..32 {
             let s = &self.slots[(h + i) & mask];
             let k = s[0].load(Acquire);
@@ -84,6 +88,16 @@ impl Estimates {
         s[2].store(est, Relaxed);
         est
     }
+}
+
+/// The estimate key of a kernel launch: its function and its grid. A kernel's GPU time mostly
+/// follows its grid (a GEMM's or an attention kernel's grid grows with the batch and the sequence),
+/// and an estimate is the smallest recent measurement, so one estimate for every grid of a function
+/// would charge each launch as if it were the smallest. Never 0 (the table's empty key).
+#[inline]
+fn kernel_key(f: CUfunction, gx: u32, gy: u32, gz: u32) -> u64 {
+    let grid = gx as u64 ^ ((gy as u64) << 24) ^ ((gz as u64) << 44);
+    ((f as u64) ^ grid.wrapping_mul(0x9E37_79B9_7F4A_7C15)).max(1)
 }
 
 struct Sample {
@@ -318,7 +332,7 @@ pub unsafe fn launch_kernel(
     e: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(k as u64, s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
+    admit(kernel_key(k, gx, gy, gz), s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
 }
 
 pub unsafe fn launch_kernel_ptsz(
@@ -336,7 +350,7 @@ pub unsafe fn launch_kernel_ptsz(
     e: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(k as u64, ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
+    admit(kernel_key(k, gx, gy, gz), ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
 }
 
 pub unsafe fn launch_kernel_ex(
@@ -347,8 +361,11 @@ pub unsafe fn launch_kernel_ex(
     e: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: optional input pointer from the caller.
-    let s = unsafe { c.as_ref() }.map_or(std::ptr::null_mut(), |c| c.hStream);
-    admit(k as u64, s, || unsafe { real(c, k, p, e) })
+    let (s, key) = match unsafe { c.as_ref() } {
+        Some(c) => (c.hStream, kernel_key(k, c.gridDimX, c.gridDimY, c.gridDimZ)),
+        None => (std::ptr::null_mut(), kernel_key(k, 0, 0, 0)),
+    };
+    admit(key, s, || unsafe { real(c, k, p, e) })
 }
 
 pub unsafe fn launch_kernel_ex_ptsz(
@@ -359,8 +376,11 @@ pub unsafe fn launch_kernel_ex_ptsz(
     e: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: optional input pointer from the caller.
-    let s = unsafe { c.as_ref() }.map_or(std::ptr::null_mut(), |c| c.hStream);
-    admit(k as u64, ptsz(s), || unsafe { real(c, k, p, e) })
+    let (s, key) = match unsafe { c.as_ref() } {
+        Some(c) => (c.hStream, kernel_key(k, c.gridDimX, c.gridDimY, c.gridDimZ)),
+        None => (std::ptr::null_mut(), kernel_key(k, 0, 0, 0)),
+    };
+    admit(key, ptsz(s), || unsafe { real(c, k, p, e) })
 }
 
 pub unsafe fn launch_cooperative(
@@ -377,7 +397,7 @@ pub unsafe fn launch_cooperative(
     p: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(k as u64, s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
+    admit(kernel_key(k, gx, gy, gz), s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
 }
 
 pub unsafe fn launch_cooperative_ptsz(
@@ -394,7 +414,7 @@ pub unsafe fn launch_cooperative_ptsz(
     p: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(k as u64, ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
+    admit(kernel_key(k, gx, gy, gz), ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
 }
 
 /// The multi-device cooperative launch is charged as one launch of its first kernel on the current
@@ -407,23 +427,24 @@ pub unsafe fn launch_cooperative_multi(
 ) -> CUresult {
     // SAFETY: optional input pointer from the caller.
     let Some(first) = (unsafe { list.as_ref() }) else { return unsafe { real(list, n, flags) } };
-    admit(first.function as u64, first.hStream, || unsafe { real(list, n, flags) })
+    let key = kernel_key(first.function, first.gridDimX, first.gridDimY, first.gridDimZ);
+    admit(key, first.hStream, || unsafe { real(list, n, flags) })
 }
 
 /// The deprecated launches run on the default stream (`cuLaunch`: a 1 x 1 grid), or on `s`.
 pub unsafe fn launch_legacy(real: f::cuLaunch, k: CUfunction) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(k as u64, std::ptr::null_mut(), || unsafe { real(k) })
+    admit(kernel_key(k, 1, 1, 1), std::ptr::null_mut(), || unsafe { real(k) })
 }
 
 pub unsafe fn launch_grid(real: f::cuLaunchGrid, k: CUfunction, w: i32, h: i32) -> CUresult {
     // SAFETY: as above.
-    admit(k as u64, std::ptr::null_mut(), || unsafe { real(k, w, h) })
+    admit(kernel_key(k, w as u32, h as u32, 1), std::ptr::null_mut(), || unsafe { real(k, w, h) })
 }
 
 pub unsafe fn launch_grid_async(real: f::cuLaunchGridAsync, k: CUfunction, w: i32, h: i32, s: CUstream) -> CUresult {
     // SAFETY: as above.
-    admit(k as u64, s, || unsafe { real(k, w, h, s) })
+    admit(kernel_key(k, w as u32, h as u32, 1), s, || unsafe { real(k, w, h, s) })
 }
 
 pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {

@@ -16,7 +16,7 @@ scenarios:
                                         loading K modules)
   launch [--kernel NAME] [--count N | --seconds S [--sync-every K]]
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
-         [--nodes K] [--grid G] [--block B] [--duration-ns D] [--threads T]
+         [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D] [--threads T]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream)
@@ -478,6 +478,13 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
     let seconds = o.float("seconds")?;
     let nodes = o.num("nodes", 10)? as usize;
     let grid = o.num("grid", 1)? as u32;
+    // --grids G1,G2,...: one launch with each in turn (kernels whose duration follows the grid).
+    let grids: Vec<u32> = match o.map.get("grids") {
+        Some(v) => {
+            v.split(',').map(|g| g.parse().map_err(|_| format!("--grids: bad grid {g:?}"))).collect::<Res<_>>()?
+        }
+        None => vec![grid],
+    };
     let block = o.num("block", 128)? as u32;
     let mut dur = o.num("duration-ns", 1_000_000)?;
     let image = b"vgpu-sim module\0";
@@ -553,6 +560,7 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         };
         let mut n = 0u64;
         let mut one = || -> CUresult {
+            let grid = grids[n as usize % grids.len()];
             n += 1;
             match path {
                 "kernel" => (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),

@@ -103,3 +103,17 @@ fn captured_launches_are_not_charged_and_replays_are() {
     let waited = d.sm_throttled_ns.load(std::sync::atomic::Ordering::Relaxed);
     assert!(waited > 0, "graph replays were not limited");
 }
+
+/// A kernel's GPU time often follows its grid (a GEMM's or an attention kernel's grid grows with the
+/// batch and the sequence): one function launched with small and large grids in turn must be
+/// charged each launch's own time, not the smallest it was seen to take.
+#[test]
+fn a_kernel_launched_with_different_grids_is_charged_each_grids_time() {
+    let h = harness();
+    // wave_1ms on the simulated H100's 132 SMs: a grid of 132 blocks runs 1 ms, 1320 blocks 10 ms.
+    for (i, (limit, grids)) in [(30, "132,1320"), (20, "132,264,1320,660")].into_iter().enumerate() {
+        let o = h.run(&one(container(limit, "wave_1ms", &["--grids", grids, "--block", "256"]), 3.5), i);
+        let got = o.overall[0][0] * 100.0;
+        assert!((got - limit as f64).abs() <= 5.0, "grids {grids} at {limit} %: achieved {got:.1} %");
+    }
+}

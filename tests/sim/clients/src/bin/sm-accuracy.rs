@@ -54,6 +54,25 @@ fn main() {
             vec![l as f64],
         ));
     }
+    if !quick {
+        for l in [10u32, 30, 70] {
+            // One function whose GPU time follows its grid (1 and 10 ms on the H100's 132 SMs).
+            scenarios.push((
+                one(
+                    "one kernel, grids of 132 and 1320 blocks (wave_1ms: 1 and 10 ms)".into(),
+                    vec![container(l, "wave_1ms", &["--grids", "132,1320", "--block", "256"])],
+                ),
+                vec![l as f64],
+            ));
+        }
+        scenarios.push((
+            one(
+                "deprecated cuLaunchGridAsync, sleep_1ms".into(),
+                vec![container(30, "sleep_1ms", &["--path", "legacy"])],
+            ),
+            vec![30.0],
+        ));
+    }
     for (a, b) in if quick { vec![(10, 90)] } else { vec![(10, 90), (30, 70), (50, 50)] } {
         scenarios.push((
             one(
