@@ -21,6 +21,8 @@ const SAMPLE_EVERY: u64 = 128;
 const EARLY_LAUNCHES: u64 = 1024;
 /// Charge for a kernel never measured yet.
 const FIRST_GUESS_NS: u64 = 100_000;
+/// Most measurements in flight per process; launches beyond are charged their estimate unmeasured.
+const MAX_PENDING: u64 = 256;
 /// Longest single sleep; the budget is re-read after each.
 const MAX_SLEEP_NS: u64 = 20_000_000;
 
@@ -38,26 +40,43 @@ pub(crate) fn now_coarse() -> u64 {
 /// only be inflated (by queueing behind other work on the GPU), so the minimum of a few recent ones is
 /// close to the kernel's own time, while a kernel that really became slower is followed within
 /// `WINDOW` measurements.
+///
+/// A long-running server can launch more (function, grid) pairs than the table holds (an attention
+/// kernel's grid follows the batch and the longest sequence), so an entry not used for a while is
+/// given to a new key when the new key's probe window has no free entry: the least recently used of
+/// the window, by an epoch that advances with measurement collections (a cold path).
 struct Estimates {
-    /// Per entry: key, launch count, estimate, next ring position, then the ring of measurements.
-    slots: Box<[[AtomicU64; 4 + WINDOW]]>,
+    /// Per entry: key, launch count, estimate, next ring position, epoch of last use, then the ring
+    /// of measurements.
+    slots: Box<[Entry]>,
+    epoch: AtomicU64,
 }
 
+type Entry = [AtomicU64; RING + WINDOW];
 const WINDOW: usize = 8;
-/// log2 of the number of entries: 8192 (768 KiB, allocated at the first limited launch). One
+/// Index of the ring's first measurement in an entry.
+const RING: usize = 5;
+/// log2 of the number of entries: 8192 (832 KiB, allocated at the first limited launch). One
 /// function launched with many grids takes one entry per grid.
 const TABLE_BITS: u32 = 13;
+/// Entries a key may occupy: this many from its hash on.
+const PROBES: usize = 32;
+/// An entry is given to another key only when unused for more than this many epochs.
+const IDLE_EPOCHS: u64 = 2;
 
 impl Estimates {
     fn new() -> Estimates {
-        Estimates { slots: (0..1 << TABLE_BITS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect() }
+        Estimates {
+            slots: (0..1 << TABLE_BITS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect(),
+            epoch: AtomicU64::new(IDLE_EPOCHS + 1),
+        }
     }
 
     #[inline]
-    fn entry(&self, key: u64, insert: bool) -> Option<&[AtomicU64; 4 + WINDOW]> {
+    fn entry(&self, key: u64, insert: bool) -> Option<&Entry> {
         let mask = self.slots.len() - 1;
         let h = ((key >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - TABLE_BITS)) as usize;
-        for i in 0..32 {
+        for i in 0..PROBES {
             let s = &self.slots[(h + i) & mask];
             let k = s[0].load(Acquire);
             if k == key || (insert && k == 0 && s[0].compare_exchange(0, key, AcqRel, Acquire).is_ok()) {
@@ -67,14 +86,41 @@ impl Estimates {
                 return None;
             }
         }
-        None
+        if insert {
+            self.evict_for(key, h)
+        } else {
+            None
+        }
     }
 
-    /// (estimate in ns, 0 when unknown; launch count of this kernel before this one). A full table
-    /// measures every launch of the kernels it cannot hold.
+    /// Gives `key` the least recently used entry of its probe window, if one is idle.
+    #[cold]
+    fn evict_for(&self, key: u64, h: usize) -> Option<&Entry> {
+        let mask = self.slots.len() - 1;
+        let now = self.epoch.load(Relaxed);
+        let s = (0..PROBES).map(|i| &self.slots[(h + i) & mask]).min_by_key(|s| s[4].load(Relaxed))?;
+        let old = s[0].load(Acquire);
+        if s[4].load(Relaxed) + IDLE_EPOCHS >= now || s[0].compare_exchange(old, key, AcqRel, Acquire).is_err() {
+            return None;
+        }
+        // The entry is this key's now: start it afresh. (A measurement of the old key that was
+        // being folded in at this very moment may land in the new ring: one sample among 8.)
+        for x in &s[1..] {
+            x.store(0, Relaxed);
+        }
+        s[4].store(now, Relaxed);
+        Some(s)
+    }
+
+    /// (estimate in ns, 0 when unknown; launch count of this kernel before this one). A key the
+    /// table cannot hold (its window busy) is unknown at every launch.
     #[inline]
     fn get(&self, key: u64) -> (u64, u64) {
         let Some(s) = self.entry(key, true) else { return (0, 0) };
+        let now = self.epoch.load(Relaxed);
+        if s[4].load(Relaxed) != now {
+            s[4].store(now, Relaxed);
+        }
         (s[2].load(Relaxed), s[1].fetch_add(1, Relaxed))
     }
 
@@ -83,10 +129,15 @@ impl Estimates {
         let ns = ns.max(1);
         let Some(s) = self.entry(key, false) else { return ns };
         let pos = s[3].fetch_add(1, Relaxed) as usize % WINDOW;
-        s[4 + pos].store(ns, Relaxed);
-        let est = s[4..].iter().map(|x| x.load(Relaxed)).filter(|&x| x > 0).min().unwrap_or(ns);
+        s[RING + pos].store(ns, Relaxed);
+        let est = s[RING..].iter().map(|x| x.load(Relaxed)).filter(|&x| x > 0).min().unwrap_or(ns);
         s[2].store(est, Relaxed);
         est
+    }
+
+    /// Advances the epoch (once per collection of measurements).
+    fn tick(&self) {
+        self.epoch.fetch_add(1, Relaxed);
     }
 }
 
@@ -167,6 +218,7 @@ fn collect(st: &State) {
         return;
     }
     let Ok(mut p) = PENDING.try_lock() else { return };
+    estimates().tick();
     let mut i = 0;
     while i < p.len() {
         let s = &p[i];
@@ -237,7 +289,8 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     let open = capture::any_open();
     let (est, n) = estimates().get(key);
     let every = if n < EARLY_LAUNCHES { SAMPLE_EVERY_EARLY } else { SAMPLE_EVERY };
-    let sample = !open && (est == 0 || n % every == 0);
+    // Measurements in flight are bounded: each collection queries every one of them.
+    let sample = !open && (est == 0 || n % every == 0) && PENDING_N.load(Relaxed) < MAX_PENDING;
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
     if !region.sm_try_charge(dev, cost) {
         // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
@@ -454,4 +507,65 @@ pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) 
 pub unsafe fn graph_launch_ptsz(real: f::cuGraphLaunch_ptsz, g: CUgraphExec, s: CUstream) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(g as u64, ptsz(s), || unsafe { real(g, s) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u64) -> u64 {
+        kernel_key(0x7f00_0000_1000 as CUfunction, i as u32, (i >> 32) as u32, 1)
+    }
+
+    #[test]
+    fn an_estimate_is_the_smallest_of_the_last_measurements() {
+        let e = Estimates::new();
+        assert_eq!(e.get(key(1)), (0, 0));
+        for ns in [500, 300, 900] {
+            e.learn(key(1), ns);
+        }
+        assert_eq!(e.get(key(1)), (300, 1));
+        for _ in 0..WINDOW {
+            e.learn(key(1), 800);
+        }
+        assert_eq!(e.get(key(1)).0, 800, "the 300 left the window");
+        // Another grid of the same function is another estimate.
+        assert_eq!(e.get(key(2)).0, 0);
+        assert_ne!(key(1), key(2));
+        assert_ne!(kernel_key(0x1000 as CUfunction, 1, 1, 1), kernel_key(0x2000 as CUfunction, 1, 1, 1));
+    }
+
+    #[test]
+    fn a_full_table_gives_idle_entries_to_new_keys_and_keeps_used_ones() {
+        let e = Estimates::new();
+        let hot = key(u64::MAX >> 1);
+        e.get(hot);
+        e.learn(hot, 1234);
+        // Many more keys than entries, all in one epoch: the table fills and then takes no more,
+        // and a key it cannot hold stays unknown (its measurement is not kept anywhere).
+        let n = 16u64 << TABLE_BITS;
+        for i in 0..n {
+            e.get(key(i));
+        }
+        assert!(e.slots.iter().all(|s| s[0].load(Relaxed) != 0), "every entry taken");
+        let outside = (0..n).map(key).find(|&k| e.entry(k, false).is_none()).expect("a key the table could not hold");
+        assert_eq!(e.get(outside), (0, 0));
+        e.learn(outside, 10);
+        assert_eq!(e.get(outside), (0, 0), "not held, so still unknown");
+        // Time passes; the hot key keeps being launched, the others are not.
+        for _ in 0..=IDLE_EPOCHS {
+            e.tick();
+            e.get(hot);
+        }
+        // Now new keys take idle entries, fresh (not the estimate of the key they replace)...
+        assert_eq!(e.get(outside), (0, 0));
+        e.learn(outside, 10);
+        assert_eq!(e.get(outside), (10, 1));
+        for i in n..2 * n {
+            let (est, _) = e.get(key(i));
+            assert_eq!(est, 0, "a new key starts unknown");
+        }
+        // ... and the key in use kept its entry and its estimate.
+        assert_eq!(e.get(hot).0, 1234);
+    }
 }
