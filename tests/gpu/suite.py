@@ -577,8 +577,8 @@ def sm_verdict(got, scaled, nv, target):
     return by_rate and by_nvml
 
 
-def sm_check(s, target):
-    kind = s.sm_workload()
+def sm_check(s, target, kind=None):
+    kind = kind or s.sm_workload()
     base, base_util, _ = s.baseline(kind)
     (r,), util = s.timed([(s.env(True, sm=target), kind)], s.seconds)
     got = 100.0 * s.rate(r) / base
@@ -589,8 +589,9 @@ def sm_check(s, target):
          "nvml_util_unlimited": nv_base, "sm_clock_mhz": c, "sm_clock_mhz_unlimited": c0, "workload": kind,
          "rate": s.rate(r), "rate_unlimited": base, "nvml": util, "nvml_unlimited": base_util}
     clocks = "" if scaled is None else "; SM clock %.0f MHz (unlimited: %.0f MHz), so %.1f %% at equal clocks" % (c, c0, scaled)
+    what = {"torch:matmul": "matmul 8192^2 bf16", "torch:mixed": "matmuls of M 1024 and 8192 (N = K = 8192) in turn"}
     summary = "%s at %d %%: throughput %.1f %% of unlimited; NVML utilization %s (unlimited: %s)%s" % (
-        "matmul 8192^2 bf16" if kind.startswith("torch") else "1 ms kernels", target, got, fmt_pct(nv), fmt_pct(nv_base), clocks)
+        what.get(kind, "1 ms kernels"), target, got, fmt_pct(nv), fmt_pct(nv_base), clocks)
     if not sm_verdict(got, scaled, nv, target):
         raise Fail(summary, v)
     return summary, v
@@ -625,6 +626,14 @@ def pair_shares(s, kind, ga, gb):
             "so these are %.1f %% and %.1f %% of what two processes get") % (
         pair, each[0], each[1], fmt_pct(pair_util and pair_util.get("mean_gpu")), sa, sb)
     return ok, v, text
+
+
+def check_sm_grids(s):
+    """One kernel function at grids 8x apart, in turn, at 30 %: each launch charged its own grid's
+    time (an estimate per function alone would charge the large grid as the small one)."""
+    if not s.torch:
+        raise Skip("PyTorch with CUDA is not available")
+    return sm_check(s, 30, "torch:mixed")
 
 
 def check_sm_two(s):
@@ -1025,6 +1034,7 @@ CHECKS = [
     ("cuda-graph", check_graph),
     ("sm-30", check_sm_30),
     ("sm-60", check_sm_60),
+    ("sm-grids", check_sm_grids),
     ("sm-25-75", check_sm_two),
     ("true-up", check_true_up),
     ("oversubscribe", check_oversubscribe),

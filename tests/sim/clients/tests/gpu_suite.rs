@@ -41,6 +41,7 @@ fn options_are_checked_and_checks_listed() {
         "cuda-graph",
         "sm-30",
         "sm-60",
+        "sm-grids",
         "sm-25-75",
         "true-up",
         "oversubscribe",
@@ -97,7 +98,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
         let (st, c) = status(name);
         assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
     }
-    for name in ["train", "cuda-graph"] {
+    for name in ["train", "cuda-graph", "sm-grids"] {
         assert_eq!(status(name).0, "skip", "{name} needs PyTorch");
     }
     // `true-up` tells the two apart here: with it off, the process really holds more than the limit
