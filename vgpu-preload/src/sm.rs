@@ -44,7 +44,8 @@ pub(crate) fn now_coarse() -> u64 {
 /// A long-running server can launch more (function, grid) pairs than the table holds (an attention
 /// kernel's grid follows the batch and the longest sequence), so an entry not used for a while is
 /// given to a new key when the new key's probe window has no free entry: the least recently used of
-/// the window, by an epoch that advances with measurement collections (a cold path).
+/// the window that has not been launched for two epochs of about a second (the epoch is the coarse
+/// clock's seconds, advanced when measurements are collected: a cold path).
 struct Estimates {
     /// Per entry: key, launch count, estimate, next ring position, epoch of last use, then the ring
     /// of measurements.
@@ -61,14 +62,14 @@ const RING: usize = 5;
 const TABLE_BITS: u32 = 13;
 /// Entries a key may occupy: this many from its hash on.
 const PROBES: usize = 32;
-/// An entry is given to another key only when unused for more than this many epochs.
+/// An entry is given to another key only when unused for more than this many epochs (2^30 ns each).
 const IDLE_EPOCHS: u64 = 2;
 
 impl Estimates {
     fn new() -> Estimates {
         Estimates {
             slots: (0..1 << TABLE_BITS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect(),
-            epoch: AtomicU64::new(IDLE_EPOCHS + 1),
+            epoch: AtomicU64::new(0),
         }
     }
 
@@ -135,9 +136,9 @@ impl Estimates {
         est
     }
 
-    /// Advances the epoch (once per collection of measurements).
-    fn tick(&self) {
-        self.epoch.fetch_add(1, Relaxed);
+    /// Advances the epoch to `now` (monotonic ns) when measurements are collected.
+    fn tick(&self, now: u64) {
+        self.epoch.fetch_max(now >> 30, Relaxed);
     }
 }
 
@@ -218,7 +219,7 @@ fn collect(st: &State) {
         return;
     }
     let Ok(mut p) = PENDING.try_lock() else { return };
-    estimates().tick();
+    estimates().tick(now_coarse());
     let mut i = 0;
     while i < p.len() {
         let s = &p[i];
@@ -553,8 +554,8 @@ mod tests {
         e.learn(outside, 10);
         assert_eq!(e.get(outside), (0, 0), "not held, so still unknown");
         // Time passes; the hot key keeps being launched, the others are not.
-        for _ in 0..=IDLE_EPOCHS {
-            e.tick();
+        for sec in 1..=IDLE_EPOCHS + 1 {
+            e.tick(sec << 30);
             e.get(hot);
         }
         // Now new keys take idle entries, fresh (not the estimate of the key they replace)...
