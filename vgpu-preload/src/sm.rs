@@ -122,7 +122,11 @@ impl Estimates {
         if s[4].load(Relaxed) != now {
             s[4].store(now, Relaxed);
         }
-        (s[2].load(Relaxed), s[1].fetch_add(1, Relaxed))
+        // The count only paces the sampling: a plain load and store (no locked instruction), as an
+        // increment lost to another thread's launch of the same kernel changes nothing that matters.
+        let n = s[1].load(Relaxed);
+        s[1].store(n + 1, Relaxed);
+        (s[2].load(Relaxed), n)
     }
 
     /// Folds a measurement in; returns the new estimate.
