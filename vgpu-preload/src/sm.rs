@@ -19,6 +19,12 @@ use std::sync::Mutex;
 const SAMPLE_EVERY_EARLY: u64 = 16;
 const SAMPLE_EVERY: u64 = 128;
 const EARLY_LAUNCHES: u64 = 1024;
+/// Launches estimated at this much GPU time or more are measured one in `SAMPLE_EVERY_LONG`: two
+/// event records cost nothing next to them, and the 8 measurements an estimate is the smallest of
+/// then span 32 launches, so a kernel or graph that keeps getting longer (a decode step's attention
+/// as the context grows) is followed closely.
+const LONG_NS: u64 = 200_000;
+const SAMPLE_EVERY_LONG: u64 = 4;
 /// Charge for a kernel never measured yet.
 const FIRST_GUESS_NS: u64 = 100_000;
 /// Most measurements in flight per process; launches beyond are charged their estimate unmeasured.
@@ -293,7 +299,13 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     // While any capture is open, no timing events are recorded or queried (see `capture`).
     let open = capture::any_open();
     let (est, n) = estimates().get(key);
-    let every = if n < EARLY_LAUNCHES { SAMPLE_EVERY_EARLY } else { SAMPLE_EVERY };
+    let every = if est >= LONG_NS {
+        SAMPLE_EVERY_LONG
+    } else if n < EARLY_LAUNCHES {
+        SAMPLE_EVERY_EARLY
+    } else {
+        SAMPLE_EVERY
+    };
     // Measurements in flight are bounded: each collection queries every one of them.
     let sample = !open && (est == 0 || n % every == 0) && PENDING_N.load(Relaxed) < MAX_PENDING;
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };

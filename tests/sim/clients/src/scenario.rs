@@ -16,7 +16,8 @@ scenarios:
                                         loading K modules)
   launch [--kernel NAME] [--count N | --seconds S [--sync-every K]]
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
-         [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D] [--threads T]
+         [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
+         [--threads T]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream)
@@ -487,6 +488,9 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
     };
     let block = o.num("block", 128)? as u32;
     let mut dur = o.num("duration-ns", 1_000_000)?;
+    // --ramp-ppm R: `param_ns` kernels grow by R parts per million each launch (a decode step's
+    // attention as the context grows).
+    let ramp_ppm = o.num("ramp-ppm", 0)?;
     let image = b"vgpu-sim module\0";
     let start_wall = std::time::Instant::now();
     // SAFETY: calls through the table with out-pointers to locals; kernel parameters point to `dur`,
@@ -559,9 +563,13 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
             p => return Err(format!("unknown launch path {p:?}")),
         };
         let mut n = 0u64;
+        let dur_p = arg as *mut u64;
         let mut one = || -> CUresult {
             let grid = grids[n as usize % grids.len()];
             n += 1;
+            if ramp_ppm > 0 && n > 1 {
+                *dur_p += (*dur_p * ramp_ppm).div_ceil(1_000_000);
+            }
             match path {
                 "kernel" => (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),
                 "ex" => {

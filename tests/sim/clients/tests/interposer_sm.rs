@@ -117,3 +117,16 @@ fn a_kernel_launched_with_different_grids_is_charged_each_grids_time() {
         assert!((got - limit as f64).abs() <= 5.0, "grids {grids} at {limit} %: achieved {got:.1} %");
     }
 }
+
+/// A kernel (or graph) whose time grows launch after launch, as a decode step's attention does with
+/// the context: long launches are measured often enough that the estimate (the smallest recent
+/// measurement) stays close to the current time.
+#[test]
+fn a_kernel_that_keeps_getting_longer_is_followed() {
+    let h = harness();
+    // param_ns from 1 ms, 0.3 % longer at each launch (3.3 ms after 400 launches).
+    let c = container(30, "param_ns", &["--duration-ns", "1000000", "--ramp-ppm", "3000"]);
+    let o = h.run(&one(c, 3.5), 0);
+    let got = o.overall[0][0] * 100.0;
+    assert!((got - 30.0).abs() <= 5.0, "a growing kernel at 30 %: achieved {got:.1} %");
+}

@@ -67,6 +67,13 @@ fn main() {
         }
         scenarios.push((
             one(
+                "one kernel getting 0.1 % longer at each launch (param_ns from 1 ms)".into(),
+                vec![container(30, "param_ns", &["--duration-ns", "1000000", "--ramp-ppm", "1000"])],
+            ),
+            vec![30.0],
+        ));
+        scenarios.push((
+            one(
                 "deprecated cuLaunchGridAsync, sleep_1ms".into(),
                 vec![container(30, "sleep_1ms", &["--path", "legacy"])],
             ),
