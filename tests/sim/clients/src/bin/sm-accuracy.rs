@@ -3,7 +3,7 @@
 //!
 //! usage: sm-accuracy [--quick] [--libvgpu PATH] [--only SUBSTRING]
 //! Prints a Markdown table. Uses the simulator and clients built next to this binary.
-use vgpu_sim_clients::accuracy::{container, Harness, Outcome, Scenario};
+use vgpu_sim_clients::accuracy::{container, Container, Harness, Outcome, Scenario};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -26,11 +26,11 @@ fn main() {
     let h = Harness::new(&dir, &libvgpu, &lib_dir);
     let secs = if quick { 4.0 } else { 11.0 };
     let mut scenarios: Vec<(Scenario, Vec<f64>)> = Vec::new();
-    let one = |name: String, c: Vec<vgpu_sim_clients::accuracy::Container>| Scenario {
-        name,
-        containers: c,
-        seconds: secs,
-        change: None,
+    let one = |name: String, c: Vec<Container>| Scenario { name, containers: c, seconds: secs, change: None };
+    // One container, whose target is its limit on GPU 0.
+    let alone = |name: &str, c: Container| {
+        let target = c.limits[0] as f64;
+        (one(name.to_string(), vec![c]), vec![target])
     };
     let limits: &[u32] = if quick { &[30] } else { &[10, 30, 50, 70, 90] };
     let kernels: &[&str] = if quick { &["sleep_1ms"] } else { &["sleep_50us", "sleep_1ms", "sleep_20ms"] };
@@ -38,47 +38,24 @@ fn main() {
         for &k in kernels {
             // Short kernels are queued in batches, as applications do; longer ones synchronise each time.
             let extra: &[&str] = if k == "sleep_50us" { &["--sync-every", "64"] } else { &[] };
-            scenarios.push((one(format!("one container, {k}"), vec![container(l, k, extra)]), vec![l as f64]));
+            scenarios.push(alone(&format!("one container, {k}"), container(l, k, extra)));
         }
     }
     for &l in if quick { &[50u32][..] } else { &[10, 50, 90][..] } {
-        scenarios.push((
-            one(
-                "graphs of 10 x sleep_200us".to_string(),
-                vec![container(l, "sleep_200us", &["--path", "graph", "--nodes", "10"])],
-            ),
-            vec![l as f64],
-        ));
-        scenarios.push((
-            one("cooperative sleep_1ms".to_string(), vec![container(l, "sleep_1ms", &["--path", "coop"])]),
-            vec![l as f64],
-        ));
+        let graphs = container(l, "sleep_200us", &["--path", "graph", "--nodes", "10"]);
+        scenarios.push(alone("graphs of 10 x sleep_200us", graphs));
+        scenarios.push(alone("cooperative sleep_1ms", container(l, "sleep_1ms", &["--path", "coop"])));
     }
     if !quick {
         for l in [10u32, 30, 70] {
             // One function whose GPU time follows its grid (1 and 10 ms on the H100's 132 SMs).
-            scenarios.push((
-                one(
-                    "one kernel, grids of 132 and 1320 blocks (wave_1ms: 1 and 10 ms)".into(),
-                    vec![container(l, "wave_1ms", &["--grids", "132,1320", "--block", "256"])],
-                ),
-                vec![l as f64],
-            ));
+            let c = container(l, "wave_1ms", &["--grids", "132,1320", "--block", "256"]);
+            scenarios.push(alone("one kernel, grids of 132 and 1320 blocks (wave_1ms: 1 and 10 ms)", c));
         }
-        scenarios.push((
-            one(
-                "one kernel getting 0.1 % longer at each launch (param_ns from 1 ms)".into(),
-                vec![container(30, "param_ns", &["--duration-ns", "1000000", "--ramp-ppm", "1000"])],
-            ),
-            vec![30.0],
-        ));
-        scenarios.push((
-            one(
-                "deprecated cuLaunchGridAsync, sleep_1ms".into(),
-                vec![container(30, "sleep_1ms", &["--path", "legacy"])],
-            ),
-            vec![30.0],
-        ));
+        let c = container(30, "param_ns", &["--duration-ns", "1000000", "--ramp-ppm", "1000"]);
+        scenarios.push(alone("one kernel getting 0.1 % longer at each launch (param_ns from 1 ms)", c));
+        scenarios
+            .push(alone("deprecated cuLaunchGridAsync, sleep_1ms", container(30, "sleep_1ms", &["--path", "legacy"])));
     }
     for (a, b) in if quick { vec![(10, 90)] } else { vec![(10, 90), (30, 70), (50, 50)] } {
         scenarios.push((
