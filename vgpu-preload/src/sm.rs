@@ -155,11 +155,23 @@ impl Estimates {
 /// The estimate key of a kernel launch: its function and its grid. A kernel's GPU time mostly
 /// follows its grid (a GEMM's or an attention kernel's grid grows with the batch and the sequence),
 /// and an estimate is the smallest recent measurement, so one estimate for every grid of a function
-/// would charge each launch as if it were the smallest. Never 0 (the table's empty key).
+/// would charge each launch as if it were the smallest. The grid's dimensions are packed without
+/// overlap (x < 2^31, y and z < 2^16 on every GPU) and multiplied by an odd constant, so two grids of
+/// one function never share a key. Never 0 (the table's empty key).
 #[inline]
 fn kernel_key(f: CUfunction, gx: u32, gy: u32, gz: u32) -> u64 {
-    let grid = gx as u64 ^ ((gy as u64) << 24) ^ ((gz as u64) << 44);
+    let grid = (gx as u64 & 0x7FFF_FFFF) | (gy as u64 & 0xFFFF) << 31 | (gz as u64 & 0xFFFF) << 47;
     ((f as u64) ^ grid.wrapping_mul(0x9E37_79B9_7F4A_7C15)).max(1)
+}
+
+/// Stream and estimate key of a `cuLaunchKernelEx` launch (its configuration may be NULL, which the
+/// driver refuses).
+fn ex_launch(c: *const CUlaunchConfig, k: CUfunction) -> (CUstream, u64) {
+    // SAFETY: an optional input pointer from the caller.
+    match unsafe { c.as_ref() } {
+        Some(c) => (c.hStream, kernel_key(k, c.gridDimX, c.gridDimY, c.gridDimZ)),
+        None => (std::ptr::null_mut(), kernel_key(k, 0, 0, 0)),
+    }
 }
 
 struct Sample {
@@ -430,11 +442,8 @@ pub unsafe fn launch_kernel_ex(
     p: *mut *mut c_void,
     e: *mut *mut c_void,
 ) -> CUresult {
-    // SAFETY: optional input pointer from the caller.
-    let (s, key) = match unsafe { c.as_ref() } {
-        Some(c) => (c.hStream, kernel_key(k, c.gridDimX, c.gridDimY, c.gridDimZ)),
-        None => (std::ptr::null_mut(), kernel_key(k, 0, 0, 0)),
-    };
+    let (s, key) = ex_launch(c, k);
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(key, s, || unsafe { real(c, k, p, e) })
 }
 
@@ -445,11 +454,8 @@ pub unsafe fn launch_kernel_ex_ptsz(
     p: *mut *mut c_void,
     e: *mut *mut c_void,
 ) -> CUresult {
-    // SAFETY: optional input pointer from the caller.
-    let (s, key) = match unsafe { c.as_ref() } {
-        Some(c) => (c.hStream, kernel_key(k, c.gridDimX, c.gridDimY, c.gridDimZ)),
-        None => (std::ptr::null_mut(), kernel_key(k, 0, 0, 0)),
-    };
+    let (s, key) = ex_launch(c, k);
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     admit(key, ptsz(s), || unsafe { real(c, k, p, e) })
 }
 
@@ -550,6 +556,22 @@ mod tests {
         assert_eq!(e.get(key(2)).0, 0);
         assert_ne!(key(1), key(2));
         assert_ne!(kernel_key(0x1000 as CUfunction, 1, 1, 1), kernel_key(0x2000 as CUfunction, 1, 1, 1));
+        // Grids that differ in any dimension, also where x is large (a 1-D grid of many blocks).
+        let f = 0x7f00_0000_1000 as CUfunction;
+        let grids = [
+            (1, 1, 1),
+            (2, 1, 1),
+            (1, 2, 1),
+            (1, 1, 2),
+            ((1 << 24) + 5, 2, 1),
+            (5, 3, 1),
+            ((1 << 31) - 1, 65535, 65535),
+        ];
+        for (i, a) in grids.iter().enumerate() {
+            for b in &grids[i + 1..] {
+                assert_ne!(kernel_key(f, a.0, a.1, a.2), kernel_key(f, b.0, b.1, b.2), "{a:?} and {b:?}");
+            }
+        }
     }
 
     #[test]
