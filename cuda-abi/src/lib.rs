@@ -33,6 +33,7 @@ impl CUresult {
     pub const STREAM_CAPTURE_INVALIDATED: Self = Self(901);
     pub const STREAM_CAPTURE_UNMATCHED: Self = Self(903);
     pub const CAPTURED_EVENT: Self = Self(907);
+    pub const GRAPH_EXEC_UPDATE_FAILURE: Self = Self(910);
     pub const UNKNOWN: Self = Self(999);
 
     pub fn is_ok(self) -> bool {
@@ -71,6 +72,7 @@ impl CUresult {
                 "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
                 "operation would make the legacy stream depend on a capturing blocking stream",
             ),
+            910 => ("CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE", "the executable graph cannot be updated from that graph"),
             999 => ("CUDA_ERROR_UNKNOWN", "unknown error"),
             _ => return None,
         })
@@ -275,6 +277,38 @@ pub struct CUDA_KERNEL_NODE_PARAMS_v2 {
     pub ctx: CUcontext,
 }
 
+/// `cuGraphExecUpdate_v2`'s report (`CUgraphExecUpdateResultInfo`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUgraphExecUpdateResultInfo {
+    pub result: i32,
+    pub errorNode: CUgraphNode,
+    pub errorFromNode: CUgraphNode,
+}
+
+pub const CU_GRAPH_EXEC_UPDATE_SUCCESS: i32 = 0;
+pub const CU_GRAPH_EXEC_UPDATE_ERROR: i32 = 1;
+pub const CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED: i32 = 2;
+pub const CU_GRAPH_NODE_TYPE_KERNEL: i32 = 0;
+
+/// `CUgraphNodeParams` (CUDA 12.2): a node type and a union of per-type parameters, of which only
+/// the kernel's is spelled out here (`CUDA_KERNEL_NODE_PARAMS_v3` has the layout of `_v2`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUgraphNodeParams {
+    pub type_: i32,
+    pub reserved0: [i32; 3],
+    pub u: CUgraphNodeParamsUnion,
+    pub reserved2: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub union CUgraphNodeParamsUnion {
+    pub reserved1: [i64; 29],
+    pub kernel: CUDA_KERNEL_NODE_PARAMS_v2,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CUDA_LAUNCH_PARAMS {
@@ -297,6 +331,9 @@ const _: () = {
     assert!(std::mem::size_of::<CUlaunchConfig>() == 56);
     assert!(std::mem::size_of::<CUDA_KERNEL_NODE_PARAMS>() == 56);
     assert!(std::mem::size_of::<CUDA_KERNEL_NODE_PARAMS_v2>() == 72);
+    assert!(std::mem::size_of::<CUgraphExecUpdateResultInfo>() == 24);
+    assert!(std::mem::size_of::<CUgraphNodeParams>() == 256);
+    assert!(std::mem::offset_of!(CUgraphNodeParams, u) == 16);
     assert!(std::mem::size_of::<CUDA_ARRAY3D_DESCRIPTOR>() == 40);
     assert!(std::mem::size_of::<CUDA_ARRAY_MEMORY_REQUIREMENTS>() == 32);
 };

@@ -14,6 +14,7 @@ mod capture;
 mod config;
 mod contexts;
 mod dl;
+mod graphs;
 mod guard;
 mod hooks;
 mod log;

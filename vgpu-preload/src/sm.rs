@@ -146,6 +146,18 @@ impl Estimates {
         est
     }
 
+    /// Forgets `key`'s estimate, count and measurements (the entry stays the key's, so that the keys
+    /// probed past it are still found): its next launch is measured as if it were its first.
+    fn forget(&self, key: u64) {
+        if let Some(s) = self.entry(key, false) {
+            for (i, x) in s.iter().enumerate() {
+                if i != 0 && i != 4 {
+                    x.store(0, Relaxed);
+                }
+            }
+        }
+    }
+
     /// Advances the epoch to `now` (monotonic ns) when measurements are collected.
     fn tick(&self, now: u64) {
         self.epoch.fetch_max(now >> 30, Relaxed);
@@ -194,9 +206,34 @@ static PENDING_N: AtomicU64 = AtomicU64::new(0);
 /// Events ready for reuse (as addresses).
 static SPARE_EVENTS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
+static ESTIMATES: std::sync::OnceLock<Estimates> = std::sync::OnceLock::new();
+
 fn estimates() -> &'static Estimates {
-    static E: std::sync::OnceLock<Estimates> = std::sync::OnceLock::new();
-    E.get_or_init(Estimates::new)
+    ESTIMATES.get_or_init(Estimates::new)
+}
+
+/// Forgets the estimate of `key` (an executable graph whose work changed, see `graphs`), with its
+/// measurements still in flight: they timed the old work. Under the measurements' lock, which every
+/// folding-in holds, so none of them lands after the reset.
+pub fn forget(key: u64) {
+    let Some(e) = ESTIMATES.get() else { return }; // nothing launched under a limit yet
+    let mut p = PENDING.lock().unwrap_or_else(|p| p.into_inner());
+    e.forget(key);
+    let before = p.len();
+    let mut events = Vec::new();
+    p.retain(|s| {
+        let keep = s.key != key;
+        if !keep {
+            events.push(s.start);
+            events.push(s.end);
+        }
+        keep
+    });
+    PENDING_N.fetch_sub((before - p.len()) as u64, Relaxed);
+    drop(p);
+    if let Ok(mut s) = SPARE_EVENTS.lock() {
+        s.extend(events.into_iter().map(|e| e as usize));
+    }
 }
 
 /// The SM percentage that applies to `dev` now, or None.
@@ -572,6 +609,47 @@ mod tests {
                 assert_ne!(kernel_key(f, a.0, a.1, a.2), kernel_key(f, b.0, b.1, b.2), "{a:?} and {b:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_forgotten_key_starts_afresh_and_its_measurements_in_flight_are_dropped() {
+        let e = Estimates::new();
+        let (a, b) = (key(7), key(8));
+        for k in [a, b] {
+            e.get(k);
+            e.learn(k, 500);
+        }
+        e.forget(a);
+        assert_eq!(e.get(a), (0, 0), "unknown again, its next launch measured as a first");
+        e.learn(a, 900);
+        assert_eq!(e.get(a).0, 900, "the old 500 is not in the window any more");
+        assert_eq!(e.get(b), (500, 1), "another key keeps its estimate");
+        e.forget(key(9)); // never seen: nothing happens
+
+        // The process-wide form also drops the key's measurements in flight (they timed the old
+        // work) and keeps their events for reuse.
+        let g = 0x5eed_0000_u64;
+        estimates().get(g);
+        estimates().learn(g, 2_000);
+        let sample =
+            |key, ev: usize| Sample { key, dev: 0, charged: 1, start: ev as CUevent, end: (ev + 1) as CUevent };
+        let spare_before = SPARE_EVENTS.lock().unwrap().len();
+        {
+            let mut p = PENDING.lock().unwrap();
+            p.push(sample(g, 0x100));
+            p.push(sample(g + 1, 0x200));
+            p.push(sample(g, 0x300));
+            PENDING_N.fetch_add(3, Relaxed);
+        }
+        forget(g);
+        assert_eq!(estimates().get(g).0, 0);
+        let left: Vec<u64> = PENDING.lock().unwrap().iter().map(|s| s.key).collect();
+        assert_eq!(left, [g + 1]);
+        assert_eq!(PENDING_N.load(Relaxed), 1);
+        let spare = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
+        assert_eq!(spare, [0x100, 0x101, 0x300, 0x301]);
+        PENDING.lock().unwrap().clear();
+        PENDING_N.store(0, Relaxed);
     }
 
     #[test]

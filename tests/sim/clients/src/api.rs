@@ -75,6 +75,13 @@ macro_rules! with_cuda_api {
             cuGraphAddKernelNode_v2 = "cuGraphAddKernelNode" : fn(n: *mut CUgraphNode, g: CUgraph, deps: *const CUgraphNode, nd: usize, p: *const CUDA_KERNEL_NODE_PARAMS_v2);
             cuGraphInstantiateWithFlags = "cuGraphInstantiate" : fn(e: *mut CUgraphExec, g: CUgraph, flags: u64);
             cuGraphLaunch = "cuGraphLaunch" : fn(e: CUgraphExec, s: CUstream);
+            cuGraphExecDestroy = "cuGraphExecDestroy" : fn(e: CUgraphExec);
+            cuGraphExecUpdate = "cuGraphExecUpdate" : fn(e: CUgraphExec, g: CUgraph, err: *mut CUgraphNode, result: *mut i32);
+            cuGraphExecUpdate_v2 = "cuGraphExecUpdate" : fn(e: CUgraphExec, g: CUgraph, info: *mut CUgraphExecUpdateResultInfo);
+            cuGraphExecKernelNodeSetParams = "cuGraphExecKernelNodeSetParams" : fn(e: CUgraphExec, n: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS);
+            cuGraphExecKernelNodeSetParams_v2 = "cuGraphExecKernelNodeSetParams" : fn(e: CUgraphExec, n: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS_v2);
+            cuGraphExecNodeSetParams = "cuGraphExecNodeSetParams" : fn(e: CUgraphExec, n: CUgraphNode, p: *mut CUgraphNodeParams);
+            cuGraphNodeSetEnabled = "cuGraphNodeSetEnabled" : fn(e: CUgraphExec, n: CUgraphNode, on: u32);
         }
     };
 }

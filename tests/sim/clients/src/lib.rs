@@ -79,7 +79,11 @@ pub fn bind_runtime(b: &Binding) -> Result<Api, String> {
             let mut p = std::ptr::null_mut();
             let mut st = 0;
             let c = CString::new(base).unwrap();
-            let version = abi_version(name).map_or(b.cuda_version, |v| v.min(b.cuda_version));
+            let version = match (abi_version(name), introduced(name)) {
+                (Some(v), _) => v.min(b.cuda_version),
+                (None, Some(v)) => v,
+                _ => b.cuda_version,
+            };
             let r = get(c.as_ptr(), &mut p, version, flags, &mut st);
             if r != CUresult::SUCCESS && err.is_none() {
                 err = Some(format!("cuGetProcAddress_v2({base}, {version}) = {} status {st}", r.0));
@@ -95,6 +99,19 @@ pub fn bind_runtime(b: &Binding) -> Result<Api, String> {
 fn abi_version(name: &str) -> Option<i32> {
     match name {
         "cuCtxCreate_v2" => Some(3020),
+        "cuGraphExecUpdate" => Some(10020),
+        "cuGraphExecKernelNodeSetParams" => Some(10010),
+        _ => None,
+    }
+}
+
+/// Entries asked for at the CUDA version that introduced them, whatever the binding's version (a
+/// client emulating an older runtime still binds its whole table; it does not call these).
+fn introduced(name: &str) -> Option<i32> {
+    match name {
+        "cuGraphExecUpdate_v2" | "cuGraphExecKernelNodeSetParams_v2" => Some(12000),
+        "cuGraphExecNodeSetParams" => Some(12020),
+        "cuGraphNodeSetEnabled" => Some(11060),
         _ => None,
     }
 }

@@ -17,10 +17,15 @@ scenarios:
   launch [--kernel NAME] [--count N | --seconds S [--sync-every K]]
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
-         [--threads T]
+         [--threads T] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
-                                        legacy-default: cuLaunch/cuLaunchGrid (default stream)
+                                        legacy-default: cuLaunch/cuLaunchGrid (default stream);
+                                        --regraph-after: after N launches the graph's param_ns
+                                        nodes run F (10) times longer, changed by HOW: update,
+                                        update-v1, reinstantiate, set-params, set-params-v1,
+                                        node-params or enable (F times as many nodes, all but K
+                                        disabled until then)
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -491,6 +496,17 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
     // --ramp-ppm R: `param_ns` kernels grow by R parts per million each launch (a decode step's
     // attention as the context grows).
     let ramp_ppm = o.num("ramp-ppm", 0)?;
+    let regraph_after = o.num("regraph-after", 0)?;
+    let factor = o.num("regraph-factor", 10)?.max(1);
+    let how = o.str("regraph-how", "update");
+    const HOWS: [&str; 7] =
+        ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "enable"];
+    if regraph_after > 0 && (path != "graph" || !HOWS.contains(&how)) {
+        return Err(format!("--regraph-after needs --path graph and --regraph-how one of {HOWS:?}"));
+    }
+    // The enabled share of the nodes (see --regraph-how enable).
+    let built = if regraph_after > 0 && how == "enable" { nodes * factor as usize } else { nodes };
+    let mut dur2 = dur * factor;
     let image = b"vgpu-sim module\0";
     let start_wall = std::time::Instant::now();
     // SAFETY: calls through the table with out-pointers to locals; kernel parameters point to `dur`,
@@ -511,34 +527,42 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         ck(api, (api.cuEventCreate)(&mut e1, 0), "cuEventCreate")?;
         let mut arg: *mut c_void = &mut dur as *mut u64 as *mut c_void;
         let params: *mut *mut c_void = &mut arg;
+        let mut arg2: *mut c_void = &mut dur2 as *mut u64 as *mut c_void;
+        let params2: *mut *mut c_void = &mut arg2;
+        let node_params = |params: *mut *mut c_void| CUDA_KERNEL_NODE_PARAMS_v2 {
+            func: f,
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            kernelParams: params,
+            extra: std::ptr::null_mut(),
+            kern: std::ptr::null_mut(),
+            ctx: std::ptr::null_mut(),
+        };
+        // A graph of `k` kernel nodes with these parameters, and its nodes.
+        let build = |params: *mut *mut c_void, k: usize| -> Res<(CUgraph, Vec<CUgraphNode>)> {
+            let mut g = std::ptr::null_mut();
+            ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
+            let np = node_params(params);
+            let mut ns = Vec::with_capacity(k);
+            for _ in 0..k {
+                let mut n = std::ptr::null_mut();
+                ck(api, (api.cuGraphAddKernelNode_v2)(&mut n, g, std::ptr::null(), 0, &np), "cuGraphAddKernelNode")?;
+                ns.push(n);
+            }
+            Ok((g, ns))
+        };
         let mut exec = std::ptr::null_mut();
+        let mut graph_nodes = Vec::new();
         let per_launch = match path {
             "graph" | "capture" => {
                 let mut g = std::ptr::null_mut();
                 if path == "graph" {
-                    ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
-                    let np = CUDA_KERNEL_NODE_PARAMS_v2 {
-                        func: f,
-                        gridDimX: grid,
-                        gridDimY: 1,
-                        gridDimZ: 1,
-                        blockDimX: block,
-                        blockDimY: 1,
-                        blockDimZ: 1,
-                        sharedMemBytes: 0,
-                        kernelParams: params,
-                        extra: std::ptr::null_mut(),
-                        kern: std::ptr::null_mut(),
-                        ctx: std::ptr::null_mut(),
-                    };
-                    for _ in 0..nodes {
-                        let mut n = std::ptr::null_mut();
-                        ck(
-                            api,
-                            (api.cuGraphAddKernelNode_v2)(&mut n, g, std::ptr::null(), 0, &np),
-                            "cuGraphAddKernelNode",
-                        )?;
-                    }
+                    (g, graph_nodes) = build(params, built)?;
                 } else {
                     ck(api, (api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture")?;
                     for _ in 0..nodes {
@@ -551,6 +575,9 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
                     ck(api, (api.cuStreamEndCapture)(s, &mut g), "cuStreamEndCapture")?;
                 }
                 ck(api, (api.cuGraphInstantiateWithFlags)(&mut exec, g, 0), "cuGraphInstantiate")?;
+                for &n in graph_nodes.iter().skip(nodes) {
+                    ck(api, (api.cuGraphNodeSetEnabled)(exec, n, 0), "cuGraphNodeSetEnabled")?;
+                }
                 nodes as u64
             }
             "kernel" | "ex" | "coop" => 1,
@@ -564,8 +591,72 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         };
         let mut n = 0u64;
         let dur_p = arg as *mut u64;
+        // The graph's work changes as --regraph-how says (each node F times longer, or F times as
+        // many nodes).
+        let regraph = |exec: &mut CUgraphExec| -> CUresult {
+            let np = node_params(params2);
+            let each = |r: &mut dyn FnMut(CUgraphNode) -> CUresult| {
+                graph_nodes.iter().map(|&n| r(n)).find(|&x| x != CUresult::SUCCESS).unwrap_or(CUresult::SUCCESS)
+            };
+            match how {
+                "update" | "update-v1" | "reinstantiate" => {
+                    let Ok((g2, _)) = build(params2, nodes) else { return CUresult::UNKNOWN };
+                    match how {
+                        "update" => {
+                            let mut info = CUgraphExecUpdateResultInfo {
+                                result: -1,
+                                errorNode: std::ptr::null_mut(),
+                                errorFromNode: std::ptr::null_mut(),
+                            };
+                            (api.cuGraphExecUpdate_v2)(*exec, g2, &mut info)
+                        }
+                        "update-v1" => {
+                            let (mut node, mut result) = (std::ptr::null_mut(), -1);
+                            (api.cuGraphExecUpdate)(*exec, g2, &mut node, &mut result)
+                        }
+                        _ => match (api.cuGraphExecDestroy)(*exec) {
+                            CUresult::SUCCESS => (api.cuGraphInstantiateWithFlags)(exec, g2, 0),
+                            e => e,
+                        },
+                    }
+                }
+                "set-params" => each(&mut |n| (api.cuGraphExecKernelNodeSetParams_v2)(*exec, n, &np)),
+                "set-params-v1" => {
+                    let v1 = CUDA_KERNEL_NODE_PARAMS {
+                        func: np.func,
+                        gridDimX: np.gridDimX,
+                        gridDimY: 1,
+                        gridDimZ: 1,
+                        blockDimX: np.blockDimX,
+                        blockDimY: 1,
+                        blockDimZ: 1,
+                        sharedMemBytes: 0,
+                        kernelParams: np.kernelParams,
+                        extra: std::ptr::null_mut(),
+                    };
+                    each(&mut |n| (api.cuGraphExecKernelNodeSetParams)(*exec, n, &v1))
+                }
+                "node-params" => {
+                    let mut p = CUgraphNodeParams {
+                        type_: CU_GRAPH_NODE_TYPE_KERNEL,
+                        reserved0: [0; 3],
+                        u: CUgraphNodeParamsUnion { reserved1: [0; 29] },
+                        reserved2: 0,
+                    };
+                    p.u.kernel = np;
+                    each(&mut |n| (api.cuGraphExecNodeSetParams)(*exec, n, &mut p))
+                }
+                _ => each(&mut |n| (api.cuGraphNodeSetEnabled)(*exec, n, 1)),
+            }
+        };
         let mut one = || -> CUresult {
             let grid = grids[n as usize % grids.len()];
+            if regraph_after > 0 && n == regraph_after {
+                let r = regraph(&mut exec);
+                if r != CUresult::SUCCESS {
+                    return r;
+                }
+            }
             n += 1;
             if ramp_ppm > 0 && n > 1 {
                 *dur_p += (*dur_p * ramp_ppm).div_ceil(1_000_000);

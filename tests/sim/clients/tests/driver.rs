@@ -281,6 +281,25 @@ fn every_launch_path_runs_on_the_timeline() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("CUDA_ERROR_NOT_FOUND"));
 }
 
+/// Executable graphs change as the driver documents: updated from another graph of as many nodes,
+/// their kernel nodes given other parameters, nodes disabled and enabled; a destroyed one's handle is
+/// given to the next graph instantiated (as a real driver's allocator does).
+#[test]
+fn an_executable_graph_runs_its_changed_work() {
+    let s = Sim::new(Some(SMALL));
+    for how in ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "enable"] {
+        // 5 launches of 4 x 100 us, then 5 of 4 x 1 ms (or 40 x 100 us nodes, 4 of them enabled, then all).
+        let args = ["launch", "--path", "graph", "--kernel", "param_ns", "--duration-ns", "100000", "--nodes", "4"];
+        let more = ["--count", "10", "--regraph-after", "5", "--regraph-how", how];
+        let v = s.run1(RT, &[&args[..], &more[..]].concat());
+        let ms = v["gpu_ms"].as_f64().unwrap();
+        assert!((22.0..26.0).contains(&ms), "{how}: {ms} ms, want 5 x 0.4 + 5 x 4 = 22");
+    }
+    // Bad options are refused with the reason.
+    let o = s.output(RT, &["launch", "--path", "kernel", "--regraph-after", "1"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--regraph-after needs --path graph"));
+}
+
 #[test]
 fn visible_devices_remap_ordinals() {
     let s = Sim::new(Some(SMALL));

@@ -130,3 +130,31 @@ fn a_kernel_that_keeps_getting_longer_is_followed() {
     let got = o.overall[0][0] * 100.0;
     assert!((got - 30.0).abs() <= 5.0, "a growing kernel at 30 %: achieved {got:.1} %");
 }
+
+/// A graph's estimate is kept under its executable handle. When the graph's work changes (updated,
+/// node parameters set, nodes enabled, or destroyed and its handle given to the next graph
+/// instantiated, as the simulated driver does like a real allocator), the old estimate must not be
+/// charged for the new work: here a 100 us graph becomes a 1 ms one after 3000 launches.
+#[test]
+fn a_graph_whose_work_changes_is_charged_its_new_time() {
+    let h = harness();
+    let hows = ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "enable"];
+    for (i, how) in hows.into_iter().enumerate() {
+        let args = [
+            "--path",
+            "graph",
+            "--nodes",
+            "10",
+            "--duration-ns",
+            "10000",
+            "--regraph-after",
+            "3000",
+            "--regraph-how",
+            how,
+        ];
+        let o = h.run(&one(container(30, "param_ns", &args), 3.0), i);
+        let got = o.overall[0][0] * 100.0;
+        eprintln!("graph changed by {how}: {got:.1} %");
+        assert!((got - 30.0).abs() <= 5.0, "graph changed by {how} at 30 %: achieved {got:.1} %");
+    }
+}

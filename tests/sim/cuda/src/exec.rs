@@ -407,7 +407,36 @@ pub struct Graph {
 #[repr(C)]
 pub struct GraphExec {
     magic: AtomicU64,
+    body: Mutex<ExecBody>,
+}
+
+/// What an executable graph runs. Its kernel nodes are addressed by the node handles of the graph it
+/// was instantiated from (that graph's address + 1-based index).
+struct ExecBody {
+    graph: usize,
+    nodes: Vec<u64>,
+    enabled: Vec<bool>,
+    /// The enabled nodes' durations, as launched.
     durs: Vec<u64>,
+}
+
+impl ExecBody {
+    fn new(graph: usize, nodes: Vec<u64>) -> ExecBody {
+        ExecBody { graph, enabled: vec![true; nodes.len()], durs: nodes.clone(), nodes }
+    }
+
+    fn refresh(&mut self) {
+        self.durs = self.nodes.iter().zip(&self.enabled).filter(|(_, &on)| on).map(|(&d, _)| d).collect();
+    }
+
+    fn index(&self, node: CUgraphNode) -> R<usize> {
+        let i = (node as usize).wrapping_sub(self.graph).wrapping_sub(1);
+        if i < self.nodes.len() {
+            Ok(i)
+        } else {
+            Err(CUresult::INVALID_VALUE)
+        }
+    }
 }
 
 pub fn graph_create() -> R<CUgraph> {
@@ -425,30 +454,80 @@ pub fn graph_add_kernel(h: CUgraph, l: &Launch) -> R<CUgraphNode> {
     let d = duration(l, c.gpu)?;
     let mut n = g.nodes.lock().unwrap();
     n.push(d);
-    // Node handles only need to be distinct non-null values.
+    // A node's handle is its graph's address + its 1-based index (see `ExecBody`).
     Ok((h as usize + n.len()) as CUgraphNode)
 }
 
+/// Destroyed executable graphs, reused by the next instantiation the way a real driver's allocator
+/// hands a freed object's memory to the next one: the same handle then names another graph, which
+/// the interposer must not mistake for the old one.
+static SPARE_EXECS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
 pub fn graph_instantiate(h: CUgraph) -> R<CUgraphExec> {
     let g: &Graph = obj(h, GRAPH_MAGIC)?;
-    let durs = g.nodes.lock().unwrap().clone();
-    Ok(leak(GraphExec { magic: AtomicU64::new(EXEC_MAGIC), durs }))
+    let body = ExecBody::new(h as usize, g.nodes.lock().unwrap().clone());
+    if let Some(e) = SPARE_EXECS.lock().unwrap().pop() {
+        // SAFETY: a retired GraphExec (leaked, never freed); its magic is 0 until set below, so no
+        // other call uses it meanwhile.
+        let x = unsafe { &*(e as *const GraphExec) };
+        *x.body.lock().unwrap() = body;
+        x.magic.store(EXEC_MAGIC, Release);
+        return Ok(e as CUgraphExec);
+    }
+    Ok(leak(GraphExec { magic: AtomicU64::new(EXEC_MAGIC), body: Mutex::new(body) }))
 }
 
 pub fn graph_exec_destroy(h: CUgraphExec) -> R<()> {
-    retire(h, EXEC_MAGIC)
+    retire(h, EXEC_MAGIC)?;
+    SPARE_EXECS.lock().unwrap().push(h as usize);
+    Ok(())
+}
+
+/// `cuGraphExecUpdate`: the graph must have as many kernel nodes as the executable one.
+pub fn graph_exec_update(h: CUgraphExec, g: CUgraph) -> R<()> {
+    let e: &GraphExec = obj(h, EXEC_MAGIC)?;
+    let nodes = obj::<Graph>(g, GRAPH_MAGIC)?.nodes.lock().unwrap().clone();
+    let mut b = e.body.lock().unwrap();
+    if nodes.len() != b.nodes.len() {
+        return Err(CUresult::GRAPH_EXEC_UPDATE_FAILURE);
+    }
+    b.nodes = nodes;
+    b.refresh();
+    Ok(())
+}
+
+/// `cuGraphExecKernelNodeSetParams` and the kernel form of `cuGraphExecNodeSetParams`.
+pub fn graph_exec_set_kernel(h: CUgraphExec, node: CUgraphNode, l: &Launch) -> R<()> {
+    let e: &GraphExec = obj(h, EXEC_MAGIC)?;
+    let d = duration(l, current()?.gpu)?;
+    let mut b = e.body.lock().unwrap();
+    let i = b.index(node)?;
+    b.nodes[i] = d;
+    b.refresh();
+    Ok(())
+}
+
+/// `cuGraphNodeSetEnabled`.
+pub fn graph_exec_enable(h: CUgraphExec, node: CUgraphNode, on: bool) -> R<()> {
+    let e: &GraphExec = obj(h, EXEC_MAGIC)?;
+    let mut b = e.body.lock().unwrap();
+    let i = b.index(node)?;
+    b.enabled[i] = on;
+    b.refresh();
+    Ok(())
 }
 
 pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
     let e: &GraphExec = obj(h, EXEC_MAGIC)?;
     let (c, s) = stream(st)?;
+    let durs = e.body.lock().unwrap().durs.clone();
     let cap = s.capture.load(Acquire);
     if !cap.is_null() {
         // SAFETY: see `launch`.
-        unsafe { &*cap }.nodes.lock().unwrap().extend_from_slice(&e.durs);
+        unsafe { &*cap }.nodes.lock().unwrap().extend_from_slice(&durs);
         return Ok(());
     }
-    run_on(c, s, &e.durs)
+    run_on(c, s, &durs)
 }
 
 pub fn graph_node_count(h: CUgraph) -> R<usize> {

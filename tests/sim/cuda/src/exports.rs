@@ -71,6 +71,15 @@ fn new_context(c: *mut CUcontext, dev: CUdevice) -> R<()> {
     out(c, driver::handle(driver::ctx_create(dev)?))
 }
 
+/// `CUgraphExecUpdateResult` for an update's outcome.
+fn update_result(r: &R<()>) -> i32 {
+    match r {
+        Ok(()) => CU_GRAPH_EXEC_UPDATE_SUCCESS,
+        Err(e) if *e == CUresult::GRAPH_EXEC_UPDATE_FAILURE => CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED,
+        Err(_) => CU_GRAPH_EXEC_UPDATE_ERROR,
+    }
+}
+
 fn gpu(dev: CUdevice) -> R<(usize, &'static vgpu_sim::GpuConfig)> {
     let p = proc()?;
     let g = p.gpu_of(dev)?;
@@ -610,4 +619,34 @@ exports! {
     fn cuGraphLaunch(e: CUgraphExec, s: CUstream) { exec::graph_launch(e, s) }
     fn cuGraphLaunch_ptsz(e: CUgraphExec, s: CUstream) { exec::graph_launch(e, s) }
     fn cuGraphExecDestroy(e: CUgraphExec) { exec::graph_exec_destroy(e) }
+    fn cuGraphExecUpdate(e: CUgraphExec, g: CUgraph, err_node: *mut CUgraphNode, result: *mut i32) {
+        let r = exec::graph_exec_update(e, g);
+        if !err_node.is_null() { out(err_node, std::ptr::null_mut())?; }
+        if !result.is_null() { out(result, update_result(&r))?; }
+        r
+    }
+    fn cuGraphExecUpdate_v2(e: CUgraphExec, g: CUgraph, info: *mut CUgraphExecUpdateResultInfo) {
+        let r = exec::graph_exec_update(e, g);
+        if !info.is_null() {
+            out(info, CUgraphExecUpdateResultInfo { result: update_result(&r), errorNode: std::ptr::null_mut(), errorFromNode: std::ptr::null_mut() })?;
+        }
+        r
+    }
+    fn cuGraphExecKernelNodeSetParams(e: CUgraphExec, n: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS) {
+        let x = in_ref(p)?;
+        exec::graph_exec_set_kernel(e, n, &launch_args(x.func, [x.gridDimX, x.gridDimY, x.gridDimZ], [x.blockDimX, x.blockDimY, x.blockDimZ], x.kernelParams, false))
+    }
+    fn cuGraphExecKernelNodeSetParams_v2(e: CUgraphExec, n: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS_v2) {
+        let x = in_ref(p)?;
+        exec::graph_exec_set_kernel(e, n, &launch_args(x.func, [x.gridDimX, x.gridDimY, x.gridDimZ], [x.blockDimX, x.blockDimY, x.blockDimZ], x.kernelParams, false))
+    }
+    // Kernel nodes only (the simulated graphs have no other kind).
+    fn cuGraphExecNodeSetParams(e: CUgraphExec, n: CUgraphNode, p: *mut CUgraphNodeParams) {
+        let x = in_ref(p as *const CUgraphNodeParams)?;
+        if x.type_ != CU_GRAPH_NODE_TYPE_KERNEL { return Err(CUresult::INVALID_VALUE); }
+        // SAFETY: the kernel member, as the type says.
+        let k = unsafe { x.u.kernel };
+        exec::graph_exec_set_kernel(e, n, &launch_args(k.func, [k.gridDimX, k.gridDimY, k.gridDimZ], [k.blockDimX, k.blockDimY, k.blockDimZ], k.kernelParams, false))
+    }
+    fn cuGraphNodeSetEnabled(e: CUgraphExec, n: CUgraphNode, on: u32) { exec::graph_exec_enable(e, n, on != 0) }
 }

@@ -149,6 +149,14 @@ static TABLE: &[(&str, Versions, Versions)] = &[
     ("cuGraphInstantiateWithFlags", &[(11040, "cuGraphInstantiateWithFlags")], &[]),
     ("cuGraphLaunch", &[(10000, "cuGraphLaunch")], &[(10000, "cuGraphLaunch_ptsz")]),
     ("cuGraphExecDestroy", &[(10000, "cuGraphExecDestroy")], &[]),
+    ("cuGraphExecUpdate", &[(10020, "cuGraphExecUpdate"), (12000, "cuGraphExecUpdate_v2")], &[]),
+    (
+        "cuGraphExecKernelNodeSetParams",
+        &[(10010, "cuGraphExecKernelNodeSetParams"), (12000, "cuGraphExecKernelNodeSetParams_v2")],
+        &[],
+    ),
+    ("cuGraphExecNodeSetParams", &[(12020, "cuGraphExecNodeSetParams")], &[]),
+    ("cuGraphNodeSetEnabled", &[(11060, "cuGraphNodeSetEnabled")], &[]),
 ];
 
 fn pick(v: Versions, ver: i32) -> Option<&'static str> {

@@ -56,6 +56,9 @@ fn main() {
         scenarios.push(alone("one kernel getting 0.1 % longer at each launch (param_ns from 1 ms)", c));
         scenarios
             .push(alone("deprecated cuLaunchGridAsync, sleep_1ms", container(30, "sleep_1ms", &["--path", "legacy"])));
+        let args = ["--path", "graph", "--nodes", "10", "--duration-ns", "10000", "--regraph-after", "3000"];
+        let c = container(30, "param_ns", &args);
+        scenarios.push(alone("graph updated after 3000 launches to 10x longer (100 us -> 1 ms)", c));
     }
     for (a, b) in if quick { vec![(10, 90)] } else { vec![(10, 90), (30, 70), (50, 50)] } {
         scenarios.push((

@@ -1,0 +1,90 @@
+//! Executable graphs whose work changes. A graph launch is charged by the estimate kept under its
+//! executable handle (see `sm`); when the graph is updated (`cuGraphExecUpdate`), its kernel nodes
+//! get other parameters, nodes are enabled or disabled, or it is destroyed (and the driver may give
+//! the same handle to the next graph instantiated), that estimate no longer describes it and is
+//! forgotten: the next launch is measured afresh. Kept, a graph that became ten times longer would be
+//! charged its old time until its old measurements left the estimate's window.
+#![allow(clippy::missing_safety_doc)]
+
+use crate::real::cuda_fns as f;
+use crate::sm;
+use cuda_abi::*;
+
+/// Forgets `exec`'s estimate when the driver accepted the change.
+fn changed(exec: CUgraphExec, r: CUresult) -> CUresult {
+    if r == CUresult::SUCCESS {
+        sm::forget(exec as u64);
+    }
+    r
+}
+
+pub unsafe fn exec_destroy(real: f::cuGraphExecDestroy, exec: CUgraphExec) -> CUresult {
+    // SAFETY: the caller's handle, forwarded unchanged (the hook's contract).
+    changed(exec, unsafe { real(exec) })
+}
+
+pub unsafe fn exec_update(
+    real: f::cuGraphExecUpdate,
+    exec: CUgraphExec,
+    graph: CUgraph,
+    err_node: *mut CUgraphNode,
+    result: *mut i32,
+) -> CUresult {
+    // SAFETY: as above.
+    changed(exec, unsafe { real(exec, graph, err_node, result) })
+}
+
+pub unsafe fn exec_update_v2(
+    real: f::cuGraphExecUpdate_v2,
+    exec: CUgraphExec,
+    graph: CUgraph,
+    info: *mut CUgraphExecUpdateResultInfo,
+) -> CUresult {
+    // SAFETY: as above.
+    changed(exec, unsafe { real(exec, graph, info) })
+}
+
+pub unsafe fn kernel_node_set(
+    real: f::cuGraphExecKernelNodeSetParams,
+    exec: CUgraphExec,
+    node: CUgraphNode,
+    p: *const CUDA_KERNEL_NODE_PARAMS,
+) -> CUresult {
+    // SAFETY: as above.
+    changed(exec, unsafe { real(exec, node, p) })
+}
+
+pub unsafe fn kernel_node_set_v2(
+    real: f::cuGraphExecKernelNodeSetParams_v2,
+    exec: CUgraphExec,
+    node: CUgraphNode,
+    p: *const CUDA_KERNEL_NODE_PARAMS_v2,
+) -> CUresult {
+    // SAFETY: as above.
+    changed(exec, unsafe { real(exec, node, p) })
+}
+
+pub unsafe fn node_set(
+    real: f::cuGraphExecNodeSetParams,
+    exec: CUgraphExec,
+    node: CUgraphNode,
+    p: *mut CUgraphNodeParams,
+) -> CUresult {
+    // SAFETY: as above.
+    changed(exec, unsafe { real(exec, node, p) })
+}
+
+pub unsafe fn child_graph_set(
+    real: f::cuGraphExecChildGraphNodeSetParams,
+    exec: CUgraphExec,
+    node: CUgraphNode,
+    child: CUgraph,
+) -> CUresult {
+    // SAFETY: as above.
+    changed(exec, unsafe { real(exec, node, child) })
+}
+
+pub unsafe fn node_enable(real: f::cuGraphNodeSetEnabled, exec: CUgraphExec, node: CUgraphNode, on: u32) -> CUresult {
+    // SAFETY: as above.
+    changed(exec, unsafe { real(exec, node, on) })
+}
