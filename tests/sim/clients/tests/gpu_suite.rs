@@ -39,6 +39,7 @@ fn options_are_checked_and_checks_listed() {
         "context-reset",
         "nvml",
         "cuda-graph",
+        "graph-recapture",
         "sm-30",
         "sm-60",
         "sm-grids",
@@ -98,7 +99,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
         let (st, c) = status(name);
         assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
     }
-    for name in ["train", "cuda-graph", "sm-grids"] {
+    for name in ["train", "cuda-graph", "graph-recapture", "sm-grids"] {
         assert_eq!(status(name).0, "skip", "{name} needs PyTorch");
     }
     // `true-up` tells the two apart here: with it off, the process really holds more than the limit
