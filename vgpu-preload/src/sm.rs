@@ -336,6 +336,22 @@ fn engaged_slow() -> bool {
     any
 }
 
+/// Whether a launch is measured: a kernel's first (estimate unknown), then one in
+/// `SAMPLE_EVERY_EARLY` of its first `EARLY_LAUNCHES`, one in `SAMPLE_EVERY` afterwards, and one in
+/// `SAMPLE_EVERY_LONG` while it is estimated at `LONG_NS` or more (`n`: its launches before this one);
+/// never while `MAX_PENDING` measurements are in flight (each collection queries every one of them).
+#[inline]
+fn sampled(est: u64, n: u64, pending: u64) -> bool {
+    let every = if est >= LONG_NS {
+        SAMPLE_EVERY_LONG
+    } else if n < EARLY_LAUNCHES {
+        SAMPLE_EVERY_EARLY
+    } else {
+        SAMPLE_EVERY
+    };
+    (est == 0 || n.is_multiple_of(every)) && pending < MAX_PENDING
+}
+
 /// Admits one launch of `key` on `stream` (waiting while the budget is in debt), then runs `launch`.
 #[inline]
 fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
@@ -348,15 +364,7 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     // While any capture is open, no timing events are recorded or queried (see `capture`).
     let open = capture::any_open();
     let (est, n) = estimates().get(key);
-    let every = if est >= LONG_NS {
-        SAMPLE_EVERY_LONG
-    } else if n < EARLY_LAUNCHES {
-        SAMPLE_EVERY_EARLY
-    } else {
-        SAMPLE_EVERY
-    };
-    // Measurements in flight are bounded: each collection queries every one of them.
-    let sample = !open && (est == 0 || n % every == 0) && PENDING_N.load(Relaxed) < MAX_PENDING;
+    let sample = !open && sampled(est, n, PENDING_N.load(Relaxed));
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
     if !region.sm_try_charge(dev, cost) {
         // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
@@ -608,6 +616,21 @@ mod tests {
             for b in &grids[i + 1..] {
                 assert_ne!(kernel_key(f, a.0, a.1, a.2), kernel_key(f, b.0, b.1, b.2), "{a:?} and {b:?}");
             }
+        }
+    }
+
+    #[test]
+    fn launches_are_sampled_by_their_estimate_and_count_while_few_are_in_flight() {
+        let picked = |est, from: u64, to: u64| (from..to).filter(|&n| sampled(est, n, 0)).count();
+        assert!((0..10).all(|n| sampled(0, n, 0)), "unknown: every launch until one is measured");
+        assert_eq!(picked(1_000, 0, EARLY_LAUNCHES), (EARLY_LAUNCHES / SAMPLE_EVERY_EARLY) as usize);
+        assert_eq!(picked(1_000, EARLY_LAUNCHES, EARLY_LAUNCHES + 1280), 10);
+        assert_eq!(picked(LONG_NS, EARLY_LAUNCHES, EARLY_LAUNCHES + 1280), 320, "long: one in 4");
+        assert_eq!(picked(LONG_NS - 1, 0, 64), 4);
+        // The cap on measurements in flight holds for every kind of launch, a first one included.
+        for (est, n) in [(0, 0), (1_000, 0), (LONG_NS, 4096)] {
+            assert!(sampled(est, n, MAX_PENDING - 1));
+            assert!(!sampled(est, n, MAX_PENDING), "{est} {n}");
         }
     }
 
