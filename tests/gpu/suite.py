@@ -895,6 +895,7 @@ def fill_once(s, env, chunk, touch_last=0, touch_bytes=0, wrap=()):
     if touch_last:
         argv += ["--touch-last", str(touch_last), "--touch-bytes", str(touch_bytes)]
     p = Proc(s, argv, env)
+    pid = None
     try:
         end = time.time() + 120
         while not [x for x in p.lines if x] and time.time() < end:
@@ -904,9 +905,27 @@ def fill_once(s, env, chunk, touch_last=0, touch_bytes=0, wrap=()):
         real = nvml_process_used(s, pid) if pid else None
     finally:
         p.kill()
+        # The wrapper's child is killed after it (--kill-child), asynchronously: the next check
+        # must not find the GPU memory it held still taken.
+        if wrap and pid:
+            gone(pid, 10)
     if not j:
         raise Fail("gpu-probe fill reported nothing: %s" % tail("".join(p.err)))
     return j, real
+
+
+def gone(pid, timeout):
+    """Waits until process `pid` no longer exists (or is a zombie); False on timeout."""
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def child_pid(pid):
