@@ -63,15 +63,18 @@ macro_rules! cuda_hooks {
             cuLaunchGridAsync(f: CUfunction, w: i32, h: i32, stream: CUstream) => sm::launch_grid_async;
             cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => sm::graph_launch;
             cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch_ptsz;
-            // executable graphs whose work changes: their estimate is forgotten
-            cuGraphExecDestroy(exec: CUgraphExec) => graphs::exec_destroy;
-            cuGraphExecUpdate(exec: CUgraphExec, graph: CUgraph, err_node: *mut CUgraphNode, result: *mut i32) => graphs::exec_update;
-            cuGraphExecUpdate_v2(exec: CUgraphExec, graph: CUgraph, info: *mut CUgraphExecUpdateResultInfo) => graphs::exec_update_v2;
-            cuGraphExecKernelNodeSetParams(exec: CUgraphExec, node: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS) => graphs::kernel_node_set;
-            cuGraphExecKernelNodeSetParams_v2(exec: CUgraphExec, node: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS_v2) => graphs::kernel_node_set_v2;
-            cuGraphExecNodeSetParams(exec: CUgraphExec, node: CUgraphNode, p: *mut CUgraphNodeParams) => graphs::node_set;
-            cuGraphExecChildGraphNodeSetParams(exec: CUgraphExec, node: CUgraphNode, child: CUgraph) => graphs::child_graph_set;
-            cuGraphNodeSetEnabled(exec: CUgraphExec, node: CUgraphNode, on: u32) => graphs::node_enable;
+            // modules unloaded (their functions' handles may name other kernels later) and executable
+            // graphs whose work changes: SM estimates are forgotten
+            cuModuleUnload(m: CUmodule) => stale::module_unload;
+            cuLibraryUnload(lib: CUlibrary) => stale::library_unload;
+            cuGraphExecDestroy(exec: CUgraphExec) => stale::exec_destroy;
+            cuGraphExecUpdate(exec: CUgraphExec, graph: CUgraph, err_node: *mut CUgraphNode, result: *mut i32) => stale::exec_update;
+            cuGraphExecUpdate_v2(exec: CUgraphExec, graph: CUgraph, info: *mut CUgraphExecUpdateResultInfo) => stale::exec_update_v2;
+            cuGraphExecKernelNodeSetParams(exec: CUgraphExec, node: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS) => stale::kernel_node_set;
+            cuGraphExecKernelNodeSetParams_v2(exec: CUgraphExec, node: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS_v2) => stale::kernel_node_set_v2;
+            cuGraphExecNodeSetParams(exec: CUgraphExec, node: CUgraphNode, p: *mut CUgraphNodeParams) => stale::node_set;
+            cuGraphExecChildGraphNodeSetParams(exec: CUgraphExec, node: CUgraphNode, child: CUgraph) => stale::child_graph_set;
+            cuGraphNodeSetEnabled(exec: CUgraphExec, node: CUgraphNode, on: u32) => stale::node_enable;
             // stream capture: launches into a graph being captured run nothing and are not charged
             cuStreamBeginCapture(stream: CUstream) => capture::begin_v1;
             cuStreamBeginCapture_ptsz(stream: CUstream) => capture::begin_v1;

@@ -14,7 +14,6 @@ mod capture;
 mod config;
 mod contexts;
 mod dl;
-mod graphs;
 mod guard;
 mod hooks;
 mod log;
@@ -24,6 +23,7 @@ mod procaddr;
 mod ptrmap;
 mod real;
 mod sm;
+mod stale;
 mod state;
 mod trueup;
 

@@ -150,10 +150,19 @@ impl Estimates {
     /// probed past it are still found): its next launch is measured as if it were its first.
     fn forget(&self, key: u64) {
         if let Some(s) = self.entry(key, false) {
-            for (i, x) in s.iter().enumerate() {
-                if i != 0 && i != 4 {
-                    x.store(0, Relaxed);
-                }
+            Self::reset(s);
+        }
+    }
+
+    /// Forgets every estimate (the entries keep their keys and epochs, as above).
+    fn forget_all(&self) {
+        self.slots.iter().for_each(Self::reset);
+    }
+
+    fn reset(s: &Entry) {
+        for (i, x) in s.iter().enumerate() {
+            if i != 0 && i != 4 {
+                x.store(0, Relaxed);
             }
         }
     }
@@ -216,13 +225,22 @@ fn estimates() -> &'static Estimates {
 /// measurements still in flight: they timed the old work. Under the measurements' lock, which every
 /// folding-in holds, so none of them lands after the reset.
 pub fn forget(key: u64) {
+    forget_where(|e| e.forget(key), |k| k == key);
+}
+
+/// Forgets every estimate (a module was unloaded, see `stale`), with every measurement in flight.
+pub fn forget_all() {
+    forget_where(Estimates::forget_all, |_| true);
+}
+
+fn forget_where(reset: impl FnOnce(&Estimates), dropped: impl Fn(u64) -> bool) {
     let Some(e) = ESTIMATES.get() else { return }; // nothing launched under a limit yet
     let mut p = PENDING.lock().unwrap_or_else(|p| p.into_inner());
-    e.forget(key);
+    reset(e);
     let before = p.len();
     let mut events = Vec::new();
     p.retain(|s| {
-        let keep = s.key != key;
+        let keep = !dropped(s.key);
         if !keep {
             events.push(s.start);
             events.push(s.end);
@@ -671,8 +689,19 @@ mod tests {
         assert_eq!(PENDING_N.load(Relaxed), 1);
         let spare = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
         assert_eq!(spare, [0x100, 0x101, 0x300, 0x301]);
-        PENDING.lock().unwrap().clear();
-        PENDING_N.store(0, Relaxed);
+        // Every estimate and measurement at once (a module was unloaded).
+        estimates().learn(g, 3_000);
+        PENDING.lock().unwrap().push(sample(g, 0x400));
+        PENDING_N.fetch_add(1, Relaxed);
+        let h = 0x5eed_1000_u64;
+        estimates().get(h);
+        estimates().learn(h, 4_000);
+        forget_all();
+        assert_eq!((estimates().get(g).0, estimates().get(h).0), (0, 0));
+        assert!(PENDING.lock().unwrap().is_empty());
+        assert_eq!(PENDING_N.load(Relaxed), 0);
+        let spare = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
+        assert_eq!(spare.len(), 4, "{spare:x?}");
     }
 
     #[test]

@@ -1,9 +1,16 @@
-//! Executable graphs whose work changes. A graph launch is charged by the estimate kept under its
-//! executable handle (see `sm`); when the graph is updated (`cuGraphExecUpdate`), its kernel nodes
-//! get other parameters, nodes are enabled or disabled, or it is destroyed (and the driver may give
-//! the same handle to the next graph instantiated), that estimate no longer describes it and is
-//! forgotten: the next launch is measured afresh. Kept, a graph that became ten times longer would be
-//! charged its old time until its old measurements left the estimate's window.
+//! Entry points after which SM-time estimates no longer describe the work they are kept for.
+//!
+//! A graph launch is charged by the estimate kept under its executable handle (see `sm`); when the
+//! graph is updated (`cuGraphExecUpdate`), its kernel nodes get other parameters, nodes are enabled
+//! or disabled, or it is destroyed (and the driver may give the same handle to the next graph
+//! instantiated), that estimate no longer describes it and is forgotten: the next launch is measured
+//! afresh. Kept, a graph that became ten times longer would be charged its old time until its old
+//! measurements left the estimate's window.
+//!
+//! Kernel estimates are keyed by function handle and grid, and a module's functions die with it
+//! (`cuModuleUnload`, `cuLibraryUnload`): the driver may give their handles to the functions of a
+//! module loaded later, so every estimate is forgotten then (the keys do not say which function they
+//! came from). Modules are unloaded rarely; each kernel's next launch is measured again.
 #![allow(clippy::missing_safety_doc)]
 
 use crate::real::cuda_fns as f;
@@ -87,4 +94,22 @@ pub unsafe fn child_graph_set(
 pub unsafe fn node_enable(real: f::cuGraphNodeSetEnabled, exec: CUgraphExec, node: CUgraphNode, on: u32) -> CUresult {
     // SAFETY: as above.
     changed(exec, unsafe { real(exec, node, on) })
+}
+
+/// Forgets every estimate when the driver accepted the unload.
+fn unloaded(r: CUresult) -> CUresult {
+    if r == CUresult::SUCCESS {
+        sm::forget_all();
+    }
+    r
+}
+
+pub unsafe fn module_unload(real: f::cuModuleUnload, m: CUmodule) -> CUresult {
+    // SAFETY: the caller's handle, forwarded unchanged (the hook's contract).
+    unloaded(unsafe { real(m) })
+}
+
+pub unsafe fn library_unload(real: f::cuLibraryUnload, lib: CUlibrary) -> CUresult {
+    // SAFETY: as above.
+    unloaded(unsafe { real(lib) })
 }

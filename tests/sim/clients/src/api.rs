@@ -54,6 +54,7 @@ macro_rules! with_cuda_api {
             cuMipmappedArrayDestroy = "cuMipmappedArrayDestroy" : fn(a: CUmipmappedArray);
             cuMipmappedArrayGetMemoryRequirements = "cuMipmappedArrayGetMemoryRequirements" : fn(r: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, a: CUmipmappedArray, d: CUdevice);
             cuModuleLoadData = "cuModuleLoadData" : fn(m: *mut CUmodule, image: *const c_void);
+            cuModuleUnload = "cuModuleUnload" : fn(m: CUmodule);
             cuModuleGetFunction = "cuModuleGetFunction" : fn(f: *mut CUfunction, m: CUmodule, name: *const c_char);
             cuStreamCreate = "cuStreamCreate" : fn(s: *mut CUstream, flags: u32);
             cuStreamSynchronize = "cuStreamSynchronize" : fn(s: CUstream);

@@ -18,6 +18,7 @@ scenarios:
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
          [--threads T] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
+         [--reload-after N --reload-kernel NAME]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream);
@@ -25,7 +26,9 @@ scenarios:
                                         nodes run F (10) times longer, changed by HOW: update,
                                         update-v1, reinstantiate, set-params, set-params-v1,
                                         node-params or enable (F times as many nodes, all but K
-                                        disabled until then)
+                                        disabled until then); --reload-after: after N
+                                        launches the module is unloaded and another loaded,
+                                        whose kernel NAME the path kernel launches from then on
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -507,6 +510,11 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
     // The enabled share of the nodes (see --regraph-how enable).
     let built = if regraph_after > 0 && how == "enable" { nodes * factor as usize } else { nodes };
     let mut dur2 = dur * factor;
+    let reload_after = o.num("reload-after", 0)?;
+    let reload_kernel = CString::new(o.str("reload-kernel", "")).map_err(|e| e.to_string())?;
+    if reload_after > 0 && (path != "kernel" || reload_kernel.is_empty()) {
+        return Err("--reload-after needs --path kernel and --reload-kernel".into());
+    }
     let image = b"vgpu-sim module\0";
     let start_wall = std::time::Instant::now();
     // SAFETY: calls through the table with out-pointers to locals; kernel parameters point to `dur`,
@@ -649,8 +657,23 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
                 _ => each(&mut |n| (api.cuGraphNodeSetEnabled)(*exec, n, 1)),
             }
         };
+        let (mut fk, mut module) = (f, m);
         let mut one = || -> CUresult {
             let grid = grids[n as usize % grids.len()];
+            if reload_after > 0 && n == reload_after {
+                let r = (api.cuModuleUnload)(module);
+                if r != CUresult::SUCCESS {
+                    return r;
+                }
+                let r = (api.cuModuleLoadData)(&mut module, image.as_ptr() as *const c_void);
+                if r != CUresult::SUCCESS {
+                    return r;
+                }
+                let r = (api.cuModuleGetFunction)(&mut fk, module, reload_kernel.as_ptr());
+                if r != CUresult::SUCCESS {
+                    return r;
+                }
+            }
             if regraph_after > 0 && n == regraph_after {
                 let r = regraph(&mut exec);
                 if r != CUresult::SUCCESS {
@@ -662,7 +685,7 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
                 *dur_p += (*dur_p * ramp_ppm).div_ceil(1_000_000);
             }
             match path {
-                "kernel" => (api.cuLaunchKernel)(f, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),
+                "kernel" => (api.cuLaunchKernel)(fk, grid, 1, 1, block, 1, 1, 0, s, params, std::ptr::null_mut()),
                 "ex" => {
                     let cfg = CUlaunchConfig {
                         gridDimX: grid,

@@ -283,9 +283,10 @@ fn every_launch_path_runs_on_the_timeline() {
 
 /// Executable graphs change as the driver documents: updated from another graph of as many nodes,
 /// their kernel nodes given other parameters, nodes disabled and enabled; a destroyed one's handle is
-/// given to the next graph instantiated (as a real driver's allocator does).
+/// given to the next graph instantiated (as a real driver's allocator does), and so are the functions
+/// of an unloaded module.
 #[test]
-fn an_executable_graph_runs_its_changed_work() {
+fn changed_graphs_and_reloaded_modules_run_their_new_work() {
     let s = Sim::new(Some(SMALL));
     for how in ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "enable"] {
         // 5 launches of 4 x 100 us, then 5 of 4 x 1 ms (or 40 x 100 us nodes, 4 of them enabled, then all).
@@ -298,6 +299,11 @@ fn an_executable_graph_runs_its_changed_work() {
     // Bad options are refused with the reason.
     let o = s.output(RT, &["launch", "--path", "kernel", "--regraph-after", "1"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("--regraph-after needs --path graph"));
+    // A module unloaded and another loaded: its function (given the freed handle) runs its own time.
+    let args =
+        ["launch", "--kernel", "sleep_100us", "--count", "20", "--reload-after", "10", "--reload-kernel", "sleep_1ms"];
+    let ms = s.run1(RT, &args)["gpu_ms"].as_f64().unwrap();
+    assert!((11.0..14.0).contains(&ms), "{ms} ms, want 10 x 0.1 + 10 x 1 = 11");
 }
 
 #[test]

@@ -59,7 +59,8 @@ pub struct Module {
 #[repr(C)]
 pub struct Func {
     magic: AtomicU64,
-    kind: KernelKind,
+    /// Set again when a retired function is reused (see `SPARE_FUNCS`).
+    kind: Mutex<KernelKind>,
     /// What the deprecated launch API (`cuLaunch`, `cuLaunchGrid`, `cuLaunchGridAsync`) launches
     /// with, set by `cuFuncSetBlockShape` and `cuParamSet*`.
     legacy: Mutex<Legacy>,
@@ -90,20 +91,37 @@ pub fn module_unload(h: CUmodule) -> R<()> {
     if m.bytes > 0 && m.ctx.module_bytes.fetch_update(AcqRel, Acquire, |b| b.checked_sub(m.bytes)).is_ok() {
         proc()?.uncharge(m.ctx.gpu, m.bytes);
     }
-    for f in m.funcs.lock().unwrap().values() {
+    let funcs: Vec<usize> = m.funcs.lock().unwrap().values().copied().collect();
+    for &f in &funcs {
         // SAFETY: values are leaked `Func` pointers created below.
-        unsafe { &*(*f as *const Func) }.magic.store(0, Release);
+        unsafe { &*(f as *const Func) }.magic.store(0, Release);
     }
+    SPARE_FUNCS.lock().unwrap().extend(funcs);
     Ok(())
+}
+
+/// Functions of unloaded modules, reused by the next `cuModuleGetFunction` the way a real driver's
+/// allocator hands freed memory to the next object: the same handle then names another kernel.
+static SPARE_FUNCS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+fn new_func(kind: KernelKind) -> usize {
+    if let Some(f) = SPARE_FUNCS.lock().unwrap().pop() {
+        // SAFETY: a retired Func (leaked, never freed); its magic is 0 until set below, so no other
+        // call uses it meanwhile.
+        let x = unsafe { &*(f as *const Func) };
+        *x.kind.lock().unwrap() = kind;
+        *x.legacy.lock().unwrap() = Legacy::default();
+        x.magic.store(FUNC_MAGIC, Release);
+        return f;
+    }
+    leak(Func { magic: AtomicU64::new(FUNC_MAGIC), kind: Mutex::new(kind), legacy: Mutex::default() }) as usize
 }
 
 pub fn module_get_function(h: CUmodule, name: &str) -> R<CUfunction> {
     let m: &Module = obj(h, MODULE_MAGIC)?;
     let kind = parse_kernel_name(name).ok_or(CUresult::NOT_FOUND)?;
     let mut funcs = m.funcs.lock().unwrap();
-    let f = *funcs
-        .entry(name.to_owned())
-        .or_insert_with(|| leak(Func { magic: AtomicU64::new(FUNC_MAGIC), kind, legacy: Mutex::default() }) as usize);
+    let f = *funcs.entry(name.to_owned()).or_insert_with(|| new_func(kind));
     Ok(f as CUfunction)
 }
 
@@ -294,7 +312,8 @@ fn duration(l: &Launch, gpu: usize) -> R<u64> {
     if l.cooperative && blocks * threads > cfg.sm_count as u64 * cfg.model.max_threads_per_sm as u64 {
         return Err(CUresult::COOPERATIVE_LAUNCH_TOO_LARGE);
     }
-    Ok(match f.kind {
+    let kind = *f.kind.lock().unwrap();
+    Ok(match kind {
         KernelKind::Fixed(d) => d,
         KernelKind::PerWave(d) => d * blocks.div_ceil(cfg.sm_count as u64),
         KernelKind::Param => {

@@ -59,6 +59,8 @@ fn main() {
         let args = ["--path", "graph", "--nodes", "10", "--duration-ns", "10000", "--regraph-after", "3000"];
         let c = container(30, "param_ns", &args);
         scenarios.push(alone("graph updated after 3000 launches to 10x longer (100 us -> 1 ms)", c));
+        let c = container(30, "sleep_100us", &["--reload-after", "3000", "--reload-kernel", "sleep_1ms"]);
+        scenarios.push(alone("module reloaded after 3000 launches, its kernel 10x longer at the same handle", c));
     }
     for (a, b) in if quick { vec![(10, 90)] } else { vec![(10, 90), (30, 70), (50, 50)] } {
         scenarios.push((
