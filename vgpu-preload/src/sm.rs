@@ -221,7 +221,7 @@ fn estimates() -> &'static Estimates {
     ESTIMATES.get_or_init(Estimates::new)
 }
 
-/// Forgets the estimate of `key` (an executable graph whose work changed, see `graphs`), with its
+/// Forgets the estimate of `key` (an executable graph whose work changed, see `stale`), with its
 /// measurements still in flight: they timed the old work. Under the measurements' lock, which every
 /// folding-in holds, so none of them lands after the reset.
 pub fn forget(key: u64) {
