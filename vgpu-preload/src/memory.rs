@@ -90,6 +90,8 @@ fn ctx_id(st: &State, d: usize) -> u64 {
 /// driver freed what was allocated in it: release those allocations from the container's usage.
 #[cold]
 fn context_gone(st: &State, ctx: u64) {
+    // Its modules and graphs went with it, and their handles may come back naming other work.
+    crate::sm::forget_all();
     if ctx == 0 {
         return;
     }

@@ -8,9 +8,10 @@
 //! measurements left the estimate's window.
 //!
 //! Kernel estimates are keyed by function handle and grid, and a module's functions die with it
-//! (`cuModuleUnload`, `cuLibraryUnload`): the driver may give their handles to the functions of a
-//! module loaded later, so every estimate is forgotten then (the keys do not say which function they
-//! came from). Modules are unloaded rarely; each kernel's next launch is measured again.
+//! (`cuModuleUnload`, `cuLibraryUnload`; a context's end, see `memory`, takes its modules too): the
+//! driver may give their handles to the functions of a module loaded later, so every estimate is
+//! forgotten then (the keys do not say which function they came from). Modules are unloaded rarely;
+//! each kernel's next launch is measured again.
 #![allow(clippy::missing_safety_doc)]
 
 use crate::real::cuda_fns as f;

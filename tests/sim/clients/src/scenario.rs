@@ -18,7 +18,7 @@ scenarios:
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
          [--threads T] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
-         [--reload-after N --reload-kernel NAME]
+         [--reload-after N --reload-kernel NAME [--reload-how unload|reset]]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream);
@@ -27,8 +27,9 @@ scenarios:
                                         update-v1, reinstantiate, set-params, set-params-v1,
                                         node-params or enable (F times as many nodes, all but K
                                         disabled until then); --reload-after: after N
-                                        launches the module is unloaded and another loaded,
-                                        whose kernel NAME the path kernel launches from then on
+                                        launches the module is unloaded (or the primary context
+                                        reset) and another loaded, whose kernel NAME the path
+                                        kernel launches from then on
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -462,7 +463,7 @@ fn launch(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                     s.spawn(move || {
                         // SAFETY: the primary context handle is valid for the process.
                         unsafe { ck(api, (api.cuCtxSetCurrent)(ctx as CUcontext), "cuCtxSetCurrent")? };
-                        launch_one(api, o)
+                        launch_one(api, o, dev)
                     })
                 })
                 .collect();
@@ -475,12 +476,12 @@ fn launch(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         emit(json!({"event": "launched", "threads": threads, "kernels": total}));
         return Ok(());
     }
-    let v = launch_one(api, o)?;
+    let v = launch_one(api, o, dev)?;
     emit(v);
     Ok(())
 }
 
-fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
+fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
     let kernel = o.str("kernel", "sleep_1ms");
     let path = o.str("path", "kernel");
     let count = o.num("count", 10)?;
@@ -512,8 +513,10 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
     let mut dur2 = dur * factor;
     let reload_after = o.num("reload-after", 0)?;
     let reload_kernel = CString::new(o.str("reload-kernel", "")).map_err(|e| e.to_string())?;
-    if reload_after > 0 && (path != "kernel" || reload_kernel.is_empty()) {
-        return Err("--reload-after needs --path kernel and --reload-kernel".into());
+    let reload_how = o.str("reload-how", "unload");
+    if reload_after > 0 && (path != "kernel" || reload_kernel.is_empty() || !["unload", "reset"].contains(&reload_how))
+    {
+        return Err("--reload-after needs --path kernel, --reload-kernel and --reload-how unload or reset".into());
     }
     let image = b"vgpu-sim module\0";
     let start_wall = std::time::Instant::now();
@@ -661,7 +664,12 @@ fn launch_one(api: &Api, o: &Opts) -> Res<Value> {
         let mut one = || -> CUresult {
             let grid = grids[n as usize % grids.len()];
             if reload_after > 0 && n == reload_after {
-                let r = (api.cuModuleUnload)(module);
+                // A reset takes the context's modules with it. (The simulated driver keeps the
+                // context's streams and events, which a real one would also destroy.)
+                let r = match reload_how {
+                    "reset" => (api.cuDevicePrimaryCtxReset_v2)(dev),
+                    _ => (api.cuModuleUnload)(module),
+                };
                 if r != CUresult::SUCCESS {
                     return r;
                 }

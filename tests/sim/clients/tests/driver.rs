@@ -299,11 +299,14 @@ fn changed_graphs_and_reloaded_modules_run_their_new_work() {
     // Bad options are refused with the reason.
     let o = s.output(RT, &["launch", "--path", "kernel", "--regraph-after", "1"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("--regraph-after needs --path graph"));
-    // A module unloaded and another loaded: its function (given the freed handle) runs its own time.
-    let args =
-        ["launch", "--kernel", "sleep_100us", "--count", "20", "--reload-after", "10", "--reload-kernel", "sleep_1ms"];
-    let ms = s.run1(RT, &args)["gpu_ms"].as_f64().unwrap();
-    assert!((11.0..14.0).contains(&ms), "{ms} ms, want 10 x 0.1 + 10 x 1 = 11");
+    // A module unloaded (or the primary context reset) and another loaded: its function (given the
+    // freed handle) runs its own time.
+    for how in ["unload", "reset"] {
+        let args = ["launch", "--kernel", "sleep_100us", "--count", "20", "--reload-after", "10"];
+        let more = ["--reload-kernel", "sleep_1ms", "--reload-how", how];
+        let ms = s.run1(RT, &[&args[..], &more[..]].concat())["gpu_ms"].as_f64().unwrap();
+        assert!((11.0..14.0).contains(&ms), "{how}: {ms} ms, want 10 x 0.1 + 10 x 1 = 11");
+    }
 }
 
 #[test]

@@ -159,16 +159,22 @@ fn a_graph_whose_work_changes_is_charged_its_new_time() {
     }
 }
 
-/// Kernel estimates are keyed by function handle (and grid); a module's functions die with it, and
-/// the driver may give a handle to a function of a module loaded later (the simulated driver does,
-/// as a real allocator would). After `cuModuleUnload` that function must not be charged as the old
+/// Kernel estimates are keyed by function handle (and grid); a module's functions die with it (and
+/// with its context), and the driver may give a handle to a function of a module loaded later (the
+/// simulated driver does, as a real allocator would). That function must not be charged as the old
 /// one: here a 100 us kernel is followed by a 1 ms one under the same handle after 3000 launches.
 #[test]
 fn a_kernel_of_a_module_loaded_after_an_unload_is_charged_its_own_time() {
     let h = harness();
-    let args = ["--reload-after", "3000", "--reload-kernel", "sleep_1ms"];
-    let o = h.run(&one(container(30, "sleep_100us", &args), 3.0), 0);
-    let got = o.overall[0][0] * 100.0;
-    eprintln!("reloaded kernel: {got:.1} %");
-    assert!((got - 30.0).abs() <= 5.0, "a kernel reloaded under the same handle at 30 %: achieved {got:.1} %");
+    // The module unloaded, or the primary context reset (taking its modules with it).
+    for (i, how) in ["unload", "reset"].into_iter().enumerate() {
+        let args = ["--reload-after", "3000", "--reload-kernel", "sleep_1ms", "--reload-how", how];
+        let o = h.run(&one(container(30, "sleep_100us", &args), 3.0), i);
+        let got = o.overall[0][0] * 100.0;
+        eprintln!("kernel reloaded after {how}: {got:.1} %");
+        assert!(
+            (got - 30.0).abs() <= 5.0,
+            "a kernel reloaded ({how}) under the same handle at 30 %: achieved {got:.1} %"
+        );
+    }
 }

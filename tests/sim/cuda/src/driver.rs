@@ -135,6 +135,8 @@ pub struct Ctx {
     pub last_end: AtomicU64,
     /// Device memory its loaded modules hold (freed with it).
     pub module_bytes: AtomicU64,
+    /// Its loaded modules (unloaded with it).
+    pub modules: Mutex<Vec<usize>>,
     pub default_stream: crate::exec::Stream,
 }
 
@@ -148,6 +150,7 @@ impl Ctx {
             refs: AtomicU32::new(0),
             last_end: AtomicU64::new(0),
             module_bytes: AtomicU64::new(0),
+            modules: Mutex::new(Vec::new()),
             default_stream: crate::exec::Stream::new(std::ptr::null()),
         }));
         c.default_stream.set_ctx(c);

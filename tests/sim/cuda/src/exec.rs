@@ -81,23 +81,42 @@ pub fn module_load() -> R<CUmodule> {
         proc()?.charge(ctx.gpu, bytes)?;
         ctx.module_bytes.fetch_add(bytes, AcqRel);
     }
-    Ok(leak(Module { magic: AtomicU64::new(MODULE_MAGIC), funcs: Mutex::new(HashMap::new()), ctx, bytes }))
+    let m = leak(Module { magic: AtomicU64::new(MODULE_MAGIC), funcs: Mutex::new(HashMap::new()), ctx, bytes });
+    ctx.modules.lock().unwrap().push(m as usize);
+    Ok(m)
 }
 
 pub fn module_unload(h: CUmodule) -> R<()> {
     let m: &Module = obj(h, MODULE_MAGIC)?;
-    m.magic.store(0, Release);
+    m.ctx.modules.lock().unwrap().retain(|&x| x != h as usize);
     // Its memory, unless its context went (and took it) in the meantime.
     if m.bytes > 0 && m.ctx.module_bytes.fetch_update(AcqRel, Acquire, |b| b.checked_sub(m.bytes)).is_ok() {
         proc()?.uncharge(m.ctx.gpu, m.bytes);
     }
+    retire_module(m);
+    Ok(())
+}
+
+/// A context went (destroyed, or its primary context released for the last time or reset) and its
+/// modules with it; their memory was released with the context's.
+pub fn modules_gone(c: &Ctx) {
+    let modules = std::mem::take(&mut *c.modules.lock().unwrap());
+    for h in modules {
+        if let Ok(m) = obj::<Module>(h as CUmodule, MODULE_MAGIC) {
+            retire_module(m);
+        }
+    }
+}
+
+/// Invalidates a module and its functions; their handles may be given to later functions.
+fn retire_module(m: &Module) {
+    m.magic.store(0, Release);
     let funcs: Vec<usize> = m.funcs.lock().unwrap().values().copied().collect();
     for &f in &funcs {
         // SAFETY: values are leaked `Func` pointers created below.
         unsafe { &*(f as *const Func) }.magic.store(0, Release);
     }
     SPARE_FUNCS.lock().unwrap().extend(funcs);
-    Ok(())
 }
 
 /// Functions of unloaded modules, reused by the next `cuModuleGetFunction` the way a real driver's

@@ -226,6 +226,7 @@ pub fn release_context_memory(c: &Ctx) {
     }
     // Its modules are unloaded with it (a reset context starts with none).
     p.uncharge(c.gpu, c.module_bytes.swap(0, std::sync::atomic::Ordering::AcqRel));
+    crate::exec::modules_gone(c);
 }
 
 /// (free, total) of the current context's device.
