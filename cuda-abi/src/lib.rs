@@ -84,6 +84,7 @@ pub type CUdeviceptr = u64;
 pub type CUcontext = *mut c_void;
 pub type CUmodule = *mut c_void;
 pub type CUlibrary = *mut c_void;
+pub type CUkernel = *mut c_void;
 pub type CUfunction = *mut c_void;
 pub type CUstream = *mut c_void;
 pub type CUevent = *mut c_void;

@@ -56,6 +56,9 @@ macro_rules! with_cuda_api {
             cuModuleLoadData = "cuModuleLoadData" : fn(m: *mut CUmodule, image: *const c_void);
             cuModuleUnload = "cuModuleUnload" : fn(m: CUmodule);
             cuModuleGetFunction = "cuModuleGetFunction" : fn(f: *mut CUfunction, m: CUmodule, name: *const c_char);
+            cuLibraryLoadData = "cuLibraryLoadData" : fn(l: *mut CUlibrary, code: *const c_void, jo: *mut i32, jv: *mut *mut c_void, njo: u32, lo: *mut i32, lv: *mut *mut c_void, nlo: u32);
+            cuLibraryUnload = "cuLibraryUnload" : fn(l: CUlibrary);
+            cuLibraryGetKernel = "cuLibraryGetKernel" : fn(k: *mut CUkernel, l: CUlibrary, name: *const c_char);
             cuStreamCreate = "cuStreamCreate" : fn(s: *mut CUstream, flags: u32);
             cuStreamSynchronize = "cuStreamSynchronize" : fn(s: CUstream);
             cuStreamBeginCapture_v2 = "cuStreamBeginCapture" : fn(s: CUstream, mode: i32);
@@ -83,6 +86,8 @@ macro_rules! with_cuda_api {
             cuGraphExecKernelNodeSetParams_v2 = "cuGraphExecKernelNodeSetParams" : fn(e: CUgraphExec, n: CUgraphNode, p: *const CUDA_KERNEL_NODE_PARAMS_v2);
             cuGraphExecNodeSetParams = "cuGraphExecNodeSetParams" : fn(e: CUgraphExec, n: CUgraphNode, p: *mut CUgraphNodeParams);
             cuGraphNodeSetEnabled = "cuGraphNodeSetEnabled" : fn(e: CUgraphExec, n: CUgraphNode, on: u32);
+            cuGraphAddChildGraphNode = "cuGraphAddChildGraphNode" : fn(n: *mut CUgraphNode, g: CUgraph, deps: *const CUgraphNode, nd: usize, child: CUgraph);
+            cuGraphExecChildGraphNodeSetParams = "cuGraphExecChildGraphNodeSetParams" : fn(e: CUgraphExec, n: CUgraphNode, child: CUgraph);
         }
     };
 }

@@ -110,8 +110,10 @@ fn abi_version(name: &str) -> Option<i32> {
 fn introduced(name: &str) -> Option<i32> {
     match name {
         "cuGraphExecUpdate_v2" | "cuGraphExecKernelNodeSetParams_v2" => Some(12000),
+        "cuLibraryLoadData" | "cuLibraryUnload" | "cuLibraryGetKernel" => Some(12000),
         "cuGraphExecNodeSetParams" => Some(12020),
         "cuGraphNodeSetEnabled" => Some(11060),
+        "cuGraphExecChildGraphNodeSetParams" => Some(11010),
         _ => None,
     }
 }

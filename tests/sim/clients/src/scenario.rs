@@ -18,18 +18,21 @@ scenarios:
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
          [--threads T] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
-         [--reload-after N --reload-kernel NAME [--reload-how unload|reset]]
+         [--loader module|library] [--reload-after N --reload-kernel NAME [--reload-how unload|reset]]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream);
                                         --regraph-after: after N launches the graph's param_ns
                                         nodes run F (10) times longer, changed by HOW: update,
                                         update-v1, reinstantiate, set-params, set-params-v1,
-                                        node-params or enable (F times as many nodes, all but K
-                                        disabled until then); --reload-after: after N
+                                        node-params, child (K child-graph nodes of one kernel
+                                        each, given another child) or enable (F times as many
+                                        nodes, all but K disabled until then); --reload-after: after N
                                         launches the module is unloaded (or the primary context
                                         reset) and another loaded, whose kernel NAME the path
-                                        kernel launches from then on
+                                        kernel launches from then on; --loader library: kernels
+                                        from cuLibraryLoadData/cuLibraryGetKernel, launched by
+                                        their CUkernel handle as CUDA 12 runtimes do
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -503,8 +506,8 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
     let regraph_after = o.num("regraph-after", 0)?;
     let factor = o.num("regraph-factor", 10)?.max(1);
     let how = o.str("regraph-how", "update");
-    const HOWS: [&str; 7] =
-        ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "enable"];
+    const HOWS: [&str; 8] =
+        ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "child", "enable"];
     if regraph_after > 0 && (path != "graph" || !HOWS.contains(&how)) {
         return Err(format!("--regraph-after needs --path graph and --regraph-how one of {HOWS:?}"));
     }
@@ -514,6 +517,11 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
     let reload_after = o.num("reload-after", 0)?;
     let reload_kernel = CString::new(o.str("reload-kernel", "")).map_err(|e| e.to_string())?;
     let reload_how = o.str("reload-how", "unload");
+    let library = match o.str("loader", "module") {
+        "module" => false,
+        "library" => true,
+        l => return Err(format!("--loader {l:?}: module or library")),
+    };
     if reload_after > 0 && (path != "kernel" || reload_kernel.is_empty() || !["unload", "reset"].contains(&reload_how))
     {
         return Err("--reload-after needs --path kernel, --reload-kernel and --reload-how unload or reset".into());
@@ -523,11 +531,23 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
     // SAFETY: calls through the table with out-pointers to locals; kernel parameters point to `dur`,
     // which outlives every launch (they are synchronised before return).
     unsafe {
-        let mut m = std::ptr::null_mut();
-        ck(api, (api.cuModuleLoadData)(&mut m, image.as_ptr() as *const c_void), "cuModuleLoadData")?;
-        let mut f = std::ptr::null_mut();
+        // A module (or library) and its kernel `name`.
+        let load = |name: &CString| -> Res<(CUmodule, CUfunction)> {
+            let (mut m, mut f) = (std::ptr::null_mut(), std::ptr::null_mut());
+            let code = image.as_ptr() as *const c_void;
+            let (opts, values) = (std::ptr::null_mut(), std::ptr::null_mut());
+            if library {
+                let r = (api.cuLibraryLoadData)(&mut m, code, opts, values, 0, opts, values, 0);
+                ck(api, r, "cuLibraryLoadData")?;
+                ck(api, (api.cuLibraryGetKernel)(&mut f, m, name.as_ptr()), "cuLibraryGetKernel")?;
+            } else {
+                ck(api, (api.cuModuleLoadData)(&mut m, code), "cuModuleLoadData")?;
+                ck(api, (api.cuModuleGetFunction)(&mut f, m, name.as_ptr()), "cuModuleGetFunction")?;
+            }
+            Ok((m, f))
+        };
         let cname = CString::new(kernel).map_err(|e| e.to_string())?;
-        ck(api, (api.cuModuleGetFunction)(&mut f, m, cname.as_ptr()), "cuModuleGetFunction")?;
+        let (m, f) = load(&cname)?;
         let mut s = std::ptr::null_mut();
         // The deprecated cuLaunch and cuLaunchGrid run on the default stream.
         if path != "legacy-default" {
@@ -567,13 +587,31 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             }
             Ok((g, ns))
         };
+        // A graph of `k` child-graph nodes, each a graph of one kernel node with these parameters.
+        let build_children = |params: *mut *mut c_void, k: usize| -> Res<(CUgraph, Vec<CUgraphNode>)> {
+            let (child, _) = build(params, 1)?;
+            let mut g = std::ptr::null_mut();
+            ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
+            let mut ns = Vec::with_capacity(k);
+            for _ in 0..k {
+                let mut n = std::ptr::null_mut();
+                let r = (api.cuGraphAddChildGraphNode)(&mut n, g, std::ptr::null(), 0, child);
+                ck(api, r, "cuGraphAddChildGraphNode")?;
+                ns.push(n);
+            }
+            Ok((g, ns))
+        };
         let mut exec = std::ptr::null_mut();
         let mut graph_nodes = Vec::new();
         let per_launch = match path {
             "graph" | "capture" => {
                 let mut g = std::ptr::null_mut();
                 if path == "graph" {
-                    (g, graph_nodes) = build(params, built)?;
+                    (g, graph_nodes) = if regraph_after > 0 && how == "child" {
+                        build_children(params, nodes)?
+                    } else {
+                        build(params, built)?
+                    };
                 } else {
                     ck(api, (api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture")?;
                     for _ in 0..nodes {
@@ -657,6 +695,10 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
                     p.u.kernel = np;
                     each(&mut |n| (api.cuGraphExecNodeSetParams)(*exec, n, &mut p))
                 }
+                "child" => {
+                    let Ok((child, _)) = build(params2, 1) else { return CUresult::UNKNOWN };
+                    each(&mut |n| (api.cuGraphExecChildGraphNodeSetParams)(*exec, n, child))
+                }
                 _ => each(&mut |n| (api.cuGraphNodeSetEnabled)(*exec, n, 1)),
             }
         };
@@ -668,18 +710,15 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
                 // context's streams and events, which a real one would also destroy.)
                 let r = match reload_how {
                     "reset" => (api.cuDevicePrimaryCtxReset_v2)(dev),
+                    _ if library => (api.cuLibraryUnload)(module),
                     _ => (api.cuModuleUnload)(module),
                 };
                 if r != CUresult::SUCCESS {
                     return r;
                 }
-                let r = (api.cuModuleLoadData)(&mut module, image.as_ptr() as *const c_void);
-                if r != CUresult::SUCCESS {
-                    return r;
-                }
-                let r = (api.cuModuleGetFunction)(&mut fk, module, reload_kernel.as_ptr());
-                if r != CUresult::SUCCESS {
-                    return r;
+                match load(&reload_kernel) {
+                    Ok(x) => (module, fk) = x,
+                    Err(_) => return CUresult::UNKNOWN,
                 }
             }
             if regraph_after > 0 && n == regraph_after {

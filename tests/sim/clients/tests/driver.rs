@@ -288,7 +288,8 @@ fn every_launch_path_runs_on_the_timeline() {
 #[test]
 fn changed_graphs_and_reloaded_modules_run_their_new_work() {
     let s = Sim::new(Some(SMALL));
-    for how in ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "enable"] {
+    for how in ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "child", "enable"]
+    {
         // 5 launches of 4 x 100 us, then 5 of 4 x 1 ms (or 40 x 100 us nodes, 4 of them enabled, then all).
         let args = ["launch", "--path", "graph", "--kernel", "param_ns", "--duration-ns", "100000", "--nodes", "4"];
         let more = ["--count", "10", "--regraph-after", "5", "--regraph-how", how];
@@ -301,11 +302,11 @@ fn changed_graphs_and_reloaded_modules_run_their_new_work() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--regraph-after needs --path graph"));
     // A module unloaded (or the primary context reset) and another loaded: its function (given the
     // freed handle) runs its own time.
-    for how in ["unload", "reset"] {
-        let args = ["launch", "--kernel", "sleep_100us", "--count", "20", "--reload-after", "10"];
+    for (loader, how) in [("module", "unload"), ("library", "unload"), ("module", "reset")] {
+        let args = ["launch", "--kernel", "sleep_100us", "--count", "20", "--reload-after", "10", "--loader", loader];
         let more = ["--reload-kernel", "sleep_1ms", "--reload-how", how];
         let ms = s.run1(RT, &[&args[..], &more[..]].concat())["gpu_ms"].as_f64().unwrap();
-        assert!((11.0..14.0).contains(&ms), "{how}: {ms} ms, want 10 x 0.1 + 10 x 1 = 11");
+        assert!((11.0..14.0).contains(&ms), "{loader} {how}: {ms} ms, want 10 x 0.1 + 10 x 1 = 11");
     }
 }
 

@@ -138,7 +138,8 @@ fn a_kernel_that_keeps_getting_longer_is_followed() {
 #[test]
 fn a_graph_whose_work_changes_is_charged_its_new_time() {
     let h = harness();
-    let hows = ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "enable"];
+    let hows =
+        ["update", "update-v1", "reinstantiate", "set-params", "set-params-v1", "node-params", "child", "enable"];
     for (i, how) in hows.into_iter().enumerate() {
         let args = [
             "--path",
@@ -166,15 +167,14 @@ fn a_graph_whose_work_changes_is_charged_its_new_time() {
 #[test]
 fn a_kernel_of_a_module_loaded_after_an_unload_is_charged_its_own_time() {
     let h = harness();
-    // The module unloaded, or the primary context reset (taking its modules with it).
-    for (i, how) in ["unload", "reset"].into_iter().enumerate() {
-        let args = ["--reload-after", "3000", "--reload-kernel", "sleep_1ms", "--reload-how", how];
+    // The module unloaded (or a CUDA 12 library: `cuLibraryUnload`), or the primary context reset,
+    // taking its modules with it.
+    for (i, (loader, how)) in [("module", "unload"), ("library", "unload"), ("module", "reset")].into_iter().enumerate()
+    {
+        let args = ["--loader", loader, "--reload-after", "3000", "--reload-kernel", "sleep_1ms", "--reload-how", how];
         let o = h.run(&one(container(30, "sleep_100us", &args), 3.0), i);
         let got = o.overall[0][0] * 100.0;
-        eprintln!("kernel reloaded after {how}: {got:.1} %");
-        assert!(
-            (got - 30.0).abs() <= 5.0,
-            "a kernel reloaded ({how}) under the same handle at 30 %: achieved {got:.1} %"
-        );
+        eprintln!("{loader} reloaded after {how}: {got:.1} %");
+        assert!((got - 30.0).abs() <= 5.0, "a kernel reloaded ({loader}, {how}) at 30 %: achieved {got:.1} %");
     }
 }

@@ -136,6 +136,12 @@ fn new_func(kind: KernelKind) -> usize {
     leak(Func { magic: AtomicU64::new(FUNC_MAGIC), kind: Mutex::new(kind), legacy: Mutex::default() }) as usize
 }
 
+/// `cuKernelGetFunction`: a simulated library's kernel is its function (see `cuLibraryLoadData`).
+pub fn kernel_function(k: CUkernel) -> R<CUfunction> {
+    obj::<Func>(k, FUNC_MAGIC)?;
+    Ok(k)
+}
+
 pub fn module_get_function(h: CUmodule, name: &str) -> R<CUfunction> {
     let m: &Module = obj(h, MODULE_MAGIC)?;
     let kind = parse_kernel_name(name).ok_or(CUresult::NOT_FOUND)?;
@@ -367,7 +373,7 @@ pub fn launch(l: &Launch, st: CUstream) -> R<()> {
     let cap = s.capture.load(Acquire);
     if !cap.is_null() {
         // SAFETY: the capture graph is a leaked Graph set by begin_capture.
-        unsafe { &*cap }.nodes.lock().unwrap().push(d);
+        unsafe { &*cap }.nodes.lock().unwrap().push(vec![d]);
         return Ok(());
     }
     run_on(c, s, &[d])
@@ -438,8 +444,9 @@ pub fn launch_legacy(h: CUfunction, grid: [i32; 2], st: CUstream) -> R<()> {
 #[repr(C)]
 pub struct Graph {
     magic: AtomicU64,
-    /// Kernel nodes in insertion order, as simulated durations.
-    nodes: Mutex<Vec<u64>>,
+    /// Nodes in insertion order, each as the simulated durations of its kernels (one for a kernel
+    /// node; a child graph node's are its graph's, copied when added, as the driver clones it).
+    nodes: Mutex<Vec<Vec<u64>>>,
 }
 
 #[repr(C)]
@@ -452,19 +459,22 @@ pub struct GraphExec {
 /// was instantiated from (that graph's address + 1-based index).
 struct ExecBody {
     graph: usize,
-    nodes: Vec<u64>,
+    nodes: Vec<Vec<u64>>,
     enabled: Vec<bool>,
     /// The enabled nodes' durations, as launched.
     durs: Vec<u64>,
 }
 
 impl ExecBody {
-    fn new(graph: usize, nodes: Vec<u64>) -> ExecBody {
-        ExecBody { graph, enabled: vec![true; nodes.len()], durs: nodes.clone(), nodes }
+    fn new(graph: usize, nodes: Vec<Vec<u64>>) -> ExecBody {
+        let mut b = ExecBody { graph, enabled: vec![true; nodes.len()], durs: Vec::new(), nodes };
+        b.refresh();
+        b
     }
 
     fn refresh(&mut self) {
-        self.durs = self.nodes.iter().zip(&self.enabled).filter(|(_, &on)| on).map(|(&d, _)| d).collect();
+        let on = self.nodes.iter().zip(&self.enabled).filter(|(_, &on)| on);
+        self.durs = on.flat_map(|(d, _)| d.iter().copied()).collect();
     }
 
     fn index(&self, node: CUgraphNode) -> R<usize> {
@@ -491,7 +501,7 @@ pub fn graph_add_kernel(h: CUgraph, l: &Launch) -> R<CUgraphNode> {
     let c = current()?;
     let d = duration(l, c.gpu)?;
     let mut n = g.nodes.lock().unwrap();
-    n.push(d);
+    n.push(vec![d]);
     // A node's handle is its graph's address + its 1-based index (see `ExecBody`).
     Ok((h as usize + n.len()) as CUgraphNode)
 }
@@ -540,7 +550,27 @@ pub fn graph_exec_set_kernel(h: CUgraphExec, node: CUgraphNode, l: &Launch) -> R
     let d = duration(l, current()?.gpu)?;
     let mut b = e.body.lock().unwrap();
     let i = b.index(node)?;
-    b.nodes[i] = d;
+    b.nodes[i] = vec![d];
+    b.refresh();
+    Ok(())
+}
+
+/// `cuGraphAddChildGraphNode`: the child's kernels, copied.
+pub fn graph_add_child(h: CUgraph, child: CUgraph) -> R<CUgraphNode> {
+    let g: &Graph = obj(h, GRAPH_MAGIC)?;
+    let kernels: Vec<u64> = obj::<Graph>(child, GRAPH_MAGIC)?.nodes.lock().unwrap().concat();
+    let mut n = g.nodes.lock().unwrap();
+    n.push(kernels);
+    Ok((h as usize + n.len()) as CUgraphNode)
+}
+
+/// `cuGraphExecChildGraphNodeSetParams`: the node runs that graph's kernels from now on.
+pub fn graph_exec_set_child(h: CUgraphExec, node: CUgraphNode, child: CUgraph) -> R<()> {
+    let e: &GraphExec = obj(h, EXEC_MAGIC)?;
+    let kernels: Vec<u64> = obj::<Graph>(child, GRAPH_MAGIC)?.nodes.lock().unwrap().concat();
+    let mut b = e.body.lock().unwrap();
+    let i = b.index(node)?;
+    b.nodes[i] = kernels;
     b.refresh();
     Ok(())
 }
@@ -562,7 +592,7 @@ pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
     let cap = s.capture.load(Acquire);
     if !cap.is_null() {
         // SAFETY: see `launch`.
-        unsafe { &*cap }.nodes.lock().unwrap().extend_from_slice(&durs);
+        unsafe { &*cap }.nodes.lock().unwrap().push(durs);
         return Ok(());
     }
     run_on(c, s, &durs)

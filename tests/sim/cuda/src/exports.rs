@@ -502,6 +502,18 @@ exports! {
         if f.is_null() { return Err(CUresult::INVALID_VALUE); }
         out(f, exec::module_get_function(m, cstr(name)?)?)
     }
+    // Libraries (CUDA 12): simulated as a module loaded in the current context, whose kernels are
+    // its functions (a real library is loaded into each context as it is used).
+    fn cuLibraryLoadData(l: *mut CUlibrary, code: *const c_void, _jo: *mut i32, _jv: *mut *mut c_void, _njo: u32, _lo: *mut i32, _lv: *mut *mut c_void, _nlo: u32) {
+        if l.is_null() || code.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(l, exec::module_load()?)
+    }
+    fn cuLibraryUnload(l: CUlibrary) { exec::module_unload(l) }
+    fn cuLibraryGetKernel(k: *mut CUkernel, l: CUlibrary, name: *const c_char) {
+        if k.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(k, exec::module_get_function(l, cstr(name)?)?)
+    }
+    fn cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) { out(f, exec::kernel_function(k)?) }
     fn cuFuncGetAttribute(v: *mut i32, attr: i32, f: CUfunction) {
         if f.is_null() { return Err(CUresult::INVALID_HANDLE); }
         out(v, if attr == 0 { 1024 } else { 0 })
@@ -649,4 +661,9 @@ exports! {
         exec::graph_exec_set_kernel(e, n, &launch_args(k.func, [k.gridDimX, k.gridDimY, k.gridDimZ], [k.blockDimX, k.blockDimY, k.blockDimZ], k.kernelParams, false))
     }
     fn cuGraphNodeSetEnabled(e: CUgraphExec, n: CUgraphNode, on: u32) { exec::graph_exec_enable(e, n, on != 0) }
+    fn cuGraphAddChildGraphNode(n: *mut CUgraphNode, g: CUgraph, _deps: *const CUgraphNode, _nd: usize, child: CUgraph) {
+        if n.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(n, exec::graph_add_child(g, child)?)
+    }
+    fn cuGraphExecChildGraphNodeSetParams(e: CUgraphExec, n: CUgraphNode, child: CUgraph) { exec::graph_exec_set_child(e, n, child) }
 }

@@ -105,6 +105,10 @@ static TABLE: &[(&str, Versions, Versions)] = &[
     ("cuModuleLoadFatBinary", &[(2000, "cuModuleLoadFatBinary")], &[]),
     ("cuModuleUnload", &[(2000, "cuModuleUnload")], &[]),
     ("cuModuleGetFunction", &[(2000, "cuModuleGetFunction")], &[]),
+    ("cuLibraryLoadData", &[(12000, "cuLibraryLoadData")], &[]),
+    ("cuLibraryUnload", &[(12000, "cuLibraryUnload")], &[]),
+    ("cuLibraryGetKernel", &[(12000, "cuLibraryGetKernel")], &[]),
+    ("cuKernelGetFunction", &[(12000, "cuKernelGetFunction")], &[]),
     ("cuFuncGetAttribute", &[(2020, "cuFuncGetAttribute")], &[]),
     ("cuStreamCreate", &[(2000, "cuStreamCreate")], &[]),
     ("cuStreamCreateWithPriority", &[(5050, "cuStreamCreateWithPriority")], &[]),
@@ -157,6 +161,8 @@ static TABLE: &[(&str, Versions, Versions)] = &[
     ),
     ("cuGraphExecNodeSetParams", &[(12020, "cuGraphExecNodeSetParams")], &[]),
     ("cuGraphNodeSetEnabled", &[(11060, "cuGraphNodeSetEnabled")], &[]),
+    ("cuGraphAddChildGraphNode", &[(10000, "cuGraphAddChildGraphNode")], &[]),
+    ("cuGraphExecChildGraphNodeSetParams", &[(11010, "cuGraphExecChildGraphNodeSetParams")], &[]),
 ];
 
 fn pick(v: Versions, ver: i32) -> Option<&'static str> {
