@@ -292,6 +292,40 @@ pub const CU_GRAPH_EXEC_UPDATE_SUCCESS: i32 = 0;
 pub const CU_GRAPH_EXEC_UPDATE_ERROR: i32 = 1;
 pub const CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED: i32 = 2;
 pub const CU_GRAPH_NODE_TYPE_KERNEL: i32 = 0;
+pub const CU_GRAPH_NODE_TYPE_GRAPH: i32 = 4;
+pub const CU_GRAPH_NODE_TYPE_MEM_ALLOC: i32 = 10;
+pub const CU_GRAPH_NODE_TYPE_MEM_FREE: i32 = 11;
+
+/// `CUgraphMem_attribute`: the device's graph memory pool (`cuDeviceGetGraphMemAttribute`).
+pub const CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: i32 = 0;
+pub const CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: i32 = 1;
+pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: i32 = 2;
+pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: i32 = 3;
+
+/// `CUgraphInstantiate_flags`.
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: u64 = 1;
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD: u64 = 2;
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS` (`_v1`): a graph allocation node; `dptr` is written by the driver.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_MEM_ALLOC_NODE_PARAMS {
+    pub poolProps: CUmemPoolProps,
+    pub accessDescs: *const CUmemAccessDesc,
+    pub accessDescCount: usize,
+    pub bytesize: usize,
+    pub dptr: CUdeviceptr,
+}
+
+/// `CUDA_GRAPH_INSTANTIATE_PARAMS` (`cuGraphInstantiateWithParams`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_GRAPH_INSTANTIATE_PARAMS {
+    pub flags: u64,
+    pub hUploadStream: CUstream,
+    pub hErrNode_out: CUgraphNode,
+    pub result_out: i32,
+}
 
 /// `CUgraphNodeParams` (CUDA 12.2): a node type and a union of per-type parameters, of which only
 /// the kernel's is spelled out here (`CUDA_KERNEL_NODE_PARAMS_v3` has the layout of `_v2`).
@@ -335,6 +369,9 @@ const _: () = {
     assert!(std::mem::size_of::<CUDA_KERNEL_NODE_PARAMS_v2>() == 72);
     assert!(std::mem::size_of::<CUgraphExecUpdateResultInfo>() == 24);
     assert!(std::mem::size_of::<CUgraphNodeParams>() == 256);
+    assert!(std::mem::size_of::<CUDA_MEM_ALLOC_NODE_PARAMS>() == 120);
+    assert!(std::mem::offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize) == 104);
+    assert!(std::mem::size_of::<CUDA_GRAPH_INSTANTIATE_PARAMS>() == 32);
     assert!(std::mem::offset_of!(CUgraphNodeParams, u) == 16);
     assert!(std::mem::size_of::<CUDA_ARRAY3D_DESCRIPTOR>() == 40);
     assert!(std::mem::size_of::<CUDA_ARRAY_MEMORY_REQUIREMENTS>() == 32);

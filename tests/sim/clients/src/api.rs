@@ -78,6 +78,12 @@ macro_rules! with_cuda_api {
             cuGraphCreate = "cuGraphCreate" : fn(g: *mut CUgraph, flags: u32);
             cuGraphAddKernelNode_v2 = "cuGraphAddKernelNode" : fn(n: *mut CUgraphNode, g: CUgraph, deps: *const CUgraphNode, nd: usize, p: *const CUDA_KERNEL_NODE_PARAMS_v2);
             cuGraphInstantiateWithFlags = "cuGraphInstantiate" : fn(e: *mut CUgraphExec, g: CUgraph, flags: u64);
+            cuGraphInstantiateWithParams = "cuGraphInstantiateWithParams" : fn(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS);
+            cuGraphAddMemAllocNode = "cuGraphAddMemAllocNode" : fn(n: *mut CUgraphNode, g: CUgraph, deps: *const CUgraphNode, nd: usize, p: *mut CUDA_MEM_ALLOC_NODE_PARAMS);
+            cuGraphAddMemFreeNode = "cuGraphAddMemFreeNode" : fn(n: *mut CUgraphNode, g: CUgraph, deps: *const CUgraphNode, nd: usize, d: CUdeviceptr);
+            cuGraphUpload = "cuGraphUpload" : fn(e: CUgraphExec, s: CUstream);
+            cuDeviceGraphMemTrim = "cuDeviceGraphMemTrim" : fn(d: CUdevice);
+            cuDeviceGetGraphMemAttribute = "cuDeviceGetGraphMemAttribute" : fn(d: CUdevice, attr: i32, v: *mut c_void);
             cuGraphLaunch = "cuGraphLaunch" : fn(e: CUgraphExec, s: CUstream);
             cuGraphExecDestroy = "cuGraphExecDestroy" : fn(e: CUgraphExec);
             cuGraphExecUpdate = "cuGraphExecUpdate" : fn(e: CUgraphExec, g: CUgraph, err: *mut CUgraphNode, result: *mut i32);

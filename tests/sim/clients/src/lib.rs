@@ -113,7 +113,10 @@ fn introduced(name: &str) -> Option<i32> {
         "cuLibraryLoadData" | "cuLibraryUnload" | "cuLibraryGetKernel" => Some(12000),
         "cuGraphExecNodeSetParams" => Some(12020),
         "cuGraphNodeSetEnabled" => Some(11060),
-        "cuGraphExecChildGraphNodeSetParams" => Some(11010),
+        "cuGraphExecChildGraphNodeSetParams" | "cuGraphUpload" => Some(11010),
+        "cuGraphInstantiateWithFlags" | "cuGraphInstantiateWithParams" => Some(12000),
+        "cuGraphAddMemAllocNode" | "cuGraphAddMemFreeNode" => Some(11040),
+        "cuDeviceGraphMemTrim" | "cuDeviceGetGraphMemAttribute" => Some(11040),
         _ => None,
     }
 }

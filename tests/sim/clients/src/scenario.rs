@@ -33,6 +33,16 @@ scenarios:
                                         kernel launches from then on; --loader library: kernels
                                         from cuLibraryLoadData/cuLibraryGetKernel, launched by
                                         their CUkernel handle as CUDA 12 runtimes do
+  graph-mem [--how explicit|capture] [--size N] [--graphs G] [--keep]
+            [--instantiate flags|params|upload] [--upload] [--launches L] [--alloc N]
+            [--destroy] [--trim] [--hold]
+                                        G graphs that each allocate N bytes in a graph memory node
+                                        (explicit: cuGraphAddMemAllocNode; capture: cuMemAllocAsync
+                                        captured) and free them (--keep: freed after each launch
+                                        with cuMemFreeAsync), launched L rounds; then cuMemAlloc N
+                                        (--alloc), the graphs destroyed, the graph pool trimmed and
+                                        cuMemAlloc tried again; a line per step with the pool's
+                                        reservation as the driver reports it
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -158,6 +168,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "alloc" => alloc(api, dev, &o),
         "launch" => launch(api, dev, &o),
         "memcpy" => memcpy(api, dev, &o),
+        "graph-mem" => graph_mem(api, dev, &o),
         "threads" => threads(api, dev, &o),
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
@@ -171,6 +182,152 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         }
         s => Err(format!("unknown scenario {s:?}\n{USAGE}")),
     }
+}
+
+/// See USAGE: graphs that allocate, launched under whatever limit the environment sets.
+fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let how = o.str("how", "explicit");
+    let size = o.num("size", 256 << 20)? as usize;
+    let keep = o.flag("keep");
+    let inst = o.str("instantiate", "flags");
+    let probe = o.num("alloc", 0)? as usize;
+    if !matches!(how, "explicit" | "capture") || !matches!(inst, "flags" | "params" | "upload") {
+        return Err(format!("graph-mem: --how {how:?} --instantiate {inst:?}?\n{USAGE}"));
+    }
+    // SAFETY (whole function): calls through the bound table with out-pointers to locals and
+    // parameter blocks built here; handles are the driver's.
+    unsafe {
+        let mut d: CUdevice = 0;
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        let mut s = std::ptr::null_mut();
+        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+        let pool = || {
+            let mut v = 0u64;
+            let r = (api.cuDeviceGetGraphMemAttribute)(
+                d,
+                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+                &mut v as *mut u64 as *mut c_void,
+            );
+            if r == CUresult::SUCCESS {
+                json!(v)
+            } else {
+                json!(error_name(api, r))
+            }
+        };
+        let report = |step: &str, r: CUresult, more: Value| {
+            let mut v = json!({"event": "graph-mem", "step": step, "result": error_name(api, r),
+                "mem_info": mem_info(api), "pool": pool()});
+            if let (Some(m), Value::Object(x)) = (v.as_object_mut(), more) {
+                m.extend(x);
+            }
+            emit(v);
+        };
+        let (mut execs, mut ptrs) = (Vec::new(), Vec::new());
+        for i in 0..o.num("graphs", 1)?.max(1) {
+            let mut g = std::ptr::null_mut();
+            let mut ptr: CUdeviceptr = 0;
+            if how == "explicit" {
+                ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
+                let mut p = CUDA_MEM_ALLOC_NODE_PARAMS {
+                    poolProps: CUmemPoolProps {
+                        allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
+                        handleTypes: 0,
+                        location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: d },
+                        win32SecurityAttributes: std::ptr::null_mut(),
+                        maxSize: 0,
+                        usage: 0,
+                        reserved: [0; 54],
+                    },
+                    accessDescs: std::ptr::null(),
+                    accessDescCount: 0,
+                    bytesize: size,
+                    dptr: 0,
+                };
+                let mut n = std::ptr::null_mut();
+                ck(
+                    api,
+                    (api.cuGraphAddMemAllocNode)(&mut n, g, std::ptr::null(), 0, &mut p),
+                    "cuGraphAddMemAllocNode",
+                )?;
+                ptr = p.dptr;
+                if !keep {
+                    let mut f = std::ptr::null_mut();
+                    ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, ptr), "cuGraphAddMemFreeNode")?;
+                }
+            } else {
+                ck(api, (api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture")?;
+                let r = (api.cuMemAllocAsync)(&mut ptr, size, s);
+                if r == CUresult::SUCCESS && !keep {
+                    ck(api, (api.cuMemFreeAsync)(ptr, s), "cuMemFreeAsync (captured)")?;
+                }
+                ck(api, (api.cuStreamEndCapture)(s, &mut g), "cuStreamEndCapture")?;
+                report("captured", r, json!({"graph": i}));
+                ck(api, r, "cuMemAllocAsync (captured)")?;
+            }
+            let mut e = std::ptr::null_mut();
+            let r = if inst == "flags" {
+                (api.cuGraphInstantiateWithFlags)(&mut e, g, 0)
+            } else {
+                let flags = if inst == "upload" { CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD } else { 0 };
+                let mut p = CUDA_GRAPH_INSTANTIATE_PARAMS {
+                    flags,
+                    hUploadStream: s,
+                    hErrNode_out: std::ptr::null_mut(),
+                    result_out: 0,
+                };
+                (api.cuGraphInstantiateWithParams)(&mut e, g, &mut p)
+            };
+            report("instantiated", r, json!({"graph": i}));
+            if r == CUresult::SUCCESS {
+                execs.push(e);
+                ptrs.push(ptr);
+            }
+        }
+        if o.flag("upload") {
+            for (i, &e) in execs.iter().enumerate() {
+                report("uploaded", (api.cuGraphUpload)(e, s), json!({"graph": i}));
+            }
+        }
+        for round in 0..o.num("launches", 2)? {
+            for (i, &e) in execs.iter().enumerate() {
+                let r = (api.cuGraphLaunch)(e, s);
+                ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+                report("launched", r, json!({"graph": i, "round": round}));
+                if keep && r == CUresult::SUCCESS {
+                    ck(api, (api.cuMemFreeAsync)(ptrs[i], s), "cuMemFreeAsync")?;
+                }
+            }
+        }
+        let try_alloc = |step: &str| {
+            let mut p = 0;
+            let r = (api.cuMemAlloc_v2)(&mut p, probe);
+            report(step, r, json!({"bytes": probe}));
+            if r == CUresult::SUCCESS {
+                (api.cuMemFree_v2)(p);
+            }
+        };
+        if probe > 0 {
+            try_alloc("alloc");
+        }
+        if o.flag("destroy") {
+            for &e in &execs {
+                ck(api, (api.cuGraphExecDestroy)(e), "cuGraphExecDestroy")?;
+            }
+            report("destroyed", CUresult::SUCCESS, json!({}));
+        }
+        if o.flag("trim") {
+            report("trimmed", (api.cuDeviceGraphMemTrim)(d), json!({}));
+            if probe > 0 {
+                try_alloc("alloc-after-trim");
+            }
+        }
+    }
+    if o.flag("hold") {
+        emit(json!({"event": "ready", "pid": std::process::id(), "mem_info": mem_info(api)}));
+        hold_forever();
+    }
+    Ok(())
 }
 
 fn info(api: &Api, dev: i32) -> Res<()> {

@@ -311,6 +311,34 @@ fn changed_graphs_and_reloaded_modules_run_their_new_work() {
 }
 
 #[test]
+fn graphs_that_allocate_draw_on_one_pool_per_device() {
+    // Graph memory nodes (explicit or captured) are backed when the graph runs, from the device's
+    // graph pool, which later launches of any graph reuse and only a trim gives back.
+    let mut s = Sim::new(Some(SMALL));
+    for how in ["explicit", "capture"] {
+        let (pid, _) = s.spawn_until(
+            s.cmd(RT),
+            &["graph-mem", "--how", how, "--size", "600m", "--graphs", "2", "--hold"],
+            Some("ready"),
+        );
+        assert_eq!(proc_mem(&s, pid, 0), Some((64 + 600) << 20), "{how}: one 600 MiB pool for both graphs");
+        s.kill(pid);
+        let v = s.run(RT, &["graph-mem", "--how", how, "--size", "600m", "--trim", "--launches", "1"]);
+        let t = v.iter().find(|x| x["step"] == "trimmed").unwrap();
+        assert_eq!(t["pool"], 0, "{how}: {t}");
+        // More than the GPU has: the launch fails and nothing is taken.
+        let v = s.run(RT, &["graph-mem", "--how", how, "--size", "1200m", "--launches", "1"]);
+        let l = v.iter().find(|x| x["step"] == "launched").unwrap();
+        assert_eq!(
+            (&l["result"], &l["pool"]),
+            (&Value::from("CUDA_ERROR_OUT_OF_MEMORY"), &Value::from(0)),
+            "{how}: {l}"
+        );
+    }
+    assert_eq!(used(&s, 0), 0);
+}
+
+#[test]
 fn visible_devices_remap_ordinals() {
     let s = Sim::new(Some(SMALL));
     let uuid1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_owned();

@@ -5,6 +5,7 @@
 //! Synchronisation sleeps until the simulated completion time.
 
 use crate::driver::{current, proc, Ctx, R};
+use crate::mem::{GraphAlloc, MemOp};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering::*};
 use std::sync::Mutex;
@@ -18,6 +19,7 @@ const FUNC_MAGIC: u64 = 0x4655_4e43_5349_4d01;
 const MODULE_MAGIC: u64 = 0x4d4f_4455_5349_4d01;
 const GRAPH_MAGIC: u64 = 0x4752_4150_5349_4d01;
 const EXEC_MAGIC: u64 = 0x4558_4543_5349_4d01;
+const NODE_MAGIC: u64 = 0x4e4f_4445_5349_4d01;
 
 /// Checks a handle's magic word. Handles are leaked boxes that are never freed (destroy clears the
 /// magic), so reading through a once-valid handle is always defined.
@@ -373,7 +375,7 @@ pub fn launch(l: &Launch, st: CUstream) -> R<()> {
     let cap = s.capture.load(Acquire);
     if !cap.is_null() {
         // SAFETY: the capture graph is a leaked Graph set by begin_capture.
-        unsafe { &*cap }.nodes.lock().unwrap().push(vec![d]);
+        unsafe { &*cap }.push(cap as CUgraph, Node::kernels(CU_GRAPH_NODE_TYPE_KERNEL, vec![d]));
         return Ok(());
     }
     run_on(c, s, &[d])
@@ -441,12 +443,54 @@ pub fn launch_legacy(h: CUfunction, grid: [i32; 2], st: CUstream) -> R<()> {
 
 // ----- graphs -----
 
+/// A node of a simulated graph: what it runs (`kernels`: one duration for a kernel node; a child
+/// graph node's are its graph's, copied when added, as the driver clones it) or, for a memory
+/// node, what it allocates or frees.
+#[derive(Clone)]
+struct Node {
+    ty: i32,
+    kernels: Vec<u64>,
+    mem: Option<MemOp>,
+}
+
+impl Node {
+    fn kernels(ty: i32, kernels: Vec<u64>) -> Node {
+        Node { ty, kernels, mem: None }
+    }
+}
+
 #[repr(C)]
 pub struct Graph {
     magic: AtomicU64,
-    /// Nodes in insertion order, each as the simulated durations of its kernels (one for a kernel
-    /// node; a child graph node's are its graph's, copied when added, as the driver clones it).
-    nodes: Mutex<Vec<Vec<u64>>>,
+    /// Nodes in insertion order, with their handles.
+    nodes: Mutex<Vec<(usize, Node)>>,
+}
+
+/// A node handle: its graph and its index there. Leaked, like every handle.
+#[repr(C)]
+struct NodeRef {
+    magic: AtomicU64,
+    graph: usize,
+    index: usize,
+}
+
+impl Graph {
+    fn push(&self, h: CUgraph, n: Node) -> CUgraphNode {
+        let mut nodes = self.nodes.lock().unwrap();
+        let r = leak(NodeRef { magic: AtomicU64::new(NODE_MAGIC), graph: h as usize, index: nodes.len() });
+        nodes.push((r as usize, n));
+        r
+    }
+
+    fn bodies(&self) -> Vec<Node> {
+        self.nodes.lock().unwrap().iter().map(|(_, n)| n.clone()).collect()
+    }
+}
+
+/// A node and its graph.
+fn node_of(h: CUgraphNode) -> R<(&'static Graph, usize)> {
+    let n: &NodeRef = obj(h, NODE_MAGIC)?;
+    Ok((obj(n.graph as CUgraph, GRAPH_MAGIC)?, n.index))
 }
 
 #[repr(C)]
@@ -455,32 +499,37 @@ pub struct GraphExec {
     body: Mutex<ExecBody>,
 }
 
-/// What an executable graph runs. Its kernel nodes are addressed by the node handles of the graph it
-/// was instantiated from (that graph's address + 1-based index).
+/// What an executable graph runs. Its nodes are addressed by the node handles of the graph it was
+/// instantiated from.
 struct ExecBody {
     graph: usize,
-    nodes: Vec<Vec<u64>>,
+    nodes: Vec<Node>,
     enabled: Vec<bool>,
-    /// The enabled nodes' durations, as launched.
+    /// The enabled nodes' durations, as launched, and their memory nodes' work.
     durs: Vec<u64>,
+    mem: Vec<MemOp>,
+    /// `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`.
+    auto_free: bool,
 }
 
 impl ExecBody {
-    fn new(graph: usize, nodes: Vec<Vec<u64>>) -> ExecBody {
-        let mut b = ExecBody { graph, enabled: vec![true; nodes.len()], durs: Vec::new(), nodes };
+    fn new(graph: usize, nodes: Vec<Node>, auto_free: bool) -> ExecBody {
+        let mut b =
+            ExecBody { graph, enabled: vec![true; nodes.len()], durs: Vec::new(), mem: Vec::new(), nodes, auto_free };
         b.refresh();
         b
     }
 
     fn refresh(&mut self) {
-        let on = self.nodes.iter().zip(&self.enabled).filter(|(_, &on)| on);
-        self.durs = on.flat_map(|(d, _)| d.iter().copied()).collect();
+        let on: Vec<&Node> = self.nodes.iter().zip(&self.enabled).filter(|(_, &on)| on).map(|(n, _)| n).collect();
+        self.durs = on.iter().flat_map(|n| n.kernels.iter().copied()).collect();
+        self.mem = on.iter().filter_map(|n| n.mem).collect();
     }
 
     fn index(&self, node: CUgraphNode) -> R<usize> {
-        let i = (node as usize).wrapping_sub(self.graph).wrapping_sub(1);
-        if i < self.nodes.len() {
-            Ok(i)
+        let n: &NodeRef = obj(node, NODE_MAGIC)?;
+        if n.graph == self.graph && n.index < self.nodes.len() {
+            Ok(n.index)
         } else {
             Err(CUresult::INVALID_VALUE)
         }
@@ -500,10 +549,46 @@ pub fn graph_add_kernel(h: CUgraph, l: &Launch) -> R<CUgraphNode> {
     let g: &Graph = obj(h, GRAPH_MAGIC)?;
     let c = current()?;
     let d = duration(l, c.gpu)?;
-    let mut n = g.nodes.lock().unwrap();
-    n.push(vec![d]);
-    // A node's handle is its graph's address + its 1-based index (see `ExecBody`).
-    Ok((h as usize + n.len()) as CUgraphNode)
+    Ok(g.push(h, Node::kernels(CU_GRAPH_NODE_TYPE_KERNEL, vec![d])))
+}
+
+/// `cuGraphAddMemAllocNode`: the allocation's address is given now and fixed for the node's life.
+pub fn graph_add_alloc(h: CUgraph, size: u64, ordinal: CUdevice) -> R<(CUgraphNode, u64)> {
+    let g: &Graph = obj(h, GRAPH_MAGIC)?;
+    let gpu = proc()?.gpu_of(ordinal)?;
+    let a = crate::mem::graph_va(size, gpu, ordinal)?;
+    let node = Node { ty: CU_GRAPH_NODE_TYPE_MEM_ALLOC, kernels: Vec::new(), mem: Some(MemOp::Alloc(a)) };
+    Ok((g.push(h, node), a.ptr))
+}
+
+/// `cuGraphAddMemFreeNode`: frees a graph allocation.
+pub fn graph_add_free(h: CUgraph, ptr: u64) -> R<CUgraphNode> {
+    let g: &Graph = obj(h, GRAPH_MAGIC)?;
+    if !crate::mem::is_graph_va(ptr) {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    Ok(g.push(h, Node { ty: CU_GRAPH_NODE_TYPE_MEM_FREE, kernels: Vec::new(), mem: Some(MemOp::Free(ptr)) }))
+}
+
+/// `cuGraphGetNodes`.
+pub fn graph_nodes(h: CUgraph) -> R<Vec<CUgraphNode>> {
+    let g: &Graph = obj(h, GRAPH_MAGIC)?;
+    Ok(g.nodes.lock().unwrap().iter().map(|(r, _)| *r as CUgraphNode).collect())
+}
+
+/// `cuGraphNodeGetType`.
+pub fn node_type(h: CUgraphNode) -> R<i32> {
+    let (g, i) = node_of(h)?;
+    Ok(g.nodes.lock().unwrap()[i].1.ty)
+}
+
+/// `cuGraphMemAllocNodeGetParams`.
+pub fn alloc_node(h: CUgraphNode) -> R<GraphAlloc> {
+    let (g, i) = node_of(h)?;
+    match g.nodes.lock().unwrap()[i].1.mem {
+        Some(MemOp::Alloc(a)) => Ok(a),
+        _ => Err(CUresult::INVALID_VALUE),
+    }
 }
 
 /// Destroyed executable graphs, reused by the next instantiation the way a real driver's allocator
@@ -511,9 +596,13 @@ pub fn graph_add_kernel(h: CUgraph, l: &Launch) -> R<CUgraphNode> {
 /// the interposer must not mistake for the old one.
 static SPARE_EXECS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
-pub fn graph_instantiate(h: CUgraph) -> R<CUgraphExec> {
+/// `cuGraphInstantiate*`; with `CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD` also uploaded.
+pub fn graph_instantiate(h: CUgraph, flags: u64) -> R<CUgraphExec> {
     let g: &Graph = obj(h, GRAPH_MAGIC)?;
-    let body = ExecBody::new(h as usize, g.nodes.lock().unwrap().clone());
+    let body = ExecBody::new(h as usize, g.bodies(), flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH != 0);
+    if flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0 {
+        crate::mem::graph_upload(&body.mem, body.auto_free)?;
+    }
     if let Some(e) = SPARE_EXECS.lock().unwrap().pop() {
         // SAFETY: a retired GraphExec (leaked, never freed); its magic is 0 until set below, so no
         // other call uses it meanwhile.
@@ -531,15 +620,26 @@ pub fn graph_exec_destroy(h: CUgraphExec) -> R<()> {
     Ok(())
 }
 
-/// `cuGraphExecUpdate`: the graph must have as many kernel nodes as the executable one.
+/// `cuGraphExecUpdate`: the graph must have as many nodes as the executable one, and the same
+/// memory nodes (their allocations cannot change).
 pub fn graph_exec_update(h: CUgraphExec, g: CUgraph) -> R<()> {
     let e: &GraphExec = obj(h, EXEC_MAGIC)?;
-    let nodes = obj::<Graph>(g, GRAPH_MAGIC)?.nodes.lock().unwrap().clone();
+    let nodes = obj::<Graph>(g, GRAPH_MAGIC)?.bodies();
     let mut b = e.body.lock().unwrap();
-    if nodes.len() != b.nodes.len() {
+    let same_mem = |a: &Node, b: &Node| match (a.mem, b.mem) {
+        (None, None) => true,
+        (Some(MemOp::Alloc(x)), Some(MemOp::Alloc(y))) => x.size == y.size && x.gpu == y.gpu,
+        (Some(MemOp::Free(_)), Some(MemOp::Free(_))) => true,
+        _ => false,
+    };
+    if nodes.len() != b.nodes.len() || !nodes.iter().zip(&b.nodes).all(|(x, y)| same_mem(x, y)) {
         return Err(CUresult::GRAPH_EXEC_UPDATE_FAILURE);
     }
-    b.nodes = nodes;
+    for (old, new) in b.nodes.iter_mut().zip(nodes) {
+        if old.mem.is_none() {
+            *old = new;
+        }
+    }
     b.refresh();
     Ok(())
 }
@@ -550,36 +650,52 @@ pub fn graph_exec_set_kernel(h: CUgraphExec, node: CUgraphNode, l: &Launch) -> R
     let d = duration(l, current()?.gpu)?;
     let mut b = e.body.lock().unwrap();
     let i = b.index(node)?;
-    b.nodes[i] = vec![d];
+    if b.nodes[i].ty != CU_GRAPH_NODE_TYPE_KERNEL {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    b.nodes[i] = Node::kernels(CU_GRAPH_NODE_TYPE_KERNEL, vec![d]);
     b.refresh();
     Ok(())
+}
+
+/// The kernels of a graph that may be a child graph: one with memory nodes may not (as in CUDA).
+fn child_kernels(child: CUgraph) -> R<Vec<u64>> {
+    let nodes = obj::<Graph>(child, GRAPH_MAGIC)?.bodies();
+    if nodes.iter().any(|n| n.mem.is_some()) {
+        return Err(CUresult::NOT_SUPPORTED);
+    }
+    Ok(nodes.into_iter().flat_map(|n| n.kernels).collect())
 }
 
 /// `cuGraphAddChildGraphNode`: the child's kernels, copied.
 pub fn graph_add_child(h: CUgraph, child: CUgraph) -> R<CUgraphNode> {
     let g: &Graph = obj(h, GRAPH_MAGIC)?;
-    let kernels: Vec<u64> = obj::<Graph>(child, GRAPH_MAGIC)?.nodes.lock().unwrap().concat();
-    let mut n = g.nodes.lock().unwrap();
-    n.push(kernels);
-    Ok((h as usize + n.len()) as CUgraphNode)
+    let kernels = child_kernels(child)?;
+    Ok(g.push(h, Node::kernels(CU_GRAPH_NODE_TYPE_GRAPH, kernels)))
 }
 
 /// `cuGraphExecChildGraphNodeSetParams`: the node runs that graph's kernels from now on.
 pub fn graph_exec_set_child(h: CUgraphExec, node: CUgraphNode, child: CUgraph) -> R<()> {
     let e: &GraphExec = obj(h, EXEC_MAGIC)?;
-    let kernels: Vec<u64> = obj::<Graph>(child, GRAPH_MAGIC)?.nodes.lock().unwrap().concat();
+    let kernels = child_kernels(child)?;
     let mut b = e.body.lock().unwrap();
     let i = b.index(node)?;
-    b.nodes[i] = kernels;
+    if b.nodes[i].ty != CU_GRAPH_NODE_TYPE_GRAPH {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    b.nodes[i] = Node::kernels(CU_GRAPH_NODE_TYPE_GRAPH, kernels);
     b.refresh();
     Ok(())
 }
 
-/// `cuGraphNodeSetEnabled`.
+/// `cuGraphNodeSetEnabled` (kernel nodes, as in CUDA 11.6; memory nodes cannot be disabled).
 pub fn graph_exec_enable(h: CUgraphExec, node: CUgraphNode, on: bool) -> R<()> {
     let e: &GraphExec = obj(h, EXEC_MAGIC)?;
     let mut b = e.body.lock().unwrap();
     let i = b.index(node)?;
+    if b.nodes[i].mem.is_some() {
+        return Err(CUresult::INVALID_VALUE);
+    }
     b.enabled[i] = on;
     b.refresh();
     Ok(())
@@ -588,18 +704,66 @@ pub fn graph_exec_enable(h: CUgraphExec, node: CUgraphNode, on: bool) -> R<()> {
 pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
     let e: &GraphExec = obj(h, EXEC_MAGIC)?;
     let (c, s) = stream(st)?;
-    let durs = e.body.lock().unwrap().durs.clone();
+    let (durs, mem, auto_free) = {
+        let b = e.body.lock().unwrap();
+        (b.durs.clone(), b.mem.clone(), b.auto_free)
+    };
     let cap = s.capture.load(Acquire);
     if !cap.is_null() {
+        if !mem.is_empty() {
+            return Err(CUresult::NOT_SUPPORTED); // a graph with memory nodes cannot be a child
+        }
         // SAFETY: see `launch`.
-        unsafe { &*cap }.nodes.lock().unwrap().push(durs);
+        unsafe { &*cap }.push(cap as CUgraph, Node::kernels(CU_GRAPH_NODE_TYPE_GRAPH, durs));
         return Ok(());
+    }
+    if !mem.is_empty() {
+        crate::mem::graph_run(c, &mem, auto_free)?;
     }
     run_on(c, s, &durs)
 }
 
-pub fn graph_node_count(h: CUgraph) -> R<usize> {
-    Ok(obj::<Graph>(h, GRAPH_MAGIC)?.nodes.lock().unwrap().len())
+/// `cuGraphUpload`.
+pub fn graph_upload(h: CUgraphExec, st: CUstream) -> R<()> {
+    let e: &GraphExec = obj(h, EXEC_MAGIC)?;
+    stream(st)?;
+    let (mem, auto_free) = {
+        let b = e.body.lock().unwrap();
+        (b.mem.clone(), b.auto_free)
+    };
+    crate::mem::graph_upload(&mem, auto_free)
+}
+
+/// A stream-ordered allocation on a capturing stream: an allocation node of the captured graph
+/// (None: the stream is not capturing).
+pub fn capture_alloc(st: CUstream, size: u64) -> R<Option<u64>> {
+    let (c, s) = stream(st)?;
+    let cap = s.capture.load(Acquire);
+    if cap.is_null() {
+        return Ok(None);
+    }
+    let a = crate::mem::graph_va(size, c.gpu, c.ordinal)?;
+    let node = Node { ty: CU_GRAPH_NODE_TYPE_MEM_ALLOC, kernels: Vec::new(), mem: Some(MemOp::Alloc(a)) };
+    // SAFETY: see `launch`.
+    unsafe { &*cap }.push(cap as CUgraph, node);
+    Ok(Some(a.ptr))
+}
+
+/// A stream-ordered free on a capturing stream: a free node of the captured graph (false: the
+/// stream is not capturing).
+pub fn capture_free(st: CUstream, ptr: u64) -> R<bool> {
+    let (_, s) = stream(st)?;
+    let cap = s.capture.load(Acquire);
+    if cap.is_null() {
+        return Ok(false);
+    }
+    if !crate::mem::is_graph_va(ptr) {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let node = Node { ty: CU_GRAPH_NODE_TYPE_MEM_FREE, kernels: Vec::new(), mem: Some(MemOp::Free(ptr)) };
+    // SAFETY: see `launch`.
+    unsafe { &*cap }.push(cap as CUgraph, node);
+    Ok(true)
 }
 
 pub fn begin_capture(st: CUstream) -> R<()> {

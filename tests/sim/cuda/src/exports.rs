@@ -80,6 +80,24 @@ fn update_result(r: &R<()>) -> i32 {
     }
 }
 
+/// `cuGraphInstantiateWithParams`: the result is reported in the parameters too.
+fn instantiate_with_params(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS) -> R<()> {
+    let x = *in_ref(p as *const CUDA_GRAPH_INSTANTIATE_PARAMS)?;
+    if e.is_null() {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    if x.flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0 {
+        exec::stream(x.hUploadStream)?;
+    }
+    let r = exec::graph_instantiate(g, x.flags);
+    // SAFETY: checked non-null above (the caller's parameters, written back as the driver does).
+    unsafe {
+        (*p).hErrNode_out = std::ptr::null_mut();
+        (*p).result_out = i32::from(r.is_err());
+    }
+    out(e, r?)
+}
+
 fn gpu(dev: CUdevice) -> R<(usize, &'static vgpu_sim::GpuConfig)> {
     let p = proc()?;
     let g = p.gpu_of(dev)?;
@@ -416,26 +434,26 @@ exports! {
     fn cuMemPoolDestroy(pool: CUmemoryPool) { mem::pool_destroy(pool as u64) }
     fn cuMemAllocAsync(d: *mut CUdeviceptr, size: usize, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
-        exec::stream(s)?;
+        if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
         out(d, mem::pool_alloc(Some(current_pool()?), size as u64)?)
     }
     fn cuMemAllocAsync_ptsz(d: *mut CUdeviceptr, size: usize, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
-        exec::stream(s)?;
+        if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
         out(d, mem::pool_alloc(Some(current_pool()?), size as u64)?)
     }
     fn cuMemAllocFromPoolAsync(d: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
-        exec::stream(s)?;
+        if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
         out(d, mem::pool_alloc(Some(pool as u64), size as u64)?)
     }
     fn cuMemAllocFromPoolAsync_ptsz(d: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
-        exec::stream(s)?;
+        if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
         out(d, mem::pool_alloc(Some(pool as u64), size as u64)?)
     }
-    fn cuMemFreeAsync(d: CUdeviceptr, s: CUstream) { exec::stream(s)?; mem::free_async(d) }
-    fn cuMemFreeAsync_ptsz(d: CUdeviceptr, s: CUstream) { exec::stream(s)?; mem::free_async(d) }
+    fn cuMemFreeAsync(d: CUdeviceptr, s: CUstream) { if exec::capture_free(s, d)? { return Ok(()); } mem::free_async(d) }
+    fn cuMemFreeAsync_ptsz(d: CUdeviceptr, s: CUstream) { if exec::capture_free(s, d)? { return Ok(()); } mem::free_async(d) }
     fn cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) { mem::pool_trim(pool as u64, keep as u64) }
     fn cuMemPoolSetAttribute(pool: CUmemoryPool, attr: i32, v: *mut c_void) {
         if v.is_null() { return Err(CUresult::INVALID_VALUE); }
@@ -611,23 +629,82 @@ exports! {
         if n.is_null() { return Err(CUresult::INVALID_VALUE); }
         out(n, exec::graph_add_kernel(g, &launch_args(x.func, [x.gridDimX, x.gridDimY, x.gridDimZ], [x.blockDimX, x.blockDimY, x.blockDimZ], x.kernelParams, false))?)
     }
+    // With `nodes`, as many handles as `count` says (NULL past the graph's), and `count` set to the
+    // graph's number of nodes.
     fn cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, count: *mut usize) {
-        let n = exec::graph_node_count(g)?;
-        if nodes.is_null() { return out(count, n); }
-        Err(CUresult::NOT_SUPPORTED)
+        let all = exec::graph_nodes(g)?;
+        if !nodes.is_null() {
+            let room = *in_ref(count)?;
+            for i in 0..room {
+                // SAFETY: the caller's array holds `room` handles.
+                unsafe { nodes.add(i).write(all.get(i).copied().unwrap_or(std::ptr::null_mut())) };
+            }
+        }
+        out(count, all.len())
     }
+    fn cuGraphNodeGetType(n: CUgraphNode, ty: *mut i32) { out(ty, exec::node_type(n)?) }
+    fn cuGraphAddMemAllocNode(n: *mut CUgraphNode, g: CUgraph, _deps: *const CUgraphNode, _nd: usize, p: *mut CUDA_MEM_ALLOC_NODE_PARAMS) {
+        let x = in_ref(p as *const CUDA_MEM_ALLOC_NODE_PARAMS)?;
+        if n.is_null() || x.poolProps.allocType != CU_MEM_ALLOCATION_TYPE_PINNED || x.poolProps.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(CUresult::INVALID_VALUE);
+        }
+        let (node, ptr) = exec::graph_add_alloc(g, x.bytesize as u64, x.poolProps.location.id)?;
+        // SAFETY: checked non-null above; the driver writes the allocation's address back.
+        unsafe { (*p).dptr = ptr };
+        out(n, node)
+    }
+    fn cuGraphAddMemFreeNode(n: *mut CUgraphNode, g: CUgraph, _deps: *const CUgraphNode, _nd: usize, d: CUdeviceptr) {
+        if n.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(n, exec::graph_add_free(g, d)?)
+    }
+    fn cuGraphMemAllocNodeGetParams(n: CUgraphNode, p: *mut CUDA_MEM_ALLOC_NODE_PARAMS) {
+        let a = exec::alloc_node(n)?;
+        out(p, CUDA_MEM_ALLOC_NODE_PARAMS {
+            poolProps: CUmemPoolProps {
+                allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
+                handleTypes: 0,
+                location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: a.ordinal },
+                win32SecurityAttributes: std::ptr::null_mut(),
+                maxSize: 0,
+                usage: 0,
+                reserved: [0; 54],
+            },
+            accessDescs: std::ptr::null(),
+            accessDescCount: 0,
+            bytesize: a.size as usize,
+            dptr: a.ptr,
+        })
+    }
+    fn cuDeviceGetGraphMemAttribute(dev: CUdevice, attr: i32, v: *mut c_void) {
+        let (g, _) = gpu(dev)?;
+        out(v as *mut u64, mem::graph_attr(g, attr, None)?)
+    }
+    fn cuDeviceSetGraphMemAttribute(dev: CUdevice, attr: i32, v: *mut c_void) {
+        let (g, _) = gpu(dev)?;
+        let x = *in_ref(v as *const u64)?;
+        mem::graph_attr(g, attr, Some(x)).map(|_| ())
+    }
+    fn cuDeviceGraphMemTrim(dev: CUdevice) { let (g, _) = gpu(dev)?; mem::graph_trim(g) }
     fn cuGraphInstantiate(e: *mut CUgraphExec, g: CUgraph, _en: *mut CUgraphNode, _log: *mut c_char, _sz: usize) {
         if e.is_null() { return Err(CUresult::INVALID_VALUE); }
-        out(e, exec::graph_instantiate(g)?)
+        out(e, exec::graph_instantiate(g, 0)?)
     }
     fn cuGraphInstantiate_v2(e: *mut CUgraphExec, g: CUgraph, _en: *mut CUgraphNode, _log: *mut c_char, _sz: usize) {
         if e.is_null() { return Err(CUresult::INVALID_VALUE); }
-        out(e, exec::graph_instantiate(g)?)
+        out(e, exec::graph_instantiate(g, 0)?)
     }
-    fn cuGraphInstantiateWithFlags(e: *mut CUgraphExec, g: CUgraph, _flags: u64) {
-        if e.is_null() { return Err(CUresult::INVALID_VALUE); }
-        out(e, exec::graph_instantiate(g)?)
+    fn cuGraphInstantiateWithFlags(e: *mut CUgraphExec, g: CUgraph, flags: u64) {
+        if e.is_null() || flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0 { return Err(CUresult::INVALID_VALUE); }
+        out(e, exec::graph_instantiate(g, flags)?)
     }
+    fn cuGraphInstantiateWithParams(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS) {
+        instantiate_with_params(e, g, p)
+    }
+    fn cuGraphInstantiateWithParams_ptsz(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS) {
+        instantiate_with_params(e, g, p)
+    }
+    fn cuGraphUpload(e: CUgraphExec, s: CUstream) { exec::graph_upload(e, s) }
+    fn cuGraphUpload_ptsz(e: CUgraphExec, s: CUstream) { exec::graph_upload(e, s) }
     fn cuGraphLaunch(e: CUgraphExec, s: CUstream) { exec::graph_launch(e, s) }
     fn cuGraphLaunch_ptsz(e: CUgraphExec, s: CUstream) { exec::graph_launch(e, s) }
     fn cuGraphExecDestroy(e: CUgraphExec) { exec::graph_exec_destroy(e) }

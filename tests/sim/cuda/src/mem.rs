@@ -19,6 +19,9 @@ pub enum Kind {
     Managed,
     /// From a pool (the pool's reservation is what is charged).
     Pool(u64),
+    /// A graph allocation, live between its allocation and its free (the device's graph pool is
+    /// what is charged; the address belongs to the allocation node).
+    Graph,
 }
 
 struct Alloc {
@@ -45,6 +48,34 @@ struct Reservation {
     maps: BTreeMap<u64, (u64, u64)>,
 }
 
+/// A graph allocation (see `exec`): a virtual range given when its node is made and fixed for the
+/// node's life, backed by the device's graph memory pool while the allocation is live.
+#[derive(Clone, Copy, Debug)]
+pub struct GraphAlloc {
+    pub ptr: u64,
+    pub size: u64,
+    pub gpu: usize,
+    pub ordinal: CUdevice,
+}
+
+/// What an executable graph's memory nodes do when it runs, in order.
+#[derive(Clone, Copy, Debug)]
+pub enum MemOp {
+    Alloc(GraphAlloc),
+    Free(u64),
+}
+
+/// A device's graph memory pool in this process: physical memory reserved for graph allocations
+/// (charged to the process), of which `used` backs live ones. It grows when a graph runs (or is
+/// uploaded) and shrinks only by `cuDeviceGraphMemTrim`, or with its device's context.
+#[derive(Default)]
+struct GraphPool {
+    reserved: u64,
+    used: u64,
+    high_reserved: u64,
+    high_used: u64,
+}
+
 struct Pool {
     gpu: usize,
     reserved: u64,
@@ -69,6 +100,10 @@ struct Mem {
     /// array handle -> (gpu, size)
     /// Array handle -> (GPU, bytes, context).
     arrays: HashMap<u64, (usize, u64, usize)>,
+    /// Graph allocations by address (made by nodes; live ones are in `allocs` too).
+    graph_vas: HashMap<u64, GraphAlloc>,
+    /// Graph memory pools by GPU.
+    graph_pools: HashMap<usize, GraphPool>,
     next_id: u64,
 }
 
@@ -130,7 +165,7 @@ pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
         // No room on the GPU: unified memory that pages on demand lives on the host.
         Kind::Managed if p.gpu_cfg(c.gpu).managed_paging => p.charge(c.gpu, size).is_ok(),
         Kind::Managed => p.charge(c.gpu, size).map(|_| true)?,
-        Kind::Pool(_) => false,
+        Kind::Pool(_) | Kind::Graph => false,
     };
     let len = usize::try_from(size).map_err(|_| CUresult::OUT_OF_MEMORY)?;
     let cached = with_mem!(m => {
@@ -190,6 +225,10 @@ pub fn free(ptr: CUdeviceptr) -> R<()> {
     }
     let a = with_mem!(m => {
         match m.allocs.get(&ptr) {
+            Some(a) if a.kind == Kind::Graph => {
+                graph_release(m, ptr);
+                return Ok(());
+            }
             Some(a) if !matches!(a.kind, Kind::Pool(_)) => m.allocs.remove(&ptr),
             _ => None,
         }
@@ -216,7 +255,9 @@ pub fn release_context_memory(c: &Ctx) {
         )
     });
     for (ptr, a) in gone {
-        unmap(ptr, a.len);
+        if a.kind != Kind::Graph {
+            unmap(ptr, a.len); // a graph allocation's address stays its node's
+        }
         if a.charged {
             p.uncharge(a.gpu, a.size);
         }
@@ -224,6 +265,9 @@ pub fn release_context_memory(c: &Ctx) {
     for (gpu, size) in arrays {
         p.uncharge(gpu, size);
     }
+    // The device's graph memory pool goes with it (live graph allocations went above).
+    let pool = with_mem!(m => m.graph_pools.remove(&c.gpu)).map_or(0, |g| g.reserved);
+    p.uncharge(c.gpu, pool);
     // Its modules are unloaded with it (a reset context starts with none).
     p.uncharge(c.gpu, c.module_bytes.swap(0, std::sync::atomic::Ordering::AcqRel));
     crate::exec::modules_gone(c);
@@ -632,6 +676,9 @@ pub fn pool_alloc(id: Option<u64>, size: u64) -> R<CUdeviceptr> {
 /// `cuMemFreeAsync`: pool memory returns to its pool; other memory is freed at once.
 pub fn free_async(ptr: CUdeviceptr) -> R<()> {
     let pr = proc()?;
+    if with_mem!(m => graph_release(m, ptr)) {
+        return Ok(());
+    }
     let a = with_mem!(m => m.allocs.remove(&ptr)).ok_or(CUresult::INVALID_VALUE)?;
     unmap(ptr, a.len);
     match a.kind {
@@ -697,6 +744,163 @@ pub fn pool_attr(id: u64, attr: i32, set: Option<u64>) -> R<u64> {
             _ => return Err(CUresult::INVALID_VALUE),
         };
         Ok(v)
+    })
+}
+
+// ----- graph memory -----
+
+/// A graph allocation node's address: a virtual range of `size` bytes on `gpu`, backed only while
+/// the allocation is live.
+pub fn graph_va(size: u64, gpu: usize, ordinal: CUdevice) -> R<GraphAlloc> {
+    if size == 0 {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    let len = usize::try_from(size).map_err(|_| CUresult::OUT_OF_MEMORY)?;
+    let ptr = map_anon(len)? as u64;
+    let a = GraphAlloc { ptr, size, gpu, ordinal };
+    with_mem!(m => m.graph_vas.insert(ptr, a));
+    Ok(a)
+}
+
+/// Whether `ptr` is a graph allocation's address (a free node may free only those).
+pub fn is_graph_va(ptr: u64) -> bool {
+    with_mem!(m => m.graph_vas.contains_key(&ptr))
+}
+
+/// Ends a live graph allocation: its memory returns to the graph pool. False if `ptr` is none.
+fn graph_release(m: &mut Mem, ptr: u64) -> bool {
+    match m.allocs.get(&ptr) {
+        Some(a) if a.kind == Kind::Graph => {
+            let a = m.allocs.remove(&ptr).unwrap();
+            if let Some(g) = m.graph_pools.get_mut(&a.gpu) {
+                g.used -= a.size;
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// What `ops` need on top of each pool's spare memory: (GPU, bytes to add to its reservation).
+fn graph_growth(m: &Mem, ops: &[MemOp], auto_free: bool) -> Vec<(usize, u64)> {
+    // Per GPU: (used while the ops run, its peak).
+    let mut run: HashMap<usize, (u64, u64)> = HashMap::new();
+    let mut live: HashMap<u64, (usize, u64)> = HashMap::new();
+    let used = |gpu: usize| m.graph_pools.get(&gpu).map_or(0, |g| g.used);
+    for op in ops {
+        match *op {
+            MemOp::Alloc(a) => {
+                let r = run.entry(a.gpu).or_insert_with(|| (used(a.gpu), used(a.gpu)));
+                if auto_free && m.allocs.get(&a.ptr).is_some_and(|x| x.kind == Kind::Graph) {
+                    r.0 -= a.size; // freed first, as the flag says
+                }
+                r.0 += a.size;
+                r.1 = r.1.max(r.0);
+                live.insert(a.ptr, (a.gpu, a.size));
+            }
+            MemOp::Free(p) => {
+                let known = live
+                    .remove(&p)
+                    .or_else(|| m.allocs.get(&p).filter(|x| x.kind == Kind::Graph).map(|x| (x.gpu, x.size)));
+                if let Some((gpu, size)) = known {
+                    let r = run.entry(gpu).or_insert_with(|| (used(gpu), used(gpu)));
+                    r.0 = r.0.saturating_sub(size);
+                }
+            }
+        }
+    }
+    run.into_iter()
+        .filter_map(|(gpu, (_, peak))| {
+            let reserved = m.graph_pools.get(&gpu).map_or(0, |g| g.reserved);
+            (peak > reserved).then(|| (gpu, round_up(peak - reserved, GRANULARITY)))
+        })
+        .collect()
+}
+
+/// Grows the graph pools by what `ops` need, charging the process; all or nothing.
+fn graph_reserve(m: &mut Mem, ops: &[MemOp], auto_free: bool) -> R<()> {
+    let pr = proc()?;
+    let grow = graph_growth(m, ops, auto_free);
+    for (i, &(gpu, bytes)) in grow.iter().enumerate() {
+        if let Err(e) = pr.charge(gpu, bytes) {
+            for &(g, b) in &grow[..i] {
+                pr.uncharge(g, b);
+            }
+            return Err(e);
+        }
+    }
+    for (gpu, bytes) in grow {
+        let g = m.graph_pools.entry(gpu).or_default();
+        g.reserved += bytes;
+        g.high_reserved = g.high_reserved.max(g.reserved);
+    }
+    Ok(())
+}
+
+/// Runs an executable graph's memory nodes (at its launch): the pools grow by what the launch
+/// needs beyond their spare memory, or the launch fails with nothing done. An allocation still
+/// live from an earlier launch fails it too, unless the graph frees it itself (auto-free).
+pub fn graph_run(c: &Ctx, ops: &[MemOp], auto_free: bool) -> R<()> {
+    with_mem!(m => {
+        for op in ops {
+            if let MemOp::Alloc(a) = op {
+                if !auto_free && m.allocs.contains_key(&a.ptr) {
+                    return Err(CUresult::INVALID_VALUE);
+                }
+            }
+        }
+        graph_reserve(m, ops, auto_free)?;
+        for op in ops {
+            match *op {
+                MemOp::Alloc(a) => {
+                    graph_release(m, a.ptr);
+                    let g = m.graph_pools.entry(a.gpu).or_default();
+                    g.used += a.size;
+                    g.high_used = g.high_used.max(g.used);
+                    let len = a.size as usize;
+                    m.allocs.insert(a.ptr, Alloc { size: a.size, len, gpu: a.gpu, ctx: ctx_key(c), kind: Kind::Graph, charged: false });
+                }
+                MemOp::Free(p) => {
+                    graph_release(m, p);
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `cuGraphUpload`: backs the graph's allocations ahead of its launch (the pools grow now).
+pub fn graph_upload(ops: &[MemOp], auto_free: bool) -> R<()> {
+    with_mem!(m => graph_reserve(m, ops, auto_free))
+}
+
+/// `cuDeviceGraphMemTrim`: the pool gives back what no live graph allocation uses.
+pub fn graph_trim(gpu: usize) -> R<()> {
+    let pr = proc()?;
+    let freed = with_mem!(m => m.graph_pools.get_mut(&gpu).map_or(0, |g| {
+        let keep = round_up(g.used, GRANULARITY).min(g.reserved);
+        let freed = g.reserved - keep;
+        g.reserved = keep;
+        freed
+    }));
+    pr.uncharge(gpu, freed);
+    Ok(())
+}
+
+/// `cuDeviceGetGraphMemAttribute` (`set`: `cuDeviceSetGraphMemAttribute`, which only resets the
+/// high watermarks, with 0).
+pub fn graph_attr(gpu: usize, attr: i32, set: Option<u64>) -> R<u64> {
+    with_mem!(m => {
+        let g = m.graph_pools.entry(gpu).or_default();
+        Ok(match (attr, set) {
+            (CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, None) => g.used,
+            (CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, None) => g.high_used,
+            (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, None) => g.reserved,
+            (CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, None) => g.high_reserved,
+            (CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, Some(0)) => { g.high_used = g.used; 0 }
+            (CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH, Some(0)) => { g.high_reserved = g.reserved; 0 }
+            _ => return Err(CUresult::INVALID_VALUE),
+        })
     })
 }
 

@@ -149,13 +149,26 @@ impl Sim {
     }
 
     /// Starts a prepared command and waits for its first JSON line.
-    pub fn spawn_cmd(&mut self, mut cmd: Command, args: &[&str]) -> (u32, Value) {
+    pub fn spawn_cmd(&mut self, cmd: Command, args: &[&str]) -> (u32, Value) {
+        self.spawn_until(cmd, args, None)
+    }
+
+    /// [`spawn_cmd`](Self::spawn_cmd), reading lines until one whose `event` is `event` (None: the
+    /// first line), which it returns.
+    pub fn spawn_until(&mut self, mut cmd: Command, args: &[&str], event: Option<&str>) -> (u32, Value) {
         let mut child = cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
         let mut out: BufReader<ChildStdout> = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        out.read_line(&mut line).unwrap();
+        loop {
+            line.clear();
+            out.read_line(&mut line).unwrap();
+            assert!(!line.is_empty(), "{cmd:?} {args:?} exited before printing {event:?}");
+            let v: Value = serde_json::from_str(&line).unwrap();
+            if event.is_none_or(|e| v["event"] == e) {
+                break;
+            }
+        }
         let pid = child.id();
-        assert!(!line.is_empty(), "{cmd:?} {args:?} exited before printing");
         self.children.push(child);
         // Keep the pipe open (the child may print more) by leaking the reader into a thread.
         std::thread::spawn(move || for _ in out.lines() {});
