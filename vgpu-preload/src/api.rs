@@ -30,9 +30,9 @@ macro_rules! cuda_hooks {
             cuMemRelease(handle: u64) => memory::vmm_release;
             // stream-ordered allocator
             cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async;
-            cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async;
+            cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async_ptsz;
             cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool;
-            cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool;
+            cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool_ptsz;
             cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
             cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
             // arrays
@@ -75,6 +75,15 @@ macro_rules! cuda_hooks {
             cuGraphExecNodeSetParams(exec: CUgraphExec, node: CUgraphNode, p: *mut CUgraphNodeParams) => stale::node_set;
             cuGraphExecChildGraphNodeSetParams(exec: CUgraphExec, node: CUgraphNode, child: CUgraph) => stale::child_graph_set;
             cuGraphNodeSetEnabled(exec: CUgraphExec, node: CUgraphNode, on: u32) => stale::node_enable;
+            // graphs that allocate (graph memory nodes): the device's graph memory pool is charged
+            cuGraphInstantiate(e: *mut CUgraphExec, g: CUgraph, err: *mut CUgraphNode, log: *mut c_char, n: usize) => graphmem::instantiate;
+            cuGraphInstantiate_v2(e: *mut CUgraphExec, g: CUgraph, err: *mut CUgraphNode, log: *mut c_char, n: usize) => graphmem::instantiate;
+            cuGraphInstantiateWithFlags(e: *mut CUgraphExec, g: CUgraph, flags: u64) => graphmem::instantiate_with_flags;
+            cuGraphInstantiateWithParams(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS) => graphmem::instantiate_with_params;
+            cuGraphInstantiateWithParams_ptsz(e: *mut CUgraphExec, g: CUgraph, p: *mut CUDA_GRAPH_INSTANTIATE_PARAMS) => graphmem::instantiate_with_params;
+            cuGraphUpload(exec: CUgraphExec, stream: CUstream) => graphmem::upload;
+            cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream) => graphmem::upload;
+            cuDeviceGraphMemTrim(dev: CUdevice) => graphmem::trim;
             // stream capture: launches into a graph being captured run nothing and are not charged
             cuStreamBeginCapture(stream: CUstream) => capture::begin_v1;
             cuStreamBeginCapture_ptsz(stream: CUstream) => capture::begin_v1;
@@ -120,6 +129,10 @@ macro_rules! cuda_helpers {
             cuEventQuery(e: CUevent);
             cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
             cuStreamIsCapturing(stream: CUstream, status: *mut i32);
+            cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, n: *mut usize);
+            cuGraphNodeGetType(node: CUgraphNode, ty: *mut i32);
+            cuGraphMemAllocNodeGetParams(node: CUgraphNode, p: *mut CUDA_MEM_ALLOC_NODE_PARAMS);
+            cuDeviceGetGraphMemAttribute(dev: CUdevice, attr: i32, v: *mut c_void);
         }
     };
 }

@@ -33,6 +33,20 @@ pub fn capturing(stream: CUstream) -> bool {
     r != CUresult::SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
 }
 
+/// Whether the driver says `stream` is capturing (an error answer counts as not: for calls that are
+/// charged unless they are captured, the safe side is to charge).
+#[inline]
+pub fn captures(stream: CUstream) -> bool {
+    if !any_open() {
+        return false;
+    }
+    let Some(is) = driver().helpers.cuStreamIsCapturing else { return false };
+    let mut status = CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller's stream handle and an out-pointer to a local.
+    let r = unsafe { is(stream, &mut status) };
+    r == CUresult::SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE
+}
+
 fn opened(r: CUresult) -> CUresult {
     if r == CUresult::SUCCESS {
         OPEN.fetch_add(1, Relaxed);

@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 mod exports {
     use super::*;
     #[allow(unused_imports)]
-    use crate::{capture, memory, nvml, procaddr, sm, stale};
+    use crate::{capture, graphmem, memory, nvml, procaddr, sm, stale};
 
     macro_rules! cuda_exports {
         ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident)?;)*) => {
@@ -42,7 +42,26 @@ mod exports {
         };
         // Launches go straight to the driver unless an SM limit is configured for the container. The
         // SM path cannot panic on its fast path and guards its slow path itself (see `sm`), so it
-        // runs without the entry guard.
+        // runs without the entry guard. Graph launches also take that path while a graph of the
+        // process allocates memory (see `graphmem`), limited or not.
+        (sm :: graph_launch, $real:ident, $($a:ident),*) => {
+            if crate::sm::engaged() || crate::graphmem::any() {
+                // SAFETY: the policy receives the caller's arguments and the real entry point.
+                unsafe { crate::sm::graph_launch($real, $($a),*) }
+            } else {
+                // SAFETY: as for `pass`.
+                unsafe { $real($($a),*) }
+            }
+        };
+        (sm :: graph_launch_ptsz, $real:ident, $($a:ident),*) => {
+            if crate::sm::engaged() || crate::graphmem::any() {
+                // SAFETY: as above.
+                unsafe { crate::sm::graph_launch_ptsz($real, $($a),*) }
+            } else {
+                // SAFETY: as for `pass`.
+                unsafe { $real($($a),*) }
+            }
+        };
         (sm :: $f:ident, $real:ident, $($a:ident),*) => {
             if crate::sm::engaged() {
                 // SAFETY: the policy receives the caller's arguments and the real entry point.

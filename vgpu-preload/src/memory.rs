@@ -92,6 +92,7 @@ fn ctx_id(st: &State, d: usize) -> u64 {
 fn context_gone(st: &State, ctx: u64) {
     // Its modules and graphs went with it, and their handles may come back naming other work.
     crate::sm::forget_all();
+    crate::graphmem::context_gone(st);
     if ctx == 0 {
         return;
     }
@@ -278,9 +279,23 @@ pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
 // Pools belong to the device, not to a context: their allocations are never released when a
 // context goes (only when freed), so a context's end cannot make them uncounted.
 
+/// Into a capturing stream a stream-ordered allocation makes an allocation node of the graph, not
+/// memory: the graph's launches are charged for it (see `graphmem`).
 pub unsafe fn alloc_async(real: f::cuMemAllocAsync, dptr: *mut CUdeviceptr, size: usize, s: CUstream) -> CUresult {
+    let counted = !crate::capture::captures(s);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, true, false, || real(dptr, size, s)) }
+    unsafe { linear(dptr, size, counted, false, || real(dptr, size, s)) }
+}
+
+pub unsafe fn alloc_async_ptsz(
+    real: f::cuMemAllocAsync_ptsz,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    s: CUstream,
+) -> CUresult {
+    let counted = !crate::capture::captures(crate::capture::ptsz(s));
+    // SAFETY: as above.
+    unsafe { linear(dptr, size, counted, false, || real(dptr, size, s)) }
 }
 
 pub unsafe fn alloc_from_pool(
@@ -290,8 +305,21 @@ pub unsafe fn alloc_from_pool(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
+    let counted = !crate::capture::captures(s);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, true, false, || real(dptr, size, pool, s)) }
+    unsafe { linear(dptr, size, counted, false, || real(dptr, size, pool, s)) }
+}
+
+pub unsafe fn alloc_from_pool_ptsz(
+    real: f::cuMemAllocFromPoolAsync_ptsz,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: CUmemoryPool,
+    s: CUstream,
+) -> CUresult {
+    let counted = !crate::capture::captures(crate::capture::ptsz(s));
+    // SAFETY: as above.
+    unsafe { linear(dptr, size, counted, false, || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {

@@ -7,6 +7,7 @@
 
 use crate::capture::{self, ptsz};
 use crate::config::CorePolicy;
+use crate::graphmem;
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
 use cuda_abi::*;
@@ -587,12 +588,25 @@ pub unsafe fn launch_grid_async(real: f::cuLaunchGridAsync, k: CUfunction, w: i3
 }
 
 pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {
-    admit(g as u64, s, || unsafe { real(g, s) })
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    graphmem::launched(g, s, || {
+        if engaged() {
+            admit(g as u64, s, || unsafe { real(g, s) })
+        } else {
+            unsafe { real(g, s) }
+        }
+    })
 }
 
 pub unsafe fn graph_launch_ptsz(real: f::cuGraphLaunch_ptsz, g: CUgraphExec, s: CUstream) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(g as u64, ptsz(s), || unsafe { real(g, s) })
+    graphmem::launched(g, ptsz(s), || {
+        if engaged() {
+            admit(g as u64, ptsz(s), || unsafe { real(g, s) })
+        } else {
+            unsafe { real(g, s) }
+        }
+    })
 }
 
 #[cfg(test)]

@@ -28,7 +28,11 @@ fn changed(exec: CUgraphExec, r: CUresult) -> CUresult {
 
 pub unsafe fn exec_destroy(real: f::cuGraphExecDestroy, exec: CUgraphExec) -> CUresult {
     // SAFETY: the caller's handle, forwarded unchanged (the hook's contract).
-    changed(exec, unsafe { real(exec) })
+    let r = changed(exec, unsafe { real(exec) });
+    if r == CUresult::SUCCESS {
+        crate::graphmem::destroyed(exec);
+    }
+    r
 }
 
 pub unsafe fn exec_update(

@@ -161,6 +161,7 @@ impl State {
             }
         }
         self.trueup.after_fork(host_pid());
+        crate::graphmem::after_fork();
         self.ptrs.clear();
         self.handles.clear();
         self.contexts.clear();
@@ -392,6 +393,13 @@ impl State {
             r.used(dev)
         );
         Err(CUresult::OUT_OF_MEMORY)
+    }
+
+    /// Charges memory the driver already holds for this process (it cannot be refused any more).
+    pub fn charge_held(&self, dev: usize, bytes: u64) {
+        if let Some((r, slot)) = self.accounting() {
+            r.reserve(slot, dev, bytes, 0);
+        }
     }
 
     #[inline]

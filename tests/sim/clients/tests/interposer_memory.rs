@@ -13,7 +13,7 @@
 
 mod common;
 use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::process::{Command, Output};
 use vgpu_region::Region;
 
@@ -175,6 +175,100 @@ fn memory_the_driver_frees_with_a_context_is_given_back() {
         assert_eq!(v["again"], "CUDA_SUCCESS", "{bin} {how}: {v}");
         assert_eq!(free(&v, "again_mem_info"), (1024 - 64 - 800) * MIB, "{bin} {how}: {v}");
     }
+    assert_eq!(physical_used(&s, 0), 0);
+}
+
+/// The lines of a `graph-mem` run, by step ("launched" lines in launch order).
+fn graph_steps(o: &Output) -> Vec<Value> {
+    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    lines(&o.stdout)
+}
+
+fn step<'a>(v: &'a [Value], name: &str) -> &'a Value {
+    v.iter().find(|x| x["step"] == name).unwrap_or_else(|| panic!("no {name} in {v:?}"))
+}
+
+#[test]
+fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
+    // Graph memory nodes allocate no memory when made: the driver backs them from the device's
+    // graph pool when the graph runs, and keeps the pool for later launches of any graph until
+    // trimmed. Two graphs of 600 MiB each, run one after the other, hold 600 MiB: that is what the
+    // container must be charged (no more, or the second is refused memory it does not need).
+    let s = Sim::new(Some(NODE));
+    let free = |v: &Value| v["mem_info"]["free"].as_u64().unwrap();
+    type Env<'a> = &'a [(&'a str, &'a str)];
+    let runs: &[(&str, &[&str], Env)] = &[
+        (RT, &["--how", "explicit"], LIMIT),
+        (RT, &["--how", "capture"], LIMIT),
+        (RT, &["--how", "capture", "--keep"], LIMIT),
+        (RT, &["--how", "explicit", "--instantiate", "params"], LIMIT),
+        (DIRECT, &["--how", "capture"], LIMIT),
+        (DLSYM, &["--how", "explicit"], LIMIT),
+        // Under an SM limit the launch also goes through the throttle.
+        (RT, &["--how", "capture"], &[("CUDA_DEVICE_MEMORY_LIMIT_0", "1g"), ("CUDA_DEVICE_SM_LIMIT", "50")]),
+    ];
+    for &(bin, how, env) in runs {
+        let mut args = vec!["graph-mem", "--size", "600m", "--graphs", "2", "--alloc", "600m", "--destroy", "--trim"];
+        args.extend_from_slice(how);
+        let v = graph_steps(&out(&mut s.limited(bin, env), &args));
+        let what = format!("{bin} {how:?} {env:?}");
+        for x in v.iter().filter(|x| x["step"] == "captured" || x["step"] == "instantiated") {
+            assert_eq!(
+                (&x["result"], free(x)),
+                (&json!("CUDA_SUCCESS"), (1024 - 64) * MIB),
+                "{what}: nothing yet: {x}"
+            );
+        }
+        let launched: Vec<&Value> = v.iter().filter(|x| x["step"] == "launched").collect();
+        assert_eq!(launched.len(), 4, "{what}: {v:?}");
+        for x in launched {
+            assert_eq!(x["result"], "CUDA_SUCCESS", "{what}: {x}");
+            assert_eq!(x["pool"], 600 * MIB, "{what}: one pool for both graphs: {x}");
+            assert_eq!(free(x), (1024 - 64 - 600) * MIB, "{what}: the pool charged once: {x}");
+        }
+        assert_eq!(step(&v, "alloc")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "{what}: the pool holds the memory");
+        assert_eq!(free(step(&v, "destroyed")), (1024 - 64 - 600) * MIB, "{what}: the driver keeps the pool");
+        let t = step(&v, "trimmed");
+        assert_eq!((&t["pool"], free(t)), (&json!(0), (1024 - 64) * MIB), "{what}: trimmed: {t}");
+        assert_eq!(step(&v, "alloc-after-trim")["result"], "CUDA_SUCCESS", "{what}");
+    }
+    // A graph allocating more than the container has left is refused at launch, before the
+    // driver takes anything; the quota is untouched.
+    for how in ["explicit", "capture"] {
+        let args = ["graph-mem", "--how", how, "--size", "1200m", "--launches", "1", "--alloc", "900m"];
+        let v = graph_steps(&out(&mut s.limited(RT, LIMIT), &args));
+        let l = step(&v, "launched");
+        assert_eq!((&l["result"], &l["pool"]), (&json!("CUDA_ERROR_OUT_OF_MEMORY"), &json!(0)), "{how}: {l}");
+        assert_eq!(free(l), (1024 - 64) * MIB, "{how}");
+        assert_eq!(step(&v, "alloc")["result"], "CUDA_SUCCESS", "{how}: nothing left behind");
+        // Uploading maps the memory as a launch would, and so does instantiating with the upload flag.
+        let up = graph_steps(&out(
+            &mut s.limited(RT, LIMIT),
+            &["graph-mem", "--how", how, "--size", "1200m", "--upload", "--launches", "0"],
+        ));
+        assert_eq!(step(&up, "uploaded")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "{how}: {up:?}");
+        let up = graph_steps(&out(
+            &mut s.limited(RT, LIMIT),
+            &["graph-mem", "--how", how, "--size", "600m", "--instantiate", "upload", "--launches", "0"],
+        ));
+        let i = step(&up, "instantiated");
+        assert_eq!((&i["pool"], free(i)), (&json!(600 * MIB), (1024 - 64 - 600) * MIB), "{how}: {i}");
+    }
+    assert_eq!(physical_used(&s, 0), 0);
+}
+
+#[test]
+fn graph_memory_of_a_killed_process_comes_back() {
+    let mut s = Sim::new(Some(NODE));
+    let (pid, _) = s.spawn_until(
+        s.limited(RT, LIMIT),
+        &["graph-mem", "--how", "capture", "--size", "600m", "--launches", "1", "--hold"],
+        Some("ready"),
+    );
+    assert_eq!(region(&s).used(0), (64 + 600) * MIB, "the context and the graph pool");
+    s.kill(pid);
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["alloc", "--size", "900m"]));
+    assert_eq!(v["allocated"], 900 * MIB, "{v}");
     assert_eq!(physical_used(&s, 0), 0);
 }
 
