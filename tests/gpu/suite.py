@@ -533,6 +533,33 @@ def check_context_reset(s):
     return summary, v
 
 
+def check_graph_mem(s):
+    """Memory that CUDA graphs allocate (graph memory nodes) is charged as the device's graph pool."""
+    lim, size, probe = 4 * GIB, 3 * GIB // 2, 11 * GIB // 4
+    argv = ["graph-mem", "--size", str(size), "--graphs", "2", "--alloc", str(probe)]
+    bare = s.probe(argv, s.env(False))
+    j = s.probe(argv, s.env(True, mem=lim, region=os.path.join(s.tmp, "graph-mem.region")))
+    over = s.probe(["graph-mem", "--size", str(5 * GIB)], s.env(True, mem=lim, region=os.path.join(s.tmp, "graph-mem-over.region")))
+    v = {"limit": lim, "bare": bare, "limited": j, "over": over}
+    charged = j["base"]["free"] - j["after_launch"]["free"]
+    summary = ("two graphs of %s launched in turn: the driver's graph pool %s (without libvgpu %s), charged %s; "
+               "then %s: %s; after a trim (pool %s): %s; one graph of 5 GiB under the %s limit: %s") % (
+        human(size), human(j["pool"]), human(bare["pool"]), human(charged), human(probe), j["alloc"],
+        human(j["pool_after_trim"]), j["alloc_after_trim"], human(lim), over["launches"][0])
+    problems = []
+    if j["launches"] != ["CUDA_SUCCESS"] * 2:
+        problems.append("launches: %s" % j["launches"])
+    if abs(charged - j["pool"]) > 64 * MIB:
+        problems.append("charged %s for a pool of %s" % (human(charged), human(j["pool"])))
+    if j["alloc"] != "CUDA_ERROR_OUT_OF_MEMORY" or j["alloc_after_trim"] != "CUDA_SUCCESS":
+        problems.append("the pool's memory was not held against the limit, or not given back by the trim")
+    if over["launches"][0] != "CUDA_ERROR_OUT_OF_MEMORY" or over["pool"] != 0:
+        problems.append("a graph allocating more than the limit ran (pool %s)" % human(over["pool"]))
+    if problems:
+        raise Fail(summary + ". " + "; ".join(problems), v)
+    return summary, v
+
+
 def check_nvml(s):
     """nvidia-smi (NVML) in the limited environment shows the limit."""
     lim = s.limit
@@ -1055,6 +1082,7 @@ CHECKS = [
     ("train", check_train),
     ("shared-quota", check_shared_quota),
     ("context-reset", check_context_reset),
+    ("graph-mem", check_graph_mem),
     ("nvml", check_nvml),
     ("cuda-graph", check_graph),
     ("graph-recapture", check_graph_recapture),

@@ -27,6 +27,10 @@ pub struct Figures {
     pub alloc_free_ns: f64,
     pub alloc_free_30k_ns: f64,
     pub get_info_ns: f64,
+    /// `cuGraphLaunch` of a one-kernel graph, and of a graph that allocates and frees 4 KiB in
+    /// graph memory nodes.
+    pub graph_launch_ns: f64,
+    pub graph_mem_launch_ns: f64,
 }
 
 fn ok(r: CUresult, what: &str) {
@@ -75,6 +79,45 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
             let (mut fr, mut t) = (0, 0);
             (api.cuMemGetInfo_v2)(&mut fr, &mut t);
         });
-        Figures { launch_ns, alloc_free_ns, alloc_free_30k_ns, get_info_ns }
+        let instantiate = |g: CUgraph| {
+            let mut e = std::ptr::null_mut();
+            ok((api.cuGraphInstantiateWithFlags)(&mut e, g, 0), "cuGraphInstantiate");
+            e
+        };
+        let mut g = std::ptr::null_mut();
+        ok((api.cuGraphCreate)(&mut g, 0), "cuGraphCreate");
+        let k = CUDA_KERNEL_NODE_PARAMS_v2 {
+            func: f,
+            gridDimX: 1,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: 32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            kernelParams: std::ptr::null_mut(),
+            extra: std::ptr::null_mut(),
+            kern: std::ptr::null_mut(),
+            ctx: std::ptr::null_mut(),
+        };
+        let mut n = std::ptr::null_mut();
+        ok((api.cuGraphAddKernelNode_v2)(&mut n, g, std::ptr::null(), 0, &k), "cuGraphAddKernelNode");
+        let plain = instantiate(g);
+        let graph_launch_ns = median_ns(batches, per / 4 + 1, || {
+            (api.cuGraphLaunch)(plain, s);
+        });
+        ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
+        let mut g = std::ptr::null_mut();
+        ok((api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture");
+        let mut p = 0;
+        ok((api.cuMemAllocAsync)(&mut p, 4096, s), "cuMemAllocAsync (captured)");
+        ok((api.cuMemFreeAsync)(p, s), "cuMemFreeAsync (captured)");
+        ok((api.cuStreamEndCapture)(s, &mut g), "cuStreamEndCapture");
+        let with_mem = instantiate(g);
+        let graph_mem_launch_ns = median_ns(batches, per / 4 + 1, || {
+            ok((api.cuGraphLaunch)(with_mem, s), "cuGraphLaunch (graph memory)");
+        });
+        ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
+        Figures { launch_ns, alloc_free_ns, alloc_free_30k_ns, get_info_ns, graph_launch_ns, graph_mem_launch_ns }
     }
 }

@@ -15,6 +15,11 @@
 //!                                                chunks on the GPU and reads them back)
 //!        gpu-probe reset --size BYTES            (allocates, resets the primary context, allocates again)
 //!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S]
+//!        gpu-probe graph-mem --size BYTES [--graphs N] [--alloc BYTES]
+//!                                                (N graphs of an allocation node of BYTES, a kernel
+//!                                                and a free node, each launched once; then
+//!                                                cuMemAlloc --alloc, the graphs destroyed, the graph
+//!                                                pool trimmed, and cuMemAlloc --alloc again)
 //! Each prints one JSON object; exit 1 on a driver error, 2 on bad usage.
 use serde_json::{json, Value};
 use std::ffi::{c_char, c_void, CStr};
@@ -76,6 +81,15 @@ table! {
     cuModuleLoadData: fn(*mut CUmodule, *const c_void);
     cuModuleGetFunction: fn(*mut CUfunction, CUmodule, *const c_char);
     cuLaunchKernel: fn(CUfunction, u32, u32, u32, u32, u32, u32, u32, CUstream, *mut *mut c_void, *mut *mut c_void);
+    cuGraphCreate: fn(*mut CUgraph, u32);
+    cuGraphAddMemAllocNode: fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, usize, *mut CUDA_MEM_ALLOC_NODE_PARAMS);
+    cuGraphAddKernelNode: fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, usize, *const CUDA_KERNEL_NODE_PARAMS);
+    cuGraphAddMemFreeNode: fn(*mut CUgraphNode, CUgraph, *const CUgraphNode, usize, CUdeviceptr);
+    cuGraphInstantiateWithFlags: fn(*mut CUgraphExec, CUgraph, u64);
+    cuGraphLaunch: fn(CUgraphExec, CUstream);
+    cuGraphExecDestroy: fn(CUgraphExec);
+    cuDeviceGetGraphMemAttribute: fn(CUdevice, i32, *mut c_void);
+    cuDeviceGraphMemTrim: fn(CUdevice);
 }
 
 struct Probe {
@@ -375,6 +389,107 @@ fn spin(args: &[String]) -> Result<Value, String> {
         "per_s": kernels as f64 / elapsed, "busy": kernels as f64 * ns as f64 / 1e9 / elapsed}))
 }
 
+/// Graphs that allocate in graph memory nodes (see the usage): what the device's graph pool and
+/// cuMemGetInfo say after each step.
+fn graph_mem(args: &[String]) -> Result<Value, String> {
+    let size = opt(args, "--size", -1.0)? as usize;
+    let graphs = opt(args, "--graphs", 1.0)? as usize;
+    let probe = opt(args, "--alloc", 0.0)? as usize;
+    if size == 0 || opt(args, "--size", -1.0)? <= 0.0 {
+        return Err("--size BYTES is required".into());
+    }
+    let (p, dev) = Probe::open()?;
+    let f = p.kernel()?;
+    let pool = || -> Result<u64, String> {
+        let mut v = 0u64;
+        // SAFETY: the reserved-memory attribute is a 64-bit value written to a local.
+        let r = unsafe {
+            (p.cu.cuDeviceGetGraphMemAttribute)(
+                dev,
+                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+                &mut v as *mut u64 as *mut c_void,
+            )
+        };
+        p.ck(r, "cuDeviceGetGraphMemAttribute")?;
+        Ok(v)
+    };
+    let try_alloc = || -> String {
+        if probe == 0 {
+            return "not tried".into();
+        }
+        let mut d = 0;
+        // SAFETY: an out-pointer to a local; freed at once.
+        let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, probe) };
+        if r == CUresult::SUCCESS {
+            // SAFETY: the allocation just made.
+            unsafe { (p.cu.cuMemFree_v2)(d) };
+            return "CUDA_SUCCESS".into();
+        }
+        p.name(r)
+    };
+    let base = mem_info(&p)?;
+    let mut ns = 1000u64;
+    let mut arg = &mut ns as *mut u64 as *mut c_void;
+    let (mut execs, mut launches) = (Vec::new(), Vec::new());
+    // SAFETY: out-pointers to locals, parameter blocks built here, and handles the driver gave.
+    unsafe {
+        for _ in 0..graphs {
+            let mut g = std::ptr::null_mut();
+            p.ck((p.cu.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
+            let mut a = CUDA_MEM_ALLOC_NODE_PARAMS {
+                poolProps: CUmemPoolProps {
+                    allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
+                    handleTypes: 0,
+                    location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+                    win32SecurityAttributes: std::ptr::null_mut(),
+                    maxSize: 0,
+                    usage: 0,
+                    reserved: [0; 54],
+                },
+                accessDescs: std::ptr::null(),
+                accessDescCount: 0,
+                bytesize: size,
+                dptr: 0,
+            };
+            let (mut na, mut nk, mut nf) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+            p.ck((p.cu.cuGraphAddMemAllocNode)(&mut na, g, std::ptr::null(), 0, &mut a), "cuGraphAddMemAllocNode")?;
+            let k = CUDA_KERNEL_NODE_PARAMS {
+                func: f,
+                gridDimX: 1,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: 32,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: 0,
+                kernelParams: &mut arg,
+                extra: std::ptr::null_mut(),
+            };
+            p.ck((p.cu.cuGraphAddKernelNode)(&mut nk, g, &na, 1, &k), "cuGraphAddKernelNode")?;
+            p.ck((p.cu.cuGraphAddMemFreeNode)(&mut nf, g, &nk, 1, a.dptr), "cuGraphAddMemFreeNode")?;
+            let mut e = std::ptr::null_mut();
+            p.ck((p.cu.cuGraphInstantiateWithFlags)(&mut e, g, 0), "cuGraphInstantiateWithFlags")?;
+            execs.push(e);
+        }
+        for &e in &execs {
+            launches.push(p.name((p.cu.cuGraphLaunch)(e, std::ptr::null_mut())));
+            p.sync()?;
+        }
+        let (pool_launched, after_launch) = (pool()?, mem_info(&p)?);
+        let alloc = try_alloc();
+        for e in execs {
+            p.ck((p.cu.cuGraphExecDestroy)(e), "cuGraphExecDestroy")?;
+        }
+        let after_destroy = mem_info(&p)?;
+        p.ck((p.cu.cuDeviceGraphMemTrim)(dev), "cuDeviceGraphMemTrim")?;
+        let (pool_trimmed, after_trim) = (pool()?, mem_info(&p)?);
+        let alloc_after_trim = try_alloc();
+        Ok(json!({"size": size, "graphs": graphs, "base": base, "launches": launches, "pool": pool_launched,
+            "after_launch": after_launch, "alloc": alloc, "after_destroy": after_destroy, "pool_after_trim": pool_trimmed,
+            "after_trim": after_trim, "alloc_after_trim": alloc_after_trim}))
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let r = match args.first().map(String::as_str) {
@@ -385,8 +500,9 @@ fn main() {
         Some("fill") => fill(&args[1..]),
         Some("spin") => spin(&args[1..]),
         Some("reset") => reset(&args[1..]),
+        Some("graph-mem") => graph_mem(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
