@@ -35,13 +35,14 @@ scenarios:
                                         their CUkernel handle as CUDA 12 runtimes do
   graph-mem [--how explicit|capture] [--size N] [--graphs G] [--keep]
             [--instantiate flags|params|upload] [--upload] [--launches L] [--alloc N]
-            [--destroy] [--trim] [--hold]
+            [--destroy] [--trim] [--reset] [--hold]
                                         G graphs that each allocate N bytes in a graph memory node
                                         (explicit: cuGraphAddMemAllocNode; capture: cuMemAllocAsync
                                         captured) and free them (--keep: freed after each launch
                                         with cuMemFreeAsync), launched L rounds; then cuMemAlloc N
                                         (--alloc), the graphs destroyed, the graph pool trimmed and
-                                        cuMemAlloc tried again; a line per step with the pool's
+                                        cuMemAlloc tried again (--reset: the primary context reset,
+                                        then cuMemAlloc again); a line per step with the pool's
                                         reservation as the driver reports it
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
@@ -320,6 +321,15 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             report("trimmed", (api.cuDeviceGraphMemTrim)(d), json!({}));
             if probe > 0 {
                 try_alloc("alloc-after-trim");
+            }
+        }
+        if o.flag("reset") {
+            // What cudaDeviceReset does: the context goes, and the graph pool with it.
+            ck(api, (api.cuDevicePrimaryCtxReset_v2)(d), "cuDevicePrimaryCtxReset")?;
+            setup(api, dev)?;
+            report("reset", CUresult::SUCCESS, json!({}));
+            if probe > 0 {
+                try_alloc("alloc-after-reset");
             }
         }
     }

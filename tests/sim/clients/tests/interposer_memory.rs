@@ -254,6 +254,15 @@ fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
         let i = step(&up, "instantiated");
         assert_eq!((&i["pool"], free(i)), (&json!(600 * MIB), (1024 - 64 - 600) * MIB), "{how}: {i}");
     }
+    // The pool goes with its context (cudaDeviceReset), and so does its charge.
+    let v = graph_steps(&out(
+        &mut s.limited(RT, LIMIT),
+        &["graph-mem", "--how", "capture", "--size", "600m", "--launches", "1", "--alloc", "600m", "--reset"],
+    ));
+    assert_eq!(step(&v, "alloc")["result"], "CUDA_ERROR_OUT_OF_MEMORY");
+    let r = step(&v, "reset");
+    assert_eq!((&r["pool"], free(r)), (&json!(0), (1024 - 64) * MIB), "{r}");
+    assert_eq!(step(&v, "alloc-after-reset")["result"], "CUDA_SUCCESS");
     assert_eq!(physical_used(&s, 0), 0);
 }
 
