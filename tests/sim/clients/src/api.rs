@@ -44,6 +44,9 @@ macro_rules! with_cuda_api {
             cuMemPoolCreate = "cuMemPoolCreate" : fn(p: *mut CUmemoryPool, props: *const CUmemPoolProps);
             cuMemPoolDestroy = "cuMemPoolDestroy" : fn(p: CUmemoryPool);
             cuMemPoolTrimTo = "cuMemPoolTrimTo" : fn(p: CUmemoryPool, keep: usize);
+            cuMemPoolSetAttribute = "cuMemPoolSetAttribute" : fn(p: CUmemoryPool, attr: i32, v: *mut c_void);
+            cuMemPoolGetAttribute = "cuMemPoolGetAttribute" : fn(p: CUmemoryPool, attr: i32, v: *mut c_void);
+            cuDeviceGetMemPool = "cuDeviceGetMemPool" : fn(p: *mut CUmemoryPool, d: CUdevice);
             cuMemAllocAsync = "cuMemAllocAsync" : fn(d: *mut CUdeviceptr, size: usize, s: CUstream);
             cuMemAllocFromPoolAsync = "cuMemAllocFromPoolAsync" : fn(d: *mut CUdeviceptr, size: usize, p: CUmemoryPool, s: CUstream);
             cuMemFreeAsync = "cuMemFreeAsync" : fn(d: CUdeviceptr, s: CUstream);

@@ -44,6 +44,12 @@ scenarios:
                                         cuMemAlloc tried again (--reset: the primary context reset,
                                         then cuMemAlloc again); a line per step with the pool's
                                         reservation as the driver reports it
+  pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N]
+                                        a stream-ordered allocation of N bytes (async: from the
+                                        device's current pool; pool: from a new pool), its pool's
+                                        release threshold set to T first; then, a line each: freed,
+                                        synchronised, cuMemAlloc --alloc tried, N allocated from the
+                                        pool again, freed and the pool trimmed to 0
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -170,6 +176,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "launch" => launch(api, dev, &o),
         "memcpy" => memcpy(api, dev, &o),
         "graph-mem" => graph_mem(api, dev, &o),
+        "pool" => pool_steps(api, dev, &o),
         "threads" => threads(api, dev, &o),
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
@@ -183,6 +190,87 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         }
         s => Err(format!("unknown scenario {s:?}\n{USAGE}")),
     }
+}
+
+/// See USAGE: what a stream-ordered pool holds after each step.
+fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let kind = o.str("allocator", "async");
+    let size = o.num("size", 256 << 20)? as usize;
+    let probe = o.num("alloc", 0)? as usize;
+    if !matches!(kind, "async" | "pool") {
+        return Err(format!("pool: --allocator {kind:?}?\n{USAGE}"));
+    }
+    // SAFETY (whole function): calls through the bound table with out-pointers to locals and
+    // property blocks built here; handles are the driver's.
+    unsafe {
+        let mut d: CUdevice = 0;
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        let mut s = std::ptr::null_mut();
+        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+        let mut pool = std::ptr::null_mut();
+        if kind == "pool" {
+            let props = CUmemPoolProps {
+                allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
+                handleTypes: 0,
+                location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: d },
+                win32SecurityAttributes: std::ptr::null_mut(),
+                maxSize: 0,
+                usage: 0,
+                reserved: [0; 54],
+            };
+            ck(api, (api.cuMemPoolCreate)(&mut pool, &props), "cuMemPoolCreate")?;
+        } else {
+            ck(api, (api.cuDeviceGetMemPool)(&mut pool, d), "cuDeviceGetMemPool")?;
+        }
+        if let Some(t) = o.map.get("threshold") {
+            let mut t = parse_size(t).ok_or("--threshold needs a size")?;
+            ck(
+                api,
+                (api.cuMemPoolSetAttribute)(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut t as *mut u64 as *mut c_void),
+                "cuMemPoolSetAttribute",
+            )?;
+        }
+        let report = |step: &str, r: CUresult| {
+            let mut held = 0u64;
+            (api.cuMemPoolGetAttribute)(
+                pool,
+                CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                &mut held as *mut u64 as *mut c_void,
+            );
+            emit(
+                json!({"event": "pool", "step": step, "result": error_name(api, r), "mem_info": mem_info(api), "pool": held}),
+            );
+        };
+        let alloc = |p: &mut CUdeviceptr| {
+            if kind == "pool" {
+                (api.cuMemAllocFromPoolAsync)(p, size, pool, s)
+            } else {
+                (api.cuMemAllocAsync)(p, size, s)
+            }
+        };
+        let mut p = 0;
+        let r = alloc(&mut p);
+        report("allocated", r);
+        ck(api, r, "allocation")?;
+        report("freed", (api.cuMemFreeAsync)(p, s));
+        report("synchronised", (api.cuStreamSynchronize)(s));
+        if probe > 0 {
+            let mut q = 0;
+            let r = (api.cuMemAlloc_v2)(&mut q, probe);
+            report("alloc", r);
+            if r == CUresult::SUCCESS {
+                (api.cuMemFree_v2)(q);
+            }
+        }
+        let r = alloc(&mut p);
+        report("allocated-again", r);
+        if r == CUresult::SUCCESS {
+            ck(api, (api.cuMemFreeAsync)(p, s), "cuMemFreeAsync")?;
+        }
+        report("trimmed", (api.cuMemPoolTrimTo)(pool, 0));
+    }
+    Ok(())
 }
 
 /// See USAGE: graphs that allocate, launched under whatever limit the environment sets.

@@ -168,14 +168,7 @@ pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
         Kind::Pool(_) | Kind::Graph => false,
     };
     let len = usize::try_from(size).map_err(|_| CUresult::OUT_OF_MEMORY)?;
-    let cached = with_mem!(m => {
-        let p = m.spare.get_mut(&len).and_then(Vec::pop);
-        if p.is_some() {
-            m.spare_bytes -= len;
-        }
-        p
-    });
-    let ptr = match cached.map(Ok).unwrap_or_else(|| map_anon(len).map(|p| p as u64)) {
+    let ptr = match backing(len) {
         Ok(ptr) => ptr,
         Err(e) => {
             if charged {
@@ -186,6 +179,18 @@ pub fn alloc(size: u64, kind: Kind) -> R<CUdeviceptr> {
     };
     with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu: c.gpu, ctx: ctx_key(c), kind, charged }));
     Ok(ptr)
+}
+
+/// A host mapping of `len` bytes to back an allocation: a spare one of that length, or a new one.
+fn backing(len: usize) -> R<u64> {
+    let cached = with_mem!(m => {
+        let p = m.spare.get_mut(&len).and_then(Vec::pop);
+        if p.is_some() {
+            m.spare_bytes -= len;
+        }
+        p
+    });
+    cached.map(Ok).unwrap_or_else(|| map_anon(len).map(|p| p as u64))
 }
 
 const SPARE_MAX_LEN: usize = 1 << 20;
@@ -660,9 +665,8 @@ pub fn pool_alloc(id: Option<u64>, size: u64) -> R<CUdeviceptr> {
         Ok::<_, CUresult>(p.gpu)
     })?;
     let len = size as usize;
-    match map_anon(len) {
+    match backing(len) {
         Ok(ptr) => {
-            let ptr = ptr as u64;
             with_mem!(m => m.allocs.insert(ptr, Alloc { size, len, gpu, ctx: ctx_key(c), kind: Kind::Pool(id), charged: false }));
             Ok(ptr)
         }
@@ -680,7 +684,7 @@ pub fn free_async(ptr: CUdeviceptr) -> R<()> {
         return Ok(());
     }
     let a = with_mem!(m => m.allocs.remove(&ptr)).ok_or(CUresult::INVALID_VALUE)?;
-    unmap(ptr, a.len);
+    retire(ptr, a.len);
     match a.kind {
         Kind::Pool(id) => {
             let freed = with_mem!(m => {
