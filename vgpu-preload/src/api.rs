@@ -35,6 +35,15 @@ macro_rules! cuda_hooks {
             cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool_ptsz;
             cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
             cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
+            // what the pools hold beyond their allocations (see `pools`): settled where the driver
+            // trims them, and the pool `cuMemAllocAsync` draws from
+            cuStreamSynchronize(stream: CUstream) => pools::stream_sync;
+            cuStreamSynchronize_ptsz(stream: CUstream) => pools::stream_sync;
+            cuCtxSynchronize() => pools::ctx_sync;
+            cuEventSynchronize(event: CUevent) => pools::event_sync;
+            cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) => pools::trim_to;
+            cuMemPoolDestroy(pool: CUmemoryPool) => pools::destroy;
+            cuDeviceSetMemPool(dev: CUdevice, pool: CUmemoryPool) => pools::set_current;
             // arrays
             cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => memory::array_create;
             cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => memory::array3d_create;
@@ -133,6 +142,8 @@ macro_rules! cuda_helpers {
             cuGraphNodeGetType(node: CUgraphNode, ty: *mut i32);
             cuGraphMemAllocNodeGetParams(node: CUgraphNode, p: *mut CUDA_MEM_ALLOC_NODE_PARAMS);
             cuDeviceGetGraphMemAttribute(dev: CUdevice, attr: i32, v: *mut c_void);
+            cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice);
+            cuMemPoolGetAttribute(pool: CUmemoryPool, attr: i32, v: *mut c_void);
         }
     };
 }

@@ -4,7 +4,8 @@
 //!
 //! Layout: `api` declares the intercepted entry points once; `hooks` generates the exported symbols
 //! from it; `dl` overrides `dlsym`; `procaddr` rewrites `cuGetProcAddress` answers; `memory` and
-//! `nvml` are the policies (`graphmem` charges what graphs allocate), and `sm` throttles launches
+//! `nvml` are the policies (`pools` and `graphmem` charge what stream-ordered pools hold and what
+//! graphs allocate), and `sm` throttles launches
 //! (`capture` and `stale` keep its charges and estimates right); `state` holds the process's slot in
 //! the container's region.
 
@@ -22,6 +23,7 @@ mod hooks;
 mod log;
 mod memory;
 mod nvml;
+mod pools;
 mod procaddr;
 mod ptrmap;
 mod real;

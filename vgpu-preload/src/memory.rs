@@ -4,6 +4,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use crate::log::{vlog, INFO};
+use crate::pools;
 use crate::ptrmap::{ctx_of, pack, pack_in, unpack};
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
@@ -93,6 +94,7 @@ fn context_gone(st: &State, ctx: u64) {
     // Its modules and graphs went with it, and their handles may come back naming other work.
     crate::sm::forget_all();
     crate::graphmem::context_gone(st);
+    let _ = pools::settle_all(st, None);
     if ctx == 0 {
         return;
     }
@@ -253,13 +255,18 @@ fn settle(st: &State, d: usize, estimate: u64, actual: u64, undo: impl FnOnce())
     Some(actual)
 }
 
-/// After a successful free, releases exactly what the allocation charged.
+/// After a successful free, releases exactly what the allocation charged (an allocation from a
+/// pool leaves its memory charged to the pool, see `pools`).
 #[inline]
 fn freed(r: CUresult, dptr: CUdeviceptr) -> CUresult {
     if r == OK && dptr != 0 {
         let st = state();
-        if let Some((d, b)) = st.ptrs.remove(dptr).map(unpack) {
-            st.release(d, b);
+        if let Some(v) = st.ptrs.remove(dptr) {
+            let (d, b) = unpack(v);
+            let tag = ctx_of(v);
+            if tag & pools::POOL_TAG == 0 || pools::freed((tag & !pools::POOL_TAG) as usize, b) {
+                st.release(d, b);
+            }
         }
     }
     r
@@ -275,16 +282,60 @@ pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
     freed(unsafe { real(dptr) }, dptr as u64)
 }
 
-// ----- stream-ordered allocator: charged at the requested size when allocated -----
+// ----- stream-ordered allocator: the pools' reservations are charged (see `pools`) -----
 // Pools belong to the device, not to a context: their allocations are never released when a
 // context goes (only when freed), so a context's end cannot make them uncounted.
+
+/// A stream-ordered allocation from `pool` (None: the current device's current pool): the pool's
+/// charged slack is used first, the quota for the rest.
+#[inline]
+unsafe fn pooled(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: Option<CUmemoryPool>,
+    call: impl Fn() -> CUresult,
+) -> CUresult {
+    let st = state();
+    if dptr.is_null() || size == 0 {
+        return call();
+    }
+    let (ordinal, d) = tri!(current(st));
+    let handle = pool.map_or_else(|| pools::current(ordinal), |p| p as u64);
+    let Some(i) = pools::index(handle, d) else {
+        // SAFETY: the caller's out-pointer (`linear` writes nothing else).
+        return unsafe { linear(dptr, size, true, false, call) };
+    };
+    let size = size as u64;
+    let took = pools::take(i, size);
+    let need = size - took;
+    if need > 0 {
+        if let Err(e) = st.reserve(d, need) {
+            pools::untake(i, took);
+            let _ = pools::settle(st, i); // what the refusal's own settling saw without the part taken
+            return e;
+        }
+    }
+    let r = call();
+    if r != OK {
+        st.release(d, need);
+        pools::untake(i, took);
+        return r;
+    }
+    pools::allocated(i, size, need > 0);
+    // SAFETY: the driver just wrote the new pointer through dptr.
+    st.ptrs.insert(unsafe { *dptr }, pack_in(d, pools::POOL_TAG | i as u64, size));
+    r
+}
 
 /// Into a capturing stream a stream-ordered allocation makes an allocation node of the graph, not
 /// memory: the graph's launches are charged for it (see `graphmem`).
 pub unsafe fn alloc_async(real: f::cuMemAllocAsync, dptr: *mut CUdeviceptr, size: usize, s: CUstream) -> CUresult {
-    let counted = !crate::capture::captures(s);
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, counted, false, || real(dptr, size, s)) }
+    if crate::capture::captures(s) {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+        return unsafe { real(dptr, size, s) };
+    }
+    // SAFETY: as above.
+    unsafe { pooled(dptr, size, None, || real(dptr, size, s)) }
 }
 
 pub unsafe fn alloc_async_ptsz(
@@ -293,9 +344,12 @@ pub unsafe fn alloc_async_ptsz(
     size: usize,
     s: CUstream,
 ) -> CUresult {
-    let counted = !crate::capture::captures(crate::capture::ptsz(s));
+    if crate::capture::captures(crate::capture::ptsz(s)) {
+        // SAFETY: as above.
+        return unsafe { real(dptr, size, s) };
+    }
     // SAFETY: as above.
-    unsafe { linear(dptr, size, counted, false, || real(dptr, size, s)) }
+    unsafe { pooled(dptr, size, None, || real(dptr, size, s)) }
 }
 
 pub unsafe fn alloc_from_pool(
@@ -305,9 +359,12 @@ pub unsafe fn alloc_from_pool(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
-    let counted = !crate::capture::captures(s);
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    unsafe { linear(dptr, size, counted, false, || real(dptr, size, pool, s)) }
+    if crate::capture::captures(s) {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+        return unsafe { real(dptr, size, pool, s) };
+    }
+    // SAFETY: as above.
+    unsafe { pooled(dptr, size, Some(pool), || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn alloc_from_pool_ptsz(
@@ -317,9 +374,12 @@ pub unsafe fn alloc_from_pool_ptsz(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
-    let counted = !crate::capture::captures(crate::capture::ptsz(s));
+    if crate::capture::captures(crate::capture::ptsz(s)) {
+        // SAFETY: as above.
+        return unsafe { real(dptr, size, pool, s) };
+    }
     // SAFETY: as above.
-    unsafe { linear(dptr, size, counted, false, || real(dptr, size, pool, s)) }
+    unsafe { pooled(dptr, size, Some(pool), || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {

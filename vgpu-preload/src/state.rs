@@ -162,6 +162,7 @@ impl State {
         }
         self.trueup.after_fork(host_pid());
         crate::graphmem::after_fork();
+        crate::pools::after_fork();
         self.ptrs.clear();
         self.handles.clear();
         self.contexts.clear();
@@ -377,6 +378,12 @@ impl State {
     #[cold]
     fn reserve_slow(&self, r: &Region, slot: usize, dev: usize, bytes: u64) -> Result<(), CUresult> {
         if r.reap() > 0 && r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok {
+            return Ok(());
+        }
+        // Pools may have given memory back since they were last settled.
+        if crate::pools::settle_all(self, Some(dev)) > 0
+            && r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok
+        {
             return Ok(());
         }
         // What the true-up charges may have gone (a context or module the driver let go).

@@ -31,6 +31,8 @@ pub struct Figures {
     /// graph memory nodes.
     pub graph_launch_ns: f64,
     pub graph_mem_launch_ns: f64,
+    /// `cuMemAllocAsync` + `cuMemFreeAsync` (4 KiB) on a stream, from the device's pool.
+    pub async_pair_ns: f64,
 }
 
 fn ok(r: CUresult, what: &str) {
@@ -118,6 +120,20 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
             ok((api.cuGraphLaunch)(with_mem, s), "cuGraphLaunch (graph memory)");
         });
         ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
-        Figures { launch_ns, alloc_free_ns, alloc_free_30k_ns, get_info_ns, graph_launch_ns, graph_mem_launch_ns }
+        let async_pair_ns = median_ns(batches, per / 4 + 1, || {
+            let mut p = 0;
+            ok((api.cuMemAllocAsync)(&mut p, 4096, s), "cuMemAllocAsync");
+            ok((api.cuMemFreeAsync)(p, s), "cuMemFreeAsync");
+        });
+        ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
+        Figures {
+            launch_ns,
+            alloc_free_ns,
+            alloc_free_30k_ns,
+            get_info_ns,
+            graph_launch_ns,
+            graph_mem_launch_ns,
+            async_pair_ns,
+        }
     }
 }

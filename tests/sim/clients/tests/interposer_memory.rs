@@ -282,6 +282,49 @@ fn graph_memory_of_a_killed_process_comes_back() {
 }
 
 #[test]
+fn pools_are_charged_what_they_hold() {
+    // A stream-ordered pool keeps what is freed into it until the driver trims it: at the next
+    // synchronisation down to its release threshold (0 by default; PyTorch's cudaMallocAsync
+    // backend and RAPIDS set it high), or on cuMemPoolTrimTo. Memory held is charged; memory reused
+    // from the pool is not charged twice.
+    let s = Sim::new(Some(NODE));
+    let free = |v: &Value| v["mem_info"]["free"].as_u64().unwrap();
+    for (bin, allocator) in [(RT, "async"), (RT, "pool"), (DIRECT, "async"), (DLSYM, "pool")] {
+        for (threshold, kept) in [("0", false), ("64g", true)] {
+            let args =
+                ["pool", "--allocator", allocator, "--size", "600m", "--threshold", threshold, "--alloc", "600m"];
+            let v = graph_steps(&out(&mut s.limited(bin, LIMIT), &args));
+            let what = format!("{bin} {allocator} threshold {threshold}");
+            let held = (1024 - 64 - 600) * MIB;
+            assert_eq!(free(step(&v, "allocated")), held, "{what}");
+            assert_eq!(free(step(&v, "freed")), held, "{what}: still in the pool until a synchronisation");
+            let sy = step(&v, "synchronised");
+            let want = if kept { held } else { (1024 - 64) * MIB };
+            assert_eq!(
+                (free(sy), sy["pool"].as_u64().unwrap()),
+                (want, if kept { 600 * MIB } else { 0 }),
+                "{what}: {sy}"
+            );
+            let a = step(&v, "alloc");
+            assert_eq!(a["result"], if kept { "CUDA_ERROR_OUT_OF_MEMORY" } else { "CUDA_SUCCESS" }, "{what}: {a}");
+            let again = step(&v, "allocated-again");
+            assert_eq!(
+                (&again["result"], free(again)),
+                (&json!("CUDA_SUCCESS"), held),
+                "{what}: reused, not charged twice"
+            );
+            assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{what}");
+        }
+    }
+    // A pool reserves in chunks (2 MiB on the simulator): what it holds beyond the request is
+    // charged once it is known (at the synchronisation).
+    let v = graph_steps(&out(&mut s.limited(RT, LIMIT), &["pool", "--size", "1m", "--threshold", "64g"]));
+    assert_eq!(free(step(&v, "allocated")), (1024 - 64 - 1) * MIB);
+    assert_eq!(free(step(&v, "synchronised")), (1024 - 64 - 2) * MIB, "{v:?}");
+    assert_eq!(physical_used(&s, 0), 0);
+}
+
+#[test]
 fn contexts_created_through_every_cu_ctx_create_are_charged() {
     // v3 (execution affinity) and v4 (what `cuCtxCreate` means from CUDA 13) cost a context like v2.
     let s = Sim::new(Some(NODE));

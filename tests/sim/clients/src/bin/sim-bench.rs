@@ -52,7 +52,8 @@ fn own(quick: bool, as_json: bool) {
             "{}",
             serde_json::json!({"launch_ns": f.launch_ns, "alloc_free_ns": f.alloc_free_ns,
                 "alloc_free_30k_live_ns": f.alloc_free_30k_ns, "get_info_ns": f.get_info_ns,
-                "graph_launch_ns": f.graph_launch_ns, "graph_mem_launch_ns": f.graph_mem_launch_ns})
+                "graph_launch_ns": f.graph_launch_ns, "graph_mem_launch_ns": f.graph_mem_launch_ns,
+                "async_pair_ns": f.async_pair_ns})
         );
         return;
     }
@@ -65,6 +66,7 @@ fn own(quick: bool, as_json: bool) {
         f.alloc_free_30k_ns
     );
     println!("| cuMemGetInfo_v2 | {:.0} |", f.get_info_ns);
+    println!("| cuMemAllocAsync + cuMemFreeAsync (4 KiB) | {:.0} |", f.async_pair_ns);
     println!("| cuGraphLaunch (one kernel node) | {:.0} |", f.graph_launch_ns);
     println!("| cuGraphLaunch (4 KiB allocated and freed in graph memory nodes) | {:.0} |", f.graph_mem_launch_ns);
 }
@@ -118,6 +120,7 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         ("launch_ns", "cuLaunchKernel, no SM limit (ns)", "+10 ns"),
         ("alloc_free_ns", "cuMemAlloc_v2 + cuMemFree_v2 (ns)", "+150 ns"),
         ("alloc_free_30k_live_ns", live, "+150 ns"),
+        ("async_pair_ns", "cuMemAllocAsync + cuMemFreeAsync (ns)", "+150 ns"),
         ("graph_launch_ns", "cuGraphLaunch, one kernel node, no SM limit (ns)", "+10 ns"),
         ("graph_mem_launch_ns", "cuGraphLaunch of a graph with memory nodes (ns)", "-"),
     ] {

@@ -1,0 +1,310 @@
+//! Stream-ordered memory pools (`cuMemAllocAsync`, `cuMemAllocFromPoolAsync`): a pool holds
+//! physical memory beyond what its live allocations asked for. It reserves in chunks, and what is
+//! freed into it stays reserved until the driver trims the pool, at a synchronisation (down to its
+//! release threshold, 0 by default) or on `cuMemPoolTrimTo`. With a high threshold (PyTorch's
+//! `cudaMallocAsync` backend sets it to the maximum, RAPIDS' pools to their size) freed memory
+//! stays held for good. So each pool is charged its reservation as the driver reports it
+//! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`), kept as two figures per pool:
+//!
+//! * `live`: the requested bytes of its live allocations, charged when allocated;
+//! * `slack`: what the pool holds beyond them, charged too.
+//!
+//! A free moves its bytes from `live` to `slack` (the memory stays in the pool); an allocation
+//! takes from `slack` first and reserves on the quota only the rest, so memory reused from the
+//! pool is never charged twice. The slack is settled to the reservation minus `live` where the
+//! driver may have trimmed or grown the pool: after synchronisations (`cuStreamSynchronize`,
+//! `cuEventSynchronize`, `cuCtxSynchronize`) that follow a change, after `cuMemPoolTrimTo` and
+//! `cuMemPoolDestroy`, when a context ends, and before an allocation is refused. Each operation
+//! moves the region and the two figures by the same amount, so the region always holds
+//! live + slack, and a settle sets that to what the pool really holds.
+//!
+//! The hot paths (allocation and free) are a few atomic operations on process-local figures; the
+//! driver is asked only when settling.
+#![allow(clippy::missing_safety_doc)]
+
+use crate::real::{cuda_fns as f, driver};
+use crate::state::{state, State};
+use cuda_abi::*;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+
+const OK: CUresult = CUresult::SUCCESS;
+
+/// Pools tracked per process; beyond that, allocations are charged at their requested size.
+const MAX_POOLS: usize = 64;
+/// The context byte (see `ptrmap::pack_in`) of an allocation from pool `i` is `POOL_TAG | i`:
+/// context ids are below 64, and the context sweep ignores larger values.
+pub const POOL_TAG: u64 = 0x80;
+const MAX_ORDINALS: usize = 64;
+
+struct Pool {
+    /// The pool's handle (0: a free entry).
+    handle: AtomicU64,
+    /// Its region device.
+    dev: AtomicUsize,
+    live: AtomicU64,
+    slack: AtomicU64,
+    /// Destroyed by the application: what its allocations free goes back at once.
+    destroyed: AtomicBool,
+}
+
+static POOLS: [Pool; MAX_POOLS] = [const {
+    Pool {
+        handle: AtomicU64::new(0),
+        dev: AtomicUsize::new(0),
+        live: AtomicU64::new(0),
+        slack: AtomicU64::new(0),
+        destroyed: AtomicBool::new(false),
+    }
+}; MAX_POOLS];
+
+/// A pool changed since the last settle (an allocation grew it or a free returned to it).
+static DIRTY: AtomicBool = AtomicBool::new(false);
+/// Each CUDA ordinal's current pool, which `cuMemAllocAsync` draws from (0: not asked yet).
+static CURRENT: [AtomicU64; MAX_ORDINALS] = [const { AtomicU64::new(0) }; MAX_ORDINALS];
+
+/// The pool `cuMemAllocAsync` on `ordinal` draws from (0: unknown).
+#[inline]
+pub fn current(ordinal: CUdevice) -> u64 {
+    let Some(c) = usize::try_from(ordinal).ok().and_then(|o| CURRENT.get(o)) else { return 0 };
+    match c.load(Relaxed) {
+        0 => current_slow(ordinal, c),
+        p => p,
+    }
+}
+
+#[cold]
+fn current_slow(ordinal: CUdevice, c: &AtomicU64) -> u64 {
+    let Some(get) = driver().helpers.cuDeviceGetMemPool else { return 0 };
+    let mut p: CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local.
+    if unsafe { get(&mut p, ordinal) } != OK {
+        return 0;
+    }
+    c.store(p as u64, Relaxed);
+    p as u64
+}
+
+/// The entry of pool `handle` on region device `d`, made on first use (None: no room, or 0).
+#[inline]
+pub fn index(handle: u64, d: usize) -> Option<usize> {
+    if handle == 0 {
+        return None;
+    }
+    for (i, p) in POOLS.iter().enumerate() {
+        let h = p.handle.load(Acquire);
+        if h == handle {
+            return Some(i);
+        }
+        if h == 0 {
+            if p.handle.compare_exchange(0, handle, AcqRel, Acquire).is_ok() {
+                p.dev.store(d, Relaxed);
+                p.destroyed.store(false, Relaxed);
+                return Some(i);
+            }
+            if p.handle.load(Acquire) == handle {
+                return Some(i);
+            }
+        }
+    }
+    None
+}
+
+/// Takes up to `size` bytes of pool `i`'s charged slack for a new allocation; returns how many.
+#[inline]
+pub fn take(i: usize, size: u64) -> u64 {
+    let s = &POOLS[i].slack;
+    if s.load(Relaxed) == 0 {
+        return 0;
+    }
+    match s.fetch_update(AcqRel, Acquire, |x| Some(x - x.min(size))) {
+        Ok(old) => old.min(size),
+        Err(_) => 0,
+    }
+}
+
+/// Gives back what [`take`] took (the allocation failed).
+#[inline]
+pub fn untake(i: usize, took: u64) {
+    if took > 0 {
+        POOLS[i].slack.fetch_add(took, AcqRel);
+    }
+}
+
+/// An allocation of `size` from pool `i` succeeded; `grew`: part of it was charged anew (the pool
+/// may have reserved more than asked).
+#[inline]
+pub fn allocated(i: usize, size: u64, grew: bool) {
+    POOLS[i].live.fetch_add(size, AcqRel);
+    if grew {
+        DIRTY.store(true, Relaxed);
+    }
+}
+
+/// An allocation of `bytes` from pool `i` was freed: its memory stays in the pool, charged as
+/// slack (unless the pool was destroyed: then it goes back, and `true` says to release it).
+#[inline]
+pub fn freed(i: usize, bytes: u64) -> bool {
+    let p = &POOLS[i];
+    p.live.fetch_sub(bytes.min(p.live.load(Relaxed)), AcqRel);
+    if p.destroyed.load(Acquire) {
+        if p.live.load(Acquire) == 0 {
+            p.handle.store(0, Release);
+        }
+        return true;
+    }
+    p.slack.fetch_add(bytes, AcqRel);
+    DIRTY.store(true, Relaxed);
+    false
+}
+
+/// A pool attribute (`CU_MEMPOOL_ATTR_*`, 64-bit ones), if the driver answers.
+fn attr(handle: u64, which: i32) -> Option<u64> {
+    let get = driver().helpers.cuMemPoolGetAttribute?;
+    let mut v = 0u64;
+    // SAFETY: the attributes read here are 64-bit values, written to a local.
+    (unsafe { get(handle as CUmemoryPool, which, &mut v as *mut u64 as *mut c_void) } == OK).then_some(v)
+}
+
+/// Sets pool `i`'s slack to its reservation minus its live bytes (0 if the driver no longer
+/// answers for it), moving the region by the difference; returns the bytes released.
+pub fn settle(st: &State, i: usize) -> u64 {
+    let p = &POOLS[i];
+    let h = p.handle.load(Acquire);
+    if h == 0 {
+        return 0;
+    }
+    let reserved = if p.destroyed.load(Acquire) { None } else { attr(h, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) };
+    let d = p.dev.load(Relaxed);
+    for _ in 0..8 {
+        let old = p.slack.load(Acquire);
+        let target = reserved.unwrap_or(0).saturating_sub(p.live.load(Acquire));
+        if p.slack.compare_exchange(old, target, AcqRel, Acquire).is_ok() {
+            if target > old {
+                st.charge_held(d, target - old);
+            } else if old > target {
+                st.release(d, old - target);
+                return old - target;
+            }
+            return 0;
+        }
+    }
+    0
+}
+
+/// Settles every pool (on device `dev` only, if given); returns the bytes released.
+pub fn settle_all(st: &State, dev: Option<usize>) -> u64 {
+    DIRTY.store(false, Relaxed);
+    let mut released = 0;
+    for (i, p) in POOLS.iter().enumerate() {
+        if p.handle.load(Acquire) != 0 && dev.is_none_or(|d| p.dev.load(Relaxed) == d) {
+            released += settle(st, i);
+        }
+    }
+    released
+}
+
+/// After a synchronisation: the driver may have trimmed the pools that changed since.
+#[inline]
+fn synced(r: CUresult) -> CUresult {
+    if r == OK && DIRTY.load(Relaxed) {
+        let _ = settle_all(state(), None);
+    }
+    r
+}
+
+/// A forked child has no pools of its own yet.
+pub fn after_fork() {
+    for p in &POOLS {
+        p.handle.store(0, Relaxed);
+        p.live.store(0, Relaxed);
+        p.slack.store(0, Relaxed);
+    }
+    for c in &CURRENT {
+        c.store(0, Relaxed);
+    }
+    DIRTY.store(false, Relaxed);
+}
+
+// ----- hooks -----
+
+pub unsafe fn stream_sync(real: f::cuStreamSynchronize, s: CUstream) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
+    synced(unsafe { real(s) })
+}
+
+pub unsafe fn ctx_sync(real: f::cuCtxSynchronize) -> CUresult {
+    // SAFETY: as above.
+    synced(unsafe { real() })
+}
+
+pub unsafe fn event_sync(real: f::cuEventSynchronize, e: CUevent) -> CUresult {
+    // SAFETY: as above.
+    synced(unsafe { real(e) })
+}
+
+pub unsafe fn trim_to(real: f::cuMemPoolTrimTo, pool: CUmemoryPool, keep: usize) -> CUresult {
+    // SAFETY: as above.
+    let r = unsafe { real(pool, keep) };
+    if r == OK {
+        let st = state();
+        if let Some(i) = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64) {
+            let _ = settle(st, i);
+        }
+    }
+    r
+}
+
+pub unsafe fn destroy(real: f::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult {
+    // SAFETY: as above.
+    let r = unsafe { real(pool) };
+    if r == OK {
+        if let Some(i) = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64) {
+            let p = &POOLS[i];
+            p.destroyed.store(true, Release);
+            let _ = settle(state(), i); // the slack goes: the driver frees what no allocation uses
+            if p.live.load(Acquire) == 0 {
+                p.handle.store(0, Release);
+            }
+        }
+    }
+    r
+}
+
+pub unsafe fn set_current(real: f::cuDeviceSetMemPool, dev: CUdevice, pool: CUmemoryPool) -> CUresult {
+    // SAFETY: as above.
+    let r = unsafe { real(dev, pool) };
+    if r == OK {
+        if let Some(c) = usize::try_from(dev).ok().and_then(|o| CURRENT.get(o)) {
+            c.store(pool as u64, Relaxed);
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The one test that touches the process-wide table.
+    #[test]
+    fn slack_is_taken_before_the_quota_and_frees_return_to_it() {
+        let i = index(0xabc0, 0).unwrap();
+        assert_eq!(index(0xabc0, 0), Some(i), "found again");
+        assert_eq!(take(i, 100), 0, "no slack yet");
+        allocated(i, 100, true);
+        assert!(!freed(i, 100));
+        assert_eq!((POOLS[i].live.load(Relaxed), POOLS[i].slack.load(Relaxed)), (0, 100));
+        assert_eq!(take(i, 30), 30);
+        assert_eq!(take(i, 500), 70, "only what there is");
+        assert_eq!(take(i, 1), 0);
+        untake(i, 70);
+        assert_eq!(POOLS[i].slack.load(Relaxed), 70);
+        // A destroyed pool's frees go back at once, and the entry is freed with its last allocation.
+        allocated(i, 40, false);
+        POOLS[i].destroyed.store(true, Relaxed);
+        assert!(freed(i, 40));
+        assert_eq!(POOLS[i].handle.load(Relaxed), 0);
+        assert_eq!(index(0, 0), None, "0 is no pool");
+    }
+}
