@@ -619,6 +619,8 @@ pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
 }
 
 fn trim(p: &mut Pool, keep: u64) -> u64 {
+    // `keep` may be the largest u64 (a release threshold meaning "never").
+    let keep = keep.min(p.reserved);
     let target = round_up(p.used, GRANULARITY).max(round_up(keep, GRANULARITY)).min(p.reserved);
     let freed = p.reserved - target;
     p.reserved = target;
