@@ -533,6 +533,32 @@ def check_context_reset(s):
     return summary, v
 
 
+def check_pool_hold(s):
+    """Memory freed into a stream-ordered pool that keeps it (PyTorch's cudaMallocAsync backend sets
+    the release threshold to the maximum) stays charged until the pool is trimmed."""
+    lim = 4 * GIB
+    size = int(lim * 0.6)  # twice this is over the limit: a cuMemAlloc beside what the pool holds must be refused
+    bare = s.probe(["pool", "--size", str(size)], s.env(False))
+    j = s.probe(["pool", "--size", str(size)], s.env(True, mem=lim, region=os.path.join(s.tmp, "pool.region")))
+    v = {"limit": lim, "size": size, "bare": bare, "limited": j}
+    charged = j["base"]["free"] - j["synchronised"]["free"]
+    summary = ("%s allocated with cuMemAllocAsync and freed into a pool that keeps it: the pool holds %s "
+               "(without libvgpu %s), %s charged; cuMemAlloc of %s beside it under the %s limit: %s; after "
+               "cuMemPoolTrimTo (pool %s): %s") % (
+        human(size), human(j["pool"]), human(bare["pool"]), human(charged), human(size), human(lim), j["alloc"],
+        human(j["pool_after_trim"]), j["alloc_after_trim"])
+    problems = []
+    if abs(charged - j["pool"]) > 64 * MIB:
+        problems.append("charged %s for a pool holding %s" % (human(charged), human(j["pool"])))
+    if j["pool"] >= size and j["alloc"] != "CUDA_ERROR_OUT_OF_MEMORY":
+        problems.append("the pool's memory was not held against the limit")
+    if j["alloc_after_trim"] != "CUDA_SUCCESS":
+        problems.append("the trim did not give the memory back")
+    if problems:
+        raise Fail(summary + ". " + "; ".join(problems), v)
+    return summary, v
+
+
 def check_graph_mem(s):
     """Memory that CUDA graphs allocate (graph memory nodes) is charged as the device's graph pool."""
     lim, size, probe = 4 * GIB, 3 * GIB // 2, 11 * GIB // 4
@@ -1082,6 +1108,7 @@ CHECKS = [
     ("train", check_train),
     ("shared-quota", check_shared_quota),
     ("context-reset", check_context_reset),
+    ("pool-hold", check_pool_hold),
     ("graph-mem", check_graph_mem),
     ("nvml", check_nvml),
     ("cuda-graph", check_graph),

@@ -290,7 +290,8 @@ fn pools_are_charged_what_they_hold() {
     let s = Sim::new(Some(NODE));
     let free = |v: &Value| v["mem_info"]["free"].as_u64().unwrap();
     for (bin, allocator) in [(RT, "async"), (RT, "pool"), (DIRECT, "async"), (DLSYM, "pool")] {
-        for (threshold, kept) in [("0", false), ("64g", true)] {
+        // u64::MAX is what PyTorch's cudaMallocAsync backend sets.
+        for (threshold, kept) in [("0", false), ("64g", true), ("18446744073709551615", true)] {
             let args =
                 ["pool", "--allocator", allocator, "--size", "600m", "--threshold", threshold, "--alloc", "600m"];
             let v = graph_steps(&out(&mut s.limited(bin, LIMIT), &args));

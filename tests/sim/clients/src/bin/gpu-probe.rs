@@ -15,6 +15,11 @@
 //!                                                chunks on the GPU and reads them back)
 //!        gpu-probe reset --size BYTES            (allocates, resets the primary context, allocates again)
 //!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S]
+//!        gpu-probe pool --size BYTES [--threshold BYTES]
+//!                                                (cuMemAllocAsync of BYTES from the device's pool,
+//!                                                its release threshold set first; freed, synchronised,
+//!                                                cuMemAlloc of BYTES tried, the pool trimmed, tried
+//!                                                again; the threshold restored)
 //!        gpu-probe graph-mem --size BYTES [--graphs N] [--alloc BYTES]
 //!                                                (N graphs of an allocation node of BYTES, a kernel
 //!                                                and a free node, each launched once; then
@@ -90,6 +95,13 @@ table! {
     cuGraphExecDestroy: fn(CUgraphExec);
     cuDeviceGetGraphMemAttribute: fn(CUdevice, i32, *mut c_void);
     cuDeviceGraphMemTrim: fn(CUdevice);
+    cuMemAllocAsync: fn(*mut CUdeviceptr, usize, CUstream);
+    cuMemFreeAsync: fn(CUdeviceptr, CUstream);
+    cuStreamSynchronize: fn(CUstream);
+    cuDeviceGetMemPool: fn(*mut CUmemoryPool, CUdevice);
+    cuMemPoolSetAttribute: fn(CUmemoryPool, i32, *mut c_void);
+    cuMemPoolGetAttribute: fn(CUmemoryPool, i32, *mut c_void);
+    cuMemPoolTrimTo: fn(CUmemoryPool, usize);
 }
 
 struct Probe {
@@ -389,6 +401,64 @@ fn spin(args: &[String]) -> Result<Value, String> {
         "per_s": kernels as f64 / elapsed, "busy": kernels as f64 * ns as f64 / 1e9 / elapsed}))
 }
 
+/// What the device's stream-ordered pool holds after an allocation is freed (see the usage).
+fn pool(args: &[String]) -> Result<Value, String> {
+    let size = opt(args, "--size", -1.0)?;
+    if size <= 0.0 {
+        return Err("--size BYTES is required".into());
+    }
+    let size = size as usize;
+    let threshold = opt(args, "--threshold", u64::MAX as f64)? as u64;
+    let (p, dev) = Probe::open()?;
+    let s: CUstream = std::ptr::null_mut();
+    // SAFETY: out-pointers to locals, 64-bit attribute values in locals, and handles the driver gave.
+    unsafe {
+        let mut pool = std::ptr::null_mut();
+        p.ck((p.cu.cuDeviceGetMemPool)(&mut pool, dev), "cuDeviceGetMemPool")?;
+        let get = |which: i32| -> Result<u64, String> {
+            let mut v = 0u64;
+            p.ck(
+                (p.cu.cuMemPoolGetAttribute)(pool, which, &mut v as *mut u64 as *mut c_void),
+                "cuMemPoolGetAttribute",
+            )?;
+            Ok(v)
+        };
+        let mut old = get(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)?;
+        let mut t = threshold;
+        p.ck(
+            (p.cu.cuMemPoolSetAttribute)(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut t as *mut u64 as *mut c_void),
+            "cuMemPoolSetAttribute",
+        )?;
+        let try_alloc = || -> String {
+            let mut d = 0;
+            let r = (p.cu.cuMemAlloc_v2)(&mut d, size);
+            if r == CUresult::SUCCESS {
+                (p.cu.cuMemFree_v2)(d);
+                return "CUDA_SUCCESS".into();
+            }
+            p.name(r)
+        };
+        let base = mem_info(&p)?;
+        let mut d = 0;
+        p.ck((p.cu.cuMemAllocAsync)(&mut d, size, s), "cuMemAllocAsync")?;
+        let allocated = mem_info(&p)?;
+        p.ck((p.cu.cuMemFreeAsync)(d, s), "cuMemFreeAsync")?;
+        p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+        let (held, synced) = (get(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?, mem_info(&p)?);
+        let alloc = try_alloc();
+        p.ck((p.cu.cuMemPoolTrimTo)(pool, 0), "cuMemPoolTrimTo")?;
+        let (held_after_trim, trimmed) = (get(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?, mem_info(&p)?);
+        let alloc_after_trim = try_alloc();
+        p.ck(
+            (p.cu.cuMemPoolSetAttribute)(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut old as *mut u64 as *mut c_void),
+            "cuMemPoolSetAttribute",
+        )?;
+        Ok(json!({"size": size, "threshold": threshold, "base": base, "allocated": allocated, "pool": held,
+            "synchronised": synced, "alloc": alloc, "pool_after_trim": held_after_trim, "trimmed": trimmed,
+            "alloc_after_trim": alloc_after_trim}))
+    }
+}
+
 /// Graphs that allocate in graph memory nodes (see the usage): what the device's graph pool and
 /// cuMemGetInfo say after each step.
 fn graph_mem(args: &[String]) -> Result<Value, String> {
@@ -501,8 +571,9 @@ fn main() {
         Some("spin") => spin(&args[1..]),
         Some("reset") => reset(&args[1..]),
         Some("graph-mem") => graph_mem(&args[1..]),
+        Some("pool") => pool(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] | pool --size B [--threshold B] | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
