@@ -559,6 +559,46 @@ def check_pool_hold(s):
     return summary, v
 
 
+def check_torch_async(s):
+    """PyTorch's cudaMallocAsync backend: what its pool keeps after a free stays charged (another
+    process of the container is refused it), reusing it costs nothing more, a captured graph that
+    allocates replays within the limit, and emptying the cache gives the memory back."""
+    if not s.torch:
+        raise Skip("PyTorch with CUDA is not available")
+    lim = 4 * GIB
+    n = int(lim * 0.55)
+    region = os.path.join(s.tmp, "torch-async.region")
+    env = s.env(True, mem=lim, region=region, extra={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    w = Proc(s, s.worker_argv("async_pool", {"bytes": n}), env)
+    try:
+        w.expect("freed", 240)
+        beside = s.probe(["alloc", "--size", str(n)], s.env(True, mem=lim, region=region))
+        w.send("go")
+        j = w.result(240)
+    finally:
+        w.kill()
+    v = dict(j, limit=lim, bytes=n, beside=beside["result"])
+    summary = ("backend %s: %s held, freed and synchronised: free %s -> %s -> %s; another process's %s beside "
+               "it: %s; the same again in the worker: %s; a captured graph that allocates replays: %s; after "
+               "empty_cache free %s (base %s)") % (
+        j["backend"], human(n), human(j["base"]), human(j["holding"]), human(j["freed"]), human(n), beside["result"],
+        j["again"], j["replay_ok"], human(j["emptied"]), human(j["base"]))
+    problems = []
+    if j["backend"] != "cudaMallocAsync":
+        problems.append("the backend is %s" % j["backend"])
+    if abs(j["freed"] - j["holding"]) > 64 * MIB:
+        problems.append("what the pool keeps was not charged")
+    if beside["ok"]:
+        problems.append("another process was given what the pool keeps")
+    if j["again"] != "ok" or not j["replay_ok"]:
+        problems.append("reuse or the graph failed")
+    if j["emptied"] < j["base"] - 64 * MIB:
+        problems.append("empty_cache did not give the memory back")
+    if problems:
+        raise Fail(summary + ". " + "; ".join(problems), v)
+    return summary, v
+
+
 def check_graph_mem(s):
     """Memory that CUDA graphs allocate (graph memory nodes) is charged as the device's graph pool."""
     lim, size, probe = 4 * GIB, 3 * GIB // 2, 11 * GIB // 4
@@ -1110,6 +1150,7 @@ CHECKS = [
     ("context-reset", check_context_reset),
     ("pool-hold", check_pool_hold),
     ("graph-mem", check_graph_mem),
+    ("torch-async", check_torch_async),
     ("nvml", check_nvml),
     ("cuda-graph", check_graph),
     ("graph-recapture", check_graph_recapture),

@@ -240,6 +240,52 @@ def launch(torch, a):
     return {"ops_per_s": best}
 
 
+def async_pool(torch, a):
+    """Run with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync (stream-ordered pools; PyTorch sets
+    the pool's release threshold to the maximum). Allocates, frees and synchronises, then waits (the
+    suite tries an allocation beside what the pool keeps), allocates the same again, captures and
+    replays a graph that allocates (graph memory nodes), and empties the cache."""
+    n = int(a["bytes"])
+    torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.mem_get_info()[0]
+    t = torch.empty(n, dtype=torch.uint8, device="cuda")
+    t.fill_(1)
+    torch.cuda.synchronize()
+    holding = torch.cuda.mem_get_info()[0]
+    del t
+    torch.cuda.synchronize()
+    freed = torch.cuda.mem_get_info()[0]
+    emit({"event": "freed"})
+    sys.stdin.readline()
+    again = None
+    try:
+        t = torch.empty(n, dtype=torch.uint8, device="cuda")
+        t.fill_(2)
+        torch.cuda.synchronize()
+        again = "ok"
+        del t
+    except torch.OutOfMemoryError as e:
+        again = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:160])
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    graph_bytes = int(a.get("graph_bytes", 256 << 20))
+    src = torch.ones(graph_bytes // 4, device="cuda")
+    with torch.cuda.graph(g):
+        tmp = src * 2  # allocated inside the capture: a graph memory node under this backend
+        out = tmp.sum()
+    g.replay()
+    torch.cuda.synchronize()
+    replay_ok = bool(abs(float(out.item()) - 2.0 * (graph_bytes // 4)) < 1e-3 * graph_bytes)
+    replayed = torch.cuda.mem_get_info()[0]
+    del g, tmp, out, src
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    emptied = torch.cuda.mem_get_info()[0]
+    return {"backend": torch.cuda.get_allocator_backend(), "base": base, "holding": holding, "freed": freed,
+            "again": again, "replay_ok": replay_ok, "replayed": replayed, "emptied": emptied}
+
+
 def hold(torch, a):
     t = torch.empty(int(a["bytes"]), dtype=torch.uint8, device="cuda")
     t.fill_(1)
@@ -260,6 +306,7 @@ TASKS = {
     "launch": launch,
     "hold": hold,
     "mixed": mixed,
+    "async_pool": async_pool,
 }
 
 
