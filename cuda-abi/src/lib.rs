@@ -232,6 +232,22 @@ pub struct CUmemPoolProps {
     pub reserved: [u8; 54],
 }
 
+impl CUmemPoolProps {
+    /// Pinned device memory on CUDA device `ordinal`, no shareable handles: what the default pool
+    /// of a device and graph allocations have.
+    pub fn device(ordinal: CUdevice) -> CUmemPoolProps {
+        CUmemPoolProps {
+            allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
+            handleTypes: 0,
+            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+            win32SecurityAttributes: std::ptr::null_mut(),
+            maxSize: 0,
+            usage: 0,
+            reserved: [0; 54],
+        }
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CUlaunchConfig {

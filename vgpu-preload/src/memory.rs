@@ -286,19 +286,22 @@ pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
 // Pools belong to the device, not to a context: their allocations are never released when a
 // context goes (only when freed), so a context's end cannot make them uncounted.
 
-/// A stream-ordered allocation from `pool` (None: the current device's current pool): the pool's
-/// charged slack is used first, the quota for the rest.
+/// A stream-ordered allocation from `pool` (None: the current device's current pool) on `stream`:
+/// the pool's charged slack is used first, the quota for the rest. Into a capturing stream it makes
+/// an allocation node of the graph, not memory: the graph's launches are charged for it (see
+/// `graphmem`).
 #[inline]
 unsafe fn pooled(
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: Option<CUmemoryPool>,
+    stream: CUstream,
     call: impl Fn() -> CUresult,
 ) -> CUresult {
-    let st = state();
-    if dptr.is_null() || size == 0 {
+    if dptr.is_null() || size == 0 || crate::capture::captures(stream) {
         return call();
     }
+    let st = state();
     let (ordinal, d) = tri!(current(st));
     let handle = pool.map_or_else(|| pools::current(ordinal), |p| p as u64);
     let Some(i) = pools::index(handle, d) else {
@@ -327,15 +330,9 @@ unsafe fn pooled(
     r
 }
 
-/// Into a capturing stream a stream-ordered allocation makes an allocation node of the graph, not
-/// memory: the graph's launches are charged for it (see `graphmem`).
 pub unsafe fn alloc_async(real: f::cuMemAllocAsync, dptr: *mut CUdeviceptr, size: usize, s: CUstream) -> CUresult {
-    if crate::capture::captures(s) {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(dptr, size, s) };
-    }
-    // SAFETY: as above.
-    unsafe { pooled(dptr, size, None, || real(dptr, size, s)) }
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    unsafe { pooled(dptr, size, None, s, || real(dptr, size, s)) }
 }
 
 pub unsafe fn alloc_async_ptsz(
@@ -344,12 +341,8 @@ pub unsafe fn alloc_async_ptsz(
     size: usize,
     s: CUstream,
 ) -> CUresult {
-    if crate::capture::captures(crate::capture::ptsz(s)) {
-        // SAFETY: as above.
-        return unsafe { real(dptr, size, s) };
-    }
     // SAFETY: as above.
-    unsafe { pooled(dptr, size, None, || real(dptr, size, s)) }
+    unsafe { pooled(dptr, size, None, crate::capture::ptsz(s), || real(dptr, size, s)) }
 }
 
 pub unsafe fn alloc_from_pool(
@@ -359,12 +352,8 @@ pub unsafe fn alloc_from_pool(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
-    if crate::capture::captures(s) {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(dptr, size, pool, s) };
-    }
     // SAFETY: as above.
-    unsafe { pooled(dptr, size, Some(pool), || real(dptr, size, pool, s)) }
+    unsafe { pooled(dptr, size, Some(pool), s, || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn alloc_from_pool_ptsz(
@@ -374,12 +363,8 @@ pub unsafe fn alloc_from_pool_ptsz(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
-    if crate::capture::captures(crate::capture::ptsz(s)) {
-        // SAFETY: as above.
-        return unsafe { real(dptr, size, pool, s) };
-    }
     // SAFETY: as above.
-    unsafe { pooled(dptr, size, Some(pool), || real(dptr, size, pool, s)) }
+    unsafe { pooled(dptr, size, Some(pool), crate::capture::ptsz(s), || real(dptr, size, pool, s)) }
 }
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {

@@ -210,15 +210,7 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
         let mut pool = std::ptr::null_mut();
         if kind == "pool" {
-            let props = CUmemPoolProps {
-                allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
-                handleTypes: 0,
-                location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: d },
-                win32SecurityAttributes: std::ptr::null_mut(),
-                maxSize: 0,
-                usage: 0,
-                reserved: [0; 54],
-            };
+            let props = CUmemPoolProps::device(d);
             ck(api, (api.cuMemPoolCreate)(&mut pool, &props), "cuMemPoolCreate")?;
         } else {
             ck(api, (api.cuDeviceGetMemPool)(&mut pool, d), "cuDeviceGetMemPool")?;
@@ -319,15 +311,7 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             if how == "explicit" {
                 ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
                 let mut p = CUDA_MEM_ALLOC_NODE_PARAMS {
-                    poolProps: CUmemPoolProps {
-                        allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
-                        handleTypes: 0,
-                        location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: d },
-                        win32SecurityAttributes: std::ptr::null_mut(),
-                        maxSize: 0,
-                        usage: 0,
-                        reserved: [0; 54],
-                    },
+                    poolProps: CUmemPoolProps::device(d),
                     accessDescs: std::ptr::null(),
                     accessDescCount: 0,
                     bytesize: size,
@@ -626,15 +610,7 @@ fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             ck(api, (api.cuStreamCreate)(&mut al.stream, 0), "cuStreamCreate")?;
         }
         if kind == "pool" {
-            let props = CUmemPoolProps {
-                allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
-                handleTypes: 0,
-                location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-                win32SecurityAttributes: std::ptr::null_mut(),
-                maxSize: 0,
-                usage: 0,
-                reserved: [0; 54],
-            };
+            let props = CUmemPoolProps::device(dev);
             ck(api, (api.cuMemPoolCreate)(&mut al.pool, &props), "cuMemPoolCreate")?;
         }
     }

@@ -660,15 +660,7 @@ exports! {
     fn cuGraphMemAllocNodeGetParams(n: CUgraphNode, p: *mut CUDA_MEM_ALLOC_NODE_PARAMS) {
         let a = exec::alloc_node(n)?;
         out(p, CUDA_MEM_ALLOC_NODE_PARAMS {
-            poolProps: CUmemPoolProps {
-                allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
-                handleTypes: 0,
-                location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: a.ordinal },
-                win32SecurityAttributes: std::ptr::null_mut(),
-                maxSize: 0,
-                usage: 0,
-                reserved: [0; 54],
-            },
+            poolProps: CUmemPoolProps::device(a.ordinal),
             accessDescs: std::ptr::null(),
             accessDescCount: 0,
             bytesize: a.size as usize,

@@ -507,15 +507,7 @@ fn graph_mem(args: &[String]) -> Result<Value, String> {
             let mut g = std::ptr::null_mut();
             p.ck((p.cu.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
             let mut a = CUDA_MEM_ALLOC_NODE_PARAMS {
-                poolProps: CUmemPoolProps {
-                    allocType: CU_MEM_ALLOCATION_TYPE_PINNED,
-                    handleTypes: 0,
-                    location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-                    win32SecurityAttributes: std::ptr::null_mut(),
-                    maxSize: 0,
-                    usage: 0,
-                    reserved: [0; 54],
-                },
+                poolProps: CUmemPoolProps::device(dev),
                 accessDescs: std::ptr::null(),
                 accessDescCount: 0,
                 bytesize: size,
