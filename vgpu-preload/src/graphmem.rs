@@ -19,7 +19,8 @@
 //!   GPU is full) and the driver is not called. After the call this process's charge is set to the
 //!   pool's new reservation and the hold is released.
 //! * After `cuDeviceGraphMemTrim`, the destruction of such a graph, and a context's end, the charge
-//!   follows the pool down.
+//!   follows the pool down; after a synchronisation it follows the pool either way (a driver that
+//!   backs graph allocations as the graph runs, not at its launch, has grown the pool by then).
 //!
 //! Launches of graphs without memory nodes cost one load while no graph with memory nodes exists in
 //! the process, one lock-free lookup otherwise. A stream-ordered allocation into a capturing stream
@@ -169,14 +170,14 @@ fn settle(st: &State, d: usize, reserved: Option<u64>) {
     }
 }
 
-/// Settles the charge of every device charged so far to what the driver now reports (0 where it
-/// no longer answers: the pool went with its context).
+/// Settles the charge of every device a graph that allocates ran on to what the driver now reports
+/// (0 where it no longer answers: the pool went with its context).
 fn resettle(st: &State) {
-    for d in 0..MAX_DEVICES {
-        if CHARGED[d].load(Acquire) == 0 {
+    for (d, o) in ORDINAL.iter().enumerate() {
+        let ordinal = o.load(Relaxed);
+        if ordinal < 0 {
             continue;
         }
-        let ordinal = ORDINAL[d].load(Relaxed);
         settle(st, d, Some(attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0)));
     }
 }
@@ -210,12 +211,23 @@ pub fn context_gone(st: &State) {
     resettle(st);
 }
 
+/// After a synchronisation (see `pools`): a driver that backs graph allocations as the graph runs,
+/// rather than at its launch, has grown the pool by now.
+pub fn synced(st: &State) {
+    if any() {
+        resettle(st);
+    }
+}
+
 /// A forked child has no graphs and no charge of its own.
 pub fn after_fork() {
     execs().clear();
     WITH_MEM.store(0, Release);
     for c in &CHARGED {
         c.store(0, Relaxed);
+    }
+    for o in &ORDINAL {
+        o.store(-1, Relaxed);
     }
 }
 

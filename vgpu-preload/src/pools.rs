@@ -204,11 +204,17 @@ pub fn settle_all(st: &State, dev: Option<usize>) -> u64 {
     released
 }
 
-/// After a synchronisation: the driver may have trimmed the pools that changed since.
+/// After a synchronisation: the driver may have trimmed the pools that changed since (and grown
+/// the graph pool, see `graphmem`).
 #[inline]
 fn synced(r: CUresult) -> CUresult {
-    if r == OK && DIRTY.load(Relaxed) {
-        let _ = settle_all(state(), None);
+    if r == OK {
+        if DIRTY.load(Relaxed) {
+            let _ = settle_all(state(), None);
+        }
+        if crate::graphmem::any() {
+            crate::graphmem::synced(state());
+        }
     }
     r
 }

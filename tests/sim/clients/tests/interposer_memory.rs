@@ -254,6 +254,19 @@ fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
         let i = step(&up, "instantiated");
         assert_eq!((&i["pool"], free(i)), (&json!(600 * MIB), (1024 - 64 - 600) * MIB), "{how}: {i}");
     }
+    // A driver that backs graph allocations as the graph runs (the pool grows by the next
+    // synchronisation, not within the launch call) is followed at that synchronisation.
+    let lazy = Sim::new(Some(&format!("graph_memory_mapped_at = \"sync\"\n{NODE}")));
+    for how in ["explicit", "capture"] {
+        let args = ["graph-mem", "--how", how, "--size", "600m", "--graphs", "2", "--alloc", "600m", "--trim"];
+        let v = graph_steps(&out(&mut lazy.limited(RT, LIMIT), &args));
+        for x in v.iter().filter(|x| x["step"] == "launched") {
+            assert_eq!((&x["pool"], free(x)), (&json!(600 * MIB), (1024 - 64 - 600) * MIB), "lazy {how}: {x}");
+        }
+        assert_eq!(step(&v, "alloc")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "lazy {how}");
+        assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "lazy {how}");
+    }
+    assert_eq!(physical_used(&lazy, 0), 0);
     // The pool goes with its context (cudaDeviceReset), and so does its charge.
     let v = graph_steps(&out(
         &mut s.limited(RT, LIMIT),

@@ -17,6 +17,7 @@ struct RawConfig {
     process_util: Option<String>,
     process_sample_ms: Option<u64>,
     mps: Option<bool>,
+    graph_memory_mapped_at: Option<String>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
 }
@@ -72,6 +73,9 @@ pub struct Config {
     /// While a process named `nvidia-cuda-mps-server` holds a context on a GPU, NVML's compute list
     /// there shows only it and its MPS client list every other process (their memory stays theirs).
     pub mps: bool,
+    /// When a graph's allocations grow the device's graph pool: at its launch (or upload), or at
+    /// the next synchronisation after it (a driver that maps graph memory lazily).
+    pub graph_memory_at_sync: bool,
     pub gpus: Vec<GpuConfig>,
 }
 
@@ -156,6 +160,11 @@ impl Config {
             Some("none") => ProcessUtil::None,
             Some(x) => return Err(format!("process_util = {x:?}: \"own\", \"gpu\" or \"none\"")),
         };
+        let graph_memory_at_sync = match raw.graph_memory_mapped_at.as_deref() {
+            None | Some("launch") => false,
+            Some("sync") => true,
+            Some(x) => return Err(format!("graph_memory_mapped_at = {x:?}: \"launch\" or \"sync\"")),
+        };
         Ok(Config {
             cuda_version: raw.cuda_version.unwrap_or(12040),
             driver_version: raw.driver_version.unwrap_or_else(|| "550.54.15".into()),
@@ -165,6 +174,7 @@ impl Config {
             process_util,
             process_sample_ns: raw.process_sample_ms.unwrap_or(0) * 1_000_000,
             mps: raw.mps.unwrap_or(false),
+            graph_memory_at_sync,
             gpus,
         })
     }

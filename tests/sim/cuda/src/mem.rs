@@ -104,6 +104,8 @@ struct Mem {
     graph_vas: HashMap<u64, GraphAlloc>,
     /// Graph memory pools by GPU.
     graph_pools: HashMap<usize, GraphPool>,
+    /// Growth of graph pools due at the next synchronisation (`graph_memory_mapped_at = "sync"`).
+    graph_due: Vec<(usize, u64)>,
     next_id: u64,
 }
 
@@ -711,9 +713,26 @@ pub fn free_async(ptr: CUdeviceptr) -> R<()> {
     Ok(())
 }
 
-/// At synchronisation points pools give back what exceeds their release threshold.
+/// At synchronisation points pools give back what exceeds their release threshold (and graph
+/// pools grow by what is due, where graph memory is mapped lazily).
 pub fn pools_sync(gpu: usize) {
     let Ok(pr) = proc() else { return };
+    let due: Vec<(usize, u64)> = with_mem!(m => {
+        let (now, later) = m.graph_due.drain(..).partition(|&(g, _)| g == gpu);
+        m.graph_due = later;
+        now
+    });
+    for (g, bytes) in due {
+        // The launch is long done: what does not fit is left unbacked (a real driver would have
+        // failed the work).
+        if pr.charge(g, bytes).is_ok() {
+            with_mem!(m => {
+                let p = m.graph_pools.entry(g).or_default();
+                p.reserved += bytes;
+                p.high_reserved = p.high_reserved.max(p.reserved);
+            });
+        }
+    }
     let freed = with_mem!(m => {
         m.pools.values_mut().filter(|p| p.gpu == gpu).map(|p| { let t = p.threshold; trim(p, t) }).sum::<u64>()
     });
@@ -823,10 +842,21 @@ fn graph_growth(m: &Mem, ops: &[MemOp], auto_free: bool) -> Vec<(usize, u64)> {
         .collect()
 }
 
-/// Grows the graph pools by what `ops` need, charging the process; all or nothing.
+/// Grows the graph pools by what `ops` need, charging the process; all or nothing. A driver that
+/// maps graph memory lazily does it at the next synchronisation instead (see `graph_due`).
 fn graph_reserve(m: &mut Mem, ops: &[MemOp], auto_free: bool) -> R<()> {
     let pr = proc()?;
     let grow = graph_growth(m, ops, auto_free);
+    if pr.node.cfg.graph_memory_at_sync {
+        // Launches before the synchronisation share the growth (they draw on one pool).
+        for &(gpu, bytes) in &grow {
+            match m.graph_due.iter_mut().find(|(g, _)| *g == gpu) {
+                Some(due) => due.1 = due.1.max(bytes),
+                None => m.graph_due.push((gpu, bytes)),
+            }
+        }
+        return Ok(());
+    }
     for (i, &(gpu, bytes)) in grow.iter().enumerate() {
         if let Err(e) = pr.charge(gpu, bytes) {
             for &(g, b) in &grow[..i] {
