@@ -75,7 +75,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
     // CUDA contexts as big as PyTorch's on an H200 (610 MiB), more than libvgpu.so charges for one
     // (256 MiB): the agent's checks must then rely on its true-up.
     let s =
-        Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
+        Sim::new(Some("context_overhead_mib = 640\nutil_window_ms = 200\n[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
     let out = s.state.join("results");
     let o = suite(&s, &["--no-torch", "--quick", "--out", out.to_str().unwrap()]);
     let log = std::fs::read_to_string(out.join("log.txt")).unwrap_or_default();
