@@ -261,6 +261,8 @@ pub fn release_context_memory(c: &Ctx) {
             arrays.into_iter().filter_map(|h| m.arrays.remove(&h).map(|(gpu, size, _)| (gpu, size))).collect(),
         )
     });
+    let pool_allocs: Vec<(u64, u64)> =
+        gone.iter().filter_map(|(_, a)| if let Kind::Pool(id) = a.kind { Some((id, a.size)) } else { None }).collect();
     for (ptr, a) in gone {
         if a.kind != Kind::Graph {
             unmap(ptr, a.len); // a graph allocation's address stays its node's
@@ -275,6 +277,17 @@ pub fn release_context_memory(c: &Ctx) {
     // The device's graph memory pool goes with it (live graph allocations went above).
     let pool = with_mem!(m => m.graph_pools.remove(&c.gpu)).map_or(0, |g| g.reserved);
     p.uncharge(c.gpu, pool);
+    // Stream-ordered allocations made in it went above too: their pools no longer use that memory,
+    // and the device's pools give back all they hold.
+    let freed = with_mem!(m => {
+        for (id, size) in pool_allocs {
+            if let Some(p) = m.pools.get_mut(&id) {
+                p.used = p.used.saturating_sub(size);
+            }
+        }
+        m.pools.values_mut().filter(|p| p.gpu == c.gpu).map(|p| trim(p, 0)).sum::<u64>()
+    });
+    p.uncharge(c.gpu, freed);
     // Its modules are unloaded with it (a reset context starts with none).
     p.uncharge(c.gpu, c.module_bytes.swap(0, std::sync::atomic::Ordering::AcqRel));
     crate::exec::modules_gone(c);
