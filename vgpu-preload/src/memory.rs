@@ -94,28 +94,36 @@ fn context_gone(st: &State, ctx: u64) {
     // Its modules and graphs went with it, and their handles may come back naming other work.
     crate::sm::forget_all();
     crate::graphmem::context_gone(st);
+    // Stream-ordered allocations carry their pool, not their context: those of a pool the driver
+    // now reports unused went with it too.
+    let emptied = pools::emptied();
+    let ids = if ctx == 0 { 0 } else { st.contexts.retire(ctx) };
+    if ids != 0 || emptied != 0 {
+        let (mut n, mut bytes) = (0u64, 0u64);
+        let gone = |v: u64| match ctx_of(v) {
+            c if c & pools::POOL_TAG != 0 => (emptied >> (c & !pools::POOL_TAG)) & 1 == 1,
+            c => 1u64.checked_shl(c as u32).is_some_and(|bit| ids & bit != 0),
+        };
+        for map in [&st.ptrs, &st.handles] {
+            map.take_where(gone, |v| {
+                let (d, b) = unpack(v);
+                let c = ctx_of(v);
+                if c & pools::POOL_TAG != 0 {
+                    pools::lost((c & !pools::POOL_TAG) as usize, b);
+                }
+                st.release(d, b);
+                n += 1;
+                bytes += b;
+            });
+        }
+        if ids != 0 {
+            st.contexts.free(ids);
+        }
+        if n > 0 {
+            vlog!(INFO, "a context went: released {bytes} bytes of {n} allocations the driver freed with it");
+        }
+    }
     let _ = pools::settle_all(st, None);
-    if ctx == 0 {
-        return;
-    }
-    let ids = st.contexts.retire(ctx);
-    if ids == 0 {
-        return;
-    }
-    let (mut n, mut bytes) = (0u64, 0u64);
-    let gone = |v: u64| 1u64.checked_shl(ctx_of(v) as u32).is_some_and(|bit| ids & bit != 0);
-    for map in [&st.ptrs, &st.handles] {
-        map.take_where(gone, |v| {
-            let (d, b) = unpack(v);
-            st.release(d, b);
-            n += 1;
-            bytes += b;
-        });
-    }
-    st.contexts.free(ids);
-    if n > 0 {
-        vlog!(INFO, "a context went: released {bytes} bytes of {n} allocations the driver freed with it");
-    }
 }
 
 // ----- linear memory -----

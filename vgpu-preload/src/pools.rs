@@ -158,6 +158,25 @@ pub fn freed(i: usize, bytes: u64) -> bool {
     false
 }
 
+/// The pools whose live allocations the driver no longer has, as a mask of entries: it reports
+/// nothing in use while some are charged as live (their context went and took them).
+pub fn emptied() -> u64 {
+    let mut mask = 0u64;
+    for (i, p) in POOLS.iter().enumerate() {
+        let h = p.handle.load(Acquire);
+        if h != 0 && p.live.load(Acquire) > 0 && attr(h, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == Some(0) {
+            mask |= 1 << i;
+        }
+    }
+    mask
+}
+
+/// An allocation of `bytes` from pool `i` went with its context: it will never be freed.
+pub fn lost(i: usize, bytes: u64) {
+    let l = &POOLS[i].live;
+    let _ = l.fetch_update(AcqRel, Acquire, |x| Some(x.saturating_sub(bytes)));
+}
+
 /// A pool attribute (`CU_MEMPOOL_ATTR_*`, 64-bit ones), if the driver answers.
 fn attr(handle: u64, which: i32) -> Option<u64> {
     let get = driver().helpers.cuMemPoolGetAttribute?;

@@ -44,12 +44,14 @@ scenarios:
                                         cuMemAlloc tried again (--reset: the primary context reset,
                                         then cuMemAlloc again); a line per step with the pool's
                                         reservation as the driver reports it
-  pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N]
+  pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset]
                                         a stream-ordered allocation of N bytes (async: from the
                                         device's current pool; pool: from a new pool), its pool's
                                         release threshold set to T first; then, a line each: freed,
                                         synchronised, cuMemAlloc --alloc tried, N allocated from the
-                                        pool again, freed and the pool trimmed to 0
+                                        pool again, freed and the pool trimmed to 0 (--reset:
+                                        instead, the primary context reset with the allocation
+                                        outstanding, then cuMemAlloc --alloc)
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -245,6 +247,16 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         let r = alloc(&mut p);
         report("allocated", r);
         ck(api, r, "allocation")?;
+        if o.flag("reset") {
+            // What cudaDeviceReset does with the allocation outstanding: the driver frees it.
+            ck(api, (api.cuDevicePrimaryCtxReset_v2)(d), "cuDevicePrimaryCtxReset")?;
+            setup(api, dev)?;
+            emit(json!({"event": "pool", "step": "reset", "mem_info": mem_info(api)}));
+            let mut q = 0;
+            let r = (api.cuMemAlloc_v2)(&mut q, probe.max(1));
+            emit(json!({"event": "pool", "step": "alloc-after-reset", "result": error_name(api, r)}));
+            return Ok(());
+        }
         report("freed", (api.cuMemFreeAsync)(p, s));
         report("synchronised", (api.cuStreamSynchronize)(s));
         if probe > 0 {

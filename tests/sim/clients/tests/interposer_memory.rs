@@ -330,6 +330,15 @@ fn pools_are_charged_what_they_hold() {
             assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{what}");
         }
     }
+    // An allocation outstanding when its context is reset (cudaDeviceReset) went with it: the
+    // driver reports its pool unused, and the charge follows.
+    for allocator in ["async", "pool"] {
+        let args =
+            ["pool", "--allocator", allocator, "--size", "600m", "--threshold", "64g", "--alloc", "900m", "--reset"];
+        let v = graph_steps(&out(&mut s.limited(RT, LIMIT), &args));
+        assert_eq!(free(step(&v, "reset")), (1024 - 64) * MIB, "{allocator}: {v:?}");
+        assert_eq!(step(&v, "alloc-after-reset")["result"], "CUDA_SUCCESS", "{allocator}");
+    }
     // A pool reserves in chunks (2 MiB on the simulator): what it holds beyond the request is
     // charged once it is known (at the synchronisation).
     let v = graph_steps(&out(&mut s.limited(RT, LIMIT), &["pool", "--size", "1m", "--threshold", "64g"]));
