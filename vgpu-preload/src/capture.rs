@@ -19,32 +19,31 @@ pub fn any_open() -> bool {
     OPEN.load(Relaxed) > 0
 }
 
-/// Whether launches into `stream` are being captured. Only asks the driver while a capture is open;
-/// an error answer counts as capturing (the safe side: the launch goes through uncharged).
+/// Whether the driver says `stream` is capturing (None: it cannot say). Only asks while a capture
+/// is open.
 #[inline]
-pub fn capturing(stream: CUstream) -> bool {
+fn status(stream: CUstream) -> Option<bool> {
     if !any_open() {
-        return false;
+        return Some(false);
     }
-    let Some(is) = driver().helpers.cuStreamIsCapturing else { return true };
+    let is = driver().helpers.cuStreamIsCapturing?;
     let mut status = CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: the caller's stream handle and an out-pointer to a local.
-    let r = unsafe { is(stream, &mut status) };
-    r != CUresult::SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
+    (unsafe { is(stream, &mut status) } == CUresult::SUCCESS).then_some(status != CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
-/// Whether the driver says `stream` is capturing (an error answer counts as not: for calls that are
-/// charged unless they are captured, the safe side is to charge).
+/// Whether launches into `stream` are being captured; an unknown answer counts as capturing (the
+/// safe side for a launch: it goes through uncharged).
+#[inline]
+pub fn capturing(stream: CUstream) -> bool {
+    status(stream).unwrap_or(true)
+}
+
+/// Whether an allocation on `stream` is being captured; an unknown answer counts as not (the safe
+/// side for memory: it is charged).
 #[inline]
 pub fn captures(stream: CUstream) -> bool {
-    if !any_open() {
-        return false;
-    }
-    let Some(is) = driver().helpers.cuStreamIsCapturing else { return false };
-    let mut status = CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the caller's stream handle and an out-pointer to a local.
-    let r = unsafe { is(stream, &mut status) };
-    r == CUresult::SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE
+    status(stream).unwrap_or(false)
 }
 
 fn opened(r: CUresult) -> CUresult {

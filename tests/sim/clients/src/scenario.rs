@@ -194,6 +194,17 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
     }
 }
 
+/// The device `dev` and a new stream on it (the primary context is current).
+fn device_and_stream(api: &Api, dev: i32) -> Res<(CUdevice, CUstream)> {
+    let (mut d, mut s) = (0, std::ptr::null_mut());
+    // SAFETY: out-pointers to locals.
+    unsafe {
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+    }
+    Ok((d, s))
+}
+
 /// See USAGE: what a stream-ordered pool holds after each step.
 fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     setup(api, dev)?;
@@ -206,10 +217,7 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     // SAFETY (whole function): calls through the bound table with out-pointers to locals and
     // property blocks built here; handles are the driver's.
     unsafe {
-        let mut d: CUdevice = 0;
-        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
-        let mut s = std::ptr::null_mut();
-        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+        let (d, s) = device_and_stream(api, dev)?;
         let mut pool = std::ptr::null_mut();
         if kind == "pool" {
             let props = CUmemPoolProps::device(d);
@@ -291,10 +299,7 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     // SAFETY (whole function): calls through the bound table with out-pointers to locals and
     // parameter blocks built here; handles are the driver's.
     unsafe {
-        let mut d: CUdevice = 0;
-        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
-        let mut s = std::ptr::null_mut();
-        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+        let (d, s) = device_and_stream(api, dev)?;
         let pool = || {
             let mut v = 0u64;
             let r = (api.cuDeviceGetGraphMemAttribute)(
