@@ -7,7 +7,11 @@
  * total/free: cuMemGetInfo after context creation; granted: CHUNK_MIB allocations that succeeded
  * (at most MAX_CHUNKS); refused: the result of the first refused one (0: none); proc_address: the
  * result of one more allocation through the pointer cuGetProcAddress gave; next: what
- * libprobe-a.so's dlsym(RTLD_NEXT, "marker") found (2: libprobe-b.so's, the right one). */
+ * libprobe-a.so's dlsym(RTLD_NEXT, "marker") found (2: libprobe-b.so's, the right one); dlvsym: whether
+ * dlvsym, which libvgpu.so does not override, found cuMemAlloc_v2 under the driver's soname as a
+ * version (glibc's dlvsym refuses symbols defined without a version from a library with version
+ * information, as the driver's are). */
+#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,7 +79,9 @@ int main(int argc, char **argv) {
         return 1;
     }
     CUresult more = ((CUresult(*)(CUdeviceptr *, size_t))via)(&p, chunk);
-    printf("{\"total\":%zu,\"free\":%zu,\"granted\":%d,\"refused\":%d,\"proc_address\":%d,\"next\":%d}\n",
-           total_b, free_b, granted, refused, more, next_marker());
+    int versioned = dlvsym(h, "cuMemAlloc_v2", "libcuda.so.1") != NULL;
+    printf("{\"total\":%zu,\"free\":%zu,\"granted\":%d,\"refused\":%d,\"proc_address\":%d,\"next\":%d,"
+           "\"dlvsym\":%d}\n",
+           total_b, free_b, granted, refused, more, next_marker(), versioned);
     return 0;
 }

@@ -359,6 +359,12 @@ def check_load(s):
     v = {}
     j = s.probe(["info"], s.env(True))
     v["driver_api"] = "ok (%s)" % j["name"]
+    # libvgpu.so overrides dlsym, not dlvsym: dlvsym must not hand out the driver's entry points.
+    reached = j.get("dlvsym_reaches", [])
+    v["dlvsym"] = "reaches the driver under %s" % ", ".join(reached) if reached else "does not reach the driver"
+    if reached:
+        raise Fail("dlvsym(libcuda.so.1, \"cuMemAlloc_v2\", \"%s\") returns the driver's own entry point, "
+                   "which libvgpu.so does not intercept: a way around the limit" % reached[0], v)
     if s.torch:
         j = s.torch_task("smoke", s.env(True))
         v["torch_ld_preload"] = "ok" if j["sum"] == 1024.0 else "wrong result %s" % j["sum"]

@@ -684,6 +684,8 @@ fn an_application_in_c_is_limited_through_dlsym_and_rtld_next_still_resolves_pas
     assert_eq!(v["proc_address"], 2, "cuMemAlloc through cuGetProcAddress refused too: {v}");
     // Through libvgpu.so's dlsym: glibc must still see libprobe-a.so as the caller.
     assert_eq!(v["next"], 2, "{v}");
+    // dlvsym (not overridden) cannot reach the driver's entry points, defined without a version.
+    assert_eq!((plain["dlvsym"].as_u64(), v["dlvsym"].as_u64()), (Some(0), Some(0)), "{plain} {v}");
     let _ = std::fs::remove_dir_all(std::path::Path::new(probe).parent().unwrap());
 }
 

@@ -190,7 +190,25 @@ fn info() -> Result<Value, String> {
     }
     // SAFETY: the driver wrote a NUL-terminated name.
     let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
-    Ok(json!({"name": name, "driver_version": ver, "device_total": total_dev, "mem_total": total, "mem_free": free}))
+    Ok(json!({"name": name, "driver_version": ver, "device_total": total_dev, "mem_total": total, "mem_free": free,
+        "dlvsym_reaches": dlvsym_reaches()?}))
+}
+
+/// The versions under which glibc's `dlvsym` hands out the driver's own `cuMemAlloc_v2` (libvgpu.so
+/// overrides `dlsym`, not `dlvsym`, so any is a way around the limit). glibc's `dlvsym` accepts a
+/// symbol defined without a version only from a library without version information; a driver
+/// that defines versions could be reached under its base version, named after its soname.
+fn dlvsym_reaches() -> Result<Vec<String>, String> {
+    let h = vgpu_sim_clients::dlopen_cuda()?;
+    let glibc_base = if cfg!(target_arch = "aarch64") { c"GLIBC_2.17" } else { c"GLIBC_2.2.5" };
+    let mut found = vec![];
+    for v in [c"libcuda.so.1", c"libcuda.so", glibc_base] {
+        // SAFETY: a live dlopen handle and NUL-terminated names.
+        if !unsafe { libc::dlvsym(h, c"cuMemAlloc_v2".as_ptr(), v.as_ptr()) }.is_null() {
+            found.push(v.to_string_lossy().into_owned());
+        }
+    }
+    Ok(found)
 }
 
 /// Per-call CPU cost of launches and of alloc/free pairs: the best of 5 rounds (the least disturbed).
