@@ -12,12 +12,12 @@
 //! holds.
 //!
 //! * At instantiation the graph's allocation nodes are read (bytes and device) and kept under the
-//!   executable graph's handle.
-//! * Before such a graph is launched or uploaded, room is reserved on the container's quota for
-//!   what its allocations may add to the pool beyond the pool's spare memory; if the container has
-//!   none, the launch is refused with `CUDA_ERROR_OUT_OF_MEMORY` (what the driver answers when the
-//!   GPU is full) and the driver is not called. After the call this process's charge is set to the
-//!   pool's new reservation and the hold is released.
+//!   executable graph's handle, one entry per device the graph allocates on (a graph may span GPUs).
+//! * Before such a graph is launched or uploaded, room is reserved on the container's quota of each
+//!   of those devices for what its allocations may add to that device's pool beyond the pool's
+//!   spare memory; if one of them has none, the launch is refused with `CUDA_ERROR_OUT_OF_MEMORY`
+//!   (what the driver answers when the GPU is full) and the driver is not called. After the call
+//!   this process's charge for each pool is set to its new reservation and the holds are released.
 //! * After `cuDeviceGraphMemTrim`, the destruction of such a graph, and a context's end, the charge
 //!   follows the pool down; after a synchronisation it follows the pool either way (a driver that
 //!   backs graph allocations as the graph runs, not at its launch, has grown the pool by then).
@@ -47,20 +47,62 @@ static CHARGED: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEV
 /// The CUDA ordinal of each region device whose pool was charged.
 static ORDINAL: [AtomicI32; MAX_DEVICES] = [const { AtomicI32::new(-1) }; MAX_DEVICES];
 
-/// Executable graph -> (region device, CUDA ordinal, bytes its allocation nodes allocate).
+/// Executable graph -> (region device, CUDA ordinal, bytes its allocation nodes allocate there,
+/// how many more devices it allocates on). The k-th more device's entry is under the key
+/// [`more_key`]`(exec, k)` (handles are user-space addresses, below bit 56).
 fn execs() -> &'static PtrMap {
     static M: OnceLock<PtrMap> = OnceLock::new();
     M.get_or_init(|| PtrMap::new(10))
 }
 
 const BYTES: u64 = (1 << 48) - 1;
+const _: () = assert!(MAX_DEVICES <= 16, "a device and a count of devices take 4 bits each");
 
-fn pack(dev: usize, ordinal: CUdevice, bytes: u64) -> u64 {
-    (dev as u64) << 56 | (ordinal as u64 & 0xff) << 48 | bytes.min(BYTES)
+/// One device a graph allocates on: (region device, CUDA ordinal, bytes).
+type Alloc = (usize, CUdevice, u64);
+
+fn pack((dev, ordinal, bytes): Alloc, more: usize) -> u64 {
+    (more as u64) << 60 | (dev as u64) << 56 | (ordinal as u64 & 0xff) << 48 | bytes.min(BYTES)
 }
 
-fn unpack(v: u64) -> (usize, CUdevice, u64) {
-    ((v >> 56) as usize, ((v >> 48) & 0xff) as CUdevice, v & BYTES)
+fn unpack(v: u64) -> (Alloc, usize) {
+    ((((v >> 56) & 0xf) as usize, ((v >> 48) & 0xff) as CUdevice, v & BYTES), (v >> 60) as usize)
+}
+
+fn more_key(exec: u64, k: usize) -> u64 {
+    exec | (k as u64) << 56
+}
+
+/// The devices `exec` allocates on (a copy on the stack: no allocation on the launch path), or
+/// None for a graph without allocation nodes.
+fn lookup(exec: u64) -> Option<([Alloc; MAX_DEVICES], usize)> {
+    let (first, more) = unpack(execs().get(exec)?);
+    let mut v = [(0, 0, 0); MAX_DEVICES];
+    v[0] = first;
+    let mut n = 1;
+    for k in 1..=more {
+        if let Some(e) = execs().get(more_key(exec, k)) {
+            v[n] = unpack(e).0;
+            n += 1;
+        }
+    }
+    Some((v, n))
+}
+
+/// Forgets `exec`'s entries, returning what they were.
+fn forget(exec: u64) -> Option<([Alloc; MAX_DEVICES], usize)> {
+    let (first, more) = unpack(execs().remove(exec)?);
+    let mut v = [(0, 0, 0); MAX_DEVICES];
+    v[0] = first;
+    let mut n = 1;
+    for k in 1..=more {
+        if let Some(e) = execs().remove(more_key(exec, k)) {
+            v[n] = unpack(e).0;
+            n += 1;
+        }
+    }
+    WITH_MEM.fetch_sub(1, AcqRel);
+    Some((v, n))
 }
 
 /// A device's graph pool attribute (`CU_GRAPH_MEM_ATTR_*`), if the driver answers.
@@ -71,24 +113,28 @@ fn attr(ordinal: CUdevice, which: i32) -> Option<u64> {
     (unsafe { get(ordinal, which, &mut v as *mut u64 as *mut c_void) } == OK).then_some(v)
 }
 
-/// The bytes `graph`'s allocation nodes allocate, with the device of the first of them (None: it
-/// has none, or the driver cannot say).
-fn allocations(graph: CUgraph) -> Option<(CUdevice, u64)> {
+/// The bytes `graph`'s allocation nodes allocate on each device (CUDA ordinal, bytes), in the order
+/// the devices first appear (empty: it has none, or the driver cannot say).
+fn allocations(graph: CUgraph) -> Vec<(CUdevice, u64)> {
+    let mut per_device: Vec<(CUdevice, u64)> = Vec::new();
     let h = &driver().helpers;
-    let (nodes_of, type_of, params_of) = (h.cuGraphGetNodes?, h.cuGraphNodeGetType?, h.cuGraphMemAllocNodeGetParams?);
+    let (Some(nodes_of), Some(type_of), Some(params_of)) =
+        (h.cuGraphGetNodes, h.cuGraphNodeGetType, h.cuGraphMemAllocNodeGetParams)
+    else {
+        return per_device;
+    };
     let mut n = 0usize;
     // SAFETY: the caller's graph; a NULL array asks for the count only.
     if graph.is_null() || unsafe { nodes_of(graph, std::ptr::null_mut(), &mut n) } != OK || n == 0 {
-        return None;
+        return per_device;
     }
     let mut nodes = vec![std::ptr::null_mut(); n];
     let mut got = n;
     // SAFETY: `nodes` has room for `got` handles.
     if unsafe { nodes_of(graph, nodes.as_mut_ptr(), &mut got) } != OK {
-        return None;
+        return per_device;
     }
     nodes.truncate(got.min(n));
-    let (mut dev, mut bytes) = (None, 0u64);
     for node in nodes {
         let mut ty = -1;
         // SAFETY: a node handle the driver just gave, and an out-pointer to a local.
@@ -102,58 +148,87 @@ fn allocations(graph: CUgraph) -> Option<(CUdevice, u64)> {
         }
         // SAFETY: zero is a valid value of every field, and the driver filled the rest.
         let p = unsafe { p.assume_init() };
-        if p.poolProps.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+        if p.poolProps.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE || p.bytesize == 0 {
             continue;
         }
-        // Allocations on other devices than the first (one graph spanning GPUs) are left to the
-        // true-up.
-        if *dev.get_or_insert(p.poolProps.location.id) == p.poolProps.location.id {
-            bytes += p.bytesize as u64;
+        let id = p.poolProps.location.id;
+        match per_device.iter_mut().find(|(o, _)| *o == id) {
+            Some((_, b)) => *b = b.saturating_add(p.bytesize as u64),
+            None => per_device.push((id, p.bytesize as u64)),
         }
     }
-    dev.filter(|_| bytes > 0).map(|d| (d, bytes))
+    per_device
+}
+
+/// `allocations` on the devices of the region (the others have no quota here).
+fn in_region(allocs: &[(CUdevice, u64)]) -> ([Alloc; MAX_DEVICES], usize) {
+    let st = state();
+    let mut v = [(0, 0, 0); MAX_DEVICES];
+    let mut n = 0;
+    for &(ordinal, bytes) in allocs {
+        if let Ok(d) = st.dev_of(ordinal) {
+            if n < MAX_DEVICES && !v[..n].iter().any(|a| a.0 == d) {
+                v[n] = (d, ordinal, bytes);
+                n += 1;
+            }
+        }
+    }
+    (v, n)
 }
 
 /// Keeps `exec`'s allocations once the driver instantiated it.
-fn instantiated(r: CUresult, exec: *mut CUgraphExec, allocs: Option<(CUdevice, u64)>) -> CUresult {
+fn instantiated(r: CUresult, exec: *mut CUgraphExec, allocs: &[Alloc]) -> CUresult {
     if r != OK || exec.is_null() {
         return r;
     }
     // SAFETY: the driver returned success, so it wrote the caller's out-pointer.
     let e = unsafe { *exec } as u64;
-    if execs().remove(e).is_some() {
-        WITH_MEM.fetch_sub(1, AcqRel); // a handle the driver reused without our seeing it go
+    forget(e); // a handle the driver reused without our seeing it go
+    let Some((&first, more)) = allocs.split_first() else { return r };
+    // The more devices first: a launch finds the handle's entries whole once it finds the first.
+    for (k, &a) in more.iter().enumerate() {
+        execs().insert(more_key(e, k + 1), pack(a, 0));
     }
-    let Some((ordinal, bytes)) = allocs else { return r };
-    let Ok(d) = state().dev_of(ordinal) else { return r };
-    ORDINAL[d].store(ordinal, Relaxed);
-    execs().insert(e, pack(d, ordinal, bytes));
+    for &(d, ordinal, bytes) in allocs {
+        ORDINAL[d].store(ordinal, Relaxed);
+        vlog!(INFO, "graph {e:#x}: allocation nodes of {bytes} bytes on device {d}");
+    }
+    execs().insert(e, pack(first, more.len()));
     WITH_MEM.fetch_add(1, AcqRel);
-    vlog!(INFO, "graph {e:#x}: allocation nodes of {bytes} bytes on device {d}");
     r
 }
 
-/// Runs `call`, which may grow `ordinal`'s graph pool by up to `bytes`, within the quota.
-fn mapped(d: usize, ordinal: CUdevice, bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+/// Runs `call`, which may grow the graph pool of each device of `allocs` by up to its bytes, within
+/// the quotas: all of them, or the call is refused.
+fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
     let st = state();
-    let spare = match (
-        attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
-        attr(ordinal, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
-    ) {
-        (Some(r), Some(u)) => r.saturating_sub(u),
-        _ => 0,
-    };
-    let hold = bytes.saturating_sub(spare);
-    if hold > 0 {
-        if let Err(e) = st.reserve(d, hold) {
-            return e;
+    let mut holds = [0u64; MAX_DEVICES];
+    for (i, &(d, ordinal, bytes)) in allocs.iter().enumerate() {
+        let spare = match (
+            attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
+            attr(ordinal, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+        ) {
+            (Some(r), Some(u)) => r.saturating_sub(u),
+            _ => 0,
+        };
+        let hold = bytes.saturating_sub(spare);
+        if hold > 0 {
+            if let Err(e) = st.reserve(d, hold) {
+                for (&(d, ..), &h) in allocs[..i].iter().zip(&holds) {
+                    st.release(d, h);
+                }
+                return e;
+            }
         }
+        holds[i] = hold;
+        ORDINAL[d].store(ordinal, Relaxed);
     }
-    ORDINAL[d].store(ordinal, Relaxed);
     let r = call();
-    // The pool's new size is charged before the hold goes, so the container never shows less.
-    settle(st, d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
-    st.release(d, hold);
+    // Each pool's new size is charged before its hold goes, so the container never shows less.
+    for (&(d, ordinal, _), &h) in allocs.iter().zip(&holds) {
+        settle(st, d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
+        st.release(d, h);
+    }
     r
 }
 
@@ -199,11 +274,17 @@ pub fn launched(exec: CUgraphExec, stream: CUstream, launch: impl FnOnce() -> CU
 
 #[inline(never)]
 fn launched_with_mem(exec: CUgraphExec, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
-    let Some((d, ordinal, bytes)) = execs().get(exec as u64).map(unpack) else { return launch() };
+    let Some(v) = execs().get(exec as u64) else { return launch() };
     if capture::captures(stream) {
         return launch(); // a child graph node of the captured graph: nothing runs now
     }
-    mapped(d, ordinal, bytes, launch)
+    match unpack(v) {
+        (first, 0) => mapped(&[first], launch),
+        _ => match lookup(exec as u64) {
+            Some((allocs, n)) => mapped(&allocs[..n], launch),
+            None => launch(), // destroyed meanwhile
+        },
+    }
 }
 
 /// A context went (see `memory::context_gone`): the pool may have gone with it.
@@ -236,10 +317,11 @@ pub fn destroyed(exec: CUgraphExec) {
     if WITH_MEM.load(Relaxed) == 0 {
         return;
     }
-    let Some((d, ordinal, _)) = execs().remove(exec as u64).map(unpack) else { return };
-    WITH_MEM.fetch_sub(1, AcqRel);
-    // The driver keeps the pool for later graphs; if this one does give memory back, follow it.
-    settle(state(), d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
+    let Some((allocs, n)) = forget(exec as u64) else { return };
+    // The driver keeps the pools for later graphs; if this one does give memory back, follow it.
+    for &(d, ordinal, _) in &allocs[..n] {
+        settle(state(), d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
+    }
 }
 
 // ----- hooks -----
@@ -252,9 +334,9 @@ pub unsafe fn instantiate(
     log: *mut c_char,
     size: usize,
 ) -> CUresult {
-    let allocs = allocations(graph);
+    let (allocs, n) = in_region(&allocations(graph));
     // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
-    instantiated(unsafe { real(exec, graph, err_node, log, size) }, exec, allocs)
+    instantiated(unsafe { real(exec, graph, err_node, log, size) }, exec, &allocs[..n])
 }
 
 pub unsafe fn instantiate_with_flags(
@@ -263,9 +345,9 @@ pub unsafe fn instantiate_with_flags(
     graph: CUgraph,
     flags: u64,
 ) -> CUresult {
-    let allocs = allocations(graph);
+    let (allocs, n) = in_region(&allocations(graph));
     // SAFETY: as above.
-    instantiated(unsafe { real(exec, graph, flags) }, exec, allocs)
+    instantiated(unsafe { real(exec, graph, flags) }, exec, &allocs[..n])
 }
 
 /// With `CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD` the instantiation uploads too: it is charged as an
@@ -276,19 +358,13 @@ pub unsafe fn instantiate_with_params(
     graph: CUgraph,
     params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
 ) -> CUresult {
-    let allocs = allocations(graph);
+    let (allocs, n) = in_region(&allocations(graph));
     // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
     let call = || unsafe { real(exec, graph, params) };
     // SAFETY: an optional input the caller provides per the CUDA contract.
     let upload = unsafe { params.as_ref() }.is_some_and(|p| p.flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0);
-    let r = match allocs {
-        Some((ordinal, bytes)) if upload => match state().dev_of(ordinal) {
-            Ok(d) => mapped(d, ordinal, bytes, call),
-            Err(_) => call(),
-        },
-        _ => call(),
-    };
-    instantiated(r, exec, allocs)
+    let r = if upload && n > 0 { mapped(&allocs[..n], call) } else { call() };
+    instantiated(r, exec, &allocs[..n])
 }
 
 pub unsafe fn upload(real: f::cuGraphUpload, exec: CUgraphExec, stream: CUstream) -> CUresult {
@@ -297,8 +373,8 @@ pub unsafe fn upload(real: f::cuGraphUpload, exec: CUgraphExec, stream: CUstream
     if WITH_MEM.load(Relaxed) == 0 {
         return call();
     }
-    match execs().get(exec as u64).map(unpack) {
-        Some((d, ordinal, bytes)) => mapped(d, ordinal, bytes, call),
+    match lookup(exec as u64) {
+        Some((allocs, n)) => mapped(&allocs[..n], call),
         None => call(),
     }
 }
@@ -321,9 +397,11 @@ mod tests {
 
     #[test]
     fn packed_values_round_trip() {
-        for (d, o, b) in [(0, 0, 1), (3, 7, 123 << 30), (15, 255, BYTES)] {
-            assert_eq!(unpack(pack(d, o, b)), (d, o, b));
+        for (a, more) in [((0, 0, 1), 0), ((3, 7, 123 << 30), 15), ((15, 255, BYTES), 1)] {
+            assert_eq!(unpack(pack(a, more)), (a, more));
         }
-        assert_eq!(unpack(pack(1, 2, u64::MAX)).2, BYTES, "clamped, never spilling into the ordinal");
+        assert_eq!(unpack(pack((1, 2, u64::MAX), 3)), ((1, 2, BYTES), 3), "clamped, never spilling into the ordinal");
+        assert_ne!(more_key(0x7fff_ffff_f000, 1), more_key(0x7fff_ffff_f000, 2));
+        assert_eq!(more_key(0x7fff_ffff_f000, 1) & ((1 << 56) - 1), 0x7fff_ffff_f000);
     }
 }

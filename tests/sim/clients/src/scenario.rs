@@ -35,7 +35,7 @@ scenarios:
                                         their CUkernel handle as CUDA 12 runtimes do
   graph-mem [--how explicit|capture] [--size N] [--graphs G] [--keep]
             [--instantiate flags|params|upload] [--upload] [--launches L] [--alloc N]
-            [--destroy] [--trim] [--reset] [--hold]
+            [--destroy] [--trim] [--reset] [--peer-size P] [--hold]
                                         G graphs that each allocate N bytes in a graph memory node
                                         (explicit: cuGraphAddMemAllocNode; capture: cuMemAllocAsync
                                         captured) and free them (--keep: freed after each launch
@@ -43,7 +43,10 @@ scenarios:
                                         (--alloc), the graphs destroyed, the graph pool trimmed and
                                         cuMemAlloc tried again (--reset: the primary context reset,
                                         then cuMemAlloc again); a line per step with the pool's
-                                        reservation as the driver reports it
+                                        reservation as the driver reports it; --peer-size (with
+                                        explicit): each graph also allocates P bytes on the next
+                                        device (whose primary context is retained), its pool and
+                                        free memory reported too, --alloc and --trim done there too
   pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset]
                                         a stream-ordered allocation of N bytes (async: from the
                                         device's current pool; pool: from a new pool), its pool's
@@ -287,20 +290,42 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 
 /// See USAGE: graphs that allocate, launched under whatever limit the environment sets.
 fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
-    setup(api, dev)?;
+    let ctx = setup(api, dev)?;
     let how = o.str("how", "explicit");
     let size = o.num("size", 256 << 20)? as usize;
     let keep = o.flag("keep");
     let inst = o.str("instantiate", "flags");
     let probe = o.num("alloc", 0)? as usize;
+    let peer_size = o.num("peer-size", 0)? as usize;
     if !matches!(how, "explicit" | "capture") || !matches!(inst, "flags" | "params" | "upload") {
         return Err(format!("graph-mem: --how {how:?} --instantiate {inst:?}?\n{USAGE}"));
+    }
+    if peer_size > 0 && how != "explicit" {
+        return Err(format!("graph-mem: --peer-size needs --how explicit\n{USAGE}"));
     }
     // SAFETY (whole function): calls through the bound table with out-pointers to locals and
     // parameter blocks built here; handles are the driver's.
     unsafe {
         let (d, s) = device_and_stream(api, dev)?;
-        let pool = || {
+        // The next device, with its primary context, when the graphs allocate there too.
+        let peer = if peer_size > 0 {
+            let mut p = 0;
+            ck(api, (api.cuDeviceGet)(&mut p, dev + 1), "cuDeviceGet (peer)")?;
+            let mut c = std::ptr::null_mut();
+            ck(api, (api.cuDevicePrimaryCtxRetain)(&mut c, p), "cuDevicePrimaryCtxRetain (peer)")?;
+            Some((p, c))
+        } else {
+            None
+        };
+        // Runs `f` with the peer's context current.
+        let on_peer = |f: &dyn Fn() -> Value| -> Value {
+            let Some((_, c)) = peer else { return Value::Null };
+            (api.cuCtxSetCurrent)(c);
+            let v = f();
+            (api.cuCtxSetCurrent)(ctx);
+            v
+        };
+        let pool = |d: CUdevice| {
             let mut v = 0u64;
             let r = (api.cuDeviceGetGraphMemAttribute)(
                 d,
@@ -315,9 +340,13 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         };
         let report = |step: &str, r: CUresult, more: Value| {
             let mut v = json!({"event": "graph-mem", "step": step, "result": error_name(api, r),
-                "mem_info": mem_info(api), "pool": pool()});
+                "mem_info": mem_info(api), "pool": pool(d)});
             if let (Some(m), Value::Object(x)) = (v.as_object_mut(), more) {
                 m.extend(x);
+            }
+            if let (Some(m), Some((p, _))) = (v.as_object_mut(), peer) {
+                m.insert("peer_pool".into(), pool(p));
+                m.insert("peer_mem_info".into(), on_peer(&|| mem_info(api)));
             }
             emit(v);
         };
@@ -344,6 +373,23 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                 if !keep {
                     let mut f = std::ptr::null_mut();
                     ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, ptr), "cuGraphAddMemFreeNode")?;
+                }
+                if let Some((pd, _)) = peer {
+                    let mut q = CUDA_MEM_ALLOC_NODE_PARAMS {
+                        poolProps: CUmemPoolProps::device(pd),
+                        accessDescs: std::ptr::null(),
+                        accessDescCount: 0,
+                        bytesize: peer_size,
+                        dptr: 0,
+                    };
+                    let mut n = std::ptr::null_mut();
+                    ck(
+                        api,
+                        (api.cuGraphAddMemAllocNode)(&mut n, g, std::ptr::null(), 0, &mut q),
+                        "cuGraphAddMemAllocNode (peer)",
+                    )?;
+                    let mut f = std::ptr::null_mut();
+                    ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, q.dptr), "cuGraphAddMemFreeNode (peer)")?;
                 }
             } else {
                 ck(api, (api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture")?;
@@ -396,6 +442,17 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             if r == CUresult::SUCCESS {
                 (api.cuMemFree_v2)(p);
             }
+            if peer.is_some() {
+                let r = on_peer(&|| {
+                    let mut p = 0;
+                    let r = (api.cuMemAlloc_v2)(&mut p, probe);
+                    if r == CUresult::SUCCESS {
+                        (api.cuMemFree_v2)(p);
+                    }
+                    json!(error_name(api, r))
+                });
+                emit(json!({"event": "graph-mem", "step": format!("peer-{step}"), "result": r, "bytes": probe}));
+            }
         };
         if probe > 0 {
             try_alloc("alloc");
@@ -407,6 +464,9 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             report("destroyed", CUresult::SUCCESS, json!({}));
         }
         if o.flag("trim") {
+            if let Some((p, _)) = peer {
+                ck(api, (api.cuDeviceGraphMemTrim)(p), "cuDeviceGraphMemTrim (peer)")?;
+            }
             report("trimmed", (api.cuDeviceGraphMemTrim)(d), json!({}));
             if probe > 0 {
                 try_alloc("alloc-after-trim");

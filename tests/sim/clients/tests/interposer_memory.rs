@@ -280,6 +280,68 @@ fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
 }
 
 #[test]
+fn a_graph_that_allocates_on_two_gpus_is_charged_on_both() {
+    // Each graph allocates 300 MiB on GPU 0 and 600 MiB on GPU 1 (whose primary context the
+    // process holds too); 1 GiB limits on both.
+    let s = Sim::new(Some(NODE));
+    let limits = [("CUDA_DEVICE_MEMORY_LIMIT_0", "1g"), ("CUDA_DEVICE_MEMORY_LIMIT_1", "1g")];
+    let free = |v: &Value, k: &str| v[k]["free"].as_u64().unwrap();
+    for bin in [RT, DLSYM] {
+        let args = [
+            "graph-mem",
+            "--size",
+            "300m",
+            "--peer-size",
+            "600m",
+            "--graphs",
+            "2",
+            "--alloc",
+            "600m",
+            "--destroy",
+            "--trim",
+        ];
+        let v = graph_steps(&out(&mut s.limited(bin, &limits), &args));
+        for x in v.iter().filter(|x| x["step"] == "launched") {
+            assert_eq!(
+                (&x["result"], &x["pool"], &x["peer_pool"]),
+                (&json!("CUDA_SUCCESS"), &json!(300 * MIB), &json!(600 * MIB)),
+                "{bin}: {x}"
+            );
+            assert_eq!(
+                (free(x, "mem_info"), free(x, "peer_mem_info")),
+                ((1024 - 64 - 300) * MIB, (1024 - 64 - 600) * MIB),
+                "{bin}: each GPU's pool charged to its own quota: {x}"
+            );
+        }
+        assert_eq!(step(&v, "alloc")["result"], "CUDA_SUCCESS", "{bin}: 600 MiB fit beside GPU 0's pool");
+        assert_eq!(step(&v, "peer-alloc")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "{bin}: not beside GPU 1's");
+        let t = step(&v, "trimmed");
+        assert_eq!(
+            (free(t, "mem_info"), free(t, "peer_mem_info")),
+            ((1024 - 64) * MIB, (1024 - 64) * MIB),
+            "{bin}: {t}"
+        );
+        assert_eq!(step(&v, "peer-alloc-after-trim")["result"], "CUDA_SUCCESS", "{bin}");
+    }
+    // Too much for GPU 1: the launch is refused before the driver takes anything on either GPU,
+    // and what was held on GPU 0 for it is given back.
+    let args = ["graph-mem", "--size", "300m", "--peer-size", "1200m", "--launches", "1", "--alloc", "900m"];
+    let v = graph_steps(&out(&mut s.limited(RT, &limits), &args));
+    let l = step(&v, "launched");
+    assert_eq!(
+        (&l["result"], &l["pool"], &l["peer_pool"]),
+        (&json!("CUDA_ERROR_OUT_OF_MEMORY"), &json!(0), &json!(0)),
+        "{l}"
+    );
+    assert_eq!((free(l, "mem_info"), free(l, "peer_mem_info")), ((1024 - 64) * MIB, (1024 - 64) * MIB), "{l}");
+    assert_eq!(
+        (step(&v, "alloc")["result"].as_str(), step(&v, "peer-alloc")["result"].as_str()),
+        (Some("CUDA_SUCCESS"), Some("CUDA_SUCCESS"))
+    );
+    assert_eq!((physical_used(&s, 0), physical_used(&s, 1)), (0, 0));
+}
+
+#[test]
 fn graph_memory_of_a_killed_process_comes_back() {
     let mut s = Sim::new(Some(NODE));
     let (pid, _) = s.spawn_until(
