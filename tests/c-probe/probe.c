@@ -9,8 +9,8 @@
  * result of one more allocation through the pointer cuGetProcAddress gave; next: what
  * libprobe-a.so's dlsym(RTLD_NEXT, "marker") found (2: libprobe-b.so's, the right one); dlvsym: whether
  * dlvsym, which libvgpu.so does not override, found cuMemAlloc_v2 under the driver's soname as a
- * version (glibc's dlvsym refuses symbols defined without a version from a library with version
- * information, as the driver's are). */
+ * version (glibc's dlvsym refuses a symbol defined without a version, as the driver's entry points
+ * are, from a library that has version information, as the simulated driver has). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>

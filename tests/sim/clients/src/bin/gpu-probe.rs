@@ -196,8 +196,8 @@ fn info() -> Result<Value, String> {
 
 /// The versions under which glibc's `dlvsym` hands out the driver's own `cuMemAlloc_v2` (libvgpu.so
 /// overrides `dlsym`, not `dlvsym`, so any is a way around the limit). glibc's `dlvsym` accepts a
-/// symbol defined without a version only from a library without version information; a driver
-/// that defines versions could be reached under its base version, named after its soname.
+/// symbol defined without a version, whatever version is asked for, only from a library without
+/// version information (no `.gnu.version`); a library that binds glibc's versioned symbols has it.
 fn dlvsym_reaches() -> Result<Vec<String>, String> {
     let h = vgpu_sim_clients::dlopen_cuda()?;
     let glibc_base = if cfg!(target_arch = "aarch64") { c"GLIBC_2.17" } else { c"GLIBC_2.2.5" };
