@@ -76,32 +76,30 @@ fn more_key(exec: u64, k: usize) -> u64 {
 /// The devices `exec` allocates on (a copy on the stack: no allocation on the launch path), or
 /// None for a graph without allocation nodes.
 fn lookup(exec: u64) -> Option<([Alloc; MAX_DEVICES], usize)> {
-    let (first, more) = unpack(execs().get(exec)?);
-    let mut v = [(0, 0, 0); MAX_DEVICES];
-    v[0] = first;
-    let mut n = 1;
-    for k in 1..=more {
-        if let Some(e) = execs().get(more_key(exec, k)) {
-            v[n] = unpack(e).0;
-            n += 1;
-        }
-    }
-    Some((v, n))
+    entries(exec, |k| execs().get(k))
 }
 
 /// Forgets `exec`'s entries, returning what they were.
 fn forget(exec: u64) -> Option<([Alloc; MAX_DEVICES], usize)> {
-    let (first, more) = unpack(execs().remove(exec)?);
+    let r = entries(exec, |k| execs().remove(k));
+    if r.is_some() {
+        WITH_MEM.fetch_sub(1, AcqRel);
+    }
+    r
+}
+
+/// `exec`'s entries, each read with `op` (the map's `get` or `remove`).
+fn entries(exec: u64, op: impl Fn(u64) -> Option<u64>) -> Option<([Alloc; MAX_DEVICES], usize)> {
+    let (first, more) = unpack(op(exec)?);
     let mut v = [(0, 0, 0); MAX_DEVICES];
     v[0] = first;
     let mut n = 1;
     for k in 1..=more {
-        if let Some(e) = execs().remove(more_key(exec, k)) {
+        if let Some(e) = op(more_key(exec, k)) {
             v[n] = unpack(e).0;
             n += 1;
         }
     }
-    WITH_MEM.fetch_sub(1, AcqRel);
     Some((v, n))
 }
 

@@ -356,40 +356,31 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             let mut ptr: CUdeviceptr = 0;
             if how == "explicit" {
                 ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
-                let mut p = CUDA_MEM_ALLOC_NODE_PARAMS {
-                    poolProps: CUmemPoolProps::device(d),
-                    accessDescs: std::ptr::null(),
-                    accessDescCount: 0,
-                    bytesize: size,
-                    dptr: 0,
-                };
-                let mut n = std::ptr::null_mut();
-                ck(
-                    api,
-                    (api.cuGraphAddMemAllocNode)(&mut n, g, std::ptr::null(), 0, &mut p),
-                    "cuGraphAddMemAllocNode",
-                )?;
-                ptr = p.dptr;
-                if !keep {
-                    let mut f = std::ptr::null_mut();
-                    ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, ptr), "cuGraphAddMemFreeNode")?;
-                }
-                if let Some((pd, _)) = peer {
-                    let mut q = CUDA_MEM_ALLOC_NODE_PARAMS {
-                        poolProps: CUmemPoolProps::device(pd),
+                // An allocation node of `bytes` on `device` in `g`, with a free node after it unless
+                // the memory is kept; its address.
+                let alloc_node = |device: CUdevice, bytes: usize, free: bool| -> Res<CUdeviceptr> {
+                    let mut p = CUDA_MEM_ALLOC_NODE_PARAMS {
+                        poolProps: CUmemPoolProps::device(device),
                         accessDescs: std::ptr::null(),
                         accessDescCount: 0,
-                        bytesize: peer_size,
+                        bytesize: bytes,
                         dptr: 0,
                     };
                     let mut n = std::ptr::null_mut();
                     ck(
                         api,
-                        (api.cuGraphAddMemAllocNode)(&mut n, g, std::ptr::null(), 0, &mut q),
-                        "cuGraphAddMemAllocNode (peer)",
+                        (api.cuGraphAddMemAllocNode)(&mut n, g, std::ptr::null(), 0, &mut p),
+                        "cuGraphAddMemAllocNode",
                     )?;
-                    let mut f = std::ptr::null_mut();
-                    ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, q.dptr), "cuGraphAddMemFreeNode (peer)")?;
+                    if free {
+                        let mut f = std::ptr::null_mut();
+                        ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, p.dptr), "cuGraphAddMemFreeNode")?;
+                    }
+                    Ok(p.dptr)
+                };
+                ptr = alloc_node(d, size, !keep)?;
+                if let Some((pd, _)) = peer {
+                    alloc_node(pd, peer_size, true)?;
                 }
             } else {
                 ck(api, (api.cuStreamBeginCapture_v2)(s, 0), "cuStreamBeginCapture")?;
