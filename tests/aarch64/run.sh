@@ -86,6 +86,8 @@ check("with: cuMemAlloc through cuGetProcAddress is limited too (2)", limited["p
       limited["proc_address"])
 check("with: dlsym(RTLD_NEXT) from a library still resolves after that library (2, not 1)",
       limited["next"] == 2, limited["next"])
+check("dlvsym (not overridden) cannot reach the driver's cuMemAlloc_v2, without and with",
+      plain["dlvsym"] == 0 and limited["dlvsym"] == 0, (plain["dlvsym"], limited["dlvsym"]))
 sys.exit(1 if fails else 0)
 PY
 echo "aarch64: all checks passed"
