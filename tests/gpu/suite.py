@@ -1213,7 +1213,7 @@ def environment(s):
     return e
 
 
-def markdown(env, results, seconds):
+def markdown(env, results, seconds, pending=()):
     lines = ["## Results of %s" % env.get("date", ""), ""]
     for k in ("gpu", "gpu_memory", "driver", "cuda_driver_api", "cuda_driver_version", "torch", "torch_cuda", "os", "glibc", "host_kernel"):
         if k in env:
@@ -1221,7 +1221,19 @@ def markdown(env, results, seconds):
     lines += ["- suite run time: %.0f s" % seconds, "", "| check | result | measured |", "| --- | --- | --- |"]
     for r in results:
         lines.append("| %s | %s | %s |" % (r.name, r.status.upper(), r.summary.replace("|", "/").replace("\n", " ")))
+    for n in pending:
+        lines.append("| %s | NOT RUN | the run stopped before it |" % n)
     return "\n".join(lines) + "\n"
+
+
+def write_results(out, env, results, seconds, pending):
+    """results.json and results.md as they stand: written after every check, so a run cut short
+    (a machine taken back, a time limit) leaves every figure measured until then."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"environment": env, "seconds": seconds, "complete": not pending, "not_run": list(pending),
+                   "checks": [r.as_dict() for r in results]}, f, indent=1, default=str)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(env, results, seconds, pending))
 
 
 def main(argv):
@@ -1284,11 +1296,9 @@ def main(argv):
         results.append(r)
         s.say("===== %s: %s: %s" % (n, r.status, r.summary))
         print("%-13s %-4s %5.1fs  %s" % (n, r.status.upper(), time.time() - t, r.summary), flush=True)
+        write_results(o.out, env, results, time.time() - t0, [m for m, _ in chosen[len(results):]])
     took = time.time() - t0
-    with open(os.path.join(o.out, "results.json"), "w") as f:
-        json.dump({"environment": env, "seconds": took, "checks": [r.as_dict() for r in results]}, f, indent=1, default=str)
-    with open(os.path.join(o.out, "results.md"), "w") as f:
-        f.write(markdown(env, results, took))
+    write_results(o.out, env, results, took, [])
     shutil.rmtree(s.tmp, ignore_errors=True)
     failed = [r.name for r in results if r.status == "fail"]
     print("\n%d passed, %d failed, %d skipped in %.0f s%s" % (

@@ -137,6 +137,46 @@ fn the_suite_passes_on_the_simulated_gpu() {
         let row = format!("| {} | {} |", c["name"].as_str().unwrap(), c["status"].as_str().unwrap().to_uppercase());
         assert!(md.contains(&row), "{row} missing:\n{md}");
     }
+    assert_eq!((&r["complete"], r["not_run"].as_array().map(Vec::len)), (&Value::Bool(true), Some(0)));
+    assert!(!md.contains("NOT RUN"), "{md}");
     let failed = r["checks"].as_array().unwrap().iter().any(|c| c["status"] == "fail");
     assert_eq!(o.status.code(), Some(if failed { 1 } else { 0 }), "{}", text(&o));
+}
+
+#[test]
+fn results_are_written_after_every_check_so_a_run_cut_short_keeps_its_figures() {
+    // `load` takes a moment, `sm-30` seconds: while the second runs, the first's results are on disk.
+    let s = Sim::new(None);
+    let out = s.state.join("results");
+    let mut c = s.cmd(run_sh().to_str().unwrap());
+    c.arg("--lib").arg(libvgpu()).arg("--bin-dir").arg(Path::new(RT).parent().unwrap());
+    c.args(["--no-torch", "--quick", "--only", "load,sm-30", "--out", out.to_str().unwrap()]);
+    use std::os::unix::process::CommandExt;
+    // In a process group of its own, so that the workload it is running goes with it.
+    let mut child =
+        c.process_group(0).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let partial = loop {
+        if let Ok(b) = std::fs::read(out.join("results.json")) {
+            if let Ok(v) = serde_json::from_slice::<Value>(&b) {
+                break v;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "no results.json within 60 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before writing results.json");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    // SAFETY: kill(2) of the process group made above.
+    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+    let _ = child.wait();
+    assert_eq!(partial["complete"], false, "{partial}");
+    assert_eq!(partial["not_run"], serde_json::json!(["sm-30"]), "{partial}");
+    let checks = partial["checks"].as_array().unwrap();
+    assert_eq!(
+        (checks.len(), &checks[0]["name"], &checks[0]["status"]),
+        (1, &"load".into(), &"pass".into()),
+        "{partial}"
+    );
+    assert!(md.contains("| load | PASS |") && md.contains("| sm-30 | NOT RUN |"), "{md}");
 }
