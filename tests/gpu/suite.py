@@ -460,7 +460,23 @@ def check_oom(s):
         if over["ok"] or not under["ok"] or over["result"] != "CUDA_ERROR_OUT_OF_MEMORY":
             raise Fail("over the limit: %s; half the limit: %s" % (over["result"], under["result"]))
         return "limit+1 MiB: %s; limit/2: ok" % over["result"], {"over": over, "under": under}
-    j, real, context = torch_oom(s, s.env(True, mem=lim), lambda pid: nvml_process_used(s, pid))
+    return torch_oom_verdict(s, s.env(True, mem=lim), "")
+
+
+def check_oom_expandable(s):
+    """`oom` with PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True):
+    its memory is mapped with cuMemCreate and cuMemMap into reserved address ranges that grow in
+    place, and given back with cuMemUnmap and cuMemRelease."""
+    if not s.torch:
+        raise Skip("needs PyTorch (the driver-API form of this path, cuMemCreate, runs in the interposer tests)")
+    env = s.env(True, mem=s.limit, extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    return torch_oom_verdict(s, env, "expandable segments: ")
+
+
+def torch_oom_verdict(s, env, label):
+    """Runs the PyTorch `oom` worker in `env` and judges it (see check_oom)."""
+    lim = s.limit
+    j, real, context = torch_oom(s, env, lambda pid: nvml_process_used(s, pid))
     v = dict(j, limit=lim, nvml_used_at_oom=real, nvml_context=context)
     problems = []
     if j["oom_error"] != "OutOfMemoryError":
@@ -471,7 +487,7 @@ def check_oom(s):
         problems.append("allocations under the limit failed after the error")
     if j["after_free"] != j["base_free"]:
         problems.append("free after freeing %s != baseline %s" % (human(j["after_free"]), human(j["base_free"])))
-    summary = "OutOfMemoryError after %d x 512 MiB = %s (limit %s); real usage then (NVML) %s, of which the CUDA context %s; free back to baseline: %s" % (
+    summary = label + "OutOfMemoryError after %d x 512 MiB = %s (limit %s); real usage then (NVML) %s, of which the CUDA context %s; free back to baseline: %s" % (
         j["chunks"], human(j["allocated"]), human(lim), human(real), human(context), j["after_free"] == j["base_free"])
     if real is not None and real > lim:
         problems.append("the process really used %s (NVML), over the %s limit: CUDA's own context memory is more than the interposer charges for it" % (human(real), human(lim)))
@@ -1151,6 +1167,7 @@ CHECKS = [
     ("load", check_load),
     ("mem-info", check_mem_info),
     ("oom", check_oom),
+    ("oom-expandable", check_oom_expandable),
     ("train", check_train),
     ("shared-quota", check_shared_quota),
     ("context-reset", check_context_reset),
@@ -1256,7 +1273,7 @@ def main(argv):
     names = [n for n, _ in CHECKS]
     if o.list:
         for n, f in CHECKS:
-            print("%-13s %s" % (n, f.__doc__.strip().splitlines()[0]))
+            print("%-15s %s" % (n, f.__doc__.strip().splitlines()[0]))
         return 0
     try:
         for lst in (o.only, o.skip):
@@ -1295,7 +1312,7 @@ def main(argv):
         r.values["seconds"] = round(time.time() - t, 1)
         results.append(r)
         s.say("===== %s: %s: %s" % (n, r.status, r.summary))
-        print("%-13s %-4s %5.1fs  %s" % (n, r.status.upper(), time.time() - t, r.summary), flush=True)
+        print("%-15s %-4s %5.1fs  %s" % (n, r.status.upper(), time.time() - t, r.summary), flush=True)
         write_results(o.out, env, results, time.time() - t0, [m for m, _ in chosen[len(results):]])
     took = time.time() - t0
     write_results(o.out, env, results, took, [])

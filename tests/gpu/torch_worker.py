@@ -7,6 +7,7 @@ Prints JSON objects, one per line; the last one is the result. Tasks that are ti
 that several workers and the NVML sampler share one window. Errors print {"error": ...} and exit 1.
 """
 import json
+import os
 import sys
 import time
 import traceback
@@ -95,6 +96,7 @@ def oom(torch, a):
         "base_free": base_free,
         "after_free": after_free,
         "total": total,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
 
 

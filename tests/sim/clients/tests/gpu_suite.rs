@@ -34,6 +34,7 @@ fn options_are_checked_and_checks_listed() {
         "load",
         "mem-info",
         "oom",
+        "oom-expandable",
         "train",
         "shared-quota",
         "context-reset",
@@ -104,7 +105,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
         let (st, c) = status(name);
         assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
     }
-    for name in ["train", "cuda-graph", "graph-recapture", "sm-grids", "torch-async"] {
+    for name in ["oom-expandable", "train", "cuda-graph", "graph-recapture", "sm-grids", "torch-async"] {
         assert_eq!(status(name).0, "skip", "{name} needs PyTorch");
     }
     // `true-up` tells the two apart here: with it off, the process really holds more than the limit
