@@ -181,3 +181,44 @@ fn results_are_written_after_every_check_so_a_run_cut_short_keeps_its_figures() 
     );
     assert!(md.contains("| load | PASS |") && md.contains("| sm-30 | NOT RUN |"), "{md}");
 }
+
+#[test]
+fn the_load_check_fails_where_dlvsym_reaches_the_driver() {
+    // A driver library without version information answers dlvsym under any version: here a
+    // stand-in of its own `cuMemAlloc_v2`, built without version information, that needs the
+    // simulated driver for everything else (a dlopen handle's lookups reach its dependencies).
+    let s = Sim::new(None);
+    let dir = s.state.join("fake-driver");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("fake.c"), "int cuMemAlloc_v2(void *p, unsigned long n) { (void)p; (void)n; return 2; }\n")
+        .unwrap();
+    let lib = dir.join("libfakecuda.so");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let o = Command::new(&cc)
+        .args(["-shared", "-fPIC", "-nostdlib", "-o"])
+        .arg(&lib)
+        .arg(dir.join("fake.c"))
+        .arg("-Wl,--no-as-needed")
+        .arg(format!("-L{}", s.libs.display()))
+        .arg("-l:libcuda.so.1")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cc}: {e}"));
+    assert!(o.status.success(), "{}", text(&o));
+    let out = s.state.join("results");
+    let mut c = s.cmd(run_sh().to_str().unwrap());
+    c.arg("--lib").arg(libvgpu()).arg("--bin-dir").arg(Path::new(RT).parent().unwrap());
+    c.args(["--no-torch", "--only", "load", "--out", out.to_str().unwrap()]).env("VGPU_CLIENT_LIBCUDA", &lib);
+    let o = c.output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let r: Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let load = &r["checks"][0];
+    assert_eq!(load["status"], "fail", "{load}");
+    let summary = load["summary"].as_str().unwrap();
+    assert!(summary.contains("driver_api: ok") && summary.contains("a way around the limit"), "{summary}");
+    let base = if cfg!(target_arch = "aarch64") { "GLIBC_2.17" } else { "GLIBC_2.2.5" };
+    assert_eq!(
+        load["values"]["dlvsym"],
+        format!("reaches the driver under libcuda.so.1, libcuda.so, {base}"),
+        "{load}"
+    );
+}
