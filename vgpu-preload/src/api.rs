@@ -27,7 +27,10 @@ macro_rules! cuda_hooks {
             cuMemFree_v2(dptr: CUdeviceptr) => memory::free_v2;
             // virtual memory management
             cuMemCreate(handle: *mut u64, size: usize, prop: *const CUmemAllocationProp, flags: u64) => memory::vmm_create;
-            cuMemRelease(handle: u64) => memory::vmm_release;
+            cuMemRelease(handle: u64) => vmm::release;
+            cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: u64, flags: u64) => vmm::map;
+            cuMemUnmap(ptr: CUdeviceptr, size: usize) => vmm::unmap;
+            cuMemRetainAllocationHandle(handle: *mut u64, addr: *mut c_void) => vmm::retain;
             // stream-ordered allocator
             cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async;
             cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async_ptsz;

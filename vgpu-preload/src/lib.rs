@@ -30,6 +30,7 @@ mod sm;
 mod stale;
 mod state;
 mod trueup;
+mod vmm;
 
 pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;
 

@@ -380,7 +380,8 @@ pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream
     freed(unsafe { real(dptr, s) }, dptr)
 }
 
-// ----- VMM: the physical handle is charged, rounded up to the allocation granularity -----
+// ----- VMM: the physical handle is charged, rounded up to the allocation granularity, until its
+// memory goes (see `vmm`) -----
 
 pub unsafe fn vmm_create(
     real: f::cuMemCreate,
@@ -407,27 +408,14 @@ pub unsafe fn vmm_create(
     let r = charged(st, d, bytes, || unsafe { real(handle, size, prop, flags) });
     if r == OK {
         // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
-        st.handles.insert(unsafe { *handle } | VMM_TAG, pack(d, bytes));
+        crate::vmm::created(unsafe { *handle }, d, bytes);
     }
     r
 }
 
-/// Handle-kind tags keep VMM handles, arrays and contexts apart in one table.
-const VMM_TAG: u64 = 1 << 63;
+/// Handle-kind tags keep arrays and contexts apart in one table.
 const ARRAY_TAG: u64 = 1 << 62;
 const CTX_TAG: u64 = 1 << 61;
-
-pub unsafe fn vmm_release(real: f::cuMemRelease, handle: u64) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(handle) };
-    if r == OK {
-        let st = state();
-        if let Some((d, b)) = st.handles.remove(handle | VMM_TAG).map(unpack) {
-            st.release(d, b);
-        }
-    }
-    r
-}
 
 // ----- arrays: an estimate first, then the size the driver reports -----
 

@@ -163,6 +163,7 @@ impl State {
         self.trueup.after_fork(host_pid());
         crate::graphmem::after_fork();
         crate::pools::after_fork();
+        crate::vmm::after_fork();
         self.ptrs.clear();
         self.handles.clear();
         self.contexts.clear();

@@ -40,6 +40,7 @@ macro_rules! with_cuda_api {
             cuMemAddressFree = "cuMemAddressFree" : fn(p: CUdeviceptr, size: usize);
             cuMemMap = "cuMemMap" : fn(p: CUdeviceptr, size: usize, off: usize, h: u64, flags: u64);
             cuMemUnmap = "cuMemUnmap" : fn(p: CUdeviceptr, size: usize);
+            cuMemRetainAllocationHandle = "cuMemRetainAllocationHandle" : fn(h: *mut u64, addr: *mut c_void);
             cuMemSetAccess = "cuMemSetAccess" : fn(p: CUdeviceptr, size: usize, d: *const CUmemAccessDesc, n: usize);
             cuMemPoolCreate = "cuMemPoolCreate" : fn(p: *mut CUmemoryPool, props: *const CUmemPoolProps);
             cuMemPoolDestroy = "cuMemPoolDestroy" : fn(p: CUmemoryPool);

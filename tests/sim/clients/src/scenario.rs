@@ -47,6 +47,13 @@ scenarios:
                                         explicit): each graph also allocates P bytes on the next
                                         device (whose primary context is retained), its pool and
                                         free memory reported too, --alloc and --trim done there too
+  vmm [--size N] [--alloc N]            a physical allocation of N bytes (cuMemCreate) mapped, its
+                                        handle released at once (the mapping keeps the memory),
+                                        its handle retained again from the address
+                                        (cuMemRetainAllocationHandle), unmapped (the reference
+                                        keeps it) and released: a line per step with what
+                                        cuMemGetInfo reports; --alloc: cuMemAlloc N tried while the
+                                        memory is kept and once it is gone
   pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset]
                                         a stream-ordered allocation of N bytes (async: from the
                                         device's current pool; pool: from a new pool), its pool's
@@ -182,6 +189,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "memcpy" => memcpy(api, dev, &o),
         "graph-mem" => graph_mem(api, dev, &o),
         "pool" => pool_steps(api, dev, &o),
+        "vmm" => vmm_steps(api, dev, &o),
         "threads" => threads(api, dev, &o),
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
@@ -206,6 +214,67 @@ fn device_and_stream(api: &Api, dev: i32) -> Res<(CUdevice, CUstream)> {
         ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
     }
     Ok((d, s))
+}
+
+/// See USAGE: a physical allocation kept by its mapping, then by a retained reference.
+fn vmm_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let size = o.num("size", 256 << 20)? as usize;
+    let probe = o.num("alloc", 0)? as usize;
+    let step = |name: &str, r: CUresult| {
+        emit(json!({"event": "vmm", "step": name, "result": error_name(api, r), "mem_info": mem_info(api)}));
+        if r == CUresult::SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("{name}: {}", error_name(api, r)))
+        }
+    };
+    let try_alloc = |name: &str| {
+        let mut p = 0;
+        // SAFETY: an out-pointer to a local.
+        let r = unsafe { (api.cuMemAlloc_v2)(&mut p, probe) };
+        emit(json!({"event": "vmm", "step": name, "result": error_name(api, r), "bytes": probe}));
+        if r == CUresult::SUCCESS {
+            // SAFETY: the allocation just made.
+            unsafe { (api.cuMemFree_v2)(p) };
+        }
+    };
+    // SAFETY (whole block): calls through the bound table with out-pointers to locals and a
+    // property block built here; handles and addresses are the driver's.
+    unsafe {
+        let prop = CUmemAllocationProp {
+            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: 0,
+            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: Default::default(),
+        };
+        let mut g = 0;
+        ck(api, (api.cuMemGetAllocationGranularity)(&mut g, &prop, 0), "cuMemGetAllocationGranularity")?;
+        let size = size.div_ceil(g) * g;
+        let (mut h, mut ptr) = (0u64, 0);
+        step("created", (api.cuMemCreate)(&mut h, size, &prop, 0))?;
+        ck(api, (api.cuMemAddressReserve)(&mut ptr, size, 0, 0, 0), "cuMemAddressReserve")?;
+        step("mapped", (api.cuMemMap)(ptr, size, 0, h, 0))?;
+        let acc = CUmemAccessDesc { location: prop.location, flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+        ck(api, (api.cuMemSetAccess)(ptr, size, &acc, 1), "cuMemSetAccess")?;
+        step("released", (api.cuMemRelease)(h))?;
+        if probe > 0 {
+            try_alloc("alloc-while-mapped");
+        }
+        let mut again = 0u64;
+        step("retained", (api.cuMemRetainAllocationHandle)(&mut again, ptr as *mut c_void))?;
+        step("unmapped", (api.cuMemUnmap)(ptr, size))?;
+        if probe > 0 {
+            try_alloc("alloc-while-retained");
+        }
+        step("released-again", (api.cuMemRelease)(again))?;
+        ck(api, (api.cuMemAddressFree)(ptr, size), "cuMemAddressFree")?;
+        if probe > 0 {
+            try_alloc("alloc-after");
+        }
+    }
+    Ok(())
 }
 
 /// See USAGE: what a stream-ordered pool holds after each step.

@@ -179,7 +179,7 @@ fn memory_the_driver_frees_with_a_context_is_given_back() {
 }
 
 /// The lines of a `graph-mem` run, by step ("launched" lines in launch order).
-fn graph_steps(o: &Output) -> Vec<Value> {
+fn step_lines(o: &Output) -> Vec<Value> {
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     lines(&o.stdout)
 }
@@ -210,7 +210,7 @@ fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
     for &(bin, how, env) in runs {
         let mut args = vec!["graph-mem", "--size", "600m", "--graphs", "2", "--alloc", "600m", "--destroy", "--trim"];
         args.extend_from_slice(how);
-        let v = graph_steps(&out(&mut s.limited(bin, env), &args));
+        let v = step_lines(&out(&mut s.limited(bin, env), &args));
         let what = format!("{bin} {how:?} {env:?}");
         for x in v.iter().filter(|x| x["step"] == "captured" || x["step"] == "instantiated") {
             assert_eq!(
@@ -236,18 +236,18 @@ fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
     // driver takes anything; the quota is untouched.
     for how in ["explicit", "capture"] {
         let args = ["graph-mem", "--how", how, "--size", "1200m", "--launches", "1", "--alloc", "900m"];
-        let v = graph_steps(&out(&mut s.limited(RT, LIMIT), &args));
+        let v = step_lines(&out(&mut s.limited(RT, LIMIT), &args));
         let l = step(&v, "launched");
         assert_eq!((&l["result"], &l["pool"]), (&json!("CUDA_ERROR_OUT_OF_MEMORY"), &json!(0)), "{how}: {l}");
         assert_eq!(free(l), (1024 - 64) * MIB, "{how}");
         assert_eq!(step(&v, "alloc")["result"], "CUDA_SUCCESS", "{how}: nothing left behind");
         // Uploading maps the memory as a launch would, and so does instantiating with the upload flag.
-        let up = graph_steps(&out(
+        let up = step_lines(&out(
             &mut s.limited(RT, LIMIT),
             &["graph-mem", "--how", how, "--size", "1200m", "--upload", "--launches", "0"],
         ));
         assert_eq!(step(&up, "uploaded")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "{how}: {up:?}");
-        let up = graph_steps(&out(
+        let up = step_lines(&out(
             &mut s.limited(RT, LIMIT),
             &["graph-mem", "--how", how, "--size", "600m", "--instantiate", "upload", "--launches", "0"],
         ));
@@ -259,7 +259,7 @@ fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
     let lazy = Sim::new(Some(&format!("graph_memory_mapped_at = \"sync\"\n{NODE}")));
     for how in ["explicit", "capture"] {
         let args = ["graph-mem", "--how", how, "--size", "600m", "--graphs", "2", "--alloc", "600m", "--trim"];
-        let v = graph_steps(&out(&mut lazy.limited(RT, LIMIT), &args));
+        let v = step_lines(&out(&mut lazy.limited(RT, LIMIT), &args));
         for x in v.iter().filter(|x| x["step"] == "launched") {
             assert_eq!((&x["pool"], free(x)), (&json!(600 * MIB), (1024 - 64 - 600) * MIB), "lazy {how}: {x}");
         }
@@ -268,7 +268,7 @@ fn memory_that_graphs_allocate_is_charged_as_the_pool_that_backs_it() {
     }
     assert_eq!(physical_used(&lazy, 0), 0);
     // The pool goes with its context (cudaDeviceReset), and so does its charge.
-    let v = graph_steps(&out(
+    let v = step_lines(&out(
         &mut s.limited(RT, LIMIT),
         &["graph-mem", "--how", "capture", "--size", "600m", "--launches", "1", "--alloc", "600m", "--reset"],
     ));
@@ -300,7 +300,7 @@ fn a_graph_that_allocates_on_two_gpus_is_charged_on_both() {
             "--destroy",
             "--trim",
         ];
-        let v = graph_steps(&out(&mut s.limited(bin, &limits), &args));
+        let v = step_lines(&out(&mut s.limited(bin, &limits), &args));
         for x in v.iter().filter(|x| x["step"] == "launched") {
             assert_eq!(
                 (&x["result"], &x["pool"], &x["peer_pool"]),
@@ -326,7 +326,7 @@ fn a_graph_that_allocates_on_two_gpus_is_charged_on_both() {
     // Too much for GPU 1: the launch is refused before the driver takes anything on either GPU,
     // and what was held on GPU 0 for it is given back.
     let args = ["graph-mem", "--size", "300m", "--peer-size", "1200m", "--launches", "1", "--alloc", "900m"];
-    let v = graph_steps(&out(&mut s.limited(RT, &limits), &args));
+    let v = step_lines(&out(&mut s.limited(RT, &limits), &args));
     let l = step(&v, "launched");
     assert_eq!(
         (&l["result"], &l["pool"], &l["peer_pool"]),
@@ -357,6 +357,32 @@ fn graph_memory_of_a_killed_process_comes_back() {
 }
 
 #[test]
+fn physical_memory_stays_charged_while_a_mapping_or_a_reference_keeps_it() {
+    // cuMemRelease right after cuMemMap is a common idiom: the mapping keeps the memory, and so
+    // does a handle retained from its address (cuMemRetainAllocationHandle) after the unmap. The
+    // charge must follow the memory, not the first release: 600 MiB under a 1 GiB limit, and
+    // another 600 MiB tried while they are kept.
+    let s = Sim::new(Some(NODE));
+    let free = |v: &Value| v["mem_info"]["free"].as_u64().unwrap();
+    for bin in [RT, DIRECT, DLSYM] {
+        let v = step_lines(&out(&mut s.limited(bin, LIMIT), &["vmm", "--size", "600m", "--alloc", "600m"]));
+        for name in ["created", "mapped", "released", "retained", "unmapped"] {
+            let x = step(&v, name);
+            assert_eq!((&x["result"], free(x)), (&json!("CUDA_SUCCESS"), (1024 - 64 - 600) * MIB), "{bin} {name}: {x}");
+        }
+        assert_eq!(step(&v, "alloc-while-mapped")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "{bin}: the mapping keeps it");
+        assert_eq!(
+            step(&v, "alloc-while-retained")["result"],
+            "CUDA_ERROR_OUT_OF_MEMORY",
+            "{bin}: the reference keeps it"
+        );
+        assert_eq!(free(step(&v, "released-again")), (1024 - 64) * MIB, "{bin}: gone with the last reference");
+        assert_eq!(step(&v, "alloc-after")["result"], "CUDA_SUCCESS", "{bin}");
+        assert_eq!(physical_used(&s, 0), 0, "{bin}");
+    }
+}
+
+#[test]
 fn pools_are_charged_what_they_hold() {
     // A stream-ordered pool keeps what is freed into it until the driver trims it: at the next
     // synchronisation down to its release threshold (0 by default; PyTorch's cudaMallocAsync
@@ -369,7 +395,7 @@ fn pools_are_charged_what_they_hold() {
         for (threshold, kept) in [("0", false), ("64g", true), ("18446744073709551615", true)] {
             let args =
                 ["pool", "--allocator", allocator, "--size", "600m", "--threshold", threshold, "--alloc", "600m"];
-            let v = graph_steps(&out(&mut s.limited(bin, LIMIT), &args));
+            let v = step_lines(&out(&mut s.limited(bin, LIMIT), &args));
             let what = format!("{bin} {allocator} threshold {threshold}");
             let held = (1024 - 64 - 600) * MIB;
             assert_eq!(free(step(&v, "allocated")), held, "{what}");
@@ -397,13 +423,13 @@ fn pools_are_charged_what_they_hold() {
     for allocator in ["async", "pool"] {
         let args =
             ["pool", "--allocator", allocator, "--size", "600m", "--threshold", "64g", "--alloc", "900m", "--reset"];
-        let v = graph_steps(&out(&mut s.limited(RT, LIMIT), &args));
+        let v = step_lines(&out(&mut s.limited(RT, LIMIT), &args));
         assert_eq!(free(step(&v, "reset")), (1024 - 64) * MIB, "{allocator}: {v:?}");
         assert_eq!(step(&v, "alloc-after-reset")["result"], "CUDA_SUCCESS", "{allocator}");
     }
     // A pool reserves in chunks (2 MiB on the simulator): what it holds beyond the request is
     // charged once it is known (at the synchronisation).
-    let v = graph_steps(&out(&mut s.limited(RT, LIMIT), &["pool", "--size", "1m", "--threshold", "64g"]));
+    let v = step_lines(&out(&mut s.limited(RT, LIMIT), &["pool", "--size", "1m", "--threshold", "64g"]));
     assert_eq!(free(step(&v, "allocated")), (1024 - 64 - 1) * MIB);
     assert_eq!(free(step(&v, "synchronised")), (1024 - 64 - 2) * MIB, "{v:?}");
     assert_eq!(physical_used(&s, 0), 0);

@@ -407,6 +407,10 @@ exports! {
         mem::map(p, size as u64, offset as u64, h)
     }
     fn cuMemUnmap(p: CUdeviceptr, size: usize) { mem::unmap_range(p, size as u64) }
+    fn cuMemRetainAllocationHandle(h: *mut CUmemGenericAllocationHandle, addr: *mut c_void) {
+        if h.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(h, mem::retain(addr as u64)?)
+    }
     fn cuMemSetAccess(p: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) {
         if desc.is_null() || count == 0 { return Err(CUresult::INVALID_VALUE); }
         // SAFETY: the caller passes `count` descriptors.

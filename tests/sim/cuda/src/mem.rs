@@ -39,7 +39,9 @@ struct PhysHandle {
     size: u64,
     fd: i32,
     maps: u32,
-    released: bool,
+    /// References to the handle: 1 from `cuMemCreate`, one more per `cuMemRetainAllocationHandle`,
+    /// one less per `cuMemRelease` (0: released).
+    refs: u32,
 }
 
 struct Reservation {
@@ -453,14 +455,14 @@ pub fn create(size: u64, prop: &CUmemAllocationProp) -> R<u64> {
     Ok(with_mem!(m => {
         m.next_id += 1;
         let h = m.next_id;
-        m.handles.insert(h, PhysHandle { gpu, size, fd, maps: 0, released: false });
+        m.handles.insert(h, PhysHandle { gpu, size, fd, maps: 0, refs: 1 });
         h
     }))
 }
 
 fn drop_handle_if_done(m: &mut Mem, h: u64) {
     if let Some(ph) = m.handles.get(&h) {
-        if ph.released && ph.maps == 0 {
+        if ph.refs == 0 && ph.maps == 0 {
             let ph = m.handles.remove(&h).unwrap();
             // SAFETY: fd is the memfd owned by this handle, closed once.
             unsafe { libc::close(ph.fd) };
@@ -475,10 +477,28 @@ fn drop_handle_if_done(m: &mut Mem, h: u64) {
 pub fn release(h: u64) -> R<()> {
     proc()?;
     with_mem!(m => {
-        let ph = m.handles.get_mut(&h).filter(|p| !p.released).ok_or(CUresult::INVALID_VALUE)?;
-        ph.released = true;
+        let ph = m.handles.get_mut(&h).filter(|p| p.refs > 0).ok_or(CUresult::INVALID_VALUE)?;
+        ph.refs -= 1;
         drop_handle_if_done(m, h);
         Ok(())
+    })
+}
+
+/// `cuMemRetainAllocationHandle`: the handle mapped at `addr`, with one more reference to it.
+pub fn retain(addr: u64) -> R<u64> {
+    proc()?;
+    with_mem!(m => {
+        let (base, r) = m.reserves.range(..=addr).next_back().ok_or(CUresult::INVALID_VALUE)?;
+        let off = addr - base;
+        let h = r
+            .maps
+            .range(..=off)
+            .next_back()
+            .filter(|(o, (l, _))| off < *o + *l)
+            .map(|(_, (_, h))| *h)
+            .ok_or(CUresult::INVALID_VALUE)?;
+        m.handles.get_mut(&h).ok_or(CUresult::INVALID_VALUE)?.refs += 1;
+        Ok(h)
     })
 }
 
@@ -534,7 +554,7 @@ pub fn address_free(ptr: u64, size: u64) -> R<()> {
 pub fn map(ptr: u64, size: u64, offset: u64, h: u64) -> R<()> {
     proc()?;
     with_mem!(m => {
-        let (fd, hsize) = m.handles.get(&h).filter(|p| !p.released).map(|p| (p.fd, p.size)).ok_or(CUresult::INVALID_HANDLE)?;
+        let (fd, hsize) = m.handles.get(&h).filter(|p| p.refs > 0).map(|p| (p.fd, p.size)).ok_or(CUresult::INVALID_HANDLE)?;
         if size == 0 || !size.is_multiple_of(GRANULARITY) || !offset.is_multiple_of(GRANULARITY) || offset + size > hsize {
             return Err(CUresult::INVALID_VALUE);
         }

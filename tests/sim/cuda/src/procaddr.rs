@@ -80,6 +80,7 @@ static TABLE: &[(&str, Versions, Versions)] = &[
     ("cuMemAddressFree", &[(10020, "cuMemAddressFree")], &[]),
     ("cuMemMap", &[(10020, "cuMemMap")], &[]),
     ("cuMemUnmap", &[(10020, "cuMemUnmap")], &[]),
+    ("cuMemRetainAllocationHandle", &[(11000, "cuMemRetainAllocationHandle")], &[]),
     ("cuMemSetAccess", &[(10020, "cuMemSetAccess")], &[]),
     ("cuDeviceGetDefaultMemPool", &[(11020, "cuDeviceGetDefaultMemPool")], &[]),
     ("cuDeviceGetMemPool", &[(11020, "cuDeviceGetMemPool")], &[]),
