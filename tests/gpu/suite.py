@@ -582,6 +582,34 @@ def check_pool_hold(s):
     return summary, v
 
 
+def check_vmm_hold(s):
+    """A physical allocation (cuMemCreate) whose handle is released while it is mapped, as many
+    allocators do, stays charged while the mapping, then a handle retained from its address, keeps it."""
+    lim = 4 * GIB
+    size = int(lim * 0.6)  # twice this is over the limit
+    bare = s.probe(["vmm", "--size", str(size)], s.env(False))
+    j = s.probe(["vmm", "--size", str(size)], s.env(True, mem=lim, region=os.path.join(s.tmp, "vmm.region")))
+    v = {"limit": lim, "size": size, "bare": bare, "limited": j}
+    held = lambda r, k: r["base"]["free"] - r[k]["free"]
+    summary = ("%s mapped, its handle released: the driver still holds %s (without libvgpu), %s charged; "
+               "cuMemAlloc of %s beside it under the %s limit: %s; unmapped with a retained handle: %s charged, "
+               "cuMemAlloc %s; released: %s charged, cuMemAlloc %s") % (
+        human(j["size"]), human(held(bare, "released")), human(held(j, "released")), human(j["size"]), human(lim),
+        j["alloc_while_mapped"], human(held(j, "unmapped_retained")), j["alloc_while_retained"],
+        human(held(j, "gone")), j["alloc_after"])
+    problems = []
+    for k in ("released", "unmapped_retained"):
+        if abs(held(j, k) - j["size"]) > 64 * MIB:
+            problems.append("%s: charged %s for %s the driver keeps" % (k, human(held(j, k)), human(j["size"])))
+    if j["alloc_while_mapped"] != "CUDA_ERROR_OUT_OF_MEMORY" or j["alloc_while_retained"] != "CUDA_ERROR_OUT_OF_MEMORY":
+        problems.append("memory the driver keeps was not held against the limit")
+    if j["alloc_after"] != "CUDA_SUCCESS" or abs(held(j, "gone")) > 64 * MIB:
+        problems.append("the memory did not come back once released")
+    if problems:
+        raise Fail(summary + ". " + "; ".join(problems), v)
+    return summary, v
+
+
 def check_torch_async(s):
     """PyTorch's cudaMallocAsync backend: what its pool keeps after a free stays charged (another
     process of the container is refused it), reusing it costs nothing more, a captured graph that
@@ -1172,6 +1200,7 @@ CHECKS = [
     ("train", check_train),
     ("shared-quota", check_shared_quota),
     ("context-reset", check_context_reset),
+    ("vmm-hold", check_vmm_hold),
     ("pool-hold", check_pool_hold),
     ("graph-mem", check_graph_mem),
     ("torch-async", check_torch_async),

@@ -20,6 +20,11 @@
 //!                                                its release threshold set first; freed, synchronised,
 //!                                                cuMemAlloc of BYTES tried, the pool trimmed, tried
 //!                                                again; the threshold restored)
+//!        gpu-probe vmm --size BYTES                (cuMemCreate of BYTES, mapped; its handle
+//!                                                released (the mapping keeps the memory), cuMemAlloc of
+//!                                                BYTES tried; the handle retained from the address and
+//!                                                the range unmapped (the reference keeps it), tried
+//!                                                again; released, tried again)
 //!        gpu-probe graph-mem --size BYTES [--graphs N] [--alloc BYTES]
 //!                                                (N graphs of an allocation node of BYTES, a kernel
 //!                                                and a free node, each launched once; then
@@ -102,6 +107,15 @@ table! {
     cuMemPoolSetAttribute: fn(CUmemoryPool, i32, *mut c_void);
     cuMemPoolGetAttribute: fn(CUmemoryPool, i32, *mut c_void);
     cuMemPoolTrimTo: fn(CUmemoryPool, usize);
+    cuMemGetAllocationGranularity: fn(*mut usize, *const CUmemAllocationProp, i32);
+    cuMemCreate: fn(*mut u64, usize, *const CUmemAllocationProp, u64);
+    cuMemRelease: fn(u64);
+    cuMemAddressReserve: fn(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
+    cuMemAddressFree: fn(CUdeviceptr, usize);
+    cuMemMap: fn(CUdeviceptr, usize, usize, u64, u64);
+    cuMemUnmap: fn(CUdeviceptr, usize);
+    cuMemSetAccess: fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
+    cuMemRetainAllocationHandle: fn(*mut u64, *mut c_void);
 }
 
 struct Probe {
@@ -479,6 +493,65 @@ fn pool(args: &[String]) -> Result<Value, String> {
     }
 }
 
+/// A physical allocation (cuMemCreate) kept by its mapping after its handle is released, then by a
+/// handle retained from its address after the unmap: cuMemGetInfo after each step, and a
+/// cuMemAlloc of the same size tried while it is kept and once it is gone.
+fn vmm(args: &[String]) -> Result<Value, String> {
+    let size = opt(args, "--size", -1.0)?;
+    if size <= 0.0 {
+        return Err("--size BYTES is required".into());
+    }
+    let (p, dev) = Probe::open()?;
+    let try_alloc = |size: usize| -> String {
+        let mut d = 0;
+        // SAFETY: an out-pointer to a local; the allocation is freed at once.
+        let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, size) };
+        if r == CUresult::SUCCESS {
+            // SAFETY: the allocation just made.
+            unsafe { (p.cu.cuMemFree_v2)(d) };
+            return "CUDA_SUCCESS".into();
+        }
+        p.name(r)
+    };
+    // SAFETY: out-pointers to locals, a property block and an access descriptor built here, and
+    // handles and addresses the driver gave.
+    unsafe {
+        let prop = CUmemAllocationProp {
+            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: 0,
+            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: Default::default(),
+        };
+        let mut g = 0;
+        p.ck((p.cu.cuMemGetAllocationGranularity)(&mut g, &prop, 0), "cuMemGetAllocationGranularity")?;
+        let size = (size as usize).div_ceil(g.max(1)) * g.max(1);
+        let base = mem_info(&p)?;
+        let (mut h, mut ptr) = (0u64, 0);
+        p.ck((p.cu.cuMemCreate)(&mut h, size, &prop, 0), "cuMemCreate")?;
+        p.ck((p.cu.cuMemAddressReserve)(&mut ptr, size, 0, 0, 0), "cuMemAddressReserve")?;
+        p.ck((p.cu.cuMemMap)(ptr, size, 0, h, 0), "cuMemMap")?;
+        let acc = CUmemAccessDesc { location: prop.location, flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+        p.ck((p.cu.cuMemSetAccess)(ptr, size, &acc, 1), "cuMemSetAccess")?;
+        let mapped = mem_info(&p)?;
+        p.ck((p.cu.cuMemRelease)(h), "cuMemRelease")?;
+        let released = mem_info(&p)?;
+        let alloc_while_mapped = try_alloc(size);
+        let mut again = 0u64;
+        p.ck((p.cu.cuMemRetainAllocationHandle)(&mut again, ptr as *mut c_void), "cuMemRetainAllocationHandle")?;
+        p.ck((p.cu.cuMemUnmap)(ptr, size), "cuMemUnmap")?;
+        let unmapped = mem_info(&p)?;
+        let alloc_while_retained = try_alloc(size);
+        p.ck((p.cu.cuMemRelease)(again), "cuMemRelease (retained)")?;
+        p.ck((p.cu.cuMemAddressFree)(ptr, size), "cuMemAddressFree")?;
+        let gone = mem_info(&p)?;
+        let alloc_after = try_alloc(size);
+        Ok(json!({"size": size, "base": base, "mapped": mapped, "released": released,
+            "alloc_while_mapped": alloc_while_mapped, "unmapped_retained": unmapped,
+            "alloc_while_retained": alloc_while_retained, "gone": gone, "alloc_after": alloc_after}))
+    }
+}
+
 /// Graphs that allocate in graph memory nodes (see the usage): what the device's graph pool and
 /// cuMemGetInfo say after each step.
 fn graph_mem(args: &[String]) -> Result<Value, String> {
@@ -584,8 +657,9 @@ fn main() {
         Some("reset") => reset(&args[1..]),
         Some("graph-mem") => graph_mem(&args[1..]),
         Some("pool") => pool(&args[1..]),
+        Some("vmm") => vmm(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] | pool --size B [--threshold B] | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] | pool --size B [--threshold B] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
