@@ -232,6 +232,19 @@ pub struct CUmemPoolProps {
     pub reserved: [u8; 54],
 }
 
+impl CUmemAllocationProp {
+    /// Pinned device memory on CUDA device `ordinal`, no shareable handles: a plain `cuMemCreate`.
+    pub fn device(ordinal: CUdevice) -> CUmemAllocationProp {
+        CUmemAllocationProp {
+            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: 0,
+            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: Default::default(),
+        }
+    }
+}
+
 impl CUmemPoolProps {
     /// Pinned device memory on CUDA device `ordinal`, no shareable handles: what the default pool
     /// of a device and graph allocations have.

@@ -242,13 +242,7 @@ fn vmm_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     // SAFETY (whole block): calls through the bound table with out-pointers to locals and a
     // property block built here; handles and addresses are the driver's.
     unsafe {
-        let prop = CUmemAllocationProp {
-            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: 0,
-            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-            win32HandleMetaData: std::ptr::null_mut(),
-            allocFlags: Default::default(),
-        };
+        let prop = CUmemAllocationProp::device(dev);
         let mut g = 0;
         ck(api, (api.cuMemGetAllocationGranularity)(&mut g, &prop, 0), "cuMemGetAllocationGranularity")?;
         let size = size.div_ceil(g) * g;
@@ -648,13 +642,7 @@ impl Allocator<'_> {
                     Ok((Chunk::Ptr(p), pitch * h))
                 }
                 "vmm" => {
-                    let prop = CUmemAllocationProp {
-                        type_: CU_MEM_ALLOCATION_TYPE_PINNED,
-                        requestedHandleTypes: 0,
-                        location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: self.dev },
-                        win32HandleMetaData: std::ptr::null_mut(),
-                        allocFlags: Default::default(),
-                    };
+                    let prop = CUmemAllocationProp::device(self.dev);
                     let mut g = 0;
                     r((a.cuMemGetAllocationGranularity)(&mut g, &prop, 0))?;
                     let sz = size.div_ceil(g) * g;

@@ -123,6 +123,19 @@ struct Probe {
 }
 
 impl Probe {
+    /// A cuMemAlloc of `size`, freed at once: the driver's result by name.
+    fn alloc_result(&self, size: usize) -> String {
+        let mut d = 0;
+        // SAFETY: an out-pointer to a local.
+        let r = unsafe { (self.cu.cuMemAlloc_v2)(&mut d, size) };
+        if r == CUresult::SUCCESS {
+            // SAFETY: the allocation just made.
+            unsafe { (self.cu.cuMemFree_v2)(d) };
+            return "CUDA_SUCCESS".into();
+        }
+        self.name(r)
+    }
+
     fn name(&self, r: CUresult) -> String {
         let mut s: *const c_char = std::ptr::null();
         // SAFETY: out-pointer to a local; the driver returns a static string or NULL.
@@ -463,15 +476,6 @@ fn pool(args: &[String]) -> Result<Value, String> {
             (p.cu.cuMemPoolSetAttribute)(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut t as *mut u64 as *mut c_void),
             "cuMemPoolSetAttribute",
         )?;
-        let try_alloc = || -> String {
-            let mut d = 0;
-            let r = (p.cu.cuMemAlloc_v2)(&mut d, size);
-            if r == CUresult::SUCCESS {
-                (p.cu.cuMemFree_v2)(d);
-                return "CUDA_SUCCESS".into();
-            }
-            p.name(r)
-        };
         let base = mem_info(&p)?;
         let mut d = 0;
         p.ck((p.cu.cuMemAllocAsync)(&mut d, size, s), "cuMemAllocAsync")?;
@@ -479,10 +483,10 @@ fn pool(args: &[String]) -> Result<Value, String> {
         p.ck((p.cu.cuMemFreeAsync)(d, s), "cuMemFreeAsync")?;
         p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
         let (held, synced) = (get(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?, mem_info(&p)?);
-        let alloc = try_alloc();
+        let alloc = p.alloc_result(size);
         p.ck((p.cu.cuMemPoolTrimTo)(pool, 0), "cuMemPoolTrimTo")?;
         let (held_after_trim, trimmed) = (get(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?, mem_info(&p)?);
-        let alloc_after_trim = try_alloc();
+        let alloc_after_trim = p.alloc_result(size);
         p.ck(
             (p.cu.cuMemPoolSetAttribute)(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut old as *mut u64 as *mut c_void),
             "cuMemPoolSetAttribute",
@@ -502,27 +506,10 @@ fn vmm(args: &[String]) -> Result<Value, String> {
         return Err("--size BYTES is required".into());
     }
     let (p, dev) = Probe::open()?;
-    let try_alloc = |size: usize| -> String {
-        let mut d = 0;
-        // SAFETY: an out-pointer to a local; the allocation is freed at once.
-        let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, size) };
-        if r == CUresult::SUCCESS {
-            // SAFETY: the allocation just made.
-            unsafe { (p.cu.cuMemFree_v2)(d) };
-            return "CUDA_SUCCESS".into();
-        }
-        p.name(r)
-    };
     // SAFETY: out-pointers to locals, a property block and an access descriptor built here, and
     // handles and addresses the driver gave.
     unsafe {
-        let prop = CUmemAllocationProp {
-            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
-            requestedHandleTypes: 0,
-            location: CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev },
-            win32HandleMetaData: std::ptr::null_mut(),
-            allocFlags: Default::default(),
-        };
+        let prop = CUmemAllocationProp::device(dev);
         let mut g = 0;
         p.ck((p.cu.cuMemGetAllocationGranularity)(&mut g, &prop, 0), "cuMemGetAllocationGranularity")?;
         let size = (size as usize).div_ceil(g.max(1)) * g.max(1);
@@ -536,16 +523,16 @@ fn vmm(args: &[String]) -> Result<Value, String> {
         let mapped = mem_info(&p)?;
         p.ck((p.cu.cuMemRelease)(h), "cuMemRelease")?;
         let released = mem_info(&p)?;
-        let alloc_while_mapped = try_alloc(size);
+        let alloc_while_mapped = p.alloc_result(size);
         let mut again = 0u64;
         p.ck((p.cu.cuMemRetainAllocationHandle)(&mut again, ptr as *mut c_void), "cuMemRetainAllocationHandle")?;
         p.ck((p.cu.cuMemUnmap)(ptr, size), "cuMemUnmap")?;
         let unmapped = mem_info(&p)?;
-        let alloc_while_retained = try_alloc(size);
+        let alloc_while_retained = p.alloc_result(size);
         p.ck((p.cu.cuMemRelease)(again), "cuMemRelease (retained)")?;
         p.ck((p.cu.cuMemAddressFree)(ptr, size), "cuMemAddressFree")?;
         let gone = mem_info(&p)?;
-        let alloc_after = try_alloc(size);
+        let alloc_after = p.alloc_result(size);
         Ok(json!({"size": size, "base": base, "mapped": mapped, "released": released,
             "alloc_while_mapped": alloc_while_mapped, "unmapped_retained": unmapped,
             "alloc_while_retained": alloc_while_retained, "gone": gone, "alloc_after": alloc_after}))
@@ -580,15 +567,7 @@ fn graph_mem(args: &[String]) -> Result<Value, String> {
         if probe == 0 {
             return "not tried".into();
         }
-        let mut d = 0;
-        // SAFETY: an out-pointer to a local; freed at once.
-        let r = unsafe { (p.cu.cuMemAlloc_v2)(&mut d, probe) };
-        if r == CUresult::SUCCESS {
-            // SAFETY: the allocation just made.
-            unsafe { (p.cu.cuMemFree_v2)(d) };
-            return "CUDA_SUCCESS".into();
-        }
-        p.name(r)
+        p.alloc_result(probe)
     };
     let base = mem_info(&p)?;
     let mut ns = 1000u64;
