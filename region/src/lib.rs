@@ -305,11 +305,13 @@ impl Region {
 
     /// Whether allocations the GPU has no physical room for may be served as unified memory (set by
     /// the agent when the node's memory is oversubscribed).
+    #[inline]
     pub fn oversubscribe(&self) -> bool {
         self.map.header.flags.load(Acquire) & FLAG_OVERSUBSCRIBE != 0
     }
 
     /// Whether a process created the region from its environment (no agent writes or watches it).
+    #[inline]
     pub fn standalone(&self) -> bool {
         self.map.header.flags.load(Acquire) & FLAG_STANDALONE != 0
     }
@@ -533,6 +535,7 @@ impl Region {
 
     /// Corrects the budget once a launch's GPU time is known (`delta` = charged - measured), and
     /// accounts the measured time.
+    #[inline]
     pub fn sm_correct(&self, dev: usize, delta_ns: i64, measured_ns: u64) {
         let d = &self.map.devices[dev];
         d.sm_tokens.fetch_add(delta_ns, AcqRel);
@@ -556,6 +559,7 @@ impl Region {
     }
 
     /// Bit 0 of the SM flags: the agent says another container uses this GPU.
+    #[inline]
     pub fn sm_shared(&self, dev: usize) -> Option<bool> {
         let f = self.map.devices[dev].sm_flags.load(Relaxed);
         (f & 2 != 0).then_some(f & 1 != 0)

@@ -10,7 +10,9 @@ use crate::config::CorePolicy;
 use crate::graphmem;
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
+use crate::MAX_DEVICES;
 use cuda_abi::*;
+use std::cell::Cell;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering::*};
 use std::sync::Mutex;
@@ -32,6 +34,8 @@ const FIRST_GUESS_NS: u64 = 100_000;
 const MAX_PENDING: u64 = 256;
 /// Longest single sleep; the budget is re-read after each.
 const MAX_SLEEP_NS: u64 = 20_000_000;
+/// GPU time a thread charges to the shared budget ahead of its launches (see [`Credit`]).
+const PREPAY_NS: u64 = 50_000;
 
 pub(crate) fn now_coarse() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -255,6 +259,65 @@ fn forget_where(reset: impl FnOnce(&Estimates), dropped: impl Fn(u64) -> bool) {
     }
 }
 
+/// GPU time (ns, per device) the thread has charged to the container's budget for launches it has
+/// not made yet. The budget in the region is shared by every thread of every process of the
+/// container, so charging it is a locked instruction on a shared cache line, a quarter of the
+/// limited launch path's cost; a thread whose credit does not cover a launch while the budget is
+/// positive charges the launch and the next `PREPAY_NS` at once, and launches within that credit
+/// touch nothing shared. What it changes: up to `PREPAY_NS` per thread and device is charged early
+/// (nothing is charged twice or lost, so the share over any window longer than that is the same),
+/// and a thread may spend its credit while the budget is in debt (it was paid while it was not).
+/// What a thread leaves unspent goes back to the budget when it exits; a forked child starts with
+/// none (see [`after_fork`]).
+struct Credit {
+    ns: [Cell<u64>; MAX_DEVICES],
+    /// The budget the credit was charged to (the process's region, which is never unmapped).
+    region: Cell<Option<&'static vgpu_region::Region>>,
+}
+
+impl Drop for Credit {
+    fn drop(&mut self) {
+        let Some(region) = self.region.get() else { return };
+        for (dev, c) in self.ns.iter().enumerate() {
+            if c.get() > 0 {
+                region.sm_correct(dev, c.replace(0) as i64, 0);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static CREDIT: Credit = const { Credit { ns: [const { Cell::new(0) }; MAX_DEVICES], region: Cell::new(None) } };
+}
+
+/// Charges a launch of `cost` on `dev` to the thread's credit or, when that does not cover it and
+/// the budget is positive, tops the credit up from the budget. False: the budget is in debt.
+#[inline]
+fn charge(region: &'static vgpu_region::Region, dev: usize, cost: u64) -> bool {
+    CREDIT
+        .try_with(|c| {
+            let ns = &c.ns[dev];
+            let have = ns.get();
+            if have >= cost {
+                ns.set(have - cost);
+                true
+            } else if region.sm_try_charge(dev, cost - have + PREPAY_NS) {
+                ns.set(PREPAY_NS);
+                c.region.set(Some(region));
+                true
+            } else {
+                false
+            }
+        })
+        // The thread is exiting (its credit already went back): the launch alone.
+        .unwrap_or_else(|_| region.sm_try_charge(dev, cost))
+}
+
+/// A forked child: the forking thread's credit was paid by the parent (and goes back there).
+pub fn after_fork() {
+    let _ = CREDIT.try_with(|c| c.ns.iter().for_each(|x| x.set(0)));
+}
+
 /// The SM percentage that applies to `dev` now, or None.
 #[inline]
 fn applies(st: &State, dev: usize) -> Option<u32> {
@@ -385,7 +448,7 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     let (est, n) = estimates().get(key);
     let sample = !open && sampled(est, n, PENDING_N.load(Relaxed));
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
-    if !region.sm_try_charge(dev, cost) {
+    if !charge(region, dev, cost) {
         // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| throttle(st, region, dev, pct, cost))).is_err() {
             crate::log::vlog!(crate::log::ERROR, "internal error while throttling; launching unthrottled");
@@ -615,6 +678,80 @@ mod tests {
 
     fn key(i: u64) -> u64 {
         kernel_key(0x7f00_0000_1000 as CUfunction, i as u32, (i >> 32) as u32, 1)
+    }
+
+    /// A region with one device and `tokens` in its budget, for the life of the test process.
+    fn budget(name: &str, tokens: i64) -> &'static vgpu_region::Region {
+        let p = std::env::temp_dir().join(format!("vgpu-sm-credit-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        let r = vgpu_region::Region::open_or_create(&p, || vgpu_region::Init {
+            devices: vec![("GPU-credit".into(), 1 << 30, 50)],
+            standalone: true,
+        })
+        .unwrap();
+        let _ = std::fs::remove_file(&p);
+        let r: &'static vgpu_region::Region = Box::leak(Box::new(r));
+        let t = &r.layout().devices[0].sm_tokens;
+        t.store(tokens, Relaxed);
+        r
+    }
+
+    fn tokens(r: &vgpu_region::Region) -> i64 {
+        r.layout().devices[0].sm_tokens.load(Relaxed)
+    }
+
+    #[test]
+    fn launches_are_paid_from_a_prepaid_credit_and_what_is_left_goes_back_when_the_thread_exits() {
+        let r = budget("exit", 1_000_000);
+        std::thread::spawn(move || {
+            assert!(charge(r, 0, 1000));
+            assert_eq!(tokens(r), 1_000_000 - 1000 - PREPAY_NS as i64, "the launch and the credit");
+            for _ in 0..(PREPAY_NS / 1000) {
+                assert!(charge(r, 0, 1000));
+            }
+            assert_eq!(tokens(r), 1_000_000 - 1000 - PREPAY_NS as i64, "launches within the credit");
+            assert!(charge(r, 0, 1000));
+            assert_eq!(tokens(r), 1_000_000 - 2000 - 2 * PREPAY_NS as i64, "topped up once spent");
+            // A long launch: the credit goes to it, the rest is charged, and a new credit.
+            assert!(charge(r, 0, 3 * PREPAY_NS));
+            assert_eq!(tokens(r), 1_000_000 - 2000 - 5 * PREPAY_NS as i64);
+            assert!(charge(r, 0, 400));
+        })
+        .join()
+        .unwrap();
+        // Every launch was charged once, and nothing else.
+        let launched = 1000 + PREPAY_NS + 1000 + 3 * PREPAY_NS + 400;
+        assert_eq!(tokens(r), 1_000_000 - launched as i64, "the credit left went back at exit");
+    }
+
+    #[test]
+    fn a_budget_in_debt_admits_only_launches_the_credit_covers() {
+        let r = budget("debt", 1);
+        std::thread::spawn(move || {
+            assert!(charge(r, 0, 10_000), "positive: admitted");
+            r.layout().devices[0].sm_tokens.store(-5, Relaxed);
+            assert!(charge(r, 0, PREPAY_NS - 1000), "within the credit paid while it was positive");
+            assert!(!charge(r, 0, 2000), "beyond it, in debt");
+            assert_eq!(tokens(r), -5, "a refused launch charges nothing");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(tokens(r), -5 + 1000);
+    }
+
+    #[test]
+    fn a_forked_child_does_not_spend_its_parents_credit() {
+        let r = budget("fork", 1_000_000);
+        std::thread::spawn(move || {
+            assert!(charge(r, 0, 1000));
+            // In the child the thread's memory is a copy: that credit is the parent's.
+            after_fork();
+            assert!(charge(r, 0, 1000));
+            assert_eq!(tokens(r), 1_000_000 - 2000 - 2 * PREPAY_NS as i64, "the child paid for its own");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(tokens(r), 1_000_000 - 2000 - PREPAY_NS as i64);
     }
 
     #[test]

@@ -50,6 +50,8 @@ static FORKED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn child_after_fork() {
     FORKED.store(true, Release);
+    // The forking thread is the child's only thread, and its SM credit is the parent's.
+    crate::sm::after_fork();
 }
 
 /// The process state; the first call creates it.

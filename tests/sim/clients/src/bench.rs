@@ -7,9 +7,18 @@ use std::ffi::c_void;
 use std::time::Instant;
 
 /// Median over `batches` of the mean cost of one call in a batch of `per` calls, in ns.
-pub fn median_ns(batches: usize, per: usize, mut f: impl FnMut()) -> f64 {
+pub fn median_ns(batches: usize, per: usize, f: impl FnMut()) -> f64 {
+    median_ns_with(batches, per, || {}, f)
+}
+
+/// The same, running `between` (not timed) before each batch. Stream work is measured with the
+/// stream drained between batches: a real driver's queue is bounded (a launch waits when it is
+/// full), the simulator's is not, and a queue of a hundred thousand launches would make every call
+/// (and every figure) a matter of the simulator's growing working set.
+pub fn median_ns_with(batches: usize, per: usize, mut between: impl FnMut(), mut f: impl FnMut()) -> f64 {
     let mut v: Vec<f64> = (0..batches)
         .map(|_| {
+            between();
             let t = Instant::now();
             for _ in 0..per {
                 f();
@@ -56,7 +65,8 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
         let mut s = std::ptr::null_mut();
         ok((api.cuStreamCreate)(&mut s, 0), "cuStreamCreate");
 
-        let launch_ns = median_ns(batches, per, || {
+        let drain = || ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
+        let launch_ns = median_ns_with(batches, per, drain, || {
             (api.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, s, std::ptr::null_mut(), std::ptr::null_mut());
         });
         ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
@@ -105,7 +115,7 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
         let mut n = std::ptr::null_mut();
         ok((api.cuGraphAddKernelNode_v2)(&mut n, g, std::ptr::null(), 0, &k), "cuGraphAddKernelNode");
         let plain = instantiate(g);
-        let graph_launch_ns = median_ns(batches, per / 4 + 1, || {
+        let graph_launch_ns = median_ns_with(batches, per / 4 + 1, drain, || {
             (api.cuGraphLaunch)(plain, s);
         });
         ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
@@ -116,11 +126,11 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
         ok((api.cuMemFreeAsync)(p, s), "cuMemFreeAsync (captured)");
         ok((api.cuStreamEndCapture)(s, &mut g), "cuStreamEndCapture");
         let with_mem = instantiate(g);
-        let graph_mem_launch_ns = median_ns(batches, per / 4 + 1, || {
+        let graph_mem_launch_ns = median_ns_with(batches, per / 4 + 1, drain, || {
             ok((api.cuGraphLaunch)(with_mem, s), "cuGraphLaunch (graph memory)");
         });
         ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
-        let async_pair_ns = median_ns(batches, per / 4 + 1, || {
+        let async_pair_ns = median_ns_with(batches, per / 4 + 1, drain, || {
             let mut p = 0;
             ok((api.cuMemAllocAsync)(&mut p, 4096, s), "cuMemAllocAsync");
             ok((api.cuMemFreeAsync)(p, s), "cuMemFreeAsync");
