@@ -261,8 +261,8 @@ fn forget_where(reset: impl FnOnce(&Estimates), dropped: impl Fn(u64) -> bool) {
 
 /// GPU time (ns, per device) the thread has charged to the container's budget for launches it has
 /// not made yet. The budget in the region is shared by every thread of every process of the
-/// container, so charging it is a locked instruction on a shared cache line, a quarter of the
-/// limited launch path's cost; a thread whose credit does not cover a launch while the budget is
+/// container, so charging it is a locked instruction on a shared cache line, the largest single cost
+/// of the limited launch path; a thread whose credit does not cover a launch while the budget is
 /// positive charges the launch and the next `PREPAY_NS` at once, and launches within that credit
 /// touch nothing shared. What it changes: up to `PREPAY_NS` per thread and device is charged early
 /// (nothing is charged twice or lost, so the share over any window longer than that is the same),
