@@ -206,6 +206,7 @@ struct Sample {
     key: u64,
     dev: usize,
     charged: u64,
+    stream: CUstream,
     start: CUevent,
     end: CUevent,
 }
@@ -361,31 +362,61 @@ fn collect(st: &State) {
     }
     let Ok(mut p) = PENDING.try_lock() else { return };
     estimates().tick(now_coarse());
-    let mut i = 0;
-    while i < p.len() {
-        let s = &p[i];
+    let before = p.len();
+    sweep(
+        &mut p,
         // SAFETY: events we created and recorded.
-        let q = unsafe { query(s.end) };
-        if q == CUresult::NOT_READY {
-            i += 1;
-            continue;
-        }
-        let mut ms = 0f32;
-        // SAFETY: as above; both recorded on the same stream. Any other answer than success (an
-        // event that cannot be timed) drops the measurement; the launch keeps its charge.
-        let ok = q == CUresult::SUCCESS && unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
-        let s = p.swap_remove(i);
-        PENDING_N.fetch_sub(1, Relaxed);
-        if ok {
-            // The launch is charged what the updated estimate says, not the raw measurement,
-            // which includes any time spent queued behind other work.
-            let ns = estimates().learn(s.key, (ms as f64 * 1e6) as u64);
-            if let Some(r) = st.region.as_ref() {
-                r.sm_correct(s.dev, s.charged as i64 - ns as i64, ns);
+        |e| unsafe { query(e) },
+        |s, q| {
+            let mut ms = 0f32;
+            // SAFETY: as above; both recorded on the same stream. Any other answer than success (an
+            // event that cannot be timed) drops the measurement; the launch keeps its charge.
+            let ok = q == CUresult::SUCCESS && unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
+            if ok {
+                // The launch is charged what the updated estimate says, not the raw measurement,
+                // which includes any time spent queued behind other work.
+                let ns = estimates().learn(s.key, (ms as f64 * 1e6) as u64);
+                if let Some(r) = st.region.as_ref() {
+                    r.sm_correct(s.dev, s.charged as i64 - ns as i64, ns);
+                }
             }
+            spare([s.start, s.end]);
+        },
+    );
+    PENDING_N.fetch_sub((before - p.len()) as u64, Relaxed);
+}
+
+/// A collection stops asking once this many streams have answered "not ready".
+const MAX_BUSY_STREAMS: usize = 16;
+
+/// Takes the measurements whose end event is done out of `pending`, oldest first and keeping the
+/// order of the rest, and hands each to `done` with the driver's answer. It asks the driver as
+/// little as it can: a stream runs its work in order, so once one of its events is not done, its
+/// later ones are not asked about; and after `MAX_BUSY_STREAMS` streams have said "not ready", the
+/// pass ends. (Before, every measurement in flight was asked about at every collection, one in 16
+/// launches: up to 256 driver calls where the GPU's queue is deep. Two threads' per-thread default
+/// streams share a handle, so one of them may wait for the other's event: a delay, never a wrong
+/// measurement.)
+fn sweep(
+    pending: &mut Vec<Sample>,
+    mut query: impl FnMut(CUevent) -> CUresult,
+    mut done: impl FnMut(&Sample, CUresult),
+) {
+    let mut busy = [std::ptr::null_mut(); MAX_BUSY_STREAMS];
+    let mut n = 0;
+    pending.retain(|s| {
+        if n == MAX_BUSY_STREAMS || busy[..n].contains(&s.stream) {
+            return true;
         }
-        spare([s.start, s.end]);
-    }
+        let q = query(s.end);
+        if q == CUresult::NOT_READY {
+            busy[n] = s.stream;
+            n += 1;
+            return true;
+        }
+        done(s, q);
+        false
+    });
 }
 
 static GEN: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
@@ -516,7 +547,7 @@ fn measure(
         // SAFETY: as above, after the launch.
         if res == CUresult::SUCCESS && unsafe { r(e1, stream) } == CUresult::SUCCESS {
             if let Ok(mut p) = PENDING.lock() {
-                p.push(Sample { key, dev, charged: cost, start: e0, end: e1 });
+                p.push(Sample { key, dev, charged: cost, stream, start: e0, end: e1 });
                 PENDING_N.fetch_add(1, Relaxed);
             }
         } else {
@@ -755,6 +786,64 @@ mod tests {
     }
 
     #[test]
+    fn a_collection_asks_only_about_events_that_can_be_done() {
+        let st = |i: usize| i as CUstream;
+        // (stream, end event): stream 1's first event is not done, so neither is its second.
+        let mut p: Vec<Sample> = [(1, 10), (2, 20), (1, 11), (3, 30), (2, 21)]
+            .iter()
+            .map(|&(s, e)| Sample {
+                key: e,
+                dev: 0,
+                charged: 1,
+                stream: st(s),
+                start: std::ptr::null_mut(),
+                end: e as CUevent,
+            })
+            .collect();
+        let mut asked = Vec::new();
+        let mut finished = Vec::new();
+        sweep(
+            &mut p,
+            |e| {
+                asked.push(e as usize);
+                if e as usize == 10 {
+                    CUresult::NOT_READY
+                } else {
+                    CUresult::SUCCESS
+                }
+            },
+            |s, q| finished.push((s.key, q)),
+        );
+        assert_eq!(asked, [10, 20, 30, 21], "11 is behind 10 on its stream");
+        assert_eq!(finished, [(20, CUresult::SUCCESS), (30, CUresult::SUCCESS), (21, CUresult::SUCCESS)]);
+        let left: Vec<u64> = p.iter().map(|s| s.key).collect();
+        assert_eq!(left, [10, 11], "the rest in their order");
+
+        // Many busy streams: the pass ends after MAX_BUSY_STREAMS answers of "not ready".
+        let mut p: Vec<Sample> = (0..100)
+            .map(|i| Sample {
+                key: i,
+                dev: 0,
+                charged: 1,
+                stream: st(i as usize + 1),
+                start: std::ptr::null_mut(),
+                end: std::ptr::null_mut(),
+            })
+            .collect();
+        let mut asked = 0;
+        sweep(
+            &mut p,
+            |_| {
+                asked += 1;
+                CUresult::NOT_READY
+            },
+            |_, _| unreachable!(),
+        );
+        assert_eq!(asked, MAX_BUSY_STREAMS);
+        assert_eq!(p.len(), 100);
+    }
+
+    #[test]
     fn an_estimate_is_the_smallest_of_the_last_measurements() {
         let e = Estimates::new();
         assert_eq!(e.get(key(1)), (0, 0));
@@ -823,8 +912,14 @@ mod tests {
         let g = 0x5eed_0000_u64;
         estimates().get(g);
         estimates().learn(g, 2_000);
-        let sample =
-            |key, ev: usize| Sample { key, dev: 0, charged: 1, start: ev as CUevent, end: (ev + 1) as CUevent };
+        let sample = |key, ev: usize| Sample {
+            key,
+            dev: 0,
+            charged: 1,
+            stream: std::ptr::null_mut(),
+            start: ev as CUevent,
+            end: (ev + 1) as CUevent,
+        };
         let spare_before = SPARE_EVENTS.lock().unwrap().len();
         {
             let mut p = PENDING.lock().unwrap();

@@ -33,6 +33,9 @@ pub fn median_ns_with(batches: usize, per: usize, mut between: impl FnMut(), mut
 #[derive(Debug, Clone, Copy)]
 pub struct Figures {
     pub launch_ns: f64,
+    /// `cuLaunchKernel` of a 1 us kernel while the stream holds up to 20 000 of them: the GPU far
+    /// behind the launches, as in a stream of small kernels (measurements then stay in flight).
+    pub deep_launch_ns: f64,
     pub alloc_free_ns: f64,
     pub alloc_free_30k_ns: f64,
     pub get_info_ns: f64,
@@ -68,6 +71,13 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
         let drain = || ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
         let launch_ns = median_ns_with(batches, per, drain, || {
             (api.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, s, std::ptr::null_mut(), std::ptr::null_mut());
+        });
+        ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
+        let mut short = std::ptr::null_mut();
+        ok((api.cuModuleGetFunction)(&mut short, m, c"sleep_1us".as_ptr()), "cuModuleGetFunction");
+        // 20 batches of 1000 (not scaled: the queue's depth is the point), drained only before.
+        let deep_launch_ns = median_ns(20, 1000, || {
+            (api.cuLaunchKernel)(short, 1, 1, 1, 32, 1, 1, 0, s, std::ptr::null_mut(), std::ptr::null_mut());
         });
         ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
         let pair = || {
@@ -138,6 +148,7 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
         ok((api.cuStreamSynchronize)(s), "cuStreamSynchronize");
         Figures {
             launch_ns,
+            deep_launch_ns,
             alloc_free_ns,
             alloc_free_30k_ns,
             get_info_ns,

@@ -53,12 +53,13 @@ fn own(quick: bool, as_json: bool) {
             serde_json::json!({"launch_ns": f.launch_ns, "alloc_free_ns": f.alloc_free_ns,
                 "alloc_free_30k_live_ns": f.alloc_free_30k_ns, "get_info_ns": f.get_info_ns,
                 "graph_launch_ns": f.graph_launch_ns, "graph_mem_launch_ns": f.graph_mem_launch_ns,
-                "async_pair_ns": f.async_pair_ns})
+                "async_pair_ns": f.async_pair_ns, "deep_launch_ns": f.deep_launch_ns})
         );
         return;
     }
     println!("| call | median ns |\n|---|---|");
     println!("| cuLaunchKernel (sleep_0ns, stream) | {:.0} |", f.launch_ns);
+    println!("| cuLaunchKernel (sleep_1us, up to 20 000 queued) | {:.0} |", f.deep_launch_ns);
     println!("| cuMemAlloc_v2 + cuMemFree_v2 (4 KiB) | {:.0} |", f.alloc_free_ns);
     println!(
         "| cuMemAlloc_v2 + cuMemFree_v2 with {} live | {:.0} |",
@@ -130,6 +131,11 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     let (b, w) = (m(&bare, "launch_ns"), m(&limited, "launch_ns"));
     println!(
         "| cuLaunchKernel with an SM limit (99 %), budget available (ns) | {b:.0} | {w:.0} | {:+.0} | +30 ns |",
+        w - b
+    );
+    let (b, w) = (m(&bare, "deep_launch_ns"), m(&limited, "deep_launch_ns"));
+    println!(
+        "| the same, a 1 us kernel with up to 20 000 queued (measurements in flight; ns) | {b:.0} | {w:.0} | {:+.0} | - |",
         w - b
     );
     let (b, w) = (m(&bare, "get_info_ns"), m(&with, "get_info_ns"));
