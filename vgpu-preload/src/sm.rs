@@ -268,8 +268,9 @@ fn forget_where(reset: impl FnOnce(&Estimates), dropped: impl Fn(u64) -> bool) {
 /// touch nothing shared. What it changes: up to `PREPAY_NS` per thread and device is charged early
 /// (nothing is charged twice or lost, so the share over any window longer than that is the same),
 /// and a thread may spend its credit while the budget is in debt (it was paid while it was not).
-/// What a thread leaves unspent goes back to the budget when it exits; a forked child starts with
-/// none (see [`after_fork`]).
+/// What a thread leaves unspent goes back to the budget when it exits (not when its process ends
+/// while it runs: that credit was charged and is not used); a forked child starts with none (see
+/// [`after_fork`]).
 struct Credit {
     ns: [Cell<u64>; MAX_DEVICES],
     /// The budget the credit was charged to (the process's region, which is never unmapped).
