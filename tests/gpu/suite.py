@@ -136,20 +136,27 @@ class Suite:
 
     # ----- timed workloads sharing one window -----
 
-    def timed(self, specs, seconds):
+    def timed(self, specs, seconds, duty=1.0):
         """Runs workloads side by side over one window. specs: [(env, kind)], kind 'torch:matmul',
-        'torch:graph' or 'probe'. Returns ([result per spec], NVML utilization over the window)."""
+        'torch:graph' or 'probe'; duty below 1 has each pace itself to keep the GPU busy that
+        fraction of the time (no limit needed). Returns ([result per spec], NVML utilization over
+        the window)."""
         procs = [None] * len(specs)
         try:
             # PyTorch workers start, warm up and wait; then all start together.
             for i, (env, kind) in enumerate(specs):
                 if kind.startswith("torch:"):
-                    procs[i] = Proc(self, self.worker_argv(kind[6:], {"seconds": seconds}), env)
+                    args = {"seconds": seconds}
+                    if duty < 1.0:
+                        args["duty"] = duty
+                    procs[i] = Proc(self, self.worker_argv(kind[6:], args), env)
                     procs[i].expect("ready", 240)
             t0 = time.time() + 1.0
             for i, (env, kind) in enumerate(specs):
                 if kind == "probe":
                     argv = [self.bin("gpu-probe"), "spin", "--ns", "1000000", "--seconds", str(seconds), "--start-at", "%.3f" % t0]
+                    if duty < 1.0:
+                        argv += ["--duty", "%.4f" % duty]
                     procs[i] = Proc(self, argv, env)
             sampler = Sampler(self, t0 + 0.3, seconds - 0.6)
             delay = t0 - time.time()
@@ -183,6 +190,20 @@ class Suite:
             (r,), util = self.timed([(self.env(False), kind)], self.seconds)
             self._baseline[kind] = (self.rate(r), util, r)
         return self._baseline[kind]
+
+    def paced(self, kind, target):
+        """The workload alone without the interposer, pacing itself to keep the GPU busy `target` %
+        of the time (measured once per workload and share): what a perfect share of the GPU's
+        time gives in throughput on this GPU, as % of the unlimited run. A GPU at its power limit
+        when busy all the time runs at a higher clock when it is not, so this can be well above
+        `target` (an H200 gave 71.3 % of its unlimited matmul throughput for 59.7 % of its time).
+        Returns (throughput %, NVML utilization over the window)."""
+        key = "paced:%s:%d" % (kind, target)
+        if key not in self._baseline:
+            base = self.baseline(kind)[0]
+            (r,), util = self.timed([(self.env(False), kind)], self.seconds, duty=target / 100.0)
+            self._baseline[key] = (100.0 * self.rate(r) / base, util)
+        return self._baseline[key]
 
     def pair_baseline(self, kind):
         """Two unlimited processes of a workload side by side, without the interposer (measured
@@ -714,9 +735,29 @@ def clock_scaled(got, util, base_util):
     return got * c0 / c, c, c0
 
 
-def sm_verdict(got, scaled, nv, target):
-    """Within 5 points by NVML utilization (where known) and by throughput (as measured, or at equal clocks)."""
-    by_rate = within(got, target, 5) or (scaled is not None and within(scaled, target, 5))
+def paced_share(s, kind, target, got):
+    """Throughput `got` (% of the unlimited run) as a share of the GPU's time, judged against the
+    workload pacing itself to `target` % of the time without the interposer (Suite.paced): target x
+    got / paced. The share is None when that reference is unusable: no throughput, or its NVML
+    utilization (where known) more than 5 points off `target`. Returns (share, values, text)."""
+    ref, ref_util = s.paced(kind, target)
+    nv = ref_util and ref_util.get("mean_gpu")
+    usable = ref > 0 and (nv is None or nv < 0 or within(nv, target, 5))
+    share = target * got / ref if usable else None
+    v = {"paced_throughput_pct": ref, "paced_nvml_util": nv, "share_by_paced_pct": share, "paced_nvml": ref_util}
+    text = "; paced to %d %% of the time without libvgpu: %.1f %% (NVML %s), so %s" % (
+        target, ref, fmt_pct(nv), "%.1f %% of the GPU's time by throughput" % share if usable else "no usable reference")
+    return share, v, text
+
+
+def sm_verdict(got, scaled, nv, target, share=None):
+    """Within 5 points by NVML utilization (where known) and by throughput: as measured, or as a
+    share of time judged against the paced run (where usable; otherwise at equal clocks, an
+    under-estimate)."""
+    if share is not None:
+        by_rate = within(got, target, 5) or within(share, target, 5)
+    else:
+        by_rate = within(got, target, 5) or (scaled is not None and within(scaled, target, 5))
     by_nvml = nv is None or nv < 0 or within(nv, target, 5)
     return by_rate and by_nvml
 
@@ -729,14 +770,15 @@ def sm_check(s, target, kind=None):
     nv = util and util.get("mean_gpu")
     nv_base = base_util and base_util.get("mean_gpu")
     scaled, c, c0 = clock_scaled(got, util, base_util)
-    v = {"target": target, "throughput_pct": got, "throughput_pct_at_base_clock": scaled, "nvml_util": nv,
-         "nvml_util_unlimited": nv_base, "sm_clock_mhz": c, "sm_clock_mhz_unlimited": c0, "workload": kind,
-         "rate": s.rate(r), "rate_unlimited": base, "nvml": util, "nvml_unlimited": base_util}
+    share, pv, ptext = paced_share(s, kind, target, got)
+    v = dict({"target": target, "throughput_pct": got, "throughput_pct_at_base_clock": scaled, "nvml_util": nv,
+              "nvml_util_unlimited": nv_base, "sm_clock_mhz": c, "sm_clock_mhz_unlimited": c0, "workload": kind,
+              "rate": s.rate(r), "rate_unlimited": base, "nvml": util, "nvml_unlimited": base_util}, **pv)
     clocks = "" if scaled is None else "; SM clock %.0f MHz (unlimited: %.0f MHz), so %.1f %% at equal clocks" % (c, c0, scaled)
     what = {"torch:matmul": "matmul 8192^2 bf16", "torch:mixed": "matmuls of M 1024 and 8192 (N = K = 8192) in turn"}
-    summary = "%s at %d %%: throughput %.1f %% of unlimited; NVML utilization %s (unlimited: %s)%s" % (
-        what.get(kind, "1 ms kernels"), target, got, fmt_pct(nv), fmt_pct(nv_base), clocks)
-    if not sm_verdict(got, scaled, nv, target):
+    summary = "%s at %d %%: throughput %.1f %% of unlimited; NVML utilization %s (unlimited: %s)%s%s" % (
+        what.get(kind, "1 ms kernels"), target, got, fmt_pct(nv), fmt_pct(nv_base), clocks, ptext)
+    if not sm_verdict(got, scaled, nv, target, share):
         raise Fail(summary, v)
     return summary, v
 
@@ -805,13 +847,14 @@ def check_graph(s, kind="torch:graph"):
     (r,), util = s.timed([(s.env(True, sm=30), kind)], s.seconds)
     got = 100.0 * r["replays_per_s"] / base
     scaled, c, c0 = clock_scaled(got, util, base_util)
+    share, pv, ptext = paced_share(s, kind, 30, got)
     nv = util and util.get("mean_gpu")
-    v = {"replays_per_s": r["replays_per_s"], "unlimited": base, "pct": got, "pct_at_base_clock": scaled,
-         "match": r["match"] and rb["match"], "nvml": util, "nvml_unlimited": base_util}
+    v = dict({"replays_per_s": r["replays_per_s"], "unlimited": base, "pct": got, "pct_at_base_clock": scaled,
+              "match": r["match"] and rb["match"], "nvml": util, "nvml_unlimited": base_util}, **pv)
     clocks = "" if scaled is None else "; SM clock %.0f MHz (unlimited: %.0f MHz), so %.1f %% at equal clocks" % (c, c0, scaled)
-    summary = "capture+replay correct: %s; at 30 %%: %.1f %% of the unlimited replay rate (%.0f/s of %.0f/s); NVML %s%s" % (
-        v["match"], got, r["replays_per_s"], base, fmt_pct(nv), clocks)
-    if not v["match"] or not sm_verdict(got, scaled, nv, 30):
+    summary = "capture+replay correct: %s; at 30 %%: %.1f %% of the unlimited replay rate (%.0f/s of %.0f/s); NVML %s%s%s" % (
+        v["match"], got, r["replays_per_s"], base, fmt_pct(nv), clocks, ptext)
+    if not v["match"] or not sm_verdict(got, scaled, nv, 30, share):
         raise Fail(summary, v)
     return summary, v
 

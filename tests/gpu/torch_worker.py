@@ -132,21 +132,37 @@ def train(torch, a):
     }
 
 
-def _timed(torch, seconds, step):
-    """Runs step() repeatedly for `seconds`, synchronising every few calls; returns calls/s."""
+def _timed(torch, seconds, step, duty=1.0):
+    """Runs step() repeatedly for `seconds`, synchronising every few calls; returns calls/s.
+
+    duty below 1 paces the loop, without any limit: after each batch it stays idle for as long as
+    the batch took, times (1 - duty) / duty, so the GPU is busy that fraction of the time. The rate
+    is then what a perfect share of the GPU's time gives on this GPU (which may run at a higher
+    clock while idle part of the time): the reference for an SM limit of that share."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     end = t0 + seconds
     n = 0
     while time.perf_counter() < end:
+        b = time.perf_counter()
         for _ in range(4):
             step()
         n += 4
         torch.cuda.synchronize()
+        if duty < 1.0:
+            time.sleep((time.perf_counter() - b) * (1.0 - duty) / duty)
     return n / (time.perf_counter() - t0)
 
 
+def _duty(a):
+    d = float(a.get("duty", 1.0))
+    if not 0.0 < d <= 1.0:
+        raise ValueError("duty must be above 0 and at most 1, not %r" % d)
+    return d
+
+
 def matmul(torch, a):
+    duty = _duty(a)
     n = int(a.get("n", 8192))
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -157,13 +173,14 @@ def matmul(torch, a):
 
     _timed(torch, float(a.get("warmup", 1.0)), step)
     ready_then_wait()
-    rate = _timed(torch, float(a.get("seconds", 5.0)), step)
+    rate = _timed(torch, float(a.get("seconds", 5.0)), step, duty)
     return {"per_s": rate, "n": n, "tflops": rate * 2 * n**3 / 1e12}
 
 
 def mixed(torch, a):
     """Two GEMMs of one N and K in turn, M 1024 and 8192: cuBLAS tends to run both with one kernel
     function at grids 8x apart, whose GPU times differ about as much."""
+    duty = _duty(a)
     n, m = int(a.get("n", 8192)), int(a.get("m_small", 1024))
     y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     xs = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -176,11 +193,12 @@ def mixed(torch, a):
 
     _timed(torch, float(a.get("warmup", 1.0)), step)
     ready_then_wait()
-    rate = _timed(torch, float(a.get("seconds", 5.0)), step)
+    rate = _timed(torch, float(a.get("seconds", 5.0)), step, duty)
     return {"per_s": rate, "n": n, "m_small": m}
 
 
 def graph(torch, a):
+    duty = _duty(a)
     n = int(a.get("n", 4096))
     depth = int(a.get("depth", 8))
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / n**0.5
@@ -219,7 +237,7 @@ def graph(torch, a):
     match = bool(torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-2))
     _timed(torch, float(a.get("warmup", 1.0)), g.replay)
     ready_then_wait()
-    rate = _timed(torch, float(a.get("seconds", 5.0)), g.replay)
+    rate = _timed(torch, float(a.get("seconds", 5.0)), g.replay, duty)
     return {"replays_per_s": rate, "match": match, "kernels_per_replay": 2 * depth}
 
 

@@ -72,6 +72,48 @@ fn options_are_checked_and_checks_listed() {
     }
 }
 
+/// The SM checks' verdict, on the H200's figures of 2026-11-30 (a 60 % limit: 71.3 % of the
+/// unlimited throughput, NVML 59.7 %, 54.0 % at equal clocks) and made-up paced references.
+#[test]
+fn sm_throughput_is_judged_against_the_workload_paced_to_the_same_share_of_time() {
+    let dir = run_sh().parent().unwrap().to_path_buf();
+    let script = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+import suite
+
+class S:
+    def __init__(self, ref, nv):
+        self.r = (ref, {"mean_gpu": nv} if nv is not None else None)
+    def paced(self, kind, target):
+        return self.r
+
+# A perfect 60 % of time gives 71.0 % of the throughput: 71.3 % limited is 60.3 % of the time.
+share, v, text = suite.paced_share(S(71.0, 59.5), "torch:matmul", 60, 71.3)
+assert abs(share - 60.25) < 0.01, share
+assert "60.3 % of the GPU's time by throughput" in text, text
+assert v["paced_throughput_pct"] == 71.0
+assert suite.sm_verdict(71.3, 54.0, 59.7, 60, share)
+# Too much time (80 % of the throughput where 60 % of the time gives 71 %): fails, and the
+# equal-clock figure no longer rescues it once the reference is usable.
+share, _, _ = suite.paced_share(S(71.0, 59.5), "torch:matmul", 60, 80.0)
+assert not suite.sm_verdict(80.0, 60.0, 59.7, 60, share)
+# NVML outside 5 points fails whatever the throughput says.
+assert not suite.sm_verdict(71.3, 54.0, 66.0, 60, 60.2)
+# A paced run that missed its own target is no reference: equal clocks decide, as before.
+share, _, text = suite.paced_share(S(60.0, 48.0), "torch:matmul", 60, 71.3)
+assert share is None and "no usable reference" in text, text
+assert not suite.sm_verdict(71.3, 54.0, 59.7, 60, share)
+assert suite.sm_verdict(71.3, 57.0, 59.7, 60, share)
+# Without NVML figures the reference stands on its own.
+share, _, _ = suite.paced_share(S(35.0, None), "probe", 30, 35.9)
+assert abs(share - 30.77) < 0.01 and suite.sm_verdict(35.9, None, None, 30, share)
+print("ok")
+"#;
+    let o = Command::new("python3").arg("-c").arg(script).arg(&dir).output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == "ok", "{}", text(&o));
+}
+
 #[test]
 fn the_suite_passes_on_the_simulated_gpu() {
     // CUDA contexts as big as PyTorch's on an H200 (610 MiB), more than libvgpu.so charges for one
@@ -112,6 +154,15 @@ fn the_suite_passes_on_the_simulated_gpu() {
     }
     // `true-up` tells the two apart here: with it off, the process really holds more than the limit
     // (640 MiB contexts charged 256). As root (CI) its PID-namespace run must have happened too.
+    // The SM checks' reference: the probe pacing itself to the target share of time (no limit).
+    // Its kernels take the same time whatever the clock, so its throughput is about that share.
+    for (name, target) in [("sm-30", 30.0), ("sm-60", 60.0)] {
+        let (_, c) = status(name);
+        let v = &c["values"];
+        let paced = v["paced_throughput_pct"].as_f64().unwrap_or(-1.0);
+        assert!((paced - target).abs() < 10.0, "{name}: paced reference {paced}: {c}");
+        assert!(v["share_by_paced_pct"].as_f64().is_some(), "{name}: no usable paced reference: {c}");
+    }
     let (_, c) = status("true-up");
     let v = &c["values"];
     assert!(v["nvml_off"].as_u64() > v["limit"].as_u64(), "{c}");

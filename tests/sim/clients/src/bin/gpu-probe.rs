@@ -14,7 +14,9 @@
 //!                                                reporting, sets the first B bytes of each of the last N
 //!                                                chunks on the GPU and reads them back)
 //!        gpu-probe reset --size BYTES            (allocates, resets the primary context, allocates again)
-//!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S]
+//!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S] [--duty F]
+//!                                                (--duty: keeps the GPU busy that fraction of the
+//!                                                time by pausing after each batch, without any limit)
 //!        gpu-probe pool --size BYTES [--threshold BYTES]
 //!                                                (cuMemAllocAsync of BYTES from the device's pool,
 //!                                                its release threshold set first; freed, synchronised,
@@ -419,10 +421,20 @@ fn reset(args: &[String]) -> Result<Value, String> {
 
 /// Launches `ns`-long kernels for `seconds` (after `--start-at`, a UNIX time, if given) and reports
 /// how many completed: the achieved share of the GPU's time is kernels x ns / elapsed.
+///
+/// With `--duty F` (0 < F < 1) it paces itself: after each batch it stays idle for as long again as
+/// the batch took, times (1 - F) / F, so that the GPU is busy a fraction F of the time. What that
+/// throughput is, relative to the unpaced run, is what a perfect F share of the GPU's time gives on
+/// this GPU (one with power headroom runs faster while idle part of the time), the reference for
+/// an SM limit of F.
 fn spin(args: &[String]) -> Result<Value, String> {
     let mut ns = opt(args, "--ns", 1_000_000.0)? as u64;
     let seconds = opt(args, "--seconds", 3.0)?;
     let start_at = opt(args, "--start-at", 0.0)?;
+    let duty = opt(args, "--duty", 1.0)?;
+    if !(duty > 0.0 && duty <= 1.0) {
+        return Err(format!("--duty must be above 0 and at most 1, not {duty}"));
+    }
     let (p, _) = Probe::open()?;
     let f = p.kernel()?;
     p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
@@ -437,14 +449,18 @@ fn spin(args: &[String]) -> Result<Value, String> {
     // Batches of 16 between synchronisations, so that the host's turnaround after each (waking up,
     // launching again) idles the GPU for a small share of the time.
     while Instant::now() < end {
+        let batch = Instant::now();
         for _ in 0..16 {
             p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
         }
         p.sync()?;
         kernels += 16;
+        if duty < 1.0 {
+            std::thread::sleep(batch.elapsed().mul_f64((1.0 - duty) / duty));
+        }
     }
     let elapsed = t.elapsed().as_secs_f64();
-    Ok(json!({"kernels": kernels, "kernel_ns": ns, "seconds": elapsed,
+    Ok(json!({"kernels": kernels, "kernel_ns": ns, "seconds": elapsed, "duty": duty,
         "per_s": kernels as f64 / elapsed, "busy": kernels as f64 * ns as f64 / 1e9 / elapsed}))
 }
 
@@ -638,7 +654,7 @@ fn main() {
         Some("pool") => pool(&args[1..]),
         Some("vmm") => vmm(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] | pool --size B [--threshold B] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
