@@ -739,8 +739,12 @@ def paced_share(s, kind, target, got):
     """Throughput `got` (% of the unlimited run) as a share of the GPU's time, judged against the
     workload pacing itself to `target` % of the time without the interposer (Suite.paced): target x
     got / paced. The share is None when that reference is unusable: no throughput, or its NVML
-    utilization (where known) more than 5 points off `target`. Returns (share, values, text)."""
-    ref, ref_util = s.paced(kind, target)
+    utilization (where known) more than 5 points off `target`, or the paced run failed (the check
+    then judges as before it had one). Returns (share, values, text)."""
+    try:
+        ref, ref_util = s.paced(kind, target)
+    except Fail as e:
+        return None, {"paced_error": str(e)}, "; the paced reference failed: %s" % e
     nv = ref_util and ref_util.get("mean_gpu")
     usable = ref > 0 and (nv is None or nv < 0 or within(nv, target, 5))
     share = target * got / ref if usable else None

@@ -105,6 +105,12 @@ share, _, text = suite.paced_share(S(60.0, 48.0), "torch:matmul", 60, 71.3)
 assert share is None and "no usable reference" in text, text
 assert not suite.sm_verdict(71.3, 54.0, 59.7, 60, share)
 assert suite.sm_verdict(71.3, 57.0, 59.7, 60, share)
+# A paced run that failed leaves the check to judge as before.
+class Broken:
+    def paced(self, kind, target):
+        raise suite.Fail("torch_worker.py exited (1)")
+share, v, text = suite.paced_share(Broken(), "torch:matmul", 60, 71.3)
+assert share is None and "paced reference failed" in text and "exited" in v["paced_error"], text
 # Without NVML figures the reference stands on its own.
 share, _, _ = suite.paced_share(S(35.0, None), "probe", 30, 35.9)
 assert abs(share - 30.77) < 0.01 and suite.sm_verdict(35.9, None, None, 30, share)
