@@ -33,7 +33,9 @@ pub struct Header {
     pub limits_generation: AtomicU64,
     /// One past the highest slot ever claimed.
     pub slots_hw: AtomicU32,
-    pub _pad: AtomicU32,
+    /// Slots marked exiting and not yet reclaimed (a hint: readers of the usage that see 0 do not
+    /// look for them). Was padding: builds that do not know it leave it 0.
+    pub exiting: AtomicU32,
     pub _reserved: [AtomicU64; 8],
 }
 
@@ -85,7 +87,9 @@ pub struct Slot {
     pub pid: AtomicU32,
     /// PID on the host, when known (filled by the agent, or equal to pid without a PID namespace).
     pub host_pid: AtomicU32,
-    pub _pad: AtomicU32,
+    /// 1 once the process has begun to exit (its exit handler ran): reclaim the slot as soon as its
+    /// lock is free. Was padding: builds that do not know it leave it 0.
+    pub exiting: AtomicU32,
     /// CLOCK_REALTIME ns at claim.
     pub claimed_ns: AtomicU64,
     /// Device memory held per device, context overhead included.

@@ -360,6 +360,7 @@ impl Region {
             for u in &slot.used {
                 u.store(0, SeqCst);
             }
+            self.clear_exiting(slot);
             slot.pid.store(pid, Relaxed);
             slot.host_pid.store(host_pid, Relaxed);
             slot.claimed_ns.store(now_realtime_ns(), Relaxed);
@@ -375,9 +376,47 @@ impl Region {
         self.reap_where(|_, _| true)
     }
 
+    /// Marks `slot`, the calling process's, as exiting (its exit handler): whoever next reads the
+    /// container's usage reclaims the slot once the process is gone, instead of counting it until a
+    /// reservation meets the limit or a new process starts. Nothing is released here: the process
+    /// still holds its memory until it is gone.
+    pub fn mark_exiting(&self, slot: usize) {
+        if !self.writable || slot >= MAX_SLOTS {
+            return;
+        }
+        if self.map.slots[slot].exiting.swap(1, AcqRel) == 0 {
+            self.map.header.exiting.fetch_add(1, AcqRel);
+        }
+    }
+
+    /// Slots marked exiting and not yet reclaimed: one load, for readers of the usage.
+    #[inline]
+    pub fn exiting(&self) -> u32 {
+        self.map.header.exiting.load(Acquire)
+    }
+
+    /// Releases the slots marked exiting whose processes are gone (a lock test for each of those
+    /// only); returns the bytes released.
+    pub fn reap_exited(&self) -> u64 {
+        self.reap_slots(|s| s.exiting.load(Acquire) != 0)
+    }
+
+    fn clear_exiting(&self, slot: &Slot) {
+        if slot.exiting.swap(0, AcqRel) != 0 {
+            // Saturating: a scribbled counter must not wrap into a permanent lock test per read.
+            let _ = self.map.header.exiting.fetch_update(AcqRel, Acquire, |n| Some(n.saturating_sub(1)));
+        }
+    }
+
     /// [`reap`](Self::reap) limited to the live-looking slots for which `check(pid, host_pid)` is
     /// true (a monitor that knows some processes are alive skips their lock test).
     pub fn reap_where(&self, check: impl Fn(u32, u32) -> bool) -> u64 {
+        self.reap_slots(|s| s.state.load(Acquire) == 0 || check(s.pid.load(Relaxed), s.host_pid.load(Relaxed)))
+    }
+
+    /// Releases the slots that `select` picks (among those holding anything) and whose lock can be
+    /// taken: their processes are gone.
+    fn reap_slots(&self, select: impl Fn(&Slot) -> bool) -> u64 {
         if !self.writable {
             return 0;
         }
@@ -391,10 +430,13 @@ impl Region {
         let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
         let mut freed: u64 = 0;
         for (i, slot) in self.map.slots[..hw].iter().enumerate() {
-            if slot.state.load(Acquire) == 0 && slot.used.iter().all(|u| u.load(Relaxed) == 0) {
+            if slot.state.load(Acquire) == 0
+                && slot.used.iter().all(|u| u.load(Relaxed) == 0)
+                && slot.exiting.load(Relaxed) == 0
+            {
                 continue;
             }
-            if slot.state.load(Acquire) != 0 && !check(slot.pid.load(Relaxed), slot.host_pid.load(Relaxed)) {
+            if !select(slot) {
                 continue;
             }
             let byte = SLOT_LOCK_BASE + i as i64;
@@ -402,6 +444,7 @@ impl Region {
                 for u in &slot.used {
                     freed = freed.saturating_add(u.swap(0, SeqCst));
                 }
+                self.clear_exiting(slot);
                 slot.state.store(0, Release);
                 let _ = lock(fd.as_raw_fd(), byte, libc::F_OFD_SETLK, libc::F_UNLCK);
             }

@@ -103,6 +103,45 @@ fn dead_slots_are_reclaimed_exactly() {
 }
 
 #[test]
+fn slots_marked_exiting_are_reclaimed_once_their_process_is_gone() {
+    let p = tmp("exiting");
+    let r = Region::open_or_create(&p, init(0)).unwrap();
+    let a = r.claim(1, 1).unwrap();
+    let b = r.claim(2, 2).unwrap();
+    let c = r.claim(3, 3).unwrap();
+    r.reserve(a.index, 0, 1000, 0);
+    r.reserve(b.index, 0, 24, 0);
+    r.reserve(c.index, 0, 5, 0);
+    assert_eq!(r.exiting(), 0);
+    // A is exiting: nothing is released while it lives.
+    r.mark_exiting(a.index);
+    r.mark_exiting(a.index);
+    assert_eq!(r.exiting(), 1, "one mark per slot");
+    assert_eq!(r.reap_exited(), 0, "still alive");
+    assert_eq!((r.used(0), r.exiting()), (1029, 1));
+    // C dies without exiting (SIGKILL): reap_exited does not look at it; A is gone: reclaimed.
+    drop(c);
+    drop(a);
+    assert_eq!(r.reap_exited(), 1000);
+    assert_eq!((r.used(0), r.exiting()), (29, 0));
+    assert_eq!(r.reap(), 5, "the killed one is found by a full reap");
+    // A slot marked exiting and claimed again before any reap starts unmarked.
+    r.mark_exiting(b.index);
+    let ib = b.index;
+    drop(b);
+    let d = r.claim(4, 4).unwrap();
+    let e = r.claim(5, 5).unwrap();
+    assert!(d.index == ib || e.index == ib);
+    assert_eq!((r.exiting(), r.used(0)), (0, 0), "the claim released what B held and its mark");
+    // A full reap of an exiting slot clears the hint too.
+    r.mark_exiting(d.index);
+    drop(d);
+    assert_eq!((r.reap(), r.exiting()), (0, 0));
+    drop(e);
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
 fn reap_where_skips_only_the_slots_it_is_told_are_alive() {
     let p = tmp("reap-where");
     let r = Region::open_or_create(&p, init(0)).unwrap();

@@ -54,6 +54,21 @@ extern "C" fn child_after_fork() {
     crate::sm::after_fork();
 }
 
+/// At exit (exit(3) or a return from main; not _exit or a signal): mark the slot exiting, so that
+/// the container's other processes reclaim it as soon as this process is gone, the next time they
+/// read the usage (`cuMemGetInfo`, NVML's memory figures), not only when a reservation meets the
+/// limit. What it holds stays charged until then: the driver frees it only at the process's end.
+extern "C" fn at_exit() {
+    // A child forked without claiming a slot of its own (it made no CUDA call since) would mark
+    // its parent's.
+    if FORKED.load(Acquire) {
+        return;
+    }
+    if let Some((r, slot)) = STATE.get().and_then(State::accounting) {
+        r.mark_exiting(slot);
+    }
+}
+
 /// The process state; the first call creates it.
 #[inline]
 pub fn state() -> &'static State {
@@ -62,6 +77,14 @@ pub fn state() -> &'static State {
         s.after_fork();
     }
     s
+}
+
+#[cold]
+fn reap_exited(r: &Region) {
+    let freed = r.reap_exited();
+    if freed > 0 {
+        vlog!(INFO, "reclaimed {freed} bytes held by processes that exited");
+    }
 }
 
 fn limit_error(cfg: &Config, what: String) -> bool {
@@ -121,8 +144,13 @@ impl State {
         // No agent watches a region a process created: each process trues itself up.
         let standalone = region.as_ref().is_some_and(|r| r.standalone()) && limits_region.is_none();
         let trueup = crate::trueup::TrueUp::new(cfg.memory_true_up && standalone, host_pid());
-        // SAFETY: registering a plain extern "C" handler.
-        unsafe { libc::pthread_atfork(None, None, Some(child_after_fork)) };
+        // SAFETY: registering plain extern "C" handlers.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(child_after_fork));
+            if claim.is_some() {
+                libc::atexit(at_exit);
+            }
+        }
         State {
             slot: AtomicUsize::new(claim.as_ref().map_or(usize::MAX, |c: &Claim| c.index)),
             claim: Mutex::new(claim),
@@ -419,10 +447,15 @@ impl State {
         }
     }
 
-    /// Container usage on `dev`.
+    /// Container usage on `dev`, after reclaiming the slots of processes that exited since the
+    /// last look (one load when there are none).
     #[inline]
     pub fn used(&self, dev: usize) -> u64 {
-        self.region.as_ref().map_or(0, |r| r.used(dev))
+        let Some(r) = self.region.as_ref() else { return 0 };
+        if r.exiting() != 0 {
+            reap_exited(r);
+        }
+        r.used(dev)
     }
 }
 

@@ -554,6 +554,40 @@ fn processes_share_one_quota_and_dead_ones_give_it_back() {
 }
 
 #[test]
+fn a_process_that_exits_gives_its_memory_back_to_those_still_running_at_their_next_look() {
+    use std::io::{BufRead, BufReader};
+    let s = Sim::new(Some(NODE));
+    // B starts first (so its own start, which reclaims dead slots, comes before A's end), then
+    // waits; A exits holding 500m (no frees: the driver frees it at exit) while B runs.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut b = Killed(
+        s.limited(RT, LIMIT)
+            .args(["alloc", "--size", "100m", "--delay-secs", "2", "--hold"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines_b = BufReader::new(b.0.stdout.take().unwrap()).lines();
+    let waiting: Value = serde_json::from_str(&lines_b.next().unwrap().unwrap()).unwrap();
+    assert_eq!(waiting["event"], "waiting");
+    let a = json1(&out(&mut s.limited(DIRECT, LIMIT), &["alloc", "--size", "500m", "--no-free"]));
+    assert_eq!(a["allocated"], 500 * MIB);
+    // B's next look at the usage (its cuMemGetInfo after allocating, no limit met) no longer counts
+    // A's 564m: A's exit marked its slot, and B reclaimed it once A was gone.
+    let allocated: Value = serde_json::from_str(&lines_b.next().unwrap().unwrap()).unwrap();
+    assert_eq!(allocated["allocated"], 100 * MIB, "{allocated}");
+    assert_eq!(allocated["mem_info"]["free"], (1024 - 64 - 100) * MIB, "{allocated}");
+    let r = region(&s);
+    assert_eq!((r.used(0), r.exiting()), (164 * MIB, 0));
+}
+
+#[test]
 fn racing_processes_never_exceed_the_limit() {
     let s = Sim::new(Some(NODE));
     // Contexts aside: not charged, nor trued up (what a context really holds is charged after it
