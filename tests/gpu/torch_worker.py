@@ -264,7 +264,9 @@ def async_pool(torch, a):
     """Run with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync (stream-ordered pools; PyTorch sets
     the pool's release threshold to the maximum). Allocates, frees and synchronises, then waits (the
     suite tries an allocation beside what the pool keeps), allocates the same again, captures and
-    replays a graph that allocates (graph memory nodes), and empties the cache."""
+    replays a graph that allocates (graph memory nodes), and empties the cache. PyTorch's
+    empty_cache() trims only the stream-ordered pool: what the driver keeps for the destroyed
+    graph's memory nodes goes with cuDeviceGraphMemTrim, called last here (through ctypes)."""
     n = int(a["bytes"])
     torch.ones(1, device="cuda")
     torch.cuda.synchronize()
@@ -302,8 +304,13 @@ def async_pool(torch, a):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     emptied = torch.cuda.mem_get_info()[0]
+    import ctypes
+
+    trim = ctypes.CDLL("libcuda.so.1").cuDeviceGraphMemTrim(ctypes.c_int(torch.cuda.current_device()))
+    trimmed = torch.cuda.mem_get_info()[0]
     return {"backend": torch.cuda.get_allocator_backend(), "base": base, "holding": holding, "freed": freed,
-            "again": again, "replay_ok": replay_ok, "replayed": replayed, "emptied": emptied}
+            "again": again, "replay_ok": replay_ok, "replayed": replayed, "emptied": emptied,
+            "graph_bytes": graph_bytes, "graph_trim_result": trim, "trimmed": trimmed}
 
 
 def hold(torch, a):

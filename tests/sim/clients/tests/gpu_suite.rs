@@ -1,7 +1,9 @@
 //! The real-GPU suite (tests/gpu/run.sh) run on the simulated GPU: its options, its report, and every
 //! check that has a driver-API form, with the helpers (gpu-probe, nvml-probe), libvgpu.so, the agent
-//! and vgpuctl as built. PyTorch is left out (--no-torch): those checks report "skip" here and only
-//! run on a machine with an NVIDIA GPU (docs/gpu-validation.md).
+//! and vgpuctl as built. The PyTorch checks run against a stand-in for PyTorch over the simulated
+//! driver (tests/sim/torch): that proves the suite's handling of them and libvgpu.so under the
+//! driver calls PyTorch makes, not PyTorch itself, which only a machine with an NVIDIA GPU does
+//! (docs/gpu-validation.md).
 
 mod common;
 use common::*;
@@ -280,4 +282,47 @@ fn the_load_check_fails_where_dlvsym_reaches_the_driver() {
         format!("reaches the driver under libcuda.so.1, libcuda.so, {base}"),
         "{load}"
     );
+}
+
+#[test]
+fn the_pytorch_checks_pass_against_a_stand_in_for_pytorch_on_the_simulated_gpu() {
+    // Contexts as big as PyTorch's on an H200 (610 MiB): the standalone true-up must keep `oom`
+    // within its limit.
+    let s = Sim::new(Some("context_overhead_mib = 640\nutil_window_ms = 200\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    let out = s.state.join("results-torch");
+    let stand_in = Path::new(env!("CARGO_MANIFEST_DIR")).join("../torch");
+    let checks = "load,mem-info,oom,oom-expandable,torch-async,cuda-graph,graph-recapture,sm-30,sm-grids";
+    let mut c: Command = s.cmd(run_sh().to_str().unwrap());
+    c.env("PYTHONPATH", &stand_in).arg("--lib").arg(libvgpu()).arg("--bin-dir").arg(Path::new(RT).parent().unwrap());
+    let o = c.args(["--quick", "--only", checks, "--out", out.to_str().unwrap()]).output().unwrap();
+    let log = std::fs::read_to_string(out.join("log.txt")).unwrap_or_default();
+    let r: Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap())
+        .unwrap_or_else(|e| panic!("results.json: {e}\n{}", text(&o)));
+    assert_eq!(r["environment"]["torch"], "0.0.0+vgpu.sim", "{}", text(&o));
+    let checks: Vec<&Value> = r["checks"].as_array().unwrap().iter().collect();
+    assert_eq!(checks.len(), 9, "{}", text(&o));
+    for c in &checks {
+        assert_eq!(c["status"], "pass", "{c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
+    }
+    let get = |name: &str| checks.iter().find(|c| c["name"] == name).unwrap()["values"].clone();
+    // The PyTorch forms ran: the matmul workload, torch's out-of-memory error, the async backend.
+    assert_eq!(get("sm-30")["workload"], "torch:matmul");
+    assert_eq!(get("sm-grids")["workload"], "torch:mixed");
+    assert_eq!(get("load")["torch_ld_preload"], "ok");
+    let oom = get("oom-expandable");
+    assert_eq!(oom["oom_error"], "OutOfMemoryError");
+    assert!(oom["nvml_used_at_oom"].as_u64().is_some_and(|u| u <= oom["limit"].as_u64().unwrap()), "{oom}");
+    let a = get("torch-async");
+    assert_eq!(
+        (&a["backend"], &a["beside"]),
+        (&Value::from("cudaMallocAsync"), &Value::from("CUDA_ERROR_OUT_OF_MEMORY"))
+    );
+    // The destroyed graph's memory stays with the driver, charged, until the trim gives it back.
+    let kept = a["base"].as_u64().unwrap() - a["emptied"].as_u64().unwrap();
+    // (The base had the pool holding the first small tensor's block: the trims free that too.)
+    assert_eq!(kept, a["graph_bytes"].as_u64().unwrap(), "{a}");
+    assert!(a["trimmed"].as_u64() >= a["base"].as_u64(), "{a}");
+    for name in ["cuda-graph", "graph-recapture", "sm-30", "sm-grids"] {
+        assert!(get(name)["share_by_paced_pct"].as_f64().is_some(), "{name}: no usable paced reference");
+    }
 }
