@@ -287,11 +287,12 @@ fn the_load_check_fails_where_dlvsym_reaches_the_driver() {
 #[test]
 fn the_pytorch_checks_pass_against_a_stand_in_for_pytorch_on_the_simulated_gpu() {
     // Contexts as big as PyTorch's on an H200 (610 MiB): the standalone true-up must keep `oom`
-    // within its limit.
+    // within its limit, and the agent's true-up `oom-agent`.
     let s = Sim::new(Some("context_overhead_mib = 640\nutil_window_ms = 200\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
     let out = s.state.join("results-torch");
     let stand_in = Path::new(env!("CARGO_MANIFEST_DIR")).join("../torch");
-    let checks = "load,mem-info,oom,oom-expandable,torch-async,cuda-graph,graph-recapture,sm-30,sm-grids";
+    let checks =
+        "load,mem-info,oom,oom-expandable,torch-async,cuda-graph,graph-recapture,sm-30,sm-grids,agent,oom-agent";
     let mut c: Command = s.cmd(run_sh().to_str().unwrap());
     c.env("PYTHONPATH", &stand_in).arg("--lib").arg(libvgpu()).arg("--bin-dir").arg(Path::new(RT).parent().unwrap());
     let o = c.args(["--quick", "--only", checks, "--out", out.to_str().unwrap()]).output().unwrap();
@@ -300,7 +301,7 @@ fn the_pytorch_checks_pass_against_a_stand_in_for_pytorch_on_the_simulated_gpu()
         .unwrap_or_else(|e| panic!("results.json: {e}\n{}", text(&o)));
     assert_eq!(r["environment"]["torch"], "0.0.0+vgpu.sim", "{}", text(&o));
     let checks: Vec<&Value> = r["checks"].as_array().unwrap().iter().collect();
-    assert_eq!(checks.len(), 9, "{}", text(&o));
+    assert_eq!(checks.len(), 11, "{}", text(&o));
     for c in &checks {
         assert_eq!(c["status"], "pass", "{c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
     }
@@ -309,6 +310,7 @@ fn the_pytorch_checks_pass_against_a_stand_in_for_pytorch_on_the_simulated_gpu()
     assert_eq!(get("sm-30")["workload"], "torch:matmul");
     assert_eq!(get("sm-grids")["workload"], "torch:mixed");
     assert_eq!(get("load")["torch_ld_preload"], "ok");
+    assert_eq!(get("oom-agent")["oom_error"], "OutOfMemoryError", "the PyTorch worker ran under the agent");
     let oom = get("oom-expandable");
     assert_eq!(oom["oom_error"], "OutOfMemoryError");
     assert!(oom["nvml_used_at_oom"].as_u64().is_some_and(|u| u <= oom["limit"].as_u64().unwrap()), "{oom}");
