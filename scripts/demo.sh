@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== building (release)"
-cargo build --release -q -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients -p vgpu-preload -p vgpu-node-agent -p vgpu-receiver
+. scripts/release-set.sh
+cargo build --release -q "${RELEASE_SET[@]}"
 T=$PWD/target/release
 mkdir -p "$T/sim-lib"
 ln -sfn ../libcuda.so "$T/sim-lib/libcuda.so.1"

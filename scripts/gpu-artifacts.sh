@@ -13,17 +13,14 @@ case "${1:-}" in
 esac
 [ $# -le 1 ] || { echo "gpu-artifacts.sh: one folder at most (see --help)" >&2; exit 2; }
 dir=${1:-target/gpu-artifacts}
-[ "$(uname -m)" = x86_64 ] || [ "$(uname -m)" = aarch64 ] || {
-    echo "gpu-artifacts.sh: no libvgpu.so for $(uname -m)" >&2; exit 2; }
-target=$(uname -m)-unknown-linux-gnu
+target=$(uname -m)-unknown-linux-gnu   # scripts/build-libvgpu.sh refuses an architecture without libvgpu.so
 
 echo "== libvgpu.so (glibc 2.17 baseline)"
 scripts/build-libvgpu.sh
 echo "== gpu-probe, nvml-probe, vgpu-node-agent, vgpuctl"
-# The package set of the demo and of .ci/run, so that a release build already there is reused (a
-# smaller set unifies dependency features differently and rebuilds them).
-cargo build --release -p vgpu-sim-cuda -p vgpu-sim-nvml -p vgpu-sim-clients -p vgpu-preload \
-    -p vgpu-node-agent -p vgpu-receiver
+# The demo's package set, so that a release build already there is reused.
+. scripts/release-set.sh
+cargo build --release "${RELEASE_SET[@]}"
 
 rm -rf "$dir"
 mkdir -p "$dir"
