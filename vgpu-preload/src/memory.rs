@@ -94,6 +94,7 @@ fn context_gone(st: &State, ctx: u64) {
     // Its modules and graphs went with it, and their handles may come back naming other work.
     crate::sm::forget_all();
     crate::graphmem::context_gone(st);
+    pools::forget_current();
     // Stream-ordered allocations carry their pool, not their context: those of a pool the driver
     // now reports unused went with it too.
     let emptied = pools::emptied();

@@ -238,6 +238,14 @@ fn synced(r: CUresult) -> CUresult {
     r
 }
 
+/// Forgets which pool each device draws from, to ask the driver again at the next allocation
+/// (a context went: whatever the driver made of the devices' current pools, it answers for it).
+pub fn forget_current() {
+    for c in &CURRENT {
+        c.store(0, Relaxed);
+    }
+}
+
 /// A forked child has no pools of its own yet.
 pub fn after_fork() {
     for p in &POOLS {
@@ -245,9 +253,7 @@ pub fn after_fork() {
         p.live.store(0, Relaxed);
         p.slack.store(0, Relaxed);
     }
-    for c in &CURRENT {
-        c.store(0, Relaxed);
-    }
+    forget_current();
     DIRTY.store(false, Relaxed);
 }
 
@@ -284,6 +290,10 @@ pub unsafe fn destroy(real: f::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult
     // SAFETY: as above.
     let r = unsafe { real(pool) };
     if r == OK {
+        // A device whose current pool this was draws from its default pool from now on.
+        for c in &CURRENT {
+            let _ = c.compare_exchange(pool as u64, 0, Relaxed, Relaxed);
+        }
         if let Some(i) = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64) {
             let p = &POOLS[i];
             p.destroyed.store(true, Release);

@@ -48,6 +48,7 @@ macro_rules! with_cuda_api {
             cuMemPoolSetAttribute = "cuMemPoolSetAttribute" : fn(p: CUmemoryPool, attr: i32, v: *mut c_void);
             cuMemPoolGetAttribute = "cuMemPoolGetAttribute" : fn(p: CUmemoryPool, attr: i32, v: *mut c_void);
             cuDeviceGetMemPool = "cuDeviceGetMemPool" : fn(p: *mut CUmemoryPool, d: CUdevice);
+            cuDeviceSetMemPool = "cuDeviceSetMemPool" : fn(d: CUdevice, p: CUmemoryPool);
             cuMemAllocAsync = "cuMemAllocAsync" : fn(d: *mut CUdeviceptr, size: usize, s: CUstream);
             cuMemAllocFromPoolAsync = "cuMemAllocFromPoolAsync" : fn(d: *mut CUdeviceptr, size: usize, p: CUmemoryPool, s: CUstream);
             cuMemFreeAsync = "cuMemFreeAsync" : fn(d: CUdeviceptr, s: CUstream);

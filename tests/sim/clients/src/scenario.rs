@@ -54,14 +54,16 @@ scenarios:
                                         keeps it) and released: a line per step with what
                                         cuMemGetInfo reports; --alloc: cuMemAlloc N tried while the
                                         memory is kept and once it is gone
-  pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset]
+  pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset] [--destroyed-current]
                                         a stream-ordered allocation of N bytes (async: from the
                                         device's current pool; pool: from a new pool), its pool's
                                         release threshold set to T first; then, a line each: freed,
                                         synchronised, cuMemAlloc --alloc tried, N allocated from the
                                         pool again, freed and the pool trimmed to 0 (--reset:
                                         instead, the primary context reset with the allocation
-                                        outstanding, then cuMemAlloc --alloc)
+                                        outstanding, then cuMemAlloc --alloc; --destroyed-current:
+                                        first, a new pool made the device's current one, 1 MiB
+                                        allocated from it and freed, and the pool destroyed)
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N]
                                         T threads allocating and freeing concurrently
@@ -285,6 +287,19 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     unsafe {
         let (d, s) = device_and_stream(api, dev)?;
         let mut pool = std::ptr::null_mut();
+        if o.flag("destroyed-current") {
+            // A pool of the application's own made the device's current one, drawn from, then
+            // destroyed: the driver makes the default pool current again.
+            let props = CUmemPoolProps::device(d);
+            let mut own = std::ptr::null_mut();
+            ck(api, (api.cuMemPoolCreate)(&mut own, &props), "cuMemPoolCreate")?;
+            ck(api, (api.cuDeviceSetMemPool)(d, own), "cuDeviceSetMemPool")?;
+            let mut p = 0;
+            ck(api, (api.cuMemAllocAsync)(&mut p, 1 << 20, s), "cuMemAllocAsync")?;
+            ck(api, (api.cuMemFreeAsync)(p, s), "cuMemFreeAsync")?;
+            ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+            ck(api, (api.cuMemPoolDestroy)(own), "cuMemPoolDestroy")?;
+        }
         if kind == "pool" {
             let props = CUmemPoolProps::device(d);
             ck(api, (api.cuMemPoolCreate)(&mut pool, &props), "cuMemPoolCreate")?;

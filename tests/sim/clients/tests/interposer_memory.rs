@@ -418,6 +418,25 @@ fn pools_are_charged_what_they_hold() {
             assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{what}");
         }
     }
+    // Destroying the device's current pool makes its default pool current again: cuMemAllocAsync
+    // then draws from the default pool, which keeps what is freed into it (a high threshold), so
+    // that stays charged, not given back as if it went with the destroyed pool.
+    for bin in [RT, DIRECT] {
+        let args = ["pool", "--destroyed-current", "--size", "600m", "--threshold", "64g", "--alloc", "600m"];
+        let v = step_lines(&out(&mut s.limited(bin, LIMIT), &args));
+        let held = (1024 - 64 - 600) * MIB;
+        assert_eq!(free(step(&v, "freed")), held, "{bin}: {v:?}");
+        let sy = step(&v, "synchronised");
+        assert_eq!(
+            (free(sy), sy["pool"].as_u64().unwrap()),
+            (held, 600 * MIB),
+            "{bin}: kept in the default pool: {sy}"
+        );
+        assert_eq!(step(&v, "alloc")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "{bin}: the GPU holds the pool's 600 MiB");
+        let again = step(&v, "allocated-again");
+        assert_eq!((&again["result"], free(again)), (&json!("CUDA_SUCCESS"), held), "{bin}: reused, not charged twice");
+        assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{bin}");
+    }
     // An allocation outstanding when its context is reset (cudaDeviceReset) went with it: the
     // driver reports its pool unused, and the charge follows.
     for allocator in ["async", "pool"] {

@@ -435,7 +435,14 @@ exports! {
         if pool.is_null() { return Err(CUresult::INVALID_VALUE); }
         out(pool, mem::pool_create(in_ref(props)?)? as CUmemoryPool)
     }
-    fn cuMemPoolDestroy(pool: CUmemoryPool) { mem::pool_destroy(pool as u64) }
+    fn cuMemPoolDestroy(pool: CUmemoryPool) {
+        mem::pool_destroy(pool as u64)?;
+        // Destroying a device's current pool makes the device's default pool current again.
+        for c in &CURRENT_POOL {
+            let _ = c.compare_exchange(pool as u64, 0, AcqRel, Acquire);
+        }
+        Ok(())
+    }
     fn cuMemAllocAsync(d: *mut CUdeviceptr, size: usize, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
         if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
