@@ -138,6 +138,10 @@ pub const CU_MEMPOOL_ATTR_USED_MEM_HIGH: i32 = 8;
 
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: i32 = 1;
 pub const CU_MEM_LOCATION_TYPE_DEVICE: i32 = 1;
+/// Host memory (CUDA 12.2 and later): pools and physical allocations may live there.
+pub const CU_MEM_LOCATION_TYPE_HOST: i32 = 2;
+pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: i32 = 3;
+pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: i32 = 4;
 pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: i32 = 3;
 
 // CUarray_format

@@ -39,7 +39,7 @@ macro_rules! cuda_hooks {
             cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
             cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
             // what the pools hold beyond their allocations (see `pools`): settled where the driver
-            // trims them, and the pool `cuMemAllocAsync` draws from
+            // trims them, the pool `cuMemAllocAsync` draws from, and where each pool's memory is
             cuStreamSynchronize(stream: CUstream) => pools::stream_sync;
             cuStreamSynchronize_ptsz(stream: CUstream) => pools::stream_sync;
             cuCtxSynchronize() => pools::ctx_sync;
@@ -47,6 +47,10 @@ macro_rules! cuda_hooks {
             cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) => pools::trim_to;
             cuMemPoolDestroy(pool: CUmemoryPool) => pools::destroy;
             cuDeviceSetMemPool(dev: CUdevice, pool: CUmemoryPool) => pools::set_current;
+            // where each pool's memory is (a device's, or the host's)
+            cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) => pools::create;
+            cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, dev: CUdevice) => pools::get_default;
+            cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) => pools::get_current;
             // arrays
             cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => memory::array_create;
             cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => memory::array3d_create;

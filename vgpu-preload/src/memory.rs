@@ -311,11 +311,18 @@ unsafe fn pooled(
         return call();
     }
     let st = state();
-    let (ordinal, d) = tri!(current(st));
+    let (ordinal, current_dev) = tri!(current(st));
     let handle = pool.map_or_else(|| pools::current(ordinal), |p| p as u64);
-    let Some(i) = pools::index(handle, d) else {
+    let Some(i) = pools::index(handle, current_dev) else {
         // SAFETY: the caller's out-pointer (`linear` writes nothing else).
         return unsafe { linear(dptr, size, true, false, call) };
+    };
+    // The pool's memory may be another device's (`cuMemAllocFromPoolAsync` takes a pool of any
+    // device), or the host's (not charged).
+    let d = match pools::dev(i) {
+        pools::HOST => return call(),
+        pools::UNKNOWN => current_dev,
+        d => d,
     };
     let size = size as u64;
     let took = pools::take(i, size);

@@ -36,11 +36,17 @@ const MAX_POOLS: usize = 64;
 /// context ids are below 64, and the context sweep ignores larger values.
 pub const POOL_TAG: u64 = 0x80;
 const MAX_ORDINALS: usize = 64;
+/// The `dev` of a pool of host memory (`CU_MEM_LOCATION_TYPE_HOST*`): nothing of it is charged.
+pub const HOST: usize = usize::MAX;
+/// The `dev` of a free entry, and of a new one until its creator has stored the device: the
+/// allocation that reads it is charged on the current device, as one that made the entry would be.
+pub const UNKNOWN: usize = usize::MAX - 1;
 
 struct Pool {
     /// The pool's handle (0: a free entry).
     handle: AtomicU64,
-    /// Its region device.
+    /// Its region device: where its memory is, as learned when the pool was made or named for a
+    /// device, else the current device at its first allocation; [`HOST`] for host memory.
     dev: AtomicUsize,
     live: AtomicU64,
     slack: AtomicU64,
@@ -51,7 +57,7 @@ struct Pool {
 static POOLS: [Pool; MAX_POOLS] = [const {
     Pool {
         handle: AtomicU64::new(0),
-        dev: AtomicUsize::new(0),
+        dev: AtomicUsize::new(UNKNOWN),
         live: AtomicU64::new(0),
         slack: AtomicU64::new(0),
         destroyed: AtomicBool::new(false),
@@ -98,8 +104,7 @@ pub fn index(handle: u64, d: usize) -> Option<usize> {
         }
         if h == 0 {
             if p.handle.compare_exchange(0, handle, AcqRel, Acquire).is_ok() {
-                p.dev.store(d, Relaxed);
-                p.destroyed.store(false, Relaxed);
+                p.dev.store(d, Release);
                 return Some(i);
             }
             if p.handle.load(Acquire) == handle {
@@ -108,6 +113,38 @@ pub fn index(handle: u64, d: usize) -> Option<usize> {
         }
     }
     None
+}
+
+/// The region device whose memory pool `i` holds ([`HOST`]: none; [`UNKNOWN`]: being made).
+#[inline]
+pub fn dev(i: usize) -> usize {
+    POOLS[i].dev.load(Acquire)
+}
+
+/// Frees entry `p`: its device first, so that whoever finds the entry's next handle reads that
+/// pool's device or [`UNKNOWN`], never this one's.
+fn release(p: &Pool) {
+    p.dev.store(UNKNOWN, Relaxed);
+    p.destroyed.store(false, Relaxed);
+    p.handle.store(0, Release);
+}
+
+/// Notes that pool `handle` holds the memory of region device `d` ([`HOST`]: host memory), for a
+/// pool not yet in use: allocations from it are charged there, whatever device is current.
+fn located(handle: u64, d: usize) {
+    let _ = index(handle, d);
+}
+
+/// Where a pool of these properties keeps its memory: a region device, [`HOST`], or None (unknown,
+/// or a device the region cannot name).
+fn location(st: &State, l: &CUmemLocation) -> Option<usize> {
+    match l.type_ {
+        CU_MEM_LOCATION_TYPE_DEVICE => st.dev_of(l.id).ok(),
+        CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => {
+            Some(HOST)
+        }
+        _ => None,
+    }
 }
 
 /// Takes up to `size` bytes of pool `i`'s charged slack for a new allocation; returns how many.
@@ -149,7 +186,7 @@ pub fn freed(i: usize, bytes: u64) -> bool {
     p.live.fetch_sub(bytes.min(p.live.load(Relaxed)), AcqRel);
     if p.destroyed.load(Acquire) {
         if p.live.load(Acquire) == 0 {
-            p.handle.store(0, Release);
+            release(p);
         }
         return true;
     }
@@ -193,8 +230,11 @@ pub fn settle(st: &State, i: usize) -> u64 {
     if h == 0 {
         return 0;
     }
+    let d = p.dev.load(Acquire);
+    if d == HOST || d == UNKNOWN {
+        return 0;
+    }
     let reserved = if p.destroyed.load(Acquire) { None } else { attr(h, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) };
-    let d = p.dev.load(Relaxed);
     for _ in 0..8 {
         let old = p.slack.load(Acquire);
         let target = reserved.unwrap_or(0).saturating_sub(p.live.load(Acquire));
@@ -249,6 +289,8 @@ pub fn forget_current() {
 /// A forked child has no pools of its own yet.
 pub fn after_fork() {
     for p in &POOLS {
+        p.dev.store(UNKNOWN, Relaxed);
+        p.destroyed.store(false, Relaxed);
         p.handle.store(0, Relaxed);
         p.live.store(0, Relaxed);
         p.slack.store(0, Relaxed);
@@ -299,11 +341,47 @@ pub unsafe fn destroy(real: f::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult
             p.destroyed.store(true, Release);
             let _ = settle(state(), i); // the slack goes: the driver frees what no allocation uses
             if p.live.load(Acquire) == 0 {
-                p.handle.store(0, Release);
+                release(p);
             }
         }
     }
     r
+}
+
+pub unsafe fn create(real: f::cuMemPoolCreate, pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> CUresult {
+    // SAFETY: as above.
+    let r = unsafe { real(pool, props) };
+    if r == OK {
+        // SAFETY: the driver accepted both pointers: it wrote the new pool's handle, and read the
+        // properties.
+        let (handle, props) = unsafe { (*pool as u64, &*props) };
+        if let Some(d) = location(state(), &props.location) {
+            located(handle, d);
+        }
+    }
+    r
+}
+
+/// `cuDeviceGetDefaultMemPool` and `cuDeviceGetMemPool`: the pool named holds `dev`'s memory.
+unsafe fn named(r: CUresult, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+    if r == OK {
+        // SAFETY: the driver succeeded, so it wrote the pool's handle through the caller's pointer.
+        let handle = unsafe { *pool } as u64;
+        if let Ok(d) = state().dev_of(dev) {
+            located(handle, d);
+        }
+    }
+    r
+}
+
+pub unsafe fn get_default(real: f::cuDeviceGetDefaultMemPool, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+    // SAFETY: as above; `named` reads what the driver wrote.
+    unsafe { named(real(pool, dev), pool, dev) }
+}
+
+pub unsafe fn get_current(real: f::cuDeviceGetMemPool, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+    // SAFETY: as above.
+    unsafe { named(real(pool, dev), pool, dev) }
 }
 
 pub unsafe fn set_current(real: f::cuDeviceSetMemPool, dev: CUdevice, pool: CUmemoryPool) -> CUresult {

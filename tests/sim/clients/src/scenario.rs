@@ -55,8 +55,9 @@ scenarios:
                                         cuMemGetInfo reports; --alloc: cuMemAlloc N tried while the
                                         memory is kept and once it is gone
   pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset] [--destroyed-current]
-                                        a stream-ordered allocation of N bytes (async: from the
-                                        device's current pool; pool: from a new pool), its pool's
+       [--pool-on D|host]               a stream-ordered allocation of N bytes (async: from the
+                                        device's current pool; pool: from a new pool, of device D's
+                                        memory or the host's if --pool-on says so), its pool's
                                         release threshold set to T first; then, a line each: freed,
                                         synchronised, cuMemAlloc --alloc tried, N allocated from the
                                         pool again, freed and the pool trimmed to 0 (--reset:
@@ -301,7 +302,15 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             ck(api, (api.cuMemPoolDestroy)(own), "cuMemPoolDestroy")?;
         }
         if kind == "pool" {
-            let props = CUmemPoolProps::device(d);
+            let mut props = CUmemPoolProps::device(d);
+            match o.map.get("pool-on").map(String::as_str) {
+                None => {}
+                Some("host") => props.location = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST_NUMA, id: 0 },
+                Some(n) => {
+                    let n = n.parse().map_err(|_| format!("--pool-on {n:?}: a device ordinal or host"))?;
+                    ck(api, (api.cuDeviceGet)(&mut props.location.id, n), "cuDeviceGet")?;
+                }
+            }
             ck(api, (api.cuMemPoolCreate)(&mut pool, &props), "cuMemPoolCreate")?;
         } else {
             ck(api, (api.cuDeviceGetMemPool)(&mut pool, d), "cuDeviceGetMemPool")?;

@@ -437,6 +437,29 @@ fn pools_are_charged_what_they_hold() {
         assert_eq!((&again["result"], free(again)), (&json!("CUDA_SUCCESS"), held), "{bin}: reused, not charged twice");
         assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{bin}");
     }
+    // A pool holds the memory of the device it was made for, whatever device is current when it is
+    // drawn from (cuMemAllocFromPoolAsync takes a pool of any device): charged there. Device 0 is
+    // current; the pool is of device 1, whose limit is 1 GiB.
+    let two: &[(&str, &str)] = &[("CUDA_DEVICE_MEMORY_LIMIT_0", "2g"), ("CUDA_DEVICE_MEMORY_LIMIT_1", "1g")];
+    std::fs::remove_file(s.region_path()).unwrap(); // a new container, with these limits
+    let args = ["pool", "--allocator", "pool", "--pool-on", "1", "--size", "600m", "--alloc", "1900m"];
+    let v = step_lines(&out(&mut s.limited(RT, two), &args));
+    let a = step(&v, "allocated");
+    assert_eq!((&a["result"], free(a)), (&json!("CUDA_SUCCESS"), (2048 - 64) * MIB), "not charged on device 0: {a}");
+    assert_eq!(step(&v, "alloc")["result"], "CUDA_SUCCESS", "device 0's 1900 MiB are all there: {v:?}");
+    let args = ["pool", "--allocator", "pool", "--pool-on", "1", "--size", "1200m"];
+    let o = out(&mut s.limited(RT, two), &args);
+    let a = lines(&o.stdout).into_iter().find(|x| x["step"] == "allocated").expect("an allocated line");
+    assert_eq!(a["result"], "CUDA_ERROR_OUT_OF_MEMORY", "over device 1's 1 GiB: {a}");
+    // A pool of host memory (CUDA 12.2 and later) takes nothing from the GPU's quota.
+    std::fs::remove_file(s.region_path()).unwrap();
+    let args =
+        ["pool", "--allocator", "pool", "--pool-on", "host", "--size", "600m", "--threshold", "64g", "--alloc", "900m"];
+    let v = step_lines(&out(&mut s.limited(RT, LIMIT), &args));
+    for name in ["allocated", "freed", "synchronised", "allocated-again", "trimmed"] {
+        assert_eq!(free(step(&v, name)), (1024 - 64) * MIB, "{name}: host memory is not charged: {v:?}");
+    }
+    assert_eq!(step(&v, "alloc")["result"], "CUDA_SUCCESS", "{v:?}");
     // An allocation outstanding when its context is reset (cudaDeviceReset) went with it: the
     // driver reports its pool unused, and the charge follows.
     for allocator in ["async", "pool"] {

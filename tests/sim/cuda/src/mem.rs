@@ -79,7 +79,11 @@ struct GraphPool {
 }
 
 struct Pool {
+    /// The GPU whose memory it holds (for a pool of host memory, the GPU it was made on: nothing of
+    /// it is charged).
     gpu: usize,
+    /// Host memory (`CU_MEM_LOCATION_TYPE_HOST*`): no GPU memory is charged for it.
+    host: bool,
     reserved: u64,
     used: u64,
     high_reserved: u64,
@@ -635,20 +639,26 @@ pub fn default_pool(ordinal: CUdevice) -> R<u64> {
     let gpu = proc()?.gpu_of(ordinal)?;
     let id = DEFAULT_POOL_BASE + gpu as u64;
     with_mem!(m => {
-        m.pools.entry(id).or_insert(Pool { gpu, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: true, destroyed: false });
+        m.pools.entry(id).or_insert(Pool { gpu, host: false, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: true, destroyed: false });
     });
     Ok(id)
 }
 
 pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
-    if props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED || props.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+    let host = matches!(
+        props.location.type_,
+        CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT
+    );
+    if props.allocType != CU_MEM_ALLOCATION_TYPE_PINNED
+        || !(host || props.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE)
+    {
         return Err(CUresult::INVALID_VALUE);
     }
-    let gpu = proc()?.gpu_of(props.location.id)?;
+    let gpu = if host { current()?.gpu } else { proc()?.gpu_of(props.location.id)? };
     Ok(with_mem!(m => {
         m.next_id += 1;
         let id = m.next_id;
-        m.pools.insert(id, Pool { gpu, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: false, destroyed: false });
+        m.pools.insert(id, Pool { gpu, host, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: false, destroyed: false });
         id
     }))
 }
@@ -659,7 +669,11 @@ fn trim(p: &mut Pool, keep: u64) -> u64 {
     let target = round_up(p.used, GRANULARITY).max(round_up(keep, GRANULARITY)).min(p.reserved);
     let freed = p.reserved - target;
     p.reserved = target;
-    freed
+    if p.host {
+        0
+    } else {
+        freed
+    }
 }
 
 pub fn pool_destroy(id: u64) -> R<()> {
@@ -693,7 +707,9 @@ pub fn pool_alloc(id: Option<u64>, size: u64) -> R<CUdeviceptr> {
         let spare = p.reserved - p.used;
         if size > spare {
             let grow = round_up(size - spare, GRANULARITY);
-            pr.charge(p.gpu, grow)?;
+            if !p.host {
+                pr.charge(p.gpu, grow)?;
+            }
             p.reserved += grow;
             p.high_reserved = p.high_reserved.max(p.reserved);
         }
@@ -730,7 +746,7 @@ pub fn free_async(ptr: CUdeviceptr) -> R<()> {
                 if let Some(p) = m.pools.get_mut(&id) {
                     p.used -= a.size;
                     if p.destroyed && p.used == 0 {
-                        freed = p.reserved;
+                        freed = if p.host { 0 } else { p.reserved };
                         gone = true;
                     }
                 }
