@@ -579,25 +579,31 @@ def check_context_reset(s):
 
 def check_pool_hold(s):
     """Memory freed into a stream-ordered pool that keeps it (PyTorch's cudaMallocAsync backend sets
-    the release threshold to the maximum) stays charged until the pool is trimmed."""
+    the release threshold to the maximum) stays charged until the pool is trimmed; so it does when
+    the pool is the default one again after the device's current pool was destroyed."""
     lim = 4 * GIB
     size = int(lim * 0.6)  # twice this is over the limit: a cuMemAlloc beside what the pool holds must be refused
     bare = s.probe(["pool", "--size", str(size)], s.env(False))
     j = s.probe(["pool", "--size", str(size)], s.env(True, mem=lim, region=os.path.join(s.tmp, "pool.region")))
-    v = {"limit": lim, "size": size, "bare": bare, "limited": j}
-    charged = j["base"]["free"] - j["synchronised"]["free"]
+    k = s.probe(["pool", "--size", str(size), "--destroyed-current"],
+                s.env(True, mem=lim, region=os.path.join(s.tmp, "pool-destroyed.region")))
+    v = {"limit": lim, "size": size, "bare": bare, "limited": j, "destroyed_current": k}
+    charged = lambda r: r["base"]["free"] - r["synchronised"]["free"]
     summary = ("%s allocated with cuMemAllocAsync and freed into a pool that keeps it: the pool holds %s "
                "(without libvgpu %s), %s charged; cuMemAlloc of %s beside it under the %s limit: %s; after "
-               "cuMemPoolTrimTo (pool %s): %s") % (
-        human(size), human(j["pool"]), human(bare["pool"]), human(charged), human(size), human(lim), j["alloc"],
-        human(j["pool_after_trim"]), j["alloc_after_trim"])
+               "cuMemPoolTrimTo (pool %s): %s. After the device's current pool was destroyed (the default "
+               "pool current again: %s): %s charged, cuMemAlloc beside it %s, after the trim %s") % (
+        human(size), human(j["pool"]), human(bare["pool"]), human(charged(j)), human(size), human(lim), j["alloc"],
+        human(j["pool_after_trim"]), j["alloc_after_trim"], k["default_current_after_destroy"],
+        human(charged(k)), k["alloc"], k["alloc_after_trim"])
     problems = []
-    if abs(charged - j["pool"]) > 64 * MIB:
-        problems.append("charged %s for a pool holding %s" % (human(charged), human(j["pool"])))
-    if j["pool"] >= size and j["alloc"] != "CUDA_ERROR_OUT_OF_MEMORY":
-        problems.append("the pool's memory was not held against the limit")
-    if j["alloc_after_trim"] != "CUDA_SUCCESS":
-        problems.append("the trim did not give the memory back")
+    for name, r in (("", j), ("after the destroyed pool: ", k)):
+        if abs(charged(r) - r["pool"]) > 64 * MIB:
+            problems.append("%scharged %s for a pool holding %s" % (name, human(charged(r)), human(r["pool"])))
+        if r["pool"] >= size and r["alloc"] != "CUDA_ERROR_OUT_OF_MEMORY":
+            problems.append("%sthe pool's memory was not held against the limit" % name)
+        if r["alloc_after_trim"] != "CUDA_SUCCESS":
+            problems.append("%sthe trim did not give the memory back" % name)
     if problems:
         raise Fail(summary + ". " + "; ".join(problems), v)
     return summary, v

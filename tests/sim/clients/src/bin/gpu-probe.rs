@@ -17,11 +17,15 @@
 //!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S] [--duty F]
 //!                                                (--duty: keeps the GPU busy that fraction of the
 //!                                                time by pausing after each batch, without any limit)
-//!        gpu-probe pool --size BYTES [--threshold BYTES]
+//!        gpu-probe pool --size BYTES [--threshold BYTES] [--destroyed-current]
 //!                                                (cuMemAllocAsync of BYTES from the device's pool,
 //!                                                its release threshold set first; freed, synchronised,
 //!                                                cuMemAlloc of BYTES tried, the pool trimmed, tried
-//!                                                again; the threshold restored)
+//!                                                again; the threshold restored. --destroyed-current:
+//!                                                first a new pool made the device's current one,
+//!                                                1 MiB allocated from it and freed, the pool
+//!                                                destroyed, and whether the default pool is current
+//!                                                again)
 //!        gpu-probe vmm --size BYTES                (cuMemCreate of BYTES, mapped; its handle
 //!                                                released (the mapping keeps the memory), cuMemAlloc of
 //!                                                BYTES tried; the handle retained from the address and
@@ -106,6 +110,10 @@ table! {
     cuMemFreeAsync: fn(CUdeviceptr, CUstream);
     cuStreamSynchronize: fn(CUstream);
     cuDeviceGetMemPool: fn(*mut CUmemoryPool, CUdevice);
+    cuDeviceGetDefaultMemPool: fn(*mut CUmemoryPool, CUdevice);
+    cuDeviceSetMemPool: fn(CUdevice, CUmemoryPool);
+    cuMemPoolCreate: fn(*mut CUmemoryPool, *const CUmemPoolProps);
+    cuMemPoolDestroy: fn(CUmemoryPool);
     cuMemPoolSetAttribute: fn(CUmemoryPool, i32, *mut c_void);
     cuMemPoolGetAttribute: fn(CUmemoryPool, i32, *mut c_void);
     cuMemPoolTrimTo: fn(CUmemoryPool, usize);
@@ -476,6 +484,23 @@ fn pool(args: &[String]) -> Result<Value, String> {
     let s: CUstream = std::ptr::null_mut();
     // SAFETY: out-pointers to locals, 64-bit attribute values in locals, and handles the driver gave.
     unsafe {
+        // The driver documents that destroying a device's current pool makes its default pool
+        // current again; what cuMemAllocAsync draws from next must be charged as that pool.
+        let mut default_current = Value::Null;
+        if args.iter().any(|a| a == "--destroyed-current") {
+            let mut own = std::ptr::null_mut();
+            p.ck((p.cu.cuMemPoolCreate)(&mut own, &CUmemPoolProps::device(dev)), "cuMemPoolCreate")?;
+            p.ck((p.cu.cuDeviceSetMemPool)(dev, own), "cuDeviceSetMemPool")?;
+            let mut d = 0;
+            p.ck((p.cu.cuMemAllocAsync)(&mut d, 1 << 20, s), "cuMemAllocAsync")?;
+            p.ck((p.cu.cuMemFreeAsync)(d, s), "cuMemFreeAsync")?;
+            p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+            p.ck((p.cu.cuMemPoolDestroy)(own), "cuMemPoolDestroy")?;
+            let (mut cur, mut def) = (std::ptr::null_mut(), std::ptr::null_mut());
+            p.ck((p.cu.cuDeviceGetMemPool)(&mut cur, dev), "cuDeviceGetMemPool")?;
+            p.ck((p.cu.cuDeviceGetDefaultMemPool)(&mut def, dev), "cuDeviceGetDefaultMemPool")?;
+            default_current = json!(cur == def);
+        }
         let mut pool = std::ptr::null_mut();
         p.ck((p.cu.cuDeviceGetMemPool)(&mut pool, dev), "cuDeviceGetMemPool")?;
         let get = |which: i32| -> Result<u64, String> {
@@ -509,7 +534,7 @@ fn pool(args: &[String]) -> Result<Value, String> {
         )?;
         Ok(json!({"size": size, "threshold": threshold, "base": base, "allocated": allocated, "pool": held,
             "synchronised": synced, "alloc": alloc, "pool_after_trim": held_after_trim, "trimmed": trimmed,
-            "alloc_after_trim": alloc_after_trim}))
+            "alloc_after_trim": alloc_after_trim, "default_current_after_destroy": default_current}))
     }
 }
 
@@ -654,7 +679,7 @@ fn main() {
         Some("pool") => pool(&args[1..]),
         Some("vmm") => vmm(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
