@@ -292,8 +292,9 @@ pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
 }
 
 // ----- stream-ordered allocator: the pools' reservations are charged (see `pools`) -----
-// Pools belong to the device, not to a context: their allocations are never released when a
-// context goes (only when freed), so a context's end cannot make them uncounted.
+// Pools belong to a device (or the host), not to a context: their allocations carry their pool,
+// and a context's end releases them only once the driver reports their pool unused (see
+// `context_gone`), so it cannot make memory the pool still uses uncounted.
 
 /// A stream-ordered allocation from `pool` (None: the current device's current pool) on `stream`:
 /// the pool's charged slack is used first, the quota for the rest. Into a capturing stream it makes
