@@ -326,13 +326,26 @@ unsafe fn pooled(
         d => d,
     };
     let size = size as u64;
-    let took = pools::take(i, size);
-    let need = size - took;
-    if need > 0 {
-        if let Err(e) = st.reserve(d, need) {
-            pools::untake(i, took);
-            let _ = pools::settle(st, i); // what the refusal's own settling saw without the part taken
-            return e;
+    let (mut took, mut need);
+    let mut settled = false;
+    loop {
+        took = pools::take(i, size);
+        need = size - took;
+        if need == 0 {
+            break;
+        }
+        match st.reserve(d, need) {
+            Ok(()) => break,
+            Err(e) => {
+                pools::untake(i, took);
+                // The refusal's own settling ran while this allocation held `took` out of the
+                // pool's slack: settled again without it, and tried once more if that gave
+                // anything back.
+                if settled || pools::settle(st, i) == 0 {
+                    return e;
+                }
+                settled = true;
+            }
         }
     }
     let r = call();

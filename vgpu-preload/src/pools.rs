@@ -4,19 +4,30 @@
 //! release threshold, 0 by default) or on `cuMemPoolTrimTo`. With a high threshold (PyTorch's
 //! `cudaMallocAsync` backend sets it to the maximum, RAPIDS' pools to their size) freed memory
 //! stays held for good. So each pool is charged its reservation as the driver reports it
-//! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`), kept as two figures per pool:
+//! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`), kept as three figures per pool:
 //!
 //! * `live`: the requested bytes of its live allocations, charged when allocated;
-//! * `slack`: what the pool holds beyond them, charged too.
+//! * `slack`: bytes freed into the pool and still held by it, charged too;
+//! * `held`: what else the pool holds as of the last settle (chunk rounding, growth the
+//!   allocations did not account for), charged too.
 //!
 //! A free moves its bytes from `live` to `slack` (the memory stays in the pool); an allocation
 //! takes from `slack` first and reserves on the quota only the rest, so memory reused from the
-//! pool is never charged twice. The slack is settled to the reservation minus `live` where the
-//! driver may have trimmed or grown the pool: after synchronisations (`cuStreamSynchronize`,
-//! `cuEventSynchronize`, `cuCtxSynchronize`) that follow a change, after `cuMemPoolTrimTo` and
-//! `cuMemPoolDestroy`, when a context ends, and before an allocation is refused. Each operation
-//! moves the region and the two figures by the same amount, so the region always holds
-//! live + slack, and a settle sets that to what the pool really holds.
+//! pool is never charged twice. Where the driver may have trimmed or grown the pool (after
+//! synchronisations (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) that follow
+//! a change, after `cuMemPoolTrimTo` and `cuMemPoolDestroy`, when a context ends, and before an
+//! allocation is refused) the pool is settled: what it holds beyond `live` becomes `slack` (never
+//! more than it was) plus `held`. Each operation moves the region and the figures by the same
+//! amount, so the region always holds live + slack + held, and a settle sets that to what the pool
+//! really holds.
+//!
+//! Only frees add to `slack`, the part allocations may take without a reservation. A settle that
+//! runs while other threads allocate and free reads `live` and the reservation at slightly
+//! different moments and may see more than the pool holds (an allocation the driver made that
+//! `live` does not show yet); had that excess become `slack`, later allocations would have taken
+//! it without a reservation while the driver grew the pool for them, past the limit (16 threads
+//! allocating and freeing on their own streams grew a pool to over 5 GiB under a 1 GiB limit). As
+//! `held` it is charged until the next settle, and no allocation can spend it.
 //!
 //! The hot paths (allocation and free) are a few atomic operations on process-local figures; the
 //! driver is asked only when settling.
@@ -50,6 +61,7 @@ struct Pool {
     dev: AtomicUsize,
     live: AtomicU64,
     slack: AtomicU64,
+    held: AtomicU64,
     /// Destroyed by the application: what its allocations free goes back at once.
     destroyed: AtomicBool,
 }
@@ -60,6 +72,7 @@ static POOLS: [Pool; MAX_POOLS] = [const {
         dev: AtomicUsize::new(UNKNOWN),
         live: AtomicU64::new(0),
         slack: AtomicU64::new(0),
+        held: AtomicU64::new(0),
         destroyed: AtomicBool::new(false),
     }
 }; MAX_POOLS];
@@ -222,8 +235,9 @@ fn attr(handle: u64, which: i32) -> Option<u64> {
     (unsafe { get(handle as CUmemoryPool, which, &mut v as *mut u64 as *mut c_void) } == OK).then_some(v)
 }
 
-/// Sets pool `i`'s slack to its reservation minus its live bytes (0 if the driver no longer
-/// answers for it), moving the region by the difference; returns the bytes released.
+/// Sets what pool `i` is charged beyond its live bytes to what its reservation holds beyond them
+/// (0 if the driver no longer answers for it): `slack`, lowered if the pool holds less, and `held`
+/// for the rest; moves the region by the difference and returns the bytes released.
 pub fn settle(st: &State, i: usize) -> u64 {
     let p = &POOLS[i];
     let h = p.handle.load(Acquire);
@@ -234,19 +248,32 @@ pub fn settle(st: &State, i: usize) -> u64 {
     if d == HOST || d == UNKNOWN {
         return 0;
     }
-    let reserved = if p.destroyed.load(Acquire) { None } else { attr(h, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) };
     for _ in 0..8 {
+        // In this order: the slack (an allocation or free that changes it before the exchange makes
+        // it fail), the live bytes, then the driver's figure. An allocation calls the driver before
+        // it adds to `live`, so one seen in `live` is also in the reservation read after it: what
+        // the pool holds beyond `live` is never under-stated. It may be over-stated, by allocations
+        // the driver made that `live` does not show yet, or a free between its two steps; that
+        // goes to `held`, which the next settle corrects.
         let old = p.slack.load(Acquire);
-        let target = reserved.unwrap_or(0).saturating_sub(p.live.load(Acquire));
-        if p.slack.compare_exchange(old, target, AcqRel, Acquire).is_ok() {
-            if target > old {
-                st.charge_held(d, target - old);
-            } else if old > target {
-                st.release(d, old - target);
-                return old - target;
-            }
-            return 0;
+        let live = p.live.load(Acquire);
+        let reserved =
+            if p.destroyed.load(Acquire) { 0 } else { attr(h, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0) };
+        let beyond = reserved.saturating_sub(live);
+        let slack = beyond.min(old);
+        if p.slack.compare_exchange(old, slack, AcqRel, Acquire).is_err() {
+            continue;
         }
+        // Only settles write `held`: the swap's previous value is what the region holds for it.
+        let before = p.held.swap(beyond - slack, AcqRel);
+        let (down, up) = (old - slack + before, beyond - slack);
+        if up > down {
+            st.charge_held(d, up - down);
+        } else if down > up {
+            st.release(d, down - up);
+            return down - up;
+        }
+        return 0;
     }
     0
 }
@@ -294,6 +321,7 @@ pub fn after_fork() {
         p.handle.store(0, Relaxed);
         p.live.store(0, Relaxed);
         p.slack.store(0, Relaxed);
+        p.held.store(0, Relaxed);
     }
     forget_current();
     DIRTY.store(false, Relaxed);

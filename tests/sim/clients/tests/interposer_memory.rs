@@ -670,6 +670,30 @@ fn many_threads_allocate_and_free() {
     let v = json1(&out(&mut s.limited(RT, LIMIT), &["threads", "--threads", "16", "--iters", "20", "--size", "100m"]));
     assert!(v["errors"].as_array().unwrap().iter().all(|e| e == "CUDA_ERROR_OUT_OF_MEMORY"), "{v}");
     assert_eq!(v["mem_info"]["free"], 960 * MIB);
+    // Stream-ordered, from one pool that keeps what is freed into it: allocations take from its
+    // charged slack, frees return to it, and settles (at the synchronisations, and before each
+    // refusal) race with both. The pool never holds more than the limit (a settle that counted an
+    // allocation the driver had made, but `live` did not show yet, as slack let later allocations
+    // spend it unreserved: 16 threads grew the pool to over 5 GiB under 1 GiB); once quiescent the
+    // container is charged exactly what the pool holds, and nothing after the trim; over-subscribed,
+    // failures are clean OOMs.
+    for (size, hold, fits) in [("8m", "2", true), ("100m", "3", false), ("100m", "12", false)] {
+        let mut args = vec!["threads", "--allocator", "async", "--threshold", "64g", "--threads", "16"];
+        args.extend(["--iters", "200", "--size", size, "--hold", hold]);
+        let v = json1(&out(&mut s.limited(RT, LIMIT), &args));
+        let errors = v["errors"].as_array().unwrap();
+        if fits {
+            assert_eq!(v["failures"], 0, "{v}");
+        } else {
+            assert!(!errors.is_empty(), "16 threads holding {hold} x {size} cannot all fit in 960 MiB: {v}");
+            assert!(errors.iter().all(|e| e == "CUDA_ERROR_OUT_OF_MEMORY"), "{v}");
+        }
+        let pool = v["pool"].as_u64().unwrap();
+        assert!(pool > 0, "the pool keeps memory: {v}");
+        assert!(pool <= 960 * MIB, "the pool holds {} MiB, past the 960 MiB the context leaves: {v}", pool / MIB);
+        assert_eq!(v["synchronised"]["free"].as_u64().unwrap(), 960 * MIB - pool, "charged what the pool holds: {v}");
+        assert_eq!((v["pool_after_trim"].as_u64(), &v["mem_info"]["free"]), (Some(0), &json!(960 * MIB)), "{v}");
+    }
 }
 
 #[test]
