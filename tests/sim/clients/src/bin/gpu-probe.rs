@@ -26,6 +26,14 @@
 //!                                                1 MiB allocated from it and freed, the pool
 //!                                                destroyed, and whether the default pool is current
 //!                                                again)
+//!        gpu-probe pool-threads --size BYTES [--threads T] [--iters I] [--hold H]
+//!                                                (T threads (16), each on its own stream,
+//!                                                allocating BYTES from the device's pool I times
+//!                                                (200), holding up to H (3) and synchronising every
+//!                                                4th time; the pool's release threshold set to the
+//!                                                maximum first and restored at the end; results per
+//!                                                kind, then what the pool holds and held at most,
+//!                                                cuMemGetInfo, and both after the pool is trimmed)
 //!        gpu-probe vmm --size BYTES                (cuMemCreate of BYTES, mapped; its handle
 //!                                                released (the mapping keeps the memory), cuMemAlloc of
 //!                                                BYTES tried; the handle retained from the address and
@@ -109,6 +117,7 @@ table! {
     cuMemAllocAsync: fn(*mut CUdeviceptr, usize, CUstream);
     cuMemFreeAsync: fn(CUdeviceptr, CUstream);
     cuStreamSynchronize: fn(CUstream);
+    cuStreamCreate: fn(*mut CUstream, u32);
     cuDeviceGetMemPool: fn(*mut CUmemoryPool, CUdevice);
     cuDeviceGetDefaultMemPool: fn(*mut CUmemoryPool, CUdevice);
     cuDeviceSetMemPool: fn(CUdevice, CUmemoryPool);
@@ -538,6 +547,94 @@ fn pool(args: &[String]) -> Result<Value, String> {
     }
 }
 
+/// Threads allocating and freeing stream-ordered memory from one pool that keeps what is freed into
+/// it (see the usage): the pool must never hold more than the container's limit.
+fn pool_threads(args: &[String]) -> Result<Value, String> {
+    let size = opt(args, "--size", -1.0)?;
+    if size <= 0.0 {
+        return Err("--size BYTES is required".into());
+    }
+    let size = size as usize;
+    let threads = opt(args, "--threads", 16.0)?.max(1.0) as usize;
+    let iters = opt(args, "--iters", 200.0)?.max(1.0) as usize;
+    let hold = opt(args, "--hold", 3.0)?.max(1.0) as usize;
+    let (p, dev) = Probe::open()?;
+    // SAFETY (whole block): out-pointers to locals, 64-bit attribute values in locals, and handles
+    // the driver gave; each thread makes the primary context current before its calls.
+    unsafe {
+        let mut pool = std::ptr::null_mut();
+        p.ck((p.cu.cuDeviceGetMemPool)(&mut pool, dev), "cuDeviceGetMemPool")?;
+        let attr = |which: i32, set: Option<u64>| -> Result<u64, String> {
+            let mut v = set.unwrap_or(0);
+            let vp = &mut v as *mut u64 as *mut c_void;
+            match set {
+                Some(_) => p.ck((p.cu.cuMemPoolSetAttribute)(pool, which, vp), "cuMemPoolSetAttribute")?,
+                None => p.ck((p.cu.cuMemPoolGetAttribute)(pool, which, vp), "cuMemPoolGetAttribute")?,
+            }
+            Ok(v)
+        };
+        let old = attr(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, None)?;
+        attr(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, Some(u64::MAX))?;
+        attr(CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, Some(0))?; // the high-water mark starts here
+        let base = mem_info(&p)?;
+        let results: Vec<Result<Vec<String>, String>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads)
+                .map(|_| {
+                    let p = &p;
+                    sc.spawn(move || -> Result<Vec<String>, String> {
+                        let mut ctx = std::ptr::null_mut();
+                        p.ck((p.cu.cuDevicePrimaryCtxRetain)(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+                        p.ck((p.cu.cuCtxSetCurrent)(ctx), "cuCtxSetCurrent")?;
+                        let mut s: CUstream = std::ptr::null_mut();
+                        p.ck((p.cu.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+                        let (mut live, mut outcomes) = (std::collections::VecDeque::new(), Vec::new());
+                        for i in 0..iters {
+                            let mut d = 0;
+                            let r = (p.cu.cuMemAllocAsync)(&mut d, size, s);
+                            outcomes.push(p.name(r));
+                            if r == CUresult::SUCCESS {
+                                live.push_back(d);
+                            }
+                            if live.len() >= hold {
+                                let d = live.pop_front().unwrap_or_default();
+                                p.ck((p.cu.cuMemFreeAsync)(d, s), "cuMemFreeAsync")?;
+                            }
+                            if i % 4 == 3 {
+                                p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+                            }
+                        }
+                        for d in live {
+                            p.ck((p.cu.cuMemFreeAsync)(d, s), "cuMemFreeAsync")?;
+                        }
+                        p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+                        Ok(outcomes)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a thread panicked".into()))).collect()
+        });
+        let mut outcomes = serde_json::Map::new();
+        for r in results {
+            for name in r? {
+                let n = outcomes.get(&name).and_then(Value::as_u64).unwrap_or(0);
+                outcomes.insert(name, json!(n + 1));
+            }
+        }
+        p.ck((p.cu.cuCtxSynchronize)(), "cuCtxSynchronize")?;
+        let (held, high, synced) = (
+            attr(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, None)?,
+            attr(CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, None)?,
+            mem_info(&p)?,
+        );
+        p.ck((p.cu.cuMemPoolTrimTo)(pool, 0), "cuMemPoolTrimTo")?;
+        let (held_after_trim, trimmed) = (attr(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, None)?, mem_info(&p)?);
+        attr(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, Some(old))?;
+        Ok(json!({"size": size, "threads": threads, "iters": iters, "hold": hold, "base": base,
+            "outcomes": outcomes, "pool": held, "pool_high": high, "synchronised": synced,
+            "pool_after_trim": held_after_trim, "trimmed": trimmed}))
+    }
+}
+
 /// A physical allocation (cuMemCreate) kept by its mapping after its handle is released, then by a
 /// handle retained from its address after the unmap: cuMemGetInfo after each step, and a
 /// cuMemAlloc of the same size tried while it is kept and once it is gone.
@@ -677,9 +774,10 @@ fn main() {
         Some("reset") => reset(&args[1..]),
         Some("graph-mem") => graph_mem(&args[1..]),
         Some("pool") => pool(&args[1..]),
+        Some("pool-threads") => pool_threads(&args[1..]),
         Some("vmm") => vmm(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
