@@ -26,7 +26,7 @@
 //! different moments and may see more than the pool holds (an allocation the driver made that
 //! `live` does not show yet); had that excess become `slack`, later allocations would have taken
 //! it without a reservation while the driver grew the pool for them, past the limit (16 threads
-//! allocating and freeing on their own streams grew a pool to over 5 GiB under a 1 GiB limit). As
+//! allocating and freeing on their own streams grew a pool to 3.6-8.1 GiB under 1 GiB). As
 //! `held` it is charged until the next settle, and no allocation can spend it.
 //!
 //! The hot paths (allocation and free) are a few atomic operations on process-local figures; the

@@ -66,13 +66,8 @@ scenarios:
                                         first, a new pool made the device's current one, 1 MiB
                                         allocated from it and freed, and the pool destroyed)
   memcpy [--size N]                     copy a pattern to the device and back, and compare
-  threads [--threads T] [--iters I] [--size N] [--allocator device|async] [--threshold T] [--hold H]
-          [--sync-every K]              T threads allocating and freeing concurrently, each
-                                        holding up to H allocations (default 1: freed at once; async:
-                                        each on its own stream from the device's pool, whose
-                                        release threshold is set to T, synchronising every Kth
-                                        time (default 4); then, quiescent, what the pool holds and
-                                        cuMemGetInfo, and both after the pool is trimmed to 0)
+  threads [--threads T] [--iters I] [--size N]
+                                        T threads allocating and freeing concurrently
   hold                                  create a context, print ready, wait to be killed
   watch [--count N] [--interval-ms T]    print cuMemGetInfo N times, T ms apart
   fork-child [--size N] [--child-secs S]
@@ -1352,33 +1347,6 @@ fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let t = o.num("threads", 16)?;
     let iters = o.num("iters", 100)?;
     let size = o.num("size", 1 << 20)? as usize;
-    let hold = o.num("hold", 1)?.max(1) as usize;
-    let sync_every = o.num("sync-every", 4)?.max(1);
-    let stream_ordered = match o.str("allocator", "device") {
-        "device" => false,
-        "async" => true,
-        a => return Err(format!("threads: --allocator {a:?}?\n{USAGE}")),
-    };
-    let mut pool: CUmemoryPool = std::ptr::null_mut();
-    let pool_reserved = |pool: CUmemoryPool| {
-        let mut v = 0u64;
-        // SAFETY: a 64-bit attribute written to a local.
-        unsafe {
-            (api.cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &mut v as *mut u64 as *mut c_void)
-        };
-        v
-    };
-    if stream_ordered {
-        // SAFETY: an out-pointer to a local and a 64-bit attribute value in a local.
-        unsafe {
-            ck(api, (api.cuDeviceGetMemPool)(&mut pool, dev), "cuDeviceGetMemPool")?;
-            if let Some(t) = o.map.get("threshold") {
-                let mut t = parse_size(t).ok_or("--threshold needs a size")?;
-                let attr = CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-                ck(api, (api.cuMemPoolSetAttribute)(pool, attr, &mut t as *mut u64 as *mut c_void), "threshold")?;
-            }
-        }
-    }
     let errors: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..t)
             .map(|_| {
@@ -1387,43 +1355,17 @@ fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                     // SAFETY: the primary context stays retained for the process; out-pointers to locals.
                     unsafe {
                         (api.cuCtxSetCurrent)(ctx as CUcontext);
-                        let mut st: CUstream = std::ptr::null_mut();
-                        if stream_ordered && (api.cuStreamCreate)(&mut st, 0) != CUresult::SUCCESS {
-                            return vec!["cuStreamCreate".to_string()];
-                        }
-                        let free = |p: CUdeviceptr, errs: &mut Vec<String>| {
-                            let r = if stream_ordered { (api.cuMemFreeAsync)(p, st) } else { (api.cuMemFree_v2)(p) };
-                            if r != CUresult::SUCCESS {
-                                errs.push(error_name(api, r));
-                            }
-                        };
-                        let mut live = std::collections::VecDeque::new();
-                        for i in 0..iters {
+                        for _ in 0..iters {
                             let mut p = 0;
-                            let r = if stream_ordered {
-                                (api.cuMemAllocAsync)(&mut p, size, st)
-                            } else {
-                                (api.cuMemAlloc_v2)(&mut p, size)
-                            };
+                            let r = (api.cuMemAlloc_v2)(&mut p, size);
                             if r != CUresult::SUCCESS {
                                 errs.push(error_name(api, r));
-                            } else {
-                                live.push_back(p);
+                                continue;
                             }
-                            if live.len() >= hold {
-                                free(live.pop_front().unwrap_or_default(), &mut errs);
+                            let r = (api.cuMemFree_v2)(p);
+                            if r != CUresult::SUCCESS {
+                                errs.push(error_name(api, r));
                             }
-                            // Synchronisations (where the pool is settled) race with the other
-                            // threads' allocations and frees.
-                            if stream_ordered && i % sync_every == sync_every - 1 {
-                                let r = (api.cuStreamSynchronize)(st);
-                                if r != CUresult::SUCCESS {
-                                    errs.push(error_name(api, r));
-                                }
-                            }
-                        }
-                        for p in live {
-                            free(p, &mut errs);
                         }
                     }
                     errs
@@ -1432,20 +1374,9 @@ fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             .collect();
         hs.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
     });
-    let mut v = json!({"event": "threads", "threads": t, "iters": iters, "failures": errors.len(), "errors": errors});
-    if stream_ordered {
-        // Quiescent: what the pool holds and what cuMemGetInfo says, then both once it is trimmed.
-        // SAFETY: no arguments; then the pool handle the driver gave.
-        unsafe {
-            ck(api, (api.cuCtxSynchronize)(), "cuCtxSynchronize")?;
-            v["pool"] = json!(pool_reserved(pool));
-            v["synchronised"] = mem_info(api);
-            ck(api, (api.cuMemPoolTrimTo)(pool, 0), "cuMemPoolTrimTo")?;
-            v["pool_after_trim"] = json!(pool_reserved(pool));
-        }
-    }
-    v["mem_info"] = mem_info(api);
-    emit(v);
+    emit(
+        json!({"event": "threads", "threads": t, "iters": iters, "failures": errors.len(), "errors": errors, "mem_info": mem_info(api)}),
+    );
     Ok(())
 }
 
