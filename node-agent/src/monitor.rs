@@ -42,6 +42,11 @@ struct Cached {
     /// In the current pass: its processes as NVML lists them, with their SM share (kept allocated
     /// from pass to pass).
     nvml: Vec<NvmlProc>,
+    /// In the current pass, with the true-up on: each live slot's usage (slot, PID, per device) read
+    /// just before NVML's figures, to tell a process whose charge moved meanwhile (kept allocated).
+    before_nvml: Vec<(usize, u32, [u64; vgpu_region::MAX_DEVICES])>,
+    /// Likewise, the bytes its processes had reserved for calls the driver had not answered yet.
+    in_flight_before: [u64; vgpu_region::MAX_DEVICES],
     throttled_launches: [u64; vgpu_region::MAX_DEVICES],
     /// Smoothed measured SM share per device (percent; NaN before the first sample).
     sm_ewma: [f64; vgpu_region::MAX_DEVICES],
@@ -63,11 +68,39 @@ struct Cached {
     trued: HashMap<(usize, u32), TrueUp>,
 }
 
+/// The agent's part of a process's charge on a device after a pass: `added` now; `up`, the excess
+/// (NVML's figure less the process's own account) this pass and the last; `down`, the most the
+/// excess can be this pass and the two before: the excess plus what the container had reserved for
+/// allocations the driver had not made yet, or `u64::MAX` for a pass during which the process's
+/// charge moved. None: unchanged. A measurement can be off either way for a moment: right after a
+/// free NVML can still report the old usage (too much), and while the process's calls are between
+/// their charge and the driver's work it shows too little: an allocation is charged before the
+/// driver makes it (the region counts those bytes in flight), a free released after the driver
+/// freed it and a pool's shrinking at a synchronisation charged after it (those the agent sees only
+/// as a charge that moved while NVML measured). So the part rises once two passes in a row saw
+/// more, to the smaller of the two, and falls once three in a row saw less, to the largest of the
+/// three. Moves under 8 MiB are left alone, except to nothing.
+fn corrected(added: u64, up: [u64; 2], down: [u64; 3]) -> Option<u64> {
+    let up = up[0].min(up[1]);
+    let down = down[0].max(down[1]).max(down[2]);
+    let target = if up > added {
+        up
+    } else if down < added {
+        down
+    } else {
+        return None;
+    };
+    (target.abs_diff(added) >= TRUE_UP_STEP || target == 0).then_some(target)
+}
+
 /// The agent's share of one process's accounted usage, per device.
 #[derive(Clone, Copy, Default)]
 struct TrueUp {
     added: [u64; vgpu_region::MAX_DEVICES],
+    /// The excess the last pass saw; and as [`corrected`] takes them (`u64::MAX` for a pass that
+    /// cannot show less), the last two.
     last_excess: [u64; vgpu_region::MAX_DEVICES],
+    last_less: [[u64; 2]; vgpu_region::MAX_DEVICES],
     /// Seen in the current pass.
     seen: bool,
 }
@@ -78,15 +111,25 @@ const TRUE_UP_STEP: u64 = 8 << 20;
 /// Charges each live process of a slice for what the driver holds for it beyond what it charged
 /// itself (NVML's per-process figure minus its own accounting): memory the interposer cannot see,
 /// such as a CUDA context bigger than `VGPU_CONTEXT_OVERHEAD`, or modules loaded later. The agent's
-/// part is kept per process and moved as the excess moves; it goes when the process's slot does.
-/// An excess counts once two passes in a row saw it (the smaller of the two), so that a figure NVML
-/// has not brought down yet after a free is not charged.
+/// part is kept per process and moved as the excess moves (see [`corrected`]); it goes when the
+/// process's slot does.
 fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index: &[Option<u32>]) {
+    // Bytes reserved for calls the driver had not answered, at most, while NVML measured: NVML's
+    // figures may not show them yet. (A process killed during such a call leaves its bytes counted:
+    // cleared once the slice has no process left.)
+    if c.live.is_empty() {
+        c.region.clear_in_flight();
+    }
+    let in_flight: [u64; vgpu_region::MAX_DEVICES] =
+        std::array::from_fn(|dev| c.in_flight_before[dev].max(c.region.in_flight(dev)));
     for j in c.live.clone() {
         let ((pid, host, used), slot) = (&mut live[j], live_slot[j]);
         // What NVML says the process holds beyond its own account, per device (most processes:
         // nothing, and then no entry is made or looked for again).
+        // Its charge read before NVML's figures too (None: a process new since).
+        let before = c.before_nvml.iter().find(|b| b.0 == slot && b.1 == *pid).map(|b| b.2);
         let mut excess = [0u64; vgpu_region::MAX_DEVICES];
+        let mut steady = [false; vgpu_region::MAX_DEVICES];
         let t = c.trued.get_mut(&(slot, *pid));
         for (dev, gi) in gpu_index.iter().enumerate() {
             let Some(gi) = *gi else { continue };
@@ -96,7 +139,11 @@ fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index
                 .filter(|p| p.gpu_index == gi && ((*host != 0 && p.host_pid == *host) || p.pid == *pid))
                 .map(|p| p.bytes)
                 .sum();
-            let own = used[dev].saturating_sub(t.as_ref().map_or(0, |t| t.added[dev]));
+            // The larger of the two readings: what its calls charged is no more than that while
+            // NVML measured (barring a charge that came and went in between).
+            let charged = before.map_or(used[dev], |b| b[dev].max(used[dev]));
+            steady[dev] = before.is_some_and(|b| b[dev] == used[dev]);
+            let own = charged.saturating_sub(t.as_ref().map_or(0, |t| t.added[dev]));
             excess[dev] = measured.saturating_sub(own);
         }
         let t = match t {
@@ -106,10 +153,12 @@ fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index
         };
         t.seen = true;
         for dev in 0..gpu_index.len() {
-            let target = excess[dev].min(t.last_excess[dev]);
-            t.last_excess[dev] = excess[dev];
+            let less = if steady[dev] { excess[dev].saturating_add(in_flight[dev]) } else { u64::MAX };
+            let [l1, l2] = t.last_less[dev];
+            let up = [excess[dev], t.last_excess[dev]];
+            (t.last_excess[dev], t.last_less[dev]) = (excess[dev], [less, l1]);
             let added = t.added[dev];
-            if target.abs_diff(added) >= TRUE_UP_STEP || (target == 0 && added > 0) {
+            if let Some(target) = corrected(added, up, [less, l1, l2]) {
                 let delta = target as i64 - added as i64;
                 if c.region.adjust_for(slot, *pid, dev, delta) {
                     t.added[dev] = target;
@@ -357,6 +406,14 @@ impl Monitor {
             }
         }
         let slices: &[Slice] = slices;
+        if self.true_up {
+            for c in self.regions.iter_mut().flatten() {
+                let before = &mut c.before_nvml;
+                before.clear();
+                c.in_flight_before = std::array::from_fn(|dev| c.region.in_flight(dev));
+                c.region.for_each_slot(|slot, pid, _, used| before.push((slot, pid, *used)));
+            }
+        }
         // NVML first: which processes hold contexts now.
         self.passes += 1;
         let count = nvml.device_count().unwrap_or(0);
@@ -790,6 +847,8 @@ impl Monitor {
                     // Not known yet: worked out in this pass.
                     gpu_pos: [usize::MAX; vgpu_region::MAX_DEVICES],
                     nvml: Vec::new(),
+                    before_nvml: Vec::new(),
+                    in_flight_before: [0; vgpu_region::MAX_DEVICES],
                     throttled_launches: [0; vgpu_region::MAX_DEVICES],
                     sm_ewma: [f64::NAN; vgpu_region::MAX_DEVICES],
                     sm_ctl: [f64::NAN; vgpu_region::MAX_DEVICES],
@@ -837,6 +896,33 @@ impl Monitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_memory_correction_rises_after_two_passes_and_falls_after_three_steady_ones() {
+        const M: u64 = 1 << 20;
+        const MOVED: u64 = u64::MAX;
+        // A first sighting charges nothing; a second, the smaller of the two.
+        assert_eq!(corrected(0, [576 * M, 0], [576 * M, MOVED, MOVED]), None);
+        assert_eq!(corrected(0, [600 * M, 576 * M], [600 * M, 576 * M, MOVED]), Some(576 * M));
+        // A figure NVML has not brought down yet after a free: one pass, not charged.
+        assert_eq!(corrected(576 * M, [900 * M, 576 * M], [900 * M, 576 * M, 576 * M]), None);
+        // Calls in flight during a pass or two make the excess look smaller: kept.
+        assert_eq!(corrected(576 * M, [192 * M, 576 * M], [192 * M, 576 * M, 576 * M]), None);
+        assert_eq!(corrected(576 * M, [192 * M, 64 * M], [192 * M, 64 * M, 576 * M]), None);
+        // Three passes in a row saw less, but the charge moved during one of them: kept.
+        assert_eq!(corrected(576 * M, [192 * M, 64 * M], [192 * M, MOVED, 100 * M]), None);
+        // Three steady passes in a row saw less: down to the largest of them.
+        assert_eq!(corrected(576 * M, [192 * M, 64 * M], [192 * M, 64 * M, 100 * M]), Some(192 * M));
+        // The context went: all of it, once three steady passes agree.
+        assert_eq!(corrected(576 * M, [0, 0], [0, 0, 576 * M]), None);
+        assert_eq!(corrected(576 * M, [0, 0], [0, 0, 0]), Some(0));
+        // A rise needs no steady pass (what a moving charge hides can only make it smaller).
+        assert_eq!(corrected(0, [600 * M, 576 * M], [MOVED, MOVED, MOVED]), Some(576 * M));
+        // Moves under 8 MiB are noise.
+        assert_eq!(corrected(576 * M, [580 * M, 581 * M], [580 * M, 581 * M, 0]), None);
+        assert_eq!(corrected(576 * M, [570 * M, 571 * M], [570 * M, 571 * M, 572 * M]), None);
+        assert_eq!(corrected(0, [0, 0], [0, 0, 0]), None);
+    }
 
     #[test]
     fn the_sm_controller_moves_toward_the_limit_and_stays_bounded() {

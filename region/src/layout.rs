@@ -76,7 +76,12 @@ pub struct Device {
     /// them leave them 0.
     pub spilled_allocs: AtomicU64,
     pub spilled_bytes: AtomicU64,
-    pub _reserved: [AtomicU64; 2],
+    /// Bytes reserved by calls the driver has not answered yet, all processes together (added
+    /// before a reservation, taken back after the call; wrapping, read as signed): what NVML's
+    /// figures may not show yet, for the agent's true-up. Was reserved: libraries from before it,
+    /// and standalone processes (no agent), leave it alone.
+    pub in_flight: AtomicU64,
+    pub _reserved: [AtomicU64; 1],
 }
 
 #[repr(C)]

@@ -701,6 +701,44 @@ impl Region {
         let d = &self.map.devices[dev];
         (d.spilled_allocs.load(Relaxed), d.spilled_bytes.load(Relaxed))
     }
+
+    /// A call is about to reserve `bytes` on `dev` and then ask the driver for them: counted in
+    /// flight until [`end_in_flight`](Self::end_in_flight) (before the reservation, so that a reader
+    /// who sees the reservation sees this too).
+    #[inline]
+    pub fn begin_in_flight(&self, dev: usize, bytes: u64) {
+        self.map.devices[dev].in_flight.fetch_add(bytes, SeqCst);
+    }
+
+    /// The driver answered the call of [`begin_in_flight`](Self::begin_in_flight) (after its
+    /// reservation was kept or given back).
+    #[inline]
+    pub fn end_in_flight(&self, dev: usize, bytes: u64) {
+        self.map.devices[dev].in_flight.fetch_sub(bytes, SeqCst);
+    }
+
+    /// Bytes the container's processes have reserved on `dev` for calls the driver has not
+    /// answered yet (0 if the count is below zero: see [`clear_in_flight`](Self::clear_in_flight)).
+    pub fn in_flight(&self, dev: usize) -> u64 {
+        let v = self.map.devices[dev].in_flight.load(SeqCst) as i64;
+        v.max(0) as u64
+    }
+
+    /// Takes back what is counted in flight, if no slot is claimed: a process killed during a call
+    /// left it. A process claims its slot before it counts anything, so what was read before the
+    /// slots were found empty is all left by the dead; what a process counts since stays.
+    pub fn clear_in_flight(&self) {
+        let left: [u64; MAX_DEVICES] = std::array::from_fn(|dev| self.map.devices[dev].in_flight.load(SeqCst));
+        let hw = (self.map.header.slots_hw.load(SeqCst) as usize).min(MAX_SLOTS);
+        if self.map.slots[..hw].iter().any(|s| s.state.load(SeqCst) != 0) {
+            return;
+        }
+        for (d, v) in self.map.devices.iter().zip(left) {
+            if v != 0 {
+                d.in_flight.fetch_sub(v, SeqCst);
+            }
+        }
+    }
 }
 
 fn reopen(file: &File, path: &Path) -> Result<OwnedFd> {

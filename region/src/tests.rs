@@ -271,6 +271,34 @@ fn sm_rate_correction_scales_the_refill() {
 }
 
 #[test]
+fn bytes_in_flight_are_counted_per_device_and_never_read_below_zero() {
+    let p = tmp("in-flight");
+    let r = Region::open_or_create(&p, init(1 << 30)).unwrap();
+    let other = Region::open(&p, true).unwrap();
+    r.begin_in_flight(0, 100);
+    other.begin_in_flight(0, 50);
+    other.begin_in_flight(1, 7);
+    assert_eq!((r.in_flight(0), r.in_flight(1)), (150, 7), "all processes together, per device");
+    r.end_in_flight(0, 100);
+    assert_eq!(other.in_flight(0), 50);
+    // What a process killed during a call left is taken back once no slot is claimed, and only then.
+    let c = r.claim(std::process::id(), 0).unwrap();
+    r.clear_in_flight();
+    assert_eq!((r.in_flight(0), r.in_flight(1)), (50, 7), "a process is alive: nothing taken back");
+    drop(c); // the process dies
+    r.reap();
+    r.clear_in_flight();
+    assert_eq!((r.in_flight(0), r.in_flight(1)), (0, 0));
+    r.begin_in_flight(0, 80);
+    r.clear_in_flight();
+    assert_eq!(r.in_flight(0), 0);
+    // A count below zero (an end without its beginning) reads as nothing.
+    r.end_in_flight(1, 5);
+    assert_eq!(r.in_flight(1), 0);
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
 fn dropping_a_region_unmaps_it() {
     let p = std::env::temp_dir().join(format!("vgpu-region-unmap-{}", std::process::id()));
     let _ = std::fs::remove_file(&p);

@@ -199,6 +199,8 @@ fn instantiated(r: CUresult, exec: *mut CUgraphExec, allocs: &[Alloc]) -> CUresu
 /// Runs `call`, which may grow the graph pool of each device of `allocs` by up to its bytes, within
 /// the quotas: all of them, or the call is refused.
 fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
+    // A graph launch charges outside the entry guard: counted here (see `guard::Calls`).
+    let _call = crate::guard::Call::begin();
     let st = state();
     let mut holds = [0u64; MAX_DEVICES];
     for (i, &(d, ordinal, bytes)) in allocs.iter().enumerate() {
@@ -211,9 +213,13 @@ fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
         };
         let hold = bytes.saturating_sub(spare);
         if hold > 0 {
+            // Counted in flight (where an agent watches) until the pool's new size is charged.
+            st.begin_in_flight(d, hold);
             if let Err(e) = st.reserve(d, hold) {
+                st.end_in_flight(d, hold);
                 for (&(d, ..), &h) in allocs[..i].iter().zip(&holds) {
                     st.release(d, h);
+                    st.end_in_flight(d, h);
                 }
                 return e;
             }
@@ -226,6 +232,7 @@ fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
     for (&(d, ordinal, _), &h) in allocs.iter().zip(&holds) {
         settle(st, d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
         st.release(d, h);
+        st.end_in_flight(d, h);
     }
     r
 }

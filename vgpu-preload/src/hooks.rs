@@ -34,7 +34,7 @@ mod exports {
     }
 
     /// `pass` hooks forward at once (nothing that could panic or re-enter runs in between); the
-    /// others run their policy inside the entry guard.
+    /// others run their policy inside the entry guard, counted as calls in flight (see `guard`).
     macro_rules! body {
         (pass, $real:ident, $($a:ident),*) => {
             // SAFETY: forwarding the caller's arguments unchanged to the real entry point.
@@ -73,7 +73,7 @@ mod exports {
         };
         ($p:path, $real:ident, $($a:ident),*) => {
             // SAFETY: the policy receives the caller's arguments and the real entry point.
-            crate::guard::run(|| unsafe { $p($real, $($a),*) }, CUresult::UNKNOWN)
+            crate::guard::run_counted(|| unsafe { $p($real, $($a),*) }, CUresult::UNKNOWN)
                 .unwrap_or_else(|| unsafe { $real($($a),*) })
         };
     }

@@ -16,6 +16,7 @@ const OK: CUresult = CUresult::SUCCESS;
 /// Reserve `bytes` on `dev`, run `call`, and keep the reservation only if it succeeded.
 #[inline]
 fn charged(st: &State, dev: usize, bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let _flight = st.in_flight(dev, bytes);
     if let Err(e) = st.reserve(dev, bytes) {
         return e;
     }
@@ -24,6 +25,7 @@ fn charged(st: &State, dev: usize, bytes: u64, call: impl FnOnce() -> CUresult) 
 
 /// [`charged`] for a context's overhead.
 fn context_charged(st: &State, dev: usize, bytes: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let _flight = st.in_flight(dev, bytes);
     if let Err(e) = st.reserve_context(dev, bytes) {
         return e;
     }
@@ -328,12 +330,14 @@ unsafe fn pooled(
     let size = size as u64;
     let (mut took, mut need);
     let mut settled = false;
+    let mut _flight = st.in_flight(d, 0);
     loop {
         took = pools::take(i, size);
         need = size - took;
         if need == 0 {
             break;
         }
+        _flight = st.in_flight(d, need);
         match st.reserve(d, need) {
             Ok(()) => break,
             Err(e) => {

@@ -39,10 +39,23 @@ pub struct State {
     only_dev: AtomicI32,
     /// Charges for device memory the driver holds beyond what the calls charged (standalone).
     pub trueup: crate::trueup::TrueUp,
+    /// An agent watches the region: reservations for calls in flight are counted there for its
+    /// true-up (see [`State::in_flight`]).
+    watched: bool,
     /// Device pointers -> (device, context id, bytes).
     pub ptrs: PtrMap,
     /// VMM handles, arrays, explicit contexts -> (device, context id, bytes).
     pub handles: PtrMap,
+}
+
+/// Bytes counted in flight by [`State::in_flight`], until dropped.
+pub struct InFlight<'a>(&'a State, usize, u64);
+
+impl Drop for InFlight<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.0.end_in_flight(self.1, self.2);
+    }
 }
 
 static STATE: OnceLock<State> = OnceLock::new();
@@ -52,6 +65,7 @@ extern "C" fn child_after_fork() {
     FORKED.store(true, Release);
     // The forking thread is the child's only thread, and its SM credit is the parent's.
     crate::sm::after_fork();
+    crate::guard::Calls::after_fork();
 }
 
 /// At exit (exit(3) or a return from main; not _exit or a signal): mark the slot exiting, so that
@@ -144,6 +158,10 @@ impl State {
         // No agent watches a region a process created: each process trues itself up.
         let standalone = region.as_ref().is_some_and(|r| r.standalone()) && limits_region.is_none();
         let trueup = crate::trueup::TrueUp::new(cfg.memory_true_up && standalone, host_pid());
+        let watched = region.is_some() && !standalone;
+        if trueup.on() {
+            crate::guard::Calls::track();
+        }
         // SAFETY: registering plain extern "C" handlers.
         unsafe {
             libc::pthread_atfork(None, None, Some(child_after_fork));
@@ -170,6 +188,7 @@ impl State {
             ptrs: PtrMap::new(16),
             handles: PtrMap::new(12),
             trueup,
+            watched,
             cfg,
         }
     }
@@ -207,6 +226,32 @@ impl State {
 
     pub fn slot(&self) -> usize {
         self.slot.load(Acquire)
+    }
+
+    /// Counts `bytes` reserved on `dev` for a call the driver has not answered, in the region where
+    /// an agent watches it, until the guard drops: NVML's figure for the process does not show them
+    /// yet, and the agent's true-up must not take that for a smaller context (see
+    /// `Region::begin_in_flight`). Taken before the reservation, dropped after the call.
+    #[inline]
+    pub fn in_flight(&self, dev: usize, bytes: u64) -> InFlight<'_> {
+        self.begin_in_flight(dev, bytes);
+        InFlight(self, dev, bytes)
+    }
+
+    /// [`in_flight`](Self::in_flight) without the guard: [`end_in_flight`](Self::end_in_flight)
+    /// with the same figures follows.
+    #[inline]
+    pub fn begin_in_flight(&self, dev: usize, bytes: u64) {
+        if let Some(r) = self.region.as_ref().filter(|_| self.watched && bytes > 0) {
+            r.begin_in_flight(dev, bytes);
+        }
+    }
+
+    #[inline]
+    pub fn end_in_flight(&self, dev: usize, bytes: u64) {
+        if let Some(r) = self.region.as_ref().filter(|_| self.watched && bytes > 0) {
+            r.end_in_flight(dev, bytes);
+        }
     }
 
     /// Accounting is on: a region and a slot.

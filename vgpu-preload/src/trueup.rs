@@ -18,6 +18,7 @@
 //! device). Not under MPS (NVML then lists clients' memory under the MPS server's PID). All of it
 //! is off the hot paths: the allocation path compares one total it already has.
 
+use crate::guard::Calls;
 use crate::log::{vlog, INFO, WARN};
 use crate::nvml::{list_processes, NvmlDevice, NVML_SUCCESS};
 use crate::real::nvml;
@@ -154,6 +155,14 @@ impl TrueUp {
     /// Moves the true-up's charge on `dev` to what NVML says the driver holds for this process
     /// beyond its own account (less `pending`, reserved for a call not made yet). `gone`: a context
     /// went, and a process NVML no longer lists holds nothing there.
+    ///
+    /// Other threads' calls in flight make NVML's figure lag the account: an allocation is charged
+    /// before the driver makes it, a free released after the driver freed it, a pool's shrinking at
+    /// a synchronisation settled after it. Each makes the figure look smaller than the account, so
+    /// what a measurement taken among them shows is a lower bound of what the driver holds beyond
+    /// it: it may raise the charge, and lowers it only when no other call was in flight (see
+    /// `guard::Calls`). A measurement during which a call began bounds nothing; it is taken again,
+    /// at most three times.
     fn measure(&self, st: &State, dev: usize, gone: bool, pending: u64) -> bool {
         let host = self.host_pid.load(Acquire);
         let Some((r, slot)) = st.accounting() else { return false };
@@ -161,28 +170,43 @@ impl TrueUp {
             return false;
         }
         let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(list) = processes(st, dev) else { return false };
-        let mine: Vec<u64> = list.iter().filter(|(pid, _)| *pid == host).map(|(_, b)| *b).collect();
-        if (mine.is_empty() && !gone) || mine.contains(&NOT_AVAILABLE) {
-            return false;
+        for _ in 0..3 {
+            // The account before NVML's figure, and again after: whatever a call in flight did to
+            // the account in between, the larger of the two is at least what it was meanwhile.
+            let calls = Calls::now();
+            let before = r.slot_used(slot, dev);
+            let Some(list) = processes(st, dev) else { return false };
+            let after = r.slot_used(slot, dev);
+            let calls_after = Calls::now();
+            if !calls.none_began_before(calls_after) {
+                continue;
+            }
+            let mine: Vec<u64> = list.iter().filter(|(pid, _)| *pid == host).map(|(_, b)| *b).collect();
+            if (mine.is_empty() && !gone) || mine.contains(&NOT_AVAILABLE) {
+                return false;
+            }
+            let measured: u64 = mine.iter().sum();
+            let added = self.added[dev].load(Acquire);
+            let own = before.max(after).saturating_sub(added).saturating_sub(pending);
+            let target = measured.saturating_sub(own);
+            if target.abs_diff(added) < STEP && !(target == 0 && added > 0) {
+                return false;
+            }
+            if target < added && !(calls.quiet() && calls_after.quiet() && before == after) {
+                return false;
+            }
+            if !r.adjust_for(slot, std::process::id(), dev, target as i64 - added as i64) {
+                return false;
+            }
+            self.added[dev].store(target, Release);
+            vlog!(
+                INFO,
+                "device {dev}: the driver holds {measured} bytes for this process, {own} charged by its calls: \
+                 {target} bytes more charged"
+            );
+            return true;
         }
-        let measured: u64 = mine.iter().sum();
-        let added = self.added[dev].load(Acquire);
-        let own = r.slot_used(slot, dev).saturating_sub(added).saturating_sub(pending);
-        let target = measured.saturating_sub(own);
-        if target.abs_diff(added) < STEP && !(target == 0 && added > 0) {
-            return false;
-        }
-        if !r.adjust_for(slot, std::process::id(), dev, target as i64 - added as i64) {
-            return false;
-        }
-        self.added[dev].store(target, Release);
-        vlog!(
-            INFO,
-            "device {dev}: the driver holds {measured} bytes for this process, {own} charged by its calls: \
-             {target} bytes more charged"
-        );
-        true
+        false
     }
 }
 

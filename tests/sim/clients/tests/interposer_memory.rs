@@ -698,6 +698,36 @@ fn many_threads_allocate_and_free() {
 }
 
 #[test]
+fn the_true_up_keeps_what_it_charged_while_threads_allocate() {
+    // Each context holds 640 MiB, 64 MiB of it charged by the call: the true-up charges the other
+    // 576 MiB at the first context. Then 16 threads allocate 512 MiB each from one pool under a 4 GiB
+    // limit (`gpu-probe pool-threads`): the container comes near its limit again and again, and each
+    // time the true-up measures while other threads' allocations are charged but not yet made, and
+    // their pools' shrinking at a synchronisation is not yet settled. Such a measurement shows less
+    // than the driver holds beyond the account; it lowered the correction (by 384 MiB in 4 of 4
+    // runs), and the pool then grew past the limit. It may only lower it when no other call is in
+    // flight: the pool stays within what the limit leaves, and the correction is whole at the end.
+    let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
+    for run in 0..3 {
+        let mut c = s.limited(PROBE, &[("CUDA_DEVICE_MEMORY_LIMIT_0", "4g")]);
+        c.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", s.state.join(format!("storm{run}.region")));
+        let v = json1(&out(&mut c, &["pool-threads", "--size", &(512 * MIB).to_string()]));
+        let (room, pool, high) =
+            (v["base"]["free"].as_u64().unwrap(), v["pool"].as_u64().unwrap(), v["pool_high"].as_u64().unwrap());
+        assert_eq!(room, (4096 - 640) * MIB, "the context's real size is charged: {v}");
+        assert!(v["outcomes"]["CUDA_ERROR_OUT_OF_MEMORY"].as_u64() > Some(0), "over-subscribed: {v}");
+        assert!(
+            high <= room,
+            "run {run}: the pool held {} MiB, past the {} MiB the limit leaves: {v}",
+            high / MIB,
+            room / MIB
+        );
+        assert_eq!(v["synchronised"]["free"].as_u64(), Some(room - pool), "run {run}: {v}");
+        assert_eq!(v["trimmed"]["free"].as_u64(), Some(room), "run {run}: the context's correction is whole: {v}");
+    }
+}
+
+#[test]
 fn limits_change_while_processes_run() {
     let mut s = Sim::new(Some(NODE));
     let (watcher, first) = s.spawn_cmd(s.limited(RT, LIMIT), &["watch", "--count", "40", "--interval-ms", "50"]);

@@ -26,14 +26,16 @@
 //!                                                1 MiB allocated from it and freed, the pool
 //!                                                destroyed, and whether the default pool is current
 //!                                                again)
-//!        gpu-probe pool-threads --size BYTES [--threads T] [--iters I] [--hold H]
+//!        gpu-probe pool-threads --size BYTES [--threads T] [--iters I] [--hold H] [--wait S]
 //!                                                (T threads (16), each on its own stream,
 //!                                                allocating BYTES from the device's pool I times
 //!                                                (200), holding up to H (3) and synchronising every
 //!                                                4th time; the pool's release threshold set to the
 //!                                                maximum first and restored at the end; results per
 //!                                                kind, then what the pool holds and held at most,
-//!                                                cuMemGetInfo, and both after the pool is trimmed)
+//!                                                cuMemGetInfo, and both after the pool is trimmed;
+//!                                                --wait: S seconds (0) between the context and
+//!                                                the first allocation)
 //!        gpu-probe vmm --size BYTES                (cuMemCreate of BYTES, mapped; its handle
 //!                                                released (the mapping keeps the memory), cuMemAlloc of
 //!                                                BYTES tried; the handle retained from the address and
@@ -558,7 +560,10 @@ fn pool_threads(args: &[String]) -> Result<Value, String> {
     let threads = opt(args, "--threads", 16.0)?.max(1.0) as usize;
     let iters = opt(args, "--iters", 200.0)?.max(1.0) as usize;
     let hold = opt(args, "--hold", 3.0)?.max(1.0) as usize;
+    let wait = opt(args, "--wait", 0.0)?;
     let (p, dev) = Probe::open()?;
+    // With the context made: time for an agent to measure it before the storm.
+    std::thread::sleep(std::time::Duration::from_secs_f64(wait.max(0.0)));
     // SAFETY (whole block): out-pointers to locals, 64-bit attribute values in locals, and handles
     // the driver gave; each thread makes the primary context current before its calls.
     unsafe {
@@ -777,7 +782,7 @@ fn main() {
         Some("pool-threads") => pool_threads(&args[1..]),
         Some("vmm") => vmm(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] [--wait S] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };

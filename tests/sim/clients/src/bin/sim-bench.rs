@@ -103,13 +103,35 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice(&o.stdout).expect("json")
     };
+    // A region made as the agent makes a slice's (not standalone: allocations are counted in flight
+    // for the agent's true-up, and the process does not true itself up), for the GPU the first
+    // contained run recorded.
+    let agents = region.with_extension("agent");
+    let run_watched = || -> serde_json::Value {
+        if !agents.exists() {
+            let uuid = vgpu_region::Region::open(&region, false).expect("the contained run's region").device_uuid(0);
+            let init = || vgpu_region::Init { devices: vec![(uuid, 60 << 30, 0)], standalone: false };
+            vgpu_region::Region::open_or_create(&agents, init).expect("an agent-made region");
+        }
+        let mut c = Command::new(exe);
+        c.arg("--json");
+        if quick {
+            c.arg("--quick");
+        }
+        contained(&mut c, lib, &agents);
+        let o = c.output().expect("run sim-bench");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("json")
+    };
     let rounds = if quick { 3 } else { 5 };
-    let (mut bare, mut with, mut limited) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut bare, mut with, mut limited, mut watched) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
         bare.push(run(false, false));
         with.push(run(true, false));
         limited.push(run(true, true));
+        watched.push(run_watched());
     }
+    let _ = std::fs::remove_file(&agents);
     let m = |v: &[serde_json::Value], k: &str| median(v.iter().map(|x| x[k].as_f64().unwrap()).collect());
     println!("| measure | bare simulator | with libvgpu.so | added | budget |\n|---|---|---|---|---|");
     let live = if quick {
@@ -127,6 +149,12 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     ] {
         let (b, w) = (m(&bare, k), m(&with, k));
         println!("| {what} | {b:.0} | {w:.0} | {:+.0} | {budget} |", w - b);
+    }
+    for (k, what) in
+        [("alloc_free_ns", "cuMemAlloc_v2 + cuMemFree_v2"), ("async_pair_ns", "cuMemAllocAsync + cuMemFreeAsync")]
+    {
+        let (b, w) = (m(&bare, k), m(&watched, k));
+        println!("| {what}, in a region the agent made (ns) | {b:.0} | {w:.0} | {:+.0} | +150 ns |", w - b);
     }
     let (b, w) = (m(&bare, "launch_ns"), m(&limited, "launch_ns"));
     println!(
