@@ -43,7 +43,8 @@ struct Cached {
     /// from pass to pass).
     nvml: Vec<NvmlProc>,
     /// In the current pass, with the true-up on: each live slot's usage (slot, PID, per device) read
-    /// just before NVML's figures, to tell a process whose charge moved meanwhile (kept allocated).
+    /// just before NVML's figures, to tell a process whose charge moved meanwhile (in slot order;
+    /// kept allocated).
     before_nvml: Vec<(usize, u32, [u64; vgpu_region::MAX_DEVICES])>,
     /// Likewise, the bytes its processes had reserved for calls the driver had not answered yet.
     in_flight_before: [u64; vgpu_region::MAX_DEVICES],
@@ -124,10 +125,11 @@ fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index
         std::array::from_fn(|dev| c.in_flight_before[dev].max(c.region.in_flight(dev)));
     for j in c.live.clone() {
         let ((pid, host, used), slot) = (&mut live[j], live_slot[j]);
+        // Its charge as read just before NVML's figures (None: a process new since).
+        let before = c.before_nvml.binary_search_by_key(&slot, |b| b.0).ok().map(|k| c.before_nvml[k]);
+        let before = before.filter(|b| b.1 == *pid).map(|b| b.2);
         // What NVML says the process holds beyond its own account, per device (most processes:
         // nothing, and then no entry is made or looked for again).
-        // Its charge read before NVML's figures too (None: a process new since).
-        let before = c.before_nvml.iter().find(|b| b.0 == slot && b.1 == *pid).map(|b| b.2);
         let mut excess = [0u64; vgpu_region::MAX_DEVICES];
         let mut steady = [false; vgpu_region::MAX_DEVICES];
         let t = c.trued.get_mut(&(slot, *pid));

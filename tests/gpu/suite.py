@@ -1138,6 +1138,37 @@ def check_oom_agent(s):
     return summary, v
 
 
+def check_pool_threads_agent(s):
+    """`pool-threads` in a 4 GiB agent slice: the agent charges the process's CUDA context for what
+    the driver really holds beyond its charge before the storm begins, and must not take that back
+    while the threads' allocations are in flight (charged, not yet in NVML's figure): the pool stays
+    within what the real context leaves, and the correction is whole at the end."""
+    lim = 4 * GIB
+    size = 512 * MIB
+    with AgentRun(s, "agent-pool-threads") as a:
+        env = a.slice_env("storm", a.first_gpu(), lim)
+        # Two monitoring passes (100 ms apart) charge the context before the first allocation.
+        j = s.probe(["pool-threads", "--size", str(size), "--iters", "1000", "--wait", "2"], env, timeout=300)
+        st = slice_in(a.status(), "storm") or {}
+    v = {"limit": lim, "size": size, "limited": j, "slice_after": st}
+    room = j["base"]["free"]
+    outcomes = ", ".join("%s %d" % kv for kv in sorted(j["outcomes"].items()))
+    summary = ("in a %s slice, %s free at the start (the context's correction charged): 16 threads x %d allocations "
+               "of %s: %s; the pool held at most %s; after cuMemPoolTrimTo %s free") % (
+        human(lim), human(room), j["iters"], human(size), outcomes, human(j["pool_high"]), human(j["trimmed"]["free"]))
+    problems = []
+    if j["pool_high"] > room + 64 * MIB:
+        problems.append("the pool held %s, past the %s the limit left" % (human(j["pool_high"]), human(room)))
+    if "CUDA_ERROR_OUT_OF_MEMORY" not in j["outcomes"]:
+        problems.append("nothing was refused, though the threads asked for six times the limit")
+    if abs(j["trimmed"]["free"] - room) > 64 * MIB:
+        problems.append("after the trim %s free, %s at the start (the context's correction changed)" % (
+            human(j["trimmed"]["free"]), human(room)))
+    if problems:
+        raise Fail(summary + ". " + "; ".join(problems), v)
+    return summary, v
+
+
 def fill_once(s, env, chunk, touch_last=0, touch_bytes=0, wrap=()):
     """One `gpu-probe fill` (run through `wrap`, a command that forks it, when given): its report,
     and what NVML says the process held at that moment."""
@@ -1323,6 +1354,7 @@ CHECKS = [
     ("overhead", check_overhead),
     ("agent", check_agent),
     ("oom-agent", check_oom_agent),
+    ("pool-threads-agent", check_pool_threads_agent),
     ("agent-sm", check_agent_sm),
 ]
 

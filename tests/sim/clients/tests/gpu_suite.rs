@@ -56,6 +56,7 @@ fn options_are_checked_and_checks_listed() {
         "oversubscribe",
         "agent",
         "oom-agent",
+        "pool-threads-agent",
         "agent-sm",
     ] {
         assert!(listed.iter().any(|l| l == c), "{c} not listed: {listed:?}");
@@ -155,6 +156,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
         "oversubscribe",
         "agent",
         "oom-agent",
+        "pool-threads-agent",
     ] {
         let (st, c) = status(name);
         assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
