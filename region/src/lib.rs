@@ -886,18 +886,21 @@ pub mod fuzzing {
         for i in 0..MAX_DEVICES {
             let u = r.device_uuid(i);
             let _ = r.find_device(&u);
-            let _ = (r.used(i), r.mem_limit(i), r.sm_limit(i), r.sm_shared(i));
+            let _ = (r.used(i), r.mem_limit(i), r.sm_limit(i), r.sm_shared(i), r.in_flight(i));
         }
         let _ = r.slots();
         if n > 0 {
             if let Ok(c) = r.claim(std::process::id(), 0) {
+                r.begin_in_flight(0, 1 << 20);
                 let _ = r.reserve(c.index, 0, 1 << 20, r.mem_limit(0));
                 r.release(c.index, 0, 1 << 20);
+                r.end_in_flight(0, 1 << 20);
                 let _ = r.sm_try_charge(0, 1000);
                 let _ = r.sm_admit(0, r.sm_limit(0), 1, 1000);
             }
         }
         let _ = r.reap();
+        r.clear_in_flight();
     }
 
     #[cfg(test)]
