@@ -15,8 +15,9 @@
 //! In a PID namespace the process does not know its host PID: it learns it from NVML at its first
 //! context, as the one process that appears in the device's list while the context is created (if
 //! others appear at the same moment it cannot tell, and tries again at its next first context on a
-//! device). Not under MPS (NVML then lists clients' memory under the MPS server's PID). All of it
-//! is off the hot paths: the allocation path compares one total it already has.
+//! device). Not under MPS (NVML then lists clients' memory under the MPS server's PID). The
+//! measurements are off the hot paths: the allocation path compares one total it already has, and
+//! the hooks count their calls in flight for them (two plain stores, see `guard::Calls`).
 
 use crate::guard::Calls;
 use crate::log::{vlog, INFO, WARN};
