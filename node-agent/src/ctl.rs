@@ -231,19 +231,7 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
                 };
                 let sm_lim =
                     if g.sm_limit == 0 || g.sm_limit >= 100 { "none".to_string() } else { format!("{}%", g.sm_limit) };
-                let procs: Vec<String> = s
-                    .processes
-                    .iter()
-                    .filter(|p| p.gpu == g.uuid)
-                    .map(|p| {
-                        let pid = if p.host_pid != 0 && p.host_pid != p.pid {
-                            format!("{} (ctr {})", p.host_pid, p.pid)
-                        } else {
-                            p.pid.to_string()
-                        };
-                        format!("{pid} {}", human(p.memory))
-                    })
-                    .collect();
+                let procs: Vec<String> = s.processes.iter().filter(|p| p.gpu == g.uuid).map(process_cell).collect();
                 rows.push(vec![
                     if i == 0 { owner.clone() } else { String::new() },
                     if g.gpu_index == u32::MAX { "?".into() } else { g.gpu_index.to_string() },
@@ -776,6 +764,21 @@ pub fn render_cluster(st: &vgpu_proto::scheduler::v1::ClusterStatus, style: Styl
     o
 }
 
+/// A slice process in the status table: its PIDs (host, and in its container where they differ),
+/// its memory, and how much of that the agent charged for what the driver holds beyond its calls.
+fn process_cell(p: &pb::ProcessStatus) -> String {
+    let pid = if p.host_pid != 0 && p.host_pid != p.pid {
+        format!("{} (ctr {})", p.host_pid, p.pid)
+    } else {
+        p.pid.to_string()
+    };
+    if p.memory_beyond_calls > 0 {
+        format!("{pid} {} ({} beyond its calls)", human(p.memory), human(p.memory_beyond_calls))
+    } else {
+        format!("{pid} {}", human(p.memory))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -794,6 +797,14 @@ mod tests {
         assert_eq!(human(0), "0 B");
         assert_eq!(human(1536 << 20), "1.5 GiB");
         assert_eq!(human(512 << 20), "512.0 MiB");
+    }
+
+    #[test]
+    fn processes_show_what_was_charged_beyond_their_calls() {
+        let mut p = pb::ProcessStatus { host_pid: 4242, pid: 7, memory: 364 << 20, ..Default::default() };
+        assert_eq!(process_cell(&p), "4242 (ctr 7) 364.0 MiB");
+        p.memory_beyond_calls = 300 << 20;
+        assert_eq!(process_cell(&p), "4242 (ctr 7) 364.0 MiB (300.0 MiB beyond its calls)");
     }
 
     #[test]

@@ -668,7 +668,7 @@ impl Monitor {
                 watched_since_unix_ms: c.watched_since_ms,
                 ..Default::default()
             };
-            let live = &self.live[c.live.clone()];
+            let (live, live_slot) = (&self.live[c.live.clone()], &self.live_slot[c.live.clone()]);
             for (dev, sg) in s.gpus.iter().enumerate().take(vgpu_region::MAX_DEVICES) {
                 let gpu = pass.gpus.get(c.gpu_pos[dev]);
                 let d = &layout.devices[dev];
@@ -765,7 +765,7 @@ impl Monitor {
                     spilled_allocations,
                     spilled_bytes,
                 });
-                for (pid, host, used) in live {
+                for ((pid, host, used), slot) in live.iter().zip(live_slot) {
                     let host_pid =
                         if *host != 0 { *host } else { mine().find(|p| p.pid == *pid).map_or(0, |p| p.host_pid) };
                     if used[dev] > 0 || (host_pid != 0 && mine().any(|p| p.host_pid == host_pid)) {
@@ -774,6 +774,7 @@ impl Monitor {
                             pid: *pid,
                             gpu: sg.uuid.clone(),
                             memory: used[dev],
+                            memory_beyond_calls: c.trued.get(&(*slot, *pid)).map_or(0, |t| t.added[dev]),
                         });
                     }
                 }
