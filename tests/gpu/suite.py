@@ -1141,22 +1141,45 @@ def check_oom_agent(s):
 def check_pool_threads_agent(s):
     """`pool-threads` in a 4 GiB agent slice: the agent charges the process's CUDA context for what
     the driver really holds beyond its charge before the storm begins, and must not take that back
-    while the threads' allocations are in flight (charged, not yet in NVML's figure): the pool stays
-    within what the real context leaves, and the correction is whole at the end."""
+    while the threads' allocations are in flight (charged, not yet in NVML's figure): the process's
+    memory beyond its calls (`vgpuctl status`) never falls during the storm, the pool stays within
+    what the real context leaves, and the correction is whole at the end."""
     lim = 4 * GIB
     size = 512 * MIB
     with AgentRun(s, "agent-pool-threads") as a:
         env = a.slice_env("storm", a.first_gpu(), lim)
         # Two monitoring passes (100 ms apart) charge the context before the first allocation.
-        j = s.probe(["pool-threads", "--size", str(size), "--iters", "1000", "--wait", "2"], env, timeout=300)
-        st = slice_in(a.status(), "storm") or {}
-    v = {"limit": lim, "size": size, "limited": j, "slice_after": st}
+        p = Proc(s, [s.bin("gpu-probe"), "pool-threads", "--size", str(size), "--iters", "1000", "--wait", "2"], env)
+        beyond = []  # the agent's part of the process's charge, in the status, during the storm
+        try:
+            end = time.time() + 300
+            # Until the probe reports (its process then ends, and its charges with it).
+            while p.p.poll() is None and not any(p.lines) and time.time() < end:
+                sl = slice_in(a.status(), "storm") or {}
+                b = [x.get("memory_beyond_calls", 0) for x in sl.get("processes", []) if x.get("host_pid") == p.pid]
+                if b:
+                    beyond.append(b[0])
+                time.sleep(0.1)
+            p.p.wait(timeout=max(1, end - time.time()))
+        finally:
+            p.kill()
+        line = next((x for x in p.lines if x), None)
+        j = parse_json(line) if line else None
+        if not j or "error" in j:
+            raise Fail("gpu-probe pool-threads: %s" % ((j or {}).get("error") or p.last_error()))
+    v = {"limit": lim, "size": size, "limited": j, "beyond_calls_during": beyond}
     room = j["base"]["free"]
+    charged = [b for b in beyond if b > 0]
     outcomes = ", ".join("%s %d" % kv for kv in sorted(j["outcomes"].items()))
-    summary = ("in a %s slice, %s free at the start (the context's correction charged): 16 threads x %d allocations "
-               "of %s: %s; the pool held at most %s; after cuMemPoolTrimTo %s free") % (
-        human(lim), human(room), j["iters"], human(size), outcomes, human(j["pool_high"]), human(j["trimmed"]["free"]))
+    summary = ("in a %s slice, %s free at the start: 16 threads x %d allocations of %s: %s; the agent's charge beyond "
+               "the process's calls %s in %d status readings while it ran; the pool held at most %s; after "
+               "cuMemPoolTrimTo %s free") % (
+        human(lim), human(room), j["iters"], human(size), outcomes,
+        ("%s to %s" % (human(min(charged)), human(max(charged)))) if charged else "none", len(beyond),
+        human(j["pool_high"]), human(j["trimmed"]["free"]))
     problems = []
+    if charged and min(beyond[beyond.index(charged[0]):]) + 64 * MIB < max(charged):
+        problems.append("the agent's charge beyond the process's calls fell during the storm")
     if j["pool_high"] > room + 64 * MIB:
         problems.append("the pool held %s, past the %s the limit left" % (human(j["pool_high"]), human(room)))
     if "CUDA_ERROR_OUT_OF_MEMORY" not in j["outcomes"]:
