@@ -221,29 +221,36 @@ mod tests {
         assert_eq!(nested, Some(None), "a call made inside a hook is not policed again");
     }
 
+    /// What `inside` returned, run first in a counted call of another thread, and [`Calls::now`]
+    /// read while that call went on. (Checked out here: the guard would turn a failed assertion in
+    /// the call into its error value.)
+    fn while_another_is_in_a_call<R: Send>(inside: impl Fn() -> R + Sync) -> (R, Snapshot) {
+        let (go, wait) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        std::thread::scope(|s| {
+            let t = s.spawn(|| {
+                let call = || {
+                    let r = inside();
+                    go.wait();
+                    wait.wait();
+                    Some(r)
+                };
+                run_counted(call, None).flatten()
+            });
+            go.wait();
+            let busy = Calls::now();
+            wait.wait();
+            (t.join().unwrap().expect("the counted call ran"), busy)
+        })
+    }
+
     #[test]
     fn counted_calls_are_seen_by_other_threads_and_not_by_their_own() {
         Calls::track();
         let idle = Calls::now();
         assert!(idle.quiet(), "{idle:?}");
-        let (go, wait) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                run_counted(
-                    || {
-                        let me = Calls::now();
-                        assert!(me.quiet(), "its own call: {me:?}");
-                        go.wait();
-                        wait.wait();
-                    },
-                    (),
-                )
-            });
-            go.wait();
-            let busy = Calls::now();
-            assert!(!busy.quiet() && !idle.none_began_before(busy), "{idle:?} {busy:?}");
-            wait.wait();
-        });
+        let (me, busy) = while_another_is_in_a_call(Calls::now);
+        assert!(me.quiet(), "its own call: {me:?}");
+        assert!(!busy.quiet() && !idle.none_began_before(busy), "{idle:?} {busy:?}");
         let after = Calls::now();
         assert!(after.quiet(), "the call ended: {after:?}");
         // A panicking call is uncounted too, and a nested one is not counted twice.
@@ -259,22 +266,9 @@ mod tests {
         }
         assert!(ENTRIES.load(Relaxed) > THREADS);
         let before = Calls::now();
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                run_counted(
-                    || {
-                        assert_eq!(GUARD.with(|g| g.get() >> ENTRY_SHIFT), SHARED_ENTRY);
-                        go.wait();
-                        wait.wait();
-                    },
-                    (),
-                )
-            });
-            go.wait();
-            let busy = Calls::now();
-            assert!(!busy.quiet() && !before.none_began_before(busy), "{before:?} {busy:?}");
-            wait.wait();
-        });
+        let (entry, busy) = while_another_is_in_a_call(|| GUARD.with(|g| g.get() >> ENTRY_SHIFT));
+        assert_eq!(entry, SHARED_ENTRY, "counted in the shared word");
+        assert!(!busy.quiet() && !before.none_began_before(busy), "{before:?} {busy:?}");
         assert!(Calls::now().quiet());
     }
 }

@@ -19,9 +19,14 @@ const NODE: &str = "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nm
 
 /// The agent's slice store for `s`, with slice `job1`: 1 GiB of GPU 0. Returns the store and the GPU's UUID.
 fn store_with_job1(s: &Sim) -> (SliceStore, String) {
+    store_with_slice(s, 1 << 30)
+}
+
+/// The agent's slice store for `s`, with slice `job1`: `memory` bytes of GPU 0.
+fn store_with_slice(s: &Sim, memory: u64) -> (SliceStore, String) {
     let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
     let store = SliceStore::open(&s.state.join("agent")).unwrap();
-    store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    store.create("job1", vec![SliceGpu { uuid: uuid.clone(), memory, sm: 0 }], Default::default()).unwrap();
     (store, uuid)
 }
 
@@ -206,9 +211,7 @@ fn the_agent_keeps_a_context_s_correction_while_threads_allocate() {
     // until the next synchronisation, a known limit that a storm this long meets now and then.)
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
-    let uuid = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_owned();
-    let store = SliceStore::open(&s.state.join("agent")).unwrap();
-    store.create("job1", vec![SliceGpu { uuid, memory: 4 << 30, sm: 0 }], Default::default()).unwrap();
+    let (store, _) = store_with_slice(&s, 4 << 30);
     let dir = store.dir("job1");
     let nvml = nvml_of(&s);
     let list = std::sync::Arc::new(store.list().unwrap());

@@ -87,17 +87,18 @@ fn contained(c: &mut Command, lib: &Path, region: &Path) {
 
 fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     let region = std::env::temp_dir().join(format!("vgpu-bench-{}.region", std::process::id()));
-    let run = |pre: bool, sm: bool| -> serde_json::Value {
+    // `region`: the interposer preloaded, with that region (None: the bare simulator).
+    let run = |region: Option<&Path>, sm: bool| -> serde_json::Value {
         let mut c = Command::new(exe);
         c.arg("--json");
         if quick {
             c.arg("--quick");
         }
-        if pre {
-            contained(&mut c, lib, &region);
+        if let Some(r) = region {
+            contained(&mut c, lib, r);
         }
         if sm {
-            c.env("CUDA_DEVICE_SM_LIMIT", "99").env("CUDA_DEVICE_MEMORY_SHARED_CACHE", region.with_extension("sm"));
+            c.env("CUDA_DEVICE_SM_LIMIT", "99");
         }
         let o = c.output().expect("run sim-bench");
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -107,31 +108,24 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     // for the agent's true-up, and the process does not true itself up), for the GPU the first
     // contained run recorded.
     let agents = region.with_extension("agent");
-    let run_watched = || -> serde_json::Value {
+    let agent_made = || -> &Path {
         if !agents.exists() {
             let uuid = vgpu_region::Region::open(&region, false).expect("the contained run's region").device_uuid(0);
             let init = || vgpu_region::Init { devices: vec![(uuid, 60 << 30, 0)], standalone: false };
             vgpu_region::Region::open_or_create(&agents, init).expect("an agent-made region");
         }
-        let mut c = Command::new(exe);
-        c.arg("--json");
-        if quick {
-            c.arg("--quick");
-        }
-        contained(&mut c, lib, &agents);
-        let o = c.output().expect("run sim-bench");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).expect("json")
+        &agents
     };
     let rounds = if quick { 3 } else { 5 };
     let (mut bare, mut with, mut limited, mut watched) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let sm_region = region.with_extension("sm");
     for _ in 0..rounds {
-        bare.push(run(false, false));
-        with.push(run(true, false));
-        limited.push(run(true, true));
-        watched.push(run_watched());
+        bare.push(run(None, false));
+        with.push(run(Some(&region), false));
+        limited.push(run(Some(&sm_region), true));
+        watched.push(run(Some(agent_made()), false));
     }
-    let _ = std::fs::remove_file(&agents);
+    let _ = (std::fs::remove_file(&agents), std::fs::remove_file(&sm_region));
     let m = |v: &[serde_json::Value], k: &str| median(v.iter().map(|x| x[k].as_f64().unwrap()).collect());
     println!("| measure | bare simulator | with libvgpu.so | added | budget |\n|---|---|---|---|---|");
     let live = if quick {
