@@ -145,6 +145,9 @@ macro_rules! cuda_helpers {
             cuEventQuery(e: CUevent);
             cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
             cuStreamIsCapturing(stream: CUstream, status: *mut i32);
+            cuStreamGetCtx(stream: CUstream, ctx: *mut CUcontext);
+            cuCtxPushCurrent_v2(ctx: CUcontext);
+            cuCtxPopCurrent_v2(ctx: *mut CUcontext);
             cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, n: *mut usize);
             cuGraphNodeGetType(node: CUgraphNode, ty: *mut i32);
             cuGraphMemAllocNodeGetParams(node: CUgraphNode, p: *mut CUDA_MEM_ALLOC_NODE_PARAMS);

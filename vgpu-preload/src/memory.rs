@@ -81,6 +81,52 @@ fn site(st: &State) -> Result<(usize, u64), CUresult> {
     Ok((d, if ctx == 0 { 0 } else { st.contexts.add(ctx, d) }))
 }
 
+/// The device of `stream` (CUDA ordinal, region device). The default streams are the current
+/// context's, and so is every stream of a process that sees one device; any other stream is asked
+/// for its context (one driver call, as `current` is), looked up in the context table.
+#[inline]
+fn stream_dev(st: &State, stream: CUstream) -> Result<(CUdevice, usize), CUresult> {
+    if st.sees_one_device() || stream as usize <= CU_STREAM_PER_THREAD {
+        return current(st);
+    }
+    let Some(get) = driver().helpers.cuStreamGetCtx else { return current(st) };
+    let mut c: CUcontext = std::ptr::null_mut();
+    // SAFETY: the caller's stream handle and an out-pointer to a local.
+    if unsafe { get(stream, &mut c) } != OK || c.is_null() {
+        // A bad stream: the driver's own call refuses it too.
+        return current(st);
+    }
+    let ctx = c as u64;
+    match st.contexts.lookup(ctx).and_then(|(d, _)| Some((st.ordinal_of(d)?, d))) {
+        Some(found) => Ok(found),
+        None => context_dev(st, ctx),
+    }
+}
+
+/// The device of context `ctx`, which the table does not know yet: asked of the driver with the
+/// context pushed for the question (unless it is current), then added to the table.
+#[cold]
+fn context_dev(st: &State, ctx: u64) -> Result<(CUdevice, usize), CUresult> {
+    let found = if ctx == current_ctx() {
+        current(st)
+    } else {
+        let h = &driver().helpers;
+        let (Some(push), Some(pop)) = (h.cuCtxPushCurrent_v2, h.cuCtxPopCurrent_v2) else { return current(st) };
+        // SAFETY: a context handle the driver just returned; pushed for one question and popped.
+        if unsafe { push(ctx as CUcontext) } != OK {
+            return current(st);
+        }
+        let found = current(st);
+        let mut popped: CUcontext = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; pops what was pushed above.
+        unsafe { pop(&mut popped) };
+        found
+    };
+    let (o, d) = found?;
+    st.contexts.add(ctx, d);
+    Ok((o, d))
+}
+
 /// The id of the current context, a context of region device `d` (0: not tracked).
 fn ctx_id(st: &State, d: usize) -> u64 {
     match current_ctx() {
@@ -314,9 +360,11 @@ unsafe fn pooled(
         return call();
     }
     let st = state();
-    let (ordinal, current_dev) = tri!(current(st));
+    // `cuMemAllocAsync` draws from the current pool of the stream's device, which need not be the
+    // current context's; `cuMemAllocFromPoolAsync`'s pool says where its memory is.
+    let (ordinal, here) = tri!(if pool.is_none() { stream_dev(st, stream) } else { current(st) });
     let handle = pool.map_or_else(|| pools::current(ordinal), |p| p as u64);
-    let Some(i) = pools::index(handle, current_dev) else {
+    let Some(i) = pools::index(handle, here) else {
         // SAFETY: the caller's out-pointer (`linear` writes nothing else).
         return unsafe { linear(dptr, size, true, false, call) };
     };
@@ -324,7 +372,7 @@ unsafe fn pooled(
     // device), or the host's (not charged).
     let d = match pools::dev(i) {
         pools::HOST => return call(),
-        pools::UNKNOWN => current_dev,
+        pools::UNKNOWN => here,
         d => d,
     };
     let size = size as u64;

@@ -321,6 +321,17 @@ impl State {
         Ok((o, self.dev_of(o)?))
     }
 
+    /// Whether the process sees one device (known once that device was first used).
+    #[inline]
+    pub fn sees_one_device(&self) -> bool {
+        self.only_dev.load(Relaxed) >= 0
+    }
+
+    /// The CUDA ordinal bound to region device `d` (None: none is yet).
+    pub fn ordinal_of(&self, d: usize) -> Option<CUdevice> {
+        self.devmap.iter().position(|m| m.load(Acquire) == d as i32).map(|o| o as CUdevice)
+    }
+
     /// The device a launch runs on: without asking the driver when the process sees one device.
     #[inline]
     pub fn launch_dev(&self) -> Result<usize, CUresult> {

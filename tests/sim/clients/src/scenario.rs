@@ -55,9 +55,13 @@ scenarios:
                                         cuMemGetInfo reports; --alloc: cuMemAlloc N tried while the
                                         memory is kept and once it is gone
   pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset] [--destroyed-current]
-       [--pool-on D|host]               a stream-ordered allocation of N bytes (async: from the
-                                        device's current pool; pool: from a new pool, of device D's
-                                        memory or the host's if --pool-on says so), its pool's
+       [--pool-on D|host] [--stream-on D]
+                                        a stream-ordered allocation of N bytes (async: from the
+                                        stream's device's current pool; pool: from a new pool, of
+                                        device D's memory or the host's if --pool-on says so) on a
+                                        stream of --device's context (--stream-on: of device D's
+                                        primary context, with --device's still current; each line
+                                        then also has D's memory info), its pool's
                                         release threshold set to T first; then, a line each: freed,
                                         synchronised, cuMemAlloc --alloc tried, N allocated from the
                                         pool again, freed and the pool trimmed to 0 (--reset:
@@ -286,7 +290,18 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     // SAFETY (whole function): calls through the bound table with out-pointers to locals and
     // property blocks built here; handles are the driver's.
     unsafe {
-        let (d, s) = device_and_stream(api, dev)?;
+        let (mut d, mut s) = device_and_stream(api, dev)?;
+        // The stream on another device's primary context, this one current again.
+        let mut stream_ctx = None;
+        if let Some(n) = o.map.get("stream-on") {
+            let n = n.parse().map_err(|_| format!("--stream-on {n:?}: a device ordinal"))?;
+            let here = setup(api, dev)?;
+            let there = setup(api, n)?;
+            ck(api, (api.cuDeviceGet)(&mut d, n), "cuDeviceGet (stream)")?;
+            ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate (stream)")?;
+            ck(api, (api.cuCtxSetCurrent)(here), "cuCtxSetCurrent")?;
+            stream_ctx = Some((here, there));
+        }
         let mut pool = std::ptr::null_mut();
         if o.flag("destroyed-current") {
             // A pool of the application's own made the device's current one, drawn from, then
@@ -330,9 +345,13 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                 CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
                 &mut held as *mut u64 as *mut c_void,
             );
-            emit(
-                json!({"event": "pool", "step": step, "result": error_name(api, r), "mem_info": mem_info(api), "pool": held}),
-            );
+            let mut v = json!({"event": "pool", "step": step, "result": error_name(api, r), "mem_info": mem_info(api), "pool": held});
+            if let Some((here, there)) = stream_ctx {
+                (api.cuCtxSetCurrent)(there);
+                v["stream_mem_info"] = mem_info(api);
+                (api.cuCtxSetCurrent)(here);
+            }
+            emit(v);
         };
         let alloc = |p: &mut CUdeviceptr| {
             if kind == "pool" {

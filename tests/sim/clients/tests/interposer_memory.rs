@@ -481,6 +481,37 @@ fn pools_are_charged_what_they_hold() {
 }
 
 #[test]
+fn an_allocation_on_another_device_s_stream_is_charged_to_that_device() {
+    // cuMemAllocAsync draws from the current pool of the stream's device, not of the current
+    // context's: with device 0 current (2 GiB) and a stream of device 1 (1 GiB), 768 MiB are
+    // device 1's, and 1.5 GiB do not fit there however much room device 0 has.
+    let s = Sim::new(Some(NODE));
+    let two: &[(&str, &str)] = &[("CUDA_DEVICE_MEMORY_LIMIT_0", "2g"), ("CUDA_DEVICE_MEMORY_LIMIT_1", "1g")];
+    let free = |v: &Value, k: &str| v[k]["free"].as_u64().unwrap();
+    for bin in [RT, DIRECT, DLSYM] {
+        let args = ["pool", "--stream-on", "1", "--size", "768m", "--alloc", "1900m"];
+        let v = step_lines(&out(&mut s.limited(bin, two), &args));
+        let a = step(&v, "allocated");
+        assert_eq!(
+            (&a["result"], &a["pool"], free(a, "mem_info"), free(a, "stream_mem_info")),
+            (&json!("CUDA_SUCCESS"), &json!(768 * MIB), (2048 - 64) * MIB, (1024 - 64 - 768) * MIB),
+            "{bin}: charged on the stream's device, not the current one: {a}"
+        );
+        assert_eq!(step(&v, "alloc")["result"], "CUDA_SUCCESS", "{bin}: device 0's 1900 MiB are all there");
+        let t = step(&v, "trimmed");
+        assert_eq!((free(t, "mem_info"), free(t, "stream_mem_info")), ((2048 - 64) * MIB, (1024 - 64) * MIB), "{bin}");
+        let o = out(&mut s.limited(bin, two), &["pool", "--stream-on", "1", "--size", "1536m"]);
+        let a = lines(&o.stdout).into_iter().find(|x| x["step"] == "allocated").expect("an allocated line");
+        assert_eq!(
+            (&a["result"], &a["pool"], free(&a, "stream_mem_info")),
+            (&json!("CUDA_ERROR_OUT_OF_MEMORY"), &json!(0), (1024 - 64) * MIB),
+            "{bin}: over device 1's 1 GiB: {a}"
+        );
+        assert_eq!((physical_used(&s, 0), physical_used(&s, 1)), (0, 0), "{bin}");
+    }
+}
+
+#[test]
 fn contexts_created_through_every_cu_ctx_create_are_charged() {
     // v3 (execution affinity) and v4 (what `cuCtxCreate` means from CUDA 13) cost a context like v2.
     let s = Sim::new(Some(NODE));

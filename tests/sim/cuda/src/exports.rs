@@ -163,11 +163,13 @@ fn error_cstrs(e: CUresult) -> Option<&'static (CString, CString)> {
 /// Current memory pool per GPU (0: the default pool).
 static CURRENT_POOL: [AtomicU64; MAX_GPUS] = [const { AtomicU64::new(0) }; MAX_GPUS];
 
-fn current_pool() -> R<u64> {
-    let c = current()?;
+/// The context of `s` and the pool `cuMemAllocAsync` on it draws from: the current pool of the
+/// stream's device, which need not be the current context's.
+fn stream_pool(s: CUstream) -> R<(&'static driver::Ctx, u64)> {
+    let (c, _) = exec::stream(s)?;
     match CURRENT_POOL[c.gpu].load(Acquire) {
-        0 => mem::default_pool(c.ordinal),
-        p => Ok(p),
+        0 => Ok((c, mem::default_pool(c.ordinal)?)),
+        p => Ok((c, p)),
     }
 }
 
@@ -446,22 +448,24 @@ exports! {
     fn cuMemAllocAsync(d: *mut CUdeviceptr, size: usize, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
         if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
-        out(d, mem::pool_alloc(Some(current_pool()?), size as u64)?)
+        let (c, pool) = stream_pool(s)?;
+        out(d, mem::pool_alloc(c, Some(pool), size as u64)?)
     }
     fn cuMemAllocAsync_ptsz(d: *mut CUdeviceptr, size: usize, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
         if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
-        out(d, mem::pool_alloc(Some(current_pool()?), size as u64)?)
+        let (c, pool) = stream_pool(s)?;
+        out(d, mem::pool_alloc(c, Some(pool), size as u64)?)
     }
     fn cuMemAllocFromPoolAsync(d: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
         if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
-        out(d, mem::pool_alloc(Some(pool as u64), size as u64)?)
+        out(d, mem::pool_alloc(exec::stream(s)?.0, Some(pool as u64), size as u64)?)
     }
     fn cuMemAllocFromPoolAsync_ptsz(d: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, s: CUstream) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
         if let Some(p) = exec::capture_alloc(s, size as u64)? { return out(d, p); }
-        out(d, mem::pool_alloc(Some(pool as u64), size as u64)?)
+        out(d, mem::pool_alloc(exec::stream(s)?.0, Some(pool as u64), size as u64)?)
     }
     fn cuMemFreeAsync(d: CUdeviceptr, s: CUstream) { if exec::capture_free(s, d)? { return Ok(()); } mem::free_async(d) }
     fn cuMemFreeAsync_ptsz(d: CUdeviceptr, s: CUstream) { if exec::capture_free(s, d)? { return Ok(()); } mem::free_async(d) }
@@ -563,6 +567,8 @@ exports! {
     fn cuStreamBeginCapture_v2_ptsz(s: CUstream, _mode: i32) { exec::begin_capture(s) }
     fn cuStreamEndCapture(s: CUstream, g: *mut CUgraph) { if g.is_null() { return Err(CUresult::INVALID_VALUE); } out(g, exec::end_capture(s)?) }
     fn cuStreamEndCapture_ptsz(s: CUstream, g: *mut CUgraph) { if g.is_null() { return Err(CUresult::INVALID_VALUE); } out(g, exec::end_capture(s)?) }
+    fn cuStreamGetCtx(s: CUstream, c: *mut CUcontext) { out(c, driver::handle(exec::stream(s)?.0)) }
+    fn cuStreamGetCtx_ptsz(s: CUstream, c: *mut CUcontext) { out(c, driver::handle(exec::stream(s)?.0)) }
     fn cuStreamIsCapturing(s: CUstream, st: *mut i32) {
         out(st, if exec::is_capturing(s)? { CU_STREAM_CAPTURE_STATUS_ACTIVE } else { CU_STREAM_CAPTURE_STATUS_NONE })
     }

@@ -692,8 +692,9 @@ pub fn pool_destroy(id: u64) -> R<()> {
     Ok(())
 }
 
-pub fn pool_alloc(id: Option<u64>, size: u64) -> R<CUdeviceptr> {
-    let c = current()?;
+/// A stream-ordered allocation of `size` bytes from pool `id` (None: the default pool of `c`'s
+/// device), made on a stream of context `c`.
+pub fn pool_alloc(c: &'static Ctx, id: Option<u64>, size: u64) -> R<CUdeviceptr> {
     let pr = proc()?;
     if size == 0 {
         return Err(CUresult::INVALID_VALUE);

@@ -87,8 +87,18 @@ fn contained(c: &mut Command, lib: &Path, region: &Path) {
 
 fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     let region = std::env::temp_dir().join(format!("vgpu-bench-{}.region", std::process::id()));
-    // `region`: the interposer preloaded, with that region (None: the bare simulator).
-    let run = |region: Option<&Path>, sm: bool| -> serde_json::Value {
+    // A node of two GPUs, where a stream-ordered allocation on a stream the process made asks the
+    // driver for the stream's device.
+    let two = std::env::temp_dir().join(format!("vgpu-bench-{}-two-gpus", std::process::id()));
+    let two_cfg = two.with_extension("toml");
+    std::fs::write(
+        &two_cfg,
+        "context_overhead_mib = 1\n[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n",
+    )
+    .unwrap();
+    // `region`: the interposer preloaded, with that region (None: the bare simulator); `sm`: with
+    // an SM limit; `two_gpus`: on the node of two GPUs.
+    let run_on = |region: Option<&Path>, sm: bool, two_gpus: bool| -> serde_json::Value {
         let mut c = Command::new(exe);
         c.arg("--json");
         if quick {
@@ -100,10 +110,14 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         if sm {
             c.env("CUDA_DEVICE_SM_LIMIT", "99");
         }
+        if two_gpus {
+            c.env("VGPU_SIM_STATE", &two).env("VGPU_SIM_CONFIG", &two_cfg);
+        }
         let o = c.output().expect("run sim-bench");
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice(&o.stdout).expect("json")
     };
+    let run = |region: Option<&Path>, sm: bool| run_on(region, sm, false);
     // A region made as the agent makes a slice's (not standalone: allocations are counted in flight
     // for the agent's true-up, and the process does not true itself up), for the GPU the first
     // contained run recorded.
@@ -118,14 +132,19 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     };
     let rounds = if quick { 3 } else { 5 };
     let (mut bare, mut with, mut limited, mut watched) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut bare_two, mut with_two) = (Vec::new(), Vec::new());
     let sm_region = region.with_extension("sm");
+    let two_region = region.with_extension("two");
     for _ in 0..rounds {
         bare.push(run(None, false));
         with.push(run(Some(&region), false));
         limited.push(run(Some(&sm_region), true));
         watched.push(run(Some(agent_made()), false));
+        bare_two.push(run_on(None, false, true));
+        with_two.push(run_on(Some(&two_region), false, true));
     }
-    let _ = (std::fs::remove_file(&agents), std::fs::remove_file(&sm_region));
+    let _ = (std::fs::remove_file(&agents), std::fs::remove_file(&sm_region), std::fs::remove_file(&two_region));
+    let _ = (std::fs::remove_dir_all(&two), std::fs::remove_file(&two_cfg));
     let m = |v: &[serde_json::Value], k: &str| median(v.iter().map(|x| x[k].as_f64().unwrap()).collect());
     println!("| measure | bare simulator | with libvgpu.so | added | budget |\n|---|---|---|---|---|");
     let live = if quick {
@@ -150,6 +169,11 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         let (b, w) = (m(&bare, k), m(&watched, k));
         println!("| {what}, in a region the agent made (ns) | {b:.0} | {w:.0} | {:+.0} | +150 ns |", w - b);
     }
+    let (b, w) = (m(&bare_two, "async_pair_ns"), m(&with_two, "async_pair_ns"));
+    println!(
+        "| cuMemAllocAsync + cuMemFreeAsync, a process that sees two GPUs (the stream asked for its device; ns) | {b:.0} | {w:.0} | {:+.0} | +150 ns |",
+        w - b
+    );
     let (b, w) = (m(&bare, "launch_ns"), m(&limited, "launch_ns"));
     println!(
         "| cuLaunchKernel with an SM limit (99 %), budget available (ns) | {b:.0} | {w:.0} | {:+.0} | +30 ns |",
