@@ -57,11 +57,26 @@ macro_rules! tri {
 
 /// The current context's handle (0: none, or the driver lacks the call).
 #[inline]
-fn current_ctx() -> u64 {
+pub(crate) fn current_ctx() -> u64 {
     let Some(get) = driver().helpers.cuCtxGetCurrent else { return 0 };
     let mut c: CUcontext = std::ptr::null_mut();
     // SAFETY: out-pointer to a local.
     if unsafe { get(&mut c) } != OK {
+        return 0;
+    }
+    c as u64
+}
+
+/// The context of `stream` (0: the driver cannot say): the current one for the default streams.
+#[inline]
+pub(crate) fn stream_ctx(stream: CUstream) -> u64 {
+    if stream as usize <= CU_STREAM_PER_THREAD {
+        return current_ctx();
+    }
+    let Some(get) = driver().helpers.cuStreamGetCtx else { return 0 };
+    let mut c: CUcontext = std::ptr::null_mut();
+    // SAFETY: the caller's stream handle and an out-pointer to a local.
+    if unsafe { get(stream, &mut c) } != OK {
         return 0;
     }
     c as u64
@@ -89,14 +104,11 @@ fn stream_dev(st: &State, stream: CUstream) -> Result<(CUdevice, usize), CUresul
     if st.sees_one_device() || stream as usize <= CU_STREAM_PER_THREAD {
         return current(st);
     }
-    let Some(get) = driver().helpers.cuStreamGetCtx else { return current(st) };
-    let mut c: CUcontext = std::ptr::null_mut();
-    // SAFETY: the caller's stream handle and an out-pointer to a local.
-    if unsafe { get(stream, &mut c) } != OK || c.is_null() {
-        // A bad stream: the driver's own call refuses it too.
+    let ctx = stream_ctx(stream);
+    if ctx == 0 {
+        // A bad stream (the driver's own call refuses it too), or a driver without the call.
         return current(st);
     }
-    let ctx = c as u64;
     match st.contexts.lookup(ctx).and_then(|(d, _)| Some((st.ordinal_of(d)?, d))) {
         Some(found) => Ok(found),
         None => context_dev(st, ctx),
@@ -139,8 +151,9 @@ fn ctx_id(st: &State, d: usize) -> u64 {
 /// driver freed what was allocated in it: release those allocations from the container's usage.
 #[cold]
 fn context_gone(st: &State, ctx: u64) {
-    // Its modules and graphs went with it, and their handles may come back naming other work.
-    crate::sm::forget_all();
+    // Its modules, graphs and events went with it, and their handles may come back naming other
+    // work.
+    crate::sm::context_gone(ctx);
     crate::graphmem::context_gone(st);
     pools::forget_current();
     // Stream-ordered allocations carry their pool, not their context: those of a pool the driver

@@ -207,6 +207,8 @@ struct Sample {
     dev: usize,
     charged: u64,
     stream: CUstream,
+    /// The context the events were made in (the stream's).
+    ctx: u64,
     start: CUevent,
     end: CUevent,
 }
@@ -218,8 +220,12 @@ unsafe impl Send for Sample {}
 /// Measurements in flight (process-wide; touched only by measured launches and collections).
 static PENDING: Mutex<Vec<Sample>> = Mutex::new(Vec::new());
 static PENDING_N: AtomicU64 = AtomicU64::new(0);
-/// Events ready for reuse (as addresses).
-static SPARE_EVENTS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+/// Events ready for reuse, each with the context it was made in (an event can be recorded only on a
+/// stream of its own context, and goes with that context), as addresses.
+static SPARE_EVENTS: Mutex<Vec<(u64, usize)>> = Mutex::new(Vec::new());
+/// A child forked from a process that measured launches: it inherited events (and possibly locks
+/// held by threads it does not have) from a CUDA it cannot use, so it measures nothing.
+static NO_MEASURING: AtomicBool = AtomicBool::new(false);
 
 static ESTIMATES: std::sync::OnceLock<Estimates> = std::sync::OnceLock::new();
 
@@ -248,15 +254,25 @@ fn forget_where(reset: impl FnOnce(&Estimates), dropped: impl Fn(u64) -> bool) {
     p.retain(|s| {
         let keep = !dropped(s.key);
         if !keep {
-            events.push(s.start);
-            events.push(s.end);
+            events.push((s.ctx, s.start as usize));
+            events.push((s.ctx, s.end as usize));
         }
         keep
     });
     PENDING_N.fetch_sub((before - p.len()) as u64, Relaxed);
     drop(p);
     if let Ok(mut s) = SPARE_EVENTS.lock() {
-        s.extend(events.into_iter().map(|e| e as usize));
+        s.extend(events);
+    }
+}
+
+/// Context `ctx` went (0: a context this process cannot name), and the driver destroyed its events
+/// with it: every estimate and measurement is forgotten (its modules went too), and none of its
+/// events is used again (a destroyed event's handle may be a dangling pointer in the driver).
+pub fn context_gone(ctx: u64) {
+    forget_all();
+    if let Ok(mut s) = SPARE_EVENTS.lock() {
+        s.retain(|&(c, _)| ctx != 0 && c != ctx);
     }
 }
 
@@ -318,6 +334,9 @@ fn charge(region: &'static vgpu_region::Region, dev: usize, cost: u64) -> bool {
 /// A forked child: the forking thread's credit was paid by the parent (and goes back there).
 pub fn after_fork() {
     let _ = CREDIT.try_with(|c| c.ns.iter().for_each(|x| x.set(0)));
+    if ESTIMATES.get().is_some() {
+        NO_MEASURING.store(true, Relaxed);
+    }
 }
 
 /// The SM percentage that applies to `dev` now, or None.
@@ -338,9 +357,19 @@ fn applies(st: &State, dev: usize) -> Option<u32> {
     }
 }
 
-fn event() -> Option<CUevent> {
-    if let Some(e) = SPARE_EVENTS.lock().ok().and_then(|mut s| s.pop()) {
-        return Some(e as CUevent);
+/// An event of context `ctx`: a spare one, else a new one if `ctx` is current (events are made in
+/// the current context). None when there is neither: the launch is not measured.
+fn event(ctx: u64) -> Option<CUevent> {
+    if ctx == 0 {
+        return None;
+    }
+    if let Ok(mut s) = SPARE_EVENTS.lock() {
+        if let Some(i) = s.iter().rposition(|&(c, _)| c == ctx) {
+            return Some(s.swap_remove(i).1 as CUevent);
+        }
+    }
+    if crate::memory::current_ctx() != ctx {
+        return None;
     }
     let create = driver().helpers.cuEventCreate?;
     let mut e = std::ptr::null_mut();
@@ -348,9 +377,9 @@ fn event() -> Option<CUevent> {
     (unsafe { create(&mut e, 0) } == CUresult::SUCCESS).then_some(e)
 }
 
-fn spare(events: [CUevent; 2]) {
+fn spare(ctx: u64, events: &[CUevent]) {
     if let Ok(mut s) = SPARE_EVENTS.lock() {
-        s.extend(events.map(|e| e as usize));
+        s.extend(events.iter().map(|&e| (ctx, e as usize)));
     }
 }
 
@@ -358,7 +387,7 @@ fn spare(events: [CUevent; 2]) {
 fn collect(st: &State) {
     let h = &driver().helpers;
     let (Some(query), Some(elapsed)) = (h.cuEventQuery, h.cuEventElapsedTime) else { return };
-    if capture::any_open() {
+    if capture::any_open() || NO_MEASURING.load(Relaxed) {
         return;
     }
     let Ok(mut p) = PENDING.try_lock() else { return };
@@ -381,7 +410,7 @@ fn collect(st: &State) {
                     r.sm_correct(s.dev, s.charged as i64 - ns as i64, ns);
                 }
             }
-            spare([s.start, s.end]);
+            spare(s.ctx, &[s.start, s.end]);
         },
     );
     PENDING_N.fetch_sub((before - p.len()) as u64, Relaxed);
@@ -478,7 +507,7 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     // While any capture is open, no timing events are recorded or queried (see `capture`).
     let open = capture::any_open();
     let (est, n) = estimates().get(key);
-    let sample = !open && sampled(est, n, PENDING_N.load(Relaxed));
+    let sample = !open && sampled(est, n, PENDING_N.load(Relaxed)) && !NO_MEASURING.load(Relaxed);
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
     if !charge(region, dev, cost) {
         // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
@@ -535,7 +564,18 @@ fn measure(
     launch: impl FnOnce() -> CUresult,
 ) -> CUresult {
     let rec = driver().helpers.cuEventRecord;
-    let bracket = rec.and_then(|r| Some((r, event()?, event()?)));
+    // The events must be of the stream's context, which need not be the current one.
+    let ctx = crate::memory::stream_ctx(stream);
+    let bracket = rec.and_then(|r| {
+        let e0 = event(ctx)?;
+        match event(ctx) {
+            Some(e1) => Some((r, e0, e1)),
+            None => {
+                spare(ctx, &[e0]);
+                None
+            }
+        }
+    });
     if let Some((r, e0, _)) = bracket {
         // SAFETY: recording our own event on the caller's stream, before its launch.
         unsafe { r(e0, stream) };
@@ -548,11 +588,11 @@ fn measure(
         // SAFETY: as above, after the launch.
         if res == CUresult::SUCCESS && unsafe { r(e1, stream) } == CUresult::SUCCESS {
             if let Ok(mut p) = PENDING.lock() {
-                p.push(Sample { key, dev, charged: cost, stream, start: e0, end: e1 });
+                p.push(Sample { key, dev, charged: cost, stream, ctx, start: e0, end: e1 });
                 PENDING_N.fetch_add(1, Relaxed);
             }
         } else {
-            spare([e0, e1]);
+            spare(ctx, &[e0, e1]);
         }
     }
     res
@@ -776,8 +816,12 @@ mod tests {
         let r = budget("fork", 1_000_000);
         std::thread::spawn(move || {
             assert!(charge(r, 0, 1000));
-            // In the child the thread's memory is a copy: that credit is the parent's.
+            // In the child the thread's memory is a copy: that credit is the parent's. The parent
+            // measured launches, so its events are in the child too, of a CUDA the child cannot
+            // use: the child measures nothing.
+            estimates();
             after_fork();
+            assert!(NO_MEASURING.load(Relaxed));
             assert!(charge(r, 0, 1000));
             assert_eq!(tokens(r), 1_000_000 - 2000 - 2 * PREPAY_NS as i64, "the child paid for its own");
         })
@@ -797,6 +841,7 @@ mod tests {
                 dev: 0,
                 charged: 1,
                 stream: st(s),
+                ctx: 1,
                 start: std::ptr::null_mut(),
                 end: e as CUevent,
             })
@@ -827,6 +872,7 @@ mod tests {
                 dev: 0,
                 charged: 1,
                 stream: st(i as usize + 1),
+                ctx: 1,
                 start: std::ptr::null_mut(),
                 end: std::ptr::null_mut(),
             })
@@ -918,6 +964,7 @@ mod tests {
             dev: 0,
             charged: 1,
             stream: std::ptr::null_mut(),
+            ctx: 0xc1,
             start: ev as CUevent,
             end: (ev + 1) as CUevent,
         };
@@ -935,7 +982,7 @@ mod tests {
         assert_eq!(left, [g + 1]);
         assert_eq!(PENDING_N.load(Relaxed), 1);
         let spare = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
-        assert_eq!(spare, [0x100, 0x101, 0x300, 0x301]);
+        assert_eq!(spare, [(0xc1, 0x100), (0xc1, 0x101), (0xc1, 0x300), (0xc1, 0x301)]);
         // Every estimate and measurement at once (a module was unloaded).
         estimates().learn(g, 3_000);
         PENDING.lock().unwrap().push(sample(g, 0x400));
@@ -949,6 +996,18 @@ mod tests {
         assert_eq!(PENDING_N.load(Relaxed), 0);
         let spare = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
         assert_eq!(spare.len(), 4, "{spare:x?}");
+
+        // Events are handed out only for their own context, and a context's end takes its events
+        // (the driver destroyed them) but not another's.
+        super::spare(0xc1, &[0x500 as CUevent, 0x501 as CUevent]);
+        super::spare(0xc2, &[0x600 as CUevent]);
+        assert_eq!(event(0xc2), Some(0x600 as CUevent));
+        assert_eq!(event(0xc1), Some(0x501 as CUevent));
+        assert_eq!(event(0), None, "a stream whose context is unknown is not measured");
+        super::spare(0xc2, &[0x600 as CUevent]);
+        context_gone(0xc1);
+        let left = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
+        assert_eq!(left, [(0xc2, 0x600)], "{left:x?}");
     }
 
     #[test]

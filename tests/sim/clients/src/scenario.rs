@@ -17,11 +17,13 @@ scenarios:
   launch [--kernel NAME] [--count N | --seconds S [--sync-every K]]
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
-         [--threads T] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
+         [--threads T | --devices D1,D2,...] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
          [--loader module|library] [--reload-after N --reload-kernel NAME [--reload-how unload|reset]]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream);
+                                        --devices: a thread per device, each launching on its
+                                        device's primary context;
                                         --regraph-after: after N launches the graph's param_ns
                                         nodes run F (10) times longer, changed by HOW: update,
                                         update-v1, reinstantiate, set-params, set-params-v1,
@@ -850,6 +852,32 @@ fn alloc(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 }
 
 fn launch(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    if let Some(list) = o.map.get("devices") {
+        // A thread per device, each with its device's primary context current (one process driving
+        // several GPUs, as a model split across them is).
+        let devs: Vec<i32> = list
+            .split(',')
+            .map(|d| d.parse().map_err(|_| format!("--devices: bad device {d:?}")))
+            .collect::<Res<_>>()?;
+        let results: Vec<Res<Value>> = std::thread::scope(|s| {
+            let hs: Vec<_> = devs
+                .iter()
+                .map(|&d| {
+                    s.spawn(move || {
+                        setup(api, d)?;
+                        launch_one(api, o, d)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into()))).collect()
+        });
+        let mut per_device = Vec::new();
+        for r in results {
+            per_device.push(r?["kernels"].as_u64().unwrap_or(0));
+        }
+        emit(json!({"event": "launched", "devices": devs, "kernels": per_device}));
+        return Ok(());
+    }
     setup(api, dev)?;
     let threads = o.num("threads", 1)?.max(1);
     if threads > 1 {

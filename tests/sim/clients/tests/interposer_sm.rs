@@ -178,3 +178,22 @@ fn a_kernel_of_a_module_loaded_after_an_unload_is_charged_its_own_time() {
         assert!((got - 30.0).abs() <= 5.0, "a kernel reloaded ({loader}, {how}) at 30 %: achieved {got:.1} %");
     }
 }
+
+/// One process driving two GPUs (a model split across them), a thread on each: each GPU's launches
+/// must be measured on that GPU's own events. An event can be recorded only on a stream of the
+/// context it was made in; measurements that reused the other GPU's events failed, and kernels
+/// never measured were charged the first guess (100 us) for every 1 ms they ran.
+#[test]
+fn a_process_on_two_gpus_gets_its_share_of_each() {
+    let h = harness();
+    for (i, kernel) in ["sleep_1ms", "sleep_2ms"].into_iter().enumerate() {
+        let mut c = container(30, kernel, &["--devices", "0,1"]);
+        c.limits = vec![30, 30];
+        let o = h.run(&one(c, 3.5), i);
+        let got = [o.overall[0][0] * 100.0, o.overall[0][1] * 100.0];
+        eprintln!("{kernel} on two GPUs at 30 %: achieved {:.1} % and {:.1} %", got[0], got[1]);
+        for (gpu, g) in got.into_iter().enumerate() {
+            assert!((g - 30.0).abs() <= 5.0, "{kernel}: GPU {gpu} at 30 %: achieved {g:.1} %");
+        }
+    }
+}

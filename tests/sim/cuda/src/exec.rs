@@ -252,14 +252,28 @@ pub struct Event {
     magic: AtomicU64,
     /// Simulated completion time; 0 = never recorded; `CAPTURED`: last recorded into a capture.
     ts: AtomicU64,
+    /// The context it was made in (a leaked, never-freed `Ctx`): it can be recorded only on that
+    /// context's streams, and goes with the context.
+    ctx: usize,
+}
+
+/// An event whose context is still there. (A real driver destroys a context's events with it; their
+/// handles are then invalid. A reset primary context keeps them here, as it keeps its streams.)
+fn live_event(h: CUevent) -> R<&'static Event> {
+    let e: &Event = obj(h, EVENT_MAGIC)?;
+    // SAFETY: set at creation to a leaked, never-freed context.
+    if !unsafe { &*(e.ctx as *const Ctx) }.live() {
+        return Err(CUresult::INVALID_HANDLE);
+    }
+    Ok(e)
 }
 
 /// `Event::ts` of an event last recorded in a capturing stream: it cannot be queried or timed.
 const CAPTURED: u64 = u64::MAX;
 
 pub fn event_create() -> R<CUevent> {
-    current()?;
-    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts: AtomicU64::new(0) }))
+    let c = current()?;
+    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts: AtomicU64::new(0), ctx: c as *const Ctx as usize }))
 }
 
 pub fn event_destroy(h: CUevent) -> R<()> {
@@ -267,8 +281,11 @@ pub fn event_destroy(h: CUevent) -> R<()> {
 }
 
 pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
-    let e: &Event = obj(h, EVENT_MAGIC)?;
+    let e = live_event(h)?;
     let (c, s) = stream(st)?;
+    if c as *const Ctx as usize != e.ctx {
+        return Err(CUresult::INVALID_HANDLE); // an event and a stream of different contexts
+    }
     if !s.capture.load(Acquire).is_null() {
         e.ts.store(CAPTURED, Release); // an event node in the captured graph: nothing to time
         return Ok(());
@@ -278,7 +295,7 @@ pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
 }
 
 pub fn event_query(h: CUevent) -> R<()> {
-    let e: &Event = obj(h, EVENT_MAGIC)?;
+    let e = live_event(h)?;
     let ts = e.ts.load(Acquire);
     if ts == CAPTURED {
         return Err(CUresult::CAPTURED_EVENT);
@@ -291,7 +308,7 @@ pub fn event_query(h: CUevent) -> R<()> {
 }
 
 pub fn event_sync(h: CUevent) -> R<()> {
-    let e: &Event = obj(h, EVENT_MAGIC)?;
+    let e = live_event(h)?;
     let c = current()?;
     let ts = e.ts.load(Acquire);
     if ts == CAPTURED {
@@ -302,8 +319,7 @@ pub fn event_sync(h: CUevent) -> R<()> {
 }
 
 pub fn event_elapsed(a: CUevent, b: CUevent) -> R<f32> {
-    let a: &Event = obj(a, EVENT_MAGIC)?;
-    let b: &Event = obj(b, EVENT_MAGIC)?;
+    let (a, b) = (live_event(a)?, live_event(b)?);
     let (ta, tb) = (a.ts.load(Acquire), b.ts.load(Acquire));
     if ta == CAPTURED || tb == CAPTURED {
         return Err(CUresult::CAPTURED_EVENT);
