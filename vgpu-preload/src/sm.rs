@@ -424,23 +424,24 @@ const MAX_BUSY_STREAMS: usize = 16;
 /// little as it can: a stream runs its work in order, so once one of its events is not done, its
 /// later ones are not asked about; and after `MAX_BUSY_STREAMS` streams have said "not ready", the
 /// pass ends. (Before, every measurement in flight was asked about at every collection, one in 16
-/// launches: up to 256 driver calls where the GPU's queue is deep. Two threads' per-thread default
-/// streams share a handle, so one of them may wait for the other's event: a delay, never a wrong
-/// measurement.)
+/// launches: up to 256 driver calls where the GPU's queue is deep.) A stream is told by its context
+/// and handle: every context's default stream has the same handle. Two threads' per-thread default
+/// streams of one context share a handle too, so one of them may wait for the other's event: a
+/// delay, never a wrong measurement.
 fn sweep(
     pending: &mut Vec<Sample>,
     mut query: impl FnMut(CUevent) -> CUresult,
     mut done: impl FnMut(&Sample, CUresult),
 ) {
-    let mut busy = [std::ptr::null_mut(); MAX_BUSY_STREAMS];
+    let mut busy = [(0, std::ptr::null_mut()); MAX_BUSY_STREAMS];
     let mut n = 0;
     pending.retain(|s| {
-        if n == MAX_BUSY_STREAMS || busy[..n].contains(&s.stream) {
+        if n == MAX_BUSY_STREAMS || busy[..n].contains(&(s.ctx, s.stream)) {
             return true;
         }
         let q = query(s.end);
         if q == CUresult::NOT_READY {
-            busy[n] = s.stream;
+            busy[n] = (s.ctx, s.stream);
             n += 1;
             return true;
         }
@@ -833,15 +834,17 @@ mod tests {
     #[test]
     fn a_collection_asks_only_about_events_that_can_be_done() {
         let st = |i: usize| i as CUstream;
-        // (stream, end event): stream 1's first event is not done, so neither is its second.
-        let mut p: Vec<Sample> = [(1, 10), (2, 20), (1, 11), (3, 30), (2, 21)]
+        // (context, stream, end event): stream 1's first event is not done, so neither is its
+        // second; stream 1 of context 2 (the same handle, as every context's default stream has)
+        // is another stream.
+        let mut p: Vec<Sample> = [(1, 1, 10), (1, 2, 20), (1, 1, 11), (1, 3, 30), (1, 2, 21), (2, 1, 40)]
             .iter()
-            .map(|&(s, e)| Sample {
+            .map(|&(c, s, e)| Sample {
                 key: e,
                 dev: 0,
                 charged: 1,
                 stream: st(s),
-                ctx: 1,
+                ctx: c,
                 start: std::ptr::null_mut(),
                 end: e as CUevent,
             })
@@ -860,8 +863,11 @@ mod tests {
             },
             |s, q| finished.push((s.key, q)),
         );
-        assert_eq!(asked, [10, 20, 30, 21], "11 is behind 10 on its stream");
-        assert_eq!(finished, [(20, CUresult::SUCCESS), (30, CUresult::SUCCESS), (21, CUresult::SUCCESS)]);
+        assert_eq!(asked, [10, 20, 30, 21, 40], "11 is behind 10 on its stream");
+        assert_eq!(
+            finished,
+            [(20, CUresult::SUCCESS), (30, CUresult::SUCCESS), (21, CUresult::SUCCESS), (40, CUresult::SUCCESS)]
+        );
         let left: Vec<u64> = p.iter().map(|s| s.key).collect();
         assert_eq!(left, [10, 11], "the rest in their order");
 
