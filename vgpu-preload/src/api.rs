@@ -146,6 +146,7 @@ macro_rules! cuda_helpers {
             cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
             cuStreamIsCapturing(stream: CUstream, status: *mut i32);
             cuStreamGetCtx(stream: CUstream, ctx: *mut CUcontext);
+            cuStreamGetCtx_v2(stream: CUstream, ctx: *mut CUcontext, green: *mut *mut c_void);
             cuCtxPushCurrent_v2(ctx: CUcontext);
             cuCtxPopCurrent_v2(ctx: *mut CUcontext);
             cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, n: *mut usize);

@@ -68,18 +68,50 @@ pub(crate) fn current_ctx() -> u64 {
 }
 
 /// The context of `stream` (0: the driver cannot say): the current one for the default streams.
+/// For a stream of a green context, the primary context of its device (`cuStreamGetCtx_v2`, CUDA
+/// 12.5 and later; the first form refuses such streams).
 #[inline]
 pub(crate) fn stream_ctx(stream: CUstream) -> u64 {
     if stream as usize <= CU_STREAM_PER_THREAD {
         return current_ctx();
     }
-    let Some(get) = driver().helpers.cuStreamGetCtx else { return 0 };
+    let h = &driver().helpers;
     let mut c: CUcontext = std::ptr::null_mut();
-    // SAFETY: the caller's stream handle and an out-pointer to a local.
-    if unsafe { get(stream, &mut c) } != OK {
+    let r = match (h.cuStreamGetCtx_v2, h.cuStreamGetCtx) {
+        (Some(get), _) => {
+            let mut green: *mut c_void = std::ptr::null_mut();
+            // SAFETY: the caller's stream handle and out-pointers to locals.
+            unsafe { get(stream, &mut c, &mut green) }
+        }
+        // SAFETY: as above.
+        (None, Some(get)) => unsafe { get(stream, &mut c) },
+        (None, None) => return 0,
+    };
+    if r != OK {
         return 0;
     }
     c as u64
+}
+
+/// Runs `f` with context `ctx` current on this thread (pushed, then popped), unless it is already;
+/// None if it could not be made current. `ctx` is a primary or a regular context, which may be
+/// current on several threads at once.
+#[cold]
+pub(crate) fn with_context<T>(ctx: u64, f: impl FnOnce() -> T) -> Option<T> {
+    if ctx == current_ctx() {
+        return Some(f());
+    }
+    let h = &driver().helpers;
+    let (Some(push), Some(pop)) = (h.cuCtxPushCurrent_v2, h.cuCtxPopCurrent_v2) else { return None };
+    // SAFETY: a context handle the driver returned; pushed for `f` and popped after it.
+    if unsafe { push(ctx as CUcontext) } != OK {
+        return None;
+    }
+    let v = f();
+    let mut popped: CUcontext = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local; pops what was pushed above.
+    unsafe { pop(&mut popped) };
+    Some(v)
 }
 
 /// Where an allocation is made: the current context's region device and the context's id (0: not
@@ -119,22 +151,7 @@ fn stream_dev(st: &State, stream: CUstream) -> Result<(CUdevice, usize), CUresul
 /// context pushed for the question (unless it is current), then added to the table.
 #[cold]
 fn context_dev(st: &State, ctx: u64) -> Result<(CUdevice, usize), CUresult> {
-    let found = if ctx == current_ctx() {
-        current(st)
-    } else {
-        let h = &driver().helpers;
-        let (Some(push), Some(pop)) = (h.cuCtxPushCurrent_v2, h.cuCtxPopCurrent_v2) else { return current(st) };
-        // SAFETY: a context handle the driver just returned; pushed for one question and popped.
-        if unsafe { push(ctx as CUcontext) } != OK {
-            return current(st);
-        }
-        let found = current(st);
-        let mut popped: CUcontext = std::ptr::null_mut();
-        // SAFETY: an out-pointer to a local; pops what was pushed above.
-        unsafe { pop(&mut popped) };
-        found
-    };
-    let (o, d) = found?;
+    let (o, d) = with_context(ctx, || current(st)).unwrap_or_else(|| current(st))?;
     st.contexts.add(ctx, d);
     Ok((o, d))
 }

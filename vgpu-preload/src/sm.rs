@@ -357,8 +357,8 @@ fn applies(st: &State, dev: usize) -> Option<u32> {
     }
 }
 
-/// An event of context `ctx`: a spare one, else a new one if `ctx` is current (events are made in
-/// the current context). None when there is neither: the launch is not measured.
+/// An event of context `ctx`: a spare one, else a new one (made with `ctx` current, as events are
+/// made in the current context). None when neither can be had: the launch is not measured.
 fn event(ctx: u64) -> Option<CUevent> {
     if ctx == 0 {
         return None;
@@ -368,13 +368,11 @@ fn event(ctx: u64) -> Option<CUevent> {
             return Some(s.swap_remove(i).1 as CUevent);
         }
     }
-    if crate::memory::current_ctx() != ctx {
-        return None;
-    }
     let create = driver().helpers.cuEventCreate?;
     let mut e = std::ptr::null_mut();
     // SAFETY: out-pointer to a local; default flags (timing enabled).
-    (unsafe { create(&mut e, 0) } == CUresult::SUCCESS).then_some(e)
+    let made = crate::memory::with_context(ctx, || unsafe { create(&mut e, 0) })?;
+    (made == CUresult::SUCCESS).then_some(e)
 }
 
 fn spare(ctx: u64, events: &[CUevent]) {

@@ -19,6 +19,7 @@ scenarios:
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
          [--threads T | --devices D1,D2,...] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
          [--loader module|library] [--reload-after N --reload-kernel NAME [--reload-how unload|reset]]
+         [--stream-on D]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream);
@@ -34,7 +35,9 @@ scenarios:
                                         reset) and another loaded, whose kernel NAME the path
                                         kernel launches from then on; --loader library: kernels
                                         from cuLibraryLoadData/cuLibraryGetKernel, launched by
-                                        their CUkernel handle as CUDA 12 runtimes do
+                                        their CUkernel handle as CUDA 12 runtimes do; --stream-on
+                                        (with --loader library): into a stream of device D's
+                                        primary context, this device's current
   graph-mem [--how explicit|capture] [--size N] [--graphs G] [--keep]
             [--instantiate flags|params|upload] [--upload] [--launches L] [--alloc N]
             [--destroy] [--trim] [--reset] [--peer-size P] [--hold]
@@ -953,6 +956,15 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
     {
         return Err("--reload-after needs --path kernel, --reload-kernel and --reload-how unload or reset".into());
     }
+    let stream_on: Option<i32> = match o.map.get("stream-on") {
+        Some(d) => Some(d.parse().map_err(|_| format!("--stream-on {d:?}: a device ordinal"))?),
+        None => None,
+    };
+    if stream_on.is_some() && (!library || path != "kernel") {
+        return Err(
+            "--stream-on needs --loader library and --path kernel (a CUkernel launches on any context's stream)".into(),
+        );
+    }
     let image = b"vgpu-sim module\0";
     let start_wall = std::time::Instant::now();
     // SAFETY: calls through the table with out-pointers to locals; kernel parameters point to `dur`,
@@ -976,6 +988,11 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
         let cname = CString::new(kernel).map_err(|e| e.to_string())?;
         let (m, f) = load(&cname)?;
         let mut s = std::ptr::null_mut();
+        // --stream-on D: the stream (and the events that time it) in device D's primary context,
+        // this device's current again for the launches.
+        if let Some(other) = stream_on {
+            setup(api, other)?;
+        }
         // The deprecated cuLaunch and cuLaunchGrid run on the default stream.
         if path != "legacy-default" {
             ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
@@ -983,6 +1000,9 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
         let (mut e0, mut e1) = (std::ptr::null_mut(), std::ptr::null_mut());
         ck(api, (api.cuEventCreate)(&mut e0, 0), "cuEventCreate")?;
         ck(api, (api.cuEventCreate)(&mut e1, 0), "cuEventCreate")?;
+        if stream_on.is_some() {
+            setup(api, dev)?;
+        }
         let mut arg: *mut c_void = &mut dur as *mut u64 as *mut c_void;
         let params: *mut *mut c_void = &mut arg;
         let mut arg2: *mut c_void = &mut dur2 as *mut u64 as *mut c_void;

@@ -197,3 +197,19 @@ fn a_process_on_two_gpus_gets_its_share_of_each() {
         }
     }
 }
+
+/// A context-independent kernel (`CUkernel`) may be launched into a stream of another context than
+/// the current one (here device 1's, with device 0 current): its launches are measured with events
+/// of the stream's context, made with that context pushed for the purpose. (The launch is charged to
+/// the current device's budget: README, "Known limits" of the SM-time quotas.)
+#[test]
+fn a_kernel_launched_into_another_context_s_stream_is_measured() {
+    let h = harness();
+    let mut c = container(30, "sleep_1ms", &["--loader", "library", "--stream-on", "1"]);
+    c.limits = vec![30, 30];
+    let o = h.run(&one(c, 3.5), 0);
+    let (here, there) = (o.overall[0][0] * 100.0, o.overall[0][1] * 100.0);
+    eprintln!("launched from device 0 into device 1's stream at 30 %: {here:.1} % and {there:.1} %");
+    assert!(here < 1.0, "nothing ran on device 0: {here:.1} %");
+    assert!((there - 30.0).abs() <= 5.0, "device 1 at 30 %: achieved {there:.1} %");
+}

@@ -569,6 +569,17 @@ exports! {
     fn cuStreamEndCapture_ptsz(s: CUstream, g: *mut CUgraph) { if g.is_null() { return Err(CUresult::INVALID_VALUE); } out(g, exec::end_capture(s)?) }
     fn cuStreamGetCtx(s: CUstream, c: *mut CUcontext) { out(c, driver::handle(exec::stream(s)?.0)) }
     fn cuStreamGetCtx_ptsz(s: CUstream, c: *mut CUcontext) { out(c, driver::handle(exec::stream(s)?.0)) }
+    // CUDA 12.5: also the stream's green context (the simulator has none).
+    fn cuStreamGetCtx_v2(s: CUstream, c: *mut CUcontext, g: *mut *mut c_void) {
+        if c.is_null() || g.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(c, driver::handle(exec::stream(s)?.0))?;
+        out(g, std::ptr::null_mut())
+    }
+    fn cuStreamGetCtx_v2_ptsz(s: CUstream, c: *mut CUcontext, g: *mut *mut c_void) {
+        if c.is_null() || g.is_null() { return Err(CUresult::INVALID_VALUE); }
+        out(c, driver::handle(exec::stream(s)?.0))?;
+        out(g, std::ptr::null_mut())
+    }
     fn cuStreamIsCapturing(s: CUstream, st: *mut i32) {
         out(st, if exec::is_capturing(s)? { CU_STREAM_CAPTURE_STATUS_ACTIVE } else { CU_STREAM_CAPTURE_STATUS_NONE })
     }

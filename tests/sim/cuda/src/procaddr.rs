@@ -122,7 +122,11 @@ static TABLE: &[(&str, Versions, Versions)] = &[
         &[(10000, "cuStreamBeginCapture_ptsz"), (10010, "cuStreamBeginCapture_v2_ptsz")],
     ),
     ("cuStreamEndCapture", &[(10000, "cuStreamEndCapture")], &[(10000, "cuStreamEndCapture_ptsz")]),
-    ("cuStreamGetCtx", &[(9020, "cuStreamGetCtx")], &[(9020, "cuStreamGetCtx_ptsz")]),
+    (
+        "cuStreamGetCtx",
+        &[(9020, "cuStreamGetCtx"), (12050, "cuStreamGetCtx_v2")],
+        &[(9020, "cuStreamGetCtx_ptsz"), (12050, "cuStreamGetCtx_v2_ptsz")],
+    ),
     ("cuStreamIsCapturing", &[(10000, "cuStreamIsCapturing")], &[(10000, "cuStreamIsCapturing_ptsz")]),
     ("cuEventCreate", &[(2000, "cuEventCreate")], &[]),
     ("cuEventRecord", &[(2000, "cuEventRecord")], &[(7000, "cuEventRecord_ptsz")]),
