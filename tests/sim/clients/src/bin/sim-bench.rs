@@ -169,6 +169,11 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         let (b, w) = (m(&bare, k), m(&watched, k));
         println!("| {what}, in a region the agent made (ns) | {b:.0} | {w:.0} | {:+.0} | +150 ns |", w - b);
     }
+    let (b, w) = (m(&bare_two, "launch_ns"), m(&with_two, "launch_ns"));
+    println!(
+        "| cuLaunchKernel, no SM limit, a process that sees two GPUs (the device asked; ns) | {b:.0} | {w:.0} | {:+.0} | +10 ns |",
+        w - b
+    );
     let (b, w) = (m(&bare_two, "async_pair_ns"), m(&with_two, "async_pair_ns"));
     println!(
         "| cuMemAllocAsync + cuMemFreeAsync, a process that sees two GPUs (the stream asked for its device; ns) | {b:.0} | {w:.0} | {:+.0} | +150 ns |",
