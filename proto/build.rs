@@ -6,6 +6,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "vgpu/scheduler/v1/scheduler.proto",
         "k8s/deviceplugin/v1beta1/api.proto",
         "k8s/podresources/v1/api.proto",
+        "k8s/dra/v1/api.proto",
+        "k8s/dra/v1beta1/api.proto",
+        "k8s/pluginregistration/v1/api.proto",
     ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");

@@ -42,6 +42,8 @@ struct FileConfig {
     metrics_tls_key: Option<PathBuf>,
     metrics_token_file: Option<PathBuf>,
     metrics_insecure: Option<bool>,
+    dra: Option<String>,
+    dra_driver: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +114,8 @@ pub struct Config {
     pub memory_scaling: f64,
     /// Capacity reporting to the central scheduler; None: off.
     pub scheduler: Option<crate::report::ReportConfig>,
+    /// The kubelet DRA plugin (resource.k8s.io): its driver name; None: off.
+    pub dra: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,6 +295,28 @@ impl Config {
             Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
             Some(p) => return Err(bad("pod_resources_socket", format!("{p} is not an absolute path (or \"off\")"))),
         };
+        let dra = match env("VGPU_AGENT_DRA").or(file.dra).as_deref() {
+            None | Some("off") => None,
+            Some("on") => {
+                let driver = env("VGPU_AGENT_DRA_DRIVER").or(file.dra_driver).unwrap_or_else(|| "gpu.vgpu.io".into());
+                // A DNS subdomain (the driver name is one in every ResourceSlice and claim result).
+                let label_ok = |l: &str| {
+                    !l.is_empty()
+                        && l.len() <= 63
+                        && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                        && !l.starts_with('-')
+                        && !l.ends_with('-')
+                };
+                if driver.len() > 63 || !driver.split('.').all(label_ok) {
+                    return Err(bad(
+                        "dra_driver",
+                        format!("{driver:?} is not a DNS subdomain of at most 63 characters"),
+                    ));
+                }
+                Some(driver)
+            }
+            Some(v) => return Err(bad("dra", format!("{v:?} is not on or off"))),
+        };
         let slice_gc_grace_s = match env("VGPU_AGENT_SLICE_GC_GRACE_S") {
             Some(v) => v.parse().map_err(|_| bad("slice_gc_grace_s", format!("{v:?} is not a number of seconds")))?,
             None => file.slice_gc_grace_s.unwrap_or(60),
@@ -396,7 +422,20 @@ impl Config {
                 Some(r)
             }
         };
+        if dra.is_some() && device_plugin {
+            return Err(bad(
+                "dra",
+                "set device_plugin = \"off\" with it: the device plugin would offer the same GPUs to the scheduler again".into(),
+            ));
+        }
+        if dra.is_some() && cdi_dir.is_none() {
+            return Err(bad(
+                "dra",
+                "the DRA plugin hands containers their slices as CDI devices: cdi_dir must not be off".into(),
+            ));
+        }
         Ok(Config {
+            dra,
             scheduler,
             memory_factor,
             memory_scaling,
@@ -557,6 +596,25 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.metrics_address, None, "the environment switches metrics off");
+    }
+
+    #[test]
+    fn the_dra_driver_needs_a_dns_name_cdi_and_no_device_plugin() {
+        let ok = load(Some("dra = \"on\"\ndevice_plugin = \"off\""), &[], Flags::default()).unwrap();
+        assert_eq!(ok.dra.as_deref(), Some("gpu.vgpu.io"));
+        assert_eq!(load(None, &[], Flags::default()).unwrap().dra, None, "off unless asked for");
+        let e = load(Some("dra = \"on\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("dra: set device_plugin = \"off\""), "{e}");
+        let e = load(Some("dra = \"on\"\ndevice_plugin = \"off\"\ndra_driver = \"GPU_x\""), &[], Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("dra_driver: \"GPU_x\" is not a DNS subdomain"), "{e}");
+        let e = load(Some("dra = \"on\"\ndevice_plugin = \"off\"\ncdi_dir = \"off\""), &[], Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cdi_dir must not be off"), "{e}");
+        let e = load(Some("dra = \"yes\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("dra: \"yes\" is not on or off"), "{e}");
     }
 
     #[test]

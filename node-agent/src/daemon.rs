@@ -114,6 +114,8 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         tracing::info!(gpu = %g.uuid, index = g.index, name = %g.name, memory = g.memory_total, "discovered GPU");
     }
     *agent.inventory.write() = inv;
+    // The DRA driver after discovery: its ResourceSlice lists the GPUs.
+    let dra = cfg.dra.clone().map(|driver| tokio::spawn(crate::dra::run(agent.clone(), driver, stop_rx.clone())));
     let xids = {
         let (n, h, s) = (nvml.clone(), agent.health.clone(), stop.clone());
         std::thread::Builder::new().name("xid-events".into()).spawn(move || crate::health::watch_xids(n, h, s))
@@ -167,7 +169,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     report_stop.notify_one();
-    for t in [plugin, kube, reporter].into_iter().flatten() {
+    for t in [plugin, kube, reporter, dra].into_iter().flatten() {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     let _ = std::fs::remove_file(&cfg.socket);

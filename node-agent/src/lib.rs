@@ -10,6 +10,7 @@ pub mod ctl;
 pub mod daemon;
 pub mod deviceplugin;
 pub mod discovery;
+pub mod dra;
 pub mod hami;
 pub mod health;
 pub mod k8s;

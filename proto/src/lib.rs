@@ -28,3 +28,20 @@ pub mod podresources {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("v1");
 }
+
+/// The kubelet DRA plugin API (`v1` and `v1beta1`, the same messages) and the plugin registration
+/// API: our own `.proto` files with upstream's services, messages and field numbers.
+pub mod dra {
+    pub mod v1 {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+    pub mod v1beta1 {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+    pub mod registration {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("pluginregistration");
+    }
+}

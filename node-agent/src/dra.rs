@@ -1,0 +1,479 @@
+//! Dynamic Resource Allocation (`resource.k8s.io/v1`, GA since Kubernetes 1.34): the agent as a DRA
+//! driver (`dra = "on"`, named `dra_driver`).
+//!
+//! - **Devices**: one ResourceSlice per node (`<node>-<driver>`, pool named after the node, owned by
+//!   the Node object), listing each healthy GPU not in MIG mode as `split_count` devices
+//!   `gpu-<index>-<n>` with attributes `uuid`, `productName`, `index` and capacities `memory` and
+//!   `cores` (each device's share of the GPU). It is written at start and again when the devices
+//!   change (a GPU's health, a MIG mode), with the pool's generation raised.
+//! - **Kubelet**: the registration service on `plugins_registry/<driver>-reg.sock` and the DRA
+//!   service (`v1.DRAPlugin` and `v1beta1.DRAPlugin`, the same calls) on
+//!   `plugins/<driver>/dra.sock`, both beside the device-plugin directory. A socket removed (a
+//!   kubelet clean-up) is served again.
+//! - **NodePrepareResources**: reads the claim (`resourceclaims` get), takes the devices allocated
+//!   from this node's pool by this driver, and makes the claim's slice `dra-<claim UID>` with k/split
+//!   of each GPU's memory and time for k of its devices, as replica mode does; the answer names the
+//!   slice's CDI device (`vgpu.io/slice=dra-<UID>`) once per request, whose spec injects the slice.
+//!   Preparing a claim again returns the same; a claim whose UID changed (deleted and made again)
+//!   is refused.
+//! - **NodeUnprepareResources**: removes the claim's slice (refused while processes of it live).
+
+use crate::agent::{Agent, ApiError};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, ApiResource, DynamicObject, PostParams};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::{Request, Response, Status};
+use vgpu_proto::dra::{registration as reg, v1, v1beta1};
+
+fn resource(kind: &str, plural: &str) -> ApiResource {
+    ApiResource {
+        group: "resource.k8s.io".into(),
+        version: "v1".into(),
+        api_version: "resource.k8s.io/v1".into(),
+        kind: kind.into(),
+        plural: plural.into(),
+    }
+}
+
+/// The name of replica `n` of the GPU at NVML index `index`.
+pub fn device_name(index: u32, n: u32) -> String {
+    format!("gpu-{index}-{n}")
+}
+
+fn parse_device(name: &str) -> Option<(u32, u32)> {
+    let (i, n) = name.strip_prefix("gpu-")?.split_once('-')?;
+    Some((i.parse().ok()?, n.parse().ok()?))
+}
+
+/// The slice a claim's containers share.
+pub fn slice_name(claim_uid: &str) -> String {
+    format!("dra-{}", claim_uid.to_ascii_lowercase())
+}
+
+/// The node's ResourceSlice object name (a DNS subdomain: the node name and the driver's).
+pub fn resource_slice_name(node: &str, driver: &str) -> String {
+    format!("{node}-{driver}")
+}
+
+/// The devices the node offers now, as ResourceSlice device entries.
+pub fn devices(agent: &Agent) -> Vec<Value> {
+    let st = agent.status();
+    let inv = agent.inventory.read();
+    let split = agent.cfg.split_count.max(1);
+    let mut v = Vec::new();
+    for g in &inv.gpus {
+        if g.mig.as_ref().is_some_and(|m| m.enabled) {
+            continue;
+        }
+        if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
+            continue;
+        }
+        let memory = agent.scaled(g.memory_total) / split as u64;
+        for n in 0..split {
+            v.push(json!({
+                "name": device_name(g.index, n),
+                "attributes": {
+                    "uuid": {"string": g.uuid},
+                    "productName": {"string": g.name},
+                    "index": {"int": g.index},
+                },
+                "capacity": {
+                    "memory": {"value": memory.to_string()},
+                    "cores": {"value": (100 / split).to_string()},
+                },
+            }));
+        }
+    }
+    v
+}
+
+/// What a claim's preparation answers, before it is put in one API version's messages.
+#[derive(Debug, PartialEq)]
+pub struct Prepared {
+    pub request: String,
+    pub pool: String,
+    pub device: String,
+    pub cdi: Vec<String>,
+}
+
+#[derive(Clone)]
+pub struct Driver {
+    agent: Arc<Agent>,
+    driver: String,
+    node: String,
+    client: kube::Client,
+}
+
+impl Driver {
+    /// The per-GPU limits of `k` devices of each GPU (by NVML index), as replica mode computes them.
+    fn limits(&self, counts: &BTreeMap<u32, u64>) -> Result<Vec<vgpu_proto::v1::SliceGpuLimit>, String> {
+        let a = &self.agent;
+        let split = a.cfg.split_count.max(1) as u64;
+        let inv = a.inventory.read();
+        counts
+            .iter()
+            .map(|(index, k)| {
+                let g = inv
+                    .gpus
+                    .iter()
+                    .find(|g| g.index == *index)
+                    .ok_or_else(|| format!("no GPU {index} on this node"))?;
+                let memory = (a.scaled(g.memory_total) / split * k) >> 20 << 20;
+                let sm = (100 * k / split) as u32;
+                Ok(vgpu_proto::v1::SliceGpuLimit { gpu: g.uuid.clone(), memory, sm: if sm >= 100 { 0 } else { sm } })
+            })
+            .collect()
+    }
+
+    /// Prepares one claim: its slice, and what kubelet is told.
+    pub async fn prepare(&self, namespace: &str, name: &str, uid: &str) -> Result<Vec<Prepared>, String> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &resource("ResourceClaim", "resourceclaims"));
+        let claim = api.get(name).await.map_err(|e| format!("reading claim {namespace}/{name}: {e}"))?;
+        if claim.metadata.uid.as_deref() != Some(uid) {
+            return Err(format!(
+                "claim {namespace}/{name} is {}, not {uid} (it was made again)",
+                claim.metadata.uid.as_deref().unwrap_or("?")
+            ));
+        }
+        let results = claim.data["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .ok_or_else(|| format!("claim {namespace}/{name} is not allocated"))?;
+        let ours: Vec<(&str, &str)> = results
+            .iter()
+            .filter(|r| r["driver"] == self.driver.as_str() && r["pool"] == self.node.as_str())
+            .filter_map(|r| Some((r["request"].as_str()?, r["device"].as_str()?)))
+            .collect();
+        if ours.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut counts: BTreeMap<u32, u64> = BTreeMap::new();
+        for (_, device) in &ours {
+            let (index, n) = parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))?;
+            if n >= self.agent.cfg.split_count {
+                return Err(format!("{device} is not a device of this node"));
+            }
+            *counts.entry(index).or_default() += 1;
+        }
+        let slice = slice_name(uid);
+        if self.agent.get_slice(&slice).is_err() {
+            let labels = [
+                ("source".to_string(), "dra".to_string()),
+                ("namespace".to_string(), namespace.to_string()),
+                ("claim".to_string(), name.to_string()),
+                ("claim-uid".to_string(), uid.to_string()),
+            ]
+            .into();
+            let gpus = self.limits(&counts)?;
+            let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels };
+            match self.agent.create_slice(req) {
+                Ok(_) | Err(ApiError::Exists(_)) => {}
+                Err(e) => return Err(format!("making slice {slice}: {}", Status::from(e).message())),
+            }
+        }
+        let cdi = crate::cdi::device_name(&slice);
+        let mut named = std::collections::HashSet::new();
+        Ok(ours
+            .into_iter()
+            .map(|(request, device)| Prepared {
+                request: request.to_string(),
+                pool: self.node.clone(),
+                device: device.to_string(),
+                // Once per request: a container given the request's devices gets the slice once.
+                cdi: if named.insert(request) { vec![cdi.clone()] } else { Vec::new() },
+            })
+            .collect())
+    }
+
+    /// Undoes `prepare`: the claim's slice goes (if there is one).
+    pub fn unprepare(&self, uid: &str) -> Result<(), String> {
+        match self.agent.delete_slice(&slice_name(uid), false) {
+            Ok(()) | Err(ApiError::NotFound(_)) => Ok(()),
+            Err(e) => Err(Status::from(e).message().to_string()),
+        }
+    }
+
+    async fn prepare_all(
+        &self,
+        claims: Vec<(String, String, String)>,
+    ) -> BTreeMap<String, Result<Vec<Prepared>, String>> {
+        let mut out = BTreeMap::new();
+        for (namespace, uid, name) in claims {
+            let r = self.prepare(&namespace, &name, &uid).await;
+            match &r {
+                Ok(d) => {
+                    tracing::info!(claim = %format!("{namespace}/{name}"), uid = %uid, devices = d.len(), "DRA claim prepared")
+                }
+                Err(e) => {
+                    tracing::warn!(claim = %format!("{namespace}/{name}"), uid = %uid, error = %e, "DRA claim not prepared")
+                }
+            }
+            out.insert(uid, r);
+        }
+        out
+    }
+}
+
+// The two API versions have the same messages; each is answered from the neutral form.
+macro_rules! dra_service {
+    ($m:ident) => {
+        #[tonic::async_trait]
+        impl $m::dra_plugin_server::DraPlugin for Driver {
+            async fn node_prepare_resources(
+                &self,
+                req: Request<$m::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$m::NodePrepareResourcesResponse>, Status> {
+                let claims = req.into_inner().claims.into_iter().map(|c| (c.namespace, c.uid, c.name)).collect();
+                let claims = self
+                    .prepare_all(claims)
+                    .await
+                    .into_iter()
+                    .map(|(uid, r)| {
+                        let resp = match r {
+                            Ok(devices) => $m::NodePrepareResourceResponse {
+                                devices: devices
+                                    .into_iter()
+                                    .map(|p| $m::Device {
+                                        request_names: vec![p.request],
+                                        pool_name: p.pool,
+                                        device_name: p.device,
+                                        cdi_device_ids: p.cdi,
+                                    })
+                                    .collect(),
+                                error: String::new(),
+                            },
+                            Err(error) => $m::NodePrepareResourceResponse { devices: Vec::new(), error },
+                        };
+                        (uid, resp)
+                    })
+                    .collect();
+                Ok(Response::new($m::NodePrepareResourcesResponse { claims }))
+            }
+
+            async fn node_unprepare_resources(
+                &self,
+                req: Request<$m::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$m::NodeUnprepareResourcesResponse>, Status> {
+                let claims = req
+                    .into_inner()
+                    .claims
+                    .into_iter()
+                    .map(|c| {
+                        let error = self.unprepare(&c.uid).err().unwrap_or_default();
+                        if !error.is_empty() {
+                            tracing::warn!(uid = %c.uid, error = %error, "DRA claim not unprepared");
+                        }
+                        (c.uid, $m::NodeUnprepareResourceResponse { error })
+                    })
+                    .collect();
+                Ok(Response::new($m::NodeUnprepareResourcesResponse { claims }))
+            }
+        }
+    };
+}
+dra_service!(v1);
+dra_service!(v1beta1);
+
+/// What the plugin tells kubelet's plugin watcher.
+#[derive(Clone)]
+struct Registrar {
+    driver: String,
+    endpoint: PathBuf,
+}
+
+#[tonic::async_trait]
+impl reg::registration_server::Registration for Registrar {
+    async fn get_info(&self, _: Request<reg::InfoRequest>) -> Result<Response<reg::PluginInfo>, Status> {
+        Ok(Response::new(reg::PluginInfo {
+            r#type: "DRAPlugin".into(),
+            name: self.driver.clone(),
+            endpoint: self.endpoint.display().to_string(),
+            supported_versions: vec!["v1.DRAPlugin".into(), "v1beta1.DRAPlugin".into()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        req: Request<reg::RegistrationStatus>,
+    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        let s = req.into_inner();
+        if s.plugin_registered {
+            tracing::info!(driver = %self.driver, "registered with kubelet as a DRA driver");
+        } else {
+            tracing::error!(driver = %self.driver, error = %s.error, "kubelet refused the DRA driver");
+        }
+        Ok(Response::new(reg::RegistrationStatusResponse {}))
+    }
+}
+
+/// Kubelet's plugin directories: `plugins_registry` and `plugins`, beside the device-plugin
+/// directory (`/var/lib/kubelet` by default).
+pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) {
+    let root = cfg.kubelet_dir.parent().unwrap_or(Path::new("/var/lib/kubelet"));
+    (
+        root.join("plugins_registry").join(format!("{driver}-reg.sock")),
+        root.join("plugins").join(driver).join("dra.sock"),
+    )
+}
+
+fn inode(p: &Path) -> Option<u64> {
+    std::fs::metadata(p).ok().map(|m| m.ino())
+}
+
+/// Writes the node's ResourceSlice when its devices differ from what the API server has.
+async fn publish(d: &Driver, owner: &Option<Value>) -> Result<bool, String> {
+    let api: Api<DynamicObject> = Api::all_with(d.client.clone(), &resource("ResourceSlice", "resourceslices"));
+    let name = resource_slice_name(&d.node, &d.driver);
+    let devices = Value::Array(devices(&d.agent));
+    let existing = api.get_opt(&name).await.map_err(|e| format!("reading ResourceSlice {name}: {e}"))?;
+    let spec = |generation: i64| {
+        json!({
+            "driver": d.driver,
+            "nodeName": d.node,
+            "pool": {"name": d.node, "generation": generation, "resourceSliceCount": 1},
+            "devices": devices,
+        })
+    };
+    match existing {
+        Some(mut o) => {
+            if o.data["spec"]["devices"] == devices && o.data["spec"]["driver"] == d.driver.as_str() {
+                return Ok(false);
+            }
+            let generation = o.data["spec"]["pool"]["generation"].as_i64().unwrap_or(0) + 1;
+            o.data["spec"] = spec(generation);
+            api.replace(&name, &PostParams::default(), &o)
+                .await
+                .map_err(|e| format!("updating ResourceSlice {name}: {e}"))?;
+        }
+        None => {
+            let mut o = DynamicObject::new(&name, &resource("ResourceSlice", "resourceslices"));
+            o.data = json!({"spec": spec(1)});
+            if let Some(owner) = owner {
+                o.metadata.owner_references = serde_json::from_value(json!([owner])).ok();
+            }
+            api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {name}: {e}"))?;
+        }
+    }
+    Ok(true)
+}
+
+/// The Node object as the ResourceSlice's owner (the slice goes with the node).
+async fn node_owner(client: &kube::Client, node: &str) -> Option<Value> {
+    let n = Api::<Node>::all(client.clone()).get(node).await.ok()?;
+    Some(json!({"apiVersion": "v1", "kind": "Node", "name": node, "uid": n.metadata.uid?, "controller": true}))
+}
+
+/// Serves kubelet and keeps the ResourceSlice current for as long as the agent runs.
+pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let config = match agent.cfg.kube_api.as_deref() {
+        Some(url) => url.parse().map(kube::Config::new).map_err(|e| format!("kube_api {url:?}: {e}")),
+        None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}")),
+    };
+    let client = match config.and_then(|c| kube::Client::try_from(c).map_err(|e| format!("Kubernetes client: {e}"))) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "DRA driver off: no Kubernetes API");
+            return;
+        }
+    };
+    let d = Driver { agent: agent.clone(), driver: driver.clone(), node: agent.cfg.node_name.clone(), client };
+    let (reg_sock, dra_sock) = sockets(&agent.cfg, &driver);
+    let registrar = Registrar { driver: driver.clone(), endpoint: dra_sock.clone() };
+    let mut owner = None;
+    let mut next_publish = tokio::time::Instant::now();
+    let mut serving: Option<(Option<u64>, Option<u64>, tokio::sync::watch::Sender<bool>)> = None;
+    loop {
+        // (Re)serve when a socket is missing: the DRA service first, so kubelet can call it as soon as
+        // it learns of it from the registration socket.
+        let up = serving.as_ref().is_some_and(|(r, s, _)| inode(&reg_sock) == *r && inode(&dra_sock) == *s);
+        if !up {
+            if let Some((_, _, down)) = serving.take() {
+                let _ = down.send(true);
+            }
+            let (down_tx, down_rx) = tokio::sync::watch::channel(false);
+            let _ = std::fs::remove_file(&dra_sock);
+            let _ = std::fs::remove_file(&reg_sock);
+            match (crate::api::bind(&dra_sock), crate::api::bind(&reg_sock)) {
+                (Ok(dl), Ok(rl)) => {
+                    let (mut r1, mut r2) = (down_rx.clone(), down_rx);
+                    tokio::spawn(
+                        tonic::transport::Server::builder()
+                            .add_service(v1::dra_plugin_server::DraPluginServer::new(d.clone()))
+                            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(d.clone()))
+                            .serve_with_incoming_shutdown(
+                                tokio_stream::wrappers::UnixListenerStream::new(dl),
+                                async move {
+                                    let _ = r1.wait_for(|x| *x).await;
+                                },
+                            ),
+                    );
+                    tokio::spawn(
+                        tonic::transport::Server::builder()
+                            .add_service(reg::registration_server::RegistrationServer::new(registrar.clone()))
+                            .serve_with_incoming_shutdown(
+                                tokio_stream::wrappers::UnixListenerStream::new(rl),
+                                async move {
+                                    let _ = r2.wait_for(|x| *x).await;
+                                },
+                            ),
+                    );
+                    tracing::info!(driver = %driver, registration = %reg_sock.display(), service = %dra_sock.display(), "serving the DRA driver");
+                    serving = Some((inode(&reg_sock), inode(&dra_sock), down_tx));
+                }
+                (a, b) => {
+                    let e = a.err().or(b.err()).unwrap_or_default();
+                    tracing::error!(error = %e, "DRA driver: cannot listen; retrying");
+                }
+            }
+        }
+        if tokio::time::Instant::now() >= next_publish {
+            if owner.is_none() {
+                owner = node_owner(&d.client, &d.node).await;
+            }
+            next_publish = tokio::time::Instant::now()
+                + match publish(&d, &owner).await {
+                    Ok(changed) => {
+                        if changed {
+                            tracing::info!(node = %d.node, driver = %driver, "ResourceSlice written");
+                        }
+                        Duration::from_secs(2)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot publish the ResourceSlice; retrying");
+                        Duration::from_secs(5)
+                    }
+                };
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stop.changed() => break,
+        }
+    }
+    if let Some((_, _, down)) = serving {
+        let _ = down.send(true);
+    }
+    let _ = std::fs::remove_file(&dra_sock);
+    let _ = std::fs::remove_file(&reg_sock);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_round_trip_and_others_are_not_ours() {
+        assert_eq!(device_name(3, 7), "gpu-3-7");
+        assert_eq!(parse_device("gpu-3-7"), Some((3, 7)));
+        assert_eq!(parse_device("gpu-3"), None);
+        assert_eq!(parse_device("nic-0-1"), None);
+        assert_eq!(parse_device("gpu-x-1"), None);
+        assert_eq!(slice_name("7C1A-uid"), "dra-7c1a-uid");
+        assert!(crate::slices::valid_name(&slice_name("0b7f3f4e-5d0a-4d4a-9f0e-3c2b1a0f9e8d")));
+        assert_eq!(resource_slice_name("node-a", "gpu.vgpu.io"), "node-a-gpu.vgpu.io");
+    }
+}

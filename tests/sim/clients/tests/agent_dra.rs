@@ -1,0 +1,329 @@
+//! The agent as a Kubernetes DRA driver (`dra = "on"`), against a fake API server (a small HTTP
+//! server on 127.0.0.1 that keeps objects as JSON, answers kube-rs's get/create/replace calls and
+//! enforces resourceVersion on replace) and a fake kubelet (the plugin watcher's GetInfo and
+//! NotifyRegistrationStatus, then NodePrepareResources and NodeUnprepareResources on the driver's
+//! socket, in both API versions): the ResourceSlice, a claim's slice with its share of the GPU and
+//! its CDI device, a replaced claim refused, and the slice removed when the claim is unprepared.
+
+mod common;
+use common::agent::*;
+use common::*;
+
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use vgpu_proto::dra::{registration as reg, v1, v1beta1};
+
+const NODE: &str =
+    "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n[[gpu]]\nmodel = \"H100-80GB\"\n";
+const DRIVER: &str = "gpu.vgpu.io";
+const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
+
+/// Objects by API path, and the last resourceVersion given.
+#[derive(Default)]
+struct Store {
+    objects: BTreeMap<String, Value>,
+    rv: u64,
+    /// How many times each path was written.
+    writes: BTreeMap<String, u32>,
+}
+
+fn serve(store: Arc<Mutex<Store>>) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = format!("http://{}", l.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in l.incoming().flatten() {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut w = conn;
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut parts = line.split_whitespace();
+                    let (method, target) =
+                        (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
+                    let mut len = 0;
+                    loop {
+                        let mut h = String::new();
+                        r.read_line(&mut h).unwrap();
+                        if h.trim().is_empty() {
+                            break;
+                        }
+                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0; len];
+                    r.read_exact(&mut body).unwrap();
+                    let (code, resp) = handle(&store, &method, &target, &body);
+                    let text = resp.to_string();
+                    write!(
+                        w,
+                        "HTTP/1.1 {code} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+                        text.len()
+                    )
+                    .unwrap();
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn status(code: u16, reason: &str) -> (u16, Value) {
+    (
+        code,
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code, "message": reason}),
+    )
+}
+
+fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16, Value) {
+    let mut s = store.lock().unwrap();
+    let path = target.split('?').next().unwrap().to_string();
+    match method {
+        "GET" => s.objects.get(&path).map_or_else(|| status(404, "NotFound"), |o| (200, o.clone())),
+        "POST" => {
+            let mut o: Value = serde_json::from_slice(body).unwrap();
+            let at = format!("{path}/{}", o["metadata"]["name"].as_str().unwrap());
+            if s.objects.contains_key(&at) {
+                return status(409, "AlreadyExists");
+            }
+            s.rv += 1;
+            o["metadata"]["resourceVersion"] = s.rv.to_string().into();
+            o["metadata"]["uid"] = format!("uid-{}", s.rv).into();
+            *s.writes.entry(at.clone()).or_default() += 1;
+            s.objects.insert(at, o.clone());
+            (201, o)
+        }
+        "PUT" => {
+            let mut o: Value = serde_json::from_slice(body).unwrap();
+            let Some(cur) = s.objects.get(&path) else { return status(404, "NotFound") };
+            if o["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
+                return status(409, "Conflict");
+            }
+            s.rv += 1;
+            o["metadata"]["resourceVersion"] = s.rv.to_string().into();
+            *s.writes.entry(path.clone()).or_default() += 1;
+            s.objects.insert(path, o.clone());
+            (200, o)
+        }
+        _ => status(405, "MethodNotAllowed"),
+    }
+}
+
+fn claim(ns: &str, name: &str, uid: &str, results: &[(&str, &str, &str, &str)]) -> Value {
+    let results: Vec<Value> = results
+        .iter()
+        .map(|(request, driver, pool, device)| json!({"request": request, "driver": driver, "pool": pool, "device": device}))
+        .collect();
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": ns, "uid": uid, "resourceVersion": "1"},
+        "spec": {"devices": {"requests": []}},
+        "status": {"allocation": {"devices": {"results": results}}},
+    })
+}
+
+fn wait(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(15), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn v1_claim(ns: &str, name: &str, uid: &str) -> v1::Claim {
+    v1::Claim { namespace: ns.into(), uid: uid.into(), name: name.into() }
+}
+
+#[test]
+fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
+    let s = Sim::new(Some(NODE));
+    let g0 = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let store = Arc::new(Mutex::new(Store::default()));
+    store.lock().unwrap().objects.insert(
+        "/api/v1/nodes/node1".into(),
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "uid": "node-uid-1", "resourceVersion": "1"}}),
+    );
+    let api = serve(store.clone());
+    let kubelet = s.state.join("kubelet");
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "dra = \"on\"\ndevice_plugin = \"off\"\nsplit_count = 10\n").unwrap();
+    let a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
+            ("VGPU_AGENT_KUBELET_DIR", kubelet.join("device-plugins").to_str().unwrap()),
+            ("VGPU_AGENT_KUBE_API", &api),
+            ("NODE_NAME", "node1"),
+        ],
+    );
+
+    // The ResourceSlice: both GPUs as 10 devices each, owned by the node.
+    let at = format!("{SLICES}/node1-{DRIVER}");
+    wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
+    let rs = store.lock().unwrap().objects[&at].clone();
+    let spec = &rs["spec"];
+    assert_eq!((&spec["driver"], &spec["nodeName"]), (&json!(DRIVER), &json!("node1")), "{rs}");
+    assert_eq!(spec["pool"], json!({"name": "node1", "generation": 1, "resourceSliceCount": 1}));
+    let devices = spec["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 20);
+    let d3 = devices.iter().find(|d| d["name"] == "gpu-0-3").expect("gpu-0-3");
+    assert_eq!(d3["attributes"]["uuid"]["string"], g0.as_str());
+    assert_eq!(d3["attributes"]["index"]["int"], 0);
+    assert_eq!(d3["capacity"]["memory"]["value"], (8192u64 * MIB / 10).to_string());
+    assert_eq!(d3["capacity"]["cores"]["value"], "10");
+    assert_eq!(rs["metadata"]["ownerReferences"][0]["uid"], "node-uid-1");
+
+    // Unchanged devices are not written again.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(store.lock().unwrap().writes[&at], 1, "written once while nothing changed");
+
+    // Claims: three devices of GPU 0 for request "gpu" (one from another driver, ignored); a claim
+    // replaced since kubelet learned of it.
+    {
+        let mut st = store.lock().unwrap();
+        st.objects.insert(
+            "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/train-gpu".into(),
+            claim(
+                "ml",
+                "train-gpu",
+                "c1a1-0001",
+                &[
+                    ("gpu", DRIVER, "node1", "gpu-0-3"),
+                    ("gpu", DRIVER, "node1", "gpu-0-4"),
+                    ("gpu", DRIVER, "node1", "gpu-0-7"),
+                    ("nic", "net.example.com", "node1", "eth1"),
+                ],
+            ),
+        );
+        st.objects.insert(
+            "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/old".into(),
+            claim("ml", "old", "c1a1-0003", &[("gpu", DRIVER, "node1", "gpu-1-0")]),
+        );
+    }
+
+    let (reg_sock, dra_sock) = (
+        kubelet.join("plugins_registry").join(format!("{DRIVER}-reg.sock")),
+        kubelet.join("plugins").join(DRIVER).join("dra.sock"),
+    );
+    wait("the registration socket", || reg_sock.exists());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        // The plugin watcher's side of registration.
+        let mut r =
+            reg::registration_client::RegistrationClient::new(vgpu_agent::api::unix_channel(&reg_sock).await.unwrap());
+        let info = r.get_info(reg::InfoRequest {}).await.unwrap().into_inner();
+        assert_eq!((info.r#type.as_str(), info.name.as_str()), ("DRAPlugin", DRIVER));
+        assert_eq!(info.endpoint, dra_sock.display().to_string());
+        assert_eq!(info.supported_versions, ["v1.DRAPlugin", "v1beta1.DRAPlugin"]);
+        r.notify_registration_status(reg::RegistrationStatus { plugin_registered: true, error: String::new() })
+            .await
+            .unwrap();
+
+        let ch = vgpu_agent::api::unix_channel(&dra_sock).await.unwrap();
+        let mut c = v1::dra_plugin_client::DraPluginClient::new(ch.clone());
+        let req = v1::NodePrepareResourcesRequest {
+            claims: vec![
+                v1_claim("ml", "train-gpu", "c1a1-0001"),
+                v1_claim("ml", "gone", "c1a1-0002"),
+                v1_claim("ml", "old", "c1a1-0004"),
+            ],
+        };
+        let resp = c.node_prepare_resources(req.clone()).await.unwrap().into_inner();
+        assert_eq!(resp.claims.len(), 3, "every claim has an entry: {resp:?}");
+        let ok = &resp.claims["c1a1-0001"];
+        assert_eq!(ok.error, "");
+        let got: Vec<(&str, &str, &str, &[String])> = ok
+            .devices
+            .iter()
+            .map(|d| {
+                (d.request_names[0].as_str(), d.pool_name.as_str(), d.device_name.as_str(), d.cdi_device_ids.as_slice())
+            })
+            .collect();
+        let cdi = vec!["vgpu.io/slice=dra-c1a1-0001".to_string()];
+        assert_eq!(
+            got,
+            [
+                ("gpu", "node1", "gpu-0-3", cdi.as_slice()),
+                ("gpu", "node1", "gpu-0-4", &[][..]),
+                ("gpu", "node1", "gpu-0-7", &[][..])
+            ],
+            "the slice's CDI device once for the request"
+        );
+        assert!(resp.claims["c1a1-0002"].error.contains("reading claim ml/gone"), "{:?}", resp.claims["c1a1-0002"]);
+        assert!(resp.claims["c1a1-0004"].error.contains("made again"), "{:?}", resp.claims["c1a1-0004"]);
+        assert!(resp.claims["c1a1-0004"].devices.is_empty());
+
+        // Preparing again (a kubelet restart) answers the same; so does the v1beta1 service.
+        let again = c.node_prepare_resources(req).await.unwrap().into_inner();
+        assert_eq!(again.claims["c1a1-0001"], *ok);
+        let mut b = v1beta1::dra_plugin_client::DraPluginClient::new(ch.clone());
+        let beta = b
+            .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
+                claims: vec![v1beta1::Claim {
+                    namespace: "ml".into(),
+                    uid: "c1a1-0001".into(),
+                    name: "train-gpu".into(),
+                }],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(beta.claims["c1a1-0001"].devices.len(), 3);
+        assert_eq!(beta.claims["c1a1-0001"].devices[0].cdi_device_ids, cdi);
+    });
+
+    // The claim's slice: 3 of GPU 0's 10 shares, labelled with the claim, and its CDI spec.
+    let detail: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "dra-c1a1-0001", "--json"])).unwrap();
+    let gpus = detail["slice"]["gpus"].as_array().expect("gpus");
+    assert_eq!(gpus.len(), 1, "{detail}");
+    assert_eq!(gpus[0]["gpu"], g0.as_str());
+    assert_eq!(gpus[0]["memory"].as_u64(), Some((3 * 8192 * MIB / 10) >> 20 << 20), "{detail}");
+    assert_eq!(gpus[0]["sm"], 30);
+    assert_eq!(
+        detail["slice"]["labels"],
+        json!({"source": "dra", "namespace": "ml", "claim": "train-gpu", "claim-uid": "c1a1-0001"})
+    );
+    let spec_file = a.state.join("cdi").join("vgpu-dra-c1a1-0001.json");
+    let spec: Value = serde_json::from_slice(&std::fs::read(&spec_file).unwrap()).unwrap();
+    assert_eq!((&spec["kind"], &spec["devices"][0]["name"]), (&json!("vgpu.io/slice"), &json!("dra-c1a1-0001")));
+
+    // Unprepared: the slice and its spec go; unpreparing again is not an error.
+    rt.block_on(async {
+        let mut c =
+            v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(&dra_sock).await.unwrap());
+        for _ in 0..2 {
+            let resp = c
+                .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+                    claims: vec![v1_claim("ml", "train-gpu", "c1a1-0001")],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(resp.claims["c1a1-0001"].error, "");
+        }
+    });
+    assert!(!a.ctl(&["inspect", "dra-c1a1-0001"]).status.success(), "the slice is gone");
+    assert!(!spec_file.exists());
+
+    // A GPU that fails (a critical XID) leaves the pool: its devices go, the generation rises.
+    assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+    wait("the ResourceSlice without GPU 1", || {
+        store.lock().unwrap().objects[&at]["spec"]["devices"].as_array().is_some_and(|d| d.len() == 10)
+    });
+    let rs = store.lock().unwrap().objects[&at].clone();
+    assert_eq!(rs["spec"]["pool"]["generation"], 2);
+    assert!(rs["spec"]["devices"].as_array().unwrap().iter().all(|d| d["attributes"]["index"]["int"] == 0));
+
+    // A removed registration socket (a kubelet clean-up) is served again.
+    std::fs::remove_file(&reg_sock).unwrap();
+    wait("the registration socket again", || reg_sock.exists());
+    drop(a);
+}
