@@ -639,6 +639,21 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
     } else {
         v.push(check("kubelet", "skip", "no kubelet device-plugin socket (not a Kubernetes node)".into(), ""));
     }
+    // The DRA driver's sockets, which kubelet's plugin watcher and kubelet dial.
+    if let Some(driver) = &cfg.dra {
+        let (reg, dra) = crate::dra::sockets(cfg, driver);
+        let is_socket = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_socket());
+        v.push(if is_socket(&reg) && is_socket(&dra) {
+            check("dra", "ok", format!("driver {driver}: {} and {} present", reg.display(), dra.display()), "")
+        } else {
+            check(
+                "dra",
+                "fail",
+                format!("driver {driver}: {} or {} missing", reg.display(), dra.display()),
+                "mount kubelet's plugins and plugins_registry directories into the agent beside kubelet_dir (the Helm chart does), and see the agent's log",
+            )
+        });
+    }
     let cdi: Vec<&str> = ["/etc/cdi", "/var/run/cdi"].into_iter().filter(|d| Path::new(d).is_dir()).collect();
     if cdi.is_empty() {
         v.push(check("cdi", "skip", "no CDI directory (/etc/cdi, /var/run/cdi)".into(), ""));

@@ -17,6 +17,9 @@
 //!   Preparing a claim again returns the same; a claim whose UID changed (deleted and made again)
 //!   is refused.
 //! - **NodeUnprepareResources**: removes the claim's slice (refused while processes of it live).
+//! - **Collection**: a claim's slice whose claim is gone (or made again under its name), which
+//!   kubelet never unprepared (its state lost with the node's), is removed once no process of it
+//!   lives, checked every `slice_gc_grace_s / 2` (1-10 s).
 
 use crate::agent::{Agent, ApiError};
 use k8s_openapi::api::core::v1::Node;
@@ -311,6 +314,42 @@ impl reg::registration_server::Registration for Registrar {
     }
 }
 
+/// Removes the slices of claims that are gone; returns how many.
+async fn collect(d: &Driver) -> usize {
+    let mut removed = 0;
+    for s in d.agent.slices().iter() {
+        if s.labels.get("source").map(String::as_str) != Some("dra") {
+            continue;
+        }
+        let label = |k: &str| s.labels.get(k).cloned().unwrap_or_default();
+        let (ns, name, uid) = (label("namespace"), label("claim"), label("claim-uid"));
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(d.client.clone(), &ns, &resource("ResourceClaim", "resourceclaims"));
+        let gone = match api.get_opt(&name).await {
+            Ok(None) => true,
+            Ok(Some(c)) => c.metadata.uid.as_deref() != Some(uid.as_str()),
+            Err(e) => {
+                tracing::debug!(slice = %s.name, error = %e, "cannot read the claim of a DRA slice");
+                false
+            }
+        };
+        if !gone {
+            continue;
+        }
+        let (a, n) = (d.agent.clone(), s.name.clone());
+        match tokio::task::spawn_blocking(move || a.delete_slice(&n, false)).await {
+            Ok(Ok(())) => {
+                tracing::info!(slice = %s.name, claim = %format!("{ns}/{name}"), "DRA slice removed: its claim is gone");
+                d.agent.stats.slices_collected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                removed += 1;
+            }
+            Ok(Err(e)) => tracing::debug!(slice = %s.name, error = ?e, "DRA slice of a gone claim kept for now"),
+            Err(e) => tracing::warn!(slice = %s.name, error = %e, "DRA slice removal failed"),
+        }
+    }
+    removed
+}
+
 /// Kubelet's plugin directories: `plugins_registry` and `plugins`, beside the device-plugin
 /// directory (`/var/lib/kubelet` by default).
 pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) {
@@ -386,6 +425,9 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
     let registrar = Registrar { driver: driver.clone(), endpoint: dra_sock.clone() };
     let mut owner = None;
     let mut next_publish = tokio::time::Instant::now();
+    let collect_every =
+        (Duration::from_secs(agent.cfg.slice_gc_grace_s) / 2).clamp(Duration::from_secs(1), Duration::from_secs(10));
+    let mut next_collect = tokio::time::Instant::now() + collect_every;
     let mut serving: Option<(Option<u64>, Option<u64>, tokio::sync::watch::Sender<bool>)> = None;
     loop {
         // (Re)serve when a socket is missing: the DRA service first, so kubelet can call it as soon as
@@ -448,6 +490,10 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                         Duration::from_secs(5)
                     }
                 };
+        }
+        if tokio::time::Instant::now() >= next_collect {
+            collect(&d).await;
+            next_collect = tokio::time::Instant::now() + collect_every;
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}

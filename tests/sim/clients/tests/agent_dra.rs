@@ -3,7 +3,8 @@
 //! enforces resourceVersion on replace) and a fake kubelet (the plugin watcher's GetInfo and
 //! NotifyRegistrationStatus, then NodePrepareResources and NodeUnprepareResources on the driver's
 //! socket, in both API versions): the ResourceSlice, a claim's slice with its share of the GPU and
-//! its CDI device, a replaced claim refused, and the slice removed when the claim is unprepared.
+//! its CDI device, a replaced claim refused, the slice removed when the claim is unprepared or, never
+//! unprepared, once the claim is gone, and a failing GPU's devices taken out of the pool.
 
 mod common;
 use common::agent::*;
@@ -154,7 +155,7 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     let api = serve(store.clone());
     let kubelet = s.state.join("kubelet");
     let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "dra = \"on\"\ndevice_plugin = \"off\"\nsplit_count = 10\n").unwrap();
+    std::fs::write(&cfg, "dra = \"on\"\ndevice_plugin = \"off\"\nsplit_count = 10\nslice_gc_grace_s = 2\n").unwrap();
     let a = Agent::start(
         &s,
         &[
@@ -313,6 +314,28 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     assert!(!a.ctl(&["inspect", "dra-c1a1-0001"]).status.success(), "the slice is gone");
     assert!(!spec_file.exists());
 
+    // A claim kubelet never unprepares (its state lost): once the claim is gone, so is its slice.
+    store.lock().unwrap().objects.insert(
+        "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/left".into(),
+        claim("ml", "left", "c1a1-0005", &[("gpu", DRIVER, "node1", "gpu-1-2")]),
+    );
+    rt.block_on(async {
+        let mut c =
+            v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(&dra_sock).await.unwrap());
+        let resp = c
+            .node_prepare_resources(v1::NodePrepareResourcesRequest {
+                claims: vec![v1_claim("ml", "left", "c1a1-0005")],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(resp.claims["c1a1-0005"].error, "");
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(a.ctl(&["inspect", "dra-c1a1-0005"]).status.success(), "kept while its claim exists");
+    store.lock().unwrap().objects.remove("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/left");
+    wait("the slice of the gone claim removed", || !a.ctl(&["inspect", "dra-c1a1-0005"]).status.success());
+
     // A GPU that fails (a critical XID) leaves the pool: its devices go, the generation rises.
     assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
     wait("the ResourceSlice without GPU 1", || {
@@ -321,6 +344,26 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     let rs = store.lock().unwrap().objects[&at].clone();
     assert_eq!(rs["spec"]["pool"]["generation"], 2);
     assert!(rs["spec"]["devices"].as_array().unwrap().iter().all(|d| d["attributes"]["index"]["int"] == 0));
+
+    // vgpuctl doctor with the agent's configuration sees both sockets; not with a driver name
+    // nothing serves.
+    let doctor = |extra: &str| {
+        let c = s.state.join("doctor.toml");
+        std::fs::write(
+            &c,
+            format!(
+                "socket = \"{}\"\nkubelet_dir = \"{}\"\ndra = \"on\"\ndevice_plugin = \"off\"\n{extra}",
+                a.socket.display(),
+                kubelet.join("device-plugins").display()
+            ),
+        )
+        .unwrap();
+        let o = s.cmd(&bin("vgpuctl")).args(["--config", c.to_str().unwrap(), "doctor", "--json"]).output().unwrap();
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
+        v.as_array().unwrap().iter().find(|c| c["name"] == "dra").cloned().expect("a dra check")
+    };
+    assert_eq!(doctor("")["level"], "ok", "{}", doctor(""));
+    assert_eq!(doctor("dra_driver = \"other.example.com\"\n")["level"], "fail");
 
     // A removed registration socket (a kubelet clean-up) is served again.
     std::fs::remove_file(&reg_sock).unwrap();
