@@ -100,6 +100,15 @@ pub fn devices(agent: &Agent, kind: Kind) -> Vec<dp::Device> {
     v
 }
 
+/// The limits of `k` of a GPU's `split_count` shares: k/split of its (scaled) memory, rounded down
+/// to a MiB, and of its time (no SM limit for the whole GPU).
+pub fn share(agent: &Agent, g: &crate::discovery::Gpu, k: u64) -> vgpu_proto::v1::SliceGpuLimit {
+    let split = agent.cfg.split_count.max(1) as u64;
+    let memory = (agent.scaled(g.memory_total) / split * k) >> 20 << 20;
+    let sm = (100 * k / split) as u32;
+    vgpu_proto::v1::SliceGpuLimit { gpu: g.uuid.clone(), memory, sm: if sm >= 100 { 0 } else { sm } }
+}
+
 /// The GPU UUID of a replica device ID.
 fn gpu_of(id: &str) -> &str {
     id.rsplit_once('-').map_or(id, |(g, _)| g)
@@ -110,7 +119,6 @@ impl Plugin {
     /// restart gets the same answer and the same files).
     fn allocate_one(&self, ids: &[String]) -> Result<dp::ContainerAllocateResponse, Status> {
         let a = &self.agent;
-        let split = a.cfg.split_count as u64;
         let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
         for id in ids {
             *per_gpu.entry(gpu_of(id).to_string()).or_default() += 1;
@@ -123,9 +131,7 @@ impl Plugin {
                 .iter()
                 .find(|g| &g.uuid == uuid)
                 .ok_or_else(|| Status::invalid_argument(format!("device of unknown GPU {uuid}")))?;
-            let memory = (a.scaled(g.memory_total) / split * k) >> 20 << 20;
-            let sm = (100 * k / split) as u32;
-            gpus.push(vgpu_proto::v1::SliceGpuLimit { gpu: uuid.clone(), memory, sm: if sm >= 100 { 0 } else { sm } });
+            gpus.push(share(a, g, *k));
         }
         let name = slice_name(ids);
         self.recent.lock().insert(name.clone(), Instant::now());

@@ -113,11 +113,9 @@ pub struct Driver {
 }
 
 impl Driver {
-    /// The per-GPU limits of `k` devices of each GPU (by NVML index), as replica mode computes them.
+    /// The per-GPU limits of `k` devices of each GPU (by NVML index), as replica mode's.
     fn limits(&self, counts: &BTreeMap<u32, u64>) -> Result<Vec<vgpu_proto::v1::SliceGpuLimit>, String> {
-        let a = &self.agent;
-        let split = a.cfg.split_count.max(1) as u64;
-        let inv = a.inventory.read();
+        let inv = self.agent.inventory.read();
         counts
             .iter()
             .map(|(index, k)| {
@@ -126,9 +124,7 @@ impl Driver {
                     .iter()
                     .find(|g| g.index == *index)
                     .ok_or_else(|| format!("no GPU {index} on this node"))?;
-                let memory = (a.scaled(g.memory_total) / split * k) >> 20 << 20;
-                let sm = (100 * k / split) as u32;
-                Ok(vgpu_proto::v1::SliceGpuLimit { gpu: g.uuid.clone(), memory, sm: if sm >= 100 { 0 } else { sm } })
+                Ok(crate::deviceplugin::share(&self.agent, g, *k))
             })
             .collect()
     }

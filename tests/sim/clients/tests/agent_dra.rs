@@ -8,12 +8,12 @@
 
 mod common;
 use common::agent::*;
+use common::kubeapi::status;
 use common::*;
 
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use vgpu_proto::dra::{registration as reg, v1, v1beta1};
@@ -33,55 +33,7 @@ struct Store {
 }
 
 fn serve(store: Arc<Mutex<Store>>) -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = format!("http://{}", l.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in l.incoming().flatten() {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(conn.try_clone().unwrap());
-                let mut w = conn;
-                loop {
-                    let mut line = String::new();
-                    if r.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let mut parts = line.split_whitespace();
-                    let (method, target) =
-                        (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
-                    let mut len = 0;
-                    loop {
-                        let mut h = String::new();
-                        r.read_line(&mut h).unwrap();
-                        if h.trim().is_empty() {
-                            break;
-                        }
-                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap();
-                        }
-                    }
-                    let mut body = vec![0; len];
-                    r.read_exact(&mut body).unwrap();
-                    let (code, resp) = handle(&store, &method, &target, &body);
-                    let text = resp.to_string();
-                    write!(
-                        w,
-                        "HTTP/1.1 {code} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
-                        text.len()
-                    )
-                    .unwrap();
-                }
-            });
-        }
-    });
-    addr
-}
-
-fn status(code: u16, reason: &str) -> (u16, Value) {
-    (
-        code,
-        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code, "message": reason}),
-    )
+    common::kubeapi::serve(move |method, target, body| handle(&store, method, target, body))
 }
 
 fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16, Value) {
@@ -137,6 +89,22 @@ fn wait(what: &str, f: impl Fn() -> bool) {
         assert!(t.elapsed() < Duration::from_secs(15), "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// NodePrepareResources (v1) on the driver's socket, as kubelet calls it.
+fn prepare(rt: &tokio::runtime::Runtime, sock: &Path, claims: Vec<v1::Claim>) -> v1::NodePrepareResourcesResponse {
+    rt.block_on(async {
+        let mut c = v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(sock).await.unwrap());
+        c.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }).await.unwrap().into_inner()
+    })
+}
+
+/// NodeUnprepareResources (v1).
+fn unprepare(rt: &tokio::runtime::Runtime, sock: &Path, claims: Vec<v1::Claim>) -> v1::NodeUnprepareResourcesResponse {
+    rt.block_on(async {
+        let mut c = v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(sock).await.unwrap());
+        c.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }).await.unwrap().into_inner()
+    })
 }
 
 fn v1_claim(ns: &str, name: &str, uid: &str) -> v1::Claim {
@@ -297,20 +265,10 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     assert_eq!((&spec["kind"], &spec["devices"][0]["name"]), (&json!("vgpu.io/slice"), &json!("dra-c1a1-0001")));
 
     // Unprepared: the slice and its spec go; unpreparing again is not an error.
-    rt.block_on(async {
-        let mut c =
-            v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(&dra_sock).await.unwrap());
-        for _ in 0..2 {
-            let resp = c
-                .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-                    claims: vec![v1_claim("ml", "train-gpu", "c1a1-0001")],
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            assert_eq!(resp.claims["c1a1-0001"].error, "");
-        }
-    });
+    for _ in 0..2 {
+        let resp = unprepare(&rt, &dra_sock, vec![v1_claim("ml", "train-gpu", "c1a1-0001")]);
+        assert_eq!(resp.claims["c1a1-0001"].error, "");
+    }
     assert!(!a.ctl(&["inspect", "dra-c1a1-0001"]).status.success(), "the slice is gone");
     assert!(!spec_file.exists());
 
@@ -319,18 +277,8 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
         "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/left".into(),
         claim("ml", "left", "c1a1-0005", &[("gpu", DRIVER, "node1", "gpu-1-2")]),
     );
-    rt.block_on(async {
-        let mut c =
-            v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(&dra_sock).await.unwrap());
-        let resp = c
-            .node_prepare_resources(v1::NodePrepareResourcesRequest {
-                claims: vec![v1_claim("ml", "left", "c1a1-0005")],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(resp.claims["c1a1-0005"].error, "");
-    });
+    let resp = prepare(&rt, &dra_sock, vec![v1_claim("ml", "left", "c1a1-0005")]);
+    assert_eq!(resp.claims["c1a1-0005"].error, "");
     std::thread::sleep(Duration::from_millis(1500));
     assert!(a.ctl(&["inspect", "dra-c1a1-0005"]).status.success(), "kept while its claim exists");
     store.lock().unwrap().objects.remove("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/left");

@@ -12,8 +12,6 @@ use common::*;
 
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use vgpu_proto::deviceplugin as dp;
@@ -44,48 +42,7 @@ fn merge(dst: &mut Value, patch: &Value) {
 }
 
 fn serve(cluster: Arc<Mutex<Cluster>>) -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = format!("http://{}", l.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in l.incoming().flatten() {
-            let cluster = cluster.clone();
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(conn.try_clone().unwrap());
-                let mut w = conn;
-                loop {
-                    let mut line = String::new();
-                    if r.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let mut parts = line.split_whitespace();
-                    let (method, target) =
-                        (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
-                    let mut len = 0;
-                    loop {
-                        let mut h = String::new();
-                        r.read_line(&mut h).unwrap();
-                        if h.trim().is_empty() {
-                            break;
-                        }
-                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap();
-                        }
-                    }
-                    let mut body = vec![0; len];
-                    r.read_exact(&mut body).unwrap();
-                    let (code, resp) = handle(&cluster, &method, &target, &body);
-                    let text = resp.to_string();
-                    write!(
-                        w,
-                        "HTTP/1.1 {code} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
-                        text.len()
-                    )
-                    .unwrap();
-                }
-            });
-        }
-    });
-    addr
+    common::kubeapi::serve(move |method, target, body| handle(&cluster, method, target, body))
 }
 
 fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> (u16, Value) {

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod agent;
+pub mod kubeapi;
 pub mod kubelet;
 
 use serde_json::Value;
