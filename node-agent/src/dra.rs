@@ -95,6 +95,48 @@ pub fn devices(agent: &Agent) -> Vec<Value> {
     v
 }
 
+/// The value of a Kubernetes quantity without a fraction (`8589934592`, `8Gi`, `858993k`, `1e3`), which
+/// is how capacities come back from the API server: it rewrites them in its canonical form.
+pub fn quantity(q: &str) -> Option<u128> {
+    let q = q.trim();
+    let split = q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len());
+    let (digits, suffix) = q.split_at(split);
+    let n: u128 = digits.parse().ok()?;
+    let scale: u128 = match suffix {
+        "" => 1,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        "P" => 1_000_000_000_000_000,
+        "E" => 1_000_000_000_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "Pi" => 1 << 50,
+        "Ei" => 1 << 60,
+        e => 10u128.checked_pow(e.strip_prefix(['e', 'E'])?.parse().ok()?)?,
+    };
+    n.checked_mul(scale)
+}
+
+/// Whether two ResourceSlice device lists say the same, capacities compared by value.
+pub fn same_devices(a: &Value, b: &Value) -> bool {
+    fn norm(v: &Value) -> Value {
+        let mut v = v.clone();
+        for d in v.as_array_mut().into_iter().flatten() {
+            for c in d["capacity"].as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
+                if let Some(n) = c["value"].as_str().and_then(quantity) {
+                    c["value"] = n.to_string().into();
+                }
+            }
+        }
+        v
+    }
+    norm(a) == norm(b)
+}
+
 /// What a claim's preparation answers, before it is put in one API version's messages.
 #[derive(Debug, PartialEq)]
 pub struct Prepared {
@@ -376,7 +418,7 @@ async fn publish(d: &Driver, owner: &Option<Value>) -> Result<bool, String> {
     };
     match existing {
         Some(mut o) => {
-            if o.data["spec"]["devices"] == devices && o.data["spec"]["driver"] == d.driver.as_str() {
+            if same_devices(&o.data["spec"]["devices"], &devices) && o.data["spec"]["driver"] == d.driver.as_str() {
                 return Ok(false);
             }
             let generation = o.data["spec"]["pool"]["generation"].as_i64().unwrap_or(0) + 1;
@@ -517,5 +559,22 @@ mod tests {
         assert_eq!(slice_name("7C1A-uid"), "dra-7c1a-uid");
         assert!(crate::slices::valid_name(&slice_name("0b7f3f4e-5d0a-4d4a-9f0e-3c2b1a0f9e8d")));
         assert_eq!(resource_slice_name("node-a", "gpu.vgpu.io"), "node-a-gpu.vgpu.io");
+    }
+
+    #[test]
+    fn capacities_compare_by_value_in_any_form_the_api_server_writes() {
+        assert_eq!(quantity("8589934592"), Some(8 << 30));
+        assert_eq!(quantity("8Gi"), Some(8 << 30));
+        assert_eq!(quantity("858993k"), Some(858_993_000));
+        assert_eq!(quantity("1e3"), Some(1000));
+        assert_eq!(quantity("10"), Some(10));
+        assert_eq!((quantity("1.5Gi"), quantity("x"), quantity("")), (None, None, None));
+        let ours =
+            json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "8589934592"}, "cores": {"value": "10"}}}]);
+        let back = json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "8Gi"}, "cores": {"value": "10"}}}]);
+        assert!(same_devices(&ours, &back));
+        let other = json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "4Gi"}, "cores": {"value": "10"}}}]);
+        assert!(!same_devices(&ours, &other));
+        assert!(!same_devices(&ours, &json!([])));
     }
 }

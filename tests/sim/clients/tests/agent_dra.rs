@@ -36,6 +36,20 @@ fn serve(store: Arc<Mutex<Store>>) -> String {
     common::kubeapi::serve(move |method, target, body| handle(&store, method, target, body))
 }
 
+/// Rewrites capacities as an API server does, in a canonical form of its own (here: whole GiB as
+/// `<n>Gi`), so that the driver must compare them by value.
+fn canonical(o: &mut Value) {
+    for d in o["spec"]["devices"].as_array_mut().into_iter().flatten() {
+        for c in d["capacity"].as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
+            if let Some(n) = c["value"].as_str().and_then(|v| v.parse::<u64>().ok()) {
+                if n > 0 && n % (1 << 30) == 0 {
+                    c["value"] = format!("{}Gi", n >> 30).into();
+                }
+            }
+        }
+    }
+}
+
 fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16, Value) {
     let mut s = store.lock().unwrap();
     let path = target.split('?').next().unwrap().to_string();
@@ -43,6 +57,7 @@ fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16
         "GET" => s.objects.get(&path).map_or_else(|| status(404, "NotFound"), |o| (200, o.clone())),
         "POST" => {
             let mut o: Value = serde_json::from_slice(body).unwrap();
+            canonical(&mut o);
             let at = format!("{path}/{}", o["metadata"]["name"].as_str().unwrap());
             if s.objects.contains_key(&at) {
                 return status(409, "AlreadyExists");
@@ -56,6 +71,7 @@ fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16
         }
         "PUT" => {
             let mut o: Value = serde_json::from_slice(body).unwrap();
+            canonical(&mut o);
             let Some(cur) = s.objects.get(&path) else { return status(404, "NotFound") };
             if o["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
                 return status(409, "Conflict");
@@ -123,7 +139,7 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     let api = serve(store.clone());
     let kubelet = s.state.join("kubelet");
     let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "dra = \"on\"\ndevice_plugin = \"off\"\nsplit_count = 10\nslice_gc_grace_s = 2\n").unwrap();
+    std::fs::write(&cfg, "dra = \"on\"\ndevice_plugin = \"off\"\nsplit_count = 8\nslice_gc_grace_s = 2\n").unwrap();
     let a = Agent::start(
         &s,
         &[
@@ -134,7 +150,8 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
         ],
     );
 
-    // The ResourceSlice: both GPUs as 10 devices each, owned by the node.
+    // The ResourceSlice: both GPUs as 8 devices each, owned by the node; a device of GPU 0 has 1 GiB,
+    // which the API server writes back as "1Gi".
     let at = format!("{SLICES}/node1-{DRIVER}");
     wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
     let rs = store.lock().unwrap().objects[&at].clone();
@@ -142,17 +159,21 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     assert_eq!((&spec["driver"], &spec["nodeName"]), (&json!(DRIVER), &json!("node1")), "{rs}");
     assert_eq!(spec["pool"], json!({"name": "node1", "generation": 1, "resourceSliceCount": 1}));
     let devices = spec["devices"].as_array().unwrap();
-    assert_eq!(devices.len(), 20);
+    assert_eq!(devices.len(), 16);
     let d3 = devices.iter().find(|d| d["name"] == "gpu-0-3").expect("gpu-0-3");
     assert_eq!(d3["attributes"]["uuid"]["string"], g0.as_str());
     assert_eq!(d3["attributes"]["index"]["int"], 0);
-    assert_eq!(d3["capacity"]["memory"]["value"], (8192u64 * MIB / 10).to_string());
-    assert_eq!(d3["capacity"]["cores"]["value"], "10");
+    assert_eq!(d3["capacity"]["memory"]["value"], "1Gi");
+    assert_eq!(d3["capacity"]["cores"]["value"], "12");
     assert_eq!(rs["metadata"]["ownerReferences"][0]["uid"], "node-uid-1");
 
-    // Unchanged devices are not written again.
+    // Unchanged devices are not written again (their capacities compared by value).
     std::thread::sleep(Duration::from_millis(2500));
-    assert_eq!(store.lock().unwrap().writes[&at], 1, "written once while nothing changed");
+    let (writes, now) = {
+        let st = store.lock().unwrap();
+        (st.writes[&at], st.objects[&at].clone())
+    };
+    assert_eq!(writes, 1, "written once while nothing changed: {now}\n{}", a.log_text());
 
     // Claims: three devices of GPU 0 for request "gpu" (one from another driver, ignored); a claim
     // replaced since kubelet learned of it.
@@ -249,13 +270,13 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
         assert_eq!(beta.claims["c1a1-0001"].devices[0].cdi_device_ids, cdi);
     });
 
-    // The claim's slice: 3 of GPU 0's 10 shares, labelled with the claim, and its CDI spec.
+    // The claim's slice: 3 of GPU 0's 8 shares, labelled with the claim, and its CDI spec.
     let detail: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "dra-c1a1-0001", "--json"])).unwrap();
     let gpus = detail["slice"]["gpus"].as_array().expect("gpus");
     assert_eq!(gpus.len(), 1, "{detail}");
     assert_eq!(gpus[0]["gpu"], g0.as_str());
-    assert_eq!(gpus[0]["memory"].as_u64(), Some((3 * 8192 * MIB / 10) >> 20 << 20), "{detail}");
-    assert_eq!(gpus[0]["sm"], 30);
+    assert_eq!(gpus[0]["memory"].as_u64(), Some(3 << 30), "{detail}");
+    assert_eq!(gpus[0]["sm"], 37);
     assert_eq!(
         detail["slice"]["labels"],
         json!({"source": "dra", "namespace": "ml", "claim": "train-gpu", "claim-uid": "c1a1-0001"})
@@ -287,7 +308,7 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     // A GPU that fails (a critical XID) leaves the pool: its devices go, the generation rises.
     assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
     wait("the ResourceSlice without GPU 1", || {
-        store.lock().unwrap().objects[&at]["spec"]["devices"].as_array().is_some_and(|d| d.len() == 10)
+        store.lock().unwrap().objects[&at]["spec"]["devices"].as_array().is_some_and(|d| d.len() == 8)
     });
     let rs = store.lock().unwrap().objects[&at].clone();
     assert_eq!(rs["spec"]["pool"]["generation"], 2);
