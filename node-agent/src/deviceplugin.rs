@@ -409,7 +409,8 @@ pub async fn collect(agent: Arc<Agent>, sock: PathBuf, recent: Recent, mut stop:
     }
 }
 
-fn inode(p: &Path) -> Option<u64> {
+/// The inode of `p` (None: not there): a socket made again has another.
+pub(crate) fn inode(p: &Path) -> Option<u64> {
     std::fs::metadata(p).ok().map(|m| m.ino())
 }
 

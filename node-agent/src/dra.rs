@@ -26,7 +26,6 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -398,10 +397,6 @@ pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) 
     )
 }
 
-fn inode(p: &Path) -> Option<u64> {
-    std::fs::metadata(p).ok().map(|m| m.ino())
-}
-
 /// Writes the node's ResourceSlice when its devices differ from what the API server has.
 async fn publish(d: &Driver, owner: &Option<Value>) -> Result<bool, String> {
     let api: Api<DynamicObject> = Api::all_with(d.client.clone(), &resource("ResourceSlice", "resourceslices"));
@@ -447,11 +442,7 @@ async fn node_owner(client: &kube::Client, node: &str) -> Option<Value> {
 
 /// Serves kubelet and keeps the ResourceSlice current for as long as the agent runs.
 pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch::Receiver<bool>) {
-    let config = match agent.cfg.kube_api.as_deref() {
-        Some(url) => url.parse().map(kube::Config::new).map_err(|e| format!("kube_api {url:?}: {e}")),
-        None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}")),
-    };
-    let client = match config.and_then(|c| kube::Client::try_from(c).map_err(|e| format!("Kubernetes client: {e}"))) {
+    let client = match crate::k8s::client(agent.cfg.kube_api.as_deref()).await {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "DRA driver off: no Kubernetes API");
@@ -470,7 +461,9 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
     loop {
         // (Re)serve when a socket is missing: the DRA service first, so kubelet can call it as soon as
         // it learns of it from the registration socket.
-        let up = serving.as_ref().is_some_and(|(r, s, _)| inode(&reg_sock) == *r && inode(&dra_sock) == *s);
+        let up = serving.as_ref().is_some_and(|(r, s, _)| {
+            crate::deviceplugin::inode(&reg_sock) == *r && crate::deviceplugin::inode(&dra_sock) == *s
+        });
         if !up {
             if let Some((_, _, down)) = serving.take() {
                 let _ = down.send(true);
@@ -503,7 +496,8 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                             ),
                     );
                     tracing::info!(driver = %driver, registration = %reg_sock.display(), service = %dra_sock.display(), "serving the DRA driver");
-                    serving = Some((inode(&reg_sock), inode(&dra_sock), down_tx));
+                    serving =
+                        Some((crate::deviceplugin::inode(&reg_sock), crate::deviceplugin::inode(&dra_sock), down_tx));
                 }
                 (a, b) => {
                     let e = a.err().or(b.err()).unwrap_or_default();

@@ -51,16 +51,20 @@ fn slice_name(ns: &str, pod: &str, idx: usize) -> String {
     format!("{}-{digest:016x}", &clean[..46])
 }
 
+/// A client of the API server at `api` (tests, or outside a cluster without kubeconfig); None:
+/// in-cluster configuration or the kubeconfig, as kubectl finds them.
+pub async fn client(api: Option<&str>) -> Result<kube::Client, String> {
+    let config = match api {
+        Some(url) => kube::Config::new(url.parse().map_err(|e| format!("kube_api {url:?}: {e}"))?),
+        None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
+    };
+    kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
+}
+
 impl Kube {
-    /// `api`: an API server URL (tests, or outside a cluster without kubeconfig); None: in-cluster
-    /// configuration or the kubeconfig, as kubectl finds them.
+    /// Connects as [`client`] does.
     pub async fn connect(api: Option<&str>, node: &str, proto: &'static hami::Protocol) -> Result<Kube, String> {
-        let config = match api {
-            Some(url) => kube::Config::new(url.parse().map_err(|e| format!("kube_api {url:?}: {e}"))?),
-            None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
-        };
-        let client = kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?;
-        Ok(Kube { client, node: node.to_string(), proto })
+        Ok(Kube { client: client(api).await?, node: node.to_string(), proto })
     }
 
     async fn pods(&self) -> Result<Vec<Pod>, String> {

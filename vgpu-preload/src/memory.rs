@@ -141,18 +141,22 @@ fn stream_dev(st: &State, stream: CUstream) -> Result<(CUdevice, usize), CUresul
         // A bad stream (the driver's own call refuses it too), or a driver without the call.
         return current(st);
     }
-    match st.contexts.lookup(ctx).and_then(|(d, _)| Some((st.ordinal_of(d)?, d))) {
+    let known = st.contexts.lookup(ctx);
+    match known.and_then(|(d, _)| Some((st.ordinal_of(d)?, d))) {
         Some(found) => Ok(found),
-        None => context_dev(st, ctx),
+        None => context_dev(st, ctx, known.is_some()),
     }
 }
 
-/// The device of context `ctx`, which the table does not know yet: asked of the driver with the
-/// context pushed for the question (unless it is current), then added to the table.
+/// The device of context `ctx`, which the table does not know yet (or not with an ordinal): asked
+/// of the driver with the context pushed for the question (unless it is current), and added to the
+/// table unless it is there (`known`).
 #[cold]
-fn context_dev(st: &State, ctx: u64) -> Result<(CUdevice, usize), CUresult> {
+fn context_dev(st: &State, ctx: u64, known: bool) -> Result<(CUdevice, usize), CUresult> {
     let (o, d) = with_context(ctx, || current(st)).unwrap_or_else(|| current(st))?;
-    st.contexts.add(ctx, d);
+    if !known {
+        st.contexts.add(ctx, d);
+    }
     Ok((o, d))
 }
 
