@@ -44,6 +44,7 @@ struct FileConfig {
     metrics_insecure: Option<bool>,
     dra: Option<String>,
     dra_driver: Option<String>,
+    dra_sharing: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +117,18 @@ pub struct Config {
     pub scheduler: Option<crate::report::ReportConfig>,
     /// The kubelet DRA plugin (resource.k8s.io): its driver name; None: off.
     pub dra: Option<String>,
+    /// How the DRA plugin offers each GPU.
+    pub dra_sharing: DraSharing,
+}
+
+/// How the DRA plugin offers a GPU in the ResourceSlice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraSharing {
+    /// `split_count` devices per GPU, each an equal share; a claim takes whole devices.
+    Replicas,
+    /// One device per GPU that many claims share, each consuming the `memory` and `cores` it asks
+    /// for (consumable capacity, KEP 5075).
+    Capacity,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -317,6 +330,11 @@ impl Config {
             }
             Some(v) => return Err(bad("dra", format!("{v:?} is not on or off"))),
         };
+        let dra_sharing = match env("VGPU_AGENT_DRA_SHARING").or(file.dra_sharing).as_deref() {
+            None | Some("replicas") => DraSharing::Replicas,
+            Some("capacity") => DraSharing::Capacity,
+            Some(v) => return Err(bad("dra_sharing", format!("{v:?} is not replicas or capacity"))),
+        };
         let slice_gc_grace_s = match env("VGPU_AGENT_SLICE_GC_GRACE_S") {
             Some(v) => v.parse().map_err(|_| bad("slice_gc_grace_s", format!("{v:?} is not a number of seconds")))?,
             None => file.slice_gc_grace_s.unwrap_or(60),
@@ -436,6 +454,7 @@ impl Config {
         }
         Ok(Config {
             dra,
+            dra_sharing,
             scheduler,
             memory_factor,
             memory_scaling,
@@ -609,6 +628,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("dra_driver: \"GPU_x\" is not a DNS subdomain"), "{e}");
+        assert_eq!(ok.dra_sharing, DraSharing::Replicas, "replicas by default");
+        let c = load(Some("dra = \"on\"\ndevice_plugin = \"off\"\ndra_sharing = \"capacity\""), &[], Flags::default())
+            .unwrap();
+        assert_eq!(c.dra_sharing, DraSharing::Capacity);
+        let e = load(None, &[("VGPU_AGENT_DRA_SHARING", "shared")], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("dra_sharing: \"shared\" is not replicas or capacity"), "{e}");
         let e = load(Some("dra = \"on\"\ndevice_plugin = \"off\"\ncdi_dir = \"off\""), &[], Flags::default())
             .unwrap_err()
             .to_string();

@@ -2,17 +2,24 @@
 //! driver (`dra = "on"`, named `dra_driver`).
 //!
 //! - **Devices**: one ResourceSlice per node (`<node>-<driver>`, pool named after the node, owned by
-//!   the Node object), listing each healthy GPU not in MIG mode as `split_count` devices
-//!   `gpu-<index>-<n>` with attributes `uuid`, `productName`, `index` and capacities `memory` and
-//!   `cores` (each device's share of the GPU). It is written at start and again when the devices
-//!   change (a GPU's health, a MIG mode), with the pool's generation raised.
+//!   the Node object), listing each healthy GPU not in MIG mode with attributes `uuid`,
+//!   `productName`, `index` and capacities `memory` and `cores`. With `dra_sharing = "replicas"`
+//!   a GPU is `split_count` devices `gpu-<index>-<n>`, each an equal share; with `"capacity"` it is
+//!   one device `gpu-<index>` that allows multiple allocations, whose `memory` (default: all of it,
+//!   in steps of 1 MiB) and `cores` (default 0: no SM limit, in steps of 1) each claim consumes as it
+//!   asks (consumable capacity, KEP 5075). It is written at start and again when the devices change
+//!   (a GPU's health, a MIG mode), with the pool's generation raised; an API server that drops
+//!   fields it does not serve (consumable capacity before its feature gate) is not written again
+//!   for that.
 //! - **Kubelet**: the registration service on `plugins_registry/<driver>-reg.sock` and the DRA
 //!   service (`v1.DRAPlugin` and `v1beta1.DRAPlugin`, the same calls) on
 //!   `plugins/<driver>/dra.sock`, both beside the device-plugin directory. A socket removed (a
 //!   kubelet clean-up) is served again.
 //! - **NodePrepareResources**: reads the claim (`resourceclaims` get), takes the devices allocated
 //!   from this node's pool by this driver, and makes the claim's slice `dra-<claim UID>` with k/split
-//!   of each GPU's memory and time for k of its devices, as replica mode does; the answer names the
+//!   of each GPU's memory and time for k of its replica devices, as replica mode does, and for a
+//!   shared device the capacity the allocation consumed (`consumedCapacity`; none recorded: the
+//!   whole GPU, as a scheduler without consumable capacity allocates it); the answer names the
 //!   slice's CDI device (`vgpu.io/slice=dra-<UID>`) once per request, whose spec injects the slice.
 //!   Preparing a claim again returns the same; a claim whose UID changed (deleted and made again)
 //!   is refused.
@@ -47,9 +54,28 @@ pub fn device_name(index: u32, n: u32) -> String {
     format!("gpu-{index}-{n}")
 }
 
-fn parse_device(name: &str) -> Option<(u32, u32)> {
-    let (i, n) = name.strip_prefix("gpu-")?.split_once('-')?;
-    Some((i.parse().ok()?, n.parse().ok()?))
+/// The name of the shared device of the GPU at NVML index `index` (`dra_sharing = "capacity"`).
+pub fn shared_device_name(index: u32) -> String {
+    format!("gpu-{index}")
+}
+
+/// One of this driver's device names.
+#[derive(Debug, PartialEq)]
+enum Dev {
+    /// Replica `n` of GPU `index`.
+    Replica(u32, u32),
+    /// The shared device of GPU `index`.
+    Shared(u32),
+}
+
+fn parse_device(name: &str) -> Option<Dev> {
+    let rest = name.strip_prefix("gpu-")?;
+    // Digits only: `u32::from_str` would take a sign.
+    let num = |s: &str| if s.bytes().all(|b| b.is_ascii_digit()) { s.parse().ok() } else { None };
+    Some(match rest.split_once('-') {
+        Some((i, n)) => Dev::Replica(num(i)?, num(n)?),
+        None => Dev::Shared(num(rest)?),
+    })
 }
 
 /// The slice a claim's containers share.
@@ -60,6 +86,13 @@ pub fn slice_name(claim_uid: &str) -> String {
 /// The node's ResourceSlice object name (a DNS subdomain: the node name and the driver's).
 pub fn resource_slice_name(node: &str, driver: &str) -> String {
     format!("{node}-{driver}")
+}
+
+const MIB: u64 = 1 << 20;
+
+/// What a GPU's shared device offers of its memory: all of it (scaled), in whole MiB.
+fn shared_memory(agent: &Agent, g: &crate::discovery::Gpu) -> u64 {
+    agent.scaled(g.memory_total) / MIB * MIB
 }
 
 /// The devices the node offers now, as ResourceSlice device entries.
@@ -75,15 +108,38 @@ pub fn devices(agent: &Agent) -> Vec<Value> {
         if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
             continue;
         }
+        let attributes = json!({
+            "uuid": {"string": g.uuid},
+            "productName": {"string": g.name},
+            "index": {"int": g.index},
+        });
+        if agent.cfg.dra_sharing == crate::config::DraSharing::Capacity {
+            // Memory: a claim that does not say takes all of it (as a whole device would be); the
+            // scheduler rounds a request up to whole MiB. Cores: a claim that does not say takes
+            // none, and runs without an SM limit (HAMi's default); one that does is limited to it.
+            let memory = shared_memory(agent, g).to_string();
+            v.push(json!({
+                "name": shared_device_name(g.index),
+                "allowMultipleAllocations": true,
+                "attributes": attributes,
+                "capacity": {
+                    "memory": {
+                        "value": memory,
+                        "requestPolicy": {"default": memory, "validRange": {"min": MIB.to_string(), "step": MIB.to_string()}},
+                    },
+                    "cores": {
+                        "value": "100",
+                        "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1"}},
+                    },
+                },
+            }));
+            continue;
+        }
         let memory = agent.scaled(g.memory_total) / split as u64;
         for n in 0..split {
             v.push(json!({
                 "name": device_name(g.index, n),
-                "attributes": {
-                    "uuid": {"string": g.uuid},
-                    "productName": {"string": g.name},
-                    "index": {"int": g.index},
-                },
+                "attributes": attributes.clone(),
                 "capacity": {
                     "memory": {"value": memory.to_string()},
                     "cores": {"value": (100 / split).to_string()},
@@ -120,15 +176,26 @@ pub fn quantity(q: &str) -> Option<u128> {
     n.checked_mul(scale)
 }
 
-/// Whether two ResourceSlice device lists say the same, capacities compared by value.
+/// Whether two ResourceSlice device lists say the same, the quantities of capacities (values and
+/// request policies) compared by value.
 pub fn same_devices(a: &Value, b: &Value) -> bool {
+    fn quantities(v: &mut Value) {
+        match v {
+            Value::String(q) => {
+                if let Some(n) = quantity(q) {
+                    *q = n.to_string();
+                }
+            }
+            Value::Array(a) => a.iter_mut().for_each(quantities),
+            Value::Object(m) => m.values_mut().for_each(quantities),
+            _ => {}
+        }
+    }
     fn norm(v: &Value) -> Value {
         let mut v = v.clone();
         for d in v.as_array_mut().into_iter().flatten() {
-            for c in d["capacity"].as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
-                if let Some(n) = c["value"].as_str().and_then(quantity) {
-                    c["value"] = n.to_string().into();
-                }
+            if let Some(c) = d.get_mut("capacity") {
+                quantities(c);
             }
         }
         v
@@ -145,6 +212,15 @@ pub struct Prepared {
     pub cdi: Vec<String>,
 }
 
+/// What a claim was allocated of one GPU.
+#[derive(Default)]
+struct Want {
+    /// Replica devices.
+    replicas: u64,
+    /// Allocations of its shared device: the memory (None: all) and cores each consumed.
+    shares: Vec<(Option<u64>, u32)>,
+}
+
 #[derive(Clone)]
 pub struct Driver {
     agent: Arc<Agent>,
@@ -154,18 +230,45 @@ pub struct Driver {
 }
 
 impl Driver {
-    /// The per-GPU limits of `k` devices of each GPU (by NVML index), as replica mode's.
-    fn limits(&self, counts: &BTreeMap<u32, u64>) -> Result<Vec<vgpu_proto::v1::SliceGpuLimit>, String> {
+    /// The slice's per-GPU limits for the devices a claim was allocated (by NVML index): k/split of
+    /// a GPU for k of its replicas, plus what the claim consumed of its shared device.
+    fn limits(&self, wants: &BTreeMap<u32, Want>) -> Result<Vec<vgpu_proto::v1::SliceGpuLimit>, String> {
         let inv = self.agent.inventory.read();
-        counts
+        wants
             .iter()
-            .map(|(index, k)| {
+            .map(|(index, w)| {
                 let g = inv
                     .gpus
                     .iter()
                     .find(|g| g.index == *index)
                     .ok_or_else(|| format!("no GPU {index} on this node"))?;
-                Ok(crate::deviceplugin::share(&self.agent, g, *k))
+                let (mut memory, mut sm, mut unlimited) = (0u64, 0u32, false);
+                if w.replicas > 0 {
+                    let s = crate::deviceplugin::share(&self.agent, g, w.replicas);
+                    memory += s.memory;
+                    if s.sm == 0 {
+                        unlimited = true;
+                    }
+                    sm += s.sm;
+                }
+                for (m, cores) in &w.shares {
+                    let whole = shared_memory(&self.agent, g);
+                    let m = m.unwrap_or(whole);
+                    // (A limit of 0 would be none: the request policy's minimum is 1 MiB.)
+                    if m == 0 || m > whole {
+                        return Err(format!(
+                            "the claim consumes {m} bytes of GPU {index}'s memory, which offers {whole}"
+                        ));
+                    }
+                    memory += m;
+                    // 0 cores: the claim asked for no share of the GPU's time, and runs unlimited.
+                    if *cores == 0 {
+                        unlimited = true;
+                    }
+                    sm = sm.saturating_add(*cores);
+                }
+                let sm = if unlimited || sm >= 100 { 0 } else { sm };
+                Ok(vgpu_proto::v1::SliceGpuLimit { gpu: g.uuid.clone(), memory, sm })
             })
             .collect()
     }
@@ -184,21 +287,43 @@ impl Driver {
         let results = claim.data["status"]["allocation"]["devices"]["results"]
             .as_array()
             .ok_or_else(|| format!("claim {namespace}/{name} is not allocated"))?;
-        let ours: Vec<(&str, &str)> = results
+        let ours: Vec<(&str, &str, &Value)> = results
             .iter()
             .filter(|r| r["driver"] == self.driver.as_str() && r["pool"] == self.node.as_str())
-            .filter_map(|r| Some((r["request"].as_str()?, r["device"].as_str()?)))
+            .filter_map(|r| Some((r["request"].as_str()?, r["device"].as_str()?, r)))
             .collect();
         if ours.is_empty() {
             return Ok(Vec::new());
         }
-        let mut counts: BTreeMap<u32, u64> = BTreeMap::new();
-        for (_, device) in &ours {
-            let (index, n) = parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))?;
-            if n >= self.agent.cfg.split_count {
-                return Err(format!("{device} is not a device of this node"));
+        let mut wants: BTreeMap<u32, Want> = BTreeMap::new();
+        for (_, device, result) in &ours {
+            match parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))? {
+                Dev::Replica(index, n) => {
+                    if n >= self.agent.cfg.split_count {
+                        return Err(format!("{device} is not a device of this node"));
+                    }
+                    wants.entry(index).or_default().replicas += 1;
+                }
+                Dev::Shared(index) => {
+                    let consumed = &result["consumedCapacity"];
+                    let read = |k: &str| -> Result<Option<u64>, String> {
+                        match &consumed[k] {
+                            Value::Null => Ok(None),
+                            q => q
+                                .as_str()
+                                .and_then(quantity)
+                                .and_then(|n| u64::try_from(n).ok())
+                                .map(Some)
+                                .ok_or_else(|| format!("{device}: consumed {k} {q} is not a whole quantity")),
+                        }
+                    };
+                    // Nothing recorded (a scheduler without consumable capacity allocated the device
+                    // to this claim alone): all of the memory, and no SM limit.
+                    let cores = read("cores")?.unwrap_or(0);
+                    let cores = u32::try_from(cores).map_err(|_| format!("{device}: consumed cores {cores}"))?;
+                    wants.entry(index).or_default().shares.push((read("memory")?, cores));
+                }
             }
-            *counts.entry(index).or_default() += 1;
         }
         let slice = slice_name(uid);
         if self.agent.get_slice(&slice).is_err() {
@@ -209,7 +334,7 @@ impl Driver {
                 ("claim-uid".to_string(), uid.to_string()),
             ]
             .into();
-            let gpus = self.limits(&counts)?;
+            let gpus = self.limits(&wants)?;
             let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels };
             match self.agent.create_slice(req) {
                 Ok(_) | Err(ApiError::Exists(_)) => {}
@@ -220,7 +345,7 @@ impl Driver {
         let mut named = std::collections::HashSet::new();
         Ok(ours
             .into_iter()
-            .map(|(request, device)| Prepared {
+            .map(|(request, device, _)| Prepared {
                 request: request.to_string(),
                 pool: self.node.clone(),
                 device: device.to_string(),
@@ -397,8 +522,12 @@ pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) 
     )
 }
 
+/// The devices last written and what the API server stored of them: a server that drops fields it
+/// does not serve (consumable capacity without its feature gate) must not make every pass a write.
+type Written = Option<(Value, Value)>;
+
 /// Writes the node's ResourceSlice when its devices differ from what the API server has.
-async fn publish(d: &Driver, owner: &Option<Value>) -> Result<bool, String> {
+async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Result<bool, String> {
     let api: Api<DynamicObject> = Api::all_with(d.client.clone(), &resource("ResourceSlice", "resourceslices"));
     let name = resource_slice_name(&d.node, &d.driver);
     let devices = Value::Array(devices(&d.agent));
@@ -411,16 +540,21 @@ async fn publish(d: &Driver, owner: &Option<Value>) -> Result<bool, String> {
             "devices": devices,
         })
     };
-    match existing {
+    let stored = match existing {
         Some(mut o) => {
-            if same_devices(&o.data["spec"]["devices"], &devices) && o.data["spec"]["driver"] == d.driver.as_str() {
+            let have = &o.data["spec"]["devices"];
+            let current = same_devices(have, &devices)
+                || written
+                    .as_ref()
+                    .is_some_and(|(sent, back)| same_devices(sent, &devices) && same_devices(back, have));
+            if current && o.data["spec"]["driver"] == d.driver.as_str() {
                 return Ok(false);
             }
             let generation = o.data["spec"]["pool"]["generation"].as_i64().unwrap_or(0) + 1;
             o.data["spec"] = spec(generation);
             api.replace(&name, &PostParams::default(), &o)
                 .await
-                .map_err(|e| format!("updating ResourceSlice {name}: {e}"))?;
+                .map_err(|e| format!("updating ResourceSlice {name}: {e}"))?
         }
         None => {
             let mut o = DynamicObject::new(&name, &resource("ResourceSlice", "resourceslices"));
@@ -428,9 +562,20 @@ async fn publish(d: &Driver, owner: &Option<Value>) -> Result<bool, String> {
             if let Some(owner) = owner {
                 o.metadata.owner_references = serde_json::from_value(json!([owner])).ok();
             }
-            api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {name}: {e}"))?;
+            api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {name}: {e}"))?
         }
+    };
+    let back = stored.data["spec"]["devices"].clone();
+    let shared = devices.as_array().is_some_and(|v| v.iter().any(|d| d["allowMultipleAllocations"] == true));
+    let kept = back.as_array().is_some_and(|v| v.iter().any(|d| d["allowMultipleAllocations"] == true));
+    if shared && !kept {
+        tracing::warn!(
+            resource_slice = %name,
+            "the API server dropped allowMultipleAllocations: consumable capacity needs the DRAConsumableCapacity \
+             feature gate (API server and scheduler); until then each GPU goes to one claim at a time, whole"
+        );
     }
+    *written = Some((devices, back));
     Ok(true)
 }
 
@@ -453,6 +598,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
     let (reg_sock, dra_sock) = sockets(&agent.cfg, &driver);
     let registrar = Registrar { driver: driver.clone(), endpoint: dra_sock.clone() };
     let mut owner = None;
+    let mut written: Written = None;
     let mut next_publish = tokio::time::Instant::now();
     let collect_every =
         (Duration::from_secs(agent.cfg.slice_gc_grace_s) / 2).clamp(Duration::from_secs(1), Duration::from_secs(10));
@@ -510,7 +656,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                 owner = node_owner(&d.client, &d.node).await;
             }
             next_publish = tokio::time::Instant::now()
-                + match publish(&d, &owner).await {
+                + match publish(&d, &owner, &mut written).await {
                     Ok(changed) => {
                         if changed {
                             tracing::info!(node = %d.node, driver = %driver, "ResourceSlice written");
@@ -546,10 +692,12 @@ mod tests {
     #[test]
     fn device_names_round_trip_and_others_are_not_ours() {
         assert_eq!(device_name(3, 7), "gpu-3-7");
-        assert_eq!(parse_device("gpu-3-7"), Some((3, 7)));
-        assert_eq!(parse_device("gpu-3"), None);
-        assert_eq!(parse_device("nic-0-1"), None);
-        assert_eq!(parse_device("gpu-x-1"), None);
+        assert_eq!(parse_device(&device_name(3, 7)), Some(Dev::Replica(3, 7)));
+        assert_eq!(parse_device(&shared_device_name(3)), Some(Dev::Shared(3)));
+        assert_eq!(shared_device_name(3), "gpu-3");
+        for other in ["nic-0-1", "gpu-x-1", "gpu-", "gpu-1-", "gpu-+1", "gpu-1-+2", "gpu-1-2-3", "gpu"] {
+            assert_eq!(parse_device(other), None, "{other}");
+        }
         assert_eq!(slice_name("7C1A-uid"), "dra-7c1a-uid");
         assert!(crate::slices::valid_name(&slice_name("0b7f3f4e-5d0a-4d4a-9f0e-3c2b1a0f9e8d")));
         assert_eq!(resource_slice_name("node-a", "gpu.vgpu.io"), "node-a-gpu.vgpu.io");
@@ -570,5 +718,12 @@ mod tests {
         let other = json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "4Gi"}, "cores": {"value": "10"}}}]);
         assert!(!same_devices(&ours, &other));
         assert!(!same_devices(&ours, &json!([])));
+        // A shared device's request policy comes back canonical too.
+        let policy = |d: &str, min: &str| {
+            json!([{"name": "gpu-0", "allowMultipleAllocations": true, "capacity": {"memory": {"value": "8Gi",
+                "requestPolicy": {"default": d, "validRange": {"min": min, "step": "1048576"}}}}}])
+        };
+        assert!(same_devices(&policy("8589934592", "1048576"), &policy("8Gi", "1Mi")));
+        assert!(!same_devices(&policy("8589934592", "1048576"), &policy("4Gi", "1Mi")));
     }
 }

@@ -4,7 +4,8 @@
 //! NotifyRegistrationStatus, then NodePrepareResources and NodeUnprepareResources on the driver's
 //! socket, in both API versions): the ResourceSlice, a claim's slice with its share of the GPU and
 //! its CDI device, a replaced claim refused, the slice removed when the claim is unprepared or, never
-//! unprepared, once the claim is gone, and a failing GPU's devices taken out of the pool.
+//! unprepared, once the claim is gone, and a failing GPU's devices taken out of the pool; with
+//! consumable capacity, claims sharing one device per GPU by the memory and cores they consumed.
 
 mod common;
 use common::agent::*;
@@ -30,22 +31,40 @@ struct Store {
     rv: u64,
     /// How many times each path was written.
     writes: BTreeMap<String, u32>,
+    /// Drop the fields of consumable capacity from what is written, as an API server without the
+    /// DRAConsumableCapacity feature gate does.
+    no_consumable_capacity: bool,
 }
 
 fn serve(store: Arc<Mutex<Store>>) -> String {
     common::kubeapi::serve(move |method, target, body| handle(&store, method, target, body))
 }
 
-/// Rewrites capacities as an API server does, in a canonical form of its own (here: whole GiB as
-/// `<n>Gi`), so that the driver must compare them by value.
-fn canonical(o: &mut Value) {
+/// Rewrites the quantities of capacities (values and request policies) as an API server does, in a
+/// canonical form of its own (here: whole GiB as `<n>Gi`, whole MiB as `<n>Mi`), so that the driver
+/// must compare them by value; without consumable capacity, drops its fields.
+fn canonical(o: &mut Value, no_consumable_capacity: bool) {
+    fn quantities(v: &mut Value) {
+        match v {
+            Value::String(q) => match q.parse::<u64>() {
+                Ok(n) if n > 0 && n % (1 << 30) == 0 => *q = format!("{}Gi", n >> 30),
+                Ok(n) if n > 0 && n % (1 << 20) == 0 => *q = format!("{}Mi", n >> 20),
+                _ => {}
+            },
+            Value::Array(a) => a.iter_mut().for_each(quantities),
+            Value::Object(m) => m.values_mut().for_each(quantities),
+            _ => {}
+        }
+    }
     for d in o["spec"]["devices"].as_array_mut().into_iter().flatten() {
-        for c in d["capacity"].as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
-            if let Some(n) = c["value"].as_str().and_then(|v| v.parse::<u64>().ok()) {
-                if n > 0 && n % (1 << 30) == 0 {
-                    c["value"] = format!("{}Gi", n >> 30).into();
-                }
+        if no_consumable_capacity {
+            d.as_object_mut().unwrap().remove("allowMultipleAllocations");
+            for c in d["capacity"].as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
+                c.as_object_mut().unwrap().remove("requestPolicy");
             }
+        }
+        if let Some(c) = d.get_mut("capacity") {
+            quantities(c);
         }
     }
 }
@@ -57,7 +76,7 @@ fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16
         "GET" => s.objects.get(&path).map_or_else(|| status(404, "NotFound"), |o| (200, o.clone())),
         "POST" => {
             let mut o: Value = serde_json::from_slice(body).unwrap();
-            canonical(&mut o);
+            canonical(&mut o, s.no_consumable_capacity);
             let at = format!("{path}/{}", o["metadata"]["name"].as_str().unwrap());
             if s.objects.contains_key(&at) {
                 return status(409, "AlreadyExists");
@@ -71,7 +90,7 @@ fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16
         }
         "PUT" => {
             let mut o: Value = serde_json::from_slice(body).unwrap();
-            canonical(&mut o);
+            canonical(&mut o, s.no_consumable_capacity);
             let Some(cur) = s.objects.get(&path) else { return status(404, "NotFound") };
             if o["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
                 return status(409, "Conflict");
@@ -127,10 +146,9 @@ fn v1_claim(ns: &str, name: &str, uid: &str) -> v1::Claim {
     v1::Claim { namespace: ns.into(), uid: uid.into(), name: name.into() }
 }
 
-#[test]
-fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
-    let s = Sim::new(Some(NODE));
-    let g0 = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+/// The fake API server with node1's Node object, and the agent as a DRA driver on node1 with
+/// `config` added to its configuration; the kubelet directory.
+fn start(s: &Sim, config: &str) -> (Arc<Mutex<Store>>, Agent, std::path::PathBuf) {
     let store = Arc::new(Mutex::new(Store::default()));
     store.lock().unwrap().objects.insert(
         "/api/v1/nodes/node1".into(),
@@ -139,9 +157,9 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     let api = serve(store.clone());
     let kubelet = s.state.join("kubelet");
     let cfg = s.state.join("agent.toml");
-    std::fs::write(&cfg, "dra = \"on\"\ndevice_plugin = \"off\"\nsplit_count = 8\nslice_gc_grace_s = 2\n").unwrap();
+    std::fs::write(&cfg, format!("dra = \"on\"\ndevice_plugin = \"off\"\nslice_gc_grace_s = 2\n{config}")).unwrap();
     let a = Agent::start(
-        &s,
+        s,
         &[
             ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
             ("VGPU_AGENT_KUBELET_DIR", kubelet.join("device-plugins").to_str().unwrap()),
@@ -149,6 +167,18 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
             ("NODE_NAME", "node1"),
         ],
     );
+    (store, a, kubelet)
+}
+
+fn dra_socket(kubelet: &Path) -> std::path::PathBuf {
+    kubelet.join("plugins").join(DRIVER).join("dra.sock")
+}
+
+#[test]
+fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
+    let s = Sim::new(Some(NODE));
+    let g0 = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let (store, a, kubelet) = start(&s, "split_count = 8\n");
 
     // The ResourceSlice: both GPUs as 8 devices each, owned by the node; a device of GPU 0 has 1 GiB,
     // which the API server writes back as "1Gi".
@@ -199,10 +229,8 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
         );
     }
 
-    let (reg_sock, dra_sock) = (
-        kubelet.join("plugins_registry").join(format!("{DRIVER}-reg.sock")),
-        kubelet.join("plugins").join(DRIVER).join("dra.sock"),
-    );
+    let (reg_sock, dra_sock) =
+        (kubelet.join("plugins_registry").join(format!("{DRIVER}-reg.sock")), dra_socket(&kubelet));
     wait("the registration socket", || reg_sock.exists());
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
@@ -338,4 +366,117 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     std::fs::remove_file(&reg_sock).unwrap();
     wait("the registration socket again", || reg_sock.exists());
     drop(a);
+}
+
+/// A claim's allocation of a shared device, with the capacity it consumed (None: none recorded).
+fn shared(request: &str, device: &str, consumed: Option<(&str, &str)>) -> Value {
+    let mut r = json!({"request": request, "driver": DRIVER, "pool": "node1", "device": device});
+    if let Some((memory, cores)) = consumed {
+        r["shareID"] = format!("s{}", memory.len() * 7 + cores.len()).into();
+        r["consumedCapacity"] = json!({"memory": memory, "cores": cores});
+    }
+    r
+}
+
+fn put_claim(store: &Mutex<Store>, name: &str, uid: &str, results: Vec<Value>) {
+    let mut c = claim("ml", name, uid, &[]);
+    c["status"]["allocation"]["devices"]["results"] = Value::Array(results);
+    store.lock().unwrap().objects.insert(format!("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/{name}"), c);
+}
+
+#[test]
+fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
+    let s = Sim::new(Some(NODE));
+    let (store, a, kubelet) = start(&s, "dra_sharing = \"capacity\"\n");
+    let st = a.wait("GPUs discovered", |v| v["gpus"].as_array().is_some_and(|g| g.len() == 2));
+    let (g0, g1) = (st["gpus"][0]["uuid"].as_str().unwrap(), st["gpus"][1]["uuid"].as_str().unwrap());
+    let total1 = st["gpus"][1]["memory_total"].as_u64().unwrap();
+
+    // One device per GPU, allocatable many times: memory (all by default, in MiB steps) and cores
+    // (none by default), as the API server writes them back.
+    let at = format!("{SLICES}/node1-{DRIVER}");
+    wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
+    let rs = store.lock().unwrap().objects[&at].clone();
+    let devices = rs["spec"]["devices"].as_array().unwrap();
+    let names: Vec<&str> = devices.iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gpu-0", "gpu-1"], "{rs}");
+    assert_eq!(devices[0]["allowMultipleAllocations"], true);
+    assert_eq!(devices[0]["attributes"]["uuid"]["string"], g0);
+    assert_eq!(
+        devices[0]["capacity"],
+        json!({
+            "memory": {"value": "8Gi", "requestPolicy": {"default": "8Gi", "validRange": {"min": "1Mi", "step": "1Mi"}}},
+            "cores": {"value": "100", "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1"}}},
+        })
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(store.lock().unwrap().writes[&at], 1, "written once while nothing changed\n{}", a.log_text());
+
+    // Two claims share GPU 0 (2 GiB and 30 %; 3 GiB and no cores asked: no SM limit); one was
+    // allocated GPU 1 by a scheduler without consumable capacity (nothing recorded: all of it); one
+    // claims more memory than GPU 0 has; one has two requests on GPU 0.
+    put_claim(&store, "infer", "cc-0001", vec![shared("gpu", "gpu-0", Some(("2Gi", "30")))]);
+    put_claim(&store, "notebook", "cc-0002", vec![shared("gpu", "gpu-0", Some(("3221225472", "0")))]);
+    put_claim(&store, "whole", "cc-0003", vec![shared("gpu", "gpu-1", None)]);
+    put_claim(&store, "huge", "cc-0004", vec![shared("gpu", "gpu-0", Some(("9Gi", "10")))]);
+    put_claim(
+        &store,
+        "pair",
+        "cc-0005",
+        vec![shared("a", "gpu-0", Some(("1Gi", "20"))), shared("b", "gpu-0", Some(("512Mi", "25")))],
+    );
+    let sock = dra_socket(&kubelet);
+    wait("the DRA socket", || sock.exists());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let claims = ["infer", "notebook", "whole", "huge", "pair"]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| v1_claim("ml", n, &format!("cc-000{}", i + 1)))
+        .collect();
+    let resp = prepare(&rt, &sock, claims);
+    for uid in ["cc-0001", "cc-0002", "cc-0003", "cc-0005"] {
+        let r = &resp.claims[uid];
+        assert_eq!(r.error, "", "{uid}");
+        assert_eq!(r.devices[0].cdi_device_ids, [format!("vgpu.io/slice=dra-{uid}")], "{uid}: {r:?}");
+    }
+    assert_eq!(resp.claims["cc-0005"].devices.len(), 2, "a device per request, each with the slice");
+    assert_eq!(resp.claims["cc-0005"].devices[1].cdi_device_ids, ["vgpu.io/slice=dra-cc-0005"]);
+    let huge = &resp.claims["cc-0004"];
+    assert!(huge.error.contains("consumes 9663676416 bytes of GPU 0's memory, which offers 8589934592"), "{huge:?}");
+
+    let limits = |uid: &str| {
+        let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", &format!("dra-{uid}"), "--json"])).unwrap();
+        let g = &d["slice"]["gpus"][0];
+        (g["gpu"].as_str().unwrap().to_string(), g["memory"].as_u64().unwrap(), g["sm"].as_u64().unwrap_or(0), d)
+    };
+    assert_eq!((limits("cc-0001").0.as_str(), limits("cc-0001").1, limits("cc-0001").2), (g0, 2 << 30, 30));
+    assert_eq!((limits("cc-0002").1, limits("cc-0002").2), (3 << 30, 0));
+    assert_eq!((limits("cc-0003").0.as_str(), limits("cc-0003").1, limits("cc-0003").2), (g1, total1 >> 20 << 20, 0));
+    assert_eq!((limits("cc-0005").1, limits("cc-0005").2), ((1 << 30) + (512 << 20), 45), "the requests add up");
+    assert!(!a.ctl(&["inspect", "dra-cc-0004"]).status.success(), "no slice for a refused claim");
+
+    // What the container of "infer" runs with: its 2 GiB as its GPU, and no more.
+    let (_, _, _, detail) = limits("cc-0001");
+    let detail = &detail["slice"];
+    let o = in_slice(&s, detail, RT).arg("info").output().unwrap();
+    let info = lines(&o.stdout).pop().unwrap_or_default();
+    assert_eq!(info["devices"][0]["total_mem"], 2u64 << 30, "{info}");
+    let o = in_slice(&s, detail, RT).args(["alloc", "--size", "3g", "--chunk", "256m"]).output().unwrap();
+    let first = lines(&o.stdout).into_iter().next().unwrap_or_default();
+    assert_eq!(first["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{o:?}");
+    assert_eq!(first["allocated"], 7 * (256 << 20), "7 chunks of 256 MiB beside the context's 64: {o:?}");
+
+    // An API server without consumable capacity drops its fields; the driver writes the slice when
+    // the devices change (GPU 1 fails), then leaves it, and says why claims get whole GPUs.
+    store.lock().unwrap().no_consumable_capacity = true;
+    assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+    wait("the ResourceSlice without GPU 1", || {
+        store.lock().unwrap().objects[&at]["spec"]["devices"].as_array().is_some_and(|d| d.len() == 1)
+    });
+    let writes = store.lock().unwrap().writes[&at];
+    std::thread::sleep(Duration::from_millis(4500));
+    let rs = store.lock().unwrap().objects[&at].clone();
+    assert_eq!(store.lock().unwrap().writes[&at], writes, "not rewritten for what the server drops: {rs}");
+    assert!(rs["spec"]["devices"][0].get("allowMultipleAllocations").is_none());
+    assert!(a.log_text().contains("dropped allowMultipleAllocations"), "{}", a.log_text());
 }
