@@ -20,7 +20,15 @@ pub fn device_name(slice: &str) -> String {
     format!("{KIND}={slice}")
 }
 
+/// The kind of the CDI devices that give a DRA claim its MIG devices (`NVIDIA_VISIBLE_DEVICES`).
+pub const MIG_KIND: &str = "vgpu.io/mig";
+
 pub fn spec(slice: &str, inj: &Injection) -> serde_json::Value {
+    spec_of(KIND, slice, inj)
+}
+
+/// A spec of one device `name` of `kind`, whose container edits are `inj`.
+pub fn spec_of(kind: &str, name: &str, inj: &Injection) -> serde_json::Value {
     let env: Vec<String> = inj.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let mounts: Vec<serde_json::Value> = inj
         .mounts
@@ -35,17 +43,23 @@ pub fn spec(slice: &str, inj: &Injection) -> serde_json::Value {
         .collect();
     json!({
         "cdiVersion": "0.5.0",
-        "kind": KIND,
-        "devices": [{"name": slice, "containerEdits": {"env": env, "mounts": mounts}}],
+        "kind": kind,
+        "devices": [{"name": name, "containerEdits": {"env": env, "mounts": mounts}}],
     })
 }
 
 pub fn write(dir: &Path, slice: &str, inj: &Injection) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let p = path(dir, slice);
+    write_spec(&path(dir, slice), &spec(slice, inj))
+}
+
+/// Writes a spec at `p` by write-and-rename (a runtime never reads half a file).
+pub fn write_spec(p: &Path, spec: &serde_json::Value) -> std::io::Result<()> {
+    if let Some(dir) = p.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
     let tmp = p.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&spec(slice, inj)).expect("serialisable"))?;
-    std::fs::rename(&tmp, &p)
+    std::fs::write(&tmp, serde_json::to_vec_pretty(spec).expect("serialisable"))?;
+    std::fs::rename(&tmp, p)
 }
 
 pub fn remove(dir: &Path, slice: &str) {

@@ -1,16 +1,19 @@
 //! Dynamic Resource Allocation (`resource.k8s.io/v1`, GA since Kubernetes 1.34): the agent as a DRA
 //! driver (`dra = "on"`, named `dra_driver`).
 //!
-//! - **Devices**: one ResourceSlice per node (`<node>-<driver>`, pool named after the node, owned by
-//!   the Node object), listing each healthy GPU not in MIG mode with attributes `uuid`,
-//!   `productName`, `index` and capacities `memory` and `cores`. With `dra_sharing = "replicas"`
-//!   a GPU is `split_count` devices `gpu-<index>-<n>`, each an equal share; with `"capacity"` it is
-//!   one device `gpu-<index>` that allows multiple allocations, whose `memory` (default: all of it,
-//!   in steps of 1 MiB) and `cores` (default 0: no SM limit, in steps of 1) each claim consumes as it
-//!   asks (consumable capacity, KEP 5075). It is written at start and again when the devices change
-//!   (a GPU's health, a MIG mode), with the pool's generation raised; an API server that drops
-//!   fields it does not serve (consumable capacity before its feature gate) is not written again
-//!   for that.
+//! - **Devices**: one pool per node (named after the node), in ResourceSlices `<node>-<driver>`,
+//!   `<node>-<driver>-1`, ... of at most 128 devices each (the API's limit), owned by the Node
+//!   object. Each healthy GPU not in MIG mode has attributes `uuid`, `productName`, `index`, `mig`
+//!   (false) and capacities `memory` and `cores`. With `dra_sharing = "replicas"` it is
+//!   `split_count` devices `gpu-<index>-<n>`, each an equal share; with `"capacity"` it is one
+//!   device `gpu-<index>` that allows multiple allocations, whose `memory` (default: all of it, in
+//!   steps of 1 MiB) and `cores` (default 0: no SM limit, in steps of 1) each claim consumes as it
+//!   asks (consumable capacity, KEP 5075). A healthy GPU in MIG mode offers each of its MIG devices
+//!   whole, as `mig-<MIG UUID>` with `uuid` (the MIG device's), `parentUUID`, `productName`,
+//!   `index`, `mig` (true), `profile` and `memory`. The pool is written at start and again when its
+//!   devices change (a GPU's health, a MIG layout), every slice with the generation raised; an API
+//!   server that drops fields it does not serve (consumable capacity before its feature gate) is not
+//!   written again for that.
 //! - **Kubelet**: the registration service on `plugins_registry/<driver>-reg.sock` and the DRA
 //!   service (`v1.DRAPlugin` and `v1beta1.DRAPlugin`, the same calls) on
 //!   `plugins/<driver>/dra.sock`, both beside the device-plugin directory. A socket removed (a
@@ -21,12 +24,17 @@
 //!   shared device the capacity the allocation consumed (`consumedCapacity`; none recorded: the
 //!   whole GPU, as a scheduler without consumable capacity allocates it); the answer names the
 //!   slice's CDI device (`vgpu.io/slice=dra-<UID>`) once per request, whose spec injects the slice.
-//!   Preparing a claim again returns the same; a claim whose UID changed (deleted and made again)
-//!   is refused.
-//! - **NodeUnprepareResources**: removes the claim's slice (refused while processes of it live).
+//!   A claim's MIG devices get no slice (MIG isolates them): a record under
+//!   `<state_dir>/dra-mig/` and the CDI device `vgpu.io/mig=dra-<UID>`, which sets
+//!   `NVIDIA_VISIBLE_DEVICES`; a MIG device another prepared claim holds is refused, as is a claim
+//!   of MIG devices and shares together. Preparing a claim again returns the same; a claim whose UID
+//!   changed (deleted and made again) is refused.
+//! - **NodeUnprepareResources**: removes the claim's slice (refused while processes of it live), or
+//!   its MIG record and spec.
 //! - **Collection**: a claim's slice whose claim is gone (or made again under its name), which
 //!   kubelet never unprepared (its state lost with the node's), is removed once no process of it
-//!   lives, checked every `slice_gc_grace_s / 2` (1-10 s).
+//!   lives, and a gone claim's MIG record and spec at once; checked every `slice_gc_grace_s / 2`
+//!   (1-10 s).
 
 use crate::agent::{Agent, ApiError};
 use k8s_openapi::api::core::v1::Node;
@@ -59,6 +67,15 @@ pub fn shared_device_name(index: u32) -> String {
     format!("gpu-{index}")
 }
 
+/// The device name of a MIG device: its UUID as a DNS label (`mig-<uuid without "MIG-">`), so a
+/// claim allocated an instance that has since been destroyed and made again is not given the new one.
+pub fn mig_device_name(uuid: &str) -> String {
+    let id = uuid.strip_prefix("MIG-").unwrap_or(uuid).to_ascii_lowercase();
+    let mut n: String = format!("mig-{id}").chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
+    n.truncate(63);
+    n.trim_end_matches('-').to_string()
+}
+
 /// One of this driver's device names.
 #[derive(Debug, PartialEq)]
 enum Dev {
@@ -66,9 +83,14 @@ enum Dev {
     Replica(u32, u32),
     /// The shared device of GPU `index`.
     Shared(u32),
+    /// A MIG device, by its device name.
+    Mig(String),
 }
 
 fn parse_device(name: &str) -> Option<Dev> {
+    if name.starts_with("mig-") {
+        return Some(Dev::Mig(name.to_string()));
+    }
     let rest = name.strip_prefix("gpu-")?;
     // Digits only: `u32::from_str` would take a sign.
     let num = |s: &str| if s.bytes().all(|b| b.is_ascii_digit()) { s.parse().ok() } else { None };
@@ -102,16 +124,33 @@ pub fn devices(agent: &Agent) -> Vec<Value> {
     let split = agent.cfg.split_count.max(1);
     let mut v = Vec::new();
     for g in &inv.gpus {
-        if g.mig.as_ref().is_some_and(|m| m.enabled) {
+        if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
             continue;
         }
-        if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
+        if let Some(mig) = g.mig.as_ref().filter(|m| m.enabled) {
+            // The GPU's MIG devices as they are (the layout is `vgpuctl mig`'s), each whole.
+            for m in &mig.devices {
+                let profile = m.name.rsplit_once(" MIG ").map_or(m.name.as_str(), |(_, p)| p);
+                v.push(json!({
+                    "name": mig_device_name(&m.uuid),
+                    "attributes": {
+                        "uuid": {"string": m.uuid},
+                        "parentUUID": {"string": g.uuid},
+                        "productName": {"string": g.name},
+                        "index": {"int": g.index},
+                        "mig": {"bool": true},
+                        "profile": {"string": profile},
+                    },
+                    "capacity": {"memory": {"value": m.memory_total.to_string()}},
+                }));
+            }
             continue;
         }
         let attributes = json!({
             "uuid": {"string": g.uuid},
             "productName": {"string": g.name},
             "index": {"int": g.index},
+            "mig": {"bool": false},
         });
         if agent.cfg.dra_sharing == crate::config::DraSharing::Capacity {
             // Memory: a claim that does not say takes all of it (as a whole device would be); the
@@ -221,12 +260,33 @@ struct Want {
     shares: Vec<(Option<u64>, u32)>,
 }
 
+/// The directory (under the state directory) of the records of claims given MIG devices.
+const MIG_CLAIMS: &str = "dra-mig";
+
+/// A claim given MIG devices: they are handed over whole, with no slice, so this record is what
+/// tells which claim holds them (and what to remove when the claim goes).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct MigClaim {
+    namespace: String,
+    name: String,
+    uid: String,
+    /// MIG device UUIDs.
+    devices: Vec<String>,
+}
+
+/// The CDI device that gives a claim its MIG devices.
+pub fn mig_cdi_name(claim_uid: &str) -> String {
+    format!("{}={}", crate::cdi::MIG_KIND, slice_name(claim_uid))
+}
+
 #[derive(Clone)]
 pub struct Driver {
     agent: Arc<Agent>,
     driver: String,
     node: String,
     client: kube::Client,
+    /// One MIG preparation or removal at a time (the check that no other claim holds a device).
+    mig_lock: Arc<parking_lot::Mutex<()>>,
 }
 
 impl Driver {
@@ -296,8 +356,22 @@ impl Driver {
             return Ok(Vec::new());
         }
         let mut wants: BTreeMap<u32, Want> = BTreeMap::new();
+        let mut migs: Vec<String> = Vec::new();
         for (_, device, result) in &ours {
             match parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))? {
+                Dev::Mig(n) => {
+                    let inv = self.agent.inventory.read();
+                    let m = inv
+                        .gpus
+                        .iter()
+                        .filter_map(|g| g.mig.as_ref())
+                        .flat_map(|m| &m.devices)
+                        .find(|m| mig_device_name(&m.uuid) == n)
+                        .ok_or_else(|| {
+                            format!("{device}: no such MIG device on this node (the GPU's layout changed)")
+                        })?;
+                    migs.push(m.uuid.clone());
+                }
                 Dev::Replica(index, n) => {
                     if n >= self.agent.cfg.split_count {
                         return Err(format!("{device} is not a device of this node"));
@@ -326,22 +400,29 @@ impl Driver {
             }
         }
         let slice = slice_name(uid);
-        if self.agent.get_slice(&slice).is_err() {
-            let labels = [
-                ("source".to_string(), "dra".to_string()),
-                ("namespace".to_string(), namespace.to_string()),
-                ("claim".to_string(), name.to_string()),
-                ("claim-uid".to_string(), uid.to_string()),
-            ]
-            .into();
-            let gpus = self.limits(&wants)?;
-            let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels };
-            match self.agent.create_slice(req) {
-                Ok(_) | Err(ApiError::Exists(_)) => {}
-                Err(e) => return Err(format!("making slice {slice}: {}", Status::from(e).message())),
-            }
+        if !crate::slices::valid_name(&slice) {
+            return Err(format!("claim UID {uid:?} cannot name a slice"));
         }
-        let cdi = crate::cdi::device_name(&slice);
+        let cdi = if !migs.is_empty() {
+            if !wants.is_empty() {
+                return Err(format!(
+                    "claim {namespace}/{name} has MIG devices and GPU shares, which cannot be given to one container \
+                     together (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
+                ));
+            }
+            migs.sort();
+            migs.dedup();
+            self.prepare_mig(MigClaim {
+                namespace: namespace.into(),
+                name: name.into(),
+                uid: uid.into(),
+                devices: migs,
+            })?;
+            mig_cdi_name(uid)
+        } else {
+            self.prepare_slice(namespace, name, uid, &wants)?;
+            crate::cdi::device_name(&slice)
+        };
         let mut named = std::collections::HashSet::new();
         Ok(ours
             .into_iter()
@@ -355,9 +436,82 @@ impl Driver {
             .collect())
     }
 
-    /// Undoes `prepare`: the claim's slice goes (if there is one).
+    /// The claim's slice, made if it is not there.
+    fn prepare_slice(&self, namespace: &str, name: &str, uid: &str, wants: &BTreeMap<u32, Want>) -> Result<(), String> {
+        let slice = slice_name(uid);
+        if self.agent.get_slice(&slice).is_err() {
+            let labels = [
+                ("source".to_string(), "dra".to_string()),
+                ("namespace".to_string(), namespace.to_string()),
+                ("claim".to_string(), name.to_string()),
+                ("claim-uid".to_string(), uid.to_string()),
+            ]
+            .into();
+            let gpus = self.limits(wants)?;
+            let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels };
+            match self.agent.create_slice(req) {
+                Ok(_) | Err(ApiError::Exists(_)) => {}
+                Err(e) => return Err(format!("making slice {slice}: {}", Status::from(e).message())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a claim's MIG devices are recorded, and its CDI spec.
+    fn mig_paths(&self, uid: &str) -> (PathBuf, PathBuf) {
+        let file = format!("{}.json", slice_name(uid));
+        let cdi = self.agent.cfg.cdi_dir.clone().unwrap_or_default();
+        (self.agent.cfg.state_dir.join(MIG_CLAIMS).join(&file), cdi.join(format!("vgpu-mig-{file}")))
+    }
+
+    /// The claims whose MIG devices this node has prepared.
+    fn mig_claims(&self) -> Vec<MigClaim> {
+        let dir = self.agent.cfg.state_dir.join(MIG_CLAIMS);
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+            .collect()
+    }
+
+    /// Records the claim's MIG devices (refused if another claim has one of them) and writes the CDI
+    /// spec that gives them to its containers.
+    fn prepare_mig(&self, claim: MigClaim) -> Result<(), String> {
+        let _one = self.mig_lock.lock();
+        for other in self.mig_claims().iter().filter(|c| c.uid != claim.uid) {
+            if let Some(d) = claim.devices.iter().find(|d| other.devices.contains(d)) {
+                return Err(format!(
+                    "MIG device {d} is prepared for claim {}/{} ({})",
+                    other.namespace, other.name, other.uid
+                ));
+            }
+        }
+        let (record, spec) = self.mig_paths(&claim.uid);
+        let inj = crate::slices::Injection {
+            env: vec![("NVIDIA_VISIBLE_DEVICES".into(), claim.devices.join(","))],
+            mounts: Vec::new(),
+        };
+        crate::cdi::write_spec(&spec, &crate::cdi::spec_of(crate::cdi::MIG_KIND, &slice_name(&claim.uid), &inj))
+            .map_err(|e| format!("writing {}: {e}", spec.display()))?;
+        crate::cdi::write_spec(&record, &serde_json::to_value(&claim).expect("serialisable"))
+            .map_err(|e| format!("writing {}: {e}", record.display()))
+    }
+
+    /// Undoes `prepare`: the claim's slice goes (if there is one), or its MIG devices' record and spec.
     pub fn unprepare(&self, uid: &str) -> Result<(), String> {
-        match self.agent.delete_slice(&slice_name(uid), false) {
+        let slice = slice_name(uid);
+        if !crate::slices::valid_name(&slice) {
+            return Ok(());
+        }
+        {
+            let _one = self.mig_lock.lock();
+            let (record, spec) = self.mig_paths(uid);
+            let _ = std::fs::remove_file(spec);
+            let _ = std::fs::remove_file(record);
+        }
+        match self.agent.delete_slice(&slice, false) {
             Ok(()) | Err(ApiError::NotFound(_)) => Ok(()),
             Err(e) => Err(Status::from(e).message().to_string()),
         }
@@ -476,26 +630,36 @@ impl reg::registration_server::Registration for Registrar {
     }
 }
 
-/// Removes the slices of claims that are gone; returns how many.
+/// Whether the claim is gone (or made again under its name); false when that cannot be known now.
+async fn claim_gone(d: &Driver, ns: &str, name: &str, uid: &str) -> bool {
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(d.client.clone(), ns, &resource("ResourceClaim", "resourceclaims"));
+    match api.get_opt(name).await {
+        Ok(None) => true,
+        Ok(Some(c)) => c.metadata.uid.as_deref() != Some(uid),
+        Err(e) => {
+            tracing::debug!(claim = %format!("{ns}/{name}"), error = %e, "cannot read a prepared DRA claim");
+            false
+        }
+    }
+}
+
+/// Removes the slices, and the MIG records, of claims that are gone; returns how many.
 async fn collect(d: &Driver) -> usize {
     let mut removed = 0;
+    for c in d.mig_claims() {
+        if claim_gone(d, &c.namespace, &c.name, &c.uid).await && d.unprepare(&c.uid).is_ok() {
+            tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), devices = ?c.devices, "DRA claim's MIG devices released: the claim is gone");
+            removed += 1;
+        }
+    }
     for s in d.agent.slices().iter() {
         if s.labels.get("source").map(String::as_str) != Some("dra") {
             continue;
         }
         let label = |k: &str| s.labels.get(k).cloned().unwrap_or_default();
         let (ns, name, uid) = (label("namespace"), label("claim"), label("claim-uid"));
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(d.client.clone(), &ns, &resource("ResourceClaim", "resourceclaims"));
-        let gone = match api.get_opt(&name).await {
-            Ok(None) => true,
-            Ok(Some(c)) => c.metadata.uid.as_deref() != Some(uid.as_str()),
-            Err(e) => {
-                tracing::debug!(slice = %s.name, error = %e, "cannot read the claim of a DRA slice");
-                false
-            }
-        };
-        if !gone {
+        if !claim_gone(d, &ns, &name, &uid).await {
             continue;
         }
         let (a, n) = (d.agent.clone(), s.name.clone());
@@ -522,60 +686,106 @@ pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) 
     )
 }
 
-/// The devices last written and what the API server stored of them: a server that drops fields it
-/// does not serve (consumable capacity without its feature gate) must not make every pass a write.
-type Written = Option<(Value, Value)>;
+/// The most devices one ResourceSlice may list (the API's limit); a pool with more spans several.
+pub const SLICE_DEVICES: usize = 128;
 
-/// Writes the node's ResourceSlice when its devices differ from what the API server has.
+/// The name of ResourceSlice `k` of the node's pool (`<node>-<driver>`, then `-1`, `-2`, ...).
+pub fn pool_slice_name(node: &str, driver: &str, k: usize) -> String {
+    let base = resource_slice_name(node, driver);
+    if k == 0 {
+        base
+    } else {
+        format!("{base}-{k}")
+    }
+}
+
+/// Per ResourceSlice of the pool, the devices last written and what the API server stored of them:
+/// a server that drops fields it does not serve (consumable capacity without its feature gate) must
+/// not make every pass a write.
+type Written = Vec<(Value, Value)>;
+
+/// Writes the node's pool (its ResourceSlices, at most [`SLICE_DEVICES`] devices each) when its
+/// devices differ from what the API server has: every slice with the generation raised, and the
+/// slices a smaller pool no longer needs removed.
 async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Result<bool, String> {
     let api: Api<DynamicObject> = Api::all_with(d.client.clone(), &resource("ResourceSlice", "resourceslices"));
-    let name = resource_slice_name(&d.node, &d.driver);
-    let devices = Value::Array(devices(&d.agent));
-    let existing = api.get_opt(&name).await.map_err(|e| format!("reading ResourceSlice {name}: {e}"))?;
-    let spec = |generation: i64| {
-        json!({
+    let all = devices(&d.agent);
+    let chunks: Vec<Value> = if all.is_empty() {
+        vec![Value::Array(Vec::new())]
+    } else {
+        all.chunks(SLICE_DEVICES).map(|c| Value::Array(c.to_vec())).collect()
+    };
+    let name = |k: usize| pool_slice_name(&d.node, &d.driver, k);
+    let get = |k: usize| {
+        let api = api.clone();
+        let n = name(k);
+        async move { api.get_opt(&n).await.map_err(|e| format!("reading ResourceSlice {n}: {e}")) }
+    };
+    // What the pool is now: its first slice says how many there are.
+    let first = get(0).await?;
+    let count =
+        first.as_ref().and_then(|o| o.data["spec"]["pool"]["resourceSliceCount"].as_u64()).unwrap_or(1) as usize;
+    let generation = first.as_ref().and_then(|o| o.data["spec"]["pool"]["generation"].as_i64()).unwrap_or(0);
+    let mut existing = vec![first];
+    for k in 1..count.max(chunks.len()) {
+        existing.push(get(k).await?);
+    }
+    let current = count == chunks.len()
+        && chunks.iter().enumerate().all(|(k, want)| {
+            existing[k].as_ref().is_some_and(|o| {
+                let have = &o.data["spec"]["devices"];
+                o.data["spec"]["driver"] == d.driver.as_str()
+                    && o.data["spec"]["pool"]["generation"].as_i64() == Some(generation)
+                    && (same_devices(have, want)
+                        || written
+                            .get(k)
+                            .is_some_and(|(sent, back)| same_devices(sent, want) && same_devices(back, have)))
+            })
+        });
+    if current {
+        return Ok(false);
+    }
+    let generation = generation + 1;
+    let mut now = Vec::new();
+    for (k, devices) in chunks.iter().enumerate() {
+        let spec = json!({
             "driver": d.driver,
             "nodeName": d.node,
-            "pool": {"name": d.node, "generation": generation, "resourceSliceCount": 1},
+            "pool": {"name": d.node, "generation": generation, "resourceSliceCount": chunks.len()},
             "devices": devices,
-        })
-    };
-    let stored = match existing {
-        Some(mut o) => {
-            let have = &o.data["spec"]["devices"];
-            let current = same_devices(have, &devices)
-                || written
-                    .as_ref()
-                    .is_some_and(|(sent, back)| same_devices(sent, &devices) && same_devices(back, have));
-            if current && o.data["spec"]["driver"] == d.driver.as_str() {
-                return Ok(false);
+        });
+        let n = name(k);
+        let stored = match existing[k].take() {
+            Some(mut o) => {
+                o.data["spec"] = spec;
+                api.replace(&n, &PostParams::default(), &o)
+                    .await
+                    .map_err(|e| format!("updating ResourceSlice {n}: {e}"))?
             }
-            let generation = o.data["spec"]["pool"]["generation"].as_i64().unwrap_or(0) + 1;
-            o.data["spec"] = spec(generation);
-            api.replace(&name, &PostParams::default(), &o)
-                .await
-                .map_err(|e| format!("updating ResourceSlice {name}: {e}"))?
-        }
-        None => {
-            let mut o = DynamicObject::new(&name, &resource("ResourceSlice", "resourceslices"));
-            o.data = json!({"spec": spec(1)});
-            if let Some(owner) = owner {
-                o.metadata.owner_references = serde_json::from_value(json!([owner])).ok();
+            None => {
+                let mut o = DynamicObject::new(&n, &resource("ResourceSlice", "resourceslices"));
+                o.data = json!({"spec": spec});
+                if let Some(owner) = owner {
+                    o.metadata.owner_references = serde_json::from_value(json!([owner])).ok();
+                }
+                api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {n}: {e}"))?
             }
-            api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {name}: {e}"))?
-        }
-    };
-    let back = stored.data["spec"]["devices"].clone();
-    let shared = devices.as_array().is_some_and(|v| v.iter().any(|d| d["allowMultipleAllocations"] == true));
-    let kept = back.as_array().is_some_and(|v| v.iter().any(|d| d["allowMultipleAllocations"] == true));
-    if shared && !kept {
+        };
+        now.push((devices.clone(), stored.data["spec"]["devices"].clone()));
+    }
+    for (k, _) in existing.iter().enumerate().skip(chunks.len()).filter(|(_, o)| o.is_some()) {
+        let n = name(k);
+        api.delete(&n, &Default::default()).await.map_err(|e| format!("removing ResourceSlice {n}: {e}"))?;
+    }
+    let shared = |v: &Value| v.as_array().is_some_and(|v| v.iter().any(|d| d["allowMultipleAllocations"] == true));
+    if now.iter().any(|(sent, _)| shared(sent)) && !now.iter().any(|(_, back)| shared(back)) {
         tracing::warn!(
-            resource_slice = %name,
+            resource_slice = %name(0),
             "the API server dropped allowMultipleAllocations: consumable capacity needs the DRAConsumableCapacity \
              feature gate (API server and scheduler); until then each GPU goes to one claim at a time, whole"
         );
     }
-    *written = Some((devices, back));
+    *written = now;
     Ok(true)
 }
 
@@ -594,11 +804,17 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
             return;
         }
     };
-    let d = Driver { agent: agent.clone(), driver: driver.clone(), node: agent.cfg.node_name.clone(), client };
+    let d = Driver {
+        agent: agent.clone(),
+        driver: driver.clone(),
+        node: agent.cfg.node_name.clone(),
+        client,
+        mig_lock: Default::default(),
+    };
     let (reg_sock, dra_sock) = sockets(&agent.cfg, &driver);
     let registrar = Registrar { driver: driver.clone(), endpoint: dra_sock.clone() };
     let mut owner = None;
-    let mut written: Written = None;
+    let mut written: Written = Vec::new();
     let mut next_publish = tokio::time::Instant::now();
     let collect_every =
         (Duration::from_secs(agent.cfg.slice_gc_grace_s) / 2).clamp(Duration::from_secs(1), Duration::from_secs(10));
@@ -659,7 +875,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                 + match publish(&d, &owner, &mut written).await {
                     Ok(changed) => {
                         if changed {
-                            tracing::info!(node = %d.node, driver = %driver, "ResourceSlice written");
+                            tracing::info!(node = %d.node, driver = %driver, "ResourceSlices written");
                         }
                         Duration::from_secs(2)
                     }
@@ -701,6 +917,16 @@ mod tests {
         assert_eq!(slice_name("7C1A-uid"), "dra-7c1a-uid");
         assert!(crate::slices::valid_name(&slice_name("0b7f3f4e-5d0a-4d4a-9f0e-3c2b1a0f9e8d")));
         assert_eq!(resource_slice_name("node-a", "gpu.vgpu.io"), "node-a-gpu.vgpu.io");
+        assert_eq!(pool_slice_name("node-a", "gpu.vgpu.io", 0), "node-a-gpu.vgpu.io");
+        assert_eq!(pool_slice_name("node-a", "gpu.vgpu.io", 2), "node-a-gpu.vgpu.io-2");
+        // MIG devices by UUID, as DNS labels (the old form names the parent and the instances).
+        let m = mig_device_name("MIG-7F1D2C3B-0A1B-5C2D-8E9F-00112233AABB");
+        assert_eq!(m, "mig-7f1d2c3b-0a1b-5c2d-8e9f-00112233aabb");
+        assert_eq!(parse_device(&m), Some(Dev::Mig(m.clone())));
+        let old = mig_device_name("MIG-GPU-5f3b1c2d-0a1b-4c2d-8e9f-00112233aabb/3/0");
+        assert_eq!(old, "mig-gpu-5f3b1c2d-0a1b-4c2d-8e9f-00112233aabb-3-0");
+        let long = mig_device_name(&format!("MIG-{}", "a-".repeat(40)));
+        assert!(long.len() <= 63 && !long.ends_with('-'), "{long}");
     }
 
     #[test]

@@ -101,6 +101,13 @@ fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16
             s.objects.insert(path, o.clone());
             (200, o)
         }
+        "DELETE" => match s.objects.remove(&path) {
+            Some(o) => {
+                *s.writes.entry(path).or_default() += 1;
+                (200, o)
+            }
+            None => status(404, "NotFound"),
+        },
         _ => status(405, "MethodNotAllowed"),
     }
 }
@@ -479,4 +486,144 @@ fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
     assert_eq!(store.lock().unwrap().writes[&at], writes, "not rewritten for what the server drops: {rs}");
     assert!(rs["spec"]["devices"][0].get("allowMultipleAllocations").is_none());
     assert!(a.log_text().contains("dropped allowMultipleAllocations"), "{}", a.log_text());
+}
+
+#[test]
+fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
+    let s = Sim::new(Some(NODE));
+    let (store, a, kubelet) = start(&s, "");
+    let g1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    let mig = s.state.join("mig.yaml");
+    std::fs::write(
+        &mig,
+        "version: v1\nmig-configs:\n  mixed:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"3g.40gb\": 1\n        \"1g.10gb\": 2\n",
+    )
+    .unwrap();
+    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "mixed"]);
+
+    // GPU 0 as 10 replicas (not MIG); GPU 1 as its three MIG devices, named after their UUIDs.
+    let at = format!("{SLICES}/node1-{DRIVER}");
+    let devices = |store: &Mutex<Store>| -> Vec<Value> {
+        store
+            .lock()
+            .unwrap()
+            .objects
+            .get(&at)
+            .and_then(|o| o["spec"]["devices"].as_array().cloned())
+            .unwrap_or_default()
+    };
+    wait("the ResourceSlice with MIG devices", || {
+        devices(&store).iter().filter(|d| d["attributes"]["mig"]["bool"] == true).count() == 3
+    });
+    let all = devices(&store);
+    assert_eq!(all.len(), 13, "{all:?}");
+    assert!(all
+        .iter()
+        .filter(|d| d["name"].as_str().unwrap().starts_with("gpu-0-"))
+        .all(|d| d["attributes"]["mig"]["bool"] == false));
+    let migs: Vec<&Value> = all.iter().filter(|d| d["attributes"]["mig"]["bool"] == true).collect();
+    let by_profile = |p: &str| -> Vec<(String, String)> {
+        migs.iter()
+            .filter(|d| d["attributes"]["profile"]["string"] == p)
+            .map(|d| {
+                (
+                    d["name"].as_str().unwrap().to_string(),
+                    d["attributes"]["uuid"]["string"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let (big, small) = (by_profile("3g.40gb"), by_profile("1g.10gb"));
+    assert_eq!((big.len(), small.len()), (1, 2), "{migs:?}");
+    for d in &migs {
+        let uuid = d["attributes"]["uuid"]["string"].as_str().unwrap();
+        assert!(uuid.starts_with("MIG-"), "{d}");
+        assert_eq!(d["name"].as_str().unwrap(), format!("mig-{}", uuid[4..].to_ascii_lowercase()));
+        assert_eq!(d["attributes"]["parentUUID"]["string"], g1.as_str());
+        assert_eq!(d["attributes"]["index"]["int"], 1);
+        assert!(d["capacity"]["memory"]["value"].as_str().is_some(), "{d}");
+    }
+
+    let mig_result =
+        |request: &str, device: &str| json!({"request": request, "driver": DRIVER, "pool": "node1", "device": device});
+    put_claim(&store, "a", "cm-0001", vec![mig_result("gpu", &big[0].0)]);
+    put_claim(&store, "b", "cm-0002", vec![mig_result("gpu", &big[0].0)]);
+    put_claim(&store, "c", "cm-0003", vec![mig_result("gpu", &small[0].0), mig_result("gpu", &small[1].0)]);
+    put_claim(&store, "mixed", "cm-0004", vec![mig_result("gpu", &small[0].0), mig_result("share", "gpu-0-0")]);
+    put_claim(&store, "stale", "cm-0005", vec![mig_result("gpu", "mig-00000000-0000-0000-0000-000000000000")]);
+    let sock = dra_socket(&kubelet);
+    wait("the DRA socket", || sock.exists());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let claims = ["a", "b", "c", "mixed", "stale"]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| v1_claim("ml", n, &format!("cm-000{}", i + 1)))
+        .collect();
+    let resp = prepare(&rt, &sock, claims);
+    let spec_of = |uid: &str| a.state.join("cdi").join(format!("vgpu-mig-dra-{uid}.json"));
+    let visible = |uid: &str| -> String {
+        let spec: Value = serde_json::from_slice(&std::fs::read(spec_of(uid)).unwrap()).unwrap();
+        assert_eq!((&spec["kind"], &spec["devices"][0]["name"]), (&json!("vgpu.io/mig"), &json!(format!("dra-{uid}"))));
+        assert_eq!(spec["devices"][0]["containerEdits"]["mounts"], json!([]), "no slice, no library: {spec}");
+        spec["devices"][0]["containerEdits"]["env"][0].as_str().unwrap().to_string()
+    };
+    let ra = &resp.claims["cm-0001"];
+    assert_eq!(ra.error, "");
+    assert_eq!(ra.devices[0].cdi_device_ids, ["vgpu.io/mig=dra-cm-0001"]);
+    assert_eq!(visible("cm-0001"), format!("NVIDIA_VISIBLE_DEVICES={}", big[0].1));
+    assert!(resp.claims["cm-0002"].error.contains("is prepared for claim ml/a"), "{:?}", resp.claims["cm-0002"]);
+    assert!(!spec_of("cm-0002").exists());
+    let rc = &resp.claims["cm-0003"];
+    assert_eq!((rc.error.as_str(), rc.devices.len()), ("", 2), "{rc:?}");
+    let mut both = [small[0].1.clone(), small[1].1.clone()];
+    both.sort();
+    assert_eq!(visible("cm-0003"), format!("NVIDIA_VISIBLE_DEVICES={}", both.join(",")));
+    assert!(resp.claims["cm-0004"].error.contains("MIG devices and GPU shares"), "{:?}", resp.claims["cm-0004"]);
+    assert!(resp.claims["cm-0005"].error.contains("no such MIG device"), "{:?}", resp.claims["cm-0005"]);
+    assert!(!a.ctl(&["inspect", "dra-cm-0004"]).status.success(), "no slice for the refused claim");
+
+    // Unprepared, "a" lets its device go, and "b" gets it.
+    assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "a", "cm-0001")]).claims["cm-0001"].error, "");
+    assert!(!spec_of("cm-0001").exists());
+    let rb = prepare(&rt, &sock, vec![v1_claim("ml", "b", "cm-0002")]);
+    assert_eq!(rb.claims["cm-0002"].error, "");
+    assert_eq!(visible("cm-0002"), format!("NVIDIA_VISIBLE_DEVICES={}", big[0].1));
+
+    // A claim kubelet never unprepares: once it is gone, so are its record and spec, and its devices
+    // can be prepared for another.
+    store.lock().unwrap().objects.remove("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c");
+    wait("the gone claim's MIG spec removed", || !spec_of("cm-0003").exists());
+    put_claim(&store, "d", "cm-0006", vec![mig_result("gpu", &small[1].0)]);
+    let rd = prepare(&rt, &sock, vec![v1_claim("ml", "d", "cm-0006")]);
+    assert_eq!(rd.claims["cm-0006"].error, "");
+    assert!(a.log_text().contains("MIG devices released: the claim is gone"), "{}", a.log_text());
+}
+
+#[test]
+fn a_pool_of_more_devices_than_a_resource_slice_holds_spans_several() {
+    let s = Sim::new(Some(NODE));
+    let (store, a, _kubelet) = start(&s, "split_count = 70\n");
+    let (first, second) = (format!("{SLICES}/node1-{DRIVER}"), format!("{SLICES}/node1-{DRIVER}-1"));
+    let get = |p: &str| store.lock().unwrap().objects.get(p).cloned();
+    wait("the pool's two ResourceSlices", || get(&first).is_some() && get(&second).is_some());
+    let (one, two) = (get(&first).unwrap(), get(&second).unwrap());
+    let pool = json!({"name": "node1", "generation": 1, "resourceSliceCount": 2});
+    assert_eq!((&one["spec"]["pool"], &two["spec"]["pool"]), (&pool, &pool), "{one}\n{two}");
+    let names = |o: &Value| -> Vec<String> {
+        o["spec"]["devices"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect()
+    };
+    let (n1, n2) = (names(&one), names(&two));
+    assert_eq!((n1.len(), n2.len()), (128, 12), "the API's limit of 128 devices a slice");
+    assert_eq!((n1[0].as_str(), n2[11].as_str()), ("gpu-0-0", "gpu-1-69"));
+    assert_eq!(two["metadata"]["ownerReferences"][0]["uid"], "node-uid-1");
+    std::thread::sleep(Duration::from_millis(2500));
+    let writes = |p: &str| store.lock().unwrap().writes.get(p).copied().unwrap_or(0);
+    assert_eq!((writes(&first), writes(&second)), (1, 1), "written once while nothing changed\n{}", a.log_text());
+
+    // GPU 1 fails: 70 devices fit in one slice, written with the generation raised; the other goes.
+    assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+    wait("the second ResourceSlice removed", || get(&second).is_none());
+    let one = get(&first).unwrap();
+    assert_eq!(one["spec"]["pool"], json!({"name": "node1", "generation": 2, "resourceSliceCount": 1}));
+    assert_eq!(names(&one).len(), 70);
 }
