@@ -1442,12 +1442,17 @@ def markdown(env, results, seconds, pending=()):
 
 def write_results(out, env, results, seconds, pending):
     """results.json and results.md as they stand: written after every check, so a run cut short
-    (a machine taken back, a time limit) leaves every figure measured until then."""
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"environment": env, "seconds": seconds, "complete": not pending, "not_run": list(pending),
-                   "checks": [r.as_dict() for r in results]}, f, indent=1, default=str)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(markdown(env, results, seconds, pending))
+    (a machine taken back, a time limit) leaves every figure measured until then. Each file is
+    written beside and renamed into place, so it is never seen half written."""
+    def put(name, text):
+        path = os.path.join(out, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    put("results.json", json.dumps({"environment": env, "seconds": seconds, "complete": not pending,
+                                    "not_run": list(pending), "checks": [r.as_dict() for r in results]},
+                                   indent=1, default=str))
+    put("results.md", markdown(env, results, seconds, pending))
 
 
 def main(argv):

@@ -243,17 +243,20 @@ fn results_are_written_after_every_check_so_a_run_cut_short_keeps_its_figures() 
     let mut child =
         c.process_group(0).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let partial = loop {
+    // Both files are written after each check, one after the other: wait for the pair that has it.
+    let (partial, md) = loop {
         if let Ok(b) = std::fs::read(out.join("results.json")) {
             if let Ok(v) = serde_json::from_slice::<Value>(&b) {
-                break v;
+                let md = std::fs::read_to_string(out.join("results.md")).unwrap_or_default();
+                if md.contains("| load |") {
+                    break (v, md);
+                }
             }
         }
-        assert!(std::time::Instant::now() < deadline, "no results.json within 60 s");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before writing results.json");
+        assert!(std::time::Instant::now() < deadline, "no results.json and results.md within 60 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before writing its results");
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
-    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
     // SAFETY: kill(2) of the process group made above.
     unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
     let _ = child.wait();
