@@ -18,6 +18,9 @@ macro_rules! cuda_hooks {
             cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut c_void, flags: u32, dev: CUdevice) => memory::ctx_create_v4;
             cuCtxDestroy(ctx: CUcontext) => memory::ctx_destroy;
             cuCtxDestroy_v2(ctx: CUcontext) => memory::ctx_destroy;
+            // streams (a launch's device is its stream's, remembered per thread until one goes)
+            cuStreamDestroy(stream: CUstream) => memory::stream_destroy;
+            cuStreamDestroy_v2(stream: CUstream) => memory::stream_destroy;
             // linear memory
             cuMemAlloc(dptr: *mut u32, size: u32) => memory::alloc_v1;
             cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => memory::alloc_v2;

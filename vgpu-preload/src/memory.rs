@@ -9,7 +9,12 @@ use crate::ptrmap::{ctx_of, pack, pack_in, unpack};
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
 use cuda_abi::*;
+use std::cell::Cell;
 use std::ffi::c_void;
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{AcqRel, Acquire},
+};
 
 const OK: CUresult = CUresult::SUCCESS;
 
@@ -128,13 +133,51 @@ fn site(st: &State) -> Result<(usize, u64), CUresult> {
     Ok((d, if ctx == 0 { 0 } else { st.contexts.add(ctx, d) }))
 }
 
+/// Raised whenever a stream handle may stop naming the stream it named: before a stream is
+/// destroyed, and when a context goes (with its streams). A thread's remembered stream is good only
+/// under the generation it was asked under.
+static STREAMS_GEN: AtomicU64 = AtomicU64::new(0);
+
+/// Per thread: the stream last asked for its device, the generation it was asked under, and the
+/// answer (CUDA ordinal, region device). A thread launching into a stream of its own asks once.
+#[derive(Clone, Copy)]
+struct LastStream {
+    stream: usize,
+    gen: u64,
+    ordinal: CUdevice,
+    dev: usize,
+}
+
+thread_local! {
+    static LAST_STREAM: Cell<LastStream> = const { Cell::new(LastStream { stream: 0, gen: u64::MAX, ordinal: 0, dev: 0 }) };
+}
+
+/// Stream handles may be reused from now on for other streams: forget every thread's answer.
+pub(crate) fn streams_changed() {
+    STREAMS_GEN.fetch_add(1, AcqRel);
+}
+
+/// `cuStreamDestroy` and `_v2`: the handle may name another stream (of another context) once the
+/// driver has let it go, so every thread's remembered answer goes first.
+pub unsafe fn stream_destroy(real: f::cuStreamDestroy, s: CUstream) -> CUresult {
+    streams_changed();
+    // SAFETY: the caller's argument, forwarded unchanged (the hook's contract).
+    unsafe { real(s) }
+}
+
 /// The device of `stream` (CUDA ordinal, region device). The default streams are the current
 /// context's, and so is every stream of a process that sees one device; any other stream is asked
-/// for its context (one driver call, as `current` is), looked up in the context table.
+/// for its context (one driver call, as `current` is), looked up in the context table, and the
+/// answer kept for the thread's next call on the same stream while no stream or context went.
 #[inline]
-fn stream_dev(st: &State, stream: CUstream) -> Result<(CUdevice, usize), CUresult> {
+pub(crate) fn stream_dev(st: &State, stream: CUstream) -> Result<(CUdevice, usize), CUresult> {
     if st.sees_one_device() || stream as usize <= CU_STREAM_PER_THREAD {
         return current(st);
+    }
+    let gen = STREAMS_GEN.load(Acquire);
+    let last = LAST_STREAM.with(Cell::get);
+    if last.stream == stream as usize && last.gen == gen {
+        return Ok((last.ordinal, last.dev));
     }
     let ctx = stream_ctx(stream);
     if ctx == 0 {
@@ -142,10 +185,13 @@ fn stream_dev(st: &State, stream: CUstream) -> Result<(CUdevice, usize), CUresul
         return current(st);
     }
     let known = st.contexts.lookup(ctx);
-    match known.and_then(|(d, _)| Some((st.ordinal_of(d)?, d))) {
-        Some(found) => Ok(found),
-        None => context_dev(st, ctx, known.is_some()),
-    }
+    let (ordinal, dev) = match known.and_then(|(d, _)| Some((st.ordinal_of(d)?, d))) {
+        Some(found) => found,
+        None => context_dev(st, ctx, known.is_some())?,
+    };
+    // Under the generation read before asking: a stream destroyed meanwhile makes it stale.
+    LAST_STREAM.with(|c| c.set(LastStream { stream: stream as usize, gen, ordinal, dev }));
+    Ok((ordinal, dev))
 }
 
 /// The device of context `ctx`, which the table does not know yet (or not with an ordinal): asked
@@ -172,8 +218,9 @@ fn ctx_id(st: &State, d: usize) -> u64 {
 /// driver freed what was allocated in it: release those allocations from the container's usage.
 #[cold]
 fn context_gone(st: &State, ctx: u64) {
-    // Its modules, graphs and events went with it, and their handles may come back naming other
-    // work.
+    // Its streams went with it, and so did its modules, graphs and events: their handles may come
+    // back naming other work.
+    streams_changed();
     crate::sm::context_gone(ctx);
     crate::graphmem::context_gone(st);
     pools::forget_current();

@@ -494,11 +494,24 @@ fn sampled(est: u64, n: u64, pending: u64) -> bool {
     (est == 0 || n.is_multiple_of(every)) && pending < MAX_PENDING
 }
 
+/// The device whose budget a launch into `stream` is charged to: the stream's. Without a driver
+/// call when the process sees one device; the current context's device for the default streams;
+/// a stream the process made is asked for its context once per thread (`memory::stream_dev`),
+/// which need not be current: a context-independent `CUkernel` may be launched into a stream of
+/// any context.
+#[inline]
+fn launch_dev(st: &State, stream: CUstream) -> Result<usize, CUresult> {
+    if st.sees_one_device() || stream as usize <= CU_STREAM_PER_THREAD {
+        return st.launch_dev();
+    }
+    crate::memory::stream_dev(st, stream).map(|(_, d)| d)
+}
+
 /// Admits one launch of `key` on `stream` (waiting while the budget is in debt), then runs `launch`.
 #[inline]
 fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
     let st = state();
-    let Ok(dev) = st.launch_dev() else { return launch() };
+    let Ok(dev) = launch_dev(st, stream) else { return launch() };
     let (Some(pct), Some(region)) = (applies(st, dev), st.region.as_ref()) else { return launch() };
     if capture::capturing(stream) {
         return launch(); // becomes a graph node; charged when the graph is launched

@@ -65,6 +65,7 @@ macro_rules! with_cuda_api {
             cuLibraryUnload = "cuLibraryUnload" : fn(l: CUlibrary);
             cuLibraryGetKernel = "cuLibraryGetKernel" : fn(k: *mut CUkernel, l: CUlibrary, name: *const c_char);
             cuStreamCreate = "cuStreamCreate" : fn(s: *mut CUstream, flags: u32);
+            cuStreamDestroy_v2 = "cuStreamDestroy" : fn(s: CUstream);
             cuStreamSynchronize = "cuStreamSynchronize" : fn(s: CUstream);
             cuStreamBeginCapture_v2 = "cuStreamBeginCapture" : fn(s: CUstream, mode: i32);
             cuStreamEndCapture = "cuStreamEndCapture" : fn(s: CUstream, g: *mut CUgraph);

@@ -19,7 +19,7 @@ scenarios:
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
          [--threads T | --devices D1,D2,...] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
          [--loader module|library] [--reload-after N --reload-kernel NAME [--reload-how unload|reset]]
-         [--stream-on D]
+         [--stream-on D [--restream-after N]]
                                         launch kernels (simulator convention: sleep_<N><unit>,
                                         wave_<N><unit>, param_ns); legacy: cuLaunchGridAsync,
                                         legacy-default: cuLaunch/cuLaunchGrid (default stream);
@@ -37,7 +37,11 @@ scenarios:
                                         from cuLibraryLoadData/cuLibraryGetKernel, launched by
                                         their CUkernel handle as CUDA 12 runtimes do; --stream-on
                                         (with --loader library): into a stream of device D's
-                                        primary context, this device's current
+                                        primary context, this device's current; --restream-after
+                                        (with --seconds): after N launches that stream is
+                                        destroyed and one of this device's made (the simulator
+                                        hands out the freed handle again), launched into from
+                                        then on
   graph-mem [--how explicit|capture] [--size N] [--graphs G] [--keep]
             [--instantiate flags|params|upload] [--upload] [--launches L] [--alloc N]
             [--destroy] [--trim] [--reset] [--peer-size P] [--hold]
@@ -965,6 +969,10 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             "--stream-on needs --loader library and --path kernel (a CUkernel launches on any context's stream)".into(),
         );
     }
+    let restream_after = o.num("restream-after", 0)?;
+    if restream_after > 0 && (stream_on.is_none() || seconds.is_none()) {
+        return Err("--restream-after needs --stream-on and --seconds".into());
+    }
     let image = b"vgpu-sim module\0";
     let start_wall = std::time::Instant::now();
     // SAFETY: calls through the table with out-pointers to locals; kernel parameters point to `dur`,
@@ -1150,8 +1158,23 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             }
         };
         let (mut fk, mut module) = (f, m);
+        // The stream launched into (--restream-after replaces it).
+        let cur = std::cell::Cell::new(s);
         let mut one = || -> CUresult {
+            let s = cur.get();
             let grid = grids[n as usize % grids.len()];
+            if restream_after > 0 && n == restream_after {
+                // The stream goes, and one of this device's context takes its place (which the
+                // simulated driver, as a real one may, gives the freed handle).
+                let mut s2 = std::ptr::null_mut();
+                for r in [(api.cuStreamSynchronize)(s), (api.cuStreamDestroy_v2)(s), (api.cuStreamCreate)(&mut s2, 0)] {
+                    if r != CUresult::SUCCESS {
+                        return r;
+                    }
+                }
+                cur.set(s2);
+            }
+            let s = cur.get();
             if reload_after > 0 && n == reload_after {
                 // A reset takes the context's modules with it. (The simulated driver keeps the
                 // context's streams and events, which a real one would also destroy.)
@@ -1213,7 +1236,7 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
                     ck(api, one(), "launch")?;
                     launches += 1;
                     if launches.is_multiple_of(every) {
-                        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+                        ck(api, (api.cuStreamSynchronize)(cur.get()), "cuStreamSynchronize")?;
                     }
                 }
             }
@@ -1224,10 +1247,15 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
                 }
             }
         }
-        ck(api, (api.cuEventRecord)(e1, s), "cuEventRecord")?;
-        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
         let mut ms = 0f32;
-        ck(api, (api.cuEventElapsedTime)(&mut ms, e0, e1), "cuEventElapsedTime")?;
+        if restream_after > 0 && launches > restream_after {
+            // The events are the first stream's context's: no GPU time is reported.
+            ck(api, (api.cuStreamSynchronize)(cur.get()), "cuStreamSynchronize")?;
+        } else {
+            ck(api, (api.cuEventRecord)(e1, s), "cuEventRecord")?;
+            ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+            ck(api, (api.cuEventElapsedTime)(&mut ms, e0, e1), "cuEventElapsedTime")?;
+        }
         Ok(json!({"event": "launched", "pid": std::process::id(), "path": path, "launches": launches,
             "kernels": launches * per_launch, "gpu_ms": ms, "wall_ms": start_wall.elapsed().as_secs_f64() * 1e3}))
     }

@@ -199,17 +199,34 @@ fn a_process_on_two_gpus_gets_its_share_of_each() {
 }
 
 /// A context-independent kernel (`CUkernel`) may be launched into a stream of another context than
-/// the current one (here device 1's, with device 0 current): its launches are measured with events
-/// of the stream's context, made with that context pushed for the purpose. (The launch is charged to
-/// the current device's budget: README, "Known limits" of the SM-time quotas.)
+/// the current one (here device 1's, with device 0 current): its launches are charged to that
+/// stream's device, under its limit (60 %, not device 0's 30 %), and measured with events of the
+/// stream's context, made with that context pushed for the purpose.
 #[test]
 fn a_kernel_launched_into_another_context_s_stream_is_measured() {
     let h = harness();
     let mut c = container(30, "sleep_1ms", &["--loader", "library", "--stream-on", "1"]);
-    c.limits = vec![30, 30];
+    c.limits = vec![30, 60];
     let o = h.run(&one(c, 3.5), 0);
     let (here, there) = (o.overall[0][0] * 100.0, o.overall[0][1] * 100.0);
-    eprintln!("launched from device 0 into device 1's stream at 30 %: {here:.1} % and {there:.1} %");
+    eprintln!("launched from device 0 (30 %) into device 1's stream (60 %): {here:.1} % and {there:.1} %");
     assert!(here < 1.0, "nothing ran on device 0: {here:.1} %");
-    assert!((there - 30.0).abs() <= 5.0, "device 1 at 30 %: achieved {there:.1} %");
+    assert!((there - 60.0).abs() <= 5.0, "device 1 at its 60 %: achieved {there:.1} %");
+}
+
+/// A stream handle the driver hands out again, for a stream of another device, after the first was
+/// destroyed (as a real driver's allocator may): launches into it are charged to its own device,
+/// not to the device the interposer learned for the old stream. Here 200 launches go to device 1's
+/// stream (60 %), which is then destroyed and replaced by one of device 0 (30 %) under the same
+/// handle, launched into for the rest of the run.
+#[test]
+fn a_stream_handle_given_out_again_is_charged_to_its_new_device() {
+    let h = harness();
+    let mut c = container(30, "sleep_1ms", &["--loader", "library", "--stream-on", "1", "--restream-after", "200"]);
+    c.limits = vec![30, 60];
+    let o = h.run(&one(c, 3.5), 0);
+    let (here, there) = (o.overall[0][0] * 100.0, o.overall[0][1] * 100.0);
+    eprintln!("after the handle was given to device 0's stream (30 %): {here:.1} % and {there:.1} %");
+    assert!((here - 30.0).abs() <= 5.0, "device 0 at its 30 %: achieved {here:.1} %");
+    assert!(there < 1.0, "device 1 idle after the first 200 launches: {there:.1} %");
 }

@@ -196,8 +196,23 @@ pub fn stream(h: CUstream) -> R<(&'static Ctx, &'static Stream)> {
     Ok((c, s))
 }
 
+/// Destroyed streams, reused by the next `cuStreamCreate` the way a real driver's allocator hands a
+/// freed object's memory to the next one: the same handle then names another stream, perhaps of
+/// another context, which the interposer must not mistake for the old one.
+static SPARE_STREAMS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
 pub fn stream_create() -> R<CUstream> {
     let c = current()?;
+    if let Some(h) = SPARE_STREAMS.lock().unwrap().pop() {
+        // SAFETY: a retired Stream (leaked, never freed); its magic is 0 until set below, so no
+        // other call uses it meanwhile (every field is atomic).
+        let s = unsafe { &*(h as *const Stream) };
+        s.set_ctx(c);
+        s.last_end.store(0, Release);
+        s.capture.store(std::ptr::null_mut(), Release);
+        s.magic.store(STREAM_MAGIC, Release);
+        return Ok(h as CUstream);
+    }
     Ok(leak(Stream::new(c)))
 }
 
@@ -206,7 +221,9 @@ pub fn stream_destroy(h: CUstream) -> R<()> {
     if h as usize <= CU_STREAM_PER_THREAD {
         return Err(CUresult::INVALID_HANDLE);
     }
-    s.magic.store(0, Release);
+    if s.magic.compare_exchange(STREAM_MAGIC, 0, AcqRel, Acquire).is_ok() {
+        SPARE_STREAMS.lock().unwrap().push(h as usize);
+    }
     Ok(())
 }
 

@@ -132,9 +132,10 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     };
     let rounds = if quick { 3 } else { 5 };
     let (mut bare, mut with, mut limited, mut watched) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut bare_two, mut with_two) = (Vec::new(), Vec::new());
+    let (mut bare_two, mut with_two, mut limited_two) = (Vec::new(), Vec::new(), Vec::new());
     let sm_region = region.with_extension("sm");
     let two_region = region.with_extension("two");
+    let two_sm_region = region.with_extension("two-sm");
     for _ in 0..rounds {
         bare.push(run(None, false));
         with.push(run(Some(&region), false));
@@ -142,8 +143,10 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         watched.push(run(Some(agent_made()), false));
         bare_two.push(run_on(None, false, true));
         with_two.push(run_on(Some(&two_region), false, true));
+        limited_two.push(run_on(Some(&two_sm_region), true, true));
     }
     let _ = (std::fs::remove_file(&agents), std::fs::remove_file(&sm_region), std::fs::remove_file(&two_region));
+    let _ = std::fs::remove_file(&two_sm_region);
     let _ = (std::fs::remove_dir_all(&two), std::fs::remove_file(&two_cfg));
     let m = |v: &[serde_json::Value], k: &str| median(v.iter().map(|x| x[k].as_f64().unwrap()).collect());
     println!("| measure | bare simulator | with libvgpu.so | added | budget |\n|---|---|---|---|---|");
@@ -188,6 +191,13 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
             "+150 ns",
         ),
         (&bare, &limited, "launch_ns", "cuLaunchKernel with an SM limit (99 %), budget available (ns)", "+30 ns"),
+        (
+            &bare_two,
+            &limited_two,
+            "launch_ns",
+            "the same, a process that sees two GPUs (the stream asked for its device; ns)",
+            "+30 ns",
+        ),
         (
             &bare,
             &limited,
