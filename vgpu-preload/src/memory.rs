@@ -158,11 +158,14 @@ pub(crate) fn streams_changed() {
 }
 
 /// `cuStreamDestroy` and `_v2`: the handle may name another stream (of another context) once the
-/// driver has let it go, so every thread's remembered answer goes first.
+/// driver has let it go, so every thread's remembered answer goes, before and after (an answer
+/// taken while the driver destroys the stream is not kept either).
 pub unsafe fn stream_destroy(real: f::cuStreamDestroy, s: CUstream) -> CUresult {
     streams_changed();
     // SAFETY: the caller's argument, forwarded unchanged (the hook's contract).
-    unsafe { real(s) }
+    let r = unsafe { real(s) };
+    streams_changed();
+    r
 }
 
 /// The device of `stream` (CUDA ordinal, region device). The default streams are the current
