@@ -66,6 +66,9 @@ pub struct Agent {
     pub drained: RwLock<std::collections::BTreeSet<String>>,
     /// MIG profile tables by GPU UUID (they never change), read once from NVML.
     pub mig_profiles: Mutex<std::collections::HashMap<String, Vec<vgpu_mig::model::Profile>>>,
+    /// Who holds each MIG device given out whole (by MIG UUID), from the records of the DRA driver
+    /// and of HAMi mode; see [`Agent::refresh_mig_holders`].
+    pub mig_holders: RwLock<std::collections::BTreeMap<String, String>>,
     /// The capacity reporter's connection state.
     pub reporter: Arc<crate::report::ReporterState>,
 }
@@ -135,6 +138,7 @@ impl Agent {
             capacity_changed: tokio::sync::Notify::new(),
             drained: RwLock::new(crate::capacity::load_drained(&cfg_state_dir)),
             mig_profiles: Mutex::new(Default::default()),
+            mig_holders: RwLock::new(Default::default()),
             reporter: Default::default(),
         })
     }
@@ -359,9 +363,43 @@ impl Agent {
         r
     }
 
+    /// Reads again who holds which MIG device: the DRA driver's records of claims
+    /// (`<state_dir>/dra-mig/`) and HAMi mode's of containers (`<state_dir>/mig/allocations/`).
+    /// Called at start and after every change to either.
+    pub fn refresh_mig_holders(&self) {
+        let mut held = std::collections::BTreeMap::new();
+        let records = |dir: PathBuf| {
+            std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+                .filter_map(|e| {
+                    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok()?;
+                    Some((e.path().file_stem()?.to_string_lossy().into_owned(), v))
+                })
+                .collect::<Vec<_>>()
+        };
+        for (_, v) in records(self.cfg.state_dir.join(crate::dra::MIG_CLAIMS)) {
+            let holder =
+                format!("claim {}/{}", v["namespace"].as_str().unwrap_or("?"), v["name"].as_str().unwrap_or("?"));
+            for d in v["devices"].as_array().into_iter().flatten().filter_map(|d| d.as_str()) {
+                held.insert(d.to_string(), holder.clone());
+            }
+        }
+        for (key, v) in records(self.cfg.state_dir.join("mig").join("allocations")) {
+            for a in v["allocations"].as_array().into_iter().flatten() {
+                if let Some(u) = a["uuid"].as_str() {
+                    held.insert(u.to_string(), format!("container {key}"));
+                }
+            }
+        }
+        *self.mig_holders.write() = held;
+    }
+
     pub fn mig_status(&self) -> Result<pb::MigStatusResponse, ApiError> {
         let nvml = self.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
-        crate::mig::status(nvml, &self.mig.lock())
+        crate::mig::status(nvml, &self.mig.lock(), &self.mig_holders.read())
     }
 
     pub fn health_response(&self) -> pb::HealthResponse {
@@ -448,6 +486,9 @@ impl Agent {
                                         name: dev.map(|d| d.name.clone()).unwrap_or_default(),
                                         memory_total: dev.map_or(0, |d| d.memory_total),
                                         compute_instances: gi.compute_instances.len() as u32,
+                                        holder: dev
+                                            .and_then(|d| self.mig_holders.read().get(&d.uuid).cloned())
+                                            .unwrap_or_default(),
                                     })
                                     .collect()
                             })

@@ -198,6 +198,12 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
         ]);
     }
     o.push_str(&table(&rows));
+    for g in &st.gpus {
+        for i in g.mig.iter().flat_map(|m| &m.instances).filter(|i| !i.holder.is_empty()) {
+            let profile = i.name.rsplit_once(" MIG ").map_or(i.name.as_str(), |(_, p)| p);
+            let _ = writeln!(o, "GPU {} MIG {} {}: {}", g.index, profile, short_uuid(&i.uuid), i.holder);
+        }
+    }
     for g in st.gpus.iter().filter(|g| g.sm_feedback_held) {
         let _ = writeln!(
             o,
@@ -350,7 +356,14 @@ pub fn render_mig_status(st: &pb::MigStatusResponse) -> String {
             (true, false) => "on".into(),
             (false, false) => "off".into(),
         };
-        let inst: Vec<String> = g.instances.iter().map(|i| format!("{}@{}", i.name, i.start)).collect();
+        let inst: Vec<String> = g
+            .instances
+            .iter()
+            .map(|i| match i.holder.as_str() {
+                "" => format!("{}@{}", i.name, i.start),
+                h => format!("{}@{} ({h})", i.name, i.start),
+            })
+            .collect();
         let mut desired = g.desired.join(", ");
         if g.in_progress {
             desired.push_str(" (apply interrupted: resumed at agent start)");

@@ -57,6 +57,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
             .map_err(|e| format!("cannot write {}: {e}", tpl.display()))?;
     }
     let agent = Arc::new(Agent::new(cfg.clone(), store, library)?);
+    agent.refresh_mig_holders();
     tracing::info!(slices = agent.slices().len(), state_dir = %cfg.state_dir.display(), "recovered slices");
 
     let listener = crate::api::bind(&cfg.socket)?;

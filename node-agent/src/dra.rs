@@ -261,7 +261,7 @@ struct Want {
 }
 
 /// The directory (under the state directory) of the records of claims given MIG devices.
-const MIG_CLAIMS: &str = "dra-mig";
+pub const MIG_CLAIMS: &str = "dra-mig";
 
 /// A claim given MIG devices: they are handed over whole, with no slice, so this record is what
 /// tells which claim holds them (and what to remove when the claim goes).
@@ -496,7 +496,9 @@ impl Driver {
         crate::cdi::write_spec(&spec, &crate::cdi::spec_of(crate::cdi::MIG_KIND, &slice_name(&claim.uid), &inj))
             .map_err(|e| format!("writing {}: {e}", spec.display()))?;
         crate::cdi::write_spec(&record, &serde_json::to_value(&claim).expect("serialisable"))
-            .map_err(|e| format!("writing {}: {e}", record.display()))
+            .map_err(|e| format!("writing {}: {e}", record.display()))?;
+        self.agent.refresh_mig_holders();
+        Ok(())
     }
 
     /// Undoes `prepare`: the claim's slice goes (if there is one), or its MIG devices' record and spec.
@@ -509,7 +511,9 @@ impl Driver {
             let _one = self.mig_lock.lock();
             let (record, spec) = self.mig_paths(uid);
             let _ = std::fs::remove_file(spec);
-            let _ = std::fs::remove_file(record);
+            if std::fs::remove_file(record).is_ok() {
+                self.agent.refresh_mig_holders();
+            }
         }
         match self.agent.delete_slice(&slice, false) {
             Ok(()) | Err(ApiError::NotFound(_)) => Ok(()),

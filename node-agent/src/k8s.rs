@@ -383,6 +383,7 @@ fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDev
     std::fs::create_dir_all(mig_dir(agent)).map_err(|e| e.to_string())?;
     let rec = MigRecord { pod_uid: pod_uid.to_string(), allocations: made };
     std::fs::write(&path, serde_json::to_vec_pretty(&rec).expect("serialisable")).map_err(|e| e.to_string())?;
+    agent.refresh_mig_holders();
     if let Ok(inv) = crate::discovery::discover(&nvml) {
         *agent.inventory.write() = inv;
     }
@@ -401,6 +402,7 @@ fn mig_release(agent: &Agent, key: &str, rec: &MigRecord) -> Result<(), String> 
         }
     }
     let _ = std::fs::remove_file(mig_dir(agent).join(format!("{key}.json")));
+    agent.refresh_mig_holders();
     if let Ok(inv) = crate::discovery::discover(&nvml) {
         *agent.inventory.write() = inv;
     }

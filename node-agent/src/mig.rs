@@ -17,7 +17,12 @@ pub enum Op {
     Assert,
 }
 
-pub fn status(nvml: Arc<Nvml>, store: &Store) -> Result<pb::MigStatusResponse, ApiError> {
+/// MIG status of every capable GPU; `holders`: who holds which MIG device (by UUID).
+pub fn status(
+    nvml: Arc<Nvml>,
+    store: &Store,
+    holders: &std::collections::BTreeMap<String, String>,
+) -> Result<pb::MigStatusResponse, ApiError> {
     let b = NvmlBackend::new(nvml);
     let n = b.gpu_count().map_err(|e| ApiError::Internal(e.0))?;
     let in_progress = store.in_progress();
@@ -59,6 +64,7 @@ pub fn status(nvml: Arc<Nvml>, store: &Store) -> Result<pb::MigStatusResponse, A
                     name: g.profile(i.profile).map(|p| p.name.clone()).unwrap_or_default(),
                     memory_total: g.profile(i.profile).map_or(0, |p| p.memory_mib << 20),
                     compute_instances: i.compute_instances.len() as u32,
+                    holder: i.uuid.as_ref().and_then(|u| holders.get(u).cloned()).unwrap_or_default(),
                 })
                 .collect(),
             desired: store.desired(&g.uuid).map(|d| describe(&d)).unwrap_or_default(),

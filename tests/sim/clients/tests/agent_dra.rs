@@ -582,12 +582,29 @@ fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
     assert!(resp.claims["cm-0005"].error.contains("no such MIG device"), "{:?}", resp.claims["cm-0005"]);
     assert!(!a.ctl(&["inspect", "dra-cm-0004"]).status.success(), "no slice for the refused claim");
 
+    // The status says who holds which MIG device.
+    let holder = |uuid: &str| -> String {
+        let st = a.status().unwrap();
+        let inst = st["gpus"][1]["mig"]["instances"].as_array().cloned().unwrap_or_default();
+        let i = inst.iter().find(|i| i["uuid"] == uuid).unwrap_or_else(|| panic!("{uuid} in {st}"));
+        i["holder"].as_str().unwrap_or_default().to_string()
+    };
+    wait("the holders in the status", || holder(&big[0].1) == "claim ml/a");
+    assert_eq!((holder(&small[0].1), holder(&small[1].1)), ("claim ml/c".into(), "claim ml/c".into()));
+    let table = a.ctl_ok(&["status"]);
+    let line = format!("GPU 1 MIG 3g.40gb {}: claim ml/a", &big[0].1[..12]);
+    assert!(table.contains(&line), "{line:?} in\n{table}");
+    assert!(a.ctl_ok(&["mig", "status"]).contains("3g.40gb@"), "{}", a.ctl_ok(&["mig", "status"]));
+    assert!(a.ctl_ok(&["mig", "status"]).contains("(claim ml/a)"), "{}", a.ctl_ok(&["mig", "status"]));
+
     // Unprepared, "a" lets its device go, and "b" gets it.
     assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "a", "cm-0001")]).claims["cm-0001"].error, "");
     assert!(!spec_of("cm-0001").exists());
+    wait("held by nobody once unprepared", || holder(&big[0].1).is_empty());
     let rb = prepare(&rt, &sock, vec![v1_claim("ml", "b", "cm-0002")]);
     assert_eq!(rb.claims["cm-0002"].error, "");
     assert_eq!(visible("cm-0002"), format!("NVIDIA_VISIBLE_DEVICES={}", big[0].1));
+    wait("held by b", || holder(&big[0].1) == "claim ml/b");
 
     // A claim kubelet never unprepares: once it is gone, so are its record and spec, and its devices
     // can be prepared for another.

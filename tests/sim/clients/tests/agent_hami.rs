@@ -406,6 +406,8 @@ fn hami_mode_on_a_mig_gpu_makes_an_instance_per_container_and_destroys_it_with_t
     let inst = h100["instances"].as_array().unwrap();
     assert_eq!(inst.len(), 1, "{h100}");
     assert_eq!(inst[0]["uuid"], uuid.as_str());
+    let holder = inst[0]["holder"].as_str().unwrap_or_default();
+    assert!(holder.starts_with("container ") && holder.contains("infer"), "held by the pod's container: {holder:?}");
     assert!(inst[0]["memory_total"].as_u64().unwrap() >= 15000 << 20, "fits the 15000 MiB asked: {}", inst[0]);
     assert_eq!(cluster.lock().unwrap().pods[0]["metadata"]["annotations"]["hami.io/bind-phase"], "success");
 
