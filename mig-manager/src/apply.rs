@@ -244,13 +244,16 @@ pub fn allocate(b: &dyn MigBackend, gpu: u32, req: &planner::Request) -> Result<
     })
 }
 
-/// Dynamic mode: destroys an allocation's GPU instance once idle (refused while processes run on it).
+/// Dynamic mode: destroys an allocation's GPU instance once idle (refused while it is busy: processes
+/// run on it, or the backend reports it given to a workload).
 pub fn release(b: &dyn MigBackend, gpu: u32, gi: u32) -> Result<(), MigError> {
     let g = b.gpu(gpu)?;
     let inst =
         g.instances.iter().find(|i| i.gi == gi).ok_or_else(|| MigError(format!("GPU {gpu}: no GPU instance {gi}")))?;
     if inst.busy {
-        return Err(MigError(format!("GPU {gpu}: GPU instance {gi} still runs processes")));
+        return Err(MigError(format!(
+            "GPU {gpu}: GPU instance {gi} is in use (processes run on it, or it is given out)"
+        )));
     }
     b.destroy(gpu, gi)
 }

@@ -33,7 +33,7 @@ pub enum ModeChange {
 pub trait MigBackend {
     fn gpu_count(&self) -> Result<u32, MigError>;
     /// The GPU with its profiles (from NVML), mode and instances. `busy` marks instances with
-    /// processes on them as NVML reports.
+    /// processes on them as NVML reports, and (`NvmlBackend::with_held`) those given to workloads.
     fn gpu(&self, gpu: u32) -> Result<Gpu, MigError>;
     fn set_mode(&self, gpu: u32, enabled: bool) -> Result<ModeChange, MigError>;
     /// Creates a GPU instance at an explicit placement and one compute instance spanning it; returns
@@ -47,6 +47,8 @@ pub trait MigBackend {
 
 pub struct NvmlBackend {
     nvml: Arc<Nvml>,
+    /// MIG device UUIDs given out to workloads (which may have no process on them yet): busy.
+    held: std::collections::BTreeSet<String>,
 }
 
 fn ret_name(r: nvmlReturn_t) -> String {
@@ -71,7 +73,14 @@ fn check(what: impl FnOnce() -> String, r: nvmlReturn_t) -> Result<(), MigError>
 
 impl NvmlBackend {
     pub fn new(nvml: Arc<Nvml>) -> NvmlBackend {
-        NvmlBackend { nvml }
+        NvmlBackend { nvml, held: Default::default() }
+    }
+
+    /// A backend that reports the instances of these MIG devices busy whether or not a process runs
+    /// on them: they were given to a workload (a DRA claim, a container), which the planner must not
+    /// take them from.
+    pub fn with_held(nvml: Arc<Nvml>, held: impl IntoIterator<Item = String>) -> NvmlBackend {
+        NvmlBackend { nvml, held: held.into_iter().collect() }
     }
 
     fn handle(&self, gpu: u32) -> Result<nvmlDevice_t, MigError> {
@@ -217,7 +226,8 @@ impl MigBackend for NvmlBackend {
                 }
                 if let Some(inst) = instances.iter_mut().find(|x| x.gi == id) {
                     inst.uuid = m.uuid().ok();
-                    inst.busy = m.running_compute_processes().is_ok_and(|p| !p.is_empty());
+                    let held = inst.uuid.as_ref().is_some_and(|u| self.held.contains(u));
+                    inst.busy = held || m.running_compute_processes().is_ok_and(|p| !p.is_empty());
                 }
             }
             instances.sort_by_key(|i| (i.start, i.gi));

@@ -352,7 +352,8 @@ impl Agent {
     pub fn mig(&self, req: Option<pb::MigRequest>, op: crate::mig::Op) -> Result<pb::MigReport, ApiError> {
         let nvml = self.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
         let store = self.mig.lock();
-        let r = crate::mig::run(nvml.clone(), &store, &req.unwrap_or_default(), op);
+        let held = self.mig_holders.read().keys().cloned().collect();
+        let r = crate::mig::run(nvml.clone(), &store, held, &req.unwrap_or_default(), op);
         drop(store);
         if op == crate::mig::Op::Apply {
             if let Ok(inv) = crate::discovery::discover(&nvml) {

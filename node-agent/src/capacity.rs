@@ -278,9 +278,10 @@ impl Agent {
         let nvml = self.nvml.get().cloned().ok_or("NVML is not open yet")?;
         let (uuid, _) = self.resolve_gpu(&d.gpu).map_err(api_text)?;
         let index = self.inventory.read().gpus.iter().find(|g| g.uuid == uuid).map(|g| g.index).ok_or("no such GPU")?;
-        let b = vgpu_mig::backend::NvmlBackend::new(nvml);
         let r = {
             let _g = self.mig.lock();
+            // Not one given to a DRA claim or a HAMi-mode container, idle or not.
+            let b = vgpu_mig::backend::NvmlBackend::with_held(nvml, self.mig_holders.read().keys().cloned());
             vgpu_mig::apply::release(&b, index, d.gpu_instance_id)
         };
         match r {

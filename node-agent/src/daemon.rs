@@ -106,9 +106,11 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     // Recorded MIG layouts that no longer hold (a reboot, an interrupted apply) come back first.
     {
         let (n, a) = (nvml.clone(), agent.clone());
-        tokio::task::spawn_blocking(move || crate::mig::reconcile(n, &a.mig.lock()))
-            .await
-            .map_err(|e| e.to_string())?;
+        tokio::task::spawn_blocking(move || {
+            crate::mig::reconcile(n, &a.mig.lock(), a.mig_holders.read().keys().cloned().collect())
+        })
+        .await
+        .map_err(|e| e.to_string())?;
     }
     let inv = discovery::discover(&nvml).map_err(|e| e.to_string())?;
     for g in &inv.gpus {

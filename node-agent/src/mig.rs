@@ -82,7 +82,15 @@ fn describe(d: &Desired) -> Vec<String> {
 }
 
 /// Plans, applies or asserts a mig-parted config on the GPUs it selects (or `req.gpus`).
-pub fn run(nvml: Arc<Nvml>, store: &Store, req: &pb::MigRequest, op: Op) -> Result<pb::MigReport, ApiError> {
+/// A MIG operation; `held`: the MIG devices given out (to DRA claims, HAMi-mode containers), which a
+/// layout change keeps as it keeps those with processes (unless forced).
+pub fn run(
+    nvml: Arc<Nvml>,
+    store: &Store,
+    held: Vec<String>,
+    req: &pb::MigRequest,
+    op: Op,
+) -> Result<pb::MigReport, ApiError> {
     let file = config::File::parse(&req.config_yaml).map_err(|e| ApiError::Invalid(e.0))?;
     if !file.mig_configs.contains_key(&req.config_name) {
         return Err(ApiError::Invalid(format!(
@@ -91,7 +99,7 @@ pub fn run(nvml: Arc<Nvml>, store: &Store, req: &pb::MigRequest, op: Op) -> Resu
             file.mig_configs.keys().cloned().collect::<Vec<_>>().join(", ")
         )));
     }
-    let b = NvmlBackend::new(nvml);
+    let b = NvmlBackend::with_held(nvml, held);
     let n = b.gpu_count().map_err(|e| ApiError::Internal(e.0))?;
     if let Some(g) = req.gpus.iter().find(|&&g| g >= n) {
         return Err(ApiError::Invalid(format!("no GPU {g} on this node (it has {n})")));
@@ -198,9 +206,9 @@ fn plan_empty(
 }
 
 /// After start-up: finishes interrupted applies and re-applies recorded layouts that no longer hold
-/// (after a reboot or driver reload).
-pub fn reconcile(nvml: Arc<Nvml>, store: &Store) {
-    let b = NvmlBackend::new(nvml);
+/// (after a reboot or driver reload), keeping the MIG devices given out (`held`).
+pub fn reconcile(nvml: Arc<Nvml>, store: &Store, held: Vec<String>) {
+    let b = NvmlBackend::with_held(nvml, held);
     for r in apply::reconcile(&b, store) {
         match r {
             Ok(o) => tracing::info!(gpu = o.gpu, pending_reset = o.pending_reset, "MIG layout restored"),

@@ -597,6 +597,24 @@ fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
     assert!(a.ctl_ok(&["mig", "status"]).contains("3g.40gb@"), "{}", a.ctl_ok(&["mig", "status"]));
     assert!(a.ctl_ok(&["mig", "status"]).contains("(claim ml/a)"), "{}", a.ctl_ok(&["mig", "status"]));
 
+    // A layout change keeps the MIG devices given out, idle as they are (no process runs on them
+    // yet), unless forced: seven 1g.10gb cannot be laid out around them.
+    std::fs::write(
+        &mig,
+        "version: v1\nmig-configs:\n  mixed:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"3g.40gb\": 1\n        \"1g.10gb\": 2\n  all-1g:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 7\n",
+    )
+    .unwrap();
+    let o = a.ctl(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "all-1g"]);
+    let said = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    eprintln!("apply all-1g with MIG devices held: {said}");
+    assert!(!o.status.success(), "refused: {said}");
+    let st = a.status().unwrap();
+    let uuids: Vec<&str> =
+        st["gpus"][1]["mig"]["instances"].as_array().unwrap().iter().filter_map(|i| i["uuid"].as_str()).collect();
+    for (_, u) in big.iter().chain(&small) {
+        assert!(uuids.contains(&u.as_str()), "{u} kept: {st}");
+    }
+
     // Unprepared, "a" lets its device go, and "b" gets it.
     assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "a", "cm-0001")]).claims["cm-0001"].error, "");
     assert!(!spec_of("cm-0001").exists());
