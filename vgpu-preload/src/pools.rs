@@ -327,29 +327,75 @@ pub fn after_fork() {
     DIRTY.store(false, Relaxed);
 }
 
+/// What pools are charged beyond their live allocations, counted in flight (per device) while a call
+/// runs in which the driver may let it go (a trim, a synchronisation), until the settle after it
+/// takes it off the charge: in between, NVML's figure for the process is smaller than its charge by
+/// that much, which the agent's true-up must not take for a smaller context.
+struct Releasing([u64; crate::MAX_DEVICES]);
+
+impl Releasing {
+    /// Pool `only`, or every pool (`None`).
+    fn of(st: &State, only: Option<usize>) -> Releasing {
+        let mut by_dev = [0u64; crate::MAX_DEVICES];
+        for (i, p) in POOLS.iter().enumerate() {
+            if only.is_some_and(|o| o != i) || p.handle.load(Acquire) == 0 {
+                continue;
+            }
+            let d = p.dev.load(Acquire);
+            if d < crate::MAX_DEVICES {
+                by_dev[d] += p.slack.load(Acquire) + p.held.load(Acquire);
+            }
+        }
+        for (d, &b) in by_dev.iter().enumerate() {
+            st.begin_in_flight(d, b);
+        }
+        Releasing(by_dev)
+    }
+}
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        let st = state();
+        for (d, &b) in self.0.iter().enumerate() {
+            st.end_in_flight(d, b);
+        }
+    }
+}
+
+/// Around a synchronisation: the pools changed since the last settle may be trimmed in it.
+#[inline]
+fn releasing_if_dirty() -> Option<Releasing> {
+    DIRTY.load(Relaxed).then(|| Releasing::of(state(), None))
+}
+
 // ----- hooks -----
 
 pub unsafe fn stream_sync(real: f::cuStreamSynchronize, s: CUstream) -> CUresult {
+    let _releasing = releasing_if_dirty();
     // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
     synced(unsafe { real(s) })
 }
 
 pub unsafe fn ctx_sync(real: f::cuCtxSynchronize) -> CUresult {
+    let _releasing = releasing_if_dirty();
     // SAFETY: as above.
     synced(unsafe { real() })
 }
 
 pub unsafe fn event_sync(real: f::cuEventSynchronize, e: CUevent) -> CUresult {
+    let _releasing = releasing_if_dirty();
     // SAFETY: as above.
     synced(unsafe { real(e) })
 }
 
 pub unsafe fn trim_to(real: f::cuMemPoolTrimTo, pool: CUmemoryPool, keep: usize) -> CUresult {
+    let st = state();
+    let i = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64);
+    let _releasing = i.map(|i| Releasing::of(st, Some(i)));
     // SAFETY: as above.
     let r = unsafe { real(pool, keep) };
     if r == OK {
-        let st = state();
-        if let Some(i) = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64) {
+        if let Some(i) = i {
             let _ = settle(st, i);
         }
     }

@@ -798,6 +798,10 @@ pub fn pool_trim(id: u64, keep: u64) -> R<()> {
         Ok::<_, CUresult>((p.gpu, trim(p, keep)))
     })?;
     pr.uncharge(gpu, freed);
+    let delay = pr.node.cfg.pool_trim_return_ns;
+    if delay > 0 {
+        std::thread::sleep(std::time::Duration::from_nanos(delay));
+    }
     Ok(())
 }
 
