@@ -385,6 +385,22 @@ fn shared(request: &str, device: &str, consumed: Option<(&str, &str)>) -> Value 
     r
 }
 
+/// Once the driver serves kubelet, NodePrepareResources (v1) for claims `names` of namespace `ml`,
+/// whose UIDs are `<prefix>-0001`, `<prefix>-0002`, ... in that order; the runtime and socket for
+/// more calls.
+fn prepare_claims(
+    kubelet: &Path,
+    prefix: &str,
+    names: &[&str],
+) -> (tokio::runtime::Runtime, std::path::PathBuf, v1::NodePrepareResourcesResponse) {
+    let sock = dra_socket(kubelet);
+    wait("the DRA socket", || sock.exists());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let claims = names.iter().enumerate().map(|(i, n)| v1_claim("ml", n, &format!("{prefix}-{:04}", i + 1))).collect();
+    let resp = prepare(&rt, &sock, claims);
+    (rt, sock, resp)
+}
+
 fn put_claim(store: &Mutex<Store>, name: &str, uid: &str, results: Vec<Value>) {
     let mut c = claim("ml", name, uid, &[]);
     c["status"]["allocation"]["devices"]["results"] = Value::Array(results);
@@ -432,15 +448,7 @@ fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
         "cc-0005",
         vec![shared("a", "gpu-0", Some(("1Gi", "20"))), shared("b", "gpu-0", Some(("512Mi", "25")))],
     );
-    let sock = dra_socket(&kubelet);
-    wait("the DRA socket", || sock.exists());
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let claims = ["infer", "notebook", "whole", "huge", "pair"]
-        .iter()
-        .enumerate()
-        .map(|(i, n)| v1_claim("ml", n, &format!("cc-000{}", i + 1)))
-        .collect();
-    let resp = prepare(&rt, &sock, claims);
+    let (_rt, _, resp) = prepare_claims(&kubelet, "cc", &["infer", "notebook", "whole", "huge", "pair"]);
     for uid in ["cc-0001", "cc-0002", "cc-0003", "cc-0005"] {
         let r = &resp.claims[uid];
         assert_eq!(r.error, "", "{uid}");
@@ -551,15 +559,7 @@ fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
     put_claim(&store, "c", "cm-0003", vec![mig_result("gpu", &small[0].0), mig_result("gpu", &small[1].0)]);
     put_claim(&store, "mixed", "cm-0004", vec![mig_result("gpu", &small[0].0), mig_result("share", "gpu-0-0")]);
     put_claim(&store, "stale", "cm-0005", vec![mig_result("gpu", "mig-00000000-0000-0000-0000-000000000000")]);
-    let sock = dra_socket(&kubelet);
-    wait("the DRA socket", || sock.exists());
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let claims = ["a", "b", "c", "mixed", "stale"]
-        .iter()
-        .enumerate()
-        .map(|(i, n)| v1_claim("ml", n, &format!("cm-000{}", i + 1)))
-        .collect();
-    let resp = prepare(&rt, &sock, claims);
+    let (rt, sock, resp) = prepare_claims(&kubelet, "cm", &["a", "b", "c", "mixed", "stale"]);
     let spec_of = |uid: &str| a.state.join("cdi").join(format!("vgpu-mig-dra-{uid}.json"));
     let visible = |uid: &str| -> String {
         let spec: Value = serde_json::from_slice(&std::fs::read(spec_of(uid)).unwrap()).unwrap();

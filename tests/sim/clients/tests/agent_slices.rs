@@ -199,6 +199,51 @@ fn what_the_driver_holds_beyond_a_process_s_own_account_is_charged_to_it() {
     s.kill(c);
 }
 
+/// Runs `gpu-probe ARGS` in slice `job1` of `store` while the agent's monitor passes every 5 ms,
+/// until the probe's result line (the passes after it see the process end, and its memory go):
+/// the agent's part of the process's charge (MiB) at each pass once it was charged, and the result.
+fn corrections_during(
+    s: &Sim,
+    store: &SliceStore,
+    nvml: &nvml_wrapper::Nvml,
+    list: &std::sync::Arc<Vec<vgpu_agent::slices::Slice>>,
+    args: &[&str],
+) -> (Vec<u64>, serde_json::Value) {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let mut m = Monitor::new(EscapeAction::Report);
+    let mut c = s.in_slice(PROBE, &store.dir("job1"), "64m");
+    c.args(args);
+    let mut child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let out = child.stdout.take().unwrap();
+    let reported = std::sync::Arc::new(AtomicBool::new(false));
+    let reader = {
+        let reported = reported.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            let (mut line, mut rest) = (String::new(), String::new());
+            let mut r = std::io::BufReader::new(out);
+            let _ = r.read_line(&mut line);
+            reported.store(true, SeqCst);
+            let _ = std::io::Read::read_to_string(&mut r, &mut rest);
+            line + &rest
+        })
+    };
+    let mut corrections = Vec::new();
+    while child.try_wait().unwrap().is_none() && !reported.load(SeqCst) {
+        let r = m.pass(nvml, store, list);
+        // (Listed while it lives: its exit takes its slot, and the correction with it.)
+        if let Some(p) = r.slices[0].processes.first() {
+            if p.memory_beyond_calls > 0 || !corrections.is_empty() {
+                corrections.push(p.memory_beyond_calls / MIB);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (corrections, lines(reader.join().unwrap().as_bytes()).remove(0))
+}
+
 #[test]
 fn the_agent_keeps_a_context_s_correction_while_threads_allocate() {
     // Each context holds 640 MiB, 64 MiB of it charged by the call: the agent charges the other
@@ -212,58 +257,27 @@ fn the_agent_keeps_a_context_s_correction_while_threads_allocate() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
     let (store, _) = store_with_slice(&s, 4 << 30);
-    let dir = store.dir("job1");
     let nvml = nvml_of(&s);
     let list = std::sync::Arc::new(store.list().unwrap());
     for run in 0..3 {
-        let mut m = Monitor::new(EscapeAction::Report);
-        let mut c = s.in_slice(PROBE, &dir, "64m");
-        c.args(["pool-threads", "--size", &(512 * MIB).to_string(), "--iters", "2000", "--wait", "0.3"]);
-        let mut child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-        // Its result line ends the storm; the passes after it see the process end (its memory going,
-        // which lowers the correction, as it should), and are not judged.
-        let out = child.stdout.take().unwrap();
-        let reported = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let reader = {
-            let reported = reported.clone();
-            std::thread::spawn(move || {
-                use std::io::BufRead;
-                let mut line = String::new();
-                let mut r = std::io::BufReader::new(out);
-                let _ = r.read_line(&mut line);
-                reported.store(true, std::sync::atomic::Ordering::SeqCst);
-                let mut rest = String::new();
-                let _ = std::io::Read::read_to_string(&mut r, &mut rest);
-                line + &rest
-            })
-        };
-        // The agent's part of the process's charge at each pass, once it was charged.
-        let mut corrections = Vec::new();
-        while child.try_wait().unwrap().is_none() && !reported.load(std::sync::atomic::Ordering::SeqCst) {
-            let r = m.pass(&nvml, &store, &list);
-            // (Listed while it lives: its exit takes its slot, and the correction with it.)
-            if let Some(p) = r.slices[0].processes.first() {
-                if p.memory_beyond_calls > 0 || !corrections.is_empty() {
-                    corrections.push(p.memory_beyond_calls / MIB);
-                }
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        let o = child.wait_with_output().unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let v = lines(reader.join().unwrap().as_bytes()).remove(0);
+        let size = (512 * MIB).to_string();
+        let (corrections, v) = corrections_during(
+            &s,
+            &store,
+            &nvml,
+            &list,
+            &["pool-threads", "--size", &size, "--iters", "2000", "--wait", "0.3"],
+        );
         let room = (4096 - 640) * MIB;
         assert_eq!(v["base"]["free"].as_u64(), Some(room), "run {run}: the agent charged the context: {v}");
         assert!(v["outcomes"]["CUDA_ERROR_OUT_OF_MEMORY"].as_u64() > Some(0), "over-subscribed: {v}");
         assert!(corrections.len() >= 10, "run {run}: {} passes during the storm: {v}", corrections.len());
-        // Under load (two CPU-bound processes beside the test, 2 cores) two things happen now and
-        // then, and are allowed: the first passes to see the process see it with an allocation in
-        // flight already, and charge that smaller excess first (it then rises); and the pool's trim
-        // at the storm's end, which the driver makes before the process takes it off its charge,
-        // lowers the correction for a few passes if the process is kept off the CPU that long (the
-        // README's known limit), after which it is whole again (unless the run ends first). What
-        // must not happen is the fall this test was written for: the correction taken down by the
-        // storm and left there (for most of its passes).
+        // Under load (two CPU-bound processes beside the test, 2 cores) the first passes to see the
+        // process may see it with an allocation in flight already, and charge that smaller excess
+        // first (it then rises); and a free the driver made before the process took it off its
+        // charge may lower the correction for a few passes (the README's known limit), after which
+        // it is whole again. What must not happen is the fall this test was written for: the
+        // correction taken down by the storm and left there (for most of its passes).
         let first_whole = corrections.iter().position(|&c| c == 576).unwrap_or(corrections.len());
         let rises = corrections[..first_whole].windows(2).all(|w| w[0] <= w[1]);
         let dipped = corrections[first_whole..].iter().filter(|&&c| c < 576).count();
@@ -288,39 +302,13 @@ fn the_agent_keeps_a_correction_while_a_pool_trim_returns() {
         "context_overhead_mib = 640\npool_trim_return_ms = 300\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
     ));
     let (store, _) = store_with_slice(&s, 4 << 30);
-    let dir = store.dir("job1");
     let nvml = nvml_of(&s);
     let list = std::sync::Arc::new(store.list().unwrap());
-    let mut m = Monitor::new(EscapeAction::Report);
-    let mut c = s.in_slice(PROBE, &dir, "64m");
     // One thread, three allocations of 512 MiB live at a time, all freed: the pool keeps 1.5 GiB
     // (its release threshold raised to never) until the trim.
-    c.args(["pool-threads", "--threads", "1", "--size", &(512 * MIB).to_string(), "--iters", "6", "--wait", "0.3"]);
-    let mut child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let out = child.stdout.take().unwrap();
-    let reported = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let reader = {
-        let reported = reported.clone();
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = std::io::Read::read_to_string(&mut std::io::BufReader::new(out), &mut text);
-            reported.store(true, std::sync::atomic::Ordering::SeqCst);
-            text
-        })
-    };
-    let mut corrections = Vec::new();
-    while !reported.load(std::sync::atomic::Ordering::SeqCst) && child.try_wait().unwrap().is_none() {
-        let r = m.pass(&nvml, &store, &list);
-        if let Some(p) = r.slices[0].processes.first() {
-            if p.memory_beyond_calls > 0 || !corrections.is_empty() {
-                corrections.push(p.memory_beyond_calls / MIB);
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v = lines(reader.join().unwrap().as_bytes()).remove(0);
+    let size = (512 * MIB).to_string();
+    let args = ["pool-threads", "--threads", "1", "--size", &size, "--iters", "6", "--wait", "0.3"];
+    let (corrections, v) = corrections_during(&s, &store, &nvml, &list, &args);
     assert_eq!(v["pool"].as_u64(), Some(1536 * MIB), "the pool held 1.5 GiB before the trim: {v}");
     assert_eq!(v["pool_after_trim"].as_u64(), Some(0), "{v}");
     // The trim took 300 ms: some 60 passes (at least 30 under load) saw NVML without the pool and the charge with it.
