@@ -369,30 +369,14 @@ impl Agent {
     /// Called at start and after every change to either.
     pub fn refresh_mig_holders(&self) {
         let mut held = std::collections::BTreeMap::new();
-        let records = |dir: PathBuf| {
-            std::fs::read_dir(dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
-                .filter_map(|e| {
-                    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok()?;
-                    Some((e.path().file_stem()?.to_string_lossy().into_owned(), v))
-                })
-                .collect::<Vec<_>>()
-        };
-        for (_, v) in records(self.cfg.state_dir.join(crate::dra::MIG_CLAIMS)) {
-            let holder =
-                format!("claim {}/{}", v["namespace"].as_str().unwrap_or("?"), v["name"].as_str().unwrap_or("?"));
-            for d in v["devices"].as_array().into_iter().flatten().filter_map(|d| d.as_str()) {
-                held.insert(d.to_string(), holder.clone());
+        for c in crate::dra::mig_claims(self) {
+            for d in c.devices {
+                held.insert(d, format!("claim {}/{}", c.namespace, c.name));
             }
         }
-        for (key, v) in records(self.cfg.state_dir.join("mig").join("allocations")) {
-            for a in v["allocations"].as_array().into_iter().flatten() {
-                if let Some(u) = a["uuid"].as_str() {
-                    held.insert(u.to_string(), format!("container {key}"));
-                }
+        for (key, rec) in crate::k8s::mig_records(self) {
+            for u in rec.allocations.into_iter().filter_map(|a| a.uuid) {
+                held.insert(u, format!("container {key}"));
             }
         }
         *self.mig_holders.write() = held;

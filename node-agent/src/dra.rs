@@ -261,17 +261,28 @@ struct Want {
 }
 
 /// The directory (under the state directory) of the records of claims given MIG devices.
-pub const MIG_CLAIMS: &str = "dra-mig";
+const MIG_CLAIMS: &str = "dra-mig";
 
 /// A claim given MIG devices: they are handed over whole, with no slice, so this record is what
 /// tells which claim holds them (and what to remove when the claim goes).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct MigClaim {
-    namespace: String,
-    name: String,
-    uid: String,
+pub(crate) struct MigClaim {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
     /// MIG device UUIDs.
-    devices: Vec<String>,
+    pub devices: Vec<String>,
+}
+
+/// The claims whose MIG devices this node has prepared (their records under `<state_dir>/dra-mig/`).
+pub(crate) fn mig_claims(agent: &Agent) -> Vec<MigClaim> {
+    std::fs::read_dir(agent.cfg.state_dir.join(MIG_CLAIMS))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+        .collect()
 }
 
 /// The CDI device that gives a claim its MIG devices.
@@ -464,23 +475,11 @@ impl Driver {
         (self.agent.cfg.state_dir.join(MIG_CLAIMS).join(&file), cdi.join(format!("vgpu-mig-{file}")))
     }
 
-    /// The claims whose MIG devices this node has prepared.
-    fn mig_claims(&self) -> Vec<MigClaim> {
-        let dir = self.agent.cfg.state_dir.join(MIG_CLAIMS);
-        std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
-            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
-            .collect()
-    }
-
     /// Records the claim's MIG devices (refused if another claim has one of them) and writes the CDI
     /// spec that gives them to its containers.
     fn prepare_mig(&self, claim: MigClaim) -> Result<(), String> {
         let _one = self.mig_lock.lock();
-        for other in self.mig_claims().iter().filter(|c| c.uid != claim.uid) {
+        for other in mig_claims(&self.agent).iter().filter(|c| c.uid != claim.uid) {
             if let Some(d) = claim.devices.iter().find(|d| other.devices.contains(d)) {
                 return Err(format!(
                     "MIG device {d} is prepared for claim {}/{} ({})",
@@ -651,7 +650,7 @@ async fn claim_gone(d: &Driver, ns: &str, name: &str, uid: &str) -> bool {
 /// Removes the slices, and the MIG records, of claims that are gone; returns how many.
 async fn collect(d: &Driver) -> usize {
     let mut removed = 0;
-    for c in d.mig_claims() {
+    for c in mig_claims(&d.agent) {
         if claim_gone(d, &c.namespace, &c.name, &c.uid).await && d.unprepare(&c.uid).is_ok() {
             tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), devices = ?c.devices, "DRA claim's MIG devices released: the claim is gone");
             removed += 1;

@@ -335,16 +335,17 @@ pub enum Allocated {
 /// A container's MIG instances, recorded so that a container restart gets the same ones and a deleted
 /// pod's are destroyed.
 #[derive(serde::Serialize, serde::Deserialize)]
-struct MigRecord {
+pub(crate) struct MigRecord {
     pod_uid: String,
-    allocations: Vec<vgpu_mig::apply::Allocation>,
+    pub allocations: Vec<vgpu_mig::apply::Allocation>,
 }
 
 fn mig_dir(agent: &Agent) -> std::path::PathBuf {
     agent.cfg.state_dir.join("mig").join("allocations")
 }
 
-fn mig_records(agent: &Agent) -> Vec<(String, MigRecord)> {
+/// HAMi mode's records of containers' MIG instances, by container key.
+pub(crate) fn mig_records(agent: &Agent) -> Vec<(String, MigRecord)> {
     let Ok(rd) = std::fs::read_dir(mig_dir(agent)) else { return Vec::new() };
     rd.flatten()
         .filter_map(|e| {

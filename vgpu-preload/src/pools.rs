@@ -334,11 +334,10 @@ pub fn after_fork() {
 struct Releasing([u64; crate::MAX_DEVICES]);
 
 impl Releasing {
-    /// Pool `only`, or every pool (`None`).
-    fn of(st: &State, only: Option<usize>) -> Releasing {
+    fn of<'a>(st: &State, pools: impl IntoIterator<Item = &'a Pool>) -> Releasing {
         let mut by_dev = [0u64; crate::MAX_DEVICES];
-        for (i, p) in POOLS.iter().enumerate() {
-            if only.is_some_and(|o| o != i) || p.handle.load(Acquire) == 0 {
+        for p in pools {
+            if p.handle.load(Acquire) == 0 {
                 continue;
             }
             let d = p.dev.load(Acquire);
@@ -365,7 +364,7 @@ impl Drop for Releasing {
 /// Around a synchronisation: the pools changed since the last settle may be trimmed in it.
 #[inline]
 fn releasing_if_dirty() -> Option<Releasing> {
-    DIRTY.load(Relaxed).then(|| Releasing::of(state(), None))
+    DIRTY.load(Relaxed).then(|| Releasing::of(state(), &POOLS))
 }
 
 // ----- hooks -----
@@ -391,7 +390,7 @@ pub unsafe fn event_sync(real: f::cuEventSynchronize, e: CUevent) -> CUresult {
 pub unsafe fn trim_to(real: f::cuMemPoolTrimTo, pool: CUmemoryPool, keep: usize) -> CUresult {
     let st = state();
     let i = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64);
-    let _releasing = i.map(|i| Releasing::of(st, Some(i)));
+    let _releasing = Releasing::of(st, i.map(|i| &POOLS[i]));
     // SAFETY: as above.
     let r = unsafe { real(pool, keep) };
     if r == OK {

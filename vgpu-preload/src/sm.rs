@@ -494,14 +494,13 @@ fn sampled(est: u64, n: u64, pending: u64) -> bool {
     (est == 0 || n.is_multiple_of(every)) && pending < MAX_PENDING
 }
 
-/// The device whose budget a launch into `stream` is charged to: the stream's. Without a driver
-/// call when the process sees one device; the current context's device for the default streams;
-/// a stream the process made is asked for its context once per thread (`memory::stream_dev`),
-/// which need not be current: a context-independent `CUkernel` may be launched into a stream of
-/// any context.
+/// The device whose budget a launch into `stream` is charged to: the stream's
+/// (`memory::stream_dev`: a stream the process made is asked for its context once per thread, and
+/// it need not be the current one, as a context-independent `CUkernel` may be launched into a
+/// stream of any context); without a driver call when the process sees one device.
 #[inline]
 fn launch_dev(st: &State, stream: CUstream) -> Result<usize, CUresult> {
-    if st.sees_one_device() || stream as usize <= CU_STREAM_PER_THREAD {
+    if st.sees_one_device() {
         return st.launch_dev();
     }
     crate::memory::stream_dev(st, stream).map(|(_, d)| d)
