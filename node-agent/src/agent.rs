@@ -9,7 +9,7 @@ use crate::monitor::Pass;
 use crate::slices::{Injection, Slice, SliceError, SliceGpu, SliceStore};
 use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -69,6 +69,9 @@ pub struct Agent {
     /// Who holds each MIG device given out whole (by MIG UUID), from the records of the DRA driver
     /// and of HAMi mode; see [`Agent::refresh_mig_holders`].
     pub mig_holders: RwLock<std::collections::BTreeMap<String, String>>,
+    /// The DRA claims prepared with admin access, as the monitoring pass knows their containers'
+    /// processes; see [`Agent::refresh_admitted`].
+    pub admitted: RwLock<Arc<Vec<crate::monitor::Admitted>>>,
     /// The capacity reporter's connection state.
     pub reporter: Arc<crate::report::ReporterState>,
 }
@@ -139,6 +142,7 @@ impl Agent {
             drained: RwLock::new(crate::capacity::load_drained(&cfg_state_dir)),
             mig_profiles: Mutex::new(Default::default()),
             mig_holders: RwLock::new(Default::default()),
+            admitted: RwLock::new(Default::default()),
             reporter: Default::default(),
         })
     }
@@ -380,6 +384,34 @@ impl Agent {
             }
         }
         *self.mig_holders.write() = held;
+    }
+
+    /// Reads again the DRA driver's records of claims with admin access (`<state_dir>/dra-admin/`):
+    /// each record's identity, where its containers see it, and the GPUs it covers (a MIG device's
+    /// parent with it). Called at start and after every change.
+    pub fn refresh_admitted(&self) {
+        let inv = self.inventory.read();
+        let v = crate::dra::whole_claims(self, crate::dra::Whole::Admin)
+            .into_iter()
+            .filter_map(|(path, c)| {
+                let file = crate::procfs::file_id(&path)?;
+                let mut gpus = c.devices.clone();
+                for g in &inv.gpus {
+                    let mig = g.mig.iter().flat_map(|m| &m.devices);
+                    if mig.into_iter().any(|m| c.devices.contains(&m.uuid)) {
+                        gpus.push(g.uuid.clone());
+                    }
+                }
+                let name = path.file_name()?.to_string_lossy().into_owned();
+                Some(crate::monitor::Admitted {
+                    claim: format!("{}/{}", c.namespace, c.name),
+                    path: Path::new(crate::dra::ADMIN_MOUNT_DIR).join(name),
+                    file,
+                    gpus,
+                })
+            })
+            .collect();
+        *self.admitted.write() = Arc::new(v);
     }
 
     pub fn mig_status(&self) -> Result<pb::MigStatusResponse, ApiError> {

@@ -23,6 +23,9 @@ pub fn device_name(slice: &str) -> String {
 /// The kind of the CDI devices that give a DRA claim its MIG devices (`NVIDIA_VISIBLE_DEVICES`).
 pub const MIG_KIND: &str = "vgpu.io/mig";
 
+/// The kind of the CDI devices that give a DRA claim with admin access its devices whole.
+pub const ADMIN_KIND: &str = "vgpu.io/admin";
+
 pub fn spec(slice: &str, inj: &Injection) -> serde_json::Value {
     spec_of(KIND, slice, inj)
 }

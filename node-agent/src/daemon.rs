@@ -58,6 +58,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     }
     let agent = Arc::new(Agent::new(cfg.clone(), store, library)?);
     agent.refresh_mig_holders();
+    agent.refresh_admitted();
     tracing::info!(slices = agent.slices().len(), state_dir = %cfg.state_dir.display(), "recovered slices");
 
     let listener = crate::api::bind(&cfg.socket)?;
@@ -201,6 +202,7 @@ fn monitor_loop(nvml: &nvml_wrapper::Nvml, agent: &Agent, stop: &AtomicBool) -> 
             }
         }
         let slices = agent.slices();
+        m.set_admitted(agent.admitted.read().clone());
         let pass = m.pass(nvml, &agent.store, &slices);
         agent.publish(pass, t.elapsed().as_micros() as u64);
         passes += 1;

@@ -27,17 +27,23 @@
 //!   A claim's MIG devices get no slice (MIG isolates them): a record under
 //!   `<state_dir>/dra-mig/` and the CDI device `vgpu.io/mig=dra-<UID>`, which sets
 //!   `NVIDIA_VISIBLE_DEVICES`; a MIG device another prepared claim holds is refused, as is a claim
-//!   of MIG devices and shares together. Preparing a claim again returns the same; a claim whose UID
-//!   changed (deleted and made again) is refused.
+//!   of MIG devices and shares together. A claim allocated with admin access (monitoring beside the
+//!   claims that hold the devices) gets no slice either: a record under `<state_dir>/dra-admin/`,
+//!   and the CDI device `vgpu.io/admin=dra-<UID>`, which sets `NVIDIA_VISIBLE_DEVICES` to its
+//!   devices' GPUs and mounts the record at `/run/vgpu-admin/`, by which the monitoring pass tells
+//!   its processes from escapes. A claim that a container of one of its pods uses together with
+//!   another claim of this driver's devices on this node is refused (the two injections would not
+//!   compose). Preparing a claim again returns the same; a claim whose UID changed (deleted and
+//!   made again) is refused.
 //! - **NodeUnprepareResources**: removes the claim's slice (refused while processes of it live), or
-//!   its MIG record and spec.
+//!   its record and spec of devices given whole.
 //! - **Collection**: a claim's slice whose claim is gone (or made again under its name), which
 //!   kubelet never unprepared (its state lost with the node's), is removed once no process of it
-//!   lives, and a gone claim's MIG record and spec at once; checked every `slice_gc_grace_s / 2`
+//!   lives, and a gone claim's record and spec of devices given whole at once; checked every `slice_gc_grace_s / 2`
 //!   (1-10 s).
 
 use crate::agent::{Agent, ApiError};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -260,34 +266,74 @@ struct Want {
     shares: Vec<(Option<u64>, u32)>,
 }
 
-/// The directory (under the state directory) of the records of claims given MIG devices.
-const MIG_CLAIMS: &str = "dra-mig";
+/// How a claim is given devices whole, with no slice: a record under the state directory says which
+/// claim has which (and what to remove when the claim goes), and a CDI spec sets
+/// `NVIDIA_VISIBLE_DEVICES` to them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Whole {
+    /// MIG devices (MIG isolates them): one claim at a time holds each.
+    Mig,
+    /// Any devices, allocated with admin access (`adminAccess`: monitoring and diagnostics beside
+    /// the claims that hold them): seen whole, unlimited, held by no one.
+    Admin,
+}
 
-/// A claim given MIG devices: they are handed over whole, with no slice, so this record is what
-/// tells which claim holds them (and what to remove when the claim goes).
+impl Whole {
+    /// The directory of its records, under the state directory.
+    fn dir(self) -> &'static str {
+        match self {
+            Whole::Mig => "dra-mig",
+            Whole::Admin => "dra-admin",
+        }
+    }
+
+    fn cdi_kind(self) -> &'static str {
+        match self {
+            Whole::Mig => crate::cdi::MIG_KIND,
+            Whole::Admin => crate::cdi::ADMIN_KIND,
+        }
+    }
+}
+
+/// Where a container given devices with admin access finds its claim's record (bind-mounted
+/// read-only): the monitoring pass knows such a process by it, and does not take it for an escape.
+pub const ADMIN_MOUNT_DIR: &str = "/run/vgpu-admin";
+
+/// A claim given devices whole (see [`Whole`]).
 #[derive(serde::Serialize, serde::Deserialize)]
-pub(crate) struct MigClaim {
+pub(crate) struct WholeClaim {
     pub namespace: String,
     pub name: String,
     pub uid: String,
-    /// MIG device UUIDs.
+    /// Device UUIDs (of GPUs or MIG devices).
     pub devices: Vec<String>,
 }
 
-/// The claims whose MIG devices this node has prepared (their records under `<state_dir>/dra-mig/`).
-pub(crate) fn mig_claims(agent: &Agent) -> Vec<MigClaim> {
-    std::fs::read_dir(agent.cfg.state_dir.join(MIG_CLAIMS))
+/// The claims of kind `w` this node has prepared, with their records' paths.
+pub(crate) fn whole_claims(agent: &Agent, w: Whole) -> Vec<(PathBuf, WholeClaim)> {
+    std::fs::read_dir(agent.cfg.state_dir.join(w.dir()))
         .into_iter()
         .flatten()
         .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
-        .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter_map(|p| Some((p.clone(), serde_json::from_slice(&std::fs::read(&p).ok()?).ok()?)))
         .collect()
+}
+
+/// The claims whose MIG devices this node has prepared (their records under `<state_dir>/dra-mig/`).
+pub(crate) fn mig_claims(agent: &Agent) -> Vec<WholeClaim> {
+    whole_claims(agent, Whole::Mig).into_iter().map(|(_, c)| c).collect()
+}
+
+/// The CDI device that gives a claim its devices whole.
+pub fn whole_cdi_name(w: Whole, claim_uid: &str) -> String {
+    format!("{}={}", w.cdi_kind(), slice_name(claim_uid))
 }
 
 /// The CDI device that gives a claim its MIG devices.
 pub fn mig_cdi_name(claim_uid: &str) -> String {
-    format!("{}={}", crate::cdi::MIG_KIND, slice_name(claim_uid))
+    whole_cdi_name(Whole::Mig, claim_uid)
 }
 
 #[derive(Clone)]
@@ -296,8 +342,9 @@ pub struct Driver {
     driver: String,
     node: String,
     client: kube::Client,
-    /// One MIG preparation or removal at a time (the check that no other claim holds a device).
-    mig_lock: Arc<parking_lot::Mutex<()>>,
+    /// One preparation or removal of devices given whole at a time (the check that no other claim
+    /// holds a MIG device).
+    whole_lock: Arc<parking_lot::Mutex<()>>,
 }
 
 impl Driver {
@@ -366,29 +413,27 @@ impl Driver {
         if ours.is_empty() {
             return Ok(Vec::new());
         }
+        let admin = ours.iter().filter(|(_, _, r)| r["adminAccess"] == true).count();
+        if admin > 0 && admin < ours.len() {
+            return Err(format!(
+                "claim {namespace}/{name} has requests with admin access and without, which cannot be given to one \
+                 container together (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
+            ));
+        }
         let mut wants: BTreeMap<u32, Want> = BTreeMap::new();
-        let mut migs: Vec<String> = Vec::new();
+        let mut whole: Vec<String> = Vec::new();
         for (_, device, result) in &ours {
-            match parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))? {
-                Dev::Mig(n) => {
-                    let inv = self.agent.inventory.read();
-                    let m = inv
-                        .gpus
-                        .iter()
-                        .filter_map(|g| g.mig.as_ref())
-                        .flat_map(|m| &m.devices)
-                        .find(|m| mig_device_name(&m.uuid) == n)
-                        .ok_or_else(|| {
-                            format!("{device}: no such MIG device on this node (the GPU's layout changed)")
-                        })?;
-                    migs.push(m.uuid.clone());
+            let dev = parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))?;
+            if let Dev::Replica(_, n) = dev {
+                if n >= self.agent.cfg.split_count {
+                    return Err(format!("{device} is not a device of this node"));
                 }
-                Dev::Replica(index, n) => {
-                    if n >= self.agent.cfg.split_count {
-                        return Err(format!("{device} is not a device of this node"));
-                    }
-                    wants.entry(index).or_default().replicas += 1;
-                }
+            }
+            match dev {
+                // Admin access: the devices' GPUs (or MIG devices) whole, beside their claims.
+                _ if admin > 0 => whole.push(self.uuid_of(device, &dev)?),
+                Dev::Mig(_) => whole.push(self.uuid_of(device, &dev)?),
+                Dev::Replica(index, _) => wants.entry(index).or_default().replicas += 1,
                 Dev::Shared(index) => {
                     let consumed = &result["consumedCapacity"];
                     let read = |k: &str| -> Result<Option<u64>, String> {
@@ -414,22 +459,22 @@ impl Driver {
         if !crate::slices::valid_name(&slice) {
             return Err(format!("claim UID {uid:?} cannot name a slice"));
         }
-        let cdi = if !migs.is_empty() {
+        if let Some(e) = self.shared_container(namespace, name, &claim).await {
+            return Err(e);
+        }
+        let cdi = if !whole.is_empty() {
             if !wants.is_empty() {
                 return Err(format!(
                     "claim {namespace}/{name} has MIG devices and GPU shares, which cannot be given to one container \
                      together (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
                 ));
             }
-            migs.sort();
-            migs.dedup();
-            self.prepare_mig(MigClaim {
-                namespace: namespace.into(),
-                name: name.into(),
-                uid: uid.into(),
-                devices: migs,
-            })?;
-            mig_cdi_name(uid)
+            whole.sort();
+            whole.dedup();
+            let w = if admin > 0 { Whole::Admin } else { Whole::Mig };
+            let claim = WholeClaim { namespace: namespace.into(), name: name.into(), uid: uid.into(), devices: whole };
+            self.prepare_whole(w, claim)?;
+            whole_cdi_name(w, uid)
         } else {
             self.prepare_slice(namespace, name, uid, &wants)?;
             crate::cdi::device_name(&slice)
@@ -445,6 +490,92 @@ impl Driver {
                 cdi: if named.insert(request) { vec![cdi.clone()] } else { Vec::new() },
             })
             .collect())
+    }
+
+    /// The UUID of what a device gives whole: a GPU's (of its shares), or a MIG device's.
+    fn uuid_of(&self, device: &str, dev: &Dev) -> Result<String, String> {
+        let inv = self.agent.inventory.read();
+        match dev {
+            Dev::Mig(n) => inv
+                .gpus
+                .iter()
+                .filter_map(|g| g.mig.as_ref())
+                .flat_map(|m| &m.devices)
+                .find(|m| mig_device_name(&m.uuid) == *n)
+                .map(|m| m.uuid.clone())
+                .ok_or_else(|| format!("{device}: no such MIG device on this node (the GPU's layout changed)")),
+            Dev::Replica(index, _) | Dev::Shared(index) => inv
+                .gpus
+                .iter()
+                .find(|g| g.index == *index)
+                .map(|g| g.uuid.clone())
+                .ok_or_else(|| format!("{device}: no GPU {index} on this node")),
+        }
+    }
+
+    /// Why the claim cannot be prepared because a container of a pod it is reserved for also uses
+    /// another claim with devices of this driver on this node: each claim's CDI device sets the same
+    /// environment (`NVIDIA_VISIBLE_DEVICES`, the slice's limits) and mounts, so the container would
+    /// get only one claim's. None when no container does, or when that cannot be read now.
+    async fn shared_container(&self, namespace: &str, name: &str, claim: &DynamicObject) -> Option<String> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let claims: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &resource("ResourceClaim", "resourceclaims"));
+        for r in claim.data["status"]["reservedFor"].as_array().into_iter().flatten() {
+            let Some(pod) = r["name"].as_str().filter(|_| r["resource"] == "pods") else { continue };
+            let pod = match pods.get_opt(pod).await {
+                Ok(Some(p)) => p,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::debug!(pod = %format!("{namespace}/{pod}"), error = %e, "cannot read a claim's pod");
+                    continue;
+                }
+            };
+            let pod_name = pod.metadata.name.clone().unwrap_or_default();
+            let spec = pod.spec.unwrap_or_default();
+            // The pod's claim entries by name -> the ResourceClaim each stands for.
+            let generated = pod.status.and_then(|s| s.resource_claim_statuses).unwrap_or_default();
+            let object = |entry: &str| -> Option<String> {
+                let c = spec.resource_claims.iter().flatten().find(|c| c.name == entry)?;
+                c.resource_claim_name
+                    .clone()
+                    .or_else(|| generated.iter().find(|g| g.name == entry)?.resource_claim_name.clone())
+            };
+            let containers = spec.init_containers.iter().flatten().chain(&spec.containers);
+            for c in containers {
+                let used: Vec<String> = {
+                    let mut v: Vec<String> = c
+                        .resources
+                        .iter()
+                        .flat_map(|r| r.claims.iter().flatten())
+                        .filter_map(|u| object(&u.name))
+                        .collect();
+                    v.sort();
+                    v.dedup();
+                    v
+                };
+                if !used.iter().any(|u| u == name) {
+                    continue;
+                }
+                for other in used.iter().filter(|u| *u != name) {
+                    let Ok(Some(o)) = claims.get_opt(other).await else { continue };
+                    let ours = o.data["status"]["allocation"]["devices"]["results"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|r| r["driver"] == self.driver.as_str() && r["pool"] == self.node.as_str());
+                    if ours {
+                        return Some(format!(
+                            "container {} of pod {namespace}/{pod_name} uses claims {name} and {other}, both with \
+                             devices of {} on this node: a container can be given one such claim (put the \
+                             requests in one claim)",
+                            c.name, self.driver
+                        ));
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// The claim's slice, made if it is not there.
@@ -468,50 +599,75 @@ impl Driver {
         Ok(())
     }
 
-    /// Where a claim's MIG devices are recorded, and its CDI spec.
-    fn mig_paths(&self, uid: &str) -> (PathBuf, PathBuf) {
+    /// Where a claim given devices whole is recorded, and its CDI spec.
+    fn whole_paths(&self, w: Whole, uid: &str) -> (PathBuf, PathBuf) {
         let file = format!("{}.json", slice_name(uid));
         let cdi = self.agent.cfg.cdi_dir.clone().unwrap_or_default();
-        (self.agent.cfg.state_dir.join(MIG_CLAIMS).join(&file), cdi.join(format!("vgpu-mig-{file}")))
+        let spec = match w {
+            Whole::Mig => format!("vgpu-mig-{file}"),
+            Whole::Admin => format!("vgpu-admin-{file}"),
+        };
+        (self.agent.cfg.state_dir.join(w.dir()).join(&file), cdi.join(spec))
     }
 
-    /// Records the claim's MIG devices (refused if another claim has one of them) and writes the CDI
-    /// spec that gives them to its containers.
-    fn prepare_mig(&self, claim: MigClaim) -> Result<(), String> {
-        let _one = self.mig_lock.lock();
-        for other in mig_claims(&self.agent).iter().filter(|c| c.uid != claim.uid) {
-            if let Some(d) = claim.devices.iter().find(|d| other.devices.contains(d)) {
-                return Err(format!(
-                    "MIG device {d} is prepared for claim {}/{} ({})",
-                    other.namespace, other.name, other.uid
-                ));
+    /// Records a claim given devices whole (MIG devices: refused if another claim has one of them)
+    /// and writes the CDI spec that gives them to its containers (with admin access, with the
+    /// record mounted, by which the agent knows the containers' processes).
+    fn prepare_whole(&self, w: Whole, claim: WholeClaim) -> Result<(), String> {
+        let _one = self.whole_lock.lock();
+        if w == Whole::Mig {
+            for other in mig_claims(&self.agent).iter().filter(|c| c.uid != claim.uid) {
+                if let Some(d) = claim.devices.iter().find(|d| other.devices.contains(d)) {
+                    return Err(format!(
+                        "MIG device {d} is prepared for claim {}/{} ({})",
+                        other.namespace, other.name, other.uid
+                    ));
+                }
             }
         }
-        let (record, spec) = self.mig_paths(&claim.uid);
-        let inj = crate::slices::Injection {
+        let (record, spec) = self.whole_paths(w, &claim.uid);
+        let name = slice_name(&claim.uid);
+        let mut inj = crate::slices::Injection {
             env: vec![("NVIDIA_VISIBLE_DEVICES".into(), claim.devices.join(","))],
             mounts: Vec::new(),
         };
-        crate::cdi::write_spec(&spec, &crate::cdi::spec_of(crate::cdi::MIG_KIND, &slice_name(&claim.uid), &inj))
-            .map_err(|e| format!("writing {}: {e}", spec.display()))?;
+        if w == Whole::Admin {
+            inj.mounts.push(crate::slices::Mount {
+                host: record.clone(),
+                container: format!("{ADMIN_MOUNT_DIR}/{name}.json"),
+                read_only: true,
+            });
+        }
+        // The record first: the spec mounts it.
         crate::cdi::write_spec(&record, &serde_json::to_value(&claim).expect("serialisable"))
             .map_err(|e| format!("writing {}: {e}", record.display()))?;
-        self.agent.refresh_mig_holders();
+        crate::cdi::write_spec(&spec, &crate::cdi::spec_of(w.cdi_kind(), &name, &inj))
+            .map_err(|e| format!("writing {}: {e}", spec.display()))?;
+        match w {
+            Whole::Mig => self.agent.refresh_mig_holders(),
+            Whole::Admin => self.agent.refresh_admitted(),
+        }
         Ok(())
     }
 
-    /// Undoes `prepare`: the claim's slice goes (if there is one), or its MIG devices' record and spec.
+    /// Undoes `prepare`: the claim's slice goes (if there is one), or the record and spec of the
+    /// devices it was given whole.
     pub fn unprepare(&self, uid: &str) -> Result<(), String> {
         let slice = slice_name(uid);
         if !crate::slices::valid_name(&slice) {
             return Ok(());
         }
         {
-            let _one = self.mig_lock.lock();
-            let (record, spec) = self.mig_paths(uid);
-            let _ = std::fs::remove_file(spec);
-            if std::fs::remove_file(record).is_ok() {
-                self.agent.refresh_mig_holders();
+            let _one = self.whole_lock.lock();
+            for w in [Whole::Mig, Whole::Admin] {
+                let (record, spec) = self.whole_paths(w, uid);
+                let _ = std::fs::remove_file(spec);
+                if std::fs::remove_file(record).is_ok() {
+                    match w {
+                        Whole::Mig => self.agent.refresh_mig_holders(),
+                        Whole::Admin => self.agent.refresh_admitted(),
+                    }
+                }
             }
         }
         match self.agent.delete_slice(&slice, false) {
@@ -647,12 +803,13 @@ async fn claim_gone(d: &Driver, ns: &str, name: &str, uid: &str) -> bool {
     }
 }
 
-/// Removes the slices, and the MIG records, of claims that are gone; returns how many.
+/// Removes the slices, and the records of devices given whole, of claims that are gone; returns how many.
 async fn collect(d: &Driver) -> usize {
     let mut removed = 0;
-    for c in mig_claims(&d.agent) {
+    for c in whole_claims(&d.agent, Whole::Mig).into_iter().chain(whole_claims(&d.agent, Whole::Admin)).map(|(_, c)| c)
+    {
         if claim_gone(d, &c.namespace, &c.name, &c.uid).await && d.unprepare(&c.uid).is_ok() {
-            tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), devices = ?c.devices, "DRA claim's MIG devices released: the claim is gone");
+            tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), devices = ?c.devices, "DRA claim's devices released: the claim is gone");
             removed += 1;
         }
     }
@@ -812,7 +969,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
         driver: driver.clone(),
         node: agent.cfg.node_name.clone(),
         client,
-        mig_lock: Default::default(),
+        whole_lock: Default::default(),
     };
     let (reg_sock, dra_sock) = sockets(&agent.cfg, &driver);
     let registrar = Registrar { driver: driver.clone(), endpoint: dra_sock.clone() };

@@ -6,7 +6,8 @@
 //!   which works across PID and mount namespaces) with its PID inside the container from `NSpid`;
 //! * tell each slice's interposers whether their GPU is shared (the default SM policy limits only
 //!   then) and correct their SM budgets' refill rate from the measured utilisation;
-//! * report escapes (a GPU process outside every slice on a GPU that slices use; a slice whose
+//! * report escapes (a GPU process outside every slice on a GPU that slices use, unless it is an
+//!   MPS server or in a container of a DRA claim with admin access to the GPU; a slice whose
 //!   NVML-measured memory exceeds its limit) and act on them as configured.
 
 use crate::config::EscapeAction;
@@ -330,6 +331,24 @@ pub struct Monitor {
     true_up: bool,
     /// GPU indices where the last pass saw an MPS server: their MPS client lists are read too.
     mps: HashSet<u32>,
+    /// The DRA claims with admin access: their containers' processes are not escapes.
+    admitted: Arc<Vec<Admitted>>,
+}
+
+/// A DRA claim prepared with admin access (monitoring and diagnostics beside the claims that hold
+/// the devices): its containers use its GPUs outside every slice, and are not escapes. A process is
+/// one of them when the claim's record, bind-mounted into its containers, is the same file at
+/// `path` in the process's mount namespace: a process elsewhere cannot have that mount.
+#[derive(Clone, Debug)]
+pub struct Admitted {
+    /// `namespace/name`.
+    pub claim: String,
+    /// Where its containers see the record.
+    pub path: std::path::PathBuf,
+    /// The record's identity.
+    pub file: FileId,
+    /// UUIDs of the GPUs it covers (of a MIG device, its parent's too).
+    pub gpus: Vec<String>,
 }
 
 /// The SM controller: the refill rate's new correction, from the old one, the limit and the measured
@@ -381,7 +400,20 @@ impl Monitor {
             users: Vec::new(),
             true_up: true,
             mps: HashSet::default(),
+            admitted: Default::default(),
         }
+    }
+
+    /// The DRA claims with admin access now (the agent's list, shared).
+    pub fn set_admitted(&mut self, admitted: Arc<Vec<Admitted>>) {
+        self.admitted = admitted;
+    }
+
+    /// Whether process `pid` is in a container of a claim with admin access to GPU `gpu`.
+    fn admitted(&self, pid: u32, gpu: &str) -> bool {
+        self.admitted
+            .iter()
+            .any(|a| a.gpus.iter().any(|g| g == gpu) && procfs::file_id(&procfs::in_root(pid, &a.path)) == Some(a.file))
     }
 
     /// One pass over `slices` (the agent's record, as shared by the agent: a new list is recognised
@@ -627,6 +659,8 @@ impl Monitor {
                     None if g.slices > 0 && procfs::is_mps_server(pid) => {
                         mps.insert(g.index);
                     }
+                    // Admin access (DRA): beside the slices by design; it does share the GPU.
+                    None if g.slices > 0 && self.admitted(pid, &g.uuid) => g.outsiders = true,
                     None if g.slices > 0 => {
                         g.outsiders = true;
                         pass.escapes.push(pb::Escape {

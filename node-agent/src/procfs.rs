@@ -53,6 +53,11 @@ pub fn file_id(path: &std::path::Path) -> Option<FileId> {
     Some((libc::major(dev), libc::minor(dev), m.ino()))
 }
 
+/// `path` as process `pid` sees it (through its root directory: inside its mount namespace).
+pub fn in_root(pid: u32, path: &std::path::Path) -> PathBuf {
+    proc_dir().join(pid.to_string()).join("root").join(path.strip_prefix("/").unwrap_or(path))
+}
+
 /// The first of `wanted` that process `pid` has mapped.
 pub fn mapped<T>(pid: u32, wanted: &[(FileId, T)]) -> Option<&T> {
     let s = std::fs::read_to_string(proc_dir().join(pid.to_string()).join("maps")).ok()?;

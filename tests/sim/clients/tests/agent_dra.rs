@@ -597,6 +597,20 @@ fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
     assert!(a.ctl_ok(&["mig", "status"]).contains("3g.40gb@"), "{}", a.ctl_ok(&["mig", "status"]));
     assert!(a.ctl_ok(&["mig", "status"]).contains("(claim ml/a)"), "{}", a.ctl_ok(&["mig", "status"]));
 
+    // With admin access (monitoring beside the claim that holds it), the held device is given
+    // again, whole, and "a" still holds it.
+    let mut watch = mig_result("gpu", &big[0].0);
+    watch["adminAccess"] = json!(true);
+    put_claim(&store, "watch", "cm-0007", vec![watch]);
+    let rw = prepare(&rt, &sock, vec![v1_claim("ml", "watch", "cm-0007")]);
+    assert_eq!(rw.claims["cm-0007"].error, "");
+    assert_eq!(rw.claims["cm-0007"].devices[0].cdi_device_ids, ["vgpu.io/admin=dra-cm-0007"]);
+    let spec = a.state.join("cdi").join("vgpu-admin-dra-cm-0007.json");
+    let spec: Value = serde_json::from_slice(&std::fs::read(spec).unwrap()).unwrap();
+    assert_eq!(spec["devices"][0]["containerEdits"]["env"], json!([format!("NVIDIA_VISIBLE_DEVICES={}", big[0].1)]));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(holder(&big[0].1), "claim ml/a");
+
     // A layout change keeps the MIG devices given out, idle as they are (no process runs on them
     // yet), unless forced: seven 1g.10gb cannot be laid out around them.
     std::fs::write(
@@ -631,7 +645,7 @@ fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
     put_claim(&store, "d", "cm-0006", vec![mig_result("gpu", &small[1].0)]);
     let rd = prepare(&rt, &sock, vec![v1_claim("ml", "d", "cm-0006")]);
     assert_eq!(rd.claims["cm-0006"].error, "");
-    assert!(a.log_text().contains("MIG devices released: the claim is gone"), "{}", a.log_text());
+    assert!(a.log_text().contains("devices released: the claim is gone"), "{}", a.log_text());
 }
 
 #[test]
@@ -661,4 +675,148 @@ fn a_pool_of_more_devices_than_a_resource_slice_holds_spans_several() {
     let one = get(&first).unwrap();
     assert_eq!(one["spec"]["pool"], json!({"name": "node1", "generation": 2, "resourceSliceCount": 1}));
     assert_eq!(names(&one).len(), 70);
+}
+
+/// Whether this process may make mount namespaces (root, and `unshare` there); where the tests must
+/// run whole (`VGPU_REQUIRE_RUNC`, set by `.ci/run`), it must.
+fn can_unshare() -> bool {
+    let ok = std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "true"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(ok || std::env::var_os("VGPU_REQUIRE_RUNC").is_none(), "unshare -m required but it fails here");
+    ok
+}
+
+#[test]
+fn claims_with_admin_access_see_their_gpus_whole_and_are_not_escapes() {
+    let mut s = Sim::new(Some(NODE));
+    let st = s.status();
+    let gpu = |i: usize| st["gpus"][i]["uuid"].as_str().unwrap().to_string();
+    let (g0, g1) = (gpu(0), gpu(1));
+    let (store, a, kubelet) = start(&s, "split_count = 4\n");
+    let result = |request: &str, device: &str, admin: bool| {
+        let mut r = json!({"request": request, "driver": DRIVER, "pool": "node1", "device": device});
+        if admin {
+            r["adminAccess"] = json!(true);
+        }
+        r
+    };
+    // A user of a share of GPU 0; a monitor of GPUs 0 and 1 with admin access (GPU 0's share is the
+    // user's, as the scheduler allocates with admin access); a claim of both kinds.
+    put_claim(&store, "user", "ca-0001", vec![result("gpu", "gpu-0-0", false)]);
+    put_claim(
+        &store,
+        "watch",
+        "ca-0002",
+        vec![result("gpu", "gpu-0-0", true), result("gpu", "gpu-1-3", true), result("more", "gpu-1-2", true)],
+    );
+    put_claim(&store, "half", "ca-0003", vec![result("gpu", "gpu-0-1", true), result("share", "gpu-0-2", false)]);
+    let (rt, sock, resp) = prepare_claims(&kubelet, "ca", &["user", "watch", "half"]);
+    assert_eq!(resp.claims["ca-0001"].error, "");
+    let rw = &resp.claims["ca-0002"];
+    assert_eq!(rw.error, "");
+    let cdi: Vec<&[String]> = rw.devices.iter().map(|d| d.cdi_device_ids.as_slice()).collect();
+    let admin = vec!["vgpu.io/admin=dra-ca-0002".to_string()];
+    assert_eq!(cdi, [admin.as_slice(), &[][..], admin.as_slice()], "once per request: {rw:?}");
+    assert!(!a.ctl(&["inspect", "dra-ca-0002"]).status.success(), "no slice: no limits");
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(a.state.join("cdi").join("vgpu-admin-dra-ca-0002.json")).unwrap())
+            .unwrap();
+    let mut both = [g0.clone(), g1.clone()];
+    both.sort();
+    let edits = &spec["devices"][0]["containerEdits"];
+    assert_eq!((&spec["kind"], &spec["devices"][0]["name"]), (&json!("vgpu.io/admin"), &json!("dra-ca-0002")));
+    assert_eq!(edits["env"], json!([format!("NVIDIA_VISIBLE_DEVICES={}", both.join(","))]));
+    let record = a.state.join("dra-admin").join("dra-ca-0002.json");
+    assert_eq!(
+        edits["mounts"],
+        json!([{"hostPath": record.display().to_string(), "containerPath": "/run/vgpu-admin/dra-ca-0002.json",
+            "options": ["bind", "ro"]}])
+    );
+    assert!(resp.claims["ca-0003"].error.contains("admin access and without"), "{:?}", resp.claims["ca-0003"]);
+    assert!(!a.ctl(&["inspect", "dra-ca-0003"]).status.success());
+
+    if !can_unshare() {
+        eprintln!("SKIPPED the escape part: cannot make a mount namespace here");
+        return;
+    }
+    // On GPU 0, which the user's slice uses: a process outside every slice is an escape; one in the
+    // monitor's container (its own mount namespace with the record mounted where the CDI spec
+    // says) is not.
+    let (outsider, _) = s.spawn(RT, &["alloc", "--size", "100m", "--hold"]);
+    let script = "mount -t tmpfs vgpu-test /run && mkdir /run/vgpu-admin && touch /run/vgpu-admin/dra-ca-0002.json \
+                  && mount --bind -o ro \"$VGPU_TEST_RECORD\" /run/vgpu-admin/dra-ca-0002.json && exec \"$0\" \"$@\"";
+    let mut c = s.cmd("unshare");
+    c.env("VGPU_TEST_RECORD", &record).args(["-m", "--propagation", "private", "sh", "-c", script, RT]);
+    let (watcher, _) = s.spawn_cmd(c, &["alloc", "--size", "100m", "--hold"]);
+    let escaped = |v: &Value, pid: u32| v["escapes"].as_array().unwrap().iter().any(|e| e["pid"] == pid);
+    let passes = |v: &Value| v["agent"]["passes"].as_u64().unwrap();
+    let st = a.wait("the outsider's escape", |v| escaped(v, outsider));
+    let from = passes(&st);
+    let st = a.wait("three more passes", |v| passes(v) >= from + 3);
+    assert!(escaped(&st, outsider) && !escaped(&st, watcher), "only the outsider: {st}");
+    // Unprepared, the monitor's claim no longer admits its process.
+    assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "watch", "ca-0002")]).claims["ca-0002"].error, "");
+    assert!(!record.exists());
+    a.wait("the watcher an escape once its claim is unprepared", |v| escaped(v, watcher));
+}
+
+#[test]
+fn a_container_is_given_one_claim_of_the_driver() {
+    let s = Sim::new(Some(NODE));
+    let (store, _a, kubelet) = start(&s, "split_count = 4\n");
+    let result =
+        |device: &str, driver: &str| json!({"request": "r", "driver": driver, "pool": "node1", "device": device});
+    let reserved = |store: &Mutex<Store>, name: &str, pod: &str| {
+        let mut st = store.lock().unwrap();
+        let c = st.objects.get_mut(&format!("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/{name}")).unwrap();
+        c["status"]["reservedFor"] = json!([{"resource": "pods", "name": pod, "uid": format!("{pod}-uid")}]);
+    };
+    // Pod p1: container "main" uses claim a (named) and claim b (from a template), both of this
+    // driver; container "side" uses claim n of another driver and claim a.
+    put_claim(&store, "two-a", "cc-0001", vec![result("gpu-0-0", DRIVER)]);
+    put_claim(&store, "p1-b-x7", "cc-0002", vec![result("gpu-1-0", DRIVER)]);
+    put_claim(&store, "net", "cc-0003", vec![result("eth1", "net.example.com")]);
+    put_claim(&store, "alone", "cc-0004", vec![result("gpu-1-1", DRIVER)]);
+    for (c, p) in [("two-a", "p1"), ("p1-b-x7", "p1"), ("net", "p2"), ("alone", "p2")] {
+        reserved(&store, c, p);
+    }
+    let pod = |name: &str, containers: Value, claims: Value, generated: Value| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml", "uid": format!("{name}-uid"), "resourceVersion": "1"},
+            "spec": {"containers": containers, "resourceClaims": claims},
+            "status": {"resourceClaimStatuses": generated}})
+    };
+    let uses = |name: &str, claims: &[&str]| json!({"name": name, "resources": {"claims": claims.iter().map(|c| json!({"name": c})).collect::<Vec<_>>()}});
+    {
+        let mut st = store.lock().unwrap();
+        st.objects.insert(
+            "/api/v1/namespaces/ml/pods/p1".into(),
+            pod(
+                "p1",
+                json!([uses("main", &["a", "b"]), uses("side", &["a"])]),
+                json!([{"name": "a", "resourceClaimName": "two-a"}, {"name": "b", "resourceClaimTemplateName": "t"}]),
+                json!([{"name": "b", "resourceClaimName": "p1-b-x7"}]),
+            ),
+        );
+        // Pod p2: one container with a claim of this driver and one of another: fine.
+        st.objects.insert(
+            "/api/v1/namespaces/ml/pods/p2".into(),
+            pod(
+                "p2",
+                json!([uses("main", &["g", "n"])]),
+                json!([{"name": "g", "resourceClaimName": "alone"}, {"name": "n", "resourceClaimName": "net"}]),
+                json!([]),
+            ),
+        );
+    }
+    let (_rt, _sock, resp) = prepare_claims(&kubelet, "cc", &["two-a", "p1-b-x7"]);
+    for uid in ["cc-0001", "cc-0002"] {
+        let e = &resp.claims[uid].error;
+        assert!(e.contains("container main of pod ml/p1 uses claims"), "{uid}: {e}");
+        assert!(e.contains("put the requests in one claim"), "{uid}: {e}");
+    }
+    let (_rt, _sock, resp) = prepare_claims(&kubelet, "cc", &["x", "y", "z", "alone"]);
+    assert_eq!(resp.claims["cc-0004"].error, "", "{resp:?}");
 }
