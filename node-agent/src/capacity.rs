@@ -27,7 +27,7 @@ fn save_drained(state_dir: &Path, set: &BTreeSet<String>) -> Result<(), String> 
 
 impl Agent {
     /// The MIG profile table of a GPU (read from NVML once, then cached).
-    fn profiles(&self, uuid: &str, index: u32) -> Option<Vec<vgpu_mig::model::Profile>> {
+    pub(crate) fn profiles(&self, uuid: &str, index: u32) -> Option<Vec<vgpu_mig::model::Profile>> {
         if let Some(p) = self.mig_profiles.lock().get(uuid) {
             return Some(p.clone());
         }
@@ -150,7 +150,7 @@ impl Agent {
     }
 
     /// Reads the GPUs again (after a MIG change) and tells the reporter.
-    fn rediscover(&self) {
+    pub(crate) fn rediscover(&self) {
         if let Some(nvml) = self.nvml.get() {
             if let Ok(inv) = crate::discovery::discover(nvml) {
                 *self.inventory.write() = inv;

@@ -45,6 +45,7 @@ struct FileConfig {
     dra: Option<String>,
     dra_driver: Option<String>,
     dra_sharing: Option<String>,
+    dra_mig: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,6 +120,19 @@ pub struct Config {
     pub dra: Option<String>,
     /// How the DRA plugin offers each GPU.
     pub dra_sharing: DraSharing,
+    /// How the DRA plugin offers a GPU in MIG mode.
+    pub dra_mig: DraMig,
+}
+
+/// How the DRA plugin offers a GPU in MIG mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraMig {
+    /// Its MIG devices as they are (the layout is `vgpuctl mig`'s), each whole.
+    Existing,
+    /// Every placement of every profile, as partitionable devices that consume the GPU's memory
+    /// slices (KEP 4815); the instance is made when a claim is prepared and destroyed when it is
+    /// unprepared.
+    Dynamic,
 }
 
 /// How the DRA plugin offers a GPU in the ResourceSlice.
@@ -335,6 +349,11 @@ impl Config {
             Some("capacity") => DraSharing::Capacity,
             Some(v) => return Err(bad("dra_sharing", format!("{v:?} is not replicas or capacity"))),
         };
+        let dra_mig = match env("VGPU_AGENT_DRA_MIG").or(file.dra_mig).as_deref() {
+            None | Some("existing") => DraMig::Existing,
+            Some("dynamic") => DraMig::Dynamic,
+            Some(v) => return Err(bad("dra_mig", format!("{v:?} is not existing or dynamic"))),
+        };
         let slice_gc_grace_s = match env("VGPU_AGENT_SLICE_GC_GRACE_S") {
             Some(v) => v.parse().map_err(|_| bad("slice_gc_grace_s", format!("{v:?} is not a number of seconds")))?,
             None => file.slice_gc_grace_s.unwrap_or(60),
@@ -455,6 +474,7 @@ impl Config {
         Ok(Config {
             dra,
             dra_sharing,
+            dra_mig,
             scheduler,
             memory_factor,
             memory_scaling,
@@ -634,6 +654,11 @@ mod tests {
         assert_eq!(c.dra_sharing, DraSharing::Capacity);
         let e = load(None, &[("VGPU_AGENT_DRA_SHARING", "shared")], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("dra_sharing: \"shared\" is not replicas or capacity"), "{e}");
+        assert_eq!(ok.dra_mig, DraMig::Existing, "existing MIG devices by default");
+        let c = load(None, &[("VGPU_AGENT_DRA_MIG", "dynamic")], Flags::default()).unwrap();
+        assert_eq!(c.dra_mig, DraMig::Dynamic);
+        let e = load(Some("dra_mig = \"auto\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("dra_mig: \"auto\" is not existing or dynamic"), "{e}");
         let e = load(Some("dra = \"on\"\ndevice_plugin = \"off\"\ncdi_dir = \"off\""), &[], Flags::default())
             .unwrap_err()
             .to_string();

@@ -10,7 +10,10 @@
 //!   steps of 1 MiB) and `cores` (default 0: no SM limit, in steps of 1) each claim consumes as it
 //!   asks (consumable capacity, KEP 5075). A healthy GPU in MIG mode offers each of its MIG devices
 //!   whole, as `mig-<MIG UUID>` with `uuid` (the MIG device's), `parentUUID`, `productName`,
-//!   `index`, `mig` (true), `profile` and `memory`. The pool is written at start and again when its
+//!   `index`, `mig` (true), `profile` and `memory`; with `dra_mig = "dynamic"` it offers every
+//!   placement of every profile instead, `gpu-<index>-mig-<profile>-<start>`, as partitionable
+//!   devices consuming the counters of the GPU's counter set `gpu-<index>-mig` (KEP 4815), which go
+//!   in ResourceSlices of their own before the devices'. The pool is written at start and again when its
 //!   devices change (a GPU's health, a MIG layout), every slice with the generation raised; an API
 //!   server that drops fields it does not serve (consumable capacity before its feature gate) is not
 //!   written again for that.
@@ -26,7 +29,8 @@
 //!   slice's CDI device (`vgpu.io/slice=dra-<UID>`) once per request, whose spec injects the slice.
 //!   A claim's MIG devices get no slice (MIG isolates them): a record under
 //!   `<state_dir>/dra-mig/` and the CDI device `vgpu.io/mig=dra-<UID>`, which sets
-//!   `NVIDIA_VISIBLE_DEVICES`; a MIG device another prepared claim holds is refused, as is a claim
+//!   `NVIDIA_VISIBLE_DEVICES`; a partition's instance is made then (destroyed again if the claim
+//!   cannot be prepared whole); a MIG device another prepared claim holds is refused, as is a claim
 //!   of MIG devices and shares together. A claim allocated with admin access (monitoring beside the
 //!   claims that hold the devices) gets no slice either: a record under `<state_dir>/dra-admin/`,
 //!   and the CDI device `vgpu.io/admin=dra-<UID>`, which sets `NVIDIA_VISIBLE_DEVICES` to its
@@ -36,7 +40,8 @@
 //!   compose). Preparing a claim again returns the same; a claim whose UID changed (deleted and
 //!   made again) is refused.
 //! - **NodeUnprepareResources**: removes the claim's slice (refused while processes of it live), or
-//!   its record and spec of devices given whole.
+//!   its record and spec of devices given whole, destroying the MIG instances made for it (refused
+//!   while processes run on one).
 //! - **Collection**: a claim's slice whose claim is gone (or made again under its name), which
 //!   kubelet never unprepared (its state lost with the node's), is removed once no process of it
 //!   lives, and a gone claim's record and spec of devices given whole at once; checked every `slice_gc_grace_s / 2`
@@ -82,6 +87,22 @@ pub fn mig_device_name(uuid: &str) -> String {
     n.trim_end_matches('-').to_string()
 }
 
+/// A MIG profile's name as part of a device name (`1g.10gb+me` -> `1g-10gb-me`).
+fn profile_label(profile: &str) -> String {
+    profile.to_ascii_lowercase().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect()
+}
+
+/// The name of the partitionable device that makes an instance of MIG profile `profile` at memory
+/// slice `start` of the GPU at NVML index `index` (`dra_mig = "dynamic"`).
+pub fn partition_device_name(index: u32, profile: &str, start: u32) -> String {
+    format!("gpu-{index}-mig-{}-{start}", profile_label(profile))
+}
+
+/// The counter set of the GPU at NVML index `index` that its partitionable devices consume.
+pub fn counter_set_name(index: u32) -> String {
+    format!("gpu-{index}-mig")
+}
+
 /// One of this driver's device names.
 #[derive(Debug, PartialEq)]
 enum Dev {
@@ -91,6 +112,8 @@ enum Dev {
     Shared(u32),
     /// A MIG device, by its device name.
     Mig(String),
+    /// A MIG instance to make on GPU `index`: its profile's label and its start (memory slice).
+    Partition(u32, String, u32),
 }
 
 fn parse_device(name: &str) -> Option<Dev> {
@@ -100,6 +123,13 @@ fn parse_device(name: &str) -> Option<Dev> {
     let rest = name.strip_prefix("gpu-")?;
     // Digits only: `u32::from_str` would take a sign.
     let num = |s: &str| if s.bytes().all(|b| b.is_ascii_digit()) { s.parse().ok() } else { None };
+    if let Some((i, p)) = rest.split_once("-mig-") {
+        let (label, start) = p.rsplit_once('-')?;
+        if label.is_empty() {
+            return None;
+        }
+        return Some(Dev::Partition(num(i)?, label.to_string(), num(start)?));
+    }
     Some(match rest.split_once('-') {
         Some((i, n)) => Dev::Replica(num(i)?, num(n)?),
         None => Dev::Shared(num(rest)?),
@@ -123,20 +153,93 @@ fn shared_memory(agent: &Agent, g: &crate::discovery::Gpu) -> u64 {
     agent.scaled(g.memory_total) / MIB * MIB
 }
 
-/// The devices the node offers now, as ResourceSlice device entries.
-pub fn devices(agent: &Agent) -> Vec<Value> {
+/// What the node's pool offers now, as ResourceSlice entries.
+#[derive(Debug, Default)]
+pub struct Pool {
+    pub devices: Vec<Value>,
+    /// Counter sets (`sharedCounters`) the devices consume from.
+    pub counters: Vec<Value>,
+}
+
+/// A GPU in MIG mode with `dra_mig = "dynamic"`: a counter set of its memory slices (one counter
+/// each), its compute slices and its media extensions (one), and a device per placement of every
+/// profile that consumes what an instance there takes. Placements that instances not made for a
+/// claim overlap (made with `vgpuctl mig` or by hand) are left out; the scheduler keeps the books of
+/// the ones it gave to claims.
+fn partitions(agent: &Agent, g: &crate::discovery::Gpu, mig: &crate::discovery::Mig, pool: &mut Pool) {
+    let Some(profiles) = agent.profiles(&g.uuid, g.index) else { return };
+    let ours: Vec<u32> = whole_claims(agent, Whole::Mig)
+        .into_iter()
+        .flat_map(|(_, c)| c.made)
+        .filter(|m| m.gpu == g.index)
+        .map(|m| m.gi)
+        .collect();
+    let taken: Vec<(u32, u32)> =
+        mig.gpu_instances.iter().filter(|i| !ours.contains(&i.id)).map(|i| (i.start, i.start + i.size)).collect();
+    let slices = profiles.iter().flat_map(|p| p.starts.iter().map(|s| s + p.memory_slices)).max().unwrap_or(0);
+    let compute = profiles.iter().map(|p| p.compute).max().unwrap_or(0);
+    let one = json!({"value": "1"});
+    let mut all = serde_json::Map::new();
+    for k in 0..slices {
+        all.insert(format!("memory-slice-{k}"), one.clone());
+    }
+    all.insert("compute".into(), json!({"value": compute.to_string()}));
+    all.insert("media".into(), one.clone());
+    pool.counters.push(json!({"name": counter_set_name(g.index), "counters": all}));
+    for p in &profiles {
+        for &start in &p.starts {
+            let end = start + p.memory_slices;
+            if taken.iter().any(|&(a, b)| start < b && a < end) {
+                continue;
+            }
+            let mut c = serde_json::Map::new();
+            for k in start..end {
+                c.insert(format!("memory-slice-{k}"), one.clone());
+            }
+            c.insert("compute".into(), json!({"value": p.compute.to_string()}));
+            if p.media_extended() {
+                c.insert("media".into(), one.clone());
+            }
+            pool.devices.push(json!({
+                "name": partition_device_name(g.index, &p.name, start),
+                "attributes": {
+                    "parentUUID": {"string": g.uuid},
+                    "productName": {"string": g.name},
+                    "index": {"int": g.index},
+                    "mig": {"bool": true},
+                    "profile": {"string": p.name},
+                    "placement": {"int": start},
+                },
+                "capacity": {"memory": {"value": (p.memory_mib * MIB).to_string()}},
+                "consumesCounters": [{"counterSet": counter_set_name(g.index), "counters": c}],
+            }));
+        }
+    }
+}
+
+/// The devices the node offers now, as ResourceSlice device entries, and the counter sets they
+/// consume.
+pub fn pool(agent: &Agent) -> Pool {
     let st = agent.status();
     let inv = agent.inventory.read();
     let split = agent.cfg.split_count.max(1);
-    let mut v = Vec::new();
+    let mut pool = Pool::default();
+    let v = &mut pool.devices;
     for g in &inv.gpus {
         if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
             continue;
         }
         if let Some(mig) = g.mig.as_ref().filter(|m| m.enabled) {
+            if agent.cfg.dra_mig == crate::config::DraMig::Dynamic {
+                let mut p = Pool::default();
+                partitions(agent, g, mig, &mut p);
+                v.extend(p.devices);
+                pool.counters.extend(p.counters);
+                continue;
+            }
             // The GPU's MIG devices as they are (the layout is `vgpuctl mig`'s), each whole.
             for m in &mig.devices {
-                let profile = m.name.rsplit_once(" MIG ").map_or(m.name.as_str(), |(_, p)| p);
+                let profile = mig_profile(&m.name);
                 v.push(json!({
                     "name": mig_device_name(&m.uuid),
                     "attributes": {
@@ -192,7 +295,7 @@ pub fn devices(agent: &Agent) -> Vec<Value> {
             }));
         }
     }
-    v
+    pool
 }
 
 /// The value of a Kubernetes quantity without a fraction (`8589934592`, `8Gi`, `858993k`, `1e3`), which
@@ -221,9 +324,10 @@ pub fn quantity(q: &str) -> Option<u128> {
     n.checked_mul(scale)
 }
 
-/// Whether two ResourceSlice device lists say the same, the quantities of capacities (values and
-/// request policies) compared by value.
-pub fn same_devices(a: &Value, b: &Value) -> bool {
+/// Whether two ResourceSlice specs (or parts of one) offer the same: their `devices` and their
+/// `sharedCounters` (absent and empty alike), the quantities of capacities (values and request
+/// policies) and of counters compared by value.
+pub fn same_part(a: &Value, b: &Value) -> bool {
     fn quantities(v: &mut Value) {
         match v {
             Value::String(q) => {
@@ -236,16 +340,26 @@ pub fn same_devices(a: &Value, b: &Value) -> bool {
             _ => {}
         }
     }
-    fn norm(v: &Value) -> Value {
-        let mut v = v.clone();
+    fn norm(v: &Value, key: &str) -> Value {
+        let mut v = match &v[key] {
+            Value::Array(a) if !a.is_empty() => Value::Array(a.clone()),
+            _ => return Value::Null,
+        };
         for d in v.as_array_mut().into_iter().flatten() {
-            if let Some(c) = d.get_mut("capacity") {
-                quantities(c);
+            match key {
+                "devices" => {
+                    for k in ["capacity", "consumesCounters"] {
+                        if let Some(c) = d.get_mut(k) {
+                            quantities(c);
+                        }
+                    }
+                }
+                _ => quantities(d),
             }
         }
         v
     }
-    norm(a) == norm(b)
+    ["devices", "sharedCounters"].iter().all(|k| norm(a, k) == norm(b, k))
 }
 
 /// What a claim's preparation answers, before it is put in one API version's messages.
@@ -307,6 +421,25 @@ pub(crate) struct WholeClaim {
     pub uid: String,
     /// Device UUIDs (of GPUs or MIG devices).
     pub devices: Vec<String>,
+    /// MIG instances made for the claim (`dra_mig = "dynamic"`), destroyed when it is unprepared.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub made: Vec<Made>,
+}
+
+/// A MIG instance made for a claim.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Made {
+    /// The GPU's NVML index.
+    pub gpu: u32,
+    /// The GPU instance id.
+    pub gi: u32,
+    /// The MIG device's UUID.
+    pub uuid: String,
+}
+
+/// A MIG device's profile, from its name (`NVIDIA A100-SXM4-40GB MIG 3g.20gb` -> `3g.20gb`).
+fn mig_profile(name: &str) -> &str {
+    name.rsplit_once(" MIG ").map_or(name, |(_, p)| p)
 }
 
 /// The claims of kind `w` this node has prepared, with their records' paths.
@@ -422,6 +555,7 @@ impl Driver {
         }
         let mut wants: BTreeMap<u32, Want> = BTreeMap::new();
         let mut whole: Vec<String> = Vec::new();
+        let mut parts: Vec<(String, u32, String, u32)> = Vec::new();
         for (_, device, result) in &ours {
             let dev = parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))?;
             if let Dev::Replica(_, n) = dev {
@@ -433,6 +567,7 @@ impl Driver {
                 // Admin access: the devices' GPUs (or MIG devices) whole, beside their claims.
                 _ if admin > 0 => whole.push(self.uuid_of(device, &dev)?),
                 Dev::Mig(_) => whole.push(self.uuid_of(device, &dev)?),
+                Dev::Partition(index, label, start) => parts.push((device.to_string(), index, label, start)),
                 Dev::Replica(index, _) => wants.entry(index).or_default().replicas += 1,
                 Dev::Shared(index) => {
                     let consumed = &result["consumedCapacity"];
@@ -462,18 +597,26 @@ impl Driver {
         if let Some(e) = self.shared_container(namespace, name, &claim).await {
             return Err(e);
         }
-        let cdi = if !whole.is_empty() {
+        let cdi = if !whole.is_empty() || !parts.is_empty() {
             if !wants.is_empty() {
                 return Err(format!(
                     "claim {namespace}/{name} has MIG devices and GPU shares, which cannot be given to one container \
                      together (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
                 ));
             }
-            whole.sort();
-            whole.dedup();
             let w = if admin > 0 { Whole::Admin } else { Whole::Mig };
-            let claim = WholeClaim { namespace: namespace.into(), name: name.into(), uid: uid.into(), devices: whole };
-            self.prepare_whole(w, claim)?;
+            let claim = WholeClaim {
+                namespace: namespace.into(),
+                name: name.into(),
+                uid: uid.into(),
+                devices: whole,
+                made: Vec::new(),
+            };
+            if parts.is_empty() {
+                self.prepare_whole(w, claim)?;
+            } else {
+                self.prepare_partitions(claim, &parts)?;
+            }
             whole_cdi_name(w, uid)
         } else {
             self.prepare_slice(namespace, name, uid, &wants)?;
@@ -504,6 +647,21 @@ impl Driver {
                 .find(|m| mig_device_name(&m.uuid) == *n)
                 .map(|m| m.uuid.clone())
                 .ok_or_else(|| format!("{device}: no such MIG device on this node (the GPU's layout changed)")),
+            // Admin access to a partition: the instance a claim had made there.
+            Dev::Partition(index, label, start) => inv
+                .gpus
+                .iter()
+                .filter(|g| g.index == *index)
+                .filter_map(|g| g.mig.as_ref())
+                .flat_map(|m| {
+                    let at: Vec<u32> = m.gpu_instances.iter().filter(|i| i.start == *start).map(|i| i.id).collect();
+                    m.devices.iter().filter(move |d| d.gpu_instance_id.is_some_and(|gi| at.contains(&gi)))
+                })
+                .find(|d| profile_label(mig_profile(&d.name)) == *label)
+                .map(|d| d.uuid.clone())
+                .ok_or_else(|| {
+                    format!("{device}: no MIG instance there (one is made when a claim is prepared for it)")
+                }),
             Dev::Replica(index, _) | Dev::Shared(index) => inv
                 .gpus
                 .iter()
@@ -599,6 +757,71 @@ impl Driver {
         Ok(())
     }
 
+    /// Prepares a claim of MIG partitions (with any MIG devices it has too): makes an instance for
+    /// each (or, prepared before, keeps the ones made then) and records them with the claim, all
+    /// under the agent's MIG lock, so that no layout change sees them before they are held.
+    fn prepare_partitions(&self, mut claim: WholeClaim, parts: &[(String, u32, String, u32)]) -> Result<(), String> {
+        let r = {
+            let _mig = self.agent.mig.lock();
+            let before = whole_claims(&self.agent, Whole::Mig)
+                .into_iter()
+                .map(|(_, c)| c)
+                .find(|c| c.uid == claim.uid && !c.made.is_empty());
+            let (made, fresh) = match before {
+                Some(c) => (c.made, false),
+                None => (self.make(parts)?, true),
+            };
+            claim.devices.extend(made.iter().map(|m| m.uuid.clone()));
+            claim.made = made.clone();
+            let r = self.prepare_whole(Whole::Mig, claim);
+            if r.is_err() && fresh {
+                if let Some(nvml) = self.agent.nvml.get() {
+                    unmake(&vgpu_mig::backend::NvmlBackend::new(nvml.clone()), &made);
+                }
+            }
+            r
+        };
+        self.agent.rediscover();
+        r
+    }
+
+    /// Makes the instances of `parts` (device name, GPU index, profile label, start), or none.
+    fn make(&self, parts: &[(String, u32, String, u32)]) -> Result<Vec<Made>, String> {
+        let nvml = self.agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+        let b = vgpu_mig::backend::NvmlBackend::new(nvml);
+        let mut made = Vec::new();
+        for (device, index, label, start) in parts {
+            match make_one(&b, device, *index, label, *start) {
+                Ok(m) => made.push(m),
+                Err(e) => {
+                    unmake(&b, &made);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made)
+    }
+
+    /// Destroys the instances made for a claim, unless processes run on one (then nothing more is
+    /// destroyed, and kubelet asks again). One gone already, or replaced since, is done.
+    fn destroy_made(&self, c: &WholeClaim) -> Result<bool, String> {
+        let nvml = self.agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+        let held: Vec<String> =
+            self.agent.mig_holders.read().keys().filter(|u| !c.devices.contains(u)).cloned().collect();
+        let b = vgpu_mig::backend::NvmlBackend::with_held(nvml, held);
+        let mut any = false;
+        for m in &c.made {
+            let g = vgpu_mig::backend::MigBackend::gpu(&b, m.gpu).map_err(|e| e.0)?;
+            if !g.instances.iter().any(|i| i.gi == m.gi && i.uuid.as_deref() == Some(m.uuid.as_str())) {
+                continue;
+            }
+            vgpu_mig::apply::release(&b, m.gpu, m.gi).map_err(|e| format!("MIG device {}: {e}", m.uuid))?;
+            tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), gpu = m.gpu, gi = m.gi, uuid = %m.uuid, "MIG instance of a DRA claim destroyed");
+            any = true;
+        }
+        Ok(any)
+    }
+
     /// Where a claim given devices whole is recorded, and its CDI spec.
     fn whole_paths(&self, w: Whole, uid: &str) -> (PathBuf, PathBuf) {
         let file = format!("{}.json", slice_name(uid));
@@ -613,7 +836,9 @@ impl Driver {
     /// Records a claim given devices whole (MIG devices: refused if another claim has one of them)
     /// and writes the CDI spec that gives them to its containers (with admin access, with the
     /// record mounted, by which the agent knows the containers' processes).
-    fn prepare_whole(&self, w: Whole, claim: WholeClaim) -> Result<(), String> {
+    fn prepare_whole(&self, w: Whole, mut claim: WholeClaim) -> Result<(), String> {
+        claim.devices.sort();
+        claim.devices.dedup();
         let _one = self.whole_lock.lock();
         if w == Whole::Mig {
             for other in mig_claims(&self.agent).iter().filter(|c| c.uid != claim.uid) {
@@ -657,10 +882,17 @@ impl Driver {
         if !crate::slices::valid_name(&slice) {
             return Ok(());
         }
+        let mut destroyed = false;
         {
+            let _mig = self.agent.mig.lock();
             let _one = self.whole_lock.lock();
             for w in [Whole::Mig, Whole::Admin] {
                 let (record, spec) = self.whole_paths(w, uid);
+                let claim: Option<WholeClaim> =
+                    std::fs::read(&record).ok().and_then(|b| serde_json::from_slice(&b).ok());
+                if let Some(c) = claim.filter(|c| !c.made.is_empty()) {
+                    destroyed = self.destroy_made(&c)?;
+                }
                 let _ = std::fs::remove_file(spec);
                 if std::fs::remove_file(record).is_ok() {
                     match w {
@@ -669,6 +901,9 @@ impl Driver {
                     }
                 }
             }
+        }
+        if destroyed {
+            self.agent.rediscover();
         }
         match self.agent.delete_slice(&slice, false) {
             Ok(()) | Err(ApiError::NotFound(_)) => Ok(()),
@@ -789,6 +1024,49 @@ impl reg::registration_server::Registration for Registrar {
     }
 }
 
+/// Makes one MIG instance of profile `label` at memory slice `start` of GPU `index` (with one
+/// compute instance spanning it), for device `device`.
+fn make_one(
+    b: &vgpu_mig::backend::NvmlBackend,
+    device: &str,
+    index: u32,
+    label: &str,
+    start: u32,
+) -> Result<Made, String> {
+    use vgpu_mig::backend::MigBackend;
+    let g = b.gpu(index).map_err(|e| format!("{device}: {e}"))?;
+    if !g.mig_enabled {
+        return Err(format!("{device}: GPU {index} is not in MIG mode"));
+    }
+    let p =
+        g.profiles.iter().find(|p| profile_label(&p.name) == label && p.starts.contains(&start)).ok_or_else(|| {
+            format!("{device}: GPU {index} has no MIG profile {label} placed at memory slice {start}")
+        })?;
+    let gi = b
+        .create(index, p.id, start)
+        .map_err(|e| format!("{device}: making a {} instance at memory slice {start}: {e}", p.name))?;
+    match b.gpu(index).ok().and_then(|g| g.instances.into_iter().find(|i| i.gi == gi)?.uuid) {
+        Some(uuid) => {
+            tracing::info!(gpu = index, gi, profile = %p.name, start, uuid = %uuid, "MIG instance made for a DRA claim");
+            Ok(Made { gpu: index, gi, uuid })
+        }
+        None => {
+            let _ = b.destroy(index, gi);
+            Err(format!("{device}: the new {} instance has no MIG device UUID", p.name))
+        }
+    }
+}
+
+/// Destroys instances just made (a preparation that failed after making them).
+fn unmake(b: &vgpu_mig::backend::NvmlBackend, made: &[Made]) {
+    use vgpu_mig::backend::MigBackend;
+    for m in made {
+        if let Err(e) = b.destroy(m.gpu, m.gi) {
+            tracing::warn!(gpu = m.gpu, gi = m.gi, error = %e, "cannot destroy a MIG instance made for a claim that failed");
+        }
+    }
+}
+
 /// Whether the claim is gone (or made again under its name); false when that cannot be known now.
 async fn claim_gone(d: &Driver, ns: &str, name: &str, uid: &str) -> bool {
     let api: Api<DynamicObject> =
@@ -849,6 +1127,32 @@ pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) 
 /// The most devices one ResourceSlice may list (the API's limit); a pool with more spans several.
 pub const SLICE_DEVICES: usize = 128;
 
+/// The same, where devices consume counters.
+pub const SLICE_DEVICES_WITH_COUNTERS: usize = 64;
+
+/// The most counter sets one ResourceSlice may list; a ResourceSlice lists devices or counter
+/// sets, not both.
+pub const SLICE_COUNTER_SETS: usize = 8;
+
+/// The node's pool as the parts of its ResourceSlices' specs: counter sets first (at most
+/// [`SLICE_COUNTER_SETS`] a slice), then devices (at most [`SLICE_DEVICES`] a slice, or
+/// [`SLICE_DEVICES_WITH_COUNTERS`] where they consume counters); one empty list of devices for an
+/// empty pool.
+pub fn pool_parts(pool: Pool) -> Vec<Value> {
+    let per = if pool.devices.iter().any(|d| d.get("consumesCounters").is_some()) {
+        SLICE_DEVICES_WITH_COUNTERS
+    } else {
+        SLICE_DEVICES
+    };
+    let mut parts: Vec<Value> =
+        pool.counters.chunks(SLICE_COUNTER_SETS).map(|c| json!({"sharedCounters": c})).collect();
+    parts.extend(pool.devices.chunks(per).map(|c| json!({"devices": c})));
+    if parts.is_empty() {
+        parts.push(json!({"devices": []}));
+    }
+    parts
+}
+
 /// The name of ResourceSlice `k` of the node's pool (`<node>-<driver>`, then `-1`, `-2`, ...).
 pub fn pool_slice_name(node: &str, driver: &str, k: usize) -> String {
     let base = resource_slice_name(node, driver);
@@ -859,22 +1163,17 @@ pub fn pool_slice_name(node: &str, driver: &str, k: usize) -> String {
     }
 }
 
-/// Per ResourceSlice of the pool, the devices last written and what the API server stored of them:
+/// Per ResourceSlice of the pool, the part last written and the spec the API server stored of it:
 /// a server that drops fields it does not serve (consumable capacity without its feature gate) must
 /// not make every pass a write.
 type Written = Vec<(Value, Value)>;
 
-/// Writes the node's pool (its ResourceSlices, at most [`SLICE_DEVICES`] devices each) when its
-/// devices differ from what the API server has: every slice with the generation raised, and the
-/// slices a smaller pool no longer needs removed.
+/// Writes the node's pool (its ResourceSlices, see [`pool_parts`]) when it differs from what the
+/// API server has: every slice with the generation raised, and the slices a smaller pool no longer
+/// needs removed.
 async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Result<bool, String> {
     let api: Api<DynamicObject> = Api::all_with(d.client.clone(), &resource("ResourceSlice", "resourceslices"));
-    let all = devices(&d.agent);
-    let chunks: Vec<Value> = if all.is_empty() {
-        vec![Value::Array(Vec::new())]
-    } else {
-        all.chunks(SLICE_DEVICES).map(|c| Value::Array(c.to_vec())).collect()
-    };
+    let chunks = pool_parts(pool(&d.agent));
     let name = |k: usize| pool_slice_name(&d.node, &d.driver, k);
     let get = |k: usize| {
         let api = api.clone();
@@ -893,13 +1192,11 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
     let current = count == chunks.len()
         && chunks.iter().enumerate().all(|(k, want)| {
             existing[k].as_ref().is_some_and(|o| {
-                let have = &o.data["spec"]["devices"];
-                o.data["spec"]["driver"] == d.driver.as_str()
-                    && o.data["spec"]["pool"]["generation"].as_i64() == Some(generation)
-                    && (same_devices(have, want)
-                        || written
-                            .get(k)
-                            .is_some_and(|(sent, back)| same_devices(sent, want) && same_devices(back, have)))
+                let have = &o.data["spec"];
+                have["driver"] == d.driver.as_str()
+                    && have["pool"]["generation"].as_i64() == Some(generation)
+                    && (same_part(have, want)
+                        || written.get(k).is_some_and(|(sent, back)| same_part(sent, want) && same_part(back, have)))
             })
         });
     if current {
@@ -907,13 +1204,15 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
     }
     let generation = generation + 1;
     let mut now = Vec::new();
-    for (k, devices) in chunks.iter().enumerate() {
-        let spec = json!({
+    for (k, part) in chunks.iter().enumerate() {
+        let mut spec = json!({
             "driver": d.driver,
             "nodeName": d.node,
             "pool": {"name": d.node, "generation": generation, "resourceSliceCount": chunks.len()},
-            "devices": devices,
         });
+        for (key, v) in part.as_object().into_iter().flatten() {
+            spec[key] = v.clone();
+        }
         let n = name(k);
         let stored = match existing[k].take() {
             Some(mut o) => {
@@ -931,18 +1230,28 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
                 api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {n}: {e}"))?
             }
         };
-        now.push((devices.clone(), stored.data["spec"]["devices"].clone()));
+        now.push((part.clone(), stored.data["spec"].clone()));
     }
     for (k, _) in existing.iter().enumerate().skip(chunks.len()).filter(|(_, o)| o.is_some()) {
         let n = name(k);
         api.delete(&n, &Default::default()).await.map_err(|e| format!("removing ResourceSlice {n}: {e}"))?;
     }
-    let shared = |v: &Value| v.as_array().is_some_and(|v| v.iter().any(|d| d["allowMultipleAllocations"] == true));
-    if now.iter().any(|(sent, _)| shared(sent)) && !now.iter().any(|(_, back)| shared(back)) {
+    let any = |f: &dyn Fn(&Value) -> bool, v: &Value| v["devices"].as_array().is_some_and(|v| v.iter().any(f));
+    let shared = |d: &Value| d["allowMultipleAllocations"] == true;
+    if now.iter().any(|(sent, _)| any(&shared, sent)) && !now.iter().any(|(_, back)| any(&shared, back)) {
         tracing::warn!(
             resource_slice = %name(0),
             "the API server dropped allowMultipleAllocations: consumable capacity needs the DRAConsumableCapacity \
              feature gate (API server and scheduler); until then each GPU goes to one claim at a time, whole"
+        );
+    }
+    let counted = |d: &Value| d.get("consumesCounters").is_some();
+    if now.iter().any(|(sent, _)| any(&counted, sent)) && !now.iter().any(|(_, back)| any(&counted, back)) {
+        tracing::warn!(
+            resource_slice = %name(0),
+            "the API server dropped consumesCounters: MIG partitions (dra_mig = \"dynamic\") need the \
+             DRAPartitionableDevices feature gate (API server and scheduler); until then overlapping placements \
+             may be allocated together, and their preparation fails"
         );
     }
     *written = now;
@@ -1087,6 +1396,55 @@ mod tests {
         assert_eq!(old, "mig-gpu-5f3b1c2d-0a1b-4c2d-8e9f-00112233aabb-3-0");
         let long = mig_device_name(&format!("MIG-{}", "a-".repeat(40)));
         assert!(long.len() <= 63 && !long.ends_with('-'), "{long}");
+        // Partitions: the profile as a label, and the placement.
+        assert_eq!(partition_device_name(1, "1g.10gb+me", 6), "gpu-1-mig-1g-10gb-me-6");
+        assert_eq!(parse_device("gpu-1-mig-1g-10gb-me-6"), Some(Dev::Partition(1, "1g-10gb-me".into(), 6)));
+        assert_eq!(parse_device("gpu-12-mig-7g-80gb-0"), Some(Dev::Partition(12, "7g-80gb".into(), 0)));
+        for other in ["gpu-1-mig-", "gpu-1-mig-3g", "gpu-1-mig--0", "gpu-x-mig-3g-0", "gpu-1-mig-3g-x"] {
+            assert_eq!(parse_device(other), None, "{other}");
+        }
+        assert_eq!(counter_set_name(3), "gpu-3-mig");
+    }
+
+    #[test]
+    fn a_pool_is_counter_sets_then_devices_within_the_api_s_limits() {
+        let dev = |n: usize, counted: bool| {
+            (0..n)
+                .map(|i| {
+                    let mut d = json!({"name": format!("d{i}")});
+                    if counted {
+                        d["consumesCounters"] = json!([{"counterSet": "c", "counters": {}}]);
+                    }
+                    d
+                })
+                .collect::<Vec<_>>()
+        };
+        let sets = |n: usize| (0..n).map(|i| json!({"name": format!("c{i}")})).collect::<Vec<_>>();
+        let sizes = |parts: &[Value]| -> Vec<(String, usize)> {
+            parts
+                .iter()
+                .map(|p| {
+                    let (k, v) = p.as_object().unwrap().iter().next().unwrap();
+                    (k.clone(), v.as_array().unwrap().len())
+                })
+                .collect()
+        };
+        let empty = pool_parts(Pool::default());
+        assert_eq!(sizes(&empty), [("devices".into(), 0)]);
+        let plain = pool_parts(Pool { devices: dev(200, false), counters: Vec::new() });
+        assert_eq!(sizes(&plain), [("devices".into(), 128), ("devices".into(), 72)]);
+        let counted = pool_parts(Pool { devices: dev(200, true), counters: sets(9) });
+        assert_eq!(
+            sizes(&counted),
+            [
+                ("sharedCounters".into(), 8),
+                ("sharedCounters".into(), 1),
+                ("devices".into(), 64),
+                ("devices".into(), 64),
+                ("devices".into(), 64),
+                ("devices".into(), 8)
+            ]
+        );
     }
 
     #[test]
@@ -1097,19 +1455,35 @@ mod tests {
         assert_eq!(quantity("1e3"), Some(1000));
         assert_eq!(quantity("10"), Some(10));
         assert_eq!((quantity("1.5Gi"), quantity("x"), quantity("")), (None, None, None));
-        let ours =
-            json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "8589934592"}, "cores": {"value": "10"}}}]);
-        let back = json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "8Gi"}, "cores": {"value": "10"}}}]);
-        assert!(same_devices(&ours, &back));
-        let other = json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "4Gi"}, "cores": {"value": "10"}}}]);
-        assert!(!same_devices(&ours, &other));
-        assert!(!same_devices(&ours, &json!([])));
+        let devices = |d: Value| json!({"devices": d});
+        let ours = devices(
+            json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "8589934592"}, "cores": {"value": "10"}}}]),
+        );
+        let back =
+            devices(json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "8Gi"}, "cores": {"value": "10"}}}]));
+        assert!(same_part(&ours, &back));
+        let other =
+            devices(json!([{"name": "gpu-0-0", "capacity": {"memory": {"value": "4Gi"}, "cores": {"value": "10"}}}]));
+        assert!(!same_part(&ours, &other));
+        assert!(!same_part(&ours, &devices(json!([]))));
+        assert!(same_part(&devices(json!([])), &json!({"driver": "x"})), "an empty list and none alike");
         // A shared device's request policy comes back canonical too.
         let policy = |d: &str, min: &str| {
-            json!([{"name": "gpu-0", "allowMultipleAllocations": true, "capacity": {"memory": {"value": "8Gi",
-                "requestPolicy": {"default": d, "validRange": {"min": min, "step": "1048576"}}}}}])
+            devices(json!([{"name": "gpu-0", "allowMultipleAllocations": true, "capacity": {"memory": {"value": "8Gi",
+                "requestPolicy": {"default": d, "validRange": {"min": min, "step": "1048576"}}}}}]))
         };
-        assert!(same_devices(&policy("8589934592", "1048576"), &policy("8Gi", "1Mi")));
-        assert!(!same_devices(&policy("8589934592", "1048576"), &policy("4Gi", "1Mi")));
+        assert!(same_part(&policy("8589934592", "1048576"), &policy("8Gi", "1Mi")));
+        assert!(!same_part(&policy("8589934592", "1048576"), &policy("4Gi", "1Mi")));
+        // Counter sets, and what devices consume of them.
+        let counters =
+            |v: &str| json!({"sharedCounters": [{"name": "gpu-0-mig", "counters": {"compute": {"value": v}}}]});
+        assert!(same_part(&counters("7"), &counters("7")));
+        assert!(!same_part(&counters("7"), &counters("6")));
+        assert!(!same_part(&counters("7"), &ours), "counters are not devices");
+        let consumes = |v: &str| {
+            devices(json!([{"name": "gpu-0-mig-1g-10gb-0", "consumesCounters": [{"counterSet": "gpu-0-mig",
+                "counters": {"compute": {"value": v}}}]}]))
+        };
+        assert!(same_part(&consumes("1"), &consumes("1")) && !same_part(&consumes("1"), &consumes("2")));
     }
 }

@@ -56,7 +56,8 @@ fn canonical(o: &mut Value, no_consumable_capacity: bool) {
             _ => {}
         }
     }
-    for d in o["spec"]["devices"].as_array_mut().into_iter().flatten() {
+    let devices = o.get_mut("spec").and_then(|s| s.get_mut("devices")).and_then(Value::as_array_mut);
+    for d in devices.into_iter().flatten() {
         if no_consumable_capacity {
             d.as_object_mut().unwrap().remove("allowMultipleAllocations");
             for c in d["capacity"].as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
@@ -819,4 +820,151 @@ fn a_container_is_given_one_claim_of_the_driver() {
     }
     let (_rt, _sock, resp) = prepare_claims(&kubelet, "cc", &["x", "y", "z", "alone"]);
     assert_eq!(resp.claims["cc-0004"].error, "", "{resp:?}");
+}
+
+/// The H100's MIG profiles as NVML gives them (name, placement starts, memory slices).
+const H100_PROFILES: [(&str, &[u32], u32); 7] = [
+    ("1g.10gb", &[0, 1, 2, 3, 4, 5, 6], 1),
+    ("1g.10gb+me", &[0, 1, 2, 3, 4, 5, 6], 1),
+    ("1g.20gb", &[0, 2, 4, 6], 2),
+    ("2g.20gb", &[0, 2, 4], 2),
+    ("3g.40gb", &[0, 4], 4),
+    ("4g.40gb", &[0], 4),
+    ("7g.80gb", &[0], 8),
+];
+
+#[test]
+fn with_dynamic_mig_claims_get_instances_made_to_measure() {
+    let s = Sim::new(Some(NODE));
+    let (store, a, kubelet) = start(&s, "dra_mig = \"dynamic\"\n");
+    // GPU 1 (an H100) in MIG mode, with one instance made by hand.
+    let mig = s.state.join("mig.yaml");
+    std::fs::write(
+        &mig,
+        "version: v1\nmig-configs:\n  one:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 1\n",
+    )
+    .unwrap();
+    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "one"]);
+    let instances = || a.status().unwrap()["gpus"][1]["mig"]["instances"].as_array().cloned().unwrap_or_default();
+    let by_hand = instances();
+    assert_eq!(by_hand.len(), 1, "{by_hand:?}");
+    let (hs, he) = {
+        let start = by_hand[0]["start"].as_u64().unwrap() as u32;
+        (start, start + by_hand[0]["size"].as_u64().unwrap() as u32)
+    };
+
+    // The pool: GPU 1's counter set in a slice of its own, then the devices: GPU 0's 10 replicas and
+    // every placement of every profile of GPU 1 that the instance made by hand does not overlap.
+    let slice = |k: usize| {
+        let n = if k == 0 { format!("{SLICES}/node1-{DRIVER}") } else { format!("{SLICES}/node1-{DRIVER}-{k}") };
+        store.lock().unwrap().objects.get(&n).cloned()
+    };
+    wait("the pool with counters", || {
+        slice(0).is_some_and(|s| s["spec"]["sharedCounters"].is_array() && s["spec"]["pool"]["resourceSliceCount"] == 2)
+            && slice(1).is_some_and(|s| s["spec"]["pool"] == slice(0).unwrap()["spec"]["pool"])
+    });
+    let counters = slice(0).unwrap();
+    assert!(counters["spec"].get("devices").is_none(), "{counters}");
+    let set = &counters["spec"]["sharedCounters"][0];
+    assert_eq!(set["name"], "gpu-1-mig");
+    let mut want = serde_json::Map::new();
+    for k in 0..8 {
+        want.insert(format!("memory-slice-{k}"), json!({"value": "1"}));
+    }
+    want.insert("compute".into(), json!({"value": "7"}));
+    want.insert("media".into(), json!({"value": "1"}));
+    assert_eq!(set["counters"], Value::Object(want));
+    let devices = slice(1).unwrap()["spec"]["devices"].as_array().cloned().unwrap();
+    let gen = slice(1).unwrap()["spec"]["pool"]["generation"].clone();
+    let label = |p: &str| p.replace(['.', '+'], "-");
+    let mut expected: Vec<String> = H100_PROFILES
+        .iter()
+        .flat_map(|(p, starts, size)| {
+            starts
+                .iter()
+                .filter(move |&&st| st + size <= hs || st >= he)
+                .map(move |st| format!("gpu-1-mig-{}-{st}", label(p)))
+        })
+        .collect();
+    expected.sort();
+    let mut have: Vec<String> = devices
+        .iter()
+        .filter(|d| d["attributes"]["index"]["int"] == 1)
+        .map(|d| d["name"].as_str().unwrap().to_string())
+        .collect();
+    have.sort();
+    assert_eq!(have, expected, "GPU 1's partitions around the instance at [{hs}, {he})");
+    assert_eq!(devices.len(), 10 + expected.len());
+    // (The applier puts one 1g.10gb at the last slice it can take.)
+    assert_eq!((hs, he), (6, 7), "{by_hand:?}");
+    // The 3g.40gb at memory slice 0, and what it consumes.
+    let name = "gpu-1-mig-3g-40gb-0".to_string();
+    let d = devices.iter().find(|d| d["name"] == name.as_str()).expect("a free 3g.40gb");
+    assert_eq!(d["capacity"]["memory"]["value"], "40448Mi");
+    assert_eq!(d["attributes"]["profile"]["string"], "3g.40gb");
+    assert_eq!(d["attributes"]["placement"]["int"], 0);
+    let consumed = &d["consumesCounters"][0];
+    assert_eq!(consumed["counterSet"], "gpu-1-mig");
+    let mut c: Vec<&String> = consumed["counters"].as_object().unwrap().keys().collect();
+    c.sort();
+    assert_eq!(c, ["compute", "memory-slice-0", "memory-slice-1", "memory-slice-2", "memory-slice-3"]);
+    assert_eq!(consumed["counters"]["compute"]["value"], "3");
+    let me = devices.iter().find(|d| d["name"] == "gpu-1-mig-1g-10gb-me-5").expect("a 1g.10gb+me");
+    assert_eq!(me["consumesCounters"][0]["counters"]["media"]["value"], "1");
+
+    // Claims, prepared in this order: "p" the 3g.40gb; "s" a 1g.10gb at slice 4 and a 2g.20gb
+    // overlapping p's (as a scheduler without partitionable devices might allocate): refused, and
+    // its 1g.10gb destroyed again; "q" a 1g.10gb at 4 and a 1g.10gb+me at 5; "r" one overlapping p's.
+    let part =
+        |request: &str, device: &str| json!({"request": request, "driver": DRIVER, "pool": "node1", "device": device});
+    put_claim(&store, "p", "cd-0001", vec![part("gpu", &name)]);
+    put_claim(&store, "s", "cd-0002", vec![part("gpu", "gpu-1-mig-1g-10gb-4"), part("gpu", "gpu-1-mig-2g-20gb-2")]);
+    put_claim(&store, "q", "cd-0003", vec![part("a", "gpu-1-mig-1g-10gb-4"), part("b", "gpu-1-mig-1g-10gb-me-5")]);
+    put_claim(&store, "r", "cd-0004", vec![part("gpu", "gpu-1-mig-2g-20gb-0")]);
+    let (rt, sock, resp) = prepare_claims(&kubelet, "cd", &["p", "s", "q", "r"]);
+    let visible = |uid: &str| -> Vec<String> {
+        let spec: Value = serde_json::from_slice(
+            &std::fs::read(a.state.join("cdi").join(format!("vgpu-mig-dra-{uid}.json"))).unwrap(),
+        )
+        .unwrap();
+        let env = spec["devices"][0]["containerEdits"]["env"][0].as_str().unwrap().to_string();
+        env.strip_prefix("NVIDIA_VISIBLE_DEVICES=").unwrap().split(',').map(String::from).collect()
+    };
+    assert_eq!(resp.claims["cd-0001"].error, "", "{resp:?}");
+    assert_eq!(resp.claims["cd-0001"].devices[0].cdi_device_ids, ["vgpu.io/mig=dra-cd-0001"]);
+    assert!(resp.claims["cd-0002"].error.contains("making a 2g.20gb instance at memory slice 2"), "{resp:?}");
+    assert_eq!(resp.claims["cd-0003"].error, "", "s's 1g.10gb was destroyed again: {resp:?}");
+    assert!(resp.claims["cd-0004"].error.contains("making a 2g.20gb instance"), "{:?}", resp.claims["cd-0004"]);
+    wait("the claims' instances in the status", || instances().len() >= 4);
+    let now = instances();
+    let of =
+        |uuid: &str| now.iter().find(|i| i["uuid"] == uuid).cloned().unwrap_or_else(|| panic!("{uuid} in {now:?}"));
+    let p_uuid = visible("cd-0001");
+    assert_eq!(p_uuid.len(), 1);
+    let pi = of(&p_uuid[0]);
+    assert_eq!((pi["start"].as_u64(), pi["name"].as_str().map(|n| n.ends_with("3g.40gb"))), (Some(0), Some(true)));
+    assert_eq!(pi["holder"], "claim ml/p");
+    let q_uuids = visible("cd-0003");
+    let mut starts: Vec<u64> = q_uuids.iter().map(|u| of(u)["start"].as_u64().unwrap()).collect();
+    starts.sort();
+    assert_eq!(starts, [4, 5]);
+    assert!(q_uuids.iter().all(|u| of(u)["holder"] == "claim ml/q"));
+    assert_eq!(now.len(), 4, "by hand, p's and q's two; none left of r's or s's: {now:?}");
+
+    // Prepared again: the same instance. The pool does not change for the claims' instances.
+    let again = prepare(&rt, &sock, vec![v1_claim("ml", "p", "cd-0001")]);
+    assert_eq!(again.claims["cd-0001"].error, "");
+    assert_eq!(visible("cd-0001"), p_uuid);
+    assert_eq!(instances().len(), 4);
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(slice(1).unwrap()["spec"]["pool"]["generation"], gen, "the pool unchanged");
+
+    // Unprepared, p's instance is destroyed; q's go when the claim does.
+    assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "p", "cd-0001")]).claims["cd-0001"].error, "");
+    wait("p's instance destroyed", || !instances().iter().any(|i| i["uuid"] == p_uuid[0].as_str()));
+    assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "p", "cd-0001")]).claims["cd-0001"].error, "");
+    store.lock().unwrap().objects.remove("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/q");
+    wait("q's instances destroyed once the claim is gone", || instances().len() == 1);
+    assert_eq!(instances()[0]["uuid"], by_hand[0]["uuid"], "the instance made by hand is left alone");
+    assert!(a.log_text().contains("MIG instance of a DRA claim destroyed"), "{}", a.log_text());
 }
