@@ -480,6 +480,7 @@ impl Agent {
                     memory_total: g.memory_total,
                     utilization: g.utilization,
                     sm_feedback_held: g.sm_feedback_held,
+                    admin_processes: g.admin_processes.clone(),
                     healthy,
                     health_reason,
                     sm_count: info.and_then(|i| i.sm_count).unwrap_or(0),

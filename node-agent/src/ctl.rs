@@ -203,6 +203,10 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
             let profile = i.name.rsplit_once(" MIG ").map_or(i.name.as_str(), |(_, p)| p);
             let _ = writeln!(o, "GPU {} MIG {} {}: {}", g.index, profile, short_uuid(&i.uuid), i.holder);
         }
+        for p in &g.admin_processes {
+            let _ =
+                writeln!(o, "GPU {} admin access: pid {} ({}) of claim {}", g.index, p.pid, human(p.memory), p.claim);
+        }
     }
     for g in st.gpus.iter().filter(|g| g.sm_feedback_held) {
         let _ = writeln!(

@@ -44,8 +44,8 @@
 //!   while processes run on one).
 //! - **Collection**: a claim's slice whose claim is gone (or made again under its name), which
 //!   kubelet never unprepared (its state lost with the node's), is removed once no process of it
-//!   lives, and a gone claim's record and spec of devices given whole at once; checked every `slice_gc_grace_s / 2`
-//!   (1-10 s).
+//!   lives, and a gone claim's record and spec of devices given whole at once; checked every
+//!   `slice_gc_grace_s / 2` (1-10 s).
 
 use crate::agent::{Agent, ApiError};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -224,23 +224,19 @@ pub fn pool(agent: &Agent) -> Pool {
     let inv = agent.inventory.read();
     let split = agent.cfg.split_count.max(1);
     let mut pool = Pool::default();
-    let v = &mut pool.devices;
     for g in &inv.gpus {
         if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
             continue;
         }
         if let Some(mig) = g.mig.as_ref().filter(|m| m.enabled) {
             if agent.cfg.dra_mig == crate::config::DraMig::Dynamic {
-                let mut p = Pool::default();
-                partitions(agent, g, mig, &mut p);
-                v.extend(p.devices);
-                pool.counters.extend(p.counters);
+                partitions(agent, g, mig, &mut pool);
                 continue;
             }
             // The GPU's MIG devices as they are (the layout is `vgpuctl mig`'s), each whole.
             for m in &mig.devices {
                 let profile = mig_profile(&m.name);
-                v.push(json!({
+                pool.devices.push(json!({
                     "name": mig_device_name(&m.uuid),
                     "attributes": {
                         "uuid": {"string": m.uuid},
@@ -266,7 +262,7 @@ pub fn pool(agent: &Agent) -> Pool {
             // scheduler rounds a request up to whole MiB. Cores: a claim that does not say takes
             // none, and runs without an SM limit (HAMi's default); one that does is limited to it.
             let memory = shared_memory(agent, g).to_string();
-            v.push(json!({
+            pool.devices.push(json!({
                 "name": shared_device_name(g.index),
                 "allowMultipleAllocations": true,
                 "attributes": attributes,
@@ -285,7 +281,7 @@ pub fn pool(agent: &Agent) -> Pool {
         }
         let memory = agent.scaled(g.memory_total) / split as u64;
         for n in 0..split {
-            v.push(json!({
+            pool.devices.push(json!({
                 "name": device_name(g.index, n),
                 "attributes": attributes.clone(),
                 "capacity": {

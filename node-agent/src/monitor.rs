@@ -268,6 +268,8 @@ pub struct GpuSample {
     /// Slices using it, and whether processes outside every slice use it.
     pub slices: u32,
     pub outsiders: bool,
+    /// Outsiders in containers of DRA claims with admin access to it (not escapes).
+    pub admin_processes: Vec<pb::AdminProcess>,
     /// NVML failed for this GPU in this pass.
     pub error: Option<String>,
 }
@@ -409,11 +411,14 @@ impl Monitor {
         self.admitted = admitted;
     }
 
-    /// Whether process `pid` is in a container of a claim with admin access to GPU `gpu`.
-    fn admitted(&self, pid: u32, gpu: &str) -> bool {
+    /// The claim with admin access to GPU `gpu` in whose container process `pid` is, if any.
+    fn admitted(&self, pid: u32, gpu: &str) -> Option<String> {
         self.admitted
             .iter()
-            .any(|a| a.gpus.iter().any(|g| g == gpu) && procfs::file_id(&procfs::in_root(pid, &a.path)) == Some(a.file))
+            .find(|a| {
+                a.gpus.iter().any(|g| g == gpu) && procfs::file_id(&procfs::in_root(pid, &a.path)) == Some(a.file)
+            })
+            .map(|a| a.claim.clone())
     }
 
     /// One pass over `slices` (the agent's record, as shared by the agent: a new list is recognised
@@ -659,18 +664,24 @@ impl Monitor {
                     None if g.slices > 0 && procfs::is_mps_server(pid) => {
                         mps.insert(g.index);
                     }
-                    // Admin access (DRA): beside the slices by design; it does share the GPU.
-                    None if g.slices > 0 && self.admitted(pid, &g.uuid) => g.outsiders = true,
-                    None if g.slices > 0 => {
-                        g.outsiders = true;
-                        pass.escapes.push(pb::Escape {
-                            kind: pb::escape::Kind::Unaccounted as i32,
-                            gpu: g.uuid.clone(),
-                            pid,
-                            measured: mem,
-                            ..Default::default()
-                        });
-                    }
+                    // Outside every slice: in a container of a DRA claim with admin access (beside
+                    // the slices by design; it does share the GPU), or an escape.
+                    None if g.slices > 0 => match self.admitted(pid, &g.uuid) {
+                        Some(claim) => {
+                            g.outsiders = true;
+                            g.admin_processes.push(pb::AdminProcess { pid, claim, memory: mem });
+                        }
+                        None => {
+                            g.outsiders = true;
+                            pass.escapes.push(pb::Escape {
+                                kind: pb::escape::Kind::Unaccounted as i32,
+                                gpu: g.uuid.clone(),
+                                pid,
+                                measured: mem,
+                                ..Default::default()
+                            });
+                        }
+                    },
                     None => {}
                 }
             }

@@ -757,6 +757,12 @@ fn claims_with_admin_access_see_their_gpus_whole_and_are_not_escapes() {
     let from = passes(&st);
     let st = a.wait("three more passes", |v| passes(v) >= from + 3);
     assert!(escaped(&st, outsider) && !escaped(&st, watcher), "only the outsider: {st}");
+    let admitted = &st["gpus"][0]["admin_processes"];
+    assert_eq!((admitted[0]["pid"].as_u64(), admitted[0]["claim"].as_str()), (Some(watcher as u64), Some("ml/watch")));
+    assert_eq!(admitted.as_array().unwrap().len(), 1, "{st}");
+    let table = a.ctl_ok(&["status"]);
+    assert!(table.contains(&format!("GPU 0 admin access: pid {watcher} (")), "{table}");
+    assert!(table.contains("of claim ml/watch"), "{table}");
     // Unprepared, the monitor's claim no longer admits its process.
     assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "watch", "ca-0002")]).claims["ca-0002"].error, "");
     assert!(!record.exists());
