@@ -7,6 +7,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "k8s/deviceplugin/v1beta1/api.proto",
         "k8s/podresources/v1/api.proto",
         "k8s/pluginregistration/v1/api.proto",
+        "k8s/drahealth/v1alpha1/api.proto",
     ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");

@@ -18,7 +18,8 @@
 //!   server that drops fields it does not serve (consumable capacity before its feature gate) is not
 //!   written again for that.
 //! - **Kubelet**: the registration service on `plugins_registry/<driver>-reg.sock` and the DRA
-//!   service (`v1.DRAPlugin` and `v1beta1.DRAPlugin`, the same calls) on
+//!   service (`v1.DRAPlugin` and `v1beta1.DRAPlugin`, the same calls) with device health
+//!   (`v1alpha1.DRAResourceHealth`: every device with its GPU's health, for pods' status) on
 //!   `plugins/<driver>/dra.sock`, both beside the device-plugin directory. A socket removed (a
 //!   kubelet clean-up) is served again.
 //! - **NodePrepareResources**: reads the claim (`resourceclaims` get), takes the devices allocated
@@ -56,7 +57,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tonic::{Request, Response, Status};
-use vgpu_proto::dra::{registration as reg, v1, v1beta1};
+use vgpu_proto::dra::{health as hp, registration as reg, v1, v1beta1};
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource {
@@ -218,80 +219,101 @@ fn partitions(agent: &Agent, g: &crate::discovery::Gpu, mig: &crate::discovery::
 }
 
 /// The devices the node offers now, as ResourceSlice device entries, and the counter sets they
-/// consume.
+/// consume: those of every healthy GPU.
 pub fn pool(agent: &Agent) -> Pool {
     let st = agent.status();
     let inv = agent.inventory.read();
-    let split = agent.cfg.split_count.max(1);
     let mut pool = Pool::default();
     for g in &inv.gpus {
         if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
             continue;
         }
-        if let Some(mig) = g.mig.as_ref().filter(|m| m.enabled) {
-            if agent.cfg.dra_mig == crate::config::DraMig::Dynamic {
-                partitions(agent, g, mig, &mut pool);
-                continue;
-            }
-            // The GPU's MIG devices as they are (the layout is `vgpuctl mig`'s), each whole.
-            for m in &mig.devices {
-                let profile = mig_profile(&m.name);
-                pool.devices.push(json!({
-                    "name": mig_device_name(&m.uuid),
-                    "attributes": {
-                        "uuid": {"string": m.uuid},
-                        "parentUUID": {"string": g.uuid},
-                        "productName": {"string": g.name},
-                        "index": {"int": g.index},
-                        "mig": {"bool": true},
-                        "profile": {"string": profile},
-                    },
-                    "capacity": {"memory": {"value": m.memory_total.to_string()}},
-                }));
-            }
-            continue;
-        }
-        let attributes = json!({
-            "uuid": {"string": g.uuid},
-            "productName": {"string": g.name},
-            "index": {"int": g.index},
-            "mig": {"bool": false},
-        });
-        if agent.cfg.dra_sharing == crate::config::DraSharing::Capacity {
-            // Memory: a claim that does not say takes all of it (as a whole device would be); the
-            // scheduler rounds a request up to whole MiB. Cores: a claim that does not say takes
-            // none, and runs without an SM limit (HAMi's default); one that does is limited to it.
-            let memory = shared_memory(agent, g).to_string();
-            pool.devices.push(json!({
-                "name": shared_device_name(g.index),
-                "allowMultipleAllocations": true,
-                "attributes": attributes,
-                "capacity": {
-                    "memory": {
-                        "value": memory,
-                        "requestPolicy": {"default": memory, "validRange": {"min": MIB.to_string(), "step": MIB.to_string()}},
-                    },
-                    "cores": {
-                        "value": "100",
-                        "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1"}},
-                    },
-                },
-            }));
-            continue;
-        }
-        let memory = agent.scaled(g.memory_total) / split as u64;
-        for n in 0..split {
-            pool.devices.push(json!({
-                "name": device_name(g.index, n),
-                "attributes": attributes.clone(),
-                "capacity": {
-                    "memory": {"value": memory.to_string()},
-                    "cores": {"value": (100 / split).to_string()},
-                },
-            }));
-        }
+        gpu_devices(agent, g, &mut pool);
     }
     pool
+}
+
+/// The health of every device of this driver on the node, by name: each GPU's devices as it would
+/// offer them (a failed GPU's too, which the pool leaves out but claims may hold), with the GPU's
+/// health.
+pub fn device_health(agent: &Agent) -> Vec<(String, bool)> {
+    let st = agent.status();
+    let inv = agent.inventory.read();
+    let mut v = Vec::new();
+    for g in &inv.gpus {
+        let healthy = st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy);
+        let mut p = Pool::default();
+        gpu_devices(agent, g, &mut p);
+        v.extend(p.devices.iter().filter_map(|d| Some((d["name"].as_str()?.to_string(), healthy))));
+    }
+    v
+}
+
+/// The devices one GPU offers (and its counter set, for MIG partitions).
+fn gpu_devices(agent: &Agent, g: &crate::discovery::Gpu, pool: &mut Pool) {
+    let split = agent.cfg.split_count.max(1);
+    if let Some(mig) = g.mig.as_ref().filter(|m| m.enabled) {
+        if agent.cfg.dra_mig == crate::config::DraMig::Dynamic {
+            partitions(agent, g, mig, pool);
+            return;
+        }
+        // The GPU's MIG devices as they are (the layout is `vgpuctl mig`'s), each whole.
+        for m in &mig.devices {
+            let profile = mig_profile(&m.name);
+            pool.devices.push(json!({
+                "name": mig_device_name(&m.uuid),
+                "attributes": {
+                    "uuid": {"string": m.uuid},
+                    "parentUUID": {"string": g.uuid},
+                    "productName": {"string": g.name},
+                    "index": {"int": g.index},
+                    "mig": {"bool": true},
+                    "profile": {"string": profile},
+                },
+                "capacity": {"memory": {"value": m.memory_total.to_string()}},
+            }));
+        }
+        return;
+    }
+    let attributes = json!({
+        "uuid": {"string": g.uuid},
+        "productName": {"string": g.name},
+        "index": {"int": g.index},
+        "mig": {"bool": false},
+    });
+    if agent.cfg.dra_sharing == crate::config::DraSharing::Capacity {
+        // Memory: a claim that does not say takes all of it (as a whole device would be); the
+        // scheduler rounds a request up to whole MiB. Cores: a claim that does not say takes
+        // none, and runs without an SM limit (HAMi's default); one that does is limited to it.
+        let memory = shared_memory(agent, g).to_string();
+        pool.devices.push(json!({
+            "name": shared_device_name(g.index),
+            "allowMultipleAllocations": true,
+            "attributes": attributes,
+            "capacity": {
+                "memory": {
+                    "value": memory,
+                    "requestPolicy": {"default": memory, "validRange": {"min": MIB.to_string(), "step": MIB.to_string()}},
+                },
+                "cores": {
+                    "value": "100",
+                    "requestPolicy": {"default": "0", "validRange": {"min": "0", "step": "1"}},
+                },
+            },
+        }));
+        return;
+    }
+    let memory = agent.scaled(g.memory_total) / split as u64;
+    for n in 0..split {
+        pool.devices.push(json!({
+            "name": device_name(g.index, n),
+            "attributes": attributes.clone(),
+            "capacity": {
+                "memory": {"value": memory.to_string()},
+                "cores": {"value": (100 / split).to_string()},
+            },
+        }));
+    }
 }
 
 /// The value of a Kubernetes quantity without a fraction (`8589934592`, `8Gi`, `858993k`, `1e3`), which
@@ -988,6 +1010,61 @@ macro_rules! dra_service {
 dra_service!(v1);
 dra_service!(v1beta1);
 
+/// How often the whole list goes to kubelet again when nothing changed: kubelet holds a report for
+/// a while, then takes its devices' health as unknown.
+const HEALTH_RESEND: Duration = Duration::from_secs(5);
+
+type HealthStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<hp::NodeWatchResourcesResponse, Status>> + Send>>;
+
+/// Device health for kubelet (KEP 4680: a pod's status shows the health of the devices its claims
+/// hold): every device of the driver on the node with its GPU's health, at once, on every change
+/// (checked every 500 ms) and every [`HEALTH_RESEND`].
+#[tonic::async_trait]
+impl hp::dra_resource_health_server::DraResourceHealth for Driver {
+    type NodeWatchResourcesStream = HealthStream;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<hp::NodeWatchResourcesRequest>,
+    ) -> Result<Response<HealthStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let d = self.clone();
+        tokio::spawn(async move {
+            let mut last: Option<Vec<(String, bool)>> = None;
+            let mut sent = tokio::time::Instant::now();
+            loop {
+                let a = d.agent.clone();
+                let Ok(now) = tokio::task::spawn_blocking(move || device_health(&a)).await else { break };
+                if last.as_ref() != Some(&now) || sent.elapsed() >= HEALTH_RESEND {
+                    let t = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |t| t.as_secs() as i64);
+                    let devices = now
+                        .iter()
+                        .map(|(name, healthy)| hp::DeviceHealth {
+                            device: Some(hp::DeviceIdentifier { pool_name: d.node.clone(), device_name: name.clone() }),
+                            health: if *healthy { hp::HealthStatus::Healthy } else { hp::HealthStatus::Unhealthy }
+                                as i32,
+                            last_updated_time: t,
+                        })
+                        .collect();
+                    if tx.send(Ok(hp::NodeWatchResourcesResponse { devices })).await.is_err() {
+                        break;
+                    }
+                    last = Some(now);
+                    sent = tokio::time::Instant::now();
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = tx.closed() => break,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
+
 /// What the plugin tells kubelet's plugin watcher.
 #[derive(Clone)]
 struct Registrar {
@@ -1002,7 +1079,11 @@ impl reg::registration_server::Registration for Registrar {
             r#type: "DRAPlugin".into(),
             name: self.driver.clone(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec!["v1.DRAPlugin".into(), "v1beta1.DRAPlugin".into()],
+            supported_versions: vec![
+                "v1.DRAPlugin".into(),
+                "v1beta1.DRAPlugin".into(),
+                "v1alpha1.DRAResourceHealth".into(),
+            ],
         }))
     }
 
@@ -1305,6 +1386,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                         tonic::transport::Server::builder()
                             .add_service(v1::dra_plugin_server::DraPluginServer::new(d.clone()))
                             .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(d.clone()))
+                            .add_service(hp::dra_resource_health_server::DraResourceHealthServer::new(d.clone()))
                             .serve_with_incoming_shutdown(
                                 tokio_stream::wrappers::UnixListenerStream::new(dl),
                                 async move {

@@ -44,4 +44,9 @@ pub mod dra {
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("pluginregistration");
     }
+    /// Device health (`v1alpha1.DRAResourceHealth`), streamed to kubelet for pods' status.
+    pub mod health {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("v1alpha1");
+    }
 }

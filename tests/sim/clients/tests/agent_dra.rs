@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use vgpu_proto::dra::{registration as reg, v1, v1beta1};
+use vgpu_proto::dra::{health as hp, registration as reg, v1, v1beta1};
 
 const NODE: &str =
     "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n[[gpu]]\nmodel = \"H100-80GB\"\n";
@@ -248,7 +248,7 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
         let info = r.get_info(reg::InfoRequest {}).await.unwrap().into_inner();
         assert_eq!((info.r#type.as_str(), info.name.as_str()), ("DRAPlugin", DRIVER));
         assert_eq!(info.endpoint, dra_sock.display().to_string());
-        assert_eq!(info.supported_versions, ["v1.DRAPlugin", "v1beta1.DRAPlugin"]);
+        assert_eq!(info.supported_versions, ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]);
         r.notify_registration_status(reg::RegistrationStatus { plugin_registered: true, error: String::new() })
             .await
             .unwrap();
@@ -341,8 +341,48 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     store.lock().unwrap().objects.remove("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/left");
     wait("the slice of the gone claim removed", || !a.ctl(&["inspect", "dra-c1a1-0005"]).status.success());
 
-    // A GPU that fails (a critical XID) leaves the pool: its devices go, the generation rises.
+    // Device health for kubelet: every device, healthy, at once.
+    let (health_tx, health_rx) = std::sync::mpsc::channel();
+    let health_sock = dra_sock.clone();
+    rt.spawn(async move {
+        let ch = vgpu_agent::api::unix_channel(&health_sock).await.unwrap();
+        let mut c = hp::dra_resource_health_client::DraResourceHealthClient::new(ch);
+        let mut stream = c.node_watch_resources(hp::NodeWatchResourcesRequest {}).await.unwrap().into_inner();
+        while let Ok(Some(m)) = stream.message().await {
+            let by: BTreeMap<String, i32> =
+                m.devices.iter().map(|d| (d.device.as_ref().unwrap().device_name.clone(), d.health)).collect();
+            assert!(m
+                .devices
+                .iter()
+                .all(|d| d.device.as_ref().unwrap().pool_name == "node1" && d.last_updated_time > 0));
+            if health_tx.send(by).is_err() {
+                break;
+            }
+        }
+    });
+    let first = health_rx.recv_timeout(Duration::from_secs(10)).expect("a health report");
+    assert_eq!(first.len(), 16, "{first:?}");
+    assert!(first.values().all(|h| *h == hp::HealthStatus::Healthy as i32), "{first:?}");
+    // Sent again while nothing changes (kubelet holds a report only for a while).
+    let again = health_rx.recv_timeout(Duration::from_secs(8)).expect("the report sent again");
+    assert_eq!(again, first);
+
+    // A GPU that fails (a critical XID) leaves the pool: its devices go, the generation rises; to
+    // kubelet they are unhealthy.
     assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+    let t = Instant::now();
+    let failed = loop {
+        let m = health_rx.recv_timeout(Duration::from_secs(10)).expect("health reports go on");
+        if m.get("gpu-1-0") == Some(&(hp::HealthStatus::Unhealthy as i32)) {
+            break m;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "GPU 1 never reported unhealthy: {m:?}");
+    };
+    assert_eq!(failed.len(), 16, "a failed GPU's devices are still reported: {failed:?}");
+    for (name, h) in &failed {
+        let want = if name.starts_with("gpu-1-") { hp::HealthStatus::Unhealthy } else { hp::HealthStatus::Healthy };
+        assert_eq!(*h, want as i32, "{name}");
+    }
     wait("the ResourceSlice without GPU 1", || {
         store.lock().unwrap().objects[&at]["spec"]["devices"].as_array().is_some_and(|d| d.len() == 8)
     });
