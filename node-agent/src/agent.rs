@@ -72,6 +72,8 @@ pub struct Agent {
     /// The DRA claims prepared with admin access, as the monitoring pass knows their containers'
     /// processes; see [`Agent::refresh_admitted`].
     pub admitted: RwLock<Arc<Vec<crate::monitor::Admitted>>>,
+    /// Conditions an operator must act on, by their source (see [`Agent::warn`]).
+    warnings: RwLock<BTreeMap<String, String>>,
     /// The capacity reporter's connection state.
     pub reporter: Arc<crate::report::ReporterState>,
 }
@@ -143,6 +145,7 @@ impl Agent {
             mig_profiles: Mutex::new(Default::default()),
             mig_holders: RwLock::new(Default::default()),
             admitted: RwLock::new(Default::default()),
+            warnings: RwLock::new(Default::default()),
             reporter: Default::default(),
         })
     }
@@ -386,6 +389,16 @@ impl Agent {
         *self.mig_holders.write() = held;
     }
 
+    /// Sets (Some) or clears (None) the warning of `source`, shown in the status (`warnings`) from the
+    /// next pass until cleared.
+    pub fn warn(&self, source: &str, text: Option<String>) {
+        let mut w = self.warnings.write();
+        match text {
+            Some(t) => w.insert(source.to_string(), t),
+            None => w.remove(source),
+        };
+    }
+
     /// Reads again the DRA driver's records of claims with admin access (`<state_dir>/dra-admin/`):
     /// each record's identity, where its containers see it, and the GPUs it covers (a MIG device's
     /// parent with it). Called at start and after every change.
@@ -525,6 +538,7 @@ impl Agent {
             gpus,
             slices: pass.slices,
             escapes: pass.escapes,
+            warnings: self.warnings.read().values().cloned().collect(),
             agent: Some(pb::AgentStats {
                 loop_us,
                 loop_max_us: st.loop_max_us.load(Relaxed),

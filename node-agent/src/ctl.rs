@@ -208,6 +208,9 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
                 writeln!(o, "GPU {} admin access: pid {} ({}) of claim {}", g.index, p.pid, human(p.memory), p.claim);
         }
     }
+    for w in &st.warnings {
+        let _ = writeln!(o, "{}", style.yellow(w));
+    }
     for g in st.gpus.iter().filter(|g| g.sm_feedback_held) {
         let _ = writeln!(
             o,

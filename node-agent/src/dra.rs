@@ -1240,6 +1240,9 @@ pub fn pool_slice_name(node: &str, driver: &str, k: usize) -> String {
     }
 }
 
+/// How long what the API server kept of the pool is trusted (see [`Written`]).
+const WRITTEN_KEPT: Duration = Duration::from_secs(300);
+
 /// Per ResourceSlice of the pool, the part last written and the spec the API server stored of it:
 /// a server that drops fields it does not serve (consumable capacity without its feature gate) must
 /// not make every pass a write.
@@ -1313,23 +1316,32 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
         let n = name(k);
         api.delete(&n, &Default::default()).await.map_err(|e| format!("removing ResourceSlice {n}: {e}"))?;
     }
+    // What the API server dropped of what was sent: a feature gate it lacks.
     let any = |f: &dyn Fn(&Value) -> bool, v: &Value| v["devices"].as_array().is_some_and(|v| v.iter().any(f));
-    let shared = |d: &Value| d["allowMultipleAllocations"] == true;
-    if now.iter().any(|(sent, _)| any(&shared, sent)) && !now.iter().any(|(_, back)| any(&shared, back)) {
-        tracing::warn!(
-            resource_slice = %name(0),
-            "the API server dropped allowMultipleAllocations: consumable capacity needs the DRAConsumableCapacity \
-             feature gate (API server and scheduler); until then each GPU goes to one claim at a time, whole"
-        );
-    }
-    let counted = |d: &Value| d.get("consumesCounters").is_some();
-    if now.iter().any(|(sent, _)| any(&counted, sent)) && !now.iter().any(|(_, back)| any(&counted, back)) {
-        tracing::warn!(
-            resource_slice = %name(0),
-            "the API server dropped consumesCounters: MIG partitions (dra_mig = \"dynamic\") need the \
+    let dropped = |f: &dyn Fn(&Value) -> bool| {
+        now.iter().any(|(sent, _)| any(f, sent)) && !now.iter().any(|(_, back)| any(f, back))
+    };
+    let gates = [
+        (
+            "dra-consumable-capacity",
+            dropped(&|d: &Value| d["allowMultipleAllocations"] == true),
+            "DRA: the API server dropped allowMultipleAllocations: consumable capacity needs the \
+             DRAConsumableCapacity feature gate (API server and scheduler); until then each GPU goes to one claim \
+             at a time, whole",
+        ),
+        (
+            "dra-partitionable-devices",
+            dropped(&|d: &Value| d.get("consumesCounters").is_some()),
+            "DRA: the API server dropped consumesCounters: MIG partitions (dra_mig = \"dynamic\") need the \
              DRAPartitionableDevices feature gate (API server and scheduler); until then overlapping placements \
-             may be allocated together, and their preparation fails"
-        );
+             may be allocated together, and their preparation fails",
+        ),
+    ];
+    for (source, on, text) in gates {
+        if on {
+            tracing::warn!(resource_slice = %name(0), "{text}");
+        }
+        d.agent.warn(source, on.then(|| text.to_string()));
     }
     *written = now;
     Ok(true)
@@ -1361,6 +1373,9 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
     let registrar = Registrar { driver: driver.clone(), endpoint: dra_sock.clone() };
     let mut owner = None;
     let mut written: Written = Vec::new();
+    // What the API server kept is forgotten now and then, so a feature gate turned on since is seen
+    // (at worst one write of unchanged devices per period).
+    let mut written_since = tokio::time::Instant::now();
     let mut next_publish = tokio::time::Instant::now();
     let collect_every =
         (Duration::from_secs(agent.cfg.slice_gc_grace_s) / 2).clamp(Duration::from_secs(1), Duration::from_secs(10));
@@ -1418,16 +1433,22 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
             if owner.is_none() {
                 owner = node_owner(&d.client, &d.node).await;
             }
+            if written_since.elapsed() >= WRITTEN_KEPT {
+                written.clear();
+                written_since = tokio::time::Instant::now();
+            }
             next_publish = tokio::time::Instant::now()
                 + match publish(&d, &owner, &mut written).await {
                     Ok(changed) => {
                         if changed {
                             tracing::info!(node = %d.node, driver = %driver, "ResourceSlices written");
                         }
+                        agent.warn("dra-publish", None);
                         Duration::from_secs(2)
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot publish the ResourceSlice; retrying");
+                        agent.warn("dra-publish", Some(format!("DRA: cannot publish the ResourceSlices: {e}")));
                         Duration::from_secs(5)
                     }
                 };

@@ -212,6 +212,7 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
         (st.writes[&at], st.objects[&at].clone())
     };
     assert_eq!(writes, 1, "written once while nothing changed: {now}\n{}", a.log_text());
+    assert_eq!(a.status().unwrap()["warnings"], json!([]), "no warnings");
 
     // Claims: three devices of GPU 0 for request "gpu" (one from another driver, ignored); a claim
     // replaced since kubelet learned of it.
@@ -535,6 +536,12 @@ fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
     assert_eq!(store.lock().unwrap().writes[&at], writes, "not rewritten for what the server drops: {rs}");
     assert!(rs["spec"]["devices"][0].get("allowMultipleAllocations").is_none());
     assert!(a.log_text().contains("dropped allowMultipleAllocations"), "{}", a.log_text());
+    // The status says so too, for as long as it lasts.
+    let st = a.wait("the warning in the status", |v| v["warnings"].as_array().is_some_and(|w| !w.is_empty()));
+    let w = st["warnings"].as_array().unwrap();
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].as_str().unwrap().contains("DRAConsumableCapacity feature gate"), "{w:?}");
+    assert!(a.ctl_ok(&["status"]).contains("DRA: the API server dropped allowMultipleAllocations"));
 }
 
 #[test]
