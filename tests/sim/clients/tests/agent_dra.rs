@@ -544,18 +544,27 @@ fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
     assert!(a.ctl_ok(&["status"]).contains("DRA: the API server dropped allowMultipleAllocations"));
 }
 
+/// Applies layout `name` to GPU 1 with `vgpuctl mig apply` (MIG mode on, `devices` as profile and
+/// count); returns the layout file.
+fn apply_gpu1_layout(s: &Sim, a: &Agent, name: &str, devices: &[(&str, u32)]) -> std::path::PathBuf {
+    let mig = s.state.join("mig.yaml");
+    let mut y = format!(
+        "version: v1\nmig-configs:\n  {name}:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n"
+    );
+    for (profile, n) in devices {
+        y.push_str(&format!("        \"{profile}\": {n}\n"));
+    }
+    std::fs::write(&mig, y).unwrap();
+    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", name]);
+    mig
+}
+
 #[test]
 fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
     let s = Sim::new(Some(NODE));
     let (store, a, kubelet) = start(&s, "");
     let g1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_string();
-    let mig = s.state.join("mig.yaml");
-    std::fs::write(
-        &mig,
-        "version: v1\nmig-configs:\n  mixed:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"3g.40gb\": 1\n        \"1g.10gb\": 2\n",
-    )
-    .unwrap();
-    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "mixed"]);
+    let mig = apply_gpu1_layout(&s, &a, "mixed", &[("3g.40gb", 1), ("1g.10gb", 2)]);
 
     // GPU 0 as 10 replicas (not MIG); GPU 1 as its three MIG devices, named after their UUIDs.
     let at = format!("{SLICES}/node1-{DRIVER}");
@@ -891,13 +900,7 @@ fn with_dynamic_mig_claims_get_instances_made_to_measure() {
     let s = Sim::new(Some(NODE));
     let (store, a, kubelet) = start(&s, "dra_mig = \"dynamic\"\n");
     // GPU 1 (an H100) in MIG mode, with one instance made by hand.
-    let mig = s.state.join("mig.yaml");
-    std::fs::write(
-        &mig,
-        "version: v1\nmig-configs:\n  one:\n    - devices: [1]\n      mig-enabled: true\n      mig-devices:\n        \"1g.10gb\": 1\n",
-    )
-    .unwrap();
-    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "one"]);
+    apply_gpu1_layout(&s, &a, "one", &[("1g.10gb", 1)]);
     let instances = || a.status().unwrap()["gpus"][1]["mig"]["instances"].as_array().cloned().unwrap_or_default();
     let by_hand = instances();
     assert_eq!(by_hand.len(), 1, "{by_hand:?}");
