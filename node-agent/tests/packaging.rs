@@ -166,6 +166,41 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
     v2["serviceMonitor"] = yaml_serde::Value::Bool(true);
     let sm = render(&std::fs::read_to_string(chart.join("templates/servicemonitor.yaml")).unwrap(), &v2);
     assert!(sm.contains("kind: ServiceMonitor") && sm.contains("port: 9394"), "{sm}");
+
+    // The DRA driver's DeviceClasses, off by default, select its devices by the driver's name.
+    let t = std::fs::read_to_string(chart.join("templates/deviceclasses.yaml")).unwrap();
+    assert!(render(&t, &values).trim().is_empty(), "off by default");
+    let mut v3 = values.clone();
+    v3["deviceClasses"] = yaml_serde::Value::Bool(true);
+    v3["draDriver"] = yaml_serde::Value::String("gpu.example.com".into());
+    let classes: Vec<yaml_serde::Value> =
+        render(&t, &v3).split("\n---\n").map(|d| yaml_serde::from_str(d).unwrap()).collect();
+    let got: Vec<(&str, &str, &str)> = classes
+        .iter()
+        .map(|c| {
+            (
+                c["kind"].as_str().unwrap(),
+                c["metadata"]["name"].as_str().unwrap(),
+                c["spec"]["selectors"][0]["cel"]["expression"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (
+                "DeviceClass",
+                "vgpu-share",
+                r#"device.driver == "gpu.example.com" && !device.attributes["gpu.example.com"].mig"#
+            ),
+            (
+                "DeviceClass",
+                "vgpu-mig",
+                r#"device.driver == "gpu.example.com" && device.attributes["gpu.example.com"].mig"#
+            ),
+        ]
+    );
+    assert!(classes.iter().all(|c| c["apiVersion"] == "resource.k8s.io/v1"));
 }
 
 #[test]
