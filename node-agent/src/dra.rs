@@ -432,7 +432,7 @@ impl Whole {
 pub const ADMIN_MOUNT_DIR: &str = "/run/vgpu-admin";
 
 /// A claim given devices whole (see [`Whole`]).
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 pub(crate) struct WholeClaim {
     pub namespace: String,
     pub name: String,
@@ -786,9 +786,18 @@ impl Driver {
                 .map(|(_, c)| c)
                 .find(|c| c.uid == claim.uid && !c.made.is_empty());
             let (made, fresh) = match before {
-                Some(c) => (c.made, false),
-                None => (self.make(parts)?, true),
+                // Prepared before (kubelet asks again): the same instances.
+                Some(c) if c.made.len() == parts.len() => (c.made, false),
+                // An agent stopped while it made them: those it made go, and all are made again.
+                Some(c) => {
+                    tracing::warn!(claim = %format!("{}/{}", c.namespace, c.name), made = c.made.len(), of = parts.len(),
+                        "a claim's MIG instances were made in part (the agent stopped); making them again");
+                    self.destroy_made(&c)?;
+                    (self.make(&claim, parts)?, true)
+                }
+                None => (self.make(&claim, parts)?, true),
             };
+            let uid = claim.uid.clone();
             claim.devices.extend(made.iter().map(|m| m.uuid.clone()));
             claim.made = made.clone();
             let r = self.prepare_whole(Whole::Mig, claim);
@@ -796,6 +805,7 @@ impl Driver {
                 if let Some(nvml) = self.agent.nvml.get() {
                     unmake(&vgpu_mig::backend::NvmlBackend::new(nvml.clone()), &made);
                 }
+                let _ = std::fs::remove_file(self.whole_paths(Whole::Mig, &uid).0);
             }
             r
         };
@@ -803,18 +813,28 @@ impl Driver {
         r
     }
 
-    /// Makes the instances of `parts` (device name, GPU index, profile label, start), or none.
-    fn make(&self, parts: &[(String, u32, String, u32)]) -> Result<Vec<Made>, String> {
+    /// Makes the instances of `parts` (device name, GPU index, profile label, start) for `claim`, or
+    /// none. Each is recorded with the claim as soon as it is made, so that an agent killed
+    /// meanwhile leaves nothing it does not know of: unpreparing the claim destroys what the record
+    /// names, and preparing it again makes what is missing.
+    fn make(&self, claim: &WholeClaim, parts: &[(String, u32, String, u32)]) -> Result<Vec<Made>, String> {
         let nvml = self.agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
         let b = vgpu_mig::backend::NvmlBackend::new(nvml);
+        let (record, _) = self.whole_paths(Whole::Mig, &claim.uid);
         let mut made = Vec::new();
         for (device, index, label, start) in parts {
-            match make_one(&b, device, *index, label, *start) {
-                Ok(m) => made.push(m),
-                Err(e) => {
-                    unmake(&b, &made);
-                    return Err(e);
-                }
+            let r = make_one(&b, device, *index, label, *start).and_then(|m| {
+                made.push(m);
+                let mut c = claim.clone();
+                c.devices.extend(made.iter().map(|m| m.uuid.clone()));
+                c.made = made.clone();
+                crate::cdi::write_spec(&record, &serde_json::to_value(&c).expect("serialisable"))
+                    .map_err(|e| format!("writing {}: {e}", record.display()))
+            });
+            if let Err(e) = r {
+                unmake(&b, &made);
+                let _ = std::fs::remove_file(&record);
+                return Err(e);
             }
         }
         Ok(made)

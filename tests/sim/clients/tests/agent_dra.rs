@@ -1023,4 +1023,34 @@ fn with_dynamic_mig_claims_get_instances_made_to_measure() {
     wait("q's instances destroyed once the claim is gone", || instances().len() == 1);
     assert_eq!(instances()[0]["uuid"], by_hand[0]["uuid"], "the instance made by hand is left alone");
     assert!(a.log_text().contains("MIG instance of a DRA claim destroyed"), "{}", a.log_text());
+
+    // An agent killed while it made a claim's instances left a record of the one it had made (here
+    // made through NVML and recorded by hand): preparing the claim again makes them all.
+    let uuids = || -> Vec<String> {
+        let d = s.mig(1, &["devices"]);
+        d[0]["mig_devices"].as_array().unwrap().iter().map(|m| m["uuid"].as_str().unwrap().to_string()).collect()
+    };
+    let before = uuids();
+    let r = s.mig(1, &["create:19@0"]);
+    assert_eq!(r[0]["ret"], 0, "{r:?}");
+    let gi = r[0]["id"].as_u64().unwrap();
+    assert_eq!(s.mig(1, &[&format!("ci:{gi}:0")])[0]["ret"], 0);
+    let uuid = uuids().into_iter().find(|u| !before.contains(u)).expect("the new MIG device");
+    let record = json!({"namespace": "ml", "name": "t", "uid": "cd-0005", "devices": [uuid],
+        "made": [{"gpu": 1, "gi": gi, "uuid": uuid}]});
+    std::fs::write(a.state.join("dra-mig").join("dra-cd-0005.json"), record.to_string()).unwrap();
+    put_claim(&store, "t", "cd-0005", vec![part("a", "gpu-1-mig-1g-10gb-0"), part("b", "gpu-1-mig-1g-10gb-1")]);
+    let rt5 = prepare(&rt, &sock, vec![v1_claim("ml", "t", "cd-0005")]);
+    assert_eq!(rt5.claims["cd-0005"].error, "", "{rt5:?}");
+    let t_uuids = visible("cd-0005");
+    assert_eq!(t_uuids.len(), 2, "both made: {t_uuids:?}");
+    wait("t's two instances and the one by hand", || instances().len() == 3);
+    let now = instances();
+    let mut starts: Vec<u64> = t_uuids
+        .iter()
+        .map(|u| now.iter().find(|i| i["uuid"] == u.as_str()).unwrap()["start"].as_u64().unwrap())
+        .collect();
+    starts.sort();
+    assert_eq!(starts, [0, 1], "{now:?}");
+    assert!(a.log_text().contains("were made in part"), "{}", a.log_text());
 }
