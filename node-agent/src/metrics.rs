@@ -126,6 +126,13 @@ pub fn render(agent: &Agent) -> String {
     // --- vgpu's own ---
     per_gpu(
         &mut o,
+        "vgpu_gpu_admin_processes",
+        "gauge",
+        "Processes of DRA claims with admin access on the GPU, outside every slice and not escapes.",
+        &|g| g.admin_processes.len() as f64,
+    );
+    per_gpu(
+        &mut o,
         "vgpu_gpu_healthy",
         "gauge",
         "1 when the GPU is healthy (no recent critical XID, NVML answers).",
@@ -228,6 +235,12 @@ pub fn render(agent: &Agent) -> String {
     o.put("vgpu_slices_collected_total", &[], s.slices_collected.load(Relaxed) as f64);
     o.head("vgpu_escapes_active", "gauge", "Escapes seen in the last monitoring pass.");
     o.put("vgpu_escapes_active", &[], st.escapes.len() as f64);
+    o.head(
+        "vgpu_warnings_active",
+        "gauge",
+        "Conditions an operator must act on that belong to no GPU or slice (vgpuctl status lists them).",
+    );
+    o.put("vgpu_warnings_active", &[], st.warnings.len() as f64);
     o.head("vgpu_gpu_critical_xids_total", "counter", "Critical XID events received.");
     o.put("vgpu_gpu_critical_xids_total", &[], agent.health.xids.load(Relaxed) as f64);
     o.head("vgpu_agent_loop_seconds", "gauge", "Duration of the last monitoring pass.");

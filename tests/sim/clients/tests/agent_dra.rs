@@ -542,6 +542,8 @@ fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
     assert_eq!(w.len(), 1, "{w:?}");
     assert!(w[0].as_str().unwrap().contains("DRAConsumableCapacity feature gate"), "{w:?}");
     assert!(a.ctl_ok(&["status"]).contains("DRA: the API server dropped allowMultipleAllocations"));
+    let (_, metrics) = a.scrape("/metrics");
+    assert!(metrics.lines().any(|l| l == "vgpu_warnings_active 1"), "{metrics}");
 }
 
 /// Applies layout `name` to GPU 1 with `vgpuctl mig apply` (MIG mode on, `devices` as profile and
@@ -819,6 +821,9 @@ fn claims_with_admin_access_see_their_gpus_whole_and_are_not_escapes() {
     let table = a.ctl_ok(&["status"]);
     assert!(table.contains(&format!("GPU 0 admin access: pid {watcher} (")), "{table}");
     assert!(table.contains("of claim ml/watch"), "{table}");
+    let (_, metrics) = a.scrape("/metrics");
+    let line = format!("vgpu_gpu_admin_processes{{device_uuid=\"{g0}\",device_index=\"0\"}} 1");
+    assert!(metrics.lines().any(|l| l == line), "{line} in {metrics}");
     // Unprepared, the monitor's claim no longer admits its process.
     assert_eq!(unprepare(&rt, &sock, vec![v1_claim("ml", "watch", "ca-0002")]).claims["ca-0002"].error, "");
     assert!(!record.exists());
