@@ -9,7 +9,7 @@ use crate::monitor::Pass;
 use crate::slices::{Injection, Slice, SliceError, SliceGpu, SliceStore};
 use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -415,10 +415,9 @@ impl Agent {
                         gpus.push(g.uuid.clone());
                     }
                 }
-                let name = path.file_name()?.to_string_lossy().into_owned();
                 Some(crate::monitor::Admitted {
                     claim: format!("{}/{}", c.namespace, c.name),
-                    path: Path::new(crate::dra::ADMIN_MOUNT_DIR).join(name),
+                    path: crate::dra::admin_mount(&path),
                     file,
                     gpus,
                 })

@@ -411,12 +411,18 @@ pub enum Whole {
 }
 
 impl Whole {
-    /// The directory of its records, under the state directory.
-    fn dir(self) -> &'static str {
+    /// Its name in the record directory (`<state_dir>/dra-<name>/`) and CDI spec files
+    /// (`vgpu-<name>-dra-<UID>.json`).
+    fn name(self) -> &'static str {
         match self {
-            Whole::Mig => "dra-mig",
-            Whole::Admin => "dra-admin",
+            Whole::Mig => "mig",
+            Whole::Admin => "admin",
         }
+    }
+
+    /// The directory of its records, under the state directory.
+    fn dir(self) -> String {
+        format!("dra-{}", self.name())
     }
 
     fn cdi_kind(self) -> &'static str {
@@ -430,6 +436,11 @@ impl Whole {
 /// Where a container given devices with admin access finds its claim's record (bind-mounted
 /// read-only): the monitoring pass knows such a process by it, and does not take it for an escape.
 pub const ADMIN_MOUNT_DIR: &str = "/run/vgpu-admin";
+
+/// Where the record at `record` (of a claim with admin access) is mounted in its containers.
+pub(crate) fn admin_mount(record: &Path) -> PathBuf {
+    Path::new(ADMIN_MOUNT_DIR).join(record.file_name().unwrap_or_default())
+}
 
 /// A claim given devices whole (see [`Whole`]).
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
@@ -480,11 +491,6 @@ pub(crate) fn mig_claims(agent: &Agent) -> Vec<WholeClaim> {
 /// The CDI device that gives a claim its devices whole.
 pub fn whole_cdi_name(w: Whole, claim_uid: &str) -> String {
     format!("{}={}", w.cdi_kind(), slice_name(claim_uid))
-}
-
-/// The CDI device that gives a claim its MIG devices.
-pub fn mig_cdi_name(claim_uid: &str) -> String {
-    whole_cdi_name(Whole::Mig, claim_uid)
 }
 
 #[derive(Clone)]
@@ -864,11 +870,15 @@ impl Driver {
     fn whole_paths(&self, w: Whole, uid: &str) -> (PathBuf, PathBuf) {
         let file = format!("{}.json", slice_name(uid));
         let cdi = self.agent.cfg.cdi_dir.clone().unwrap_or_default();
-        let spec = match w {
-            Whole::Mig => format!("vgpu-mig-{file}"),
-            Whole::Admin => format!("vgpu-admin-{file}"),
-        };
-        (self.agent.cfg.state_dir.join(w.dir()).join(&file), cdi.join(spec))
+        (self.agent.cfg.state_dir.join(w.dir()).join(&file), cdi.join(format!("vgpu-{}-{file}", w.name())))
+    }
+
+    /// Tells the agent its records of `w` changed (MIG holders, or the claims with admin access).
+    fn records_changed(&self, w: Whole) {
+        match w {
+            Whole::Mig => self.agent.refresh_mig_holders(),
+            Whole::Admin => self.agent.refresh_admitted(),
+        }
     }
 
     /// Records a claim given devices whole (MIG devices: refused if another claim has one of them)
@@ -897,7 +907,7 @@ impl Driver {
         if w == Whole::Admin {
             inj.mounts.push(crate::slices::Mount {
                 host: record.clone(),
-                container: format!("{ADMIN_MOUNT_DIR}/{name}.json"),
+                container: admin_mount(&record).display().to_string(),
                 read_only: true,
             });
         }
@@ -906,10 +916,7 @@ impl Driver {
             .map_err(|e| format!("writing {}: {e}", record.display()))?;
         crate::cdi::write_spec(&spec, &crate::cdi::spec_of(w.cdi_kind(), &name, &inj))
             .map_err(|e| format!("writing {}: {e}", spec.display()))?;
-        match w {
-            Whole::Mig => self.agent.refresh_mig_holders(),
-            Whole::Admin => self.agent.refresh_admitted(),
-        }
+        self.records_changed(w);
         Ok(())
     }
 
@@ -933,10 +940,7 @@ impl Driver {
                 }
                 let _ = std::fs::remove_file(spec);
                 if std::fs::remove_file(record).is_ok() {
-                    match w {
-                        Whole::Mig => self.agent.refresh_mig_holders(),
-                        Whole::Admin => self.agent.refresh_admitted(),
-                    }
+                    self.records_changed(w);
                 }
             }
         }

@@ -666,22 +666,19 @@ impl Monitor {
                     }
                     // Outside every slice: in a container of a DRA claim with admin access (beside
                     // the slices by design; it does share the GPU), or an escape.
-                    None if g.slices > 0 => match self.admitted(pid, &g.uuid) {
-                        Some(claim) => {
-                            g.outsiders = true;
-                            g.admin_processes.push(pb::AdminProcess { pid, claim, memory: mem });
-                        }
-                        None => {
-                            g.outsiders = true;
-                            pass.escapes.push(pb::Escape {
+                    None if g.slices > 0 => {
+                        g.outsiders = true;
+                        match self.admitted(pid, &g.uuid) {
+                            Some(claim) => g.admin_processes.push(pb::AdminProcess { pid, claim, memory: mem }),
+                            None => pass.escapes.push(pb::Escape {
                                 kind: pb::escape::Kind::Unaccounted as i32,
                                 gpu: g.uuid.clone(),
                                 pid,
                                 measured: mem,
                                 ..Default::default()
-                            });
+                            }),
                         }
-                    },
+                    }
                     None => {}
                 }
             }
