@@ -183,6 +183,29 @@ pub struct CUDA_ARRAY3D_DESCRIPTOR {
     pub Flags: u32,
 }
 
+/// The descriptor of the original (pre-3.2) `cuArrayCreate`: 32-bit extents. The driver still
+/// exports that entry point beside `cuArrayCreate_v2`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUDA_ARRAY_DESCRIPTOR_v1 {
+    pub Width: u32,
+    pub Height: u32,
+    pub Format: u32,
+    pub NumChannels: u32,
+}
+
+/// The descriptor of the original `cuArray3DCreate`: 32-bit extents.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUDA_ARRAY3D_DESCRIPTOR_v1 {
+    pub Width: u32,
+    pub Height: u32,
+    pub Depth: u32,
+    pub Format: u32,
+    pub NumChannels: u32,
+    pub Flags: u32,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CUDA_ARRAY_MEMORY_REQUIREMENTS {
@@ -407,5 +430,7 @@ const _: () = {
     assert!(std::mem::size_of::<CUDA_GRAPH_INSTANTIATE_PARAMS>() == 32);
     assert!(std::mem::offset_of!(CUgraphNodeParams, u) == 16);
     assert!(std::mem::size_of::<CUDA_ARRAY3D_DESCRIPTOR>() == 40);
+    assert!(std::mem::size_of::<CUDA_ARRAY_DESCRIPTOR_v1>() == 16);
+    assert!(std::mem::size_of::<CUDA_ARRAY3D_DESCRIPTOR_v1>() == 24);
     assert!(std::mem::size_of::<CUDA_ARRAY_MEMORY_REQUIREMENTS>() == 32);
 };

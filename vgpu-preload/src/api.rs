@@ -25,6 +25,7 @@ macro_rules! cuda_hooks {
             cuMemAlloc(dptr: *mut u32, size: u32) => memory::alloc_v1;
             cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => memory::alloc_v2;
             cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: u32) => memory::alloc_pitch;
+            cuMemAllocPitch(dptr: *mut u32, pitch: *mut u32, width: u32, height: u32, elem: u32) => memory::alloc_pitch_v1;
             cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: u32) => memory::alloc_managed;
             cuMemFree(dptr: u32) => memory::free_v1;
             cuMemFree_v2(dptr: CUdeviceptr) => memory::free_v2;
@@ -57,6 +58,9 @@ macro_rules! cuda_hooks {
             // arrays
             cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => memory::array_create;
             cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => memory::array3d_create;
+            // the original entry points (32-bit extents), still exported beside the `_v2` ones
+            cuArrayCreate(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR_v1) => memory::array_create_v1;
+            cuArray3DCreate(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1) => memory::array3d_create_v1;
             cuArrayDestroy(arr: CUarray) => memory::array_destroy;
             cuMipmappedArrayCreate(arr: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: u32) => memory::mipmapped_create;
             cuMipmappedArrayDestroy(arr: CUmipmappedArray) => memory::mipmapped_destroy;

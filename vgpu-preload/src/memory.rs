@@ -350,24 +350,62 @@ pub unsafe fn alloc_pitch(
     height: usize,
     elem: u32,
 ) -> CUresult {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's
+    // contract); the out-pointers are read only after the driver reported success.
+    unsafe {
+        pitched(
+            if dptr.is_null() || pitch.is_null() { (0, 0) } else { (width as u64, height as u64) },
+            || real(dptr, pitch, width, height, elem),
+            || (*dptr, *pitch as u64),
+        )
+    }
+}
+
+/// The original `cuMemAllocPitch` (32-bit pointer, pitch and extents), as `alloc_pitch`.
+pub unsafe fn alloc_pitch_v1(
+    real: f::cuMemAllocPitch,
+    dptr: *mut u32,
+    pitch: *mut u32,
+    width: u32,
+    height: u32,
+    elem: u32,
+) -> CUresult {
+    // SAFETY: as in `alloc_pitch`.
+    unsafe {
+        pitched(
+            if dptr.is_null() || pitch.is_null() { (0, 0) } else { (width as u64, height as u64) },
+            || real(dptr, pitch, width, height, elem),
+            || (*dptr as u64, *pitch as u64),
+        )
+    }
+}
+
+/// A pitched allocation of `width` bytes by `height` rows made by `call`; `read` gives the pointer
+/// and pitch the driver wrote. A zero extent (or a NULL out-pointer, passed as zero) forwards
+/// unchanged.
+///
+/// # Safety
+/// `read` may be called only after `call` succeeded.
+unsafe fn pitched(
+    (width, height): (u64, u64),
+    call: impl Fn() -> CUresult,
+    read: impl FnOnce() -> (u64, u64),
+) -> CUresult {
     let st = state();
-    if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(dptr, pitch, width, height, elem) };
+    if width == 0 || height == 0 {
+        return call();
     }
     let (d, ctx) = tri!(site(st));
-    let Some(estimate) = (width as u64).div_ceil(512).checked_mul(512).and_then(|p| p.checked_mul(height as u64))
-    else {
+    let Some(estimate) = width.div_ceil(512).checked_mul(512).and_then(|p| p.checked_mul(height)) else {
         return CUresult::OUT_OF_MEMORY;
     };
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = charged(st, d, estimate, || unsafe { real(dptr, pitch, width, height, elem) });
+    let r = charged(st, d, estimate, call);
     if r != OK {
         return r;
     }
-    // SAFETY: the driver returned success, so it wrote the caller's out-pointer(s).
-    let (p, actual) = unsafe { (*dptr, *pitch as u64 * height as u64) };
-    let bytes = settle(st, d, estimate, actual, || unsafe {
+    let (p, pitch) = read();
+    // SAFETY: freeing the allocation the driver just made, if its size does not fit.
+    let bytes = settle(st, d, estimate, pitch.saturating_mul(height), || unsafe {
         if let Some(free) = driver().helpers.cuMemFree_v2 {
             free(p);
         }
@@ -658,6 +696,28 @@ pub unsafe fn array3d_create(
 ) -> CUresult {
     // SAFETY: optional input pointer.
     let est = unsafe { desc.as_ref() }.map(|x| array_estimate(x.Width, x.Height, x.Depth, x.Format, x.NumChannels));
+    unsafe { array_common(est, arr, || real(arr, desc), array_req, destroy_array) }
+}
+
+pub unsafe fn array_create_v1(
+    real: f::cuArrayCreate,
+    arr: *mut CUarray,
+    desc: *const CUDA_ARRAY_DESCRIPTOR_v1,
+) -> CUresult {
+    // SAFETY: optional input pointer.
+    let est = unsafe { desc.as_ref() }
+        .map(|x| array_estimate(x.Width as usize, x.Height as usize, 0, x.Format, x.NumChannels));
+    unsafe { array_common(est, arr, || real(arr, desc), array_req, destroy_array) }
+}
+
+pub unsafe fn array3d_create_v1(
+    real: f::cuArray3DCreate,
+    arr: *mut CUarray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR_v1,
+) -> CUresult {
+    // SAFETY: optional input pointer.
+    let est = unsafe { desc.as_ref() }
+        .map(|x| array_estimate(x.Width as usize, x.Height as usize, x.Depth as usize, x.Format, x.NumChannels));
     unsafe { array_common(est, arr, || real(arr, desc), array_req, destroy_array) }
 }
 

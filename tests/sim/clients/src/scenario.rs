@@ -10,7 +10,8 @@ use std::io::Write;
 pub const USAGE: &str = "\
 scenarios:
   info                                  devices, versions and memory info as the driver reports them
-  alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|mipmap|host]
+  alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|array-v1|
+                                        array3d-v1|mipmap|host]
         [--modules K] [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
                                         allocate N bytes in chunks until done or refused (after
                                         loading K modules)
@@ -724,6 +725,34 @@ impl Allocator<'_> {
                     let d = float_array(size);
                     let mut arr = std::ptr::null_mut();
                     r((a.cuArray3DCreate_v2)(&mut arr, &d))?;
+                    let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+                    r((a.cuArrayGetMemoryRequirements)(&mut req, arr, self.dev))?;
+                    Ok((Chunk::Array(arr), req.size))
+                }
+                "array-v1" | "array3d-v1" => {
+                    // The original entry points (32-bit extents), by their exported names.
+                    let d = float_array(size);
+                    let width = u32::try_from(d.Width).map_err(|_| CUresult::INVALID_VALUE)?;
+                    let name = if self.kind == "array-v1" { "cuArrayCreate" } else { "cuArray3DCreate" };
+                    let f = crate::driver_symbol(name).unwrap_or(std::ptr::null_mut());
+                    if f.is_null() {
+                        return Err(CUresult::NOT_FOUND);
+                    }
+                    let mut arr = std::ptr::null_mut();
+                    if self.kind == "array-v1" {
+                        type Create = unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY_DESCRIPTOR_v1) -> CUresult;
+                        let d = CUDA_ARRAY_DESCRIPTOR_v1 { Width: width, Height: 0, Format: d.Format, NumChannels: 1 };
+                        r(std::mem::transmute::<*mut c_void, Create>(f)(&mut arr, &d))?;
+                    } else {
+                        type Create = unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY3D_DESCRIPTOR_v1) -> CUresult;
+                        let d = CUDA_ARRAY3D_DESCRIPTOR_v1 {
+                            Width: width,
+                            Format: d.Format,
+                            NumChannels: 1,
+                            ..Default::default()
+                        };
+                        r(std::mem::transmute::<*mut c_void, Create>(f)(&mut arr, &d))?;
+                    }
                     let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
                     r((a.cuArrayGetMemoryRequirements)(&mut req, arr, self.dev))?;
                     Ok((Chunk::Array(arr), req.size))

@@ -110,11 +110,19 @@ fn get_proc_address_returns_hooks_for_exactly_the_entry_points_the_driver_return
     assert_eq!((r[1]["resolved"].as_str(), lib(&r[1]).as_str()), (Some("cuMemAllocAsync_ptsz"), "libvgpu.so"));
     assert_eq!(r[2]["resolved"], "cuMemAlloc_v2");
     // Old ABI: the v1 entry point's hook, never the v2 one.
-    let r = q("3010", false, &["cuMemAlloc", "cuMemGetInfo", "cuCtxDestroy"]);
+    let r = q(
+        "3010",
+        false,
+        &["cuMemAlloc", "cuMemGetInfo", "cuCtxDestroy", "cuMemAllocPitch", "cuArrayCreate", "cuArray3DCreate"],
+    );
     assert_eq!((r[0]["resolved"].as_str(), lib(&r[0]).as_str()), (Some("cuMemAlloc"), "libvgpu.so"));
     assert_eq!(r[1]["resolved"], "cuMemGetInfo");
     // A context destroyed through the old entry point gives its memory back too.
     assert_eq!((r[2]["resolved"].as_str(), lib(&r[2]).as_str()), (Some("cuCtxDestroy"), "libvgpu.so"));
+    // The other allocations of the old ABI (32-bit pointers or extents) are charged too.
+    for (v, sym) in r[3..].iter().zip(["cuMemAllocPitch", "cuArrayCreate", "cuArray3DCreate"]) {
+        assert_eq!((v["resolved"].as_str(), lib(v).as_str()), (Some(sym), "libvgpu.so"), "{v}");
+    }
     // The context entry point of each ABI: hooked, the one the driver chose.
     for (ver, sym) in [("11000", "cuCtxCreate_v2"), ("12040", "cuCtxCreate_v3"), ("12050", "cuCtxCreate_v4")] {
         let r = q(ver, false, &["cuCtxCreate"]);
@@ -128,7 +136,7 @@ fn get_proc_address_returns_hooks_for_exactly_the_entry_points_the_driver_return
 #[test]
 fn every_allocator_is_counted_exactly() {
     let s = Sim::new(Some(NODE));
-    for a in ["device", "pitch", "managed", "vmm", "async", "pool", "array"] {
+    for a in ["device", "pitch", "managed", "vmm", "async", "pool", "array", "array-v1", "array3d-v1"] {
         let o = out(&mut s.limited(RT, LIMIT), &["alloc", "--allocator", a, "--size", "2g", "--chunk", "100m"]);
         let v = lines(&o.stdout);
         assert!(o.status.success(), "{a}: {}", String::from_utf8_lossy(&o.stderr));

@@ -294,6 +294,7 @@ exports! {
 
     // ----- linear memory -----
     fn cuMemAlloc(_d: *mut u32, _size: u32) { Err(CUresult::NOT_SUPPORTED) }
+    fn cuMemAllocPitch(_d: *mut u32, _pitch: *mut u32, _w: u32, _h: u32, _elem: u32) { Err(CUresult::NOT_SUPPORTED) }
     fn cuMemAlloc_v2(d: *mut CUdeviceptr, size: usize) {
         if d.is_null() { return Err(CUresult::INVALID_VALUE); }
         out(d, mem::alloc(size as u64, Kind::Device)?)
@@ -492,6 +493,19 @@ exports! {
         if a.is_null() { return Err(CUresult::INVALID_VALUE); }
         let d = in_ref(d)?;
         let size = mem::array_size(d.Width, d.Height, d.Depth, d.Format, d.NumChannels)?;
+        out(a, mem::array_create(size)? as CUarray)
+    }
+    // The original entry points: 32-bit extents, arrays all the same.
+    fn cuArrayCreate(a: *mut CUarray, d: *const CUDA_ARRAY_DESCRIPTOR_v1) {
+        if a.is_null() { return Err(CUresult::INVALID_VALUE); }
+        let d = in_ref(d)?;
+        let size = mem::array_size(d.Width as usize, d.Height as usize, 0, d.Format, d.NumChannels)?;
+        out(a, mem::array_create(size)? as CUarray)
+    }
+    fn cuArray3DCreate(a: *mut CUarray, d: *const CUDA_ARRAY3D_DESCRIPTOR_v1) {
+        if a.is_null() { return Err(CUresult::INVALID_VALUE); }
+        let d = in_ref(d)?;
+        let size = mem::array_size(d.Width as usize, d.Height as usize, d.Depth as usize, d.Format, d.NumChannels)?;
         out(a, mem::array_create(size)? as CUarray)
     }
     fn cuArrayDestroy(a: CUarray) { mem::array_destroy(a as u64) }
