@@ -490,6 +490,7 @@ impl Agent {
                     mode: mode.into(),
                     memory_used: g.memory_used,
                     memory_total: g.memory_total,
+                    unified_memory: g.unified_memory,
                     utilization: g.utilization,
                     sm_feedback_held: g.sm_feedback_held,
                     admin_processes: g.admin_processes.clone(),

@@ -192,7 +192,12 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
             g.model.clone(),
             short_uuid(&g.uuid),
             mode,
-            format!("{} / {}", human(g.memory_used), human(g.memory_total)),
+            format!(
+                "{} / {}{}",
+                human(g.memory_used),
+                human(g.memory_total),
+                if g.unified_memory { " (unified, the host's)" } else { "" }
+            ),
             format!("{}%", g.utilization),
             health,
         ]);

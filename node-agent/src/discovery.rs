@@ -34,6 +34,9 @@ pub struct Gpu {
     pub pci_bus_id: String,
     pub memory_total: u64,
     pub memory_used: u64,
+    /// A unified-memory GPU (GB10): NVML has no memory figures for it, so `memory_total` is the
+    /// host's memory and `memory_used` what its processes hold (see [`memory`]).
+    pub unified_memory: bool,
     /// Streaming multiprocessors, when NVML reports them.
     pub sm_count: Option<u32>,
     pub compute_capability: (i32, i32),
@@ -86,6 +89,29 @@ pub fn open(library: Option<&Path>) -> Result<Nvml, DiscoveryError> {
     })
 }
 
+/// (total, used, unified) memory of a GPU. A unified-memory GPU (GB10: its memory is the host's)
+/// answers NVML's memory queries with NOT_SUPPORTED but lists its processes' usage: its total is
+/// the host's memory (`host_total`), its use what its processes hold.
+pub fn memory(
+    d: &Device,
+    processes: &[(u32, u64)],
+    host_total: impl FnOnce() -> Option<u64>,
+) -> Result<(u64, u64, bool), nvml_wrapper::error::NvmlError> {
+    match d.memory_info() {
+        Ok(m) => Ok((m.total, m.used, false)),
+        Err(nvml_wrapper::error::NvmlError::NotSupported) => {
+            let total = host_total().ok_or(nvml_wrapper::error::NvmlError::NotSupported)?;
+            let used: u64 = processes.iter().map(|p| p.1).sum();
+            Ok((total, used.min(total), true))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn procfs_mem_total() -> Option<u64> {
+    crate::procfs::mem_total()
+}
+
 /// The node's GPUs as NVML sees them now.
 pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
     let err = |what: &str, e: nvml_wrapper::error::NvmlError| DiscoveryError(format!("{what}: {e}"));
@@ -95,7 +121,6 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
     let mut gpus = Vec::new();
     for (i, d) in devices.iter().enumerate() {
         let ctx = |what: &str| format!("GPU {i}: {what}");
-        let mem = d.memory_info().map_err(|e| err(&ctx("memory"), e))?;
         let cc = d.cuda_compute_capability().map_err(|e| err(&ctx("compute capability"), e))?;
         let topology = (0..n)
             .map(|j| {
@@ -113,7 +138,7 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
                         .is_ok_and(|s| s == nvml_wrapper::enum_wrappers::device::P2pStatus::Ok)
             })
             .collect();
-        let processes = d
+        let processes: Vec<(u32, u64)> = d
             .running_compute_processes()
             .map(|ps| {
                 ps.into_iter()
@@ -121,13 +146,16 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
                     .collect()
             })
             .unwrap_or_default();
+        let (memory_total, memory_used, unified_memory) =
+            memory(d, &processes, procfs_mem_total).map_err(|e| err(&ctx("memory"), e))?;
         gpus.push(Gpu {
             index: i as u32,
             uuid: d.uuid().map_err(|e| err(&ctx("uuid"), e))?,
             name: d.name().map_err(|e| err(&ctx("name"), e))?,
             pci_bus_id: d.pci_info().map_err(|e| err(&ctx("pci info"), e))?.bus_id,
-            memory_total: mem.total,
-            memory_used: mem.used,
+            memory_total,
+            memory_used,
+            unified_memory,
             sm_count: d.attributes().ok().map(|a| a.multiprocessor_count),
             compute_capability: (cc.major, cc.minor),
             numa_node: d.numa_node_id().ok(),

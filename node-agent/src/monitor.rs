@@ -259,6 +259,8 @@ pub struct GpuSample {
     pub uuid: String,
     pub memory_used: u64,
     pub memory_total: u64,
+    /// NVML has no memory figures for it (see [`crate::discovery::memory`]).
+    pub unified_memory: bool,
     pub utilization: u32,
     /// Its processes' SM samples have not added up for a while (see [`OVERLAP_MARGIN`],
     /// [`HELD_AFTER_NS`]): the SM controller holds its corrections for the slices on it.
@@ -463,8 +465,6 @@ impl Monitor {
             let sample = (|| -> Result<_, String> {
                 let d = nvml.device_by_index(i).map_err(|e| nvml_err("handle", e))?;
                 g.uuid = d.uuid().map_err(|e| nvml_err("uuid", e))?;
-                let m = d.memory_info().map_err(|e| nvml_err("memory", e))?;
-                (g.memory_used, g.memory_total) = (m.used, m.total);
                 g.utilization = d.utilization_rates().map(|u| u.gpu).unwrap_or(0);
                 let used = |p: nvml_wrapper::struct_wrappers::device::ProcessInfo| {
                     (p.pid, if let UsedGpuMemory::Used(b) = p.used_gpu_memory { b } else { 0 })
@@ -483,6 +483,11 @@ impl Monitor {
                     procs.retain(|(pid, _)| !clients.iter().any(|(c, _)| c == pid));
                     procs.extend(clients);
                 }
+                // A unified-memory GPU's total is the host's memory, read once.
+                static HOST_MEMORY: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+                (g.memory_total, g.memory_used, g.unified_memory) =
+                    crate::discovery::memory(&d, &procs, || *HOST_MEMORY.get_or_init(procfs::mem_total))
+                        .map_err(|e| nvml_err("memory", e))?;
                 let last = self.util_seen.get(&i).copied().unwrap_or(0);
                 let samples = match d.process_utilization_stats(last) {
                     Ok(v) => v,

@@ -84,6 +84,17 @@ pub fn find_mapped<'a, T>(maps: &str, wanted: &'a [(FileId, T)]) -> Option<&'a T
     None
 }
 
+/// The host's memory (`MemTotal` of `/proc/meminfo`) in bytes: all a unified-memory GPU has.
+pub fn mem_total() -> Option<u64> {
+    parse_mem_total(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+pub fn parse_mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+    let kib: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// This process's resident set size in bytes.
 pub fn self_rss() -> u64 {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
@@ -104,6 +115,14 @@ pub fn self_cpu_ns() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_mem_total() {
+        assert_eq!(parse_mem_total("MemTotal:       127600748 kB\nMemFree: 1 kB\n"), Some(127600748 * 1024));
+        assert_eq!(parse_mem_total("MemFree: 1 kB\n"), None);
+        assert_eq!(parse_mem_total("MemTotal: lots\n"), None);
+        assert!(mem_total().is_some_and(|t| t > 0), "this machine's /proc/meminfo");
+    }
 
     #[test]
     fn parses_nspid_stat_and_maps() {

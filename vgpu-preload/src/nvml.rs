@@ -10,6 +10,7 @@ use std::ffi::{c_char, c_void, CStr};
 pub type NvmlReturn = u32;
 pub type NvmlDevice = *mut c_void;
 pub const NVML_SUCCESS: NvmlReturn = 0;
+pub const NVML_ERROR_NOT_SUPPORTED: NvmlReturn = 3;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
 pub const NVML_ERROR_FUNCTION_NOT_FOUND: NvmlReturn = 13;
 pub const NVML_ERROR_UNKNOWN: NvmlReturn = 999;
@@ -76,32 +77,56 @@ fn slice(total: u64, d: usize, limit: u64) -> (u64, u64) {
     (t, state().used(d).min(t))
 }
 
+/// Whether a call's result is to be replaced by the slice's figures: it succeeded, or NVML has no
+/// memory figures for the GPU (a unified-memory GPU, GB10, answers NOT_SUPPORTED; the slice's
+/// limit is then all the container has, and it is told so).
+/// Gives the GPU's total memory as NVML reported it (`total`, read only after a success).
+fn answerable(r: NvmlReturn, total: impl FnOnce() -> u64) -> Option<u64> {
+    match r {
+        NVML_SUCCESS => Some(total()),
+        NVML_ERROR_NOT_SUPPORTED => Some(u64::MAX),
+        _ => None,
+    }
+}
+
 pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: *mut NvmlMemory) -> NvmlReturn {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(dev, m) };
-    if r == NVML_SUCCESS && !m.is_null() {
-        if let Some((d, limit)) = limited_device(dev) {
-            // SAFETY: NVML just filled *m.
-            let m = unsafe { &mut *m };
-            let (t, u) = slice(m.total, d, limit);
-            (m.total, m.used, m.free) = (t, u, t - u);
-        }
+    if m.is_null() {
+        return r;
     }
-    r
+    // SAFETY: m is non-null, and NVML filled it if it reported success.
+    let Some(total) = answerable(r, || unsafe { (*m).total }) else { return r };
+    match limited_device(dev) {
+        Some((d, limit)) => {
+            // SAFETY: as above.
+            let m = unsafe { &mut *m };
+            let (t, u) = slice(total, d, limit);
+            (m.total, m.used, m.free) = (t, u, t - u);
+            NVML_SUCCESS
+        }
+        None => r,
+    }
 }
 
 pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevice, m: *mut NvmlMemoryV2) -> NvmlReturn {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(dev, m) };
-    if r == NVML_SUCCESS && !m.is_null() {
-        if let Some((d, limit)) = limited_device(dev) {
-            // SAFETY: NVML just filled *m.
-            let m = unsafe { &mut *m };
-            let (t, u) = slice(m.total, d, limit);
-            (m.total, m.reserved, m.used, m.free) = (t, 0, u, t - u);
-        }
+    if m.is_null() {
+        return r;
     }
-    r
+    // SAFETY: m is non-null, and NVML filled it if it reported success.
+    let Some(total) = answerable(r, || unsafe { (*m).total }) else { return r };
+    match limited_device(dev) {
+        Some((d, limit)) => {
+            // SAFETY: as above.
+            let m = unsafe { &mut *m };
+            let (t, u) = slice(total, d, limit);
+            (m.total, m.reserved, m.used, m.free) = (t, 0, u, t - u);
+            NVML_SUCCESS
+        }
+        None => r,
+    }
 }
 
 /// The running processes, restricted to the container's own (by PID as recorded in the region).

@@ -721,3 +721,45 @@ fn with_memory_scaling_slices_add_up_past_the_gpu_and_what_has_no_room_becomes_u
     let v: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "b", "--json"])).unwrap();
     assert!(v["slice"]["env"].get("CUDA_OVERSUBSCRIBE").is_none(), "{v}");
 }
+
+#[test]
+fn a_unified_memory_gpu_is_sliced_against_the_host_s_memory() {
+    // GB10: NVML answers NOT_SUPPORTED for the GPU's memory (its memory is the host's) and still
+    // lists what each process holds.
+    let mut s = Sim::new(Some("context_overhead_mib = 64\n[[gpu]]\nmodel = \"H100-80GB\"\nnvml_memory_info = false\n"));
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let line = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:")).unwrap();
+    let kib: u64 = line.trim().trim_end_matches("kB").trim().parse().unwrap();
+    let host = kib * 1024;
+    let lib = s.libs.join("libnvidia-ml.so.1");
+    let probe = |mut c: Command| -> Value {
+        let o = c.args(["--lib", lib.to_str().unwrap(), "snapshot"]).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    assert!(probe(s.cmd(NVML))["gpus"][0]["memory"].is_null(), "NVML itself has no memory figures");
+
+    let a = Agent::start(&s, &[]);
+    let st = a.status().unwrap();
+    let g = &st["gpus"][0];
+    assert_eq!((g["memory_total"].as_u64(), g["unified_memory"].as_bool()), (Some(host), Some(true)), "{g}");
+    let out = a.ctl_ok(&["slice", "create", "--name", "spark", "--gpu", "0", "--memory", "2g", "--json"]);
+    let detail: Value = serde_json::from_str(&out).unwrap();
+    s.spawn_cmd(in_slice(&s, &detail, RT), &["alloc", "--size", "1g", "--hold"]);
+    let over = in_slice(&s, &detail, RT).args(["alloc", "--size", "2g", "--chunk", "100m"]).output().unwrap();
+    assert_eq!(lines(&over.stdout)[0]["allocated"], 800 * MIB, "2 GiB less 1088 MiB held, less this context");
+    // The GPU's use is what its processes hold; it stays healthy through the passes.
+    let st = a.wait("the process counted", |v| {
+        v["gpus"][0]["memory_used"] == 1088 * MIB && slice_of(v, "spark")["gpus"][0]["memory_used"] == 1088 * MIB
+    });
+    assert_eq!((st["gpus"][0]["healthy"].as_bool(), st["gpus"][0]["memory_total"].as_u64()), (Some(true), Some(host)));
+    // In the container, NVML (nvidia-smi) shows the slice.
+    let n = probe(in_slice(&s, &detail, NVML));
+    assert_eq!(
+        (n["gpus"][0]["memory"]["total"].as_u64(), n["gpus"][0]["memory"]["used"].as_u64()),
+        (Some(2048 * MIB), Some(1088 * MIB)),
+        "{n}"
+    );
+    let table = a.ctl_ok(&["status"]);
+    assert!(table.contains("1.1 GiB / ") && table.contains("(unified, the host's)"), "{table}");
+}

@@ -34,6 +34,7 @@ struct RawGpu {
     sm_count: Option<u32>,
     nvlink_domain: Option<u32>,
     managed_paging: Option<bool>,
+    nvml_memory_info: Option<bool>,
 }
 
 /// One simulated GPU, every field resolved.
@@ -55,6 +56,9 @@ pub struct GpuConfig {
     /// memory beyond the GPU's free memory is granted and lives on the host. Without it, managed
     /// memory must fit on the GPU.
     pub managed_paging: bool,
+    /// NVML gives the GPU's memory figures (`nvmlDeviceGetMemoryInfo`). Unified-memory GPUs, whose
+    /// memory is the host's (GB10), answer NOT_SUPPORTED there and still list per-process usage.
+    pub nvml_memory_info: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -155,6 +159,7 @@ impl Config {
                 memory_bytes: memory_mib << 20,
                 sm_count: g.sm_count.unwrap_or(model.sm_count),
                 managed_paging: g.managed_paging.unwrap_or(true),
+                nvml_memory_info: g.nvml_memory_info.unwrap_or(true),
                 nvlink_domain: g.nvlink_domain,
             });
         }

@@ -768,6 +768,9 @@ fn memory(d: nvmlDevice_t) -> R<(u64, u64)> {
     match decode(d as usize)? {
         H::Dev(g) => {
             let c = gpu_of(n, g)?;
+            if !c.nvml_memory_info {
+                return Err(NOT_SUPPORTED); // a unified-memory GPU
+            }
             n.reap_for_query();
             Ok((c.memory_bytes, n.mem_used(g).min(c.memory_bytes)))
         }
