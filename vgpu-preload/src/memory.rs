@@ -434,18 +434,25 @@ fn settle(st: &State, d: usize, estimate: u64, actual: u64, undo: impl FnOnce())
     Some(actual)
 }
 
-/// After a successful free, releases exactly what the allocation charged (an allocation from a
-/// pool leaves its memory charged to the pool, see `pools`).
+/// A free of `dptr` through `call`: after it succeeds, releases exactly what the allocation charged
+/// (an allocation from a pool leaves its memory charged to the pool, see `pools`). The entry is
+/// taken out before the driver frees: from then on the driver may hand the address to another
+/// thread's allocation, whose entry must not meet this one (a remove after the free could take the
+/// other's, and release its bytes for these). Put back if the driver refuses the free.
 #[inline]
-fn freed(r: CUresult, dptr: CUdeviceptr) -> CUresult {
-    if r == OK && dptr != 0 {
-        let st = state();
-        if let Some(v) = st.ptrs.remove(dptr) {
-            let (d, b) = unpack(v);
-            let tag = ctx_of(v);
-            if tag & pools::POOL_TAG == 0 || pools::freed((tag & !pools::POOL_TAG) as usize, b) {
-                st.release(d, b);
-            }
+fn freeing(dptr: CUdeviceptr, call: impl FnOnce() -> CUresult) -> CUresult {
+    let st = state();
+    let entry = if dptr != 0 { st.ptrs.remove(dptr) } else { None };
+    let r = call();
+    if let Some(v) = entry {
+        if r != OK {
+            st.ptrs.insert(dptr, v);
+            return r;
+        }
+        let (d, b) = unpack(v);
+        let tag = ctx_of(v);
+        if tag & pools::POOL_TAG == 0 || pools::freed((tag & !pools::POOL_TAG) as usize, b) {
+            st.release(d, b);
         }
     }
     r
@@ -453,12 +460,12 @@ fn freed(r: CUresult, dptr: CUdeviceptr) -> CUresult {
 
 pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    freed(unsafe { real(dptr) }, dptr)
+    freeing(dptr, || unsafe { real(dptr) })
 }
 
 pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    freed(unsafe { real(dptr) }, dptr as u64)
+    freeing(dptr as u64, || unsafe { real(dptr) })
 }
 
 // ----- stream-ordered allocator: the pools' reservations are charged (see `pools`) -----
@@ -573,7 +580,7 @@ pub unsafe fn alloc_from_pool_ptsz(
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    freed(unsafe { real(dptr, s) }, dptr)
+    freeing(dptr, || unsafe { real(dptr, s) })
 }
 
 // ----- VMM: the physical handle is charged, rounded up to the allocation granularity, until its
@@ -747,6 +754,23 @@ pub unsafe fn mipmapped_create(
     unsafe { array_common(est, arr, || real(arr, desc, levels), mipmapped_req, destroy) }
 }
 
+/// An array's destruction through `call`: its entry taken out first and put back if the driver
+/// refuses (as for a free, see `freeing`: the driver may hand the handle out again at once).
+fn destroying(key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let st = state();
+    let entry = st.handles.remove(key);
+    let r = call();
+    if let Some(v) = entry {
+        if r == OK {
+            let (d, b) = unpack(v);
+            st.release(d, b);
+        } else {
+            st.handles.insert(key, v);
+        }
+    }
+    r
+}
+
 /// Releases what a handle charged; its device, if it was known.
 fn release_handle(key: u64) -> Option<usize> {
     let st = state();
@@ -757,20 +781,12 @@ fn release_handle(key: u64) -> Option<usize> {
 
 pub unsafe fn array_destroy(real: f::cuArrayDestroy, arr: CUarray) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(arr) };
-    if r == OK {
-        release_handle(arr as u64 | ARRAY_TAG);
-    }
-    r
+    destroying(arr as u64 | ARRAY_TAG, || unsafe { real(arr) })
 }
 
 pub unsafe fn mipmapped_destroy(real: f::cuMipmappedArrayDestroy, arr: CUmipmappedArray) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(arr) };
-    if r == OK {
-        release_handle(arr as u64 | ARRAY_TAG);
-    }
-    r
+    destroying(arr as u64 | ARRAY_TAG, || unsafe { real(arr) })
 }
 
 // ----- contexts: each costs `VGPU_CONTEXT_OVERHEAD` of device memory -----

@@ -166,9 +166,11 @@ impl PtrMap {
                 let v = self.slots[idx + 1].load(Acquire);
                 match key.compare_exchange(k, TOMB, AcqRel, Acquire) {
                     Ok(_) => return Some(v),
-                    Err(HELD) => cur = HELD,
-                    // Freed twice concurrently, or taken by a sweep: the other got it.
-                    Err(_) => return None,
+                    // Held by a sweep (wait and try again), or another remove or a sweep got this
+                    // entry: look on, as the key may have a second entry (an address another thread
+                    // freed and the driver handed out again, entered before the first entry was
+                    // out), which is then this remove's.
+                    Err(now) => cur = now,
                 }
             }
             if cur == EMPTY {
@@ -322,6 +324,46 @@ mod tests {
         for h in hs {
             h.join().unwrap();
         }
+    }
+
+    #[test]
+    fn two_entries_of_one_key_removed_at_once_are_both_found() {
+        // An address freed by one thread is the driver's to hand out again at once: another
+        // thread's allocation may be entered under it before the first thread's entry is out. Two
+        // entries of one key, removed by two threads at once: each must get one, or the charge of
+        // the one left behind is never released. (The threads start each round spinning on one
+        // word, so that their removes meet.)
+        use std::sync::atomic::AtomicU64;
+        use std::sync::Arc;
+        let m = Arc::new(PtrMap::new(4));
+        let rounds = 50_000u64;
+        let (go, done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let other = {
+            let (m, go, done) = (m.clone(), go.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut got = 0;
+                for round in 1..=rounds {
+                    while go.load(Acquire) != round {
+                        std::hint::spin_loop();
+                    }
+                    got += m.remove(0x1000).is_some() as u64;
+                    done.store(round, Release);
+                }
+                got
+            })
+        };
+        let mut got = 0;
+        for round in 1..=rounds {
+            m.insert(0x1000, 1);
+            m.insert(0x1000, 2);
+            go.store(round, Release);
+            got += m.remove(0x1000).is_some() as u64;
+            while done.load(Acquire) != round {
+                std::hint::spin_loop();
+            }
+            assert_eq!(m.get(0x1000), None, "round {round}: an entry was left behind");
+        }
+        assert_eq!(got + other.join().unwrap(), 2 * rounds);
     }
 
     #[test]

@@ -93,6 +93,8 @@ scenarios:
                                         report memory before, during and after
   context-end [--how destroy|release|reset] [--create v2|v3|v4] [--size N] [--again N]
                                         allocate in a context, end it as told, allocate again
+  free-refused [--size N]               allocate, free into a destroyed stream (the driver refuses;
+                                        the memory stays allocated), then free it
   procaddr NAME...                      which entry point cuGetProcAddress_v2 returns for each base
                                         name at --cuda-version/--per-thread (named with dladdr)
 common: --device I (default 0); sizes accept k, m, g suffixes (powers of 1024)";
@@ -210,6 +212,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "threads" => threads(api, dev, &o),
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
+        "free-refused" => free_refused(api, dev, &o),
         "watch" => watch(api, dev, &o),
         "fork-child" => fork_child(api, dev, &o),
         "exec-self" => exec_self(api, dev, &o),
@@ -220,6 +223,29 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         }
         s => Err(format!("unknown scenario {s:?}\n{USAGE}")),
     }
+}
+
+/// A free the driver refuses leaves the allocation charged, and the free that follows releases it.
+fn free_refused(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let size = o.num("size", 64 << 20)? as usize;
+    let base = mem_info(api);
+    let mut p = 0;
+    // SAFETY: out-pointers to locals; the pointer freed is the one just allocated, and the stream
+    // handle one the driver made and destroyed (it checks the handle before it frees anything).
+    unsafe {
+        let mut gone = std::ptr::null_mut();
+        ck(api, (api.cuStreamCreate)(&mut gone, 0), "cuStreamCreate")?;
+        ck(api, (api.cuStreamDestroy_v2)(gone), "cuStreamDestroy")?;
+        ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")?;
+        let allocated = mem_info(api);
+        let refused = (api.cuMemFreeAsync)(p, gone);
+        let after_refusal = mem_info(api);
+        ck(api, (api.cuMemFree_v2)(p), "cuMemFree")?;
+        emit(json!({"event": "freed", "base": base, "allocated": allocated,
+            "refused": error_name(api, refused), "after_refusal": after_refusal, "freed": mem_info(api)}));
+    }
+    Ok(())
 }
 
 /// The device `dev` and a new stream on it (the primary context is current).

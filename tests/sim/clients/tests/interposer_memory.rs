@@ -162,6 +162,19 @@ fn every_allocator_is_counted_exactly() {
 }
 
 #[test]
+fn a_free_the_driver_refuses_keeps_the_charge_and_the_next_one_releases_it() {
+    // The interposer takes an allocation's entry out before the driver frees (the address may be
+    // handed out again at once); a free the driver refuses must put it back.
+    let s = Sim::new(Some(NODE));
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["free-refused", "--size", "300m"]));
+    let free = |k: &str| v[k]["free"].as_u64().unwrap();
+    assert_eq!(v["refused"], "CUDA_ERROR_INVALID_HANDLE", "{v}");
+    assert_eq!(free("allocated"), free("base") - 300 * MIB, "{v}");
+    assert_eq!(free("after_refusal"), free("allocated"), "still allocated, still charged: {v}");
+    assert_eq!(free("freed"), free("base"), "released by the free that worked: {v}");
+}
+
+#[test]
 fn memory_the_driver_frees_with_a_context_is_given_back() {
     // A context's allocations (linear, pitched, an array) go with it: destroyed, its primary
     // context released for the last time, or reset (what cudaDeviceReset does). The container's
