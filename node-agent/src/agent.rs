@@ -302,7 +302,20 @@ impl Agent {
         tracing::info!(slice = %name, force, "slice deleted");
         drop(_g);
         self.refresh();
+        self.prune_libraries();
         Ok(())
+    }
+
+    /// Removes the library installs no container can need any more (see
+    /// [`crate::slices::prune_libraries`]): at start, after a slice goes, and with each inventory
+    /// refresh.
+    pub fn prune_libraries(&self) {
+        let Some(current) = &self.library else { return };
+        let Some(dir) = current.parent() else { return };
+        let slices: Vec<Slice> = self.slices.read().values().cloned().collect();
+        for p in crate::slices::prune_libraries(dir, current, &slices) {
+            tracing::info!(library = %p.display(), "older libvgpu.so removed: no slice predates the current one, no process maps it");
+        }
     }
 
     /// Writes the slice's CDI spec (when a CDI directory is configured); failures are logged, the

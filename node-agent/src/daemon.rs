@@ -59,6 +59,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     let agent = Arc::new(Agent::new(cfg.clone(), store, library)?);
     agent.refresh_mig_holders();
     agent.refresh_admitted();
+    agent.prune_libraries();
     tracing::info!(slices = agent.slices().len(), state_dir = %cfg.state_dir.display(), "recovered slices");
 
     let listener = crate::api::bind(&cfg.socket)?;
@@ -200,6 +201,7 @@ fn monitor_loop(nvml: &nvml_wrapper::Nvml, agent: &Agent, stop: &AtomicBool) -> 
                 Ok(inv) => *agent.inventory.write() = inv,
                 Err(e) => tracing::warn!(error = %e, "inventory refresh failed"),
             }
+            agent.prune_libraries();
         }
         let slices = agent.slices();
         m.set_admitted(agent.admitted.read().clone());

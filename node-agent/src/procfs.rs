@@ -58,6 +58,24 @@ pub fn in_root(pid: u32, path: &std::path::Path) -> PathBuf {
     proc_dir().join(pid.to_string()).join("root").join(path.strip_prefix("/").unwrap_or(path))
 }
 
+/// Which of `wanted` any process has mapped (every process's maps read: for rare use).
+pub fn mapped_anywhere<T>(wanted: &[(FileId, T)]) -> std::collections::HashSet<FileId> {
+    let mut found = std::collections::HashSet::new();
+    let Ok(dir) = std::fs::read_dir(proc_dir()) else { return found };
+    for pid in dir.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok()) {
+        let Ok(maps) = std::fs::read_to_string(proc_dir().join(pid.to_string()).join("maps")) else { continue };
+        for line in maps.lines() {
+            if let Some(id) = map_line_id(line).filter(|id| wanted.iter().any(|(w, _)| w == id)) {
+                found.insert(id);
+            }
+        }
+        if found.len() == wanted.len() {
+            break;
+        }
+    }
+    found
+}
+
 /// The first of `wanted` that process `pid` has mapped.
 pub fn mapped<T>(pid: u32, wanted: &[(FileId, T)]) -> Option<&T> {
     let s = std::fs::read_to_string(proc_dir().join(pid.to_string()).join("maps")).ok()?;
@@ -65,23 +83,16 @@ pub fn mapped<T>(pid: u32, wanted: &[(FileId, T)]) -> Option<&T> {
 }
 
 pub fn find_mapped<'a, T>(maps: &str, wanted: &'a [(FileId, T)]) -> Option<&'a T> {
-    for line in maps.lines() {
-        let mut f = line.split_whitespace();
-        let (Some(_), Some(_), Some(_), Some(dev), Some(ino)) = (f.next(), f.next(), f.next(), f.next(), f.next())
-        else {
-            continue;
-        };
-        let Ok(ino) = ino.parse::<u64>() else { continue };
-        if ino == 0 {
-            continue;
-        }
-        let Some((maj, min)) = dev.split_once(':') else { continue };
-        let (Ok(maj), Ok(min)) = (u32::from_str_radix(maj, 16), u32::from_str_radix(min, 16)) else { continue };
-        if let Some((_, t)) = wanted.iter().find(|(id, _)| *id == (maj, min, ino)) {
-            return Some(t);
-        }
-    }
-    None
+    maps.lines().filter_map(map_line_id).find_map(|id| wanted.iter().find(|(w, _)| *w == id).map(|(_, t)| t))
+}
+
+/// The file a line of `/proc/<pid>/maps` maps (None for anonymous memory).
+fn map_line_id(line: &str) -> Option<FileId> {
+    let mut f = line.split_whitespace();
+    let (_, _, _, dev, ino) = (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+    let ino = ino.parse::<u64>().ok().filter(|i| *i != 0)?;
+    let (maj, min) = dev.split_once(':')?;
+    Some((u32::from_str_radix(maj, 16).ok()?, u32::from_str_radix(min, 16).ok()?, ino))
 }
 
 /// The host's memory (`MemTotal` of `/proc/meminfo`) in bytes: all a unified-memory GPU has.

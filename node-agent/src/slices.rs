@@ -352,7 +352,8 @@ impl SliceStore {
 }
 
 /// Installs `src` as `<lib_dir>/libvgpu.so.<version>.<digest>` (content-addressed, written to a
-/// temporary name and renamed; an existing file of that name is the same content and is kept).
+/// temporary name and renamed; an existing file of that name is the same content and is kept). Its
+/// modification time says when it became the current install (see [`prune_libraries`]).
 pub fn install_library(src: &Path, lib_dir: &Path, version: &str) -> Result<PathBuf> {
     let data = std::fs::read(src).map_err(io(format!("cannot read {}", src.display())))?;
     let digest = data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3));
@@ -363,8 +364,57 @@ pub fn install_library(src: &Path, lib_dir: &Path, version: &str) -> Result<Path
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))
             .map_err(io(format!("cannot chmod {}", dst.display())))?;
+    } else {
+        // Current again (a restart, or a rollback to it): from now. Opened read-only: running
+        // containers may have it mapped.
+        std::fs::File::open(&dst)
+            .and_then(|f| f.set_modified(std::time::SystemTime::now()))
+            .map_err(io(format!("cannot touch {}", dst.display())))?;
     }
     Ok(dst)
+}
+
+/// Removes the library installs in `lib_dir` other than `current` that no container can need any
+/// more, and returns them. An install is kept while any slice is older than the current install
+/// (its container may have been given the older file, and a restart of that container asks for it
+/// again: the kubelet keeps a device plugin's answer for the pod's life, and a CDI spec written then
+/// names it) and while any process has it mapped.
+pub fn prune_libraries(lib_dir: &Path, current: &Path, slices: &[Slice]) -> Vec<PathBuf> {
+    let since = std::fs::metadata(current)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos() as u64);
+    // A record from before `created_ns` existed (0) is older than anything.
+    if !since.is_some_and(|s| slices.iter().all(|x| x.created_ns >= s)) {
+        return Vec::new();
+    }
+    let Ok(dir) = std::fs::read_dir(lib_dir) else { return Vec::new() };
+    let old: Vec<(crate::procfs::FileId, PathBuf)> = dir
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.as_path() != current
+                && p.file_name().and_then(|n| n.to_str()).is_some_and(is_install_name)
+                && p.metadata().is_ok_and(|m| m.is_file())
+        })
+        .filter_map(|p| Some((crate::procfs::file_id(&p)?, p)))
+        .collect();
+    if old.is_empty() {
+        return Vec::new();
+    }
+    let mapped = crate::procfs::mapped_anywhere(&old);
+    old.into_iter()
+        .filter(|(id, _)| !mapped.contains(id))
+        .filter_map(|(_, p)| std::fs::remove_file(&p).is_ok().then_some(p))
+        .collect()
+}
+
+/// `libvgpu.so.<version>.<16 hex digits>`: a name [`install_library`] gives (not a temporary file).
+fn is_install_name(n: &str) -> bool {
+    let Some(rest) = n.strip_prefix("libvgpu.so.") else { return false };
+    let Some((version, digest)) = rest.rsplit_once('.') else { return false };
+    !version.is_empty() && digest.len() == 16 && digest.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 #[cfg(test)]
@@ -484,6 +534,49 @@ mod tests {
             .mounts
             .iter()
             .any(|m| m.host.ends_with("limits") && m.container == "/usr/local/vgpu/limits" && m.read_only));
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn older_library_installs_go_once_no_slice_predates_the_current_one_and_no_process_maps_them() {
+        let (s, d) = store();
+        let libs = d.join("lib");
+        let src = d.join("libvgpu.so");
+        let install = |content: &[u8]| {
+            std::fs::write(&src, content).unwrap();
+            install_library(&src, &libs, "0.1.0").unwrap()
+        };
+        let (v1, v2) = (install(b"v1"), install(b"v2"));
+        s.create("old", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let v3 = install(b"v3");
+        std::fs::write(libs.join("notes.txt"), b"not an install").unwrap();
+        // A slice from before the current install: its container may ask for an older file again.
+        let old = s.list().unwrap();
+        assert!(prune_libraries(&libs, &v3, &old).is_empty());
+        assert!(v1.exists() && v2.exists());
+        // Once it is gone, only what a process maps stays: v2 mapped by this test.
+        let f = std::fs::File::open(&v2).unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: a private read-only mapping of a 2-byte file, unmapped below.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), 2, libc::PROT_READ, libc::MAP_PRIVATE, f.as_raw_fd(), 0) };
+        assert_ne!(p, libc::MAP_FAILED);
+        s.delete("old", true).unwrap();
+        s.create("new", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        assert_eq!(prune_libraries(&libs, &v3, &s.list().unwrap()), vec![v1.clone()]);
+        assert!(!v1.exists() && v2.exists() && v3.exists() && libs.join("notes.txt").exists());
+        // SAFETY: the mapping made above.
+        unsafe { libc::munmap(p, 2) };
+        assert_eq!(prune_libraries(&libs, &v3, &s.list().unwrap()), vec![v2.clone()]);
+        // Back to a build still installed (a rollback from v4 to v3): current from then, so the
+        // slice made under v4 keeps v4.
+        let v4 = install(b"v4");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        s.create("newer", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        assert_eq!(install(b"v3"), v3);
+        assert!(prune_libraries(&libs, &v3, &s.list().unwrap()).is_empty());
+        assert!(v4.exists());
+        assert!(!is_install_name("libvgpu.so.0.1.0.tmp.123") && is_install_name("libvgpu.so.0.1.0.0123456789abcdef"));
         std::fs::remove_dir_all(d).ok();
     }
 }

@@ -763,3 +763,47 @@ fn a_unified_memory_gpu_is_sliced_against_the_host_s_memory() {
     let table = a.ctl_ok(&["status"]);
     assert!(table.contains("1.1 GiB / ") && table.contains("(unified, the host's)"), "{table}");
 }
+
+#[test]
+fn an_upgrade_gives_new_slices_the_new_library_and_the_old_one_goes_once_nothing_needs_it() {
+    let mut s = Sim::new(Some(NODE));
+    let dir = s.state.join("releases");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (old, new) = (dir.join("old.so"), dir.join("new.so"));
+    std::fs::copy(libvgpu(), &old).unwrap();
+    let mut bytes = std::fs::read(libvgpu()).unwrap();
+    bytes.extend_from_slice(b"\0another build");
+    std::fs::write(&new, bytes).unwrap();
+    let lib_of = |d: &Value| -> std::path::PathBuf {
+        let m = d["mounts"].as_array().unwrap().iter().find(|m| m["container_path"] == "/usr/local/vgpu/libvgpu.so");
+        m.unwrap()["host_path"].as_str().unwrap().into()
+    };
+    let mut a = Agent::start(&s, &[("VGPU_AGENT_LIBRARY", old.to_str().unwrap())]);
+    let before: Value = serde_json::from_str(
+        &a.ctl_ok(&["slice", "create", "--name", "before", "--gpu", "0", "--memory", "1g", "--json"]),
+    )
+    .unwrap();
+    let (p, _) = s.spawn_cmd(in_slice(&s, &before, RT), &["alloc", "--size", "100m", "--hold"]);
+
+    // The upgrade: the agent restarts with another build of the library.
+    assert!(a.sigterm().success());
+    a.env = vec![("VGPU_AGENT_LIBRARY".into(), new.to_str().unwrap().into())];
+    a.spawn(&s);
+    let after: Value = serde_json::from_str(
+        &a.ctl_ok(&["slice", "create", "--name", "after", "--gpu", "0", "--memory", "1g", "--json"]),
+    )
+    .unwrap();
+    let (l1, l2) = (lib_of(&before), lib_of(&after));
+    assert_ne!(l1, l2, "a new slice gets the new build");
+    assert!(l1.exists(), "kept: the slice from before the upgrade (and its process) may need it");
+    let st = a.wait("the process from before found again", |v| slice_of(v, "before")["processes"][0]["host_pid"] == p);
+    assert_eq!(slice_of(&st, "before")["gpus"][0]["memory_used"], 164 * MIB);
+    // Still limited by the library it loaded: 1 GiB less what it holds.
+    let o = in_slice(&s, &before, RT).args(["alloc", "--size", "2g", "--chunk", "100m"]).output().unwrap();
+    assert_eq!(lines(&o.stdout)[0]["allocated"], 700 * MIB);
+
+    s.kill(p);
+    a.ctl_ok(&["slice", "delete", "before"]);
+    assert!(!l1.exists() && l2.exists(), "no slice predates the new build and no process maps the old one");
+    assert!(a.log_text().contains("older libvgpu.so removed"), "{}", a.log_text());
+}
