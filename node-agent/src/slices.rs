@@ -266,7 +266,15 @@ impl SliceStore {
             };
             for f in ["limits", "region"] {
                 let p = dir.join(f);
-                if Region::open(&p, true).is_err() {
+                if let Err(e) = Region::open(&p, true) {
+                    // Recreated only if missing or damaged. One another build wrote (another ABI
+                    // or layout), or one that could not be opened just now, may be in use by the
+                    // slice's processes (the container's mount holds the file itself: a new file
+                    // here would never reach them); it is left alone and reported.
+                    if let Some(why) = keep_region(&p, &e) {
+                        done.push(format!("left {} alone: {e}{why}", p.display()));
+                        continue;
+                    }
                     let _ = std::fs::remove_file(&p);
                     let init = || Init {
                         devices: s.gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(),
@@ -350,6 +358,31 @@ impl SliceStore {
         Ok(Injection { env, mounts })
     }
 }
+
+/// Why a region file that cannot be opened is to be kept (None: it is missing or damaged, and is
+/// made anew).
+fn keep_region(path: &Path, e: &vgpu_region::RegionError) -> Option<&'static str> {
+    use vgpu_region::RegionError as E;
+    match e {
+        E::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => None,
+        E::Io { .. } => Some(" (it may be in use; try again with the agent's next start)"),
+        E::Version { .. } | E::Layout { .. } => Some(BUILD),
+        // Of another size: the header tells whether another build made it.
+        _ => {
+            use std::io::Read;
+            let mut h = [0u8; 32];
+            std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut h)).ok()?;
+            let word = |at: usize| u64::from_le_bytes(h[at..at + 8].try_into().expect("8 bytes"));
+            let version = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+            (word(0) == vgpu_region::MAGIC
+                && (version != vgpu_region::ABI_VERSION || word(24) != vgpu_region::LAYOUT_HASH))
+                .then_some(BUILD)
+        }
+    }
+}
+
+const BUILD: &str = " (written by another build of vgpu: the slice's processes may be using it; drain the \
+    node to move it to this one)";
 
 /// Installs `src` as `<lib_dir>/libvgpu.so.<version>.<digest>` (content-addressed, written to a
 /// temporary name and renamed; an existing file of that name is the same content and is kept). Its
@@ -450,6 +483,38 @@ mod tests {
         assert!(st.recover().is_empty(), "nothing left to repair");
         std::fs::create_dir(st.dir("again")).unwrap();
         st.create("again", gpu(1 << 30), Default::default()).expect("a leftover directory does not block a create");
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn a_region_another_build_wrote_is_left_alone_and_a_damaged_one_made_anew() {
+        use std::os::unix::fs::FileExt;
+        let (st, d) = store();
+        for n in ["newer-abi", "bigger", "damaged"] {
+            st.create(n, vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        }
+        let region = |n: &str| st.dir(n).join("region");
+        let f = |n: &str| std::fs::OpenOptions::new().write(true).open(region(n)).unwrap();
+        // A later ABI version, and a later layout of another size: the slices' processes may use them.
+        f("newer-abi").write_all_at(&2u32.to_le_bytes(), 8).unwrap();
+        f("bigger").write_all_at(&2u32.to_le_bytes(), 8).unwrap();
+        f("bigger").set_len(vgpu_region::TOTAL_SIZE as u64 + 4096).unwrap();
+        // This build's header on a file of the wrong size: damaged.
+        f("damaged").set_len(4096).unwrap();
+        let repairs = st.recover();
+        for n in ["newer-abi", "bigger"] {
+            assert!(
+                repairs
+                    .iter()
+                    .any(|r| r.contains(&format!("left {} alone", region(n).display())) && r.contains("another build")),
+                "{n}: {repairs:?}"
+            );
+            let mut v = [0u8; 4];
+            std::fs::File::open(region(n)).unwrap().read_exact_at(&mut v, 8).unwrap();
+            assert_eq!(u32::from_le_bytes(v), 2, "{n}: not made anew");
+        }
+        assert!(repairs.iter().any(|r| r.contains("recreated") && r.contains("damaged")), "{repairs:?}");
+        assert!(Region::open(&region("damaged"), false).is_ok());
         std::fs::remove_dir_all(d).ok();
     }
 
