@@ -11,6 +11,7 @@ pub struct CUresult(pub u32);
 impl CUresult {
     pub const SUCCESS: Self = Self(0);
     pub const INVALID_VALUE: Self = Self(1);
+    pub const UNSUPPORTED_LIMIT: Self = Self(215);
     pub const OUT_OF_MEMORY: Self = Self(2);
     pub const NOT_INITIALIZED: Self = Self(3);
     pub const DEINITIALIZED: Self = Self(4);
@@ -53,6 +54,7 @@ impl CUresult {
             200 => ("CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"),
             201 => ("CUDA_ERROR_INVALID_CONTEXT", "invalid device context"),
             202 => ("CUDA_ERROR_CONTEXT_ALREADY_CURRENT", "context already current"),
+            215 => ("CUDA_ERROR_UNSUPPORTED_LIMIT", "limit is not supported on this architecture"),
             301 => ("CUDA_ERROR_FILE_NOT_FOUND", "file not found"),
             400 => ("CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"),
             401 => ("CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"),

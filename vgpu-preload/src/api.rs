@@ -18,6 +18,8 @@ macro_rules! cuda_hooks {
             cuCtxCreate_v4(pctx: *mut CUcontext, params: *mut c_void, flags: u32, dev: CUdevice) => memory::ctx_create_v4;
             cuCtxDestroy(ctx: CUcontext) => memory::ctx_destroy;
             cuCtxDestroy_v2(ctx: CUcontext) => memory::ctx_destroy;
+            // context limits that hold device memory (stack, printf FIFO, malloc heap)
+            cuCtxSetLimit(limit: i32, value: usize) => memory::ctx_set_limit;
             // streams (a launch's device is its stream's, remembered per thread until one goes)
             cuStreamDestroy(stream: CUstream) => memory::stream_destroy;
             cuStreamDestroy_v2(stream: CUstream) => memory::stream_destroy;
@@ -138,6 +140,8 @@ macro_rules! cuda_helpers {
         $m! {
             cuCtxGetDevice(dev: *mut CUdevice);
             cuCtxGetCurrent(ctx: *mut CUcontext);
+            cuCtxGetLimit(v: *mut usize, limit: i32);
+            cuDeviceGetAttribute(v: *mut i32, attr: i32, dev: CUdevice);
             cuDeviceGetCount(n: *mut i32);
             cuDeviceGet(dev: *mut CUdevice, ordinal: i32);
             cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);

@@ -819,6 +819,79 @@ pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcon
     r
 }
 
+/// `cuCtxSetLimit`: a larger stack (per thread, for every thread the GPU holds at once: SMs x
+/// threads per SM), printf FIFO or malloc heap is device memory the driver takes for the current
+/// context at once (the stack can reach gigabytes). Reserved before the driver is asked (refused
+/// over the limit, as the driver refuses what it has no room for), settled on the value the driver
+/// set (it may round), and released when the context goes. A lowered limit keeps its charge until
+/// then (the driver need not give the memory back).
+pub unsafe fn ctx_set_limit(real: f::cuCtxSetLimit, limit: i32, value: usize) -> CUresult {
+    const STACK: i32 = 0; // CU_LIMIT_STACK_SIZE; 1 and 2: the printf FIFO and the malloc heap
+    let st = state();
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the
+    // hook's contract).
+    let pass = || unsafe { real(limit, value) };
+    let (Some(get), Some(attr), Some(cur)) =
+        (driver().helpers.cuCtxGetLimit, driver().helpers.cuDeviceGetAttribute, driver().helpers.cuCtxGetCurrent)
+    else {
+        return pass();
+    };
+    if !(0..=2).contains(&limit) || st.accounting().is_none() {
+        return pass();
+    }
+    let Ok((ordinal, d)) = current(st) else { return pass() };
+    let per = if limit == STACK {
+        let (mut sms, mut threads) = (0, 0);
+        // SAFETY: out-pointers to locals, and the current context's device.
+        unsafe {
+            attr(&mut sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, ordinal);
+            attr(&mut threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, ordinal);
+        }
+        sms.max(0) as u64 * threads.max(0) as u64
+    } else {
+        1
+    };
+    let (mut old, mut ctx) = (0usize, std::ptr::null_mut());
+    // SAFETY: out-pointers to locals.
+    let known = unsafe { get(&mut old, limit) == OK && cur(&mut ctx) == OK };
+    if per == 0 || !known || value <= old {
+        return pass();
+    }
+    let held = |v: usize| (v.saturating_sub(old) as u64).saturating_mul(per);
+    let estimate = held(value);
+    let r = charged(st, d, estimate, pass);
+    if r != OK {
+        return r;
+    }
+    // What the driver set (it may round); if it does not say, what was asked.
+    let mut now = value;
+    // SAFETY: an out-pointer to a local.
+    unsafe { get(&mut now, limit) };
+    // SAFETY: setting back the value the driver had, if what it set does not fit.
+    let Some(bytes) = settle(st, d, estimate, held(now), || unsafe {
+        real(limit, old);
+    }) else {
+        return CUresult::OUT_OF_MEMORY;
+    };
+    // Charged to the context, released when it goes.
+    if st.primary_ctx.get(ordinal as usize).is_some_and(|p| p.load(std::sync::atomic::Ordering::Acquire) == ctx as u64)
+    {
+        st.primary_limits[ordinal as usize].fetch_add(bytes, std::sync::atomic::Ordering::AcqRel);
+    } else if let Some(v) = st.handles.remove(ctx as u64 | CTX_TAG) {
+        let (hd, hb) = unpack(v);
+        st.handles.insert(ctx as u64 | CTX_TAG, pack(hd, hb + bytes));
+    }
+    OK
+}
+
+/// What the primary context of `ordinal` was charged for its limits, released (it went, or was
+/// reset to its defaults).
+fn primary_limits_gone(st: &State, ordinal: CUdevice, d: usize) {
+    if let Some(b) = st.primary_limits.get(ordinal as usize) {
+        st.release(d, b.swap(0, std::sync::atomic::Ordering::AcqRel));
+    }
+}
+
 pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice) -> CUresult {
     let st = state();
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
@@ -830,6 +903,7 @@ pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice)
     let _g = st.primary_lock.lock().unwrap_or_else(|p| p.into_inner());
     if refs.load(std::sync::atomic::Ordering::Acquire) == 1 {
         st.release(d, st.cfg.context_overhead);
+        primary_limits_gone(st, dev, d);
         // The last release destroys the primary context, and what was allocated in it.
         context_gone(st, st.primary_ctx[dev as usize].load(std::sync::atomic::Ordering::Acquire));
         st.trueup.context_gone(st, d);
@@ -847,6 +921,9 @@ pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> 
         let st = state();
         if let Some(c) = st.primary_ctx.get(dev as usize) {
             context_gone(st, c.load(std::sync::atomic::Ordering::Acquire));
+        }
+        if let Ok(d) = st.dev_of(dev) {
+            primary_limits_gone(st, dev, d);
         }
     }
     r

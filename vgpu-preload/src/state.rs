@@ -30,6 +30,9 @@ pub struct State {
     pub primary_refs: [AtomicU32; MAX_ORDINALS],
     /// Each ordinal's primary context, as its first retain returned it (0: not seen).
     pub primary_ctx: [AtomicU64; MAX_ORDINALS],
+    /// What each ordinal's primary context's limits (stack, printf FIFO, heap) are charged beyond
+    /// their defaults (see `memory::ctx_set_limit`).
+    pub primary_limits: [AtomicU64; MAX_ORDINALS],
     pub primary_lock: Mutex<()>,
     /// The contexts allocations were made in (see `contexts`).
     pub contexts: crate::contexts::Contexts,
@@ -180,6 +183,7 @@ impl State {
             phys_total: [const { AtomicU64::new(0) }; MAX_DEVICES],
             primary_refs: [const { AtomicU32::new(0) }; MAX_ORDINALS],
             primary_ctx: [const { AtomicU64::new(0) }; MAX_ORDINALS],
+            primary_limits: [const { AtomicU64::new(0) }; MAX_ORDINALS],
             primary_lock: Mutex::new(()),
             contexts: crate::contexts::Contexts::new(),
             sm_any: AtomicBool::new(false),
@@ -219,7 +223,7 @@ impl State {
         for r in &self.primary_refs {
             r.store(0, Relaxed);
         }
-        for c in &self.primary_ctx {
+        for c in self.primary_ctx.iter().chain(&self.primary_limits) {
             c.store(0, Relaxed);
         }
     }

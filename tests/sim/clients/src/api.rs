@@ -23,6 +23,8 @@ macro_rules! with_cuda_api {
             cuCtxDestroy_v2 = "cuCtxDestroy" : fn(c: CUcontext);
             cuCtxSetCurrent = "cuCtxSetCurrent" : fn(c: CUcontext);
             cuCtxSynchronize = "cuCtxSynchronize" : fn();
+            cuCtxGetLimit = "cuCtxGetLimit" : fn(v: *mut usize, limit: i32);
+            cuCtxSetLimit = "cuCtxSetLimit" : fn(limit: i32, v: usize);
             cuMemAlloc_v2 = "cuMemAlloc" : fn(d: *mut CUdeviceptr, size: usize);
             cuMemAllocPitch_v2 = "cuMemAllocPitch" : fn(d: *mut CUdeviceptr, pitch: *mut usize, w: usize, h: usize, elem: u32);
             cuMemAllocManaged = "cuMemAllocManaged" : fn(d: *mut CUdeviceptr, size: usize, flags: u32);

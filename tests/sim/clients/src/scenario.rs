@@ -93,6 +93,11 @@ scenarios:
                                         report memory before, during and after
   context-end [--how destroy|release|reset] [--create v2|v3|v4] [--size N] [--again N]
                                         allocate in a context, end it as told, allocate again
+  limits [--heap N] [--too-big N]       the primary context's stack raised to 4001 bytes a thread,
+                                        its heap to N, its stack to --too-big, the heap lowered
+                                        again; then the context reset, the stack raised again and
+                                        the context released and retained; then a context of its
+                                        own with that stack, destroyed; memory after each step
   free-refused [--size N]               allocate, free into a destroyed stream (the driver refuses;
                                         the memory stays allocated), then free it
   procaddr NAME...                      which entry point cuGetProcAddress_v2 returns for each base
@@ -213,6 +218,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
         "free-refused" => free_refused(api, dev, &o),
+        "limits" => limits(api, dev, &o),
         "watch" => watch(api, dev, &o),
         "fork-child" => fork_child(api, dev, &o),
         "exec-self" => exec_self(api, dev, &o),
@@ -223,6 +229,61 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         }
         s => Err(format!("unknown scenario {s:?}\n{USAGE}")),
     }
+}
+
+/// Context limits that hold device memory: each step reports what the driver answered, the limit
+/// as it reads back, and the memory left.
+fn limits(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    const STACK: i32 = 0;
+    const HEAP: i32 = 2;
+    setup(api, dev)?;
+    let heap = o.num("heap", 200 << 20)? as usize;
+    let too_big = o.num("too-big", 64 << 10)? as usize;
+    let mut d = 0;
+    let (mut sms, mut threads) = (0, 0);
+    // SAFETY: out-pointers to locals.
+    unsafe {
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        ck(api, (api.cuDeviceGetAttribute)(&mut sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d), "attribute")?;
+        ck(
+            api,
+            (api.cuDeviceGetAttribute)(&mut threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, d),
+            "attribute",
+        )?;
+    }
+    let step = |what: &str, limit: i32, value: usize| -> Value {
+        let mut now = 0usize;
+        // SAFETY: as above.
+        let (r, g) = unsafe { ((api.cuCtxSetLimit)(limit, value), (api.cuCtxGetLimit)(&mut now, limit)) };
+        json!({"step": what, "result": error_name(api, r), "get": error_name(api, g), "now": now, "mem_info": mem_info(api)})
+    };
+    let mut steps = vec![json!({"step": "base", "mem_info": mem_info(api)})];
+    steps.push(step("stack", STACK, 4001));
+    steps.push(step("heap", HEAP, heap));
+    steps.push(step("too big", STACK, too_big));
+    steps.push(step("heap lowered", HEAP, 8 << 20));
+    // SAFETY: the primary context retained by `setup`.
+    unsafe { ck(api, (api.cuDevicePrimaryCtxReset_v2)(d), "cuDevicePrimaryCtxReset")? };
+    steps.push(json!({"step": "reset", "mem_info": mem_info(api)}));
+    steps.push(step("stack again", STACK, 4001));
+    // SAFETY: released once (the retain of `setup`), then retained and made current again.
+    unsafe {
+        ck(api, (api.cuDevicePrimaryCtxRelease_v2)(d), "cuDevicePrimaryCtxRelease")?;
+        let mut c = std::ptr::null_mut();
+        ck(api, (api.cuDevicePrimaryCtxRetain)(&mut c, d), "cuDevicePrimaryCtxRetain")?;
+        ck(api, (api.cuCtxSetCurrent)(c), "cuCtxSetCurrent")?;
+    }
+    steps.push(json!({"step": "released and retained", "mem_info": mem_info(api)}));
+    // A context of its own: the same, released when it is destroyed.
+    let mut own = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local; the context made here is destroyed once.
+    unsafe { ck(api, (api.cuCtxCreate_v2)(&mut own, 0, d), "cuCtxCreate")? };
+    steps.push(step("own context's stack", STACK, 4001));
+    // SAFETY: as above.
+    unsafe { ck(api, (api.cuCtxDestroy_v2)(own), "cuCtxDestroy")? };
+    steps.push(json!({"step": "own context destroyed", "mem_info": mem_info(api)}));
+    emit(json!({"event": "limits", "sms": sms, "threads_per_sm": threads, "steps": steps}));
+    Ok(())
 }
 
 /// A free the driver refuses leaves the allocation charged, and the free that follows releases it.

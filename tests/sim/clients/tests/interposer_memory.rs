@@ -175,6 +175,38 @@ fn a_free_the_driver_refuses_keeps_the_charge_and_the_next_one_releases_it() {
 }
 
 #[test]
+fn context_limits_that_hold_memory_are_charged_to_their_context() {
+    // A thread's stack is reserved for every thread the GPU holds at once (108 SMs x 2048 threads
+    // on an A100): 4 KiB a thread is 631 MiB, 16 KiB 2.6 GiB. The heap is what it says.
+    let s = Sim::new(Some(NODE));
+    let run = |c: &mut Command| json1(&out(c, &["limits", "--heap", "200m", "--too-big", "16k"]));
+    let v = run(&mut s.limited(RT, LIMIT));
+    let per = v["sms"].as_u64().unwrap() * v["threads_per_sm"].as_u64().unwrap();
+    assert_eq!(per, 108 * 2048);
+    let step = |i: usize| &v["steps"][i];
+    let free = |i: usize| step(i)["mem_info"]["free"].as_u64().unwrap();
+    let stack = (4016 - 1024) * per;
+    assert_eq!(free(0), 960 * MIB);
+    // The driver rounds the stack to 16 bytes; the charge follows what it set.
+    assert_eq!((step(1)["result"].as_str(), step(1)["now"].as_u64()), (Some("CUDA_SUCCESS"), Some(4016)), "{v}");
+    assert_eq!(free(1), free(0) - stack);
+    assert_eq!((step(2)["result"].as_str(), free(2)), (Some("CUDA_SUCCESS"), free(1) - 192 * MIB), "{v}");
+    // Past the limit: refused before the driver is asked (the stack stays as it was).
+    assert_eq!((step(3)["result"].as_str(), step(3)["now"].as_u64()), (Some("CUDA_ERROR_OUT_OF_MEMORY"), Some(4016)));
+    assert_eq!(free(3), free(2));
+    // Lowered: still charged (the driver need not give the memory back) until the context goes.
+    assert_eq!((step(4)["result"].as_str(), free(4)), (Some("CUDA_SUCCESS"), free(2)));
+    assert_eq!(free(5), free(0), "a reset context has its defaults again: {v}");
+    assert_eq!(free(6), free(0) - stack);
+    assert_eq!(free(7), free(0), "released with the context: {v}");
+    assert_eq!(free(8), free(0) - 64 * MIB - stack, "a context of its own: {v}");
+    assert_eq!(free(9), free(0), "destroyed with what its stack held: {v}");
+    // Without libvgpu.so the 8 GiB GPU grants the stack the 1 GiB slice refused.
+    let bare = run(&mut s.cmd(RT));
+    assert_eq!(bare["steps"][3]["result"], "CUDA_SUCCESS", "{bare}");
+}
+
+#[test]
 fn memory_the_driver_frees_with_a_context_is_given_back() {
     // A context's allocations (linear, pitched, an array) go with it: destroyed, its primary
     // context released for the last time, or reset (what cudaDeviceReset does). The container's

@@ -137,8 +137,16 @@ pub struct Ctx {
     pub module_bytes: AtomicU64,
     /// Its loaded modules (unloaded with it).
     pub modules: Mutex<Vec<usize>>,
+    /// `CU_LIMIT_STACK_SIZE`, `_PRINTF_FIFO_SIZE`, `_MALLOC_HEAP_SIZE` (see [`set_limit`]).
+    pub limits: Mutex<[u64; 3]>,
+    /// Device memory those hold beyond their defaults' (freed with it).
+    pub limit_bytes: AtomicU64,
     pub default_stream: crate::exec::Stream,
 }
+
+/// The defaults of `CU_LIMIT_STACK_SIZE` (per thread), `_PRINTF_FIFO_SIZE` and `_MALLOC_HEAP_SIZE`,
+/// whose memory is part of a context's overhead.
+pub const LIMIT_DEFAULTS: [u64; 3] = [1024, 1 << 20, 8 << 20];
 
 impl Ctx {
     fn new(gpu: usize, ordinal: CUdevice, primary: bool) -> &'static Ctx {
@@ -151,6 +159,8 @@ impl Ctx {
             last_end: AtomicU64::new(0),
             module_bytes: AtomicU64::new(0),
             modules: Mutex::new(Vec::new()),
+            limits: Mutex::new(LIMIT_DEFAULTS),
+            limit_bytes: AtomicU64::new(0),
             default_stream: crate::exec::Stream::new(std::ptr::null()),
         }));
         c.default_stream.set_ctx(c);
@@ -262,6 +272,47 @@ pub fn ctx_destroy(c: &'static Ctx) -> R<()> {
     c.magic.store(0, Release);
     STACK.with(|s| s.borrow_mut().retain(|x| !std::ptr::eq(*x, c)));
     p.detach(c.gpu);
+    Ok(())
+}
+
+/// `cuCtxGetLimit`.
+pub fn get_limit(c: &Ctx, limit: i32) -> R<u64> {
+    match limit {
+        0..=2 => Ok(c.limits.lock().unwrap_or_else(|e| e.into_inner())[limit as usize]),
+        3 => Ok(2),    // device runtime sync depth
+        4 => Ok(2048), // device runtime pending launches
+        5 | 6 => Ok(0),
+        _ => Err(CUresult::UNSUPPORTED_LIMIT),
+    }
+}
+
+/// `cuCtxSetLimit`, as the driver does it: a larger stack (for every thread the GPU holds at once),
+/// printf FIFO or malloc heap takes its device memory at once (refused when there is no room, the
+/// old value kept), a smaller one gives it back; the stack is rounded up to 16 bytes.
+pub fn set_limit(c: &Ctx, limit: i32, value: u64) -> R<()> {
+    if !(0..=2).contains(&limit) {
+        return get_limit(c, limit).map(|_| ());
+    }
+    let p = proc()?;
+    let g = p.gpu_cfg(c.gpu);
+    let threads = g.sm_count as u64 * g.model.max_threads_per_sm as u64;
+    let held = |l: &[u64; 3]| {
+        l[0].saturating_sub(LIMIT_DEFAULTS[0]).saturating_mul(threads)
+            + l[1].saturating_sub(LIMIT_DEFAULTS[1])
+            + l[2].saturating_sub(LIMIT_DEFAULTS[2])
+    };
+    let mut l = c.limits.lock().unwrap_or_else(|e| e.into_inner());
+    let mut next = *l;
+    next[limit as usize] = if limit == 0 { value.div_ceil(16) * 16 } else { value };
+    let (before, after) = (held(&l), held(&next));
+    if after > before {
+        p.charge(c.gpu, after - before)?;
+        c.limit_bytes.fetch_add(after - before, AcqRel);
+    } else {
+        p.uncharge(c.gpu, before - after);
+        c.limit_bytes.fetch_sub(before - after, AcqRel);
+    }
+    *l = next;
     Ok(())
 }
 

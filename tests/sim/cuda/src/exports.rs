@@ -291,6 +291,8 @@ exports! {
     }
     fn cuCtxGetDevice(d: *mut CUdevice) { out(d, current()?.ordinal) }
     fn cuCtxSynchronize() { exec::ctx_sync() }
+    fn cuCtxGetLimit(v: *mut usize, limit: i32) { out(v, driver::get_limit(current()?, limit)? as usize) }
+    fn cuCtxSetLimit(limit: i32, value: usize) { driver::set_limit(current()?, limit, value as u64) }
 
     // ----- linear memory -----
     fn cuMemAlloc(_d: *mut u32, _size: u32) { Err(CUresult::NOT_SUPPORTED) }

@@ -294,8 +294,11 @@ pub fn release_context_memory(c: &Ctx) {
         m.pools.values_mut().filter(|p| p.gpu == c.gpu).map(|p| trim(p, 0)).sum::<u64>()
     });
     p.uncharge(c.gpu, freed);
-    // Its modules are unloaded with it (a reset context starts with none).
+    // Its modules are unloaded with it (a reset context starts with none), and its limits are the
+    // defaults again.
     p.uncharge(c.gpu, c.module_bytes.swap(0, std::sync::atomic::Ordering::AcqRel));
+    *c.limits.lock().unwrap_or_else(|e| e.into_inner()) = crate::driver::LIMIT_DEFAULTS;
+    p.uncharge(c.gpu, c.limit_bytes.swap(0, std::sync::atomic::Ordering::AcqRel));
     crate::exec::modules_gone(c);
 }
 

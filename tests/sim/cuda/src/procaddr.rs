@@ -46,6 +46,8 @@ static TABLE: &[(&str, Versions, Versions)] = &[
     ("cuCtxGetCurrent", &[(4000, "cuCtxGetCurrent")], &[]),
     ("cuCtxGetDevice", &[(2000, "cuCtxGetDevice")], &[]),
     ("cuCtxSynchronize", &[(2000, "cuCtxSynchronize")], &[]),
+    ("cuCtxGetLimit", &[(3010, "cuCtxGetLimit")], &[]),
+    ("cuCtxSetLimit", &[(3010, "cuCtxSetLimit")], &[]),
     ("cuMemAlloc", &[(2000, "cuMemAlloc"), (3020, "cuMemAlloc_v2")], &[]),
     ("cuMemAllocPitch", &[(2000, "cuMemAllocPitch"), (3020, "cuMemAllocPitch_v2")], &[]),
     ("cuMemAllocManaged", &[(6000, "cuMemAllocManaged")], &[]),
