@@ -678,6 +678,36 @@ def check_vmm_hold(s):
     return summary, v
 
 
+def check_ctx_stack(s):
+    """A context's stack (cuCtxSetLimit) is device memory for every thread the GPU holds at once: the
+    driver's own figure (without libvgpu) against SMs x threads per SM x the increase, the same
+    charged under a limit, and an increase past the limit refused (granted without libvgpu)."""
+    lim = 4 * GIB
+    args = ["stack", "--bytes", "4096", "--over", str(lim)]
+    bare = s.probe(args, s.env(False))
+    j = s.probe(args, s.env(True, mem=lim, region=os.path.join(s.tmp, "stack.region")))
+    v = {"limit": lim, "bare": bare, "limited": j}
+    threads = bare["sms"] * bare["threads_per_sm"]
+    model = (bare["now"] - bare["first"]) * threads
+    took = bare["base"]["free"] - bare["raised_info"]["free"]
+    charged = j["base"]["free"] - j["raised_info"]["free"]
+    summary = ("stack %d -> %d bytes a thread, %d SMs x %d threads: the driver took %s (model %s), libvgpu charged %s; "
+               "%d more bytes a thread (%s more): %s with libvgpu under %s, %s without") % (
+        bare["first"], bare["now"], bare["sms"], bare["threads_per_sm"], human(took), human(model), human(charged),
+        j["too_big"] - j["now"], human((j["too_big"] - j["now"]) * threads), j["too_big_result"], human(lim),
+        bare["too_big_result"])
+    problems = []
+    if abs(took - model) > max(64 * MIB, model // 10):
+        problems.append("the driver took %s, not SMs x threads x the increase" % human(took))
+    if abs(charged - took) > 64 * MIB:
+        problems.append("charged %s for the %s the driver took" % (human(charged), human(took)))
+    if j["too_big_result"] != "CUDA_ERROR_OUT_OF_MEMORY" or j["too_big_now"] != j["now"]:
+        problems.append("a stack past the limit was not refused before the driver set it")
+    if problems:
+        raise Fail(summary + ". " + "; ".join(problems), v)
+    return summary, v
+
+
 def check_torch_async(s):
     """PyTorch's cudaMallocAsync backend: what its pool keeps after a free stays charged (another
     process of the container is refused it), reusing it costs nothing more, a captured graph that
@@ -1366,6 +1396,7 @@ CHECKS = [
     ("shared-quota", check_shared_quota),
     ("context-reset", check_context_reset),
     ("vmm-hold", check_vmm_hold),
+    ("ctx-stack", check_ctx_stack),
     ("pool-hold", check_pool_hold),
     ("pool-threads", check_pool_threads),
     ("graph-mem", check_graph_mem),

@@ -41,6 +41,11 @@
 //!                                                BYTES tried; the handle retained from the address and
 //!                                                the range unmapped (the reference keeps it), tried
 //!                                                again; released, tried again)
+//!        gpu-probe stack --bytes B --over BYTES   (the primary context's stack raised to B bytes a
+//!                                                thread, then to as much more again as holds
+//!                                                BYTES for every thread the GPU holds at once;
+//!                                                cuMemGetInfo and the limit read back after each;
+//!                                                the stack set back to its first value at the end)
 //!        gpu-probe graph-mem --size BYTES [--graphs N] [--alloc BYTES]
 //!                                                (N graphs of an allocation node of BYTES, a kernel
 //!                                                and a free node, each launched once; then
@@ -137,6 +142,9 @@ table! {
     cuMemUnmap: fn(CUdeviceptr, usize);
     cuMemSetAccess: fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
     cuMemRetainAllocationHandle: fn(*mut u64, *mut c_void);
+    cuDeviceGetAttribute: fn(*mut i32, i32, CUdevice);
+    cuCtxGetLimit: fn(*mut usize, i32);
+    cuCtxSetLimit: fn(i32, usize);
 }
 
 struct Probe {
@@ -682,6 +690,44 @@ fn vmm(args: &[String]) -> Result<Value, String> {
     }
 }
 
+/// A context's stack, which the driver holds for every thread the GPU can hold at once (see the
+/// usage).
+fn stack(args: &[String]) -> Result<Value, String> {
+    const STACK: i32 = 0; // CU_LIMIT_STACK_SIZE
+    let bytes = opt(args, "--bytes", -1.0)?;
+    let over = opt(args, "--over", -1.0)?;
+    if bytes <= 0.0 || over <= 0.0 {
+        return Err("--bytes B and --over BYTES are required".into());
+    }
+    let (p, dev) = Probe::open()?;
+    let (mut sms, mut threads, mut first) = (0, 0, 0usize);
+    // SAFETY: out-pointers to locals; the limits are those of the current (primary) context.
+    unsafe {
+        p.ck((p.cu.cuDeviceGetAttribute)(&mut sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "attribute")?;
+        p.ck(
+            (p.cu.cuDeviceGetAttribute)(&mut threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev),
+            "attribute",
+        )?;
+        p.ck((p.cu.cuCtxGetLimit)(&mut first, STACK), "cuCtxGetLimit")?;
+        let set = |v: usize| -> Result<(String, usize, Value), String> {
+            let r = (p.cu.cuCtxSetLimit)(STACK, v);
+            let mut now = 0;
+            p.ck((p.cu.cuCtxGetLimit)(&mut now, STACK), "cuCtxGetLimit")?;
+            Ok((p.name(r), now, mem_info(&p)?))
+        };
+        let base = mem_info(&p)?;
+        let (raised, now, raised_info) = set(bytes as usize)?;
+        let all = (sms.max(1) as u64 * threads.max(1) as u64) as f64;
+        let too_big = now + (over / all).ceil() as usize;
+        let (big, big_now, big_info) = set(too_big)?;
+        let (restored, _, restored_info) = set(first)?;
+        Ok(json!({"sms": sms, "threads_per_sm": threads, "first": first, "base": base,
+            "raised": raised, "now": now, "raised_info": raised_info,
+            "too_big": too_big, "too_big_result": big, "too_big_now": big_now, "too_big_info": big_info,
+            "restored": restored, "restored_info": restored_info}))
+    }
+}
+
 /// Graphs that allocate in graph memory nodes (see the usage): what the device's graph pool and
 /// cuMemGetInfo say after each step.
 fn graph_mem(args: &[String]) -> Result<Value, String> {
@@ -781,8 +827,9 @@ fn main() {
         Some("pool") => pool(&args[1..]),
         Some("pool-threads") => pool_threads(&args[1..]),
         Some("vmm") => vmm(&args[1..]),
+        Some("stack") => stack(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] [--wait S] | vmm --size B | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] [--wait S] | vmm --size B | stack --bytes B --over BYTES | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
