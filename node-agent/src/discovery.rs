@@ -108,10 +108,6 @@ pub fn memory(
     }
 }
 
-fn procfs_mem_total() -> Option<u64> {
-    crate::procfs::mem_total()
-}
-
 /// The node's GPUs as NVML sees them now.
 pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
     let err = |what: &str, e: nvml_wrapper::error::NvmlError| DiscoveryError(format!("{what}: {e}"));
@@ -147,7 +143,7 @@ pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
             })
             .unwrap_or_default();
         let (memory_total, memory_used, unified_memory) =
-            memory(d, &processes, procfs_mem_total).map_err(|e| err(&ctx("memory"), e))?;
+            memory(d, &processes, crate::procfs::mem_total).map_err(|e| err(&ctx("memory"), e))?;
         gpus.push(Gpu {
             index: i as u32,
             uuid: d.uuid().map_err(|e| err(&ctx("uuid"), e))?,

@@ -522,7 +522,10 @@ fn mig_through_the_agent_plan_apply_assert_and_restore_after_reboot() {
 /// Two slices at 25 % and 75 % on one GPU, both saturating it with 5 ms kernels for 5 s: the status
 /// and `vgpuctl status` 4 s in, each slice's kernel count, and how often the agent logged that it
 /// held the SM feedback.
-fn two_throttled_slices(nvml: &str) -> (Value, String, [u64; 2], usize) {
+/// Two slices (25 % and 75 %) running 5 ms kernels for 5 s; the status once `ready` holds of it (from
+/// 4 s in, for as long as the workloads run: a loaded machine starts them late), and the kernels
+/// each ran.
+fn two_throttled_slices(nvml: &str, ready: impl Fn(&Value) -> bool) -> (Value, String, [u64; 2], usize) {
     let s = Sim::new(Some(&format!("context_overhead_mib = 64\n{nvml}\n[[gpu]]\nmodel = \"A100-40GB\"\n")));
     let a = Agent::start(&s, &[]);
     let mut apps = Vec::new();
@@ -536,8 +539,14 @@ fn two_throttled_slices(nvml: &str) -> (Value, String, [u64; 2], usize) {
             .unwrap();
         apps.push(c);
     }
+    let t = Instant::now();
     std::thread::sleep(Duration::from_secs(4));
-    let (st, table) = (a.status().unwrap(), a.ctl_ok(&["status"]));
+    let mut st = a.status().unwrap();
+    while !ready(&st) && t.elapsed() < Duration::from_millis(4900) {
+        std::thread::sleep(Duration::from_millis(50));
+        st = a.status().unwrap();
+    }
+    let table = a.ctl_ok(&["status"]);
     let mut k = [0; 2];
     for (i, c) in apps.into_iter().enumerate() {
         let o = c.wait_with_output().unwrap();
@@ -553,7 +562,8 @@ fn the_sm_controller_holds_when_per_process_samples_do_not_add_up() {
     // A driver that credits every time-sliced process with the GPU's whole busy share (as an H200
     // did): both slices seem to use nearly all of it, which, acted on, would drive both budgets to
     // the controller's floor.
-    let (st, table, k, held) = two_throttled_slices("process_util = \"gpu\"");
+    let (st, table, k, held) =
+        two_throttled_slices("process_util = \"gpu\"", |v| v["gpus"][0]["sm_feedback_held"] == true);
     assert_eq!(st["gpus"][0]["sm_feedback_held"], true, "{st}");
     assert!(held >= 1, "the hold is logged");
     for name in ["low", "high"] {
@@ -571,7 +581,7 @@ fn the_sm_controller_holds_when_per_process_samples_do_not_add_up() {
 
     // A driver whose samples add up, taken every 150 ms (three passes): nothing held, and each
     // process's latest sample stands for it in the passes between samples.
-    let (st, table, k, held) = two_throttled_slices("process_util = \"own\"\nprocess_sample_ms = 150");
+    let (st, table, k, held) = two_throttled_slices("process_util = \"own\"\nprocess_sample_ms = 150", |_| true);
     assert_eq!(st["gpus"][0]["sm_feedback_held"], false, "{st}");
     // Not even while the workloads started (the GPU's utilisation trails their samples then).
     assert_eq!(held, 0, "held on samples that add up");
