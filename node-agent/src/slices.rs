@@ -271,7 +271,7 @@ impl SliceStore {
                     // or layout), or one that could not be opened just now, may be in use by the
                     // slice's processes (the container's mount holds the file itself: a new file
                     // here would never reach them); it is left alone and reported.
-                    if let Some(why) = keep_region(&p, &e) {
+                    if let Some(why) = keep_region(&e) {
                         done.push(format!("left {} alone: {e}{why}", p.display()));
                         continue;
                     }
@@ -361,28 +361,18 @@ impl SliceStore {
 
 /// Why a region file that cannot be opened is to be kept (None: it is missing or damaged, and is
 /// made anew).
-fn keep_region(path: &Path, e: &vgpu_region::RegionError) -> Option<&'static str> {
+fn keep_region(e: &vgpu_region::RegionError) -> Option<&'static str> {
     use vgpu_region::RegionError as E;
     match e {
         E::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => None,
         E::Io { .. } => Some(" (it may be in use; try again with the agent's next start)"),
-        E::Version { .. } | E::Layout { .. } => Some(BUILD),
-        // Of another size: the header tells whether another build made it.
-        _ => {
-            use std::io::Read;
-            let mut h = [0u8; 32];
-            std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut h)).ok()?;
-            let word = |at: usize| u64::from_le_bytes(h[at..at + 8].try_into().expect("8 bytes"));
-            let version = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
-            (word(0) == vgpu_region::MAGIC
-                && (version != vgpu_region::ABI_VERSION || word(24) != vgpu_region::LAYOUT_HASH))
-                .then_some(BUILD)
-        }
+        E::Version { .. } | E::Layout { .. } => Some(
+            " (written by another build of vgpu: the slice's processes may be using it; drain the node to \
+             move it to this one)",
+        ),
+        _ => None,
     }
 }
-
-const BUILD: &str = " (written by another build of vgpu: the slice's processes may be using it; drain the \
-    node to move it to this one)";
 
 /// Installs `src` as `<lib_dir>/libvgpu.so.<version>.<digest>` (content-addressed, written to a
 /// temporary name and renamed; an existing file of that name is the same content and is kept). Its

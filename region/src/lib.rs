@@ -766,9 +766,29 @@ fn check_len(file: &File, path: &Path) -> Result<()> {
     let len =
         file.metadata().map_err(|source| RegionError::Io { path: path.to_owned(), action: "stat", source })?.len();
     if len != TOTAL_SIZE as u64 {
-        return Err(RegionError::Truncated { path: path.to_owned(), len });
+        return Err(other_size(file, path, len));
     }
     Ok(())
+}
+
+/// Why a file of another size than this build's regions is not one: another build's region (its
+/// header says so: another ABI version or layout) or a truncated or damaged one.
+fn other_size(file: &File, path: &Path, len: u64) -> RegionError {
+    use std::mem::offset_of;
+    use std::os::unix::fs::FileExt;
+    let mut h = [0u8; offset_of!(Header, layout_hash) + 8];
+    let word = |h: &[u8], at: usize| u64::from_le_bytes(h[at..at + 8].try_into().expect("8 bytes"));
+    if file.read_exact_at(&mut h, 0).is_ok() && word(&h, offset_of!(Header, magic)) == MAGIC {
+        let at = offset_of!(Header, abi_version);
+        let found = u32::from_le_bytes(h[at..at + 4].try_into().expect("4 bytes"));
+        if found != ABI_VERSION {
+            return RegionError::Version { path: path.to_owned(), found };
+        }
+        if word(&h, offset_of!(Header, layout_hash)) != LAYOUT_HASH {
+            return RegionError::Layout { path: path.to_owned() };
+        }
+    }
+    RegionError::Truncated { path: path.to_owned(), len }
 }
 
 fn check_header(map: &Layout, path: &Path) -> Result<()> {

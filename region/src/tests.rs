@@ -59,6 +59,17 @@ fn damaged_regions_are_refused_with_a_reason() {
     std::fs::write(&p, &b).unwrap();
     assert!(Region::open(&p, true).err().unwrap().to_string().contains("layout hash"));
 
+    // Another build's region of another size is told by its header, not taken for a truncated one.
+    let mut b = bytes[..4096].to_vec();
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    std::fs::write(&p, &b).unwrap();
+    assert!(Region::open(&p, true).err().unwrap().to_string().contains("ABI version 2"));
+    let mut b = bytes.clone();
+    b[24] ^= 1;
+    b.extend_from_slice(&[0; 4096]);
+    std::fs::write(&p, &b).unwrap();
+    assert!(Region::open(&p, false).err().unwrap().to_string().contains("layout hash"));
+
     std::fs::write(&p, vec![0xa5u8; TOTAL_SIZE]).unwrap();
     assert!(Region::open(&p, true).err().unwrap().to_string().contains("bad magic"));
     std::fs::remove_file(p).ok();

@@ -71,22 +71,19 @@ fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
     (limit != 0).then_some((d, limit))
 }
 
-/// (total, used) for a limited device.
-fn slice(total: u64, d: usize, limit: u64) -> (u64, u64) {
+/// The slice's (total, used) to answer a memory query of `dev` with: when the device is limited and
+/// NVML answered `r` (the GPU's `total`, read only after a success), or has no memory figures for
+/// it (a unified-memory GPU, GB10, answers NOT_SUPPORTED: the slice is then all the container has,
+/// and it is told so).
+fn sliced(r: NvmlReturn, dev: NvmlDevice, total: impl FnOnce() -> u64) -> Option<(u64, u64)> {
+    let total = match r {
+        NVML_SUCCESS => total(),
+        NVML_ERROR_NOT_SUPPORTED => u64::MAX,
+        _ => return None,
+    };
+    let (d, limit) = limited_device(dev)?;
     let t = total.min(limit);
-    (t, state().used(d).min(t))
-}
-
-/// Whether a call's result is to be replaced by the slice's figures: it succeeded, or NVML has no
-/// memory figures for the GPU (a unified-memory GPU, GB10, answers NOT_SUPPORTED; the slice's
-/// limit is then all the container has, and it is told so).
-/// Gives the GPU's total memory as NVML reported it (`total`, read only after a success).
-fn answerable(r: NvmlReturn, total: impl FnOnce() -> u64) -> Option<u64> {
-    match r {
-        NVML_SUCCESS => Some(total()),
-        NVML_ERROR_NOT_SUPPORTED => Some(u64::MAX),
-        _ => None,
-    }
+    Some((t, state().used(d).min(t)))
 }
 
 pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: *mut NvmlMemory) -> NvmlReturn {
@@ -96,17 +93,11 @@ pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: 
         return r;
     }
     // SAFETY: m is non-null, and NVML filled it if it reported success.
-    let Some(total) = answerable(r, || unsafe { (*m).total }) else { return r };
-    match limited_device(dev) {
-        Some((d, limit)) => {
-            // SAFETY: as above.
-            let m = unsafe { &mut *m };
-            let (t, u) = slice(total, d, limit);
-            (m.total, m.used, m.free) = (t, u, t - u);
-            NVML_SUCCESS
-        }
-        None => r,
-    }
+    let Some((t, u)) = sliced(r, dev, || unsafe { (*m).total }) else { return r };
+    // SAFETY: as above.
+    let m = unsafe { &mut *m };
+    (m.total, m.used, m.free) = (t, u, t - u);
+    NVML_SUCCESS
 }
 
 pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevice, m: *mut NvmlMemoryV2) -> NvmlReturn {
@@ -116,17 +107,11 @@ pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevic
         return r;
     }
     // SAFETY: m is non-null, and NVML filled it if it reported success.
-    let Some(total) = answerable(r, || unsafe { (*m).total }) else { return r };
-    match limited_device(dev) {
-        Some((d, limit)) => {
-            // SAFETY: as above.
-            let m = unsafe { &mut *m };
-            let (t, u) = slice(total, d, limit);
-            (m.total, m.reserved, m.used, m.free) = (t, 0, u, t - u);
-            NVML_SUCCESS
-        }
-        None => r,
-    }
+    let Some((t, u)) = sliced(r, dev, || unsafe { (*m).total }) else { return r };
+    // SAFETY: as above.
+    let m = unsafe { &mut *m };
+    (m.total, m.reserved, m.used, m.free) = (t, 0, u, t - u);
+    NVML_SUCCESS
 }
 
 /// The running processes, restricted to the container's own (by PID as recorded in the region).

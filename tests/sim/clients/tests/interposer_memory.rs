@@ -177,7 +177,8 @@ fn a_free_the_driver_refuses_keeps_the_charge_and_the_next_one_releases_it() {
 #[test]
 fn context_limits_that_hold_memory_are_charged_to_their_context() {
     // A thread's stack is reserved for every thread the GPU holds at once (108 SMs x 2048 threads
-    // on an A100): 4 KiB a thread is 631 MiB, 16 KiB 2.6 GiB. The heap is what it says.
+    // on an A100): from 1 KiB to 4016 bytes a thread is 631 MiB more, from there to 16 KiB 2.5 GiB
+    // more. The heap is what it says.
     let s = Sim::new(Some(NODE));
     let run = |c: &mut Command| json1(&out(c, &["limits", "--heap", "200m", "--too-big", "16k"]));
     let v = run(&mut s.limited(RT, LIMIT));
