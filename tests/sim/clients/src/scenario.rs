@@ -80,7 +80,7 @@ scenarios:
                                         first, a new pool made the device's current one, 1 MiB
                                         allocated from it and freed, and the pool destroyed)
   memcpy [--size N]                     copy a pattern to the device and back, and compare
-  threads [--threads T] [--iters I] [--size N]
+  threads [--threads T] [--iters I] [--size N] [--allocator device|managed|pitch|vmm|array]
                                         T threads allocating and freeing concurrently
   hold                                  create a context, print ready, wait to be killed
   watch [--count N] [--interval-ms T]    print cuMemGetInfo N times, T ms apart
@@ -1558,22 +1558,36 @@ fn threads(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let t = o.num("threads", 16)?;
     let iters = o.num("iters", 100)?;
     let size = o.num("size", 1 << 20)? as usize;
+    // Allocators that need no stream or pool of their own.
+    let kind = o.str("allocator", "device");
+    if !["device", "managed", "pitch", "vmm", "array"].contains(&kind) {
+        return Err(format!("threads: allocator {kind:?} is not one of device, managed, pitch, vmm, array"));
+    }
     let errors: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..t)
             .map(|_| {
                 s.spawn(move || {
                     let mut errs = Vec::new();
-                    // SAFETY: the primary context stays retained for the process; out-pointers to locals.
+                    let al = Allocator {
+                        api,
+                        kind: kind.to_owned(),
+                        dev,
+                        stream: std::ptr::null_mut(),
+                        pool: std::ptr::null_mut(),
+                    };
+                    // SAFETY: the primary context stays retained for the process; each chunk is
+                    // freed once, by the allocator that made it.
                     unsafe {
                         (api.cuCtxSetCurrent)(ctx as CUcontext);
                         for _ in 0..iters {
-                            let mut p = 0;
-                            let r = (api.cuMemAlloc_v2)(&mut p, size);
-                            if r != CUresult::SUCCESS {
-                                errs.push(error_name(api, r));
-                                continue;
-                            }
-                            let r = (api.cuMemFree_v2)(p);
+                            let c = match al.alloc(size) {
+                                Ok((c, _)) => c,
+                                Err(r) => {
+                                    errs.push(error_name(api, r));
+                                    continue;
+                                }
+                            };
+                            let r = al.free(c);
                             if r != CUresult::SUCCESS {
                                 errs.push(error_name(api, r));
                             }

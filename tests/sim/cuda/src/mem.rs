@@ -101,6 +101,10 @@ struct Mem {
     spare_bytes: usize,
     allocs: BTreeMap<u64, Alloc>,
     handles: HashMap<u64, PhysHandle>,
+    /// Values of handles that went, given to the next `cuMemCreate` first (last gone, first given),
+    /// the way a real driver's allocator hands a freed object's memory to the next one: the same
+    /// value then names another allocation as soon as the driver has let it go.
+    spare_handles: Vec<u64>,
     reserves: BTreeMap<u64, Reservation>,
     pools: HashMap<u64, Pool>,
     /// array handle -> (gpu, size)
@@ -460,8 +464,10 @@ pub fn create(size: u64, prop: &CUmemAllocationProp) -> R<u64> {
         return Err(CUresult::OUT_OF_MEMORY);
     }
     Ok(with_mem!(m => {
-        m.next_id += 1;
-        let h = m.next_id;
+        let h = m.spare_handles.pop().unwrap_or_else(|| {
+            m.next_id += 1;
+            m.next_id
+        });
         m.handles.insert(h, PhysHandle { gpu, size, fd, maps: 0, refs: 1 });
         h
     }))
@@ -471,6 +477,7 @@ fn drop_handle_if_done(m: &mut Mem, h: u64) {
     if let Some(ph) = m.handles.get(&h) {
         if ph.refs == 0 && ph.maps == 0 {
             let ph = m.handles.remove(&h).unwrap();
+            m.spare_handles.push(h);
             // SAFETY: fd is the memfd owned by this handle, closed once.
             unsafe { libc::close(ph.fd) };
             if let Ok(p) = proc() {
