@@ -681,7 +681,9 @@ def check_vmm_hold(s):
 def check_ctx_stack(s):
     """A context's stack (cuCtxSetLimit) is device memory for every thread the GPU holds at once: the
     driver's own figure (without libvgpu) against SMs x threads per SM x the increase, the same
-    charged under a limit, and an increase past the limit refused (granted without libvgpu)."""
+    charged under a limit, an increase past the limit refused (granted without libvgpu), and the
+    stack lowered and raised again charged once (what the driver gives back when it is lowered is
+    reported)."""
     lim = 4 * GIB
     args = ["stack", "--bytes", "4096", "--over", str(lim)]
     bare = s.probe(args, s.env(False))
@@ -691,11 +693,16 @@ def check_ctx_stack(s):
     model = (bare["now"] - bare["first"]) * threads
     took = bare["base"]["free"] - bare["raised_info"]["free"]
     charged = j["base"]["free"] - j["raised_info"]["free"]
+    # Lowered back to the default: what the driver gave back (libvgpu keeps the charge until the
+    # context goes), and raised again: libvgpu must not charge the same memory twice.
+    gave_back = bare["restored_info"]["free"] - bare["raised_info"]["free"]
+    again = j["base"]["free"] - j["again_info"]["free"]
     summary = ("stack %d -> %d bytes a thread, %d SMs x %d threads: the driver took %s (model %s), libvgpu charged %s; "
-               "%d more bytes a thread (%s more): %s with libvgpu under %s, %s without") % (
+               "%d more bytes a thread (%s more): %s with libvgpu under %s, %s without; lowered to the first value, the driver "
+               "gave back %s; raised again, libvgpu charged %s in all") % (
         bare["first"], bare["now"], bare["sms"], bare["threads_per_sm"], human(took), human(model), human(charged),
         j["too_big"] - j["now"], human((j["too_big"] - j["now"]) * threads), j["too_big_result"], human(lim),
-        bare["too_big_result"])
+        bare["too_big_result"], human(gave_back), human(again))
     problems = []
     if abs(took - model) > max(64 * MIB, model // 10):
         problems.append("the driver took %s, not SMs x threads x the increase" % human(took))
@@ -703,6 +710,8 @@ def check_ctx_stack(s):
         problems.append("charged %s for the %s the driver took" % (human(charged), human(took)))
     if j["too_big_result"] != "CUDA_ERROR_OUT_OF_MEMORY" or j["too_big_now"] != j["now"]:
         problems.append("a stack past the limit was not refused before the driver set it")
+    if j["again"] != "CUDA_SUCCESS" or abs(again - charged) > 64 * MIB:
+        problems.append("raised again after it was lowered: %s, %s charged in all" % (j["again"], human(again)))
     if problems:
         raise Fail(summary + ". " + "; ".join(problems), v)
     return summary, v

@@ -15,6 +15,7 @@ mod api;
 mod capture;
 mod config;
 mod contexts;
+mod ctxlimits;
 mod dl;
 mod graphmem;
 mod guard;

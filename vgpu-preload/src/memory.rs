@@ -225,6 +225,7 @@ fn context_gone(st: &State, ctx: u64) {
     // back naming other work.
     streams_changed();
     crate::sm::context_gone(ctx);
+    crate::ctxlimits::context_gone(ctx);
     crate::graphmem::context_gone(st);
     pools::forget_current();
     // Stream-ordered allocations carry their pool, not their context: those of a pool the driver
@@ -824,7 +825,8 @@ pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcon
 /// context at once (the stack can reach gigabytes). Reserved before the driver is asked (refused
 /// over the limit, as the driver refuses what it has no room for), settled on the value the driver
 /// set (it may round), and released when the context goes. A lowered limit keeps its charge until
-/// then (the driver need not give the memory back).
+/// then (the driver need not give the memory back), so a raise charges only what lies above the
+/// highest value charged (`ctxlimits`), and one thread at a time charges.
 pub unsafe fn ctx_set_limit(real: f::cuCtxSetLimit, limit: i32, value: usize) -> CUresult {
     const STACK: i32 = 0; // CU_LIMIT_STACK_SIZE; 1 and 2: the printf FIFO and the malloc heap
     let st = state();
@@ -851,13 +853,16 @@ pub unsafe fn ctx_set_limit(real: f::cuCtxSetLimit, limit: i32, value: usize) ->
     } else {
         1
     };
+    let _turn = crate::ctxlimits::Turn::take();
     let (mut old, mut ctx) = (0usize, std::ptr::null_mut());
     // SAFETY: out-pointers to locals.
     let known = unsafe { get(&mut old, limit) == OK && cur(&mut ctx) == OK };
-    if per == 0 || !known || value <= old {
+    // Charged from the value the driver has, or from the highest one charged if it was lowered.
+    let from = old.max(crate::ctxlimits::charged_to(ctx as u64, limit as usize));
+    if per == 0 || !known || value <= from {
         return pass();
     }
-    let held = |v: usize| (v.saturating_sub(old) as u64).saturating_mul(per);
+    let held = |v: usize| (v.saturating_sub(from) as u64).saturating_mul(per);
     let estimate = held(value);
     let r = charged(st, d, estimate, pass);
     if r != OK {
@@ -873,6 +878,7 @@ pub unsafe fn ctx_set_limit(real: f::cuCtxSetLimit, limit: i32, value: usize) ->
     }) else {
         return CUresult::OUT_OF_MEMORY;
     };
+    crate::ctxlimits::set_charged_to(ctx as u64, limit as usize, now.max(from));
     // Charged to the context, released when it goes.
     if st.primary_ctx.get(ordinal as usize).is_some_and(|p| p.load(std::sync::atomic::Ordering::Acquire) == ctx as u64)
     {

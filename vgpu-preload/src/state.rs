@@ -217,6 +217,7 @@ impl State {
         crate::graphmem::after_fork();
         crate::pools::after_fork();
         crate::vmm::after_fork();
+        crate::ctxlimits::after_fork();
         self.ptrs.clear();
         self.handles.clear();
         self.contexts.clear();

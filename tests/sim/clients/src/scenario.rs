@@ -262,6 +262,7 @@ fn limits(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     steps.push(step("heap", HEAP, heap));
     steps.push(step("too big", STACK, too_big));
     steps.push(step("heap lowered", HEAP, 8 << 20));
+    steps.push(step("heap raised again", HEAP, heap));
     // SAFETY: the primary context retained by `setup`.
     unsafe { ck(api, (api.cuDevicePrimaryCtxReset_v2)(d), "cuDevicePrimaryCtxReset")? };
     steps.push(json!({"step": "reset", "mem_info": mem_info(api)}));

@@ -721,10 +721,13 @@ fn stack(args: &[String]) -> Result<Value, String> {
         let too_big = now + (over / all).ceil() as usize;
         let (big, big_now, big_info) = set(too_big)?;
         let (restored, _, restored_info) = set(first)?;
+        // Raised again after being lowered (as a library that raises the stack for one kernel does).
+        let (again, _, again_info) = set(bytes as usize)?;
+        set(first)?;
         Ok(json!({"sms": sms, "threads_per_sm": threads, "first": first, "base": base,
             "raised": raised, "now": now, "raised_info": raised_info,
             "too_big": too_big, "too_big_result": big, "too_big_now": big_now, "too_big_info": big_info,
-            "restored": restored, "restored_info": restored_info}))
+            "restored": restored, "restored_info": restored_info, "again": again, "again_info": again_info}))
     }
 }
 
