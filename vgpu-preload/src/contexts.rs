@@ -72,6 +72,17 @@ impl Contexts {
         mask
     }
 
+    /// Puts back the entries of `mask`, retired for `ctx` of region device `dev`, which did not go
+    /// after all (the driver refused to destroy it).
+    pub fn restore(&self, mask: u64, ctx: u64, dev: usize) {
+        let word = (dev as u64 + 1) << 56 | ctx;
+        for (i, e) in self.slots.iter().enumerate() {
+            if mask & (1u64 << (i + 1)) != 0 {
+                let _ = e.compare_exchange(RETIRED, word, AcqRel, Relaxed);
+            }
+        }
+    }
+
     /// Frees the entries of `mask` (once no allocation carries their ids any more).
     pub fn free(&self, mask: u64) {
         for (i, e) in self.slots.iter().enumerate() {
@@ -111,6 +122,17 @@ mod tests {
         assert_eq!(t.add(0x5000, 2), 1, "the same handle again (a new context) gets a fresh entry");
         assert_eq!(t.lookup(0x5000), Some((2, 1)));
         assert_eq!(t.retire(0x9999), 0);
+    }
+
+    #[test]
+    fn entries_put_back_keep_their_ids() {
+        let t = Contexts::new();
+        let (a, b) = (t.add(0x5000, 2), t.add(0x6000, 0));
+        let ids = t.retire(0x5000);
+        assert_eq!(t.lookup(0x5000), None);
+        t.restore(ids, 0x5000, 2);
+        assert_eq!(t.lookup(0x5000), Some((2, a)), "the same id, so its allocations are still its own");
+        assert_eq!(t.lookup(0x6000), Some((0, b)), "others untouched");
     }
 
     #[test]

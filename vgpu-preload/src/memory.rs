@@ -217,10 +217,42 @@ fn ctx_id(st: &State, d: usize) -> u64 {
     }
 }
 
+/// A context about to go, taken out of the bookkeeping before the driver is asked: once the driver
+/// has destroyed it, the same handle value may name another thread's new context at once, whose
+/// allocations (and overhead) a retire after the call would take for this one's.
+struct Going {
+    ctx: u64,
+    /// Its entries in `State::contexts`, retired, and their region device.
+    ids: u64,
+    dev: usize,
+    /// Its overhead's entry in `State::handles` (a context of its own).
+    overhead: Option<u64>,
+}
+
+impl Going {
+    #[cold]
+    fn new(st: &State, ctx: u64, own: bool) -> Going {
+        let dev = st.contexts.lookup(ctx).map_or(0, |(d, _)| d);
+        let ids = if ctx == 0 { 0 } else { st.contexts.retire(ctx) };
+        let overhead = if own { st.handles.remove(ctx | CTX_TAG) } else { None };
+        Going { ctx, ids, dev, overhead }
+    }
+
+    /// The driver refused: the context is still there, and so is what it holds.
+    #[cold]
+    fn stays(self, st: &State) {
+        st.contexts.restore(self.ids, self.ctx, self.dev);
+        if let Some(v) = self.overhead {
+            st.handles.insert(self.ctx | CTX_TAG, v);
+        }
+    }
+}
+
 /// A context went (destroyed, its primary context released for the last time, or reset), and the
-/// driver freed what was allocated in it: release those allocations from the container's usage.
+/// driver freed what was allocated in it: release those allocations (of its entries `ids`, retired)
+/// from the container's usage.
 #[cold]
-fn context_gone(st: &State, ctx: u64) {
+fn context_gone(st: &State, ctx: u64, ids: u64) {
     // Its streams went with it, and so did its modules, graphs and events: their handles may come
     // back naming other work.
     streams_changed();
@@ -231,7 +263,6 @@ fn context_gone(st: &State, ctx: u64) {
     // Stream-ordered allocations carry their pool, not their context: those of a pool the driver
     // now reports unused went with it too.
     let emptied = pools::emptied();
-    let ids = if ctx == 0 { 0 } else { st.contexts.retire(ctx) };
     if ids != 0 || emptied != 0 {
         let (mut n, mut bytes) = (0u64, 0u64);
         let gone = |v: u64| match ctx_of(v) {
@@ -772,14 +803,6 @@ fn destroying(key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     r
 }
 
-/// Releases what a handle charged; its device, if it was known.
-fn release_handle(key: u64) -> Option<usize> {
-    let st = state();
-    let (d, b) = st.handles.remove(key).map(unpack)?;
-    st.release(d, b);
-    Some(d)
-}
-
 pub unsafe fn array_destroy(real: f::cuArrayDestroy, arr: CUarray) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     destroying(arr as u64 | ARRAY_TAG, || unsafe { real(arr) })
@@ -901,17 +924,24 @@ fn primary_limits_gone(st: &State, ordinal: CUdevice, d: usize) {
 pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice) -> CUresult {
     let st = state();
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(dev) };
+    let call = || unsafe { real(dev) };
+    let (Ok(d), Some(refs)) = (st.dev_of(dev), st.primary_refs.get(dev as usize)) else { return call() };
+    let _g = st.primary_lock.lock().unwrap_or_else(|p| p.into_inner());
+    // The last release destroys the primary context, and what was allocated in it.
+    let last = refs.load(std::sync::atomic::Ordering::Acquire) == 1;
+    let going =
+        last.then(|| Going::new(st, st.primary_ctx[dev as usize].load(std::sync::atomic::Ordering::Acquire), false));
+    let r = call();
     if r != OK {
+        if let Some(g) = going {
+            g.stays(st);
+        }
         return r;
     }
-    let (Ok(d), Some(refs)) = (st.dev_of(dev), st.primary_refs.get(dev as usize)) else { return r };
-    let _g = st.primary_lock.lock().unwrap_or_else(|p| p.into_inner());
-    if refs.load(std::sync::atomic::Ordering::Acquire) == 1 {
+    if let Some(g) = going {
         st.release(d, st.cfg.context_overhead);
         primary_limits_gone(st, dev, d);
-        // The last release destroys the primary context, and what was allocated in it.
-        context_gone(st, st.primary_ctx[dev as usize].load(std::sync::atomic::Ordering::Acquire));
+        context_gone(st, g.ctx, g.ids);
         st.trueup.context_gone(st, d);
     }
     let _ = refs
@@ -926,7 +956,9 @@ pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> 
     if r == OK {
         let st = state();
         if let Some(c) = st.primary_ctx.get(dev as usize) {
-            context_gone(st, c.load(std::sync::atomic::Ordering::Acquire));
+            // The context stays (reset, not destroyed): its handle cannot name another one meanwhile.
+            let ctx = c.load(std::sync::atomic::Ordering::Acquire);
+            context_gone(st, ctx, if ctx == 0 { 0 } else { st.contexts.retire(ctx) });
         }
         if let Ok(d) = st.dev_of(dev) {
             primary_limits_gone(st, dev, d);
@@ -988,15 +1020,22 @@ unsafe fn created(pctx: *mut CUcontext, dev: CUdevice, call: impl FnOnce() -> CU
 }
 
 pub unsafe fn ctx_destroy(real: f::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
+    let st = state();
+    let going = Going::new(st, ctx as u64, true);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(ctx) };
-    if r == OK {
-        let st = state();
-        let dev = release_handle(ctx as u64 | CTX_TAG);
-        context_gone(st, ctx as u64);
-        if let Some(d) = dev {
-            st.trueup.context_gone(st, d);
-        }
+    if r != OK {
+        going.stays(st);
+        return r;
+    }
+    let dev = going.overhead.map(|v| {
+        let (d, b) = unpack(v);
+        st.release(d, b);
+        d
+    });
+    context_gone(st, going.ctx, going.ids);
+    if let Some(d) = dev {
+        st.trueup.context_gone(st, d);
     }
     r
 }

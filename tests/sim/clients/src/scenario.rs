@@ -92,7 +92,13 @@ scenarios:
   contexts [--size N]                   an explicit context: allocate in it, destroy it, and
                                         report memory before, during and after
   context-end [--how destroy|release|reset] [--create v2|v3|v4] [--size N] [--again N]
+              [--destroy-primary-first]
                                         allocate in a context, end it as told, allocate again
+                                        (first asking cuCtxDestroy to destroy the primary context)
+  context-reuse [--size N] [--again N] [--wait-ms T]
+                                        a context holding N destroyed while another thread makes
+                                        one T ms later and allocates --again in it: the memory
+                                        left while the destroy is in the driver and after it returns
   limits [--heap N] [--too-big N]       the primary context's stack raised to 4001 bytes a thread,
                                         its heap to N, its stack to --too-big, the heap lowered
                                         again; then the context reset, the stack raised again and
@@ -217,6 +223,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "threads" => threads(api, dev, &o),
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
+        "context-reuse" => context_reuse(api, dev, &o),
         "free-refused" => free_refused(api, dev, &o),
         "limits" => limits(api, dev, &o),
         "watch" => watch(api, dev, &o),
@@ -1444,6 +1451,63 @@ fn float_array(bytes: usize) -> CUDA_ARRAY3D_DESCRIPTOR {
 /// Allocates in a context (linear, pitched and an array: `--size` each, about), then ends the
 /// context `--how`: `destroy` (an explicit context), `release` (the primary context's last release,
 /// then retained again) or `reset` (`cuDevicePrimaryCtxReset`); then allocates `--again` bytes.
+/// A context destroyed while another thread makes one: where the driver gives the new context the
+/// destroyed one's handle (and returns from the destroy a while after the context went), what is
+/// charged for the new one must not go with the old one.
+fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    setup(api, dev)?;
+    let size = o.num("size", 100 << 20)? as usize;
+    let again = o.num("again", 200 << 20)? as usize;
+    let wait = o.num("wait-ms", 100)?;
+    let mut d = 0;
+    let mut a = std::ptr::null_mut();
+    let mut p = 0;
+    // SAFETY: out-pointers to locals; the context made is this thread's current one.
+    unsafe {
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        ck(api, (api.cuCtxCreate_v2)(&mut a, 0, d), "cuCtxCreate")?;
+        ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")?;
+    }
+    let base = mem_info(api);
+    let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
+    let (r, other) = std::thread::scope(|s| {
+        let t = s.spawn(|| -> Res<Value> {
+            std::thread::sleep(std::time::Duration::from_millis(wait));
+            let mut b = std::ptr::null_mut();
+            let mut q = 0;
+            // SAFETY: out-pointers to locals; the context made here is destroyed once, below.
+            unsafe {
+                ck(api, (api.cuCtxCreate_v2)(&mut b, 0, d), "cuCtxCreate")?;
+                made.store(true, SeqCst);
+                b_handle.store(b as usize, SeqCst);
+                ck(api, (api.cuMemAlloc_v2)(&mut q, again), "cuMemAlloc")?;
+            }
+            let during = mem_info(api);
+            while !destroyed.load(SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let after = mem_info(api);
+            // SAFETY: the allocation and context made above.
+            unsafe {
+                ck(api, (api.cuMemFree_v2)(q), "cuMemFree")?;
+                ck(api, (api.cuCtxDestroy_v2)(b), "cuCtxDestroy")?;
+            }
+            Ok(json!({"during": during, "after": after}))
+        });
+        // SAFETY: the context made above, destroyed once (with the allocation in it).
+        let r = unsafe { (api.cuCtxDestroy_v2)(a) };
+        let made_during = made.load(SeqCst);
+        destroyed.store(true, SeqCst);
+        ((r, made_during), t.join().map_err(|_| "the other thread panicked".to_string()))
+    });
+    let other = other??;
+    emit(json!({"event": "context-reuse", "destroy": error_name(api, r.0), "made_during_destroy": r.1,
+        "same_handle": b_handle.load(std::sync::atomic::Ordering::SeqCst) == a as usize,
+        "base": base, "during": other["during"], "after": other["after"]}));
+    Ok(())
+}
+
 fn context_end(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let primary = setup(api, dev)?;
     let size = o.num("size", 64 << 20)? as usize;
@@ -1482,6 +1546,14 @@ fn context_end(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         let mut arr = std::ptr::null_mut();
         ck(api, (api.cuArray3DCreate_v2)(&mut arr, &desc), "cuArray3DCreate")?;
         let during = mem_info(api);
+        // `cuCtxDestroy` of the primary context first, which the driver refuses (it is released or
+        // reset, not destroyed): nothing of it may go.
+        let refused = if o.flag("destroy-primary-first") {
+            let r = (api.cuCtxDestroy_v2)(primary);
+            json!({"result": error_name(api, r), "mem_info": mem_info(api)})
+        } else {
+            Value::Null
+        };
         match how {
             "destroy" => {
                 ck(api, (api.cuCtxDestroy_v2)(c), "cuCtxDestroy")?;
@@ -1498,7 +1570,7 @@ fn context_end(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         let mut r = 0;
         let again = (api.cuMemAlloc_v2)(&mut r, o.num("again", size as u64)? as usize);
         emit(json!({"event": "context_end", "how": how, "base": base, "during": during, "after": after,
-            "again": error_name(api, again), "again_mem_info": mem_info(api)}));
+            "again": error_name(api, again), "again_mem_info": mem_info(api), "destroy_primary_first": refused}));
     }
     Ok(())
 }

@@ -237,6 +237,42 @@ fn memory_the_driver_frees_with_a_context_is_given_back() {
     assert_eq!(physical_used(&s, 0), 0);
 }
 
+#[test]
+fn a_context_made_with_the_handle_of_one_being_destroyed_keeps_its_charge() {
+    // The driver gives a destroyed context's handle to the next context made (the simulated one
+    // does), here another thread's, made 100 ms into a destroy that returns 300 ms after the
+    // context went: the new context's 200 MiB allocation must not go with the old context's 100.
+    let s = Sim::new(Some(
+        "context_overhead_mib = 64\nctx_destroy_return_ms = 300\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+    ));
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["context-reuse", "--size", "100m", "--again", "200m"]));
+    assert_eq!(
+        (&v["destroy"], &v["made_during_destroy"], &v["same_handle"]),
+        (&json!("CUDA_SUCCESS"), &json!(true), &json!(true)),
+        "{v}"
+    );
+    let free = |k: &str| v[k]["free"].as_u64().unwrap();
+    // Two contexts of 64 MiB (the primary and the one destroyed) and 100 MiB in the latter.
+    assert_eq!(free("base"), (1024 - 128 - 100) * MIB, "{v}");
+    // The new context and its allocation charged; the old one's go once the driver returns.
+    assert_eq!(free("during"), free("base") - 64 * MIB - 200 * MIB, "{v}");
+    assert_eq!(free("after"), free("during") + 64 * MIB + 100 * MIB, "only the destroyed context's: {v}");
+}
+
+#[test]
+fn a_context_the_driver_refuses_to_destroy_keeps_what_it_holds() {
+    // cuCtxDestroy of a primary context is refused; what the hook took out of its bookkeeping
+    // before asking the driver is put back: still charged, and released when it is reset.
+    let s = Sim::new(Some(NODE));
+    let args = ["context-end", "--how", "reset", "--size", "200m", "--again", "100m", "--destroy-primary-first"];
+    let v = json1(&out(&mut s.limited(DIRECT, LIMIT), &args));
+    let refused = &v["destroy_primary_first"];
+    assert_eq!(refused["result"], "CUDA_ERROR_INVALID_CONTEXT", "{v}");
+    assert_eq!(refused["mem_info"], v["during"], "{v}");
+    assert_eq!(v["after"], v["base"], "released at the reset: {v}");
+    assert_eq!(v["again_mem_info"]["free"].as_u64(), Some((1024 - 64 - 100) * MIB), "{v}");
+}
+
 /// The lines of a `graph-mem` run, by step ("launched" lines in launch order).
 fn step_lines(o: &Output) -> Vec<Value> {
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));

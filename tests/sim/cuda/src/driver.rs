@@ -253,12 +253,28 @@ pub fn primary_state(ordinal: CUdevice) -> R<(u32, bool)> {
     Ok((0, PRIMARY[ordinal as usize].get().is_some_and(|c| c.refs.load(Acquire) > 0)))
 }
 
+/// Destroyed contexts, given to the next `cuCtxCreate` for their device (last gone, first given),
+/// the way a real driver's allocator hands a freed object's memory to the next one: the same handle
+/// then names another context.
+static SPARE_CTXS: Mutex<Vec<&'static Ctx>> = Mutex::new(Vec::new());
+
 pub fn ctx_create(ordinal: CUdevice) -> R<&'static Ctx> {
     let p = proc()?;
     let gpu = p.gpu_of(ordinal)?;
     p.node.reap();
     p.attach(gpu)?;
-    let c = Ctx::new(gpu, ordinal, false);
+    let spare = {
+        let mut s = SPARE_CTXS.lock().unwrap_or_else(|e| e.into_inner());
+        s.iter().rposition(|c| c.gpu == gpu && c.ordinal == ordinal).map(|i| s.remove(i))
+    };
+    let c = match spare {
+        Some(c) => {
+            // Its modules went and its limits were set back when it was destroyed.
+            c.magic.store(CTX_MAGIC, Release);
+            c
+        }
+        None => Ctx::new(gpu, ordinal, false),
+    };
     push(c);
     Ok(c)
 }
@@ -272,6 +288,11 @@ pub fn ctx_destroy(c: &'static Ctx) -> R<()> {
     c.magic.store(0, Release);
     STACK.with(|s| s.borrow_mut().retain(|x| !std::ptr::eq(*x, c)));
     p.detach(c.gpu);
+    SPARE_CTXS.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+    let delay = p.node.cfg.ctx_destroy_return_ns;
+    if delay > 0 {
+        std::thread::sleep(std::time::Duration::from_nanos(delay));
+    }
     Ok(())
 }
 
