@@ -59,9 +59,18 @@ pub fn set_charged_to(ctx: u64, limit: usize, value: usize) {
 }
 
 /// `ctx` went (destroyed, released for the last time, or reset to its defaults): its limits'
-/// charges went with it.
-pub fn context_gone(ctx: u64) {
-    charged().retain(|(c, _)| *c != ctx);
+/// charges went with it. What it had, to be put back if it did not go after all.
+pub fn context_gone(ctx: u64) -> Option<[usize; 3]> {
+    let mut m = charged();
+    let i = m.iter().position(|(c, _)| *c == ctx)?;
+    Some(m.swap_remove(i).1)
+}
+
+/// `ctx` did not go after all: its limits are charged up to `l` again.
+pub fn put_back(ctx: u64, l: [usize; 3]) {
+    let mut m = charged();
+    m.retain(|(c, _)| *c != ctx);
+    m.push((ctx, l));
 }
 
 /// A forked child has no contexts; a turn its parent's other threads held is over.
@@ -83,9 +92,14 @@ mod tests {
         set_charged_to(b, 0, 8192);
         assert_eq!((charged_to(a, 0), charged_to(a, 1), charged_to(a, 2)), (4096, 0, 200 << 20));
         assert_eq!(charged_to(b, 0), 8192);
-        context_gone(a);
+        let had = context_gone(a);
+        assert_eq!(had, Some([4096, 0, 200 << 20]));
         assert_eq!((charged_to(a, 0), charged_to(a, 2), charged_to(b, 0)), (0, 0, 8192));
+        put_back(a, had.unwrap());
+        assert_eq!((charged_to(a, 0), charged_to(a, 2)), (4096, 200 << 20), "it did not go after all");
+        context_gone(a);
         context_gone(b);
+        assert_eq!(context_gone(b), None);
     }
 
     #[test]

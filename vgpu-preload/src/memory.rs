@@ -227,6 +227,8 @@ struct Going {
     dev: usize,
     /// Its overhead's entry in `State::handles` (a context of its own).
     overhead: Option<u64>,
+    /// What its limits are charged up to (`ctxlimits`): a new context at its handle starts afresh.
+    limits: Option<[usize; 3]>,
 }
 
 impl Going {
@@ -235,7 +237,8 @@ impl Going {
         let dev = st.contexts.lookup(ctx).map_or(0, |(d, _)| d);
         let ids = if ctx == 0 { 0 } else { st.contexts.retire(ctx) };
         let overhead = if own { st.handles.remove(ctx | CTX_TAG) } else { None };
-        Going { ctx, ids, dev, overhead }
+        let limits = crate::ctxlimits::context_gone(ctx);
+        Going { ctx, ids, dev, overhead, limits }
     }
 
     /// The driver refused: the context is still there, and so is what it holds.
@@ -244,6 +247,9 @@ impl Going {
         st.contexts.restore(self.ids, self.ctx, self.dev);
         if let Some(v) = self.overhead {
             st.handles.insert(self.ctx | CTX_TAG, v);
+        }
+        if let Some(l) = self.limits {
+            crate::ctxlimits::put_back(self.ctx, l);
         }
     }
 }
@@ -257,7 +263,6 @@ fn context_gone(st: &State, ctx: u64, ids: u64) {
     // back naming other work.
     streams_changed();
     crate::sm::context_gone(ctx);
-    crate::ctxlimits::context_gone(ctx);
     crate::graphmem::context_gone(st);
     pools::forget_current();
     // Stream-ordered allocations carry their pool, not their context: those of a pool the driver
@@ -958,6 +963,7 @@ pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> 
         if let Some(c) = st.primary_ctx.get(dev as usize) {
             // The context stays (reset, not destroyed): its handle cannot name another one meanwhile.
             let ctx = c.load(std::sync::atomic::Ordering::Acquire);
+            crate::ctxlimits::context_gone(ctx);
             context_gone(st, ctx, if ctx == 0 { 0 } else { st.contexts.retire(ctx) });
         }
         if let Ok(d) = st.dev_of(dev) {

@@ -95,10 +95,11 @@ scenarios:
               [--destroy-primary-first]
                                         allocate in a context, end it as told, allocate again
                                         (first asking cuCtxDestroy to destroy the primary context)
-  context-reuse [--size N] [--again N] [--wait-ms T]
+  context-reuse [--size N] [--again N] [--wait-ms T] [--heap N]
                                         a context holding N destroyed while another thread makes
-                                        one T ms later and allocates --again in it: the memory
-                                        left while the destroy is in the driver and after it returns
+                                        one T ms later and allocates --again in it (each raising
+                                        its malloc heap to --heap): the memory left while the
+                                        destroy is in the driver and after it returns
   limits [--heap N] [--too-big N]       the primary context's stack raised to 4001 bytes a thread,
                                         its heap to N, its stack to --too-big, the heap lowered
                                         again; then the context reset, the stack raised again and
@@ -1460,6 +1461,9 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let size = o.num("size", 100 << 20)? as usize;
     let again = o.num("again", 200 << 20)? as usize;
     let wait = o.num("wait-ms", 100)?;
+    // Each context's malloc heap raised to this much (0: left as it is).
+    let heap = o.num("heap", 0)? as usize;
+    const HEAP: i32 = 2; // CU_LIMIT_MALLOC_HEAP_SIZE
     let mut d = 0;
     let mut a = std::ptr::null_mut();
     let mut p = 0;
@@ -1468,6 +1472,9 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
         ck(api, (api.cuCtxCreate_v2)(&mut a, 0, d), "cuCtxCreate")?;
         ck(api, (api.cuMemAlloc_v2)(&mut p, size), "cuMemAlloc")?;
+        if heap > 0 {
+            ck(api, (api.cuCtxSetLimit)(HEAP, heap), "cuCtxSetLimit")?;
+        }
     }
     let base = mem_info(api);
     let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
@@ -1482,6 +1489,9 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                 made.store(true, SeqCst);
                 b_handle.store(b as usize, SeqCst);
                 ck(api, (api.cuMemAlloc_v2)(&mut q, again), "cuMemAlloc")?;
+                if heap > 0 {
+                    ck(api, (api.cuCtxSetLimit)(HEAP, heap), "cuCtxSetLimit")?;
+                }
             }
             let during = mem_info(api);
             while !destroyed.load(SeqCst) {

@@ -241,22 +241,25 @@ fn memory_the_driver_frees_with_a_context_is_given_back() {
 fn a_context_made_with_the_handle_of_one_being_destroyed_keeps_its_charge() {
     // The driver gives a destroyed context's handle to the next context made (the simulated one
     // does), here another thread's, made 100 ms into a destroy that returns 300 ms after the
-    // context went: the new context's 200 MiB allocation must not go with the old context's 100.
+    // context went: the new context's 200 MiB allocation, and its malloc heap raised from 8 to
+    // 40 MiB, must not go with, or be taken for, the old context's 100 MiB and heap.
     let s = Sim::new(Some(
         "context_overhead_mib = 64\nctx_destroy_return_ms = 300\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
     ));
-    let v = json1(&out(&mut s.limited(RT, LIMIT), &["context-reuse", "--size", "100m", "--again", "200m"]));
+    let args = ["context-reuse", "--size", "100m", "--again", "200m", "--heap", "40m"];
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &args));
     assert_eq!(
         (&v["destroy"], &v["made_during_destroy"], &v["same_handle"]),
         (&json!("CUDA_SUCCESS"), &json!(true), &json!(true)),
         "{v}"
     );
     let free = |k: &str| v[k]["free"].as_u64().unwrap();
-    // Two contexts of 64 MiB (the primary and the one destroyed) and 100 MiB in the latter.
-    assert_eq!(free("base"), (1024 - 128 - 100) * MIB, "{v}");
-    // The new context and its allocation charged; the old one's go once the driver returns.
-    assert_eq!(free("during"), free("base") - 64 * MIB - 200 * MIB, "{v}");
-    assert_eq!(free("after"), free("during") + 64 * MIB + 100 * MIB, "only the destroyed context's: {v}");
+    // Two contexts of 64 MiB (the primary and the one destroyed), 100 MiB and 32 MiB more heap in
+    // the latter.
+    assert_eq!(free("base"), (1024 - 128 - 100 - 32) * MIB, "{v}");
+    // The new context, its allocation and heap charged; the old one's go once the driver returns.
+    assert_eq!(free("during"), free("base") - (64 + 200 + 32) * MIB, "{v}");
+    assert_eq!(free("after"), free("during") + (64 + 100 + 32) * MIB, "only the destroyed context's: {v}");
 }
 
 #[test]
