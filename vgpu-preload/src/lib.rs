@@ -5,7 +5,8 @@
 //! Layout: `api` declares the intercepted entry points once; `hooks` generates the exported symbols
 //! from it; `dl` overrides `dlsym`; `procaddr` rewrites `cuGetProcAddress` answers; `memory` and
 //! `nvml` are the policies (`pools` and `graphmem` charge what stream-ordered pools hold and what
-//! graphs allocate), and `sm` throttles launches (`capture` and `stale` keep its charges and
+//! graphs allocate, `vmm` follows physical allocations, `ctxlimits` what context limits are
+//! charged up to), and `sm` throttles launches (`capture` and `stale` keep its charges and
 //! estimates right); `state` holds the process's slot in the container's region.
 
 // Unit-test builds have no exported hooks, so most of the crate is unreachable there.

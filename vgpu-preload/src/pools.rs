@@ -112,7 +112,9 @@ pub fn index(handle: u64, d: usize) -> Option<usize> {
     }
     for (i, p) in POOLS.iter().enumerate() {
         let h = p.handle.load(Acquire);
-        if h == handle {
+        // A destroyed pool's entry lives on while allocations from it do, but its handle may
+        // already name a new pool, which gets an entry of its own.
+        if h == handle && !p.destroyed.load(Acquire) {
             return Some(i);
         }
         if h == 0 {
@@ -401,21 +403,35 @@ pub unsafe fn trim_to(real: f::cuMemPoolTrimTo, pool: CUmemoryPool, keep: usize)
     r
 }
 
+/// The pool's entry is marked destroyed before the driver is asked: once the driver has destroyed
+/// it, the same handle value may name another thread's new pool at once, which must not be taken
+/// for this one (its memory would be released as this one's). Unmarked if the driver refuses.
 pub unsafe fn destroy(real: f::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult {
+    let i = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64 && !p.destroyed.load(Acquire));
+    if let Some(i) = i {
+        POOLS[i].destroyed.store(true, Release);
+    }
     // SAFETY: as above.
     let r = unsafe { real(pool) };
-    if r == OK {
-        // A device whose current pool this was draws from its default pool from now on.
-        for c in &CURRENT {
-            let _ = c.compare_exchange(pool as u64, 0, Relaxed, Relaxed);
+    // Still this pool's entry (a free that emptied it meanwhile gave it up).
+    let entry = i.filter(|&i| POOLS[i].handle.load(Acquire) == pool as u64);
+    if r != OK {
+        if let Some(i) = entry {
+            // Frees meanwhile released their bytes at once, and a settle may have taken the pool
+            // for empty: a settle now charges again what it still holds.
+            POOLS[i].destroyed.store(false, Release);
+            let _ = settle(state(), i);
         }
-        if let Some(i) = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64) {
-            let p = &POOLS[i];
-            p.destroyed.store(true, Release);
-            let _ = settle(state(), i); // the slack goes: the driver frees what no allocation uses
-            if p.live.load(Acquire) == 0 {
-                release(p);
-            }
+        return r;
+    }
+    // A device whose current pool this was draws from its default pool from now on.
+    for c in &CURRENT {
+        let _ = c.compare_exchange(pool as u64, 0, Relaxed, Relaxed);
+    }
+    if let Some(i) = entry {
+        let _ = settle(state(), i); // the slack goes: the driver frees what no allocation uses
+        if POOLS[i].live.load(Acquire) == 0 {
+            release(&POOLS[i]);
         }
     }
     r

@@ -95,6 +95,12 @@ scenarios:
               [--destroy-primary-first]
                                         allocate in a context, end it as told, allocate again
                                         (first asking cuCtxDestroy to destroy the primary context)
+  pool-reuse [--size N] [--again N] [--wait-ms T]
+                                        (first the default pool given to cuMemPoolDestroy);
+                                        a pool that held N destroyed while another thread makes
+                                        one T ms later, keeping all it frees, and allocates and
+                                        frees --again from it: the memory left while the destroy
+                                        is in the driver and after it returns
   context-reuse [--size N] [--again N] [--wait-ms T] [--heap N]
                                         a context holding N destroyed while another thread makes
                                         one T ms later and allocates --again in it (each raising
@@ -225,6 +231,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
         "context-reuse" => context_reuse(api, dev, &o),
+        "pool-reuse" => pool_reuse(api, dev, &o),
         "free-refused" => free_refused(api, dev, &o),
         "limits" => limits(api, dev, &o),
         "watch" => watch(api, dev, &o),
@@ -1452,6 +1459,103 @@ fn float_array(bytes: usize) -> CUDA_ARRAY3D_DESCRIPTOR {
 /// Allocates in a context (linear, pitched and an array: `--size` each, about), then ends the
 /// context `--how`: `destroy` (an explicit context), `release` (the primary context's last release,
 /// then retained again) or `reset` (`cuDevicePrimaryCtxReset`); then allocates `--again` bytes.
+/// A memory pool destroyed while another thread makes one: where the driver gives the new pool the
+/// destroyed one's handle (and returns from the destroy a while after the pool went), what the new
+/// pool holds must not go with the old one.
+fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let ctx = setup(api, dev)? as usize;
+    let size = o.num("size", 100 << 20)? as usize;
+    let again = o.num("again", 200 << 20)? as usize;
+    let wait = o.num("wait-ms", 100)?;
+    let mut d = 0;
+    let (mut a, mut s, mut p) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
+    // SAFETY: out-pointers to locals; the pool properties are fully initialised; the allocation is
+    // freed once.
+    unsafe {
+        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
+    }
+    // First the device's current (default) pool, keeping 64 MiB freed into it, given to
+    // cuMemPoolDestroy, which refuses it: what it holds stays charged through a synchronisation.
+    let mut dp = std::ptr::null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: as above.
+    let refused = unsafe {
+        ck(api, (api.cuDeviceGetMemPool)(&mut dp, d), "cuDeviceGetMemPool")?;
+        let t = &mut keep as *mut u64 as *mut c_void;
+        ck(api, (api.cuMemPoolSetAttribute)(dp, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, t), "cuMemPoolSetAttribute")?;
+        ck(api, (api.cuMemAllocAsync)(&mut p, 64 << 20, s), "cuMemAllocAsync")?;
+        ck(api, (api.cuMemFreeAsync)(p, s), "cuMemFreeAsync")?;
+        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+        let before = mem_info(api);
+        let r = (api.cuMemPoolDestroy)(dp);
+        ck(api, (api.cuMemAllocAsync)(&mut p, 1 << 20, s), "cuMemAllocAsync")?;
+        ck(api, (api.cuMemFreeAsync)(p, s), "cuMemFreeAsync")?;
+        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+        let after = mem_info(api);
+        ck(api, (api.cuMemPoolTrimTo)(dp, 0), "cuMemPoolTrimTo")?;
+        json!({"result": error_name(api, r), "before": before, "after": after, "trimmed": mem_info(api)})
+    };
+    // SAFETY: as above.
+    unsafe {
+        ck(api, (api.cuMemPoolCreate)(&mut a, &CUmemPoolProps::device(d)), "cuMemPoolCreate")?;
+        ck(api, (api.cuMemAllocFromPoolAsync)(&mut p, size, a, s), "cuMemAllocFromPoolAsync")?;
+        ck(api, (api.cuMemFreeAsync)(p, s), "cuMemFreeAsync")?;
+        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+    }
+    let base = mem_info(api);
+    let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
+    let (r, other) = std::thread::scope(|sc| {
+        let t = sc.spawn(|| -> Res<Value> {
+            std::thread::sleep(std::time::Duration::from_millis(wait));
+            let (mut b, mut s2, mut q) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
+            let mut keep = u64::MAX;
+            // SAFETY: the primary context retained by `setup`; out-pointers to locals; the pool
+            // and stream made here are destroyed once, below.
+            unsafe {
+                (api.cuCtxSetCurrent)(ctx as CUcontext);
+                ck(api, (api.cuStreamCreate)(&mut s2, 0), "cuStreamCreate")?;
+                ck(api, (api.cuMemPoolCreate)(&mut b, &CUmemPoolProps::device(d)), "cuMemPoolCreate")?;
+                made.store(true, SeqCst);
+                b_handle.store(b as usize, SeqCst);
+                let t = &mut keep as *mut u64 as *mut c_void;
+                ck(api, (api.cuMemPoolSetAttribute)(b, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, t), "cuMemPoolSetAttribute")?;
+                ck(api, (api.cuMemAllocFromPoolAsync)(&mut q, again, b, s2), "cuMemAllocFromPoolAsync")?;
+                ck(api, (api.cuMemFreeAsync)(q, s2), "cuMemFreeAsync")?;
+                ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
+            }
+            let during = mem_info(api);
+            while !destroyed.load(SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let after = mem_info(api);
+            // SAFETY: as above.
+            unsafe {
+                ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
+            }
+            let synchronised = mem_info(api);
+            // SAFETY: as above.
+            unsafe {
+                ck(api, (api.cuMemPoolDestroy)(b), "cuMemPoolDestroy")?;
+            }
+            Ok(json!({"during": during, "after": after, "synchronised": synchronised, "destroyed": mem_info(api)}))
+        });
+        // SAFETY: the pool made above, destroyed once (nothing of it is allocated).
+        let r = unsafe { (api.cuMemPoolDestroy)(a) };
+        let made_during = made.load(SeqCst);
+        destroyed.store(true, SeqCst);
+        ((r, made_during), t.join().map_err(|_| "the other thread panicked".to_string()))
+    });
+    let other = other??;
+    emit(
+        json!({"event": "pool-reuse", "default_destroyed": refused, "destroy": error_name(api, r.0), "made_during_destroy": r.1,
+        "same_handle": b_handle.load(SeqCst) == a as usize, "base": base, "during": other["during"],
+        "after": other["after"], "synchronised": other["synchronised"], "destroyed": other["destroyed"]}),
+    );
+    Ok(())
+}
+
 /// A context destroyed while another thread makes one: where the driver gives the new context the
 /// destroyed one's handle (and returns from the destroy a while after the context went), what is
 /// charged for the new one must not go with the old one.

@@ -244,7 +244,7 @@ fn a_context_made_with_the_handle_of_one_being_destroyed_keeps_its_charge() {
     // context went: the new context's 200 MiB allocation, and its malloc heap raised from 8 to
     // 40 MiB, must not go with, or be taken for, the old context's 100 MiB and heap.
     let s = Sim::new(Some(
-        "context_overhead_mib = 64\nctx_destroy_return_ms = 300\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+        "context_overhead_mib = 64\ndestroy_return_ms = 300\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
     ));
     let args = ["context-reuse", "--size", "100m", "--again", "200m", "--heap", "40m"];
     let v = json1(&out(&mut s.limited(RT, LIMIT), &args));
@@ -260,6 +260,35 @@ fn a_context_made_with_the_handle_of_one_being_destroyed_keeps_its_charge() {
     // The new context, its allocation and heap charged; the old one's go once the driver returns.
     assert_eq!(free("during"), free("base") - (64 + 200 + 32) * MIB, "{v}");
     assert_eq!(free("after"), free("during") + (64 + 100 + 32) * MIB, "only the destroyed context's: {v}");
+}
+
+#[test]
+fn a_pool_made_with_the_handle_of_one_being_destroyed_keeps_its_charge() {
+    // The same for a memory pool: the new pool keeps the 200 MiB freed into it (its release
+    // threshold at the maximum), which must stay charged when the old pool's destroy returns.
+    let s = Sim::new(Some(
+        "context_overhead_mib = 64\ndestroy_return_ms = 300\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+    ));
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["pool-reuse", "--size", "100m", "--again", "200m"]));
+    assert_eq!(
+        (&v["destroy"], &v["made_during_destroy"], &v["same_handle"]),
+        (&json!("CUDA_SUCCESS"), &json!(true), &json!(true)),
+        "{v}"
+    );
+    // The device's default pool, holding 64 MiB, is not destroyed (the driver refuses): through an
+    // allocation and a synchronisation after the refusal it stays charged.
+    let refused = &v["default_destroyed"];
+    assert_eq!(refused["result"], "CUDA_ERROR_INVALID_VALUE", "{v}");
+    assert_eq!(refused["before"]["free"].as_u64(), Some((1024 - 64 - 64) * MIB), "{v}");
+    assert_eq!(refused["after"], refused["before"], "{v}");
+    assert_eq!(refused["trimmed"]["free"].as_u64(), Some((1024 - 64) * MIB), "{v}");
+    let free = |k: &str| v[k]["free"].as_u64().unwrap();
+    // The first pool was trimmed at its synchronisation: only the context is charged.
+    assert_eq!(free("base"), (1024 - 64) * MIB, "{v}");
+    assert_eq!(free("during"), free("base") - 200 * MIB, "the new pool keeps what was freed into it: {v}");
+    assert_eq!(free("after"), free("during"), "nothing of it goes with the old pool: {v}");
+    assert_eq!(free("synchronised"), free("during"), "{v}");
+    assert_eq!(free("destroyed"), free("base"), "and it goes with its own: {v}");
 }
 
 #[test]

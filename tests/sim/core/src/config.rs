@@ -19,7 +19,7 @@ struct RawConfig {
     mps: Option<bool>,
     graph_memory_mapped_at: Option<String>,
     pool_trim_return_ms: Option<u64>,
-    ctx_destroy_return_ms: Option<u64>,
+    destroy_return_ms: Option<u64>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
 }
@@ -67,9 +67,9 @@ pub struct Config {
     /// `cuMemPoolTrimTo` returns this long after it let the memory go (a driver's unmapping and
     /// freeing take time; meanwhile NVML already shows the process without it).
     pub pool_trim_return_ns: u64,
-    /// `cuCtxDestroy` returns this long after the context went (its handle may name the next
-    /// context made meanwhile).
-    pub ctx_destroy_return_ns: u64,
+    /// `cuCtxDestroy` and `cuMemPoolDestroy` return this long after the context or pool went (its
+    /// handle may name the next one made meanwhile).
+    pub destroy_return_ns: u64,
     pub cuda_version: i32,
     pub driver_version: String,
     pub context_overhead_bytes: u64,
@@ -180,7 +180,7 @@ impl Config {
         };
         Ok(Config {
             pool_trim_return_ns: raw.pool_trim_return_ms.unwrap_or(0) * 1_000_000,
-            ctx_destroy_return_ns: raw.ctx_destroy_return_ms.unwrap_or(0) * 1_000_000,
+            destroy_return_ns: raw.destroy_return_ms.unwrap_or(0) * 1_000_000,
             cuda_version: raw.cuda_version.unwrap_or(12040),
             driver_version: raw.driver_version.unwrap_or_else(|| "550.54.15".into()),
             context_overhead_bytes: raw.context_overhead_mib.unwrap_or(256) << 20,

@@ -105,6 +105,8 @@ struct Mem {
     /// the way a real driver's allocator hands a freed object's memory to the next one: the same
     /// value then names another allocation as soon as the driver has let it go.
     spare_handles: Vec<u64>,
+    /// Values of pools that went, given to the next `cuMemPoolCreate` first, the same way.
+    spare_pools: Vec<u64>,
     reserves: BTreeMap<u64, Reservation>,
     pools: HashMap<u64, Pool>,
     /// array handle -> (gpu, size)
@@ -666,8 +668,10 @@ pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
     }
     let gpu = if host { current()?.gpu } else { proc()?.gpu_of(props.location.id)? };
     Ok(with_mem!(m => {
-        m.next_id += 1;
-        let id = m.next_id;
+        let id = m.spare_pools.pop().unwrap_or_else(|| {
+            m.next_id += 1;
+            m.next_id
+        });
         m.pools.insert(id, Pool { gpu, host, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: false, destroyed: false });
         id
     }))
@@ -695,10 +699,15 @@ pub fn pool_destroy(id: u64) -> R<()> {
         let gpu = p.gpu;
         if p.used == 0 {
             m.pools.remove(&id);
+            m.spare_pools.push(id);
         }
         Ok::<_, CUresult>((gpu, freed))
     })?;
     pr.uncharge(gpu, freed);
+    let delay = pr.node.cfg.destroy_return_ns;
+    if delay > 0 {
+        std::thread::sleep(std::time::Duration::from_nanos(delay));
+    }
     Ok(())
 }
 
@@ -763,6 +772,7 @@ pub fn free_async(ptr: CUdeviceptr) -> R<()> {
                 }
                 if gone {
                     m.pools.remove(&id);
+                    m.spare_pools.push(id);
                 }
                 freed
             });
