@@ -1459,6 +1459,15 @@ fn float_array(bytes: usize) -> CUDA_ARRAY3D_DESCRIPTOR {
 /// Allocates in a context (linear, pitched and an array: `--size` each, about), then ends the
 /// context `--how`: `destroy` (an explicit context), `release` (the primary context's last release,
 /// then retained again) or `reset` (`cuDevicePrimaryCtxReset`); then allocates `--again` bytes.
+/// The memory left now and once `done` is set (by another thread).
+fn around(api: &Api, done: &std::sync::atomic::AtomicBool) -> (Value, Value) {
+    let now = mem_info(api);
+    while !done.load(std::sync::atomic::Ordering::SeqCst) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    (now, mem_info(api))
+}
+
 /// A memory pool destroyed while another thread makes one: where the driver gives the new pool the
 /// destroyed one's handle (and returns from the destroy a while after the pool went), what the new
 /// pool holds must not go with the old one.
@@ -1525,11 +1534,7 @@ fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                 ck(api, (api.cuMemFreeAsync)(q, s2), "cuMemFreeAsync")?;
                 ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
             }
-            let during = mem_info(api);
-            while !destroyed.load(SeqCst) {
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-            let after = mem_info(api);
+            let (during, after) = around(api, &destroyed);
             // SAFETY: as above.
             unsafe {
                 ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
@@ -1597,11 +1602,7 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                     ck(api, (api.cuCtxSetLimit)(HEAP, heap), "cuCtxSetLimit")?;
                 }
             }
-            let during = mem_info(api);
-            while !destroyed.load(SeqCst) {
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-            let after = mem_info(api);
+            let (during, after) = around(api, &destroyed);
             // SAFETY: the allocation and context made above.
             unsafe {
                 ck(api, (api.cuMemFree_v2)(q), "cuMemFree")?;
