@@ -255,10 +255,11 @@ impl Going {
 }
 
 /// A context went (destroyed, its primary context released for the last time, or reset), and the
-/// driver freed what was allocated in it: release those allocations (of its entries `ids`, retired)
-/// from the container's usage.
+/// driver freed what was allocated in it: release those allocations (of its entries, retired in
+/// `going`) from the container's usage.
 #[cold]
-fn context_gone(st: &State, ctx: u64, ids: u64) {
+fn context_gone(st: &State, going: Going) {
+    let Going { ctx, ids, .. } = going;
     // Its streams went with it, and so did its modules, graphs and events: their handles may come
     // back naming other work.
     streams_changed();
@@ -946,7 +947,7 @@ pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice)
     if let Some(g) = going {
         st.release(d, st.cfg.context_overhead);
         primary_limits_gone(st, dev, d);
-        context_gone(st, g.ctx, g.ids);
+        context_gone(st, g);
         st.trueup.context_gone(st, d);
     }
     let _ = refs
@@ -961,10 +962,9 @@ pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> 
     if r == OK {
         let st = state();
         if let Some(c) = st.primary_ctx.get(dev as usize) {
-            // The context stays (reset, not destroyed): its handle cannot name another one meanwhile.
-            let ctx = c.load(std::sync::atomic::Ordering::Acquire);
-            crate::ctxlimits::context_gone(ctx);
-            context_gone(st, ctx, if ctx == 0 { 0 } else { st.contexts.retire(ctx) });
+            // Taken out after the driver's call: a reset context stays, so its handle cannot name
+            // another one meanwhile.
+            context_gone(st, Going::new(st, c.load(std::sync::atomic::Ordering::Acquire), false));
         }
         if let Ok(d) = st.dev_of(dev) {
             primary_limits_gone(st, dev, d);
@@ -1039,7 +1039,7 @@ pub unsafe fn ctx_destroy(real: f::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult 
         st.release(d, b);
         d
     });
-    context_gone(st, going.ctx, going.ids);
+    context_gone(st, going);
     if let Some(d) = dev {
         st.trueup.context_gone(st, d);
     }

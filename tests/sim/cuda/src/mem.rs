@@ -466,13 +466,18 @@ pub fn create(size: u64, prop: &CUmemAllocationProp) -> R<u64> {
         return Err(CUresult::OUT_OF_MEMORY);
     }
     Ok(with_mem!(m => {
-        let h = m.spare_handles.pop().unwrap_or_else(|| {
-            m.next_id += 1;
-            m.next_id
-        });
+        let h = reused_or_new(&mut m.spare_handles, &mut m.next_id);
         m.handles.insert(h, PhysHandle { gpu, size, fd, maps: 0, refs: 1 });
         h
     }))
+}
+
+/// The value that went last of `spare`, else a new one.
+fn reused_or_new(spare: &mut Vec<u64>, next_id: &mut u64) -> u64 {
+    spare.pop().unwrap_or_else(|| {
+        *next_id += 1;
+        *next_id
+    })
 }
 
 fn drop_handle_if_done(m: &mut Mem, h: u64) {
@@ -668,10 +673,7 @@ pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
     }
     let gpu = if host { current()?.gpu } else { proc()?.gpu_of(props.location.id)? };
     Ok(with_mem!(m => {
-        let id = m.spare_pools.pop().unwrap_or_else(|| {
-            m.next_id += 1;
-            m.next_id
-        });
+        let id = reused_or_new(&mut m.spare_pools, &mut m.next_id);
         m.pools.insert(id, Pool { gpu, host, reserved: 0, used: 0, high_reserved: 0, high_used: 0, threshold: 0, default: false, destroyed: false });
         id
     }))
