@@ -229,6 +229,8 @@ struct Going {
     overhead: Option<u64>,
     /// What its limits are charged up to (`ctxlimits`): a new context at its handle starts afresh.
     limits: Option<[usize; 3]>,
+    /// Its timing events (`sm`), which the driver destroys with it.
+    events: crate::sm::Events,
 }
 
 impl Going {
@@ -238,7 +240,8 @@ impl Going {
         let ids = if ctx == 0 { 0 } else { st.contexts.retire(ctx) };
         let overhead = if own { st.handles.remove(ctx | CTX_TAG) } else { None };
         let limits = crate::ctxlimits::context_gone(ctx);
-        Going { ctx, ids, dev, overhead, limits }
+        let events = crate::sm::take_events(ctx);
+        Going { ctx, ids, dev, overhead, limits, events }
     }
 
     /// The driver refused: the context is still there, and so is what it holds.
@@ -251,6 +254,7 @@ impl Going {
         if let Some(l) = self.limits {
             crate::ctxlimits::put_back(self.ctx, l);
         }
+        crate::sm::put_back(self.events);
     }
 }
 
@@ -259,11 +263,11 @@ impl Going {
 /// `going`) from the container's usage.
 #[cold]
 fn context_gone(st: &State, going: Going) {
-    let Going { ctx, ids, .. } = going;
+    let Going { ids, .. } = going;
     // Its streams went with it, and so did its modules, graphs and events: their handles may come
     // back naming other work.
     streams_changed();
-    crate::sm::context_gone(ctx);
+    crate::sm::context_gone();
     crate::graphmem::context_gone(st);
     pools::forget_current();
     // Stream-ordered allocations carry their pool, not their context: those of a pool the driver
@@ -957,18 +961,26 @@ pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice)
 
 /// Resetting a primary context frees every allocation made in it; the context stays retained.
 pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> CUresult {
+    let st = state();
+    let ctx = st.primary_ctx.get(dev as usize).map(|c| c.load(std::sync::atomic::Ordering::Acquire));
+    // Its timing events go with the reset: out of use before the driver is asked, so that no other
+    // thread's collection asks about them once they are gone.
+    let events = ctx.map(crate::sm::take_events);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
     let r = unsafe { real(dev) };
-    if r == OK {
-        let st = state();
-        if let Some(c) = st.primary_ctx.get(dev as usize) {
-            // Taken out after the driver's call: a reset context stays, so its handle cannot name
-            // another one meanwhile.
-            context_gone(st, Going::new(st, c.load(std::sync::atomic::Ordering::Acquire), false));
+    if r != OK {
+        if let Some(e) = events {
+            crate::sm::put_back(e);
         }
-        if let Ok(d) = st.dev_of(dev) {
-            primary_limits_gone(st, dev, d);
-        }
+        return r;
+    }
+    if let Some(c) = ctx {
+        // The rest is taken out after the driver's call: a reset context stays, so its handle cannot
+        // name another one meanwhile, and what its threads allocated until the reset went with it.
+        context_gone(st, Going::new(st, c, false));
+    }
+    if let Ok(d) = st.dev_of(dev) {
+        primary_limits_gone(st, dev, d);
     }
     r
 }

@@ -266,14 +266,54 @@ fn forget_where(reset: impl FnOnce(&Estimates), dropped: impl Fn(u64) -> bool) {
     }
 }
 
-/// Context `ctx` went (0: a context this process cannot name), and the driver destroyed its events
-/// with it: every estimate and measurement is forgotten (its modules went too), and none of its
-/// events is used again (a destroyed event's handle may be a dangling pointer in the driver).
-pub fn context_gone(ctx: u64) {
-    forget_all();
-    if let Ok(mut s) = SPARE_EVENTS.lock() {
-        s.retain(|&(c, _)| ctx != 0 && c != ctx);
+/// The events of a context about to end (see `memory::Going`), spare and in measurements in flight,
+/// taken out before the driver is asked: once it has ended the context, they are dangling handles
+/// (the driver destroyed them with it), and the same context handle may at once name another
+/// thread's new context, which must not be given them, nor have a collection ask about them.
+#[derive(Default)]
+pub struct Events {
+    spare: Vec<(u64, usize)>,
+    pending: Vec<Sample>,
+}
+
+/// Takes the events of context `ctx` (0: a context this process cannot name, whose events cannot be
+/// told from the others': every event) out of use.
+#[cold]
+pub fn take_events(ctx: u64) -> Events {
+    let mine = |c: u64| ctx == 0 || c == ctx;
+    let mut out = Events::default();
+    // PENDING before SPARE_EVENTS, the order a collection takes them in.
+    let mut p = PENDING.lock().unwrap_or_else(|p| p.into_inner());
+    let mut i = 0;
+    while i < p.len() {
+        if mine(p[i].ctx) {
+            out.pending.push(p.remove(i));
+        } else {
+            i += 1;
+        }
     }
+    PENDING_N.fetch_sub(out.pending.len() as u64, Relaxed);
+    let mut s = SPARE_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
+    let (gone, kept) = s.drain(..).partition(|&(c, _)| mine(c));
+    (out.spare, *s) = (gone, kept);
+    out
+}
+
+/// The driver refused to end the context: its events are still good.
+#[cold]
+pub fn put_back(e: Events) {
+    let mut p = PENDING.lock().unwrap_or_else(|p| p.into_inner());
+    PENDING_N.fetch_add(e.pending.len() as u64, Relaxed);
+    p.extend(e.pending);
+    SPARE_EVENTS.lock().unwrap_or_else(|p| p.into_inner()).extend(e.spare);
+}
+
+/// A context went, and its modules with it: every estimate and measurement in flight is forgotten
+/// (a function handle may come back naming another kernel). Its events were taken out of use
+/// before (see [`take_events`]); not after, when a new context may have the same handle and events
+/// of its own.
+pub fn context_gone() {
+    forget_all();
 }
 
 /// GPU time (ns, per device) the thread has charged to the container's budget for launches it has
@@ -1013,17 +1053,41 @@ mod tests {
         let spare = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
         assert_eq!(spare.len(), 4, "{spare:x?}");
 
-        // Events are handed out only for their own context, and a context's end takes its events
-        // (the driver destroyed them) but not another's.
+        // Events are handed out only for their own context, and a context about to end gives up
+        // its events, spare and in flight (the driver destroys them with it), but not another's.
         super::spare(0xc1, &[0x500 as CUevent, 0x501 as CUevent]);
         super::spare(0xc2, &[0x600 as CUevent]);
         assert_eq!(event(0xc2), Some(0x600 as CUevent));
         assert_eq!(event(0xc1), Some(0x501 as CUevent));
         assert_eq!(event(0), None, "a stream whose context is unknown is not measured");
         super::spare(0xc2, &[0x600 as CUevent]);
-        context_gone(0xc1);
+        {
+            let mut p = PENDING.lock().unwrap();
+            p.push(sample(g, 0x700));
+            p.push(Sample { ctx: 0xc2, ..sample(g, 0x800) });
+            PENDING_N.fetch_add(2, Relaxed);
+        }
+        let taken = take_events(0xc1);
+        let ends = |p: &[Sample]| p.iter().map(|s| s.end as usize).collect::<Vec<_>>();
+        assert_eq!((taken.spare.as_slice(), ends(&taken.pending)), (&[(0xc1, 0x500)][..], vec![0x701]));
+        assert_eq!(event(0xc1), None, "none of its events is given out while it ends");
+        assert_eq!(ends(&PENDING.lock().unwrap()), [0x801], "nor asked about");
+        assert_eq!(PENDING_N.load(Relaxed), 1);
+        // The driver refused: they are back.
+        put_back(taken);
+        assert_eq!(PENDING_N.load(Relaxed), 2);
+        assert_eq!(event(0xc1), Some(0x500 as CUevent));
+        // It went: its events are gone for good, the other context's are kept.
+        super::spare(0xc1, &[0x500 as CUevent]);
+        drop(take_events(0xc1));
+        context_gone();
         let left = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
-        assert_eq!(left, [(0xc2, 0x600)], "{left:x?}");
+        assert_eq!(left, [(0xc2, 0x600), (0xc2, 0x800), (0xc2, 0x801)], "{left:x?}");
+        assert_eq!(PENDING_N.load(Relaxed), 0);
+        // A context this process cannot name takes every event with it.
+        super::spare(0xc2, &[0x600 as CUevent]);
+        assert!(take_events(0).spare.contains(&(0xc2, 0x600)));
+        assert!(SPARE_EVENTS.lock().unwrap().is_empty());
     }
 
     #[test]

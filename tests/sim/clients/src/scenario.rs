@@ -101,11 +101,15 @@ scenarios:
                                         one T ms later, keeping all it frees, and allocates and
                                         frees --again from it: the memory left while the destroy
                                         is in the driver and after it returns
-  context-reuse [--size N] [--again N] [--wait-ms T] [--heap N]
+  context-reuse [--size N] [--again N] [--wait-ms T] [--heap N] [--launches K]
                                         a context holding N destroyed while another thread makes
                                         one T ms later and allocates --again in it (each raising
-                                        its malloc heap to --heap): the memory left while the
+                                        its malloc heap to --heap, and launching K kernels twice,
+                                        synchronising after each K): the memory left while the
                                         destroy is in the driver and after it returns
+  reset-race [--other D] [--launches K] the primary context reset (after two rounds of K launches,
+                                        the last not synchronised) while another thread launches
+                                        rounds of K on device D's
   limits [--heap N] [--too-big N]       the primary context's stack raised to 4001 bytes a thread,
                                         its heap to N, its stack to --too-big, the heap lowered
                                         again; then the context reset, the stack raised again and
@@ -231,6 +235,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "contexts" => contexts(api, dev, &o),
         "context-end" => context_end(api, dev, &o),
         "context-reuse" => context_reuse(api, dev, &o),
+        "reset-race" => reset_race(api, dev, &o),
         "pool-reuse" => pool_reuse(api, dev, &o),
         "free-refused" => free_refused(api, dev, &o),
         "limits" => limits(api, dev, &o),
@@ -1290,6 +1295,9 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             }
         };
         let (mut fk, mut module) = (f, m);
+        // The events that time the run. A reset destroys them with the context's other objects:
+        // new ones then time what runs after it.
+        let events = std::cell::Cell::new((e0, e1));
         // The stream launched into (--restream-after replaces it).
         let cur = std::cell::Cell::new(s);
         let mut one = || -> CUresult {
@@ -1308,8 +1316,8 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             }
             let s = cur.get();
             if reload_after > 0 && n == reload_after {
-                // A reset takes the context's modules with it. (The simulated driver keeps the
-                // context's streams and events, which a real one would also destroy.)
+                // A reset takes the context's modules and events with it. (The simulated driver
+                // keeps the context's streams, which a real one would also destroy.)
                 let r = match reload_how {
                     "reset" => (api.cuDevicePrimaryCtxReset_v2)(dev),
                     _ if library => (api.cuLibraryUnload)(module),
@@ -1321,6 +1329,16 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
                 match load(&reload_kernel) {
                     Ok(x) => (module, fk) = x,
                     Err(_) => return CUresult::UNKNOWN,
+                }
+                if reload_how == "reset" {
+                    let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
+                    for r in [(api.cuEventCreate)(&mut a, 0), (api.cuEventCreate)(&mut b, 0), (api.cuEventRecord)(a, s)]
+                    {
+                        if r != CUresult::SUCCESS {
+                            return r;
+                        }
+                    }
+                    events.set((a, b));
                 }
             }
             if regraph_after > 0 && n == regraph_after {
@@ -1380,6 +1398,7 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             }
         }
         let mut ms = 0f32;
+        let (e0, e1) = events.get();
         if restream_after > 0 && launches > restream_after {
             // The events are the first stream's context's: no GPU time is reported.
             ck(api, (api.cuStreamSynchronize)(cur.get()), "cuStreamSynchronize")?;
@@ -1564,6 +1583,64 @@ fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 /// A context destroyed while another thread makes one: where the driver gives the new context the
 /// destroyed one's handle (and returns from the destroy a while after the context went), what is
 /// charged for the new one must not go with the old one.
+/// Two rounds of `k` launches of a 200 us kernel on the current context's default stream, the
+/// first synchronised, the second too when `sync`. Under an SM limit the interposer then holds
+/// timing events of the context, spare (the first round's, collected during the second) and in
+/// flight.
+fn kernel_rounds(api: &Api, k: u64, sync: bool) -> Res<()> {
+    let (mut m, mut f) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: out-pointers to locals, a NUL-terminated image and name; the kernel takes no
+    // parameters.
+    unsafe {
+        ck(api, (api.cuModuleLoadData)(&mut m, c"vgpu-sim module".as_ptr() as *const c_void), "cuModuleLoadData")?;
+        ck(api, (api.cuModuleGetFunction)(&mut f, m, c"sleep_200us".as_ptr()), "cuModuleGetFunction")?;
+        for round in 0..2 {
+            for _ in 0..k {
+                let (none, s) = (std::ptr::null_mut(), std::ptr::null_mut());
+                ck(api, (api.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, s, none, none), "cuLaunchKernel")?;
+            }
+            if round == 0 || sync {
+                ck(api, (api.cuCtxSynchronize)(), "cuCtxSynchronize")?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The primary context of `dev` reset while another thread launches under the limit on device
+/// `--other`: the reset context's timing events in flight must not be asked about once the driver
+/// has destroyed them.
+fn reset_race(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let other = o.num("other", 1)? as i32;
+    let k = o.num("launches", 64)?;
+    setup(api, dev)?;
+    kernel_rounds(api, k, false)?;
+    let (ready, reset) = (AtomicBool::new(false), AtomicBool::new(false));
+    let (r, rounds) = std::thread::scope(|s| {
+        let t = s.spawn(|| -> Res<u64> {
+            let go = setup(api, other);
+            ready.store(true, SeqCst);
+            go?;
+            let mut rounds = 0;
+            while !reset.load(SeqCst) {
+                kernel_rounds(api, k, true)?;
+                rounds += 1;
+            }
+            Ok(rounds)
+        });
+        while !ready.load(SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // SAFETY: a plain call with a device ordinal.
+        let r = unsafe { (api.cuDevicePrimaryCtxReset_v2)(dev) };
+        reset.store(true, SeqCst);
+        (r, t.join().map_err(|_| "the other thread panicked".to_string()))
+    });
+    emit(json!({"event": "reset-race", "reset": error_name(api, r), "rounds_during_reset": rounds??}));
+    Ok(())
+}
+
 fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
     setup(api, dev)?;
@@ -1573,6 +1650,10 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     // Each context's malloc heap raised to this much (0: left as it is).
     let heap = o.num("heap", 0)? as usize;
     const HEAP: i32 = 2; // CU_LIMIT_MALLOC_HEAP_SIZE
+                         // Kernels each context launches, twice, synchronising after each round: under an SM limit, the
+                         // interposer then holds timing events of the context, spare and in flight, when it ends.
+    let launches = o.num("launches", 0)?;
+    let run = || if launches == 0 { Ok(()) } else { kernel_rounds(api, launches, true) };
     let mut d = 0;
     let mut a = std::ptr::null_mut();
     let mut p = 0;
@@ -1585,6 +1666,7 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             ck(api, (api.cuCtxSetLimit)(HEAP, heap), "cuCtxSetLimit")?;
         }
     }
+    run()?;
     let base = mem_info(api);
     let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
     let (r, other) = std::thread::scope(|s| {
@@ -1602,13 +1684,15 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                     ck(api, (api.cuCtxSetLimit)(HEAP, heap), "cuCtxSetLimit")?;
                 }
             }
+            run()?;
+            let ran_during = !destroyed.load(SeqCst);
             let (during, after) = around(api, &destroyed);
             // SAFETY: the allocation and context made above.
             unsafe {
                 ck(api, (api.cuMemFree_v2)(q), "cuMemFree")?;
                 ck(api, (api.cuCtxDestroy_v2)(b), "cuCtxDestroy")?;
             }
-            Ok(json!({"during": during, "after": after}))
+            Ok(json!({"during": during, "after": after, "ran_during": ran_during}))
         });
         // SAFETY: the context made above, destroyed once (with the allocation in it).
         let r = unsafe { (api.cuCtxDestroy_v2)(a) };
@@ -1619,6 +1703,7 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let other = other??;
     emit(json!({"event": "context-reuse", "destroy": error_name(api, r.0), "made_during_destroy": r.1,
         "same_handle": b_handle.load(std::sync::atomic::Ordering::SeqCst) == a as usize,
+        "launched_during_destroy": launches > 0 && other["ran_during"] == true,
         "base": base, "during": other["during"], "after": other["after"]}));
     Ok(())
 }

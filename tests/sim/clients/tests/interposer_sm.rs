@@ -230,3 +230,41 @@ fn a_stream_handle_given_out_again_is_charged_to_its_new_device() {
     assert!((here - 30.0).abs() <= 5.0, "device 0 at its 30 %: achieved {here:.1} %");
     assert!(there < 1.0, "device 1 idle after the first 200 launches: {there:.1} %");
 }
+
+/// The interposer's timing events of a context go with the context (the driver destroys them), and
+/// once the driver has destroyed it, the same handle may name another thread's new context. Here a
+/// context that launched under a limit (and so holds timing events, spare and in flight) is
+/// destroyed while another thread makes a context (the simulated driver gives it the old one's
+/// handle) and launches under the limit in it before the destroy returns. Events of the old context
+/// given to the new one, or asked about by a collection, are dangling handles: the simulated driver
+/// aborts the process on their use.
+#[test]
+fn a_context_made_with_the_handle_of_one_being_destroyed_gets_no_dead_events() {
+    let s = Sim::new(Some(
+        "context_overhead_mib = 64\ndestroy_return_ms = 400\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+    ));
+    let env = [("CUDA_DEVICE_SM_LIMIT", "50")];
+    let args = ["context-reuse", "--size", "8m", "--again", "8m", "--launches", "64"];
+    let o = s.limited(DIRECT, &env).args(args).output().unwrap();
+    assert!(o.status.success(), "{:?}: {}", o.status, String::from_utf8_lossy(&o.stderr));
+    let v = lines(&o.stdout).into_iter().find(|v| v["event"] == "context-reuse").unwrap();
+    assert_eq!(
+        (&v["destroy"], &v["made_during_destroy"], &v["same_handle"], &v["launched_during_destroy"]),
+        (&serde_json::json!("CUDA_SUCCESS"), &true.into(), &true.into(), &true.into()),
+        "{v}"
+    );
+}
+
+/// The same for a primary context reset (the driver destroys its events, and the context stays):
+/// another thread, launching under the limit on another GPU while the reset is in the driver,
+/// collects its own measurements and must not ask about the reset context's.
+#[test]
+fn a_reset_context_s_events_are_not_asked_about() {
+    let s = Sim::new(Some("destroy_return_ms = 400\n[[gpu]]\nmodel = \"A100-40GB\"\n[[gpu]]\nmodel = \"A100-40GB\"\n"));
+    let env = [("CUDA_DEVICE_SM_LIMIT", "50")];
+    let o = s.limited(DIRECT, &env).args(["reset-race", "--launches", "64"]).output().unwrap();
+    assert!(o.status.success(), "{:?}: {}", o.status, String::from_utf8_lossy(&o.stderr));
+    let v = lines(&o.stdout).into_iter().find(|v| v["event"] == "reset-race").unwrap();
+    assert_eq!(v["reset"], "CUDA_SUCCESS", "{v}");
+    assert!(v["rounds_during_reset"].as_u64().unwrap() >= 1, "{v}");
+}

@@ -142,6 +142,10 @@ pub struct Ctx {
     /// Device memory those hold beyond their defaults' (freed with it).
     pub limit_bytes: AtomicU64,
     pub default_stream: crate::exec::Stream,
+    /// How many times it ended (destroyed, released for the last time, reset): its events went
+    /// each time, and an event made before is a dangling handle even once the context lives again
+    /// (see `exec::live_event`).
+    pub ends: AtomicU64,
 }
 
 /// The defaults of `CU_LIMIT_STACK_SIZE` (per thread), `_PRINTF_FIFO_SIZE` and `_MALLOC_HEAP_SIZE`,
@@ -162,6 +166,7 @@ impl Ctx {
             limits: Mutex::new(LIMIT_DEFAULTS),
             limit_bytes: AtomicU64::new(0),
             default_stream: crate::exec::Stream::new(std::ptr::null()),
+            ends: AtomicU64::new(0),
         }));
         c.default_stream.set_ctx(c);
         c
@@ -240,9 +245,15 @@ pub fn primary_release(ordinal: CUdevice) -> R<()> {
 pub fn primary_reset(ordinal: CUdevice) -> R<()> {
     let p = proc()?;
     p.gpu_of(ordinal)?;
-    let _g = PRIMARY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(c) = PRIMARY[ordinal as usize].get() {
-        crate::mem::release_context_memory(c);
+    {
+        let _g = PRIMARY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = PRIMARY[ordinal as usize].get() {
+            crate::mem::release_context_memory(c);
+        }
+    }
+    let delay = p.node.cfg.destroy_return_ns;
+    if delay > 0 {
+        std::thread::sleep(std::time::Duration::from_nanos(delay));
     }
     Ok(())
 }

@@ -272,14 +272,24 @@ pub struct Event {
     /// The context it was made in (a leaked, never-freed `Ctx`): it can be recorded only on that
     /// context's streams, and goes with the context.
     ctx: usize,
+    /// `Ctx::ends` when it was made.
+    ends: u64,
 }
 
-/// An event whose context is still there. (A real driver destroys a context's events with it; their
-/// handles are then invalid. A reset primary context keeps them here, as it keeps its streams.)
+/// An event whose context is still there. A real driver destroys a context's events when the
+/// context ends (destroyed, released for the last time, or reset), and their handles are then
+/// dangling pointers: a later call with one is undefined behaviour, and the memory may already be
+/// another object's (the simulated driver gives a destroyed context to the next one made). Here
+/// such a call is a bug in the caller, reported and aborted on, so that a test shows it.
 fn live_event(h: CUevent) -> R<&'static Event> {
     let e: &Event = obj(h, EVENT_MAGIC)?;
     // SAFETY: set at creation to a leaked, never-freed context.
-    if !unsafe { &*(e.ctx as *const Ctx) }.live() {
+    let c = unsafe { &*(e.ctx as *const Ctx) };
+    if c.ends.load(Acquire) != e.ends {
+        eprintln!("vgpu-sim: event {h:p} used after its context ended (a dangling handle for a real driver)");
+        std::process::abort();
+    }
+    if !c.live() {
         return Err(CUresult::INVALID_HANDLE);
     }
     Ok(e)
@@ -290,10 +300,12 @@ const CAPTURED: u64 = u64::MAX;
 
 pub fn event_create() -> R<CUevent> {
     let c = current()?;
-    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts: AtomicU64::new(0), ctx: c as *const Ctx as usize }))
+    let (ts, ctx, ends) = (AtomicU64::new(0), c as *const Ctx as usize, c.ends.load(Acquire));
+    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts, ctx, ends }))
 }
 
 pub fn event_destroy(h: CUevent) -> R<()> {
+    live_event(h)?;
     retire(h, EVENT_MAGIC)
 }
 

@@ -306,6 +306,8 @@ pub fn release_context_memory(c: &Ctx) {
     *c.limits.lock().unwrap_or_else(|e| e.into_inner()) = crate::driver::LIMIT_DEFAULTS;
     p.uncharge(c.gpu, c.limit_bytes.swap(0, std::sync::atomic::Ordering::AcqRel));
     crate::exec::modules_gone(c);
+    // And its events.
+    c.ends.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
 }
 
 /// (free, total) of the current context's device.
