@@ -182,18 +182,23 @@ fn instantiated(r: CUresult, exec: *mut CUgraphExec, allocs: &[Alloc]) -> CUresu
     // SAFETY: the driver returned success, so it wrote the caller's out-pointer.
     let e = unsafe { *exec } as u64;
     forget(e); // a handle the driver reused without our seeing it go
-    let Some((&first, more)) = allocs.split_first() else { return r };
-    // The more devices first: a launch finds the handle's entries whole once it finds the first.
-    for (k, &a) in more.iter().enumerate() {
-        execs().insert(more_key(e, k + 1), pack(a, 0));
-    }
     for &(d, ordinal, bytes) in allocs {
         ORDINAL[d].store(ordinal, Relaxed);
         vlog!(INFO, "graph {e:#x}: allocation nodes of {bytes} bytes on device {d}");
     }
-    execs().insert(e, pack(first, more.len()));
-    WITH_MEM.fetch_add(1, AcqRel);
+    keep(e, allocs);
     r
+}
+
+/// Keeps `allocs` under `exec`'s handle.
+fn keep(exec: u64, allocs: &[Alloc]) {
+    let Some((&first, more)) = allocs.split_first() else { return };
+    // The more devices first: a launch finds the handle's entries whole once it finds the first.
+    for (k, &a) in more.iter().enumerate() {
+        execs().insert(more_key(exec, k + 1), pack(a, 0));
+    }
+    execs().insert(exec, pack(first, more.len()));
+    WITH_MEM.fetch_add(1, AcqRel);
 }
 
 /// Runs `call`, which may grow the graph pool of each device of `allocs` by up to its bytes, within
@@ -317,15 +322,31 @@ pub fn after_fork() {
     }
 }
 
-/// An executable graph was destroyed (see `stale::exec_destroy`).
-pub fn destroyed(exec: CUgraphExec) {
-    if WITH_MEM.load(Relaxed) == 0 {
-        return;
+/// What an executable graph about to be destroyed allocates, taken out before the driver is asked
+/// (see `stale::exec_destroy`): once the driver has destroyed it, the same handle may name another
+/// thread's new graph, whose entries a removal after the call would take for this one's (and whose
+/// launches would then reserve nothing).
+pub struct Going(Option<([Alloc; MAX_DEVICES], usize)>);
+
+pub fn going(exec: CUgraphExec) -> Going {
+    Going(if WITH_MEM.load(Relaxed) == 0 { None } else { forget(exec as u64) })
+}
+
+impl Going {
+    /// The driver refused: the graph is still there, and so are its allocations.
+    pub fn stays(self, exec: CUgraphExec) {
+        if let Some((allocs, n)) = self.0 {
+            keep(exec as u64, &allocs[..n]);
+        }
     }
-    let Some((allocs, n)) = forget(exec as u64) else { return };
-    // The driver keeps the pools for later graphs; if this one does give memory back, follow it.
-    for &(d, ordinal, _) in &allocs[..n] {
-        settle(state(), d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
+
+    /// It was destroyed. The driver keeps the pools for later graphs; if this one does give memory
+    /// back, the charge follows.
+    pub fn destroyed(self) {
+        let Some((allocs, n)) = self.0 else { return };
+        for &(d, ordinal, _) in &allocs[..n] {
+            settle(state(), d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
+        }
     }
 }
 
@@ -408,5 +429,25 @@ mod tests {
         assert_eq!(unpack(pack((1, 2, u64::MAX), 3)), ((1, 2, BYTES), 3), "clamped, never spilling into the ordinal");
         assert_ne!(more_key(0x7fff_ffff_f000, 1), more_key(0x7fff_ffff_f000, 2));
         assert_eq!(more_key(0x7fff_ffff_f000, 1) & ((1 << 56) - 1), 0x7fff_ffff_f000);
+    }
+
+    #[test]
+    fn a_graph_being_destroyed_is_out_of_the_table_and_back_if_the_driver_refuses() {
+        let (e, other) = (0x7eed_0000_1000_u64, 0x7eed_0000_2000_u64);
+        let allocs = [(0, 0, 100 << 20), (1, 1, 8 << 20)];
+        keep(e, &allocs);
+        keep(other, &allocs[..1]);
+        let going = going(e as CUgraphExec);
+        assert!(lookup(e).is_none(), "a graph made at its handle meanwhile is not taken for it");
+        // A new graph at the same handle while the driver destroys the old one, and its launch.
+        keep(e, &allocs[1..]);
+        assert_eq!(lookup(e).map(|(v, n)| v[..n].to_vec()), Some(allocs[1..].to_vec()));
+        forget(e);
+        // The driver refused: both of its devices' entries are back, the other graph's untouched.
+        going.stays(e as CUgraphExec);
+        assert_eq!(lookup(e).map(|(v, n)| v[..n].to_vec()), Some(allocs.to_vec()));
+        assert_eq!(lookup(other).map(|(v, n)| v[..n].to_vec()), Some(allocs[..1].to_vec()));
+        forget(e);
+        forget(other);
     }
 }

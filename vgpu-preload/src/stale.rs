@@ -26,11 +26,18 @@ fn changed(exec: CUgraphExec, r: CUresult) -> CUresult {
     r
 }
 
+/// Before the driver is asked: once it has destroyed the graph, the same handle may name another
+/// thread's new graph, whose estimate and allocations must not be taken for this one's. (A refused
+/// destroy loses the estimate, which the next launch measures again.)
 pub unsafe fn exec_destroy(real: f::cuGraphExecDestroy, exec: CUgraphExec) -> CUresult {
+    sm::forget(exec as u64);
+    let going = crate::graphmem::going(exec);
     // SAFETY: the caller's handle, forwarded unchanged (the hook's contract).
-    let r = changed(exec, unsafe { real(exec) });
+    let r = unsafe { real(exec) };
     if r == CUresult::SUCCESS {
-        crate::graphmem::destroyed(exec);
+        going.destroyed();
+    } else {
+        going.stays(exec);
     }
     r
 }
@@ -101,20 +108,19 @@ pub unsafe fn node_enable(real: f::cuGraphNodeSetEnabled, exec: CUgraphExec, nod
     changed(exec, unsafe { real(exec, node, on) })
 }
 
-/// Forgets every estimate when the driver accepted the unload.
-fn unloaded(r: CUresult) -> CUresult {
-    if r == CUresult::SUCCESS {
-        sm::forget_all();
-    }
-    r
-}
+// Every estimate is forgotten before the driver is asked: once it has unloaded the module, its
+// functions' handles may name another thread's new kernels, which would be charged the old
+// kernels' estimates until a forgetting after the call (which would then drop their first
+// measurements too). A refused unload loses estimates that the next launches measure again.
 
 pub unsafe fn module_unload(real: f::cuModuleUnload, m: CUmodule) -> CUresult {
+    sm::forget_all();
     // SAFETY: the caller's handle, forwarded unchanged (the hook's contract).
-    unloaded(unsafe { real(m) })
+    unsafe { real(m) }
 }
 
 pub unsafe fn library_unload(real: f::cuLibraryUnload, lib: CUlibrary) -> CUresult {
+    sm::forget_all();
     // SAFETY: as above.
-    unloaded(unsafe { real(lib) })
+    unsafe { real(lib) }
 }

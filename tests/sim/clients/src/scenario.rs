@@ -107,6 +107,10 @@ scenarios:
                                         its malloc heap to --heap, and launching K kernels twice,
                                         synchronising after each K): the memory left while the
                                         destroy is in the driver and after it returns
+  graph-reuse [--size N] [--again N] [--wait-ms T]
+                                        a graph allocating N, launched and destroyed while another
+                                        thread instantiates one allocating --again T ms later and,
+                                        once the destroy returned, launches it: the memory left
   reset-race [--other D] [--launches K] the primary context reset (after two rounds of K launches,
                                         the last not synchronised) while another thread launches
                                         rounds of K on device D's
@@ -236,6 +240,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "context-end" => context_end(api, dev, &o),
         "context-reuse" => context_reuse(api, dev, &o),
         "reset-race" => reset_race(api, dev, &o),
+        "graph-reuse" => graph_reuse(api, dev, &o),
         "pool-reuse" => pool_reuse(api, dev, &o),
         "free-refused" => free_refused(api, dev, &o),
         "limits" => limits(api, dev, &o),
@@ -1583,6 +1588,81 @@ fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 /// A context destroyed while another thread makes one: where the driver gives the new context the
 /// destroyed one's handle (and returns from the destroy a while after the context went), what is
 /// charged for the new one must not go with the old one.
+/// An executable graph of one allocation node of `bytes` on device `d`, and a free node after it.
+fn alloc_graph(api: &Api, d: CUdevice, bytes: usize) -> Res<CUgraphExec> {
+    let (mut g, mut n, mut f, mut e) =
+        (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    let mut p = CUDA_MEM_ALLOC_NODE_PARAMS {
+        poolProps: CUmemPoolProps::device(d),
+        accessDescs: std::ptr::null(),
+        accessDescCount: 0,
+        bytesize: bytes,
+        dptr: 0,
+    };
+    // SAFETY: out-pointers to locals and a parameter block built here; handles are the driver's.
+    unsafe {
+        ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
+        ck(api, (api.cuGraphAddMemAllocNode)(&mut n, g, std::ptr::null(), 0, &mut p), "cuGraphAddMemAllocNode")?;
+        ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, p.dptr), "cuGraphAddMemFreeNode")?;
+        ck(api, (api.cuGraphInstantiateWithFlags)(&mut e, g, 0), "cuGraphInstantiateWithFlags")?;
+    }
+    Ok(e)
+}
+
+/// An executable graph allocating N, launched, destroyed while another thread instantiates one
+/// allocating --again T ms later (the driver may give it the destroyed one's handle) and, once the
+/// destroy has returned, launches it: the new graph's allocations must still be reserved for.
+fn graph_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    setup(api, dev)?;
+    let size = o.num("size", 100 << 20)? as usize;
+    let again = o.num("again", 200 << 20)? as usize;
+    let wait = o.num("wait-ms", 100)?;
+    let (d, s) = device_and_stream(api, dev)?;
+    let stream = s as usize;
+    let a = alloc_graph(api, d, size)?;
+    // SAFETY: the graph and stream made above.
+    unsafe {
+        ck(api, (api.cuGraphLaunch)(a, s), "cuGraphLaunch")?;
+        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+    }
+    let base = mem_info(api);
+    let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
+    let (r, other) = std::thread::scope(|sc| {
+        let t = sc.spawn(|| -> Res<Value> {
+            setup(api, dev)?;
+            std::thread::sleep(std::time::Duration::from_millis(wait));
+            let b = alloc_graph(api, d, again)?;
+            made.store(true, SeqCst);
+            b_handle.store(b as usize, SeqCst);
+            while !destroyed.load(SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let s = stream as CUstream;
+            // SAFETY: the graph made above, launched and destroyed once on the stream made above.
+            let r = unsafe {
+                let r = (api.cuGraphLaunch)(b, s);
+                ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+                r
+            };
+            let launched = mem_info(api);
+            // SAFETY: as above.
+            unsafe { ck(api, (api.cuGraphExecDestroy)(b), "cuGraphExecDestroy")? };
+            Ok(json!({"launch": error_name(api, r), "launched": launched}))
+        });
+        // SAFETY: the graph made above, destroyed once.
+        let r = unsafe { (api.cuGraphExecDestroy)(a as usize as CUgraphExec) };
+        let made_during = made.load(SeqCst);
+        destroyed.store(true, SeqCst);
+        ((r, made_during), t.join().map_err(|_| "the other thread panicked".to_string()))
+    });
+    let other = other??;
+    emit(json!({"event": "graph-reuse", "destroy": error_name(api, r.0), "made_during_destroy": r.1,
+        "same_handle": b_handle.load(SeqCst) == a as usize, "base": base, "launch": other["launch"],
+        "launched": other["launched"]}));
+    Ok(())
+}
+
 /// Two rounds of `k` launches of a 200 us kernel on the current context's default stream, the
 /// first synchronised, the second too when `sync`. Under an SM limit the interposer then holds
 /// timing events of the context, spare (the first round's, collected during the second) and in

@@ -305,6 +305,26 @@ fn a_context_the_driver_refuses_to_destroy_keeps_what_it_holds() {
     assert_eq!(v["again_mem_info"]["free"].as_u64(), Some((1024 - 64 - 100) * MIB), "{v}");
 }
 
+#[test]
+fn a_graph_instantiated_with_the_handle_of_one_being_destroyed_keeps_its_reservation() {
+    // The same for an executable graph with allocation nodes: the new graph's 200 MiB must still be
+    // reserved for at its launch once the old one's destroy has returned.
+    let s = Sim::new(Some(
+        "context_overhead_mib = 64\ndestroy_return_ms = 300\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+    ));
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["graph-reuse", "--size", "100m", "--again", "200m"]));
+    assert_eq!(
+        (&v["destroy"], &v["made_during_destroy"], &v["same_handle"], &v["launch"]),
+        (&json!("CUDA_SUCCESS"), &json!(true), &json!(true), &json!("CUDA_SUCCESS")),
+        "{v}"
+    );
+    let free = |k: &str| v[k]["free"].as_u64().unwrap_or_else(|| panic!("{k}: {v}"));
+    // The device's graph pool holds 100 MiB after the first graph's launch, 200 MiB after the new
+    // one's.
+    assert_eq!(free("base"), (1024 - 64 - 100) * MIB, "{v}");
+    assert_eq!(free("launched"), (1024 - 64 - 200) * MIB, "the pool grew by the new graph's: {v}");
+}
+
 /// The lines of a `graph-mem` run, by step ("launched" lines in launch order).
 fn step_lines(o: &Output) -> Vec<Value> {
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));

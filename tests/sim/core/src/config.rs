@@ -67,8 +67,9 @@ pub struct Config {
     /// `cuMemPoolTrimTo` returns this long after it let the memory go (a driver's unmapping and
     /// freeing take time; meanwhile NVML already shows the process without it).
     pub pool_trim_return_ns: u64,
-    /// `cuCtxDestroy`, `cuDevicePrimaryCtxReset` and `cuMemPoolDestroy` return this long after the
-    /// context (or what it held) or pool went (its handle may name the next one made meanwhile).
+    /// `cuCtxDestroy`, `cuDevicePrimaryCtxReset`, `cuMemPoolDestroy` and `cuGraphExecDestroy`
+    /// return this long after the context (or what it held), pool or graph went (its handle may name
+    /// the next one made meanwhile).
     pub destroy_return_ns: u64,
     pub cuda_version: i32,
     pub driver_version: String,

@@ -662,6 +662,10 @@ pub fn graph_instantiate(h: CUgraph, flags: u64) -> R<CUgraphExec> {
 pub fn graph_exec_destroy(h: CUgraphExec) -> R<()> {
     retire(h, EXEC_MAGIC)?;
     SPARE_EXECS.lock().unwrap().push(h as usize);
+    let delay = proc()?.node.cfg.destroy_return_ns;
+    if delay > 0 {
+        std::thread::sleep(std::time::Duration::from_nanos(delay));
+    }
     Ok(())
 }
 
