@@ -46,6 +46,17 @@ pub fn captures(stream: CUstream) -> bool {
     status(stream).unwrap_or(false)
 }
 
+/// A stream about to be destroyed: whether a capture is open on it (asked only while some is).
+pub fn destroying(s: CUstream) -> bool {
+    status(s) == Some(true)
+}
+
+/// The stream was destroyed, and with it any capture that was open on it (`was`): a capture that is
+/// never ended must not leave launches asking about capture, and unmeasured, for good.
+pub fn destroyed(was: bool) {
+    ended(was, CUresult::SUCCESS);
+}
+
 fn opened(r: CUresult) -> CUresult {
     if r == CUresult::SUCCESS {
         OPEN.fetch_add(1, Relaxed);

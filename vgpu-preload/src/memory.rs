@@ -160,11 +160,16 @@ pub(crate) fn streams_changed() {
 /// `cuStreamDestroy` and `_v2`: the handle may name another stream (of another context) once the
 /// driver has let it go, so every thread's remembered answer goes, before and after (an answer
 /// taken while the driver destroys the stream is not kept either).
+/// A capture open on the stream ends with it (see `capture::destroyed`).
 pub unsafe fn stream_destroy(real: f::cuStreamDestroy, s: CUstream) -> CUresult {
     streams_changed();
+    let capturing = crate::capture::destroying(s);
     // SAFETY: the caller's argument, forwarded unchanged (the hook's contract).
     let r = unsafe { real(s) };
     streams_changed();
+    if r == OK {
+        crate::capture::destroyed(capturing);
+    }
     r
 }
 

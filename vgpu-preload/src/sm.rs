@@ -280,8 +280,13 @@ pub struct Events {
 /// told from the others': every event) out of use.
 #[cold]
 pub fn take_events(ctx: u64) -> Events {
-    let mine = |c: u64| ctx == 0 || c == ctx;
     let mut out = Events::default();
+    // None made yet; or a forked child, whose events are its parent's CUDA's (and whose locks a
+    // thread it does not have may hold).
+    if ESTIMATES.get().is_none() || NO_MEASURING.load(Relaxed) {
+        return out;
+    }
+    let mine = |c: u64| ctx == 0 || c == ctx;
     // PENDING before SPARE_EVENTS, the order a collection takes them in.
     let mut p = PENDING.lock().unwrap_or_else(|p| p.into_inner());
     let mut i = 0;
@@ -302,6 +307,9 @@ pub fn take_events(ctx: u64) -> Events {
 /// The driver refused to end the context: its events are still good.
 #[cold]
 pub fn put_back(e: Events) {
+    if e.spare.is_empty() && e.pending.is_empty() {
+        return;
+    }
     let mut p = PENDING.lock().unwrap_or_else(|p| p.into_inner());
     PENDING_N.fetch_add(e.pending.len() as u64, Relaxed);
     p.extend(e.pending);
@@ -799,6 +807,9 @@ pub unsafe fn graph_launch_ptsz(real: f::cuGraphLaunch_ptsz, g: CUgraphExec, s: 
 mod tests {
     use super::*;
 
+    /// Held by the tests that set or depend on `NO_MEASURING`, a process-wide flag.
+    static FORKED: Mutex<()> = Mutex::new(());
+
     fn key(i: u64) -> u64 {
         kernel_key(0x7f00_0000_1000 as CUfunction, i as u32, (i >> 32) as u32, 1)
     }
@@ -864,6 +875,7 @@ mod tests {
 
     #[test]
     fn a_forked_child_does_not_spend_its_parents_credit() {
+        let _g = FORKED.lock().unwrap_or_else(|p| p.into_inner());
         let r = budget("fork", 1_000_000);
         std::thread::spawn(move || {
             assert!(charge(r, 0, 1000));
@@ -879,6 +891,7 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(tokens(r), 1_000_000 - 2000 - PREPAY_NS as i64);
+        NO_MEASURING.store(false, Relaxed); // this process is no child
     }
 
     #[test]
@@ -997,6 +1010,7 @@ mod tests {
 
     #[test]
     fn a_forgotten_key_starts_afresh_and_its_measurements_in_flight_are_dropped() {
+        let _g = FORKED.lock().unwrap_or_else(|p| p.into_inner());
         let e = Estimates::new();
         let (a, b) = (key(7), key(8));
         for k in [a, b] {
@@ -1088,6 +1102,14 @@ mod tests {
         super::spare(0xc2, &[0x600 as CUevent]);
         assert!(take_events(0).spare.contains(&(0xc2, 0x600)));
         assert!(SPARE_EVENTS.lock().unwrap().is_empty());
+        // A forked child has no events of its own to give up (its parent's are of a CUDA it cannot
+        // use, and it takes none of the locks a thread it does not have may hold).
+        super::spare(0xc2, &[0x600 as CUevent]);
+        NO_MEASURING.store(true, Relaxed);
+        assert!(take_events(0xc2).spare.is_empty());
+        assert!(SPARE_EVENTS.lock().unwrap().contains(&(0xc2, 0x600)));
+        NO_MEASURING.store(false, Relaxed);
+        drop(take_events(0));
     }
 
     #[test]

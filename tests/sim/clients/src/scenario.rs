@@ -1150,6 +1150,14 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
         let (mut e0, mut e1) = (std::ptr::null_mut(), std::ptr::null_mut());
         ck(api, (api.cuEventCreate)(&mut e0, 0), "cuEventCreate")?;
         ck(api, (api.cuEventCreate)(&mut e1, 0), "cuEventCreate")?;
+        if o.flag("abandon-capture") {
+            // A capture begun on a stream of its own, which is destroyed instead of ending it (an
+            // error path): the capture goes with the stream.
+            let mut c = std::ptr::null_mut();
+            ck(api, (api.cuStreamCreate)(&mut c, 0), "cuStreamCreate")?;
+            ck(api, (api.cuStreamBeginCapture_v2)(c, 0), "cuStreamBeginCapture")?;
+            ck(api, (api.cuStreamDestroy_v2)(c), "cuStreamDestroy")?;
+        }
         if stream_on.is_some() {
             setup(api, dev)?;
         }
