@@ -1,17 +1,32 @@
 //! Stream capture. A launch into a stream that is being captured runs nothing: it becomes a node of
 //! the graph, which is charged when the graph is launched. Such launches must be neither charged nor
 //! bracketed by timing events (an event recorded into a capture cannot be queried, and querying
-//! events while another thread captures in global mode is not allowed). Captures are counted here so
-//! that launches ask the driver whether their stream captures only while some capture is open.
+//! events while another thread captures in global mode is not allowed). Captures are kept here, each
+//! with its stream and the stream's context, so that launches ask the driver whether their stream
+//! captures only while some capture is open. A capture ends with `cuStreamEndCapture` (whatever the
+//! driver answers: an invalidated capture ends too), with its stream's destruction, or with its
+//! context's end (see `memory::Going`); one left open for good would leave every later launch of
+//! the process asking, and unmeasured.
 #![allow(clippy::missing_safety_doc)]
 
 use crate::real::{cuda_fns as f, driver};
 use cuda_abi::*;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicI64, Ordering::*};
+use std::sync::Mutex;
 
-/// Captures begun and not yet ended in this process.
+/// How many captures are open in this process (`CAPTURES`' length, for the launch path's one load).
 static OPEN: AtomicI64 = AtomicI64::new(0);
+/// The open captures: (stream, its context), the per-thread stream as `CU_STREAM_PER_THREAD`.
+static CAPTURES: Mutex<Vec<(usize, u64)>> = Mutex::new(Vec::new());
+
+/// Changes the open captures under their lock, and the count with them.
+fn with_captures<T>(f: impl FnOnce(&mut Vec<(usize, u64)>) -> T) -> T {
+    let mut v = CAPTURES.lock().unwrap_or_else(|p| p.into_inner());
+    let t = f(&mut v);
+    OPEN.store(v.len() as i64, Relaxed);
+    t
+}
 
 /// Whether any capture is open in this process (one load).
 #[inline]
@@ -51,15 +66,40 @@ pub fn destroying(s: CUstream) -> bool {
     status(s) == Some(true)
 }
 
-/// The stream was destroyed, and with it any capture that was open on it (`was`): a capture that is
-/// never ended must not leave launches asking about capture, and unmeasured, for good.
-pub fn destroyed(was: bool) {
-    ended(was, CUresult::SUCCESS);
+/// The stream was destroyed, and with it any capture that was open on it (`was`).
+pub fn destroyed(s: CUstream, was: bool) {
+    ended(s, was, CUresult::SUCCESS);
 }
 
-fn opened(r: CUresult) -> CUresult {
+/// The captures open in context `ctx` (0: a context this process cannot name: every capture), taken
+/// out before the driver is asked to end it: they end with it. (After the call, a capture another
+/// thread began meanwhile in a new context at the same handle would be taken for one of them.)
+#[cold]
+pub fn take_context(ctx: u64) -> Vec<(usize, u64)> {
+    if !any_open() {
+        return Vec::new();
+    }
+    with_captures(|v| {
+        let (gone, kept) = v.drain(..).partition(|&(_, c)| ctx == 0 || c == ctx);
+        *v = kept;
+        gone
+    })
+}
+
+/// The driver refused to end the context: its captures are still open.
+#[cold]
+pub fn put_back(captures: Vec<(usize, u64)>) {
+    if !captures.is_empty() {
+        with_captures(|v| v.extend(captures));
+    }
+}
+
+/// A capture begun on `s` (null through a `_ptsz` entry point: the per-thread stream; the legacy
+/// stream cannot capture).
+fn opened(s: CUstream, r: CUresult) -> CUresult {
     if r == CUresult::SUCCESS {
-        OPEN.fetch_add(1, Relaxed);
+        let ctx = crate::memory::stream_ctx(ptsz(s));
+        with_captures(|v| v.push((ptsz(s) as usize, ctx)));
     }
     r
 }
@@ -77,12 +117,12 @@ pub fn ptsz(s: CUstream) -> CUstream {
 // forwarded).
 pub unsafe fn begin_v1(real: f::cuStreamBeginCapture, s: CUstream) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(unsafe { real(s) })
+    opened(s, unsafe { real(s) })
 }
 
 pub unsafe fn begin(real: f::cuStreamBeginCapture_v2, s: CUstream, mode: i32) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(unsafe { real(s, mode) })
+    opened(s, unsafe { real(s, mode) })
 }
 
 pub unsafe fn begin_to_graph(
@@ -95,14 +135,20 @@ pub unsafe fn begin_to_graph(
     mode: i32,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(unsafe { real(s, g, deps, data, n, mode) })
+    opened(s, unsafe { real(s, g, deps, data, n, mode) })
 }
 
-/// Ends a capture: whatever the driver answers (an invalidated capture ends too), a stream that was
-/// capturing no longer is.
-fn ended(was: bool, r: CUresult) -> CUresult {
-    if was && OPEN.fetch_sub(1, Relaxed) <= 0 {
-        OPEN.store(0, Relaxed);
+/// Ends the capture on `s`: whatever the driver answers (an invalidated capture ends too), a stream
+/// that was capturing no longer is. (One not found under its stream, which cannot be, ends the
+/// newest, so that none is left open for good.)
+fn ended(s: CUstream, was: bool, r: CUresult) -> CUresult {
+    if was && any_open() {
+        with_captures(|v| {
+            let i = v.iter().rposition(|&(x, _)| x == s as usize).unwrap_or(v.len().saturating_sub(1));
+            if i < v.len() {
+                v.remove(i);
+            }
+        });
     }
     r
 }
@@ -110,11 +156,42 @@ fn ended(was: bool, r: CUresult) -> CUresult {
 pub unsafe fn end(real: f::cuStreamEndCapture, s: CUstream, g: *mut CUgraph) -> CUresult {
     let was = capturing(s);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    ended(was, unsafe { real(s, g) })
+    ended(s, was, unsafe { real(s, g) })
 }
 
 pub unsafe fn end_ptsz(real: f::cuStreamEndCapture_ptsz, s: CUstream, g: *mut CUgraph) -> CUresult {
     let was = capturing(ptsz(s));
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    ended(was, unsafe { real(s, g) })
+    ended(ptsz(s), was, unsafe { real(s, g) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn captures_end_with_their_stream_or_context_and_stay_if_the_driver_refuses() {
+        let open = || CAPTURES.lock().unwrap().clone();
+        with_captures(|v| v.extend([(0x10, 0xc1), (0x20, 0xc2), (0x30, 0xc1)]));
+        assert!(any_open());
+        // A context about to end gives up its captures; the driver refused, so they are back.
+        let taken = take_context(0xc1);
+        assert_eq!(taken, [(0x10, 0xc1), (0x30, 0xc1)]);
+        assert_eq!((open(), OPEN.load(Relaxed)), (vec![(0x20, 0xc2)], 1));
+        put_back(taken);
+        assert_eq!(OPEN.load(Relaxed), 3);
+        // Ended (or its stream destroyed): that stream's capture goes.
+        ended(0x20 as CUstream, true, CUresult::SUCCESS);
+        assert_eq!(open(), [(0x10, 0xc1), (0x30, 0xc1)]);
+        // A stream that was not capturing ends nothing; one that was but is not known ends the newest.
+        ended(0x10 as CUstream, false, CUresult::SUCCESS);
+        assert_eq!(OPEN.load(Relaxed), 2);
+        ended(0x99 as CUstream, true, CUresult::SUCCESS);
+        assert_eq!(open(), [(0x10, 0xc1)]);
+        // A context this process cannot name takes every capture with it.
+        assert_eq!(take_context(0), [(0x10, 0xc1)]);
+        assert!(!any_open());
+        ended(0x10 as CUstream, true, CUresult::SUCCESS);
+        assert_eq!(OPEN.load(Relaxed), 0, "never below none");
+    }
 }

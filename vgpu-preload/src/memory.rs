@@ -168,7 +168,7 @@ pub unsafe fn stream_destroy(real: f::cuStreamDestroy, s: CUstream) -> CUresult 
     let r = unsafe { real(s) };
     streams_changed();
     if r == OK {
-        crate::capture::destroyed(capturing);
+        crate::capture::destroyed(s, capturing);
     }
     r
 }
@@ -236,6 +236,8 @@ struct Going {
     limits: Option<[usize; 3]>,
     /// Its timing events (`sm`), which the driver destroys with it.
     events: crate::sm::Events,
+    /// Captures open on its streams, which end with it.
+    captures: Vec<(usize, u64)>,
 }
 
 impl Going {
@@ -246,7 +248,8 @@ impl Going {
         let overhead = if own { st.handles.remove(ctx | CTX_TAG) } else { None };
         let limits = crate::ctxlimits::context_gone(ctx);
         let events = crate::sm::take_events(ctx);
-        Going { ctx, ids, dev, overhead, limits, events }
+        let captures = crate::capture::take_context(ctx);
+        Going { ctx, ids, dev, overhead, limits, events, captures }
     }
 
     /// The driver refused: the context is still there, and so is what it holds.
@@ -260,6 +263,7 @@ impl Going {
             crate::ctxlimits::put_back(self.ctx, l);
         }
         crate::sm::put_back(self.events);
+        crate::capture::put_back(self.captures);
     }
 }
 

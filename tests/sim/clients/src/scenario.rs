@@ -1158,6 +1158,17 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             ck(api, (api.cuStreamBeginCapture_v2)(c, 0), "cuStreamBeginCapture")?;
             ck(api, (api.cuStreamDestroy_v2)(c), "cuStreamDestroy")?;
         }
+        if o.flag("abandon-capture-context") {
+            // The same on a stream of a context of its own, which is destroyed instead (the capture
+            // goes with the context), the primary context current again.
+            let (mut d, mut c, mut cs) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+            ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+            ck(api, (api.cuCtxCreate_v2)(&mut c, 0, d), "cuCtxCreate")?;
+            ck(api, (api.cuStreamCreate)(&mut cs, 0), "cuStreamCreate")?;
+            ck(api, (api.cuStreamBeginCapture_v2)(cs, 0), "cuStreamBeginCapture")?;
+            ck(api, (api.cuCtxDestroy_v2)(c), "cuCtxDestroy")?;
+            setup(api, dev)?;
+        }
         if stream_on.is_some() {
             setup(api, dev)?;
         }

@@ -104,15 +104,17 @@ fn captured_launches_are_not_charged_and_replays_are() {
     assert!(waited > 0, "graph replays were not limited");
 }
 
-/// A capture that is never ended, its stream destroyed instead (an error path), ends with the
-/// stream: launches afterwards are measured as before, not charged a first guess for good (1 ms
+/// A capture that is never ended, its stream or context destroyed instead (an error path), ends
+/// with it: launches afterwards are measured as before, not charged a first guess for good (1 ms
 /// kernels charged 100 us each ran at several times the limit).
 #[test]
 fn a_capture_whose_stream_is_destroyed_leaves_launches_measured() {
     let h = harness();
-    let o = h.run(&one(container(30, "sleep_1ms", &["--abandon-capture"]), 3.0), 0);
-    let got = o.overall[0][0] * 100.0;
-    assert!((got - 30.0).abs() <= 5.0, "at 30 % after an abandoned capture: achieved {got:.1} %");
+    for (i, how) in ["--abandon-capture", "--abandon-capture-context"].into_iter().enumerate() {
+        let o = h.run(&one(container(30, "sleep_1ms", &[how]), 3.0), i);
+        let got = o.overall[0][0] * 100.0;
+        assert!((got - 30.0).abs() <= 5.0, "at 30 % after {how}: achieved {got:.1} %");
+    }
 }
 
 /// A kernel's GPU time often follows its grid (a GEMM's or an attention kernel's grid grows with the
