@@ -44,6 +44,9 @@ const OK: CUresult = CUresult::SUCCESS;
 static WITH_MEM: AtomicUsize = AtomicUsize::new(0);
 /// This process's charge for each device's graph pool (what the region holds for it).
 static CHARGED: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+/// Spare memory of each device's graph pool that launches in progress count as theirs (see
+/// [`mapped`]).
+static CLAIMED: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 /// The CUDA ordinal of each region device whose pool was charged.
 static ORDINAL: [AtomicI32; MAX_DEVICES] = [const { AtomicI32::new(-1) }; MAX_DEVICES];
 
@@ -201,13 +204,37 @@ fn keep(exec: u64, allocs: &[Alloc]) {
     WITH_MEM.fetch_add(1, AcqRel);
 }
 
+/// Claims up to `bytes` of `spare` graph pool memory of device `d` that no other launch in progress
+/// has claimed; what it got.
+fn claim(d: usize, spare: u64, bytes: u64) -> u64 {
+    let mut c = CLAIMED[d].load(Acquire);
+    loop {
+        let take = bytes.min(spare.saturating_sub(c));
+        match CLAIMED[d].compare_exchange_weak(c, c + take, AcqRel, Acquire) {
+            Ok(_) => return take,
+            Err(now) => c = now,
+        }
+    }
+}
+
 /// Runs `call`, which may grow the graph pool of each device of `allocs` by up to its bytes, within
-/// the quotas: all of them, or the call is refused.
+/// the quotas: all of them, or the call is refused. What a launch may take from the pool's spare
+/// memory is claimed until its call has returned and the pool's new size is charged, so that
+/// launches by several threads at once do not each count the same spare memory as theirs (the pool
+/// grew by the spare more than they reserved: past the limit).
 fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
     // A graph launch charges outside the entry guard: counted here (see `guard::Calls`).
     let _call = crate::guard::Call::begin();
     let st = state();
-    let mut holds = [0u64; MAX_DEVICES];
+    let (mut holds, mut claims) = ([0u64; MAX_DEVICES], [0u64; MAX_DEVICES]);
+    // Gives back the holds and claims of the first `n` devices.
+    let give_back = |n: usize, holds: &[u64], claims: &[u64]| {
+        for ((&(d, ..), &h), &c) in allocs[..n].iter().zip(holds).zip(claims) {
+            st.release(d, h);
+            st.end_in_flight(d, h);
+            CLAIMED[d].fetch_sub(c, AcqRel);
+        }
+    };
     for (i, &(d, ordinal, bytes)) in allocs.iter().enumerate() {
         let spare = match (
             attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT),
@@ -216,16 +243,15 @@ fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
             (Some(r), Some(u)) => r.saturating_sub(u),
             _ => 0,
         };
-        let hold = bytes.saturating_sub(spare);
+        claims[i] = claim(d, spare, bytes);
+        let hold = bytes - claims[i];
         if hold > 0 {
             // Counted in flight (where an agent watches) until the pool's new size is charged.
             st.begin_in_flight(d, hold);
             if let Err(e) = st.reserve(d, hold) {
                 st.end_in_flight(d, hold);
-                for (&(d, ..), &h) in allocs[..i].iter().zip(&holds) {
-                    st.release(d, h);
-                    st.end_in_flight(d, h);
-                }
+                CLAIMED[d].fetch_sub(claims[i], AcqRel);
+                give_back(i, &holds, &claims);
                 return e;
             }
         }
@@ -234,11 +260,10 @@ fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
     }
     let r = call();
     // Each pool's new size is charged before its hold goes, so the container never shows less.
-    for (&(d, ordinal, _), &h) in allocs.iter().zip(&holds) {
+    for &(d, ordinal, _) in allocs {
         settle(st, d, attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT));
-        st.release(d, h);
-        st.end_in_flight(d, h);
     }
+    give_back(allocs.len(), &holds, &claims);
     r
 }
 
@@ -314,7 +339,7 @@ pub fn synced(st: &State) {
 pub fn after_fork() {
     execs().clear();
     WITH_MEM.store(0, Release);
-    for c in &CHARGED {
+    for c in CHARGED.iter().chain(&CLAIMED) {
         c.store(0, Relaxed);
     }
     for o in &ORDINAL {

@@ -111,6 +111,10 @@ scenarios:
                                         a graph allocating N, launched and destroyed while another
                                         thread instantiates one allocating --again T ms later and,
                                         once the destroy returned, launches it: the memory left
+  graph-race [--size N]                 a graph allocating N run (its pool then holds N spare), then
+                                        two graphs each allocating N and keeping it, launched at
+                                        once by a thread each: their results, the memory left
+                                        and the pool
   reset-race [--other D] [--launches K] the primary context reset (after two rounds of K launches,
                                         the last not synchronised) while another thread launches
                                         rounds of K on device D's
@@ -241,6 +245,7 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "context-reuse" => context_reuse(api, dev, &o),
         "reset-race" => reset_race(api, dev, &o),
         "graph-reuse" => graph_reuse(api, dev, &o),
+        "graph-race" => graph_race(api, dev, &o),
         "pool-reuse" => pool_reuse(api, dev, &o),
         "free-refused" => free_refused(api, dev, &o),
         "limits" => limits(api, dev, &o),
@@ -1607,8 +1612,9 @@ fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 /// A context destroyed while another thread makes one: where the driver gives the new context the
 /// destroyed one's handle (and returns from the destroy a while after the context went), what is
 /// charged for the new one must not go with the old one.
-/// An executable graph of one allocation node of `bytes` on device `d`, and a free node after it.
-fn alloc_graph(api: &Api, d: CUdevice, bytes: usize) -> Res<CUgraphExec> {
+/// An executable graph of one allocation node of `bytes` on device `d`, and a free node after it
+/// when `free` (else the allocation is kept after the graph has run).
+fn alloc_graph(api: &Api, d: CUdevice, bytes: usize, free: bool) -> Res<CUgraphExec> {
     let (mut g, mut n, mut f, mut e) =
         (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
     let mut p = CUDA_MEM_ALLOC_NODE_PARAMS {
@@ -1622,7 +1628,9 @@ fn alloc_graph(api: &Api, d: CUdevice, bytes: usize) -> Res<CUgraphExec> {
     unsafe {
         ck(api, (api.cuGraphCreate)(&mut g, 0), "cuGraphCreate")?;
         ck(api, (api.cuGraphAddMemAllocNode)(&mut n, g, std::ptr::null(), 0, &mut p), "cuGraphAddMemAllocNode")?;
-        ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, p.dptr), "cuGraphAddMemFreeNode")?;
+        if free {
+            ck(api, (api.cuGraphAddMemFreeNode)(&mut f, g, &n, 1, p.dptr), "cuGraphAddMemFreeNode")?;
+        }
         ck(api, (api.cuGraphInstantiateWithFlags)(&mut e, g, 0), "cuGraphInstantiateWithFlags")?;
     }
     Ok(e)
@@ -1639,7 +1647,7 @@ fn graph_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let wait = o.num("wait-ms", 100)?;
     let (d, s) = device_and_stream(api, dev)?;
     let stream = s as usize;
-    let a = alloc_graph(api, d, size)?;
+    let a = alloc_graph(api, d, size, true)?;
     // SAFETY: the graph and stream made above.
     unsafe {
         ck(api, (api.cuGraphLaunch)(a, s), "cuGraphLaunch")?;
@@ -1651,7 +1659,7 @@ fn graph_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         let t = sc.spawn(|| -> Res<Value> {
             setup(api, dev)?;
             std::thread::sleep(std::time::Duration::from_millis(wait));
-            let b = alloc_graph(api, d, again)?;
+            let b = alloc_graph(api, d, again, true)?;
             made.store(true, SeqCst);
             b_handle.store(b as usize, SeqCst);
             while !destroyed.load(SeqCst) {
@@ -1679,6 +1687,63 @@ fn graph_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     emit(json!({"event": "graph-reuse", "destroy": error_name(api, r.0), "made_during_destroy": r.1,
         "same_handle": b_handle.load(SeqCst) == a as usize, "base": base, "launch": other["launch"],
         "launched": other["launched"]}));
+    Ok(())
+}
+
+/// A graph allocating N launched and synchronised (the device's graph pool then holds N spare), then
+/// two graphs each allocating N and keeping it, launched at the same moment by a thread each on a
+/// stream of its own: they must not both count the pool's spare memory as theirs.
+fn graph_race(api: &Api, dev: i32, o: &Opts) -> Res<()> {
+    setup(api, dev)?;
+    let size = o.num("size", 500 << 20)? as usize;
+    let (d, s) = device_and_stream(api, dev)?;
+    let pool = || {
+        let mut v = 0u64;
+        // SAFETY: the attribute is a 64-bit value, written to a local.
+        let r = unsafe {
+            (api.cuDeviceGetGraphMemAttribute)(
+                d,
+                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+                &mut v as *mut u64 as *mut c_void,
+            )
+        };
+        if r == CUresult::SUCCESS {
+            json!(v)
+        } else {
+            json!(error_name(api, r))
+        }
+    };
+    let first = alloc_graph(api, d, size, true)?;
+    // SAFETY: the graph and stream made above.
+    unsafe {
+        ck(api, (api.cuGraphLaunch)(first, s), "cuGraphLaunch")?;
+        ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+    }
+    let (base, base_pool) = (mem_info(api), pool());
+    let execs = [alloc_graph(api, d, size, false)? as usize, alloc_graph(api, d, size, false)? as usize];
+    let together = std::sync::Barrier::new(execs.len());
+    let results: Vec<Res<Value>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = execs
+            .iter()
+            .map(|&e| {
+                let together = &together;
+                sc.spawn(move || -> Res<Value> {
+                    setup(api, dev)?;
+                    let (_, s) = device_and_stream(api, dev)?;
+                    together.wait();
+                    // SAFETY: a graph made above, launched once, on the stream made here.
+                    let r = unsafe { (api.cuGraphLaunch)(e as CUgraphExec, s) };
+                    // SAFETY: as above.
+                    unsafe { ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")? };
+                    Ok(json!(error_name(api, r)))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into()))).collect()
+    });
+    let launches = results.into_iter().collect::<Res<Vec<Value>>>()?;
+    emit(json!({"event": "graph-race", "launches": launches, "base": base, "base_pool": base_pool,
+        "after": mem_info(api), "pool": pool()}));
     Ok(())
 }
 

@@ -325,6 +325,24 @@ fn a_graph_instantiated_with_the_handle_of_one_being_destroyed_keeps_its_reserva
     assert_eq!(free("launched"), (1024 - 64 - 200) * MIB, "the pool grew by the new graph's: {v}");
 }
 
+#[test]
+fn graphs_launched_at_once_do_not_share_the_pool_s_spare_memory() {
+    // The graph pool holds 500 MiB spare; two graphs each keeping 500 MiB are launched by two
+    // threads at once (the simulated driver backs their memory 200 ms into the call, so both are in
+    // it together). Only one of them may count the spare as its own: the other needs 500 MiB more,
+    // and the container has 460 MiB left.
+    let s = Sim::new(Some(
+        "context_overhead_mib = 64\ngraph_launch_ms = 200\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+    ));
+    let v = json1(&out(&mut s.limited(RT, LIMIT), &["graph-race", "--size", "500m"]));
+    let free = |k: &str| v[k]["free"].as_u64().unwrap_or_else(|| panic!("{k}: {v}"));
+    assert_eq!((free("base"), v["base_pool"].as_u64()), ((1024 - 64 - 500) * MIB, Some(500 * MIB)), "{v}");
+    let mut launches: Vec<&str> = v["launches"].as_array().unwrap().iter().map(|x| x.as_str().unwrap()).collect();
+    launches.sort();
+    assert_eq!(launches, ["CUDA_ERROR_OUT_OF_MEMORY", "CUDA_SUCCESS"], "{v}");
+    assert_eq!((free("after"), v["pool"].as_u64()), (free("base"), Some(500 * MIB)), "{v}");
+}
+
 /// The lines of a `graph-mem` run, by step ("launched" lines in launch order).
 fn step_lines(o: &Output) -> Vec<Value> {
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));

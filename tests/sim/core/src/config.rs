@@ -20,6 +20,7 @@ struct RawConfig {
     graph_memory_mapped_at: Option<String>,
     pool_trim_return_ms: Option<u64>,
     destroy_return_ms: Option<u64>,
+    graph_launch_ms: Option<u64>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
 }
@@ -71,6 +72,9 @@ pub struct Config {
     /// return this long after the context (or what it held), pool or graph went (its handle may name
     /// the next one made meanwhile).
     pub destroy_return_ns: u64,
+    /// `cuGraphLaunch` of a graph with memory nodes backs them this long after it was called (a
+    /// driver's launch call takes time, and other threads launch meanwhile).
+    pub graph_launch_ns: u64,
     pub cuda_version: i32,
     pub driver_version: String,
     pub context_overhead_bytes: u64,
@@ -182,6 +186,7 @@ impl Config {
         Ok(Config {
             pool_trim_return_ns: raw.pool_trim_return_ms.unwrap_or(0) * 1_000_000,
             destroy_return_ns: raw.destroy_return_ms.unwrap_or(0) * 1_000_000,
+            graph_launch_ns: raw.graph_launch_ms.unwrap_or(0) * 1_000_000,
             cuda_version: raw.cuda_version.unwrap_or(12040),
             driver_version: raw.driver_version.unwrap_or_else(|| "550.54.15".into()),
             context_overhead_bytes: raw.context_overhead_mib.unwrap_or(256) << 20,

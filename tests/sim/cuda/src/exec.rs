@@ -767,6 +767,10 @@ pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
         return Ok(());
     }
     if !mem.is_empty() {
+        let delay = proc()?.node.cfg.graph_launch_ns;
+        if delay > 0 {
+            std::thread::sleep(std::time::Duration::from_nanos(delay));
+        }
         crate::mem::graph_run(c, &mem, auto_free)?;
     }
     run_on(c, s, &durs)
