@@ -61,6 +61,12 @@ pub fn captures(stream: CUstream) -> bool {
     status(stream).unwrap_or(false)
 }
 
+/// A forked child: the captures open are its parent's, in a CUDA it cannot use. With none counted
+/// open it never looks at them (nor takes their lock, which a thread it does not have may hold).
+pub fn after_fork() {
+    OPEN.store(0, Relaxed);
+}
+
 /// A stream about to be destroyed: whether a capture is open on it (asked only while some is).
 pub fn destroying(s: CUstream) -> bool {
     status(s) == Some(true)
@@ -193,5 +199,12 @@ mod tests {
         assert!(!any_open());
         ended(0x10 as CUstream, true, CUresult::SUCCESS);
         assert_eq!(OPEN.load(Relaxed), 0, "never below none");
+        // A forked child counts none of its parent's captures open.
+        with_captures(|v| v.push((0x10, 0xc1)));
+        after_fork();
+        assert!(!any_open());
+        assert!(take_context(0xc1).is_empty());
+        assert_eq!(open(), [(0x10, 0xc1)], "left as they were, not looked at");
+        with_captures(Vec::clear);
     }
 }

@@ -68,6 +68,7 @@ extern "C" fn child_after_fork() {
     FORKED.store(true, Release);
     // The forking thread is the child's only thread, and its SM credit is the parent's.
     crate::sm::after_fork();
+    crate::capture::after_fork();
     crate::guard::Calls::after_fork();
 }
 
