@@ -559,19 +559,7 @@ fn graph_mem(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             (api.cuCtxSetCurrent)(ctx);
             v
         };
-        let pool = |d: CUdevice| {
-            let mut v = 0u64;
-            let r = (api.cuDeviceGetGraphMemAttribute)(
-                d,
-                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
-                &mut v as *mut u64 as *mut c_void,
-            );
-            if r == CUresult::SUCCESS {
-                json!(v)
-            } else {
-                json!(error_name(api, r))
-            }
-        };
+        let pool = |d: CUdevice| graph_pool(api, d);
         let report = |step: &str, r: CUresult, more: Value| {
             let mut v = json!({"event": "graph-mem", "step": step, "result": error_name(api, r),
                 "mem_info": mem_info(api), "pool": pool(d)});
@@ -1612,6 +1600,21 @@ fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 /// A context destroyed while another thread makes one: where the driver gives the new context the
 /// destroyed one's handle (and returns from the destroy a while after the context went), what is
 /// charged for the new one must not go with the old one.
+/// What device `d`'s graph memory pool holds (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`), or the
+/// driver's error.
+fn graph_pool(api: &Api, d: CUdevice) -> Value {
+    let mut v = 0u64;
+    // SAFETY: the attribute is a 64-bit value, written to a local.
+    let r = unsafe {
+        (api.cuDeviceGetGraphMemAttribute)(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &mut v as *mut u64 as *mut c_void)
+    };
+    if r == CUresult::SUCCESS {
+        json!(v)
+    } else {
+        json!(error_name(api, r))
+    }
+}
+
 /// An executable graph of one allocation node of `bytes` on device `d`, and a free node after it
 /// when `free` (else the allocation is kept after the graph has run).
 fn alloc_graph(api: &Api, d: CUdevice, bytes: usize, free: bool) -> Res<CUgraphExec> {
@@ -1697,22 +1700,7 @@ fn graph_race(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     setup(api, dev)?;
     let size = o.num("size", 500 << 20)? as usize;
     let (d, s) = device_and_stream(api, dev)?;
-    let pool = || {
-        let mut v = 0u64;
-        // SAFETY: the attribute is a 64-bit value, written to a local.
-        let r = unsafe {
-            (api.cuDeviceGetGraphMemAttribute)(
-                d,
-                CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
-                &mut v as *mut u64 as *mut c_void,
-            )
-        };
-        if r == CUresult::SUCCESS {
-            json!(v)
-        } else {
-            json!(error_name(api, r))
-        }
-    };
+    let pool = || graph_pool(api, d);
     let first = alloc_graph(api, d, size, true)?;
     // SAFETY: the graph and stream made above.
     unsafe {
