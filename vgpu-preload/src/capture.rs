@@ -150,8 +150,7 @@ pub unsafe fn begin_to_graph(
 fn ended(s: CUstream, was: bool, r: CUresult) -> CUresult {
     if was && any_open() {
         with_captures(|v| {
-            let i = v.iter().rposition(|&(x, _)| x == s as usize).unwrap_or(v.len().saturating_sub(1));
-            if i < v.len() {
+            if let Some(i) = v.iter().rposition(|&(x, _)| x == s as usize).or(v.len().checked_sub(1)) {
                 v.remove(i);
             }
         });

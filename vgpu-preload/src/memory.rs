@@ -274,9 +274,10 @@ impl Going {
 fn context_gone(st: &State, going: Going) {
     let Going { ids, .. } = going;
     // Its streams went with it, and so did its modules, graphs and events: their handles may come
-    // back naming other work.
+    // back naming other work. (Its timing events were taken out of use in `going`, before the
+    // driver was asked: not here, when a new context may have its handle and events of its own.)
     streams_changed();
-    crate::sm::context_gone();
+    crate::sm::forget_all();
     crate::graphmem::context_gone(st);
     pools::forget_current();
     // Stream-ordered allocations carry their pool, not their context: those of a pool the driver

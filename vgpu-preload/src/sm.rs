@@ -289,14 +289,8 @@ pub fn take_events(ctx: u64) -> Events {
     let mine = |c: u64| ctx == 0 || c == ctx;
     // PENDING before SPARE_EVENTS, the order a collection takes them in.
     let mut p = PENDING.lock().unwrap_or_else(|p| p.into_inner());
-    let mut i = 0;
-    while i < p.len() {
-        if mine(p[i].ctx) {
-            out.pending.push(p.remove(i));
-        } else {
-            i += 1;
-        }
-    }
+    let (gone, kept) = p.drain(..).partition(|s| mine(s.ctx));
+    (out.pending, *p) = (gone, kept);
     PENDING_N.fetch_sub(out.pending.len() as u64, Relaxed);
     let mut s = SPARE_EVENTS.lock().unwrap_or_else(|p| p.into_inner());
     let (gone, kept) = s.drain(..).partition(|&(c, _)| mine(c));
@@ -314,14 +308,6 @@ pub fn put_back(e: Events) {
     PENDING_N.fetch_add(e.pending.len() as u64, Relaxed);
     p.extend(e.pending);
     SPARE_EVENTS.lock().unwrap_or_else(|p| p.into_inner()).extend(e.spare);
-}
-
-/// A context went, and its modules with it: every estimate and measurement in flight is forgotten
-/// (a function handle may come back naming another kernel). Its events were taken out of use
-/// before (see [`take_events`]); not after, when a new context may have the same handle and events
-/// of its own.
-pub fn context_gone() {
-    forget_all();
 }
 
 /// GPU time (ns, per device) the thread has charged to the container's budget for launches it has
@@ -1094,7 +1080,7 @@ mod tests {
         // It went: its events are gone for good, the other context's are kept.
         super::spare(0xc1, &[0x500 as CUevent]);
         drop(take_events(0xc1));
-        context_gone();
+        forget_all();
         let left = SPARE_EVENTS.lock().unwrap().split_off(spare_before);
         assert_eq!(left, [(0xc2, 0x600), (0xc2, 0x800), (0xc2, 0x801)], "{left:x?}");
         assert_eq!(PENDING_N.load(Relaxed), 0);
