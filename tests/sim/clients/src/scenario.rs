@@ -1492,23 +1492,81 @@ fn float_array(bytes: usize) -> CUDA_ARRAY3D_DESCRIPTOR {
     }
 }
 
-/// Allocates in a context (linear, pitched and an array: `--size` each, about), then ends the
-/// context `--how`: `destroy` (an explicit context), `release` (the primary context's last release,
-/// then retained again) or `reset` (`cuDevicePrimaryCtxReset`); then allocates `--again` bytes.
-/// The memory left now and once `done` is set (by another thread).
-fn around(api: &Api, done: &std::sync::atomic::AtomicBool) -> (Value, Value) {
-    let now = mem_info(api);
-    while !done.load(std::sync::atomic::Ordering::SeqCst) {
-        std::thread::sleep(std::time::Duration::from_millis(5));
+/// What the two threads of a reuse scenario share: whether the other thread has made its object
+/// (and its handle), and whether this thread's destroy has returned.
+#[derive(Default)]
+struct Reuse {
+    made: std::sync::atomic::AtomicBool,
+    handle: std::sync::atomic::AtomicUsize,
+    destroyed: std::sync::atomic::AtomicBool,
+}
+
+impl Reuse {
+    /// The other thread made its object, `handle`.
+    fn made(&self, handle: usize) {
+        self.handle.store(handle, std::sync::atomic::Ordering::SeqCst);
+        self.made.store(true, std::sync::atomic::Ordering::SeqCst);
     }
-    (now, mem_info(api))
+
+    fn destroyed(&self) -> bool {
+        self.destroyed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until the destroy has returned.
+    fn wait_destroyed(&self) {
+        while !self.destroyed() {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// The memory left now and once the destroy has returned.
+    fn around(&self, api: &Api) -> (Value, Value) {
+        let now = mem_info(api);
+        self.wait_destroyed();
+        (now, mem_info(api))
+    }
+}
+
+/// Runs `destroy` of the object `old` in this thread while another thread runs `make` `wait_ms`
+/// later (the driver may give what it makes `old`'s handle), and emits `head` (an object) with
+/// `make`'s value, the destroy's result (`destroy`), whether the other object was made while the
+/// destroy was in the driver (`made_during_destroy`) and whether it got `old`'s handle
+/// (`same_handle`).
+fn destroy_while_made(
+    api: &Api,
+    head: Value,
+    wait_ms: u64,
+    old: usize,
+    destroy: impl FnOnce() -> CUresult,
+    make: impl FnOnce(&Reuse) -> Res<Value> + Send,
+) -> Res<()> {
+    let reuse = Reuse::default();
+    let (r, made_during, other) = std::thread::scope(|sc| {
+        let t = sc.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(wait_ms));
+            make(&reuse)
+        });
+        let r = destroy();
+        let made_during = reuse.made.load(std::sync::atomic::Ordering::SeqCst);
+        reuse.destroyed.store(true, std::sync::atomic::Ordering::SeqCst);
+        (r, made_during, t.join().map_err(|_| "the other thread panicked".to_string()))
+    });
+    let same = reuse.handle.load(std::sync::atomic::Ordering::SeqCst) == old;
+    let mut v = head;
+    if let (Some(m), Value::Object(made)) = (v.as_object_mut(), other??) {
+        m.extend(made);
+        m.insert("destroy".into(), json!(error_name(api, r)));
+        m.insert("made_during_destroy".into(), json!(made_during));
+        m.insert("same_handle".into(), json!(same));
+    }
+    emit(v);
+    Ok(())
 }
 
 /// A memory pool destroyed while another thread makes one: where the driver gives the new pool the
 /// destroyed one's handle (and returns from the destroy a while after the pool went), what the new
 /// pool holds must not go with the old one.
 fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
     let ctx = setup(api, dev)? as usize;
     let size = o.num("size", 100 << 20)? as usize;
     let again = o.num("again", 200 << 20)? as usize;
@@ -1550,51 +1608,38 @@ fn pool_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
     }
     let base = mem_info(api);
-    let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
-    let (r, other) = std::thread::scope(|sc| {
-        let t = sc.spawn(|| -> Res<Value> {
-            std::thread::sleep(std::time::Duration::from_millis(wait));
-            let (mut b, mut s2, mut q) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
-            let mut keep = u64::MAX;
-            // SAFETY: the primary context retained by `setup`; out-pointers to locals; the pool
-            // and stream made here are destroyed once, below.
-            unsafe {
-                (api.cuCtxSetCurrent)(ctx as CUcontext);
-                ck(api, (api.cuStreamCreate)(&mut s2, 0), "cuStreamCreate")?;
-                ck(api, (api.cuMemPoolCreate)(&mut b, &CUmemPoolProps::device(d)), "cuMemPoolCreate")?;
-                made.store(true, SeqCst);
-                b_handle.store(b as usize, SeqCst);
-                let t = &mut keep as *mut u64 as *mut c_void;
-                ck(api, (api.cuMemPoolSetAttribute)(b, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, t), "cuMemPoolSetAttribute")?;
-                ck(api, (api.cuMemAllocFromPoolAsync)(&mut q, again, b, s2), "cuMemAllocFromPoolAsync")?;
-                ck(api, (api.cuMemFreeAsync)(q, s2), "cuMemFreeAsync")?;
-                ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
-            }
-            let (during, after) = around(api, &destroyed);
-            // SAFETY: as above.
-            unsafe {
-                ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
-            }
-            let synchronised = mem_info(api);
-            // SAFETY: as above.
-            unsafe {
-                ck(api, (api.cuMemPoolDestroy)(b), "cuMemPoolDestroy")?;
-            }
-            Ok(json!({"during": during, "after": after, "synchronised": synchronised, "destroyed": mem_info(api)}))
-        });
-        // SAFETY: the pool made above, destroyed once (nothing of it is allocated).
-        let r = unsafe { (api.cuMemPoolDestroy)(a) };
-        let made_during = made.load(SeqCst);
-        destroyed.store(true, SeqCst);
-        ((r, made_during), t.join().map_err(|_| "the other thread panicked".to_string()))
-    });
-    let other = other??;
-    emit(
-        json!({"event": "pool-reuse", "default_destroyed": refused, "destroy": error_name(api, r.0), "made_during_destroy": r.1,
-        "same_handle": b_handle.load(SeqCst) == a as usize, "base": base, "during": other["during"],
-        "after": other["after"], "synchronised": other["synchronised"], "destroyed": other["destroyed"]}),
-    );
-    Ok(())
+    let old = a as usize;
+    // SAFETY: the pool made above, destroyed once (nothing of it is allocated).
+    let destroy = || unsafe { (api.cuMemPoolDestroy)(old as CUmemoryPool) };
+    let head = json!({"event": "pool-reuse", "default_destroyed": refused, "base": base});
+    destroy_while_made(api, head, wait, old, destroy, |reuse| {
+        let (mut b, mut s2, mut q) = (std::ptr::null_mut(), std::ptr::null_mut(), 0);
+        let mut keep = u64::MAX;
+        // SAFETY: the primary context retained by `setup`; out-pointers to locals; the pool
+        // and stream made here are destroyed once, below.
+        unsafe {
+            (api.cuCtxSetCurrent)(ctx as CUcontext);
+            ck(api, (api.cuStreamCreate)(&mut s2, 0), "cuStreamCreate")?;
+            ck(api, (api.cuMemPoolCreate)(&mut b, &CUmemPoolProps::device(d)), "cuMemPoolCreate")?;
+            reuse.made(b as usize);
+            let t = &mut keep as *mut u64 as *mut c_void;
+            ck(api, (api.cuMemPoolSetAttribute)(b, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, t), "cuMemPoolSetAttribute")?;
+            ck(api, (api.cuMemAllocFromPoolAsync)(&mut q, again, b, s2), "cuMemAllocFromPoolAsync")?;
+            ck(api, (api.cuMemFreeAsync)(q, s2), "cuMemFreeAsync")?;
+            ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
+        }
+        let (during, after) = reuse.around(api);
+        // SAFETY: as above.
+        unsafe {
+            ck(api, (api.cuStreamSynchronize)(s2), "cuStreamSynchronize")?;
+        }
+        let synchronised = mem_info(api);
+        // SAFETY: as above.
+        unsafe {
+            ck(api, (api.cuMemPoolDestroy)(b), "cuMemPoolDestroy")?;
+        }
+        Ok(json!({"during": during, "after": after, "synchronised": synchronised, "destroyed": mem_info(api)}))
+    })
 }
 
 /// A context destroyed while another thread makes one: where the driver gives the new context the
@@ -1643,7 +1688,6 @@ fn alloc_graph(api: &Api, d: CUdevice, bytes: usize, free: bool) -> Res<CUgraphE
 /// allocating --again T ms later (the driver may give it the destroyed one's handle) and, once the
 /// destroy has returned, launches it: the new graph's allocations must still be reserved for.
 fn graph_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
     setup(api, dev)?;
     let size = o.num("size", 100 << 20)? as usize;
     let again = o.num("again", 200 << 20)? as usize;
@@ -1657,40 +1701,27 @@ fn graph_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
         ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
     }
     let base = mem_info(api);
-    let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
-    let (r, other) = std::thread::scope(|sc| {
-        let t = sc.spawn(|| -> Res<Value> {
-            setup(api, dev)?;
-            std::thread::sleep(std::time::Duration::from_millis(wait));
-            let b = alloc_graph(api, d, again, true)?;
-            made.store(true, SeqCst);
-            b_handle.store(b as usize, SeqCst);
-            while !destroyed.load(SeqCst) {
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-            let s = stream as CUstream;
-            // SAFETY: the graph made above, launched and destroyed once on the stream made above.
-            let r = unsafe {
-                let r = (api.cuGraphLaunch)(b, s);
-                ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
-                r
-            };
-            let launched = mem_info(api);
-            // SAFETY: as above.
-            unsafe { ck(api, (api.cuGraphExecDestroy)(b), "cuGraphExecDestroy")? };
-            Ok(json!({"launch": error_name(api, r), "launched": launched}))
-        });
-        // SAFETY: the graph made above, destroyed once.
-        let r = unsafe { (api.cuGraphExecDestroy)(a as usize as CUgraphExec) };
-        let made_during = made.load(SeqCst);
-        destroyed.store(true, SeqCst);
-        ((r, made_during), t.join().map_err(|_| "the other thread panicked".to_string()))
-    });
-    let other = other??;
-    emit(json!({"event": "graph-reuse", "destroy": error_name(api, r.0), "made_during_destroy": r.1,
-        "same_handle": b_handle.load(SeqCst) == a as usize, "base": base, "launch": other["launch"],
-        "launched": other["launched"]}));
-    Ok(())
+    let old = a as usize;
+    // SAFETY: the graph made above, destroyed once.
+    let destroy = || unsafe { (api.cuGraphExecDestroy)(old as CUgraphExec) };
+    let head = json!({"event": "graph-reuse", "base": base});
+    destroy_while_made(api, head, wait, old, destroy, |reuse| {
+        setup(api, dev)?;
+        let b = alloc_graph(api, d, again, true)?;
+        reuse.made(b as usize);
+        reuse.wait_destroyed();
+        let s = stream as CUstream;
+        // SAFETY: the graph made above, launched and destroyed once on the stream made above.
+        let r = unsafe {
+            let r = (api.cuGraphLaunch)(b, s);
+            ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+            r
+        };
+        let launched = mem_info(api);
+        // SAFETY: as above.
+        unsafe { ck(api, (api.cuGraphExecDestroy)(b), "cuGraphExecDestroy")? };
+        Ok(json!({"launch": error_name(api, r), "launched": launched}))
+    })
 }
 
 /// A graph allocating N launched and synchronised (the device's graph pool then holds N spare), then
@@ -1794,7 +1825,6 @@ fn reset_race(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 }
 
 fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
     setup(api, dev)?;
     let size = o.num("size", 100 << 20)? as usize;
     let again = o.num("again", 200 << 20)? as usize;
@@ -1802,8 +1832,9 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     // Each context's malloc heap raised to this much (0: left as it is).
     let heap = o.num("heap", 0)? as usize;
     const HEAP: i32 = 2; // CU_LIMIT_MALLOC_HEAP_SIZE
-                         // Kernels each context launches, twice, synchronising after each round: under an SM limit, the
-                         // interposer then holds timing events of the context, spare and in flight, when it ends.
+
+    // Kernels each context launches, twice, synchronising after each round: under an SM limit, the
+    // interposer then holds timing events of the context, spare and in flight, when it ends.
     let launches = o.num("launches", 0)?;
     let run = || if launches == 0 { Ok(()) } else { kernel_rounds(api, launches, true) };
     let mut d = 0;
@@ -1820,46 +1851,37 @@ fn context_reuse(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     }
     run()?;
     let base = mem_info(api);
-    let (made, destroyed, b_handle) = (AtomicBool::new(false), AtomicBool::new(false), AtomicUsize::new(0));
-    let (r, other) = std::thread::scope(|s| {
-        let t = s.spawn(|| -> Res<Value> {
-            std::thread::sleep(std::time::Duration::from_millis(wait));
-            let mut b = std::ptr::null_mut();
-            let mut q = 0;
-            // SAFETY: out-pointers to locals; the context made here is destroyed once, below.
-            unsafe {
-                ck(api, (api.cuCtxCreate_v2)(&mut b, 0, d), "cuCtxCreate")?;
-                made.store(true, SeqCst);
-                b_handle.store(b as usize, SeqCst);
-                ck(api, (api.cuMemAlloc_v2)(&mut q, again), "cuMemAlloc")?;
-                if heap > 0 {
-                    ck(api, (api.cuCtxSetLimit)(HEAP, heap), "cuCtxSetLimit")?;
-                }
+    let old = a as usize;
+    // SAFETY: the context made above, destroyed once (with the allocation in it).
+    let destroy = || unsafe { (api.cuCtxDestroy_v2)(old as CUcontext) };
+    let head = json!({"event": "context-reuse", "base": base});
+    destroy_while_made(api, head, wait, old, destroy, |reuse| {
+        let mut b = std::ptr::null_mut();
+        let mut q = 0;
+        // SAFETY: out-pointers to locals; the context made here is destroyed once, below.
+        unsafe {
+            ck(api, (api.cuCtxCreate_v2)(&mut b, 0, d), "cuCtxCreate")?;
+            reuse.made(b as usize);
+            ck(api, (api.cuMemAlloc_v2)(&mut q, again), "cuMemAlloc")?;
+            if heap > 0 {
+                ck(api, (api.cuCtxSetLimit)(HEAP, heap), "cuCtxSetLimit")?;
             }
-            run()?;
-            let ran_during = !destroyed.load(SeqCst);
-            let (during, after) = around(api, &destroyed);
-            // SAFETY: the allocation and context made above.
-            unsafe {
-                ck(api, (api.cuMemFree_v2)(q), "cuMemFree")?;
-                ck(api, (api.cuCtxDestroy_v2)(b), "cuCtxDestroy")?;
-            }
-            Ok(json!({"during": during, "after": after, "ran_during": ran_during}))
-        });
-        // SAFETY: the context made above, destroyed once (with the allocation in it).
-        let r = unsafe { (api.cuCtxDestroy_v2)(a) };
-        let made_during = made.load(SeqCst);
-        destroyed.store(true, SeqCst);
-        ((r, made_during), t.join().map_err(|_| "the other thread panicked".to_string()))
-    });
-    let other = other??;
-    emit(json!({"event": "context-reuse", "destroy": error_name(api, r.0), "made_during_destroy": r.1,
-        "same_handle": b_handle.load(std::sync::atomic::Ordering::SeqCst) == a as usize,
-        "launched_during_destroy": launches > 0 && other["ran_during"] == true,
-        "base": base, "during": other["during"], "after": other["after"]}));
-    Ok(())
+        }
+        run()?;
+        let ran_during = !reuse.destroyed();
+        let (during, after) = reuse.around(api);
+        // SAFETY: the allocation and context made above.
+        unsafe {
+            ck(api, (api.cuMemFree_v2)(q), "cuMemFree")?;
+            ck(api, (api.cuCtxDestroy_v2)(b), "cuCtxDestroy")?;
+        }
+        Ok(json!({"during": during, "after": after, "launched_during_destroy": launches > 0 && ran_during}))
+    })
 }
 
+/// Allocates in a context (linear, pitched and an array: `--size` each, about), then ends the
+/// context `--how`: `destroy` (an explicit context), `release` (the primary context's last release,
+/// then retained again) or `reset` (`cuDevicePrimaryCtxReset`); then allocates `--again` bytes.
 fn context_end(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let primary = setup(api, dev)?;
     let size = o.num("size", 64 << 20)? as usize;

@@ -251,10 +251,7 @@ pub fn primary_reset(ordinal: CUdevice) -> R<()> {
             crate::mem::release_context_memory(c);
         }
     }
-    let delay = p.node.cfg.destroy_return_ns;
-    if delay > 0 {
-        std::thread::sleep(std::time::Duration::from_nanos(delay));
-    }
+    std::thread::sleep(std::time::Duration::from_nanos(p.node.cfg.destroy_return_ns));
     Ok(())
 }
 
@@ -300,10 +297,7 @@ pub fn ctx_destroy(c: &'static Ctx) -> R<()> {
     STACK.with(|s| s.borrow_mut().retain(|x| !std::ptr::eq(*x, c)));
     p.detach(c.gpu);
     SPARE_CTXS.lock().unwrap_or_else(|e| e.into_inner()).push(c);
-    let delay = p.node.cfg.destroy_return_ns;
-    if delay > 0 {
-        std::thread::sleep(std::time::Duration::from_nanos(delay));
-    }
+    std::thread::sleep(std::time::Duration::from_nanos(p.node.cfg.destroy_return_ns));
     Ok(())
 }
 

@@ -662,10 +662,7 @@ pub fn graph_instantiate(h: CUgraph, flags: u64) -> R<CUgraphExec> {
 pub fn graph_exec_destroy(h: CUgraphExec) -> R<()> {
     retire(h, EXEC_MAGIC)?;
     SPARE_EXECS.lock().unwrap().push(h as usize);
-    let delay = proc()?.node.cfg.destroy_return_ns;
-    if delay > 0 {
-        std::thread::sleep(std::time::Duration::from_nanos(delay));
-    }
+    std::thread::sleep(std::time::Duration::from_nanos(proc()?.node.cfg.destroy_return_ns));
     Ok(())
 }
 
@@ -767,10 +764,7 @@ pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
         return Ok(());
     }
     if !mem.is_empty() {
-        let delay = proc()?.node.cfg.graph_launch_ns;
-        if delay > 0 {
-            std::thread::sleep(std::time::Duration::from_nanos(delay));
-        }
+        std::thread::sleep(std::time::Duration::from_nanos(proc()?.node.cfg.graph_launch_ns));
         crate::mem::graph_run(c, &mem, auto_free)?;
     }
     run_on(c, s, &durs)

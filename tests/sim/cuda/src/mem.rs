@@ -708,10 +708,7 @@ pub fn pool_destroy(id: u64) -> R<()> {
         Ok::<_, CUresult>((gpu, freed))
     })?;
     pr.uncharge(gpu, freed);
-    let delay = pr.node.cfg.destroy_return_ns;
-    if delay > 0 {
-        std::thread::sleep(std::time::Duration::from_nanos(delay));
-    }
+    std::thread::sleep(std::time::Duration::from_nanos(pr.node.cfg.destroy_return_ns));
     Ok(())
 }
 
@@ -822,10 +819,7 @@ pub fn pool_trim(id: u64, keep: u64) -> R<()> {
         Ok::<_, CUresult>((p.gpu, trim(p, keep)))
     })?;
     pr.uncharge(gpu, freed);
-    let delay = pr.node.cfg.pool_trim_return_ns;
-    if delay > 0 {
-        std::thread::sleep(std::time::Duration::from_nanos(delay));
-    }
+    std::thread::sleep(std::time::Duration::from_nanos(pr.node.cfg.pool_trim_return_ns));
     Ok(())
 }
 
