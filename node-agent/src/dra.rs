@@ -1,5 +1,6 @@
-//! Dynamic Resource Allocation (`resource.k8s.io/v1`, GA since Kubernetes 1.34): the agent as a DRA
-//! driver (`dra = "on"`, named `dra_driver`).
+//! Dynamic Resource Allocation (`resource.k8s.io/v1`, GA since Kubernetes 1.34, or the `v1beta2`
+//! and `v1beta1` of 1.33 and 1.32: see [`ApiVersion`]): the agent as a DRA driver (`dra = "on"`,
+//! named `dra_driver`).
 //!
 //! - **Devices**: one pool per node (named after the node), in ResourceSlices `<node>-<driver>`,
 //!   `<node>-<driver>-1`, ... of at most 128 devices each (the API's limit), owned by the Node
@@ -59,14 +60,104 @@ use std::time::Duration;
 use tonic::{Request, Response, Status};
 use vgpu_proto::dra::{health as hp, registration as reg, v1, v1beta1};
 
-fn resource(kind: &str, plural: &str) -> ApiResource {
-    ApiResource {
-        group: "resource.k8s.io".into(),
-        version: "v1".into(),
-        api_version: "resource.k8s.io/v1".into(),
-        kind: kind.into(),
-        plural: plural.into(),
+/// The version of `resource.k8s.io` the driver speaks to the API server: the newest it serves of
+/// those the driver knows, found once (at the first publication or preparation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiVersion {
+    /// GA, Kubernetes 1.34 and later.
+    V1,
+    /// Beta, Kubernetes 1.33 (and served beside `v1` later): `v1`'s shape.
+    V1beta2,
+    /// Beta, Kubernetes 1.32 (and 1.33): a device's fields but its name are under `basic`.
+    V1beta1,
+}
+
+impl ApiVersion {
+    /// Newest first, as the driver prefers them.
+    pub const ALL: [ApiVersion; 3] = [ApiVersion::V1, ApiVersion::V1beta2, ApiVersion::V1beta1];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ApiVersion::V1 => "v1",
+            ApiVersion::V1beta2 => "v1beta2",
+            ApiVersion::V1beta1 => "v1beta1",
+        }
     }
+
+    /// The newest version the driver knows of those `served` (an API group's `versions[].version`).
+    pub fn newest<'a>(served: impl IntoIterator<Item = &'a str> + Clone) -> Option<ApiVersion> {
+        Self::ALL.into_iter().find(|v| served.clone().into_iter().any(|s| s == v.name()))
+    }
+
+    /// Whether the version carries MIG partitions as the driver publishes them (counter sets in
+    /// ResourceSlices of their own, which `v1` brought; before it the scheduler looked for a
+    /// device's counters in its own ResourceSlice).
+    pub fn partitions(self) -> bool {
+        self == ApiVersion::V1
+    }
+
+    /// A ResourceSlice spec of `v1`'s shape in this version's.
+    pub fn slice_spec(self, mut spec: Value) -> Value {
+        if self == ApiVersion::V1beta1 {
+            for d in spec.get_mut("devices").and_then(Value::as_array_mut).into_iter().flatten() {
+                if let Value::Object(m) = d {
+                    let name = m.remove("name");
+                    let basic = std::mem::take(m);
+                    m.extend(name.map(|n| ("name".to_string(), n)));
+                    m.insert("basic".into(), Value::Object(basic));
+                }
+            }
+        }
+        spec
+    }
+
+    /// A ResourceSlice spec of this version in `v1`'s shape (as [`ApiVersion::slice_spec`] undone).
+    pub fn v1_spec(self, spec: &Value) -> Value {
+        let mut spec = spec.clone();
+        if self == ApiVersion::V1beta1 {
+            for d in spec.get_mut("devices").and_then(Value::as_array_mut).into_iter().flatten() {
+                if let Value::Object(m) = d {
+                    if let Some(Value::Object(basic)) = m.remove("basic") {
+                        m.extend(basic);
+                    }
+                }
+            }
+        }
+        spec
+    }
+
+    fn resource(self, kind: &str, plural: &str) -> ApiResource {
+        ApiResource {
+            group: "resource.k8s.io".into(),
+            version: self.name().into(),
+            api_version: format!("resource.k8s.io/{}", self.name()),
+            kind: kind.into(),
+            plural: plural.into(),
+        }
+    }
+}
+
+/// Why `dra_mig = "dynamic"` offers MIG devices as they are.
+const NO_PARTITIONS: &str = "DRA: dra_mig = \"dynamic\" needs resource.k8s.io/v1 (Kubernetes 1.34), where a pool's \
+                             counter sets have ResourceSlices of their own; GPUs in MIG mode offer their MIG devices \
+                             as they are";
+
+/// Which version of `resource.k8s.io` the API server serves that the driver knows, newest first.
+async fn discover(client: &kube::Client) -> Result<ApiVersion, String> {
+    let groups = client.list_api_groups().await.map_err(|e| format!("listing the API server's API groups: {e}"))?;
+    let served: Vec<String> = groups
+        .groups
+        .iter()
+        .filter(|g| g.name == "resource.k8s.io")
+        .flat_map(|g| g.versions.iter().map(|v| v.version.clone()))
+        .collect();
+    ApiVersion::newest(served.iter().map(String::as_str)).ok_or_else(|| {
+        format!(
+            "the API server serves {} of resource.k8s.io; the driver needs v1 (Kubernetes 1.34), v1beta2 (1.33) or \
+             v1beta1 (1.32), with DRA enabled",
+            if served.is_empty() { "no version".to_string() } else { served.join(", ") }
+        )
+    })
 }
 
 /// The name of replica `n` of the GPU at NVML index `index`.
@@ -218,9 +309,9 @@ fn partitions(agent: &Agent, g: &crate::discovery::Gpu, mig: &crate::discovery::
     }
 }
 
-/// The devices the node offers now, as ResourceSlice device entries, and the counter sets they
-/// consume: those of every healthy GPU.
-pub fn pool(agent: &Agent) -> Pool {
+/// The devices the node offers now, as ResourceSlice device entries (in `v1`'s shape), and the
+/// counter sets they consume: those of every healthy GPU, as API version `v` can carry them.
+pub fn pool(agent: &Agent, v: ApiVersion) -> Pool {
     let st = agent.status();
     let inv = agent.inventory.read();
     let mut pool = Pool::default();
@@ -228,7 +319,7 @@ pub fn pool(agent: &Agent) -> Pool {
         if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
             continue;
         }
-        gpu_devices(agent, g, &mut pool);
+        gpu_devices(agent, g, v, &mut pool);
     }
     pool
 }
@@ -236,24 +327,29 @@ pub fn pool(agent: &Agent) -> Pool {
 /// The health of every device of this driver on the node, by name: each GPU's devices as it would
 /// offer them (a failed GPU's too, which the pool leaves out but claims may hold), with the GPU's
 /// health.
-pub fn device_health(agent: &Agent) -> Vec<(String, bool)> {
+pub fn device_health(agent: &Agent, v: ApiVersion) -> Vec<(String, bool)> {
     let st = agent.status();
     let inv = agent.inventory.read();
-    let mut v = Vec::new();
+    let mut all = Vec::new();
     for g in &inv.gpus {
         let healthy = st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy);
         let mut p = Pool::default();
-        gpu_devices(agent, g, &mut p);
-        v.extend(p.devices.iter().filter_map(|d| Some((d["name"].as_str()?.to_string(), healthy))));
+        gpu_devices(agent, g, v, &mut p);
+        all.extend(p.devices.iter().filter_map(|d| Some((d["name"].as_str()?.to_string(), healthy))));
     }
-    v
+    all
+}
+
+/// Whether MIG partitions are offered (`dra_mig = "dynamic"`, and an API version that carries them).
+fn partitioned(agent: &Agent, v: ApiVersion) -> bool {
+    agent.cfg.dra_mig == crate::config::DraMig::Dynamic && v.partitions()
 }
 
 /// The devices one GPU offers (and its counter set, for MIG partitions).
-fn gpu_devices(agent: &Agent, g: &crate::discovery::Gpu, pool: &mut Pool) {
+fn gpu_devices(agent: &Agent, g: &crate::discovery::Gpu, v: ApiVersion, pool: &mut Pool) {
     let split = agent.cfg.split_count.max(1);
     if let Some(mig) = g.mig.as_ref().filter(|m| m.enabled) {
-        if agent.cfg.dra_mig == crate::config::DraMig::Dynamic {
+        if partitioned(agent, v) {
             partitions(agent, g, mig, pool);
             return;
         }
@@ -499,12 +595,36 @@ pub struct Driver {
     driver: String,
     node: String,
     client: kube::Client,
+    /// The version of `resource.k8s.io` spoken to the API server, once found.
+    version: Arc<tokio::sync::OnceCell<ApiVersion>>,
     /// One preparation or removal of devices given whole at a time (the check that no other claim
     /// holds a MIG device).
     whole_lock: Arc<parking_lot::Mutex<()>>,
 }
 
 impl Driver {
+    /// The version of `resource.k8s.io` to speak, asked of the API server the first time.
+    async fn version(&self) -> Result<ApiVersion, String> {
+        let v = self
+            .version
+            .get_or_try_init(|| async {
+                let v = discover(&self.client).await?;
+                tracing::info!(version = %format!("resource.k8s.io/{}", v.name()), "DRA: the API version spoken");
+                if self.agent.cfg.dra_mig == crate::config::DraMig::Dynamic && !v.partitions() {
+                    tracing::warn!("{}", NO_PARTITIONS);
+                }
+                Ok::<_, String>(v)
+            })
+            .await?;
+        Ok(*v)
+    }
+
+    /// The claims of a namespace, in the version spoken.
+    async fn claims(&self, namespace: &str) -> Result<Api<DynamicObject>, String> {
+        let v = self.version().await?;
+        Ok(Api::namespaced_with(self.client.clone(), namespace, &v.resource("ResourceClaim", "resourceclaims")))
+    }
+
     /// The slice's per-GPU limits for the devices a claim was allocated (by NVML index): k/split of
     /// a GPU for k of its replicas, plus what the claim consumed of its shared device.
     fn limits(&self, wants: &BTreeMap<u32, Want>) -> Result<Vec<vgpu_proto::v1::SliceGpuLimit>, String> {
@@ -550,8 +670,7 @@ impl Driver {
 
     /// Prepares one claim: its slice, and what kubelet is told.
     pub async fn prepare(&self, namespace: &str, name: &str, uid: &str) -> Result<Vec<Prepared>, String> {
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, &resource("ResourceClaim", "resourceclaims"));
+        let api = self.claims(namespace).await?;
         let claim = api.get(name).await.map_err(|e| format!("reading claim {namespace}/{name}: {e}"))?;
         if claim.metadata.uid.as_deref() != Some(uid) {
             return Err(format!(
@@ -701,8 +820,7 @@ impl Driver {
     /// get only one claim's. None when no container does, or when that cannot be read now.
     async fn shared_container(&self, namespace: &str, name: &str, claim: &DynamicObject) -> Option<String> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let claims: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, &resource("ResourceClaim", "resourceclaims"));
+        let claims = self.claims(namespace).await.ok()?;
         for r in claim.data["status"]["reservedFor"].as_array().into_iter().flatten() {
             let Some(pod) = r["name"].as_str().filter(|_| r["resource"] == "pods") else { continue };
             let pod = match pods.get_opt(pod).await {
@@ -1059,7 +1177,9 @@ impl hp::dra_resource_health_server::DraResourceHealth for Driver {
             let mut sent = tokio::time::Instant::now();
             loop {
                 let a = d.agent.clone();
-                let Ok(now) = tokio::task::spawn_blocking(move || device_health(&a)).await else { break };
+                // (Until the API version is known, the devices as `v1` would carry them.)
+                let v = d.version.get().copied().unwrap_or(ApiVersion::V1);
+                let Ok(now) = tokio::task::spawn_blocking(move || device_health(&a, v)).await else { break };
                 if last.as_ref() != Some(&now) || sent.elapsed() >= HEALTH_RESEND {
                     let t = std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH)
@@ -1170,8 +1290,13 @@ fn unmake(b: &vgpu_mig::backend::NvmlBackend, made: &[Made]) {
 
 /// Whether the claim is gone (or made again under its name); false when that cannot be known now.
 async fn claim_gone(d: &Driver, ns: &str, name: &str, uid: &str) -> bool {
-    let api: Api<DynamicObject> =
-        Api::namespaced_with(d.client.clone(), ns, &resource("ResourceClaim", "resourceclaims"));
+    let api = match d.claims(ns).await {
+        Ok(api) => api,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read prepared DRA claims");
+            return false;
+        }
+    };
     match api.get_opt(name).await {
         Ok(None) => true,
         Ok(Some(c)) => c.metadata.uid.as_deref() != Some(uid),
@@ -1276,8 +1401,12 @@ type Written = Vec<(Value, Value)>;
 /// API server has: every slice with the generation raised, and the slices a smaller pool no longer
 /// needs removed.
 async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Result<bool, String> {
-    let api: Api<DynamicObject> = Api::all_with(d.client.clone(), &resource("ResourceSlice", "resourceslices"));
-    let chunks = pool_parts(pool(&d.agent));
+    let v = d.version().await?;
+    let unpartitioned = d.agent.cfg.dra_mig == crate::config::DraMig::Dynamic && !v.partitions();
+    d.agent.warn("dra-partitions", unpartitioned.then(|| NO_PARTITIONS.to_string()));
+    let slices = v.resource("ResourceSlice", "resourceslices");
+    let api: Api<DynamicObject> = Api::all_with(d.client.clone(), &slices);
+    let chunks = pool_parts(pool(&d.agent, v));
     let name = |k: usize| pool_slice_name(&d.node, &d.driver, k);
     let get = |k: usize| {
         let api = api.clone();
@@ -1296,7 +1425,7 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
     let current = count == chunks.len()
         && chunks.iter().enumerate().all(|(k, want)| {
             existing[k].as_ref().is_some_and(|o| {
-                let have = &o.data["spec"];
+                let have = &v.v1_spec(&o.data["spec"]);
                 have["driver"] == d.driver.as_str()
                     && have["pool"]["generation"].as_i64() == Some(generation)
                     && (same_part(have, want)
@@ -1314,9 +1443,10 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
             "nodeName": d.node,
             "pool": {"name": d.node, "generation": generation, "resourceSliceCount": chunks.len()},
         });
-        for (key, v) in part.as_object().into_iter().flatten() {
-            spec[key] = v.clone();
+        for (key, value) in part.as_object().into_iter().flatten() {
+            spec[key] = value.clone();
         }
+        let spec = v.slice_spec(spec);
         let n = name(k);
         let stored = match existing[k].take() {
             Some(mut o) => {
@@ -1326,7 +1456,7 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
                     .map_err(|e| format!("updating ResourceSlice {n}: {e}"))?
             }
             None => {
-                let mut o = DynamicObject::new(&n, &resource("ResourceSlice", "resourceslices"));
+                let mut o = DynamicObject::new(&n, &slices);
                 o.data = json!({"spec": spec});
                 if let Some(owner) = owner {
                     o.metadata.owner_references = serde_json::from_value(json!([owner])).ok();
@@ -1334,7 +1464,7 @@ async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Re
                 api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {n}: {e}"))?
             }
         };
-        now.push((part.clone(), stored.data["spec"].clone()));
+        now.push((part.clone(), v.v1_spec(&stored.data["spec"])));
     }
     for (k, _) in existing.iter().enumerate().skip(chunks.len()).filter(|(_, o)| o.is_some()) {
         let n = name(k);
@@ -1391,6 +1521,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
         driver: driver.clone(),
         node: agent.cfg.node_name.clone(),
         client,
+        version: Default::default(),
         whole_lock: Default::default(),
     };
     let (reg_sock, dra_sock) = sockets(&agent.cfg, &driver);
@@ -1527,6 +1658,42 @@ mod tests {
             assert_eq!(parse_device(other), None, "{other}");
         }
         assert_eq!(counter_set_name(3), "gpu-3-mig");
+    }
+
+    #[test]
+    fn the_newest_api_version_served_is_spoken_in_its_shape() {
+        use ApiVersion::*;
+        assert_eq!(ApiVersion::newest(["v1beta1", "v1", "v1beta2"]), Some(V1));
+        assert_eq!(ApiVersion::newest(["v1beta1", "v1beta2"]), Some(V1beta2));
+        assert_eq!(ApiVersion::newest(["v1alpha3", "v1beta1"]), Some(V1beta1));
+        assert_eq!(ApiVersion::newest(["v1alpha3"]), None);
+        assert_eq!(ApiVersion::newest([]), None);
+        assert!(V1.partitions() && !V1beta2.partitions() && !V1beta1.partitions());
+        assert_eq!(V1beta2.resource("ResourceSlice", "resourceslices").api_version, "resource.k8s.io/v1beta2");
+
+        let spec = json!({
+            "driver": "gpu.vgpu.io",
+            "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1},
+            "devices": [
+                {"name": "gpu-0-0", "attributes": {"index": {"int": 0}}, "capacity": {"memory": {"value": "1Gi"}}},
+                {"name": "gpu-0-1", "allowMultipleAllocations": true},
+            ],
+        });
+        // v1 and v1beta2 as they are; v1beta1 with all but the name under `basic`, and back.
+        assert_eq!(V1.slice_spec(spec.clone()), spec);
+        assert_eq!(V1beta2.slice_spec(spec.clone()), spec);
+        let beta1 = V1beta1.slice_spec(spec.clone());
+        assert_eq!(
+            beta1["devices"][0],
+            json!({"name": "gpu-0-0", "basic": {"attributes": {"index": {"int": 0}}, "capacity": {"memory": {"value": "1Gi"}}}})
+        );
+        assert_eq!(beta1["devices"][1], json!({"name": "gpu-0-1", "basic": {"allowMultipleAllocations": true}}));
+        assert_eq!(beta1["pool"], spec["pool"]);
+        assert_eq!(V1beta1.v1_spec(&beta1), spec);
+        assert_eq!(V1.v1_spec(&spec), spec);
+        // A counter-set slice has no devices to reshape.
+        let counters = json!({"sharedCounters": [{"name": "c", "counters": {}}]});
+        assert_eq!(V1beta1.slice_spec(counters.clone()), counters);
     }
 
     #[test]

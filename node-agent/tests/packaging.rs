@@ -201,6 +201,10 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
         ]
     );
     assert!(classes.iter().all(|c| c["apiVersion"] == "resource.k8s.io/v1"));
+    // On Kubernetes 1.32, in v1beta1 (the selectors are the same).
+    v3["deviceClassApiVersion"] = yaml_serde::Value::String("resource.k8s.io/v1beta1".into());
+    let beta = render(&t, &v3);
+    assert_eq!(beta.matches("apiVersion: resource.k8s.io/v1beta1\n").count(), 2, "{beta}");
 }
 
 #[test]

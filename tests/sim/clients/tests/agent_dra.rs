@@ -34,7 +34,12 @@ struct Store {
     /// Drop the fields of consumable capacity from what is written, as an API server without the
     /// DRAConsumableCapacity feature gate does.
     no_consumable_capacity: bool,
+    /// The versions of `resource.k8s.io` served (others answer 404).
+    served: Vec<&'static str>,
 }
+
+/// What an API server of Kubernetes 1.34 serves of `resource.k8s.io`.
+const SERVED_1_34: &[&str] = &["v1", "v1beta2", "v1beta1"];
 
 fn serve(store: Arc<Mutex<Store>>) -> String {
     common::kubeapi::serve(move |method, target, body| handle(&store, method, target, body))
@@ -57,7 +62,10 @@ fn canonical(o: &mut Value, no_consumable_capacity: bool) {
         }
     }
     let devices = o.get_mut("spec").and_then(|s| s.get_mut("devices")).and_then(Value::as_array_mut);
-    for d in devices.into_iter().flatten() {
+    for mut d in devices.into_iter().flatten() {
+        if d.get("basic").is_some() {
+            d = d.get_mut("basic").unwrap();
+        }
         if no_consumable_capacity {
             d.as_object_mut().unwrap().remove("allowMultipleAllocations");
             for c in d["capacity"].as_object_mut().into_iter().flat_map(|m| m.values_mut()) {
@@ -70,9 +78,43 @@ fn canonical(o: &mut Value, no_consumable_capacity: bool) {
     }
 }
 
+/// Why a ResourceSlice is not valid in version `v` (a device of `v1beta1` is its name and `basic`;
+/// later versions have no `basic`), as the API server would refuse it.
+fn invalid_shape(v: &str, o: &Value) -> Option<String> {
+    let devices = o["spec"]["devices"].as_array().cloned().unwrap_or_default();
+    devices.iter().find_map(|d| {
+        let keys: Vec<&str> = d.as_object()?.keys().map(String::as_str).collect();
+        let ok = if v == "v1beta1" { keys == ["basic", "name"] } else { !keys.contains(&"basic") };
+        (!ok).then(|| format!("{v} device {d}"))
+    })
+}
+
 fn handle(store: &Mutex<Store>, method: &str, target: &str, body: &[u8]) -> (u16, Value) {
     let mut s = store.lock().unwrap();
     let path = target.split('?').next().unwrap().to_string();
+    if (method, path.as_str()) == ("GET", "/apis") {
+        let versions: Vec<Value> =
+            s.served.iter().map(|v| json!({"groupVersion": format!("resource.k8s.io/{v}"), "version": v})).collect();
+        let mut groups = vec![json!({"name": "apps", "versions": [{"groupVersion": "apps/v1", "version": "v1"}]})];
+        if !versions.is_empty() {
+            groups.push(json!({"name": "resource.k8s.io", "versions": versions, "preferredVersion": versions[0]}));
+        }
+        return (200, json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}));
+    }
+    let version = path.strip_prefix("/apis/resource.k8s.io/").map(|p| p.split('/').next().unwrap_or(""));
+    if let Some(v) = version {
+        if !s.served.contains(&v) {
+            return status(404, "NotFound");
+        }
+        if matches!(method, "POST" | "PUT") {
+            if let Some(e) = invalid_shape(v, &serde_json::from_slice(body).unwrap()) {
+                return (
+                    422,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422, "message": e}),
+                );
+            }
+        }
+    }
     match method {
         "GET" => s.objects.get(&path).map_or_else(|| status(404, "NotFound"), |o| (200, o.clone())),
         "POST" => {
@@ -154,10 +196,15 @@ fn v1_claim(ns: &str, name: &str, uid: &str) -> v1::Claim {
     v1::Claim { namespace: ns.into(), uid: uid.into(), name: name.into() }
 }
 
-/// The fake API server with node1's Node object, and the agent as a DRA driver on node1 with
-/// `config` added to its configuration; the kubelet directory.
+/// The fake API server (of Kubernetes 1.34) with node1's Node object, and the agent as a DRA driver
+/// on node1 with `config` added to its configuration; the kubelet directory.
 fn start(s: &Sim, config: &str) -> (Arc<Mutex<Store>>, Agent, std::path::PathBuf) {
-    let store = Arc::new(Mutex::new(Store::default()));
+    start_on(s, config, SERVED_1_34)
+}
+
+/// [`start`] with an API server that serves versions `served` of `resource.k8s.io`.
+fn start_on(s: &Sim, config: &str, served: &[&'static str]) -> (Arc<Mutex<Store>>, Agent, std::path::PathBuf) {
+    let store = Arc::new(Mutex::new(Store { served: served.to_vec(), ..Default::default() }));
     store.lock().unwrap().objects.insert(
         "/api/v1/nodes/node1".into(),
         json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "uid": "node-uid-1", "resourceVersion": "1"}}),
@@ -415,6 +462,87 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     std::fs::remove_file(&reg_sock).unwrap();
     wait("the registration socket again", || reg_sock.exists());
     drop(a);
+}
+
+#[test]
+fn before_kubernetes_1_34_the_driver_speaks_v1beta2_or_v1beta1() {
+    // Kubernetes 1.33 serves v1beta2 and v1beta1; 1.32 v1beta1 alone, where a device's fields but
+    // its name go under `basic` (the fake server refuses a device of the wrong shape, and any other
+    // version of resource.k8s.io).
+    for (served, v) in [(&["v1beta2", "v1beta1"][..], "v1beta2"), (&["v1beta1"][..], "v1beta1")] {
+        let s = Sim::new(Some(NODE));
+        let (store, a, kubelet) = start_on(&s, "split_count = 4\ndra_mig = \"dynamic\"\n", served);
+        let g0 = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+        let at = format!("/apis/resource.k8s.io/{v}/resourceslices/node1-{DRIVER}");
+        wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
+        let rs = store.lock().unwrap().objects[&at].clone();
+        assert_eq!(rs["apiVersion"], format!("resource.k8s.io/{v}"), "{rs}");
+        let devices = rs["spec"]["devices"].as_array().unwrap();
+        assert_eq!(devices.len(), 8, "{rs}");
+        let d2 = devices.iter().find(|d| d["name"] == "gpu-0-2").expect("gpu-0-2");
+        let fields = if v == "v1beta1" { &d2["basic"] } else { d2 };
+        assert_eq!(fields["attributes"]["uuid"]["string"], g0.as_str(), "{rs}");
+        assert_eq!(fields["capacity"]["memory"]["value"], "2Gi", "{rs}");
+
+        // Unchanged devices are not written again; dra_mig = "dynamic" is not for these versions.
+        std::thread::sleep(Duration::from_millis(2500));
+        assert_eq!(store.lock().unwrap().writes[&at], 1, "{}", a.log_text());
+        let warnings = a.status().unwrap()["warnings"].to_string();
+        assert!(warnings.contains("dra_mig = \\\"dynamic\\\" needs resource.k8s.io/v1"), "{warnings}");
+
+        // A claim of two of GPU 0's four shares, read in that version, prepared through the v1beta1
+        // service (what kubelet of 1.32 and 1.33 calls).
+        let mut c = claim(
+            "ml",
+            "half",
+            "c1a2-0001",
+            &[("gpu", DRIVER, "node1", "gpu-0-1"), ("gpu", DRIVER, "node1", "gpu-0-2")],
+        );
+        c["apiVersion"] = format!("resource.k8s.io/{v}").into();
+        store.lock().unwrap().objects.insert(format!("/apis/resource.k8s.io/{v}/namespaces/ml/resourceclaims/half"), c);
+        let sock = dra_socket(&kubelet);
+        wait("the DRA socket", || sock.exists());
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let resp = rt.block_on(async {
+            let mut b =
+                v1beta1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(&sock).await.unwrap());
+            let claims = vec![v1beta1::Claim { namespace: "ml".into(), uid: "c1a2-0001".into(), name: "half".into() }];
+            b.node_prepare_resources(v1beta1::NodePrepareResourcesRequest { claims }).await.unwrap().into_inner()
+        });
+        let prepared = &resp.claims["c1a2-0001"];
+        assert_eq!(prepared.error, "", "{v}");
+        assert_eq!(prepared.devices[0].cdi_device_ids, ["vgpu.io/slice=dra-c1a2-0001"]);
+        let detail: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "dra-c1a2-0001", "--json"])).unwrap();
+        assert_eq!(detail["slice"]["gpus"][0]["memory"].as_u64(), Some(4 << 30), "{detail}");
+
+        // GPU 1 in MIG mode offers its MIG device as it is, not partitions (no counter sets).
+        apply_gpu1_layout(&s, &a, "one", &[("1g.10gb", 1)]);
+        let names = || -> Vec<String> {
+            let st = store.lock().unwrap();
+            let devices = st.objects[&at]["spec"]["devices"].as_array().cloned().unwrap_or_default();
+            devices
+                .iter()
+                .filter_map(|d| d["name"].as_str().filter(|n| !n.starts_with("gpu-0-")).map(String::from))
+                .collect()
+        };
+        wait("GPU 1's MIG device in the pool", || {
+            !names().is_empty() && !names().iter().any(|n| n.starts_with("gpu-1-"))
+        });
+        let mig = names();
+        assert!(mig.len() == 1 && mig[0].starts_with("mig-"), "{mig:?}");
+        let st = store.lock().unwrap();
+        assert!(st.objects[&at]["spec"].get("sharedCounters").is_none(), "{}", st.objects[&at]);
+        assert!(!st.objects.keys().any(|k| k.starts_with("/apis/resource.k8s.io/v1/")), "nothing in v1");
+    }
+
+    // An API server without DRA (before 1.32, or with it off): the driver says why, and why it
+    // cannot prepare a claim.
+    let s = Sim::new(Some(NODE));
+    let (_store, a, kubelet) = start_on(&s, "", &[]);
+    let st = a.wait("the warning", |v| v["warnings"].to_string().contains("serves no version of resource.k8s.io"));
+    assert!(st["warnings"].to_string().contains("v1beta1 (1.32)"), "{st}");
+    let (_rt, _sock, resp) = prepare_claims(&kubelet, "c1a3", &["any"]);
+    assert!(resp.claims["c1a3-0001"].error.contains("serves no version of resource.k8s.io"), "{resp:?}");
 }
 
 /// A claim's allocation of a shared device, with the capacity it consumed (None: none recorded).
