@@ -139,6 +139,8 @@ pub const CU_MEMPOOL_ATTR_USED_MEM_CURRENT: i32 = 7;
 pub const CU_MEMPOOL_ATTR_USED_MEM_HIGH: i32 = 8;
 
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: i32 = 1;
+/// Managed (unified) memory, for the managed memory pools of CUDA 13.0.
+pub const CU_MEM_ALLOCATION_TYPE_MANAGED: i32 = 2;
 pub const CU_MEM_LOCATION_TYPE_DEVICE: i32 = 1;
 /// Host memory (CUDA 12.2 and later): pools and physical allocations may live there.
 pub const CU_MEM_LOCATION_TYPE_HOST: i32 = 2;

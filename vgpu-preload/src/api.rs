@@ -57,6 +57,11 @@ macro_rules! cuda_hooks {
             cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) => pools::create;
             cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, dev: CUdevice) => pools::get_default;
             cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) => pools::get_current;
+            // the same for a location and an allocation type (CUDA 13.0; a device's pinned memory
+            // is what cuMemAllocAsync draws)
+            cuMemSetMemPool(loc: *mut CUmemLocation, kind: i32, pool: CUmemoryPool) => pools::mem_set_current;
+            cuMemGetDefaultMemPool(pool: *mut CUmemoryPool, loc: *mut CUmemLocation, kind: i32) => pools::mem_get_default;
+            cuMemGetMemPool(pool: *mut CUmemoryPool, loc: *mut CUmemLocation, kind: i32) => pools::mem_get_current;
             // arrays
             cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => memory::array_create;
             cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => memory::array3d_create;

@@ -162,6 +162,22 @@ fn location(st: &State, l: &CUmemLocation) -> Option<usize> {
     }
 }
 
+/// Where a pool of allocation type `kind` at `l` keeps the memory the quota counts: as [`location`],
+/// except that a managed pool (CUDA 13.0) not placed on a device is charged on the device where it
+/// is used, as `cuMemAllocManaged` is (unified memory may live on any GPU).
+fn pool_location(st: &State, kind: i32, l: &CUmemLocation) -> Option<usize> {
+    if charged_where_used(kind, l) {
+        None
+    } else {
+        location(st, l)
+    }
+}
+
+/// Whether a pool of allocation type `kind` at `l` is charged on the device where it is used.
+fn charged_where_used(kind: i32, l: &CUmemLocation) -> bool {
+    kind == CU_MEM_ALLOCATION_TYPE_MANAGED && l.type_ != CU_MEM_LOCATION_TYPE_DEVICE
+}
+
 /// Takes up to `size` bytes of pool `i`'s charged slack for a new allocation; returns how many.
 #[inline]
 pub fn take(i: usize, size: u64) -> u64 {
@@ -444,7 +460,7 @@ pub unsafe fn create(real: f::cuMemPoolCreate, pool: *mut CUmemoryPool, props: *
         // SAFETY: the driver accepted both pointers: it wrote the new pool's handle, and read the
         // properties.
         let (handle, props) = unsafe { (*pool as u64, &*props) };
-        if let Some(d) = location(state(), &props.location) {
+        if let Some(d) = pool_location(state(), props.allocType, &props.location) {
             located(handle, d);
         }
     }
@@ -477,16 +493,85 @@ pub unsafe fn set_current(real: f::cuDeviceSetMemPool, dev: CUdevice, pool: CUme
     // SAFETY: as above.
     let r = unsafe { real(dev, pool) };
     if r == OK {
-        if let Some(c) = usize::try_from(dev).ok().and_then(|o| CURRENT.get(o)) {
-            c.store(pool as u64, Relaxed);
+        made_current(dev, pool);
+    }
+    r
+}
+
+/// `pool` is now what `cuMemAllocAsync` on `ordinal` draws from.
+fn made_current(ordinal: CUdevice, pool: CUmemoryPool) {
+    if let Some(c) = usize::try_from(ordinal).ok().and_then(|o| CURRENT.get(o)) {
+        c.store(pool as u64, Relaxed);
+    }
+}
+
+/// `cuMemSetMemPool` (CUDA 13.0): for a device's pinned memory, `cuDeviceSetMemPool` by another
+/// name; the current pools of host locations and of managed memory are not what `cuMemAllocAsync`
+/// draws from.
+pub unsafe fn mem_set_current(
+    real: f::cuMemSetMemPool,
+    loc: *mut CUmemLocation,
+    kind: i32,
+    pool: CUmemoryPool,
+) -> CUresult {
+    // SAFETY: as above.
+    let r = unsafe { real(loc, kind, pool) };
+    if r == OK && kind == CU_MEM_ALLOCATION_TYPE_PINNED {
+        // SAFETY: the driver succeeded, so `loc` pointed at a location it read.
+        let l = unsafe { *loc };
+        if l.type_ == CU_MEM_LOCATION_TYPE_DEVICE {
+            made_current(l.id, pool);
         }
     }
     r
 }
 
+/// `cuMemGetDefaultMemPool` and `cuMemGetMemPool` (CUDA 13.0): the pool named holds the memory of
+/// the location asked about.
+unsafe fn named_at(r: CUresult, pool: *mut CUmemoryPool, loc: *mut CUmemLocation, kind: i32) -> CUresult {
+    if r == OK {
+        // SAFETY: the driver succeeded: it read the location and wrote the pool's handle.
+        let (handle, l) = unsafe { (*pool as u64, *loc) };
+        if let Some(d) = pool_location(state(), kind, &l) {
+            located(handle, d);
+        }
+    }
+    r
+}
+
+pub unsafe fn mem_get_default(
+    real: f::cuMemGetDefaultMemPool,
+    pool: *mut CUmemoryPool,
+    loc: *mut CUmemLocation,
+    kind: i32,
+) -> CUresult {
+    // SAFETY: as above; `named_at` reads what the driver read and wrote.
+    unsafe { named_at(real(pool, loc, kind), pool, loc, kind) }
+}
+
+pub unsafe fn mem_get_current(
+    real: f::cuMemGetMemPool,
+    pool: *mut CUmemoryPool,
+    loc: *mut CUmemLocation,
+    kind: i32,
+) -> CUresult {
+    // SAFETY: as above.
+    unsafe { named_at(real(pool, loc, kind), pool, loc, kind) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn managed_pools_off_a_device_are_charged_where_used() {
+        let at = |type_| CUmemLocation { type_, id: 0 };
+        assert!(!charged_where_used(CU_MEM_ALLOCATION_TYPE_PINNED, &at(CU_MEM_LOCATION_TYPE_DEVICE)));
+        assert!(!charged_where_used(CU_MEM_ALLOCATION_TYPE_PINNED, &at(CU_MEM_LOCATION_TYPE_HOST)));
+        assert!(!charged_where_used(CU_MEM_ALLOCATION_TYPE_MANAGED, &at(CU_MEM_LOCATION_TYPE_DEVICE)));
+        assert!(charged_where_used(CU_MEM_ALLOCATION_TYPE_MANAGED, &at(CU_MEM_LOCATION_TYPE_HOST)));
+        assert!(charged_where_used(CU_MEM_ALLOCATION_TYPE_MANAGED, &at(0)), "no preferred location");
+    }
 
     // The one test that touches the process-wide table.
     #[test]

@@ -51,6 +51,9 @@ macro_rules! with_cuda_api {
             cuMemPoolGetAttribute = "cuMemPoolGetAttribute" : fn(p: CUmemoryPool, attr: i32, v: *mut c_void);
             cuDeviceGetMemPool = "cuDeviceGetMemPool" : fn(p: *mut CUmemoryPool, d: CUdevice);
             cuDeviceSetMemPool = "cuDeviceSetMemPool" : fn(d: CUdevice, p: CUmemoryPool);
+            cuMemGetDefaultMemPool = "cuMemGetDefaultMemPool" : fn(p: *mut CUmemoryPool, l: *mut CUmemLocation, kind: i32);
+            cuMemGetMemPool = "cuMemGetMemPool" : fn(p: *mut CUmemoryPool, l: *mut CUmemLocation, kind: i32);
+            cuMemSetMemPool = "cuMemSetMemPool" : fn(l: *mut CUmemLocation, kind: i32, p: CUmemoryPool);
             cuMemAllocAsync = "cuMemAllocAsync" : fn(d: *mut CUdeviceptr, size: usize, s: CUstream);
             cuMemAllocFromPoolAsync = "cuMemAllocFromPoolAsync" : fn(d: *mut CUdeviceptr, size: usize, p: CUmemoryPool, s: CUstream);
             cuMemFreeAsync = "cuMemFreeAsync" : fn(d: CUdeviceptr, s: CUstream);

@@ -64,11 +64,13 @@ scenarios:
                                         keeps it) and released: a line per step with what
                                         cuMemGetInfo reports; --alloc: cuMemAlloc N tried while the
                                         memory is kept and once it is gone
-  pool [--allocator async|pool] [--size N] [--threshold T] [--alloc N] [--reset] [--destroyed-current]
-       [--pool-on D|host] [--stream-on D]
+  pool [--allocator async|pool|default] [--size N] [--threshold T] [--alloc N] [--reset]
+       [--destroyed-current] [--own-current] [--pool-on D|host] [--stream-on D]
                                         a stream-ordered allocation of N bytes (async: from the
                                         stream's device's current pool; pool: from a new pool, of
-                                        device D's memory or the host's if --pool-on says so) on a
+                                        device D's memory or the host's if --pool-on says so;
+                                        default: from device D's default pool, named by
+                                        cuMemGetDefaultMemPool of CUDA 13.0) on a
                                         stream of --device's context (--stream-on: of device D's
                                         primary context, with --device's still current; each line
                                         then also has D's memory info), its pool's
@@ -78,7 +80,11 @@ scenarios:
                                         instead, the primary context reset with the allocation
                                         outstanding, then cuMemAlloc --alloc; --destroyed-current:
                                         first, a new pool made the device's current one, 1 MiB
-                                        allocated from it and freed, and the pool destroyed)
+                                        allocated from it and freed, and the pool destroyed;
+                                        --own-current: first, 1 MiB allocated and freed, then a
+                                        new pool made the device's current one with
+                                        cuMemSetMemPool and named by cuMemGetMemPool, both of
+                                        CUDA 13.0)
   memcpy [--size N]                     copy a pattern to the device and back, and compare
   threads [--threads T] [--iters I] [--size N] [--allocator device|managed|pitch|vmm|array]
                                         T threads allocating and freeing concurrently
@@ -412,7 +418,7 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let kind = o.str("allocator", "async");
     let size = o.num("size", 256 << 20)? as usize;
     let probe = o.num("alloc", 0)? as usize;
-    if !matches!(kind, "async" | "pool") {
+    if !matches!(kind, "async" | "pool" | "default") {
         return Err(format!("pool: --allocator {kind:?}?\n{USAGE}"));
     }
     // SAFETY (whole function): calls through the bound table with out-pointers to locals and
@@ -444,7 +450,31 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
             ck(api, (api.cuMemPoolDestroy)(own), "cuMemPoolDestroy")?;
         }
-        if kind == "pool" {
+        let mut here = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: d };
+        if o.flag("own-current") {
+            // The device's current pool drawn from once (so that whoever follows it has learned it),
+            // then a pool of the application's own made current by the call of CUDA 13.0.
+            let mut p = 0;
+            ck(api, (api.cuMemAllocAsync)(&mut p, 1 << 20, s), "cuMemAllocAsync")?;
+            ck(api, (api.cuMemFreeAsync)(p, s), "cuMemFreeAsync")?;
+            ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+            let props = CUmemPoolProps::device(d);
+            let mut own = std::ptr::null_mut();
+            ck(api, (api.cuMemPoolCreate)(&mut own, &props), "cuMemPoolCreate")?;
+            ck(api, (api.cuMemSetMemPool)(&mut here, CU_MEM_ALLOCATION_TYPE_PINNED, own), "cuMemSetMemPool")?;
+        }
+        if kind == "default" {
+            let mut at = here;
+            if let Some(n) = o.map.get("pool-on") {
+                let n = n.parse().map_err(|_| format!("--pool-on {n:?}: a device ordinal"))?;
+                ck(api, (api.cuDeviceGet)(&mut at.id, n), "cuDeviceGet")?;
+            }
+            ck(
+                api,
+                (api.cuMemGetDefaultMemPool)(&mut pool, &mut at, CU_MEM_ALLOCATION_TYPE_PINNED),
+                "cuMemGetDefaultMemPool",
+            )?;
+        } else if kind == "pool" {
             let mut props = CUmemPoolProps::device(d);
             match o.map.get("pool-on").map(String::as_str) {
                 None => {}
@@ -455,6 +485,8 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
                 }
             }
             ck(api, (api.cuMemPoolCreate)(&mut pool, &props), "cuMemPoolCreate")?;
+        } else if o.flag("own-current") {
+            ck(api, (api.cuMemGetMemPool)(&mut pool, &mut here, CU_MEM_ALLOCATION_TYPE_PINNED), "cuMemGetMemPool")?;
         } else {
             ck(api, (api.cuDeviceGetMemPool)(&mut pool, d), "cuDeviceGetMemPool")?;
         }
@@ -482,7 +514,7 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             emit(v);
         };
         let alloc = |p: &mut CUdeviceptr| {
-            if kind == "pool" {
+            if kind != "async" {
                 (api.cuMemAllocFromPoolAsync)(p, size, pool, s)
             } else {
                 (api.cuMemAllocAsync)(p, size, s)

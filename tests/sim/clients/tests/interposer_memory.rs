@@ -599,6 +599,20 @@ fn pools_are_charged_what_they_hold() {
         assert_eq!((&again["result"], free(again)), (&json!("CUDA_SUCCESS"), held), "{bin}: reused, not charged twice");
         assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{bin}");
     }
+    // The same where a pool of the application's own is made current with cuMemSetMemPool (CUDA
+    // 13.0) after cuMemAllocAsync drew from the default pool: cuMemAllocAsync draws from the own
+    // pool now (named by cuMemGetMemPool), and what it keeps stays charged.
+    for bin in [RT, DIRECT] {
+        let args = ["pool", "--own-current", "--size", "600m", "--threshold", "64g", "--alloc", "600m"];
+        let v = step_lines(&out(&mut s.limited(bin, LIMIT), &args));
+        let held = (1024 - 64 - 600) * MIB;
+        let sy = step(&v, "synchronised");
+        assert_eq!((free(sy), sy["pool"].as_u64().unwrap()), (held, 600 * MIB), "{bin}: kept in the own pool: {sy}");
+        assert_eq!(step(&v, "alloc")["result"], "CUDA_ERROR_OUT_OF_MEMORY", "{bin}: the GPU holds the pool's 600 MiB");
+        let again = step(&v, "allocated-again");
+        assert_eq!((&again["result"], free(again)), (&json!("CUDA_SUCCESS"), held), "{bin}: reused, not charged twice");
+        assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{bin}");
+    }
     // A pool holds the memory of the device it was made for, whatever device is current when it is
     // drawn from (cuMemAllocFromPoolAsync takes a pool of any device): charged there. Device 0 is
     // current; the pool is of device 1, whose limit is 1 GiB.
@@ -613,6 +627,14 @@ fn pools_are_charged_what_they_hold() {
     let o = out(&mut s.limited(RT, two), &args);
     let a = lines(&o.stdout).into_iter().find(|x| x["step"] == "allocated").expect("an allocated line");
     assert_eq!(a["result"], "CUDA_ERROR_OUT_OF_MEMORY", "over device 1's 1 GiB: {a}");
+    // So does a device's default pool named by cuMemGetDefaultMemPool (CUDA 13.0) for a location.
+    for (size, result) in [("600m", "CUDA_SUCCESS"), ("1200m", "CUDA_ERROR_OUT_OF_MEMORY")] {
+        let args = ["pool", "--allocator", "default", "--pool-on", "1", "--size", size];
+        let o = out(&mut s.limited(RT, two), &args);
+        let a = lines(&o.stdout).into_iter().find(|x| x["step"] == "allocated").expect("an allocated line");
+        assert_eq!(a["result"], result, "{size} from device 1's default pool: {a}");
+        assert_eq!(free(&a), (2048 - 64) * MIB, "not charged on device 0: {a}");
+    }
     // A pool of host memory (CUDA 12.2 and later) takes nothing from the GPU's quota.
     std::fs::remove_file(s.region_path()).unwrap();
     let args =

@@ -177,6 +177,36 @@ fn launch_args(f: CUfunction, g: [u32; 3], b: [u32; 3], params: *mut *mut c_void
     Launch { f, grid: g, block: b, params, cooperative: coop }
 }
 
+/// The pool `cuMemAllocAsync` on device `dev` draws from.
+fn current_pool(dev: CUdevice) -> R<u64> {
+    let (g, _) = gpu(dev)?;
+    match CURRENT_POOL[g].load(Acquire) {
+        0 => mem::default_pool(dev),
+        p => Ok(p),
+    }
+}
+
+/// Makes `pool` the current pool of device `dev`, which must be where its memory is.
+fn set_current_pool(dev: CUdevice, pool: CUmemoryPool) -> R<()> {
+    let (g, _) = gpu(dev)?;
+    if mem::pool_place(pool as u64)? != (g, false) {
+        return Err(CUresult::INVALID_VALUE);
+    }
+    CURRENT_POOL[g].store(pool as u64, Release);
+    Ok(())
+}
+
+/// The device of a location and allocation type given to the pool calls of CUDA 13.0: pinned memory
+/// of a device; host locations and managed pools are not simulated.
+fn pinned_device(l: &CUmemLocation, kind: i32) -> R<CUdevice> {
+    match (l.type_, kind) {
+        (CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ALLOCATION_TYPE_PINNED) => Ok(l.id),
+        (CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA, CU_MEM_ALLOCATION_TYPE_PINNED)
+        | (_, CU_MEM_ALLOCATION_TYPE_MANAGED) => Err(CUresult::NOT_SUPPORTED),
+        _ => Err(CUresult::INVALID_VALUE),
+    }
+}
+
 fn loc_device(l: &CUmemLocation) -> R<()> {
     if l.type_ == CU_MEM_LOCATION_TYPE_DEVICE {
         proc()?.gpu_of(l.id).map(|_| ())
@@ -425,16 +455,18 @@ exports! {
 
     // ----- stream-ordered allocator -----
     fn cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, dev: CUdevice) { out(pool, mem::default_pool(dev)? as CUmemoryPool) }
-    fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) {
-        let (g, _) = gpu(dev)?;
-        let p = match CURRENT_POOL[g].load(Acquire) { 0 => mem::default_pool(dev)?, p => p };
-        out(pool, p as CUmemoryPool)
+    fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) { out(pool, current_pool(dev)? as CUmemoryPool) }
+    fn cuDeviceSetMemPool(dev: CUdevice, pool: CUmemoryPool) { set_current_pool(dev, pool) }
+    // The forms of CUDA 13.0 that name a location and an allocation type: for a device's pinned
+    // memory they are the ones above; the simulator has no current pools of other kinds.
+    fn cuMemGetDefaultMemPool(pool: *mut CUmemoryPool, loc: *mut CUmemLocation, kind: i32) {
+        out(pool, mem::default_pool(pinned_device(in_ref(loc)?, kind)?)? as CUmemoryPool)
     }
-    fn cuDeviceSetMemPool(dev: CUdevice, pool: CUmemoryPool) {
-        let (g, _) = gpu(dev)?;
-        mem::pool_attr(pool as u64, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, None)?;
-        CURRENT_POOL[g].store(pool as u64, Release);
-        Ok(())
+    fn cuMemGetMemPool(pool: *mut CUmemoryPool, loc: *mut CUmemLocation, kind: i32) {
+        out(pool, current_pool(pinned_device(in_ref(loc)?, kind)?)? as CUmemoryPool)
+    }
+    fn cuMemSetMemPool(loc: *mut CUmemLocation, kind: i32, pool: CUmemoryPool) {
+        set_current_pool(pinned_device(in_ref(loc)?, kind)?, pool)
     }
     fn cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const CUmemPoolProps) {
         if pool.is_null() { return Err(CUresult::INVALID_VALUE); }

@@ -663,6 +663,15 @@ pub fn default_pool(ordinal: CUdevice) -> R<u64> {
     Ok(id)
 }
 
+/// Where pool `id` keeps its memory: its GPU, and whether it is a pool of host memory.
+pub fn pool_place(id: u64) -> R<(usize, bool)> {
+    proc()?;
+    with_mem!(m => {
+        let p = m.pools.get(&id).filter(|p| !p.destroyed).ok_or(CUresult::INVALID_VALUE)?;
+        Ok((p.gpu, p.host))
+    })
+}
+
 pub fn pool_create(props: &CUmemPoolProps) -> R<u64> {
     let host = matches!(
         props.location.type_,
