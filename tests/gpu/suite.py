@@ -580,28 +580,40 @@ def check_context_reset(s):
 def check_pool_hold(s):
     """Memory freed into a stream-ordered pool that keeps it (PyTorch's cudaMallocAsync backend sets
     the release threshold to the maximum) stays charged until the pool is trimmed; so it does when
-    the pool is the default one again after the device's current pool was destroyed."""
+    the pool is the default one again after the device's current pool was destroyed, and when a
+    pool of the application's own was made current with CUDA 13.0's cuMemSetMemPool."""
     lim = 4 * GIB
     size = int(lim * 0.6)  # twice this is over the limit: a cuMemAlloc beside what the pool holds must be refused
     bare = s.probe(["pool", "--size", str(size)], s.env(False))
     j = s.probe(["pool", "--size", str(size)], s.env(True, mem=lim, region=os.path.join(s.tmp, "pool.region")))
     k = s.probe(["pool", "--size", str(size), "--destroyed-current"],
                 s.env(True, mem=lim, region=os.path.join(s.tmp, "pool-destroyed.region")))
-    v = {"limit": lim, "size": size, "bare": bare, "limited": j, "destroyed_current": k}
+    m = s.probe(["pool", "--size", str(size), "--own-current"],
+                s.env(True, mem=lim, region=os.path.join(s.tmp, "pool-own.region")))
+    v = {"limit": lim, "size": size, "bare": bare, "limited": j, "destroyed_current": k, "own_current": m}
     charged = lambda r: r["base"]["free"] - r["synchronised"]["free"]
     summary = ("%s allocated with cuMemAllocAsync and freed into a pool that keeps it: the pool holds %s "
-               "(without libvgpu %s), %s charged; cuMemAlloc of %s beside it under the %s limit: %s; after "
-               "cuMemPoolTrimTo (pool %s): %s. After the device's current pool was destroyed (the default "
+               "(without libvgpu %s), %s charged; cuMemAlloc of %s beside it under the %s limit: %s; "
+               "allocated from the pool again: %s; after cuMemPoolTrimTo (pool %s): %s. After the device's current pool was destroyed (the default "
                "pool current again: %s): %s charged, cuMemAlloc beside it %s, after the trim %s") % (
         human(size), human(j["pool"]), human(bare["pool"]), human(charged(j)), human(size), human(lim), j["alloc"],
-        human(j["pool_after_trim"]), j["alloc_after_trim"], k["default_current_after_destroy"],
+        j["again"], human(j["pool_after_trim"]), j["alloc_after_trim"], k["default_current_after_destroy"],
         human(charged(k)), k["alloc"], k["alloc_after_trim"])
+    runs = (("", j), ("after the destroyed pool: ", k))
+    if m.get("own_current") is None:
+        summary += ". cuMemSetMemPool: not in this driver (CUDA 13.0), not checked"
+    else:
+        summary += (". A pool made current by cuMemSetMemPool (current: %s): %s charged, cuMemAlloc beside it %s, "
+                    "allocated from the pool again %s") % (m["own_current"], human(charged(m)), m["alloc"], m["again"])
+        runs += (("with the pool set by cuMemSetMemPool: ", m),)
     problems = []
-    for name, r in (("", j), ("after the destroyed pool: ", k)):
+    for name, r in runs:
         if abs(charged(r) - r["pool"]) > 64 * MIB:
             problems.append("%scharged %s for a pool holding %s" % (name, human(charged(r)), human(r["pool"])))
         if r["pool"] >= size and r["alloc"] != "CUDA_ERROR_OUT_OF_MEMORY":
             problems.append("%sthe pool's memory was not held against the limit" % name)
+        if r["again"] != "CUDA_SUCCESS":
+            problems.append("%sallocating the pool's memory again: %s (charged twice)" % (name, r["again"]))
         if r["alloc_after_trim"] != "CUDA_SUCCESS":
             problems.append("%sthe trim did not give the memory back" % name)
     if problems:

@@ -198,6 +198,9 @@ fn the_suite_passes_on_the_simulated_gpu() {
         assert!((paced - target).abs() < 10.0, "{name}: paced reference {paced}: {c}");
         assert!(v["share_by_paced_pct"].as_f64().is_some(), "{name}: no usable paced reference: {c}");
     }
+    // The simulated driver has CUDA 13.0's cuMemSetMemPool: pool-hold's third run took place.
+    let (_, c) = status("pool-hold");
+    assert_eq!(c["values"]["own_current"]["own_current"], true, "{c}");
     let (_, c) = status("true-up");
     let v = &c["values"];
     assert!(v["nvml_off"].as_u64() > v["limit"].as_u64(), "{c}");

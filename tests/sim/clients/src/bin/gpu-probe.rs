@@ -17,15 +17,20 @@
 //!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S] [--duty F]
 //!                                                (--duty: keeps the GPU busy that fraction of the
 //!                                                time by pausing after each batch, without any limit)
-//!        gpu-probe pool --size BYTES [--threshold BYTES] [--destroyed-current]
+//!        gpu-probe pool --size BYTES [--threshold BYTES] [--destroyed-current | --own-current]
 //!                                                (cuMemAllocAsync of BYTES from the device's pool,
 //!                                                its release threshold set first; freed, synchronised,
-//!                                                cuMemAlloc of BYTES tried, the pool trimmed, tried
-//!                                                again; the threshold restored. --destroyed-current:
+//!                                                cuMemAlloc of BYTES tried, BYTES allocated from the
+//!                                                pool again and freed, the pool trimmed, cuMemAlloc
+//!                                                tried again; the threshold restored. --destroyed-current:
 //!                                                first a new pool made the device's current one,
 //!                                                1 MiB allocated from it and freed, the pool
 //!                                                destroyed, and whether the default pool is current
-//!                                                again)
+//!                                                again. --own-current: first 1 MiB allocated from
+//!                                                the default pool and freed, then a new pool made
+//!                                                current with CUDA 13.0's cuMemSetMemPool, which
+//!                                                the rest uses; "own_current": null where the
+//!                                                driver lacks that call, and nothing else runs)
 //!        gpu-probe pool-threads --size BYTES [--threads T] [--iters I] [--hold H] [--wait S]
 //!                                                (T threads (16), each on its own stream,
 //!                                                allocating BYTES from the device's pool I times
@@ -520,6 +525,30 @@ fn pool(args: &[String]) -> Result<Value, String> {
             p.ck((p.cu.cuDeviceGetDefaultMemPool)(&mut def, dev), "cuDeviceGetDefaultMemPool")?;
             default_current = json!(cur == def);
         }
+        // CUDA 13.0's form of cuDeviceSetMemPool, made current after cuMemAllocAsync drew from the
+        // default pool: what it draws from next must be charged as the new pool.
+        let mut own_current = Value::Null;
+        if args.iter().any(|a| a == "--own-current") {
+            type Set = unsafe extern "C" fn(*mut CUmemLocation, i32, CUmemoryPool) -> CUresult;
+            let h = vgpu_sim_clients::dlopen_cuda()?;
+            let f = libc::dlsym(h, c"cuMemSetMemPool".as_ptr());
+            if f.is_null() {
+                return Ok(json!({"own_current": null}));
+            }
+            // SAFETY: the driver's cuMemSetMemPool has this signature (cuda.h, CUDA 13.0).
+            let set = std::mem::transmute::<*mut c_void, Set>(f);
+            let mut d = 0;
+            p.ck((p.cu.cuMemAllocAsync)(&mut d, 1 << 20, s), "cuMemAllocAsync")?;
+            p.ck((p.cu.cuMemFreeAsync)(d, s), "cuMemFreeAsync")?;
+            p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+            let mut own = std::ptr::null_mut();
+            p.ck((p.cu.cuMemPoolCreate)(&mut own, &CUmemPoolProps::device(dev)), "cuMemPoolCreate")?;
+            let mut at = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_DEVICE, id: dev };
+            p.ck(set(&mut at, CU_MEM_ALLOCATION_TYPE_PINNED, own), "cuMemSetMemPool")?;
+            let mut cur = std::ptr::null_mut();
+            p.ck((p.cu.cuDeviceGetMemPool)(&mut cur, dev), "cuDeviceGetMemPool")?;
+            own_current = json!(cur == own);
+        }
         let mut pool = std::ptr::null_mut();
         p.ck((p.cu.cuDeviceGetMemPool)(&mut pool, dev), "cuDeviceGetMemPool")?;
         let get = |which: i32| -> Result<u64, String> {
@@ -544,6 +573,14 @@ fn pool(args: &[String]) -> Result<Value, String> {
         p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
         let (held, synced) = (get(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?, mem_info(&p)?);
         let alloc = p.alloc_result(size);
+        // What the pool holds, allocated from it again: reused, not charged a second time.
+        let mut d = 0;
+        let r = (p.cu.cuMemAllocAsync)(&mut d, size, s);
+        let again = if r == CUresult::SUCCESS { "CUDA_SUCCESS".to_string() } else { p.name(r) };
+        if r == CUresult::SUCCESS {
+            p.ck((p.cu.cuMemFreeAsync)(d, s), "cuMemFreeAsync")?;
+            p.ck((p.cu.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
+        }
         p.ck((p.cu.cuMemPoolTrimTo)(pool, 0), "cuMemPoolTrimTo")?;
         let (held_after_trim, trimmed) = (get(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?, mem_info(&p)?);
         let alloc_after_trim = p.alloc_result(size);
@@ -552,8 +589,9 @@ fn pool(args: &[String]) -> Result<Value, String> {
             "cuMemPoolSetAttribute",
         )?;
         Ok(json!({"size": size, "threshold": threshold, "base": base, "allocated": allocated, "pool": held,
-            "synchronised": synced, "alloc": alloc, "pool_after_trim": held_after_trim, "trimmed": trimmed,
-            "alloc_after_trim": alloc_after_trim, "default_current_after_destroy": default_current}))
+            "synchronised": synced, "alloc": alloc, "again": again, "pool_after_trim": held_after_trim, "trimmed": trimmed,
+            "alloc_after_trim": alloc_after_trim, "default_current_after_destroy": default_current,
+            "own_current": own_current}))
     }
 }
 
@@ -832,7 +870,7 @@ fn main() {
         Some("vmm") => vmm(&args[1..]),
         Some("stack") => stack(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] [--wait S] | vmm --size B | stack --bytes B --over BYTES | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current | --own-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] [--wait S] | vmm --size B | stack --bytes B --over BYTES | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };
