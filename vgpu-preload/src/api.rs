@@ -49,6 +49,7 @@ macro_rules! cuda_hooks {
             cuStreamSynchronize(stream: CUstream) => pools::stream_sync;
             cuStreamSynchronize_ptsz(stream: CUstream) => pools::stream_sync;
             cuCtxSynchronize() => pools::ctx_sync;
+            cuCtxSynchronize_v2(ctx: CUcontext) => pools::ctx_sync_v2;
             cuEventSynchronize(event: CUevent) => pools::event_sync;
             cuMemPoolTrimTo(pool: CUmemoryPool, keep: usize) => pools::trim_to;
             cuMemPoolDestroy(pool: CUmemoryPool) => pools::destroy;

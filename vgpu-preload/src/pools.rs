@@ -14,9 +14,9 @@
 //! A free moves its bytes from `live` to `slack` (the memory stays in the pool); an allocation
 //! takes from `slack` first and reserves on the quota only the rest, so memory reused from the
 //! pool is never charged twice. Where the driver may have trimmed or grown the pool (after
-//! synchronisations (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize`) that follow
-//! a change, after `cuMemPoolTrimTo` and `cuMemPoolDestroy`, when a context ends, and before an
-//! allocation is refused) the pool is settled: what it holds beyond `live` becomes `slack` (never
+//! synchronisations (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize` and its
+//! `_v2`) that follow a change, after `cuMemPoolTrimTo` and `cuMemPoolDestroy`, when a context
+//! ends, and before an allocation is refused) the pool is settled: what it holds beyond `live` becomes `slack` (never
 //! more than it was) plus `held`. Each operation moves the region and the figures by the same
 //! amount, so the region always holds live + slack + held, and a settle sets that to what the pool
 //! really holds.
@@ -397,6 +397,13 @@ pub unsafe fn ctx_sync(real: f::cuCtxSynchronize) -> CUresult {
     let _releasing = releasing_if_dirty();
     // SAFETY: as above.
     synced(unsafe { real() })
+}
+
+/// `cuCtxSynchronize_v2` (CUDA 13.0): a context named rather than the current one.
+pub unsafe fn ctx_sync_v2(real: f::cuCtxSynchronize_v2, ctx: CUcontext) -> CUresult {
+    let _releasing = releasing_if_dirty();
+    // SAFETY: as above.
+    synced(unsafe { real(ctx) })
 }
 
 pub unsafe fn event_sync(real: f::cuEventSynchronize, e: CUevent) -> CUresult {

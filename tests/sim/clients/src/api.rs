@@ -23,6 +23,7 @@ macro_rules! with_cuda_api {
             cuCtxDestroy_v2 = "cuCtxDestroy" : fn(c: CUcontext);
             cuCtxSetCurrent = "cuCtxSetCurrent" : fn(c: CUcontext);
             cuCtxSynchronize = "cuCtxSynchronize" : fn();
+            cuCtxSynchronize_v2 = "cuCtxSynchronize_v2" : fn(c: CUcontext);
             cuCtxGetLimit = "cuCtxGetLimit" : fn(v: *mut usize, limit: i32);
             cuCtxSetLimit = "cuCtxSetLimit" : fn(limit: i32, v: usize);
             cuMemAlloc_v2 = "cuMemAlloc" : fn(d: *mut CUdeviceptr, size: usize);

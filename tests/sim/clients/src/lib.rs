@@ -117,7 +117,7 @@ fn introduced(name: &str) -> Option<i32> {
         "cuGraphInstantiateWithFlags" | "cuGraphInstantiateWithParams" => Some(12000),
         "cuGraphAddMemAllocNode" | "cuGraphAddMemFreeNode" => Some(11040),
         "cuDeviceGraphMemTrim" | "cuDeviceGetGraphMemAttribute" => Some(11040),
-        "cuMemGetDefaultMemPool" | "cuMemGetMemPool" | "cuMemSetMemPool" => Some(13000),
+        "cuMemGetDefaultMemPool" | "cuMemGetMemPool" | "cuMemSetMemPool" | "cuCtxSynchronize_v2" => Some(13000),
         _ => None,
     }
 }

@@ -66,6 +66,7 @@ scenarios:
                                         memory is kept and once it is gone
   pool [--allocator async|pool|default] [--size N] [--threshold T] [--alloc N] [--reset]
        [--destroyed-current] [--own-current] [--pool-on D|host] [--stream-on D]
+       [--sync stream|ctx|ctx-v2]
                                         a stream-ordered allocation of N bytes (async: from the
                                         stream's device's current pool; pool: from a new pool, of
                                         device D's memory or the host's if --pool-on says so;
@@ -75,7 +76,8 @@ scenarios:
                                         primary context, with --device's still current; each line
                                         then also has D's memory info), its pool's
                                         release threshold set to T first; then, a line each: freed,
-                                        synchronised, cuMemAlloc --alloc tried, N allocated from the
+                                        synchronised (the stream, or --sync: the context, with
+                                        cuCtxSynchronize or CUDA 13.0's cuCtxSynchronize_v2), cuMemAlloc --alloc tried, N allocated from the
                                         pool again, freed and the pool trimmed to 0 (--reset:
                                         instead, the primary context reset with the allocation
                                         outstanding, then cuMemAlloc --alloc; --destroyed-current:
@@ -414,11 +416,12 @@ fn vmm_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
 
 /// See USAGE: what a stream-ordered pool holds after each step.
 fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
-    setup(api, dev)?;
+    let ctx = setup(api, dev)?;
     let kind = o.str("allocator", "async");
     let size = o.num("size", 256 << 20)? as usize;
     let probe = o.num("alloc", 0)? as usize;
-    if !matches!(kind, "async" | "pool" | "default") {
+    let sync = o.str("sync", "stream");
+    if !matches!(kind, "async" | "pool" | "default") || !matches!(sync, "stream" | "ctx" | "ctx-v2") {
         return Err(format!("pool: --allocator {kind:?}?\n{USAGE}"));
     }
     // SAFETY (whole function): calls through the bound table with out-pointers to locals and
@@ -535,7 +538,14 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             return Ok(());
         }
         report("freed", (api.cuMemFreeAsync)(p, s));
-        report("synchronised", (api.cuStreamSynchronize)(s));
+        report(
+            "synchronised",
+            match sync {
+                "ctx" => (api.cuCtxSynchronize)(),
+                "ctx-v2" => (api.cuCtxSynchronize_v2)(ctx),
+                _ => (api.cuStreamSynchronize)(s),
+            },
+        );
         if probe > 0 {
             let mut q = 0;
             let r = (api.cuMemAlloc_v2)(&mut q, probe);

@@ -580,6 +580,13 @@ fn pools_are_charged_what_they_hold() {
             assert_eq!(free(step(&v, "trimmed")), (1024 - 64) * MIB, "{what}");
         }
     }
+    // A context's synchronisation trims its pools too, also CUDA 13.0's cuCtxSynchronize_v2 (which
+    // names the context): the charge follows at once.
+    for (bin, sync) in [(RT, "ctx"), (RT, "ctx-v2"), (DIRECT, "ctx-v2")] {
+        let v = step_lines(&out(&mut s.limited(bin, LIMIT), &["pool", "--size", "600m", "--sync", sync]));
+        let sy = step(&v, "synchronised");
+        assert_eq!((free(sy), sy["pool"].as_u64().unwrap()), ((1024 - 64) * MIB, 0), "{bin} {sync}: {sy}");
+    }
     // Destroying the device's current pool makes its default pool current again: cuMemAllocAsync
     // then draws from the default pool, which keeps what is freed into it (a high threshold), so
     // that stays charged, not given back as if it went with the destroyed pool.

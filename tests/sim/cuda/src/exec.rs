@@ -257,7 +257,11 @@ pub fn stream_query(h: CUstream) -> R<()> {
 }
 
 pub fn ctx_sync() -> R<()> {
-    let c = current()?;
+    ctx_sync_of(current()?)
+}
+
+/// Waits for the work of context `c` (`cuCtxSynchronize_v2`).
+pub fn ctx_sync_of(c: &Ctx) -> R<()> {
     wait(c, c.last_end.load(Acquire));
     Ok(())
 }

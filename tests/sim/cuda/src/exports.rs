@@ -321,6 +321,10 @@ exports! {
     }
     fn cuCtxGetDevice(d: *mut CUdevice) { out(d, current()?.ordinal) }
     fn cuCtxSynchronize() { exec::ctx_sync() }
+    // CUDA 13.0: a context named (NULL: the current one).
+    fn cuCtxSynchronize_v2(c: CUcontext) {
+        if c.is_null() { exec::ctx_sync() } else { exec::ctx_sync_of(driver::ctx_from(c)?) }
+    }
     fn cuCtxGetLimit(v: *mut usize, limit: i32) { out(v, driver::get_limit(current()?, limit)? as usize) }
     fn cuCtxSetLimit(limit: i32, value: usize) { driver::set_limit(current()?, limit, value as u64) }
 

@@ -46,6 +46,7 @@ static TABLE: &[(&str, Versions, Versions)] = &[
     ("cuCtxGetCurrent", &[(4000, "cuCtxGetCurrent")], &[]),
     ("cuCtxGetDevice", &[(2000, "cuCtxGetDevice")], &[]),
     ("cuCtxSynchronize", &[(2000, "cuCtxSynchronize")], &[]),
+    ("cuCtxSynchronize_v2", &[(13000, "cuCtxSynchronize_v2")], &[]),
     ("cuCtxGetLimit", &[(3010, "cuCtxGetLimit")], &[]),
     ("cuCtxSetLimit", &[(3010, "cuCtxSetLimit")], &[]),
     ("cuMemAlloc", &[(2000, "cuMemAlloc"), (3020, "cuMemAlloc_v2")], &[]),
