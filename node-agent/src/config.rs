@@ -14,6 +14,7 @@ struct FileConfig {
     log_format: Option<String>,
     escape_action: Option<String>,
     memory_true_up: Option<bool>,
+    pod_events: Option<bool>,
     library: Option<PathBuf>,
     metrics_address: Option<String>,
     health_recovery_s: Option<u64>,
@@ -72,6 +73,8 @@ pub struct Config {
     pub escape_action: EscapeAction,
     /// Charge slice processes for what the driver holds beyond their own account (see `monitor`).
     pub memory_true_up: bool,
+    /// Post Kubernetes Events on the pods (or DRA claims) whose allocations the quota refused.
+    pub pod_events: bool,
     /// The `libvgpu.so` to install for containers (copied under a versioned, content-addressed name).
     pub library: PathBuf,
     /// Prometheus endpoint (`host:port`); None: no metrics endpoint.
@@ -250,6 +253,12 @@ impl Config {
             Some("1" | "true") => true,
             Some("0" | "false") => false,
             Some(v) => return Err(bad("memory_true_up", format!("{v:?} is not true or false"))),
+        };
+        let pod_events = match env("VGPU_AGENT_POD_EVENTS").as_deref() {
+            None => file.pod_events.unwrap_or(true),
+            Some("1" | "true") => true,
+            Some("0" | "false") => false,
+            Some(v) => return Err(bad("pod_events", format!("{v:?} is not true or false"))),
         };
         let library = env("VGPU_AGENT_LIBRARY")
             .map(PathBuf::from)
@@ -497,6 +506,7 @@ impl Config {
             log_format,
             escape_action,
             memory_true_up,
+            pod_events,
             library,
             metrics_address,
             metrics_tls,
@@ -624,6 +634,11 @@ mod tests {
         assert!(!off.memory_true_up);
         let on = load(Some("memory_true_up = false"), &[("VGPU_AGENT_MEMORY_TRUE_UP", "1")], Flags::default()).unwrap();
         assert!(on.memory_true_up, "the environment over the file");
+        assert!(c.pod_events, "pod events on by default");
+        let quiet = load(Some("pod_events = false"), &[], Flags::default()).unwrap();
+        assert!(!quiet.pod_events);
+        let e = load(None, &[("VGPU_AGENT_POD_EVENTS", "maybe")], Flags::default()).unwrap_err();
+        assert!(e.0.contains("pod_events"), "{e}");
         let e = load(None, &[("VGPU_AGENT_MEMORY_TRUE_UP", "maybe")], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("memory_true_up"), "{e}");
         assert_eq!(c.nvml_library, Some(PathBuf::from("/x/nvml.so")));

@@ -121,6 +121,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     *agent.inventory.write() = inv;
     // The DRA driver after discovery: its ResourceSlice lists the GPUs.
     let dra = cfg.dra.clone().map(|driver| tokio::spawn(crate::dra::run(agent.clone(), driver, stop_rx.clone())));
+    let events = cfg.pod_events.then(|| tokio::spawn(crate::events::run(agent.clone(), stop_rx.clone())));
     let xids = {
         let (n, h, s) = (nvml.clone(), agent.health.clone(), stop.clone());
         std::thread::Builder::new().name("xid-events".into()).spawn(move || crate::health::watch_xids(n, h, s))
@@ -174,7 +175,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     report_stop.notify_one();
-    for t in [plugin, kube, reporter, dra].into_iter().flatten() {
+    for t in [plugin, kube, reporter, dra, events].into_iter().flatten() {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     let _ = std::fs::remove_file(&cfg.socket);

@@ -11,6 +11,7 @@ pub mod daemon;
 pub mod deviceplugin;
 pub mod discovery;
 pub mod dra;
+pub mod events;
 pub mod hami;
 pub mod health;
 pub mod k8s;

@@ -650,6 +650,20 @@ fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
     let first = lines(&o.stdout).into_iter().next().unwrap_or_default();
     assert_eq!(first["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{o:?}");
     assert_eq!(first["allocated"], 7 * (256 << 20), "7 chunks of 256 MiB beside the context's 64: {o:?}");
+    // The refusal is a Warning Event on the claim.
+    let event = || {
+        let st = store.lock().unwrap();
+        st.objects.iter().find(|(k, _)| k.starts_with("/api/v1/namespaces/ml/events/")).map(|(_, e)| e.clone())
+    };
+    wait("the claim's Event", || event().is_some());
+    let e = event().unwrap();
+    assert_eq!(
+        e["involvedObject"],
+        json!({"kind": "ResourceClaim", "apiVersion": "resource.k8s.io/v1", "namespace": "ml", "name": "infer",
+               "uid": "cc-0001"}),
+        "{e}"
+    );
+    assert!(e["message"].as_str().unwrap().contains("quota 2048 MiB"), "{e}");
 
     // An API server without consumable capacity drops its fields; the driver writes the slice when
     // the devices change (GPU 1 fails), then leaves it, and says why claims get whole GPUs.

@@ -24,6 +24,8 @@ struct Cluster {
     node: Value,
     pods: Vec<Value>,
     rv: u64,
+    /// Events posted, in order.
+    events: Vec<Value>,
 }
 
 fn merge(dst: &mut Value, patch: &Value) {
@@ -60,6 +62,12 @@ fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> 
             )
         }
         ("GET", ["api", "v1", "nodes", "node1"]) => (200, c.node.clone()),
+        ("POST", ["api", "v1", "namespaces", ns, "events"]) => {
+            let e: Value = serde_json::from_slice(body).unwrap();
+            assert_eq!(e["metadata"]["namespace"], *ns, "{e}");
+            c.events.push(e.clone());
+            (201, e)
+        }
         ("PATCH", rest) => {
             let patch: Value = serde_json::from_slice(body).unwrap();
             c.rv += 1;
@@ -167,6 +175,7 @@ fn hami_mode_follows_the_schedulers_annotations() {
             },
         ],
         rv: 10,
+        ..Default::default()
     }));
     let Harness { kdir, rt, mut rx, _kubelet, a } =
         harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\nmemory_scaling = 1.5\n");
@@ -212,6 +221,24 @@ fn hami_mode_follows_the_schedulers_annotations() {
         });
         let o = in_slice(&s, &detail, RT).env("LD_PRELOAD", libvgpu()).args(["alloc", "--size", "4g", "--chunk", "100m"]).output().unwrap();
         assert_eq!(lines(&o.stdout)[0]["allocated"], 2900 * MIB, "3000 MiB less the 64 MiB context, in 100 MiB chunks");
+
+        // The refusal is a Warning Event on the pod's container, which says the quota refused it.
+        wait("the Event", || !cluster.lock().unwrap().events.is_empty());
+        let e = cluster.lock().unwrap().events[0].clone();
+        assert_eq!(
+            e["involvedObject"],
+            json!({"kind": "Pod", "apiVersion": "v1", "namespace": "ml", "name": "train", "uid": "uid-train",
+                   "fieldPath": "spec.containers{main}"})
+        );
+        assert_eq!((e["type"].as_str(), e["reason"].as_str()), (Some("Warning"), Some("GPUMemoryQuotaExceeded")));
+        let m = e["message"].as_str().unwrap();
+        assert!(m.contains(&format!("1 GPU memory allocation refused on {g0} (quota 3000 MiB, peak use 2964 MiB)")), "{m}");
+        assert_eq!(e["source"]["host"], "node1");
+        // Refused again within the minute: no second Event yet.
+        let o = in_slice(&s, &detail, RT).env("LD_PRELOAD", libvgpu()).args(["alloc", "--size", "4g"]).output().unwrap();
+        assert_eq!(lines(&o.stdout)[0]["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{o:?}");
+        std::thread::sleep(Duration::from_millis(2500));
+        assert_eq!(cluster.lock().unwrap().events.len(), 1, "one Event a minute");
 
         // The pod's entry is consumed, its bind phase is success, the node lock is released.
         {
@@ -290,6 +317,7 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
         // Volcano's encoding: containers joined by ';' without a trailing one; the second container has no GPU.
         pods: vec![vpod("batch", "job", "uid-job", &format!("{g1},NVIDIA,2048,50:;"))],
         rv: 10,
+        ..Default::default()
     }));
     let Harness { kdir, rt, mut rx, _kubelet, a: _a } = harness(
         &s,
@@ -377,6 +405,7 @@ fn hami_mode_on_a_mig_gpu_makes_an_instance_per_container_and_destroys_it_with_t
         node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
         pods: vec![pod("ml", "infer", "uid-infer", "100", &format!("{g1},NVIDIA,15000,0:;"), &["main"], &[])],
         rv: 10,
+        ..Default::default()
     }));
     let Harness { kdir, rt, mut rx, _kubelet, a } =
         harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
