@@ -32,6 +32,18 @@ pub struct Stats {
     pub slices_collected: AtomicU64,
 }
 
+/// Something a monitoring pass saw happen, for the Kubernetes Events (see `events`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Notice {
+    /// An escape seen for the first time (with the action taken).
+    Escape(pb::Escape),
+    /// A GPU became unhealthy (with why) or healthy again.
+    Health { gpu: String, index: u32, healthy: bool, reason: String },
+}
+
+/// The most notices kept for the Events task (the oldest go first).
+pub const NOTICES_KEPT: usize = 256;
+
 pub struct Agent {
     pub cfg: Config,
     pub store: SliceStore,
@@ -74,6 +86,10 @@ pub struct Agent {
     pub admitted: RwLock<Arc<Vec<crate::monitor::Admitted>>>,
     /// Conditions an operator must act on, by their source (see [`Agent::warn`]).
     warnings: RwLock<BTreeMap<String, String>>,
+    /// What happened that Kubernetes Events report (see `events`), kept only once something takes
+    /// them (`notices_wanted`), at most [`NOTICES_KEPT`].
+    pub notices: Mutex<std::collections::VecDeque<Notice>>,
+    pub notices_wanted: AtomicBool,
     /// The capacity reporter's connection state.
     pub reporter: Arc<crate::report::ReporterState>,
 }
@@ -146,6 +162,8 @@ impl Agent {
             mig_holders: RwLock::new(Default::default()),
             admitted: RwLock::new(Default::default()),
             warnings: RwLock::new(Default::default()),
+            notices: Mutex::new(Default::default()),
+            notices_wanted: AtomicBool::new(false),
             reporter: Default::default(),
         })
     }
@@ -569,6 +587,24 @@ impl Agent {
             }),
         };
         drop(inv);
+        if self.notices_wanted.load(Relaxed) {
+            let old = self.status();
+            let mut q = self.notices.lock();
+            q.extend(pass.fresh.into_iter().map(Notice::Escape));
+            for g in &status.gpus {
+                if old.gpus.iter().any(|o| o.uuid == g.uuid && o.healthy != g.healthy) {
+                    q.push_back(Notice::Health {
+                        gpu: g.uuid.clone(),
+                        index: g.index,
+                        healthy: g.healthy,
+                        reason: g.health_reason.clone(),
+                    });
+                }
+            }
+            while q.len() > NOTICES_KEPT {
+                q.pop_front();
+            }
+        }
         self.status.send_replace(Arc::new(status));
         self.ready.store(true, Release);
         self.capacity_changed.notify_one();

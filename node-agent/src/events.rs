@@ -1,14 +1,22 @@
-//! Kubernetes Events for the quota's refusals (`pod_events`, on by default where the agent reaches
-//! an API server). A container whose GPU allocation the quota refused sees only CUDA's
-//! out-of-memory error, which does not say that a quota, not the GPU, refused it. When a slice's
-//! refusals have grown, the agent posts a Warning Event `GPUMemoryQuotaExceeded` on the slice's pod
-//! (labels `namespace`, `pod`, `container`, and `pod-uid` where known: HAMi, Volcano and replica
-//! modes), or on its DRA claim (`namespace`, `claim`, `claim-uid`), so that `kubectl describe`
-//! shows it: per GPU, the refusals since the last Event, the limit and the slice's peak use. At most one Event
-//! per slice in [`PER_SLICE`]; what is refused meanwhile goes in the next. Refusals from before the
-//! agent started are not reported again (an agent restart would repeat them).
+//! Kubernetes Events (`pod_events`, on by default where the agent reaches an API server), so that
+//! `kubectl describe` shows what the node side did to a workload or found on the node:
+//!
+//! - **Refusals**: a container whose GPU allocation the quota refused sees only CUDA's
+//!   out-of-memory error, which does not say that a quota, not the GPU, refused it. When a slice's
+//!   refusals have grown, a Warning `GPUMemoryQuotaExceeded` on the slice's pod (labels
+//!   `namespace`, `pod`, `container`, and `pod-uid` where known: HAMi, Volcano and replica modes)
+//!   or on its DRA claim (`namespace`, `claim`, `claim-uid`): per GPU, the refusals since the last
+//!   Event, the limit and the slice's peak use. At most one per slice in [`PER_SLICE`]; what is
+//!   refused meanwhile goes in the next. Refusals from before the agent started are not reported
+//!   again (an agent restart would repeat them).
+//! - **Escapes** (each once, when the monitoring pass first sees it, with what was done): a slice
+//!   over its limit as NVML measures it (`GPUMemoryOverQuota`) or a process of a slice on a GPU
+//!   outside it (`GPUOutsideQuota`), on the slice's pod or claim; a process outside every slice on
+//!   a GPU that slices use (`GPUProcessOutsideQuota`), on the Node.
+//! - **Health**: a GPU that became unhealthy (`GPUUnhealthy`, with why) or healthy again
+//!   (`GPUHealthy`, Normal), on the Node.
 
-use crate::agent::Agent;
+use crate::agent::{Agent, Notice};
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -110,17 +118,71 @@ impl Books {
     }
 }
 
+/// The Node as an Event's `involvedObject` (its UID is its name, as kubelet's Events have it; `kubectl
+/// describe node` looks for both). Its Events go in namespace `default`, as kubelet's do.
+pub fn node_object(node: &str) -> Value {
+    json!({"kind": "Node", "apiVersion": "v1", "name": node, "uid": node})
+}
+
+/// Events that cannot wait (escapes and health): the object, type, reason and message of a notice.
+pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'static str, &'static str, String) {
+    match n {
+        Notice::Escape(e) => {
+            let subject =
+                st.slices.iter().find(|s| !e.slice.is_empty() && s.name == e.slice).and_then(|s| subject(&s.labels));
+            let action = if e.action == "killed" { format!("process {} killed", e.pid) } else { e.action.clone() };
+            if e.kind == pb::escape::Kind::OverLimit as i32 {
+                let m = format!(
+                    "vgpu: the container holds {} MiB on {} as NVML measures it, over its {} MiB quota ({action})",
+                    mib(e.measured),
+                    e.gpu,
+                    mib(e.limit)
+                );
+                (subject.unwrap_or_else(|| node_object(node)), "Warning", "GPUMemoryOverQuota", m)
+            } else if let Some(o) = subject {
+                let m = format!(
+                    "vgpu: process {} of the container uses {} ({} MiB), a GPU outside its slice ({action})",
+                    e.pid,
+                    e.gpu,
+                    mib(e.measured)
+                );
+                (o, "Warning", "GPUOutsideQuota", m)
+            } else {
+                let m = format!(
+                    "vgpu: process {} uses {} ({} MiB) outside every slice, on a GPU that slices use ({action})",
+                    e.pid,
+                    e.gpu,
+                    mib(e.measured)
+                );
+                (node_object(node), "Warning", "GPUProcessOutsideQuota", m)
+            }
+        }
+        Notice::Health { gpu, index, healthy: false, reason } => (
+            node_object(node),
+            "Warning",
+            "GPUUnhealthy",
+            format!("vgpu: GPU {index} ({gpu}) is unhealthy: {reason}; its devices are withdrawn until it recovers"),
+        ),
+        Notice::Health { gpu, index, healthy: true, .. } => {
+            (node_object(node), "Normal", "GPUHealthy", format!("vgpu: GPU {index} ({gpu}) is healthy again"))
+        }
+    }
+}
+
+/// The most Events of notices posted in one round; more are dropped (and logged).
+const NOTICES_PER_ROUND: usize = 20;
+
 /// The Event object for `object` (an `involvedObject`), posted by this node's agent.
-pub fn event(object: &Value, message: &str, node: &str) -> Value {
+pub fn event(object: &Value, kind: &str, reason: &str, message: &str, node: &str) -> Value {
     let now = crate::health::rfc3339_now();
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     json!({
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": format!("{}.{nanos:x}", object["name"].as_str().unwrap_or("slice")),
-                     "namespace": object["namespace"]},
+                     "namespace": object["namespace"].as_str().unwrap_or("default")},
         "involvedObject": object,
-        "type": "Warning",
-        "reason": REASON,
+        "type": kind,
+        "reason": reason,
         "message": message,
         "source": {"component": "vgpu-node-agent", "host": node},
         "reportingComponent": "vgpu-node-agent",
@@ -136,7 +198,7 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
     let client = match crate::k8s::client(agent.cfg.kube_api.as_deref()).await {
         Ok(c) => c,
         Err(e) => {
-            tracing::info!(error = %e, "no Kubernetes API: no Events for refused allocations");
+            tracing::info!(error = %e, "no Kubernetes API: no Events");
             return;
         }
     };
@@ -147,26 +209,46 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
         kind: "Event".into(),
         plural: "events".into(),
     };
+    agent.notices_wanted.store(true, std::sync::atomic::Ordering::Relaxed);
+    let node = agent.cfg.node_name.clone();
+    let post = |object: Value, kind: &'static str, reason: &'static str, message: String| {
+        let (client, events, node) = (client.clone(), events.clone(), node.clone());
+        async move {
+            let ns = object["namespace"].as_str().unwrap_or("default").to_string();
+            let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &events);
+            let e = match serde_json::from_value::<DynamicObject>(event(&object, kind, reason, &message, &node)) {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(reason, error = %e, "cannot make an Event");
+                    return;
+                }
+            };
+            match api.create(&PostParams::default(), &e).await {
+                Ok(_) => tracing::info!(reason, object = %object["name"], "Event: {message}"),
+                Err(e) => tracing::warn!(reason, error = %e, "cannot post an Event"),
+            }
+        }
+    };
     let mut books = Books::seeded(&agent.status());
     loop {
         tokio::select! {
             _ = tokio::time::sleep(EVERY) => {}
             _ = stop.changed() => break,
         }
-        for (slice, object, message) in books.due(&agent.status(), Instant::now()) {
-            let ns = object["namespace"].as_str().unwrap_or_default().to_string();
-            let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &events);
-            let e = match serde_json::from_value::<DynamicObject>(event(&object, &message, &agent.cfg.node_name)) {
-                Ok(e) => e,
-                Err(e) => {
-                    tracing::warn!(slice = %slice, error = %e, "cannot make an Event");
-                    continue;
-                }
-            };
-            match api.create(&PostParams::default(), &e).await {
-                Ok(_) => tracing::info!(slice = %slice, "{message}"),
-                Err(e) => tracing::warn!(slice = %slice, error = %e, "cannot post an Event for refused allocations"),
-            }
+        let st = agent.status();
+        let notices: Vec<Notice> = agent.notices.lock().drain(..).collect();
+        if notices.len() > NOTICES_PER_ROUND {
+            tracing::warn!(
+                dropped = notices.len() - NOTICES_PER_ROUND,
+                "more escapes and health changes than Events posted"
+            );
+        }
+        for n in notices.iter().take(NOTICES_PER_ROUND) {
+            let (object, kind, reason, message) = notice_event(n, &st, &node);
+            post(object, kind, reason, message).await;
+        }
+        for (_, object, message) in books.due(&st, Instant::now()) {
+            post(object, "Warning", REASON, message).await;
         }
     }
 }
@@ -249,9 +331,47 @@ mod tests {
     }
 
     #[test]
+    fn escapes_and_health_changes_go_to_the_pod_or_the_node() {
+        let st = node(vec![slice("a", POD, &[("GPU-0", 0)])]);
+        let esc = |kind: pb::escape::Kind, slice: &str, action: &str| {
+            Notice::Escape(pb::Escape {
+                kind: kind as i32,
+                gpu: "GPU-0".into(),
+                slice: slice.into(),
+                pid: 4242,
+                measured: 3200 << 20,
+                limit: 3000 << 20,
+                action: action.into(),
+            })
+        };
+        let (o, kind, reason, m) = notice_event(&esc(pb::escape::Kind::OverLimit, "a", "reported"), &st, "node1");
+        assert_eq!((o["kind"].as_str(), o["name"].as_str()), (Some("Pod"), Some("train")));
+        assert_eq!((kind, reason), ("Warning", "GPUMemoryOverQuota"));
+        assert!(m.contains("holds 3200 MiB on GPU-0 as NVML measures it, over its 3000 MiB quota (reported)"), "{m}");
+        let (o, _, reason, m) = notice_event(&esc(pb::escape::Kind::Unaccounted, "a", "killed"), &st, "node1");
+        assert_eq!((o["name"].as_str(), reason), (Some("train"), "GPUOutsideQuota"));
+        assert!(m.contains("process 4242 of the container uses GPU-0") && m.contains("(process 4242 killed)"), "{m}");
+        let (o, _, reason, m) = notice_event(&esc(pb::escape::Kind::Unaccounted, "", "reported"), &st, "node1");
+        assert_eq!(o, json!({"kind": "Node", "apiVersion": "v1", "name": "node1", "uid": "node1"}));
+        assert_eq!(reason, "GPUProcessOutsideQuota");
+        assert!(m.contains("process 4242 uses GPU-0 (3200 MiB) outside every slice"), "{m}");
+        assert_eq!(event(&o, "Warning", reason, &m, "node1")["metadata"]["namespace"], "default");
+        // A slice of no pod: the Node's.
+        let mine = node(vec![slice("b", &[("owner", "me")], &[])]);
+        let (o, ..) = notice_event(&esc(pb::escape::Kind::OverLimit, "b", "reported"), &mine, "node1");
+        assert_eq!(o["kind"], "Node");
+        let bad = Notice::Health { gpu: "GPU-1".into(), index: 1, healthy: false, reason: "XID 79 at now".into() };
+        let (o, kind, reason, m) = notice_event(&bad, &st, "node1");
+        assert_eq!((o["kind"].as_str(), kind, reason), (Some("Node"), "Warning", "GPUUnhealthy"));
+        assert!(m.contains("GPU 1 (GPU-1) is unhealthy: XID 79 at now"), "{m}");
+        let good = Notice::Health { gpu: "GPU-1".into(), index: 1, healthy: true, reason: String::new() };
+        assert_eq!(notice_event(&good, &st, "node1").1, "Normal");
+    }
+
+    #[test]
     fn an_event_is_a_warning_from_this_node_s_agent() {
         let o = json!({"kind": "Pod", "namespace": "ml", "name": "train"});
-        let e = event(&o, "vgpu: refused", "node1");
+        let e = event(&o, "Warning", REASON, "vgpu: refused", "node1");
         assert_eq!((e["type"].as_str(), e["reason"].as_str()), (Some("Warning"), Some(REASON)));
         assert_eq!(e["metadata"]["namespace"], "ml");
         assert!(e["metadata"]["name"].as_str().unwrap().starts_with("train."), "{e}");

@@ -285,6 +285,8 @@ pub struct Pass {
     pub escapes: Vec<pb::Escape>,
     /// Escapes not seen in the pass before, by `pb::escape::Kind`.
     pub new_escapes: [u64; 3],
+    /// Those escapes, with the action taken on each.
+    pub fresh: Vec<pb::Escape>,
     /// Bytes released from dead processes' slots.
     pub reclaimed: u64,
 }
@@ -852,6 +854,7 @@ impl Monitor {
                 // Killed: the next pass sees the process gone; its next escape is a new one.
                 now.remove(&escape_key(e));
             }
+            pass.fresh.push(e.clone());
             if e.kind == pb::escape::Kind::Unaccounted as i32 && !e.slice.is_empty() {
                 tracing::warn!(gpu = %e.gpu, pid = e.pid, slice = %e.slice, memory = e.measured, action = %e.action,
                     "slice process on a GPU outside its slice");

@@ -177,8 +177,11 @@ fn hami_mode_follows_the_schedulers_annotations() {
         rv: 10,
         ..Default::default()
     }));
-    let Harness { kdir, rt, mut rx, _kubelet, a } =
-        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\nmemory_scaling = 1.5\n");
+    let Harness { kdir, rt, mut rx, _kubelet, a } = harness(
+        &s,
+        &cluster,
+        "compat = \"hami\"\nregister_interval_s = 1\nmemory_scaling = 1.5\nhealth_recovery_s = 1\n",
+    );
 
     // The node register annotation (v2.8 JSON), the memory scaled as HAMi's deviceMemoryScaling does.
     wait("the node annotation", || {
@@ -239,6 +242,28 @@ fn hami_mode_follows_the_schedulers_annotations() {
         assert_eq!(lines(&o.stdout)[0]["error"], "CUDA_ERROR_OUT_OF_MEMORY", "{o:?}");
         std::thread::sleep(Duration::from_millis(2500));
         assert_eq!(cluster.lock().unwrap().events.len(), 1, "one Event a minute");
+
+        // A process outside every slice on the slice's GPU, and a critical XID on GPU 1 and its
+        // recovery: Events on the Node, in namespace default, as kubelet's are.
+        let mut rogue = s.cmd(RT).args(["alloc", "--size", "100m", "--hold"]).stdout(std::process::Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(rogue.stdout.as_mut().unwrap()), &mut line).unwrap();
+        let of = |reason: &str| cluster.lock().unwrap().events.iter().find(|e| e["reason"] == reason).cloned();
+        wait("the escape's Event", || of("GPUProcessOutsideQuota").is_some());
+        let _ = rogue.kill();
+        let _ = rogue.wait();
+        let e = of("GPUProcessOutsideQuota").unwrap();
+        assert_eq!(e["involvedObject"], json!({"kind": "Node", "apiVersion": "v1", "name": "node1", "uid": "node1"}));
+        assert_eq!(e["metadata"]["namespace"], "default");
+        let m = e["message"].as_str().unwrap();
+        assert!(m.contains(&format!("process {} uses {g0}", rogue.id())) && m.contains("outside every slice"), "{m}");
+        assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+        wait("the unhealthy GPU's Event", || of("GPUUnhealthy").is_some());
+        let e = of("GPUUnhealthy").unwrap();
+        assert_eq!((e["type"].as_str(), e["involvedObject"]["kind"].as_str()), (Some("Warning"), Some("Node")));
+        assert!(e["message"].as_str().unwrap().contains(&format!("GPU 1 ({g1}) is unhealthy: XID 79 at ")), "{e}");
+        wait("the recovered GPU's Event", || of("GPUHealthy").is_some());
+        assert_eq!(of("GPUHealthy").unwrap()["type"], "Normal");
 
         // The pod's entry is consumed, its bind phase is success, the node lock is released.
         {
