@@ -193,7 +193,7 @@ pub fn event(object: &Value, kind: &str, reason: &str, message: &str, node: &str
     })
 }
 
-/// Posts Events for the quota's refusals for as long as the agent runs.
+/// Posts the Events (see the module's documentation) for as long as the agent runs.
 pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>) {
     let client = match crate::k8s::client(agent.cfg.kube_api.as_deref()).await {
         Ok(c) => c,
@@ -202,19 +202,21 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
             return;
         }
     };
-    let events = ApiResource {
-        group: String::new(),
-        version: "v1".into(),
-        api_version: "v1".into(),
-        kind: "Event".into(),
-        plural: "events".into(),
-    };
+    let events = ApiResource::erase::<k8s_openapi::api::core::v1::Event>(&());
     agent.notices_wanted.store(true, std::sync::atomic::Ordering::Relaxed);
     let node = agent.cfg.node_name.clone();
-    let post = |object: Value, kind: &'static str, reason: &'static str, message: String| {
+    let post = |mut object: Value, kind: &'static str, reason: &'static str, message: String| {
         let (client, events, node) = (client.clone(), events.clone(), node.clone());
         async move {
             let ns = object["namespace"].as_str().unwrap_or("default").to_string();
+            // A pod known by name only (replica mode learns its slices' pods from kubelet): its UID,
+            // without which `kubectl describe pod` does not list the Event.
+            if object["kind"] == "Pod" && object["uid"].as_str().is_none_or(str::is_empty) {
+                let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns);
+                if let Ok(Some(p)) = pods.get_opt(object["name"].as_str().unwrap_or_default()).await {
+                    object["uid"] = p.metadata.uid.unwrap_or_default().into();
+                }
+            }
             let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &events);
             let e = match serde_json::from_value::<DynamicObject>(event(&object, kind, reason, &message, &node)) {
                 Ok(e) => e,

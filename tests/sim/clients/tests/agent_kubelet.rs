@@ -161,8 +161,31 @@ fn detail_of(cr: &dp::ContainerAllocateResponse) -> serde_json::Value {
 fn replica_slices_go_once_no_container_holds_their_devices() {
     use vgpu_agent::deviceplugin::slice_name;
     let (mut s, kdir, rt, tx, mut rx) = kubelet_node();
-    let a =
-        Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()), ("VGPU_AGENT_SLICE_GC_GRACE_S", "1")]);
+    // An API server that knows pod default/a and takes Events.
+    let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::<serde_json::Value>::new()));
+    let api = {
+        let events = events.clone();
+        common::kubeapi::serve(move |method, target, body| match (method, target.split('?').next().unwrap()) {
+            ("GET", "/api/v1/namespaces/default/pods/a") => (
+                200,
+                serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a", "namespace": "default", "uid": "uid-a"}}),
+            ),
+            ("POST", "/api/v1/namespaces/default/events") => {
+                let e: serde_json::Value = serde_json::from_slice(body).unwrap();
+                events.lock().unwrap().push(e.clone());
+                (201, e)
+            }
+            _ => common::kubeapi::status(404, "NotFound"),
+        })
+    };
+    let a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
+            ("VGPU_AGENT_SLICE_GC_GRACE_S", "1"),
+            ("VGPU_AGENT_KUBE_API", &api),
+        ],
+    );
     // No kubelet yet (as on a host without Kubernetes): the pod resources API is not asked for.
     std::thread::sleep(Duration::from_millis(2500));
     assert!(!a.log_text().contains("pod resources"), "{}", a.log_text());
@@ -223,6 +246,22 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
         (&"default".into(), &"main".into(), &"kubelet".into())
     );
     assert!(a.log_text().contains("answers again"), "{}", a.log_text());
+    // A's quota refuses an allocation: an Event on pod default/a, whose UID the agent looked up
+    // (kubelet names pods, it does not give their UIDs).
+    let mut cmd = in_slice(&s, &detail_of(&answers[0]), RT);
+    cmd.env("LD_PRELOAD", libvgpu()).args(["alloc", "--size", "4g"]);
+    assert_eq!(lines(&cmd.output().unwrap().stdout)[0]["error"], "CUDA_ERROR_OUT_OF_MEMORY");
+    let t = std::time::Instant::now();
+    while events.lock().unwrap().is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(15), "no Event: {}", a.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let e = events.lock().unwrap()[0].clone();
+    assert_eq!(
+        e["involvedObject"],
+        serde_json::json!({"kind": "Pod", "apiVersion": "v1", "namespace": "default", "name": "a", "uid": "uid-a",
+                           "fieldPath": "spec.containers{main}"})
+    );
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(
         names(),
