@@ -231,6 +231,13 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
             }
         }
     };
+    // What the slices refused before this agent started is in the first pass's status.
+    while !agent.ready.load(std::sync::atomic::Ordering::Acquire) {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            _ = stop.changed() => return,
+        }
+    }
     let mut books = Books::seeded(&agent.status());
     loop {
         tokio::select! {

@@ -311,6 +311,10 @@ fn hami_mode_follows_the_schedulers_annotations() {
     std::thread::sleep(Duration::from_millis(1500)); // a collection pass (register_interval_s = 1)
     let v = a.status().unwrap();
     assert!(v["slices"].as_array().unwrap().iter().any(|x| x["labels"]["pod"] == "train"), "{v}");
+    // The restarted agent does not report the slice's earlier refusals again (they are in its region).
+    std::thread::sleep(Duration::from_millis(3000));
+    let refusals = cluster.lock().unwrap().events.iter().filter(|e| e["reason"] == "GPUMemoryQuotaExceeded").count();
+    assert_eq!(refusals, 1, "{:?}", cluster.lock().unwrap().events);
 
     // The pod goes: its slice goes.
     cluster.lock().unwrap().pods.retain(|p| p["metadata"]["name"] != "train");
