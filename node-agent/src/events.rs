@@ -15,6 +15,9 @@
 //!   a GPU that slices use (`GPUProcessOutsideQuota`), on the Node.
 //! - **Health**: a GPU that became unhealthy (`GPUUnhealthy`, with why) or healthy again
 //!   (`GPUHealthy`, Normal), on the Node.
+//!
+//! An Event the API server does not take is tried again next round; until one is taken, the
+//! status carries a warning with the server's answer (a missing RBAC rule shows there).
 
 use crate::agent::{Agent, Notice};
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
@@ -70,9 +73,9 @@ impl Books {
         b
     }
 
-    /// The Events due at `now` (the slice, the object, the message), taken as reported; slices
+    /// The Events due at `now`, to be taken as reported once posted ([`Books::posted`]); slices
     /// that are gone are forgotten.
-    pub fn due(&mut self, st: &pb::NodeStatus, now: Instant) -> Vec<(String, Value, String)> {
+    pub fn due(&mut self, st: &pb::NodeStatus, now: Instant) -> Vec<Due> {
         self.reported.retain(|name, _| st.slices.iter().any(|s| &s.name == name));
         self.last.retain(|name, _| st.slices.iter().any(|s| &s.name == name));
         let mut out = Vec::new();
@@ -108,14 +111,30 @@ impl Books {
                 parts.join("; "),
                 if grown.iter().map(|(_, n)| n).sum::<u64>() == 1 { "it" } else { "them" }
             );
-            for (g, _) in &grown {
-                seen.insert(g.uuid.clone(), g.oom_rejections);
-            }
-            self.last.insert(s.name.clone(), now);
-            out.push((s.name.clone(), object, message));
+            let counts = grown.iter().map(|(g, _)| (g.uuid.clone(), g.oom_rejections)).collect();
+            out.push(Due { slice: s.name.clone(), object, message, counts });
         }
         out
     }
+
+    /// Event `d` was posted at `now`: what it counted is reported.
+    pub fn posted(&mut self, d: &Due, now: Instant) {
+        let seen = self.reported.entry(d.slice.clone()).or_default();
+        for (uuid, n) in &d.counts {
+            seen.insert(uuid.clone(), *n);
+        }
+        self.last.insert(d.slice.clone(), now);
+    }
+}
+
+/// A refusals Event due: the slice, the object it is about, the message, and the counts it
+/// reports (by GPU).
+#[derive(Debug)]
+pub struct Due {
+    pub slice: String,
+    pub object: Value,
+    pub message: String,
+    counts: Vec<(String, u64)>,
 }
 
 /// The Node as an Event's `involvedObject` (its UID is its name, as kubelet's Events have it; `kubectl
@@ -218,17 +237,11 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
                 }
             }
             let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &events);
-            let e = match serde_json::from_value::<DynamicObject>(event(&object, kind, reason, &message, &node)) {
-                Ok(e) => e,
-                Err(e) => {
-                    tracing::warn!(reason, error = %e, "cannot make an Event");
-                    return;
-                }
-            };
-            match api.create(&PostParams::default(), &e).await {
-                Ok(_) => tracing::info!(reason, object = %object["name"], "Event: {message}"),
-                Err(e) => tracing::warn!(reason, error = %e, "cannot post an Event"),
-            }
+            let e = serde_json::from_value::<DynamicObject>(event(&object, kind, reason, &message, &node))
+                .map_err(|e| format!("cannot make an Event: {e}"))?;
+            api.create(&PostParams::default(), &e).await.map_err(|e| e.to_string())?;
+            tracing::info!(reason, object = %object["name"], "Event: {message}");
+            Ok::<(), String>(())
         }
     };
     // What the slices refused before this agent started is in the first pass's status.
@@ -239,6 +252,7 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
         }
     }
     let mut books = Books::seeded(&agent.status());
+    let mut failing = false;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(EVERY) => {}
@@ -252,12 +266,48 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
                 "more escapes and health changes than Events posted"
             );
         }
-        for n in notices.iter().take(NOTICES_PER_ROUND) {
-            let (object, kind, reason, message) = notice_event(n, &st, &node);
-            post(object, kind, reason, message).await;
+        let (mut error, mut posted, mut unposted) = (None, 0, Vec::new());
+        for n in notices.into_iter().take(NOTICES_PER_ROUND) {
+            let (object, kind, reason, message) = notice_event(&n, &st, &node);
+            match post(object, kind, reason, message).await {
+                Ok(()) => posted += 1,
+                Err(e) => {
+                    error = Some(e);
+                    unposted.push(n);
+                }
+            }
         }
-        for (_, object, message) in books.due(&st, Instant::now()) {
-            post(object, "Warning", REASON, message).await;
+        for d in books.due(&st, Instant::now()) {
+            match post(d.object.clone(), "Warning", REASON, d.message.clone()).await {
+                Ok(()) => {
+                    books.posted(&d, Instant::now());
+                    posted += 1;
+                }
+                Err(e) => error = Some(e),
+            }
+        }
+        // What could not be posted is tried again next round (refusals stay due until posted).
+        if !unposted.is_empty() {
+            let mut q = agent.notices.lock();
+            for n in unposted.into_iter().rev() {
+                q.push_front(n);
+            }
+            q.truncate(crate::agent::NOTICES_KEPT);
+        }
+        match error {
+            Some(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "cannot post Kubernetes Events; trying again every 2 s");
+                }
+                failing = true;
+                agent.warn("events", Some(format!("cannot post Kubernetes Events: {e}")));
+            }
+            None if posted > 0 && failing => {
+                tracing::info!("Kubernetes Events posted again");
+                failing = false;
+                agent.warn("events", None);
+            }
+            None => {}
         }
     }
 }
@@ -304,7 +354,7 @@ mod tests {
         ]);
         let due = b.due(&now, t0);
         assert_eq!(due.len(), 1, "{due:?}");
-        let (name, object, message) = &due[0];
+        let Due { slice: name, object, message, .. } = &due[0];
         assert_eq!(name, "a");
         assert_eq!(
             object,
@@ -317,26 +367,35 @@ mod tests {
         );
         assert!(message.contains("1 GPU memory allocation refused on GPU-1"), "{message}");
 
+        // Not posted (the API server refused it): due again next round, counting the same.
+        let again = b.due(&now, t0 + EVERY);
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].message, *message);
+        b.posted(&again[0], t0 + EVERY);
+        assert!(b.due(&now, t0 + EVERY * 2).is_empty(), "posted: nothing new");
+
         // More within the minute wait for the next Event, which counts them all.
         let later = node(vec![slice("a", POD, &[("GPU-0", 7), ("GPU-1", 1)])]);
         assert!(b.due(&later, t0 + Duration::from_secs(30)).is_empty(), "one a minute");
         let later = node(vec![slice("a", POD, &[("GPU-0", 9), ("GPU-1", 1)])]);
-        let due = b.due(&later, t0 + PER_SLICE);
+        let due = b.due(&later, t0 + EVERY + PER_SLICE);
         assert_eq!(due.len(), 1);
-        assert!(due[0].2.contains("3 GPU memory allocations refused on GPU-0"), "{}", due[0].2);
-        assert!(!due[0].2.contains("GPU-1"), "nothing new there: {}", due[0].2);
+        assert!(due[0].message.contains("3 GPU memory allocations refused on GPU-0"), "{}", due[0].message);
+        assert!(!due[0].message.contains("GPU-1"), "nothing new there: {}", due[0].message);
+        b.posted(&due[0], t0 + EVERY + PER_SLICE);
 
         // A slice made again under its name (a new pod) starts from nothing seen.
-        b.due(&node(vec![]), t0 + PER_SLICE * 2);
-        let again = b.due(&node(vec![slice("a", POD, &[("GPU-0", 1)])]), t0 + PER_SLICE * 2);
+        b.due(&node(vec![]), t0 + PER_SLICE * 3);
+        let again = b.due(&node(vec![slice("a", POD, &[("GPU-0", 1)])]), t0 + PER_SLICE * 3);
         assert_eq!(again.len(), 1);
 
         // A DRA claim's slice: the Event is the claim's.
         let claim = &[("namespace", "ml"), ("claim", "gpu-claim"), ("claim-uid", "c1"), ("source", "dra")];
         let due = b.due(&node(vec![slice("dra-c1", claim, &[("GPU-0", 1)])]), t0);
-        assert_eq!(due[0].1["kind"], "ResourceClaim");
-        assert_eq!((due[0].1["name"].as_str(), due[0].1["uid"].as_str()), (Some("gpu-claim"), Some("c1")));
-        assert!(due[0].1.get("fieldPath").is_none());
+        assert_eq!(due[0].object["kind"], "ResourceClaim");
+        let o = &due[0].object;
+        assert_eq!((o["name"].as_str(), o["uid"].as_str()), (Some("gpu-claim"), Some("c1")));
+        assert!(o.get("fieldPath").is_none());
     }
 
     #[test]

@@ -161,11 +161,16 @@ fn detail_of(cr: &dp::ContainerAllocateResponse) -> serde_json::Value {
 fn replica_slices_go_once_no_container_holds_their_devices() {
     use vgpu_agent::deviceplugin::slice_name;
     let (mut s, kdir, rt, tx, mut rx) = kubelet_node();
-    // An API server that knows pod default/a and takes Events.
+    // An API server that knows pod default/a and takes Events (refuses them while `forbid` is set,
+    // as one does without the RBAC for them).
     let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::<serde_json::Value>::new()));
+    let forbid = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     let api = {
-        let events = events.clone();
+        let (events, forbid) = (events.clone(), forbid.clone());
         common::kubeapi::serve(move |method, target, body| match (method, target.split('?').next().unwrap()) {
+            ("POST", "/api/v1/namespaces/default/events") if forbid.load(std::sync::atomic::Ordering::SeqCst) => {
+                common::kubeapi::status(403, "Forbidden")
+            }
             ("GET", "/api/v1/namespaces/default/pods/a") => (
                 200,
                 serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a", "namespace": "default", "uid": "uid-a"}}),
@@ -247,10 +252,15 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
     );
     assert!(a.log_text().contains("answers again"), "{}", a.log_text());
     // A's quota refuses an allocation: an Event on pod default/a, whose UID the agent looked up
-    // (kubelet names pods, it does not give their UIDs).
+    // (kubelet names pods, it does not give their UIDs). The API server refuses it first: the status
+    // says so, and the Event is posted once it is taken.
     let mut cmd = in_slice(&s, &detail_of(&answers[0]), RT);
     cmd.env("LD_PRELOAD", libvgpu()).args(["alloc", "--size", "4g"]);
     assert_eq!(lines(&cmd.output().unwrap().stdout)[0]["error"], "CUDA_ERROR_OUT_OF_MEMORY");
+    let st = a.wait("the warning", |st| st["warnings"].to_string().contains("cannot post Kubernetes Events"));
+    assert!(st["warnings"].to_string().contains("Forbidden"), "{st}");
+    assert!(events.lock().unwrap().is_empty());
+    forbid.store(false, std::sync::atomic::Ordering::SeqCst);
     let t = std::time::Instant::now();
     while events.lock().unwrap().is_empty() {
         assert!(t.elapsed() < Duration::from_secs(15), "no Event: {}", a.log_text());
@@ -262,6 +272,7 @@ fn replica_slices_go_once_no_container_holds_their_devices() {
         serde_json::json!({"kind": "Pod", "apiVersion": "v1", "namespace": "default", "name": "a", "uid": "uid-a",
                            "fieldPath": "spec.containers{main}"})
     );
+    a.wait("the warning cleared", |st| st["warnings"] == serde_json::json!([]));
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(
         names(),
