@@ -16,8 +16,8 @@
 //! pool is never charged twice. Where the driver may have trimmed or grown the pool (after
 //! synchronisations (`cuStreamSynchronize`, `cuEventSynchronize`, `cuCtxSynchronize` and its
 //! `_v2`) that follow a change, after `cuMemPoolTrimTo` and `cuMemPoolDestroy`, when a context
-//! ends, and before an allocation is refused) the pool is settled: what it holds beyond `live` becomes `slack` (never
-//! more than it was) plus `held`. Each operation moves the region and the figures by the same
+//! ends, and before an allocation is refused) the pool is settled: what it holds beyond `live`
+//! becomes `slack` (never more than it was) plus `held`. Each operation moves the region and the figures by the same
 //! amount, so the region always holds live + slack + held, and a settle sets that to what the pool
 //! really holds.
 //!
