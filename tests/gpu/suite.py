@@ -594,8 +594,9 @@ def check_pool_hold(s):
     charged = lambda r: r["base"]["free"] - r["synchronised"]["free"]
     summary = ("%s allocated with cuMemAllocAsync and freed into a pool that keeps it: the pool holds %s "
                "(without libvgpu %s), %s charged; cuMemAlloc of %s beside it under the %s limit: %s; "
-               "allocated from the pool again: %s; after cuMemPoolTrimTo (pool %s): %s. After the device's current pool was destroyed (the default "
-               "pool current again: %s): %s charged, cuMemAlloc beside it %s, after the trim %s") % (
+               "allocated from the pool again: %s; after cuMemPoolTrimTo (pool %s): %s. After the device's "
+               "current pool was destroyed (the default pool current again: %s): %s charged, cuMemAlloc beside "
+               "it %s, after the trim %s") % (
         human(size), human(j["pool"]), human(bare["pool"]), human(charged(j)), human(size), human(lim), j["alloc"],
         j["again"], human(j["pool_after_trim"]), j["alloc_after_trim"], k["default_current_after_destroy"],
         human(charged(k)), k["alloc"], k["alloc_after_trim"])

@@ -77,8 +77,8 @@ scenarios:
                                         then also has D's memory info), its pool's
                                         release threshold set to T first; then, a line each: freed,
                                         synchronised (the stream, or --sync: the context, with
-                                        cuCtxSynchronize or CUDA 13.0's cuCtxSynchronize_v2), cuMemAlloc --alloc tried, N allocated from the
-                                        pool again, freed and the pool trimmed to 0 (--reset:
+                                        cuCtxSynchronize or CUDA 13.0's cuCtxSynchronize_v2),
+                                        cuMemAlloc --alloc tried, N allocated from the pool again, freed and the pool trimmed to 0 (--reset:
                                         instead, the primary context reset with the allocation
                                         outstanding, then cuMemAlloc --alloc; --destroyed-current:
                                         first, a new pool made the device's current one, 1 MiB
@@ -422,7 +422,7 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
     let probe = o.num("alloc", 0)? as usize;
     let sync = o.str("sync", "stream");
     if !matches!(kind, "async" | "pool" | "default") || !matches!(sync, "stream" | "ctx" | "ctx-v2") {
-        return Err(format!("pool: --allocator {kind:?}?\n{USAGE}"));
+        return Err(format!("pool: --allocator {kind:?} --sync {sync:?}?\n{USAGE}"));
     }
     // SAFETY (whole function): calls through the bound table with out-pointers to locals and
     // property blocks built here; handles are the driver's.
@@ -466,27 +466,24 @@ fn pool_steps(api: &Api, dev: i32, o: &Opts) -> Res<()> {
             ck(api, (api.cuMemPoolCreate)(&mut own, &props), "cuMemPoolCreate")?;
             ck(api, (api.cuMemSetMemPool)(&mut here, CU_MEM_ALLOCATION_TYPE_PINNED, own), "cuMemSetMemPool")?;
         }
-        if kind == "default" {
-            let mut at = here;
-            if let Some(n) = o.map.get("pool-on") {
-                let n = n.parse().map_err(|_| format!("--pool-on {n:?}: a device ordinal"))?;
+        // Where the pool of --allocator pool or default is: --device's memory, or --pool-on's.
+        let mut at = here;
+        match o.map.get("pool-on").map(String::as_str) {
+            None => {}
+            Some("host") => at = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST_NUMA, id: 0 },
+            Some(n) => {
+                let n = n.parse().map_err(|_| format!("--pool-on {n:?}: a device ordinal or host"))?;
                 ck(api, (api.cuDeviceGet)(&mut at.id, n), "cuDeviceGet")?;
             }
+        }
+        if kind == "default" {
             ck(
                 api,
                 (api.cuMemGetDefaultMemPool)(&mut pool, &mut at, CU_MEM_ALLOCATION_TYPE_PINNED),
                 "cuMemGetDefaultMemPool",
             )?;
         } else if kind == "pool" {
-            let mut props = CUmemPoolProps::device(d);
-            match o.map.get("pool-on").map(String::as_str) {
-                None => {}
-                Some("host") => props.location = CUmemLocation { type_: CU_MEM_LOCATION_TYPE_HOST_NUMA, id: 0 },
-                Some(n) => {
-                    let n = n.parse().map_err(|_| format!("--pool-on {n:?}: a device ordinal or host"))?;
-                    ck(api, (api.cuDeviceGet)(&mut props.location.id, n), "cuDeviceGet")?;
-                }
-            }
+            let props = CUmemPoolProps { location: at, ..CUmemPoolProps::device(d) };
             ck(api, (api.cuMemPoolCreate)(&mut pool, &props), "cuMemPoolCreate")?;
         } else if o.flag("own-current") {
             ck(api, (api.cuMemGetMemPool)(&mut pool, &mut here, CU_MEM_ALLOCATION_TYPE_PINNED), "cuMemGetMemPool")?;

@@ -22,8 +22,8 @@
 //!                                                its release threshold set first; freed, synchronised,
 //!                                                cuMemAlloc of BYTES tried, BYTES allocated from the
 //!                                                pool again and freed, the pool trimmed, cuMemAlloc
-//!                                                tried again; the threshold restored. --destroyed-current:
-//!                                                first a new pool made the device's current one,
+//!                                                tried again; the threshold restored.
+//!                                                --destroyed-current: first a new pool made the device's current one,
 //!                                                1 MiB allocated from it and freed, the pool
 //!                                                destroyed, and whether the default pool is current
 //!                                                again. --own-current: first 1 MiB allocated from
@@ -589,9 +589,9 @@ fn pool(args: &[String]) -> Result<Value, String> {
             "cuMemPoolSetAttribute",
         )?;
         Ok(json!({"size": size, "threshold": threshold, "base": base, "allocated": allocated, "pool": held,
-            "synchronised": synced, "alloc": alloc, "again": again, "pool_after_trim": held_after_trim, "trimmed": trimmed,
-            "alloc_after_trim": alloc_after_trim, "default_current_after_destroy": default_current,
-            "own_current": own_current}))
+            "synchronised": synced, "alloc": alloc, "again": again, "pool_after_trim": held_after_trim,
+            "trimmed": trimmed, "alloc_after_trim": alloc_after_trim,
+            "default_current_after_destroy": default_current, "own_current": own_current}))
     }
 }
 
