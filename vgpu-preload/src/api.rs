@@ -136,6 +136,16 @@ macro_rules! nvml_hooks {
             nvmlDeviceGetMemoryInfo_v2(dev: NvmlDevice, mem: *mut NvmlMemoryV2) => nvml::memory_info_v2;
             nvmlDeviceGetComputeRunningProcesses_v3(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
             nvmlDeviceGetComputeRunningProcesses_v2(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
+            nvmlDeviceGetComputeRunningProcesses(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfoV1) => nvml::processes;
+            nvmlDeviceGetGraphicsRunningProcesses_v3(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
+            nvmlDeviceGetGraphicsRunningProcesses_v2(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
+            nvmlDeviceGetGraphicsRunningProcesses(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfoV1) => nvml::processes;
+            nvmlDeviceGetMPSComputeRunningProcesses_v3(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
+            nvmlDeviceGetMPSComputeRunningProcesses_v2(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
+            nvmlDeviceGetMPSComputeRunningProcesses(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfoV1) => nvml::processes;
+            nvmlDeviceGetRunningProcessDetailList(dev: NvmlDevice, list: *mut NvmlProcessDetailList) => nvml::process_details;
+            nvmlDeviceGetProcessUtilization(dev: NvmlDevice, samples: *mut NvmlProcessUtilizationSample, count: *mut u32, last_seen: u64) => nvml::process_utilization;
+            nvmlDeviceGetProcessesUtilizationInfo(dev: NvmlDevice, info: *mut NvmlProcessesUtilizationInfo) => nvml::processes_utilization;
         }
     };
 }

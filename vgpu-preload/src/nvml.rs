@@ -12,6 +12,7 @@ pub type NvmlDevice = *mut c_void;
 pub const NVML_SUCCESS: NvmlReturn = 0;
 pub const NVML_ERROR_NOT_SUPPORTED: NvmlReturn = 3;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
+pub const NVML_ERROR_NOT_FOUND: NvmlReturn = 6;
 pub const NVML_ERROR_FUNCTION_NOT_FOUND: NvmlReturn = 13;
 pub const NVML_ERROR_UNKNOWN: NvmlReturn = 999;
 
@@ -30,17 +31,6 @@ pub struct NvmlMemoryV2 {
     pub free: u64,
     pub used: u64,
 }
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct NvmlProcessInfo {
-    pub pid: u32,
-    pub used_gpu_memory: u64,
-    pub gpu_instance_id: u32,
-    pub compute_instance_id: u32,
-}
-
-const _: () = assert!(std::mem::size_of::<NvmlProcessInfo>() == 24 && std::mem::size_of::<NvmlMemoryV2>() == 40);
 
 /// The region device of an NVML handle, if it has a limit.
 fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
@@ -114,68 +104,308 @@ pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevic
     NVML_SUCCESS
 }
 
-/// The running processes, restricted to the container's own (by PID as recorded in the region).
-pub unsafe fn processes(
-    real: f::nvmlDeviceGetComputeRunningProcesses_v3,
-    dev: NvmlDevice,
-    count: *mut u32,
-    infos: *mut NvmlProcessInfo,
-) -> NvmlReturn {
-    if count.is_null() || limited_device(dev).is_none() {
+/// An entry of an NVML list that names a process.
+pub trait Listed: Copy + Default {
+    fn pid(&self) -> u32;
+}
+
+/// `nvmlProcessInfo_v1_t`: what the unversioned `nvmlDevice*RunningProcesses` fill.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct NvmlProcessInfoV1 {
+    pub pid: u32,
+    pub used_gpu_memory: u64,
+}
+
+/// `nvmlProcessInfo_t` (`_v2` and `_v3` fill the same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct NvmlProcessInfo {
+    pub pid: u32,
+    pub used_gpu_memory: u64,
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+}
+
+/// `nvmlProcessDetail_v1_t` (`nvmlDeviceGetRunningProcessDetailList`, R550+).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct NvmlProcessDetail {
+    pub pid: u32,
+    pub used_gpu_memory: u64,
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+    pub used_gpu_cc_protected_memory: u64,
+}
+
+/// `nvmlProcessDetailList_v1_t`.
+#[repr(C)]
+pub struct NvmlProcessDetailList {
+    pub version: u32,
+    pub mode: u32,
+    pub num_proc_array_entries: u32,
+    pub proc_array: *mut NvmlProcessDetail,
+}
+
+/// `nvmlProcessUtilizationSample_t` (`nvmlDeviceGetProcessUtilization`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct NvmlProcessUtilizationSample {
+    pub pid: u32,
+    pub time_stamp: u64,
+    pub sm_util: u32,
+    pub mem_util: u32,
+    pub enc_util: u32,
+    pub dec_util: u32,
+}
+
+/// `nvmlProcessUtilizationInfo_v1_t` (`nvmlDeviceGetProcessesUtilizationInfo`, R550+).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct NvmlProcessUtilizationInfo {
+    pub time_stamp: u64,
+    pub pid: u32,
+    pub sm_util: u32,
+    pub mem_util: u32,
+    pub enc_util: u32,
+    pub dec_util: u32,
+    pub jpg_util: u32,
+    pub ofa_util: u32,
+}
+
+/// `nvmlProcessesUtilizationInfo_v1_t`.
+#[repr(C)]
+pub struct NvmlProcessesUtilizationInfo {
+    pub version: u32,
+    pub process_samples_count: u32,
+    pub last_seen_time_stamp: u64,
+    pub proc_util_array: *mut NvmlProcessUtilizationInfo,
+}
+
+/// NVML's `NVML_STRUCT_VERSION(name, 1)`: the structure's size with the version in the top byte.
+const fn struct_v1<T>() -> u32 {
+    std::mem::size_of::<T>() as u32 | 1 << 24
+}
+const PROCESS_DETAIL_LIST_V1: u32 = struct_v1::<NvmlProcessDetailList>();
+const PROCESSES_UTILIZATION_INFO_V1: u32 = struct_v1::<NvmlProcessesUtilizationInfo>();
+
+const _: () = assert!(
+    std::mem::size_of::<NvmlProcessInfoV1>() == 16
+        && std::mem::size_of::<NvmlProcessInfo>() == 24
+        && std::mem::size_of::<NvmlProcessDetail>() == 32
+        && std::mem::size_of::<NvmlProcessDetailList>() == 24
+        && std::mem::size_of::<NvmlProcessUtilizationSample>() == 32
+        && std::mem::size_of::<NvmlProcessUtilizationInfo>() == 40
+        && std::mem::size_of::<NvmlProcessesUtilizationInfo>() == 24
+        && std::mem::size_of::<NvmlMemoryV2>() == 40
+);
+
+impl Listed for NvmlProcessInfoV1 {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+impl Listed for NvmlProcessInfo {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+impl Listed for NvmlProcessDetail {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+impl Listed for NvmlProcessUtilizationSample {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+impl Listed for NvmlProcessUtilizationInfo {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+
+/// The PIDs NVML names the container's processes by, when `dev` is limited (None: answer as NVML
+/// does). NVML lists host PIDs: a slot's host PID where known (its inner PID, in a PID namespace,
+/// may be another process's host PID), else its PID (no namespace, or it could not be told).
+fn ours(dev: NvmlDevice) -> Option<Vec<u32>> {
+    limited_device(dev)?;
+    let region = state().region.as_ref()?;
+    Some(region.slots().iter().map(|(_, p, h, _)| if *h != 0 { *h } else { *p }).filter(|p| *p != 0).collect())
+}
+
+/// Answers a list query from `list` (already the container's): `*count` the entries, copied to
+/// `out` if it has room for them (`cap` entries), else INSUFFICIENT_SIZE; `empty` is the answer
+/// when there are none (the process lists succeed, the utilization samples are NOT_FOUND).
+///
+/// # Safety
+/// `count` is valid for writes; `out` is null or holds `cap` entries.
+unsafe fn answer<T: Listed>(list: &[T], count: *mut u32, out: *mut T, cap: usize, empty: NvmlReturn) -> NvmlReturn {
+    // SAFETY: the caller's contract.
+    unsafe { *count = list.len() as u32 };
+    if list.is_empty() {
+        return empty;
+    }
+    if out.is_null() || cap < list.len() {
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    // SAFETY: out holds cap >= list.len() entries.
+    unsafe { std::ptr::copy_nonoverlapping(list.as_ptr(), out, list.len()) };
+    NVML_SUCCESS
+}
+
+/// A list query as NVML shapes it: the device, the count (capacity in, entries out) and the array.
+pub type ListFn<T> = unsafe extern "C" fn(NvmlDevice, *mut u32, *mut T) -> NvmlReturn;
+
+/// The compute, graphics and MPS process lists (every version), restricted to the container's
+/// processes.
+pub unsafe fn processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice, count: *mut u32, infos: *mut T) -> NvmlReturn {
+    let mine = if count.is_null() { None } else { ours(dev) };
+    let Some(mine) = mine else {
         // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dev, count, infos) };
-    }
-    let st = state();
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let Some(region) = st.region.as_ref() else { return unsafe { real(dev, count, infos) } };
+    };
     // SAFETY: the real entry point and the caller's handle.
     let mut buf = match unsafe { list_processes(real, dev) } {
         Ok(b) => b,
         Err(r) => return r,
     };
-    // NVML lists host PIDs: a slot's host PID where known (its inner PID, in a PID namespace, may be
-    // another process's host PID), else its PID (no namespace, or it could not be told).
-    let ours: Vec<u32> =
-        region.slots().iter().map(|(_, p, h, _)| if *h != 0 { *h } else { *p }).filter(|p| *p != 0).collect();
-    buf.retain(|p| ours.contains(&p.pid));
-    // SAFETY: count is non-null.
-    let cap = unsafe { *count } as usize;
-    unsafe { *count = buf.len() as u32 };
-    if buf.is_empty() {
-        return NVML_SUCCESS;
-    }
-    if infos.is_null() || cap < buf.len() {
-        return NVML_ERROR_INSUFFICIENT_SIZE;
-    }
-    // SAFETY: infos holds cap >= buf.len() entries.
-    unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), infos, buf.len()) };
-    NVML_SUCCESS
+    buf.retain(|p| mine.contains(&p.pid()));
+    // SAFETY: count is non-null, and the caller's infos holds the *count entries it passed in.
+    unsafe { answer(&buf, count, infos, *count as usize, NVML_SUCCESS) }
 }
 
 /// Every process `real` lists for `dev`, into a buffer grown as NVML asks.
-pub unsafe fn list_processes(
-    real: f::nvmlDeviceGetComputeRunningProcesses_v3,
-    dev: NvmlDevice,
-) -> Result<Vec<NvmlProcessInfo>, NvmlReturn> {
-    let mut buf: Vec<NvmlProcessInfo> = Vec::new();
+pub unsafe fn list_processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice) -> Result<Vec<T>, NvmlReturn> {
+    // SAFETY: the real entry point, with a count and buffer grown as it asks.
+    unsafe { grown(|n, p| real(dev, n, p)) }
+}
+
+/// Calls `query(count, array)` with a buffer grown while it answers INSUFFICIENT_SIZE (a count
+/// query first, with a null array); the entries it filled, or what it answered otherwise.
+unsafe fn grown<T: Listed>(mut query: impl FnMut(*mut u32, *mut T) -> NvmlReturn) -> Result<Vec<T>, NvmlReturn> {
+    let mut buf: Vec<T> = Vec::new();
     let mut n = 0u32;
-    // SAFETY: a count query (NULL array) through the real entry point.
-    let mut r = unsafe { real(dev, &mut n, std::ptr::null_mut()) };
+    let mut r = query(&mut n, std::ptr::null_mut());
     for _ in 0..4 {
         if r != NVML_ERROR_INSUFFICIENT_SIZE {
             break;
         }
         n += 8;
-        buf.resize(
-            n as usize,
-            NvmlProcessInfo { pid: 0, used_gpu_memory: 0, gpu_instance_id: 0, compute_instance_id: 0 },
-        );
-        // SAFETY: buf holds n entries, as the count says.
-        r = unsafe { real(dev, &mut n, buf.as_mut_ptr()) };
+        buf.resize(n as usize, T::default());
+        r = query(&mut n, buf.as_mut_ptr());
     }
     if r != NVML_SUCCESS {
         return Err(r);
     }
     buf.truncate(n as usize);
     Ok(buf)
+}
+
+/// `nvmlDeviceGetRunningProcessDetailList`: the list of the mode asked for, restricted to the
+/// container's processes.
+pub unsafe fn process_details(
+    real: f::nvmlDeviceGetRunningProcessDetailList,
+    dev: NvmlDevice,
+    list: *mut NvmlProcessDetailList,
+) -> NvmlReturn {
+    // SAFETY: list, when non-null, points at the caller's structure (its version says which).
+    let mine = if list.is_null() || unsafe { (*list).version } != PROCESS_DETAIL_LIST_V1 { None } else { ours(dev) };
+    let Some(mine) = mine else {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+        return unsafe { real(dev, list) };
+    };
+    // SAFETY: as above; the fields are read once, and the driver fills a structure of our own.
+    let (mode, cap, out) = unsafe { ((*list).mode, (*list).num_proc_array_entries, (*list).proc_array) };
+    let query = |n: *mut u32, p: *mut NvmlProcessDetail| {
+        let mut l =
+            NvmlProcessDetailList { version: PROCESS_DETAIL_LIST_V1, mode, num_proc_array_entries: 0, proc_array: p };
+        // SAFETY: n is grown()'s count; p null or holding *n entries.
+        l.num_proc_array_entries = unsafe { *n };
+        // SAFETY: a v1 structure of ours and the caller's handle.
+        let r = unsafe { real(dev, &mut l) };
+        // SAFETY: as above.
+        unsafe { *n = l.num_proc_array_entries };
+        r
+    };
+    // SAFETY: query is the real entry point with a buffer of the count it states.
+    let mut buf = match unsafe { grown(query) } {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    buf.retain(|p| mine.contains(&p.pid));
+    let mut n = 0u32;
+    // SAFETY: out holds the cap entries the caller stated; n is a local.
+    let r = unsafe { answer(&buf, &mut n, out, cap as usize, NVML_SUCCESS) };
+    // SAFETY: list is the caller's non-null structure.
+    unsafe { (*list).num_proc_array_entries = n };
+    r
+}
+
+/// `nvmlDeviceGetProcessUtilization`: the samples of the container's processes (the GPU's other
+/// processes are other tenants'); NOT_FOUND when none of them has a sample.
+pub unsafe fn process_utilization(
+    real: f::nvmlDeviceGetProcessUtilization,
+    dev: NvmlDevice,
+    samples: *mut NvmlProcessUtilizationSample,
+    count: *mut u32,
+    last_seen: u64,
+) -> NvmlReturn {
+    let mine = if count.is_null() { None } else { ours(dev) };
+    let Some(mine) = mine else {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+        return unsafe { real(dev, samples, count, last_seen) };
+    };
+    // SAFETY: the real entry point with the caller's handle and a buffer of the count it states.
+    let mut buf = match unsafe { grown(|n, p| real(dev, p, n, last_seen)) } {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    buf.retain(|s| mine.contains(&s.pid));
+    // SAFETY: count is non-null; samples holds the *count entries the caller passed in.
+    unsafe { answer(&buf, count, samples, *count as usize, NVML_ERROR_NOT_FOUND) }
+}
+
+/// `nvmlDeviceGetProcessesUtilizationInfo`: as [`process_utilization`], for the R550 structure.
+pub unsafe fn processes_utilization(
+    real: f::nvmlDeviceGetProcessesUtilizationInfo,
+    dev: NvmlDevice,
+    info: *mut NvmlProcessesUtilizationInfo,
+) -> NvmlReturn {
+    // SAFETY: info, when non-null, points at the caller's structure (its version says which).
+    let v1 = !info.is_null() && unsafe { (*info).version } == PROCESSES_UTILIZATION_INFO_V1;
+    let Some(mine) = (if v1 { ours(dev) } else { None }) else {
+        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+        return unsafe { real(dev, info) };
+    };
+    // SAFETY: as above.
+    let (cap, out, last_seen) =
+        unsafe { ((*info).process_samples_count, (*info).proc_util_array, (*info).last_seen_time_stamp) };
+    let query = |n: *mut u32, p: *mut NvmlProcessUtilizationInfo| {
+        let mut i = NvmlProcessesUtilizationInfo {
+            version: PROCESSES_UTILIZATION_INFO_V1,
+            // SAFETY: n is grown()'s count; p null or holding *n entries.
+            process_samples_count: unsafe { *n },
+            last_seen_time_stamp: last_seen,
+            proc_util_array: p,
+        };
+        // SAFETY: a v1 structure of ours and the caller's handle.
+        let r = unsafe { real(dev, &mut i) };
+        // SAFETY: as above.
+        unsafe { *n = i.process_samples_count };
+        r
+    };
+    // SAFETY: query is the real entry point with a buffer of the count it states.
+    let mut buf = match unsafe { grown(query) } {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    buf.retain(|s| mine.contains(&s.pid));
+    let mut n = 0u32;
+    // SAFETY: out holds the cap entries the caller stated; n is a local.
+    let r = unsafe { answer(&buf, &mut n, out, cap as usize, NVML_ERROR_NOT_FOUND) };
+    // SAFETY: info is the caller's non-null structure.
+    unsafe { (*info).process_samples_count = n };
+    r
 }

@@ -106,7 +106,6 @@ macro_rules! define_real_nvml {
             nvmlDeviceGetUUID(NvmlDevice, *mut c_char, u32),
             nvmlDeviceGetIndex(NvmlDevice, *mut u32),
             nvmlDeviceGetHandleByUUID(*const c_char, *mut NvmlDevice),
-            nvmlDeviceGetMPSComputeRunningProcesses_v3(NvmlDevice, *mut u32, *mut NvmlProcessInfo),
         ]);
     };
     (@ [$($name:ident($($t:ty),*))*] [$($x:ident($($xt:ty),*),)*]) => {

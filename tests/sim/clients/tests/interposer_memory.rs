@@ -762,6 +762,64 @@ fn the_container_sees_its_slice_in_cuda_and_nvml() {
     s.kill(outside);
 }
 
+/// Every NVML query that names processes, in each version an application may call (the compute,
+/// graphics and MPS lists, the R550 detail list of each mode, both per-process utilization
+/// queries), names only the container's processes on a limited GPU; outside, all of them.
+#[test]
+fn every_nvml_query_that_names_processes_names_only_the_containers() {
+    // Every process also draws (graphics list), so that list is not empty to begin with.
+    let s = Sim::new(Some(&format!("graphics = true\n{NODE}")));
+    let launcher = |mut c: Command, more: &[&str]| {
+        c.args(["launch", "--kernel", "sleep_1ms", "--seconds", "30"]).args(more);
+        c.stdout(std::process::Stdio::null()).spawn().unwrap()
+    };
+    let mut inside = launcher(s.limited(RT, LIMIT), &[]);
+    // The stranger also runs on GPU 1, where the container has no limit.
+    let mut outside = launcher(s.cmd(RT), &["--devices", "0,1"]);
+    let (pin, pout) = (inside.id() as u64, outside.id() as u64);
+    let lib = s.libs.join("libnvidia-ml.so.1");
+    let probe = |c: &mut Command| -> Value {
+        let o = out(c, &["--lib", lib.to_str().unwrap(), "lists"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<Value>(&o.stdout).unwrap()["gpus"][0]["lists"].clone()
+    };
+    // Outside the container: both, once both have contexts and kernels in the sampling window.
+    let both = json!([pin.min(pout), pin.max(pout)]);
+    let t0 = std::time::Instant::now();
+    let all = loop {
+        let l = probe(&mut s.cmd(NVML));
+        if l["utilization"] == both
+            && l["utilization_info"] == both
+            && l["nvmlDeviceGetGraphicsRunningProcesses"] == both
+        {
+            break l;
+        }
+        assert!(t0.elapsed().as_secs() < 20, "both processes never showed: {l}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let names: Vec<&String> = all.as_object().unwrap().keys().collect();
+    assert_eq!(names.len(), 9 + 3 + 2, "every list found: {names:?}");
+    let o = out(&mut s.limited(NVML, LIMIT), &["--lib", lib.to_str().unwrap(), "lists"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let gpus: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mine = &gpus["gpus"][0]["lists"];
+    for (name, v) in all.as_object().unwrap() {
+        // No MPS server: the MPS lists (and the detail list's MPS mode) are empty on both sides.
+        let mps = name.contains("MPS") || name == "detail:2";
+        let (want_all, want_mine) = if mps { (json!([]), json!([])) } else { (both.clone(), json!([pin])) };
+        assert_eq!(*v, want_all, "{name} outside: {all}");
+        assert_eq!(mine[name], want_mine, "{name} in the container: {mine}");
+    }
+    // GPU 1 has no limit in the container: its lists pass through, the stranger included.
+    let l1 = &gpus["gpus"][1]["lists"];
+    assert_eq!(l1["nvmlDeviceGetComputeRunningProcesses_v3"], json!([pout]), "{l1}");
+    assert_eq!(l1["nvmlDeviceGetGraphicsRunningProcesses"], json!([pout]), "{l1}");
+    for c in [&mut inside, &mut outside] {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+}
+
 /// `nvidia-smi` run before any CUDA process of the container (standalone mode: the region is new and
 /// knows no device yet) shows the limit too, for the devices CUDA would see, with the container
 /// indices CUDA would give them.

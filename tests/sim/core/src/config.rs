@@ -17,6 +17,7 @@ struct RawConfig {
     process_util: Option<String>,
     process_sample_ms: Option<u64>,
     mps: Option<bool>,
+    graphics: Option<bool>,
     graph_memory_mapped_at: Option<String>,
     pool_trim_return_ms: Option<u64>,
     destroy_return_ms: Option<u64>,
@@ -90,6 +91,9 @@ pub struct Config {
     /// While a process named `nvidia-cuda-mps-server` holds a context on a GPU, NVML's compute list
     /// there shows only it and its MPS client list every other process (their memory stays theirs).
     pub mps: bool,
+    /// Every process holding a context also holds a graphics context (a CUDA application that
+    /// draws with OpenGL or Vulkan): NVML's graphics list shows it as well as its compute list.
+    pub graphics: bool,
     /// When a graph's allocations grow the device's graph pool: at its launch (or upload), or at
     /// the next synchronisation after it (a driver that maps graph memory lazily).
     pub graph_memory_at_sync: bool,
@@ -195,6 +199,7 @@ impl Config {
             process_util,
             process_sample_ns: raw.process_sample_ms.unwrap_or(0) * 1_000_000,
             mps: raw.mps.unwrap_or(false),
+            graphics: raw.graphics.unwrap_or(false),
             graph_memory_at_sync,
             gpus,
         })

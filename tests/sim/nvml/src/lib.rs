@@ -417,26 +417,48 @@ exports! {
         out(m, nvmlMemory_v2_t { version, total, reserved: 0, free: total - used, used })
     }
     fn nvmlDeviceGetComputeRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
-        write_list(infos, count, &process_infos(d, false)?)
+        write_list(infos, count, &process_infos(d, List::Compute)?)
     }
     fn nvmlDeviceGetComputeRunningProcesses_v2(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v2_t) {
-        let list: Vec<nvmlProcessInfo_v2_t> = listed(d, false)?.into_iter()
-            .map(|(pid, mem)| nvmlProcessInfo_v2_t { pid, usedGpuMemory: mem, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX })
-            .collect();
-        write_list(infos, count, &list)
+        write_list(infos, count, &process_infos(d, List::Compute)?)
     }
     fn nvmlDeviceGetComputeRunningProcesses(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) {
-        let list: Vec<nvmlProcessInfo_v1_t> = listed(d, false)?.into_iter()
-            .map(|(pid, mem)| nvmlProcessInfo_v1_t { pid, usedGpuMemory: mem })
-            .collect();
-        write_list(infos, count, &list)
+        write_list(infos, count, &process_infos_v1(d, List::Compute)?)
     }
     fn nvmlDeviceGetGraphicsRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
-        phys(d)?;
-        write_list(infos, count, &[])
+        write_list(infos, count, &process_infos(d, List::Graphics)?)
+    }
+    fn nvmlDeviceGetGraphicsRunningProcesses_v2(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v2_t) {
+        write_list(infos, count, &process_infos(d, List::Graphics)?)
+    }
+    fn nvmlDeviceGetGraphicsRunningProcesses(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) {
+        write_list(infos, count, &process_infos_v1(d, List::Graphics)?)
     }
     fn nvmlDeviceGetMPSComputeRunningProcesses_v3(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_t) {
-        write_list(infos, count, &process_infos(d, true)?)
+        write_list(infos, count, &process_infos(d, List::Mps)?)
+    }
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v2(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v2_t) {
+        write_list(infos, count, &process_infos(d, List::Mps)?)
+    }
+    fn nvmlDeviceGetMPSComputeRunningProcesses(d: nvmlDevice_t, count: *mut c_uint, infos: *mut nvmlProcessInfo_v1_t) {
+        write_list(infos, count, &process_infos_v1(d, List::Mps)?)
+    }
+    fn nvmlDeviceGetRunningProcessDetailList(d: nvmlDevice_t, l: *mut nvmlProcessDetailList_t) {
+        if l.is_null() {
+            return Err(INVALID);
+        }
+        // SAFETY: l is non-null; the caller owns the structure.
+        let l = unsafe { &mut *l };
+        if l.version != struct_v1::<nvmlProcessDetailList_t>() {
+            return Err(nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+        }
+        let which = match l.mode { 0 => List::Compute, 1 => List::Graphics, 2 => List::Mps, _ => return Err(INVALID) };
+        let list: Vec<nvmlProcessDetail_v1_t> = listed(d, which)?.into_iter()
+            .map(|(pid, mem)| nvmlProcessDetail_v1_t {
+                pid, usedGpuMemory: mem, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX, usedGpuCcProtectedMemory: 0,
+            })
+            .collect();
+        write_list(l.procArray, &mut l.numProcArrayEntries, &list)
     }
     fn nvmlDeviceGetUtilizationRates(d: nvmlDevice_t, u: *mut nvmlUtilization_t) {
         let (n, g, _) = phys(d)?;
@@ -447,41 +469,35 @@ exports! {
         out(u, nvmlUtilization_t { gpu: pct, memory: pct / 2 })
     }
     fn nvmlDeviceGetProcessUtilization(d: nvmlDevice_t, s: *mut nvmlProcessUtilizationSample_t, count: *mut c_uint, last_seen: u64) {
-        let (n, g, _) = phys(d)?;
-        if n.cfg.process_util == vgpu_sim::config::ProcessUtil::None {
-            return Err(NOT_SUPPORTED);
+        let samples = process_samples(d, last_seen);
+        if let Err(NOT_FOUND) = samples {
+            if !count.is_null() { out(count, 0)?; }
         }
-        let (mut mono, mut real) = (now_ns(), realtime_us());
-        // Sampled at a period: the newest sample is the last period's end.
-        if let Some(p) = Some(n.cfg.process_sample_ns).filter(|&p| p > 0) {
-            // The wall clock of a period's end, the same in every call of this process.
-            static OFFSET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-            let offset = *OFFSET.get_or_init(|| real.saturating_sub(mono / 1000));
-            mono -= mono % p;
-            real = mono / 1000 + offset;
-            if last_seen >= real {
-                if !count.is_null() { out(count, 0)?; }
+        write_list(s, count, &samples?)
+    }
+    fn nvmlDeviceGetProcessesUtilizationInfo(d: nvmlDevice_t, info: *mut nvmlProcessesUtilizationInfo_t) {
+        if info.is_null() {
+            return Err(INVALID);
+        }
+        // SAFETY: info is non-null; the caller owns the structure.
+        let info = unsafe { &mut *info };
+        if info.version != struct_v1::<nvmlProcessesUtilizationInfo_t>() {
+            return Err(nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+        }
+        let samples = match process_samples(d, info.lastSeenTimeStamp) {
+            Err(NOT_FOUND) => {
+                info.processSamplesCount = 0;
                 return Err(NOT_FOUND);
             }
-        }
-        let w = n.cfg.util_window_ns;
-        let since = if last_seen == 0 || last_seen >= real { mono.saturating_sub(w) }
-            else { mono.saturating_sub((real - last_seen).saturating_mul(1000)).max(mono.saturating_sub(w)) };
-        let span = (mono - since).max(1);
-        let (total, per) = n.busy(g, since, mono);
-        let whole = n.cfg.process_util == vgpu_sim::config::ProcessUtil::Gpu;
-        let samples: Vec<nvmlProcessUtilizationSample_t> = per.into_iter()
-            .map(|(pid, b)| (pid, if whole { total } else { b }))
-            .map(|(pid, b)| nvmlProcessUtilizationSample_t {
-                pid, timeStamp: real, smUtil: ((b * 100 + span / 2) / span).min(100) as c_uint,
-                memUtil: 0, encUtil: 0, decUtil: 0,
+            r => r?,
+        };
+        let list: Vec<nvmlProcessUtilizationInfo_v1_t> = samples.iter()
+            .map(|s| nvmlProcessUtilizationInfo_v1_t {
+                timeStamp: s.timeStamp, pid: s.pid, smUtil: s.smUtil, memUtil: s.memUtil, encUtil: s.encUtil,
+                decUtil: s.decUtil, jpgUtil: 0, ofaUtil: 0,
             })
             .collect();
-        if samples.is_empty() {
-            if !count.is_null() { out(count, 0)?; }
-            return Err(NOT_FOUND);
-        }
-        write_list(s, count, &samples)
+        write_list(info.procUtilArray, &mut info.processSamplesCount, &list)
     }
 
     // ----- topology -----
@@ -789,22 +805,90 @@ fn mps_server(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == "nvidia-cuda-mps")
 }
 
-/// The processes NVML's compute list (`mps` false) or MPS client list (`mps` true) shows: with
-/// `mps = true` in the node description and an MPS server on the GPU, the compute list holds the
-/// server and the MPS list every other process (its clients); otherwise the compute list holds all.
-fn listed(d: nvmlDevice_t, mps: bool) -> R<Vec<(u32, u64)>> {
+/// The per-process SM samples since `last_seen` (NVML's wall clock, µs; 0: the last window);
+/// NOT_FOUND when there are none.
+fn process_samples(d: nvmlDevice_t, last_seen: u64) -> R<Vec<nvmlProcessUtilizationSample_t>> {
+    let (n, g, _) = phys(d)?;
+    if n.cfg.process_util == vgpu_sim::config::ProcessUtil::None {
+        return Err(NOT_SUPPORTED);
+    }
+    let (mut mono, mut real) = (now_ns(), realtime_us());
+    // Sampled at a period: the newest sample is the last period's end.
+    if let Some(p) = Some(n.cfg.process_sample_ns).filter(|&p| p > 0) {
+        // The wall clock of a period's end, the same in every call of this process.
+        static OFFSET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let offset = *OFFSET.get_or_init(|| real.saturating_sub(mono / 1000));
+        mono -= mono % p;
+        real = mono / 1000 + offset;
+        if last_seen >= real {
+            return Err(NOT_FOUND);
+        }
+    }
+    let w = n.cfg.util_window_ns;
+    let since = if last_seen == 0 || last_seen >= real {
+        mono.saturating_sub(w)
+    } else {
+        mono.saturating_sub((real - last_seen).saturating_mul(1000)).max(mono.saturating_sub(w))
+    };
+    let span = (mono - since).max(1);
+    let (total, per) = n.busy(g, since, mono);
+    let whole = n.cfg.process_util == vgpu_sim::config::ProcessUtil::Gpu;
+    let samples: Vec<nvmlProcessUtilizationSample_t> = per
+        .into_iter()
+        .map(|(pid, b)| (pid, if whole { total } else { b }))
+        .map(|(pid, b)| nvmlProcessUtilizationSample_t {
+            pid,
+            timeStamp: real,
+            smUtil: ((b * 100 + span / 2) / span).min(100) as c_uint,
+            memUtil: 0,
+            encUtil: 0,
+            decUtil: 0,
+        })
+        .collect();
+    if samples.is_empty() {
+        return Err(NOT_FOUND);
+    }
+    Ok(samples)
+}
+
+/// NVML's process lists.
+#[derive(Clone, Copy, PartialEq)]
+enum List {
+    Compute,
+    Graphics,
+    Mps,
+}
+
+/// The processes a list shows: with `mps = true` in the node description and an MPS server on the
+/// GPU, the compute list holds the server and the MPS list every other process (its clients);
+/// otherwise the compute list holds all. The graphics list holds all with `graphics = true`.
+fn listed(d: nvmlDevice_t, which: List) -> R<Vec<(u32, u64)>> {
     let all = processes(d)?;
-    let on = node()?.cfg.mps && all.iter().any(|(pid, _)| mps_server(*pid));
-    Ok(match (on, mps) {
+    let cfg = &node()?.cfg;
+    if which == List::Graphics {
+        return Ok(if cfg.graphics { all } else { Vec::new() });
+    }
+    let on = cfg.mps && all.iter().any(|(pid, _)| mps_server(*pid));
+    Ok(match (on, which == List::Mps) {
         (false, false) => all,
         (false, true) => Vec::new(),
         (true, clients) => all.into_iter().filter(|(pid, _)| mps_server(*pid) != clients).collect(),
     })
 }
 
+/// [`listed`] as `nvmlProcessInfo_v1_t` (the unversioned calls).
+fn process_infos_v1(d: nvmlDevice_t, which: List) -> R<Vec<nvmlProcessInfo_v1_t>> {
+    Ok(listed(d, which)?.into_iter().map(|(pid, mem)| nvmlProcessInfo_v1_t { pid, usedGpuMemory: mem }).collect())
+}
+
+/// NVML's `NVML_STRUCT_VERSION(name, 1)`.
+const fn struct_v1<T>() -> c_uint {
+    std::mem::size_of::<T>() as c_uint | 1 << 24
+}
+
 /// [`listed`] as `nvmlProcessInfo_t` (v2 and v3 share the layout).
-fn process_infos(d: nvmlDevice_t, mps: bool) -> R<Vec<nvmlProcessInfo_t>> {
-    Ok(listed(d, mps)?
+fn process_infos(d: nvmlDevice_t, which: List) -> R<Vec<nvmlProcessInfo_t>> {
+    Ok(listed(d, which)?
         .into_iter()
         .map(|(pid, mem)| nvmlProcessInfo_t {
             pid,

@@ -11,6 +11,10 @@
 //!        nvml-probe [--lib PATH] util --gpu I [--seconds S] [--interval-ms M]
 //!   (samples the GPU's utilization for S seconds; prints the mean and the mean SM utilization of
 //!   each process seen)
+//!        nvml-probe [--lib PATH] lists
+//!   (the PIDs each per-process query names, per GPU, each entry point found by `dlsym` as an
+//!   application finds it: the compute, graphics and MPS lists of every version, the detail list
+//!   of each mode, and both per-process utilization queries; an NVML error as {"error": code})
 use nvml_wrapper::bitmasks::InitFlags;
 use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings::*;
@@ -50,7 +54,8 @@ fn main() {
         }
         Some("events") => events(&nvml, &args),
         Some("util") => println!("{}", util(&nvml, &args)),
-        _ => die("usage: nvml-probe [--lib PATH] snapshot | mig --gpu I OP... | events --gpu I [--timeout-ms T] | util --gpu I [--seconds S] [--interval-ms M]"),
+        Some("lists") => println!("{}", lists(&nvml, lib.as_deref())),
+        _ => die("usage: nvml-probe [--lib PATH] snapshot | mig --gpu I OP... | events --gpu I [--timeout-ms T] | util --gpu I [--seconds S] [--interval-ms M] | lists"),
     }
 }
 
@@ -329,4 +334,128 @@ fn util(nvml: &Nvml, args: &[String]) -> Value {
     let mean = |s: f64, k: u32| if k > 0 { s / k as f64 } else { -1.0 };
     json!({"gpu": g, "samples": n, "mean_gpu": mean(sum, n), "mean_sm_clock_mhz": mean(clock, nc),
         "mean_power_w": mean(power, np), "processes": procs})
+}
+
+/// The entry point `name` of the NVML library, as `dlsym` gives it to an application.
+fn entry(lib: &std::ffi::CStr, name: &str) -> Option<*mut std::ffi::c_void> {
+    let n = std::ffi::CString::new(name).unwrap();
+    // SAFETY: NUL-terminated strings; the library is already loaded (nvml-wrapper opened it), so
+    // this only takes another reference.
+    let p = unsafe {
+        let h = libc::dlopen(lib.as_ptr(), libc::RTLD_NOW);
+        if h.is_null() {
+            die(&format!("dlopen {lib:?} failed"));
+        }
+        libc::dlsym(h, n.as_ptr())
+    };
+    (!p.is_null()).then_some(p)
+}
+
+/// Calls an NVML list query the way applications do: a count query, then a buffer of that size
+/// (grown while NVML asks for more). The PIDs of the entries, or NVML's error.
+fn pids_of<T: Copy>(mut query: impl FnMut(*mut u32, *mut T) -> nvmlReturn_t, pid: impl Fn(&T) -> u32) -> Value {
+    let mut n = 0u32;
+    let mut buf: Vec<T> = Vec::new();
+    let mut r = query(&mut n, std::ptr::null_mut());
+    for _ in 0..4 {
+        if r != nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE {
+            break;
+        }
+        // SAFETY: NVML's entries are plain integers; all-zero is a valid value.
+        buf.resize(n as usize + 4, unsafe { std::mem::zeroed() });
+        n = buf.len() as u32;
+        r = query(&mut n, buf.as_mut_ptr());
+    }
+    match r {
+        0 => {
+            let mut pids: Vec<u32> = buf.iter().take(n as usize).map(&pid).collect();
+            pids.sort_unstable();
+            json!(pids)
+        }
+        e => json!({ "error": e }),
+    }
+}
+
+fn lists(nvml: &Nvml, lib: Option<&std::ffi::OsStr>) -> Value {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(lib.map(|l| l.as_bytes()).unwrap_or(b"libnvidia-ml.so.1")).unwrap();
+    type List<T> = unsafe extern "C" fn(nvmlDevice_t, *mut u32, *mut T) -> nvmlReturn_t;
+    let n = nvml.device_count().unwrap_or_else(|e| die(&format!("count: {e}")));
+    let mut gpus = Vec::new();
+    for i in 0..n {
+        let d = nvml.device_by_index(i).unwrap_or_else(|e| die(&format!("device {i}: {e}")));
+        // SAFETY: the raw handle, used only while nvml lives.
+        let dev = unsafe { d.handle() };
+        let mut m = serde_json::Map::new();
+        for kind in ["Compute", "Graphics", "MPSCompute"] {
+            for v in ["", "_v2", "_v3"] {
+                let name = format!("nvmlDeviceGet{kind}RunningProcesses{v}");
+                let Some(p) = entry(&path, &name) else { continue };
+                let r = if v.is_empty() {
+                    // SAFETY: the unversioned lists fill nvmlProcessInfo_v1_t (nvml.h).
+                    let f = unsafe { std::mem::transmute::<*mut std::ffi::c_void, List<nvmlProcessInfo_v1_t>>(p) };
+                    // SAFETY: count and buffer as pids_of passes them.
+                    pids_of(|n, b| unsafe { f(dev, n, b) }, |e| e.pid)
+                } else {
+                    // SAFETY: _v2 and _v3 fill nvmlProcessInfo_t.
+                    let f = unsafe { std::mem::transmute::<*mut std::ffi::c_void, List<nvmlProcessInfo_t>>(p) };
+                    // SAFETY: as above.
+                    pids_of(|n, b| unsafe { f(dev, n, b) }, |e| e.pid)
+                };
+                m.insert(name, r);
+            }
+        }
+        if let Some(p) = entry(&path, "nvmlDeviceGetRunningProcessDetailList") {
+            type F = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlProcessDetailList_t) -> nvmlReturn_t;
+            // SAFETY: the signature of nvml.h.
+            let f = unsafe { std::mem::transmute::<*mut std::ffi::c_void, F>(p) };
+            for mode in 0..3u32 {
+                let q = |n: *mut u32, b: *mut nvmlProcessDetail_v1_t| {
+                    let mut l = nvmlProcessDetailList_t {
+                        version: std::mem::size_of::<nvmlProcessDetailList_t>() as u32 | 1 << 24,
+                        mode,
+                        // SAFETY: n is pids_of's count.
+                        numProcArrayEntries: unsafe { *n },
+                        procArray: b,
+                    };
+                    // SAFETY: a v1 structure whose array holds numProcArrayEntries entries.
+                    let r = unsafe { f(dev, &mut l) };
+                    // SAFETY: as above.
+                    unsafe { *n = l.numProcArrayEntries };
+                    r
+                };
+                m.insert(format!("detail:{mode}"), pids_of(q, |e| e.pid));
+            }
+        }
+        if let Some(p) = entry(&path, "nvmlDeviceGetProcessUtilization") {
+            type F =
+                unsafe extern "C" fn(nvmlDevice_t, *mut nvmlProcessUtilizationSample_t, *mut u32, u64) -> nvmlReturn_t;
+            // SAFETY: the signature of nvml.h.
+            let f = unsafe { std::mem::transmute::<*mut std::ffi::c_void, F>(p) };
+            // SAFETY: count and buffer as pids_of passes them.
+            m.insert("utilization".into(), pids_of(|n, b| unsafe { f(dev, b, n, 0) }, |e| e.pid));
+        }
+        if let Some(p) = entry(&path, "nvmlDeviceGetProcessesUtilizationInfo") {
+            type F = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlProcessesUtilizationInfo_t) -> nvmlReturn_t;
+            // SAFETY: the signature of nvml.h.
+            let f = unsafe { std::mem::transmute::<*mut std::ffi::c_void, F>(p) };
+            let q = |n: *mut u32, b: *mut nvmlProcessUtilizationInfo_v1_t| {
+                let mut i = nvmlProcessesUtilizationInfo_t {
+                    version: std::mem::size_of::<nvmlProcessesUtilizationInfo_t>() as u32 | 1 << 24,
+                    // SAFETY: n is pids_of's count.
+                    processSamplesCount: unsafe { *n },
+                    lastSeenTimeStamp: 0,
+                    procUtilArray: b,
+                };
+                // SAFETY: a v1 structure whose array holds processSamplesCount entries.
+                let r = unsafe { f(dev, &mut i) };
+                // SAFETY: as above.
+                unsafe { *n = i.processSamplesCount };
+                r
+            };
+            m.insert("utilization_info".into(), pids_of(q, |e| e.pid));
+        }
+        gpus.push(json!({ "index": i, "lists": m }));
+    }
+    json!({ "gpus": gpus })
 }
