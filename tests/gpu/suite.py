@@ -530,6 +530,16 @@ def check_train(s):
     return summary, j
 
 
+def held(p, who, size):
+    """Waits for a `gpu-probe hold` to report its allocation; fails if it could not make it."""
+    deadline = time.time() + 60
+    while time.time() < deadline and not p.lines:
+        time.sleep(0.05)
+    first = parse_json(p.lines[0]) if p.lines and p.lines[0] else None
+    if not first or not first.get("ok"):
+        raise Fail("%s could not allocate %s: %s" % (who, human(size), first))
+
+
 def check_shared_quota(s):
     """Two processes share one container quota; a SIGKILLed process's memory comes back."""
     lim = 4 * GIB
@@ -540,12 +550,7 @@ def check_shared_quota(s):
     little = lim // 16
     holder = Proc(s, [s.bin("gpu-probe"), "hold", "--size", str(big)], s.env(True, mem=lim, region=region))
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline and not holder.lines:
-            time.sleep(0.05)
-        first = parse_json(holder.lines[0]) if holder.lines and holder.lines[0] else None
-        if not first or not first.get("ok"):
-            raise Fail("the first process could not allocate %s: %s" % (human(big), first))
+        held(holder, "the first process", big)
         second = s.probe(["alloc", "--size", str(big)], s.env(True, mem=lim, region=region))
         small = s.probe(["alloc", "--size", str(little)], s.env(True, mem=lim, region=region))
         os.kill(holder.pid, signal.SIGKILL)
@@ -824,7 +829,61 @@ def check_nvml(s):
         summary = "NVML memory total %s under a %s limit (nvidia-smi not installed: nvml-probe)" % (human(total), human(lim))
     if total != lim:
         raise Fail(summary, v)
+    names, v["processes"] = nvml_processes(s, lim, smi)
+    summary += "; " + names
+    if v["processes"]["problems"]:
+        raise Fail(summary + ". " + "; ".join(v["processes"]["problems"]), v)
     return summary, v
+
+
+def nvml_processes(s, lim, smi):
+    """A process of the container and a stranger each hold memory: every NVML query that names
+    processes (nvml-probe lists: every version of the compute, graphics and MPS lists, the detail
+    list, the per-process utilization) names only the first in the container, and nvidia-smi's
+    compute apps there too; outside, the compute list names both."""
+    region = os.path.join(s.tmp, "nvml-lists.region")
+    size = 64 * MIB
+    hold = [s.bin("gpu-probe"), "hold", "--size", str(size)]
+    probe = s.bin("nvml-probe")
+    mine = Proc(s, hold, s.env(True, mem=lim, region=region))
+    other = Proc(s, hold, s.env(False))
+    try:
+        held(mine, "the container's process", size)
+        held(other, "the process outside", size)
+        _, inside, _, err = s.run([probe, "lists"], s.env(True, mem=lim, region=region))
+        _, outside, _, err2 = s.run([probe, "lists"], s.env(False))
+        apps = {}
+        if smi:
+            q = [smi, "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"]
+            for where, env in (("inside", s.env(True, mem=lim, region=region)), ("outside", s.env(False))):
+                rc, _, out, e = s.run(q, env)
+                apps[where] = sorted(int(x) for x in out.split() if x.strip().isdigit()) if rc == 0 else "rc=%d: %s" % (rc, tail(e))
+    finally:
+        mine.kill()
+        other.kill()
+    if not inside or not outside:
+        raise Fail("nvml-probe lists failed: %s" % tail(err or err2))
+    pin, pout = mine.pid, other.pid
+    got, seen = inside["gpus"][0]["lists"], outside["gpus"][0]["lists"]
+    problems = []
+    compute = [n for n in got if "ComputeRunningProcesses" in n and "MPS" not in n and isinstance(got[n], list)]
+    if not compute:
+        problems.append("no compute process list answered in the container: %s" % got)
+    for n, l in sorted(got.items()):
+        if isinstance(l, list) and (l != [pin] if n in compute else not set(l) <= {pin}):
+            problems.append("%s in the container names %s (its process: %d)" % (n, l, pin))
+    outside_v3 = seen.get("nvmlDeviceGetComputeRunningProcesses_v3")
+    if not isinstance(outside_v3, list) or not {pin, pout} <= set(outside_v3):
+        problems.append("outside, NVML's compute list %s does not name both %d and %d" % (outside_v3, pin, pout))
+    if smi and apps.get("inside") != [pin]:
+        problems.append("nvidia-smi's compute apps in the container: %s" % apps.get("inside"))
+    if smi and not (isinstance(apps.get("outside"), list) and {pin, pout} <= set(apps["outside"])):
+        problems.append("nvidia-smi's compute apps outside: %s" % apps.get("outside"))
+    answered = sorted(n for n, l in got.items() if isinstance(l, list))
+    summary = "in the container %d of %d NVML process queries answered%s" % (
+        len(answered), len(got), "" if problems else ", naming only its process" + (" (nvidia-smi too)" if smi else ""))
+    return summary, {"container_pid": pin, "other_pid": pout, "inside": got, "outside": seen,
+                     "nvidia_smi_apps": apps, "problems": problems}
 
 
 def clock_scaled(got, util, base_util):

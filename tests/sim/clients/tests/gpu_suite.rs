@@ -7,7 +7,7 @@
 
 mod common;
 use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -198,6 +198,12 @@ fn the_suite_passes_on_the_simulated_gpu() {
         assert!((paced - target).abs() < 10.0, "{name}: paced reference {paced}: {c}");
         assert!(v["share_by_paced_pct"].as_f64().is_some(), "{name}: no usable paced reference: {c}");
     }
+    // Every NVML query that names processes was asked in the container (3 lists in 3 versions, the
+    // detail list's 3 modes, 2 utilization queries), and its process was named.
+    let (_, c) = status("nvml");
+    let p = &c["values"]["processes"];
+    assert_eq!(p["inside"].as_object().map(|m| m.len()), Some(14), "{c}");
+    assert_eq!(p["inside"]["nvmlDeviceGetComputeRunningProcesses"], json!([p["container_pid"]]), "{c}");
     // The simulated driver has CUDA 13.0's cuMemSetMemPool: pool-hold's third run took place.
     let (_, c) = status("pool-hold");
     assert_eq!(c["values"]["own_current"]["own_current"], true, "{c}");
