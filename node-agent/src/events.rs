@@ -16,11 +16,16 @@
 //! - **Health**: a GPU that became unhealthy (`GPUUnhealthy`, with why) or healthy again
 //!   (`GPUHealthy`, Normal), on the Node.
 //!
+//! The same Event again (same object and reason) within [`AGGREGATE`] of the last updates that
+//! Event, as kubelet does: its `count` goes up, `lastTimestamp` and the message are the new one's
+//! (`kubectl describe` shows "x3 over 5m"), so a container refused for an hour leaves one Event,
+//! not sixty. An Event gone meanwhile (the API server keeps them an hour) is made anew.
+//!
 //! An Event the API server does not take is tried again next round; until one is taken, the
 //! status carries a warning with the server's answer (a missing RBAC rule shows there).
 
 use crate::agent::{Agent, Notice};
-use kube::api::{Api, ApiResource, DynamicObject, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,6 +36,9 @@ use vgpu_proto::v1 as pb;
 const EVERY: Duration = Duration::from_secs(2);
 /// The least time between two Events of one slice.
 pub const PER_SLICE: Duration = Duration::from_secs(60);
+/// How long after its last update an Event is updated rather than made anew when the same comes
+/// again (kubelet's event correlator aggregates over ten minutes too).
+pub const AGGREGATE: Duration = Duration::from_secs(600);
 /// The Event's reason, as `kubectl describe` lists it.
 pub const REASON: &str = "GPUMemoryQuotaExceeded";
 
@@ -212,6 +220,42 @@ pub fn event(object: &Value, kind: &str, reason: &str, message: &str, node: &str
     })
 }
 
+/// The Events posted lately, by what they were about, so that the same again updates its Event.
+#[derive(Default)]
+pub struct Recent {
+    by_key: HashMap<String, Latest>,
+}
+
+/// An Event posted: its name and namespace, how many times it has been reported, when last.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Latest {
+    pub name: String,
+    pub namespace: String,
+    pub count: u64,
+    at: Instant,
+}
+
+impl Recent {
+    /// What an Event is about, for aggregation: its object (kind, namespace, name, UID, field) and
+    /// reason.
+    pub fn key(object: &Value, reason: &str) -> String {
+        let f = |k: &str| object[k].as_str().unwrap_or_default().to_string();
+        [f("kind"), f("namespace"), f("name"), f("uid"), f("fieldPath"), reason.to_string()].join("\u{1f}")
+    }
+
+    /// The Event to update for `key` at `now`: one reported within [`AGGREGATE`]. Older ones are
+    /// forgotten.
+    pub fn update_of(&mut self, key: &str, now: Instant) -> Option<Latest> {
+        self.by_key.retain(|_, l| now.duration_since(l.at) < AGGREGATE);
+        self.by_key.get(key).cloned()
+    }
+
+    /// The Event `name` in `namespace` has now been reported `count` times, the last at `now`.
+    pub fn reported(&mut self, key: String, name: String, namespace: String, count: u64, now: Instant) {
+        self.by_key.insert(key, Latest { name, namespace, count, at: now });
+    }
+}
+
 /// Posts the Events (see the module's documentation) for as long as the agent runs.
 pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>) {
     let client = match crate::k8s::client(agent.cfg.kube_api.as_deref()).await {
@@ -224,8 +268,9 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
     let events = ApiResource::erase::<k8s_openapi::api::core::v1::Event>(&());
     agent.notices_wanted.store(true, std::sync::atomic::Ordering::Relaxed);
     let node = agent.cfg.node_name.clone();
+    let recent = Arc::new(parking_lot::Mutex::new(Recent::default()));
     let post = |mut object: Value, kind: &'static str, reason: &'static str, message: String| {
-        let (client, events, node) = (client.clone(), events.clone(), node.clone());
+        let (client, events, node, recent) = (client.clone(), events.clone(), node.clone(), recent.clone());
         async move {
             let ns = object["namespace"].as_str().unwrap_or("default").to_string();
             // A pod known by name only (replica mode learns its slices' pods from kubelet): its UID,
@@ -237,9 +282,28 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
                 }
             }
             let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &events);
+            let key = Recent::key(&object, reason);
+            let last = recent.lock().update_of(&key, Instant::now());
+            if let Some(l) = last {
+                let patch =
+                    json!({"count": l.count + 1, "lastTimestamp": crate::health::rfc3339_now(), "message": message});
+                match api.patch(&l.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                    Ok(_) => {
+                        recent.lock().reported(key, l.name, l.namespace, l.count + 1, Instant::now());
+                        tracing::info!(reason, object = %object["name"], count = l.count + 1, "Event: {message}");
+                        return Ok(());
+                    }
+                    // Gone (expired, or deleted), or no right to patch Events (a ClusterRole from
+                    // before aggregation): made anew below.
+                    Err(kube::Error::Api(e)) if e.code == 404 || e.code == 403 => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
             let e = serde_json::from_value::<DynamicObject>(event(&object, kind, reason, &message, &node))
                 .map_err(|e| format!("cannot make an Event: {e}"))?;
+            let name = e.metadata.name.clone().unwrap_or_default();
             api.create(&PostParams::default(), &e).await.map_err(|e| e.to_string())?;
+            recent.lock().reported(key, name, ns, 1, Instant::now());
             tracing::info!(reason, object = %object["name"], "Event: {message}");
             Ok::<(), String>(())
         }
@@ -434,6 +498,30 @@ mod tests {
         assert!(m.contains("GPU 1 (GPU-1) is unhealthy: XID 79 at now"), "{m}");
         let good = Notice::Health { gpu: "GPU-1".into(), index: 1, healthy: true, reason: String::new() };
         assert_eq!(notice_event(&good, &st, "node1").1, "Normal");
+    }
+
+    #[test]
+    fn the_same_event_within_ten_minutes_updates_the_last_one() {
+        let pod = json!({"kind": "Pod", "namespace": "ml", "name": "train", "uid": "u1", "fieldPath": "spec.containers{main}"});
+        let other_container = json!({"kind": "Pod", "namespace": "ml", "name": "train", "uid": "u1", "fieldPath": "spec.containers{side}"});
+        let node = node_object("node1");
+        let mut r = Recent::default();
+        let t0 = Instant::now();
+        let k = Recent::key(&pod, REASON);
+        assert_eq!(r.update_of(&k, t0), None, "nothing posted yet");
+        r.reported(k.clone(), "train.1".into(), "ml".into(), 1, t0);
+        let l = r.update_of(&k, t0 + Duration::from_secs(599)).unwrap();
+        assert_eq!((l.name.as_str(), l.namespace.as_str(), l.count), ("train.1", "ml", 1));
+        // Another reason, another container of the pod, another object: Events of their own.
+        assert_eq!(r.update_of(&Recent::key(&pod, "GPUOutsideQuota"), t0), None);
+        assert_eq!(r.update_of(&Recent::key(&other_container, REASON), t0), None);
+        assert_eq!(r.update_of(&Recent::key(&node, REASON), t0), None);
+        // Updated at 500 s: the ten minutes run from then.
+        r.reported(k.clone(), "train.1".into(), "ml".into(), 2, t0 + Duration::from_secs(500));
+        assert_eq!(r.update_of(&k, t0 + Duration::from_secs(1099)).map(|l| l.count), Some(2));
+        // Ten minutes after the last update: a new Event, and the old one forgotten.
+        assert_eq!(r.update_of(&k, t0 + Duration::from_secs(1100)), None);
+        assert!(r.by_key.is_empty());
     }
 
     #[test]

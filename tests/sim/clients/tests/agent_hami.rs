@@ -26,6 +26,8 @@ struct Cluster {
     rv: u64,
     /// Events posted, in order.
     events: Vec<Value>,
+    /// Answer 403 to an Event's update (a ClusterRole without `patch` on events).
+    forbid_event_patch: bool,
 }
 
 fn merge(dst: &mut Value, patch: &Value) {
@@ -67,6 +69,20 @@ fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> 
             assert_eq!(e["metadata"]["namespace"], *ns, "{e}");
             c.events.push(e.clone());
             (201, e)
+        }
+        ("PATCH", ["api", "v1", "namespaces", _, "events", _]) if c.forbid_event_patch => (
+            403,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403, "message": "events is forbidden"}),
+        ),
+        ("PATCH", ["api", "v1", "namespaces", ns, "events", name]) => {
+            let patch: Value = serde_json::from_slice(body).unwrap();
+            match c.events.iter_mut().find(|e| e["metadata"]["namespace"] == *ns && e["metadata"]["name"] == *name) {
+                Some(e) => {
+                    merge(e, &patch);
+                    (200, e.clone())
+                }
+                None => (404, not_found),
+            }
         }
         ("PATCH", rest) => {
             let patch: Value = serde_json::from_slice(body).unwrap();
@@ -264,6 +280,36 @@ fn hami_mode_follows_the_schedulers_annotations() {
         assert!(e["message"].as_str().unwrap().contains(&format!("GPU 1 ({g1}) is unhealthy: XID 79 at ")), "{e}");
         wait("the recovered GPU's Event", || of("GPUHealthy").is_some());
         assert_eq!(of("GPUHealthy").unwrap()["type"], "Normal");
+        // The GPU fails again: the same Event is updated (count 2, as kubelet aggregates), once the
+        // new one is in; an Event the server no longer has (expired) is made anew.
+        let first = of("GPUUnhealthy").unwrap();
+        assert_eq!(first["count"], 1);
+        assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+        wait("the second failure counted", || of("GPUUnhealthy").is_some_and(|e| e["count"] == 2));
+        let again = of("GPUUnhealthy").unwrap();
+        let unhealthy = || cluster.lock().unwrap().events.iter().filter(|e| e["reason"] == "GPUUnhealthy").count();
+        assert_eq!(unhealthy(), 1, "{:?}", cluster.lock().unwrap().events);
+        assert_eq!(again["metadata"]["name"], first["metadata"]["name"]);
+        assert_eq!(again["firstTimestamp"], first["firstTimestamp"]);
+        assert!(again["lastTimestamp"].as_str() >= first["lastTimestamp"].as_str(), "{again}");
+        wait("the second recovery counted", || of("GPUHealthy").is_some_and(|e| e["count"] == 2));
+        // The server no longer has it, and may not update Events (no `patch` right): the next
+        // failure and recovery are new Events.
+        {
+            let mut cl = cluster.lock().unwrap();
+            cl.events.retain(|e| e["reason"] != "GPUUnhealthy");
+            cl.forbid_event_patch = true;
+        }
+        assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
+        wait("a new Event for the expired one", || of("GPUUnhealthy").is_some());
+        assert_eq!(of("GPUUnhealthy").unwrap()["count"], 1);
+        assert_ne!(of("GPUUnhealthy").unwrap()["metadata"]["name"], first["metadata"]["name"]);
+        let healthy = || -> Vec<Value> {
+            cluster.lock().unwrap().events.iter().filter(|e| e["reason"] == "GPUHealthy").cloned().collect()
+        };
+        wait("a new Event where the update is forbidden", || healthy().len() == 2);
+        assert_eq!((healthy()[0]["count"].as_u64(), healthy()[1]["count"].as_u64()), (Some(2), Some(1)));
+        cluster.lock().unwrap().forbid_event_patch = false;
 
         // The pod's entry is consumed, its bind phase is success, the node lock is released.
         {
