@@ -191,7 +191,9 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
 
 fn monitor_loop(nvml: &nvml_wrapper::Nvml, agent: &Agent, stop: &AtomicBool) -> u64 {
     let period = Duration::from_millis(agent.cfg.monitor_interval_ms);
-    let mut m = Monitor::new(agent.cfg.escape_action).with_true_up(agent.cfg.memory_true_up);
+    let mut m = Monitor::new(agent.cfg.escape_action)
+        .with_true_up(agent.cfg.memory_true_up)
+        .with_interval(agent.cfg.monitor_interval_ms);
     let mut passes = 0;
     let mut refreshed = Instant::now();
     while !stop.load(Relaxed) {

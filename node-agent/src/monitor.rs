@@ -335,6 +335,9 @@ pub struct Monitor {
     users: Vec<u32>,
     /// Whether to charge processes for what the driver holds beyond their own account.
     true_up: bool,
+    /// How long a slice's published utilisation stays good (three passes, at least 2 s): what
+    /// NVML in the container shows while the agent runs, and not long after it stops.
+    publish_ms: u64,
     /// GPU indices where the last pass saw an MPS server: their MPS client lists are read too.
     mps: HashSet<u32>,
     /// The DRA claims with admin access: their containers' processes are not escapes.
@@ -405,6 +408,7 @@ impl Monitor {
             fresh: HashSet::default(),
             users: Vec::new(),
             true_up: true,
+            publish_ms: 2000,
             mps: HashSet::default(),
             admitted: Default::default(),
         }
@@ -431,6 +435,12 @@ impl Monitor {
     /// default; the agent's `memory_true_up`).
     pub fn with_true_up(mut self, on: bool) -> Monitor {
         self.true_up = on;
+        self
+    }
+
+    /// Passes run every `ms`: what the slices' published utilisation is good for follows.
+    pub fn with_interval(mut self, ms: u64) -> Monitor {
+        self.publish_ms = ms.saturating_mul(3).max(2000);
         self
     }
 
@@ -748,6 +758,18 @@ impl Monitor {
                     *e = 0.8 * *e + 0.2 * share;
                 }
                 c.sm_acct[dev] = (acct, at);
+                // The slice's utilisation, for NVML in its containers (libvgpu answers
+                // nvmlDeviceGetUtilizationRates with it): its processes' samples where the GPU's
+                // add up; else, under an SM limit, what its launches were charged; else not known
+                // (NVML there shows the GPU's).
+                let util = if gpu.is_some_and(|g| !g.sm_feedback_held && !g.sm_samples_fail) {
+                    Some(c.sm_ewma[dev].round() as u32)
+                } else if (1..100).contains(&c.region.sm_limit(dev)) && last_at > 0 {
+                    Some(c.sm_acct_ewma[dev].round() as u32)
+                } else {
+                    None
+                };
+                c.region.set_utilization(dev, util, self.publish_ms);
                 let throttled = d.sm_throttled_launches.load(Relaxed);
                 // The controller: only while the slice is throttled (its demand exceeds its budget),
                 // from new samples (not the first, which covers NVML's whole window), after ten of

@@ -81,7 +81,11 @@ pub struct Device {
     /// figures may not show yet, for the agent's true-up. Was reserved: libraries from before it,
     /// and standalone processes (no agent), leave it alone.
     pub in_flight: AtomicU64,
-    pub _reserved: [AtomicU64; 1],
+    /// The container's GPU utilisation on this device as the agent measured it, for NVML in the
+    /// container: `(until_ms << 8) | (percent + 1)`, where `until_ms` is the CLOCK_MONOTONIC ms
+    /// after which the figure is stale; 0 = none. Was reserved: libraries from before it, and
+    /// standalone containers (no agent), leave it 0.
+    pub utilization: AtomicU64,
 }
 
 #[repr(C)]

@@ -724,6 +724,21 @@ impl Region {
         v.max(0) as u64
     }
 
+    /// Publishes the container's GPU utilisation on `dev` (percent of the GPU's time its kernels
+    /// ran; None: not known), for [`utilization`](Self::utilization) to read until `valid_ms` from
+    /// now.
+    pub fn set_utilization(&self, dev: usize, pct: Option<u32>, valid_ms: u64) {
+        let v = pct.map_or(0, |p| ((monotonic_ms() + valid_ms) << 8) | (p.min(100) as u64 + 1));
+        self.map.devices[dev].utilization.store(v, Release);
+    }
+
+    /// The container's GPU utilisation on `dev` as last published, if it has not gone stale.
+    pub fn utilization(&self, dev: usize) -> Option<u32> {
+        let v = self.map.devices[dev].utilization.load(Acquire);
+        let pct = (v & 0xff) as u32;
+        (pct != 0 && monotonic_ms() <= v >> 8).then(|| (pct - 1).min(100))
+    }
+
     /// Takes back what is counted in flight, if no slot is claimed: a process killed during a call
     /// left it. A process claims its slot before it counts anything, so what was read before the
     /// slots were found empty is all left by the dead; what a process counts since stays.
@@ -739,6 +754,14 @@ impl Region {
             }
         }
     }
+}
+
+/// CLOCK_MONOTONIC in ms: one clock for every process of the host (containers included).
+fn monotonic_ms() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: an out-pointer to a local; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }
 
 fn reopen(file: &File, path: &Path) -> Result<OwnedFd> {

@@ -282,6 +282,25 @@ fn sm_rate_correction_scales_the_refill() {
 }
 
 #[test]
+fn the_published_utilization_is_read_until_it_goes_stale() {
+    let p = tmp("utilization");
+    let r = Region::open_or_create(&p, init(1 << 30)).unwrap();
+    let other = Region::open(&p, true).unwrap();
+    assert_eq!(other.utilization(0), None, "nothing published");
+    r.set_utilization(0, Some(37), 60_000);
+    r.set_utilization(1, Some(0), 60_000);
+    assert_eq!((other.utilization(0), other.utilization(1)), (Some(37), Some(0)), "0 % is a figure");
+    r.set_utilization(0, Some(250), 60_000);
+    assert_eq!(other.utilization(0), Some(100), "at most the whole GPU");
+    r.set_utilization(0, None, 60_000);
+    assert_eq!(other.utilization(0), None, "withdrawn");
+    r.set_utilization(1, Some(50), 0);
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    assert_eq!(other.utilization(1), None, "stale");
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
 fn bytes_in_flight_are_counted_per_device_and_never_read_below_zero() {
     let p = tmp("in-flight");
     let r = Region::open_or_create(&p, init(1 << 30)).unwrap();

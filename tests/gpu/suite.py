@@ -1428,7 +1428,13 @@ def check_agent_sm(s):
         g = a.first_gpu()
         envs = [a.slice_env("low", g, "16GiB", 25), a.slice_env("high", g, "16GiB", 75)]
         seen = []
+        shown = []
         stop = threading.Event()
+        probe = s.bin_or_none("nvml-probe")
+
+        def gpu_util(env):
+            _, j, _, _ = s.run([probe, "snapshot"], env)
+            return j and (j["gpus"][0].get("utilization") or {}).get("gpu")
 
         def watch():
             while not stop.is_set():
@@ -1437,6 +1443,9 @@ def check_agent_sm(s):
                     seen.append({"held": st["gpus"][0].get("sm_feedback_held", False),
                                  "utilization": st["gpus"][0].get("utilization"),
                                  "slices": {n: ((slice_in(st, n) or {}).get("gpus") or [{}])[0] for n in ("low", "high")}})
+                    # What NVML (nvidia-smi's GPU-Util) shows in each slice and outside, twice.
+                    if probe and len(seen) in (8, 16):
+                        shown.append({"low": gpu_util(envs[0]), "high": gpu_util(envs[1]), "gpu": gpu_util(s.env(False))})
                 stop.wait(0.5)
 
         w = threading.Thread(target=watch, daemon=True)
@@ -1452,12 +1461,15 @@ def check_agent_sm(s):
     used = {n: [x["slices"][n].get("sm_used") for x in seen[-4:]] for n in ("low", "high")}
     charged = {n: [x["slices"][n].get("sm_accounted") for x in seen[-4:]] for n in ("low", "high")}
     v = {"low_pct": glo, "high_pct": ghi, "nvml": util, "nvml_unlimited": base_util, "workload": kind, "statuses": seen,
-         "held_statuses": held, "lowest_rate": rates}
+         "held_statuses": held, "lowest_rate": rates, "nvml_in_slices": shown}
     summary = ("25 %% and 75 %% slices side by side: %.1f %% and %.1f %% of the unlimited throughput; NVML utilization %s; "
                "SM feedback held in %d of %d statuses; lowest rate corrections %.2fx and %.2fx; NVML per-process shares last seen %s and %s; "
                "charged by the interposers %s and %s") % (
         glo, ghi, fmt_pct(util and util.get("mean_gpu")), held, len(seen), rates["low"], rates["high"], used["low"], used["high"],
         charged["low"], charged["high"])
+    if shown:
+        summary += "; NVML GPU-Util in the slices %s %% and %s %% (GPU %s %%)" % (
+            "/".join(str(x["low"]) for x in shown), "/".join(str(x["high"]) for x in shown), "/".join(str(x["gpu"]) for x in shown))
     # As sm-25-75, with the agent's feedback on top: it must not make the shares worse (budgets
     # corrected on per-process samples that are not shares would show here far below).
     ok, pv, ptext = pair_shares(s, kind, glo, ghi)

@@ -134,6 +134,7 @@ macro_rules! nvml_hooks {
         $m! {
             nvmlDeviceGetMemoryInfo(dev: NvmlDevice, mem: *mut NvmlMemory) => nvml::memory_info;
             nvmlDeviceGetMemoryInfo_v2(dev: NvmlDevice, mem: *mut NvmlMemoryV2) => nvml::memory_info_v2;
+            nvmlDeviceGetUtilizationRates(dev: NvmlDevice, util: *mut NvmlUtilization) => nvml::utilization_rates;
             nvmlDeviceGetComputeRunningProcesses_v3(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
             nvmlDeviceGetComputeRunningProcesses_v2(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
             nvmlDeviceGetComputeRunningProcesses(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfoV1) => nvml::processes;

@@ -23,6 +23,14 @@ pub struct NvmlMemory {
     pub used: u64,
 }
 
+/// `nvmlUtilization_t`: percent of the last sample period a kernel ran, and memory was read or
+/// written.
+#[repr(C)]
+pub struct NvmlUtilization {
+    pub gpu: u32,
+    pub memory: u32,
+}
+
 #[repr(C)]
 pub struct NvmlMemoryV2 {
     pub version: u32,
@@ -34,6 +42,13 @@ pub struct NvmlMemoryV2 {
 
 /// The region device of an NVML handle, if it has a limit.
 fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
+    let d = region_device(dev)?;
+    let limit = state().mem_limit(d);
+    (limit != 0).then_some((d, limit))
+}
+
+/// The region device of an NVML handle (a device of the container, limited or not).
+fn region_device(dev: NvmlDevice) -> Option<usize> {
     let st = state();
     let r = st.region.as_ref()?;
     let get = nvml().nvmlDeviceGetUUID?;
@@ -57,8 +72,7 @@ fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
             st.bind_nvml(index as usize, uuid)?
         }
     };
-    let limit = st.mem_limit(d);
-    (limit != 0).then_some((d, limit))
+    Some(d)
 }
 
 /// The slice's (total, used) to answer a memory query of `dev` with: when the device is limited and
@@ -102,6 +116,28 @@ pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevic
     let m = unsafe { &mut *m };
     (m.total, m.reserved, m.used, m.free) = (t, 0, u, t - u);
     NVML_SUCCESS
+}
+
+/// `nvmlDeviceGetUtilizationRates`: on a device of the container, the share of the GPU's time its
+/// own kernels ran, as the agent last measured it (never more than the GPU's); the GPU's figure
+/// where none is published (no agent, or its figure went stale). The memory figure stays the
+/// GPU's: no per-container measure of it exists.
+pub unsafe fn utilization_rates(
+    real: f::nvmlDeviceGetUtilizationRates,
+    dev: NvmlDevice,
+    u: *mut NvmlUtilization,
+) -> NvmlReturn {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    let r = unsafe { real(dev, u) };
+    if r != NVML_SUCCESS || u.is_null() {
+        return r;
+    }
+    let mine = region_device(dev).and_then(|d| state().region.as_ref()?.utilization(d));
+    if let Some(pct) = mine {
+        // SAFETY: u is non-null and NVML filled it.
+        unsafe { (*u).gpu = (*u).gpu.min(pct) };
+    }
+    r
 }
 
 /// An entry of an NVML list that names a process.

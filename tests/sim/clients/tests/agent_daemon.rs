@@ -592,6 +592,47 @@ fn the_sm_controller_holds_when_per_process_samples_do_not_add_up() {
     assert!((210..=290).contains(&k[0]) && (670..=790).contains(&k[1]), "25/75 ran {k:?} of 1000");
 }
 
+/// `nvidia-smi`'s GPU-Util in a slice's container (NVML's utilization rates through libvgpu) is
+/// the share of the GPU's time the slice's own kernels ran, as the agent measures it; outside, the
+/// GPU's. Once the agent stops, the figure goes stale and the GPU's shows again.
+#[test]
+fn nvml_in_a_slice_shows_the_slice_s_own_utilization() {
+    let mut s = Sim::new(Some("context_overhead_mib = 64\nutil_window_ms = 500\n[[gpu]]\nmodel = \"A100-40GB\"\n"));
+    let mut a = Agent::start(&s, &[]);
+    let mut detail = std::collections::HashMap::new();
+    for name in ["busy", "idle"] {
+        let out = a.ctl_ok(&["slice", "create", "--name", name, "--gpu", "0", "--memory", "1g", "--json"]);
+        detail.insert(name, serde_json::from_str::<Value>(&out).unwrap());
+    }
+    a.wait("two slices", |v| v["slices"].as_array().unwrap().len() == 2);
+    let (idle, _) = s.spawn_cmd(in_slice(&s, &detail["idle"], RT), &["alloc", "--size", "100m", "--hold"]);
+    let mut busy = in_slice(&s, &detail["busy"], RT);
+    let mut busy =
+        busy.args(["launch", "--kernel", "sleep_5ms", "--seconds", "20"]).stdout(Stdio::null()).spawn().unwrap();
+    a.wait("the busy slice measured", |v| slice_of(v, "busy")["gpus"][0]["sm_used"].as_u64() >= Some(80));
+    let lib = s.libs.join("libnvidia-ml.so.1");
+    let gpu_util = |c: &mut Command| -> u64 {
+        let o = c.args(["--lib", lib.to_str().unwrap(), "snapshot"]).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["gpus"][0]["utilization"]["gpu"].as_u64().unwrap()
+    };
+    let outside = gpu_util(&mut s.cmd(NVML));
+    let in_idle = gpu_util(&mut in_slice(&s, &detail["idle"], NVML));
+    let in_busy = gpu_util(&mut in_slice(&s, &detail["busy"], NVML));
+    assert!(outside >= 80, "the GPU is busy: {outside} %");
+    assert!(in_idle <= 5, "the idle slice's own kernels: none, shown {in_idle} %");
+    assert!(in_busy >= 70 && in_busy <= outside, "the busy slice's own: {in_busy} % (GPU {outside} %)");
+    // The agent stops: within its figure's life (2 s here) the GPU's shows again.
+    a.sigkill();
+    std::thread::sleep(Duration::from_millis(2500));
+    let in_idle = gpu_util(&mut in_slice(&s, &detail["idle"], NVML));
+    assert!(in_idle >= 80, "no agent: the GPU's figure, {in_idle} %");
+    busy.kill().unwrap();
+    busy.wait().unwrap();
+    s.kill(idle);
+}
+
 /// Current wall-clock time in ms.
 fn wall_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64

@@ -223,6 +223,10 @@ fn the_suite_passes_on_the_simulated_gpu() {
     assert!(c["values"]["pair_unlimited_pct"].as_f64().is_some_and(|x| x > 70.0 && x < 130.0), "{c}");
     let (_, c) = status("agent-sm");
     assert!(c["values"]["low_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
+    // NVML in each slice showed the slice's own utilisation, not the GPU's.
+    let shown = &c["values"]["nvml_in_slices"][0];
+    let pct = |k: &str| shown[k].as_u64().unwrap_or_else(|| panic!("{k}: {c}"));
+    assert!(pct("low") < pct("high") && pct("high") <= pct("gpu"), "{shown}");
     assert!(
         c["values"]["statuses"].as_array().is_some_and(|v| !v.is_empty()),
         "the agent's status during the run: {c}"
