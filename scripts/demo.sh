@@ -80,6 +80,12 @@ echo
 echo "== vgpuctl status"
 "$T/vgpuctl" status
 echo
+echo "== nvidia-smi's view (NVML through libvgpu.so) in the train slice, and outside it"
+# (GPU 0 only: a container sees its own GPUs, which a process on this host cannot be made to.)
+"${TRAIN[@]}" "$T/nvml-probe" smi | awk '/^GPU 1/ {exit} {print}'
+echo "-- outside:"
+"$T/nvml-probe" smi | awk '/^GPU 1/ {exit} {print}'
+echo
 echo "== some metrics (Prometheus, HAMi names and vgpu's)"
 addr=$(grep -o 'serving metrics address=[0-9.:]*' "$DEMO/agent.log" | cut -d= -f2)
 curl -s "http://$addr/metrics" 2>/dev/null | grep -E '^(hami_vgpu_memory_used_bytes|hami_container_device_utilization_ratio|vgpu_escapes_total|vgpu_agent_loop_seconds)[{ ]' |

@@ -620,6 +620,14 @@ fn nvml_in_a_slice_shows_the_slice_s_own_utilization() {
     assert!(outside >= 80, "the GPU is busy: {outside} %");
     assert!(in_idle <= 5, "the idle slice's own kernels: none, shown {in_idle} %");
     assert!(in_busy >= 70 && in_busy <= outside, "the busy slice's own: {in_busy} % (GPU {outside} %)");
+    // nvidia-smi's view there: the slice's memory, its utilisation, its one process.
+    let o = in_slice(&s, &detail["idle"], NVML).args(["--lib", lib.to_str().unwrap(), "smi"]).output().unwrap();
+    let smi = String::from_utf8_lossy(&o.stdout);
+    let gpu0 = smi.lines().next().unwrap_or_default();
+    let util = gpu0.split_once("GPU-Util ").and_then(|(_, u)| u.trim_end_matches(" %").parse::<u64>().ok());
+    assert!(gpu0.contains(" MiB / 1024 MiB,") && util.is_some_and(|u| u <= 5), "{smi}");
+    let procs: Vec<&str> = smi.lines().filter(|l| l.trim_start().starts_with("process")).collect();
+    assert!(procs.len() == 1 && procs[0].contains(&idle.to_string()), "{smi}");
     // The agent stops: within its figure's life (2 s here) the GPU's shows again.
     a.sigkill();
     std::thread::sleep(Duration::from_millis(2500));

@@ -11,6 +11,8 @@
 //!        nvml-probe [--lib PATH] util --gpu I [--seconds S] [--interval-ms M]
 //!   (samples the GPU's utilization for S seconds; prints the mean and the mean SM utilization of
 //!   each process seen)
+//!        nvml-probe [--lib PATH] smi
+//!   (what `nvidia-smi` shows, as text: per GPU its memory, utilization and compute processes)
 //!        nvml-probe [--lib PATH] lists
 //!   (the PIDs each per-process query names, per GPU, each entry point found by `dlsym` as an
 //!   application finds it: the compute, graphics and MPS lists of every version, the detail list
@@ -55,7 +57,8 @@ fn main() {
         Some("events") => events(&nvml, &args),
         Some("util") => println!("{}", util(&nvml, &args)),
         Some("lists") => println!("{}", lists(&nvml, lib.as_deref())),
-        _ => die("usage: nvml-probe [--lib PATH] snapshot | mig --gpu I OP... | events --gpu I [--timeout-ms T] | util --gpu I [--seconds S] [--interval-ms M] | lists"),
+        Some("smi") => print!("{}", smi(&nvml)),
+        _ => die("usage: nvml-probe [--lib PATH] snapshot | mig --gpu I OP... | events --gpu I [--timeout-ms T] | util --gpu I [--seconds S] [--interval-ms M] | lists | smi"),
     }
 }
 
@@ -458,4 +461,27 @@ fn lists(nvml: &Nvml, lib: Option<&std::ffi::OsStr>) -> Value {
         gpus.push(json!({ "index": i, "lists": m }));
     }
     json!({ "gpus": gpus })
+}
+
+/// The part of `nvidia-smi`'s default view that a container's slice changes: per GPU its memory,
+/// GPU-Util and compute processes.
+fn smi(nvml: &Nvml) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let n = nvml.device_count().unwrap_or_else(|e| die(&format!("count: {e}")));
+    for i in 0..n {
+        let d = nvml.device_by_index(i).unwrap_or_else(|e| die(&format!("device {i}: {e}")));
+        let mem =
+            d.memory_info().map_or("memory: ?".into(), |m| format!("{} MiB / {} MiB", m.used >> 20, m.total >> 20));
+        let util = d.utilization_rates().map_or("?".into(), |u| format!("{} %", u.gpu));
+        let _ = writeln!(out, "GPU {i} {}: {mem}, GPU-Util {util}", d.name().unwrap_or_default());
+        for p in d.running_compute_processes().unwrap_or_default() {
+            let used = match p.used_gpu_memory {
+                nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => format!("{} MiB", b >> 20),
+                nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => "N/A".into(),
+            };
+            let _ = writeln!(out, "    process {:>7}  {used}", p.pid);
+        }
+    }
+    out
 }
