@@ -1358,15 +1358,16 @@ def child_pid(pid):
 
 
 def fill_in_pid_namespace(s, env, chunk):
-    """`fill_once` in a new PID namespace (unshare, as root), where the process does not know the
-    PID NVML lists it under. None where that cannot be done here."""
+    """`fill_once` in a new PID namespace with its own /proc (unshare, as root), where the process
+    does not know the PID NVML lists it under. None where that cannot be done here."""
     unshare = shutil.which("unshare")
     if os.geteuid() != 0 or not unshare:
         return None
     rc, _, _, _ = s.run([unshare, "--pid", "--fork", "--kill-child", "true"], s.env(False))
     if rc != 0:
         return None
-    return fill_once(s, env, chunk, wrap=[unshare, "--pid", "--fork", "--kill-child", "--"])
+    # With a /proc of its own, as a container has: there it cannot tell its host PID either.
+    return fill_once(s, env, chunk, wrap=[unshare, "--pid", "--fork", "--mount-proc", "--kill-child", "--"])
 
 
 def check_true_up(s):

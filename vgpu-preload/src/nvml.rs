@@ -143,6 +143,7 @@ pub unsafe fn utilization_rates(
 /// An entry of an NVML list that names a process.
 pub trait Listed: Copy + Default {
     fn pid(&self) -> u32;
+    fn set_pid(&mut self, pid: u32);
 }
 
 /// `nvmlProcessInfo_v1_t`: what the unversioned `nvmlDevice*RunningProcesses` fill.
@@ -240,35 +241,88 @@ impl Listed for NvmlProcessInfoV1 {
     fn pid(&self) -> u32 {
         self.pid
     }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
+    }
 }
 impl Listed for NvmlProcessInfo {
     fn pid(&self) -> u32 {
         self.pid
+    }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
     }
 }
 impl Listed for NvmlProcessDetail {
     fn pid(&self) -> u32 {
         self.pid
     }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
+    }
 }
 impl Listed for NvmlProcessUtilizationSample {
     fn pid(&self) -> u32 {
         self.pid
+    }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
     }
 }
 impl Listed for NvmlProcessUtilizationInfo {
     fn pid(&self) -> u32 {
         self.pid
     }
+    fn set_pid(&mut self, pid: u32) {
+        self.pid = pid;
+    }
 }
 
-/// The PIDs NVML names the container's processes by, when `dev` is limited (None: answer as NVML
-/// does). NVML lists host PIDs: a slot's host PID where known (its inner PID, in a PID namespace,
-/// may be another process's host PID), else its PID (no namespace, or it could not be told).
-fn ours(dev: NvmlDevice) -> Option<Vec<u32>> {
+/// The container's processes as (the PID NVML names it by, the PID to show it under), when `dev`
+/// is limited (None: answer as NVML does). NVML lists host PIDs (the driver knows no PID
+/// namespace): a slot's host PID where known (its inner PID, in a PID namespace, may be another
+/// process's host PID), else its PID (no namespace, or it could not be told). It is shown under
+/// its PID in the container, unless the caller sees it by its host PID (a caller outside the
+/// container's PID namespace, such as the host with the container's environment).
+fn ours(dev: NvmlDevice) -> Option<Vec<(u32, u32)>> {
     limited_device(dev)?;
     let region = state().region.as_ref()?;
-    Some(region.slots().iter().map(|(_, p, h, _)| if *h != 0 { *h } else { *p }).filter(|p| *p != 0).collect())
+    Some(
+        region
+            .slots()
+            .iter()
+            .map(|&(_, p, h, _)| match h {
+                0 => (p, p),
+                h if h == p || seen_by_host_pid(h, p) => (h, h),
+                h => (h, p),
+            })
+            .filter(|(nv, p)| *nv != 0 && *p != 0)
+            .collect(),
+    )
+}
+
+/// Whether this process sees process `host` (`inner` in its own PID namespace) by its host PID:
+/// its `/proc/<host>` is that process, whose namespace PIDs (`NSpid`, from this `/proc`'s
+/// namespace inward) run from `host` to `inner`. Inside the container `/proc/<host>` is another
+/// process, or none.
+fn seen_by_host_pid(host: u32, inner: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{host}/status")) else { return false };
+    let Some(line) = status.lines().find_map(|l| l.strip_prefix("NSpid:")) else { return false };
+    let pids: Vec<u32> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    pids.len() >= 2 && pids.first() == Some(&host) && pids.last() == Some(&inner)
+}
+
+/// Keeps the container's entries of `list` (`mine` from [`ours`]), each named by its PID in the
+/// container: what `nvidia-smi` there can find in `/proc` (with host PIDs its process table stays
+/// empty) and what a process compares with its own `getpid()`.
+fn keep_ours<T: Listed>(list: &mut Vec<T>, mine: &[(u32, u32)]) {
+    list.retain_mut(|e| match mine.iter().find(|(nv, _)| *nv == e.pid()) {
+        Some(&(_, inner)) => {
+            e.set_pid(inner);
+            true
+        }
+        None => false,
+    });
 }
 
 /// Answers a list query from `list` (already the container's): `*count` the entries, copied to
@@ -307,7 +361,7 @@ pub unsafe fn processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice, count: *mut
         Ok(b) => b,
         Err(r) => return r,
     };
-    buf.retain(|p| mine.contains(&p.pid()));
+    keep_ours(&mut buf, &mine);
     // SAFETY: count is non-null, and the caller's infos holds the *count entries it passed in.
     unsafe { answer(&buf, count, infos, *count as usize, NVML_SUCCESS) }
 }
@@ -370,7 +424,7 @@ pub unsafe fn process_details(
         Ok(b) => b,
         Err(r) => return r,
     };
-    buf.retain(|p| mine.contains(&p.pid));
+    keep_ours(&mut buf, &mine);
     let mut n = 0u32;
     // SAFETY: out holds the cap entries the caller stated; n is a local.
     let r = unsafe { answer(&buf, &mut n, out, cap as usize, NVML_SUCCESS) };
@@ -398,7 +452,7 @@ pub unsafe fn process_utilization(
         Ok(b) => b,
         Err(r) => return r,
     };
-    buf.retain(|s| mine.contains(&s.pid));
+    keep_ours(&mut buf, &mine);
     // SAFETY: count is non-null; samples holds the *count entries the caller passed in.
     unsafe { answer(&buf, count, samples, *count as usize, NVML_ERROR_NOT_FOUND) }
 }
@@ -437,7 +491,7 @@ pub unsafe fn processes_utilization(
         Ok(b) => b,
         Err(r) => return r,
     };
-    buf.retain(|s| mine.contains(&s.pid));
+    keep_ours(&mut buf, &mine);
     let mut n = 0u32;
     // SAFETY: out holds the cap entries the caller stated; n is a local.
     let r = unsafe { answer(&buf, &mut n, out, cap as usize, NVML_ERROR_NOT_FOUND) };

@@ -543,8 +543,20 @@ pub fn format_uuid(b: &[u8; 16]) -> String {
     )
 }
 
-/// The host PID when it can be known from inside (no PID namespace: the PID itself).
+/// The initial PID namespace as `/proc/self/ns/pid` names it (its inode is the kernel's constant
+/// `PROC_PID_INIT_INO`, 0xEFFFFFFC).
+const INIT_PID_NS: &str = "pid:[4026531836]";
+
+/// The host PID when it can be known from inside (no PID namespace: the PID itself), else 0. A
+/// container has a PID namespace of its own and a /proc of its own, whose `NSpid` shows one PID,
+/// the container's: not the host's. So the namespace is asked first; only where that cannot be
+/// read does a single `NSpid` entry stand for "no namespace".
 fn host_pid() -> u32 {
+    match std::fs::read_link("/proc/self/ns/pid") {
+        Ok(ns) if ns.as_os_str() == INIT_PID_NS => return std::process::id(),
+        Ok(_) => return 0,
+        Err(_) => {}
+    }
     let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return 0 };
     let ns: Vec<u32> = s
         .lines()

@@ -349,7 +349,8 @@ fn processes_in_a_pid_namespace_are_mapped_to_their_slice() {
     // Needs PID namespaces (root, or unprivileged user namespaces).
     let probe = |args: &[&str]| Command::new("unshare").args(args).arg("true").status().is_ok_and(|s| s.success());
     let prefix: Vec<&str> = if probe(&["--pid", "--fork"]) {
-        vec!["--pid", "--fork", "--kill-child"]
+        // A /proc of its own too, as a container has (for a look from inside it, below).
+        vec!["--pid", "--fork", "--mount-proc", "--kill-child"]
     } else if probe(&["--user", "--map-root-user", "--pid", "--fork"]) {
         vec!["--user", "--map-root-user", "--pid", "--fork", "--kill-child"]
     } else {
@@ -389,6 +390,20 @@ fn processes_in_a_pid_namespace_are_mapped_to_their_slice() {
     let listed: Vec<u64> =
         snap["gpus"][0]["processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
     assert_eq!(listed, vec![host as u64], "{snap}");
+    // From inside the container's PID namespace (and its /proc), as nvidia-smi there: named by its
+    // PID there, which that /proc has (the host PID the driver lists does not exist there).
+    if prefix[0] == "--pid" {
+        let mut c = in_slice(&s, &d, "nsenter");
+        c.args(["-t", &host.to_string(), "--pid", "--mount", "--", NVML, "--lib", lib.to_str().unwrap(), "snapshot"]);
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let snap: Value = serde_json::from_slice(&o.stdout).unwrap();
+        let listed: Vec<u64> =
+            snap["gpus"][0]["processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
+        assert_eq!(listed, vec![1], "{snap}");
+    } else {
+        eprintln!("(not as root: the look from inside the namespace is left out)");
+    }
 }
 
 #[test]

@@ -753,6 +753,25 @@ fn the_container_sees_its_slice_in_cuda_and_nvml() {
     let pids: Vec<u64> =
         n["gpus"][0]["processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
     assert_eq!(pids, vec![inside as u64], "not the process whose host PID is another's inner PID");
+    // A container process in a PID namespace whose host PID is known (the stranger's PID stands in
+    // for it): listed under its PID in the container, what nvidia-smi there finds in /proc.
+    let _ns = r.claim(54321, outside).unwrap();
+    let n = probe(&mut s.limited(NVML, LIMIT));
+    let mut procs: Vec<(u64, u64)> = n["gpus"][0]["processes"]["Ok"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["pid"].as_u64().unwrap(), p["used"].as_u64().unwrap()))
+        .collect();
+    procs.sort_unstable();
+    assert_eq!(procs, vec![(inside as u64, 364 * MIB), (54321, (2048 + 64) * MIB)], "{n}");
+    let lists = out(&mut s.limited(NVML, LIMIT), &["--lib", lib.to_str().unwrap(), "lists"]);
+    let l: Value = serde_json::from_slice(&lists.stdout).unwrap();
+    let mut want = vec![inside as u64, 54321];
+    want.sort_unstable();
+    assert_eq!(l["gpus"][0]["lists"]["nvmlDeviceGetComputeRunningProcesses"], json!(want), "{l}");
+    assert_eq!(l["gpus"][0]["lists"]["detail:0"], json!(want), "{l}");
+    drop(_ns);
     assert_eq!(n["gpus"][1]["memory"]["total"], 23034 * MIB, "unlimited device passes through");
     // Outside the container NVML tells the physical truth.
     let n = probe(&mut s.cmd(NVML));
@@ -818,6 +837,32 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
         c.kill().unwrap();
         c.wait().unwrap();
     }
+}
+
+/// A process in a PID namespace with a /proc of its own (what every container has) cannot tell
+/// its host PID: its `NSpid` shows one PID, its own there. It must record none (the agent, or the
+/// true-up, learns it), not take its inner PID for the host's: that PID would name another host
+/// process in NVML's lists, and the true-up would not look for the real one.
+#[test]
+fn a_process_in_a_container_s_pid_namespace_does_not_take_its_pid_for_the_host_s() {
+    let unshare = ["--pid", "--fork", "--mount-proc", "--kill-child"];
+    if !Command::new("unshare").args(unshare).arg("true").status().is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED: this machine allows no PID namespace with its own /proc (needs root)");
+        return;
+    }
+    let mut s = Sim::new(Some(NODE));
+    // The true-up off: it would learn a PID from the simulated driver, which knows only the PID
+    // the process sees as its own (a real driver lists host PIDs).
+    let env = [("CUDA_DEVICE_MEMORY_LIMIT_0", "1g"), ("VGPU_MEMORY_TRUE_UP", "0")];
+    let mut c = s.limited("unshare", &env);
+    c.args(unshare).arg(RT);
+    let (_, v) = s.spawn_cmd(c, &["alloc", "--size", "100m", "--hold"]);
+    assert_eq!(v["allocated"], 100 * MIB, "{v}");
+    let slots: Vec<(u32, u32)> = region(&s).slots().iter().map(|(_, p, h, _)| (*p, *h)).collect();
+    assert_eq!(slots, vec![(1, 0)], "PID 1 in its namespace, host PID not known");
+    // Without a namespace the PID is the host's.
+    let (pid, _) = s.spawn_cmd(s.limited(RT, &env), &["alloc", "--size", "100m", "--hold"]);
+    assert!(region(&s).slots().iter().any(|(_, p, h, _)| (*p, *h) == (pid, pid)));
 }
 
 /// `nvidia-smi` run before any CUDA process of the container (standalone mode: the region is new and

@@ -9,6 +9,12 @@
 //! holds an exclusive `flock` on `proc-<slot>.lock` for its whole life. The kernel releases it when
 //! the process exits, however it exits, and before the process becomes a zombie; a slot whose lock can
 //! be taken belongs to a dead process, and its memory is released. PID reuse cannot fool this.
+//!
+//! A driver names processes by their PIDs in the initial PID namespace. A process whose `/proc`
+//! does not show its host PID (a container's own) records the PID it sees; it also holds a POSIX
+//! record lock on its lock file, which `F_GETLK` reports with the holder's PID in the asker's
+//! namespace, so the first process of the initial namespace that looks at the slots (any NVML
+//! query, or a reap) records the host PID instead.
 
 use crate::config::{Config, MAX_GPUS};
 use std::cell::UnsafeCell;
@@ -174,6 +180,29 @@ impl Drop for Locked<'_> {
     }
 }
 
+/// A POSIX record lock on byte 0 of `f`: `F_SETLK` takes it (None), `F_GETLK` reports the PID of
+/// a process holding it, in this process's PID namespace (None: no one, or one this namespace does
+/// not see).
+fn posix_lock(f: &File, cmd: libc::c_int, ty: libc::c_int) -> std::io::Result<Option<u32>> {
+    // SAFETY: flock is plain data.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = ty as _;
+    fl.l_whence = libc::SEEK_SET as _;
+    fl.l_len = 1;
+    // SAFETY: a valid descriptor and a pointer to a local flock.
+    if unsafe { libc::fcntl(f.as_raw_fd(), cmd, &mut fl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((cmd == libc::F_GETLK && fl.l_type != libc::F_UNLCK as _ && fl.l_pid > 0).then_some(fl.l_pid as u32))
+}
+
+/// Whether this process runs in the initial PID namespace (whose inode is the kernel's constant
+/// 0xEFFFFFFC): the PIDs it sees are the ones a driver reports.
+fn in_initial_pid_namespace() -> bool {
+    static IN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *IN.get_or_init(|| std::fs::read_link("/proc/self/ns/pid").is_ok_and(|l| l.as_os_str() == "pid:[4026531836]"))
+}
+
 fn flock(f: &File, op: libc::c_int) -> std::io::Result<()> {
     loop {
         // SAFETY: f is an open file.
@@ -326,6 +355,9 @@ impl Node {
             if flock(&f, libc::LOCK_EX | libc::LOCK_NB).is_err() {
                 continue; // a forked child of a dead process still holds it
             }
+            // For the host PID's sake (see the module documentation); the file stays open for the
+            // process's life, so the lock does too.
+            let _ = posix_lock(&f, libc::F_SETLK, libc::F_WRLCK);
             for d in 0..MAX_GPUS {
                 slot.ctx[d].store(0, Relaxed);
                 slot.mem[d].store(0, Relaxed);
@@ -387,6 +419,14 @@ impl Node {
                     OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i)).ok();
             }
             let Some(f) = &files[i] else { continue };
+            if in_initial_pid_namespace() {
+                // The holder's PID as this namespace (the host's) sees it.
+                if let Ok(Some(pid)) = posix_lock(f, libc::F_GETLK, libc::F_WRLCK) {
+                    if pid != slot.pid.load(Relaxed) {
+                        slot.pid.store(pid, Relaxed);
+                    }
+                }
+            }
             if flock(f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
                 // Dead: release its resources, and the lock (the file stays open for next time).
                 for d in 0..MAX_GPUS {
@@ -398,6 +438,11 @@ impl Node {
             }
         }
         freed
+    }
+
+    /// The PID the driver names the process of `slot` by (its host PID, once known).
+    pub fn slot_pid(&self, slot: usize) -> u32 {
+        self.shared.procs[slot].pid.load(Relaxed)
     }
 
     /// Live process slots (after the last reap).

@@ -12,7 +12,6 @@ pub type R<T> = Result<T, CUresult>;
 pub struct Proc {
     pub node: &'static Node,
     pub slot: usize,
-    pub pid: u32,
     /// CUDA ordinal -> node GPU index (after CUDA_VISIBLE_DEVICES).
     pub visible: Vec<usize>,
     _liveness: File,
@@ -47,7 +46,7 @@ pub fn init(flags: u32) -> CUresult {
         })?;
         // SAFETY: registering a plain extern "C" handler with no other callbacks.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-        Ok(Proc { node, slot, pid: vgpu_sim::host_pid(), visible, _liveness: f })
+        Ok(Proc { node, slot, visible, _liveness: f })
     });
     match r {
         Ok(p) if p.visible.is_empty() => CUresult::NO_DEVICE,

@@ -411,7 +411,7 @@ fn duration(l: &Launch, gpu: usize) -> R<u64> {
 fn run_on(c: &Ctx, s: &Stream, durs: &[u64]) -> R<()> {
     let p = proc()?;
     for &d in durs {
-        let (_, end) = p.node.launch(c.gpu, p.pid, d, 0);
+        let (_, end) = p.node.launch(c.gpu, p.node.slot_pid(p.slot), d, 0);
         s.last_end.fetch_max(end, AcqRel);
         c.last_end.fetch_max(end, AcqRel);
     }
