@@ -237,46 +237,26 @@ const _: () = assert!(
         && std::mem::size_of::<NvmlMemoryV2>() == 40
 );
 
-impl Listed for NvmlProcessInfoV1 {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn set_pid(&mut self, pid: u32) {
-        self.pid = pid;
-    }
+/// Every list entry type names its process in a field `pid`.
+macro_rules! listed {
+    ($($t:ty),*) => {$(
+        impl Listed for $t {
+            fn pid(&self) -> u32 {
+                self.pid
+            }
+            fn set_pid(&mut self, pid: u32) {
+                self.pid = pid;
+            }
+        }
+    )*};
 }
-impl Listed for NvmlProcessInfo {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn set_pid(&mut self, pid: u32) {
-        self.pid = pid;
-    }
-}
-impl Listed for NvmlProcessDetail {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn set_pid(&mut self, pid: u32) {
-        self.pid = pid;
-    }
-}
-impl Listed for NvmlProcessUtilizationSample {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn set_pid(&mut self, pid: u32) {
-        self.pid = pid;
-    }
-}
-impl Listed for NvmlProcessUtilizationInfo {
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn set_pid(&mut self, pid: u32) {
-        self.pid = pid;
-    }
-}
+listed!(
+    NvmlProcessInfoV1,
+    NvmlProcessInfo,
+    NvmlProcessDetail,
+    NvmlProcessUtilizationSample,
+    NvmlProcessUtilizationInfo
+);
 
 /// The container's processes as (the PID NVML names it by, the PID to show it under), when `dev`
 /// is limited (None: answer as NVML does). NVML lists host PIDs (the driver knows no PID
