@@ -226,11 +226,10 @@ pub struct Recent {
     by_key: HashMap<String, Latest>,
 }
 
-/// An Event posted: its name and namespace, how many times it has been reported, when last.
+/// An Event posted: its name, how many times it has been reported, when last.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Latest {
     pub name: String,
-    pub namespace: String,
     pub count: u64,
     at: Instant,
 }
@@ -250,9 +249,10 @@ impl Recent {
         self.by_key.get(key).cloned()
     }
 
-    /// The Event `name` in `namespace` has now been reported `count` times, the last at `now`.
-    pub fn reported(&mut self, key: String, name: String, namespace: String, count: u64, now: Instant) {
-        self.by_key.insert(key, Latest { name, namespace, count, at: now });
+    /// The Event `name` has now been reported `count` times, the last at `now` (its namespace is
+    /// its object's, part of the key).
+    pub fn reported(&mut self, key: String, name: String, count: u64, now: Instant) {
+        self.by_key.insert(key, Latest { name, count, at: now });
     }
 }
 
@@ -289,7 +289,7 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
                     json!({"count": l.count + 1, "lastTimestamp": crate::health::rfc3339_now(), "message": message});
                 match api.patch(&l.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
                     Ok(_) => {
-                        recent.lock().reported(key, l.name, l.namespace, l.count + 1, Instant::now());
+                        recent.lock().reported(key, l.name, l.count + 1, Instant::now());
                         tracing::info!(reason, object = %object["name"], count = l.count + 1, "Event: {message}");
                         return Ok(());
                     }
@@ -303,7 +303,7 @@ pub async fn run(agent: Arc<Agent>, mut stop: tokio::sync::watch::Receiver<bool>
                 .map_err(|e| format!("cannot make an Event: {e}"))?;
             let name = e.metadata.name.clone().unwrap_or_default();
             api.create(&PostParams::default(), &e).await.map_err(|e| e.to_string())?;
-            recent.lock().reported(key, name, ns, 1, Instant::now());
+            recent.lock().reported(key, name, 1, Instant::now());
             tracing::info!(reason, object = %object["name"], "Event: {message}");
             Ok::<(), String>(())
         }
@@ -509,15 +509,15 @@ mod tests {
         let t0 = Instant::now();
         let k = Recent::key(&pod, REASON);
         assert_eq!(r.update_of(&k, t0), None, "nothing posted yet");
-        r.reported(k.clone(), "train.1".into(), "ml".into(), 1, t0);
+        r.reported(k.clone(), "train.1".into(), 1, t0);
         let l = r.update_of(&k, t0 + Duration::from_secs(599)).unwrap();
-        assert_eq!((l.name.as_str(), l.namespace.as_str(), l.count), ("train.1", "ml", 1));
+        assert_eq!((l.name.as_str(), l.count), ("train.1", 1));
         // Another reason, another container of the pod, another object: Events of their own.
         assert_eq!(r.update_of(&Recent::key(&pod, "GPUOutsideQuota"), t0), None);
         assert_eq!(r.update_of(&Recent::key(&other_container, REASON), t0), None);
         assert_eq!(r.update_of(&Recent::key(&node, REASON), t0), None);
         // Updated at 500 s: the ten minutes run from then.
-        r.reported(k.clone(), "train.1".into(), "ml".into(), 2, t0 + Duration::from_secs(500));
+        r.reported(k.clone(), "train.1".into(), 2, t0 + Duration::from_secs(500));
         assert_eq!(r.update_of(&k, t0 + Duration::from_secs(1099)).map(|l| l.count), Some(2));
         // Ten minutes after the last update: a new Event, and the old one forgotten.
         assert_eq!(r.update_of(&k, t0 + Duration::from_secs(1100)), None);

@@ -305,13 +305,29 @@ fn keep_ours<T: Listed>(list: &mut Vec<T>, mine: &[(u32, u32)]) {
     });
 }
 
-/// Answers a list query from `list` (already the container's): `*count` the entries, copied to
-/// `out` if it has room for them (`cap` entries), else INSUFFICIENT_SIZE; `empty` is the answer
-/// when there are none (the process lists succeed, the utilization samples are NOT_FOUND).
+/// Asks `query` (the driver, with a buffer of ours grown as it asks, see [`grown`]), keeps the
+/// container's entries (`mine`, from [`ours`]) and answers the caller with them: `*count` the
+/// entries, copied to `out` if it has room for them (`cap` entries), else INSUFFICIENT_SIZE;
+/// `empty` when there are none (the process lists succeed, the utilization samples are NOT_FOUND);
+/// the driver's error as it was.
 ///
 /// # Safety
-/// `count` is valid for writes; `out` is null or holds `cap` entries.
-unsafe fn answer<T: Listed>(list: &[T], count: *mut u32, out: *mut T, cap: usize, empty: NvmlReturn) -> NvmlReturn {
+/// `query` calls the driver's entry point with the count and array it is given; `count` is valid
+/// for writes; `out` is null or holds `cap` entries.
+unsafe fn answer_ours<T: Listed>(
+    query: impl FnMut(*mut u32, *mut T) -> NvmlReturn,
+    mine: &[(u32, u32)],
+    count: *mut u32,
+    out: *mut T,
+    cap: usize,
+    empty: NvmlReturn,
+) -> NvmlReturn {
+    // SAFETY: the caller's contract.
+    let mut list = match unsafe { grown(query) } {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    keep_ours(&mut list, mine);
     // SAFETY: the caller's contract.
     unsafe { *count = list.len() as u32 };
     if list.is_empty() {
@@ -336,14 +352,9 @@ pub unsafe fn processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice, count: *mut
         // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dev, count, infos) };
     };
-    // SAFETY: the real entry point and the caller's handle.
-    let mut buf = match unsafe { list_processes(real, dev) } {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    keep_ours(&mut buf, &mine);
-    // SAFETY: count is non-null, and the caller's infos holds the *count entries it passed in.
-    unsafe { answer(&buf, count, infos, *count as usize, NVML_SUCCESS) }
+    // SAFETY: the real entry point with the caller's handle; count is non-null, and the caller's
+    // infos holds the *count entries it passed in.
+    unsafe { answer_ours(|n, p| real(dev, n, p), &mine, count, infos, *count as usize, NVML_SUCCESS) }
 }
 
 /// Every process `real` lists for `dev`, into a buffer grown as NVML asks.
@@ -399,18 +410,9 @@ pub unsafe fn process_details(
         unsafe { *n = l.num_proc_array_entries };
         r
     };
-    // SAFETY: query is the real entry point with a buffer of the count it states.
-    let mut buf = match unsafe { grown(query) } {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    keep_ours(&mut buf, &mine);
-    let mut n = 0u32;
-    // SAFETY: out holds the cap entries the caller stated; n is a local.
-    let r = unsafe { answer(&buf, &mut n, out, cap as usize, NVML_SUCCESS) };
-    // SAFETY: list is the caller's non-null structure.
-    unsafe { (*list).num_proc_array_entries = n };
-    r
+    // SAFETY: query is the real entry point with a buffer of the count it states; the count is
+    // the caller's structure's (non-null), whose array holds the cap entries it stated.
+    unsafe { answer_ours(query, &mine, &raw mut (*list).num_proc_array_entries, out, cap as usize, NVML_SUCCESS) }
 }
 
 /// `nvmlDeviceGetProcessUtilization`: the samples of the container's processes (the GPU's other
@@ -427,14 +429,11 @@ pub unsafe fn process_utilization(
         // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
         return unsafe { real(dev, samples, count, last_seen) };
     };
-    // SAFETY: the real entry point with the caller's handle and a buffer of the count it states.
-    let mut buf = match unsafe { grown(|n, p| real(dev, p, n, last_seen)) } {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    keep_ours(&mut buf, &mine);
-    // SAFETY: count is non-null; samples holds the *count entries the caller passed in.
-    unsafe { answer(&buf, count, samples, *count as usize, NVML_ERROR_NOT_FOUND) }
+    // SAFETY: the real entry point with the caller's handle; count is non-null, and samples holds
+    // the *count entries the caller passed in.
+    unsafe {
+        answer_ours(|n, p| real(dev, p, n, last_seen), &mine, count, samples, *count as usize, NVML_ERROR_NOT_FOUND)
+    }
 }
 
 /// `nvmlDeviceGetProcessesUtilizationInfo`: as [`process_utilization`], for the R550 structure.
@@ -466,16 +465,9 @@ pub unsafe fn processes_utilization(
         unsafe { *n = i.process_samples_count };
         r
     };
-    // SAFETY: query is the real entry point with a buffer of the count it states.
-    let mut buf = match unsafe { grown(query) } {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    keep_ours(&mut buf, &mine);
-    let mut n = 0u32;
-    // SAFETY: out holds the cap entries the caller stated; n is a local.
-    let r = unsafe { answer(&buf, &mut n, out, cap as usize, NVML_ERROR_NOT_FOUND) };
-    // SAFETY: info is the caller's non-null structure.
-    unsafe { (*info).process_samples_count = n };
-    r
+    // SAFETY: query is the real entry point with a buffer of the count it states; the count is
+    // the caller's structure's (non-null), whose array holds the cap entries it stated.
+    unsafe {
+        answer_ours(query, &mine, &raw mut (*info).process_samples_count, out, cap as usize, NVML_ERROR_NOT_FOUND)
+    }
 }

@@ -444,14 +444,7 @@ exports! {
         write_list(infos, count, &process_infos_v1(d, List::Mps)?)
     }
     fn nvmlDeviceGetRunningProcessDetailList(d: nvmlDevice_t, l: *mut nvmlProcessDetailList_t) {
-        if l.is_null() {
-            return Err(INVALID);
-        }
-        // SAFETY: l is non-null; the caller owns the structure.
-        let l = unsafe { &mut *l };
-        if l.version != struct_v1::<nvmlProcessDetailList_t>() {
-            return Err(nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-        }
+        let l = v1_struct(l)?;
         let which = match l.mode { 0 => List::Compute, 1 => List::Graphics, 2 => List::Mps, _ => return Err(INVALID) };
         let list: Vec<nvmlProcessDetail_v1_t> = listed(d, which)?.into_iter()
             .map(|(pid, mem)| nvmlProcessDetail_v1_t {
@@ -476,14 +469,7 @@ exports! {
         write_list(s, count, &samples?)
     }
     fn nvmlDeviceGetProcessesUtilizationInfo(d: nvmlDevice_t, info: *mut nvmlProcessesUtilizationInfo_t) {
-        if info.is_null() {
-            return Err(INVALID);
-        }
-        // SAFETY: info is non-null; the caller owns the structure.
-        let info = unsafe { &mut *info };
-        if info.version != struct_v1::<nvmlProcessesUtilizationInfo_t>() {
-            return Err(nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
-        }
+        let info = v1_struct(info)?;
         let samples = match process_samples(d, info.lastSeenTimeStamp) {
             Err(NOT_FOUND) => {
                 info.processSamplesCount = 0;
@@ -884,6 +870,20 @@ fn process_infos_v1(d: nvmlDevice_t, which: List) -> R<Vec<nvmlProcessInfo_v1_t>
 /// NVML's `NVML_STRUCT_VERSION(name, 1)`.
 const fn struct_v1<T>() -> c_uint {
     std::mem::size_of::<T>() as c_uint | 1 << 24
+}
+
+/// The caller's versioned structure, if it is version 1 of `T` (every versioned NVML structure
+/// begins with its `unsigned int version`).
+fn v1_struct<'a, T>(p: *mut T) -> R<&'a mut T> {
+    if p.is_null() {
+        return Err(INVALID);
+    }
+    // SAFETY: p is non-null and begins with the version word.
+    if unsafe { *(p as *const c_uint) } != struct_v1::<T>() {
+        return Err(nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    }
+    // SAFETY: non-null; the caller owns the structure for the call.
+    Ok(unsafe { &mut *p })
 }
 
 /// [`listed`] as `nvmlProcessInfo_t` (v2 and v3 share the layout).
