@@ -47,6 +47,16 @@ fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
     (limit != 0).then_some((d, limit))
 }
 
+/// Whether the container shares `dev` with others: it holds a slice of its memory or of its time.
+/// Other tenants may run there, so what NVML says about processes is restricted to the
+/// container's. A GPU without a limit is the container's whole (as NVML tells it).
+fn shared_device(dev: NvmlDevice) -> bool {
+    region_device(dev).is_some_and(|d| {
+        let st = state();
+        st.mem_limit(d) != 0 || matches!(st.sm_limit(d), 1..=99)
+    })
+}
+
 /// The region device of an NVML handle (a device of the container, limited or not).
 fn region_device(dev: NvmlDevice) -> Option<usize> {
     let st = state();
@@ -259,13 +269,15 @@ listed!(
 );
 
 /// The container's processes as (the PID NVML names it by, the PID to show it under), when `dev`
-/// is limited (None: answer as NVML does). NVML lists host PIDs (the driver knows no PID
+/// is shared (see [`shared_device`]; None: answer as NVML does). NVML lists host PIDs (the driver knows no PID
 /// namespace): a slot's host PID where known (its inner PID, in a PID namespace, may be another
 /// process's host PID), else its PID (no namespace, or it could not be told). It is shown under
 /// its PID in the container, unless the caller sees it by its host PID (a caller outside the
 /// container's PID namespace, such as the host with the container's environment).
 fn ours(dev: NvmlDevice) -> Option<Vec<(u32, u32)>> {
-    limited_device(dev)?;
+    if !shared_device(dev) {
+        return None;
+    }
     let region = state().region.as_ref()?;
     Some(
         region

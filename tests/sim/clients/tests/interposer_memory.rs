@@ -783,18 +783,21 @@ fn the_container_sees_its_slice_in_cuda_and_nvml() {
 
 /// Every NVML query that names processes, in each version an application may call (the compute,
 /// graphics and MPS lists, the R550 detail list of each mode, both per-process utilization
-/// queries), names only the container's processes on a limited GPU; outside, all of them.
+/// queries), names only the container's processes on a GPU it shares (a memory or an SM limit);
+/// outside, all of them.
 #[test]
 fn every_nvml_query_that_names_processes_names_only_the_containers() {
     // Every process also draws (graphics list), so that list is not empty to begin with.
-    let s = Sim::new(Some(&format!("graphics = true\n{NODE}")));
+    let s = Sim::new(Some(&format!("graphics = true\n{NODE}[[gpu]]\nmodel = \"L4\"\n")));
     let launcher = |mut c: Command, more: &[&str]| {
         c.args(["launch", "--kernel", "sleep_1ms", "--seconds", "30"]).args(more);
         c.stdout(std::process::Stdio::null()).spawn().unwrap()
     };
-    let mut inside = launcher(s.limited(RT, LIMIT), &[]);
-    // The stranger also runs on GPU 1, where the container has no limit.
-    let mut outside = launcher(s.cmd(RT), &["--devices", "0,1"]);
+    // GPU 0: a memory limit; GPU 1: an SM limit only; GPU 2: no limit.
+    let env = [LIMIT[0], ("CUDA_DEVICE_SM_LIMIT_1", "50")];
+    let mut inside = launcher(s.limited(RT, &env), &["--devices", "0,1"]);
+    // The stranger also runs on GPUs 1 and 2.
+    let mut outside = launcher(s.cmd(RT), &["--devices", "0,1,2"]);
     let (pin, pout) = (inside.id() as u64, outside.id() as u64);
     let lib = s.libs.join("libnvidia-ml.so.1");
     let probe = |c: &mut Command| -> Value {
@@ -818,7 +821,7 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
     };
     let names: Vec<&String> = all.as_object().unwrap().keys().collect();
     assert_eq!(names.len(), 9 + 3 + 2, "every list found: {names:?}");
-    let o = out(&mut s.limited(NVML, LIMIT), &["--lib", lib.to_str().unwrap(), "lists"]);
+    let o = out(&mut s.limited(NVML, &env), &["--lib", lib.to_str().unwrap(), "lists"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let gpus: Value = serde_json::from_slice(&o.stdout).unwrap();
     let mine = &gpus["gpus"][0]["lists"];
@@ -829,10 +832,15 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
         assert_eq!(*v, want_all, "{name} outside: {all}");
         assert_eq!(mine[name], want_mine, "{name} in the container: {mine}");
     }
-    // GPU 1 has no limit in the container: its lists pass through, the stranger included.
+    // GPU 1, shared by an SM limit alone: the container's process only.
     let l1 = &gpus["gpus"][1]["lists"];
-    assert_eq!(l1["nvmlDeviceGetComputeRunningProcesses_v3"], json!([pout]), "{l1}");
-    assert_eq!(l1["nvmlDeviceGetGraphicsRunningProcesses"], json!([pout]), "{l1}");
+    for name in ["nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses"] {
+        assert_eq!(l1[name], json!([pin]), "{name} on GPU 1: {l1}");
+    }
+    // GPU 2 has no limit in the container: its lists pass through, the stranger included.
+    let l2 = &gpus["gpus"][2]["lists"];
+    assert_eq!(l2["nvmlDeviceGetComputeRunningProcesses_v3"], json!([pout]), "{l2}");
+    assert_eq!(l2["nvmlDeviceGetGraphicsRunningProcesses"], json!([pout]), "{l2}");
     for c in [&mut inside, &mut outside] {
         c.kill().unwrap();
         c.wait().unwrap();
