@@ -840,50 +840,61 @@ def nvml_processes(s, lim, smi):
     """A process of the container and a stranger each hold memory: every NVML query that names
     processes (nvml-probe lists: every version of the compute, graphics and MPS lists, the detail
     list, the per-process utilization) names only the first in the container, and nvidia-smi's
-    compute apps there too; outside, the compute list names both."""
+    compute apps there too; outside, the compute list names both. The same for a container that
+    shares the GPU by an SM limit alone (no memory limit), with a process of its own."""
     region = os.path.join(s.tmp, "nvml-lists.region")
+    region_sm = os.path.join(s.tmp, "nvml-lists-sm.region")
     size = 64 * MIB
     hold = [s.bin("gpu-probe"), "hold", "--size", str(size)]
     probe = s.bin("nvml-probe")
-    mine = Proc(s, hold, s.env(True, mem=lim, region=region))
-    other = Proc(s, hold, s.env(False))
+    containers = (("memory", lambda: s.env(True, mem=lim, region=region)),
+                  ("SM-only", lambda: s.env(True, sm=50, region=region_sm)))
+    procs = {}
     try:
-        held(mine, "the container's process", size)
-        held(other, "the process outside", size)
-        _, inside, _, err = s.run([probe, "lists"], s.env(True, mem=lim, region=region))
-        _, outside, _, err2 = s.run([probe, "lists"], s.env(False))
-        apps = {}
-        if smi:
-            q = [smi, "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"]
-            for where, env in (("inside", s.env(True, mem=lim, region=region)), ("outside", s.env(False))):
-                rc, _, out, e = s.run(q, env)
+        for where, env in containers:
+            procs[where] = Proc(s, hold, env())
+        other = procs["outside"] = Proc(s, hold, s.env(False))
+        for where, p in procs.items():
+            held(p, "the %s process" % where, size)
+        lists, apps = {}, {}
+        for where, env in containers + (("outside", lambda: s.env(False)),):
+            _, j, _, err = s.run([probe, "lists"], env())
+            if not j:
+                raise Fail("nvml-probe lists failed (%s): %s" % (where, tail(err)))
+            lists[where] = j["gpus"][0]["lists"]
+            if smi:
+                q = [smi, "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"]
+                rc, _, out, e = s.run(q, env())
                 apps[where] = sorted(int(x) for x in out.split() if x.strip().isdigit()) if rc == 0 else "rc=%d: %s" % (rc, tail(e))
     finally:
-        mine.kill()
-        other.kill()
-    if not inside or not outside:
-        raise Fail("nvml-probe lists failed: %s" % tail(err or err2))
-    pin, pout = mine.pid, other.pid
-    got, seen = inside["gpus"][0]["lists"], outside["gpus"][0]["lists"]
+        for p in procs.values():
+            p.kill()
+    pout = other.pid
     problems = []
-    compute = [n for n in got if "ComputeRunningProcesses" in n and "MPS" not in n and isinstance(got[n], list)]
-    if not compute:
-        problems.append("no compute process list answered in the container: %s" % got)
-    for n, l in sorted(got.items()):
-        if isinstance(l, list) and (l != [pin] if n in compute else not set(l) <= {pin}):
-            problems.append("%s in the container names %s (its process: %d)" % (n, l, pin))
-    outside_v3 = seen.get("nvmlDeviceGetComputeRunningProcesses_v3")
-    if not isinstance(outside_v3, list) or not {pin, pout} <= set(outside_v3):
-        problems.append("outside, NVML's compute list %s does not name both %d and %d" % (outside_v3, pin, pout))
-    if smi and apps.get("inside") != [pin]:
-        problems.append("nvidia-smi's compute apps in the container: %s" % apps.get("inside"))
-    if smi and not (isinstance(apps.get("outside"), list) and {pin, pout} <= set(apps["outside"])):
+    for where, _ in containers:
+        got, pin = lists[where], procs[where].pid
+        compute = [n for n in got if "ComputeRunningProcesses" in n and "MPS" not in n and isinstance(got[n], list)]
+        if not compute:
+            problems.append("no compute process list answered in the %s container: %s" % (where, got))
+        for n, l in sorted(got.items()):
+            if isinstance(l, list) and (l != [pin] if n in compute else not set(l) <= {pin}):
+                problems.append("%s in the %s container names %s (its process: %d)" % (n, where, l, pin))
+        if smi and apps.get(where) != [pin]:
+            problems.append("nvidia-smi's compute apps in the %s container: %s" % (where, apps.get(where)))
+    everyone = {p.pid for p in procs.values()}
+    outside_v3 = lists["outside"].get("nvmlDeviceGetComputeRunningProcesses_v3")
+    if not isinstance(outside_v3, list) or not everyone <= set(outside_v3):
+        problems.append("outside, NVML's compute list %s does not name all of %s" % (outside_v3, sorted(everyone)))
+    if smi and not (isinstance(apps.get("outside"), list) and everyone <= set(apps["outside"])):
         problems.append("nvidia-smi's compute apps outside: %s" % apps.get("outside"))
+    got = lists["memory"]
     answered = sorted(n for n, l in got.items() if isinstance(l, list))
     summary = "in the container %d of %d NVML process queries answered%s" % (
-        len(answered), len(got), "" if problems else ", naming only its process" + (" (nvidia-smi too)" if smi else ""))
-    return summary, {"container_pid": pin, "other_pid": pout, "inside": got, "outside": seen,
-                     "nvidia_smi_apps": apps, "problems": problems}
+        len(answered), len(got), "" if problems else ", naming only its process, also under an SM limit alone"
+        + (" (nvidia-smi too)" if smi else ""))
+    return summary, {"container_pid": procs["memory"].pid, "sm_only_container_pid": procs["SM-only"].pid,
+                     "other_pid": pout, "inside": got, "inside_sm_only": lists["SM-only"],
+                     "outside": lists["outside"], "nvidia_smi_apps": apps, "problems": problems}
 
 
 def clock_scaled(got, util, base_util):

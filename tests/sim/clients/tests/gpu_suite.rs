@@ -204,6 +204,8 @@ fn the_suite_passes_on_the_simulated_gpu() {
     let p = &c["values"]["processes"];
     assert_eq!(p["inside"].as_object().map(|m| m.len()), Some(14), "{c}");
     assert_eq!(p["inside"]["nvmlDeviceGetComputeRunningProcesses"], json!([p["container_pid"]]), "{c}");
+    // And in a container with an SM limit alone, its own process.
+    assert_eq!(p["inside_sm_only"]["nvmlDeviceGetComputeRunningProcesses"], json!([p["sm_only_container_pid"]]), "{c}");
     // The simulated driver has CUDA 13.0's cuMemSetMemPool: pool-hold's third run took place.
     let (_, c) = status("pool-hold");
     assert_eq!(c["values"]["own_current"]["own_current"], true, "{c}");
