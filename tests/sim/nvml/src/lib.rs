@@ -461,6 +461,35 @@ exports! {
         let pct = ((busy * 100 + w / 2) / w).min(100) as c_uint;
         out(u, nvmlUtilization_t { gpu: pct, memory: pct / 2 })
     }
+    fn nvmlDeviceGetSamples(
+        d: nvmlDevice_t, kind: nvmlSamplingType_t, last_seen: u64, vt: *mut nvmlValueType_t, count: *mut c_uint,
+        s: *mut nvmlSample_t,
+    ) {
+        let (n, g, _) = phys(d)?;
+        let memory = match kind {
+            nvmlSamplingType_enum_NVML_GPU_UTILIZATION_SAMPLES => false,
+            nvmlSamplingType_enum_NVML_MEMORY_UTILIZATION_SAMPLES => true,
+            _ => return Err(NOT_SUPPORTED),
+        };
+        if count.is_null() {
+            return Err(INVALID);
+        }
+        out(vt, nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT)?;
+        let list = utilization_samples(n, g, last_seen, memory);
+        if list.is_empty() {
+            out(count, 0)?;
+            return Err(NOT_FOUND);
+        }
+        if s.is_null() {
+            return out(count, list.len() as c_uint);
+        }
+        // As many as the array holds, the newest, oldest first.
+        // SAFETY: count is non-null.
+        let k = (unsafe { *count } as usize).min(list.len());
+        // SAFETY: s holds *count >= k entries.
+        unsafe { std::ptr::copy_nonoverlapping(list[list.len() - k..].as_ptr(), s, k) };
+        out(count, k as c_uint)
+    }
     fn nvmlDeviceGetProcessUtilization(d: nvmlDevice_t, s: *mut nvmlProcessUtilizationSample_t, count: *mut c_uint, last_seen: u64) {
         let samples = process_samples(d, last_seen);
         if let Err(NOT_FOUND) = samples {
@@ -793,6 +822,33 @@ fn mps_server(pid: u32) -> bool {
 
 /// The per-process SM samples since `last_seen` (NVML's wall clock, µs; 0: the last window);
 /// NOT_FOUND when there are none.
+/// The wall clock (us) at CLOCK_MONOTONIC `mono` (ns), the same in every call of this process.
+fn wall_us_at(mono: u64) -> u64 {
+    static OFFSET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    mono / 1000 + *OFFSET.get_or_init(|| realtime_us().saturating_sub(now_ns() / 1000))
+}
+
+/// The samples NVML keeps of a GPU's utilization (`nvmlDeviceGetSamples`): one per sixth of the
+/// utilization window (the figure `nvmlDeviceGetUtilizationRates` averages over), the last 20, each
+/// the share of its period a kernel ran (halved for the memory's, as that query's), timestamped at
+/// its period's end; those after `last_seen`, oldest first.
+fn utilization_samples(n: &Node, g: usize, last_seen: u64, memory: bool) -> Vec<nvmlSample_t> {
+    let period = (n.cfg.util_window_ns / 6).max(1_000_000);
+    let mono = now_ns();
+    let end = mono - mono % period;
+    (0..20u64)
+        .rev()
+        .filter_map(|i| {
+            let t = end.checked_sub(i * period)?;
+            let (busy, _) = n.busy(g, t.saturating_sub(period), t);
+            let pct = ((busy * 100 + period / 2) / period).min(100) as c_uint;
+            let timeStamp = wall_us_at(t);
+            let v = if memory { pct / 2 } else { pct };
+            (timeStamp > last_seen).then_some(nvmlSample_t { timeStamp, sampleValue: nvmlValue_t { uiVal: v } })
+        })
+        .collect()
+}
+
 fn process_samples(d: nvmlDevice_t, last_seen: u64) -> R<Vec<nvmlProcessUtilizationSample_t>> {
     let (n, g, _) = phys(d)?;
     if n.cfg.process_util == vgpu_sim::config::ProcessUtil::None {
@@ -801,11 +857,8 @@ fn process_samples(d: nvmlDevice_t, last_seen: u64) -> R<Vec<nvmlProcessUtilizat
     let (mut mono, mut real) = (now_ns(), realtime_us());
     // Sampled at a period: the newest sample is the last period's end.
     if let Some(p) = Some(n.cfg.process_sample_ns).filter(|&p| p > 0) {
-        // The wall clock of a period's end, the same in every call of this process.
-        static OFFSET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-        let offset = *OFFSET.get_or_init(|| real.saturating_sub(mono / 1000));
         mono -= mono % p;
-        real = mono / 1000 + offset;
+        real = wall_us_at(mono);
         if last_seen >= real {
             return Err(NOT_FOUND);
         }

@@ -80,6 +80,15 @@ fn snapshot(nvml: &Nvml) -> Value {
                 .collect::<Vec<_>>()
         });
         let util = d.utilization_rates().map(|u| json!({"gpu": u.gpu, "memory": u.memory}));
+        // The GPU utilization samples NVML keeps (nvidia-smi -q -d UTILIZATION), oldest first.
+        let samples = d.samples(nvml_wrapper::enum_wrappers::device::Sampling::GpuUtilization, None).map(|v| {
+            v.iter()
+                .map(|s| match s.value {
+                    nvml_wrapper::enums::device::SampleValue::U32(x) => json!(x),
+                    ref other => json!(format!("{other:?}")),
+                })
+                .collect::<Vec<_>>()
+        });
         let putil = d
             .process_utilization_stats(None)
             .map(|v| v.iter().map(|s| json!({"pid": s.pid, "sm": s.sm_util, "ts": s.timestamp})).collect::<Vec<_>>());
@@ -101,6 +110,7 @@ fn snapshot(nvml: &Nvml) -> Value {
             "memory": mem.ok(),
             "processes": procs.map_err(|e| e.to_string()),
             "utilization": util.ok(),
+            "utilization_samples": samples.map_err(|e| e.to_string()),
             "process_utilization": putil.unwrap_or_default(),
             "numa_node": d.numa_node_id().ok(),
             "cpu_affinity": d.cpu_affinity(2).ok(),
