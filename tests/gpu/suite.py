@@ -1445,8 +1445,15 @@ def check_agent_sm(s):
         probe = s.bin_or_none("nvml-probe")
 
         def gpu_util(env):
+            """GPU-Util, and the highest of NVML's latest five utilization samples (nvidia-smi -q -d
+            UTILIZATION; None where the driver keeps none)."""
             _, j, _, _ = s.run([probe, "snapshot"], env)
-            return j and (j["gpus"][0].get("utilization") or {}).get("gpu")
+            if not j:
+                return None, None
+            g = j["gpus"][0]
+            samples = (g.get("utilization_samples") or {}).get("Ok") or []
+            recent = [x for x in samples[-5:] if isinstance(x, int)]
+            return (g.get("utilization") or {}).get("gpu"), max(recent) if recent else None
 
         def watch():
             while not stop.is_set():
@@ -1457,7 +1464,10 @@ def check_agent_sm(s):
                                  "slices": {n: ((slice_in(st, n) or {}).get("gpus") or [{}])[0] for n in ("low", "high")}})
                     # What NVML (nvidia-smi's GPU-Util) shows in each slice and outside, twice.
                     if probe and len(seen) in (8, 16):
-                        shown.append({"low": gpu_util(envs[0]), "high": gpu_util(envs[1]), "gpu": gpu_util(s.env(False))})
+                        row = {}
+                        for k, env in (("low", envs[0]), ("high", envs[1]), ("gpu", s.env(False))):
+                            row[k], row[k + "_samples"] = gpu_util(env)
+                        shown.append(row)
                 stop.wait(0.5)
 
         w = threading.Thread(target=watch, daemon=True)
@@ -1482,6 +1492,9 @@ def check_agent_sm(s):
     if shown:
         summary += "; NVML GPU-Util in the slices %s %% and %s %% (GPU %s %%)" % (
             "/".join(str(x["low"]) for x in shown), "/".join(str(x["high"]) for x in shown), "/".join(str(x["gpu"]) for x in shown))
+        summary += ", its latest samples up to %s %% and %s %% (GPU %s %%)" % (
+            "/".join(str(x["low_samples"]) for x in shown), "/".join(str(x["high_samples"]) for x in shown),
+            "/".join(str(x["gpu_samples"]) for x in shown))
     # As sm-25-75, with the agent's feedback on top: it must not make the shares worse (budgets
     # corrected on per-process samples that are not shares would show here far below).
     ok, pv, ptext = pair_shares(s, kind, glo, ghi)

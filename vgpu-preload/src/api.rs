@@ -135,6 +135,7 @@ macro_rules! nvml_hooks {
             nvmlDeviceGetMemoryInfo(dev: NvmlDevice, mem: *mut NvmlMemory) => nvml::memory_info;
             nvmlDeviceGetMemoryInfo_v2(dev: NvmlDevice, mem: *mut NvmlMemoryV2) => nvml::memory_info_v2;
             nvmlDeviceGetUtilizationRates(dev: NvmlDevice, util: *mut NvmlUtilization) => nvml::utilization_rates;
+            nvmlDeviceGetSamples(dev: NvmlDevice, kind: u32, last_seen: u64, value_type: *mut u32, count: *mut u32, samples: *mut NvmlSample) => nvml::samples;
             nvmlDeviceGetComputeRunningProcesses_v3(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
             nvmlDeviceGetComputeRunningProcesses_v2(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfo) => nvml::processes;
             nvmlDeviceGetComputeRunningProcesses(dev: NvmlDevice, count: *mut u32, infos: *mut NvmlProcessInfoV1) => nvml::processes;

@@ -1,6 +1,7 @@
-//! NVML inside the container: memory info shows the container's slice, and the process list shows
-//! the container's processes (so `nvidia-smi` in the container shows its slice). Devices are matched
-//! to the region by UUID; devices without a limit, and MIG devices, pass through.
+//! NVML inside the container: memory info shows the container's slice, the queries that name
+//! processes name the container's, and GPU-Util and its samples the container's share (so
+//! `nvidia-smi` in the container shows its slice). Devices are matched to the region by UUID;
+//! devices without a limit, and MIG devices, pass through.
 #![allow(clippy::missing_safety_doc)]
 
 use crate::real::{nvml, nvml_fns as f};
@@ -146,6 +147,58 @@ pub unsafe fn utilization_rates(
     if let Some(pct) = mine {
         // SAFETY: u is non-null and NVML filled it.
         unsafe { (*u).gpu = (*u).gpu.min(pct) };
+    }
+    r
+}
+
+/// `nvmlSample_t`: a CPU timestamp (us) and an `nvmlValue_t` (a union of 8 bytes; utilization
+/// samples are its `unsigned int` member, the first 4 bytes).
+#[repr(C)]
+pub struct NvmlSample {
+    pub timestamp: u64,
+    pub value: NvmlValue,
+}
+
+/// `nvmlValue_t`, the members read here.
+#[repr(C)]
+pub union NvmlValue {
+    pub ui: u32,
+    pub ull: u64,
+}
+
+/// `NVML_GPU_UTILIZATION_SAMPLES` of `nvmlSamplingType_t`.
+const GPU_UTILIZATION_SAMPLES: u32 = 1;
+/// `NVML_VALUE_TYPE_UNSIGNED_INT` of `nvmlValueType_t`.
+const VALUE_TYPE_UNSIGNED_INT: u32 = 1;
+
+/// `nvmlDeviceGetSamples`: on a device of the container, the GPU utilization samples (what
+/// `nvidia-smi -q -d UTILIZATION` shows) capped as [`utilization_rates`] is, at the share of the
+/// GPU's time the container's kernels ran as the agent last published it. Other kinds of sample,
+/// and every sample where no figure is published, are the GPU's.
+pub unsafe fn samples(
+    real: f::nvmlDeviceGetSamples,
+    dev: NvmlDevice,
+    kind: u32,
+    last_seen: u64,
+    value_type: *mut u32,
+    count: *mut u32,
+    samples: *mut NvmlSample,
+) -> NvmlReturn {
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
+    let r = unsafe { real(dev, kind, last_seen, value_type, count, samples) };
+    if r != NVML_SUCCESS || kind != GPU_UTILIZATION_SAMPLES || samples.is_null() || count.is_null() {
+        return r;
+    }
+    // SAFETY: value_type, where given, is what NVML just wrote.
+    if value_type.is_null() || unsafe { *value_type } != VALUE_TYPE_UNSIGNED_INT {
+        return r;
+    }
+    let Some(pct) = region_device(dev).and_then(|d| state().region.as_ref()?.utilization(d)) else { return r };
+    // SAFETY: NVML filled *count entries of the caller's array.
+    let filled = unsafe { std::slice::from_raw_parts_mut(samples, *count as usize) };
+    for s in filled {
+        // SAFETY: the value type is unsigned int: the union's `ui` member is the one NVML wrote.
+        unsafe { s.value.ui = s.value.ui.min(pct) };
     }
     r
 }

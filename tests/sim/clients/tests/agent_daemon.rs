@@ -623,18 +623,36 @@ fn nvml_in_a_slice_shows_the_slice_s_own_utilization() {
         busy.args(["launch", "--kernel", "sleep_5ms", "--seconds", "20"]).stdout(Stdio::null()).spawn().unwrap();
     a.wait("the busy slice measured", |v| slice_of(v, "busy")["gpus"][0]["sm_used"].as_u64() >= Some(80));
     let lib = s.libs.join("libnvidia-ml.so.1");
-    let gpu_util = |c: &mut Command| -> u64 {
+    // GPU-Util (nvmlDeviceGetUtilizationRates), and the lowest and highest of NVML's latest
+    // utilization samples (nvmlDeviceGetSamples: nvidia-smi -q -d UTILIZATION).
+    let gpu_util = |c: &mut Command| -> (u64, u64, u64) {
         let o = c.args(["--lib", lib.to_str().unwrap(), "snapshot"]).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-        v["gpus"][0]["utilization"]["gpu"].as_u64().unwrap()
+        let samples: Vec<u64> = v["gpus"][0]["utilization_samples"]["Ok"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no samples: {}", v["gpus"][0]))
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert!(samples.len() >= 5, "{samples:?}");
+        // The newest five (oldest first): the last 400 ms or so, while the busy slice ran.
+        let recent = &samples[samples.len() - 5..];
+        let (lo, hi) = (*recent.iter().min().unwrap(), *recent.iter().max().unwrap());
+        (v["gpus"][0]["utilization"]["gpu"].as_u64().unwrap(), lo, hi)
     };
-    let outside = gpu_util(&mut s.cmd(NVML));
-    let in_idle = gpu_util(&mut in_slice(&s, &detail["idle"], NVML));
-    let in_busy = gpu_util(&mut in_slice(&s, &detail["busy"], NVML));
-    assert!(outside >= 80, "the GPU is busy: {outside} %");
-    assert!(in_idle <= 5, "the idle slice's own kernels: none, shown {in_idle} %");
+    let (outside, out_lo, _) = gpu_util(&mut s.cmd(NVML));
+    let (in_idle, _, idle_hi) = gpu_util(&mut in_slice(&s, &detail["idle"], NVML));
+    let (in_busy, busy_lo, busy_hi) = gpu_util(&mut in_slice(&s, &detail["busy"], NVML));
+    // (A sample covers a sixth of the window: busy from about 60 % up, as the launches come.)
+    assert!(outside >= 80 && out_lo >= 40, "the GPU is busy: {outside} %, samples from {out_lo} %");
+    assert!(
+        in_idle <= 5 && idle_hi <= 5,
+        "the idle slice's own kernels: none, shown {in_idle} %, samples up to {idle_hi} %"
+    );
     assert!(in_busy >= 70 && in_busy <= outside, "the busy slice's own: {in_busy} % (GPU {outside} %)");
+    // Its samples are the GPU's, capped at its own share (at least 70 %).
+    assert!(busy_lo >= 40, "the busy slice's samples: {busy_lo}-{busy_hi} %");
     // nvidia-smi's view there: the slice's memory, its utilisation, its one process.
     let o = in_slice(&s, &detail["idle"], NVML).args(["--lib", lib.to_str().unwrap(), "smi"]).output().unwrap();
     let smi = String::from_utf8_lossy(&o.stdout);
@@ -646,8 +664,8 @@ fn nvml_in_a_slice_shows_the_slice_s_own_utilization() {
     // The agent stops: within its figure's life (2 s here) the GPU's shows again.
     a.sigkill();
     std::thread::sleep(Duration::from_millis(2500));
-    let in_idle = gpu_util(&mut in_slice(&s, &detail["idle"], NVML));
-    assert!(in_idle >= 80, "no agent: the GPU's figure, {in_idle} %");
+    let (in_idle, idle_lo, _) = gpu_util(&mut in_slice(&s, &detail["idle"], NVML));
+    assert!(in_idle >= 80 && idle_lo >= 40, "no agent: the GPU's figures, {in_idle} %, samples from {idle_lo} %");
     busy.kill().unwrap();
     busy.wait().unwrap();
     s.kill(idle);

@@ -229,6 +229,8 @@ fn the_suite_passes_on_the_simulated_gpu() {
     let shown = &c["values"]["nvml_in_slices"][0];
     let pct = |k: &str| shown[k].as_u64().unwrap_or_else(|| panic!("{k}: {c}"));
     assert!(pct("low") < pct("high") && pct("high") <= pct("gpu"), "{shown}");
+    // NVML's utilization samples there too: each slice's no higher than its share of the GPU.
+    assert!(pct("low_samples") <= pct("high_samples") && pct("high_samples") <= pct("gpu_samples"), "{shown}");
     assert!(
         c["values"]["statuses"].as_array().is_some_and(|v| !v.is_empty()),
         "the agent's status during the run: {c}"
