@@ -855,7 +855,7 @@ def nvml_processes(s, lim, smi):
             procs[where] = Proc(s, hold, env())
         other = procs["outside"] = Proc(s, hold, s.env(False))
         for where, p in procs.items():
-            held(p, "the %s process" % where, size)
+            held(p, "the process outside" if where == "outside" else "the %s container's process" % where, size)
         lists, apps = {}, {}
         for where, env in containers + (("outside", lambda: s.env(False)),):
             _, j, _, err = s.run([probe, "lists"], env())

@@ -159,7 +159,7 @@ pub struct NvmlSample {
     pub value: NvmlValue,
 }
 
-/// `nvmlValue_t`, the members read here.
+/// `nvmlValue_t`: the member read here, and the widest (which gives the union its 8 bytes).
 #[repr(C)]
 pub union NvmlValue {
     pub ui: u32,
@@ -322,11 +322,11 @@ listed!(
 );
 
 /// The container's processes as (the PID NVML names it by, the PID to show it under), when `dev`
-/// is shared (see [`shared_device`]; None: answer as NVML does). NVML lists host PIDs (the driver knows no PID
-/// namespace): a slot's host PID where known (its inner PID, in a PID namespace, may be another
-/// process's host PID), else its PID (no namespace, or it could not be told). It is shown under
-/// its PID in the container, unless the caller sees it by its host PID (a caller outside the
-/// container's PID namespace, such as the host with the container's environment).
+/// is shared (see [`shared_device`]; None: answer as NVML does). NVML lists host PIDs (the driver
+/// knows no PID namespace): a slot's host PID where known (its inner PID, in a PID namespace, may
+/// be another process's host PID), else its PID (no namespace, or it could not be told). It is
+/// shown under its PID in the container, unless the caller sees it by its host PID (a caller
+/// outside the container's PID namespace, such as the host with the container's environment).
 fn ours(dev: NvmlDevice) -> Option<Vec<(u32, u32)>> {
     if !shared_device(dev) {
         return None;

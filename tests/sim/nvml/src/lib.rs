@@ -820,8 +820,6 @@ fn mps_server(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == "nvidia-cuda-mps")
 }
 
-/// The per-process SM samples since `last_seen` (NVML's wall clock, µs; 0: the last window);
-/// NOT_FOUND when there are none.
 /// The wall clock (us) at CLOCK_MONOTONIC `mono` (ns), the same in every call of this process.
 fn wall_us_at(mono: u64) -> u64 {
     static OFFSET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
@@ -849,6 +847,8 @@ fn utilization_samples(n: &Node, g: usize, last_seen: u64, memory: bool) -> Vec<
         .collect()
 }
 
+/// The per-process SM samples since `last_seen` (NVML's wall clock, µs; 0: the last window);
+/// NOT_FOUND when there are none.
 fn process_samples(d: nvmlDevice_t, last_seen: u64) -> R<Vec<nvmlProcessUtilizationSample_t>> {
     let (n, g, _) = phys(d)?;
     if n.cfg.process_util == vgpu_sim::config::ProcessUtil::None {
