@@ -234,3 +234,70 @@ fn the_receiver_renders_when_enabled() {
     let args = d.spec.unwrap().template.spec.unwrap().containers[0].args.clone().unwrap();
     assert!(args.contains(&"--client-ca=/etc/vgpu-receiver/ca.pem".to_string()), "{args:?}");
 }
+
+/// The alerting rules: the plain rules file and the chart's PrometheusRule (off by default) hold the
+/// same groups, and every rule is complete: a unique `Vgpu` name, an expression whose brackets
+/// balance, a `for` that is a duration, a severity, a summary and a description. (That every metric
+/// they name is one the agent exports is checked against its scrape: vgpu-sim-clients,
+/// agent_daemon.)
+#[test]
+fn the_alerting_rules_are_the_chart_s_and_complete() {
+    let chart = root().join("packaging/helm/vgpu");
+    let mut values: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let file: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(root().join("packaging/prometheus/vgpu-alerts.yaml")).unwrap())
+            .unwrap();
+    let t = std::fs::read_to_string(chart.join("templates/prometheusrule.yaml")).unwrap();
+    assert!(render(&t, &values).trim().is_empty(), "off by default");
+    values["prometheusRule"] = yaml_serde::Value::Bool(true);
+    let pr: yaml_serde::Value = yaml_serde::from_str(&render(&t, &values)).unwrap();
+    assert_eq!(
+        (pr["apiVersion"].as_str(), pr["kind"].as_str()),
+        (Some("monitoring.coreos.com/v1"), Some("PrometheusRule"))
+    );
+    assert_eq!(pr["metadata"]["namespace"].as_str(), Some(NAMESPACE));
+    assert_eq!(
+        pr["spec"]["groups"], file["groups"],
+        "the chart's rules and packaging/prometheus/vgpu-alerts.yaml differ"
+    );
+
+    let rules = file["groups"][0]["rules"].as_sequence().unwrap();
+    assert!(rules.len() >= 5, "{rules:?}");
+    let mut names = std::collections::HashSet::new();
+    for r in rules {
+        let name = r["alert"].as_str().unwrap();
+        assert!(name.starts_with("Vgpu") && names.insert(name), "{name}: a unique Vgpu name");
+        let expr = r["expr"].as_str().unwrap();
+        let mut depth = Vec::new();
+        for c in expr.chars() {
+            match c {
+                '(' | '[' | '{' => depth.push(c),
+                ')' | ']' | '}' => {
+                    let open = depth.pop();
+                    assert_eq!(
+                        open,
+                        Some(match c {
+                            ')' => '(',
+                            ']' => '[',
+                            _ => '{',
+                        }),
+                        "{name}: {expr}"
+                    );
+                }
+                _ => {}
+            }
+        }
+        assert!(depth.is_empty() && !expr.trim().is_empty(), "{name}: {expr}");
+        if let Some(f) = r.get("for") {
+            let f = f.as_str().unwrap();
+            let (n, unit) = f.split_at(f.len() - 1);
+            assert!(n.parse::<u32>().is_ok() && matches!(unit, "s" | "m" | "h"), "{name}: for {f}");
+        }
+        let sev = r["labels"]["severity"].as_str().unwrap_or_default();
+        assert!(matches!(sev, "critical" | "warning" | "info"), "{name}: severity {sev:?}");
+        for a in ["summary", "description"] {
+            assert!(r["annotations"][a].as_str().is_some_and(|s| s.len() > 20), "{name}: {a}");
+        }
+    }
+}

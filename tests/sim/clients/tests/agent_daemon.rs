@@ -142,6 +142,21 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     assert_eq!(metric(&body, "vgpu_escapes_total", "kind=\"unaccounted\""), 1.0);
     assert!(metric(&body, "hami_host_gpu_memory_used_bytes", "device_index=\"0\"") >= (728 * MIB) as f64);
     assert!(metric(&body, "vgpu_agent_passes_total", "") >= 1.0);
+    // Every metric the packaged alerting rules name is one the agent exports.
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../packaging/prometheus/vgpu-alerts.yaml");
+    let rules = std::fs::read_to_string(rules).unwrap();
+    let mut named = Vec::new();
+    for expr in rules.lines().filter_map(|l| l.trim().strip_prefix("expr:")) {
+        for w in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if w.starts_with("vgpu_") || w.starts_with("hami_") {
+                named.push(w);
+            }
+        }
+    }
+    assert!(named.len() >= 5, "{named:?}");
+    for m in named {
+        assert!(body.contains(&format!("# TYPE {m} ")), "the alerting rules name {m}, which the agent does not export");
+    }
     assert_eq!(a.scrape("/healthz").0, "HTTP/1.1 200 OK");
     assert_eq!(a.scrape("/nope").0, "HTTP/1.1 404 Not Found");
 
