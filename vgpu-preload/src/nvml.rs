@@ -129,6 +129,12 @@ pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevic
     NVML_SUCCESS
 }
 
+/// The share of `dev`'s time the container's kernels ran, as the agent last published it in the
+/// region (None: not a device of the container, or no fresh figure).
+fn slice_utilization(dev: NvmlDevice) -> Option<u32> {
+    region_device(dev).and_then(|d| state().region.as_ref()?.utilization(d))
+}
+
 /// `nvmlDeviceGetUtilizationRates`: on a device of the container, the share of the GPU's time its
 /// own kernels ran, as the agent last measured it (never more than the GPU's); the GPU's figure
 /// where none is published (no agent, or its figure went stale). The memory figure stays the
@@ -143,8 +149,7 @@ pub unsafe fn utilization_rates(
     if r != NVML_SUCCESS || u.is_null() {
         return r;
     }
-    let mine = region_device(dev).and_then(|d| state().region.as_ref()?.utilization(d));
-    if let Some(pct) = mine {
+    if let Some(pct) = slice_utilization(dev) {
         // SAFETY: u is non-null and NVML filled it.
         unsafe { (*u).gpu = (*u).gpu.min(pct) };
     }
@@ -193,7 +198,7 @@ pub unsafe fn samples(
     if value_type.is_null() || unsafe { *value_type } != VALUE_TYPE_UNSIGNED_INT {
         return r;
     }
-    let Some(pct) = region_device(dev).and_then(|d| state().region.as_ref()?.utilization(d)) else { return r };
+    let Some(pct) = slice_utilization(dev) else { return r };
     // SAFETY: NVML filled *count entries of the caller's array.
     let filled = unsafe { std::slice::from_raw_parts_mut(samples, *count as usize) };
     for s in filled {

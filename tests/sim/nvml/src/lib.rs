@@ -458,7 +458,7 @@ exports! {
         let now = now_ns();
         let w = n.cfg.util_window_ns;
         let (busy, _) = n.busy(g, now.saturating_sub(w), now);
-        let pct = ((busy * 100 + w / 2) / w).min(100) as c_uint;
+        let pct = share_pct(busy, w);
         out(u, nvmlUtilization_t { gpu: pct, memory: pct / 2 })
     }
     fn nvmlDeviceGetSamples(
@@ -820,6 +820,11 @@ fn mps_server(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == "nvidia-cuda-mps")
 }
 
+/// `busy` ns of a `span` ns long as a rounded percentage (at most 100), as NVML reports shares.
+fn share_pct(busy: u64, span: u64) -> c_uint {
+    ((busy * 100 + span / 2) / span).min(100) as c_uint
+}
+
 /// The wall clock (us) at CLOCK_MONOTONIC `mono` (ns), the same in every call of this process.
 fn wall_us_at(mono: u64) -> u64 {
     static OFFSET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
@@ -839,7 +844,7 @@ fn utilization_samples(n: &Node, g: usize, last_seen: u64, memory: bool) -> Vec<
         .filter_map(|i| {
             let t = end.checked_sub(i * period)?;
             let (busy, _) = n.busy(g, t.saturating_sub(period), t);
-            let pct = ((busy * 100 + period / 2) / period).min(100) as c_uint;
+            let pct = share_pct(busy, period);
             let timeStamp = wall_us_at(t);
             let v = if memory { pct / 2 } else { pct };
             (timeStamp > last_seen).then_some(nvmlSample_t { timeStamp, sampleValue: nvmlValue_t { uiVal: v } })
@@ -878,7 +883,7 @@ fn process_samples(d: nvmlDevice_t, last_seen: u64) -> R<Vec<nvmlProcessUtilizat
         .map(|(pid, b)| nvmlProcessUtilizationSample_t {
             pid,
             timeStamp: real,
-            smUtil: ((b * 100 + span / 2) / span).min(100) as c_uint,
+            smUtil: share_pct(b, span),
             memUtil: 0,
             encUtil: 0,
             decUtil: 0,
