@@ -44,6 +44,14 @@ fn render(template: &str, values: &yaml_serde::Value) -> String {
         let mut rest = line;
         while let Some(i) = rest.find("{{") {
             out.push_str(&rest[..i]);
+            // A raw string, {{`...`}}: its text as it is (how the chart writes Prometheus's own
+            // {{ $labels.x }} templates).
+            if let Some(raw) = rest[i + 2..].strip_prefix('`') {
+                let end = raw.find("`}}").expect("a raw string closed by `}}");
+                out.push_str(&raw[..end]);
+                rest = &raw[end + 3..];
+                continue;
+            }
             let j = rest[i..].find("}}").expect("closed") + i;
             let expr = rest[i + 2..j].trim();
             if expr == ".Release.Namespace" {
@@ -166,6 +174,21 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
     v2["serviceMonitor"] = yaml_serde::Value::Bool(true);
     let sm = render(&std::fs::read_to_string(chart.join("templates/servicemonitor.yaml")).unwrap(), &v2);
     assert!(sm.contains("kind: ServiceMonitor") && sm.contains("port: 9394"), "{sm}");
+    let docs: Vec<yaml_serde::Value> = sm.split("\n---\n").map(|d| yaml_serde::from_str(d).unwrap()).collect();
+    // The operator names the job after the Service: the job the agent-down alert watches.
+    let job = docs[0]["metadata"]["name"].as_str().unwrap();
+    let rules = std::fs::read_to_string(root().join("packaging/prometheus/vgpu-alerts.yaml")).unwrap();
+    assert!(rules.contains(&format!("up{{job=\"{job}\"}} == 0")), "the agent-down alert watches job {job}");
+    // The agent's namespace/pod/container labels (the workload's) win over the target's, and the
+    // node's name is added: the alerts' summaries name both.
+    let ep = &docs[1]["spec"]["endpoints"][0];
+    assert_eq!(ep["honorLabels"].as_bool(), Some(true), "{sm}");
+    let node = &ep["relabelings"][0];
+    assert_eq!(
+        (node["sourceLabels"][0].as_str(), node["targetLabel"].as_str()),
+        (Some("__meta_kubernetes_pod_node_name"), Some("node")),
+        "{sm}"
+    );
 
     // The DRA driver's DeviceClasses, off by default, select its devices by the driver's name.
     let t = std::fs::read_to_string(chart.join("templates/deviceclasses.yaml")).unwrap();
