@@ -324,3 +324,58 @@ fn the_alerting_rules_are_the_chart_s_and_complete() {
         }
     }
 }
+
+/// The Grafana dashboard is one Grafana imports as it is: a uid, a data source variable every
+/// query uses, panels with unique ids inside the 24-column grid and not overlapping, each with a
+/// description, and queries that use only the dashboard's variables. (That every query returns
+/// series from a real agent is checked against a real Prometheus: vgpu-sim-clients, prometheus.)
+#[test]
+fn the_grafana_dashboard_is_well_formed() {
+    let d: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root().join("packaging/grafana/vgpu-dashboard.json")).unwrap())
+            .unwrap();
+    assert!(d["uid"].as_str().is_some_and(|u| !u.is_empty() && u.len() <= 40), "uid");
+    assert!(d["title"].as_str().is_some_and(|t| t.starts_with("vgpu")));
+    let vars: Vec<&str> =
+        d["templating"]["list"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+    assert_eq!(vars[0], "datasource");
+    assert_eq!(d["templating"]["list"][0]["query"], "prometheus");
+    let uses_ds =
+        |v: &serde_json::Value| v["datasource"]["uid"] == "${datasource}" && v["datasource"]["type"] == "prometheus";
+    for v in &d["templating"]["list"].as_array().unwrap()[1..] {
+        assert!(uses_ds(v), "variable {v}");
+    }
+    let mut ids = std::collections::HashSet::new();
+    let mut cells = std::collections::HashSet::new();
+    let panels = d["panels"].as_array().unwrap();
+    assert!(panels.len() >= 15, "{}", panels.len());
+    for p in panels {
+        let title = p["title"].as_str().unwrap();
+        assert!(ids.insert(p["id"].as_u64().unwrap()), "{title}: id not unique");
+        let g = &p["gridPos"];
+        let (x, y, w, h) =
+            (g["x"].as_u64().unwrap(), g["y"].as_u64().unwrap(), g["w"].as_u64().unwrap(), g["h"].as_u64().unwrap());
+        assert!(w > 0 && h > 0 && x + w <= 24, "{title}: {g}");
+        for cx in x..x + w {
+            for cy in y..y + h {
+                assert!(cells.insert((cx, cy)), "{title} overlaps another panel at ({cx}, {cy})");
+            }
+        }
+        if p["type"] == "row" {
+            continue;
+        }
+        assert!(uses_ds(p), "{title}: the panel's data source");
+        assert!(p["description"].as_str().is_some_and(|s| s.len() > 20), "{title}: a description");
+        let targets = p["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "{title}");
+        let mut refs = std::collections::HashSet::new();
+        for t in targets {
+            assert!(uses_ds(t) && refs.insert(t["refId"].as_str().unwrap()), "{title}: {t}");
+            let expr = t["expr"].as_str().unwrap();
+            for word in expr.split('$').skip(1) {
+                let name: String = word.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                assert!(vars.contains(&name.as_str()) || name == "__rate_interval", "{title}: {expr} uses ${name}");
+            }
+        }
+    }
+}
