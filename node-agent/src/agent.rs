@@ -28,6 +28,9 @@ pub struct Stats {
     pub loop_us: AtomicU64,
     pub loop_max_us: AtomicU64,
     pub loop_us_total: AtomicU64,
+    /// When the last monitoring pass completed: milliseconds since the agent started, plus one (0:
+    /// none yet).
+    pub last_pass_ms: AtomicU64,
     /// Replica slices removed because no container holds their devices any more.
     pub slices_collected: AtomicU64,
 }
@@ -206,6 +209,42 @@ impl Agent {
 
     pub fn status(&self) -> Arc<pb::NodeStatus> {
         self.status.borrow().clone()
+    }
+
+    /// How long ago the last monitoring pass completed; None before the first.
+    pub fn pass_age(&self) -> Option<std::time::Duration> {
+        let done = self.stats.last_pass_ms.load(Relaxed);
+        let since_start = self.started.elapsed();
+        (done > 0).then(|| since_start.saturating_sub(std::time::Duration::from_millis(done - 1)))
+    }
+
+    /// Whether the monitoring has stalled: no pass completed for `stall_after_s` beyond its interval
+    /// (an NVML call that does not return, most often). Then, why.
+    pub fn stalled(&self) -> Option<String> {
+        let age = self.pass_age()?;
+        let limit = std::time::Duration::from_secs(self.cfg.stall_after_s)
+            + std::time::Duration::from_millis(self.cfg.monitor_interval_ms);
+        (age > limit).then(|| {
+            format!(
+                "monitoring stalled: no pass completed for {} s (an NVML call not returning?); the status shown is \
+                 that pass's",
+                age.as_secs()
+            )
+        })
+    }
+
+    /// The status to show now: the last pass's, with a warning added while the monitoring has stalled
+    /// (so that `vgpuctl status` and the metrics say so, not only an old timestamp).
+    pub fn live_status(&self) -> Arc<pb::NodeStatus> {
+        let st = self.status();
+        match self.stalled() {
+            None => st,
+            Some(why) => {
+                let mut s = (*st).clone();
+                s.warnings.push(why);
+                Arc::new(s)
+            }
+        }
     }
 
     pub fn subscribe(&self) -> watch::Receiver<Arc<pb::NodeStatus>> {
@@ -476,8 +515,10 @@ impl Agent {
                 problems.push(format!("GPU {} ({}) unhealthy: {}", g.index, g.uuid, g.health_reason));
             }
         }
+        let stalled = self.stalled();
+        problems.extend(stalled.clone());
         pb::HealthResponse {
-            live: true,
+            live: stalled.is_none(),
             ready,
             problems,
             metrics_address: self.metrics_address.read().map(|a| a.to_string()).unwrap_or_default(),
@@ -495,6 +536,7 @@ impl Agent {
         st.loop_us.store(loop_us, Relaxed);
         st.loop_max_us.fetch_max(loop_us, Relaxed);
         st.loop_us_total.fetch_add(loop_us, Relaxed);
+        st.last_pass_ms.store(self.started.elapsed().as_millis() as u64 + 1, Relaxed);
         if pass.reclaimed > 0 {
             tracing::info!(bytes = pass.reclaimed, "reclaimed memory of dead processes");
         }

@@ -56,7 +56,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + S
 impl pb::agent_server::Agent for Service {
     async fn status(&self, _: Request<pb::StatusRequest>) -> Result<Response<pb::NodeStatus>, Status> {
         self.ready()?;
-        Ok(Response::new((*self.agent.status()).clone()))
+        Ok(Response::new((*self.agent.live_status()).clone()))
     }
 
     type WatchStatusStream = ReceiverStream<Result<pb::NodeStatus, Status>>;
@@ -67,16 +67,25 @@ impl pb::agent_server::Agent for Service {
     ) -> Result<Response<Self::WatchStatusStream>, Status> {
         let min = Duration::from_millis(req.into_inner().min_interval_ms.clamp(10, 3_600_000) as u64);
         let mut rx = self.agent.subscribe();
+        let agent = self.agent.clone();
         let (tx, out) = tokio::sync::mpsc::channel(2);
         tokio::spawn(async move {
             loop {
-                let s = (**rx.borrow_and_update()).clone();
+                rx.borrow_and_update();
+                let s = (*agent.live_status()).clone();
                 if s.sequence > 0 && tx.send(Ok(s)).await.is_err() {
                     return;
                 }
                 tokio::time::sleep(min).await;
-                if rx.changed().await.is_err() {
-                    return;
+                // The next pass; or, while none comes and the monitoring has stalled, the same
+                // status again with the stall's warning, every few seconds.
+                loop {
+                    match tokio::time::timeout(min.max(Duration::from_secs(2)), rx.changed()).await {
+                        Ok(Ok(())) => break,
+                        Ok(Err(_)) => return,
+                        Err(_) if agent.stalled().is_some() => break,
+                        Err(_) => {}
+                    }
                 }
             }
         });

@@ -18,6 +18,7 @@ struct FileConfig {
     library: Option<PathBuf>,
     metrics_address: Option<String>,
     health_recovery_s: Option<u64>,
+    stall_after_s: Option<u64>,
     device_plugin: Option<String>,
     kubelet_dir: Option<PathBuf>,
     pod_resources_socket: Option<String>,
@@ -85,6 +86,9 @@ pub struct Config {
     /// A GPU marked unhealthy by a critical XID becomes healthy again after this many seconds
     /// without another one (and NVML answering for it).
     pub health_recovery_s: u64,
+    /// The monitoring counts as stalled (liveness fails, a warning is shown) when no pass has
+    /// completed for this many seconds beyond its interval.
+    pub stall_after_s: u64,
     /// Serve the kubelet device plugin API (when kubelet's socket is there).
     pub device_plugin: bool,
     /// Kubelet's device-plugin directory (its `kubelet.sock`, and where the plugin's socket goes).
@@ -314,6 +318,13 @@ impl Config {
         if !(1..=86_400).contains(&health_recovery_s) {
             return Err(bad("health_recovery_s", format!("{health_recovery_s} is outside 1..=86400")));
         }
+        let stall_after_s = match env("VGPU_AGENT_STALL_AFTER_S") {
+            Some(v) => v.trim().parse().map_err(|_| bad("stall_after_s", format!("{v:?} is not a number")))?,
+            None => file.stall_after_s.unwrap_or(60),
+        };
+        if !(1..=86_400).contains(&stall_after_s) {
+            return Err(bad("stall_after_s", format!("{stall_after_s} is outside 1..=86400")));
+        }
         let device_plugin = match env("VGPU_AGENT_DEVICE_PLUGIN").or(file.device_plugin).as_deref() {
             None | Some("auto") | Some("on") => true,
             Some("off") => false,
@@ -512,6 +523,7 @@ impl Config {
             metrics_tls,
             metrics_token_file,
             health_recovery_s,
+            stall_after_s,
         })
     }
 
@@ -698,6 +710,11 @@ mod tests {
         assert!(e.contains("metrics_address: \"localhost\" is not an address"), "{e}");
         let e = load(Some("health_recovery_s = 0"), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("health_recovery_s: 0 is outside"), "{e}");
+        let e = load(Some("stall_after_s = 0"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("stall_after_s: 0 is outside"), "{e}");
+        let e = load(None, &[("VGPU_AGENT_STALL_AFTER_S", "soon")], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("stall_after_s: \"soon\" is not a number"), "{e}");
+        assert_eq!(load(None, &[], Flags::default()).unwrap().stall_after_s, 60);
         for v in ["0", "-1", "11", "nan"] {
             let e = load(Some(&format!("memory_scaling = {v}")), &[], Flags::default()).unwrap_err().to_string();
             assert!(e.contains("memory_scaling:") && e.contains("is outside (0, 10]"), "{v}: {e}");

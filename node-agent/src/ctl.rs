@@ -614,6 +614,12 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
             "restart the agent (it creates the socket with mode 0660)",
         )),
         Ok(_) => match &agent {
+            Ok(h) if !h.live => v.push(check(
+                "agent",
+                "fail",
+                format!("agent not live: {}", h.problems.join("; ")),
+                "see the agent's log and the kernel log (dmesg) for a GPU that stopped answering; restart the agent",
+            )),
             Ok(h) if h.ready && h.problems.is_empty() => {
                 v.push(check("agent", "ok", format!("agent at {} is ready", cfg.socket.display()), ""))
             }

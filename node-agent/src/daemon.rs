@@ -91,6 +91,8 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         None => None,
     };
 
+    // systemd's notifications (Type=notify units): ready after the first pass, the watchdog.
+    let notify = tokio::spawn(crate::notify::run(agent.clone(), stop_rx.clone()));
     // The device plugin serves before the slow work too (its device list follows the first pass).
     let plugin = cfg.device_plugin.then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), stop_rx.clone())));
 
@@ -175,7 +177,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     report_stop.notify_one();
-    for t in [plugin, kube, reporter, dra, events].into_iter().flatten() {
+    for t in [plugin, kube, reporter, dra, events, Some(notify)].into_iter().flatten() {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     let _ = std::fs::remove_file(&cfg.socket);

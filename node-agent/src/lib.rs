@@ -18,6 +18,7 @@ pub mod k8s;
 pub mod metrics;
 pub mod mig;
 pub mod monitor;
+pub mod notify;
 pub mod procfs;
 pub mod report;
 pub mod slices;

@@ -36,7 +36,7 @@ fn owner(s: &pb::SliceStatus) -> [(&'static str, String); 4] {
 }
 
 pub fn render(agent: &Agent) -> String {
-    let st = agent.status();
+    let st = agent.live_status();
     let mut o = Out(String::with_capacity(16 * 1024));
     // One metric: its HELP/TYPE head, then a sample per GPU (or per slice and GPU).
     let per_gpu = |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::GpuStatus) -> f64| {
@@ -245,6 +245,12 @@ pub fn render(agent: &Agent) -> String {
     o.put("vgpu_gpu_critical_xids_total", &[], agent.health.xids.load(Relaxed) as f64);
     o.head("vgpu_agent_loop_seconds", "gauge", "Duration of the last monitoring pass.");
     o.put("vgpu_agent_loop_seconds", &[], s.loop_us.load(Relaxed) as f64 / 1e6);
+    o.head(
+        "vgpu_agent_last_pass_age_seconds",
+        "gauge",
+        "Seconds since the last monitoring pass completed (grows while a pass does not return).",
+    );
+    o.put("vgpu_agent_last_pass_age_seconds", &[], agent.pass_age().map_or(0.0, |d| d.as_secs_f64()));
     o.head("vgpu_agent_loop_max_seconds", "gauge", "Longest monitoring pass since start.");
     o.put("vgpu_agent_loop_max_seconds", &[], s.loop_max_us.load(Relaxed) as f64 / 1e6);
     o.head("vgpu_agent_loop_seconds_total", "counter", "Time spent in monitoring passes.");
@@ -348,6 +354,12 @@ async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(agent)),
         ("GET", "/healthz") if agent.ready.load(Relaxed) => ("200 OK", "text/plain", "ok\n".to_string()),
         ("GET", "/healthz") => ("503 Service Unavailable", "text/plain", "starting\n".to_string()),
+        // Liveness: fails only while the monitoring has stalled (not while starting), so that kubelet
+        // restarts an agent stuck in a call that never returns.
+        ("GET", "/livez") => match agent.stalled() {
+            None => ("200 OK", "text/plain", "ok\n".to_string()),
+            Some(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
+        },
         ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics\n".to_string()),
         _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
     };

@@ -141,6 +141,12 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                 assert!(spec.node_selector.unwrap().contains_key("nvidia.com/gpu.present"));
                 let c = &spec.containers[0];
                 assert!(c.env.as_ref().unwrap().iter().any(|e| e.name == "NODE_NAME" && e.value_from.is_some()));
+                // Ready once serving; live unless its monitoring has stalled (the agent's endpoints).
+                let probe = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+                    p.as_ref().and_then(|p| p.http_get.as_ref()).and_then(|h| h.path.clone())
+                };
+                assert_eq!(probe(&c.readiness_probe).as_deref(), Some("/healthz"));
+                assert_eq!(probe(&c.liveness_probe).as_deref(), Some("/livez"));
                 // Capacity reporting is off by default and its Secret optional.
                 let env = |name: &str| c.env.as_ref().unwrap().iter().find(|e| e.name == name).unwrap().value.clone();
                 assert_eq!(env("VGPU_AGENT_SCHEDULER_ENDPOINT").as_deref(), Some(""));

@@ -292,6 +292,98 @@ fn the_agent_survives_nvml_failing_and_slow() {
     fault(&["fault", "clear"]);
 }
 
+/// The systemd notifications the agent sends, as systemd reads them: one datagram per call,
+/// newline-separated assignments.
+struct Notifications(std::os::unix::net::UnixDatagram);
+
+impl Notifications {
+    /// Every datagram that arrives within `d`.
+    fn during(&self, d: Duration) -> Vec<String> {
+        let t = Instant::now();
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        while t.elapsed() < d {
+            self.0.set_read_timeout(Some((d - t.elapsed()).max(Duration::from_millis(1)))).unwrap();
+            if let Ok(n) = self.0.recv(&mut buf) {
+                out.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+            }
+        }
+        out
+    }
+}
+
+/// An NVML call that does not return for seconds stalls the monitoring: `/livez` fails and says
+/// why, the gRPC health is not live (`vgpuctl doctor`), `vgpuctl status` and the metrics carry a
+/// warning, the age of the last pass grows, and the systemd watchdog is no longer pinged; once NVML
+/// answers, all is well again. And systemd's protocol as such: READY=1 after the first pass,
+/// WATCHDOG=1 every third of WATCHDOG_USEC, STATUS= lines, STOPPING=1 at SIGTERM.
+#[test]
+fn a_stalled_monitoring_fails_liveness_and_starves_the_watchdog() {
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "stall_after_s = 1\n").unwrap();
+    let path = s.state.join("notify.sock");
+    let n = Notifications(std::os::unix::net::UnixDatagram::bind(&path).unwrap());
+    let mut a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
+            ("NOTIFY_SOCKET", path.to_str().unwrap()),
+            ("WATCHDOG_USEC", "600000"),
+        ],
+    );
+    let got = n.during(Duration::from_millis(1500));
+    let all = got.join("\n");
+    assert!(all.contains("READY=1") && all.contains("STATUS=1 GPUs, 0 slices"), "{got:?}");
+    let pings = |m: &[String]| m.iter().filter(|m| m.lines().any(|l| l == "WATCHDOG=1")).count();
+    assert!(pings(&got) >= 4, "a ping every 200 ms: {got:?}");
+    assert_eq!(a.scrape("/livez"), ("HTTP/1.1 200 OK".to_string(), "ok\n".to_string()));
+
+    // Every process query takes 4 s: no pass completes for longer than a second.
+    let fault = |args: &[&str]| assert!(s.output(SIM, args).status.success());
+    fault(&["fault", "set", "nvmlDeviceGetComputeRunningProcesses_v3", "--code", "0", "--latency-us", "4000000"]);
+    let t = Instant::now();
+    let stalled = loop {
+        let (code, body) = a.scrape("/livez");
+        if code.contains("503") {
+            break body;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "/livez still {code}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(stalled.starts_with("monitoring stalled: no pass completed for "), "{stalled}");
+    // (What was sent before the stall was seen, up to a tick after, is still queued.)
+    let before = n.during(Duration::from_millis(300));
+    let got = n.during(Duration::from_millis(700));
+    assert_eq!(pings(&got), 0, "no watchdog ping while stalled: {got:?}");
+    assert!([before, got].concat().join("\n").contains("STATUS=monitoring stalled"));
+    let table = a.ctl_ok(&["status"]);
+    assert!(table.contains("monitoring stalled: no pass completed for"), "{table}");
+    let doctor = a.ctl(&["--config", cfg.to_str().unwrap(), "doctor"]);
+    let text = String::from_utf8_lossy(&doctor.stdout);
+    assert!(text.contains("agent not live: monitoring stalled"), "{text}");
+    let (_, metrics) = a.scrape("/metrics");
+    let value = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap();
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert!(value("vgpu_agent_last_pass_age_seconds") > 1.0, "{metrics}");
+    assert!(value("vgpu_warnings_active") >= 1.0, "{metrics}");
+
+    // NVML answers again: the next pass completes, and with it liveness and the watchdog.
+    fault(&["fault", "clear"]);
+    let t = Instant::now();
+    while a.scrape("/livez").0.contains("503") {
+        assert!(t.elapsed() < Duration::from_secs(10), "still stalled after NVML answers again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(pings(&n.during(Duration::from_millis(700))) >= 2);
+    assert!(!a.ctl_ok(&["status"]).contains("monitoring stalled"));
+    let st = a.sigterm();
+    assert!(st.success(), "{st:?}");
+    assert!(n.during(Duration::from_millis(300)).join("\n").contains("STOPPING=1"));
+}
+
 #[test]
 fn the_agent_killed_during_a_mig_apply_never_leaves_half_a_layout() {
     let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n"));

@@ -221,6 +221,12 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
                 vec![(m("vgpu_agent_loop_seconds"), "0.001 1x5 3x12")],
                 vec![(12, false), (16, false), (17, true)],
             ),
+            // Passes complete every 100 ms, then none for minutes.
+            (
+                "VgpuAgentStalled",
+                vec![(m("vgpu_agent_last_pass_age_seconds"), "0.1x3 60+60x10 0.1x3")],
+                vec![(3, false), (4, false), (5, false), (6, true), (14, true), (15, false)],
+            ),
             ("VgpuSmFeedbackHeld", vec![(m("vgpu_gpu_sm_feedback_held"), "0 1x40")], vec![(30, false), (31, true)]),
             (
                 "VgpuSliceMemoryRefused",
@@ -397,10 +403,15 @@ fn a_prometheus_scraping_the_agent_runs_the_rules_and_every_dashboard_query() {
     });
 
     // Every rule evaluated, without an error.
+    let in_file = std::fs::read_to_string(repo_file("packaging/prometheus/vgpu-alerts.yaml"))
+        .unwrap()
+        .matches("- alert: ")
+        .count();
+    assert!(in_file >= 10, "{in_file}");
     p.until("every rule evaluated", Duration::from_secs(30), || {
         let g = p.api("/api/v1/rules");
         let rules = g["groups"][0]["rules"].as_array().cloned().unwrap_or_default();
-        rules.len() == 9 && rules.iter().all(|r| r["health"] == "ok")
+        rules.len() == in_file && rules.iter().all(|r| r["health"] == "ok")
     });
     let g = p.api("/api/v1/rules");
     assert_eq!(g["groups"].as_array().unwrap().len(), 1, "{g}");
