@@ -56,6 +56,14 @@ fn render(template: &str, values: &yaml_serde::Value) -> String {
             let expr = rest[i + 2..j].trim();
             if expr == ".Release.Namespace" {
                 out.push_str(NAMESPACE);
+            } else if let Some(get) = expr.strip_prefix(".Files.Get \"") {
+                // {{ .Files.Get "path" | indent N }}: a file of the chart, each line indented.
+                let (path, pipe) = get.split_once('"').unwrap();
+                let n: usize = pipe.trim().strip_prefix("| indent ").expect("piped to indent").parse().unwrap();
+                let text = std::fs::read_to_string(root().join("packaging/helm/vgpu").join(path)).unwrap();
+                let pad = " ".repeat(n);
+                let lines: Vec<String> = text.lines().map(|l| format!("{pad}{l}")).collect();
+                out.push_str(&lines.join("\n"));
             } else if let Some(k) = expr.strip_prefix(".Values.") {
                 out.push_str(&value(k));
             } else {
@@ -337,10 +345,22 @@ fn the_alerting_rules_are_the_chart_s_and_complete() {
 /// series from a real agent is checked against a real Prometheus: vgpu-sim-clients, prometheus.)
 #[test]
 fn the_grafana_dashboard_is_well_formed() {
-    let d: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(root().join("packaging/grafana/vgpu-dashboard.json")).unwrap())
-            .unwrap();
+    let d: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("packaging/helm/vgpu/dashboards/vgpu-dashboard.json")).unwrap(),
+    )
+    .unwrap();
     assert!(d["uid"].as_str().is_some_and(|u| !u.is_empty() && u.len() <= 40), "uid");
+    // The chart's optional ConfigMap for Grafana's dashboard sidecar carries it unchanged.
+    let chart = root().join("packaging/helm/vgpu");
+    let mut values: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let t = std::fs::read_to_string(chart.join("templates/dashboard.yaml")).unwrap();
+    assert!(render(&t, &values).trim().is_empty(), "off by default");
+    values["grafanaDashboard"] = yaml_serde::Value::Bool(true);
+    let cm: ConfigMap = yaml_serde::from_str(&render(&t, &values)).unwrap();
+    assert_eq!(cm.metadata.labels.as_ref().unwrap()["grafana_dashboard"], "1");
+    let carried: serde_json::Value = serde_json::from_str(&cm.data.unwrap()["vgpu-dashboard.json"]).unwrap();
+    assert_eq!(carried, d, "the ConfigMap's dashboard");
     assert!(d["title"].as_str().is_some_and(|t| t.starts_with("vgpu")));
     let vars: Vec<&str> =
         d["templating"]["list"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();

@@ -1,5 +1,5 @@
 //! The packaged alerting rules (packaging/prometheus/vgpu-alerts.yaml) and Grafana dashboard
-//! (packaging/grafana/vgpu-dashboard.json) against Prometheus itself.
+//! (packaging/helm/vgpu/dashboards/vgpu-dashboard.json) against Prometheus itself.
 //!
 //! - promtool's unit tests run the rules through Prometheus's rule engine over series with the
 //!   names and labels of a real agent's scrape (a slice with a pod's labels, a process in it) and
@@ -418,9 +418,10 @@ fn a_prometheus_scraping_the_agent_runs_the_rules_and_every_dashboard_query() {
 
     // Every query of the dashboard returns series, with the variables as Grafana fills them in:
     // this node, this namespace, a rate window of a minute.
-    let dash: Value =
-        serde_json::from_str(&std::fs::read_to_string(repo_file("packaging/grafana/vgpu-dashboard.json")).unwrap())
-            .unwrap();
+    let dash: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo_file("packaging/helm/vgpu/dashboards/vgpu-dashboard.json")).unwrap(),
+    )
+    .unwrap();
     let fill = |e: &str| e.replace("$node", "gpu-node-7").replace("$namespace", "ml").replace("$__rate_interval", "1m");
     let mut exprs = Vec::new();
     for panel in dash["panels"].as_array().unwrap() {
