@@ -218,6 +218,13 @@ pub fn render(agent: &Agent) -> String {
         o.put("vgpu_slice_processes", &l, pids.len() as f64);
     }
     let s = &agent.stats;
+    o.head("vgpu_agent_info", "gauge", "The agent's version and the node's NVIDIA driver and CUDA versions (value 1).");
+    let cuda = format!("{}.{}", st.cuda_version / 1000, st.cuda_version % 1000 / 10);
+    o.put(
+        "vgpu_agent_info",
+        &[("version", &st.agent_version), ("driver_version", &st.driver_version), ("cuda_version", &cuda)],
+        1.0,
+    );
     o.head(
         "vgpu_reclaimed_bytes_total",
         "counter",

@@ -142,6 +142,10 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     assert_eq!(metric(&body, "vgpu_escapes_total", "kind=\"unaccounted\""), 1.0);
     assert!(metric(&body, "hami_host_gpu_memory_used_bytes", "device_index=\"0\"") >= (728 * MIB) as f64);
     assert!(metric(&body, "vgpu_agent_passes_total", "") >= 1.0);
+    let version = format!("version=\"{}\",", env!("CARGO_PKG_VERSION"));
+    let info = body.lines().find(|l| l.starts_with("vgpu_agent_info{")).unwrap();
+    assert!(info.contains(&version) && info.ends_with("} 1"), "{info}");
+    assert!(!info.contains("driver_version=\"\"") && !info.contains("cuda_version=\"0.0\""), "{info}");
     // Every metric the packaged alerting rules name is one the agent exports.
     let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../packaging/prometheus/vgpu-alerts.yaml");
     let rules = std::fs::read_to_string(rules).unwrap();
