@@ -226,8 +226,8 @@ impl Agent {
             + std::time::Duration::from_millis(self.cfg.monitor_interval_ms);
         (age > limit).then(|| {
             format!(
-                "monitoring stalled: no pass completed for {} s (an NVML call not returning?); the status shown is \
-                 that pass's",
+                "monitoring stalled: no pass completed for {} s (an NVML call not returning?); the status shown is from \
+                 the last one",
                 age.as_secs()
             )
         })
