@@ -18,6 +18,11 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
+/// The chart's default values.
+fn chart_values() -> yaml_serde::Value {
+    yaml_serde::from_str(&std::fs::read_to_string(root().join("packaging/helm/vgpu/values.yaml")).unwrap()).unwrap()
+}
+
 fn render(template: &str, values: &yaml_serde::Value) -> String {
     let value = |key: &str| -> String {
         match &values[key] {
@@ -80,8 +85,7 @@ fn render(template: &str, values: &yaml_serde::Value) -> String {
 #[test]
 fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
     let chart = root().join("packaging/helm/vgpu");
-    let values: yaml_serde::Value =
-        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let values: yaml_serde::Value = chart_values();
     let mut names: Vec<PathBuf> =
         std::fs::read_dir(chart.join("templates")).unwrap().map(|e| e.unwrap().path()).collect();
     names.sort();
@@ -249,8 +253,7 @@ fn the_receiver_renders_when_enabled() {
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::core::v1::Service;
     let chart = root().join("packaging/helm/vgpu");
-    let mut values: yaml_serde::Value =
-        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let mut values: yaml_serde::Value = chart_values();
     let t = std::fs::read_to_string(chart.join("templates/receiver.yaml")).unwrap();
     assert!(render(&t, &values).trim().is_empty(), "off by default");
     values["receiver"] = yaml_serde::Value::Bool(true);
@@ -280,8 +283,7 @@ fn the_receiver_renders_when_enabled() {
 #[test]
 fn the_alerting_rules_are_the_chart_s_and_complete() {
     let chart = root().join("packaging/helm/vgpu");
-    let mut values: yaml_serde::Value =
-        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let mut values: yaml_serde::Value = chart_values();
     let file: yaml_serde::Value =
         yaml_serde::from_str(&std::fs::read_to_string(root().join("packaging/prometheus/vgpu-alerts.yaml")).unwrap())
             .unwrap();
@@ -352,8 +354,7 @@ fn the_grafana_dashboard_is_well_formed() {
     assert!(d["uid"].as_str().is_some_and(|u| !u.is_empty() && u.len() <= 40), "uid");
     // The chart's optional ConfigMap for Grafana's dashboard sidecar carries it unchanged.
     let chart = root().join("packaging/helm/vgpu");
-    let mut values: yaml_serde::Value =
-        yaml_serde::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap()).unwrap();
+    let mut values: yaml_serde::Value = chart_values();
     let t = std::fs::read_to_string(chart.join("templates/dashboard.yaml")).unwrap();
     assert!(render(&t, &values).trim().is_empty(), "off by default");
     values["grafanaDashboard"] = yaml_serde::Value::Bool(true);
