@@ -546,8 +546,9 @@ impl Agent {
             .iter()
             .map(|g| {
                 let info = inv.gpus.iter().find(|x| x.uuid == g.uuid || (g.uuid.is_empty() && x.index == g.index));
-                let (healthy, health_reason) =
-                    self.health.check(info.map_or(g.uuid.as_str(), |i| i.uuid.as_str()), g.error.as_deref());
+                let uuid = info.map_or(g.uuid.as_str(), |i| i.uuid.as_str());
+                let (healthy, health_reason) = self.health.check(uuid, g.error.as_deref());
+                let xids = self.health.xids(uuid);
                 let mig = info.and_then(|i| i.mig.as_ref());
                 let mode = if mig.is_some_and(|m| m.enabled) {
                     "mig"
@@ -569,6 +570,10 @@ impl Agent {
                     admin_processes: g.admin_processes.clone(),
                     healthy,
                     health_reason,
+                    critical_xids: xids.critical,
+                    application_xids: xids.application,
+                    last_critical_xid: xids.last_critical as u32,
+                    last_critical_xid_at: xids.last_critical_at,
                     sm_count: info.and_then(|i| i.sm_count).unwrap_or(0),
                     numa_node: info.and_then(|i| i.numa_node).map_or(-1, |n| n as i32),
                     pci_bus_id: info.map(|i| i.pci_bus_id.clone()).unwrap_or_default(),

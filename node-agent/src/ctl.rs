@@ -216,6 +216,30 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
     for w in &st.warnings {
         let _ = writeln!(o, "{}", style.yellow(w));
     }
+    for g in st.gpus.iter().filter(|g| g.critical_xids + g.application_xids > 0) {
+        let plural = |n: u64| if n == 1 { "" } else { "s" };
+        let mut line = format!("GPU {}: since the agent started", g.index);
+        if g.critical_xids > 0 {
+            let _ = write!(
+                line,
+                " {} critical XID{} (the last: {} at {})",
+                g.critical_xids,
+                plural(g.critical_xids),
+                g.last_critical_xid,
+                g.last_critical_xid_at
+            );
+        }
+        if g.application_xids > 0 {
+            let _ = write!(
+                line,
+                "{} {} application XID{} (a program's fault; the GPU stays healthy)",
+                if g.critical_xids > 0 { "," } else { "" },
+                g.application_xids,
+                plural(g.application_xids)
+            );
+        }
+        let _ = writeln!(o, "{}", if g.critical_xids > 0 { style.yellow(&line) } else { line });
+    }
     for g in st.gpus.iter().filter(|g| g.sm_feedback_held) {
         let _ = writeln!(
             o,

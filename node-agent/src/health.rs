@@ -26,11 +26,22 @@ struct Bad {
     reason: String,
 }
 
+/// The XIDs one GPU reported since the agent started.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct XidCounts {
+    pub critical: u64,
+    /// XIDs that report an application's fault (the GPU stays healthy).
+    pub application: u64,
+    /// The last critical XID (0: none) and when it came.
+    pub last_critical: u64,
+    pub last_critical_at: String,
+}
+
 pub struct Health {
     recovery: Duration,
     bad: Mutex<HashMap<String, Bad>>,
-    /// Critical XIDs seen since start.
-    pub xids: std::sync::atomic::AtomicU64,
+    /// Per GPU UUID.
+    xids: Mutex<HashMap<String, XidCounts>>,
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -56,17 +67,30 @@ pub fn rfc3339_now() -> String {
 
 impl Health {
     pub fn new(recovery: Duration) -> Health {
-        Health { recovery, bad: Mutex::new(HashMap::new()), xids: 0.into() }
+        Health { recovery, bad: Mutex::new(HashMap::new()), xids: Mutex::new(HashMap::new()) }
+    }
+
+    /// The XIDs `uuid` reported since start.
+    pub fn xids(&self, uuid: &str) -> XidCounts {
+        self.xids.lock().get(uuid).cloned().unwrap_or_default()
     }
 
     /// Records an XID on `uuid`; returns whether it made the GPU unhealthy.
     pub fn xid(&self, uuid: &str, xid: u64) -> bool {
         if !is_critical(xid) {
             tracing::info!(gpu = %uuid, xid, "application XID (the GPU stays healthy)");
+            self.xids.lock().entry(uuid.to_owned()).or_default().application += 1;
             return false;
         }
-        self.xids.fetch_add(1, Relaxed);
-        let reason = format!("XID {xid} at {}", rfc3339(SystemTime::now()));
+        let at = rfc3339(SystemTime::now());
+        let reason = format!("XID {xid} at {at}");
+        {
+            let mut xids = self.xids.lock();
+            let c = xids.entry(uuid.to_owned()).or_default();
+            c.critical += 1;
+            c.last_critical = xid;
+            c.last_critical_at = at;
+        }
         tracing::warn!(gpu = %uuid, xid, "critical XID: GPU marked unhealthy");
         self.bad.lock().insert(uuid.to_owned(), Bad { last: Instant::now(), reason });
         true
@@ -159,7 +183,12 @@ mod tests {
         assert!(h.check("GPU-a", None).0, "recovered after a quiet period");
         assert_eq!(h.check("GPU-b", Some("GPU is lost")), (false, "NVML: GPU is lost".into()));
         assert!(h.check("GPU-b", None).0, "NVML answers again");
-        assert_eq!(h.xids.load(Relaxed), 1);
+        let a = h.xids("GPU-a");
+        assert_eq!((a.critical, a.application, a.last_critical), (1, 1, 79), "{a:?}");
+        assert!(a.last_critical_at.starts_with("20") && why.ends_with(&a.last_critical_at), "{a:?} {why}");
+        assert!(h.xid("GPU-a", 48));
+        assert_eq!((h.xids("GPU-a").critical, h.xids("GPU-a").last_critical), (2, 48));
+        assert_eq!(h.xids("GPU-b"), XidCounts::default(), "counted per GPU");
     }
 
     #[test]

@@ -138,6 +138,27 @@ pub fn render(agent: &Agent) -> String {
         "1 when the GPU is healthy (no recent critical XID, NVML answers).",
         &|g| g.healthy as u8 as f64,
     );
+    per_gpu(
+        &mut o,
+        "vgpu_gpu_critical_xids_total",
+        "counter",
+        "Critical XID events the GPU reported since the agent started (they make it unhealthy).",
+        &|g| g.critical_xids as f64,
+    );
+    per_gpu(
+        &mut o,
+        "vgpu_gpu_application_xids_total",
+        "counter",
+        "XID events reporting an application's fault (13, 31, 43, 45, 68, 109) since the agent started.",
+        &|g| g.application_xids as f64,
+    );
+    per_gpu(
+        &mut o,
+        "vgpu_gpu_last_critical_xid",
+        "gauge",
+        "The last critical XID the GPU reported since the agent started (0: none).",
+        &|g| f64::from(g.last_critical_xid),
+    );
     per_gpu(&mut o, "vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.", &|g| g.memory_total as f64);
     per_gpu(
         &mut o,
@@ -248,8 +269,6 @@ pub fn render(agent: &Agent) -> String {
         "Conditions an operator must act on that belong to no GPU or slice (vgpuctl status lists them).",
     );
     o.put("vgpu_warnings_active", &[], st.warnings.len() as f64);
-    o.head("vgpu_gpu_critical_xids_total", "counter", "Critical XID events received.");
-    o.put("vgpu_gpu_critical_xids_total", &[], agent.health.xids.load(Relaxed) as f64);
     o.head("vgpu_agent_loop_seconds", "gauge", "Duration of the last monitoring pass.");
     o.put("vgpu_agent_loop_seconds", &[], s.loop_us.load(Relaxed) as f64 / 1e6);
     o.head(

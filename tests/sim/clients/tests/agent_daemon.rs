@@ -334,7 +334,28 @@ fn escapes_are_caught_and_killed_when_configured_and_xids_mark_gpus_unhealthy() 
     let doctor = a.ctl(&["--config", cfg.to_str().unwrap(), "doctor"]);
     let text = String::from_utf8_lossy(&doctor.stdout);
     assert!(text.contains("unhealthy: XID 79"), "{text}");
-    a.wait("recovered", |v| v["gpus"][1]["healthy"] == true);
+    let v = a.wait("recovered", |v| v["gpus"][1]["healthy"] == true);
+    // Each GPU's XIDs stay counted after it recovered: in the status, the table and the metrics.
+    let xids = |g: usize| {
+        let g = &v["gpus"][g];
+        (g["critical_xids"].as_u64(), g["application_xids"].as_u64(), g["last_critical_xid"].as_u64())
+    };
+    assert_eq!((xids(0), xids(1)), ((Some(0), Some(1), Some(0)), (Some(1), Some(0), Some(79))), "{v}");
+    let at = v["gpus"][1]["last_critical_xid_at"].as_str().unwrap();
+    assert!(v["gpus"][1]["health_reason"] == "" && at.starts_with("20") && at.ends_with('Z'), "{v}");
+    let table = a.ctl_ok(&["status"]);
+    assert!(
+        table.contains(&format!("GPU 1: since the agent started 1 critical XID (the last: 79 at {at})")),
+        "{table}"
+    );
+    assert!(table.contains("GPU 0: since the agent started 1 application XID (a program's fault"), "{table}");
+    assert!(!table.contains("UNHEALTHY"), "{table}");
+    let (_, body) = a.scrape("/metrics");
+    let gpu = |i: usize| format!("device_uuid=\"{}\",device_index=\"{i}\"", v["gpus"][i]["uuid"].as_str().unwrap());
+    assert_eq!(metric(&body, "vgpu_gpu_critical_xids_total", &gpu(1)), 1.0, "{body}");
+    assert_eq!(metric(&body, "vgpu_gpu_critical_xids_total", &gpu(0)), 0.0, "{body}");
+    assert_eq!(metric(&body, "vgpu_gpu_application_xids_total", &gpu(0)), 1.0, "{body}");
+    assert_eq!(metric(&body, "vgpu_gpu_last_critical_xid", &gpu(1)), 79.0, "{body}");
 }
 
 #[test]
