@@ -104,14 +104,21 @@ fn selector(name: &str, labels: &Labels) -> String {
 
 /// `{{ $labels.x }}` filled in, as Prometheus does; the rules use no other template, and name only
 /// labels their alert carries (Prometheus would print nothing for another).
-fn expand(text: &str, labels: &Labels) -> String {
+fn expand(text: &str, labels: &Labels, value: Option<&str>) -> String {
     let mut out = String::new();
     let mut rest = text;
     while let Some(i) = rest.find("{{") {
         out.push_str(&rest[..i]);
         let j = rest[i..].find("}}").unwrap() + i;
-        let key = rest[i + 2..j].trim().strip_prefix("$labels.").unwrap_or_else(|| panic!("template {text}"));
-        out.push_str(labels.get(key).unwrap_or_else(|| panic!("{text} names {key}, which the alert does not carry")));
+        let key = rest[i + 2..j].trim();
+        if key == "$value" {
+            out.push_str(value.unwrap_or_else(|| panic!("{text}: the case gives no value")));
+        } else {
+            let key = key.strip_prefix("$labels.").unwrap_or_else(|| panic!("template {text}"));
+            out.push_str(
+                labels.get(key).unwrap_or_else(|| panic!("{text} names {key}, which the alert does not carry")),
+            );
+        }
         rest = &rest[j + 2..];
     }
     out + rest
@@ -198,9 +205,31 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
             l.insert("__name__".into(), name.into());
             l
         };
+        let ksm = |name: &str| -> Labels {
+            [
+                ("__name__", name),
+                ("job", "kube-state-metrics"),
+                ("instance", "10.4.0.9:8080"),
+                ("namespace", "vgpu-system"),
+                ("daemonset", "vgpu-node-agent"),
+            ]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+        };
         vec![
             ("VgpuAgentDown", vec![(up.clone(), "1 1 0x10")], vec![(1, false), (6, false), (7, true), (12, true)]),
             ("VgpuAgentDown", vec![(up.clone(), "1x12")], vec![(12, false)]),
+            // kube-state-metrics' series of the agent's DaemonSet: 3 nodes, one without an available
+            // pod from minute 2 to 16 (a rollout's brief gap at minute 21 is not an alert).
+            (
+                "VgpuAgentUnavailable",
+                vec![
+                    (ksm("kube_daemonset_status_desired_number_scheduled"), "3x30"),
+                    (ksm("kube_daemonset_status_number_available"), "3 3 2x14 3x3 2 3x9"),
+                ],
+                vec![(1, false), (11, false), (12, true), (16, true), (17, false), (20, false), (21, false)],
+            ),
             (
                 "VgpuGpuUnhealthy",
                 vec![(m("vgpu_gpu_healthy"), "1 0x3 1x5")],
@@ -252,6 +281,8 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
             ),
         ]
     };
+    // The alerts whose annotations give the value: what it is where the case fires.
+    let value_of = |alert: &str| (alert == "VgpuAgentUnavailable").then_some("1");
     let mut named = std::collections::BTreeSet::new();
     let mut tests = Vec::new();
     for (alert, input, checks) in &cases {
@@ -262,7 +293,7 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
         labels.insert("severity".into(), severity);
         let fired = json!([{
             "exp_labels": labels,
-            "exp_annotations": ann.iter().map(|(k, v)| (k.clone(), expand(v, &labels))).collect::<BTreeMap<_, _>>(),
+            "exp_annotations": ann.iter().map(|(k, v)| (k.clone(), expand(v, &labels, value_of(alert)))).collect::<BTreeMap<_, _>>(),
         }]);
         let input_series: Vec<Value> = input
             .iter()
