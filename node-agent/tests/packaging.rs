@@ -406,3 +406,69 @@ fn the_grafana_dashboard_is_well_formed() {
         }
     }
 }
+
+/// A heading's anchor as GitHub makes it: lower case, punctuation other than `-` and `_` dropped,
+/// spaces made `-`.
+fn anchor(title: &str) -> String {
+    title
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+#[test]
+fn the_docs_links_reach_their_targets_and_the_readme_s_contents_list_every_section() {
+    for doc in ["README.md", "docs/design.md", "docs/gpu-validation.md", "docs/security.md", "docs/benchmarks.md"] {
+        let path = root().join(doc);
+        let text = std::fs::read_to_string(&path).unwrap();
+        // Headings outside code blocks.
+        let mut headings = Vec::new();
+        let mut code = false;
+        for line in text.lines() {
+            if line.starts_with("```") {
+                code = !code;
+            } else if !code && line.starts_with('#') {
+                let (hashes, title) = line.split_once(' ').unwrap();
+                headings.push((hashes.len(), title.to_string()));
+            }
+        }
+        let anchors: Vec<String> = headings.iter().map(|(_, t)| anchor(t)).collect();
+        // Every link: to a heading of this file, or to a file of the repository.
+        let mut rest = text.as_str();
+        let mut links = Vec::new();
+        while let Some(i) = rest.find("](") {
+            let end = rest[i + 2..].find(')').expect("a link closed by )") + i + 2;
+            links.push(rest[i + 2..end].to_string());
+            rest = &rest[end..];
+        }
+        for link in &links {
+            if let Some(a) = link.strip_prefix('#') {
+                assert!(anchors.iter().any(|x| x == a), "{doc}: link to #{a}, which no heading makes");
+            } else if !link.contains("://") {
+                let file = link.split('#').next().unwrap();
+                let target = path.parent().unwrap().join(file);
+                assert!(target.exists(), "{doc}: link to {link}, which does not exist");
+            }
+        }
+        if doc == "README.md" {
+            // The contents name every section and subsection, in order, and nothing else.
+            let contents: Vec<&str> = text
+                .split("**Contents**\n\n")
+                .nth(1)
+                .expect("README has its contents")
+                .split("\n\n")
+                .next()
+                .unwrap()
+                .lines()
+                .collect();
+            let want: Vec<String> = headings
+                .iter()
+                .filter(|(level, _)| matches!(level, 2 | 3))
+                .map(|(level, t)| format!("{}- [{t}](#{})", if *level == 3 { "  " } else { "" }, anchor(t)))
+                .collect();
+            assert_eq!(contents, want, "README's contents and its headings differ");
+        }
+    }
+}
