@@ -327,8 +327,9 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
                 )
             } else {
                 format!(
-                    "pid {} on {} outside every slice: {} ({})",
+                    "pid {}{} on {} outside every slice: {} ({})",
                     e.pid,
+                    process_owner(e),
                     short_uuid(&e.gpu),
                     human(e.measured),
                     e.action
@@ -338,6 +339,29 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
         }
     }
     o
+}
+
+/// Who runs an escape's process, as ` (python3, pod ml/train-0, container 0a1b2c3d4e5f)`: its
+/// command, its pod (by name where a slice belongs to it, else by UID) and its container's short ID,
+/// whichever are known; empty when none is.
+pub fn process_owner(e: &pb::Escape) -> String {
+    let mut parts = Vec::new();
+    if !e.command.is_empty() {
+        parts.push(e.command.clone());
+    }
+    if !e.pod.is_empty() {
+        parts.push(format!("pod {}", e.pod));
+    } else if !e.pod_uid.is_empty() {
+        parts.push(format!("pod UID {}", e.pod_uid));
+    }
+    if !e.container_id.is_empty() {
+        parts.push(format!("container {}", e.container_id.chars().take(12).collect::<String>()));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", parts.join(", "))
+    }
 }
 
 /// A slice's limits, environment and mounts, and the `docker run` flags that put a container in it.

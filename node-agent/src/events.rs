@@ -168,16 +168,18 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
                 (subject.unwrap_or_else(|| node_object(node)), "Warning", "GPUMemoryOverQuota", m)
             } else if let Some(o) = subject {
                 let m = format!(
-                    "vgpu: process {} of the container uses {} ({} MiB), a GPU outside its slice ({action})",
+                    "vgpu: process {}{} of the container uses {} ({} MiB), a GPU outside its slice ({action})",
                     e.pid,
+                    crate::ctl::process_owner(e),
                     e.gpu,
                     mib(e.measured)
                 );
                 (o, "Warning", "GPUOutsideQuota", m)
             } else {
                 let m = format!(
-                    "vgpu: process {} uses {} ({} MiB) outside every slice, on a GPU that slices use ({action})",
+                    "vgpu: process {}{} uses {} ({} MiB) outside every slice, on a GPU that slices use ({action})",
                     e.pid,
+                    crate::ctl::process_owner(e),
                     e.gpu,
                     mib(e.measured)
                 );
@@ -474,6 +476,7 @@ mod tests {
                 measured: 3200 << 20,
                 limit: 3000 << 20,
                 action: action.into(),
+                ..Default::default()
             })
         };
         let (o, kind, reason, m) = notice_event(&esc(pb::escape::Kind::OverLimit, "a", "reported"), &st, "node1");
@@ -487,6 +490,19 @@ mod tests {
         assert_eq!(o, json!({"kind": "Node", "apiVersion": "v1", "name": "node1", "uid": "node1"}));
         assert_eq!(reason, "GPUProcessOutsideQuota");
         assert!(m.contains("process 4242 uses GPU-0 (3200 MiB) outside every slice"), "{m}");
+        // Who runs it, as far as the agent could tell.
+        let Notice::Escape(mut e) = esc(pb::escape::Kind::Unaccounted, "", "reported") else { unreachable!() };
+        e.command = "python3".into();
+        e.pod_uid = "4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d".into();
+        e.container_id = "0a1b2c3d4e5f6071".into();
+        let (_, _, _, m) = notice_event(&Notice::Escape(e.clone()), &st, "node1");
+        assert!(
+            m.contains("process 4242 (python3, pod UID 4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d, container 0a1b2c3d4e5f) uses GPU-0"),
+            "{m}"
+        );
+        e.pod = "ml/train-0".into();
+        let (_, _, _, m) = notice_event(&Notice::Escape(e), &st, "node1");
+        assert!(m.contains("process 4242 (python3, pod ml/train-0, container 0a1b2c3d4e5f) uses GPU-0"), "{m}");
         assert_eq!(event(&o, "Warning", reason, &m, "node1")["metadata"]["namespace"], "default");
         // A slice of no pod: the Node's.
         let mine = node(vec![slice("b", &[("owner", "me")], &[])]);

@@ -313,6 +313,9 @@ pub struct Monitor {
     /// The origin of the pass's monotonic timestamps.
     epoch: std::time::Instant,
     active: HashSet<String>,
+    /// Escape key -> (PID, who runs it), read from /proc when the escape (or its culprit) was first
+    /// seen.
+    owners: HashMap<String, (u32, procfs::Owner)>,
     action: EscapeAction,
     passes: u64,
     /// Slices whose region could not be opened, and when to try again (every 10 s, logged once
@@ -394,6 +397,7 @@ impl Monitor {
             util_seen: HashMap::default(),
             sm_samples: HashMap::default(),
             feedback: HashMap::default(),
+            owners: HashMap::default(),
             epoch: std::time::Instant::now(),
             active: HashSet::default(),
             action,
@@ -860,9 +864,26 @@ impl Monitor {
 
         // New escapes: counted, logged and acted on once; ongoing ones are only reported.
         let mut now = HashSet::default();
+        let mut owners = HashMap::default();
         for e in &mut pass.escapes {
             let key = escape_key(e);
             let new = !self.active.contains(&key);
+            // Who runs it, read before any kill; kept while the escape lasts.
+            let owner = match self.owners.remove(&key) {
+                Some((pid, o)) if pid == e.pid => o,
+                _ => procfs::owner(e.pid),
+            };
+            e.command.clone_from(&owner.command);
+            e.pod_uid.clone_from(&owner.pod_uid);
+            e.container_id.clone_from(&owner.container_id);
+            if !owner.pod_uid.is_empty() {
+                let of_pod = slices.iter().find(|s| s.labels.get("pod-uid") == Some(&owner.pod_uid));
+                if let Some(l) = of_pod.map(|s| &s.labels) {
+                    let get = |k: &str| l.get(k).map_or("", String::as_str);
+                    e.pod = format!("{}/{}", get("namespace"), get("pod"));
+                }
+            }
+            owners.insert(key.clone(), (e.pid, owner));
             now.insert(key);
             e.action = "reported".into();
             if !new {
@@ -878,16 +899,18 @@ impl Monitor {
             }
             pass.fresh.push(e.clone());
             if e.kind == pb::escape::Kind::Unaccounted as i32 && !e.slice.is_empty() {
-                tracing::warn!(gpu = %e.gpu, pid = e.pid, slice = %e.slice, memory = e.measured, action = %e.action,
+                tracing::warn!(gpu = %e.gpu, pid = e.pid, command = %e.command, slice = %e.slice, memory = e.measured, action = %e.action,
                     "slice process on a GPU outside its slice");
             } else if e.kind == pb::escape::Kind::Unaccounted as i32 {
-                tracing::warn!(gpu = %e.gpu, pid = e.pid, memory = e.measured, action = %e.action, "GPU process outside every slice");
+                tracing::warn!(gpu = %e.gpu, pid = e.pid, command = %e.command, pod_uid = %e.pod_uid, pod = %e.pod,
+                    container = %e.container_id, memory = e.measured, action = %e.action, "GPU process outside every slice");
             } else {
                 tracing::warn!(slice = %e.slice, gpu = %e.gpu, measured = e.measured, limit = e.limit, pid = e.pid,
                     action = %e.action, "slice over its memory limit as NVML measures it");
             }
         }
         self.active = now;
+        self.owners = owners;
         pass
     }
 

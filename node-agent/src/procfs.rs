@@ -42,6 +42,68 @@ pub fn parse_start_time(stat: &str) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Who runs a process: its command and, where its cgroup says so, its Kubernetes pod (UID) and its
+/// container (the runtime's 64-hex-digit ID).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Owner {
+    pub command: String,
+    pub pod_uid: String,
+    pub container_id: String,
+}
+
+/// The [`Owner`] of `pid` (empty fields for what cannot be read or told).
+pub fn owner(pid: u32) -> Owner {
+    let dir = proc_dir().join(pid.to_string());
+    let command = std::fs::read_to_string(dir.join("comm")).map(|c| c.trim_end().to_string()).unwrap_or_default();
+    let (pod_uid, container_id) =
+        std::fs::read_to_string(dir.join("cgroup")).map(|c| parse_cgroup_owner(&c)).unwrap_or_default();
+    Owner { command, pod_uid, container_id }
+}
+
+/// A pod's UID and a container's ID from `/proc/<pid>/cgroup`, in the layouts kubelet and the
+/// runtimes make: the systemd driver (`kubepods-burstable-pod<uid with _>.slice`,
+/// `cri-containerd-<id>.scope`, `crio-<id>.scope`, `docker-<id>.scope`) and cgroupfs
+/// (`kubepods/burstable/pod<uid>/<id>`, `/docker/<id>`), cgroup v1 or v2, also relative to another
+/// cgroup namespace (`/../..`). Empty where the path has none.
+pub fn parse_cgroup_owner(cgroup: &str) -> (String, String) {
+    let is_hex = |s: &str| s.bytes().all(|b| b.is_ascii_hexdigit());
+    let uid_of = |c: &str| -> Option<String> {
+        let c = c.strip_suffix(".slice").unwrap_or(c);
+        let u = c[c.rfind("pod")? + 3..].replace('_', "-");
+        let groups: Vec<&str> = u.split('-').collect();
+        let shape = groups.iter().map(|g| g.len()).eq([8, 4, 4, 4, 12]);
+        (shape && groups.iter().all(|g| is_hex(g))).then_some(u)
+    };
+    let id_of = |c: &str| -> Option<String> {
+        let c = c.strip_suffix(".scope").unwrap_or(c);
+        // A runtime's monitor process (`crio-conmon-<id>`) is not the container.
+        if c.contains("conmon") {
+            return None;
+        }
+        let id = c.rsplit('-').next()?;
+        (id.len() == 64 && is_hex(id)).then(|| id.to_string())
+    };
+    // The unified hierarchy first (`0::`), then the v1 controllers; a path that names a pod over one
+    // that names only a container (v1 hierarchies can disagree where something moved a process in
+    // some of them).
+    let mut lines: Vec<&str> = cgroup.lines().collect();
+    lines.sort_by_key(|l| !l.starts_with("0::"));
+    let mut found = (String::new(), String::new());
+    for line in lines {
+        let Some(path) = line.splitn(3, ':').nth(2) else { continue };
+        let parts: Vec<&str> = path.split('/').filter(|c| !c.is_empty() && *c != "..").collect();
+        let pod = parts.iter().rev().find_map(|c| uid_of(c)).unwrap_or_default();
+        let container = parts.last().and_then(|c| id_of(c)).unwrap_or_default();
+        if !pod.is_empty() {
+            return (pod, container);
+        }
+        if found.1.is_empty() {
+            found.1 = container;
+        }
+    }
+    found
+}
+
 /// A file identity as `/proc/<pid>/maps` shows it: (major, minor, inode).
 pub type FileId = (u32, u32, u64);
 
@@ -148,6 +210,57 @@ mod tests {
         let wanted = [((0xfd, 1, 1235), "other"), ((0x103, 2, 99), "b"), ((0xfd, 1, 1234), "a")];
         assert_eq!(find_mapped(maps, &wanted), Some(&"a"));
         assert_eq!(find_mapped(maps, &wanted[..1]), None);
+    }
+
+    #[test]
+    fn tells_the_pod_and_container_of_a_cgroup() {
+        let uid = "4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d";
+        let id = "0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f9";
+        let both = (uid.to_string(), id.to_string());
+        let u = uid.replace('-', "_");
+        // containerd, systemd driver, cgroup v2.
+        let v2 = format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-{id}.scope\n"
+        );
+        assert_eq!(parse_cgroup_owner(&v2), both);
+        // The same seen from another cgroup namespace.
+        let rel =
+            format!("0::/../../kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-{id}.scope\n");
+        assert_eq!(parse_cgroup_owner(&rel), both);
+        // A guaranteed pod under CRI-O.
+        assert_eq!(parse_cgroup_owner(&format!("0::/kubepods.slice/kubepods-pod{u}.slice/crio-{id}.scope\n")), both);
+        // cgroupfs driver, cgroup v1 (the unified line empty).
+        let v1 =
+            format!("12:memory:/kubepods/besteffort/pod{uid}/{id}\n11:pids:/kubepods/besteffort/pod{uid}/{id}\n0::/\n");
+        assert_eq!(parse_cgroup_owner(&v1), both);
+        // v1 hierarchies that disagree: the one that names the pod.
+        let mixed = format!("11:memory:/docker/{}\n4:pids:/kubepods/pod{uid}/{id}\n0::/\n", "f".repeat(64));
+        assert_eq!(parse_cgroup_owner(&mixed), both);
+        // Docker without Kubernetes, both drivers.
+        assert_eq!(
+            parse_cgroup_owner(&format!("0::/system.slice/docker-{id}.scope\n")),
+            (String::new(), id.to_string())
+        );
+        assert_eq!(parse_cgroup_owner(&format!("4:devices:/docker/{id}\n")), (String::new(), id.to_string()));
+        // A pod's cgroup itself (no container), CRI-O's monitor process, and hosts' own processes.
+        assert_eq!(parse_cgroup_owner(&format!("0::/kubepods/pod{uid}\n")), (uid.to_string(), String::new()));
+        assert_eq!(
+            parse_cgroup_owner(&format!("0::/kubepods.slice/kubepods-pod{u}.slice/crio-conmon-{id}.scope\n")),
+            (uid.to_string(), String::new())
+        );
+        for host in
+            ["0::/\n", "0::/system.slice/sshd.service\n", "0::/user.slice/user-1000.slice/session-2.scope\n", ""]
+        {
+            assert_eq!(parse_cgroup_owner(host), Default::default(), "{host}");
+        }
+        // Near misses: a UID of the wrong shape, an ID of the wrong length.
+        assert_eq!(parse_cgroup_owner("0::/kubepods/podnot-a-uid/abc\n"), Default::default());
+        let short = &id[..63];
+        assert_eq!(parse_cgroup_owner(&format!("0::/system.slice/docker-{short}.scope\n")), Default::default());
+        // This process: its command, and whatever its cgroup says.
+        let me = owner(std::process::id());
+        assert!(!me.command.is_empty(), "{me:?}");
+        assert_eq!(owner(u32::MAX), Owner::default(), "no such process");
     }
 
     #[test]

@@ -358,6 +358,138 @@ fn escapes_are_caught_and_killed_when_configured_and_xids_mark_gpus_unhealthy() 
     assert_eq!(metric(&body, "vgpu_gpu_last_critical_xid", &gpu(1)), 79.0, "{body}");
 }
 
+/// A cgroup made to look like a Kubernetes container's (the systemd driver's names), in the first
+/// writable cgroup hierarchy of this machine; removed when dropped. None where none is writable.
+struct PodCgroup {
+    dirs: Vec<std::path::PathBuf>,
+    uid: String,
+    id: String,
+}
+
+impl PodCgroup {
+    fn make() -> Option<PodCgroup> {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let uid = format!("{:08x}-{:04x}-4000-8000-{:012x}", std::process::id(), t as u16, t & 0xffff_ffff_ffff);
+        let id = format!("{:016x}{:048x}", t, std::process::id());
+        let pod = format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_"));
+        let roots = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids", "/sys/fs/cgroup/systemd"];
+        for root in roots.iter().map(Path::new).filter(|r| r.join("cgroup.procs").exists()) {
+            let leaf = root
+                .join("kubepods.slice")
+                .join("kubepods-besteffort.slice")
+                .join(&pod)
+                .join(format!("cri-containerd-{id}.scope"));
+            if std::fs::create_dir_all(&leaf).is_ok() {
+                let mut dirs: Vec<_> = leaf.ancestors().take(4).map(Path::to_path_buf).collect();
+                dirs.retain(|d| d.starts_with(root.join("kubepods.slice")));
+                let cg = PodCgroup { dirs, uid: uid.clone(), id: id.clone() };
+                // A process can be moved in (a cgroup v2 hierarchy may refuse, e.g. a threaded one).
+                let moved = Command::new("/bin/sh")
+                    .args(["-c", &format!("echo $$ > {}", leaf.join("cgroup.procs").display())])
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success());
+                if moved {
+                    return Some(cg);
+                }
+            }
+        }
+        None
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        // What a failed test left in it (only this test's processes are), then the leaf; the shared
+        // parents only once empty (another test's may be beside them).
+        let procs = self.dirs[0].join("cgroup.procs");
+        for _ in 0..100 {
+            let pids = std::fs::read_to_string(&procs).unwrap_or_default();
+            if pids.trim().is_empty() {
+                break;
+            }
+            for pid in pids.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                // SAFETY: kill(2) with a PID read from this test's own cgroup and a valid signal.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+#[test]
+fn an_escape_names_its_process_pod_and_container() {
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let cg = PodCgroup::make();
+    let uid = cg.as_ref().map_or("00000000-0000-4000-8000-000000000000".to_string(), |c| c.uid.clone());
+    let label = format!("pod-uid={uid}");
+    let d: Value = serde_json::from_str(&a.ctl_ok(&[
+        "slice",
+        "create",
+        "--name",
+        "t",
+        "--gpu",
+        "0",
+        "--memory",
+        "1GiB",
+        "--json",
+        "--label",
+        "namespace=ml",
+        "--label",
+        "pod=train-0",
+        "--label",
+        &label,
+    ]))
+    .unwrap();
+    let (p, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--size", "100m", "--hold"]);
+    // A process of the same pod that does not load libvgpu.so: in the pod's cgroup where this
+    // machine lets the test make one.
+    let mut c = s.cmd("/bin/sh");
+    match &cg {
+        Some(cg) => {
+            let procs = cg.dirs[0].join("cgroup.procs");
+            c.args(["-c", &format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display()), RT]);
+        }
+        None => {
+            eprintln!(
+                "SKIPPED (part): no writable cgroup hierarchy here; the escape's pod and container are not checked"
+            );
+            c.args(["-c", "exec \"$0\" \"$@\"", RT]);
+        }
+    }
+    let (rogue, _) = s.spawn_cmd(c, &["alloc", "--size", "2g", "--hold"]);
+    let v = a.wait("the escape", |v| v["escapes"].as_array().is_some_and(|e| e.iter().any(|e| e["pid"] == rogue)));
+    let e = v["escapes"].as_array().unwrap().iter().find(|e| e["pid"] == rogue).unwrap().clone();
+    assert_eq!(e["command"], "cuda-rt-app", "{e}");
+    let table = a.ctl_ok(&["status"]);
+    if let Some(cg) = &cg {
+        assert_eq!(
+            (e["pod_uid"].as_str(), e["container_id"].as_str()),
+            (Some(cg.uid.as_str()), Some(cg.id.as_str())),
+            "{e}"
+        );
+        assert_eq!(e["pod"], "ml/train-0", "the pod of the slice with that UID: {e}");
+        let line = format!("pid {rogue} (cuda-rt-app, pod ml/train-0, container {}) on ", &cg.id[..12]);
+        assert!(table.contains(&line), "{table}");
+        let log = a.log_text();
+        assert!(
+            log.contains(&format!("\"pod_uid\":\"{}\"", cg.uid)) && log.contains("\"command\":\"cuda-rt-app\""),
+            "{log}"
+        );
+    } else {
+        // (a container of this machine's own may follow the command)
+        assert!(table.contains(&format!("pid {rogue} (cuda-rt-app")), "{table}");
+    }
+    assert_eq!(slice_of(&v, "t")["processes"][0]["host_pid"], p, "the slice's own process is no escape");
+    s.kill(rogue);
+    s.kill(p);
+    a.wait("the escape gone", |v| v["escapes"].as_array().is_some_and(|e| e.is_empty()));
+}
+
 #[test]
 fn an_mps_server_is_not_an_escape_even_where_escapes_are_killed() {
     // MPS: the server holds its clients' work and belongs to no slice; each client (in NVML's MPS

@@ -272,7 +272,9 @@ fn hami_mode_follows_the_schedulers_annotations() {
         assert_eq!(e["involvedObject"], json!({"kind": "Node", "apiVersion": "v1", "name": "node1", "uid": "node1"}));
         assert_eq!(e["metadata"]["namespace"], "default");
         let m = e["message"].as_str().unwrap();
-        assert!(m.contains(&format!("process {} uses {g0}", rogue.id())) && m.contains("outside every slice"), "{m}");
+        // Who runs it: the command, and whatever container this machine runs the test in.
+        assert!(m.contains(&format!("process {} (cuda-rt-app", rogue.id())), "{m}");
+        assert!(m.contains(&format!(") uses {g0}")) && m.contains("outside every slice"), "{m}");
         assert!(s.output(SIM, &["xid", "--gpu", "1", "--code", "79"]).status.success());
         wait("the unhealthy GPU's Event", || of("GPUUnhealthy").is_some());
         let e = of("GPUUnhealthy").unwrap();
