@@ -315,7 +315,7 @@ pub struct Monitor {
     active: HashSet<String>,
     /// Escape key -> (PID, who runs it), read from /proc when the escape (or its culprit) was first
     /// seen.
-    owners: HashMap<String, (u32, procfs::Owner)>,
+    owners: HashMap<String, (u32, procfs::Owner, String)>,
     action: EscapeAction,
     passes: u64,
     /// Slices whose region could not be opened, and when to try again (every 10 s, logged once
@@ -424,6 +424,30 @@ impl Monitor {
     }
 
     /// The claim with admin access to GPU `gpu` in whose container process `pid` is, if any.
+    /// "<namespace>/<name>" of the pod with UID `uid`, where a slice belongs to it: by the slice's
+    /// `pod-uid` label (HAMi and Volcano modes), else by the pod UID in the cgroup of one of the
+    /// slice's live processes (any mode that labels slices with their pod). Empty otherwise.
+    fn pod_named(&self, slices: &[Slice], uid: &str) -> String {
+        if uid.is_empty() {
+            return String::new();
+        }
+        let name = |s: &Slice| {
+            let get = |k: &str| s.labels.get(k).map_or("", String::as_str);
+            format!("{}/{}", get("namespace"), get("pod"))
+        };
+        if let Some(s) = slices.iter().find(|s| s.labels.get("pod-uid").is_some_and(|u| u == uid)) {
+            return name(s);
+        }
+        let mut asked = HashSet::default();
+        for (&host, &(i, _)) in &self.by_host {
+            let Some(s) = slices.get(i).filter(|s| s.labels.contains_key("pod")) else { continue };
+            if asked.insert(i) && procfs::owner(host).pod_uid == uid {
+                return name(s);
+            }
+        }
+        String::new()
+    }
+
     fn admitted(&self, pid: u32, gpu: &str) -> Option<String> {
         self.admitted
             .iter()
@@ -869,21 +893,19 @@ impl Monitor {
             let key = escape_key(e);
             let new = !self.active.contains(&key);
             // Who runs it, read before any kill; kept while the escape lasts.
-            let owner = match self.owners.remove(&key) {
-                Some((pid, o)) if pid == e.pid => o,
-                _ => procfs::owner(e.pid),
+            let (owner, pod) = match self.owners.remove(&key) {
+                Some((pid, o, pod)) if pid == e.pid => (o, pod),
+                _ => {
+                    let o = procfs::owner(e.pid);
+                    let pod = self.pod_named(slices, &o.pod_uid);
+                    (o, pod)
+                }
             };
             e.command.clone_from(&owner.command);
             e.pod_uid.clone_from(&owner.pod_uid);
             e.container_id.clone_from(&owner.container_id);
-            if !owner.pod_uid.is_empty() {
-                let of_pod = slices.iter().find(|s| s.labels.get("pod-uid") == Some(&owner.pod_uid));
-                if let Some(l) = of_pod.map(|s| &s.labels) {
-                    let get = |k: &str| l.get(k).map_or("", String::as_str);
-                    e.pod = format!("{}/{}", get("namespace"), get("pod"));
-                }
-            }
-            owners.insert(key.clone(), (e.pid, owner));
+            e.pod.clone_from(&pod);
+            owners.insert(key.clone(), (e.pid, owner, pod));
             now.insert(key);
             e.action = "reported".into();
             if !new {

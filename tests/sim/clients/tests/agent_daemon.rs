@@ -480,6 +480,40 @@ fn an_escape_names_its_process_pod_and_container() {
             log.contains(&format!("\"pod_uid\":\"{}\"", cg.uid)) && log.contains("\"command\":\"cuda-rt-app\""),
             "{log}"
         );
+
+        // A slice labelled with its pod's name but not its UID (as in replica mode): the pod is
+        // told by the cgroup of the slice's own process.
+        let cg2 = PodCgroup::make().unwrap();
+        let d2: Value = serde_json::from_str(&a.ctl_ok(&[
+            "slice",
+            "create",
+            "--name",
+            "u",
+            "--gpu",
+            "0",
+            "--memory",
+            "1GiB",
+            "--json",
+            "--label",
+            "namespace=ml",
+            "--label",
+            "pod=infer-0",
+        ]))
+        .unwrap();
+        let (q, _) = s.spawn_cmd(in_slice(&s, &d2, RT), &["alloc", "--size", "100m", "--hold"]);
+        std::fs::write(cg2.dirs[0].join("cgroup.procs"), q.to_string()).unwrap();
+        a.wait("the slice's process", |v| slice_of(v, "u")["processes"][0]["host_pid"] == q);
+        let mut c = s.cmd("/bin/sh");
+        let procs = cg2.dirs[0].join("cgroup.procs");
+        c.args(["-c", &format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display()), RT]);
+        let (rogue2, _) = s.spawn_cmd(c, &["alloc", "--size", "1g", "--hold"]);
+        let v = a.wait("the second escape", |v| {
+            v["escapes"].as_array().is_some_and(|e| e.iter().any(|e| e["pid"] == rogue2))
+        });
+        let e = v["escapes"].as_array().unwrap().iter().find(|e| e["pid"] == rogue2).unwrap().clone();
+        assert_eq!((e["pod"].as_str(), e["pod_uid"].as_str()), (Some("ml/infer-0"), Some(cg2.uid.as_str())), "{e}");
+        s.kill(rogue2);
+        s.kill(q);
     } else {
         // (a container of this machine's own may follow the command)
         assert!(table.contains(&format!("pid {rogue} (cuda-rt-app")), "{table}");
