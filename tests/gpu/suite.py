@@ -1177,7 +1177,8 @@ def trued(sl):
 
 
 def check_agent(s):
-    """The agent discovers the GPU read-only; a slice's process shows in `vgpuctl status`."""
+    """The agent discovers the GPU read-only; a slice's process shows in `vgpuctl status`; a process
+    without libvgpu.so beside it is reported as an escape, with its command."""
     with AgentRun(s, "agent") as a:
         work = None
         try:
@@ -1205,10 +1206,25 @@ def check_agent(s):
             v = {"gpu": g.get("model"), "memory_total": g.get("memory_total"), "slice": sl, "status_table": table, "mig_status_rc": rc_mig,
                  "mig_status": (mig or mig_err).strip()[:2000]}
             seen = bool(sl) and listed(sl, work.pid)
-            summary = "found %s (%s); slice 4 GiB/50 %%: its process %s, accounted %s (first seen: %s), NVML-measured %s; vgpuctl mig status rc=%d" % (
+            # A process without libvgpu.so on the slice's GPU: an escape, reported (the agent runs
+            # with escapes only reported), naming its command.
+            rogue = Proc(s, [s.bin("gpu-probe"), "hold", "--size", str(256 * MIB)],
+                         s.env(False, extra={"CUDA_VISIBLE_DEVICES": g["uuid"]}))
+            esc, end = None, time.time() + 20
+            try:
+                while esc is None and time.time() < end:
+                    esc = next((e for e in a.status().get("escapes", []) if e.get("pid") == rogue.p.pid), None)
+                    time.sleep(0.25)
+            finally:
+                rogue.kill()
+            v["escape"] = esc
+            summary = "found %s (%s); slice 4 GiB/50 %%: its process %s, accounted %s (first seen: %s), NVML-measured %s; a process outside it: %s; vgpuctl mig status rc=%d" % (
                 g.get("model"), human(g.get("memory_total")), "listed" if seen else "NOT listed", human(sg.get("memory_used")),
-                human(first.get("memory_used")), human(sg.get("memory_measured")), rc_mig)
+                human(first.get("memory_used")), human(sg.get("memory_measured")),
+                "escape of %s, %s" % (esc.get("command") or "no command", human(esc.get("measured"))) if esc else "NOT reported", rc_mig)
             if not seen or sg.get("memory_used", 0) < GIB or sg.get("memory_measured", 0) < GIB or not trued(sl):
+                raise Fail(summary, v)
+            if not esc or esc.get("command") != "gpu-probe" or esc.get("measured", 0) < 256 * MIB:
                 raise Fail(summary, v)
             work.send("done")
             work.kill()
