@@ -317,12 +317,13 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
         for e in &st.escapes {
             let line = if e.kind == pb::escape::Kind::OverLimit as i32 {
                 format!(
-                    "slice {} over its limit on {}: NVML measures {} > {} (pid {}, {})",
+                    "slice {} over its limit on {}: NVML measures {} > {} (pid {}{}, {})",
                     e.slice,
                     short_uuid(&e.gpu),
                     human(e.measured),
                     human(e.limit),
                     e.pid,
+                    process_owner(e),
                     e.action
                 )
             } else {

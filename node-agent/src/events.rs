@@ -159,8 +159,13 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
                 st.slices.iter().find(|s| !e.slice.is_empty() && s.name == e.slice).and_then(|s| subject(&s.labels));
             let action = if e.action == "killed" { format!("process {} killed", e.pid) } else { e.action.clone() };
             if e.kind == pb::escape::Kind::OverLimit as i32 {
+                let culprit = if e.pid == 0 {
+                    String::new()
+                } else {
+                    format!("; process {}{} holds the most beyond its own account", e.pid, crate::ctl::process_owner(e))
+                };
                 let m = format!(
-                    "vgpu: the container holds {} MiB on {} as NVML measures it, over its {} MiB quota ({action})",
+                    "vgpu: the container holds {} MiB on {} as NVML measures it, over its {} MiB quota{culprit} ({action})",
                     mib(e.measured),
                     e.gpu,
                     mib(e.limit)
@@ -482,7 +487,10 @@ mod tests {
         let (o, kind, reason, m) = notice_event(&esc(pb::escape::Kind::OverLimit, "a", "reported"), &st, "node1");
         assert_eq!((o["kind"].as_str(), o["name"].as_str()), (Some("Pod"), Some("train")));
         assert_eq!((kind, reason), ("Warning", "GPUMemoryOverQuota"));
-        assert!(m.contains("holds 3200 MiB on GPU-0 as NVML measures it, over its 3000 MiB quota (reported)"), "{m}");
+        assert!(
+            m.contains("holds 3200 MiB on GPU-0 as NVML measures it, over its 3000 MiB quota; process 4242 holds the most beyond its own account (reported)"),
+            "{m}"
+        );
         let (o, _, reason, m) = notice_event(&esc(pb::escape::Kind::Unaccounted, "a", "killed"), &st, "node1");
         assert_eq!((o["name"].as_str(), reason), (Some("train"), "GPUOutsideQuota"));
         assert!(m.contains("process 4242 of the container uses GPU-0") && m.contains("(process 4242 killed)"), "{m}");

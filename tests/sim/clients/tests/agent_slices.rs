@@ -120,6 +120,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
         (e.kind, e.slice.as_str(), e.gpu.as_str(), e.measured, e.limit, e.pid),
         (Kind::OverLimit as i32, "job1", uuid.as_str(), 1064 * MIB, 1 << 30, p)
     );
+    assert_eq!(e.command, "cuda-rt-app", "who runs it, from /proc");
     s.kill(p);
     std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(pass(&list).reclaimed, 1000 * MIB);
