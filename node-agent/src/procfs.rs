@@ -54,10 +54,18 @@ pub struct Owner {
 /// The [`Owner`] of `pid` (empty fields for what cannot be read or told).
 pub fn owner(pid: u32) -> Owner {
     let dir = proc_dir().join(pid.to_string());
-    let command = std::fs::read_to_string(dir.join("comm")).map(|c| c.trim_end().to_string()).unwrap_or_default();
+    let command = std::fs::read(dir.join("comm")).map(|c| printable(&c)).unwrap_or_default();
     let (pod_uid, container_id) =
         std::fs::read_to_string(dir.join("cgroup")).map(|c| parse_cgroup_owner(&c)).unwrap_or_default();
     Owner { command, pod_uid, container_id }
+}
+
+/// A process's `comm` as text safe to print: the process sets it (`prctl(PR_SET_NAME)`), so control
+/// characters (a terminal's escape sequences) and invalid UTF-8 become `?`; the newline that ends
+/// it goes.
+pub fn printable(comm: &[u8]) -> String {
+    let comm = comm.strip_suffix(b"\n").unwrap_or(comm);
+    String::from_utf8_lossy(comm).chars().map(|c| if c.is_control() || c == '\u{fffd}' { '?' } else { c }).collect()
 }
 
 /// A pod's UID and a container's ID from `/proc/<pid>/cgroup`, in the layouts kubelet and the
@@ -257,6 +265,9 @@ mod tests {
         assert_eq!(parse_cgroup_owner("0::/kubepods/podnot-a-uid/abc\n"), Default::default());
         let short = &id[..63];
         assert_eq!(parse_cgroup_owner(&format!("0::/system.slice/docker-{short}.scope\n")), Default::default());
+        // A command a process chose to disturb a terminal or a log prints harmlessly.
+        assert_eq!(printable(b"python3\n"), "python3");
+        assert_eq!(printable(b"\x1b[2J\x1b[Hx\ty\xff\n"), "?[2J?[Hx?y?");
         // This process: its command, and whatever its cgroup says.
         let me = owner(std::process::id());
         assert!(!me.command.is_empty(), "{me:?}");
