@@ -510,11 +510,15 @@ impl Agent {
         if self.library.is_none() {
             problems.push(format!("libvgpu.so not installed: {} is missing", self.cfg.library.display()));
         }
-        for g in &self.status().gpus {
+        let st = self.status();
+        for g in &st.gpus {
             if !g.healthy {
                 problems.push(format!("GPU {} ({}) unhealthy: {}", g.index, g.uuid, g.health_reason));
             }
         }
+        // What an operator must act on: escapes and the status's warnings.
+        problems.extend(st.escapes.iter().map(|e| format!("escape: {}", crate::ctl::escape_line(e))));
+        problems.extend(st.warnings.iter().cloned());
         let stalled = self.stalled();
         problems.extend(stalled.clone());
         pb::HealthResponse {

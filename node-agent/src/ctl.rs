@@ -315,31 +315,45 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
         o.push_str(&style.red("ESCAPES"));
         o.push('\n');
         for e in &st.escapes {
-            let line = if e.kind == pb::escape::Kind::OverLimit as i32 {
-                format!(
-                    "slice {} over its limit on {}: NVML measures {} > {} (pid {}{}, {})",
-                    e.slice,
-                    short_uuid(&e.gpu),
-                    human(e.measured),
-                    human(e.limit),
-                    e.pid,
-                    process_owner(e),
-                    e.action
-                )
-            } else {
-                format!(
-                    "pid {}{} on {} outside every slice: {} ({})",
-                    e.pid,
-                    process_owner(e),
-                    short_uuid(&e.gpu),
-                    human(e.measured),
-                    e.action
-                )
-            };
-            let _ = writeln!(o, "  {line}");
+            let _ = writeln!(o, "  {}", escape_line(e));
         }
     }
     o
+}
+
+/// One escape as `vgpuctl status` lists it (and `doctor` reports it).
+pub fn escape_line(e: &pb::Escape) -> String {
+    if e.kind == pb::escape::Kind::OverLimit as i32 {
+        format!(
+            "slice {} over its limit on {}: NVML measures {} > {} (pid {}{}, {})",
+            e.slice,
+            short_uuid(&e.gpu),
+            human(e.measured),
+            human(e.limit),
+            e.pid,
+            process_owner(e),
+            e.action
+        )
+    } else if !e.slice.is_empty() {
+        format!(
+            "pid {}{} of slice {} on {}, outside the slice: {} ({})",
+            e.pid,
+            process_owner(e),
+            e.slice,
+            short_uuid(&e.gpu),
+            human(e.measured),
+            e.action
+        )
+    } else {
+        format!(
+            "pid {}{} on {} outside every slice: {} ({})",
+            e.pid,
+            process_owner(e),
+            short_uuid(&e.gpu),
+            human(e.measured),
+            e.action
+        )
+    }
 }
 
 /// Who runs an escape's process, as ` (python3, pod ml/train-0, container 0a1b2c3d4e5f)`: its
@@ -676,7 +690,7 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
                 "agent",
                 "warn",
                 format!("agent ready; problems: {}", h.problems.join("; ")),
-                "see the agent's log",
+                "vgpuctl status shows each; see the agent's log",
             )),
             Ok(h) => v.push(check(
                 "agent",
@@ -892,6 +906,44 @@ mod tests {
         assert_eq!(human(0), "0 B");
         assert_eq!(human(1536 << 20), "1.5 GiB");
         assert_eq!(human(512 << 20), "512.0 MiB");
+    }
+
+    #[test]
+    fn escapes_read_by_kind_and_name_who_runs_them() {
+        let e = |kind: pb::escape::Kind, slice: &str| pb::Escape {
+            kind: kind as i32,
+            gpu: "GPU-5eed0000-1000".into(),
+            slice: slice.into(),
+            pid: 4242,
+            measured: 3 << 30,
+            limit: 2 << 30,
+            action: "reported".into(),
+            command: "python3".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            escape_line(&e(pb::escape::Kind::OverLimit, "job1")),
+            "slice job1 over its limit on GPU-5eed0000: NVML measures 3.0 GiB > 2.0 GiB (pid 4242 (python3), reported)"
+        );
+        assert_eq!(
+            escape_line(&e(pb::escape::Kind::Unaccounted, "job1")),
+            "pid 4242 (python3) of slice job1 on GPU-5eed0000, outside the slice: 3.0 GiB (reported)"
+        );
+        let mut out = e(pb::escape::Kind::Unaccounted, "");
+        out.pod_uid = "4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d".into();
+        out.container_id = "0a1b2c3d4e5f60718293".into();
+        assert_eq!(
+            escape_line(&out),
+            "pid 4242 (python3, pod UID 4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d, container 0a1b2c3d4e5f) on GPU-5eed0000 \
+             outside every slice: 3.0 GiB (reported)"
+        );
+        out.command.clear();
+        out.pod = "ml/train-0".into();
+        out.container_id.clear();
+        assert!(escape_line(&out).starts_with("pid 4242 (pod ml/train-0) on "), "{}", escape_line(&out));
+        out.pod.clear();
+        out.pod_uid.clear();
+        assert!(escape_line(&out).starts_with("pid 4242 on "), "nothing known: nothing added");
     }
 
     #[test]

@@ -465,6 +465,10 @@ fn an_escape_names_its_process_pod_and_container() {
     let v = a.wait("the escape", |v| v["escapes"].as_array().is_some_and(|e| e.iter().any(|e| e["pid"] == rogue)));
     let e = v["escapes"].as_array().unwrap().iter().find(|e| e["pid"] == rogue).unwrap().clone();
     assert_eq!(e["command"], "cuda-rt-app", "{e}");
+    // `vgpuctl doctor` reports it among the agent's problems.
+    let doctor = a.ctl(&["doctor"]);
+    let text = String::from_utf8_lossy(&doctor.stdout);
+    assert!(text.contains(&format!("escape: pid {rogue} (cuda-rt-app")), "{text}");
     let table = a.ctl_ok(&["status"]);
     if let Some(cg) = &cg {
         assert_eq!(
