@@ -12,7 +12,8 @@
 //! - **Escapes** (each once, when the monitoring pass first sees it, with what was done): a slice
 //!   over its limit as NVML measures it (`GPUMemoryOverQuota`) or a process of a slice on a GPU
 //!   outside it (`GPUOutsideQuota`), on the slice's pod or claim; a process outside every slice on
-//!   a GPU that slices use (`GPUProcessOutsideQuota`), on the Node.
+//!   a GPU that slices use (`GPUProcessOutsideQuota`), on its pod where the agent could tell it
+//!   (a pod with a slice), else on the Node.
 //! - **Health**: a GPU that became unhealthy (`GPUUnhealthy`, with why) or healthy again
 //!   (`GPUHealthy`, Normal), on the Node.
 //!
@@ -188,7 +189,19 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
                     e.gpu,
                     mib(e.measured)
                 );
-                (node_object(node), "Warning", "GPUProcessOutsideQuota", m)
+                // On its pod where the agent could tell it (a pod with a slice: a container of it
+                // that does not load libvgpu.so), else on the Node.
+                let pod = e.pod.split_once('/').and_then(|(ns, name)| {
+                    let of = |s: &&pb::SliceStatus| {
+                        s.labels.get("namespace").is_some_and(|x| x == ns)
+                            && s.labels.get("pod").is_some_and(|x| x == name)
+                    };
+                    let mut o = st.slices.iter().find(of).and_then(|s| self::subject(&s.labels))?;
+                    // Not the slice's container: the process's own is not known by name.
+                    o.as_object_mut()?.remove("fieldPath");
+                    Some(o)
+                });
+                (pod.unwrap_or_else(|| node_object(node)), "Warning", "GPUProcessOutsideQuota", m)
             }
         }
         Notice::Health { gpu, index, healthy: false, reason } => (
@@ -498,6 +511,7 @@ mod tests {
         assert_eq!(o, json!({"kind": "Node", "apiVersion": "v1", "name": "node1", "uid": "node1"}));
         assert_eq!(reason, "GPUProcessOutsideQuota");
         assert!(m.contains("process 4242 uses GPU-0 (3200 MiB) outside every slice"), "{m}");
+        assert_eq!(event(&o, "Warning", reason, &m, "node1")["metadata"]["namespace"], "default");
         // Who runs it, as far as the agent could tell.
         let Notice::Escape(mut e) = esc(pb::escape::Kind::Unaccounted, "", "reported") else { unreachable!() };
         e.command = "python3".into();
@@ -508,10 +522,20 @@ mod tests {
             m.contains("process 4242 (python3, pod UID 4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d, container 0a1b2c3d4e5f) uses GPU-0"),
             "{m}"
         );
-        e.pod = "ml/train-0".into();
-        let (_, _, _, m) = notice_event(&Notice::Escape(e), &st, "node1");
-        assert!(m.contains("process 4242 (python3, pod ml/train-0, container 0a1b2c3d4e5f) uses GPU-0"), "{m}");
-        assert_eq!(event(&o, "Warning", reason, &m, "node1")["metadata"]["namespace"], "default");
+        e.pod = "ml/other-0".into();
+        let (o, _, _, m) = notice_event(&Notice::Escape(e.clone()), &st, "node1");
+        assert!(m.contains("process 4242 (python3, pod ml/other-0, container 0a1b2c3d4e5f) uses GPU-0"), "{m}");
+        assert_eq!(o["kind"], "Node", "a pod the agent has no slice of: {o}");
+        // The pod of a slice: the Event is on that pod (not at the slice's container).
+        e.pod = "ml/train".into();
+        let (o, _, reason, _) = notice_event(&Notice::Escape(e), &st, "node1");
+        assert_eq!(
+            (o["kind"].as_str(), o["namespace"].as_str(), o["name"].as_str(), o["uid"].as_str(), reason),
+            (Some("Pod"), Some("ml"), Some("train"), Some("u1"), "GPUProcessOutsideQuota"),
+            "{o}"
+        );
+        assert!(o.get("fieldPath").is_none(), "{o}");
+        assert_eq!(event(&o, "Warning", reason, &m, "node1")["metadata"]["namespace"], "ml", "in the pod's namespace");
         // A slice of no pod: the Node's.
         let mine = node(vec![slice("b", &[("owner", "me")], &[])]);
         let (o, ..) = notice_event(&esc(pb::escape::Kind::OverLimit, "b", "reported"), &mine, "node1");
