@@ -420,50 +420,44 @@ impl Drop for PodCgroup {
     }
 }
 
+/// A 1 GiB slice on GPU 0 labelled `labels` (`k=v`), as `slice create --json` describes it.
+fn labelled_slice(a: &Agent, name: &str, labels: &[&str]) -> Value {
+    let mut args = vec!["slice", "create", "--name", name, "--gpu", "0", "--memory", "1GiB", "--json"];
+    for l in labels {
+        args.extend(["--label", l]);
+    }
+    serde_json::from_str(&a.ctl_ok(&args)).unwrap()
+}
+
+/// The CUDA client started in cgroup `cg` (where given) before it runs, without libvgpu.so.
+fn outside_in(s: &Sim, cg: Option<&PodCgroup>) -> Command {
+    let mut c = s.cmd("/bin/sh");
+    let join = cg.map(|cg| format!("echo $$ > {} && ", cg.dirs[0].join("cgroup.procs").display()));
+    c.args(["-c", &format!("{}exec \"$0\" \"$@\"", join.unwrap_or_default()), RT]);
+    c
+}
+
+/// The escape of process `pid`, once the agent reports it.
+fn escape_of(a: &Agent, pid: u32) -> Value {
+    let has = |v: &Value| v["escapes"].as_array().and_then(|e| e.iter().find(|e| e["pid"] == pid)).cloned();
+    has(&a.wait("the escape", |v| has(v).is_some())).unwrap()
+}
+
 #[test]
 fn an_escape_names_its_process_pod_and_container() {
     let mut s = Sim::new(Some(NODE));
     let a = Agent::start(&s, &[]);
     let cg = PodCgroup::make();
     let uid = cg.as_ref().map_or("00000000-0000-4000-8000-000000000000".to_string(), |c| c.uid.clone());
-    let label = format!("pod-uid={uid}");
-    let d: Value = serde_json::from_str(&a.ctl_ok(&[
-        "slice",
-        "create",
-        "--name",
-        "t",
-        "--gpu",
-        "0",
-        "--memory",
-        "1GiB",
-        "--json",
-        "--label",
-        "namespace=ml",
-        "--label",
-        "pod=train-0",
-        "--label",
-        &label,
-    ]))
-    .unwrap();
+    let d = labelled_slice(&a, "t", &["namespace=ml", "pod=train-0", &format!("pod-uid={uid}")]);
     let (p, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--size", "100m", "--hold"]);
     // A process of the same pod that does not load libvgpu.so: in the pod's cgroup where this
     // machine lets the test make one.
-    let mut c = s.cmd("/bin/sh");
-    match &cg {
-        Some(cg) => {
-            let procs = cg.dirs[0].join("cgroup.procs");
-            c.args(["-c", &format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display()), RT]);
-        }
-        None => {
-            eprintln!(
-                "SKIPPED (part): no writable cgroup hierarchy here; the escape's pod and container are not checked"
-            );
-            c.args(["-c", "exec \"$0\" \"$@\"", RT]);
-        }
+    if cg.is_none() {
+        eprintln!("SKIPPED (part): no writable cgroup hierarchy here; the escape's pod and container are not checked");
     }
-    let (rogue, _) = s.spawn_cmd(c, &["alloc", "--size", "2g", "--hold"]);
-    let v = a.wait("the escape", |v| v["escapes"].as_array().is_some_and(|e| e.iter().any(|e| e["pid"] == rogue)));
-    let e = v["escapes"].as_array().unwrap().iter().find(|e| e["pid"] == rogue).unwrap().clone();
+    let (rogue, _) = s.spawn_cmd(outside_in(&s, cg.as_ref()), &["alloc", "--size", "2g", "--hold"]);
+    let e = escape_of(&a, rogue);
     assert_eq!(e["command"], "cuda-rt-app", "{e}");
     // `vgpuctl doctor` reports it among the agent's problems.
     let doctor = a.ctl(&["doctor"]);
@@ -488,33 +482,12 @@ fn an_escape_names_its_process_pod_and_container() {
         // A slice labelled with its pod's name but not its UID (as in replica mode): the pod is
         // told by the cgroup of the slice's own process.
         let cg2 = PodCgroup::make().unwrap();
-        let d2: Value = serde_json::from_str(&a.ctl_ok(&[
-            "slice",
-            "create",
-            "--name",
-            "u",
-            "--gpu",
-            "0",
-            "--memory",
-            "1GiB",
-            "--json",
-            "--label",
-            "namespace=ml",
-            "--label",
-            "pod=infer-0",
-        ]))
-        .unwrap();
+        let d2 = labelled_slice(&a, "u", &["namespace=ml", "pod=infer-0"]);
         let (q, _) = s.spawn_cmd(in_slice(&s, &d2, RT), &["alloc", "--size", "100m", "--hold"]);
         std::fs::write(cg2.dirs[0].join("cgroup.procs"), q.to_string()).unwrap();
         a.wait("the slice's process", |v| slice_of(v, "u")["processes"][0]["host_pid"] == q);
-        let mut c = s.cmd("/bin/sh");
-        let procs = cg2.dirs[0].join("cgroup.procs");
-        c.args(["-c", &format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display()), RT]);
-        let (rogue2, _) = s.spawn_cmd(c, &["alloc", "--size", "1g", "--hold"]);
-        let v = a.wait("the second escape", |v| {
-            v["escapes"].as_array().is_some_and(|e| e.iter().any(|e| e["pid"] == rogue2))
-        });
-        let e = v["escapes"].as_array().unwrap().iter().find(|e| e["pid"] == rogue2).unwrap().clone();
+        let (rogue2, _) = s.spawn_cmd(outside_in(&s, Some(&cg2)), &["alloc", "--size", "1g", "--hold"]);
+        let e = escape_of(&a, rogue2);
         assert_eq!((e["pod"].as_str(), e["pod_uid"].as_str()), (Some("ml/infer-0"), Some(cg2.uid.as_str())), "{e}");
         s.kill(rogue2);
         s.kill(q);
@@ -522,7 +495,9 @@ fn an_escape_names_its_process_pod_and_container() {
         // (a container of this machine's own may follow the command)
         assert!(table.contains(&format!("pid {rogue} (cuda-rt-app")), "{table}");
     }
-    assert_eq!(slice_of(&v, "t")["processes"][0]["host_pid"], p, "the slice's own process is no escape");
+    let v = a.wait("the slice's own process in it", |v| slice_of(v, "t")["processes"][0]["host_pid"] == p);
+    let escaped = |pid: u32| v["escapes"].as_array().unwrap().iter().any(|e| e["pid"] == pid);
+    assert!(escaped(rogue) && !escaped(p), "the slice's own process is no escape: {v}");
     s.kill(rogue);
     s.kill(p);
     a.wait("the escape gone", |v| v["escapes"].as_array().is_some_and(|e| e.is_empty()));
