@@ -423,7 +423,6 @@ impl Monitor {
         self.admitted = admitted;
     }
 
-    /// The claim with admin access to GPU `gpu` in whose container process `pid` is, if any.
     /// "<namespace>/<name>" of the pod with UID `uid`, where a slice belongs to it: by the slice's
     /// `pod-uid` label (HAMi and Volcano modes), else by the pod UID in the cgroup of one of the
     /// slice's live processes (any mode that labels slices with their pod). Empty otherwise.
@@ -448,6 +447,7 @@ impl Monitor {
         String::new()
     }
 
+    /// The claim with admin access to GPU `gpu` in whose container process `pid` is, if any.
     fn admitted(&self, pid: u32, gpu: &str) -> Option<String> {
         self.admitted
             .iter()
@@ -916,8 +916,10 @@ impl Monitor {
                 // SAFETY: kill(2) with a PID NVML reported in this pass and a valid signal.
                 let r = unsafe { libc::kill(e.pid as libc::pid_t, libc::SIGKILL) };
                 e.action = if r == 0 { "killed".into() } else { "kill failed".into() };
-                // Killed: the next pass sees the process gone; its next escape is a new one.
+                // Killed: the next pass sees the process gone; its next escape is a new one (and
+                // its PID, if reused, another process's).
                 now.remove(&escape_key(e));
+                owners.remove(&escape_key(e));
             }
             pass.fresh.push(e.clone());
             if e.kind == pb::escape::Kind::Unaccounted as i32 && !e.slice.is_empty() {
