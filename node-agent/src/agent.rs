@@ -42,6 +42,9 @@ pub enum Notice {
     Escape(pb::Escape),
     /// A GPU became unhealthy (with why) or healthy again.
     Health { gpu: String, index: u32, healthy: bool, reason: String },
+    /// A MIG device (`device`, its UUID) of GPU instance `gpu_instance` became unhealthy (with
+    /// why) or healthy again while its GPU stayed as it was.
+    MigHealth { gpu: String, index: u32, device: String, gpu_instance: u32, healthy: bool, reason: String },
 }
 
 /// The most notices kept for the Events task (the oldest go first).
@@ -515,6 +518,12 @@ impl Agent {
             if !g.healthy {
                 problems.push(format!("GPU {} ({}) unhealthy: {}", g.index, g.uuid, g.health_reason));
             }
+            for i in g.mig.iter().flat_map(|m| &m.instances).filter(|i| i.unhealthy) {
+                problems.push(format!(
+                    "GPU {} MIG device {} (GPU instance {}) unhealthy: {}",
+                    g.index, i.uuid, i.gpu_instance_id, i.health_reason
+                ));
+            }
         }
         // What an operator must act on: escapes and the status's warnings.
         problems.extend(st.escapes.iter().map(|e| format!("escape: {}", crate::ctl::escape_line(e))));
@@ -590,7 +599,10 @@ impl Agent {
                                 m.gpu_instances
                                     .iter()
                                     .map(|gi| (gi, m.devices.iter().find(|d| d.gpu_instance_id == Some(gi.id))))
-                                    .map(|(gi, dev)| pb::MigInstance {
+                                    .map(|(gi, dev)| (gi, dev, self.health.instance(uuid, gi.id)))
+                                    .map(|(gi, dev, bad)| pb::MigInstance {
+                                        unhealthy: bad.is_some(),
+                                        health_reason: bad.unwrap_or_default(),
                                         gpu_instance_id: gi.id,
                                         profile_id: gi.profile_id,
                                         start: gi.start,
@@ -650,6 +662,20 @@ impl Agent {
                         healthy: g.healthy,
                         reason: g.health_reason.clone(),
                     });
+                }
+                let instances = |s: &pb::GpuStatus| s.mig.as_ref().map(|m| m.instances.clone()).unwrap_or_default();
+                let before = old.gpus.iter().find(|o| o.uuid == g.uuid).map(instances).unwrap_or_default();
+                for i in instances(g) {
+                    if before.iter().any(|b| b.gpu_instance_id == i.gpu_instance_id && b.unhealthy != i.unhealthy) {
+                        q.push_back(Notice::MigHealth {
+                            gpu: g.uuid.clone(),
+                            index: g.index,
+                            device: i.uuid.clone(),
+                            gpu_instance: i.gpu_instance_id,
+                            healthy: !i.unhealthy,
+                            reason: i.health_reason.clone(),
+                        });
+                    }
                 }
             }
             while q.len() > NOTICES_KEPT {

@@ -69,7 +69,16 @@ impl Agent {
                         instances: m
                             .gpu_instances
                             .iter()
-                            .map(|i| sp::MigInstance {
+                            .map(|i| {
+                                let bad = st
+                                    .and_then(|s| s.mig.as_ref())
+                                    .and_then(|m| m.instances.iter().find(|x| x.gpu_instance_id == i.id))
+                                    .filter(|x| x.unhealthy);
+                                (i, bad.map(|x| x.health_reason.clone()))
+                            })
+                            .map(|(i, bad)| sp::MigInstance {
+                                unhealthy: bad.is_some(),
+                                health_reason: bad.unwrap_or_default(),
                                 gpu_instance_id: i.id,
                                 profile: name(i.profile_id),
                                 start: i.start,

@@ -208,6 +208,18 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
             let profile = i.name.rsplit_once(" MIG ").map_or(i.name.as_str(), |(_, p)| p);
             let _ = writeln!(o, "GPU {} MIG {} {}: {}", g.index, profile, short_uuid(&i.uuid), i.holder);
         }
+        for i in g.mig.iter().flat_map(|m| &m.instances).filter(|i| i.unhealthy) {
+            let profile = i.name.rsplit_once(" MIG ").map_or(i.name.as_str(), |(_, p)| p);
+            let line = format!(
+                "GPU {} MIG {} {} (GPU instance {}) UNHEALTHY: {}; its device is withdrawn, the GPU's others are not",
+                g.index,
+                profile,
+                short_uuid(&i.uuid),
+                i.gpu_instance_id,
+                i.health_reason
+            );
+            let _ = writeln!(o, "{}", style.red(&line));
+        }
         for p in &g.admin_processes {
             let _ =
                 writeln!(o, "GPU {} admin access: pid {} ({}) of claim {}", g.index, p.pid, human(p.memory), p.claim);
@@ -778,7 +790,17 @@ pub fn render_doctor(checks: &[Check], style: Style) -> String {
 fn capacity_cells(g: &vgpu_proto::scheduler::v1::GpuCapacity, style: Style) -> Vec<String> {
     let mig = match &g.mig {
         Some(m) if m.enabled => {
-            let inst: Vec<String> = m.instances.iter().map(|i| i.profile.clone()).collect();
+            let inst: Vec<String> = m
+                .instances
+                .iter()
+                .map(|i| {
+                    if i.unhealthy {
+                        format!("{} {}", i.profile, style.red("(unhealthy)"))
+                    } else {
+                        i.profile.clone()
+                    }
+                })
+                .collect();
             let room: Vec<String> = m.room.iter().map(|r| format!("{}x{}", r.profile, r.starts.len())).collect();
             format!(
                 "[{}]{}{}",

@@ -59,6 +59,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tonic::{Request, Response, Status};
 use vgpu_proto::dra::{health as hp, registration as reg, v1, v1beta1};
+use vgpu_proto::v1 as pb;
 
 /// The version of `resource.k8s.io` the driver speaks to the API server: the newest it serves of
 /// those the driver knows, found once (at the first publication or preparation).
@@ -316,28 +317,63 @@ pub fn pool(agent: &Agent, v: ApiVersion) -> Pool {
     let inv = agent.inventory.read();
     let mut pool = Pool::default();
     for g in &inv.gpus {
-        if st.gpus.iter().find(|x| x.uuid == g.uuid).is_some_and(|x| !x.healthy) {
+        let gst = st.gpus.iter().find(|x| x.uuid == g.uuid);
+        if gst.is_some_and(|x| !x.healthy) {
             continue;
         }
-        gpu_devices(agent, g, v, &mut pool);
+        let mut p = Pool::default();
+        gpu_devices(agent, g, v, &mut p);
+        let bad = unhealthy_instances(gst);
+        pool.devices.extend(p.devices.into_iter().filter(|d| !on_unhealthy_instance(d, &bad)));
+        pool.counters.extend(p.counters);
     }
     pool
 }
 
 /// The health of every device of this driver on the node, by name: each GPU's devices as it would
 /// offer them (a failed GPU's too, which the pool leaves out but claims may hold), with the GPU's
-/// health.
+/// health, and a MIG device's also with its GPU instance's.
 pub fn device_health(agent: &Agent, v: ApiVersion) -> Vec<(String, bool)> {
     let st = agent.status();
     let inv = agent.inventory.read();
     let mut all = Vec::new();
     for g in &inv.gpus {
-        let healthy = st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy);
+        let gst = st.gpus.iter().find(|x| x.uuid == g.uuid);
+        let healthy = gst.is_none_or(|x| x.healthy);
+        let bad = unhealthy_instances(gst);
         let mut p = Pool::default();
         gpu_devices(agent, g, v, &mut p);
-        all.extend(p.devices.iter().filter_map(|d| Some((d["name"].as_str()?.to_string(), healthy))));
+        all.extend(
+            p.devices
+                .iter()
+                .filter_map(|d| Some((d["name"].as_str()?.to_string(), healthy && !on_unhealthy_instance(d, &bad)))),
+        );
     }
     all
+}
+
+/// The GPU instances of a GPU that a critical XID about them made unhealthy.
+fn unhealthy_instances(st: Option<&pb::GpuStatus>) -> Vec<pb::MigInstance> {
+    st.and_then(|s| s.mig.as_ref())
+        .map(|m| m.instances.iter().filter(|i| i.unhealthy).cloned().collect())
+        .unwrap_or_default()
+}
+
+/// Whether device `d` (a ResourceSlice entry) is on one of the unhealthy instances `bad`: the MIG
+/// device of one, or a partition whose memory slices overlap one's.
+fn on_unhealthy_instance(d: &Value, bad: &[pb::MigInstance]) -> bool {
+    let uuid = d["attributes"]["uuid"]["string"].as_str();
+    let slices: Vec<u32> = d["consumesCounters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["counters"].as_object())
+        .flat_map(|c| c.keys().filter_map(|k| k.strip_prefix("memory-slice-")?.parse().ok()))
+        .collect();
+    bad.iter().any(|i| {
+        (!i.uuid.is_empty() && uuid == Some(i.uuid.as_str()))
+            || slices.iter().any(|&k| (i.start..i.start + i.size).contains(&k))
+    })
 }
 
 /// Whether MIG partitions are offered (`dra_mig = "dynamic"`, and an API version that carries them).

@@ -15,7 +15,8 @@
 //!   a GPU that slices use (`GPUProcessOutsideQuota`), on its pod where the agent could tell it
 //!   (a pod with a slice), else on the Node.
 //! - **Health**: a GPU that became unhealthy (`GPUUnhealthy`, with why) or healthy again
-//!   (`GPUHealthy`, Normal), on the Node.
+//!   (`GPUHealthy`, Normal), on the Node; likewise a MIG device of a GPU instance that a critical
+//!   XID was about (`MIGDeviceUnhealthy`, `MIGDeviceHealthy`).
 //!
 //! The same Event again (same object and reason) within [`AGGREGATE`] of the last updates that
 //! Event, as kubelet does: its `count` goes up, `lastTimestamp` and the message are the new one's
@@ -213,6 +214,21 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
         Notice::Health { gpu, index, healthy: true, .. } => {
             (node_object(node), "Normal", "GPUHealthy", format!("vgpu: GPU {index} ({gpu}) is healthy again"))
         }
+        Notice::MigHealth { gpu, index, device, gpu_instance, healthy: false, reason } => (
+            node_object(node),
+            "Warning",
+            "MIGDeviceUnhealthy",
+            format!(
+                "vgpu: MIG device {device} (GPU instance {gpu_instance} of GPU {index}, {gpu}) is unhealthy: {reason}; \
+                 it is withdrawn until it recovers, the GPU's other devices are not"
+            ),
+        ),
+        Notice::MigHealth { gpu, index, device, gpu_instance, healthy: true, .. } => (
+            node_object(node),
+            "Normal",
+            "MIGDeviceHealthy",
+            format!("vgpu: MIG device {device} (GPU instance {gpu_instance} of GPU {index}, {gpu}) is healthy again"),
+        ),
     }
 }
 
@@ -546,6 +562,18 @@ mod tests {
         assert!(m.contains("GPU 1 (GPU-1) is unhealthy: XID 79 at now"), "{m}");
         let good = Notice::Health { gpu: "GPU-1".into(), index: 1, healthy: true, reason: String::new() };
         assert_eq!(notice_event(&good, &st, "node1").1, "Normal");
+        let mig = |healthy| Notice::MigHealth {
+            gpu: "GPU-1".into(),
+            index: 1,
+            device: "MIG-9".into(),
+            gpu_instance: 3,
+            healthy,
+            reason: if healthy { String::new() } else { "XID 94 at now".into() },
+        };
+        let (o, kind, reason, m) = notice_event(&mig(false), &st, "node1");
+        assert_eq!((o["kind"].as_str(), kind, reason), (Some("Node"), "Warning", "MIGDeviceUnhealthy"));
+        assert!(m.contains("MIG device MIG-9 (GPU instance 3 of GPU 1, GPU-1) is unhealthy: XID 94 at now"), "{m}");
+        assert_eq!(notice_event(&mig(true), &st, "node1").2, "MIGDeviceHealthy");
     }
 
     #[test]

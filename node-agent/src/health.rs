@@ -2,13 +2,18 @@
 //! again once `recovery` has passed without another critical XID and NVML answers for it. NVML
 //! failing for a GPU in a monitoring pass also marks it unhealthy until it answers again.
 //!
+//! On a GPU in MIG mode NVML says which GPU instance an XID is about (or that it is about the whole
+//! GPU): one about an instance marks only that instance's MIG device unhealthy, for as long, and
+//! leaves the GPU and its other instances healthy.
+//!
 //! XIDs that report an application's own fault (the kernel, not the GPU, misbehaved) do not make a
 //! GPU unhealthy: 13 (graphics engine exception), 31 (memory page fault), 43 (GPU stopped
 //! processing), 45 (preemptive cleanup), 68 (video processor exception), 109 (context switch timeout).
 
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
-use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::error::{nvml_try, NvmlError};
+use nvml_wrapper::struct_wrappers::event::EventData;
 use nvml_wrapper::Nvml;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -37,9 +42,12 @@ pub struct XidCounts {
     pub last_critical_at: String,
 }
 
+/// What a health mark is on: a GPU (`None`) or one of its GPU instances.
+type Key = (String, Option<u32>);
+
 pub struct Health {
     recovery: Duration,
-    bad: Mutex<HashMap<String, Bad>>,
+    bad: Mutex<HashMap<Key, Bad>>,
     /// Per GPU UUID.
     xids: Mutex<HashMap<String, XidCounts>>,
 }
@@ -75,10 +83,12 @@ impl Health {
         self.xids.lock().get(uuid).cloned().unwrap_or_default()
     }
 
-    /// Records an XID on `uuid`; returns whether it made the GPU unhealthy.
-    pub fn xid(&self, uuid: &str, xid: u64) -> bool {
+    /// Records an XID on `uuid`, about its GPU instance `instance` where NVML named one (a GPU in
+    /// MIG mode); returns whether it made the GPU, or that instance, unhealthy. The GPU's counts
+    /// take both.
+    pub fn xid(&self, uuid: &str, instance: Option<u32>, xid: u64) -> bool {
         if !is_critical(xid) {
-            tracing::info!(gpu = %uuid, xid, "application XID (the GPU stays healthy)");
+            tracing::info!(gpu = %uuid, gpu_instance = ?instance, xid, "application XID (the GPU stays healthy)");
             self.xids.lock().entry(uuid.to_owned()).or_default().application += 1;
             return false;
         }
@@ -91,25 +101,44 @@ impl Health {
             c.last_critical = xid;
             c.last_critical_at = at;
         }
-        tracing::warn!(gpu = %uuid, xid, "critical XID: GPU marked unhealthy");
-        self.bad.lock().insert(uuid.to_owned(), Bad { last: Instant::now(), reason });
+        match instance {
+            None => tracing::warn!(gpu = %uuid, xid, "critical XID: GPU marked unhealthy"),
+            Some(gi) => tracing::warn!(gpu = %uuid, gpu_instance = gi, xid,
+                "critical XID in a MIG GPU instance: its device marked unhealthy (the GPU's others stay healthy)"),
+        }
+        self.bad.lock().insert((uuid.to_owned(), instance), Bad { last: Instant::now(), reason });
         true
+    }
+
+    /// Why GPU instance `gi` of `uuid` is unhealthy (a critical XID about it within the recovery
+    /// time), or `None` where it is not. Its GPU's own health is [`check`](Self::check)'s.
+    pub fn instance(&self, uuid: &str, gi: u32) -> Option<String> {
+        let mut bad = self.bad.lock();
+        let key = (uuid.to_owned(), Some(gi));
+        let b = bad.get(&key)?;
+        if b.last.elapsed() < self.recovery {
+            return Some(b.reason.clone());
+        }
+        tracing::info!(gpu = %uuid, gpu_instance = gi, was = %b.reason, "MIG GPU instance healthy again");
+        bad.remove(&key);
+        None
     }
 
     /// A monitoring pass's verdict for `uuid`: `error` when NVML failed for it. Returns (healthy, why).
     pub fn check(&self, uuid: &str, error: Option<&str>) -> (bool, String) {
         let mut bad = self.bad.lock();
+        let key = (uuid.to_owned(), None);
         if let Some(e) = error {
-            let b = bad.entry(uuid.to_owned()).or_insert_with(|| Bad { last: Instant::now(), reason: String::new() });
+            let b = bad.entry(key).or_insert_with(|| Bad { last: Instant::now(), reason: String::new() });
             b.reason = format!("NVML: {e}");
             b.last = Instant::now();
             return (false, b.reason.clone());
         }
-        match bad.get(uuid) {
+        match bad.get(&key) {
             None => (true, String::new()),
             Some(b) if b.last.elapsed() >= self.recovery || b.reason.starts_with("NVML:") => {
                 tracing::info!(gpu = %uuid, was = %b.reason, "GPU healthy again");
-                bad.remove(uuid);
+                bad.remove(&key);
                 (true, String::new())
             }
             Some(b) => (false, b.reason.clone()),
@@ -146,15 +175,33 @@ pub fn watch_xids(nvml: Arc<Nvml>, health: Arc<Health>, stop: Arc<AtomicBool>) {
         }
     }
     let set = set.expect("set");
+    // NVML's wait called directly: nvml-wrapper's leaves out which MIG instance an event is about.
+    let wait = match nvml.lib().nvmlEventSetWait_v2.as_ref() {
+        Ok(w) => *w,
+        Err(e) => {
+            tracing::warn!(error = %e, "NVML has no nvmlEventSetWait_v2: GPU health from monitoring passes only");
+            return;
+        }
+    };
     while !stop.load(Relaxed) {
-        match set.wait(200) {
-            Ok(ev) => {
+        // SAFETY: all-zero is a valid nvmlEventData_t (plain integers and a null handle).
+        let mut data: nvml_wrapper_sys::bindings::nvmlEventData_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a live event set (it outlives this loop) and `data` a local to write.
+        let r = nvml_try(unsafe { wait(set.handle(), &mut data, 200) });
+        match r {
+            Ok(()) => {
+                let gi = data.gpuInstanceId;
+                // SAFETY: NVML filled `data` (its device handle is one of `nvml`'s).
+                let ev = unsafe { EventData::new(data, &nvml) };
                 let xid = match ev.event_data {
                     Some(XidError::Value(v)) => v,
                     _ => 0,
                 };
+                // 0xFFFFFFFF: the whole GPU. An instance ID means one only on a GPU in MIG mode.
+                let in_mig = || ev.device.mig_mode().is_ok_and(|m| m.current == 1);
+                let instance = (gi != u32::MAX && in_mig()).then_some(gi);
                 if let Ok(uuid) = ev.device.uuid() {
-                    health.xid(&uuid, xid);
+                    health.xid(&uuid, instance, xid);
                 }
             }
             Err(NvmlError::Timeout) => {}
@@ -173,9 +220,9 @@ mod tests {
     #[test]
     fn critical_xids_mark_unhealthy_until_quiet_and_nvml_errors_until_answering() {
         let h = Health::new(Duration::from_millis(50));
-        assert!(!h.xid("GPU-a", 31), "an application fault leaves the GPU healthy");
+        assert!(!h.xid("GPU-a", None, 31), "an application fault leaves the GPU healthy");
         assert_eq!(h.check("GPU-a", None), (true, String::new()));
-        assert!(h.xid("GPU-a", 79));
+        assert!(h.xid("GPU-a", None, 79));
         let (ok, why) = h.check("GPU-a", None);
         assert!(!ok && why.starts_with("XID 79 at 20"), "{why}");
         assert!(h.check("GPU-b", None).0, "other GPUs unaffected");
@@ -186,9 +233,33 @@ mod tests {
         let a = h.xids("GPU-a");
         assert_eq!((a.critical, a.application, a.last_critical), (1, 1, 79), "{a:?}");
         assert!(a.last_critical_at.starts_with("20") && why.ends_with(&a.last_critical_at), "{a:?} {why}");
-        assert!(h.xid("GPU-a", 48));
+        assert!(h.xid("GPU-a", None, 48));
         assert_eq!((h.xids("GPU-a").critical, h.xids("GPU-a").last_critical), (2, 48));
         assert_eq!(h.xids("GPU-b"), XidCounts::default(), "counted per GPU");
+    }
+
+    #[test]
+    fn an_xid_about_a_mig_instance_marks_only_that_instance() {
+        let h = Health::new(Duration::from_millis(50));
+        assert!(!h.xid("GPU-m", Some(3), 43), "an application fault leaves the instance healthy");
+        assert_eq!(h.instance("GPU-m", 3), None);
+        assert!(h.xid("GPU-m", Some(3), 94));
+        let why = h.instance("GPU-m", 3).unwrap_or_default();
+        assert!(why.starts_with("XID 94 at 20"), "{why}");
+        assert_eq!(
+            (h.instance("GPU-m", 5), h.instance("GPU-x", 3)),
+            (None, None),
+            "other instances and GPUs unaffected"
+        );
+        assert!(h.check("GPU-m", None).0, "the GPU itself stays healthy");
+        let c = h.xids("GPU-m");
+        assert_eq!((c.critical, c.application, c.last_critical), (1, 1, 94), "the GPU's counts take both");
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(h.instance("GPU-m", 3), None, "recovered after a quiet period");
+        // One about the whole GPU leaves the instances' own marks alone (the GPU's covers them).
+        assert!(h.xid("GPU-m", None, 79));
+        assert!(!h.check("GPU-m", None).0);
+        assert_eq!(h.instance("GPU-m", 5), None);
     }
 
     #[test]

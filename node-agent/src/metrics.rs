@@ -124,6 +124,26 @@ pub fn render(agent: &Agent) -> String {
         }
     }
     // --- vgpu's own ---
+    o.head(
+        "vgpu_mig_device_healthy",
+        "gauge",
+        "1 unless a critical XID NVML reported about the MIG device's GPU instance (not the whole GPU) was \
+         recent; the GPU's own health is vgpu_gpu_healthy.",
+    );
+    for g in &st.gpus {
+        for m in g.mig.iter().flat_map(|m| &m.instances) {
+            o.put(
+                "vgpu_mig_device_healthy",
+                &[
+                    ("device_uuid", &g.uuid),
+                    ("device_index", &g.index.to_string()),
+                    ("mig_uuid", &m.uuid),
+                    ("gpu_instance_id", &m.gpu_instance_id.to_string()),
+                ],
+                f64::from(u8::from(!m.unhealthy)),
+            );
+        }
+    }
     per_gpu(
         &mut o,
         "vgpu_gpu_admin_processes",

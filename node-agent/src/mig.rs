@@ -65,6 +65,7 @@ pub fn status(
                     memory_total: g.profile(i.profile).map_or(0, |p| p.memory_mib << 20),
                     compute_instances: i.compute_instances.len() as u32,
                     holder: i.uuid.as_ref().and_then(|u| holders.get(u).cloned()).unwrap_or_default(),
+                    ..Default::default()
                 })
                 .collect(),
             desired: store.desired(&g.uuid).map(|d| describe(&d)).unwrap_or_default(),

@@ -849,6 +849,108 @@ fn mig_devices_are_offered_whole_and_prepared_for_one_claim_at_a_time() {
 }
 
 #[test]
+fn an_xid_about_a_mig_instance_withdraws_its_device_alone() {
+    let s = Sim::new(Some(NODE));
+    let (store, a, kubelet) = start(&s, "health_recovery_s = 3\n");
+    apply_gpu1_layout(&s, &a, "mixed", &[("3g.40gb", 1), ("1g.10gb", 2)]);
+    let at = format!("{SLICES}/node1-{DRIVER}");
+    let names = |mig: bool| -> Vec<String> {
+        let st = store.lock().unwrap();
+        let devices = st.objects.get(&at).and_then(|o| o["spec"]["devices"].as_array().cloned()).unwrap_or_default();
+        devices
+            .iter()
+            .filter(|d| d["attributes"]["mig"]["bool"] == mig)
+            .map(|d| d["name"].as_str().unwrap().into())
+            .collect()
+    };
+    wait("the ResourceSlice with MIG devices", || names(true).len() == 3);
+    let instances = || a.status().unwrap()["gpus"][1]["mig"]["instances"].as_array().cloned().unwrap_or_default();
+    let small = instances().into_iter().find(|i| i["name"].as_str().unwrap().ends_with("1g.10gb")).unwrap();
+    let (gi, uuid) = (small["gpu_instance_id"].as_u64().unwrap(), small["uuid"].as_str().unwrap().to_string());
+    let device = format!("mig-{}", uuid[4..].to_ascii_lowercase());
+    assert!(names(true).contains(&device), "{:?}", names(true));
+
+    // Device health as kubelet watches it.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (health_tx, health_rx) = std::sync::mpsc::channel();
+    let sock = dra_socket(&kubelet);
+    rt.spawn(async move {
+        let ch = vgpu_agent::api::unix_channel(&sock).await.unwrap();
+        let mut c = hp::dra_resource_health_client::DraResourceHealthClient::new(ch);
+        let mut stream = c.node_watch_resources(hp::NodeWatchResourcesRequest {}).await.unwrap().into_inner();
+        while let Ok(Some(m)) = stream.message().await {
+            let by: BTreeMap<String, i32> =
+                m.devices.iter().map(|d| (d.device.as_ref().unwrap().device_name.clone(), d.health)).collect();
+            if health_tx.send(by).is_err() {
+                break;
+            }
+        }
+    });
+    let healthy = hp::HealthStatus::Healthy as i32;
+    let first = health_rx.recv_timeout(Duration::from_secs(10)).expect("a health report");
+    assert!(first.len() == 13 && first.values().all(|h| *h == healthy), "{first:?}");
+
+    // A critical XID that NVML says is about that GPU instance: its MIG device alone goes.
+    let gi_arg = gi.to_string();
+    let xid = ["xid", "--gpu", "1", "--code", "94", "--gpu-instance", &gi_arg, "--compute-instance", "0"];
+    assert!(s.output(SIM, &xid).status.success());
+    let t = Instant::now();
+    let report = loop {
+        let m = health_rx.recv_timeout(Duration::from_secs(10)).expect("health reports go on");
+        if m.get(&device) == Some(&(hp::HealthStatus::Unhealthy as i32)) {
+            break m;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{device} never reported unhealthy: {m:?}");
+    };
+    assert_eq!(report.len(), 13, "{report:?}");
+    assert!(report.iter().all(|(n, h)| n == &device || *h == healthy), "only {device} unhealthy: {report:?}");
+    wait("the ResourceSlice without that MIG device", || names(true).len() == 2);
+    assert!(!names(true).contains(&device) && names(false).len() == 10, "{:?} {:?}", names(true), names(false));
+    let st = a.status().unwrap();
+    assert_eq!((st["gpus"][1]["healthy"].as_bool(), st["gpus"][1]["critical_xids"].as_u64()), (Some(true), Some(1)));
+    for i in instances() {
+        let bad = i["unhealthy"].as_bool().unwrap_or(false);
+        assert_eq!(bad, i["uuid"] == uuid.as_str(), "{i}");
+        let why = i["health_reason"].as_str().unwrap_or_default();
+        assert!(if bad { why.starts_with("XID 94 at 20") } else { why.is_empty() }, "{i}");
+    }
+    // What the central scheduler is told: that instance unhealthy, the GPU healthy.
+    let cap: Value = serde_json::from_str(&a.ctl_ok(&["capacity", "--json"])).unwrap();
+    let g1 = &cap["capacity"]["gpus"][1];
+    assert_eq!(g1["healthy"], true, "{g1}");
+    for i in g1["mig"]["instances"].as_array().unwrap() {
+        assert_eq!(i["unhealthy"].as_bool().unwrap_or(false), i["uuid"] == uuid.as_str(), "{i}");
+    }
+    let table = a.ctl_ok(&["status"]);
+    let line = format!("GPU 1 MIG 1g.10gb {} (GPU instance {gi}) UNHEALTHY: XID 94 at", &uuid[..12]);
+    assert!(table.contains(&line), "{line:?} in\n{table}");
+    let (_, metrics) = a.scrape("/metrics");
+    let series: Vec<&str> = metrics.lines().filter(|l| l.starts_with("vgpu_mig_device_healthy{")).collect();
+    assert_eq!(series.len(), 3, "{series:?}");
+    for l in &series {
+        let want = if l.contains(&format!("mig_uuid=\"{uuid}\"")) { " 0" } else { " 1" };
+        assert!(l.ends_with(want) && l.contains("gpu_instance_id="), "{l}");
+    }
+    let event = |reason: &str| {
+        let st = store.lock().unwrap();
+        st.objects.iter().find(|(k, e)| k.contains("/events/") && e["reason"] == reason).map(|(_, e)| e.clone())
+    };
+    wait("the MIGDeviceUnhealthy Event", || event("MIGDeviceUnhealthy").is_some());
+    let e = event("MIGDeviceUnhealthy").unwrap();
+    assert_eq!((e["involvedObject"]["kind"].as_str(), e["type"].as_str()), (Some("Node"), Some("Warning")), "{e}");
+    assert!(e["message"].as_str().unwrap().contains(&format!("MIG device {uuid} (GPU instance {gi} of GPU 1")), "{e}");
+
+    // On a GPU not in MIG mode an instance ID means nothing: the XID is the GPU's.
+    assert!(s.output(SIM, &["xid", "--gpu", "0", "--code", "79", "--gpu-instance", "1"]).status.success());
+    wait("GPU 0 unhealthy", || a.status().unwrap()["gpus"][0]["healthy"] == false);
+
+    // Quiet for the recovery time: the MIG device is offered again.
+    wait("the MIG device back in the ResourceSlice", || names(true).contains(&device));
+    assert!(instances().iter().all(|i| !i["unhealthy"].as_bool().unwrap_or(false)), "{:?}", instances());
+    wait("the MIGDeviceHealthy Event", || event("MIGDeviceHealthy").is_some());
+}
+
+#[test]
 fn a_pool_of_more_devices_than_a_resource_slice_holds_spans_several() {
     let s = Sim::new(Some(NODE));
     let (store, a, _kubelet) = start(&s, "split_count = 70\n");

@@ -27,7 +27,7 @@ use std::sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Order
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUSIM1");
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 pub const MAX_PROCS: usize = 512;
 /// Kernel records kept per GPU (utilisation history).
 pub const RING: usize = 1 << 15;
@@ -53,6 +53,16 @@ pub struct FaultRec {
 pub struct XidRec {
     pub seq: AtomicU64,
     pub xid: AtomicU64,
+    /// 0: the whole GPU; else (GPU instance + 1) | (compute instance + 1) << 32.
+    pub scope: AtomicU64,
+}
+
+/// An XID event: its code and, on a GPU in MIG mode, the GPU and compute instance it is about
+/// (`None`: the whole GPU, which NVML reports as instance IDs 0xFFFFFFFF).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Xid {
+    pub code: u64,
+    pub instance: Option<(u32, u32)>,
 }
 
 #[repr(C)]
@@ -566,26 +576,42 @@ impl Node {
     // ----- XID events -----
 
     pub fn inject_xid(&self, gpu: usize, xid: u64) {
+        self.inject(gpu, Xid { code: xid, instance: None });
+    }
+
+    /// An XID event about GPU instance `gi` and compute instance `ci` of a GPU in MIG mode.
+    pub fn inject_instance_xid(&self, gpu: usize, xid: u64, gi: u32, ci: u32) {
+        self.inject(gpu, Xid { code: xid, instance: Some((gi, ci)) });
+    }
+
+    fn inject(&self, gpu: usize, x: Xid) {
         let g = &self.shared.gpus[gpu];
         let idx = g.xid_head.fetch_add(1, AcqRel);
         let rec = &g.xids[(idx as usize) % MAX_XIDS];
         rec.seq.store(0, Relaxed);
         fence(Release);
-        rec.xid.store(xid, Relaxed);
+        rec.xid.store(x.code, Relaxed);
+        let scope = x.instance.map_or(0, |(gi, ci)| (gi as u64 + 1) | (ci as u64 + 1) << 32);
+        rec.scope.store(scope, Relaxed);
         rec.seq.store(idx + 1, Release);
     }
 
-    /// XID events of `gpu` with sequence numbers at or after `from`; returns (next, xids).
-    pub fn xids_since(&self, gpu: usize, from: u64) -> (u64, Vec<u64>) {
+    /// XID events of `gpu` with sequence numbers at or after `from`; returns (next, events).
+    pub fn xids_since(&self, gpu: usize, from: u64) -> (u64, Vec<Xid>) {
         let g = &self.shared.gpus[gpu];
         let head = g.xid_head.load(Acquire);
         let mut out = Vec::new();
         for idx in from.max(head.saturating_sub(MAX_XIDS as u64))..head {
             let rec = &g.xids[(idx as usize) % MAX_XIDS];
             let s = rec.seq.load(Acquire);
-            let x = rec.xid.load(Relaxed);
-            if s == idx + 1 {
-                out.push(x);
+            let code = rec.xid.load(Relaxed);
+            let scope = rec.scope.load(Relaxed);
+            fence(Acquire);
+            // Taken only if no writer began on the record meanwhile.
+            if s == idx + 1 && rec.seq.load(Relaxed) == s {
+                let instance =
+                    (scope != 0).then(|| ((scope as u32).wrapping_sub(1), ((scope >> 32) as u32).wrapping_sub(1)));
+                out.push(Xid { code, instance });
             }
         }
         (head, out)
@@ -800,10 +826,12 @@ mod tests {
     fn xids_are_delivered_in_order() {
         let (n, dir) = node();
         n.inject_xid(0, 79);
+        n.inject_instance_xid(0, 94, 3, 0);
         n.inject_xid(0, 48);
         let (next, x) = n.xids_since(0, 0);
-        assert_eq!((next, x), (2, vec![79, 48]));
-        assert_eq!(n.xids_since(0, next).1, Vec::<u64>::new());
+        let whole = |code| Xid { code, instance: None };
+        assert_eq!((next, x), (3, vec![whole(79), Xid { code: 94, instance: Some((3, 0)) }, whole(48)]));
+        assert_eq!(n.xids_since(0, next).1, vec![]);
         std::fs::remove_dir_all(dir).ok();
     }
 }

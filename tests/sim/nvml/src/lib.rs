@@ -578,10 +578,11 @@ exports! {
                 let mut devs = es.devs.lock().unwrap();
                 for (g, next) in devs.iter_mut() {
                     let (_, x) = n.xids_since(*g, *next);
-                    if let Some(&xid) = x.first() {
+                    if let Some(x) = x.first() {
                         *next += 1;
+                        let (gi, ci) = x.instance.unwrap_or((u32::MAX, u32::MAX));
                         return out(data, nvmlEventData_t { device: dev_handle(*g), eventType: nvmlEventTypeXidCriticalError as u64,
-                            eventData: xid, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX });
+                            eventData: x.code, gpuInstanceId: gi, computeInstanceId: ci });
                     }
                 }
             }

@@ -67,6 +67,7 @@ fn node_capacity(k: usize) -> sp::NodeCapacity {
                                 size: 4,
                                 uuid: format!("MIG-{k:08x}-{g}-1"),
                                 memory_mib: 40_320,
+                                ..Default::default()
                             },
                             sp::MigInstance {
                                 gpu_instance_id: 2,
@@ -75,6 +76,7 @@ fn node_capacity(k: usize) -> sp::NodeCapacity {
                                 size: 1,
                                 uuid: format!("MIG-{k:08x}-{g}-2"),
                                 memory_mib: 9_856,
+                                ..Default::default()
                             },
                         ]
                     } else {

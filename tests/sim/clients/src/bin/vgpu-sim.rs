@@ -16,7 +16,9 @@ usage: vgpu-sim <command>
   fault set FUNCTION [--code C] [--count N] [--latency-us U] [--gpu I]
                                   make FUNCTION fail with C (NVML or CUDA code) N times (0: always)
   fault clear                     remove every fault
-  xid --gpu I --code X            raise an XID event on GPU I
+  xid --gpu I --code X [--gpu-instance G [--compute-instance C]]
+                                  raise an XID event on GPU I (about MIG GPU instance G and its
+                                  compute instance C, default 0, where given)
   util --gpu I [--window-ms W]    busy share of GPU I over the last W ms, total and per PID
   timeline --gpu I [--window-ms W]
                                   the kernels of the last W ms as [start_ns, end_ns, pid], oldest first
@@ -103,7 +105,16 @@ fn main() {
         },
         "xid" => {
             let g = gpu_index(n, &args);
-            n.inject_xid(g, num(&args, "--code", None));
+            let code = num(&args, "--code", None);
+            match arg(&args, "--gpu-instance") {
+                Some(_) => n.inject_instance_xid(
+                    g,
+                    code,
+                    num(&args, "--gpu-instance", None),
+                    num(&args, "--compute-instance", Some(0)),
+                ),
+                None => n.inject_xid(g, code),
+            }
         }
         "util" => {
             let g = gpu_index(n, &args);
