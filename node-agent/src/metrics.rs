@@ -107,43 +107,32 @@ pub fn render(agent: &Agent) -> String {
             now_ms.saturating_sub(since) as f64 / 1000.0
         },
     );
-    o.head("hami_mig_device_info", "gauge", "MIG instances (value 1).");
-    for g in &st.gpus {
-        for m in g.mig.iter().flat_map(|m| &m.instances) {
-            o.put(
-                "hami_mig_device_info",
-                &[
-                    ("device_uuid", &g.uuid),
-                    ("device_index", &g.index.to_string()),
-                    ("mig_uuid", &m.uuid),
-                    ("profile", &m.name),
-                    ("gpu_instance_id", &m.gpu_instance_id.to_string()),
-                ],
-                1.0,
-            );
+    // Per MIG instance: labels of its GPU, its UUID and GPU instance ID, and its profile where wanted.
+    let per_mig = |o: &mut Out, name: &str, help: &str, profile: bool, f: &dyn Fn(&pb::MigInstance) -> f64| {
+        o.head(name, "gauge", help);
+        for g in &st.gpus {
+            for m in g.mig.iter().flat_map(|m| &m.instances) {
+                let (index, gi) = (g.index.to_string(), m.gpu_instance_id.to_string());
+                let mut labels =
+                    vec![("device_uuid", g.uuid.as_str()), ("device_index", &index), ("mig_uuid", &m.uuid)];
+                if profile {
+                    labels.push(("profile", &m.name));
+                }
+                labels.push(("gpu_instance_id", &gi));
+                o.put(name, &labels, f(m));
+            }
         }
-    }
+    };
+    per_mig(&mut o, "hami_mig_device_info", "MIG instances (value 1).", true, &|_| 1.0);
     // --- vgpu's own ---
-    o.head(
+    per_mig(
+        &mut o,
         "vgpu_mig_device_healthy",
-        "gauge",
         "1 unless a critical XID NVML reported about the MIG device's GPU instance (not the whole GPU) was \
          recent; the GPU's own health is vgpu_gpu_healthy.",
+        false,
+        &|m| f64::from(u8::from(!m.unhealthy)),
     );
-    for g in &st.gpus {
-        for m in g.mig.iter().flat_map(|m| &m.instances) {
-            o.put(
-                "vgpu_mig_device_healthy",
-                &[
-                    ("device_uuid", &g.uuid),
-                    ("device_index", &g.index.to_string()),
-                    ("mig_uuid", &m.uuid),
-                    ("gpu_instance_id", &m.gpu_instance_id.to_string()),
-                ],
-                f64::from(u8::from(!m.unhealthy)),
-            );
-        }
-    }
     per_gpu(
         &mut o,
         "vgpu_gpu_admin_processes",

@@ -225,6 +225,30 @@ fn start_on(s: &Sim, config: &str, served: &[&'static str]) -> (Arc<Mutex<Store>
     (store, a, kubelet)
 }
 
+/// Kubelet's watch of device health on the driver's socket: each report, as health by device name
+/// (every device of pool `node1`, with its time).
+fn watch_health(rt: &tokio::runtime::Runtime, sock: &Path) -> std::sync::mpsc::Receiver<BTreeMap<String, i32>> {
+    let (health_tx, health_rx) = std::sync::mpsc::channel();
+    let sock = sock.to_path_buf();
+    rt.spawn(async move {
+        let ch = vgpu_agent::api::unix_channel(&sock).await.unwrap();
+        let mut c = hp::dra_resource_health_client::DraResourceHealthClient::new(ch);
+        let mut stream = c.node_watch_resources(hp::NodeWatchResourcesRequest {}).await.unwrap().into_inner();
+        while let Ok(Some(m)) = stream.message().await {
+            let by: BTreeMap<String, i32> =
+                m.devices.iter().map(|d| (d.device.as_ref().unwrap().device_name.clone(), d.health)).collect();
+            assert!(m
+                .devices
+                .iter()
+                .all(|d| d.device.as_ref().unwrap().pool_name == "node1" && d.last_updated_time > 0));
+            if health_tx.send(by).is_err() {
+                break;
+            }
+        }
+    });
+    health_rx
+}
+
 fn dra_socket(kubelet: &Path) -> std::path::PathBuf {
     kubelet.join("plugins").join(DRIVER).join("dra.sock")
 }
@@ -390,24 +414,7 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     wait("the slice of the gone claim removed", || !a.ctl(&["inspect", "dra-c1a1-0005"]).status.success());
 
     // Device health for kubelet: every device, healthy, at once.
-    let (health_tx, health_rx) = std::sync::mpsc::channel();
-    let health_sock = dra_sock.clone();
-    rt.spawn(async move {
-        let ch = vgpu_agent::api::unix_channel(&health_sock).await.unwrap();
-        let mut c = hp::dra_resource_health_client::DraResourceHealthClient::new(ch);
-        let mut stream = c.node_watch_resources(hp::NodeWatchResourcesRequest {}).await.unwrap().into_inner();
-        while let Ok(Some(m)) = stream.message().await {
-            let by: BTreeMap<String, i32> =
-                m.devices.iter().map(|d| (d.device.as_ref().unwrap().device_name.clone(), d.health)).collect();
-            assert!(m
-                .devices
-                .iter()
-                .all(|d| d.device.as_ref().unwrap().pool_name == "node1" && d.last_updated_time > 0));
-            if health_tx.send(by).is_err() {
-                break;
-            }
-        }
-    });
+    let health_rx = watch_health(&rt, &dra_sock);
     let first = health_rx.recv_timeout(Duration::from_secs(10)).expect("a health report");
     assert_eq!(first.len(), 16, "{first:?}");
     assert!(first.values().all(|h| *h == hp::HealthStatus::Healthy as i32), "{first:?}");
@@ -872,20 +879,7 @@ fn an_xid_about_a_mig_instance_withdraws_its_device_alone() {
 
     // Device health as kubelet watches it.
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let (health_tx, health_rx) = std::sync::mpsc::channel();
-    let sock = dra_socket(&kubelet);
-    rt.spawn(async move {
-        let ch = vgpu_agent::api::unix_channel(&sock).await.unwrap();
-        let mut c = hp::dra_resource_health_client::DraResourceHealthClient::new(ch);
-        let mut stream = c.node_watch_resources(hp::NodeWatchResourcesRequest {}).await.unwrap().into_inner();
-        while let Ok(Some(m)) = stream.message().await {
-            let by: BTreeMap<String, i32> =
-                m.devices.iter().map(|d| (d.device.as_ref().unwrap().device_name.clone(), d.health)).collect();
-            if health_tx.send(by).is_err() {
-                break;
-            }
-        }
-    });
+    let health_rx = watch_health(&rt, &dra_socket(&kubelet));
     let healthy = hp::HealthStatus::Healthy as i32;
     let first = health_rx.recv_timeout(Duration::from_secs(10)).expect("a health report");
     assert!(first.len() == 13 && first.values().all(|h| *h == healthy), "{first:?}");
