@@ -805,15 +805,17 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice::<Value>(&o.stdout).unwrap()["gpus"][0]["lists"].clone()
     };
+    // No MPS server: the MPS lists (and the detail list's MPS mode) are empty on both sides.
+    let mps = |name: &str| name.contains("MPS") || name == "detail:2";
     // Outside the container: both, once both have contexts and kernels in the sampling window.
+    // One probe asks list after list, so a process that starts between two of them shows in the
+    // later ones only: wait until every list (not just some) shows both.
     let both = json!([pin.min(pout), pin.max(pout)]);
     let t0 = std::time::Instant::now();
     let all = loop {
         let l = probe(&mut s.cmd(NVML));
-        if l["utilization"] == both
-            && l["utilization_info"] == both
-            && l["nvmlDeviceGetGraphicsRunningProcesses"] == both
-        {
+        let lists = l.as_object().unwrap();
+        if lists.len() == 9 + 3 + 2 && lists.iter().all(|(name, v)| mps(name) || *v == both) {
             break l;
         }
         assert!(t0.elapsed().as_secs() < 20, "both processes never showed: {l}");
@@ -826,9 +828,7 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
     let gpus: Value = serde_json::from_slice(&o.stdout).unwrap();
     let mine = &gpus["gpus"][0]["lists"];
     for (name, v) in all.as_object().unwrap() {
-        // No MPS server: the MPS lists (and the detail list's MPS mode) are empty on both sides.
-        let mps = name.contains("MPS") || name == "detail:2";
-        let (want_all, want_mine) = if mps { (json!([]), json!([])) } else { (both.clone(), json!([pin])) };
+        let (want_all, want_mine) = if mps(name) { (json!([]), json!([])) } else { (both.clone(), json!([pin])) };
         assert_eq!(*v, want_all, "{name} outside: {all}");
         assert_eq!(mine[name], want_mine, "{name} in the container: {mine}");
     }
