@@ -6,7 +6,8 @@
 //!   the labels the chart's ServiceMonitor gives a target (honorLabels, `node`). Each alert fires
 //!   when its condition has held for its `for`, with the labels and the filled-in summary an
 //!   operator gets, and stays quiet before, after and for what must not page (a counter reset by
-//!   an agent's restart, a slice that freed its memory). The scrape passes `promtool check metrics`.
+//!   an agent's restart, a slice that freed its memory). A second node's scrape gives the series
+//!   of a MIG device. Both scrapes pass `promtool check metrics`.
 //! - A real Prometheus scrapes a real agent on the simulated GPU with the rules loaded: every rule
 //!   evaluates without error, every query of the dashboard (and of its variables) returns series,
 //!   nothing fires on a healthy node, and an allocation refused at a slice's limit fires
@@ -60,6 +61,22 @@ fn node_with_a_slice() -> (Sim, Agent, Value) {
     s.spawn_cmd(in_slice(&s, &j, RT), &["alloc", "--size", "300m", "--hold"]);
     a.wait("the slice's memory", |v| slice_of(v, "train-0-main")["gpus"][0]["memory_used"].as_u64() > Some(0));
     (s, a, j)
+}
+
+/// A node with one GPU in MIG mode and one MIG device on it (made through NVML before the agent
+/// starts): the agent's scrape, with the per-MIG-instance series.
+fn mig_node_scrape() -> String {
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    assert_eq!(s.mig(0, &["mode:1"])[0]["ret"], 0);
+    let gi = s.mig(0, &["create:19@0"]);
+    assert_eq!(gi[0]["ret"], 0, "{gi:?}");
+    let ci = s.mig(0, &[&format!("ci:{}:0", gi[0]["id"])]);
+    assert_eq!(ci[0]["ret"], 0, "{ci:?}");
+    let a = Agent::start(&s, &[]);
+    a.wait("the MIG device", |v| v["gpus"][0]["mig"]["instances"].as_array().is_some_and(|i| i.len() == 1));
+    let (code, body) = a.scrape("/metrics");
+    assert_eq!(code, "HTTP/1.1 200 OK");
+    body
 }
 
 /// The labels of each metric's first series in an exposition (`name{k="v",...} value` lines).
@@ -140,19 +157,23 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
     let (s, a, _) = node_with_a_slice();
     let (code, body) = a.scrape("/metrics");
     assert_eq!(code, "HTTP/1.1 200 OK");
+    // And one of a node with a MIG device, for the series only such a node has.
+    let mig_body = mig_node_scrape();
 
-    // The exposition is valid and passes Prometheus's lint.
-    let mut c = Command::new(&promtool)
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    c.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
-    let o = c.wait_with_output().unwrap();
-    let said = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    assert!(o.status.success() && said.trim().is_empty(), "promtool check metrics: {said}");
+    // The expositions are valid and pass Prometheus's lint.
+    for body in [&body, &mig_body] {
+        let mut c = Command::new(&promtool)
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
+        let o = c.wait_with_output().unwrap();
+        let said = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success() && said.trim().is_empty(), "promtool check metrics: {said}");
+    }
 
     // Each series as Prometheus stores it: the agent's labels, then the target's where the agent
     // has none of that name (honorLabels), with the node's name added by the ServiceMonitor.
@@ -169,7 +190,10 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
     .iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
-    let scraped = series(&body);
+    let mut scraped = series(&body);
+    for (name, labels) in series(&mig_body) {
+        scraped.entry(name).or_insert(labels);
+    }
     let stored = |name: &str| -> Labels {
         let mut l = scraped.get(name).unwrap_or_else(|| panic!("the agent exports no {name}")).clone();
         for (k, v) in &target {
@@ -234,6 +258,12 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
                 "VgpuGpuUnhealthy",
                 vec![(m("vgpu_gpu_healthy"), "1 0x3 1x5")],
                 vec![(1, false), (2, true), (4, true), (5, false)],
+            ),
+            // An XID about one GPU instance: its MIG device out for 3 minutes.
+            (
+                "VgpuMigDeviceUnhealthy",
+                vec![(m("vgpu_mig_device_healthy"), "1 1 0x2 1x5")],
+                vec![(2, false), (3, true), (4, true), (5, false)],
             ),
             (
                 "VgpuCriticalXid",
