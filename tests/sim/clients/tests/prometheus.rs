@@ -491,6 +491,19 @@ fn a_prometheus_scraping_the_agent_runs_the_rules_and_every_dashboard_query() {
         }
     }
     assert!(exprs.len() >= 20, "{exprs:?}");
+    // Every metric a query names is one the agent exports (`or vector(0)` would hide one it does
+    // not), series or none on this node (MIG devices: none).
+    let (_, body) = a.scrape("/metrics");
+    for (title, expr) in &exprs {
+        for w in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if w.starts_with("vgpu_") || w.starts_with("hami_") {
+                assert!(
+                    body.contains(&format!("# TYPE {w} ")),
+                    "panel {title:?} names {w}, which the agent does not export"
+                );
+            }
+        }
+    }
     for (title, expr) in &exprs {
         let r = p.query(expr);
         assert!(!r.is_empty(), "panel {title:?}: {expr} returns nothing");
