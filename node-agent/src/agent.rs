@@ -599,21 +599,23 @@ impl Agent {
                                 m.gpu_instances
                                     .iter()
                                     .map(|gi| (gi, m.devices.iter().find(|d| d.gpu_instance_id == Some(gi.id))))
-                                    .map(|(gi, dev)| (gi, dev, self.health.instance(uuid, gi.id)))
-                                    .map(|(gi, dev, bad)| pb::MigInstance {
-                                        unhealthy: bad.is_some(),
-                                        health_reason: bad.unwrap_or_default(),
-                                        gpu_instance_id: gi.id,
-                                        profile_id: gi.profile_id,
-                                        start: gi.start,
-                                        size: gi.size,
-                                        uuid: dev.map(|d| d.uuid.clone()).unwrap_or_default(),
-                                        name: dev.map(|d| d.name.clone()).unwrap_or_default(),
-                                        memory_total: dev.map_or(0, |d| d.memory_total),
-                                        compute_instances: gi.compute_instances.len() as u32,
-                                        holder: dev
-                                            .and_then(|d| self.mig_holders.read().get(&d.uuid).cloned())
-                                            .unwrap_or_default(),
+                                    .map(|(gi, dev)| {
+                                        let bad = self.health.instance(uuid, gi.id);
+                                        pb::MigInstance {
+                                            unhealthy: bad.is_some(),
+                                            health_reason: bad.unwrap_or_default(),
+                                            gpu_instance_id: gi.id,
+                                            profile_id: gi.profile_id,
+                                            start: gi.start,
+                                            size: gi.size,
+                                            uuid: dev.map(|d| d.uuid.clone()).unwrap_or_default(),
+                                            name: dev.map(|d| d.name.clone()).unwrap_or_default(),
+                                            memory_total: dev.map_or(0, |d| d.memory_total),
+                                            compute_instances: gi.compute_instances.len() as u32,
+                                            holder: dev
+                                                .and_then(|d| self.mig_holders.read().get(&d.uuid).cloned())
+                                                .unwrap_or_default(),
+                                        }
                                     })
                                     .collect()
                             })
@@ -663,10 +665,10 @@ impl Agent {
                         reason: g.health_reason.clone(),
                     });
                 }
-                let instances = |s: &pb::GpuStatus| s.mig.as_ref().map(|m| m.instances.clone()).unwrap_or_default();
-                let before = old.gpus.iter().find(|o| o.uuid == g.uuid).map(instances).unwrap_or_default();
-                for i in instances(g) {
-                    if before.iter().any(|b| b.gpu_instance_id == i.gpu_instance_id && b.unhealthy != i.unhealthy) {
+                let before =
+                    old.gpus.iter().filter(|o| o.uuid == g.uuid).flat_map(|o| &o.mig).flat_map(|m| &m.instances);
+                for i in g.mig.iter().flat_map(|m| &m.instances) {
+                    if before.clone().any(|b| b.gpu_instance_id == i.gpu_instance_id && b.unhealthy != i.unhealthy) {
                         q.push_back(Notice::MigHealth {
                             gpu: g.uuid.clone(),
                             index: g.index,

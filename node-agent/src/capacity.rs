@@ -70,26 +70,29 @@ impl Agent {
                             .gpu_instances
                             .iter()
                             .map(|i| {
+                                // The instance's health as this pass's status has it.
                                 let bad = st
                                     .and_then(|s| s.mig.as_ref())
                                     .and_then(|m| m.instances.iter().find(|x| x.gpu_instance_id == i.id))
                                     .filter(|x| x.unhealthy);
-                                (i, bad.map(|x| x.health_reason.clone()))
-                            })
-                            .map(|(i, bad)| sp::MigInstance {
-                                unhealthy: bad.is_some(),
-                                health_reason: bad.unwrap_or_default(),
-                                gpu_instance_id: i.id,
-                                profile: name(i.profile_id),
-                                start: i.start,
-                                size: i.size,
-                                uuid: m
-                                    .devices
-                                    .iter()
-                                    .find(|d| d.gpu_instance_id == Some(i.id))
-                                    .map(|d| d.uuid.clone())
-                                    .unwrap_or_default(),
-                                memory_mib: profiles.iter().find(|p| p.id == i.profile_id).map_or(0, |p| p.memory_mib),
+                                sp::MigInstance {
+                                    unhealthy: bad.is_some(),
+                                    health_reason: bad.map(|x| x.health_reason.clone()).unwrap_or_default(),
+                                    gpu_instance_id: i.id,
+                                    profile: name(i.profile_id),
+                                    start: i.start,
+                                    size: i.size,
+                                    uuid: m
+                                        .devices
+                                        .iter()
+                                        .find(|d| d.gpu_instance_id == Some(i.id))
+                                        .map(|d| d.uuid.clone())
+                                        .unwrap_or_default(),
+                                    memory_mib: profiles
+                                        .iter()
+                                        .find(|p| p.id == i.profile_id)
+                                        .map_or(0, |p| p.memory_mib),
+                                }
                             })
                             .collect(),
                         room: if m.enabled && open {

@@ -205,11 +205,11 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
     o.push_str(&table(&rows));
     for g in &st.gpus {
         for i in g.mig.iter().flat_map(|m| &m.instances).filter(|i| !i.holder.is_empty()) {
-            let profile = i.name.rsplit_once(" MIG ").map_or(i.name.as_str(), |(_, p)| p);
+            let profile = crate::dra::mig_profile(&i.name);
             let _ = writeln!(o, "GPU {} MIG {} {}: {}", g.index, profile, short_uuid(&i.uuid), i.holder);
         }
         for i in g.mig.iter().flat_map(|m| &m.instances).filter(|i| i.unhealthy) {
-            let profile = i.name.rsplit_once(" MIG ").map_or(i.name.as_str(), |(_, p)| p);
+            let profile = crate::dra::mig_profile(&i.name);
             let line = format!(
                 "GPU {} MIG {} {} (GPU instance {}) UNHEALTHY: {}; its device is withdrawn, the GPU's others are not",
                 g.index,

@@ -599,7 +599,7 @@ pub(crate) struct Made {
 }
 
 /// A MIG device's profile, from its name (`NVIDIA A100-SXM4-40GB MIG 3g.20gb` -> `3g.20gb`).
-fn mig_profile(name: &str) -> &str {
+pub(crate) fn mig_profile(name: &str) -> &str {
     name.rsplit_once(" MIG ").map_or(name, |(_, p)| p)
 }
 
