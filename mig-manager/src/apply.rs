@@ -232,6 +232,27 @@ pub fn allocate(b: &dyn MigBackend, gpu: u32, req: &planner::Request) -> Result<
         return Err(MigError(format!("GPU {gpu} ({}): MIG mode is off", g.name)));
     }
     let p = planner::choose(&g, req).map_err(MigError)?;
+    make(b, gpu, &g, p)
+}
+
+/// Makes one more instance of `profile` on GPU `gpu`, partitioned as `geometry` (HAMi's and
+/// Volcano's MIG templates): at a placement that keeps room for the rest of the geometry (see
+/// [`planner::choose_in_geometry`]).
+pub fn allocate_in_geometry(
+    b: &dyn MigBackend,
+    gpu: u32,
+    geometry: &[(u32, u32)],
+    profile: u32,
+) -> Result<Allocation, MigError> {
+    let g = b.gpu(gpu)?;
+    if !g.mig_enabled {
+        return Err(MigError(format!("GPU {gpu} ({}): MIG mode is off", g.name)));
+    }
+    let p = planner::choose_in_geometry(&g, geometry, profile).map_err(MigError)?;
+    make(b, gpu, &g, p)
+}
+
+fn make(b: &dyn MigBackend, gpu: u32, g: &crate::model::Gpu, p: crate::model::Placed) -> Result<Allocation, MigError> {
     let gi = b.create(gpu, p.profile, p.start)?;
     let after = b.gpu(gpu)?;
     let inst = after.instances.iter().find(|i| i.gi == gi);

@@ -430,5 +430,110 @@ pub fn fragmentation(gpu: &Gpu) -> f64 {
     1.0 - largest as f64 / free as f64
 }
 
+/// A MIG geometry as HAMi's and Volcano's schedulers model one: a whole-GPU partition named by how
+/// many instances of which profiles it holds (`[(1g.10gb, 7)]`, `[(2g.20gb, 3), (1g.10gb, 1)]`).
+/// The schedulers hand out positions in a geometry; the node makes the instances.
+pub type Geometry = Vec<(u32, u32)>;
+
+/// A profile with a `+` suffix (`+me`, `+gfx`, ...): one that extends another with an engine.
+fn extended(p: &Profile) -> bool {
+    p.name.contains('+')
+}
+
+/// The geometries a GPU offers by default, derived from its profile table alone: one per profile
+/// without a suffix, with as many instances of it as fit (at its placements in order, up to its
+/// maximum), the slices left over then filled with the widest profiles that still fit (profiles with
+/// double memory for their compute are left out of the filling). In order of the first profile's
+/// memory, then compute: a scheduler that tries them in turn picks the smallest that holds a request.
+pub fn default_geometries(gpu: &Gpu) -> Vec<Geometry> {
+    let double = |p: &Profile| {
+        gpu.profiles.iter().any(|q| !extended(q) && q.compute == p.compute && q.memory_slices < p.memory_slices)
+    };
+    let mut fill: Vec<&Profile> = gpu.profiles.iter().filter(|p| !extended(p) && !double(p)).collect();
+    fill.sort_by_key(|p| (std::cmp::Reverse(p.memory_slices), std::cmp::Reverse(p.compute), p.id));
+    let mut mains: Vec<&Profile> = gpu.profiles.iter().filter(|p| !extended(p)).collect();
+    mains.sort_by_key(|p| (p.memory_mib, p.compute, p.id));
+    let mut out: Vec<Geometry> = Vec::new();
+    for main in mains {
+        let mut used = 0u64;
+        let mut g: Geometry = Vec::new();
+        let place = |p: &Profile, used: &mut u64, g: &mut Geometry| -> bool {
+            let have = g.iter().find(|(id, _)| *id == p.id).map_or(0, |(_, n)| *n);
+            if have >= p.max {
+                return false;
+            }
+            let Some(&s) = p.starts.iter().find(|&&s| *used & mask(s, p.memory_slices) == 0) else { return false };
+            *used |= mask(s, p.memory_slices);
+            match g.iter_mut().find(|(id, _)| *id == p.id) {
+                Some(e) => e.1 += 1,
+                None => g.push((p.id, 1)),
+            }
+            true
+        };
+        while place(main, &mut used, &mut g) {}
+        'filling: loop {
+            for p in &fill {
+                if place(p, &mut used, &mut g) {
+                    continue 'filling;
+                }
+            }
+            break;
+        }
+        if !g.is_empty() && !out.contains(&g) {
+            out.push(g);
+        }
+    }
+    out
+}
+
+/// Where to make one more instance of `profile` on a GPU partitioned as `geometry`: a free placement
+/// of it after which the instances the geometry still lacks can all be placed too. The GPU's
+/// instances must all belong to the geometry (each one takes one of its entries).
+pub fn choose_in_geometry(gpu: &Gpu, geometry: &[(u32, u32)], profile: u32) -> Result<Placed, String> {
+    let name = |id: u32| gpu.profile(id).map_or_else(|| format!("profile {id}"), |p| p.name.clone());
+    let p = gpu.profile(profile).ok_or_else(|| format!("{} has no MIG profile {profile}", gpu.name))?;
+    let mut left: Vec<(u32, u32)> = geometry.to_vec();
+    for i in &gpu.instances {
+        match left.iter_mut().find(|(id, n)| *id == i.profile && *n > 0) {
+            Some(e) => e.1 -= 1,
+            None => {
+                return Err(format!(
+                    "{} holds a {} instance (GPU instance {} at slice {}) that the geometry has no room for",
+                    gpu.name,
+                    name(i.profile),
+                    i.gi,
+                    i.start
+                ))
+            }
+        }
+    }
+    match left.iter_mut().find(|(id, n)| *id == profile && *n > 0) {
+        Some(e) => e.1 -= 1,
+        None => {
+            let n = geometry.iter().filter(|(id, _)| *id == profile).map(|(_, n)| n).sum::<u32>();
+            return Err(format!("the geometry has {n} {} instances, and all of them are made", p.name));
+        }
+    }
+    // The rest, widest first: prunes early.
+    let mut rest: Vec<&Profile> = left
+        .iter()
+        .flat_map(|&(id, n)| gpu.profile(id).into_iter().flat_map(move |q| std::iter::repeat_n(q, n as usize)))
+        .collect();
+    rest.sort_by_key(|q| (std::cmp::Reverse(q.memory_slices), q.id));
+    fn fits(rest: &[&Profile], used: u64) -> bool {
+        let Some((q, tail)) = rest.split_first() else { return true };
+        q.starts.iter().any(|&s| used & mask(s, q.memory_slices) == 0 && fits(tail, used | mask(s, q.memory_slices)))
+    }
+    let used = gpu.used_mask();
+    let mut starts: Vec<u32> = p.starts.iter().copied().filter(|&s| used & mask(s, p.memory_slices) == 0).collect();
+    // Of the placements that work, the one that leaves the most room (as [`choose`]).
+    starts.sort_by_key(|&s| (std::cmp::Reverse(room_score(gpu, used | mask(s, p.memory_slices))), s));
+    starts
+        .into_iter()
+        .find(|&s| fits(&rest, used | mask(s, p.memory_slices)))
+        .map(|start| Placed { profile, start })
+        .ok_or_else(|| format!("no placement of {} on {} leaves room for the rest of the geometry", p.name, gpu.name))
+}
+
 #[cfg(test)]
 mod tests;

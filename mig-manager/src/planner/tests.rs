@@ -223,3 +223,55 @@ fn gpu_with_all_but(g: &Gpu, _free: u32) -> Gpu {
     // 1g at 0..6: the free slice 7 cannot hold any 1-slice profile, yet nothing else is free.
     with(g, &(0..7).map(|s| Placed { profile: 19, start: s }).collect::<Vec<_>>())
 }
+
+#[test]
+fn default_geometries_follow_the_profile_table() {
+    let g = a100();
+    // 1g.5gb, 1g.10gb (double memory: its own geometry, never a filler), 2g.10gb with a 1g.5gb in
+    // the slices left, 3g.20gb, 4g.20gb with a 3g.20gb beside it, 7g.40gb; no `+me`.
+    assert_eq!(
+        default_geometries(&g),
+        vec![vec![(19, 7)], vec![(15, 4)], vec![(14, 3), (19, 1)], vec![(9, 2)], vec![(5, 1), (9, 1)], vec![(0, 1)]]
+    );
+    // Every default geometry is a valid layout: the planner can reach it.
+    for geo in default_geometries(&g) {
+        let want: Vec<Want> = geo
+            .iter()
+            .flat_map(|&(id, n)| std::iter::repeat_n(Want { profile: id, start: None }, n as usize))
+            .collect();
+        assert!(plan(&g, &want, false).is_ok(), "{geo:?}");
+    }
+}
+
+#[test]
+fn an_instance_of_a_geometry_leaves_room_for_the_rest_of_it() {
+    let g = a100();
+    let geo = vec![(14, 3), (19, 1)];
+    // The 1g.5gb first: only slice 6 leaves the three 2g.10gb placements free.
+    let one = choose_in_geometry(&g, &geo, 19).unwrap();
+    assert_eq!(one, Placed { profile: 19, start: 6 });
+    // Then the 2g.10gb instances, one at a time, each at a free placement, until all are made.
+    let mut layout = vec![one];
+    for _ in 0..3 {
+        let p = choose_in_geometry(&with(&g, &layout), &geo, 14).unwrap();
+        assert_eq!(p.profile, 14);
+        layout.push(p);
+    }
+    let full = with(&g, &layout);
+    assert_eq!(full.used_mask(), 0x7f, "{layout:?}");
+    assert!(choose_in_geometry(&full, &geo, 14).unwrap_err().contains("3 2g.10gb instances, and all of them are made"));
+    assert!(choose_in_geometry(&full, &geo, 19).unwrap_err().contains("all of them are made"));
+    // A 2g.10gb made where it blocks nothing first still leaves the 1g.5gb its slice.
+    let first = with(&g, &[Placed { profile: 14, start: 0 }, Placed { profile: 14, start: 2 }]);
+    assert_eq!(choose_in_geometry(&first, &geo, 14).unwrap(), Placed { profile: 14, start: 4 });
+    // An instance the geometry does not hold (a 3g.20gb made by hand) is named.
+    let foreign = with(&g, &[Placed { profile: 9, start: 4 }]);
+    let e = choose_in_geometry(&foreign, &geo, 14).unwrap_err();
+    assert!(e.contains("holds a 3g.20gb instance") && e.contains("slice 4"), "{e}");
+    // A profile the GPU does not have.
+    assert!(choose_in_geometry(&g, &geo, 99).unwrap_err().contains("no MIG profile 99"));
+    // Where the placements left cannot hold the rest: 1g.5gb at 0 and 2 break the 2g.10gb pairs.
+    let broken = with(&g, &[Placed { profile: 19, start: 1 }]);
+    let e = choose_in_geometry(&broken, &[(14, 3), (19, 2)], 14).unwrap_err();
+    assert!(e.contains("leaves room for the rest"), "{e}");
+}
