@@ -26,13 +26,17 @@ fn save_drained(state_dir: &Path, set: &BTreeSet<String>) -> Result<(), String> 
 }
 
 impl Agent {
-    /// The MIG profile table of a GPU (read from NVML once, then cached).
+    /// The MIG profile table of a GPU (read from NVML once it lists one, then cached).
     pub(crate) fn profiles(&self, uuid: &str, index: u32) -> Option<Vec<vgpu_mig::model::Profile>> {
         if let Some(p) = self.mig_profiles.lock().get(uuid) {
             return Some(p.clone());
         }
         let nvml = self.nvml.get()?.clone();
         let g = vgpu_mig::backend::NvmlBackend::new(nvml).gpu(index).ok()?;
+        // None yet (asked again next time) where NVML lists none, as with MIG mode off.
+        if g.profiles.is_empty() {
+            return None;
+        }
         self.mig_profiles.lock().insert(uuid.to_string(), g.profiles.clone());
         Some(g.profiles)
     }

@@ -48,6 +48,7 @@ struct FileConfig {
     dra_driver: Option<String>,
     dra_sharing: Option<String>,
     dra_mig: Option<String>,
+    mig_geometries_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +130,9 @@ pub struct Config {
     pub dra_sharing: DraSharing,
     /// How the DRA plugin offers a GPU in MIG mode.
     pub dra_mig: DraMig,
+    /// HAMi and Volcano modes: the MIG geometries of the scheduler's configuration
+    /// (`knownMigGeometries`); empty: each GPU's own, from its profile table.
+    pub mig_geometries: Vec<crate::hami::KnownMigGeometries>,
 }
 
 /// How the DRA plugin offers a GPU in MIG mode.
@@ -374,6 +378,16 @@ impl Config {
             Some("dynamic") => DraMig::Dynamic,
             Some(v) => return Err(bad("dra_mig", format!("{v:?} is not existing or dynamic"))),
         };
+        let mig_geometries = match env("VGPU_AGENT_MIG_GEOMETRIES_FILE").map(PathBuf::from).or(file.mig_geometries_file)
+        {
+            None => Vec::new(),
+            Some(p) => {
+                let text = std::fs::read_to_string(&p)
+                    .map_err(|e| bad("mig_geometries_file", format!("cannot read {}: {e}", p.display())))?;
+                crate::hami::parse_mig_geometries(&text)
+                    .map_err(|e| bad("mig_geometries_file", format!("{}: {e}", p.display())))?
+            }
+        };
         let slice_gc_grace_s = match env("VGPU_AGENT_SLICE_GC_GRACE_S") {
             Some(v) => v.parse().map_err(|_| bad("slice_gc_grace_s", format!("{v:?} is not a number of seconds")))?,
             None => file.slice_gc_grace_s.unwrap_or(60),
@@ -492,6 +506,7 @@ impl Config {
             ));
         }
         Ok(Config {
+            mig_geometries,
             dra,
             dra_sharing,
             dra_mig,
@@ -684,6 +699,26 @@ mod tests {
         assert_eq!(ok.dra_mig, DraMig::Existing, "existing MIG devices by default");
         let c = load(None, &[("VGPU_AGENT_DRA_MIG", "dynamic")], Flags::default()).unwrap();
         assert_eq!(c.dra_mig, DraMig::Dynamic);
+        // The scheduler's MIG geometries: read and checked at start, errors naming the file.
+        assert!(ok.mig_geometries.is_empty(), "each GPU's own geometries by default");
+        let dir = std::env::temp_dir().join(format!("vgpu-agent-geo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let geo = dir.join("geo.yaml");
+        std::fs::write(&geo, "- models: [A30]\n  allowedGeometries:\n  - - {name: 1g.6gb, memory: 6144, count: 4}\n")
+            .unwrap();
+        let c =
+            load(Some(&format!("mig_geometries_file = {:?}", geo.to_str().unwrap())), &[], Flags::default()).unwrap();
+        assert_eq!(c.mig_geometries[0].models, ["A30"]);
+        std::fs::write(&geo, "- models: [A30]\n  allowedGeometries:\n  - - {name: 1g.6gb, memory: 6144}\n").unwrap();
+        let e = load(None, &[("VGPU_AGENT_MIG_GEOMETRIES_FILE", geo.to_str().unwrap())], Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mig_geometries_file:") && e.contains("geo.yaml: entry 0 (A30): geometry 0"), "{e}");
+        let e = load(Some("mig_geometries_file = \"/nonexistent/geo.yaml\""), &[], Flags::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mig_geometries_file: cannot read /nonexistent/geo.yaml"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
         let e = load(Some("dra_mig = \"auto\""), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("dra_mig: \"auto\" is not existing or dynamic"), "{e}");
         let e = load(Some("dra = \"on\"\ndevice_plugin = \"off\"\ncdi_dir = \"off\""), &[], Flags::default())

@@ -134,8 +134,200 @@ pub struct RegisteredDevice {
     pub numa: u32,
     #[serde(skip_serializing_if = "String::is_empty", default)]
     pub mode: String,
+    /// A GPU in MIG mode: the geometries the scheduler may cut it into (HAMi's `MIGTemplate`).
+    #[serde(rename = "migtemplate", skip_serializing_if = "Vec::is_empty", default)]
+    pub mig_template: Vec<Vec<MigTemplate>>,
     #[serde(skip_serializing_if = "std::ops::Not::not", default)]
     pub health: bool,
+}
+
+/// One kind of instance in a MIG geometry: a profile name, its memory in MiB, its share of the GPU's
+/// compute in percent and how many the geometry holds. In the register annotation the keys are
+/// capitalised, as HAMi's device plugin writes them (its scheduler reads keys case-insensitively); in
+/// a scheduler's configuration file they are lower case.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigTemplate {
+    #[serde(rename = "Name", alias = "name", default)]
+    pub name: String,
+    #[serde(rename = "Core", alias = "core", skip_serializing_if = "is_zero", default)]
+    pub core: u32,
+    #[serde(rename = "Memory", alias = "memory", default)]
+    pub memory: u32,
+    #[serde(rename = "Count", alias = "count", default)]
+    pub count: u32,
+}
+
+/// A MIG geometry: a whole-GPU partition the scheduler hands out positions in. `group` is the name
+/// Volcano's configuration gives it; HAMi names geometries by their index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigGeometry {
+    pub group: String,
+    pub templates: Vec<MigTemplate>,
+}
+
+impl MigGeometry {
+    /// The template of position `pos`: positions count the geometry's instances template by
+    /// template (`[2g x3, 1g x1]`: 0-2 are the 2g ones, 3 the 1g).
+    pub fn template_at(&self, pos: u32) -> Option<&MigTemplate> {
+        let mut first = 0u32;
+        for t in &self.templates {
+            if pos < first.saturating_add(t.count) {
+                return Some(t);
+            }
+            first = first.saturating_add(t.count);
+        }
+        None
+    }
+}
+
+/// The geometries a scheduler's configuration allows for GPUs whose name contains one of `models`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KnownMigGeometries {
+    pub models: Vec<String>,
+    pub geometries: Vec<MigGeometry>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum GeometryForm {
+    /// Volcano's: `{group, geometries: [...]}`.
+    Named { group: String, geometries: Vec<MigTemplate> },
+    /// HAMi's: a bare list of templates.
+    Bare(Vec<MigTemplate>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KnownForm {
+    models: Vec<String>,
+    #[serde(rename = "allowedGeometries")]
+    allowed: Vec<GeometryForm>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum FileForm {
+    List(Vec<KnownForm>),
+    Known {
+        #[serde(rename = "knownMigGeometries")]
+        known: Vec<KnownForm>,
+    },
+    Nvidia {
+        nvidia: Box<FileForm>,
+    },
+}
+
+/// Parses the `knownMigGeometries` of HAMi's or Volcano's device configuration: the list itself, a
+/// mapping with that key, or the whole file with it under `nvidia` (other keys are ignored).
+/// Geometries without a group name are named by their index, as HAMi refers to them.
+pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, String> {
+    let form: FileForm = yaml_serde::from_str(text).map_err(|e| {
+        format!("{e}; expected knownMigGeometries: a list of {{models: [...], allowedGeometries: [...]}}")
+    })?;
+    let mut form = form;
+    let known = loop {
+        match form {
+            FileForm::List(k) | FileForm::Known { known: k } => break k,
+            FileForm::Nvidia { nvidia } => form = *nvidia,
+        }
+    };
+    let mut out = Vec::new();
+    for (i, k) in known.into_iter().enumerate() {
+        if k.models.is_empty() {
+            return Err(format!("entry {i}: models is empty"));
+        }
+        let mut geometries = Vec::new();
+        for (j, g) in k.allowed.into_iter().enumerate() {
+            let (group, templates) = match g {
+                GeometryForm::Named { group, geometries } => (group, geometries),
+                GeometryForm::Bare(t) => (j.to_string(), t),
+            };
+            if group.is_empty() || group.contains(['-', '[', ']', ',', ':', ';']) {
+                return Err(format!(
+                    "entry {i} ({}): group {group:?}: a group name cannot be empty or hold '-', brackets, ',', ':' or ';' (device IDs carry it as [group-position])",
+                    k.models.join(", ")
+                ));
+            }
+            if templates.is_empty() || templates.iter().any(|t| t.name.is_empty() || t.count == 0) {
+                return Err(format!(
+                    "entry {i} ({}): geometry {group}: every template needs a name and a count of at least 1",
+                    k.models.join(", ")
+                ));
+            }
+            if geometries.iter().any(|g: &MigGeometry| g.group == group) {
+                return Err(format!("entry {i} ({}): geometry {group} is named twice", k.models.join(", ")));
+            }
+            geometries.push(MigGeometry { group, templates });
+        }
+        out.push(KnownMigGeometries { models: k.models, geometries });
+    }
+    Ok(out)
+}
+
+/// The geometries of a GPU named `name` (NVML's name): those of the first configured entry one of
+/// whose models its name contains, else the ones its profile table gives
+/// ([`vgpu_mig::planner::default_geometries`]), each named after its first profile.
+pub fn gpu_geometries(
+    known: &[KnownMigGeometries],
+    name: &str,
+    profiles: &[vgpu_mig::model::Profile],
+) -> Vec<MigGeometry> {
+    let lower = name.to_ascii_lowercase();
+    if let Some(k) = known.iter().find(|k| k.models.iter().any(|m| lower.contains(&m.to_ascii_lowercase()))) {
+        return k.geometries.clone();
+    }
+    let gpu = vgpu_mig::model::Gpu {
+        index: 0,
+        uuid: String::new(),
+        name: name.to_string(),
+        memory_slices: 0,
+        profiles: profiles.to_vec(),
+        mig_enabled: true,
+        mode_pending: false,
+        instances: Vec::new(),
+    };
+    let full = profiles.iter().map(|p| p.compute).max().unwrap_or(1).max(1);
+    vgpu_mig::planner::default_geometries(&gpu)
+        .into_iter()
+        .filter_map(|g| {
+            let templates: Vec<MigTemplate> = g
+                .iter()
+                .filter_map(|&(id, count)| {
+                    let p = gpu.profile(id)?;
+                    Some(MigTemplate {
+                        name: p.name.clone(),
+                        core: p.compute * 100 / full,
+                        memory: u32::try_from(p.memory_mib).unwrap_or(u32::MAX),
+                        count,
+                    })
+                })
+                .collect();
+            Some(MigGeometry { group: templates.first()?.name.clone(), templates })
+        })
+        .collect()
+}
+
+/// A position in a MIG geometry: the geometry (an index or a group name) and the position in it.
+pub type MigPosition<'a> = (&'a str, u32);
+
+/// A device ID of a scheduler's assignment: a GPU UUID, or (a GPU in MIG mode) a GPU UUID with the
+/// geometry and the position in it, `GPU-...[geometry-position]`; the geometry is HAMi's index or
+/// Volcano's group name.
+pub fn split_device_id(id: &str) -> Result<(&str, Option<MigPosition<'_>>), String> {
+    let Some((base, rest)) = id.split_once('[') else { return Ok((id, None)) };
+    let inner = rest.strip_suffix(']').ok_or_else(|| format!("device {id:?}: expected UUID[geometry-position]"))?;
+    let (geo, pos) =
+        inner.rsplit_once('-').ok_or_else(|| format!("device {id:?}: expected UUID[geometry-position]"))?;
+    let pos = pos.parse().map_err(|_| format!("device {id:?}: position {pos:?} is not a number"))?;
+    if base.is_empty() || geo.is_empty() {
+        return Err(format!("device {id:?}: expected UUID[geometry-position]"));
+    }
+    Ok((base, Some((geo, pos))))
+}
+
+/// The geometry a device ID names: by group name first, else (HAMi) by index.
+pub fn find_geometry<'a>(geometries: &'a [MigGeometry], geo: &str) -> Option<&'a MigGeometry> {
+    geometries.iter().find(|g| g.group == geo).or_else(|| geo.parse::<usize>().ok().and_then(|i| geometries.get(i)))
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -195,6 +387,7 @@ mod tests {
             ty: "NVIDIA-NVIDIA A100".into(),
             numa: 0,
             mode: "hami-core".into(),
+            mig_template: Vec::new(),
             health: true,
         };
         assert_eq!(
@@ -206,5 +399,133 @@ mod tests {
             "GPU-a,10,40960,100,NVIDIA-NVIDIA A100,0,true,0,hami-core:"
         );
         assert_eq!(register_volcano(&[d], 1024), "GPU-a,10,40,NVIDIA-NVIDIA A100,true,hami-core:");
+    }
+
+    fn profile(
+        id: u32,
+        name: &str,
+        compute: u32,
+        slices: u32,
+        mib: u64,
+        max: u32,
+        starts: &[u32],
+    ) -> vgpu_mig::model::Profile {
+        vgpu_mig::model::Profile {
+            id,
+            name: name.into(),
+            compute,
+            memory_slices: slices,
+            memory_mib: mib,
+            sms: compute * 16,
+            decoders: 1,
+            encoders: 0,
+            jpegs: 0,
+            ofas: 0,
+            max,
+            starts: starts.to_vec(),
+        }
+    }
+
+    /// An H100 80GB's profile table, as NVML lists it (facts: NVIDIA's MIG user guide).
+    fn h100() -> Vec<vgpu_mig::model::Profile> {
+        vec![
+            profile(19, "1g.10gb", 1, 1, 9984, 7, &[0, 1, 2, 3, 4, 5, 6]),
+            profile(20, "1g.10gb+me", 1, 1, 9984, 1, &[0, 1, 2, 3, 4, 5, 6]),
+            profile(15, "1g.20gb", 1, 2, 20096, 4, &[0, 2, 4, 6]),
+            profile(14, "2g.20gb", 2, 2, 20096, 3, &[0, 2, 4]),
+            profile(9, "3g.40gb", 3, 4, 40448, 2, &[0, 4]),
+            profile(5, "4g.40gb", 4, 4, 40448, 1, &[0]),
+            profile(0, "7g.80gb", 7, 8, 81152, 1, &[0]),
+        ]
+    }
+
+    #[test]
+    fn a_mig_gpu_registers_the_geometries_of_its_profile_table() {
+        let g = gpu_geometries(&[], "NVIDIA H100 80GB HBM3", &h100());
+        let t = |name: &str, core, memory, count| MigTemplate { name: name.into(), core, memory, count };
+        assert_eq!(
+            g,
+            vec![
+                MigGeometry { group: "1g.10gb".into(), templates: vec![t("1g.10gb", 14, 9984, 7)] },
+                MigGeometry { group: "1g.20gb".into(), templates: vec![t("1g.20gb", 14, 20096, 4)] },
+                MigGeometry {
+                    group: "2g.20gb".into(),
+                    templates: vec![t("2g.20gb", 28, 20096, 3), t("1g.10gb", 14, 9984, 1)]
+                },
+                MigGeometry { group: "3g.40gb".into(), templates: vec![t("3g.40gb", 42, 40448, 2)] },
+                MigGeometry {
+                    group: "4g.40gb".into(),
+                    templates: vec![t("4g.40gb", 57, 40448, 1), t("3g.40gb", 42, 40448, 1)]
+                },
+                MigGeometry { group: "7g.80gb".into(), templates: vec![t("7g.80gb", 100, 81152, 1)] },
+            ]
+        );
+        // In the annotation: HAMi's keys, as its device plugin writes them.
+        let d = RegisteredDevice {
+            id: "GPU-h".into(),
+            mode: "mig".into(),
+            mig_template: vec![g[2].templates.clone()],
+            health: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            register_json(&[d]),
+            r#"[{"id":"GPU-h","mode":"mig","migtemplate":[[{"Name":"2g.20gb","Core":28,"Memory":20096,"Count":3},{"Name":"1g.10gb","Core":14,"Memory":9984,"Count":1}]],"health":true}]"#
+        );
+        // Positions count instances template by template.
+        assert_eq!(g[2].template_at(2).unwrap().name, "2g.20gb");
+        assert_eq!(g[2].template_at(3).unwrap().name, "1g.10gb");
+        assert!(g[2].template_at(4).is_none());
+        // HAMi names a geometry by its index, Volcano by its group.
+        assert_eq!(find_geometry(&g, "2").unwrap().group, "2g.20gb");
+        assert_eq!(find_geometry(&g, "3g.40gb").unwrap().group, "3g.40gb");
+        assert!(find_geometry(&g, "9").is_none());
+        assert!(find_geometry(&g, "8g").is_none());
+    }
+
+    #[test]
+    fn device_ids_carry_a_position_in_a_mig_geometry() {
+        assert_eq!(split_device_id("GPU-aaa").unwrap(), ("GPU-aaa", None));
+        assert_eq!(split_device_id("GPU-a-b-c[2-3]").unwrap(), ("GPU-a-b-c", Some(("2", 3))));
+        assert_eq!(split_device_id("GPU-a[group2-0]").unwrap(), ("GPU-a", Some(("group2", 0))));
+        assert!(split_device_id("GPU-a[2-3").unwrap_err().contains("expected UUID[geometry-position]"));
+        assert!(split_device_id("GPU-a[23]").unwrap_err().contains("expected UUID[geometry-position]"));
+        assert!(split_device_id("GPU-a[2-x]").unwrap_err().contains("position \"x\" is not a number"));
+        assert!(split_device_id("[2-1]").is_err());
+        // And through the annotation's encoding, as HAMi's scheduler writes it.
+        let v = decode("GPU-a[1-2],NVIDIA,20096,0:;", true).unwrap();
+        assert_eq!(v[0][0].uuid, "GPU-a[1-2]");
+    }
+
+    #[test]
+    fn the_schedulers_geometry_configuration_is_read_in_either_form() {
+        // Volcano's: named groups, the whole device configuration (other keys ignored).
+        let volcano = "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  knownMigGeometries:\n  - models: [\"A100-SXM4-40GB\", \"A100-PCIE-40GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries:\n      - {name: 1g.5gb, memory: 5120, count: 7}\n    - group: group2\n      geometries:\n      - {name: 2g.10gb, memory: 10240, count: 3}\n      - {name: 1g.5gb, memory: 5120, count: 1}\n";
+        let k = parse_mig_geometries(volcano).unwrap();
+        assert_eq!(k.len(), 1);
+        assert_eq!(k[0].geometries[1].group, "group2");
+        assert_eq!(
+            k[0].geometries[1].templates[1],
+            MigTemplate { name: "1g.5gb".into(), core: 0, memory: 5120, count: 1 }
+        );
+        // HAMi's: bare lists, named by index; the list alone.
+        let hami = "- models: [H100]\n  allowedGeometries:\n  - - {name: 1g.10gb, core: 14, memory: 10240, count: 7}\n  - - {name: 7g.80gb, memory: 81920, count: 1}\n";
+        let k2 = parse_mig_geometries(hami).unwrap();
+        assert_eq!(k2[0].geometries.iter().map(|g| g.group.as_str()).collect::<Vec<_>>(), ["0", "1"]);
+        assert_eq!(k2[0].geometries[0].templates[0].core, 14);
+        // A GPU whose name holds a model gets the configured geometries; another, its own.
+        assert_eq!(gpu_geometries(&k2, "NVIDIA H100 80GB HBM3", &h100())[1].group, "1");
+        assert_eq!(gpu_geometries(&k, "NVIDIA H100 80GB HBM3", &h100())[0].group, "1g.10gb");
+        // Mistakes are named.
+        let e = parse_mig_geometries("knownMigGeometries:\n- models: [A30]\n  allowedGeometries:\n  - group: my-group\n    geometries: [{name: 1g.6gb, memory: 6144, count: 4}]\n").unwrap_err();
+        assert!(e.contains("group \"my-group\"") && e.contains("[group-position]"), "{e}");
+        let e = parse_mig_geometries("- models: [A30]\n  allowedGeometries:\n  - - {name: 1g.6gb, memory: 6144}\n")
+            .unwrap_err();
+        assert!(e.contains("geometry 0: every template needs a name and a count"), "{e}");
+        let e = parse_mig_geometries("- models: []\n  allowedGeometries: []\n").unwrap_err();
+        assert!(e.contains("entry 0: models is empty"), "{e}");
+        assert!(parse_mig_geometries("gpus: 3\n").unwrap_err().contains("expected knownMigGeometries"));
+        let e = parse_mig_geometries("- models: [A30]\n  allowedGeometries:\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n").unwrap_err();
+        assert!(e.contains("geometry g is named twice"), "{e}");
     }
 }

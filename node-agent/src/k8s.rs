@@ -108,6 +108,12 @@ impl Kube {
             .gpus
             .iter()
             .map(|g| RegisteredDevice {
+                // The geometries a scheduler may cut a GPU in MIG mode into (HAMi's scheduler places
+                // MIG requests only on GPUs that name some).
+                mig_template: match g.mig.as_ref().is_some_and(|m| m.enabled) {
+                    true => agent.mig_geometries(g).into_iter().flatten().map(|x| x.templates).collect(),
+                    false => Vec::new(),
+                },
                 id: g.uuid.clone(),
                 index: g.index,
                 count: agent.cfg.split_count,
@@ -219,8 +225,10 @@ impl Kube {
         let slice = slice_name(&ns, &name, idx);
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let inv = agent.inventory.read().clone();
+        // A device on a GPU in MIG mode: its UUID, or its UUID with a position in a MIG geometry.
         let on_mig = |d: &ContainerDevice| {
-            inv.gpus.iter().any(|g| g.uuid == d.uuid && g.mig.as_ref().is_some_and(|m| m.enabled))
+            let base = hami::split_device_id(&d.uuid).map_or(d.uuid.as_str(), |(b, _)| b);
+            inv.gpus.iter().any(|g| g.uuid == base && g.mig.as_ref().is_some_and(|m| m.enabled))
         };
         let allocated = if devices.iter().all(on_mig) {
             // MIG GPUs: an instance per device, made for this container.
@@ -366,12 +374,45 @@ fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDev
     let inv = agent.inventory.read().clone();
     let mut made = Vec::new();
     for d in devices {
-        let g = inv.gpus.iter().find(|g| g.uuid == d.uuid).ok_or_else(|| format!("no GPU {}", d.uuid))?;
+        let (base, position) = hami::split_device_id(&d.uuid)?;
+        let g = inv.gpus.iter().find(|g| g.uuid == base).ok_or_else(|| format!("no GPU {base}"))?;
         let gpu = vgpu_mig::backend::MigBackend::gpu(&b, g.index).map_err(|e| e.0)?;
-        let full = gpu.profiles.iter().map(|p| p.compute).max().unwrap_or(7);
-        let compute = if (1..100).contains(&d.cores) { (d.cores * full).div_ceil(100) } else { 0 };
-        let req = vgpu_mig::planner::Request { memory_mib: d.mem_mib, compute, sms: 0, media: false };
-        match vgpu_mig::apply::allocate(&b, g.index, &req) {
+        let made_one = match position {
+            // A position in a geometry (HAMi's and Volcano's MIG mode): an instance of its template's
+            // profile, placed so that the rest of the geometry still fits.
+            Some((geo, pos)) => {
+                let geometries = agent.mig_geometries(g).unwrap_or_default();
+                let geometry = hami::find_geometry(&geometries, geo).ok_or_else(|| {
+                    format!(
+                        "device {}: {} has no MIG geometry {geo:?} (it has {})",
+                        d.uuid,
+                        g.name,
+                        geometries.iter().map(|x| x.group.as_str()).collect::<Vec<_>>().join(", ")
+                    )
+                })?;
+                let t = geometry
+                    .template_at(pos)
+                    .ok_or_else(|| format!("device {}: geometry {} has no position {pos}", d.uuid, geometry.group))?;
+                let profile = gpu
+                    .profile_named(&t.name)
+                    .ok_or_else(|| format!("device {}: {} has no MIG profile {}", d.uuid, g.name, t.name))?;
+                let mut ids: Vec<(u32, u32)> = Vec::new();
+                for x in &geometry.templates {
+                    let p = gpu.profile_named(&x.name).ok_or_else(|| {
+                        format!("geometry {} of {}: no MIG profile {}", geometry.group, g.name, x.name)
+                    })?;
+                    ids.push((p.id, x.count));
+                }
+                vgpu_mig::apply::allocate_in_geometry(&b, g.index, &ids, profile.id)
+            }
+            None => {
+                let full = gpu.profiles.iter().map(|p| p.compute).max().unwrap_or(7);
+                let compute = if (1..100).contains(&d.cores) { (d.cores * full).div_ceil(100) } else { 0 };
+                let req = vgpu_mig::planner::Request { memory_mib: d.mem_mib, compute, sms: 0, media: false };
+                vgpu_mig::apply::allocate(&b, g.index, &req)
+            }
+        };
+        match made_one {
             Ok(a) => made.push(a),
             Err(e) => {
                 for a in &made {
@@ -389,6 +430,15 @@ fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDev
         *agent.inventory.write() = inv;
     }
     Ok(rec.allocations.into_iter().filter_map(|a| a.uuid).collect())
+}
+
+impl Agent {
+    /// The MIG geometries of a GPU (HAMi and Volcano modes): the configured ones for its model, else
+    /// those its profile table gives. None while NVML has not answered its profiles.
+    pub(crate) fn mig_geometries(&self, g: &crate::discovery::Gpu) -> Option<Vec<hami::MigGeometry>> {
+        let profiles = self.profiles(&g.uuid, g.index)?;
+        Some(hami::gpu_geometries(&self.cfg.mig_geometries, &g.name, &profiles))
+    }
 }
 
 fn mig_release(agent: &Agent, key: &str, rec: &MigRecord) -> Result<(), String> {

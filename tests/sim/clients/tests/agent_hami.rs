@@ -527,3 +527,187 @@ fn hami_mode_on_a_mig_gpu_makes_an_instance_per_container_and_destroys_it_with_t
     });
     let _ = &mut s;
 }
+
+/// The H100's MIG instances as `vgpuctl mig status --json` lists them: (name, start), in start order.
+fn h100_instances(a: &Agent) -> Vec<(String, u64)> {
+    let st: Value = serde_json::from_str(&a.ctl_ok(&["mig", "status", "--json"])).unwrap();
+    let h100 = st["gpus"].as_array().unwrap().iter().find(|g| g["index"] == 1).unwrap().clone();
+    let mut v: Vec<(String, u64)> = h100["instances"]
+        .as_array()
+        .map(|v| {
+            v.iter().map(|i| (i["name"].as_str().unwrap_or("").to_string(), i["start"].as_u64().unwrap_or(0))).collect()
+        })
+        .unwrap_or_default();
+    v.sort_by_key(|x| x.1);
+    v
+}
+
+/// Turns MIG mode on for the H100 (GPU 1), with no layout: instances are made per request.
+fn mig_on(s: &Sim, a: &Agent) {
+    let mig = s.state.join("mig.yaml");
+    std::fs::write(&mig, "version: v1\nmig-configs:\n  dynamic:\n    - devices: [1]\n      mig-enabled: true\n")
+        .unwrap();
+    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "dynamic"]);
+}
+
+#[test]
+fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_one() {
+    let mut s = Sim::new(Some(NODE));
+    let st = s.status();
+    let g1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    // HAMi's scheduler names a MIG device by geometry index and position: geometry 2 of the H100 is
+    // three 2g.20gb and one 1g.10gb, position 3 its 1g.10gb.
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
+        pods: vec![pod("ml", "small", "uid-small", "100", &format!("{g1}[2-3],NVIDIA,9984,0:;"), &["main"], &[])],
+        rv: 10,
+        ..Default::default()
+    }));
+    let Harness { kdir, rt, mut rx, _kubelet, a } =
+        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
+    mig_on(&s, &a);
+    // The register annotation names the geometries of the GPU in MIG mode, from its profile table.
+    let registered = || -> Option<Vec<Value>> {
+        let cl = cluster.lock().unwrap();
+        let v: Vec<Value> =
+            serde_json::from_str(cl.node["metadata"]["annotations"]["hami.io/node-nvidia-register"].as_str()?).ok()?;
+        (v.iter().any(|d| d["mode"] == "mig" && d.get("migtemplate").is_some())).then_some(v)
+    };
+    wait("the H100's MIG geometries registered", || registered().is_some());
+    let reg = registered().unwrap();
+    let h100 = reg.iter().find(|d| d["id"] == g1.as_str()).unwrap();
+    let geo = h100["migtemplate"].as_array().unwrap();
+    assert_eq!(geo.len(), 6, "{h100}");
+    assert_eq!(geo[0], json!([{"Name": "1g.10gb", "Core": 14, "Memory": 9984, "Count": 7}]));
+    assert_eq!(
+        geo[2],
+        json!([{"Name": "2g.20gb", "Core": 28, "Memory": 20096, "Count": 3}, {"Name": "1g.10gb", "Core": 14, "Memory": 9984, "Count": 1}])
+    );
+    assert_eq!(geo[5], json!([{"Name": "7g.80gb", "Core": 100, "Memory": 81152, "Count": 1}]));
+    let a100 = reg.iter().find(|d| d["id"] != g1.as_str()).unwrap();
+    assert!(a100.get("migtemplate").is_none() && a100["mode"] == "hami-core", "{a100}");
+
+    let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
+    let allocate = |id: &str| {
+        let path = kdir.join(&reg.endpoint);
+        let id = id.to_string();
+        rt.block_on(async move {
+            let mut c = kubelet::plugin(path).await;
+            c.allocate(dp::AllocateRequest {
+                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![id] }],
+            })
+            .await
+        })
+    };
+    let r = allocate(&format!("{g1}-0")).unwrap().into_inner();
+    assert!(r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"].starts_with("MIG-"), "{r:?}");
+    // The 1g.10gb goes where the three 2g.20gb of its geometry still fit: slice 6.
+    assert_eq!(h100_instances(&a), [("1g.10gb".to_string(), 6)]);
+    // A 2g.20gb of the same geometry (position 0) next.
+    cluster.lock().unwrap().pods.push(pod(
+        "ml",
+        "mid",
+        "uid-mid",
+        "200",
+        &format!("{g1}[2-0],NVIDIA,20096,0:;"),
+        &["main"],
+        &[],
+    ));
+    allocate(&format!("{g1}-1")).unwrap();
+    let inst = h100_instances(&a);
+    assert_eq!(inst.len(), 2, "{inst:?}");
+    assert!(inst.iter().any(|(n, s)| n == "2g.20gb" && [0, 2, 4].contains(s)), "{inst:?}");
+    // A position in another geometry while the GPU is cut into this one is refused, and says why.
+    cluster.lock().unwrap().pods.push(pod(
+        "ml",
+        "big",
+        "uid-big",
+        "300",
+        &format!("{g1}[3-0],NVIDIA,40448,0:;"),
+        &["main"],
+        &[],
+    ));
+    let e = allocate(&format!("{g1}-2")).unwrap_err();
+    assert!(e.message().contains("holds a 2g.20gb instance") && e.message().contains("no room for"), "{e}");
+    // So is a position the geometry does not have.
+    cluster.lock().unwrap().pods.push(pod(
+        "ml",
+        "odd",
+        "uid-odd",
+        "400",
+        &format!("{g1}[2-4],NVIDIA,9984,0:;"),
+        &["main"],
+        &[],
+    ));
+    let e = allocate(&format!("{g1}-3")).unwrap_err();
+    assert!(e.message().contains("geometry 2g.20gb has no position 4"), "{e}");
+    {
+        let cl = cluster.lock().unwrap();
+        let phase = |n: &str| {
+            cl.pods.iter().find(|p| p["metadata"]["name"] == n).unwrap()["metadata"]["annotations"]
+                ["hami.io/bind-phase"]
+                .clone()
+        };
+        assert_eq!((phase("small"), phase("mid")), (json!("success"), json!("success")));
+        assert_eq!((phase("big"), phase("odd")), (json!("failed"), json!("failed")));
+    }
+    assert_eq!(h100_instances(&a).len(), 2, "nothing made for the refused ones");
+    let _ = &mut s;
+}
+
+#[test]
+fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
+    let mut s = Sim::new(Some(NODE));
+    let st = s.status();
+    let g1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    // Volcano's device configuration, with its named groups; the agent reads the same file.
+    let conf = s.state.join("volcano-vgpu-device-config.yaml");
+    std::fs::write(
+        &conf,
+        "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  knownMigGeometries:\n  - models: [\"A100-SXM4-80GB\"]\n    allowedGeometries:\n    - group: other\n      geometries: [{name: 7g.80gb, memory: 81920, count: 1}]\n  - models: [\"H100 80GB HBM3\", \"H100-SXM5-80GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries: [{name: 1g.10gb, memory: 10240, count: 7}]\n    - group: group3\n      geometries:\n      - {name: 3g.40gb, memory: 40960, count: 1}\n      - {name: 2g.20gb, memory: 20480, count: 1}\n      - {name: 1g.10gb, memory: 10240, count: 1}\n",
+    )
+    .unwrap();
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
+        // Volcano's MIG device: the GPU's UUID with [group-position]; position 1 of group3 its 2g.20gb.
+        pods: vec![vpod("batch", "job", "uid-job", &format!("{g1}[group3-1],NVIDIA,20480,0:"))],
+        rv: 10,
+        ..Default::default()
+    }));
+    let Harness { kdir, rt, mut rx, _kubelet, a } = harness(
+        &s,
+        &cluster,
+        &format!("compat = \"volcano\"\nregister_interval_s = 1\nmig_geometries_file = {:?}\n", conf.to_str().unwrap()),
+    );
+    mig_on(&s, &a);
+    let sock = rt.block_on(async {
+        loop {
+            let r = tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap();
+            if r.resource_name == "volcano.sh/vgpu-number" {
+                break r.endpoint;
+            }
+        }
+    });
+    let uuid = rt.block_on(async {
+        let mut c = kubelet::plugin(kdir.join(&sock)).await;
+        let r = c
+            .allocate(dp::AllocateRequest {
+                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g1}-0")] }],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"].clone()
+    });
+    assert!(uuid.starts_with("MIG-"), "{uuid}");
+    // The 2g.20gb leaves the 3g.40gb its half (slices 0-3 or 4-7) and the 1g.10gb a slice beside it.
+    let inst = h100_instances(&a);
+    assert_eq!(inst.len(), 1, "{inst:?}");
+    assert_eq!(
+        inst[0],
+        ("2g.20gb".to_string(), 4),
+        "the 2g.20gb at 4, leaving 0-3 for the 3g.40gb and 6 for the 1g.10gb"
+    );
+    assert_eq!(cluster.lock().unwrap().pods[0]["metadata"]["annotations"]["volcano.sh/bind-phase"], "success");
+    let _ = &mut s;
+}
