@@ -243,6 +243,18 @@ impl Kube {
             }
         } else if devices.iter().any(on_mig) {
             return fail(format!("pod {ns}/{name}: a container mixes MIG and whole GPUs")).await;
+        } else if let Some(d) =
+            devices.iter().find(|d| hami::split_device_id(&d.uuid).map_or(true, |(_, p)| p.is_some()))
+        {
+            // A MIG position on a GPU that is not (or no longer) in MIG mode, or an ID that does not parse.
+            return fail(format!(
+                "pod {ns}/{name}: device {}: {}",
+                d.uuid,
+                hami::split_device_id(&d.uuid)
+                    .err()
+                    .unwrap_or_else(|| "a MIG geometry position, on a GPU not in MIG mode".into())
+            ))
+            .await;
         } else {
             let req = pb::CreateSliceRequest {
                 name: slice.clone(),

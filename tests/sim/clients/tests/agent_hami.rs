@@ -641,6 +641,19 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
     ));
     let e = allocate(&format!("{g1}-3")).unwrap_err();
     assert!(e.message().contains("geometry 2g.20gb has no position 4"), "{e}");
+    // And a position on a GPU that is not in MIG mode (the A100).
+    let g0 = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    cluster.lock().unwrap().pods.push(pod(
+        "ml",
+        "flat",
+        "uid-flat",
+        "500",
+        &format!("{g0}[0-0],NVIDIA,4864,0:;"),
+        &["main"],
+        &[],
+    ));
+    let e = allocate(&format!("{g1}-4")).unwrap_err();
+    assert!(e.message().contains("a MIG geometry position, on a GPU not in MIG mode"), "{e}");
     {
         let cl = cluster.lock().unwrap();
         let phase = |n: &str| {
@@ -649,7 +662,7 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
                 .clone()
         };
         assert_eq!((phase("small"), phase("mid")), (json!("success"), json!("success")));
-        assert_eq!((phase("big"), phase("odd")), (json!("failed"), json!("failed")));
+        assert_eq!((phase("big"), phase("odd"), phase("flat")), (json!("failed"), json!("failed"), json!("failed")));
     }
     assert_eq!(h100_instances(&a).len(), 2, "nothing made for the refused ones");
     let _ = &mut s;
