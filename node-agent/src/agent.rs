@@ -501,7 +501,7 @@ impl Agent {
 
     pub fn mig_status(&self) -> Result<pb::MigStatusResponse, ApiError> {
         let nvml = self.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
-        crate::mig::status(nvml, &self.mig.lock(), &self.mig_holders.read())
+        crate::mig::status(nvml, &self.mig.lock(), &self.mig_holders.read(), &self.cfg.mig_geometries)
     }
 
     pub fn health_response(&self) -> pb::HealthResponse {

@@ -463,7 +463,63 @@ pub fn render_mig_status(st: &pb::MigStatusResponse) -> String {
             if desired.is_empty() { "-".into() } else { desired },
         ]);
     }
-    table(&rows)
+    let mut o = table(&rows);
+    // What HAMi's and Volcano's schedulers may cut each GPU into, by index and group.
+    for g in st.gpus.iter().filter(|g| !g.geometries.is_empty()) {
+        let geo: Vec<String> = g
+            .geometries
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let t: Vec<String> = x.templates.iter().map(|t| format!("{}x{}", t.count, t.name)).collect();
+                format!("{i} {} ({})", x.group, t.join(" "))
+            })
+            .collect();
+        let _ = writeln!(o, "GPU {} geometries: {}", g.index, geo.join(" | "));
+    }
+    o
+}
+
+/// `vgpuctl mig geometries`: the MIG geometries of this node's GPUs as the `knownMigGeometries` of a
+/// scheduler's device configuration, one entry per model: Volcano's form (named groups), or HAMi's
+/// (bare lists, with each template's share of compute).
+pub fn render_mig_geometries(st: &pb::MigStatusResponse, hami: bool) -> String {
+    let q = |s: &str| serde_json::to_string(s).expect("a string");
+    let mut o = String::from(
+        "# The MIG geometries this node's agent uses, for the scheduler's device configuration\n# (vgpuctl mig geometries); GPUs are matched by model in their NVML name.\nknownMigGeometries:\n",
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    for g in st.gpus.iter().filter(|g| !g.geometries.is_empty()) {
+        let model = g.model.strip_prefix("NVIDIA ").unwrap_or(&g.model);
+        if !seen.insert(model.to_string()) {
+            continue;
+        }
+        let _ = writeln!(o, "- models: [{}]\n  allowedGeometries:", q(model));
+        for x in &g.geometries {
+            if hami {
+                for (i, t) in x.templates.iter().enumerate() {
+                    let _ = writeln!(
+                        o,
+                        "  {} {{name: {}, core: {}, memory: {}, count: {}}}",
+                        if i == 0 { "- -" } else { "  -" },
+                        q(&t.name),
+                        t.core,
+                        t.memory_mib,
+                        t.count
+                    );
+                }
+            } else {
+                let _ = writeln!(o, "  - group: {}\n    geometries:", q(&x.group));
+                for t in &x.templates {
+                    let _ = writeln!(o, "    - {{name: {}, memory: {}, count: {}}}", q(&t.name), t.memory_mib, t.count);
+                }
+            }
+        }
+    }
+    if seen.is_empty() {
+        o = "# no MIG-capable GPUs on this node\nknownMigGeometries: []\n".into();
+    }
+    o
 }
 
 /// `vgpuctl mig plan|apply|assert`.
@@ -913,6 +969,42 @@ fn process_cell(p: &pb::ProcessStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mig_geometries_print_as_a_schedulers_configuration_that_reads_back() {
+        let t = |name: &str, core, memory_mib, count| pb::MigTemplate { name: name.into(), core, memory_mib, count };
+        let geometries = vec![
+            pb::MigGeometry { group: "1g.10gb".into(), templates: vec![t("1g.10gb", 14, 9984, 7)] },
+            pb::MigGeometry {
+                group: "2g.20gb".into(),
+                templates: vec![t("2g.20gb", 28, 20096, 3), t("1g.10gb", 14, 9984, 1)],
+            },
+        ];
+        let gpu = |index, model: &str| pb::MigGpu {
+            index,
+            model: model.into(),
+            geometries: geometries.clone(),
+            ..Default::default()
+        };
+        let st = pb::MigStatusResponse { gpus: vec![gpu(0, "NVIDIA H100 80GB HBM3"), gpu(1, "NVIDIA H100 80GB HBM3")] };
+        for hami in [false, true] {
+            let text = render_mig_geometries(&st, hami);
+            let k = crate::hami::parse_mig_geometries(&text).unwrap_or_else(|e| panic!("{e}:\n{text}"));
+            assert_eq!(k.len(), 1, "one entry per model:\n{text}");
+            assert_eq!(k[0].models, ["H100 80GB HBM3"]);
+            let back = crate::hami::gpu_geometries(&k, "NVIDIA H100 80GB HBM3", &[]);
+            assert_eq!(back.len(), 2);
+            assert_eq!(back[1].templates[0].name, "2g.20gb");
+            assert_eq!(back[1].templates[1].count, 1);
+            assert_eq!(back[1].templates[0].memory, 20096);
+            // Volcano's form keeps the group names; HAMi's refers to geometries by index.
+            assert_eq!(back[1].group, if hami { "1" } else { "2g.20gb" });
+            assert_eq!(back[1].templates[0].core, if hami { 28 } else { 0 });
+        }
+        let table = render_mig_status(&st);
+        assert!(table.contains("GPU 1 geometries: 0 1g.10gb (7x1g.10gb) | 1 2g.20gb (3x2g.20gb 1x1g.10gb)"), "{table}");
+        assert!(render_mig_geometries(&pb::MigStatusResponse::default(), false).contains("no MIG-capable GPUs"));
+    }
 
     #[test]
     fn sizes() {

@@ -22,6 +22,7 @@ pub fn status(
     nvml: Arc<Nvml>,
     store: &Store,
     holders: &std::collections::BTreeMap<String, String>,
+    known: &[crate::hami::KnownMigGeometries],
 ) -> Result<pb::MigStatusResponse, ApiError> {
     let b = NvmlBackend::new(nvml);
     let n = b.gpu_count().map_err(|e| ApiError::Internal(e.0))?;
@@ -70,6 +71,17 @@ pub fn status(
                 .collect(),
             desired: store.desired(&g.uuid).map(|d| describe(&d)).unwrap_or_default(),
             in_progress: in_progress.contains(&g.uuid),
+            geometries: crate::hami::gpu_geometries(known, &g.name, &g.profiles)
+                .into_iter()
+                .map(|x| pb::MigGeometry {
+                    group: x.group,
+                    templates: x
+                        .templates
+                        .into_iter()
+                        .map(|t| pb::MigTemplate { name: t.name, core: t.core, memory_mib: t.memory, count: t.count })
+                        .collect(),
+                })
+                .collect(),
         });
     }
     Ok(pb::MigStatusResponse { gpus })

@@ -113,6 +113,13 @@ enum MigCmd {
     Apply(MigArgs),
     /// Exit 0 if the GPUs are as the config says, 1 otherwise
     Assert(MigArgs),
+    /// The geometries HAMi's and Volcano's schedulers may cut each GPU into (their MIG mode), as the
+    /// knownMigGeometries of their device configuration
+    Geometries {
+        /// HAMi's form (bare lists, referred to by index) instead of Volcano's (named groups)
+        #[arg(long)]
+        hami: bool,
+    },
 }
 
 #[derive(Args)]
@@ -331,12 +338,25 @@ fn main() {
                     print!("{}", ctl::render_mig_status(&st));
                 }
             }
+            Cmd::Mig(MigCmd::Geometries { hami }) => {
+                let st = c.mig_status(pb::MigStatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                if cli.json {
+                    let v: Vec<_> = st
+                        .gpus
+                        .iter()
+                        .map(|g| serde_json::json!({"index": g.index, "uuid": g.uuid, "model": g.model, "geometries": g.geometries}))
+                        .collect();
+                    println!("{}", json(&v));
+                } else {
+                    print!("{}", ctl::render_mig_geometries(&st, hami));
+                }
+            }
             Cmd::Mig(cmd) => {
                 let (a, op) = match &cmd {
                     MigCmd::Plan(a) => (a, "plan"),
                     MigCmd::Apply(a) => (a, "apply"),
                     MigCmd::Assert(a) => (a, "assert"),
-                    MigCmd::Status => unreachable!("handled above"),
+                    MigCmd::Status | MigCmd::Geometries { .. } => unreachable!("handled above"),
                 };
                 let text = std::fs::read_to_string(&a.file).unwrap_or_else(|e| die(2, format!("{}: {e}", a.file.display())));
                 let req = pb::MigRequest { config_yaml: text, config_name: a.name.clone(), gpus: a.gpu.clone(), force: a.force };

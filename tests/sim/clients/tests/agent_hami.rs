@@ -586,6 +586,16 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
     assert_eq!(geo[5], json!([{"Name": "7g.80gb", "Core": 100, "Memory": 81152, "Count": 1}]));
     let a100 = reg.iter().find(|d| d["id"] != g1.as_str()).unwrap();
     assert!(a100.get("migtemplate").is_none() && a100["mode"] == "hami-core", "{a100}");
+    // vgpuctl shows them, and prints them for the scheduler's configuration.
+    let table = a.ctl_ok(&["mig", "status"]);
+    assert!(
+        table.contains(
+            "GPU 1 geometries: 0 1g.10gb (7x1g.10gb) | 1 1g.20gb (4x1g.20gb) | 2 2g.20gb (3x2g.20gb 1x1g.10gb)"
+        ),
+        "{table}"
+    );
+    let conf = a.ctl_ok(&["mig", "geometries", "--hami"]);
+    assert!(conf.contains("- models: [\"H100 80GB HBM3\"]\n  allowedGeometries:\n  - - {name: \"1g.10gb\", core: 14, memory: 9984, count: 7}\n"), "{conf}");
 
     let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
     let allocate = |id: &str| {
@@ -722,5 +732,11 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
         "the 2g.20gb at 4, leaving 0-3 for the 3g.40gb and 6 for the 1g.10gb"
     );
     assert_eq!(cluster.lock().unwrap().pods[0]["metadata"]["annotations"]["volcano.sh/bind-phase"], "success");
+    // The configured geometries are the ones the agent shows (and would print back).
+    let conf = a.ctl_ok(&["mig", "geometries"]);
+    assert!(
+        conf.contains("  - group: \"group3\"\n    geometries:\n    - {name: \"3g.40gb\", memory: 40960, count: 1}\n"),
+        "{conf}"
+    );
     let _ = &mut s;
 }
