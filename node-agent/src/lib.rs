@@ -26,13 +26,31 @@ pub mod slices;
 /// Entry points of the fuzz targets (`fuzz/`), also run over the stored corpora by the unit tests.
 #[doc(hidden)]
 pub mod fuzzing {
-    /// A HAMi or Volcano device annotation, both encodings: decoded or refused, never a panic.
+    /// A HAMi or Volcano device annotation, both encodings: decoded or refused, never a panic; each
+    /// device ID split into GPU and MIG position, and the same bytes read as a scheduler's MIG
+    /// geometry configuration.
     pub fn hami_decode(data: &[u8]) {
         let s = String::from_utf8_lossy(data);
         for trailing in [false, true] {
             if let Ok(v) = crate::hami::decode(&s, trailing) {
                 for c in v.iter().flatten() {
                     assert!(c.uuid.len() <= s.len());
+                    if let Ok((base, pos)) = crate::hami::split_device_id(&c.uuid) {
+                        assert!(c.uuid.starts_with(base));
+                        assert!(pos.is_none_or(|(g, _)| !g.is_empty() && !base.is_empty()));
+                    }
+                }
+            }
+        }
+        if let Ok(known) = crate::hami::parse_mig_geometries(&s) {
+            for k in &known {
+                let geometries = crate::hami::gpu_geometries(&known, &k.models[0], &[]);
+                for (i, g) in geometries.iter().enumerate() {
+                    assert!(g.templates.iter().all(|t| t.count > 0));
+                    assert!(crate::hami::find_geometry(&geometries, &g.group).is_some());
+                    assert!(
+                        g.template_at(0).is_some() && crate::hami::find_geometry(&geometries, &i.to_string()).is_some()
+                    );
                 }
             }
         }
