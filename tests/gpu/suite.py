@@ -1202,9 +1202,16 @@ def check_agent(s):
                 sl = a.wait_slice("gpu-suite", trued, 10) or sl
             rc, _, table, _ = a.vgpuctl(["status"])
             rc_mig, _, mig, mig_err = a.vgpuctl(["mig", "status"], timeout=60)
+            # Read-only: the MIG geometries the agent derives from the GPU's profile table (what
+            # HAMi's and Volcano's MIG mode would cut it into), reported, not judged.
+            rc_geo, _, geo_out, _ = a.vgpuctl(["--json", "mig", "geometries"], timeout=60)
+            try:
+                geo = next((x.get("geometries", []) for x in json.loads(geo_out) if x.get("uuid") == g.get("uuid")), []) if rc_geo == 0 else None
+            except ValueError:
+                geo = None
             sg = sl["gpus"][0] if sl else {}
             v = {"gpu": g.get("model"), "memory_total": g.get("memory_total"), "slice": sl, "status_table": table, "mig_status_rc": rc_mig,
-                 "mig_status": (mig or mig_err).strip()[:2000]}
+                 "mig_status": (mig or mig_err).strip()[:2000], "mig_geometries": geo}
             seen = bool(sl) and listed(sl, work.pid)
             # A process without libvgpu.so on the slice's GPU: an escape, reported (the agent runs
             # with escapes only reported), naming its command.
@@ -1222,6 +1229,13 @@ def check_agent(s):
                 g.get("model"), human(g.get("memory_total")), "listed" if seen else "NOT listed", human(sg.get("memory_used")),
                 human(first.get("memory_used")), human(sg.get("memory_measured")),
                 "escape of %s, %s" % (esc.get("command") or "no command", human(esc.get("measured"))) if esc else "NOT reported", rc_mig)
+            if geo is None:
+                summary += "; MIG geometries: vgpuctl mig geometries failed (rc=%d)" % rc_geo
+            elif geo:
+                summary += "; MIG geometries of its profiles: %s" % " | ".join(
+                    " ".join("%sx%s" % (t.get("count", 0), t.get("name", "?")) for t in x.get("templates", [])) for x in geo)
+            else:
+                summary += "; no MIG geometries (NVML lists no MIG profiles)"
             if not seen or sg.get("memory_used", 0) < GIB or sg.get("memory_measured", 0) < GIB or not trued(sl):
                 raise Fail(summary, v)
             if not esc or esc.get("command") != "gpu-probe" or esc.get("measured", 0) < 256 * MIB:
