@@ -233,12 +233,16 @@ pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, Strin
     };
     let mut out = Vec::new();
     for (i, k) in known.into_iter().enumerate() {
-        if k.models.is_empty() {
-            return Err(format!("entry {i}: models is empty"));
+        if k.models.is_empty() || k.models.iter().any(|m| m.trim().is_empty()) {
+            return Err(format!("entry {i}: models is empty or names an empty model"));
         }
         let mut geometries = Vec::new();
         for (j, g) in k.allowed.into_iter().enumerate() {
             let (group, templates) = match g {
+                GeometryForm::Named { group, .. } if group.parse::<usize>().is_ok() => return Err(format!(
+                    "entry {i} ({}): group {group:?}: a group name of digits alone would read as a geometry's index",
+                    k.models.join(", ")
+                )),
                 GeometryForm::Named { group, geometries } => (group, geometries),
                 GeometryForm::Bare(t) => (j.to_string(), t),
             };
@@ -265,7 +269,8 @@ pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, Strin
 }
 
 /// The geometries of a GPU named `name` (NVML's name): those of the first configured entry one of
-/// whose models its name contains, else the ones its profile table gives
+/// whose models its name contains (less any that names a profile the GPU does not have, when its
+/// profiles are known), else the ones its profile table gives
 /// ([`vgpu_mig::planner::default_geometries`]), each named after its first profile.
 pub fn gpu_geometries(
     known: &[KnownMigGeometries],
@@ -274,7 +279,19 @@ pub fn gpu_geometries(
 ) -> Vec<MigGeometry> {
     let lower = name.to_ascii_lowercase();
     if let Some(k) = known.iter().find(|k| k.models.iter().any(|m| lower.contains(&m.to_ascii_lowercase()))) {
-        return k.geometries.clone();
+        let has = |t: &MigTemplate| {
+            let n = t.name.trim().trim_start_matches("MIG ").to_ascii_lowercase();
+            profiles.iter().any(|p| p.name.to_ascii_lowercase() == n)
+        };
+        let mut v: Vec<MigGeometry> =
+            k.geometries.iter().filter(|g| profiles.is_empty() || g.templates.iter().all(has)).cloned().collect();
+        // HAMi's (unnamed) geometries are referred to by their index in what is registered.
+        for (i, g) in v.iter_mut().enumerate() {
+            if g.group.parse::<usize>().is_ok() {
+                g.group = i.to_string();
+            }
+        }
+        return v;
     }
     let gpu = vgpu_mig::model::Gpu {
         index: 0,
@@ -325,9 +342,13 @@ pub fn split_device_id(id: &str) -> Result<(&str, Option<MigPosition<'_>>), Stri
     Ok((base, Some((geo, pos))))
 }
 
-/// The geometry a device ID names: by group name first, else (HAMi) by index.
+/// The geometry a device ID names: digits alone are an index (HAMi's), anything else a group name
+/// (Volcano's).
 pub fn find_geometry<'a>(geometries: &'a [MigGeometry], geo: &str) -> Option<&'a MigGeometry> {
-    geometries.iter().find(|g| g.group == geo).or_else(|| geo.parse::<usize>().ok().and_then(|i| geometries.get(i)))
+    match geo.parse::<usize>() {
+        Ok(i) => geometries.get(i),
+        Err(_) => geometries.iter().find(|g| g.group == geo),
+    }
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -515,6 +536,12 @@ mod tests {
         assert_eq!(k2[0].geometries[0].templates[0].core, 14);
         // A GPU whose name holds a model gets the configured geometries; another, its own.
         assert_eq!(gpu_geometries(&k2, "NVIDIA H100 80GB HBM3", &h100())[1].group, "1");
+        // Less those that name a profile the GPU does not have (an A100's on an H100).
+        let k3 = parse_mig_geometries("- models: [H100]\n  allowedGeometries:\n  - - {name: 1g.5gb, memory: 5120, count: 7}\n  - - {name: 3g.40gb, memory: 40960, count: 2}\n").unwrap();
+        let g3 = gpu_geometries(&k3, "NVIDIA H100 80GB HBM3", &h100());
+        assert_eq!(g3.len(), 1);
+        assert_eq!(g3[0].templates[0].name, "3g.40gb");
+        assert_eq!(g3[0].group, "0", "referred to by its index in what is registered, not in the file");
         assert_eq!(gpu_geometries(&k, "NVIDIA H100 80GB HBM3", &h100())[0].group, "1g.10gb");
         // Mistakes are named.
         let e = parse_mig_geometries("knownMigGeometries:\n- models: [A30]\n  allowedGeometries:\n  - group: my-group\n    geometries: [{name: 1g.6gb, memory: 6144, count: 4}]\n").unwrap_err();
@@ -524,6 +551,13 @@ mod tests {
         assert!(e.contains("geometry 0: every template needs a name and a count"), "{e}");
         let e = parse_mig_geometries("- models: []\n  allowedGeometries: []\n").unwrap_err();
         assert!(e.contains("entry 0: models is empty"), "{e}");
+        let e = parse_mig_geometries("- models: [\"\"]\n  allowedGeometries: []\n").unwrap_err();
+        assert!(e.contains("names an empty model"), "{e}");
+        let e = parse_mig_geometries(
+            "- models: [A30]\n  allowedGeometries:\n  - group: \"7\"\n    geometries: [{name: 1g.6gb, count: 1}]\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("digits alone would read as a geometry's index"), "{e}");
         assert!(parse_mig_geometries("gpus: 3\n").unwrap_err().contains("expected knownMigGeometries"));
         let e = parse_mig_geometries("- models: [A30]\n  allowedGeometries:\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n").unwrap_err();
         assert!(e.contains("geometry g is named twice"), "{e}");
