@@ -480,6 +480,61 @@ pub fn render_mig_status(st: &pb::MigStatusResponse) -> String {
     o
 }
 
+/// Whether the geometries of `mig_geometries_file` fit the MIG-capable GPUs: a GPU no entry names
+/// (it gets its own geometries, which the scheduler's configuration does not list) or a geometry
+/// naming a profile the GPU lacks (left out) is a warning; a GPU left with none, a failure (the
+/// scheduler could place nothing there).
+fn mig_geometries_check(known: &[crate::hami::KnownMigGeometries], gpus: &[vgpu_mig::model::Gpu]) -> Check {
+    let fix = "make mig_geometries_file the scheduler's device configuration, with an entry whose models name each GPU (vgpuctl mig geometries prints what the agent uses)";
+    if gpus.is_empty() {
+        return check("mig-geometries", "skip", "no MIG-capable GPUs".into(), "");
+    }
+    let (mut warn, mut fail, mut ok) = (Vec::new(), Vec::new(), Vec::new());
+    for g in gpus {
+        let lower = g.name.to_ascii_lowercase();
+        let entry = known.iter().find(|k| k.models.iter().any(|m| lower.contains(&m.to_ascii_lowercase())));
+        let used = crate::hami::gpu_geometries(known, &g.name, &g.profiles);
+        match entry {
+            None => warn.push(format!(
+                "GPU {} ({}) matches no models of the file: it uses its own {} geometries",
+                g.index,
+                g.name,
+                used.len()
+            )),
+            Some(k) => {
+                let dropped: Vec<String> = k
+                    .geometries
+                    .iter()
+                    .filter(|x| !x.templates.iter().all(|t| g.profile_named(&t.name).is_some()))
+                    .map(|x| {
+                        let missing: Vec<&str> = x
+                            .templates
+                            .iter()
+                            .filter(|t| g.profile_named(&t.name).is_none())
+                            .map(|t| t.name.as_str())
+                            .collect();
+                        format!("{} ({})", x.group, missing.join(", "))
+                    })
+                    .collect();
+                let line = format!("GPU {} ({}): {} of {} geometries", g.index, g.name, used.len(), k.geometries.len());
+                if used.is_empty() {
+                    fail.push(format!("{line}: every one names a profile it lacks: {}", dropped.join("; ")));
+                } else if !dropped.is_empty() {
+                    warn.push(format!("{line}; left out, naming profiles it lacks: {}", dropped.join("; ")));
+                } else {
+                    ok.push(line);
+                }
+            }
+        }
+    }
+    let detail = fail.iter().chain(&warn).chain(&ok).cloned().collect::<Vec<_>>().join("; ");
+    match (fail.is_empty(), warn.is_empty()) {
+        (false, _) => check("mig-geometries", "fail", detail, fix),
+        (true, false) => check("mig-geometries", "warn", detail, fix),
+        (true, true) => check("mig-geometries", "ok", detail, ""),
+    }
+}
+
 /// `vgpuctl mig geometries`: the MIG geometries of this node's GPUs as the `knownMigGeometries` of a
 /// scheduler's device configuration, one entry per model: Volcano's form (named groups), or HAMi's
 /// (bare lists, with each template's share of compute).
@@ -815,6 +870,20 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
                 "mount kubelet's plugins and plugins_registry directories into the agent beside kubelet_dir (the Helm chart does), and see the agent's log",
             )
         });
+    }
+    // The MIG geometries HAMi's and Volcano's MIG mode use, where a scheduler's file is configured.
+    if cfg.compat != crate::config::Compat::Replicas && !cfg.mig_geometries.is_empty() {
+        let gpus: Vec<vgpu_mig::model::Gpu> = crate::discovery::open(cfg.nvml_library.as_deref())
+            .map(|n| {
+                use vgpu_mig::backend::MigBackend;
+                let b = vgpu_mig::backend::NvmlBackend::new(std::sync::Arc::new(n));
+                (0..b.gpu_count().unwrap_or(0))
+                    .filter_map(|i| b.gpu(i).ok())
+                    .filter(|g| !g.profiles.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.push(mig_geometries_check(&cfg.mig_geometries, &gpus));
     }
     let cdi: Vec<&str> = ["/etc/cdi", "/var/run/cdi"].into_iter().filter(|d| Path::new(d).is_dir()).collect();
     if cdi.is_empty() {

@@ -239,10 +239,12 @@ pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, Strin
         let mut geometries = Vec::new();
         for (j, g) in k.allowed.into_iter().enumerate() {
             let (group, templates) = match g {
-                GeometryForm::Named { group, .. } if group.parse::<usize>().is_ok() => return Err(format!(
+                GeometryForm::Named { group, .. } if group.parse::<usize>().is_ok() => {
+                    return Err(format!(
                     "entry {i} ({}): group {group:?}: a group name of digits alone would read as a geometry's index",
                     k.models.join(", ")
-                )),
+                ))
+                }
                 GeometryForm::Named { group, geometries } => (group, geometries),
                 GeometryForm::Bare(t) => (j.to_string(), t),
             };

@@ -687,7 +687,7 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
     let conf = s.state.join("volcano-vgpu-device-config.yaml");
     std::fs::write(
         &conf,
-        "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  knownMigGeometries:\n  - models: [\"A100-SXM4-80GB\"]\n    allowedGeometries:\n    - group: other\n      geometries: [{name: 7g.80gb, memory: 81920, count: 1}]\n  - models: [\"H100 80GB HBM3\", \"H100-SXM5-80GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries: [{name: 1g.10gb, memory: 10240, count: 7}]\n    - group: group3\n      geometries:\n      - {name: 3g.40gb, memory: 40960, count: 1}\n      - {name: 2g.20gb, memory: 20480, count: 1}\n      - {name: 1g.10gb, memory: 10240, count: 1}\n",
+        "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  knownMigGeometries:\n  - models: [\"A100-SXM4-80GB\"]\n    allowedGeometries:\n    - group: other\n      geometries: [{name: 7g.80gb, memory: 81920, count: 1}]\n  - models: [\"H100 80GB HBM3\", \"H100-SXM5-80GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries: [{name: 1g.10gb, memory: 10240, count: 7}]\n    - group: group3\n      geometries:\n      - {name: 3g.40gb, memory: 40960, count: 1}\n      - {name: 2g.20gb, memory: 20480, count: 1}\n      - {name: 1g.10gb, memory: 10240, count: 1}\n    - group: groupx\n      geometries: [{name: 1g.5gb, memory: 5120, count: 7}]\n",
     )
     .unwrap();
     let cluster = Arc::new(Mutex::new(Cluster {
@@ -737,6 +737,42 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
     assert!(
         conf.contains("  - group: \"group3\"\n    geometries:\n    - {name: \"3g.40gb\", memory: 40960, count: 1}\n"),
         "{conf}"
+    );
+    assert!(!conf.contains("groupx"), "a geometry naming a profile the H100 lacks is left out: {conf}");
+    // vgpuctl doctor says which GPUs the file does not fit: the A100 40GB matches none of its
+    // models, and one of the H100's geometries names an A100 profile.
+    let doctor = |cfg: &std::path::Path| -> Value {
+        let o = s.cmd(&bin("vgpuctl")).args(["--config", cfg.to_str().unwrap(), "doctor", "--json"]).output().unwrap();
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
+        v.as_array().unwrap().iter().find(|c| c["name"] == "mig-geometries").cloned().expect("a mig-geometries check")
+    };
+    let d = doctor(&s.state.join("agent.toml"));
+    assert_eq!(d["level"], "warn", "{d}");
+    let detail = d["detail"].as_str().unwrap();
+    assert!(detail.contains("GPU 0 (NVIDIA A100-SXM4-40GB) matches no models of the file"), "{detail}");
+    assert!(
+        detail.contains(
+            "GPU 1 (NVIDIA H100 80GB HBM3): 2 of 3 geometries; left out, naming profiles it lacks: groupx (1g.5gb)"
+        ),
+        "{detail}"
+    );
+    // A file that leaves the H100 nothing fails.
+    let bad = s.state.join("bad-geometries.yaml");
+    std::fs::write(
+        &bad,
+        "- models: [H100, A100]\n  allowedGeometries:\n  - group: a\n    geometries: [{name: 1g.5gb, count: 7}]\n",
+    )
+    .unwrap();
+    let bad_cfg = s.state.join("bad.toml");
+    std::fs::write(&bad_cfg, format!("compat = \"volcano\"\nmig_geometries_file = {:?}\n", bad.to_str().unwrap()))
+        .unwrap();
+    let d = doctor(&bad_cfg);
+    assert_eq!(d["level"], "fail", "{d}");
+    assert!(
+        d["detail"].as_str().unwrap().contains(
+            "GPU 1 (NVIDIA H100 80GB HBM3): 0 of 1 geometries: every one names a profile it lacks: a (1g.5gb)"
+        ),
+        "{d}"
     );
     let _ = &mut s;
 }
