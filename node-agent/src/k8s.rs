@@ -385,63 +385,83 @@ fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDev
     let _g = agent.mig.lock();
     let inv = agent.inventory.read().clone();
     let mut made = Vec::new();
+    // Every instance made so far goes again if a later one, or the record, cannot be made: nothing
+    // is left that no record names.
+    let rollback = |made: &[vgpu_mig::apply::Allocation]| {
+        for a in made {
+            let _ = vgpu_mig::apply::release(&b, a.gpu, a.gi);
+        }
+    };
     for d in devices {
-        let (base, position) = hami::split_device_id(&d.uuid)?;
-        let g = inv.gpus.iter().find(|g| g.uuid == base).ok_or_else(|| format!("no GPU {base}"))?;
-        let gpu = vgpu_mig::backend::MigBackend::gpu(&b, g.index).map_err(|e| e.0)?;
-        let made_one = match position {
-            // A position in a geometry (HAMi's and Volcano's MIG mode): an instance of its template's
-            // profile, placed so that the rest of the geometry still fits.
-            Some((geo, pos)) => {
-                let geometries = agent.mig_geometries(g).unwrap_or_default();
-                let geometry = hami::find_geometry(&geometries, geo).ok_or_else(|| {
-                    format!(
-                        "device {}: {} has no MIG geometry {geo:?} (it has {})",
-                        d.uuid,
-                        g.name,
-                        geometries.iter().map(|x| x.group.as_str()).collect::<Vec<_>>().join(", ")
-                    )
-                })?;
-                let t = geometry
-                    .template_at(pos)
-                    .ok_or_else(|| format!("device {}: geometry {} has no position {pos}", d.uuid, geometry.group))?;
-                let profile = gpu
-                    .profile_named(&t.name)
-                    .ok_or_else(|| format!("device {}: {} has no MIG profile {}", d.uuid, g.name, t.name))?;
-                let mut ids: Vec<(u32, u32)> = Vec::new();
-                for x in &geometry.templates {
-                    let p = gpu.profile_named(&x.name).ok_or_else(|| {
-                        format!("geometry {} of {}: no MIG profile {}", geometry.group, g.name, x.name)
-                    })?;
-                    ids.push((p.id, x.count));
-                }
-                vgpu_mig::apply::allocate_in_geometry(&b, g.index, &ids, profile.id)
-            }
-            None => {
-                let full = gpu.profiles.iter().map(|p| p.compute).max().unwrap_or(7);
-                let compute = if (1..100).contains(&d.cores) { (d.cores * full).div_ceil(100) } else { 0 };
-                let req = vgpu_mig::planner::Request { memory_mib: d.mem_mib, compute, sms: 0, media: false };
-                vgpu_mig::apply::allocate(&b, g.index, &req)
-            }
-        };
-        match made_one {
+        match make_instance(agent, &b, &inv, d) {
             Ok(a) => made.push(a),
             Err(e) => {
-                for a in &made {
-                    let _ = vgpu_mig::apply::release(&b, a.gpu, a.gi);
-                }
-                return Err(e.0);
+                rollback(&made);
+                return Err(e);
             }
         }
     }
-    std::fs::create_dir_all(mig_dir(agent)).map_err(|e| e.to_string())?;
     let rec = MigRecord { pod_uid: pod_uid.to_string(), allocations: made };
-    std::fs::write(&path, serde_json::to_vec_pretty(&rec).expect("serialisable")).map_err(|e| e.to_string())?;
+    if let Err(e) = std::fs::create_dir_all(mig_dir(agent))
+        .and_then(|_| std::fs::write(&path, serde_json::to_vec_pretty(&rec).expect("serialisable")))
+    {
+        rollback(&rec.allocations);
+        return Err(format!("recording the MIG instances in {}: {e}", path.display()));
+    }
     agent.refresh_mig_holders();
     if let Ok(inv) = crate::discovery::discover(&nvml) {
         *agent.inventory.write() = inv;
     }
     Ok(rec.allocations.into_iter().filter_map(|a| a.uuid).collect())
+}
+
+/// One MIG instance for a device of a scheduler's assignment: at a position of a geometry, or (a
+/// GPU's UUID alone) the best fit for the memory and cores asked.
+fn make_instance(
+    agent: &Agent,
+    b: &vgpu_mig::backend::NvmlBackend,
+    inv: &crate::discovery::Inventory,
+    d: &ContainerDevice,
+) -> Result<vgpu_mig::apply::Allocation, String> {
+    let (base, position) = hami::split_device_id(&d.uuid)?;
+    let g = inv.gpus.iter().find(|g| g.uuid == base).ok_or_else(|| format!("no GPU {base}"))?;
+    let gpu = vgpu_mig::backend::MigBackend::gpu(b, g.index).map_err(|e| e.0)?;
+    match position {
+        // A position in a geometry (HAMi's and Volcano's MIG mode): an instance of its template's
+        // profile, placed so that the rest of the geometry still fits.
+        Some((geo, pos)) => {
+            let geometries = agent.mig_geometries(g).unwrap_or_default();
+            let geometry = hami::find_geometry(&geometries, geo).ok_or_else(|| {
+                format!(
+                    "device {}: {} has no MIG geometry {geo:?} (it has {})",
+                    d.uuid,
+                    g.name,
+                    geometries.iter().map(|x| x.group.as_str()).collect::<Vec<_>>().join(", ")
+                )
+            })?;
+            let t = geometry
+                .template_at(pos)
+                .ok_or_else(|| format!("device {}: geometry {} has no position {pos}", d.uuid, geometry.group))?;
+            let profile = gpu
+                .profile_named(&t.name)
+                .ok_or_else(|| format!("device {}: {} has no MIG profile {}", d.uuid, g.name, t.name))?;
+            let mut ids: Vec<(u32, u32)> = Vec::new();
+            for x in &geometry.templates {
+                let p = gpu
+                    .profile_named(&x.name)
+                    .ok_or_else(|| format!("geometry {} of {}: no MIG profile {}", geometry.group, g.name, x.name))?;
+                ids.push((p.id, x.count));
+            }
+            vgpu_mig::apply::allocate_in_geometry(b, g.index, &ids, profile.id)
+        }
+        None => {
+            let full = gpu.profiles.iter().map(|p| p.compute).max().unwrap_or(7);
+            let compute = if (1..100).contains(&d.cores) { (d.cores * full).div_ceil(100) } else { 0 };
+            let req = vgpu_mig::planner::Request { memory_mib: d.mem_mib, compute, sms: 0, media: false };
+            vgpu_mig::apply::allocate(b, g.index, &req)
+        }
+    }
+    .map_err(|e| e.0)
 }
 
 impl Agent {

@@ -598,13 +598,14 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
     assert!(conf.contains("- models: [\"H100 80GB HBM3\"]\n  allowedGeometries:\n  - - {name: \"1g.10gb\", core: 14, memory: 9984, count: 7}\n"), "{conf}");
 
     let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
-    let allocate = |id: &str| {
+    // Kubelet's Allocate for one container, of the replica IDs given (comma-separated).
+    let allocate = |ids: &str| {
         let path = kdir.join(&reg.endpoint);
-        let id = id.to_string();
+        let ids: Vec<String> = ids.split(',').map(String::from).collect();
         rt.block_on(async move {
             let mut c = kubelet::plugin(path).await;
             c.allocate(dp::AllocateRequest {
-                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![id] }],
+                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: ids }],
             })
             .await
         })
@@ -664,6 +665,18 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
     ));
     let e = allocate(&format!("{g1}-4")).unwrap_err();
     assert!(e.message().contains("a MIG geometry position, on a GPU not in MIG mode"), "{e}");
+    // A container with two MIG devices whose second cannot be made: the first goes again.
+    cluster.lock().unwrap().pods.push(pod(
+        "ml",
+        "pair",
+        "uid-pair",
+        "600",
+        &format!("{g1}[2-1],NVIDIA,20096,0:{g1}[2-7],NVIDIA,20096,0:;"),
+        &["main"],
+        &[],
+    ));
+    let e = allocate(&format!("{g1}-5,{g1}-6")).unwrap_err();
+    assert!(e.message().contains("geometry 2g.20gb has no position 7"), "{e}");
     {
         let cl = cluster.lock().unwrap();
         let phase = |n: &str| {
@@ -673,8 +686,14 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
         };
         assert_eq!((phase("small"), phase("mid")), (json!("success"), json!("success")));
         assert_eq!((phase("big"), phase("odd"), phase("flat")), (json!("failed"), json!("failed"), json!("failed")));
+        assert_eq!(phase("pair"), json!("failed"));
     }
-    assert_eq!(h100_instances(&a).len(), 2, "nothing made for the refused ones");
+    assert_eq!(
+        h100_instances(&a).len(),
+        2,
+        "nothing made for the refused ones, nor left of them: {:?}",
+        h100_instances(&a)
+    );
     let _ = &mut s;
 }
 
