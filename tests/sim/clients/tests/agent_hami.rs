@@ -475,22 +475,8 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
 
 #[test]
 fn hami_mode_on_a_mig_gpu_makes_an_instance_per_container_and_destroys_it_with_the_pod() {
-    let mut s = Sim::new(Some(NODE));
-    let st = s.status();
-    let g1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
-    let cluster = Arc::new(Mutex::new(Cluster {
-        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
-        pods: vec![pod("ml", "infer", "uid-infer", "100", &format!("{g1},NVIDIA,15000,0:;"), &["main"], &[])],
-        rv: 10,
-        ..Default::default()
-    }));
-    let Harness { kdir, rt, mut rx, _kubelet, a } =
-        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
-    // MIG on for the H100, no layout: instances are made per request.
-    let mig = s.state.join("mig.yaml");
-    std::fs::write(&mig, "version: v1\nmig-configs:\n  dynamic:\n    - devices: [1]\n      mig-enabled: true\n")
-        .unwrap();
-    a.ctl_ok(&["mig", "apply", "-f", mig.to_str().unwrap(), "--name", "dynamic"]);
+    let (mut s, g1, cluster, Harness { kdir, rt, mut rx, _kubelet, a }) =
+        hami_mig_node(|g1| pod("ml", "infer", "uid-infer", "100", &format!("{g1},NVIDIA,15000,0:;"), &["main"], &[]));
     let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
     let uuid = rt.block_on(async {
         let mut c = kubelet::plugin(kdir.join(&reg.endpoint)).await;
@@ -542,6 +528,22 @@ fn h100_instances(a: &Agent) -> Vec<(String, u64)> {
     v
 }
 
+/// A HAMi-mode node whose H100 (GPU 1) is in MIG mode, with no layout, and one pending pod
+/// (`pod(uuid of the H100)`): the simulator, the H100's UUID, the cluster, the harness.
+fn hami_mig_node(pod: impl FnOnce(&str) -> Value) -> (Sim, String, Arc<Mutex<Cluster>>, Harness) {
+    let s = Sim::new(Some(NODE));
+    let g1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
+        pods: vec![pod(&g1)],
+        rv: 10,
+        ..Default::default()
+    }));
+    let h = harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
+    mig_on(&s, &h.a);
+    (s, g1, cluster, h)
+}
+
 /// Turns MIG mode on for the H100 (GPU 1), with no layout: instances are made per request.
 fn mig_on(s: &Sim, a: &Agent) {
     let mig = s.state.join("mig.yaml");
@@ -552,20 +554,12 @@ fn mig_on(s: &Sim, a: &Agent) {
 
 #[test]
 fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_one() {
-    let mut s = Sim::new(Some(NODE));
-    let st = s.status();
-    let g1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
     // HAMi's scheduler names a MIG device by geometry index and position: geometry 2 of the H100 is
     // three 2g.20gb and one 1g.10gb, position 3 its 1g.10gb.
-    let cluster = Arc::new(Mutex::new(Cluster {
-        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
-        pods: vec![pod("ml", "small", "uid-small", "100", &format!("{g1}[2-3],NVIDIA,9984,0:;"), &["main"], &[])],
-        rv: 10,
-        ..Default::default()
-    }));
-    let Harness { kdir, rt, mut rx, _kubelet, a } =
-        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
-    mig_on(&s, &a);
+    let (mut s, g1, cluster, Harness { kdir, rt, mut rx, _kubelet, a }) = hami_mig_node(|g1| {
+        pod("ml", "small", "uid-small", "100", &format!("{g1}[2-3],NVIDIA,9984,0:;"), &["main"], &[])
+    });
+    let st = s.status();
     // The register annotation names the geometries of the GPU in MIG mode, from its profile table.
     let registered = || -> Option<Vec<Value>> {
         let cl = cluster.lock().unwrap();
@@ -600,17 +594,9 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
     let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
     // Kubelet's Allocate for one container, of the replica IDs given (comma-separated).
     let allocate = |ids: &str| {
-        let path = kdir.join(&reg.endpoint);
-        let ids: Vec<String> = ids.split(',').map(String::from).collect();
-        rt.block_on(async move {
-            let mut c = kubelet::plugin(path).await;
-            c.allocate(dp::AllocateRequest {
-                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: ids }],
-            })
-            .await
-        })
+        rt.block_on(kubelet::allocate(kdir.join(&reg.endpoint), ids.split(',').map(String::from).collect()))
     };
-    let r = allocate(&format!("{g1}-0")).unwrap().into_inner();
+    let r = allocate(&format!("{g1}-0")).unwrap();
     assert!(r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"].starts_with("MIG-"), "{r:?}");
     // The 1g.10gb goes where the three 2g.20gb of its geometry still fit: slice 6.
     assert_eq!(h100_instances(&a), [("1g.10gb".to_string(), 6)]);
@@ -628,55 +614,32 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
     let inst = h100_instances(&a);
     assert_eq!(inst.len(), 2, "{inst:?}");
     assert!(inst.iter().any(|(n, s)| n == "2g.20gb" && [0, 2, 4].contains(s)), "{inst:?}");
-    // A position in another geometry while the GPU is cut into this one is refused, and says why.
-    cluster.lock().unwrap().pods.push(pod(
-        "ml",
-        "big",
-        "uid-big",
-        "300",
-        &format!("{g1}[3-0],NVIDIA,40448,0:;"),
-        &["main"],
-        &[],
-    ));
-    let e = allocate(&format!("{g1}-2")).unwrap_err();
-    assert!(e.message().contains("holds a 2g.20gb instance") && e.message().contains("no room for"), "{e}");
-    // So is a position the geometry does not have.
-    cluster.lock().unwrap().pods.push(pod(
-        "ml",
-        "odd",
-        "uid-odd",
-        "400",
-        &format!("{g1}[2-4],NVIDIA,9984,0:;"),
-        &["main"],
-        &[],
-    ));
-    let e = allocate(&format!("{g1}-3")).unwrap_err();
-    assert!(e.message().contains("geometry 2g.20gb has no position 4"), "{e}");
-    // And a position on a GPU that is not in MIG mode (the A100).
+    // Refused, each saying why: a position in another geometry while the GPU is cut into this one;
+    // one the geometry does not have; one on the A100, which is not in MIG mode; and a container
+    // with two MIG devices whose second cannot be made (its first goes again).
     let g0 = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
-    cluster.lock().unwrap().pods.push(pod(
-        "ml",
-        "flat",
-        "uid-flat",
-        "500",
-        &format!("{g0}[0-0],NVIDIA,4864,0:;"),
-        &["main"],
-        &[],
-    ));
-    let e = allocate(&format!("{g1}-4")).unwrap_err();
-    assert!(e.message().contains("a MIG geometry position, on a GPU not in MIG mode"), "{e}");
-    // A container with two MIG devices whose second cannot be made: the first goes again.
-    cluster.lock().unwrap().pods.push(pod(
-        "ml",
-        "pair",
-        "uid-pair",
-        "600",
-        &format!("{g1}[2-1],NVIDIA,20096,0:{g1}[2-7],NVIDIA,20096,0:;"),
-        &["main"],
-        &[],
-    ));
-    let e = allocate(&format!("{g1}-5,{g1}-6")).unwrap_err();
-    assert!(e.message().contains("geometry 2g.20gb has no position 7"), "{e}");
+    let refusals = [
+        ("big", format!("{g1}[3-0],NVIDIA,40448,0:;"), format!("{g1}-2"), "holds a 2g.20gb instance"),
+        ("odd", format!("{g1}[2-4],NVIDIA,9984,0:;"), format!("{g1}-3"), "geometry 2g.20gb has no position 4"),
+        (
+            "flat",
+            format!("{g0}[0-0],NVIDIA,4864,0:;"),
+            format!("{g1}-4"),
+            "a MIG geometry position, on a GPU not in MIG mode",
+        ),
+        (
+            "pair",
+            format!("{g1}[2-1],NVIDIA,20096,0:{g1}[2-7],NVIDIA,20096,0:;"),
+            format!("{g1}-5,{g1}-6"),
+            "geometry 2g.20gb has no position 7",
+        ),
+    ];
+    for (i, (name, devices, ids, why)) in refusals.iter().enumerate() {
+        let t = (300 + i).to_string();
+        cluster.lock().unwrap().pods.push(pod("ml", name, &format!("uid-{name}"), &t, devices, &["main"], &[]));
+        let e = allocate(ids).unwrap_err();
+        assert!(e.message().contains(why), "{name}: {e}");
+    }
     {
         let cl = cluster.lock().unwrap();
         let phase = |n: &str| {
@@ -685,8 +648,9 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
                 .clone()
         };
         assert_eq!((phase("small"), phase("mid")), (json!("success"), json!("success")));
-        assert_eq!((phase("big"), phase("odd"), phase("flat")), (json!("failed"), json!("failed"), json!("failed")));
-        assert_eq!(phase("pair"), json!("failed"));
+        for (name, ..) in &refusals {
+            assert_eq!(phase(name), json!("failed"), "{name}");
+        }
     }
     assert_eq!(
         h100_instances(&a).len(),
@@ -730,17 +694,8 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
             }
         }
     });
-    let uuid = rt.block_on(async {
-        let mut c = kubelet::plugin(kdir.join(&sock)).await;
-        let r = c
-            .allocate(dp::AllocateRequest {
-                container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g1}-0")] }],
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"].clone()
-    });
+    let r = rt.block_on(kubelet::allocate(kdir.join(&sock), vec![format!("{g1}-0")])).unwrap();
+    let uuid = r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"].clone();
     assert!(uuid.starts_with("MIG-"), "{uuid}");
     // The 2g.20gb leaves the 3g.40gb its half (slices 0-3 or 4-7) and the 1g.10gb a slice beside it.
     let inst = h100_instances(&a);

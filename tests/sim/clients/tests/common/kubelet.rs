@@ -44,6 +44,16 @@ pub async fn plugin(sock: PathBuf) -> dp::device_plugin_client::DevicePluginClie
     dp::device_plugin_client::DevicePluginClient::new(vgpu_agent::api::unix_channel(&sock).await.unwrap())
 }
 
+/// Kubelet's Allocate for one container of the device IDs `ids`, on the plugin socket `sock`.
+#[allow(dead_code)] // not every test binary allocates
+pub async fn allocate(sock: PathBuf, ids: Vec<String>) -> Result<dp::AllocateResponse, tonic::Status> {
+    plugin(sock)
+        .await
+        .allocate(dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: ids }] })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
 /// What the fake pod resources API answers (set by the test).
 pub type PodList = Arc<Mutex<pr::ListPodResourcesResponse>>;
 
