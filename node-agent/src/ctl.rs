@@ -491,10 +491,8 @@ fn mig_geometries_check(known: &[crate::hami::KnownMigGeometries], gpus: &[vgpu_
     }
     let (mut warn, mut fail, mut ok) = (Vec::new(), Vec::new(), Vec::new());
     for g in gpus {
-        let lower = g.name.to_ascii_lowercase();
-        let entry = known.iter().find(|k| k.models.iter().any(|m| lower.contains(&m.to_ascii_lowercase())));
         let used = crate::hami::gpu_geometries(known, &g.name, &g.profiles);
-        match entry {
+        match crate::hami::configured_geometries(known, &g.name) {
             None => warn.push(format!(
                 "GPU {} ({}) matches no models of the file: it uses its own {} geometries",
                 g.index,
@@ -502,18 +500,18 @@ fn mig_geometries_check(known: &[crate::hami::KnownMigGeometries], gpus: &[vgpu_
                 used.len()
             )),
             Some(k) => {
+                // Each geometry left out, with the profiles it names that the GPU lacks.
                 let dropped: Vec<String> = k
                     .geometries
                     .iter()
-                    .filter(|x| !x.templates.iter().all(|t| g.profile_named(&t.name).is_some()))
-                    .map(|x| {
+                    .filter_map(|x| {
                         let missing: Vec<&str> = x
                             .templates
                             .iter()
                             .filter(|t| g.profile_named(&t.name).is_none())
                             .map(|t| t.name.as_str())
                             .collect();
-                        format!("{} ({})", x.group, missing.join(", "))
+                        (!missing.is_empty()).then(|| format!("{} ({})", x.group, missing.join(", ")))
                     })
                     .collect();
                 let line = format!("GPU {} ({}): {} of {} geometries", g.index, g.name, used.len(), k.geometries.len());

@@ -270,6 +270,13 @@ pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, Strin
     Ok(out)
 }
 
+/// The configured entry for a GPU named `name` (NVML's name): the first one of whose models the name
+/// contains (case-insensitive).
+pub fn configured_geometries<'a>(known: &'a [KnownMigGeometries], name: &str) -> Option<&'a KnownMigGeometries> {
+    let lower = name.to_ascii_lowercase();
+    known.iter().find(|k| k.models.iter().any(|m| lower.contains(&m.to_ascii_lowercase())))
+}
+
 /// The geometries of a GPU named `name` (NVML's name): those of the first configured entry one of
 /// whose models its name contains (less any that names a profile the GPU does not have, when its
 /// profiles are known), else the ones its profile table gives
@@ -279,22 +286,6 @@ pub fn gpu_geometries(
     name: &str,
     profiles: &[vgpu_mig::model::Profile],
 ) -> Vec<MigGeometry> {
-    let lower = name.to_ascii_lowercase();
-    if let Some(k) = known.iter().find(|k| k.models.iter().any(|m| lower.contains(&m.to_ascii_lowercase()))) {
-        let has = |t: &MigTemplate| {
-            let n = t.name.trim().trim_start_matches("MIG ").to_ascii_lowercase();
-            profiles.iter().any(|p| p.name.to_ascii_lowercase() == n)
-        };
-        let mut v: Vec<MigGeometry> =
-            k.geometries.iter().filter(|g| profiles.is_empty() || g.templates.iter().all(has)).cloned().collect();
-        // HAMi's (unnamed) geometries are referred to by their index in what is registered.
-        for (i, g) in v.iter_mut().enumerate() {
-            if g.group.parse::<usize>().is_ok() {
-                g.group = i.to_string();
-            }
-        }
-        return v;
-    }
     let gpu = vgpu_mig::model::Gpu {
         index: 0,
         uuid: String::new(),
@@ -305,6 +296,18 @@ pub fn gpu_geometries(
         mode_pending: false,
         instances: Vec::new(),
     };
+    if let Some(k) = configured_geometries(known, name) {
+        let has_all = |g: &&MigGeometry| g.templates.iter().all(|t| gpu.profile_named(&t.name).is_some());
+        let mut v: Vec<MigGeometry> =
+            k.geometries.iter().filter(|g| profiles.is_empty() || has_all(g)).cloned().collect();
+        // HAMi's (unnamed) geometries are referred to by their index in what is registered.
+        for (i, g) in v.iter_mut().enumerate() {
+            if g.group.parse::<usize>().is_ok() {
+                g.group = i.to_string();
+            }
+        }
+        return v;
+    }
     let full = profiles.iter().map(|p| p.compute).max().unwrap_or(1).max(1);
     vgpu_mig::planner::default_geometries(&gpu)
         .into_iter()

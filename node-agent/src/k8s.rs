@@ -442,17 +442,17 @@ fn make_instance(
             let t = geometry
                 .template_at(pos)
                 .ok_or_else(|| format!("device {}: geometry {} has no position {pos}", d.uuid, geometry.group))?;
-            let profile = gpu
-                .profile_named(&t.name)
-                .ok_or_else(|| format!("device {}: {} has no MIG profile {}", d.uuid, g.name, t.name))?;
-            let mut ids: Vec<(u32, u32)> = Vec::new();
-            for x in &geometry.templates {
-                let p = gpu
-                    .profile_named(&x.name)
-                    .ok_or_else(|| format!("geometry {} of {}: no MIG profile {}", geometry.group, g.name, x.name))?;
-                ids.push((p.id, x.count));
-            }
-            vgpu_mig::apply::allocate_in_geometry(b, g.index, &ids, profile.id)
+            let id = |name: &str| {
+                gpu.profile_named(name).map(|p| p.id).ok_or_else(|| {
+                    format!(
+                        "device {}: geometry {} names MIG profile {name}, which {} lacks",
+                        d.uuid, geometry.group, g.name
+                    )
+                })
+            };
+            let ids =
+                geometry.templates.iter().map(|x| Ok((id(&x.name)?, x.count))).collect::<Result<Vec<_>, String>>()?;
+            vgpu_mig::apply::allocate_in_geometry(b, g.index, &ids, id(&t.name)?)
         }
         None => {
             let full = gpu.profiles.iter().map(|p| p.compute).max().unwrap_or(7);
