@@ -463,13 +463,14 @@ impl Agent {
     }
 
     /// Sets (Some) or clears (None) the warning of `source`, shown in the status (`warnings`) from the
-    /// next pass until cleared.
-    pub fn warn(&self, source: &str, text: Option<String>) {
+    /// next pass until cleared. Whether that changed it.
+    pub fn warn(&self, source: &str, text: Option<String>) -> bool {
         let mut w = self.warnings.write();
-        match text {
-            Some(t) => w.insert(source.to_string(), t),
+        let old = match &text {
+            Some(t) => w.insert(source.to_string(), t.clone()),
             None => w.remove(source),
         };
+        old != text
     }
 
     /// Reads again the DRA driver's records of claims with admin access (`<state_dir>/dra-admin/`):

@@ -501,24 +501,12 @@ fn mig_geometries_check(known: &[crate::hami::KnownMigGeometries], gpus: &[vgpu_
             )),
             Some(k) => {
                 // Each geometry left out, with the profiles it names that the GPU lacks.
-                let dropped: Vec<String> = k
-                    .geometries
-                    .iter()
-                    .filter_map(|x| {
-                        let missing: Vec<&str> = x
-                            .templates
-                            .iter()
-                            .filter(|t| g.profile_named(&t.name).is_none())
-                            .map(|t| t.name.as_str())
-                            .collect();
-                        (!missing.is_empty()).then(|| format!("{} ({})", x.group, missing.join(", ")))
-                    })
-                    .collect();
+                let dropped = crate::hami::left_out_text(&crate::hami::left_out_geometries(k, &g.name, &g.profiles));
                 let line = format!("GPU {} ({}): {} of {} geometries", g.index, g.name, used.len(), k.geometries.len());
                 if used.is_empty() {
-                    fail.push(format!("{line}: every one names a profile it lacks: {}", dropped.join("; ")));
+                    fail.push(format!("{line}: every one names a profile it lacks: {dropped}"));
                 } else if !dropped.is_empty() {
-                    warn.push(format!("{line}; left out, naming profiles it lacks: {}", dropped.join("; ")));
+                    warn.push(format!("{line}; left out, naming profiles it lacks: {dropped}"));
                 } else {
                     ok.push(line);
                 }

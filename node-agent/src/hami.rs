@@ -277,16 +277,9 @@ pub fn configured_geometries<'a>(known: &'a [KnownMigGeometries], name: &str) ->
     known.iter().find(|k| k.models.iter().any(|m| lower.contains(&m.to_ascii_lowercase())))
 }
 
-/// The geometries of a GPU named `name` (NVML's name): those of the first configured entry one of
-/// whose models its name contains (less any that names a profile the GPU does not have, when its
-/// profiles are known), else the ones its profile table gives
-/// ([`vgpu_mig::planner::default_geometries`]), each named after its first profile.
-pub fn gpu_geometries(
-    known: &[KnownMigGeometries],
-    name: &str,
-    profiles: &[vgpu_mig::model::Profile],
-) -> Vec<MigGeometry> {
-    let gpu = vgpu_mig::model::Gpu {
+/// A GPU of this name and MIG profile table, for looking its profiles up by name.
+fn gpu_of(name: &str, profiles: &[vgpu_mig::model::Profile]) -> vgpu_mig::model::Gpu {
+    vgpu_mig::model::Gpu {
         index: 0,
         uuid: String::new(),
         name: name.to_string(),
@@ -295,11 +288,49 @@ pub fn gpu_geometries(
         mig_enabled: true,
         mode_pending: false,
         instances: Vec::new(),
-    };
+    }
+}
+
+/// The geometries of a configured entry that name a MIG profile the GPU (`name`, `profiles`) lacks,
+/// each with those profiles; none while its profiles are not known.
+pub fn left_out_geometries<'a>(
+    k: &'a KnownMigGeometries,
+    name: &str,
+    profiles: &[vgpu_mig::model::Profile],
+) -> Vec<(&'a str, Vec<&'a str>)> {
+    if profiles.is_empty() {
+        return Vec::new();
+    }
+    let gpu = gpu_of(name, profiles);
+    k.geometries
+        .iter()
+        .filter_map(|g| {
+            let missing: Vec<&str> =
+                g.templates.iter().filter(|t| gpu.profile_named(&t.name).is_none()).map(|t| t.name.as_str()).collect();
+            (!missing.is_empty()).then_some((g.group.as_str(), missing))
+        })
+        .collect()
+}
+
+/// [`left_out_geometries`] as text: `group (profile, ...); ...`.
+pub fn left_out_text(left: &[(&str, Vec<&str>)]) -> String {
+    left.iter().map(|(g, m)| format!("{g} ({})", m.join(", "))).collect::<Vec<_>>().join("; ")
+}
+
+/// The geometries of a GPU named `name` (NVML's name): those of the first configured entry one of
+/// whose models its name contains (less any that names a profile the GPU does not have, when its
+/// profiles are known: [`left_out_geometries`]), else the ones its profile table gives
+/// ([`vgpu_mig::planner::default_geometries`]), each named after its first profile.
+pub fn gpu_geometries(
+    known: &[KnownMigGeometries],
+    name: &str,
+    profiles: &[vgpu_mig::model::Profile],
+) -> Vec<MigGeometry> {
+    let gpu = gpu_of(name, profiles);
     if let Some(k) = configured_geometries(known, name) {
-        let has_all = |g: &&MigGeometry| g.templates.iter().all(|t| gpu.profile_named(&t.name).is_some());
+        let left: Vec<&str> = left_out_geometries(k, name, profiles).into_iter().map(|(g, _)| g).collect();
         let mut v: Vec<MigGeometry> =
-            k.geometries.iter().filter(|g| profiles.is_empty() || has_all(g)).cloned().collect();
+            k.geometries.iter().filter(|g| !left.contains(&g.group.as_str())).cloned().collect();
         // HAMi's (unnamed) geometries are referred to by their index in what is registered.
         for (i, g) in v.iter_mut().enumerate() {
             if g.group.parse::<usize>().is_ok() {

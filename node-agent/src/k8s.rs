@@ -112,7 +112,11 @@ impl Kube {
                 // MIG requests only on GPUs that name some).
                 mig_template: match g.mig.as_ref().is_some_and(|m| m.enabled) {
                     true => agent.mig_geometries(g).into_iter().flatten().map(|x| x.templates).collect(),
-                    false => Vec::new(),
+                    false => {
+                        // Its geometries' warning, if any, is no longer about a GPU in MIG mode.
+                        agent.warn(&geometries_warning(&g.uuid), None);
+                        Vec::new()
+                    }
                 },
                 id: g.uuid.clone(),
                 index: g.index,
@@ -464,12 +468,40 @@ fn make_instance(
     .map_err(|e| e.0)
 }
 
+/// The source of a GPU's warning about its configured MIG geometries ([`Agent::warn`]).
+fn geometries_warning(uuid: &str) -> String {
+    format!("mig-geometries {uuid}")
+}
+
 impl Agent {
     /// The MIG geometries of a GPU (HAMi and Volcano modes): the configured ones for its model, else
     /// those its profile table gives. None while NVML has not answered its profiles.
+    ///
+    /// Configured geometries left out for naming a profile the GPU lacks are a warning (logged once,
+    /// and in the status's `warnings` while it lasts): the scheduler may place requests in them.
     pub(crate) fn mig_geometries(&self, g: &crate::discovery::Gpu) -> Option<Vec<hami::MigGeometry>> {
         let profiles = self.profiles(&g.uuid, g.index)?;
-        Some(hami::gpu_geometries(&self.cfg.mig_geometries, &g.name, &profiles))
+        let geometries = hami::gpu_geometries(&self.cfg.mig_geometries, &g.name, &profiles);
+        let text = hami::configured_geometries(&self.cfg.mig_geometries, &g.name).and_then(|k| {
+            let left = hami::left_out_geometries(k, &g.name, &profiles);
+            (!left.is_empty()).then(|| {
+                format!(
+                    "GPU {} ({}): {} of the {} MIG geometries mig_geometries_file gives it name profiles it lacks and are left out: {}{}",
+                    g.index,
+                    g.name,
+                    left.len(),
+                    k.geometries.len(),
+                    hami::left_out_text(&left),
+                    if geometries.is_empty() { "; none is left, so no MIG request can be placed on it" } else { "" }
+                )
+            })
+        });
+        if self.warn(&geometries_warning(&g.uuid), text.clone()) {
+            if let Some(t) = text {
+                tracing::warn!("{t}");
+            }
+        }
+        Some(geometries)
     }
 }
 

@@ -713,6 +713,12 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
         "{conf}"
     );
     assert!(!conf.contains("groupx"), "a geometry naming a profile the H100 lacks is left out: {conf}");
+    // The agent says so too: a warning in the status while it lasts, logged once.
+    let left = "GPU 1 (NVIDIA H100 80GB HBM3): 1 of the 3 MIG geometries mig_geometries_file gives it name profiles it lacks and are left out: groupx (1g.5gb)";
+    let st = a.wait("the left-out geometry's warning", |v| v["warnings"].to_string().contains(left));
+    assert_eq!(st["warnings"].as_array().unwrap().len(), 1, "only the H100's: {st}");
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(a.log_text().matches(left).count(), 1, "logged once over several register passes:\n{}", a.log_text());
     // vgpuctl doctor says which GPUs the file does not fit: the A100 40GB matches none of its
     // models, and one of the H100's geometries names an A100 profile.
     let doctor = |cfg: &std::path::Path| -> Value {
