@@ -378,7 +378,11 @@ impl Config {
             Some("dynamic") => DraMig::Dynamic,
             Some(v) => return Err(bad("dra_mig", format!("{v:?} is not existing or dynamic"))),
         };
-        let mig_geometries = match env("VGPU_AGENT_MIG_GEOMETRIES_FILE").map(PathBuf::from).or(file.mig_geometries_file)
+        // An empty value (the chart's default) is no file.
+        let mig_geometries = match env("VGPU_AGENT_MIG_GEOMETRIES_FILE")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from)
+            .or(file.mig_geometries_file)
         {
             None => Vec::new(),
             Some(p) => {
@@ -718,6 +722,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("mig_geometries_file: cannot read /nonexistent/geo.yaml"), "{e}");
+        // The chart's empty variable is no file (each GPU's own geometries).
+        let c = load(None, &[("VGPU_AGENT_MIG_GEOMETRIES_FILE", "")], Flags::default()).unwrap();
+        assert!(c.mig_geometries.is_empty());
         let _ = std::fs::remove_dir_all(&dir);
         let e = load(Some("dra_mig = \"auto\""), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("dra_mig: \"auto\" is not existing or dynamic"), "{e}");

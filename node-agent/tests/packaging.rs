@@ -167,6 +167,11 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                 assert_eq!(env("VGPU_AGENT_SCHEDULER_CLIENT_KEY").as_deref(), Some(""));
                 let sched = spec.volumes.as_ref().unwrap().iter().find(|v| v.name == "scheduler").unwrap();
                 assert_eq!(sched.secret.as_ref().unwrap().optional, Some(true));
+                // The scheduler's MIG geometries: none by default, from an optional ConfigMap.
+                assert_eq!(env("VGPU_AGENT_MIG_GEOMETRIES_FILE").as_deref(), Some(""));
+                let geo = spec.volumes.as_ref().unwrap().iter().find(|v| v.name == "mig-geometries").unwrap();
+                let cm = geo.config_map.as_ref().unwrap();
+                assert_eq!((cm.name.as_str(), cm.optional), ("vgpu-mig-geometries", Some(true)));
                 let mounts: Vec<String> =
                     c.volume_mounts.as_ref().unwrap().iter().map(|m| m.mount_path.clone()).collect();
                 for p in ["/var/lib/vgpu", "/run/vgpu", "/var/lib/kubelet/device-plugins", "/var/run/cdi", "/etc/vgpu"]
