@@ -133,6 +133,8 @@ pub struct Config {
     /// HAMi and Volcano modes: the MIG geometries of the scheduler's configuration
     /// (`knownMigGeometries`); empty: each GPU's own, from its profile table.
     pub mig_geometries: Vec<crate::hami::KnownMigGeometries>,
+    /// The same file's other settings the agent must agree with (its `nvidia` section), if any.
+    pub scheduler_settings: Option<crate::hami::SchedulerSettings>,
 }
 
 /// How the DRA plugin offers a GPU in MIG mode.
@@ -379,17 +381,20 @@ impl Config {
             Some(v) => return Err(bad("dra_mig", format!("{v:?} is not existing or dynamic"))),
         };
         // An empty value (the chart's default) is no file.
-        let mig_geometries = match env("VGPU_AGENT_MIG_GEOMETRIES_FILE")
+        let (mig_geometries, scheduler_settings) = match env("VGPU_AGENT_MIG_GEOMETRIES_FILE")
             .filter(|s| !s.is_empty())
             .map(PathBuf::from)
             .or(file.mig_geometries_file)
         {
-            None => Vec::new(),
+            None => (Vec::new(), None),
             Some(p) => {
                 let text = std::fs::read_to_string(&p)
                     .map_err(|e| bad("mig_geometries_file", format!("cannot read {}: {e}", p.display())))?;
-                crate::hami::parse_mig_geometries(&text)
-                    .map_err(|e| bad("mig_geometries_file", format!("{}: {e}", p.display())))?
+                let file_err = |e: String| bad("mig_geometries_file", format!("{}: {e}", p.display()));
+                (
+                    crate::hami::parse_mig_geometries(&text).map_err(file_err)?,
+                    crate::hami::parse_scheduler_settings(&text).map_err(file_err)?,
+                )
             }
         };
         let slice_gc_grace_s = match env("VGPU_AGENT_SLICE_GC_GRACE_S") {
@@ -511,6 +516,7 @@ impl Config {
         }
         Ok(Config {
             mig_geometries,
+            scheduler_settings,
             dra,
             dra_sharing,
             dra_mig,

@@ -521,13 +521,32 @@ fn mig_geometries_check(known: &[crate::hami::KnownMigGeometries], gpus: &[vgpu_
     }
 }
 
+/// Whether the agent agrees with the rest of the scheduler's device configuration (the `nvidia`
+/// section of `mig_geometries_file`): a resource pods ask for that the agent does not serve, or
+/// memory counted in other units, fails; other differences warn.
+fn scheduler_settings_check(s: &crate::hami::SchedulerSettings, cfg: &Config) -> Check {
+    let m = crate::hami::settings_mismatches(s, cfg);
+    let detail = m.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("; ");
+    let fix = "give the agent the scheduler's resource names, deviceSplitCount, deviceMemoryScaling and gpuMemoryFactor (resource_name, split_count, memory_scaling, memory_factor), or change the scheduler's configuration and restart the scheduler";
+    match (m.is_empty(), m.iter().any(|(fatal, _)| *fatal)) {
+        (true, _) => check(
+            "scheduler-config",
+            "ok",
+            "resource names, replicas per GPU and memory units agree with the scheduler's device configuration".into(),
+            "",
+        ),
+        (false, true) => check("scheduler-config", "fail", detail, fix),
+        (false, false) => check("scheduler-config", "warn", detail, fix),
+    }
+}
+
 /// `vgpuctl mig geometries`: the MIG geometries of this node's GPUs as the `knownMigGeometries` of a
 /// scheduler's device configuration, one entry per model: Volcano's form (named groups), or HAMi's
 /// (bare lists, with each template's share of compute).
 pub fn render_mig_geometries(st: &pb::MigStatusResponse, hami: bool) -> String {
     let q = |s: &str| serde_json::to_string(s).expect("a string");
     let mut o = String::from(
-        "# The MIG geometries this node's agent uses, for the scheduler's device configuration\n# (vgpuctl mig geometries); GPUs are matched by model in their NVML name.\nknownMigGeometries:\n",
+        "# The MIG geometries this node's agent uses (vgpuctl mig geometries); GPUs are matched by model\n# in their NVML name. For the scheduler, put them in the nvidia section of its device\n# configuration (the key device-config.yaml of the ConfigMap volcano-vgpu-device-config or\n# hami-scheduler-device) beside what is there: the schedulers take a configuration without\n# its resource names as it is.\nknownMigGeometries:\n",
     );
     let mut seen = std::collections::BTreeSet::new();
     for g in st.gpus.iter().filter(|g| !g.geometries.is_empty()) {
@@ -870,6 +889,9 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
             })
             .unwrap_or_default();
         v.push(mig_geometries_check(&cfg.mig_geometries, &gpus));
+    }
+    if let (false, Some(s)) = (cfg.compat == crate::config::Compat::Replicas, &cfg.scheduler_settings) {
+        v.push(scheduler_settings_check(s, cfg));
     }
     let cdi: Vec<&str> = ["/etc/cdi", "/var/run/cdi"].into_iter().filter(|d| Path::new(d).is_dir()).collect();
     if cdi.is_empty() {

@@ -146,6 +146,16 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         crate::config::Compat::Volcano => Some(&crate::hami::VOLCANO),
         crate::config::Compat::Replicas => None,
     };
+    // Where the agent disagrees with the scheduler's device configuration (mig_geometries_file):
+    // logged, and a warning in the status for as long as it runs.
+    if let (Some(_), Some(s)) = (proto, &agent.cfg.scheduler_settings) {
+        let m = crate::hami::settings_mismatches(s, &agent.cfg);
+        for (_, t) in &m {
+            tracing::warn!("the scheduler's device configuration: {t}");
+        }
+        let all = m.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("; ");
+        agent.warn("scheduler-config", (!m.is_empty()).then(|| format!("the scheduler's device configuration: {all}")));
+    }
     let kube = proto.map(|proto| {
         let (a, stop) = (agent.clone(), stop_rx.clone());
         tokio::spawn(async move {

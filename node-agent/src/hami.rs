@@ -270,6 +270,93 @@ pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, Strin
     Ok(out)
 }
 
+/// What a scheduler's device configuration (HAMi's or Volcano's, its `nvidia` section) says that the
+/// agent, in the device plugin's place, must agree with: the resources pods ask for, the replicas
+/// per GPU, the memory scaling and (Volcano) the MiB per memory device. Absent keys are `None`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulerSettings {
+    pub resource_count_name: Option<String>,
+    pub resource_memory_name: Option<String>,
+    pub resource_core_name: Option<String>,
+    pub device_split_count: Option<u32>,
+    pub device_memory_scaling: Option<f64>,
+    pub gpu_memory_factor: Option<u32>,
+}
+
+/// The settings of a device configuration's `nvidia` section; None for a file without one (the
+/// geometries alone).
+pub fn parse_scheduler_settings(text: &str) -> Result<Option<SchedulerSettings>, String> {
+    #[derive(Deserialize)]
+    struct Doc {
+        nvidia: SchedulerSettings,
+    }
+    let v: yaml_serde::Value = yaml_serde::from_str(text).map_err(|e| e.to_string())?;
+    if v.get("nvidia").is_none() {
+        return Ok(None);
+    }
+    // Read again as a document, so that an error names the key's path and line.
+    yaml_serde::from_str::<Doc>(text).map(|d| Some(d.nvidia)).map_err(|e| e.to_string())
+}
+
+/// Where the agent's configuration disagrees with the scheduler's settings, each with whether it
+/// breaks placement outright (a resource pods ask for that the agent does not serve, or memory
+/// counted in other units: `true`) or only makes the two count differently (`false`).
+pub fn settings_mismatches(s: &SchedulerSettings, cfg: &crate::config::Config) -> Vec<(bool, String)> {
+    use crate::deviceplugin::Kind;
+    let mut v = Vec::new();
+    let served = crate::deviceplugin::resources(cfg);
+    let volcano = cfg.compat == crate::config::Compat::Volcano;
+    // HAMi's memory and core resources are the scheduler's alone (no device plugin serves them).
+    let names = [
+        ("resourceCountName", &s.resource_count_name, Kind::Replicas),
+        ("resourceMemoryName", &s.resource_memory_name, Kind::Memory),
+        ("resourceCoreName", &s.resource_core_name, Kind::Cores),
+    ];
+    for (key, want, kind) in names {
+        let Some(want) = want.as_deref().filter(|w| !w.is_empty()) else { continue };
+        match served.iter().find(|(_, _, k)| *k == kind) {
+            Some((name, _, _)) if name != want => v.push((
+                true,
+                format!("{key} is {want}, but the agent serves {name}: pods asking for {want} fit no node"),
+            )),
+            _ => {}
+        }
+    }
+    // HAMi's device plugin takes the replicas and the scaling from this configuration (Volcano's from
+    // its own flags, so there they say nothing).
+    if !volcano {
+        if let Some(n) = s.device_split_count.filter(|&n| n > 0 && n != cfg.split_count) {
+            v.push((
+                false,
+                format!("deviceSplitCount is {n}, but the agent registers {} per GPU (split_count)", cfg.split_count),
+            ));
+        }
+        if let Some(x) = s.device_memory_scaling.filter(|&x| x > 0.0 && (x - cfg.memory_scaling).abs() > 1e-9) {
+            v.push((
+                false,
+                format!(
+                    "deviceMemoryScaling is {x}, but the agent scales memory by {} (memory_scaling)",
+                    cfg.memory_scaling
+                ),
+            ));
+        }
+    }
+    // Volcano's scheduler reads memory requests in units of this factor.
+    if volcano {
+        if let Some(f) = s.gpu_memory_factor.filter(|&f| f > 0 && f != cfg.memory_factor) {
+            v.push((
+                true,
+                format!(
+                    "gpuMemoryFactor is {f} MiB, but the agent counts memory in {} MiB units (memory_factor)",
+                    cfg.memory_factor
+                ),
+            ));
+        }
+    }
+    v
+}
+
 /// The configured entry for a GPU named `name` (NVML's name): the first one of whose models the name
 /// contains (case-insensitive).
 pub fn configured_geometries<'a>(known: &'a [KnownMigGeometries], name: &str) -> Option<&'a KnownMigGeometries> {
@@ -597,5 +684,53 @@ mod tests {
         assert!(parse_mig_geometries("gpus: 3\n").unwrap_err().contains("expected knownMigGeometries"));
         let e = parse_mig_geometries("- models: [A30]\n  allowedGeometries:\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n").unwrap_err();
         assert!(e.contains("geometry g is named twice"), "{e}");
+    }
+
+    #[test]
+    fn the_agent_is_checked_against_the_rest_of_the_schedulers_configuration() {
+        let geo = "  knownMigGeometries:\n  - models: [A30]\n    allowedGeometries:\n    - - {name: 1g.6gb, memory: 6144, count: 4}\n";
+        // The geometries alone carry no settings; a whole configuration carries its nvidia section.
+        assert_eq!(parse_scheduler_settings("- models: [A30]\n  allowedGeometries: []\n").unwrap(), None);
+        let hami = format!("nvidia:\n  resourceCountName: nvidia.com/gpu\n  resourceMemoryName: nvidia.com/gpumem\n  deviceSplitCount: 10\n  deviceMemoryScaling: 1\n  defaultMemory: 0\n{geo}");
+        let s = parse_scheduler_settings(&hami).unwrap().unwrap();
+        assert_eq!(s.resource_count_name.as_deref(), Some("nvidia.com/gpu"));
+        assert_eq!((s.device_split_count, s.device_memory_scaling, s.gpu_memory_factor), (Some(10), Some(1.0), None));
+        let e = parse_scheduler_settings("nvidia:\n  deviceSplitCount: ten\n").unwrap_err();
+        assert!(e.starts_with("nvidia.deviceSplitCount: invalid type"), "{e}");
+        let cfg = |toml: &str| crate::config::Config::from_toml(toml).unwrap();
+        // HAMi's defaults agree with the agent's; its memory resource is the scheduler's own.
+        assert_eq!(settings_mismatches(&s, &cfg("compat = \"hami\"")), []);
+        // Another count resource breaks placement; other replicas or scaling only count differently.
+        let got = settings_mismatches(
+            &s,
+            &cfg("compat = \"hami\"\nresource_name = \"example.com/gpu\"\nsplit_count = 4\nmemory_scaling = 2.0"),
+        );
+        assert_eq!(
+            got,
+            [
+                (true, "resourceCountName is nvidia.com/gpu, but the agent serves example.com/gpu: pods asking for nvidia.com/gpu fit no node".to_string()),
+                (false, "deviceSplitCount is 10, but the agent registers 4 per GPU (split_count)".to_string()),
+                (false, "deviceMemoryScaling is 1, but the agent scales memory by 2 (memory_scaling)".to_string()),
+            ]
+        );
+        // Volcano: its three resources, and the memory factor.
+        let volcano = parse_scheduler_settings(&format!("nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  resourceMemoryName: volcano.sh/vgpu-mem\n  resourceCoreName: volcano.sh/vgpu-cores\n  deviceSplitCount: 4\n  gpuMemoryFactor: 1\n{geo}")).unwrap().unwrap();
+        let got = settings_mismatches(&volcano, &cfg("compat = \"volcano\""));
+        assert_eq!(got.len(), 2, "not deviceSplitCount, which Volcano's plugin takes from its flags: {got:?}");
+        assert!(
+            got[0].0
+                && got[0].1.starts_with(
+                    "resourceMemoryName is volcano.sh/vgpu-mem, but the agent serves volcano.sh/vgpu-memory"
+                ),
+            "{got:?}"
+        );
+        assert_eq!(
+            got[1],
+            (
+                true,
+                "gpuMemoryFactor is 1 MiB, but the agent counts memory in 1024 MiB units (memory_factor)".to_string()
+            )
+        );
+        assert_eq!(settings_mismatches(&volcano, &cfg("compat = \"volcano\"\nmemory_factor = 1")).len(), 1);
     }
 }

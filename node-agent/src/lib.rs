@@ -27,8 +27,8 @@ pub mod slices;
 #[doc(hidden)]
 pub mod fuzzing {
     /// A HAMi or Volcano device annotation, both encodings: decoded or refused, never a panic; each
-    /// device ID split into GPU and MIG position, and the same bytes read as a scheduler's MIG
-    /// geometry configuration.
+    /// device ID split into GPU and MIG position, and the same bytes read as a scheduler's device
+    /// configuration (its settings and MIG geometries).
     pub fn hami_decode(data: &[u8]) {
         let s = String::from_utf8_lossy(data);
         for trailing in [false, true] {
@@ -41,6 +41,10 @@ pub mod fuzzing {
                     }
                 }
             }
+        }
+        // The same bytes as a whole device configuration's settings: read or refused, never a panic.
+        if let Ok(Some(settings)) = crate::hami::parse_scheduler_settings(&s) {
+            let _ = crate::hami::settings_mismatches(&settings, &crate::config::Config::from_toml("").expect("defaults"));
         }
         if let Ok(known) = crate::hami::parse_mig_geometries(&s) {
             for k in &known {

@@ -670,7 +670,7 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
     let conf = s.state.join("volcano-vgpu-device-config.yaml");
     std::fs::write(
         &conf,
-        "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  knownMigGeometries:\n  - models: [\"A100-SXM4-80GB\"]\n    allowedGeometries:\n    - group: other\n      geometries: [{name: 7g.80gb, memory: 81920, count: 1}]\n  - models: [\"H100 80GB HBM3\", \"H100-SXM5-80GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries: [{name: 1g.10gb, memory: 10240, count: 7}]\n    - group: group3\n      geometries:\n      - {name: 3g.40gb, memory: 40960, count: 1}\n      - {name: 2g.20gb, memory: 20480, count: 1}\n      - {name: 1g.10gb, memory: 10240, count: 1}\n    - group: groupx\n      geometries: [{name: 1g.5gb, memory: 5120, count: 7}]\n",
+        "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  deviceSplitCount: 5\n  gpuMemoryFactor: 1\n  knownMigGeometries:\n  - models: [\"A100-SXM4-80GB\"]\n    allowedGeometries:\n    - group: other\n      geometries: [{name: 7g.80gb, memory: 81920, count: 1}]\n  - models: [\"H100 80GB HBM3\", \"H100-SXM5-80GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries: [{name: 1g.10gb, memory: 10240, count: 7}]\n    - group: group3\n      geometries:\n      - {name: 3g.40gb, memory: 40960, count: 1}\n      - {name: 2g.20gb, memory: 20480, count: 1}\n      - {name: 1g.10gb, memory: 10240, count: 1}\n    - group: groupx\n      geometries: [{name: 1g.5gb, memory: 5120, count: 7}]\n",
     )
     .unwrap();
     let cluster = Arc::new(Mutex::new(Cluster {
@@ -716,16 +716,27 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
     // The agent says so too: a warning in the status while it lasts, logged once.
     let left = "GPU 1 (NVIDIA H100 80GB HBM3): 1 of the 3 MIG geometries mig_geometries_file gives it name profiles it lacks and are left out: groupx (1g.5gb)";
     let st = a.wait("the left-out geometry's warning", |v| v["warnings"].to_string().contains(left));
-    assert_eq!(st["warnings"].as_array().unwrap().len(), 1, "only the H100's: {st}");
+    // And where it disagrees with the rest of the scheduler's configuration (from its start): the
+    // memory factor, not the replicas (Volcano's plugin takes those from its flags).
+    let factor = "gpuMemoryFactor is 1 MiB, but the agent counts memory in 1024 MiB units (memory_factor)";
+    assert_eq!(
+        st["warnings"],
+        json!([left, format!("the scheduler's device configuration: {factor}")]),
+        "the H100's and the configuration's, nothing else: {st}"
+    );
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(a.log_text().matches(left).count(), 1, "logged once over several register passes:\n{}", a.log_text());
+    assert_eq!(a.log_text().matches(factor).count(), 1, "logged at start:\n{}", a.log_text());
     // vgpuctl doctor says which GPUs the file does not fit: the A100 40GB matches none of its
     // models, and one of the H100's geometries names an A100 profile.
-    let doctor = |cfg: &std::path::Path| -> Value {
+    let doctor_check = |cfg: &std::path::Path, name: &str| -> Option<Value> {
         let o = s.cmd(&bin("vgpuctl")).args(["--config", cfg.to_str().unwrap(), "doctor", "--json"]).output().unwrap();
         let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
-        v.as_array().unwrap().iter().find(|c| c["name"] == "mig-geometries").cloned().expect("a mig-geometries check")
+        v.as_array().unwrap().iter().find(|c| c["name"] == name).cloned()
     };
+    let doctor = |cfg: &std::path::Path| doctor_check(cfg, "mig-geometries").expect("a mig-geometries check");
+    let d = doctor_check(&s.state.join("agent.toml"), "scheduler-config").expect("a scheduler-config check");
+    assert_eq!((d["level"].as_str(), d["detail"].as_str()), (Some("fail"), Some(factor)), "{d}");
     let d = doctor(&s.state.join("agent.toml"));
     assert_eq!(d["level"], "warn", "{d}");
     let detail = d["detail"].as_str().unwrap();
@@ -752,6 +763,20 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
         d["detail"].as_str().unwrap().contains(
             "GPU 1 (NVIDIA H100 80GB HBM3): 0 of 1 geometries: every one names a profile it lacks: a (1g.5gb)"
         ),
+        "{d}"
+    );
+    assert!(doctor_check(&bad_cfg, "scheduler-config").is_none(), "the geometries alone carry no settings");
+    // Resources the agent does not serve fail (pods asking for them fit no node).
+    let other = s.state.join("other-names.yaml");
+    std::fs::write(&other, "nvidia:\n  resourceCountName: volcano.sh/gpu-number\n  gpuMemoryFactor: 1024\n  knownMigGeometries:\n  - models: [H100]\n    allowedGeometries:\n    - group: a\n      geometries: [{name: 7g.80gb, count: 1}]\n").unwrap();
+    let other_cfg = s.state.join("other.toml");
+    std::fs::write(&other_cfg, format!("compat = \"volcano\"\nmig_geometries_file = {:?}\n", other.to_str().unwrap()))
+        .unwrap();
+    let d = doctor_check(&other_cfg, "scheduler-config").expect("a scheduler-config check");
+    assert_eq!(d["level"], "fail", "{d}");
+    assert_eq!(
+        d["detail"],
+        "resourceCountName is volcano.sh/gpu-number, but the agent serves volcano.sh/vgpu-number: pods asking for volcano.sh/gpu-number fit no node",
         "{d}"
     );
     let _ = &mut s;
