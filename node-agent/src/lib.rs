@@ -44,7 +44,8 @@ pub mod fuzzing {
         }
         // The same bytes as a whole device configuration's settings: read or refused, never a panic.
         if let Ok(Some(settings)) = crate::hami::parse_scheduler_settings(&s) {
-            let _ = crate::hami::settings_mismatches(&settings, &crate::config::Config::from_toml("").expect("defaults"));
+            let _ =
+                crate::hami::settings_mismatches(&settings, &crate::config::Config::from_toml("").expect("defaults"));
         }
         if let Ok(known) = crate::hami::parse_mig_geometries(&s) {
             for k in &known {

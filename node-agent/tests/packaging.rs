@@ -69,6 +69,12 @@ fn render(template: &str, values: &yaml_serde::Value) -> String {
                 let pad = " ".repeat(n);
                 let lines: Vec<String> = text.lines().map(|l| format!("{pad}{l}")).collect();
                 out.push_str(&lines.join("\n"));
+            } else if let Some((k, n)) = expr.strip_prefix(".Values.").and_then(|e| e.split_once(" | indent ")) {
+                // {{ .Values.key | indent N }}: a value's lines, each indented (as Helm's indent: the
+                // first line too, and an empty value gives the padding alone).
+                let pad = " ".repeat(n.trim().parse().unwrap());
+                let v = value(k);
+                out.push_str(&format!("{pad}{}", v.replace('\n', &format!("\n{pad}"))));
             } else if let Some(k) = expr.strip_prefix(".Values.") {
                 out.push_str(&value(k));
             } else {
@@ -142,6 +148,7 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                     .unwrap_or_else(|e| panic!("the chart's agent.toml: {e}"));
                 assert_eq!(cfg.compat, vgpu_agent::config::Compat::Hami);
                 assert_eq!(cfg.kubelet_dir, PathBuf::from("/var/lib/kubelet/device-plugins"));
+                assert_eq!((cfg.memory_scaling, cfg.memory_factor), (1.0, 1024));
                 std::fs::remove_file(f).ok();
             }
             "DaemonSet" => {
@@ -251,6 +258,25 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
     v3["deviceClassApiVersion"] = yaml_serde::Value::String("resource.k8s.io/v1beta1".into());
     let beta = render(&t, &v3);
     assert_eq!(beta.matches("apiVersion: resource.k8s.io/v1beta1\n").count(), 2, "{beta}");
+}
+
+/// Values that reach the agent's configuration: Volcano's memory factor and the memory scaling, and
+/// any other key through `extraConfig`.
+#[test]
+fn the_agent_configuration_takes_the_chart_s_values() {
+    let mut values = chart_values();
+    values["compat"] = yaml_serde::Value::String("volcano".into());
+    values["memoryFactor"] = yaml_serde::from_str("512").unwrap();
+    values["memoryScaling"] = yaml_serde::from_str("1.5").unwrap();
+    values["extraConfig"] = yaml_serde::Value::String("escape_action = \"kill\"\nregister_interval_s = 7\n".into());
+    let t = std::fs::read_to_string(root().join("packaging/helm/vgpu/templates/vgpu.yaml")).unwrap();
+    let doc = render(&t, &values).split("\n---\n").find(|d| d.contains("kind: ConfigMap")).unwrap().to_string();
+    let c: ConfigMap = yaml_serde::from_str(&doc).unwrap();
+    let cfg = vgpu_agent::config::Config::from_toml(&c.data.unwrap()["agent.toml"])
+        .unwrap_or_else(|e| panic!("the rendered agent.toml: {e}"));
+    assert_eq!(cfg.compat, vgpu_agent::config::Compat::Volcano);
+    assert_eq!((cfg.memory_factor, cfg.memory_scaling), (512, 1.5));
+    assert_eq!((cfg.escape_action, cfg.register_interval_s), (vgpu_agent::config::EscapeAction::Kill, 7));
 }
 
 #[test]
