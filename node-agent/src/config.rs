@@ -49,6 +49,28 @@ struct FileConfig {
     dra_sharing: Option<String>,
     dra_mig: Option<String>,
     mig_geometries_file: Option<PathBuf>,
+    /// `[[node]]` sections: keys for some nodes only.
+    node: Option<Vec<NodeSection>>,
+}
+
+/// A `[[node]]` section: keys that apply on the nodes it names instead of the file's (one
+/// configuration for a DaemonSet over unlike nodes, as HAMi's per-node device plugin configuration).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeSection {
+    /// Node names; a trailing `*` matches any rest (`gpu-a100-*`).
+    names: Vec<String>,
+    split_count: Option<u32>,
+    memory_scaling: Option<f64>,
+}
+
+impl NodeSection {
+    fn names(&self, node: &str) -> bool {
+        self.names.iter().any(|p| match p.strip_suffix('*') {
+            Some(prefix) => node.starts_with(prefix),
+            None => p == node,
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,6 +157,8 @@ pub struct Config {
     pub mig_geometries: Vec<crate::hami::KnownMigGeometries>,
     /// The same file's other settings the agent must agree with (its `nvidia` section), if any.
     pub scheduler_settings: Option<crate::hami::SchedulerSettings>,
+    /// The `[[node]]` section that applies to this node (its index and names), if any.
+    pub node_section: Option<(usize, Vec<String>)>,
 }
 
 /// How the DRA plugin offers a GPU in MIG mode.
@@ -211,13 +235,34 @@ impl Config {
     }
 
     fn build(
-        file: FileConfig,
+        mut file: FileConfig,
         path: Option<&Path>,
         flags: &Flags,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
         let where_ = path.map_or("configuration".to_string(), |p| p.display().to_string());
         let bad = |key: &str, msg: String| ConfigError(format!("{where_}: {key}: {msg}"));
+
+        let node_name = env("NODE_NAME").or(file.node_name.take()).unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string()
+        });
+        // The first [[node]] section naming this node: its keys replace the file's.
+        let sections = file.node.take().unwrap_or_default();
+        for (i, n) in sections.iter().enumerate() {
+            if n.names.is_empty()
+                || n.names.iter().any(|p| p.is_empty() || p.strip_suffix('*').unwrap_or(p).contains('*'))
+            {
+                return Err(bad(
+                    &format!("node[{i}]"),
+                    "names must list node names (a `*` only at the end of one)".into(),
+                ));
+            }
+        }
+        let node_section = sections.iter().position(|n| n.names(&node_name));
+        if let Some(n) = node_section.map(|i| &sections[i]) {
+            file.split_count = n.split_count.or(file.split_count);
+            file.memory_scaling = n.memory_scaling.or(file.memory_scaling);
+        }
 
         let state_dir = flags
             .state_dir
@@ -425,9 +470,6 @@ impl Config {
             Some(v) => return Err(bad("compat", format!("{v:?} is not replicas, hami or volcano"))),
         };
         let kube_api = env("VGPU_AGENT_KUBE_API").or(file.kube_api).filter(|s| !s.is_empty());
-        let node_name = env("NODE_NAME").or(file.node_name).unwrap_or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string()
-        });
         let register_interval_s = file.register_interval_s.unwrap_or(30);
         if !(1..=3600).contains(&register_interval_s) {
             return Err(bad("register_interval_s", format!("{register_interval_s} is outside 1..=3600")));
@@ -515,6 +557,7 @@ impl Config {
             ));
         }
         Ok(Config {
+            node_section: node_section.map(|i| (i, sections[i].names.clone())),
             mig_geometries,
             scheduler_settings,
             dra,
@@ -580,6 +623,32 @@ mod tests {
         let r = Config::load(&flags, |k| env.get(k).cloned());
         std::fs::remove_dir_all(dir).ok();
         r
+    }
+
+    #[test]
+    fn node_sections_give_some_nodes_their_own_keys() {
+        let f = "split_count = 10\nmemory_scaling = 1.5\n[[node]]\nnames = [\"gpu-l4-*\", \"edge-1\"]\nsplit_count = 2\n[[node]]\nnames = [\"gpu-*\"]\nsplit_count = 7\nmemory_scaling = 1\n";
+        let on = |node: &str| load(Some(f), &[("NODE_NAME", node)], Flags::default()).unwrap();
+        // The first section naming the node wins; what it leaves out stays the file's.
+        let c = on("gpu-l4-03");
+        assert_eq!((c.split_count, c.memory_scaling), (2, 1.5));
+        assert_eq!(c.node_section, Some((0, vec!["gpu-l4-*".to_string(), "edge-1".to_string()])));
+        assert_eq!((on("edge-1").split_count, on("edge-10").split_count), (2, 10), "exact without a *");
+        let c = on("gpu-a100-1");
+        assert_eq!((c.split_count, c.memory_scaling, c.node_section.map(|s| s.0)), (7, 1.0, Some(1)));
+        let c = on("cpu-1");
+        assert_eq!((c.split_count, c.memory_scaling, c.node_section), (10, 1.5, None));
+        // The environment still wins over a section; a section's values are checked as the file's.
+        let c = load(Some(f), &[("NODE_NAME", "gpu-a100-1"), ("VGPU_AGENT_MEMORY_SCALING", "2")], Flags::default());
+        assert_eq!(c.unwrap().memory_scaling, 2.0);
+        let e = load(Some("[[node]]\nnames = [\"n1\"]\nsplit_count = 0\n"), &[("NODE_NAME", "n1")], Flags::default());
+        assert!(e.unwrap_err().to_string().contains("split_count: 0 is outside 1..=100"));
+        for bad in ["names = []", "names = [\"\"]", "names = [\"g*pu\"]"] {
+            let e = load(Some(&format!("[[node]]\n{bad}\n")), &[], Flags::default()).unwrap_err().to_string();
+            assert!(e.contains("node[0]: names must list node names"), "{bad}: {e}");
+        }
+        let e = load(Some("[[node]]\nnames = [\"n1\"]\ncompat = \"hami\"\n"), &[], Flags::default()).unwrap_err();
+        assert!(e.to_string().contains("unknown field `compat`"), "{e}");
     }
 
     #[test]

@@ -146,6 +146,16 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         crate::config::Compat::Volcano => Some(&crate::hami::VOLCANO),
         crate::config::Compat::Replicas => None,
     };
+    if let Some((i, names)) = &agent.cfg.node_section {
+        tracing::info!(
+            node = %agent.cfg.node_name,
+            section = i,
+            names = %names.join(", "),
+            split_count = agent.cfg.split_count,
+            memory_scaling = agent.cfg.memory_scaling,
+            "a [[node]] section of the configuration applies"
+        );
+    }
     // Where the agent disagrees with the scheduler's device configuration (mig_geometries_file):
     // logged, and a warning in the status for as long as it runs.
     if let (Some(_), Some(s)) = (proto, &agent.cfg.scheduler_settings) {

@@ -261,14 +261,16 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
 }
 
 /// Values that reach the agent's configuration: Volcano's memory factor and the memory scaling, and
-/// any other key through `extraConfig`.
+/// any other key (and `[[node]]` sections) through `extraConfig`.
 #[test]
 fn the_agent_configuration_takes_the_chart_s_values() {
     let mut values = chart_values();
     values["compat"] = yaml_serde::Value::String("volcano".into());
     values["memoryFactor"] = yaml_serde::from_str("512").unwrap();
     values["memoryScaling"] = yaml_serde::from_str("1.5").unwrap();
-    values["extraConfig"] = yaml_serde::Value::String("escape_action = \"kill\"\nregister_interval_s = 7\n".into());
+    values["extraConfig"] = yaml_serde::Value::String(
+        "escape_action = \"kill\"\nregister_interval_s = 7\n[[node]]\nnames = [\"*\"]\nsplit_count = 3\n".into(),
+    );
     let t = std::fs::read_to_string(root().join("packaging/helm/vgpu/templates/vgpu.yaml")).unwrap();
     let doc = render(&t, &values).split("\n---\n").find(|d| d.contains("kind: ConfigMap")).unwrap().to_string();
     let c: ConfigMap = yaml_serde::from_str(&doc).unwrap();
@@ -277,6 +279,7 @@ fn the_agent_configuration_takes_the_chart_s_values() {
     assert_eq!(cfg.compat, vgpu_agent::config::Compat::Volcano);
     assert_eq!((cfg.memory_factor, cfg.memory_scaling), (512, 1.5));
     assert_eq!((cfg.escape_action, cfg.register_interval_s), (vgpu_agent::config::EscapeAction::Kill, 7));
+    assert_eq!((cfg.split_count, cfg.node_section.map(|n| n.0)), (3, Some(0)), "a [[node]] section for every node");
 }
 
 #[test]

@@ -44,7 +44,22 @@ fn kubelet_node() -> (
 fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
     let (mut s, kdir, rt, tx, mut rx) = kubelet_node();
     let stop = rt.block_on(async { start_kubelet(&kdir, tx.clone()) });
-    let a = Agent::start(&s, &[("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap())]);
+    // One configuration for unlike nodes: this node's [[node]] section gives it 10 replicas a GPU.
+    let conf = s.state.join("agent.toml");
+    std::fs::write(
+        &conf,
+        "split_count = 4\n[[node]]\nnames = [\"edge-*\"]\nsplit_count = 2\n[[node]]\nnames = [\"gpu-node-*\"]\nsplit_count = 10\n",
+    )
+    .unwrap();
+    let a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
+            ("VGPU_AGENT_CONFIG", conf.to_str().unwrap()),
+            ("NODE_NAME", "gpu-node-3"),
+        ],
+    );
+    assert!(a.log_text().contains("a [[node]] section of the configuration applies"), "{}", a.log_text());
     let st = a.status().unwrap();
     let uuid0 = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
     let uuid1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
@@ -62,7 +77,7 @@ fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
         assert!(!opts.pre_start_required);
         let mut lw = c.list_and_watch(dp::Empty {}).await.unwrap().into_inner();
         let first = lw.message().await.unwrap().unwrap();
-        assert_eq!(first.devices.len(), 20, "2 GPUs x split_count 10");
+        assert_eq!(first.devices.len(), 20, "2 GPUs x split_count 10 (its section's, not the file's 4)");
         assert!(first.devices.iter().all(|d| d.health == "Healthy"));
         let d0 = first.devices.iter().find(|d| d.id == format!("{uuid0}-0")).unwrap();
         assert_eq!(d0.topology.as_ref().unwrap().nodes[0].id, 0);
