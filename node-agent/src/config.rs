@@ -49,6 +49,7 @@ struct FileConfig {
     dra_sharing: Option<String>,
     dra_mig: Option<String>,
     mig_geometries_file: Option<PathBuf>,
+    hami_node_config_file: Option<PathBuf>,
     /// `[[node]]` sections: keys for some nodes only.
     node: Option<Vec<NodeSection>>,
 }
@@ -159,6 +160,8 @@ pub struct Config {
     pub scheduler_settings: Option<crate::hami::SchedulerSettings>,
     /// The `[[node]]` section that applies to this node (its index and names), if any.
     pub node_section: Option<(usize, Vec<String>)>,
+    /// Whether HAMi's per-node configuration (`hami_node_config_file`) has an entry for this node.
+    pub hami_node_entry: bool,
 }
 
 /// How the DRA plugin offers a GPU in MIG mode.
@@ -246,7 +249,24 @@ impl Config {
         let node_name = env("NODE_NAME").or(file.node_name.take()).unwrap_or_else(|| {
             std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string()
         });
-        // The first [[node]] section naming this node: its keys replace the file's.
+        // This node's entry in HAMi's per-node configuration, then the first [[node]] section naming
+        // it: their keys replace the file's.
+        let hami_node = env("VGPU_AGENT_HAMI_NODE_CONFIG_FILE")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from)
+            .or(file.hami_node_config_file.take());
+        let mut hami_node_entry = false;
+        if let Some(p) = hami_node {
+            let text = std::fs::read_to_string(&p)
+                .map_err(|e| bad("hami_node_config_file", format!("cannot read {}: {e}", p.display())))?;
+            let entry = crate::hami::hami_node_entry(&text, &node_name)
+                .map_err(|e| bad("hami_node_config_file", format!("{}: {e}", p.display())))?;
+            if let Some(e) = entry {
+                file.split_count = e.split_count.or(file.split_count);
+                file.memory_scaling = e.memory_scaling.or(file.memory_scaling);
+                hami_node_entry = true;
+            }
+        }
         let sections = file.node.take().unwrap_or_default();
         for (i, n) in sections.iter().enumerate() {
             if n.names.is_empty()
@@ -558,6 +578,7 @@ impl Config {
         }
         Ok(Config {
             node_section: node_section.map(|i| (i, sections[i].names.clone())),
+            hami_node_entry,
             mig_geometries,
             scheduler_settings,
             dra,
@@ -649,6 +670,46 @@ mod tests {
         }
         let e = load(Some("[[node]]\nnames = [\"n1\"]\ncompat = \"hami\"\n"), &[], Flags::default()).unwrap_err();
         assert!(e.to_string().contains("unknown field `compat`"), "{e}");
+    }
+
+    #[test]
+    fn hami_s_per_node_configuration_is_read_for_this_node() {
+        let dir = std::env::temp_dir().join(format!("vgpu-agent-haminode-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = dir.join("config.json");
+        // As HAMi's chart writes it: one entry per node, keys in lower case.
+        std::fs::write(
+            &json,
+            r#"{"nodeconfig": [
+            {"name": "gpu-1", "operatingmode": "hami-core", "devicememoryscaling": 1.8, "devicesplitcount": 20,
+             "preconfigureddevicememory": 0, "migstrategy": "none", "filterdevices": {"uuid": [], "index": []}},
+            {"name": "gpu-2", "devicesplitcount": 5},
+            {"name": "gpu-3", "filterdevices": {"index": [1]}},
+            {"name": "gpu-4", "operatingmode": "mps"}]}"#,
+        )
+        .unwrap();
+        let f = format!("split_count = 10\nhami_node_config_file = {:?}\n", json.to_str().unwrap());
+        let on = |node: &str, extra: &str| load(Some(&format!("{f}{extra}")), &[("NODE_NAME", node)], Flags::default());
+        let c = on("gpu-1", "").unwrap();
+        assert_eq!((c.split_count, c.memory_scaling, c.hami_node_entry), (20, 1.8, true));
+        let c = on("gpu-2", "").unwrap();
+        assert_eq!((c.split_count, c.memory_scaling), (5, 1.0), "what the entry leaves out stays the file's");
+        let c = on("gpu-9", "").unwrap();
+        assert_eq!((c.split_count, c.hami_node_entry), (10, false), "no entry: the file's");
+        // A [[node]] section naming the node comes after it.
+        assert_eq!(on("gpu-1", "[[node]]\nnames = [\"gpu-1\"]\nsplit_count = 3\n").unwrap().split_count, 3);
+        // What the agent cannot do as HAMi's plugin would is refused, naming the node.
+        let e = on("gpu-3", "").unwrap_err().to_string();
+        assert!(e.contains("hami_node_config_file") && e.contains("node gpu-3: filterdevices is not supported"), "{e}");
+        let e = on("gpu-4", "").unwrap_err().to_string();
+        assert!(e.contains("node gpu-4: operatingmode mps is not supported"), "{e}");
+        std::fs::write(&json, "{\"nodes\": []}").unwrap();
+        let e = on("gpu-1", "").unwrap_err().to_string();
+        assert!(e.contains("missing field `nodeconfig`"), "{e}");
+        // The chart's empty variable is no file.
+        let c = load(Some("split_count = 6"), &[("VGPU_AGENT_HAMI_NODE_CONFIG_FILE", "")], Flags::default()).unwrap();
+        assert_eq!(c.split_count, 6);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -146,6 +146,14 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         crate::config::Compat::Volcano => Some(&crate::hami::VOLCANO),
         crate::config::Compat::Replicas => None,
     };
+    if agent.cfg.hami_node_entry {
+        tracing::info!(
+            node = %agent.cfg.node_name,
+            split_count = agent.cfg.split_count,
+            memory_scaling = agent.cfg.memory_scaling,
+            "HAMi's node configuration has an entry for this node"
+        );
+    }
     if let Some((i, names)) = &agent.cfg.node_section {
         tracing::info!(
             node = %agent.cfg.node_name,

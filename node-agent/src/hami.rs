@@ -357,6 +357,57 @@ pub fn settings_mismatches(s: &SchedulerSettings, cfg: &crate::config::Config) -
     v
 }
 
+/// This node's entry in HAMi's per-node device plugin configuration (the `config.json` of its
+/// `hami-device-plugin` ConfigMap: `{"nodeconfig": [{"name", "devicesplitcount",
+/// "devicememoryscaling", "operatingmode", "filterdevices", ...}]}`): its replicas per GPU and memory
+/// scaling. What the agent cannot do as HAMi's plugin would is refused, naming the entry: GPUs left
+/// out (`filterdevices`) and the `mps` mode.
+pub fn hami_node_entry(text: &str, node: &str) -> Result<Option<HamiNodeEntry>, String> {
+    #[derive(Deserialize)]
+    struct File {
+        nodeconfig: Vec<Entry>,
+    }
+    #[derive(Deserialize)]
+    struct Entry {
+        name: String,
+        operatingmode: Option<String>,
+        devicesplitcount: Option<u32>,
+        devicememoryscaling: Option<f64>,
+        #[serde(default)]
+        filterdevices: Filter,
+    }
+    #[derive(Deserialize, Default)]
+    struct Filter {
+        #[serde(default)]
+        uuid: Vec<String>,
+        #[serde(default)]
+        index: Vec<u32>,
+    }
+    let f: File = serde_json::from_str(text).map_err(|e| format!("{e}; expected {{\"nodeconfig\": [...]}}"))?;
+    let Some(e) = f.nodeconfig.into_iter().find(|e| e.name == node) else { return Ok(None) };
+    if !e.filterdevices.uuid.is_empty() || !e.filterdevices.index.is_empty() {
+        return Err(format!(
+            "node {node}: filterdevices is not supported (the agent shares every GPU of its node; leave the GPU out of the scheduler's placement instead)"
+        ));
+    }
+    if e.operatingmode.as_deref() == Some("mps") {
+        return Err(format!(
+            "node {node}: operatingmode mps is not supported (hami-core, or mig, which follows each GPU's MIG mode)"
+        ));
+    }
+    Ok(Some(HamiNodeEntry {
+        split_count: e.devicesplitcount.filter(|&n| n > 0),
+        memory_scaling: e.devicememoryscaling.filter(|&x| x > 0.0),
+    }))
+}
+
+/// What a node's entry in HAMi's per-node configuration sets ([`hami_node_entry`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HamiNodeEntry {
+    pub split_count: Option<u32>,
+    pub memory_scaling: Option<f64>,
+}
+
 /// The configured entry for a GPU named `name` (NVML's name): the first one of whose models the name
 /// contains (case-insensitive).
 pub fn configured_geometries<'a>(known: &'a [KnownMigGeometries], name: &str) -> Option<&'a KnownMigGeometries> {

@@ -28,7 +28,7 @@ pub mod slices;
 pub mod fuzzing {
     /// A HAMi or Volcano device annotation, both encodings: decoded or refused, never a panic; each
     /// device ID split into GPU and MIG position, and the same bytes read as a scheduler's device
-    /// configuration (its settings and MIG geometries).
+    /// configuration (its settings and MIG geometries) and as HAMi's per-node configuration.
     pub fn hami_decode(data: &[u8]) {
         let s = String::from_utf8_lossy(data);
         for trailing in [false, true] {
@@ -46,6 +46,10 @@ pub mod fuzzing {
         if let Ok(Some(settings)) = crate::hami::parse_scheduler_settings(&s) {
             let _ =
                 crate::hami::settings_mismatches(&settings, &crate::config::Config::from_toml("").expect("defaults"));
+        }
+        // And as HAMi's per-node configuration (JSON).
+        if let Ok(Some(e)) = crate::hami::hami_node_entry(&s, "node1") {
+            assert!(e.split_count.is_none_or(|n| n > 0) && e.memory_scaling.is_none_or(|x| x > 0.0));
         }
         if let Ok(known) = crate::hami::parse_mig_geometries(&s) {
             for k in &known {

@@ -179,6 +179,11 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                 let geo = spec.volumes.as_ref().unwrap().iter().find(|v| v.name == "mig-geometries").unwrap();
                 let cm = geo.config_map.as_ref().unwrap();
                 assert_eq!((cm.name.as_str(), cm.optional), ("vgpu-mig-geometries", Some(true)));
+                // So is HAMi's per-node configuration (its own ConfigMap's name by default).
+                assert_eq!(env("VGPU_AGENT_HAMI_NODE_CONFIG_FILE").as_deref(), Some(""));
+                let node = spec.volumes.as_ref().unwrap().iter().find(|v| v.name == "hami-node-config").unwrap();
+                let cm = node.config_map.as_ref().unwrap();
+                assert_eq!((cm.name.as_str(), cm.optional), ("hami-device-plugin", Some(true)));
                 let mounts: Vec<String> =
                     c.volume_mounts.as_ref().unwrap().iter().map(|m| m.mount_path.clone()).collect();
                 for p in ["/var/lib/vgpu", "/run/vgpu", "/var/lib/kubelet/device-plugins", "/var/run/cdi", "/etc/vgpu"]

@@ -193,10 +193,23 @@ fn hami_mode_follows_the_schedulers_annotations() {
         rv: 10,
         ..Default::default()
     }));
+    // HAMi's per-node device plugin configuration gives this node 7 replicas a GPU and its memory
+    // scaling (the other node's entry, and the file's split_count, do not apply).
+    let node_json = s.state.join("hami-node-config.json");
+    std::fs::write(
+        &node_json,
+        r#"{"nodeconfig": [{"name": "node2", "devicesplitcount": 3},
+            {"name": "node1", "operatingmode": "hami-core", "devicememoryscaling": 1.5, "devicesplitcount": 7,
+             "migstrategy": "none", "filterdevices": {"uuid": [], "index": []}}]}"#,
+    )
+    .unwrap();
     let Harness { kdir, rt, mut rx, _kubelet, a } = harness(
         &s,
         &cluster,
-        "compat = \"hami\"\nregister_interval_s = 1\nmemory_scaling = 1.5\nhealth_recovery_s = 1\n",
+        &format!(
+            "compat = \"hami\"\nregister_interval_s = 1\nsplit_count = 10\nhealth_recovery_s = 1\nhami_node_config_file = {:?}\n",
+            node_json.to_str().unwrap()
+        ),
     );
 
     // The node register annotation (v2.8 JSON), the memory scaled as HAMi's deviceMemoryScaling does.
@@ -210,7 +223,7 @@ fn hami_mode_follows_the_schedulers_annotations() {
     assert_eq!(reg[0]["id"], g0);
     assert_eq!(
         (reg[0]["count"].as_u64(), reg[0]["devmem"].as_u64(), reg[0]["devcore"].as_u64()),
-        (Some(10), Some(12288), Some(100))
+        (Some(7), Some(12288), Some(100))
     );
     assert_eq!(reg[0]["type"], "NVIDIA-NVIDIA A100-SXM4-40GB");
     assert_eq!((reg[0]["mode"].as_str(), reg[0]["health"].as_bool()), (Some("hami-core"), Some(true)));
