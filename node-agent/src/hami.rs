@@ -324,8 +324,9 @@ pub fn settings_mismatches(s: &SchedulerSettings, cfg: &crate::config::Config) -
         }
     }
     // HAMi's device plugin takes the replicas and the scaling from this configuration (Volcano's from
-    // its own flags, so there they say nothing).
-    if !volcano {
+    // its own flags, so there they say nothing), unless the node has its own (HAMi's per-node
+    // configuration, or a [[node]] section: deliberate).
+    if !volcano && !cfg.hami_node_entry && cfg.node_section.is_none() {
         if let Some(n) = s.device_split_count.filter(|&n| n > 0 && n != cfg.split_count) {
             v.push((
                 false,
@@ -764,6 +765,9 @@ mod tests {
                 (false, "deviceMemoryScaling is 1, but the agent scales memory by 2 (memory_scaling)".to_string()),
             ]
         );
+        // Settings of the node's own are deliberate: not compared.
+        let own = cfg("compat = \"hami\"\nsplit_count = 4\n[[node]]\nnames = [\"*\"]\nmemory_scaling = 2.0\n");
+        assert_eq!(settings_mismatches(&s, &own), []);
         // Volcano: its three resources, and the memory factor.
         let volcano = parse_scheduler_settings(&format!("nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  resourceMemoryName: volcano.sh/vgpu-mem\n  resourceCoreName: volcano.sh/vgpu-cores\n  deviceSplitCount: 4\n  gpuMemoryFactor: 1\n{geo}")).unwrap().unwrap();
         let got = settings_mismatches(&volcano, &cfg("compat = \"volcano\""));
