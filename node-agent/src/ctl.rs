@@ -893,6 +893,24 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
     if let (false, Some(s)) = (cfg.compat == crate::config::Compat::Replicas, &cfg.scheduler_settings) {
         v.push(scheduler_settings_check(s, cfg));
     }
+    // Settings this node has of its own, and where from.
+    let mut own = Vec::new();
+    if cfg.hami_node_entry {
+        own.push("HAMi's per-node configuration has an entry for it".to_string());
+    }
+    if let Some((i, names)) = &cfg.node_section {
+        own.push(format!("[[node]] section {i} ({}) applies", names.join(", ")));
+    }
+    if !own.is_empty() {
+        let detail = format!(
+            "node {}: {}: split_count {}, memory_scaling {}",
+            cfg.node_name,
+            own.join("; "),
+            cfg.split_count,
+            cfg.memory_scaling
+        );
+        v.push(check("node-settings", "ok", detail, ""));
+    }
     let cdi: Vec<&str> = ["/etc/cdi", "/var/run/cdi"].into_iter().filter(|d| Path::new(d).is_dir()).collect();
     if cdi.is_empty() {
         v.push(check("cdi", "skip", "no CDI directory (/etc/cdi, /var/run/cdi)".into(), ""));

@@ -60,6 +60,19 @@ fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
         ],
     );
     assert!(a.log_text().contains("a [[node]] section of the configuration applies"), "{}", a.log_text());
+    // vgpuctl doctor (as on that node) says so.
+    let o = s
+        .cmd(&bin("vgpuctl"))
+        .env("NODE_NAME", "gpu-node-3")
+        .args(["--config", conf.to_str().unwrap(), "doctor", "--json"])
+        .output()
+        .unwrap();
+    let checks: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
+    let node = checks.as_array().unwrap().iter().find(|c| c["name"] == "node-settings").expect("a node-settings check");
+    assert_eq!(
+        node["detail"], "node gpu-node-3: [[node]] section 1 (gpu-node-*) applies: split_count 10, memory_scaling 1",
+        "{node}"
+    );
     let st = a.status().unwrap();
     let uuid0 = st["gpus"][0]["uuid"].as_str().unwrap().to_string();
     let uuid1 = st["gpus"][1]["uuid"].as_str().unwrap().to_string();
