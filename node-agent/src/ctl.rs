@@ -526,7 +526,7 @@ fn mig_geometries_check(known: &[crate::hami::KnownMigGeometries], gpus: &[vgpu_
 /// memory counted in other units, fails; other differences warn.
 fn scheduler_settings_check(s: &crate::hami::SchedulerSettings, cfg: &Config) -> Check {
     let m = crate::hami::settings_mismatches(s, cfg);
-    let detail = m.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("; ");
+    let detail = crate::hami::mismatches_text(&m);
     let fix = "give the agent the scheduler's resource names, deviceSplitCount, deviceMemoryScaling and gpuMemoryFactor (resource_name, split_count, memory_scaling, memory_factor), or change the scheduler's configuration and restart the scheduler";
     match (m.is_empty(), m.iter().any(|(fatal, _)| *fatal)) {
         (true, _) => check(

@@ -171,7 +171,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         for (_, t) in &m {
             tracing::warn!("the scheduler's device configuration: {t}");
         }
-        let all = m.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("; ");
+        let all = crate::hami::mismatches_text(&m);
         agent.warn("scheduler-config", (!m.is_empty()).then(|| format!("the scheduler's device configuration: {all}")));
     }
     let kube = proto.map(|proto| {

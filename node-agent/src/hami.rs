@@ -358,6 +358,11 @@ pub fn settings_mismatches(s: &SchedulerSettings, cfg: &crate::config::Config) -
     v
 }
 
+/// [`settings_mismatches`] as one line: each difference, `; ` between.
+pub fn mismatches_text(m: &[(bool, String)]) -> String {
+    m.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("; ")
+}
+
 /// This node's entry in HAMi's per-node device plugin configuration (the `config.json` of its
 /// `hami-device-plugin` ConfigMap: `{"nodeconfig": [{"name", "devicesplitcount",
 /// "devicememoryscaling", "operatingmode", "filterdevices", ...}]}`): its replicas per GPU and memory
@@ -440,7 +445,11 @@ pub fn left_out_geometries<'a>(
     if profiles.is_empty() {
         return Vec::new();
     }
-    let gpu = gpu_of(name, profiles);
+    left_out_on(k, &gpu_of(name, profiles))
+}
+
+/// [`left_out_geometries`] for a GPU already made of its name and profiles.
+fn left_out_on<'a>(k: &'a KnownMigGeometries, gpu: &vgpu_mig::model::Gpu) -> Vec<(&'a str, Vec<&'a str>)> {
     k.geometries
         .iter()
         .filter_map(|g| {
@@ -467,7 +476,10 @@ pub fn gpu_geometries(
 ) -> Vec<MigGeometry> {
     let gpu = gpu_of(name, profiles);
     if let Some(k) = configured_geometries(known, name) {
-        let left: Vec<&str> = left_out_geometries(k, name, profiles).into_iter().map(|(g, _)| g).collect();
+        let left: Vec<&str> = match profiles.is_empty() {
+            true => Vec::new(),
+            false => left_out_on(k, &gpu).into_iter().map(|(g, _)| g).collect(),
+        };
         let mut v: Vec<MigGeometry> =
             k.geometries.iter().filter(|g| !left.contains(&g.group.as_str())).cloned().collect();
         // HAMi's (unnamed) geometries are referred to by their index in what is registered.
