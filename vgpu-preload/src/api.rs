@@ -172,6 +172,7 @@ macro_rules! cuda_helpers {
             cuEventCreate(e: *mut CUevent, flags: u32);
             cuEventRecord(e: CUevent, stream: CUstream);
             cuEventQuery(e: CUevent);
+            cuStreamQuery(stream: CUstream);
             cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
             cuStreamIsCapturing(stream: CUstream, status: *mut i32);
             cuStreamGetCtx(stream: CUstream, ctx: *mut CUcontext);

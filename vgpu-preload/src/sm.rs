@@ -37,6 +37,14 @@ const MAX_SLEEP_NS: u64 = 20_000_000;
 /// GPU time a thread charges to the shared budget ahead of its launches (see [`Credit`]).
 const PREPAY_NS: u64 = 50_000;
 
+/// The monotonic clock at full resolution (a vDSO read, no system call): for measured launches only.
+fn now_precise() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer; the clock always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 pub(crate) fn now_coarse() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: valid out-pointer; the clock always exists.
@@ -211,6 +219,9 @@ struct Sample {
     ctx: u64,
     start: CUevent,
     end: CUevent,
+    /// Host ns from the start event's record to the launch call's return, where the stream had no
+    /// work left when the start event was recorded (see [`kernel_ns`]); 0 otherwise.
+    idle_gap: u64,
 }
 
 // SAFETY: a Sample holds event handles created by this process; CUDA events may be queried and
@@ -437,7 +448,7 @@ fn collect(st: &State) {
             if ok {
                 // The launch is charged what the updated estimate says, not the raw measurement,
                 // which includes any time spent queued behind other work.
-                let ns = estimates().learn(s.key, (ms as f64 * 1e6) as u64);
+                let ns = estimates().learn(s.key, kernel_ns((ms as f64 * 1e6) as u64, s.idle_gap));
                 if let Some(r) = st.region.as_ref() {
                     r.sm_correct(s.dev, s.charged as i64 - ns as i64, ns);
                 }
@@ -446,6 +457,26 @@ fn collect(st: &State) {
         },
     );
     PENDING_N.fetch_sub((before - p.len()) as u64, Relaxed);
+}
+
+/// The least GPU time a measured launch is taken to occupy once its stream's idle time is taken out
+/// of the measurement: what a GPU takes to start and finish the smallest kernel.
+const MIN_KERNEL_NS: u64 = 1_000;
+
+/// The GPU time of a launch from its bracket of events (`bracket` ns between them). Where its stream
+/// was idle when the start event was recorded (`idle_gap` > 0), the GPU reached that event at once
+/// and then waited for the launch's own work, which the driver queued only by the end of the
+/// launch call: a tiny kernel whose call takes 3 us of host time measured as 3 us longer than it
+/// ran (on an H200, a stream of small launches was charged more GPU time than wall time passed, so
+/// a 99 % limit throttled it). That wait is at most the host time from the start event's record
+/// to the call's return (`idle_gap`) and is taken out, down to `MIN_KERNEL_NS`. Where the stream
+/// was busy, the start event waited behind earlier work and the launch was queued by then: the
+/// bracket stands.
+fn kernel_ns(bracket: u64, idle_gap: u64) -> u64 {
+    if idle_gap == 0 {
+        return bracket;
+    }
+    bracket.saturating_sub(idle_gap).max(MIN_KERNEL_NS.min(bracket))
 }
 
 /// A collection stops asking once this many streams have answered "not ready".
@@ -608,7 +639,8 @@ fn measure(
     stream: CUstream,
     launch: impl FnOnce() -> CUresult,
 ) -> CUresult {
-    let rec = driver().helpers.cuEventRecord;
+    let h = &driver().helpers;
+    let rec = h.cuEventRecord;
     // The events must be of the stream's context, which need not be the current one.
     let ctx = crate::memory::stream_ctx(stream);
     let bracket = rec.and_then(|r| {
@@ -621,11 +653,23 @@ fn measure(
             }
         }
     });
+    // Whether the stream has no work left (then the start event fires at once and the measurement
+    // includes the launch call's host time; see `kernel_ns`). Asked only for launches shorter than
+    // `LONG_NS`: next to longer ones that time is noise.
+    // SAFETY: the caller's stream, as the launch itself is given it.
+    let idle = bracket.is_some()
+        && cost < LONG_NS
+        && h.cuStreamQuery.is_some_and(|q| unsafe { q(stream) } == CUresult::SUCCESS);
+    let mut recorded = 0;
     if let Some((r, e0, _)) = bracket {
         // SAFETY: recording our own event on the caller's stream, before its launch.
         unsafe { r(e0, stream) };
+        if idle {
+            recorded = now_precise();
+        }
     }
     let res = launch();
+    let idle_gap = if idle { now_precise().saturating_sub(recorded).max(1) } else { 0 };
     if res != CUresult::SUCCESS {
         region.sm_correct(dev, cost as i64, 0);
     }
@@ -633,7 +677,7 @@ fn measure(
         // SAFETY: as above, after the launch.
         if res == CUresult::SUCCESS && unsafe { r(e1, stream) } == CUresult::SUCCESS {
             if let Ok(mut p) = PENDING.lock() {
-                p.push(Sample { key, dev, charged: cost, stream, ctx, start: e0, end: e1 });
+                p.push(Sample { key, dev, charged: cost, stream, ctx, start: e0, end: e1, idle_gap });
                 PENDING_N.fetch_add(1, Relaxed);
             }
         } else {
@@ -881,6 +925,20 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_stream_s_wait_for_the_launch_is_not_charged() {
+        // A busy stream: the bracket is the kernel's.
+        assert_eq!(kernel_ns(5_000, 0), 5_000);
+        // Idle: 3.3 us of the 4.9 us were the call's host time before its work was queued.
+        assert_eq!(kernel_ns(4_900, 3_300), 1_600);
+        // Never below what the smallest kernel takes, nor above the bracket itself.
+        assert_eq!(kernel_ns(4_000, 3_900), MIN_KERNEL_NS);
+        assert_eq!(kernel_ns(4_000, 9_000), MIN_KERNEL_NS);
+        assert_eq!(kernel_ns(600, 900), 600);
+        // A long kernel keeps nearly all of its bracket.
+        assert_eq!(kernel_ns(150_000, 3_000), 147_000);
+    }
+
+    #[test]
     fn a_collection_asks_only_about_events_that_can_be_done() {
         let st = |i: usize| i as CUstream;
         // (context, stream, end event): stream 1's first event is not done, so neither is its
@@ -896,6 +954,7 @@ mod tests {
                 ctx: c,
                 start: std::ptr::null_mut(),
                 end: e as CUevent,
+                idle_gap: 0,
             })
             .collect();
         let mut asked = Vec::new();
@@ -930,6 +989,7 @@ mod tests {
                 ctx: 1,
                 start: std::ptr::null_mut(),
                 end: std::ptr::null_mut(),
+                idle_gap: 0,
             })
             .collect();
         let mut asked = 0;
@@ -1023,6 +1083,7 @@ mod tests {
             ctx: 0xc1,
             start: ev as CUevent,
             end: (ev + 1) as CUevent,
+            idle_gap: 0,
         };
         let spare_before = SPARE_EVENTS.lock().unwrap().len();
         {

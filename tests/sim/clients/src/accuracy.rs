@@ -39,6 +39,8 @@ pub struct Harness {
     pub libvgpu: PathBuf,
     pub lib_dir: PathBuf,
     pub dir: PathBuf,
+    /// The node description (`NODE`, or with settings of the test's before it).
+    node: String,
 }
 
 const NODE: &str =
@@ -46,14 +48,21 @@ const NODE: &str =
 
 impl Harness {
     pub fn new(bin_dir: &Path, libvgpu: &Path, lib_dir: &Path) -> Harness {
+        Harness::with_node(bin_dir, libvgpu, lib_dir, "")
+    }
+
+    /// A harness whose simulated node also has `settings` (top-level lines of the node
+    /// description, such as `launch_host_us = 40`).
+    pub fn with_node(bin_dir: &Path, libvgpu: &Path, lib_dir: &Path, settings: &str) -> Harness {
         let dir = std::env::temp_dir().join(format!("vgpu-accuracy-{}-{}", std::process::id(), now_ns()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("node.toml"), NODE).unwrap();
-        Harness { bin_dir: bin_dir.into(), libvgpu: libvgpu.into(), lib_dir: lib_dir.into(), dir }
+        let node = format!("{settings}\n{NODE}");
+        std::fs::write(dir.join("node.toml"), &node).unwrap();
+        Harness { bin_dir: bin_dir.into(), libvgpu: libvgpu.into(), lib_dir: lib_dir.into(), dir, node }
     }
 
     fn node(&self) -> Node {
-        Node::open(Config::parse(NODE).unwrap(), &self.dir.join("state")).unwrap()
+        Node::open(Config::parse(&self.node).unwrap(), &self.dir.join("state")).unwrap()
     }
 
     pub fn run(&self, sc: &Scenario, index: usize) -> Outcome {

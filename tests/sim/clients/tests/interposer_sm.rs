@@ -36,6 +36,24 @@ fn a_limited_container_gets_its_share_on_every_launch_path() {
     }
 }
 
+/// Small kernels whose launch calls take longer than they run leave the GPU mostly idle: an SM
+/// limit above what they use must not slow them down. The simulated driver spends 40 us of host
+/// time in each launch call before queuing a 5 us kernel; a measurement bracket recorded on the
+/// idle stream before the call used to time the call too (45 us for a 5 us kernel), so the
+/// container was charged more GPU time than passed and a 30 % limit held it to a third of its pace.
+#[test]
+fn small_launches_on_an_idle_gpu_are_charged_their_own_time() {
+    let h = Harness::with_node(Path::new(RT).parent().unwrap(), &libvgpu(), &lib_dir(), "launch_host_us = 40");
+    let run = |limit, i| {
+        let o = h.run(&one(container(limit, "sleep_5us", &["--sync-every", "64"]), 3.0), i);
+        o.overall[0][0] * 100.0
+    };
+    let free = run(0, 0);
+    let limited = run(30, 1);
+    assert!(free > 3.0 && free < 30.0, "unlimited: {free:.1} % of the GPU (the launch calls' pace)");
+    assert!(limited >= 0.8 * free, "under a 30 % limit {limited:.1} %, unlimited {free:.1} %");
+}
+
 #[test]
 fn two_containers_split_the_gpu_by_their_limits() {
     let h = harness();

@@ -22,6 +22,7 @@ struct RawConfig {
     pool_trim_return_ms: Option<u64>,
     destroy_return_ms: Option<u64>,
     graph_launch_ms: Option<u64>,
+    launch_host_us: Option<u64>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
 }
@@ -76,6 +77,10 @@ pub struct Config {
     /// `cuGraphLaunch` of a graph with memory nodes backs them this long after it was called (a
     /// driver's launch call takes time, and other threads launch meanwhile).
     pub graph_launch_ns: u64,
+    /// Host time a kernel or graph launch call spends before its work reaches the GPU's queue (a
+    /// driver marshals the arguments and writes the command buffer first: microseconds). Work
+    /// recorded on the stream just before it (an event) is ahead of it by that much on an idle GPU.
+    pub launch_host_ns: u64,
     pub cuda_version: i32,
     pub driver_version: String,
     pub context_overhead_bytes: u64,
@@ -191,6 +196,7 @@ impl Config {
             pool_trim_return_ns: raw.pool_trim_return_ms.unwrap_or(0) * 1_000_000,
             destroy_return_ns: raw.destroy_return_ms.unwrap_or(0) * 1_000_000,
             graph_launch_ns: raw.graph_launch_ms.unwrap_or(0) * 1_000_000,
+            launch_host_ns: raw.launch_host_us.unwrap_or(0) * 1_000,
             cuda_version: raw.cuda_version.unwrap_or(12040),
             driver_version: raw.driver_version.unwrap_or_else(|| "550.54.15".into()),
             context_overhead_bytes: raw.context_overhead_mib.unwrap_or(256) << 20,

@@ -427,7 +427,21 @@ pub fn launch(l: &Launch, st: CUstream) -> R<()> {
         unsafe { &*cap }.push(cap as CUgraph, Node::kernels(CU_GRAPH_NODE_TYPE_KERNEL, vec![d]));
         return Ok(());
     }
+    host_work()?;
     run_on(c, s, &[d])
+}
+
+/// The host time a launch call spends before its work is queued (`launch_host_us`): spent
+/// spinning, as a driver's marshalling does (a sleep would take far longer than microseconds).
+fn host_work() -> R<()> {
+    let ns = proc()?.node.cfg.launch_host_ns;
+    if ns > 0 {
+        let until = now_ns() + ns;
+        while now_ns() < until {
+            std::hint::spin_loop();
+        }
+    }
+    Ok(())
 }
 
 /// A valid function handle (`cuFuncSetSharedSize`, whose size the simulator does not use).
@@ -771,6 +785,7 @@ pub fn graph_launch(h: CUgraphExec, st: CUstream) -> R<()> {
         std::thread::sleep(std::time::Duration::from_nanos(proc()?.node.cfg.graph_launch_ns));
         crate::mem::graph_run(c, &mem, auto_free)?;
     }
+    host_work()?;
     run_on(c, s, &durs)
 }
 
