@@ -1078,6 +1078,12 @@ fn visible_info(st: &State) -> Result<Option<(u64, u64)>, CUresult> {
     if limit == 0 {
         return Ok(None);
     }
+    // What the driver took since the last measurement (modules loaded lazily at a kernel's first
+    // launch, say) is charged before the answer, at most once per 100 ms (see `trueup`): what an
+    // application reads here is what it can allocate.
+    if st.trueup.on() {
+        st.trueup.near_limit(st, d, false, 0);
+    }
     let phys = st.phys_total(d);
     let total = if phys == 0 { limit } else { limit.min(phys) };
     Ok(Some((total.saturating_sub(st.used(d)), total)))

@@ -11,6 +11,9 @@
 //!   once per 100 ms, before the reservation that would admit them;
 //! * before refusing an allocation, at most once per 10 ms (memory the driver gave back is no
 //!   longer charged).
+//! * when the application asks what is free (`cuMemGetInfo`), at most once per 100 ms (modules
+//!   loaded lazily at a kernel's first launch show in its answer before an allocation comes near
+//!   the limit).
 //!
 //! In a PID namespace the process does not know its host PID: it learns it from NVML at its first
 //! context, as the one process that appears in the device's list while the context is created (if

@@ -1306,6 +1306,36 @@ fn can_unshare_pid() -> bool {
     ok
 }
 
+/// What the driver takes after the first context (modules loaded, as PyTorch's kernels load lazily
+/// at their first launch) shows in `cuMemGetInfo` before any allocation comes near the limit: the
+/// container sees the memory it really has left, and the same again once what it allocated is
+/// freed. On an H200, PyTorch's `mem_get_info` said 7.49 GiB free under 8 GiB before a fill and
+/// 7.40 GiB after the fill was freed: the modules were charged only when the fill came near the
+/// limit.
+#[test]
+fn memory_the_driver_takes_after_the_first_context_shows_in_mem_get_info() {
+    let s = Sim::new(Some(
+        "context_overhead_mib = 640\nmodule_overhead_mib = 50\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n",
+    ));
+    let limit = ("CUDA_DEVICE_MEMORY_LIMIT_0", "2g");
+    let o = out(&mut s.limited(RT, &[limit]), &["alloc", "--size", "1m", "--modules", "4", "--delay-secs", "0"]);
+    let l = lines(&o.stdout);
+    let waiting = l.iter().find(|v| v["event"] == "waiting").unwrap_or_else(|| panic!("{l:?}"));
+    // 2048 MiB less the context's 640 and the four modules' 200.
+    assert_eq!(waiting["mem_info"]["free"], 1208 * MIB, "{waiting}");
+    let done = l.iter().find(|v| v["event"] == "allocated").unwrap();
+    assert_eq!((done["allocated"].as_u64(), &done["error"]), (Some(MIB), &Value::Null), "{done}");
+
+    // Turned off, the calls' own account: the context's 64 MiB.
+    let o = out(
+        &mut s.limited(RT, &[limit, ("VGPU_MEMORY_TRUE_UP", "off")]),
+        &["alloc", "--size", "1m", "--modules", "4", "--delay-secs", "0"],
+    );
+    let l = lines(&o.stdout);
+    let waiting = l.iter().find(|v| v["event"] == "waiting").unwrap();
+    assert_eq!(waiting["mem_info"]["free"], (2048 - 64) * MIB, "{waiting}");
+}
+
 #[test]
 fn without_an_agent_each_process_is_charged_for_what_the_driver_really_holds_for_it() {
     // GPU 0 (8 GiB): each CUDA context holds 640 MiB (as PyTorch's did on an H200) and each module
