@@ -1260,8 +1260,16 @@ def check_oom_agent(s):
         env = a.slice_env("oom", a.first_gpu(), lim)
 
         def trued_up(pid):
-            """Waits (10 s at most) until the agent accounts the process at what NVML measures."""
-            sl = a.wait_slice("oom", lambda sl: listed(sl, pid) and trued(sl) and sl["gpus"][0].get("memory_measured", 0) > 0, 10)
+            """Waits (10 s at most) until the agent accounts the process at what NVML measures for it
+            now: a status from a pass before its context was whole (on the H200, NVML 30 MiB for
+            a context of 610 MiB) is not enough."""
+            now = nvml_process_used(s, pid) or 0
+
+            def caught_up(sl):
+                m = sl["gpus"][0].get("memory_measured", 0)
+                return listed(sl, pid) and trued(sl) and m > 0 and m + 64 * MIB >= now
+
+            sl = a.wait_slice("oom", caught_up, 10)
             return ((sl or {}).get("gpus") or [{}])[0]
 
         if s.torch:
@@ -1300,10 +1308,12 @@ def check_pool_threads_agent(s):
     size = 512 * MIB
     with AgentRun(s, "agent-pool-threads") as a:
         env = a.slice_env("storm", a.first_gpu(), lim)
-        # The context charged nothing by its call: all of it is the agent's to charge, so there is a
-        # correction to keep whatever this driver's contexts take. Two monitoring passes (100 ms
-        # apart) charge it before the first allocation.
+        # The context charged nothing by its call nor by the process's own true-up at its creation:
+        # all of it is the agent's to charge, so there is a correction to keep whatever this
+        # driver's contexts take. Two monitoring passes (100 ms apart) charge it before the first
+        # allocation.
         env["VGPU_CONTEXT_OVERHEAD"] = "0"
+        env["VGPU_MEMORY_TRUE_UP"] = "0"
         p = Proc(s, [s.bin("gpu-probe"), "pool-threads", "--size", str(size), "--iters", "1000", "--wait", "2"], env)
         beyond = []  # the agent's part of the process's charge, in the status, during the storm
         try:

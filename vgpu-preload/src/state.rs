@@ -161,9 +161,13 @@ impl State {
         }
         // No agent watches a region a process created: each process trues itself up.
         let standalone = region.as_ref().is_some_and(|r| r.standalone()) && limits_region.is_none();
-        let trueup = crate::trueup::TrueUp::new(cfg.memory_true_up && standalone, host_pid());
+        let trueup = crate::trueup::TrueUp::new(
+            cfg.memory_true_up && standalone,
+            cfg.memory_true_up && region.is_some(),
+            host_pid(),
+        );
         let watched = region.is_some() && !standalone;
-        if trueup.on() {
+        if trueup.measures() {
             crate::guard::Calls::track();
         }
         // SAFETY: registering plain extern "C" handlers.

@@ -40,8 +40,11 @@ const PERIOD_NS: u64 = 100_000_000;
 const NOT_AVAILABLE: u64 = u64::MAX;
 
 pub struct TrueUp {
-    /// The region is standalone (no agent watches it) and the setting allows it.
+    /// The region is standalone (no agent watches it) and the setting allows it: every occasion.
     on: bool,
+    /// The setting allows it and the process has a region: at contexts made and gone, also where
+    /// an agent watches the region (see [`TrueUp::new`]).
+    at_context: bool,
     /// This process's PID as NVML lists it (0: not known yet).
     host_pid: AtomicU32,
     /// Bytes charged per device by the true-up, on top of the process's own account.
@@ -55,15 +58,28 @@ pub struct TrueUp {
 }
 
 impl TrueUp {
-    pub fn new(on: bool, host_pid: u32) -> TrueUp {
+    /// `on`: every occasion (no agent watches the region). `at_context`: at a context's creation and
+    /// end only, where an agent watches it: the agent's correction takes two of its passes (200 ms
+    /// or more) to come, and a process that fills its slice right after its first context would
+    /// otherwise be admitted past the limit by what its context really holds beyond its charge (on
+    /// an H200, a PyTorch process held 8.10 GiB in an 8 GiB slice). The agent's correction and the
+    /// process's own move toward the same total (each takes NVML's figure less everything else
+    /// charged), so the agent then finds nothing to add for the context.
+    pub fn new(on: bool, at_context: bool, host_pid: u32) -> TrueUp {
         TrueUp {
             on,
+            at_context: on || at_context,
             host_pid: AtomicU32::new(host_pid),
             added: [const { AtomicU64::new(0) }; MAX_DEVICES],
             last_ns: [const { AtomicU64::new(0) }; MAX_DEVICES],
             had_context: [const { AtomicBool::new(false) }; MAX_DEVICES],
             lock: Mutex::new(()),
         }
+    }
+
+    /// Whether the calls' in-flight counts are needed (any measurement is made).
+    pub fn measures(&self) -> bool {
+        self.at_context
     }
 
     /// Whether allocations near the limit are checked: the hot path's only question.
@@ -91,7 +107,7 @@ impl TrueUp {
     /// PID is still to be learned from them.
     #[cold]
     pub fn before_context(&self, st: &State, dev: usize) -> Option<Vec<u32>> {
-        if !self.on() || self.host_pid.load(Acquire) != 0 || self.had_context[dev].load(Acquire) {
+        if !self.at_context || self.host_pid.load(Acquire) != 0 || self.had_context[dev].load(Acquire) {
             return None;
         }
         if st.mem_limit(dev) == 0 {
@@ -103,7 +119,7 @@ impl TrueUp {
     /// After a context was created on `dev` (`before` from [`before_context`](Self::before_context)).
     #[cold]
     pub fn after_context(&self, st: &State, dev: usize, before: Option<Vec<u32>>) {
-        if !self.on() {
+        if !self.at_context {
             return;
         }
         self.had_context[dev].store(true, Release);
@@ -111,7 +127,9 @@ impl TrueUp {
             match learned(&before, after.iter().map(|(pid, _)| *pid)) {
                 Ok(pid) => {
                     self.host_pid.store(pid, Release);
-                    if let Some((r, slot)) = st.accounting() {
+                    // Recorded in the slot for NVML's process lists in the container, where no
+                    // agent does so (an agent maps its processes from the host's /proc).
+                    if let Some((r, slot)) = st.accounting().filter(|_| self.on) {
                         r.set_host_pid(slot, std::process::id(), pid);
                     }
                     vlog!(INFO, "host PID {pid} (from NVML, at this process's first context)");
@@ -136,7 +154,7 @@ impl TrueUp {
     /// A context on `dev` went: what the driver held for it went too.
     #[cold]
     pub fn context_gone(&self, st: &State, dev: usize) {
-        if self.on() && self.added(dev) > 0 {
+        if self.at_context && self.added(dev) > 0 {
             self.measure(st, dev, true, 0);
         }
     }

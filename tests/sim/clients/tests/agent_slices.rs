@@ -111,7 +111,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
 
     // A slice process whose context is not accounted (overhead set to 0) ends up over its limit as
     // NVML measures it: reported, naming the process.
-    let c = s.in_slice(RT, &dir, "0");
+    let c = s.in_slice_uncharged(RT, &dir);
     let (p, _) = s.spawn_cmd(c, &["alloc", "--size", "1000m", "--hold"]);
     let r = pass(&list);
     assert_eq!(r.escapes.len(), 1, "{:?}", r.escapes);
@@ -157,7 +157,7 @@ fn what_the_driver_holds_beyond_a_process_s_own_account_is_charged_to_it() {
     let mut s = Sim::new(Some(NODE));
     let (store, _) = store_with_job1(&s);
     let dir = store.dir("job1");
-    let (a, _) = s.spawn_cmd(s.in_slice(RT, &dir, "0"), &["alloc", "--size", "100m", "--hold"]);
+    let (a, _) = s.spawn_cmd(s.in_slice_uncharged(RT, &dir), &["alloc", "--size", "100m", "--hold"]);
     let nvml = nvml_of(&s);
     let mut m = Monitor::new(EscapeAction::Report);
     let list = std::sync::Arc::new(store.list().unwrap());
@@ -193,11 +193,25 @@ fn what_the_driver_holds_beyond_a_process_s_own_account_is_charged_to_it() {
     std::thread::sleep(std::time::Duration::from_millis(20));
     // `memory_true_up = false`: the process's own account stands.
     let mut m = Monitor::new(EscapeAction::Report).with_true_up(false);
-    let (c, _) = s.spawn_cmd(s.in_slice(RT, &dir, "0"), &["alloc", "--size", "100m", "--hold"]);
+    let (c, _) = s.spawn_cmd(s.in_slice_uncharged(RT, &dir), &["alloc", "--size", "100m", "--hold"]);
     for _ in 0..3 {
         assert_eq!(used(&m.pass(&nvml, &store, &list)), (100 * MIB, 164 * MIB, 100 * MIB));
     }
     s.kill(c);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+
+    // With its own true-up (the default) the process charges what its context really holds when
+    // the context is made: the agent's first pass finds the account whole and adds nothing. (Before,
+    // a process that filled its slice within the agent's first two passes was admitted past the
+    // limit by that much: on an H200, 8.10 GiB held in an 8 GiB slice.)
+    let mut m = Monitor::new(EscapeAction::Report);
+    let (d, _) = s.spawn_cmd(s.in_slice(RT, &dir, "0"), &["alloc", "--size", "100m", "--hold"]);
+    for _ in 0..3 {
+        let r = m.pass(&nvml, &store, &list);
+        assert_eq!(used(&r), (164 * MIB, 164 * MIB, 164 * MIB));
+        assert_eq!(r.slices[0].processes[0].memory_beyond_calls, 0, "the agent added nothing");
+    }
+    s.kill(d);
 }
 
 /// Runs `gpu-probe ARGS` in slice `job1` of `store` while the agent's monitor passes every 5 ms,
@@ -213,6 +227,8 @@ fn corrections_during(
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
     let mut m = Monitor::new(EscapeAction::Report);
     let mut c = s.in_slice(PROBE, &store.dir("job1"), "64m");
+    // The process's own true-up at its first context would charge it all: the agent's is tested.
+    c.env("VGPU_MEMORY_TRUE_UP", "0");
     c.args(args);
     let mut child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let out = child.stdout.take().unwrap();
@@ -332,7 +348,7 @@ fn the_agent_lowers_a_correction_once_three_quiet_passes_show_less() {
     let mut s = Sim::new(Some(NODE));
     let (store, _) = store_with_job1(&s);
     let dir = store.dir("job1");
-    let (p, _) = s.spawn_cmd(s.in_slice(RT, &dir, "0"), &["alloc", "--size", "100m", "--hold"]);
+    let (p, _) = s.spawn_cmd(s.in_slice_uncharged(RT, &dir), &["alloc", "--size", "100m", "--hold"]);
     let nvml = nvml_of(&s);
     let mut m = Monitor::new(EscapeAction::Report);
     let list = std::sync::Arc::new(store.list().unwrap());

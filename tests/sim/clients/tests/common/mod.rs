@@ -104,6 +104,14 @@ impl Sim {
         c
     }
 
+    /// [`in_slice`](Self::in_slice) for a process that charges nothing for its context and does
+    /// not true itself up at its creation: all that its context holds is the agent's to charge.
+    pub fn in_slice_uncharged(&self, bin: &str, dir: &Path) -> Command {
+        let mut c = self.in_slice(bin, dir, "0");
+        c.env("VGPU_MEMORY_TRUE_UP", "0");
+        c
+    }
+
     /// A client inside a "container": libvgpu.so preloaded, the region, and the given environment.
     pub fn limited(&self, bin: &str, env: &[(&str, &str)]) -> Command {
         let mut c = self.cmd(bin);
