@@ -839,7 +839,8 @@ def check_nvml(s):
 def nvml_processes(s, lim, smi):
     """A process of the container and a stranger each hold memory: every NVML query that names
     processes (nvml-probe lists: every version of the compute, graphics and MPS lists, the detail
-    list, the per-process utilization) names only the first in the container, and nvidia-smi's
+    list, the per-process utilization, the private table's lists that nvidia-smi uses) names only
+    the first in the container, and nvidia-smi's
     compute apps there too; outside, the compute list names both. The same for a container that
     shares the GPU by an SM limit alone (no memory limit), with a process of its own."""
     region = os.path.join(s.tmp, "nvml-lists.region")
@@ -889,8 +890,13 @@ def nvml_processes(s, lim, smi):
         problems.append("nvidia-smi's compute apps outside: %s" % apps.get("outside"))
     got = lists["memory"]
     answered = sorted(n for n, l in got.items() if isinstance(l, list))
-    summary = "in the container %d of %d NVML process queries answered%s" % (
-        len(answered), len(got), "" if problems else ", naming only its process, also under an SM limit alone"
+    # What the others answered: NVML's code (6, NOT_FOUND, from a per-process utilization query:
+    # no samples in its window; 3, NOT_SUPPORTED: not on this GPU or driver).
+    others = ", ".join("%s %s" % (n, (l or {}).get("error") if isinstance(l, dict) else l)
+                       for n, l in sorted(got.items()) if not isinstance(l, list))
+    summary = "in the container %d of %d NVML process queries answered%s%s" % (
+        len(answered), len(got), " (the others' codes: %s)" % others if others else "",
+        "" if problems else ", naming only its process, also under an SM limit alone"
         + (" (nvidia-smi too)" if smi else ""))
     return summary, {"container_pid": procs["memory"].pid, "sm_only_container_pid": procs["SM-only"].pid,
                      "other_pid": pout, "inside": got, "inside_sm_only": lists["SM-only"],

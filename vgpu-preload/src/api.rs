@@ -148,6 +148,7 @@ macro_rules! nvml_hooks {
             nvmlDeviceGetRunningProcessDetailList(dev: NvmlDevice, list: *mut NvmlProcessDetailList) => nvml::process_details;
             nvmlDeviceGetProcessUtilization(dev: NvmlDevice, samples: *mut NvmlProcessUtilizationSample, count: *mut u32, last_seen: u64) => nvml::process_utilization;
             nvmlDeviceGetProcessesUtilizationInfo(dev: NvmlDevice, info: *mut NvmlProcessesUtilizationInfo) => nvml::processes_utilization;
+            nvmlInternalGetExportTable(table: *mut *const c_void, id: *const c_void) => smi::export_table;
         }
     };
 }

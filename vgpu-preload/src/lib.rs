@@ -29,6 +29,7 @@ mod procaddr;
 mod ptrmap;
 mod real;
 mod sm;
+mod smi;
 mod stale;
 mod state;
 mod trueup;

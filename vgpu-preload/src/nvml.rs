@@ -332,7 +332,7 @@ listed!(
 /// be another process's host PID), else its PID (no namespace, or it could not be told). It is
 /// shown under its PID in the container, unless the caller sees it by its host PID (a caller
 /// outside the container's PID namespace, such as the host with the container's environment).
-fn ours(dev: NvmlDevice) -> Option<Vec<(u32, u32)>> {
+pub(crate) fn ours(dev: NvmlDevice) -> Option<Vec<(u32, u32)>> {
     if !shared_device(dev) {
         return None;
     }

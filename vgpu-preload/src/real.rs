@@ -106,6 +106,9 @@ macro_rules! define_real_nvml {
             nvmlDeviceGetUUID(NvmlDevice, *mut c_char, u32),
             nvmlDeviceGetIndex(NvmlDevice, *mut u32),
             nvmlDeviceGetHandleByUUID(*const c_char, *mut NvmlDevice),
+            nvmlDeviceGetCount_v2(*mut u32),
+            nvmlDeviceGetHandleByIndex_v2(u32, *mut NvmlDevice),
+            nvmlSystemGetDriverVersion(*mut c_char, u32),
         ]);
     };
     (@ [$($name:ident($($t:ty),*))*] [$($x:ident($($xt:ty),*),)*]) => {

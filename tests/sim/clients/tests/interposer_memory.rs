@@ -771,6 +771,11 @@ fn the_container_sees_its_slice_in_cuda_and_nvml() {
     want.sort_unstable();
     assert_eq!(l["gpus"][0]["lists"]["nvmlDeviceGetComputeRunningProcesses"], json!(want), "{l}");
     assert_eq!(l["gpus"][0]["lists"]["detail:0"], json!(want), "{l}");
+    // The simulated driver is a 550 one, whose private table (nvidia-smi's lists) is not known to
+    // have the shape of 580's: passed through as the driver answers (host PIDs, every process).
+    let mut host = vec![inside as u64, outside as u64];
+    host.sort_unstable();
+    assert_eq!(l["gpus"][0]["lists"]["private:213"], json!(host), "{l}");
     drop(_ns);
     assert_eq!(n["gpus"][1]["memory"]["total"], 23034 * MIB, "unlimited device passes through");
     // Outside the container NVML tells the physical truth.
@@ -783,12 +788,14 @@ fn the_container_sees_its_slice_in_cuda_and_nvml() {
 
 /// Every NVML query that names processes, in each version an application may call (the compute,
 /// graphics and MPS lists, the R550 detail list of each mode, both per-process utilization
-/// queries), names only the container's processes on a GPU it shares (a memory or an SM limit);
-/// outside, all of them.
+/// queries, and the lists of NVML's private table that `nvidia-smi` uses), names only the
+/// container's processes on a GPU it shares (a memory or an SM limit); outside, all of them.
 #[test]
 fn every_nvml_query_that_names_processes_names_only_the_containers() {
-    // Every process also draws (graphics list), so that list is not empty to begin with.
-    let s = Sim::new(Some(&format!("graphics = true\n{NODE}[[gpu]]\nmodel = \"L4\"\n")));
+    // Every process also draws (graphics list), so that list is not empty to begin with. A 580
+    // driver: the private table's shape is known there.
+    let s =
+        Sim::new(Some(&format!("graphics = true\ndriver_version = \"580.95.05\"\n{NODE}[[gpu]]\nmodel = \"L4\"\n")));
     let launcher = |mut c: Command, more: &[&str]| {
         c.args(["launch", "--kernel", "sleep_1ms", "--seconds", "30"]).args(more);
         c.stdout(std::process::Stdio::null()).spawn().unwrap()
@@ -806,7 +813,7 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
         serde_json::from_slice::<Value>(&o.stdout).unwrap()["gpus"][0]["lists"].clone()
     };
     // No MPS server: the MPS lists (and the detail list's MPS mode) are empty on both sides.
-    let mps = |name: &str| name.contains("MPS") || name == "detail:2";
+    let mps = |name: &str| name.contains("MPS") || name == "detail:2" || name == "private:215";
     // Outside the container: both, once both have contexts and kernels in the sampling window.
     // One probe asks list after list, so a process that starts between two of them shows in the
     // later ones only: wait until every list (not just some) shows both.
@@ -815,14 +822,14 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
     let all = loop {
         let l = probe(&mut s.cmd(NVML));
         let lists = l.as_object().unwrap();
-        if lists.len() == 9 + 3 + 2 && lists.iter().all(|(name, v)| mps(name) || *v == both) {
+        if lists.len() == 9 + 3 + 2 + 3 && lists.iter().all(|(name, v)| mps(name) || *v == both) {
             break l;
         }
         assert!(t0.elapsed().as_secs() < 20, "both processes never showed: {l}");
         std::thread::sleep(std::time::Duration::from_millis(100));
     };
     let names: Vec<&String> = all.as_object().unwrap().keys().collect();
-    assert_eq!(names.len(), 9 + 3 + 2, "every list found: {names:?}");
+    assert_eq!(names.len(), 9 + 3 + 2 + 3, "every list found: {names:?}");
     let o = out(&mut s.limited(NVML, &env), &["--lib", lib.to_str().unwrap(), "lists"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let gpus: Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -834,13 +841,14 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
     }
     // GPU 1, shared by an SM limit alone: the container's process only.
     let l1 = &gpus["gpus"][1]["lists"];
-    for name in ["nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses"] {
+    for name in ["nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses", "private:213"] {
         assert_eq!(l1[name], json!([pin]), "{name} on GPU 1: {l1}");
     }
     // GPU 2 has no limit in the container: its lists pass through, the stranger included.
     let l2 = &gpus["gpus"][2]["lists"];
     assert_eq!(l2["nvmlDeviceGetComputeRunningProcesses_v3"], json!([pout]), "{l2}");
     assert_eq!(l2["nvmlDeviceGetGraphicsRunningProcesses"], json!([pout]), "{l2}");
+    assert_eq!(l2["private:213"], json!([pout]), "{l2}");
     for c in [&mut inside, &mut outside] {
         c.kill().unwrap();
         c.wait().unwrap();

@@ -1065,3 +1065,93 @@ mod tests {
         assert_eq!(decode(base() + HANDLES.len()), Err(INVALID));
     }
 }
+
+// ----- the private table `nvidia-smi` lists processes through -----
+//
+// `nvidia-smi` (R535 and later) does not list a GPU's processes with the public calls but through
+// entry points of a private table that `nvmlInternalGetExportTable` hands out for one GUID. What
+// is publicly known of it (from driver 580.65.06), and what the simulator gives: the table's first
+// word is its size in bytes; entries 213, 214 and 215 (taken here as the compute, graphics and MPS
+// lists) are `fn(nvmlDevice_t, unsigned int *count, entry *array)`, the count the array's capacity
+// on entry and the entries written on return; an entry is 4128 bytes: the PID (u32) at 0, the bytes
+// used (u64) at 8, the GPU and compute instance IDs (u32) at 16 and 20, protected memory (u64) at
+// 24 and the process's name (NUL-terminated) at 32. The table's other entries answer NOT_SUPPORTED.
+
+/// The GUID of the table, as its 16 bytes are laid out in memory.
+const PROCESS_TABLE_GUID: [u8; 16] =
+    [0xc4, 0xfe, 0x3e, 0x6c, 0xc9, 0x8f, 0x6c, 0x4e, 0xa3, 0x27, 0xee, 0x69, 0x6e, 0x12, 0xf7, 0xc4];
+const TABLE_WORDS: usize = 256;
+const FIRST_LIST: usize = 213;
+const ENTRY_BYTES: usize = 4128;
+const NAME_AT: usize = 32;
+
+unsafe extern "C" fn private_unsupported() -> nvmlReturn_t {
+    NOT_SUPPORTED
+}
+
+unsafe extern "C" fn private_compute(d: nvmlDevice_t, count: *mut c_uint, array: *mut u8) -> nvmlReturn_t {
+    entry("private process list", || write_private(d, List::Compute, count, array))
+}
+
+unsafe extern "C" fn private_graphics(d: nvmlDevice_t, count: *mut c_uint, array: *mut u8) -> nvmlReturn_t {
+    entry("private process list", || write_private(d, List::Graphics, count, array))
+}
+
+unsafe extern "C" fn private_mps(d: nvmlDevice_t, count: *mut c_uint, array: *mut u8) -> nvmlReturn_t {
+    entry("private process list", || write_private(d, List::Mps, count, array))
+}
+
+fn write_private(d: nvmlDevice_t, which: List, count: *mut c_uint, array: *mut u8) -> R<()> {
+    if count.is_null() {
+        return Err(INVALID);
+    }
+    let list = listed(d, which)?;
+    // SAFETY: count is non-null; the caller's capacity.
+    let cap = unsafe { *count } as usize;
+    // SAFETY: as above.
+    unsafe { *count = list.len() as c_uint };
+    if list.len() > cap || (array.is_null() && !list.is_empty()) {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    for (k, (pid, bytes)) in list.iter().enumerate() {
+        let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        let name = name.trim_end().as_bytes();
+        let name = &name[..name.len().min(ENTRY_BYTES - NAME_AT - 1)];
+        // SAFETY: the array holds `cap` > k entries of ENTRY_BYTES (the table's contract).
+        unsafe {
+            let e = array.add(k * ENTRY_BYTES);
+            std::ptr::write_bytes(e, 0, ENTRY_BYTES);
+            (e as *mut u32).write_unaligned(*pid);
+            (e.add(8) as *mut u64).write_unaligned(*bytes);
+            (e.add(16) as *mut u32).write_unaligned(u32::MAX);
+            (e.add(20) as *mut u32).write_unaligned(u32::MAX);
+            std::ptr::copy_nonoverlapping(name.as_ptr(), e.add(NAME_AT), name.len());
+        }
+    }
+    Ok(())
+}
+
+struct Table([usize; TABLE_WORDS]);
+
+static PRIVATE_TABLE: std::sync::OnceLock<Table> = std::sync::OnceLock::new();
+
+exports! {
+    fn nvmlInternalGetExportTable(table: *mut *const std::ffi::c_void, id: *const std::ffi::c_void) {
+        if table.is_null() || id.is_null() {
+            return Err(INVALID);
+        }
+        // SAFETY: a GUID is 16 bytes.
+        if unsafe { *(id as *const [u8; 16]) } != PROCESS_TABLE_GUID {
+            return Err(NOT_SUPPORTED);
+        }
+        let t = PRIVATE_TABLE.get_or_init(|| {
+            let mut w = [private_unsupported as *const () as usize; TABLE_WORDS];
+            w[0] = TABLE_WORDS * std::mem::size_of::<usize>();
+            w[FIRST_LIST] = private_compute as *const () as usize;
+            w[FIRST_LIST + 1] = private_graphics as *const () as usize;
+            w[FIRST_LIST + 2] = private_mps as *const () as usize;
+            Table(w)
+        });
+        out(table, t.0.as_ptr() as *const std::ffi::c_void)
+    }
+}

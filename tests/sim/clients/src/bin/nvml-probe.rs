@@ -468,9 +468,53 @@ fn lists(nvml: &Nvml, lib: Option<&std::ffi::OsStr>) -> Value {
             };
             m.insert("utilization_info".into(), pids_of(q, |e| e.pid));
         }
+        if let Some(p) = entry(&path, "nvmlInternalGetExportTable") {
+            private_lists(p, dev, &mut m);
+        }
         gpus.push(json!({ "index": i, "lists": m }));
     }
     json!({ "gpus": gpus })
+}
+
+/// The process lists of NVML's private table that `nvidia-smi` lists processes through (entries
+/// 213-215 of the table `nvmlInternalGetExportTable` gives for its GUID; each entry of a list
+/// 4128 bytes, the PID first), asked as `nvidia-smi` asks them: one call with room for 250.
+fn private_lists(get: *mut std::ffi::c_void, dev: nvmlDevice_t, m: &mut serde_json::Map<String, Value>) {
+    const GUID: [u8; 16] =
+        [0xc4, 0xfe, 0x3e, 0x6c, 0xc9, 0x8f, 0x6c, 0x4e, 0xa3, 0x27, 0xee, 0x69, 0x6e, 0x12, 0xf7, 0xc4];
+    const ENTRY: usize = 4128;
+    const ROOM: u32 = 250;
+    type Get = unsafe extern "C" fn(*mut *const usize, *const u8) -> nvmlReturn_t;
+    type List = unsafe extern "C" fn(nvmlDevice_t, *mut u32, *mut u8) -> nvmlReturn_t;
+    // SAFETY: the signature the symbol has (a table out-pointer and the GUID's bytes).
+    let get = unsafe { std::mem::transmute::<*mut std::ffi::c_void, Get>(get) };
+    let mut t: *const usize = std::ptr::null();
+    // SAFETY: an out-pointer to a local and 16 bytes.
+    let r = unsafe { get(&mut t, GUID.as_ptr()) };
+    // SAFETY: NVML gave a table whose first word is its size in bytes.
+    if r != 0 || t.is_null() || unsafe { *t } < 216 * std::mem::size_of::<usize>() {
+        m.insert("private".into(), json!({ "error": r }));
+        return;
+    }
+    for slot in 213..216 {
+        // SAFETY: within the table's size (checked above); the entry is a function of that shape.
+        let f = unsafe { std::mem::transmute::<usize, List>(*t.add(slot)) };
+        // Room for ROOM entries, and as much again should an entry be larger than known.
+        let mut buf = vec![0u8; ROOM as usize * ENTRY * 2];
+        let mut n = ROOM;
+        // SAFETY: a count and an array of that many entries.
+        let r = unsafe { f(dev, &mut n, buf.as_mut_ptr()) };
+        let v = if r == 0 && n <= ROOM {
+            let mut pids: Vec<u32> = (0..n as usize)
+                .map(|k| u32::from_ne_bytes(buf[k * ENTRY..k * ENTRY + 4].try_into().unwrap()))
+                .collect();
+            pids.sort_unstable();
+            json!(pids)
+        } else {
+            json!({ "error": r, "count": n })
+        };
+        m.insert(format!("private:{slot}"), v);
+    }
 }
 
 /// The part of `nvidia-smi`'s default view that a container's slice changes: per GPU its memory,
