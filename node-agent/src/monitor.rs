@@ -49,6 +49,8 @@ struct Cached {
     before_nvml: Vec<(usize, u32, [u64; vgpu_region::MAX_DEVICES])>,
     /// Likewise, the bytes its processes had reserved for calls the driver had not answered yet.
     in_flight_before: [u64; vgpu_region::MAX_DEVICES],
+    /// Per device: the container's refused allocations as the last true-up read them.
+    refusals: [u64; vgpu_region::MAX_DEVICES],
     throttled_launches: [u64; vgpu_region::MAX_DEVICES],
     /// Smoothed measured SM share per device (percent; NaN before the first sample).
     sm_ewma: [f64; vgpu_region::MAX_DEVICES],
@@ -81,7 +83,8 @@ struct Cached {
 /// freed it and a pool's shrinking at a synchronisation charged after it (those the agent sees only
 /// as a charge that moved while NVML measured). So the part rises once two passes in a row saw
 /// more, to the smaller of the two, and falls once three in a row saw less, to the largest of the
-/// three. Moves under 8 MiB are left alone, except to nothing.
+/// three (a pass after which the container was refused an allocation cannot show less: see
+/// [`true_up`]). Moves under 8 MiB are left alone, except to nothing.
 fn corrected(added: u64, up: [u64; 2], down: [u64; 3]) -> Option<u64> {
     let up = up[0].min(up[1]);
     let down = down[0].max(down[1]).max(down[2]);
@@ -124,6 +127,16 @@ fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index
     }
     let in_flight: [u64; vgpu_region::MAX_DEVICES] =
         std::array::from_fn(|dev| c.in_flight_before[dev].max(c.region.in_flight(dev)));
+    // Whether the container was refused an allocation on the device since the last pass: it is at
+    // its limit with calls being made, pools settled while other threads' allocations are in
+    // flight (a settle can charge a pool for one of them twice until the next), and its charge is
+    // no steady ground to lower a correction on. (On an H200, 16 threads refused 15 920 times in a
+    // 4 GiB slice saw the agent's correction of their context fall from 518 MiB to 14 MiB.) Where
+    // a wrong lowering costs most, then, it waits for three passes without refusals.
+    let refusing: [bool; vgpu_region::MAX_DEVICES] = std::array::from_fn(|dev| {
+        let now = c.region.layout().devices[dev].oom_rejections.load(Relaxed);
+        std::mem::replace(&mut c.refusals[dev], now) != now
+    });
     for j in c.live.clone() {
         let ((pid, host, used), slot) = (&mut live[j], live_slot[j]);
         // Its charge as read just before NVML's figures (None: a process new since).
@@ -145,7 +158,7 @@ fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index
             // The larger of the two readings: what its calls charged is no more than that while
             // NVML measured (barring a charge that came and went in between).
             let charged = before.map_or(used[dev], |b| b[dev].max(used[dev]));
-            steady[dev] = before.is_some_and(|b| b[dev] == used[dev]);
+            steady[dev] = before.is_some_and(|b| b[dev] == used[dev]) && !refusing[dev];
             let own = charged.saturating_sub(t.as_ref().map_or(0, |t| t.added[dev]));
             excess[dev] = measured.saturating_sub(own);
         }
@@ -971,6 +984,7 @@ impl Monitor {
                     nvml: Vec::new(),
                     before_nvml: Vec::new(),
                     in_flight_before: [0; vgpu_region::MAX_DEVICES],
+                    refusals: [0; vgpu_region::MAX_DEVICES],
                     throttled_launches: [0; vgpu_region::MAX_DEVICES],
                     sm_ewma: [f64::NAN; vgpu_region::MAX_DEVICES],
                     sm_ctl: [f64::NAN; vgpu_region::MAX_DEVICES],

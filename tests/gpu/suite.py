@@ -1322,14 +1322,19 @@ def check_pool_threads_agent(s):
         env["VGPU_MEMORY_TRUE_UP"] = "0"
         p = Proc(s, [s.bin("gpu-probe"), "pool-threads", "--size", str(size), "--iters", "1000", "--wait", "2"], env)
         beyond = []  # the agent's part of the process's charge, in the status, during the storm
+        readings = []  # (the process's charge, NVML's figure for the slice, the slice's charge)
         try:
             end = time.time() + 300
             # Until the probe reports (its process then ends, and its charges with it).
             while p.p.poll() is None and not any(p.lines) and time.time() < end:
                 sl = slice_in(a.status(), "storm") or {}
-                b = [x.get("memory_beyond_calls", 0) for x in sl.get("processes", []) if x.get("host_pid") == p.pid]
+                b = [x for x in sl.get("processes", []) if x.get("host_pid") == p.pid]
                 if b:
-                    beyond.append(b[0])
+                    beyond.append(b[0].get("memory_beyond_calls", 0))
+                    # What the process was charged and what NVML measured in the same pass: where
+                    # the correction falls, which of the two moved.
+                    g = (sl.get("gpus") or [{}])[0]
+                    readings.append((b[0].get("memory", 0), g.get("memory_measured", 0), g.get("memory_used", 0)))
                 time.sleep(0.1)
             p.p.wait(timeout=max(1, end - time.time()))
         finally:
@@ -1338,7 +1343,8 @@ def check_pool_threads_agent(s):
         j = parse_json(line) if line else None
         if not j or "error" in j:
             raise Fail("gpu-probe pool-threads: %s" % ((j or {}).get("error") or p.last_error()))
-    v = {"limit": lim, "size": size, "limited": j, "beyond_calls_during": beyond}
+    v = {"limit": lim, "size": size, "limited": j, "beyond_calls_during": beyond,
+         "charged_measured_used_during": readings}
     room = j["base"]["free"]
     charged = [b for b in beyond if b > 0]
     outcomes = ", ".join("%s %d" % kv for kv in sorted(j["outcomes"].items()))
@@ -1352,7 +1358,10 @@ def check_pool_threads_agent(s):
     if not charged:
         problems.append("the agent never charged the process's context while it ran")
     elif min(beyond[beyond.index(charged[0]):]) + 64 * MIB < max(charged):
-        problems.append("the agent's charge beyond the process's calls fell during the storm")
+        k = beyond.index(min(beyond[beyond.index(charged[0]):]))
+        problems.append("the agent's charge beyond the process's calls fell during the storm (at its lowest, %s: "
+                        "the process charged %s, NVML measured %s for the slice, the slice charged %s)" % (
+                            human(beyond[k]), *(human(x) for x in readings[k])))
     if j["pool_high"] > room + 64 * MIB:
         problems.append("the pool held %s, past the %s the limit left" % (human(j["pool_high"]), human(room)))
     if "CUDA_ERROR_OUT_OF_MEMORY" not in j["outcomes"]:

@@ -362,6 +362,13 @@ fn the_agent_lowers_a_correction_once_three_quiet_passes_show_less() {
     r.begin_in_flight(0, 64 * MIB);
     assert_eq!([used(), used(), used(), used()], [196; 4], "kept while 64 MiB are in flight");
     r.end_in_flight(0, 64 * MIB);
+    // Nor do passes after which the container was refused an allocation (at its limit, with calls
+    // being made and pools settled while other threads allocate: on an H200 a storm of refusals saw
+    // the correction fall from 518 MiB to 14 MiB).
+    for _ in 0..4 {
+        assert_eq!(r.reserve(slot, 0, 4 << 30, 1 << 30), vgpu_region::Reserve::OverLimit);
+        assert_eq!(used(), 196, "kept while allocations are refused");
+    }
     assert_eq!([used(), used(), used()], [196, 196, 164], "down to the 32 MiB left, at the third quiet pass");
     assert_eq!(r.slots()[0].3[0], (100 + 32 + 32) * MIB);
     // A process killed during a call leaves its bytes counted: cleared once the slice is empty.
