@@ -128,9 +128,11 @@ print("ok")
 #[test]
 fn the_suite_passes_on_the_simulated_gpu() {
     // CUDA contexts as big as PyTorch's on an H200 (610 MiB), more than libvgpu.so charges for one
-    // (256 MiB): the agent's checks must then rely on its true-up.
-    let s =
-        Sim::new(Some("context_overhead_mib = 640\nutil_window_ms = 200\n[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    // (256 MiB): the agent's checks must then rely on its true-up. A 580 driver, as the lent
+    // H200 had (nvidia-smi's private process lists are restricted on that branch).
+    let s = Sim::new(Some(
+        "driver_version = \"580.95.05\"\ncontext_overhead_mib = 640\nutil_window_ms = 200\n[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n",
+    ));
     let out = s.state.join("results");
     let o = suite(&s, &["--no-torch", "--quick", "--out", out.to_str().unwrap()]);
     let log = std::fs::read_to_string(out.join("log.txt")).unwrap_or_default();
@@ -199,11 +201,13 @@ fn the_suite_passes_on_the_simulated_gpu() {
         assert!(v["share_by_paced_pct"].as_f64().is_some(), "{name}: no usable paced reference: {c}");
     }
     // Every NVML query that names processes was asked in the container (3 lists in 3 versions, the
-    // detail list's 3 modes, 2 utilization queries), and its process was named.
+    // detail list's 3 modes, 2 utilization queries, the private table's 3 lists), and its process
+    // was named.
     let (_, c) = status("nvml");
     let p = &c["values"]["processes"];
-    assert_eq!(p["inside"].as_object().map(|m| m.len()), Some(14), "{c}");
+    assert_eq!(p["inside"].as_object().map(|m| m.len()), Some(17), "{c}");
     assert_eq!(p["inside"]["nvmlDeviceGetComputeRunningProcesses"], json!([p["container_pid"]]), "{c}");
+    assert_eq!(p["inside"]["private:213"], json!([p["container_pid"]]), "{c}");
     // And in a container with an SM limit alone, its own process.
     assert_eq!(p["inside_sm_only"]["nvmlDeviceGetComputeRunningProcesses"], json!([p["sm_only_container_pid"]]), "{c}");
     // The simulated driver has CUDA 13.0's cuMemSetMemPool: pool-hold's third run took place.
