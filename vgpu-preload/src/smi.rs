@@ -91,8 +91,12 @@ fn restricts() -> bool {
     true
 }
 
-/// The driver's major version (0: not known).
+/// The driver's major version (0: not known). NVML is initialised for it (a reference of this
+/// library's own): the caller may ask for the table before its own `nvmlInit`.
 fn driver_branch() -> u32 {
+    if !crate::trueup::nvml_ready() {
+        return 0;
+    }
     let Some(get) = nvml().nvmlSystemGetDriverVersion else { return 0 };
     let mut buf = [0 as std::ffi::c_char; 80];
     // SAFETY: a buffer of the length given.

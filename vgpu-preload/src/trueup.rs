@@ -245,7 +245,7 @@ fn learned(before: &[u32], after: impl Iterator<Item = u32>) -> Result<u32, usiz
 
 /// NVML, initialised once by this library (its own reference; the application's init and shutdown
 /// pair is unaffected). None when it cannot be used.
-fn nvml_ready() -> bool {
+pub(crate) fn nvml_ready() -> bool {
     static READY: OnceLock<bool> = OnceLock::new();
     *READY.get_or_init(|| {
         // SAFETY: nvmlInit_v2 takes no arguments; NVML counts initialisations.

@@ -839,6 +839,12 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
         assert_eq!(*v, want_all, "{name} outside: {all}");
         assert_eq!(mine[name], want_mine, "{name} in the container: {mine}");
     }
+    // The private table asked for before anything initialised NVML (nvidia-smi may fetch it
+    // first): restricted the same.
+    let o = out(&mut s.limited(NVML, &env), &["--lib", lib.to_str().unwrap(), "lists", "--table-first"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let first: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(first["gpus"][0]["lists"]["private:213"], json!([pin]), "{first}");
     // GPU 1, shared by an SM limit alone: the container's process only.
     let l1 = &gpus["gpus"][1]["lists"];
     for name in ["nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses", "private:213"] {

@@ -13,10 +13,12 @@
 //!   each process seen)
 //!        nvml-probe [--lib PATH] smi
 //!   (what `nvidia-smi` shows, as text: per GPU its memory, utilization and compute processes)
-//!        nvml-probe [--lib PATH] lists
+//!        nvml-probe [--lib PATH] lists [--table-first]
 //!   (the PIDs each per-process query names, per GPU, each entry point found by `dlsym` as an
 //!   application finds it: the compute, graphics and MPS lists of every version, the detail list
-//!   of each mode, and both per-process utilization queries; an NVML error as {"error": code})
+//!   of each mode, both per-process utilization queries, and the lists of NVML's private table that
+//!   nvidia-smi uses, "private:213" to "private:215", that table asked for before NVML is
+//!   initialised with --table-first; an NVML error as {"error": code})
 use nvml_wrapper::bitmasks::InitFlags;
 use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings::*;
@@ -37,6 +39,17 @@ fn main() {
     });
     if let Some(l) = &lib {
         b.lib_path(l);
+    }
+    // `lists --table-first`: the private table asked for before anything initialises NVML.
+    if let Some(i) = args.iter().position(|a| a == "--table-first") {
+        args.remove(i);
+        use std::os::unix::ffi::OsStrExt;
+        let path =
+            std::ffi::CString::new(lib.as_deref().map(|l| l.as_bytes()).unwrap_or(b"libnvidia-ml.so.1")).unwrap();
+        if let Some(get) = entry(&path, "nvmlInternalGetExportTable") {
+            let (r, t) = private_table(get);
+            let _ = TABLE_FIRST.set((r, t as usize));
+        }
     }
     let nvml = b.flags(InitFlags::empty()).init().unwrap_or_else(|e| die(&format!("init: {e}")));
     match args.first().map(String::as_str) {
@@ -476,21 +489,35 @@ fn lists(nvml: &Nvml, lib: Option<&std::ffi::OsStr>) -> Value {
     json!({ "gpus": gpus })
 }
 
-/// The process lists of NVML's private table that `nvidia-smi` lists processes through (entries
-/// 213-215 of the table `nvmlInternalGetExportTable` gives for its GUID; each entry of a list
-/// 4128 bytes, the PID first), asked as `nvidia-smi` asks them: one call with room for 250.
-fn private_lists(get: *mut std::ffi::c_void, dev: nvmlDevice_t, m: &mut serde_json::Map<String, Value>) {
+/// (NVML's answer, the table's address) of `nvmlInternalGetExportTable` (`get`) for the process
+/// lists' GUID.
+fn private_table(get: *mut std::ffi::c_void) -> (nvmlReturn_t, *const usize) {
     const GUID: [u8; 16] =
         [0xc4, 0xfe, 0x3e, 0x6c, 0xc9, 0x8f, 0x6c, 0x4e, 0xa3, 0x27, 0xee, 0x69, 0x6e, 0x12, 0xf7, 0xc4];
-    const ENTRY: usize = 4128;
-    const ROOM: u32 = 250;
     type Get = unsafe extern "C" fn(*mut *const usize, *const u8) -> nvmlReturn_t;
-    type List = unsafe extern "C" fn(nvmlDevice_t, *mut u32, *mut u8) -> nvmlReturn_t;
     // SAFETY: the signature the symbol has (a table out-pointer and the GUID's bytes).
     let get = unsafe { std::mem::transmute::<*mut std::ffi::c_void, Get>(get) };
     let mut t: *const usize = std::ptr::null();
     // SAFETY: an out-pointer to a local and 16 bytes.
     let r = unsafe { get(&mut t, GUID.as_ptr()) };
+    (r, t)
+}
+
+/// The private table as asked for before NVML was initialised (`lists --table-first`).
+static TABLE_FIRST: std::sync::OnceLock<(nvmlReturn_t, usize)> = std::sync::OnceLock::new();
+
+/// The process lists of NVML's private table that `nvidia-smi` lists processes through (entries
+/// 213-215 of the table `nvmlInternalGetExportTable` gives for its GUID; each entry of a list
+/// 4128 bytes, the PID first), asked as `nvidia-smi` asks them: one call with room for 250.
+fn private_lists(get: *mut std::ffi::c_void, dev: nvmlDevice_t, m: &mut serde_json::Map<String, Value>) {
+    const ENTRY: usize = 4128;
+    const ROOM: u32 = 250;
+    type List = unsafe extern "C" fn(nvmlDevice_t, *mut u32, *mut u8) -> nvmlReturn_t;
+    // The table asked for before NVML was initialised (`--table-first`), or now.
+    let (r, t) = match TABLE_FIRST.get() {
+        Some(&(r, t)) => (r, t as *const usize),
+        None => private_table(get),
+    };
     // SAFETY: NVML gave a table whose first word is its size in bytes.
     if r != 0 || t.is_null() || unsafe { *t } < 216 * std::mem::size_of::<usize>() {
         m.insert("private".into(), json!({ "error": r }));
