@@ -6,7 +6,8 @@
 //! does the same for itself, from NVML's per-process figure for its own host PID:
 //!
 //! * right after its first context on a device (the context's real size), and after a context
-//!   went (its memory with it);
+//!   went (its memory with it): these two also where an agent watches the region (see
+//!   [`TrueUp::new`]);
 //! * on allocations that bring the container within min(limit / 4, 1 GiB) of its limit, at most
 //!   once per 100 ms, before the reservation that would admit them;
 //! * before refusing an allocation, at most once per 10 ms (memory the driver gave back is no
