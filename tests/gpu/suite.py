@@ -1066,10 +1066,17 @@ def check_overhead(s):
         b["launch_ns"], w["launch_ns"], v["launch_ratio"], v["launch_delta_ns"], pair_b, pair_w, v["pair_ratio"], v["pair_delta_ns"])
     # Under an SM limit that leaves the budget available (99 %): the limited launch path (budget
     # +30 ns), best of two.
-    limited = min(s.probe(args, s.env(True, sm=99))["launch_ns"] for _ in range(2))
+    best_limited = min((s.probe(args, s.env(True, sm=99)) for _ in range(2)), key=lambda r: r["launch_ns"])
+    limited = best_limited["launch_ns"]
     v["limited_launch_ns"] = limited
     v["limited_launch_delta_ns"] = limited - b["launch_ns"]
     summary += "; under a 99 %% SM limit %.0f ns (%+.0f ns)" % (limited, v["limited_launch_delta_ns"])
+    # Whether those launches found the budget in debt (the limit throttled them: the launches were
+    # charged more GPU time than passed) or only paid for the limited path.
+    if "throttled_launches" in best_limited:
+        v["limited_throttled_launches"] = best_limited["throttled_launches"]
+        v["limited_throttled_ns"] = best_limited["throttled_ns"]
+        summary += ", %d launches throttled (%.1f ms waited)" % (best_limited["throttled_launches"], best_limited["throttled_ns"] / 1e6)
     # The first context under a memory limit (cuInit to a current primary context), with the
     # standalone true-up off and on: on, it also initialises NVML and lists the GPU's processes twice
     # there. A cold path with no budget: reported, best of three each.

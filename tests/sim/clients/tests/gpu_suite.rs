@@ -222,6 +222,8 @@ fn the_suite_passes_on_the_simulated_gpu() {
     // Timed against each other on a shared machine: reported, not asserted (a debug build here).
     let (_, c) = status("overhead");
     assert!(c["values"]["launch_ratio"].as_f64().is_some_and(|x| x > 0.0), "{c}");
+    // Whether the limited launches found the budget in debt, read from their container's region.
+    assert!(c["values"]["limited_throttled_launches"].as_u64().is_some(), "{c}");
     let (_, c) = status("sm-25-75");
     assert!(c["values"]["a_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
     // Two unlimited processes share the simulated GPU's one timeline: together about one alone

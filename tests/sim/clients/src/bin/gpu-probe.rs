@@ -323,7 +323,17 @@ fn latency(args: &[String]) -> Result<Value, String> {
             best_free = tf.as_nanos() as f64 / n;
         }
     }
-    Ok(json!({"launch_ns": best_launch, "alloc_ns": best_alloc, "free_ns": best_free, "alloc_size": size}))
+    let mut v = json!({"launch_ns": best_launch, "alloc_ns": best_alloc, "free_ns": best_free, "alloc_size": size});
+    // Under an SM limit: whether the launches waited for the budget (the limit throttled them)
+    // or only paid the limited path's cost, from the container's region.
+    if let Some(r) = std::env::var_os("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+        .and_then(|p| vgpu_region::Region::open(std::path::Path::new(&p), false).ok())
+    {
+        let d = &r.layout().devices[0];
+        v["throttled_launches"] = json!(d.sm_throttled_launches.load(std::sync::atomic::Ordering::Relaxed));
+        v["throttled_ns"] = json!(d.sm_throttled_ns.load(std::sync::atomic::Ordering::Relaxed));
+    }
+    Ok(v)
 }
 
 fn alloc(args: &[String], hold: bool) -> Result<Value, String> {
