@@ -888,6 +888,14 @@ def nvml_processes(s, lim, smi):
         problems.append("outside, NVML's compute list %s does not name all of %s" % (outside_v3, sorted(everyone)))
     if smi and not (isinstance(apps.get("outside"), list) and everyone <= set(apps["outside"])):
         problems.append("nvidia-smi's compute apps outside: %s" % apps.get("outside"))
+    # NVML's private table as nvidia-smi reads it (what libvgpu.so restricts on the 580 branch):
+    # outside, its first list must name the three processes as the public compute list does, or
+    # its shape on this driver is not the one known. (A driver without the table answers an error,
+    # reported with the lists.)
+    private = lists["outside"].get("private:213")
+    if isinstance(private, list) and not everyone <= set(private):
+        problems.append("outside, the private table's first process list %s does not name all of %s "
+                        "(its shape on this driver is not the one known)" % (private, sorted(everyone)))
     got = lists["memory"]
     answered = sorted(n for n, l in got.items() if isinstance(l, list))
     # What the others answered: NVML's code (6, NOT_FOUND, from a per-process utilization query:
