@@ -442,14 +442,14 @@ pub fn left_out_geometries<'a>(
     name: &str,
     profiles: &[vgpu_mig::model::Profile],
 ) -> Vec<(&'a str, Vec<&'a str>)> {
-    if profiles.is_empty() {
-        return Vec::new();
-    }
     left_out_on(k, &gpu_of(name, profiles))
 }
 
 /// [`left_out_geometries`] for a GPU already made of its name and profiles.
 fn left_out_on<'a>(k: &'a KnownMigGeometries, gpu: &vgpu_mig::model::Gpu) -> Vec<(&'a str, Vec<&'a str>)> {
+    if gpu.profiles.is_empty() {
+        return Vec::new();
+    }
     k.geometries
         .iter()
         .filter_map(|g| {
@@ -476,10 +476,7 @@ pub fn gpu_geometries(
 ) -> Vec<MigGeometry> {
     let gpu = gpu_of(name, profiles);
     if let Some(k) = configured_geometries(known, name) {
-        let left: Vec<&str> = match profiles.is_empty() {
-            true => Vec::new(),
-            false => left_out_on(k, &gpu).into_iter().map(|(g, _)| g).collect(),
-        };
+        let left: Vec<&str> = left_out_on(k, &gpu).into_iter().map(|(g, _)| g).collect();
         let mut v: Vec<MigGeometry> =
             k.geometries.iter().filter(|g| !left.contains(&g.group.as_str())).cloned().collect();
         // HAMi's (unnamed) geometries are referred to by their index in what is registered.

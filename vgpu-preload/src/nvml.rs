@@ -366,13 +366,19 @@ fn seen_by_host_pid(host: u32, inner: u32) -> bool {
 /// container: what `nvidia-smi` there can find in `/proc` (with host PIDs its process table stays
 /// empty) and what a process compares with its own `getpid()`.
 fn keep_ours<T: Listed>(list: &mut Vec<T>, mine: &[(u32, u32)]) {
-    list.retain_mut(|e| match mine.iter().find(|(nv, _)| *nv == e.pid()) {
-        Some(&(_, inner)) => {
+    list.retain_mut(|e| match shown_as(mine, e.pid()) {
+        Some(inner) => {
             e.set_pid(inner);
             true
         }
         None => false,
     });
+}
+
+/// The PID a process NVML lists as `nv` is shown under in the container, if it is one of the
+/// container's (`mine`, from [`ours`]).
+pub(crate) fn shown_as(mine: &[(u32, u32)], nv: u32) -> Option<u32> {
+    mine.iter().find(|(n, _)| *n == nv).map(|&(_, inner)| inner)
 }
 
 /// Asks `query` (the driver, with a buffer of ours grown as it asks, see [`grown`]), keeps the

@@ -82,10 +82,12 @@ fn restricts() -> bool {
     }
     let branch = driver_branch();
     if !KNOWN_BRANCHES.contains(&branch) {
-        said_once(&format!(
-            "nvidia-smi's process lists are not restricted to the container's on driver branch {branch}: \
-             its private table is known only on {KNOWN_BRANCHES:?}"
-        ));
+        said_once(|| {
+            format!(
+                "nvidia-smi's process lists are not restricted to the container's on driver branch {branch}: \
+                 its private table is known only on {KNOWN_BRANCHES:?}"
+            )
+        });
         return false;
     }
     true
@@ -108,10 +110,12 @@ fn driver_branch() -> u32 {
     v.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0)
 }
 
-fn said_once(what: &str) {
+/// Says why `nvidia-smi`'s lists are not restricted, once per process (whatever the reason: one
+/// is enough to know; the text is made only then).
+fn said_once(what: impl FnOnce() -> String) {
     static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if !SAID.swap(true, Relaxed) {
-        vlog!(INFO, "{what}");
+        vlog!(INFO, "{}", what());
     }
 }
 
@@ -127,7 +131,7 @@ unsafe fn wrapped(t: usize) -> Option<usize> {
     let size = unsafe { *(t as *const usize) };
     let words = size / word;
     if size % word != 0 || words <= FIRST_LIST + LISTS || words > MAX_WORDS {
-        said_once(&format!("NVML's private table has {size} bytes: nvidia-smi's process lists are not restricted"));
+        said_once(|| format!("NVML's private table has {size} bytes: nvidia-smi's process lists are not restricted"));
         return None;
     }
     // SAFETY: `words` words from the table's start, as its size says.
@@ -185,12 +189,16 @@ unsafe fn keep_ours(dev: NvmlDevice, count: *mut u32, array: *mut u8, cap: u32) 
         (0..n as usize).map(|k| unsafe { (array.add(k * ENTRY) as *const u32).read_unaligned() }).collect();
     let public = public_pids(dev);
     if !pids.iter().all(|p| public.contains(p)) {
-        said_once("an entry of NVML's private process list is not a process NVML lists: nvidia-smi's process lists are not restricted");
+        said_once(|| {
+            "an entry of NVML's private process list is not a process NVML lists: nvidia-smi's process lists are \
+             not restricted"
+                .into()
+        });
         return;
     }
     let mut kept = 0usize;
     for (k, pid) in pids.iter().enumerate() {
-        let Some(&(_, inner)) = mine.iter().find(|(nv, _)| nv == pid) else { continue };
+        let Some(inner) = crate::nvml::shown_as(&mine, *pid) else { continue };
         // SAFETY: both entries are within the n written; copy handles kept == k.
         unsafe {
             std::ptr::copy(array.add(k * ENTRY), array.add(kept * ENTRY), ENTRY);
