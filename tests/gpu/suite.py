@@ -82,7 +82,10 @@ class Suite:
         self.log.write(msg + "\n")
         self.log.flush()
 
-    def env(self, interposed, mem=None, sm=None, region=None, extra=None):
+    def env(self, interposed, mem=None, sm=None, region=None, extra=None, diag=False):
+        """The environment of a process: the interposer's settings where `interposed`; `diag`: its
+        log at info (what it measured and decided, on stderr, which a check's verdict may quote:
+        see `vgpu_said`). Never for a check that times anything."""
         e = {k: v for k, v in os.environ.items()
              if not k.startswith(("CUDA_DEVICE_", "VGPU_AGENT_")) and k not in ("LD_PRELOAD", "VGPU_LIMITS_FILE")}
         if interposed:
@@ -94,6 +97,8 @@ class Suite:
             if sm is not None:
                 e["CUDA_DEVICE_SM_LIMIT"] = str(sm)
         e.update(extra or {})
+        if diag and "LD_PRELOAD" in e:
+            e["LIBCUDA_LOG_LEVEL"] = "2"
         return e
 
     def bin(self, name):
@@ -230,7 +235,8 @@ class Proc:
         self.err = []
         self.cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_err, daemon=True).start()
+        self.err_reader = threading.Thread(target=self._read_err, daemon=True)
+        self.err_reader.start()
 
     def _read(self):
         for line in self.p.stdout:
@@ -247,6 +253,13 @@ class Proc:
 
     def what(self):
         return " ".join(os.path.basename(a) for a in self.argv[:3])
+
+    def said(self):
+        """What libvgpu.so wrote to this process's stderr (see `vgpu_said`); all of it once the
+        process has exited."""
+        if self.p.poll() is not None:
+            self.err_reader.join(5)
+        return vgpu_said("".join(self.err))
 
     def last_error(self):
         for line in reversed(self.lines):
@@ -368,6 +381,16 @@ def tail(text, n=300):
     return text[-n:]
 
 
+def vgpu_said(err, most=16):
+    """The last `most` lines libvgpu.so wrote among a process's stderr (its log: "vgpu[PID]: ...")."""
+    return [l.strip() for l in (err or "").splitlines() if l.startswith("vgpu[")][-most:]
+
+
+def quoted(lines):
+    """Log lines for a verdict: "libvgpu.so said: a | b", or that it said nothing."""
+    return "libvgpu.so said: " + " | ".join(lines) if lines else "libvgpu.so said nothing"
+
+
 def within(got, want, pts):
     return got is not None and abs(got - want) <= pts
 
@@ -468,7 +491,10 @@ def torch_oom(s, env, at_baseline):
         p.expect("at-oom", 180)
         real = nvml_process_used(s, p.pid)
         p.send("go")
-        return p.result(120), real, before
+        j = p.result(120)
+        # The true-up's measurements and refusals, where the environment has the log at info.
+        j["vgpu_said"] = p.said()
+        return j, real, before
     finally:
         p.kill()
 
@@ -482,7 +508,7 @@ def check_oom(s):
         if over["ok"] or not under["ok"] or over["result"] != "CUDA_ERROR_OUT_OF_MEMORY":
             raise Fail("over the limit: %s; half the limit: %s" % (over["result"], under["result"]))
         return "limit+1 MiB: %s; limit/2: ok" % over["result"], {"over": over, "under": under}
-    return torch_oom_verdict(s, s.env(True, mem=lim), "")
+    return torch_oom_verdict(s, s.env(True, mem=lim, diag=True), "")
 
 
 def check_oom_expandable(s):
@@ -491,7 +517,7 @@ def check_oom_expandable(s):
     place, and given back with cuMemUnmap and cuMemRelease."""
     if not s.torch:
         raise Skip("needs PyTorch (the driver-API form of this path, cuMemCreate, runs in the interposer tests)")
-    env = s.env(True, mem=s.limit, extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    env = s.env(True, mem=s.limit, extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, diag=True)
     return torch_oom_verdict(s, env, "expandable segments: ")
 
 
@@ -508,7 +534,10 @@ def torch_oom_verdict(s, env, label):
     if not j["small_after_oom"] or j["refit_after_free"] is False:
         problems.append("allocations under the limit failed after the error")
     if j["after_free"] != j["base_free"]:
-        problems.append("free after freeing %s != baseline %s" % (human(j["after_free"]), human(j["base_free"])))
+        # The true-up's measurements: what it charged beyond the calls, and when.
+        said = j.get("vgpu_said") or []
+        problems.append("free after freeing %s != baseline %s (%s)" % (
+            human(j["after_free"]), human(j["base_free"]), quoted([l for l in said if "driver holds" in l] or said)))
     summary = label + "OutOfMemoryError after %d x 512 MiB = %s (limit %s); real usage then (NVML) %s, of which the CUDA context %s; free back to baseline: %s" % (
         j["chunks"], human(j["allocated"]), human(lim), human(real), human(context), j["after_free"] == j["base_free"])
     if real is not None and real > lim:
@@ -857,7 +886,7 @@ def nvml_processes(s, lim, smi):
         other = procs["outside"] = Proc(s, hold, s.env(False))
         for where, p in procs.items():
             held(p, "the process outside" if where == "outside" else "the %s container's process" % where, size)
-        lists, apps = {}, {}
+        lists, apps, smi_said = {}, {}, {}
         for where, env in containers + (("outside", lambda: s.env(False)),):
             _, j, _, err = s.run([probe, "lists"], env())
             if not j:
@@ -865,8 +894,13 @@ def nvml_processes(s, lim, smi):
             lists[where] = j["gpus"][0]["lists"]
             if smi:
                 q = [smi, "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"]
-                rc, _, out, e = s.run(q, env())
+                # In a container with the log at info: what libvgpu.so made of nvidia-smi's lists.
+                smi_env = env()
+                if "LD_PRELOAD" in smi_env:
+                    smi_env["LIBCUDA_LOG_LEVEL"] = "2"
+                rc, _, out, e = s.run(q, smi_env)
                 apps[where] = sorted(int(x) for x in out.split() if x.strip().isdigit()) if rc == 0 else "rc=%d: %s" % (rc, tail(e))
+                smi_said[where] = vgpu_said(e)
     finally:
         for p in procs.values():
             p.kill()
@@ -881,7 +915,8 @@ def nvml_processes(s, lim, smi):
             if isinstance(l, list) and (l != [pin] if n in compute else not set(l) <= {pin}):
                 problems.append("%s in the %s container names %s (its process: %d)" % (n, where, l, pin))
         if smi and apps.get(where) != [pin]:
-            problems.append("nvidia-smi's compute apps in the %s container: %s" % (where, apps.get(where)))
+            problems.append("nvidia-smi's compute apps in the %s container: %s (%s)" % (
+                where, apps.get(where), quoted(smi_said.get(where))))
     everyone = {p.pid for p in procs.values()}
     outside_v3 = lists["outside"].get("nvmlDeviceGetComputeRunningProcesses_v3")
     if not isinstance(outside_v3, list) or not everyone <= set(outside_v3):
@@ -908,7 +943,8 @@ def nvml_processes(s, lim, smi):
         + (" (nvidia-smi too)" if smi else ""))
     return summary, {"container_pid": procs["memory"].pid, "sm_only_container_pid": procs["SM-only"].pid,
                      "other_pid": pout, "inside": got, "inside_sm_only": lists["SM-only"],
-                     "outside": lists["outside"], "nvidia_smi_apps": apps, "problems": problems}
+                     "outside": lists["outside"], "nvidia_smi_apps": apps, "nvidia_smi_vgpu_said": smi_said,
+                     "problems": problems}
 
 
 def clock_scaled(got, util, base_util):
@@ -1279,6 +1315,8 @@ def check_oom_agent(s):
     lim = s.limit
     with AgentRun(s, "agent-oom") as a:
         env = a.slice_env("oom", a.first_gpu(), lim)
+        # The process's log at info: its charge at its context, its refusals.
+        env["LIBCUDA_LOG_LEVEL"] = "2"
 
         def trued_up(pid):
             """Waits (10 s at most) until the agent accounts the process at what NVML measures for it
@@ -1315,7 +1353,8 @@ def check_oom_agent(s):
         human(lim), human(at_start.get("memory_used")), human(at_start.get("memory_measured")), chunks, human(real))
     if not refused or real is None or real > lim:
         raise Fail(summary + ("" if refused else "; not refused") + (
-            "; over the limit" if real is not None and real > lim else ""), v)
+            "; over the limit" if real is not None and real > lim else "") + (
+            " (%s)" % quoted(j["vgpu_said"]) if "vgpu_said" in j else ""), v)
     return summary, v
 
 

@@ -146,6 +146,7 @@ unsafe fn wrapped(t: usize) -> Option<usize> {
     }
     let ours = Box::leak(copy.into_boxed_slice()).as_ptr() as usize;
     tables.push((t, ours));
+    vlog!(INFO, "NVML's private table ({size} bytes) handed out with its process lists restricted to the container's");
     Some(ours)
 }
 
@@ -180,7 +181,15 @@ lists! {
 unsafe fn keep_ours(dev: NvmlDevice, count: *mut u32, array: *mut u8, cap: u32) {
     // SAFETY: the caller's non-null count.
     let n = unsafe { *count };
-    if n == 0 || n > cap || cap > MAX_ENTRIES || !known_handle(dev) {
+    if n == 0 || n > cap || cap > MAX_ENTRIES {
+        return;
+    }
+    if !known_handle(dev) {
+        said_once(|| {
+            "a private process list was asked about a handle NVML's public calls do not give: nvidia-smi's \
+             process lists are not restricted"
+                .into()
+        });
         return;
     }
     let Some(mine) = crate::nvml::ours(dev) else { return };
@@ -208,6 +217,7 @@ unsafe fn keep_ours(dev: NvmlDevice, count: *mut u32, array: *mut u8, cap: u32) 
     }
     // SAFETY: the caller's non-null count.
     unsafe { *count = kept as u32 };
+    vlog!(INFO, "a private process list: {kept} of its {n} entries are the container's");
 }
 
 /// Whether `dev` is a handle NVML gives for one of the node's GPUs (a private entry given anything

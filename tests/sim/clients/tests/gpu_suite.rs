@@ -296,6 +296,75 @@ fn results_are_written_after_every_check_so_a_run_cut_short_keeps_its_figures() 
     assert!(md.contains("| load | PASS |") && md.contains("| sm-30 | NOT RUN |"), "{md}");
 }
 
+/// A stand-in for `nvidia-smi` over the simulated NVML, for the queries the suite makes: its process
+/// list comes from NVML's private table (`nvml-probe lists`, "private:213"), as the real one's does,
+/// and what libvgpu.so logs reaches its stderr.
+const NVIDIA_SMI: &str = r#"#!/usr/bin/env python3
+import json, os, subprocess, sys
+
+def ask(*a):
+    o = subprocess.run([os.environ["VGPU_TEST_NVML_PROBE"], *a], stdout=subprocess.PIPE, text=True)
+    if o.returncode:
+        sys.exit(o.returncode)
+    return json.loads(o.stdout)
+
+q = next((a.split("=", 1) for a in sys.argv[1:] if a.startswith("--query-")), None)
+if q is None:
+    print("NVIDIA-SMI (stand-in)  Driver Version: %s  CUDA Version: 12.4" % ask("snapshot")["driver_version"])
+elif q[0] == "--query-compute-apps":
+    listed = ask("lists")["gpus"][0]["lists"]["private:213"]
+    print("\n".join(str(p) for p in listed) if isinstance(listed, list) else "")
+else:
+    s = ask("snapshot")
+    g = s["gpus"][0]
+    v = {"memory.total": g["memory"]["total"] >> 20, "memory.used": g["memory"]["used"] >> 20,
+         "name": g["name"], "driver_version": s["driver_version"]}
+    print(", ".join(str(v[k]) for k in q[1].split(",")))
+"#;
+
+/// The suite's `nvml` check with `nvidia-smi` (the stand-in) on the PATH, on a driver of `branch`.
+fn nvml_check_with_nvidia_smi(branch: &str) -> (Value, Output) {
+    let s = Sim::new(Some(&format!("driver_version = \"{branch}.95.05\"\n[[gpu]]\nmodel = \"H100-80GB\"\n")));
+    let bin = s.state.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let smi = bin.join("nvidia-smi");
+    std::fs::write(&smi, NVIDIA_SMI).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let out = s.state.join("results");
+    let mut c = s.cmd(run_sh().to_str().unwrap());
+    c.arg("--lib").arg(libvgpu()).arg("--bin-dir").arg(Path::new(RT).parent().unwrap());
+    c.args(["--no-torch", "--quick", "--only", "nvml", "--out", out.to_str().unwrap()]);
+    c.env("PATH", path).env("VGPU_TEST_NVML_PROBE", Path::new(RT).parent().unwrap().join("nvml-probe"));
+    let o = c.output().unwrap();
+    let r: Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap())
+        .unwrap_or_else(|e| panic!("results.json: {e}\n{}", text(&o)));
+    (r["checks"][0].clone(), o)
+}
+
+#[test]
+fn nvidia_smi_in_a_container_names_its_processes_and_where_it_cannot_the_check_says_why() {
+    // The 580 branch: nvidia-smi's list in each container is its process; what libvgpu.so did
+    // with the list is recorded.
+    let (c, o) = nvml_check_with_nvidia_smi("580");
+    assert_eq!((&c["name"], &c["status"]), (&json!("nvml"), &json!("pass")), "{c}\n{}", text(&o));
+    assert_eq!(c["values"]["tool"], "nvidia-smi", "{c}");
+    let p = &c["values"]["processes"];
+    assert_eq!(p["nvidia_smi_apps"]["memory"], json!([p["container_pid"]]), "{c}");
+    assert_eq!(p["nvidia_smi_apps"]["SM-only"], json!([p["sm_only_container_pid"]]), "{c}");
+    assert_eq!(p["nvidia_smi_apps"]["outside"].as_array().map(Vec::len), Some(3), "{c}");
+    let said = p["nvidia_smi_vgpu_said"]["memory"].to_string();
+    assert!(said.contains("1 of its 3 entries are the container's"), "{c}");
+    // Another branch: the private table is passed through, nvidia-smi names every process, and
+    // the verdict quotes libvgpu.so's reason.
+    let (c, o) = nvml_check_with_nvidia_smi("550");
+    assert_eq!(c["status"], "fail", "{c}\n{}", text(&o));
+    let summary = c["summary"].as_str().unwrap();
+    assert!(summary.contains("nvidia-smi's compute apps in the memory container"), "{summary}");
+    assert!(summary.contains("libvgpu.so said: ") && summary.contains("on driver branch 550"), "{summary}");
+}
+
 #[test]
 fn the_load_check_fails_where_dlvsym_reaches_the_driver() {
     // A driver library without version information answers dlvsym under any version: here a

@@ -841,10 +841,16 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
     }
     // The private table asked for before anything initialised NVML (nvidia-smi may fetch it
     // first): restricted the same.
-    let o = out(&mut s.limited(NVML, &env), &["--lib", lib.to_str().unwrap(), "lists", "--table-first"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // With the log at info, it says so (what the real-GPU suite reads when nvidia-smi lists more).
+    let mut c = s.limited(NVML, &env);
+    c.env("LIBCUDA_LOG_LEVEL", "2");
+    let o = out(&mut c, &["--lib", lib.to_str().unwrap(), "lists", "--table-first"]);
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{said}");
     let first: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(first["gpus"][0]["lists"]["private:213"], json!([pin]), "{first}");
+    assert!(said.contains("process lists restricted to the container's"), "{said}");
+    assert!(said.contains("1 of its 2 entries are the container's"), "{said}");
     // GPU 1, shared by an SM limit alone: the container's process only.
     let l1 = &gpus["gpus"][1]["lists"];
     for name in ["nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses", "private:213"] {
