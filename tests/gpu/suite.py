@@ -1565,15 +1565,20 @@ def check_agent_sm(s):
             return (g.get("utilization") or {}).get("gpu"), max(recent) if recent else None
 
         def watch():
+            busy = None
             while not stop.is_set():
                 st = a.status()
                 if st.get("gpus"):
                     seen.append({"held": st["gpus"][0].get("sm_feedback_held", False),
                                  "utilization": st["gpus"][0].get("utilization"),
                                  "slices": {n: ((slice_in(st, n) or {}).get("gpus") or [{}])[0] for n in ("low", "high")}})
-                    # What NVML (nvidia-smi's GPU-Util) shows in each slice and outside, twice.
-                    if probe and len(seen) in (8, 16):
-                        row = {}
+                    # What NVML (nvidia-smi's GPU-Util) shows in each slice and outside, twice
+                    # while both slices' launches are charged (PyTorch takes seconds to start:
+                    # readings by the clock alone came before the work, all 0 %), 1 s and 4 s in.
+                    if busy is None and all((seen[-1]["slices"][n].get("sm_accounted") or 0) > 0 for n in ("low", "high")):
+                        busy = len(seen)
+                    if probe and busy is not None and len(seen) in (busy + 2, busy + 8):
+                        row = {"status": len(seen)}
                         for k, env in (("low", envs[0]), ("high", envs[1]), ("gpu", s.env(False))):
                             row[k], row[k + "_samples"] = gpu_util(env)
                         shown.append(row)
