@@ -224,6 +224,10 @@ fn the_suite_passes_on_the_simulated_gpu() {
     assert!(c["values"]["launch_ratio"].as_f64().is_some_and(|x| x > 0.0), "{c}");
     // Whether the limited launches found the budget in debt, read from their container's region.
     assert!(c["values"]["limited_throttled_launches"].as_u64().is_some(), "{c}");
+    // The first context without libvgpu.so and with it (true-up off and on), for the start budget.
+    for k in ["bare", "true_up_off", "true_up_on"] {
+        assert!(c["values"]["first_context_ms"][k].as_f64().is_some_and(|x| x > 0.0), "{k}: {c}");
+    }
     let (_, c) = status("sm-25-75");
     assert!(c["values"]["a_pct"].as_f64().is_some_and(|x| x > 5.0 && x < 50.0), "{c}");
     // Two unlimited processes share the simulated GPU's one timeline: together about one alone
