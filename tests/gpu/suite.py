@@ -886,7 +886,7 @@ def nvml_processes(s, lim, smi):
         other = procs["outside"] = Proc(s, hold, s.env(False))
         for where, p in procs.items():
             held(p, "the process outside" if where == "outside" else "the %s container's process" % where, size)
-        lists, apps, smi_said = {}, {}, {}
+        lists, apps, smi_said, smi_bound = {}, {}, {}, {}
         for where, env in containers + (("outside", lambda: s.env(False)),):
             _, j, _, err = s.run([probe, "lists"], env())
             if not j:
@@ -901,6 +901,10 @@ def nvml_processes(s, lim, smi):
                 rc, _, out, e = s.run(q, smi_env)
                 apps[where] = sorted(int(x) for x in out.split() if x.strip().isdigit()) if rc == 0 else "rc=%d: %s" % (rc, tail(e))
                 smi_said[where] = vgpu_said(e)
+                if "LD_PRELOAD" in smi_env and isinstance(apps[where], list) and len(apps[where]) > 1 and not smi_said[where]:
+                    # It named others and the library said nothing: where its NVML entry points
+                    # bound (the dynamic linker's account), to tell a path around the library.
+                    smi_bound[where] = nvml_bindings(s, q, smi_env)
     finally:
         for p in procs.values():
             p.kill()
@@ -915,8 +919,10 @@ def nvml_processes(s, lim, smi):
             if isinstance(l, list) and (l != [pin] if n in compute else not set(l) <= {pin}):
                 problems.append("%s in the %s container names %s (its process: %d)" % (n, where, l, pin))
         if smi and apps.get(where) != [pin]:
-            problems.append("nvidia-smi's compute apps in the %s container: %s (%s)" % (
-                where, apps.get(where), quoted(smi_said.get(where))))
+            bound = smi_bound.get(where)
+            problems.append("nvidia-smi's compute apps in the %s container: %s (%s%s)" % (
+                where, apps.get(where), quoted(smi_said.get(where)),
+                "; its NVML bindings: " + " | ".join(bound) if bound else ""))
     everyone = {p.pid for p in procs.values()}
     outside_v3 = lists["outside"].get("nvmlDeviceGetComputeRunningProcesses_v3")
     if not isinstance(outside_v3, list) or not everyone <= set(outside_v3):
@@ -944,7 +950,28 @@ def nvml_processes(s, lim, smi):
     return summary, {"container_pid": procs["memory"].pid, "sm_only_container_pid": procs["SM-only"].pid,
                      "other_pid": pout, "inside": got, "inside_sm_only": lists["SM-only"],
                      "outside": lists["outside"], "nvidia_smi_apps": apps, "nvidia_smi_vgpu_said": smi_said,
+                     "nvidia_smi_nvml_bindings": smi_bound,
                      "problems": problems}
+
+
+def nvml_bindings(s, argv, env, most=6):
+    """Runs `argv` again with the dynamic linker's bindings on stderr (LD_DEBUG=bindings) and
+    returns its distinct lines about NVML's private entry points (the table `nvidia-smi` lists
+    processes through), shortened to "FROM -> TO: symbol" (the first `most`)."""
+    e = dict(env, LD_DEBUG="bindings")
+    try:
+        p = subprocess.run(argv, env=e, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return ["timed out"]
+    out = []
+    for line in p.stderr.splitlines():
+        m = re.search(r"binding file (\S+) .*? to (\S+) .*?symbol `([^']+)'", line)
+        if m and m.group(3).startswith("nvmlInternal"):
+            b = "%s -> %s: %s" % (os.path.basename(m.group(1)), os.path.basename(m.group(2)), m.group(3))
+            if b not in out:
+                out.append(b)
+    s.say("  LD_DEBUG=bindings: %d lines; NVML's private entry points: %s" % (len(p.stderr.splitlines()), out))
+    return out[:most]
 
 
 def clock_scaled(got, util, base_util):

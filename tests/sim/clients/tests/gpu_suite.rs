@@ -302,12 +302,14 @@ fn results_are_written_after_every_check_so_a_run_cut_short_keeps_its_figures() 
 
 /// A stand-in for `nvidia-smi` over the simulated NVML, for the queries the suite makes: its process
 /// list comes from NVML's private table (`nvml-probe lists`, "private:213"), as the real one's does,
-/// and what libvgpu.so logs reaches its stderr.
+/// and what libvgpu.so logs reaches its stderr. With `VGPU_TEST_SMI_AROUND` set, its process list
+/// is taken around libvgpu.so (without `LD_PRELOAD`), as a tool that reached NVML some other way would.
 const NVIDIA_SMI: &str = r#"#!/usr/bin/env python3
 import json, os, subprocess, sys
 
-def ask(*a):
-    o = subprocess.run([os.environ["VGPU_TEST_NVML_PROBE"], *a], stdout=subprocess.PIPE, text=True)
+def ask(*a, around=False):
+    env = {k: v for k, v in os.environ.items() if not (around and k == "LD_PRELOAD")}
+    o = subprocess.run([os.environ["VGPU_TEST_NVML_PROBE"], *a], stdout=subprocess.PIPE, text=True, env=env)
     if o.returncode:
         sys.exit(o.returncode)
     return json.loads(o.stdout)
@@ -316,7 +318,7 @@ q = next((a.split("=", 1) for a in sys.argv[1:] if a.startswith("--query-")), No
 if q is None:
     print("NVIDIA-SMI (stand-in)  Driver Version: %s  CUDA Version: 12.4" % ask("snapshot")["driver_version"])
 elif q[0] == "--query-compute-apps":
-    listed = ask("lists")["gpus"][0]["lists"]["private:213"]
+    listed = ask("lists", around="VGPU_TEST_SMI_AROUND" in os.environ)["gpus"][0]["lists"]["private:213"]
     print("\n".join(str(p) for p in listed) if isinstance(listed, list) else "")
 else:
     s = ask("snapshot")
@@ -326,8 +328,9 @@ else:
     print(", ".join(str(v[k]) for k in q[1].split(",")))
 "#;
 
-/// The suite's `nvml` check with `nvidia-smi` (the stand-in) on the PATH, on a driver of `branch`.
-fn nvml_check_with_nvidia_smi(branch: &str) -> (Value, Output) {
+/// The suite's `nvml` check with `nvidia-smi` (the stand-in) on the PATH, on a driver of `branch`;
+/// `around`: its process list taken around libvgpu.so.
+fn nvml_check_with_nvidia_smi(branch: &str, around: bool) -> (Value, Output) {
     let s = Sim::new(Some(&format!("driver_version = \"{branch}.95.05\"\n[[gpu]]\nmodel = \"H100-80GB\"\n")));
     let bin = s.state.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
@@ -341,6 +344,9 @@ fn nvml_check_with_nvidia_smi(branch: &str) -> (Value, Output) {
     c.arg("--lib").arg(libvgpu()).arg("--bin-dir").arg(Path::new(RT).parent().unwrap());
     c.args(["--no-torch", "--quick", "--only", "nvml", "--out", out.to_str().unwrap()]);
     c.env("PATH", path).env("VGPU_TEST_NVML_PROBE", Path::new(RT).parent().unwrap().join("nvml-probe"));
+    if around {
+        c.env("VGPU_TEST_SMI_AROUND", "1");
+    }
     let o = c.output().unwrap();
     let r: Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap())
         .unwrap_or_else(|e| panic!("results.json: {e}\n{}", text(&o)));
@@ -351,7 +357,7 @@ fn nvml_check_with_nvidia_smi(branch: &str) -> (Value, Output) {
 fn nvidia_smi_in_a_container_names_its_processes_and_where_it_cannot_the_check_says_why() {
     // The 580 branch: nvidia-smi's list in each container is its process; what libvgpu.so did
     // with the list is recorded.
-    let (c, o) = nvml_check_with_nvidia_smi("580");
+    let (c, o) = nvml_check_with_nvidia_smi("580", false);
     assert_eq!((&c["name"], &c["status"]), (&json!("nvml"), &json!("pass")), "{c}\n{}", text(&o));
     assert_eq!(c["values"]["tool"], "nvidia-smi", "{c}");
     let p = &c["values"]["processes"];
@@ -362,11 +368,18 @@ fn nvidia_smi_in_a_container_names_its_processes_and_where_it_cannot_the_check_s
     assert!(said.contains("1 of its 3 entries are the container's"), "{c}");
     // Another branch: the private table is passed through, nvidia-smi names every process, and
     // the verdict quotes libvgpu.so's reason.
-    let (c, o) = nvml_check_with_nvidia_smi("550");
+    let (c, o) = nvml_check_with_nvidia_smi("550", false);
     assert_eq!(c["status"], "fail", "{c}\n{}", text(&o));
     let summary = c["summary"].as_str().unwrap();
     assert!(summary.contains("nvidia-smi's compute apps in the memory container"), "{summary}");
     assert!(summary.contains("libvgpu.so said: ") && summary.contains("on driver branch 550"), "{summary}");
+    // A list taken around the library: it says nothing, and the verdict gives where the dynamic
+    // linker bound NVML's private entry point (here straight to the driver's library).
+    let (c, o) = nvml_check_with_nvidia_smi("580", true);
+    assert_eq!(c["status"], "fail", "{c}\n{}", text(&o));
+    let summary = c["summary"].as_str().unwrap();
+    assert!(summary.contains("libvgpu.so said nothing; its NVML bindings: "), "{summary}");
+    assert!(summary.contains("libnvidia-ml.so.1 -> libnvidia-ml.so.1: nvmlInternalGetExportTable"), "{summary}");
 }
 
 #[test]
