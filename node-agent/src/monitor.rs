@@ -118,7 +118,7 @@ const TRUE_UP_STEP: u64 = 8 << 20;
 /// such as a CUDA context bigger than `VGPU_CONTEXT_OVERHEAD`, or modules loaded later. The agent's
 /// part is kept per process and moved as the excess moves (see [`corrected`]); it goes when the
 /// process's slot does.
-fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index: &[Option<u32>]) {
+fn true_up(c: &mut Cached, slice: &str, live: &mut [LiveSlot], live_slot: &[usize], gpu_index: &[Option<u32>]) {
     // Bytes reserved for calls the driver had not answered, at most, while NVML measured: NVML's
     // figures may not show them yet. (A process killed during such a call leaves its bytes counted:
     // cleared once the slice has no process left.)
@@ -177,6 +177,19 @@ fn true_up(c: &mut Cached, live: &mut [LiveSlot], live_slot: &[usize], gpu_index
             if let Some(target) = corrected(added, up, [less, l1, l2]) {
                 let delta = target as i64 - added as i64;
                 if c.region.adjust_for(slot, *pid, dev, delta) {
+                    // Each change, with what it was made on: the figures to tell a wrong one by.
+                    tracing::info!(
+                        slice,
+                        pid = *pid,
+                        host_pid = *host,
+                        device = dev,
+                        from_mib = added >> 20,
+                        to_mib = target >> 20,
+                        beyond_calls_mib = excess[dev] >> 20,
+                        steady = steady[dev],
+                        refusing = refusing[dev],
+                        "memory the driver holds beyond a process's calls: its correction changed"
+                    );
                     t.added[dev] = target;
                     used[dev] = used[dev].saturating_add_signed(delta);
                 }
@@ -758,7 +771,8 @@ impl Monitor {
             let gpu_index = |dev: usize| gpus.get(c.gpu_pos[dev]).map(|g| g.index);
             let gpu_index: [Option<u32>; vgpu_region::MAX_DEVICES] = std::array::from_fn(gpu_index);
             if self.true_up {
-                true_up(c, &mut self.live, &self.live_slot, &gpu_index[..s.gpus.len().min(vgpu_region::MAX_DEVICES)]);
+                let gpus = &gpu_index[..s.gpus.len().min(vgpu_region::MAX_DEVICES)];
+                true_up(c, &s.name, &mut self.live, &self.live_slot, gpus);
             }
             let layout = c.region.layout();
             let mut st = pb::SliceStatus {

@@ -1249,6 +1249,20 @@ class AgentRun:
                                         "VGPU_LIMITS_FILE": os.path.join(sd, "limits"), "CUDA_VISIBLE_DEVICES": gpu["uuid"]})
 
 
+def agent_corrections(a, most=12):
+    """The agent's changes of its memory corrections (its log), the last `most`, each as "FROM->TO MiB
+    (beyond the calls B MiB, steady or not, refusing or not)"."""
+    out = []
+    for line in a.log().splitlines():
+        if "its correction changed" not in line:
+            continue
+        m = re.search(r"pid=(\d+).*from_mib=(\d+) to_mib=(\d+) beyond_calls_mib=(\d+) steady=(\w+) refusing=(\w+)", line)
+        out.append("pid %s %s->%s MiB (beyond the calls %s MiB%s%s)" % (
+            m.group(1), m.group(2), m.group(3), m.group(4), ", steady" if m.group(5) == "true" else "",
+            ", refusing" if m.group(6) == "true" else "") if m else line.strip()[-200:])
+    return out[-most:]
+
+
 def slice_in(status, name):
     return next((x for x in status.get("slices", []) if x["name"] == name), None)
 
@@ -1380,13 +1394,15 @@ def check_oom_agent(s):
             finally:
                 p.kill()
             refused, chunks = j.get("result") == "CUDA_ERROR_OUT_OF_MEMORY", j.get("chunks", 0)
-    v = dict(j, limit=lim, nvml_used_at_oom=real, slice_before=at_start)
+        corrections = agent_corrections(a)
+    v = dict(j, limit=lim, nvml_used_at_oom=real, slice_before=at_start, agent_corrections=corrections)
     summary = "in a %s slice: before allocating, accounted %s and NVML %s; refused after %d x 512 MiB; real usage then (NVML) %s" % (
         human(lim), human(at_start.get("memory_used")), human(at_start.get("memory_measured")), chunks, human(real))
     if not refused or real is None or real > lim:
         raise Fail(summary + ("" if refused else "; not refused") + (
             "; over the limit" if real is not None and real > lim else "") + (
-            " (%s)" % quoted(j["vgpu_said"]) if "vgpu_said" in j else ""), v)
+            " (%s)" % quoted(j["vgpu_said"]) if "vgpu_said" in j else "") + (
+            "; the agent's corrections: %s" % "; ".join(corrections) if corrections else "; the agent changed no correction"), v)
     return summary, v
 
 
@@ -1429,8 +1445,9 @@ def check_pool_threads_agent(s):
         j = parse_json(line) if line else None
         if not j or "error" in j:
             raise Fail("gpu-probe pool-threads: %s" % ((j or {}).get("error") or p.last_error()))
+        corrections = agent_corrections(a)
     v = {"limit": lim, "size": size, "limited": j, "beyond_calls_during": beyond,
-         "charged_measured_used_during": readings}
+         "charged_measured_used_during": readings, "agent_corrections": corrections}
     room = j["base"]["free"]
     charged = [b for b in beyond if b > 0]
     outcomes = ", ".join("%s %d" % kv for kv in sorted(j["outcomes"].items()))
@@ -1446,8 +1463,8 @@ def check_pool_threads_agent(s):
     elif min(beyond[beyond.index(charged[0]):]) + 64 * MIB < max(charged):
         k = beyond.index(min(beyond[beyond.index(charged[0]):]))
         problems.append("the agent's charge beyond the process's calls fell during the storm (at its lowest, %s: "
-                        "the process charged %s, NVML measured %s for the slice, the slice charged %s)" % (
-                            human(beyond[k]), *(human(x) for x in readings[k])))
+                        "the process charged %s, NVML measured %s for the slice, the slice charged %s; the agent's "
+                        "changes: %s)" % (human(beyond[k]), *(human(x) for x in readings[k]), "; ".join(corrections) or "none"))
     if j["pool_high"] > room + 64 * MIB:
         problems.append("the pool held %s, past the %s the limit left" % (human(j["pool_high"]), human(room)))
     if "CUDA_ERROR_OUT_OF_MEMORY" not in j["outcomes"]:

@@ -186,6 +186,10 @@ fn the_suite_passes_on_the_simulated_gpu() {
         assert!(known, "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);
         eprintln!("{name}: the pool past the limit by the known limit: {problems}");
     }
+    // The agent's log gives each change of a correction: the storm's context charged from nothing.
+    let (_, c) = status("pool-threads-agent");
+    let changes = c["values"]["agent_corrections"].as_array().cloned().unwrap_or_default();
+    assert!(changes.iter().any(|x| x.as_str().is_some_and(|x| x.contains(" 0->640 MiB"))), "{c}");
     for name in ["oom-expandable", "train", "cuda-graph", "graph-recapture", "sm-grids", "torch-async"] {
         assert_eq!(status(name).0, "skip", "{name} needs PyTorch");
     }
