@@ -146,7 +146,15 @@ impl Region {
         let fd = file.as_raw_fd();
         lock(fd, INIT_LOCK_BYTE, libc::F_OFD_SETLKW, libc::F_WRLCK).map_err(|e| io("lock", e))?;
         let r = (|| {
-            let len = file.metadata().map_err(|e| io("stat", e))?.len();
+            let mut len = file.metadata().map_err(|e| io("stat", e))?.len();
+            // A creator killed between reserving the file and writing its header (it held the
+            // init lock, which died with it) left a file with nothing in it: made again, as an
+            // empty one is. Every creator holds that lock until the header is whole, so holding it
+            // here, no one is still writing it.
+            if len != 0 && unfinished(&file) {
+                file.set_len(0).map_err(|e| io("truncate the unfinished", e))?;
+                len = 0;
+            }
             if len == 0 {
                 // Make the file's permissions independent of the creator's umask.
                 // SAFETY: fchmod on our open fd.
@@ -792,6 +800,23 @@ fn check_len(file: &File, path: &Path) -> Result<()> {
         return Err(other_size(file, path, len));
     }
     Ok(())
+}
+
+/// Whether the region file's header is still all zeros (as far as the file goes): its creator did
+/// not write it. Any other content, a damaged header included, is left for `validate` to judge.
+fn unfinished(file: &File) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut h = [0u8; std::mem::size_of::<Header>()];
+    let mut got = 0;
+    while got < h.len() {
+        match file.read_at(&mut h[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return false,
+        }
+    }
+    h[..got].iter().all(|&b| b == 0)
 }
 
 /// Why a file of another size than this build's regions is not one: another build's region (its
