@@ -147,10 +147,10 @@ impl Region {
         lock(fd, INIT_LOCK_BYTE, libc::F_OFD_SETLKW, libc::F_WRLCK).map_err(|e| io("lock", e))?;
         let r = (|| {
             let mut len = file.metadata().map_err(|e| io("stat", e))?.len();
-            // A creator killed between reserving the file and writing its header (it held the
-            // init lock, which died with it) left a file with nothing in it: made again, as an
-            // empty one is. Every creator holds that lock until the header is whole, so holding it
-            // here, no one is still writing it.
+            // A creator killed between reserving the file and finishing its header (it held the
+            // init lock, which died with it) left a file without the magic, which is written
+            // last but the state: made again, as an empty one is. Every creator holds that lock
+            // until the header is whole, so holding it here, no one is still writing it.
             if len != 0 && unfinished(&file) {
                 file.set_len(0).map_err(|e| io("truncate the unfinished", e))?;
                 len = 0;
@@ -802,11 +802,12 @@ fn check_len(file: &File, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Whether the region file's header is still all zeros (as far as the file goes): its creator did
-/// not write it. Any other content, a damaged header included, is left for `validate` to judge.
+/// Whether the region file's magic is still zero (as far as the file goes): its creator did not
+/// finish the header. Any other magic, a damaged one included, is left for `validate` to judge.
 fn unfinished(file: &File) -> bool {
     use std::os::unix::fs::FileExt;
-    let mut h = [0u8; std::mem::size_of::<Header>()];
+    let mut h = [0u8; 8];
+    const _: () = assert!(std::mem::offset_of!(Header, magic) == 0);
     let mut got = 0;
     while got < h.len() {
         match file.read_at(&mut h[got..], got as u64) {

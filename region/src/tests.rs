@@ -33,25 +33,33 @@ fn create_then_reopen_sees_the_same_region() {
     std::fs::remove_file(p).ok();
 }
 
-/// A creator killed after reserving the file and before writing its header (`kill -9` during a
-/// process's start) leaves a file of zeros, whole or short: the next creator makes the region, where
-/// before every later process was refused ("bad magic") for as long as the file stayed.
+/// A creator killed after reserving the file and before its header's magic (`kill -9` during a
+/// process's start) leaves a file of zeros, whole or short, or a header without its magic: the next
+/// creator makes the region, where before every later process was refused ("bad magic") for as
+/// long as the file stayed.
 #[test]
 fn a_region_whose_creator_died_before_its_header_is_made_again() {
-    for len in [TOTAL_SIZE, 4096, 10] {
-        let p = tmp(&format!("unfinished-{len}"));
-        std::fs::write(&p, vec![0u8; len]).unwrap();
-        let r = Region::open_or_create(&p, init(1 << 30)).unwrap_or_else(|e| panic!("{len} zero bytes: {e}"));
-        assert_eq!((r.ndevices(), r.mem_limit(0)), (2, 1 << 30), "{len} zero bytes");
+    let mut partial = vec![0u8; TOTAL_SIZE];
+    partial[std::mem::offset_of!(Header, ndevices)] = 2; // written before the magic
+    for (what, bytes) in [
+        ("zeros", vec![0u8; TOTAL_SIZE]),
+        ("4096 zero bytes", vec![0u8; 4096]),
+        ("5 zero bytes", vec![0u8; 5]),
+        ("a header without its magic", partial),
+    ] {
+        let p = tmp(&format!("unfinished-{}", bytes.len()));
+        std::fs::write(&p, &bytes).unwrap();
+        let r = Region::open_or_create(&p, init(1 << 30)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!((r.ndevices(), r.mem_limit(0), r.sm_limit(1)), (2, 1 << 30, 30), "{what}");
         assert_eq!(std::fs::metadata(&p).unwrap().len(), TOTAL_SIZE as u64);
         // Made once: the next opener finds it whole.
         Region::open_or_create(&p, || panic!("must not re-initialise")).unwrap();
         std::fs::remove_file(p).ok();
     }
-    // Anything else in the header is not taken for an unfinished region: refused, not overwritten.
+    // Any other magic is not taken for an unfinished region: refused, not overwritten.
     let p = tmp("unfinished-not");
     let mut b = vec![0u8; TOTAL_SIZE];
-    b[40] = 1;
+    b[3] = 1;
     std::fs::write(&p, &b).unwrap();
     let e = Region::open_or_create(&p, init(0)).err().unwrap().to_string();
     assert!(e.contains("bad magic"), "{e}");
