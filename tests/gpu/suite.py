@@ -1124,20 +1124,23 @@ def check_overhead(s):
     launch under an SM limit with its budget available; the first context's cost under a limit with
     the standalone true-up off and on."""
     args = ["latency", "--launches", "20000" if s.o.quick else "50000", "--allocs", "2000" if s.o.quick else "5000"]
-    # Alternate to spread drift over both sides; keep the best of each.
-    runs = {False: [], True: []}
-    for inter in (False, True, False, True):
-        runs[inter].append(s.probe(args, s.env(inter)))
+    # Without libvgpu.so, with it (no limit) and under an SM limit that leaves the budget available
+    # (99 %: the limited path, budget +30 ns), in turn, six times: on the H200 one process's figures
+    # differed from the next's by up to 30 % (launches 3454 to 4462 ns without libvgpu.so, run to
+    # run), so the best of two runs each did not compare like with like; keep the best of each.
+    runs = {"bare": [], "lib": [], "sm": []}
+    for _ in range(6):
+        runs["bare"].append(s.probe(args, s.env(False)))
+        runs["lib"].append(s.probe(args, s.env(True)))
+        runs["sm"].append(s.probe(args, s.env(True, sm=99)))
     best = {k: {m: min(r[m] for r in v) for m in ("launch_ns", "alloc_ns", "free_ns")} for k, v in runs.items()}
-    b, w = best[False], best[True]
+    b, w = best["bare"], best["lib"]
     pair_b, pair_w = b["alloc_ns"] + b["free_ns"], w["alloc_ns"] + w["free_ns"]
     v = {"without": b, "with": w, "launch_ratio": w["launch_ns"] / b["launch_ns"], "pair_ratio": pair_w / pair_b,
          "launch_delta_ns": w["launch_ns"] - b["launch_ns"], "pair_delta_ns": pair_w - pair_b}
     summary = "cuLaunchKernel %.0f -> %.0f ns (x%.3f, %+.0f ns); cuMemAlloc+cuMemFree 1 MiB %.0f -> %.0f ns (x%.3f, %+.0f ns)" % (
         b["launch_ns"], w["launch_ns"], v["launch_ratio"], v["launch_delta_ns"], pair_b, pair_w, v["pair_ratio"], v["pair_delta_ns"])
-    # Under an SM limit that leaves the budget available (99 %): the limited launch path (budget
-    # +30 ns), best of two.
-    best_limited = min((s.probe(args, s.env(True, sm=99)) for _ in range(2)), key=lambda r: r["launch_ns"])
+    best_limited = min(runs["sm"], key=lambda r: r["launch_ns"])
     limited = best_limited["launch_ns"]
     v["limited_launch_ns"] = limited
     v["limited_launch_delta_ns"] = limited - b["launch_ns"]
@@ -1458,13 +1461,14 @@ def check_pool_threads_agent(s):
         ("%s to %s" % (human(min(charged)), human(max(charged)))) if charged else "none", len(beyond),
         human(j["pool_high"]), human(j["trimmed"]["free"]))
     problems = []
+    k = fell(beyond, 64 * MIB)
     if not charged:
         problems.append("the agent never charged the process's context while it ran")
-    elif min(beyond[beyond.index(charged[0]):]) + 64 * MIB < max(charged):
-        k = beyond.index(min(beyond[beyond.index(charged[0]):]))
-        problems.append("the agent's charge beyond the process's calls fell during the storm (at its lowest, %s: "
+    elif k is not None:
+        problems.append("the agent's charge beyond the process's calls fell during the storm (to %s from %s before: "
                         "the process charged %s, NVML measured %s for the slice, the slice charged %s; the agent's "
-                        "changes: %s)" % (human(beyond[k]), *(human(x) for x in readings[k]), "; ".join(corrections) or "none"))
+                        "changes: %s)" % (human(beyond[k]), human(max(beyond[:k])), *(human(x) for x in readings[k]),
+                                          "; ".join(corrections) or "none"))
     if j["pool_high"] > room + 64 * MIB:
         problems.append("the pool held %s, past the %s the limit left" % (human(j["pool_high"]), human(room)))
     if "CUDA_ERROR_OUT_OF_MEMORY" not in j["outcomes"]:
@@ -1475,6 +1479,19 @@ def check_pool_threads_agent(s):
     if problems:
         raise Fail(summary + ". " + "; ".join(problems), v)
     return summary, v
+
+
+def fell(readings, slack):
+    """The index of the first reading more than `slack` under the highest before it (a charge taken
+    back), or None. A charge that rises in steps (on the H200 the agent's first correction of a
+    context was 14 or 30 MiB, NVML's figure before the context was whole, then 518 MiB) has not
+    fallen."""
+    top = 0
+    for k, x in enumerate(readings):
+        if x + slack < top:
+            return k
+        top = max(top, x)
+    return None
 
 
 def fill_once(s, env, chunk, touch_last=0, touch_bytes=0, wrap=()):

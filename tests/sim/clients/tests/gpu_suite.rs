@@ -80,6 +80,26 @@ fn options_are_checked_and_checks_listed() {
 /// The SM checks' verdict, on the H200's figures of 2026-11-30 (a 60 % limit: 71.3 % of the
 /// unlimited throughput, NVML 59.7 %, 54.0 % at equal clocks) and made-up paced references.
 #[test]
+fn a_charge_that_rises_in_steps_has_not_fallen() {
+    let dir = run_sh().parent().unwrap().to_path_buf();
+    let script = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+import suite
+M = 1 << 20
+# The H200's pool-threads-agent readings of 2026-12-04 (second run): 30 MiB, then 518 MiB: a rise.
+assert suite.fell([0, 30 * M, 518 * M, 518 * M], 64 * M) is None
+assert suite.fell([14 * M, 518 * M, 470 * M], 64 * M) is None
+# Taken back: 518 MiB, then 30 MiB.
+assert suite.fell([0, 518 * M, 518 * M, 30 * M, 518 * M], 64 * M) == 3
+assert suite.fell([], 64 * M) is None
+print("ok")
+"#;
+    let o = Command::new("python3").arg("-c").arg(script).arg(&dir).output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == "ok", "{}", text(&o));
+}
+
+#[test]
 fn sm_throughput_is_judged_against_the_workload_paced_to_the_same_share_of_time() {
     let dir = run_sh().parent().unwrap().to_path_buf();
     let script = r#"
