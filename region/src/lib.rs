@@ -151,7 +151,7 @@ impl Region {
             // init lock, which died with it) left a file without the magic, which is written
             // last but the state: made again, as an empty one is. Every creator holds that lock
             // until the header is whole, so holding it here, no one is still writing it.
-            if len != 0 && unfinished(&file) {
+            if len != 0 && unfinished(&file, len) {
                 file.set_len(0).map_err(|e| io("truncate the unfinished", e))?;
                 len = 0;
             }
@@ -802,22 +802,15 @@ fn check_len(file: &File, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Whether the region file's magic is still zero (as far as the file goes): its creator did not
-/// finish the header. Any other magic, a damaged one included, is left for `validate` to judge.
-fn unfinished(file: &File) -> bool {
+/// Whether the region file (`len` bytes) has its magic still zero, as far as the file goes: its
+/// creator did not finish the header. Any other magic, a damaged one included, is left for
+/// `validate` to judge.
+fn unfinished(file: &File, len: u64) -> bool {
     use std::os::unix::fs::FileExt;
-    let mut h = [0u8; 8];
     const _: () = assert!(std::mem::offset_of!(Header, magic) == 0);
-    let mut got = 0;
-    while got < h.len() {
-        match file.read_at(&mut h[got..], got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => return false,
-        }
-    }
-    h[..got].iter().all(|&b| b == 0)
+    let mut magic = [0u8; 8];
+    let n = (len as usize).min(magic.len());
+    file.read_exact_at(&mut magic[..n], 0).is_ok() && magic == [0; 8]
 }
 
 /// Why a file of another size than this build's regions is not one: another build's region (its

@@ -82,10 +82,7 @@ class Suite:
         self.log.write(msg + "\n")
         self.log.flush()
 
-    def env(self, interposed, mem=None, sm=None, region=None, extra=None, diag=False):
-        """The environment of a process: the interposer's settings where `interposed`; `diag`: its
-        log at info (what it measured and decided, on stderr, which a check's verdict may quote:
-        see `vgpu_said`). Never for a check that times anything."""
+    def env(self, interposed, mem=None, sm=None, region=None, extra=None):
         e = {k: v for k, v in os.environ.items()
              if not k.startswith(("CUDA_DEVICE_", "VGPU_AGENT_")) and k not in ("LD_PRELOAD", "VGPU_LIMITS_FILE")}
         if interposed:
@@ -97,8 +94,6 @@ class Suite:
             if sm is not None:
                 e["CUDA_DEVICE_SM_LIMIT"] = str(sm)
         e.update(extra or {})
-        if diag and "LD_PRELOAD" in e:
-            e["LIBCUDA_LOG_LEVEL"] = "2"
         return e
 
     def bin(self, name):
@@ -381,6 +376,12 @@ def tail(text, n=300):
     return text[-n:]
 
 
+def logged(env):
+    """`env` with libvgpu.so's log at info, where it is preloaded: what it measured and decided, on
+    stderr, which a check's verdict may quote (`vgpu_said`). Never for a check that times anything."""
+    return dict(env, LIBCUDA_LOG_LEVEL="2") if "LD_PRELOAD" in env else env
+
+
 def vgpu_said(err, most=16):
     """The last `most` lines libvgpu.so wrote among a process's stderr (its log: "vgpu[PID]: ...")."""
     return [l.strip() for l in (err or "").splitlines() if l.startswith("vgpu[")][-most:]
@@ -508,7 +509,7 @@ def check_oom(s):
         if over["ok"] or not under["ok"] or over["result"] != "CUDA_ERROR_OUT_OF_MEMORY":
             raise Fail("over the limit: %s; half the limit: %s" % (over["result"], under["result"]))
         return "limit+1 MiB: %s; limit/2: ok" % over["result"], {"over": over, "under": under}
-    return torch_oom_verdict(s, s.env(True, mem=lim, diag=True), "")
+    return torch_oom_verdict(s, logged(s.env(True, mem=lim)), "")
 
 
 def check_oom_expandable(s):
@@ -517,7 +518,7 @@ def check_oom_expandable(s):
     place, and given back with cuMemUnmap and cuMemRelease."""
     if not s.torch:
         raise Skip("needs PyTorch (the driver-API form of this path, cuMemCreate, runs in the interposer tests)")
-    env = s.env(True, mem=s.limit, extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, diag=True)
+    env = logged(s.env(True, mem=s.limit, extra={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
     return torch_oom_verdict(s, env, "expandable segments: ")
 
 
@@ -895,9 +896,7 @@ def nvml_processes(s, lim, smi):
             if smi:
                 q = [smi, "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"]
                 # In a container with the log at info: what libvgpu.so made of nvidia-smi's lists.
-                smi_env = env()
-                if "LD_PRELOAD" in smi_env:
-                    smi_env["LIBCUDA_LOG_LEVEL"] = "2"
+                smi_env = logged(env())
                 rc, _, out, e = s.run(q, smi_env)
                 apps[where] = sorted(int(x) for x in out.split() if x.strip().isdigit()) if rc == 0 else "rc=%d: %s" % (rc, tail(e))
                 smi_said[where] = vgpu_said(e)
@@ -1133,8 +1132,7 @@ def check_overhead(s):
         runs["bare"].append(s.probe(args, s.env(False)))
         runs["lib"].append(s.probe(args, s.env(True)))
         runs["sm"].append(s.probe(args, s.env(True, sm=99)))
-    best = {k: {m: min(r[m] for r in v) for m in ("launch_ns", "alloc_ns", "free_ns")} for k, v in runs.items()}
-    b, w = best["bare"], best["lib"]
+    b, w = ({m: min(r[m] for r in runs[k]) for m in ("launch_ns", "alloc_ns", "free_ns")} for k in ("bare", "lib"))
     pair_b, pair_w = b["alloc_ns"] + b["free_ns"], w["alloc_ns"] + w["free_ns"]
     v = {"without": b, "with": w, "launch_ratio": w["launch_ns"] / b["launch_ns"], "pair_ratio": pair_w / pair_b,
          "launch_delta_ns": w["launch_ns"] - b["launch_ns"], "pair_delta_ns": pair_w - pair_b}
@@ -1363,9 +1361,8 @@ def check_oom_agent(s):
     holds no more than the limit."""
     lim = s.limit
     with AgentRun(s, "agent-oom") as a:
-        env = a.slice_env("oom", a.first_gpu(), lim)
         # The process's log at info: its charge at its context, its refusals.
-        env["LIBCUDA_LOG_LEVEL"] = "2"
+        env = logged(a.slice_env("oom", a.first_gpu(), lim))
 
         def trued_up(pid):
             """Waits (10 s at most) until the agent accounts the process at what NVML measures for it
