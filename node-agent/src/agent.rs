@@ -114,29 +114,35 @@ pub enum ApiError {
     NotFound(String),
     Exists(String),
     Busy(String),
+    /// A node-wide bound is reached (`max_slices`).
+    Full(String),
     Internal(String),
 }
 
 impl From<SliceError> for ApiError {
     fn from(e: SliceError) -> ApiError {
-        let m = e.0;
-        if m.contains("already exists") {
-            ApiError::Exists(m)
-        } else if m.starts_with("no slice named") || m.contains(" has no GPU ") {
-            ApiError::NotFound(m)
-        } else if m.contains("live process") {
-            ApiError::Busy(m)
-        } else if m.starts_with("invalid") || m.contains("above 100") || m.starts_with("a slice has") {
-            ApiError::Invalid(m)
-        } else {
-            ApiError::Internal(m)
+        use crate::slices::ErrorKind as K;
+        let m = e.msg;
+        match e.kind {
+            K::Exists => ApiError::Exists(m),
+            K::NotFound => ApiError::NotFound(m),
+            K::Busy => ApiError::Busy(m),
+            K::Invalid => ApiError::Invalid(m),
+            K::Full => ApiError::Full(m),
+            K::Io => ApiError::Internal(m),
         }
     }
 }
 
 impl Agent {
     pub fn new(cfg: Config, store: SliceStore, library: Option<PathBuf>) -> Result<Agent, String> {
-        let list = store.list().map_err(|e| e.to_string())?;
+        let listing = store.list().map_err(|e| e.to_string())?;
+        let list = listing.slices;
+        let mut warnings = BTreeMap::new();
+        for (name, why) in listing.quarantined {
+            tracing::error!(slice = %name, error = %why, "slice quarantined: its record cannot be read");
+            warnings.insert(quarantine_source(&name), quarantine_text(&name, &why));
+        }
         let snapshot = RwLock::new(Arc::new(list.clone()));
         let slices = list.into_iter().map(|s| (s.name.clone(), s)).collect();
         let health = Arc::new(Health::new(std::time::Duration::from_secs(cfg.health_recovery_s)));
@@ -167,7 +173,7 @@ impl Agent {
             mig_profiles: Mutex::new(Default::default()),
             mig_holders: RwLock::new(Default::default()),
             admitted: RwLock::new(Default::default()),
-            warnings: RwLock::new(Default::default()),
+            warnings: RwLock::new(warnings),
             notices: Mutex::new(Default::default()),
             notices_wanted: AtomicBool::new(false),
             reporter: Default::default(),
@@ -310,7 +316,7 @@ impl Agent {
         let gpus = self.limits(&req.gpus)?;
         let _g = self.changing.lock();
         let s = self.store.create(&req.name, gpus, req.labels.into_iter().collect())?;
-        tracing::info!(slice = %s.name, gpus = s.gpus.len(), "slice created");
+        tracing::info!(slice = %s.name, gpus = s.gpus.len(), labels = ?s.labels, "slice created");
         self.write_cdi(&s.name);
         self.slices.write().insert(s.name.clone(), s.clone());
         self.resnapshot();
@@ -353,7 +359,14 @@ impl Agent {
 
     pub fn delete_slice(&self, name: &str, force: bool) -> Result<(), ApiError> {
         let _g = self.changing.lock();
+        let quarantined = self.warnings.read().contains_key(&quarantine_source(name));
+        if quarantined && !force {
+            return Err(ApiError::Busy(format!(
+                "slice {name} is quarantined (its record cannot be read); delete it with force"
+            )));
+        }
         self.store.delete(name, force)?;
+        self.warn(&quarantine_source(name), None);
         if let Some(d) = &self.cfg.cdi_dir {
             crate::cdi::remove(d, name);
         }
@@ -375,6 +388,19 @@ impl Agent {
         let slices: Vec<Slice> = self.slices.read().values().cloned().collect();
         for p in crate::slices::prune_libraries(dir, current, &slices) {
             tracing::info!(library = %p.display(), "older libvgpu.so removed: no slice predates the current one, no process maps it");
+        }
+    }
+
+    /// Brings the CDI specs in line with the slices (at start).
+    pub fn reconcile_cdi(&self) {
+        let Some(dir) = &self.cfg.cdi_dir else { return };
+        let slices: Vec<_> = self
+            .slices()
+            .iter()
+            .filter_map(|s| Some((s.name.clone(), self.store.injection(&s.name, self.library.as_deref()).ok()?)))
+            .collect();
+        for change in crate::cdi::reconcile(dir, &slices) {
+            tracing::warn!(%change, "CDI specs brought in line with the slices");
         }
     }
 
@@ -692,6 +718,17 @@ impl Agent {
 }
 
 /// `total` bytes times `scaling`, in whole MiB; `total` itself at 1.
+fn quarantine_source(name: &str) -> String {
+    format!("slice/{name}")
+}
+
+fn quarantine_text(name: &str, why: &str) -> String {
+    format!(
+        "slice {name} is quarantined: its record cannot be read ({}); `vgpuctl slice delete --force {name}` removes it",
+        crate::slices::printable(why)
+    )
+}
+
 pub fn scaled(total: u64, scaling: f64) -> u64 {
     if scaling == 1.0 {
         total

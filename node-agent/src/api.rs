@@ -21,6 +21,7 @@ impl From<ApiError> for Status {
             ApiError::NotFound(m) => Status::not_found(m),
             ApiError::Exists(m) => Status::already_exists(m),
             ApiError::Busy(m) => Status::failed_precondition(m),
+            ApiError::Full(m) => Status::resource_exhausted(m),
             ApiError::Internal(m) => Status::internal(m),
         }
     }
@@ -185,6 +186,54 @@ pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
     let l = l.map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
     l.set_nonblocking(true).map_err(|e| e.to_string())?;
     tokio::net::UnixListener::from_std(l).map_err(|e| e.to_string())
+}
+
+/// The connections of a listening socket, for a tonic server, that survive running out of file
+/// descriptors: on EMFILE or ENFILE the accept loop waits (10 ms, doubling up to 1 s) and says so at
+/// most once a minute, instead of trying again at once (which spun at full CPU and starved the
+/// agent). Ends when the server drops the stream.
+pub fn incoming(
+    l: tokio::net::UnixListener,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::UnixStream>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        let floor = std::time::Duration::from_millis(10);
+        let mut wait = floor;
+        let mut said: Option<std::time::Instant> = None;
+        loop {
+            match l.accept().await {
+                Ok((s, _)) => {
+                    wait = floor;
+                    if tx.send(Ok(s)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    if tx.is_closed() {
+                        return;
+                    }
+                    if said.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(60)) {
+                        tracing::warn!(error = %e, "cannot accept a connection (out of file descriptors? see max_slices and LimitNOFILE); waiting");
+                        said = Some(std::time::Instant::now());
+                    }
+                    tokio::time::sleep(wait).await;
+                    let fds = matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE));
+                    wait = if fds { (wait * 2).min(std::time::Duration::from_secs(1)) } else { floor };
+                }
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Removes the API socket when dropped: a start that fails after binding it (no NVML, say) leaves
+/// nothing behind that would make `vgpuctl` report "connection refused" instead of "no agent".
+pub struct SocketFile(pub PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// A gRPC channel to the Unix socket at `path` (the agent's, kubelet's, a local scheduler's).

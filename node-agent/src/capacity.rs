@@ -317,6 +317,7 @@ fn api_text(e: ApiError) -> String {
         | ApiError::NotFound(m)
         | ApiError::Exists(m)
         | ApiError::Busy(m)
+        | ApiError::Full(m)
         | ApiError::Internal(m) => m,
     }
 }

@@ -69,6 +69,54 @@ pub fn remove(dir: &Path, slice: &str) {
     let _ = std::fs::remove_file(path(dir, slice));
 }
 
+/// Brings the slice specs in `dir` in line with `slices` (at start: the agent may have been down
+/// while slices went, or a spec been removed by hand): each slice's spec is written where it is
+/// missing or differs, a spec of this kind for a slice that no longer exists is removed, and so is
+/// a temporary file a killed write left. Specs of other kinds are left alone. One line per change.
+pub fn reconcile(dir: &Path, slices: &[(String, Injection)]) -> Vec<String> {
+    let mut done = Vec::new();
+    for (name, inj) in slices {
+        let p = path(dir, name);
+        let want = spec(name, inj);
+        let have = crate::slices::read_bounded(&p, 1 << 20)
+            .ok()
+            .and_then(|d| serde_json::from_slice::<serde_json::Value>(&d).ok());
+        if have.as_ref() != Some(&want) {
+            match write_spec(&p, &want) {
+                Ok(()) => done.push(format!(
+                    "wrote {} ({})",
+                    p.display(),
+                    if have.is_some() { "it differed" } else { "it was missing" }
+                )),
+                Err(e) => done.push(format!("cannot write {}: {e}", p.display())),
+            }
+        }
+    }
+    let Ok(rd) = std::fs::read_dir(dir) else { return done };
+    for e in rd.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let p = e.path();
+        if file.starts_with("vgpu-") && file.ends_with(".json.tmp") {
+            if std::fs::remove_file(&p).is_ok() {
+                done.push(format!("removed {}: a write cut short", p.display()));
+            }
+            continue;
+        }
+        let Some(name) = file.strip_prefix("vgpu-").and_then(|f| f.strip_suffix(".json")) else { continue };
+        if slices.iter().any(|(n, _)| n == name) {
+            continue;
+        }
+        let kind = crate::slices::read_bounded(&p, 1 << 20)
+            .ok()
+            .and_then(|d| serde_json::from_slice::<serde_json::Value>(&d).ok())
+            .and_then(|v| v["kind"].as_str().map(str::to_owned));
+        if kind.as_deref() == Some(KIND) && std::fs::remove_file(&p).is_ok() {
+            done.push(format!("removed {}: no slice {name} any more", p.display()));
+        }
+    }
+    done
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@ struct FileConfig {
     metrics_address: Option<String>,
     health_recovery_s: Option<u64>,
     stall_after_s: Option<u64>,
+    max_slices: Option<usize>,
     device_plugin: Option<String>,
     kubelet_dir: Option<PathBuf>,
     pod_resources_socket: Option<String>,
@@ -113,6 +114,8 @@ pub struct Config {
     /// The monitoring counts as stalled (liveness fails, a warning is shown) when no pass has
     /// completed for this many seconds beyond its interval.
     pub stall_after_s: u64,
+    /// The most slices this node holds (each costs two file descriptors and a region mapping).
+    pub max_slices: usize,
     /// Serve the kubelet device plugin API (when kubelet's socket is there).
     pub device_plugin: bool,
     /// Kubelet's device-plugin directory (its `kubelet.sock`, and where the plugin's socket goes).
@@ -213,6 +216,25 @@ impl std::fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// The highest `max_slices`: the agent maps each slice's region once, and guards at most
+/// [`vgpu_region::shrink::CAPACITY`] mappings (half of them left for the ones it opens briefly).
+pub const MAX_SLICES_CEILING: usize = vgpu_region::shrink::CAPACITY / 2;
+
+/// Refuses a `VGPU_AGENT_*` (or `NODE_NAME`) variable whose value is not UTF-8, naming it: reading
+/// the environment as text would otherwise skip it silently.
+pub fn check_environment() -> Result<(), ConfigError> {
+    for (k, v) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if (k.starts_with("VGPU_AGENT_") || k == "NODE_NAME") && v.to_str().is_none() {
+            return Err(ConfigError(format!(
+                "environment variable {k}: its value {} is not UTF-8",
+                crate::slices::shown(&v.to_string_lossy())
+            )));
+        }
+    }
+    Ok(())
+}
+
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/vgpu/agent.toml";
 /// Where `scripts/install.sh` and the container image put the library.
 pub const DEFAULT_LIBRARY: &str = "/usr/local/lib/vgpu/libvgpu.so";
@@ -244,7 +266,14 @@ impl Config {
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
         let where_ = path.map_or("configuration".to_string(), |p| p.display().to_string());
-        let bad = |key: &str, msg: String| ConfigError(format!("{where_}: {key}: {msg}"));
+        // A value from the environment is blamed on its variable, not on the file.
+        let bad = |key: &str, msg: String| {
+            let var = format!("VGPU_AGENT_{}", key.to_ascii_uppercase());
+            match env(&var) {
+                Some(_) => ConfigError(format!("environment variable {var}: {msg}")),
+                None => ConfigError(format!("{where_}: {key}: {msg}")),
+            }
+        };
 
         let node_name = env("NODE_NAME").or(file.node_name.take()).unwrap_or_else(|| {
             std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string()
@@ -395,6 +424,13 @@ impl Config {
         };
         if !(1..=86_400).contains(&stall_after_s) {
             return Err(bad("stall_after_s", format!("{stall_after_s} is outside 1..=86400")));
+        }
+        let max_slices = match env("VGPU_AGENT_MAX_SLICES") {
+            Some(v) => v.trim().parse().map_err(|_| bad("max_slices", format!("{v:?} is not a number")))?,
+            None => file.max_slices.unwrap_or(crate::slices::DEFAULT_MAX_SLICES),
+        };
+        if !(1..=MAX_SLICES_CEILING).contains(&max_slices) {
+            return Err(bad("max_slices", format!("{max_slices} is outside 1..={MAX_SLICES_CEILING}")));
         }
         let device_plugin = match env("VGPU_AGENT_DEVICE_PLUGIN").or(file.device_plugin).as_deref() {
             None | Some("auto") | Some("on") => true,
@@ -613,6 +649,7 @@ impl Config {
             metrics_token_file,
             health_recovery_s,
             stall_after_s,
+            max_slices,
         })
     }
 
@@ -737,7 +774,7 @@ mod tests {
         let e = load(Some("pod_resources_socket = \"kubelet.sock\""), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("pod_resources_socket") && e.contains("absolute"), "{e}");
         let e = load(None, &[("VGPU_AGENT_SLICE_GC_GRACE_S", "0")], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("slice_gc_grace_s") && e.contains("outside"), "{e}");
+        assert!(e.contains("VGPU_AGENT_SLICE_GC_GRACE_S") && e.contains("outside"), "{e}");
     }
 
     #[test]
@@ -805,9 +842,12 @@ mod tests {
         let quiet = load(Some("pod_events = false"), &[], Flags::default()).unwrap();
         assert!(!quiet.pod_events);
         let e = load(None, &[("VGPU_AGENT_POD_EVENTS", "maybe")], Flags::default()).unwrap_err();
-        assert!(e.0.contains("pod_events"), "{e}");
+        assert!(
+            e.0.starts_with("environment variable VGPU_AGENT_POD_EVENTS: "),
+            "blamed on the variable, not a file: {e}"
+        );
         let e = load(None, &[("VGPU_AGENT_MEMORY_TRUE_UP", "maybe")], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("memory_true_up"), "{e}");
+        assert!(e.contains("VGPU_AGENT_MEMORY_TRUE_UP"), "{e}");
         assert_eq!(c.nvml_library, Some(PathBuf::from("/x/nvml.so")));
         assert_eq!(c.metrics_address, Some("127.0.0.1:9394".parse().unwrap()));
         let c = load(
@@ -835,7 +875,7 @@ mod tests {
             .unwrap();
         assert_eq!(c.dra_sharing, DraSharing::Capacity);
         let e = load(None, &[("VGPU_AGENT_DRA_SHARING", "shared")], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("dra_sharing: \"shared\" is not replicas or capacity"), "{e}");
+        assert!(e.contains("VGPU_AGENT_DRA_SHARING: \"shared\" is not replicas or capacity"), "{e}");
         assert_eq!(ok.dra_mig, DraMig::Existing, "existing MIG devices by default");
         let c = load(None, &[("VGPU_AGENT_DRA_MIG", "dynamic")], Flags::default()).unwrap();
         assert_eq!(c.dra_mig, DraMig::Dynamic);
@@ -853,7 +893,10 @@ mod tests {
         let e = load(None, &[("VGPU_AGENT_MIG_GEOMETRIES_FILE", geo.to_str().unwrap())], Flags::default())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("mig_geometries_file:") && e.contains("geo.yaml: entry 0 (A30): geometry 0"), "{e}");
+        assert!(
+            e.contains("VGPU_AGENT_MIG_GEOMETRIES_FILE:") && e.contains("geo.yaml: entry 0 (A30): geometry 0"),
+            "{e}"
+        );
         let e = load(Some("mig_geometries_file = \"/nonexistent/geo.yaml\""), &[], Flags::default())
             .unwrap_err()
             .to_string();
@@ -891,7 +934,10 @@ mod tests {
         let e = load(Some("stall_after_s = 0"), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("stall_after_s: 0 is outside"), "{e}");
         let e = load(None, &[("VGPU_AGENT_STALL_AFTER_S", "soon")], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("stall_after_s: \"soon\" is not a number"), "{e}");
+        assert!(e.contains("environment variable VGPU_AGENT_STALL_AFTER_S: \"soon\" is not a number"), "{e}");
+        let e = load(Some("max_slices = 0"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("max_slices: 0 is outside 1..=8192"), "{e}");
+        assert_eq!(load(None, &[], Flags::default()).unwrap().max_slices, crate::slices::DEFAULT_MAX_SLICES);
         assert_eq!(load(None, &[], Flags::default()).unwrap().stall_after_s, 60);
         for v in ["0", "-1", "11", "nan"] {
             let e = load(Some(&format!("memory_scaling = {v}")), &[], Flags::default()).unwrap_err().to_string();

@@ -16,11 +16,42 @@ use std::time::{Duration, Instant};
 /// How often the inventory (MIG layout, topology) is read again.
 const INVENTORY_REFRESH: Duration = Duration::from_secs(30);
 
+/// Raises the soft limit on open files to the hard one (each slice holds two descriptors), and
+/// warns when even that is short of `max_slices`.
+fn raise_fd_limit(max_slices: usize) {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit with a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return;
+        }
+        if r.rlim_cur < r.rlim_max {
+            let want = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
+                r.rlim_cur = r.rlim_max;
+            }
+        }
+    }
+    let need = 2 * max_slices as u64 + 256;
+    if r.rlim_cur < need {
+        tracing::warn!(
+            open_files = r.rlim_cur,
+            needed = need,
+            max_slices,
+            "the open-file limit is short of what max_slices needs: raise LimitNOFILE or lower max_slices"
+        );
+    }
+}
+
 pub fn run(cfg: Config) -> Result<u64, String> {
     // Past a file-size limit (ulimit -f), writes fail with EFBIG like on a full disk, instead of the
     // signal killing the agent.
     // SAFETY: setting a signal's disposition to SIG_IGN has no preconditions.
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    // Every container's region is mapped here, and a container can truncate its own: a SIGBUS in
+    // one of those mappings turns it into zeros instead of killing the agent.
+    vgpu_region::shrink::enable().map_err(|e| format!("cannot install the SIGBUS guard: {e}"))?;
+    raise_fd_limit(cfg.max_slices);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(4)
@@ -34,10 +65,15 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     // The state directory holds the limits: only the agent writes there.
     use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o755));
-    let store =
-        SliceStore::open(&cfg.state_dir).map_err(|e| e.to_string())?.with_oversubscribe(cfg.memory_scaling > 1.0);
+    let store = SliceStore::open(&cfg.state_dir)
+        .map_err(|e| e.to_string())?
+        .with_oversubscribe(cfg.memory_scaling > 1.0)
+        .with_max_slices(cfg.max_slices);
     for repair in store.recover() {
-        tracing::warn!(%repair, "slice store repaired after an interrupted change");
+        tracing::warn!(%repair, "slice store repaired at start");
+    }
+    for p in crate::slices::remove_temporaries(&cfg.state_dir.join("lib")) {
+        tracing::warn!(file = %p.display(), "removed a library install cut short");
     }
     let library = if cfg.library.exists() {
         let l = install_library(&cfg.library, &cfg.state_dir.join("lib"), VERSION).map_err(|e| e.to_string())?;
@@ -60,16 +96,18 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     agent.refresh_mig_holders();
     agent.refresh_admitted();
     agent.prune_libraries();
+    agent.reconcile_cdi();
     tracing::info!(slices = agent.slices().len(), state_dir = %cfg.state_dir.display(), "recovered slices");
 
     let listener = crate::api::bind(&cfg.socket)?;
+    let _socket = crate::api::SocketFile(cfg.socket.clone());
     tracing::info!(socket = %cfg.socket.display(), "serving the API");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut srx = stop_rx.clone();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(crate::api::server(agent.clone()))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
+            .serve_with_incoming_shutdown(crate::api::incoming(listener), async move {
                 let _ = srx.wait_for(|s| *s).await;
             }),
     );

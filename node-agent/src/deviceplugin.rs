@@ -489,7 +489,7 @@ async fn serve(
                     kind,
                     recent: recent.clone(),
                 }))
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), async move {
+                .serve_with_incoming_shutdown(crate::api::incoming(listener), async move {
                     let _ = down_rx.wait_for(|d| *d).await;
                 }),
         );

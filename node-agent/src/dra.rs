@@ -1593,22 +1593,16 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                             .add_service(v1::dra_plugin_server::DraPluginServer::new(d.clone()))
                             .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(d.clone()))
                             .add_service(hp::dra_resource_health_server::DraResourceHealthServer::new(d.clone()))
-                            .serve_with_incoming_shutdown(
-                                tokio_stream::wrappers::UnixListenerStream::new(dl),
-                                async move {
-                                    let _ = r1.wait_for(|x| *x).await;
-                                },
-                            ),
+                            .serve_with_incoming_shutdown(crate::api::incoming(dl), async move {
+                                let _ = r1.wait_for(|x| *x).await;
+                            }),
                     );
                     tokio::spawn(
                         tonic::transport::Server::builder()
                             .add_service(reg::registration_server::RegistrationServer::new(registrar.clone()))
-                            .serve_with_incoming_shutdown(
-                                tokio_stream::wrappers::UnixListenerStream::new(rl),
-                                async move {
-                                    let _ = r2.wait_for(|x| *x).await;
-                                },
-                            ),
+                            .serve_with_incoming_shutdown(crate::api::incoming(rl), async move {
+                                let _ = r2.wait_for(|x| *x).await;
+                            }),
                     );
                     tracing::info!(driver = %driver, registration = %reg_sock.display(), service = %dra_sock.display(), "serving the DRA driver");
                     serving =

@@ -9,8 +9,10 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use vgpu_proto::v1 as pb;
 
+/// A label value as the exposition format wants it; control characters (which a record written
+/// before labels were checked may hold) become `?`.
 fn esc(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    crate::slices::printable(&v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"))
 }
 
 struct Out(String);
@@ -212,6 +214,13 @@ pub fn render(agent: &Agent) -> String {
     );
     per_slice_gpu(
         &mut o,
+        "vgpu_slice_sm_unmeasured_launches_total",
+        "counter",
+        "Launches of a slice its interposers could not time with events (a driver call failed); timed by their stream's completion instead.",
+        &|_, g| g.sm_unmeasured_launches as f64,
+    );
+    per_slice_gpu(
+        &mut o,
         "vgpu_slice_oom_rejections_total",
         "counter",
         "Allocations refused because they would pass the limit.",
@@ -331,7 +340,14 @@ pub async fn serve(
 ) {
     let token = token.map(Arc::new);
     loop {
-        let Ok((sock, _)) = listener.accept().await else { continue };
+        let sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(_) => {
+                // Out of file descriptors, most often: wait rather than spin.
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let (agent, tls, token) = (agent.clone(), tls.clone(), token.clone());
         tokio::spawn(async move {
             let limit = std::time::Duration::from_secs(5);

@@ -464,7 +464,10 @@ impl Monitor {
             return name(s);
         }
         let mut asked = HashSet::default();
-        for (&host, &(i, _)) in &self.by_host {
+        // Processes attributed by the region they map (not by what a slot says).
+        let verified =
+            self.procs.iter().filter_map(|(&host, o)| Some((host, *self.index.get(o.owner.as_ref()?.0.as_str())?)));
+        for (host, i) in verified {
             let Some(s) = slices.get(i).filter(|s| s.labels.contains_key("pod")) else { continue };
             if asked.insert(i) && procfs::owner(host).pod_uid == uid {
                 return name(s);
@@ -506,6 +509,16 @@ impl Monitor {
         }
         let now = std::time::Instant::now();
         let mut opened = false;
+        // A region that shrank under its mapping (its container truncated it) reads as zeros from
+        // then on: dropped, and opened again (refused while it stays damaged).
+        for (c, s) in self.regions.iter_mut().zip(slices.iter()) {
+            if c.as_ref().is_some_and(|c| c.region.faulted()) {
+                tracing::error!(slice = %s.name, "the slice's region shrank under the agent (truncated by its container?); dropped");
+                *c = None;
+                self.unopened.insert(s.name.clone(), now + std::time::Duration::from_secs(10));
+                self.procs.retain(|_, p| p.owner.as_ref().is_none_or(|(n, _)| *n != s.name));
+            }
+        }
         for (i, s) in slices.iter().enumerate() {
             if self.regions[i].is_none() && self.unopened.get(&s.name).is_none_or(|t| *t <= now) {
                 self.regions[i] = self.open(store, s);
@@ -631,7 +644,17 @@ impl Monitor {
             let freed = c.region.reap_where(|pid, host| {
                 full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(i, pid)))
             });
-            pass.reclaimed = pass.reclaimed.saturating_add(freed);
+            // What the slots said they held is the container's word: no more than its GPUs have
+            // counts (a scribbled slot must not poison the node's counters).
+            let total =
+                |dev: usize| c.gpu_pos.get(dev).and_then(|&k| queried.get(k)).map_or(0, |(g, _)| g.memory_total);
+            let cap: u64 = slices[i]
+                .gpus
+                .iter()
+                .enumerate()
+                .map(|(dev, g)| if g.memory > 0 { g.memory } else { total(dev) })
+                .fold(0, u64::saturating_add);
+            pass.reclaimed = pass.reclaimed.saturating_add(freed.min(cap));
             let start = self.live.len();
             let (live, live_slot, by_host) = (&mut self.live, &mut self.live_slot, &mut self.by_host);
             c.region.for_each_slot(|slot, pid, host, used| {
@@ -883,6 +906,7 @@ impl Monitor {
                     sm_used: c.sm_ewma[dev].round() as u32,
                     throttled_ns: d.sm_throttled_ns.load(Relaxed),
                     throttled_launches: throttled,
+                    sm_unmeasured_launches: d.sm_unmeasured.load(Relaxed) as u64,
                     oom_rejections: d.oom_rejections.load(Relaxed),
                     memory_peak: d.peak_used.load(Relaxed),
                     sm_rate_ppm: if rate == 0 { 1_000_000 } else { rate },
@@ -892,8 +916,13 @@ impl Monitor {
                     spilled_bytes,
                 });
                 for ((pid, host, used), slot) in live.iter().zip(live_slot) {
-                    let host_pid =
-                        if *host != 0 { *host } else { mine().find(|p| p.pid == *pid).map_or(0, |p| p.host_pid) };
+                    // A host PID the slot names is shown only where NVML's process, attributed by the
+                    // region it maps, confirms it (a container can write any PID into its slots).
+                    let host_pid = if *host != 0 && mine().any(|p| p.host_pid == *host) {
+                        *host
+                    } else {
+                        mine().find(|p| p.pid == *pid).map_or(0, |p| p.host_pid)
+                    };
                     if used[dev] > 0 || (host_pid != 0 && mine().any(|p| p.host_pid == host_pid)) {
                         st.processes.push(pb::ProcessStatus {
                             host_pid,
@@ -907,7 +936,8 @@ impl Monitor {
             }
             for (pid, host, used) in live {
                 if used.iter().all(|&u| u == 0) && !st.processes.iter().any(|p| p.pid == *pid) {
-                    st.processes.push(pb::ProcessStatus { host_pid: *host, pid: *pid, ..Default::default() });
+                    let host = if c.nvml.iter().any(|p| p.host_pid == *host) { *host } else { 0 };
+                    st.processes.push(pb::ProcessStatus { host_pid: host, pid: *pid, ..Default::default() });
                 }
             }
             pass.slices.push(st);
@@ -985,7 +1015,7 @@ impl Monitor {
     /// Opens a slice's region (a failure is logged and tried again in 10 s).
     fn open(&mut self, store: &SliceStore, s: &Slice) -> Option<Cached> {
         let path = store.dir(&s.name).join("region");
-        match Region::open(&path, true) {
+        match Region::open_strict(&path, true) {
             Ok(region) => {
                 self.unopened.remove(&s.name);
                 Some(Cached {
@@ -1021,10 +1051,11 @@ impl Monitor {
 
     /// The slice (its index in `slices`, the pass's list) and the PID inside its container of GPU
     /// process `pid` (host PID).
+    ///
+    /// Which region a process maps is what decides (its `/proc/<pid>/maps`, read once per process
+    /// and cached by its start time); a host PID that a slot names is the container's word and is
+    /// not believed.
     fn owner(&mut self, pid: u32, slices: &[Slice]) -> Option<(usize, u32)> {
-        if let Some(&o) = self.by_host.get(&pid) {
-            return Some(o);
-        }
         let start = procfs::start_time(pid)?;
         if let Some(c) = self.procs.get(&pid) {
             if c.start == start {

@@ -1,32 +1,72 @@
 //! Slices: per-container regions under the state directory, with limits only the agent writes, and
-//! a small record per slice so that a restarted agent recovers every slice.
+//! a record per slice, out of every container's reach, from which a restarted agent recovers them.
 //!
-//! Layout under `<state_dir>/slices/<name>/`:
-//! * `region`: the usage region, mounted read-write into the container;
-//! * `limits`: a region holding the limits, mounted read-only (the container cannot raise them);
-//! * `slice.json`: the record (what was asked, when).
+//! Layout under the state directory:
+//! * `slices/<name>/region`: the usage region. The file alone is bind-mounted read-write into the
+//!   container: the container can write its contents (and even truncate it, which the agent
+//!   survives, see [`vgpu_region::shrink`]) but cannot replace it, link it elsewhere or add files
+//!   beside it;
+//! * `slices/<name>/limits`: a region holding the limits, bind-mounted read-only;
+//! * `records/<name>.json` (the directory 0700): the record, what was asked and when. No container
+//!   reaches it, and it is still read as untrusted: never through a link, at most
+//!   [`RECORD_MAX`] bytes, and a record that cannot be read quarantines its slice alone.
 //!
 //! Library installs go to `<state_dir>/lib/libvgpu.so.<version>.<digest>`, written to a temporary
 //! name and renamed, never overwriting a file that running containers may have mapped.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{Read, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use vgpu_region::{Init, Region};
 
+/// What kind of failure a slice operation met (the API maps it to a status code).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The request itself is wrong (a name, a limit, a label).
+    Invalid,
+    NotFound,
+    Exists,
+    /// Processes still use the slice.
+    Busy,
+    /// A node-wide bound (`max_slices`) is reached.
+    Full,
+    /// The state directory failed (I/O), or a file in it is damaged.
+    Io,
+}
+
 #[derive(Debug)]
-pub struct SliceError(pub String);
+pub struct SliceError {
+    pub kind: ErrorKind,
+    pub msg: String,
+}
+
+impl SliceError {
+    fn new(kind: ErrorKind, msg: impl Into<String>) -> SliceError {
+        SliceError { kind, msg: msg.into() }
+    }
+}
 
 impl std::fmt::Display for SliceError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.msg)
     }
 }
 
 impl std::error::Error for SliceError {}
 
 type Result<T> = std::result::Result<T, SliceError>;
+
+/// The largest slice record read (a record is a few hundred bytes; labels are bounded far below).
+pub const RECORD_MAX: u64 = 64 << 10;
+/// The most labels a slice has, and their sizes.
+pub const LABELS_MAX: usize = 32;
+pub const LABEL_KEY_MAX: usize = 253;
+pub const LABEL_VALUE_MAX: usize = 1024;
+pub const LABELS_BYTES_MAX: usize = 16 << 10;
+/// The default bound on slices per node (`max_slices`).
+pub const DEFAULT_MAX_SLICES: usize = 4096;
 
 /// One device of a slice, in the container's device order.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,18 +108,30 @@ pub struct Injection {
     pub mounts: Vec<Mount>,
 }
 
+/// Every slice on record, and the names whose record cannot be read (quarantined: left out of
+/// everything until deleted with `force`), with why.
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub slices: Vec<Slice>,
+    pub quarantined: Vec<(String, String)>,
+}
+
 pub struct SliceStore {
+    /// `<state_dir>/slices`: the files containers get.
     root: PathBuf,
+    /// `<state_dir>/records`: the records, which no container gets.
+    records: PathBuf,
     /// The node's memory is oversubscribed (`memory_scaling` above 1): every slice's files carry the
     /// flag that lets its interposers serve what the GPU has no room for as unified memory.
     oversubscribe: bool,
+    max_slices: usize,
 }
 
 /// Where the container sees the slice's files.
 pub const CONTAINER_DIR: &str = "/usr/local/vgpu";
 
 fn io(what: String) -> impl FnOnce(std::io::Error) -> SliceError {
-    move |e| SliceError(format!("{what}: {e}"))
+    move |e| SliceError::new(ErrorKind::Io, format!("{what}: {e}"))
 }
 
 pub fn valid_name(name: &str) -> bool {
@@ -89,19 +141,138 @@ pub fn valid_name(name: &str) -> bool {
         && !name.starts_with('.')
 }
 
-/// Writes `data` to `path` through a temporary file and a rename (readers never see a partial file).
-fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(io(format!("cannot create {}", tmp.display())))?;
-    f.write_all(data).and_then(|_| f.sync_all()).map_err(io(format!("cannot write {}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(io(format!("cannot install {}", path.display())))
+/// A value from a request as an error message shows it: quoted, control characters escaped, and
+/// cut at 64 characters (an over-long name must not make an over-long error).
+pub fn shown(v: &str) -> String {
+    let cut: String = v.chars().take(64).collect();
+    if cut.len() < v.len() {
+        format!("{cut:?}... ({} bytes)", v.len())
+    } else {
+        format!("{cut:?}")
+    }
+}
+
+/// Every slice name on every path (the API, the scheduler's requests, HAMi, Volcano, DRA) is
+/// checked here: a name is one path component under the state directory, never `..` or a path.
+pub fn check_name(name: &str) -> Result<()> {
+    if valid_name(name) {
+        Ok(())
+    } else {
+        Err(SliceError::new(
+            ErrorKind::Invalid,
+            format!(
+                "invalid slice name {}: use 1-63 lower-case letters, digits, '-', '_' or '.', not starting with '.'",
+                shown(name)
+            ),
+        ))
+    }
+}
+
+/// Labels within bounds ([`LABELS_MAX`] of them, keys up to [`LABEL_KEY_MAX`] bytes, values up to
+/// [`LABEL_VALUE_MAX`], [`LABELS_BYTES_MAX`] in all) and without control characters.
+pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<()> {
+    let bad = |m: String| Err(SliceError::new(ErrorKind::Invalid, m));
+    if labels.len() > LABELS_MAX {
+        return bad(format!("{} labels: a slice has at most {LABELS_MAX}", labels.len()));
+    }
+    let mut total = 0;
+    for (k, v) in labels {
+        if k.is_empty() || k.len() > LABEL_KEY_MAX {
+            return bad(format!("label key {}: 1 to {LABEL_KEY_MAX} bytes are accepted", shown(k)));
+        }
+        if v.len() > LABEL_VALUE_MAX {
+            return bad(format!("label {}: its value has {} bytes, at most {LABEL_VALUE_MAX}", shown(k), v.len()));
+        }
+        if k.chars().chain(v.chars()).any(char::is_control) {
+            return bad(format!("label {}: control characters are not accepted", shown(k)));
+        }
+        total += k.len() + v.len();
+    }
+    if total > LABELS_BYTES_MAX {
+        return bad(format!("labels of {total} bytes: at most {LABELS_BYTES_MAX} in all"));
+    }
+    Ok(())
+}
+
+/// `s` with control characters as `?`, for a terminal or a metrics label.
+pub fn printable(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() { '?' } else { c }).collect()
+}
+
+/// Writes `data` to `path` through a temporary file and a rename (readers never see a partial
+/// file). The temporary name starts with `.` and ends in `.tmp.<pid>`, so [`remove_temporaries`]
+/// finds what a killed writer left.
+fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let made = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)
+            .map_err(io(format!("cannot create {}", tmp.display())))?;
+        f.write_all(data).and_then(|_| f.sync_all()).map_err(io(format!("cannot write {}", tmp.display())))?;
+        std::fs::rename(&tmp, path).map_err(io(format!("cannot install {}", path.display())))
+    })();
+    if made.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    made
+}
+
+/// Reads a file the agent wrote, as untrusted: not through a link, a regular file only, at most
+/// `max` bytes.
+pub fn read_bounded(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error, ErrorKind as K};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| if e.raw_os_error() == Some(libc::ELOOP) { Error::other("a symbolic link") } else { e })?;
+    let m = f.metadata()?;
+    if !m.file_type().is_file() {
+        return Err(Error::other("not a regular file"));
+    }
+    if m.len() > max {
+        return Err(Error::new(K::InvalidData, format!("{} bytes, more than the {max} accepted", m.len())));
+    }
+    let mut data = Vec::with_capacity(m.len() as usize);
+    f.take(max + 1).read_to_end(&mut data)?;
+    if data.len() as u64 > max {
+        return Err(Error::new(K::InvalidData, format!("more than the {max} bytes accepted")));
+    }
+    Ok(data)
+}
+
+/// Removes what writers killed mid-write left in `dir`: files named `.<name>.tmp.<pid>` or
+/// `<name>.tmp.<pid>` (the library installs' and the former records'), whatever the PID (only this
+/// agent writes there, and it is starting). Returns what it removed.
+pub fn remove_temporaries(dir: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    rd.flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            n.rsplit_once(".tmp.").is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter(|p| p.symlink_metadata().is_ok_and(|m| m.file_type().is_file() || m.file_type().is_symlink()))
+        .filter(|p| std::fs::remove_file(p).is_ok())
+        .collect()
 }
 
 impl SliceStore {
     pub fn open(state_dir: &Path) -> Result<SliceStore> {
         let root = state_dir.join("slices");
-        std::fs::create_dir_all(&root).map_err(io(format!("cannot create {}", root.display())))?;
-        Ok(SliceStore { root, oversubscribe: false })
+        let records = state_dir.join("records");
+        for d in [&root, &records] {
+            std::fs::create_dir_all(d).map_err(io(format!("cannot create {}", d.display())))?;
+        }
+        std::fs::set_permissions(&records, std::fs::Permissions::from_mode(0o700))
+            .map_err(io(format!("cannot restrict {}", records.display())))?;
+        Ok(SliceStore { root, records, oversubscribe: false, max_slices: DEFAULT_MAX_SLICES })
     }
 
     /// Sets whether slices get the oversubscription flag (new ones at creation, existing ones at
@@ -111,49 +282,74 @@ impl SliceStore {
         self
     }
 
+    /// Sets the most slices the node holds (`max_slices`).
+    pub fn with_max_slices(mut self, n: usize) -> SliceStore {
+        self.max_slices = n;
+        self
+    }
+
+    /// The directory of a slice's container files. `name` must be valid ([`check_name`]).
     pub fn dir(&self, name: &str) -> PathBuf {
+        debug_assert!(valid_name(name), "{name:?}");
         self.root.join(name)
+    }
+
+    fn record(&self, name: &str) -> PathBuf {
+        self.records.join(format!("{name}.json"))
+    }
+
+    fn write_record(&self, s: &Slice) -> Result<()> {
+        write_atomic(&self.record(&s.name), &serde_json::to_vec_pretty(s).expect("serialisable"), 0o600)
+    }
+
+    fn count(&self) -> usize {
+        std::fs::read_dir(&self.records).map_or(0, |rd| {
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().strip_suffix(".json").is_some_and(valid_name))
+                .count()
+        })
     }
 
     /// Creates a slice; fails if one of that name exists.
     pub fn create(&self, name: &str, gpus: Vec<SliceGpu>, labels: BTreeMap<String, String>) -> Result<Slice> {
-        if !valid_name(name) {
-            return Err(SliceError(format!(
-                "invalid slice name {name:?}: use 1-63 lower-case letters, digits, '-', '_' or '.'"
-            )));
-        }
+        check_name(name)?;
+        check_labels(&labels)?;
         if gpus.is_empty() || gpus.len() > vgpu_region::MAX_DEVICES {
-            return Err(SliceError(format!("a slice has 1 to {} GPUs", vgpu_region::MAX_DEVICES)));
+            return Err(SliceError::new(
+                ErrorKind::Invalid,
+                format!("a slice has 1 to {} GPUs", vgpu_region::MAX_DEVICES),
+            ));
         }
         if let Some(g) = gpus.iter().find(|g| g.sm > 100) {
-            return Err(SliceError(format!("SM limit {} % of {} is above 100", g.sm, g.uuid)));
+            return Err(SliceError::new(ErrorKind::Invalid, format!("SM limit {} % of {} is above 100", g.sm, g.uuid)));
+        }
+        if self.record(name).symlink_metadata().is_ok() {
+            return Err(SliceError::new(ErrorKind::Exists, format!("slice {name} already exists")));
+        }
+        let n = self.count();
+        if n >= self.max_slices {
+            return Err(SliceError::new(
+                ErrorKind::Full,
+                format!("this node has {n} slices, the most max_slices = {} allows", self.max_slices),
+            ));
         }
         let dir = self.dir(name);
         // A directory without its record is what an interrupted create or delete left: not a slice.
-        if dir.is_dir() && !dir.join("slice.json").exists() {
-            let _ = std::fs::remove_dir_all(&dir);
+        if dir.symlink_metadata().is_ok() {
+            let _ = std::fs::remove_dir_all(&dir).or_else(|_| std::fs::remove_file(&dir));
         }
         std::fs::create_dir(&dir).map_err(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => SliceError(format!("slice {name} already exists")),
-            _ => SliceError(format!("cannot create {}: {e}", dir.display())),
+            std::io::ErrorKind::AlreadyExists => {
+                SliceError::new(ErrorKind::Exists, format!("slice {name} already exists"))
+            }
+            _ => SliceError::new(ErrorKind::Io, format!("cannot create {}: {e}", dir.display())),
         })?;
-        let init =
-            || Init { devices: gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(), standalone: false };
         let made = (|| {
-            let limits = Region::open_or_create(&dir.join("limits"), init).map_err(|e| SliceError(e.to_string()))?;
-            limits.set_oversubscribe(self.oversubscribe).map_err(|e| SliceError(e.to_string()))?;
-            // Only the agent writes limits (containers get the file read-only; on the host, other
-            // users must not raise them). The region stays writable by every user: a container's
-            // processes, whatever their uid, account their usage in it.
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(dir.join("limits"), std::fs::Permissions::from_mode(0o644))
-                .map_err(io(format!("cannot restrict {}", dir.join("limits").display())))?;
-            let region = Region::open_or_create(&dir.join("region"), init).map_err(|e| SliceError(e.to_string()))?;
-            region.set_oversubscribe(self.oversubscribe).map_err(|e| SliceError(e.to_string()))?;
+            self.make_files(&dir, &gpus)?;
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let (created, created_ns) = (now.as_secs(), now.as_nanos() as u64);
             let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels, created_ns };
-            write_atomic(&dir.join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
+            self.write_record(&s)?;
             Ok(s)
         })();
         if made.is_err() {
@@ -162,28 +358,54 @@ impl SliceStore {
         made
     }
 
-    pub fn get(&self, name: &str) -> Result<Slice> {
-        let p = self.dir(name).join("slice.json");
-        let data = std::fs::read(&p).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => SliceError(format!("no slice named {name}")),
-            _ => SliceError(format!("cannot read {}: {e}", p.display())),
-        })?;
-        serde_json::from_slice(&data).map_err(|e| SliceError(format!("{}: {e}", p.display())))
+    /// Makes a slice's limits file and region in `dir`.
+    fn make_files(&self, dir: &Path, gpus: &[SliceGpu]) -> Result<()> {
+        let init =
+            || Init { devices: gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(), standalone: false };
+        let region_err = |e: vgpu_region::RegionError| SliceError::new(ErrorKind::Io, e.to_string());
+        let limits = Region::open_or_create(&dir.join("limits"), init).map_err(region_err)?;
+        limits.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
+        // Only the agent writes limits (containers get the file read-only; on the host, other
+        // users must not raise them). The region stays writable by every user: a container's
+        // processes, whatever their uid, account their usage in it.
+        std::fs::set_permissions(dir.join("limits"), std::fs::Permissions::from_mode(0o644))
+            .map_err(io(format!("cannot restrict {}", dir.join("limits").display())))?;
+        let region = Region::open_or_create(&dir.join("region"), init).map_err(region_err)?;
+        region.set_oversubscribe(self.oversubscribe).map_err(region_err)
     }
 
-    /// Every slice on record (what a restarted agent recovers). Damaged records are reported, not
-    /// skipped silently.
-    pub fn list(&self) -> Result<Vec<Slice>> {
-        let mut v = Vec::new();
-        let rd = std::fs::read_dir(&self.root).map_err(io(format!("cannot list {}", self.root.display())))?;
+    pub fn get(&self, name: &str) -> Result<Slice> {
+        check_name(name)?;
+        let p = self.record(name);
+        let data = read_bounded(&p, RECORD_MAX).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => SliceError::new(ErrorKind::NotFound, format!("no slice named {name}")),
+            _ => SliceError::new(ErrorKind::Io, format!("cannot read {}: {e}", p.display())),
+        })?;
+        let s: Slice = serde_json::from_slice(&data)
+            .map_err(|e| SliceError::new(ErrorKind::Io, format!("{}: {e}", p.display())))?;
+        if s.name != name {
+            return Err(SliceError::new(ErrorKind::Io, format!("{}: it names slice {}", p.display(), shown(&s.name))));
+        }
+        check_labels(&s.labels).map_err(|e| SliceError::new(ErrorKind::Io, format!("{}: {e}", p.display())))?;
+        Ok(s)
+    }
+
+    /// Every slice on record (what a restarted agent recovers). A record that cannot be read is
+    /// reported in the listing, and blocks nothing else.
+    pub fn list(&self) -> Result<Listing> {
+        let mut out = Listing::default();
+        let rd = std::fs::read_dir(&self.records).map_err(io(format!("cannot list {}", self.records.display())))?;
         for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if valid_name(&name) && e.path().join("slice.json").exists() {
-                v.push(self.get(&name)?);
+            let file = e.file_name().to_string_lossy().into_owned();
+            let Some(name) = file.strip_suffix(".json").filter(|n| valid_name(n)) else { continue };
+            match self.get(name) {
+                Ok(s) => out.slices.push(s),
+                Err(e) => out.quarantined.push((name.to_owned(), e.msg)),
             }
         }
-        v.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(v)
+        out.slices.sort_by(|a, b| a.name.cmp(&b.name));
+        out.quarantined.sort();
+        Ok(out)
     }
 
     /// Changes limits; running processes apply them at their next allocation or launch. The record
@@ -192,106 +414,96 @@ impl SliceStore {
     pub fn update(&self, name: &str, gpus: &[SliceGpu]) -> Result<Slice> {
         let mut s = self.get(name)?;
         for g in gpus {
-            let i = s
-                .gpus
-                .iter()
-                .position(|x| x.uuid == g.uuid)
-                .ok_or_else(|| SliceError(format!("slice {name} has no GPU {}", g.uuid)))?;
+            let i = s.gpus.iter().position(|x| x.uuid == g.uuid).ok_or_else(|| {
+                SliceError::new(ErrorKind::NotFound, format!("slice {name} has no GPU {}", shown(&g.uuid)))
+            })?;
             if g.sm > 100 {
-                return Err(SliceError(format!("SM limit {} % is above 100", g.sm)));
+                return Err(SliceError::new(ErrorKind::Invalid, format!("SM limit {} % is above 100", g.sm)));
             }
             s.gpus[i] = g.clone();
         }
-        write_atomic(&self.dir(name).join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
+        self.write_record(&s)?;
         self.apply_limits(&s)?;
         Ok(s)
     }
 
     /// Replaces a slice's labels (the record only; limits and files are untouched).
     pub fn set_labels(&self, name: &str, labels: BTreeMap<String, String>) -> Result<Slice> {
+        check_labels(&labels)?;
         let mut s = self.get(name)?;
         s.labels = labels;
-        write_atomic(&self.dir(name).join("slice.json"), &serde_json::to_vec_pretty(&s).expect("serialisable"))?;
+        self.write_record(&s)?;
         Ok(s)
     }
 
     /// Writes a slice's limits from its record into its limits file and region (where they differ).
+    /// Neither is opened through a link or as anything but a regular file.
     fn apply_limits(&self, s: &Slice) -> Result<bool> {
         let mut changed = false;
+        let region_err = |e: vgpu_region::RegionError| SliceError::new(ErrorKind::Io, e.to_string());
         for f in ["limits", "region"] {
-            let r = Region::open(&self.dir(&s.name).join(f), true).map_err(|e| SliceError(e.to_string()))?;
+            let r = Region::open_strict(&self.dir(&s.name).join(f), true).map_err(region_err)?;
             if r.oversubscribe() != self.oversubscribe {
-                r.set_oversubscribe(self.oversubscribe).map_err(|e| SliceError(e.to_string()))?;
+                r.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
                 changed = true;
             }
             for (i, g) in s.gpus.iter().enumerate() {
                 if r.mem_limit(i) != g.memory {
-                    r.set_mem_limit(i, g.memory).map_err(|e| SliceError(e.to_string()))?;
+                    r.set_mem_limit(i, g.memory).map_err(region_err)?;
                     changed = true;
                 }
                 if r.sm_limit(i) != g.sm {
-                    r.set_sm_limit(i, g.sm).map_err(|e| SliceError(e.to_string()))?;
+                    r.set_sm_limit(i, g.sm).map_err(region_err)?;
                     changed = true;
                 }
+            }
+            if r.faulted() {
+                return Err(SliceError::new(
+                    ErrorKind::Io,
+                    format!("{} shrank while it was written", r.path().display()),
+                ));
             }
         }
         Ok(changed)
     }
 
-    /// Brings the store to a consistent state after an agent was killed mid-change (run at start):
-    /// a directory without a record (an interrupted create or delete) is removed; a slice whose
-    /// limits file or region is missing or unreadable gets new ones; limits that differ from the
-    /// record are rewritten. Returns one line per repair.
+    /// Brings the store to a consistent state at start: records of the former layout (inside the
+    /// container's directory) are moved out of its reach; a directory without a record (an
+    /// interrupted create or delete) is removed; a slice whose limits file or region is missing,
+    /// damaged or not a regular file gets new ones; limits that differ from the record are
+    /// rewritten; temporary files that killed writers left are removed. Returns one line per repair.
     pub fn recover(&self) -> Vec<String> {
-        let mut done = Vec::new();
+        let mut done: Vec<String> = remove_temporaries(&self.records)
+            .iter()
+            .map(|p| format!("removed {}: a write cut short", p.display()))
+            .collect();
         let Ok(rd) = std::fs::read_dir(&self.root) else { return done };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let dir = e.path();
-            if !valid_name(&name) || !dir.is_dir() {
+            if !valid_name(&name) || !dir.symlink_metadata().is_ok_and(|m| m.is_dir()) {
                 continue;
+            }
+            for p in remove_temporaries(&dir) {
+                done.push(format!("removed {}: a write cut short", p.display()));
+            }
+            if dir.join("slice.json").symlink_metadata().is_ok() {
+                done.push(self.migrate(&name));
             }
             let s = match self.get(&name) {
                 Ok(s) => s,
-                Err(_) if !dir.join("slice.json").exists() => {
+                Err(e) if e.kind == ErrorKind::NotFound => {
                     if std::fs::remove_dir_all(&dir).is_ok() {
                         done.push(format!("removed {}: an interrupted create or delete", dir.display()));
                     }
                     continue;
                 }
                 Err(e) => {
-                    done.push(format!("left {} alone: {e}", dir.display()));
+                    done.push(format!("slice {name} quarantined: {e}"));
                     continue;
                 }
             };
-            for f in ["limits", "region"] {
-                let p = dir.join(f);
-                if let Err(e) = Region::open(&p, true) {
-                    // Recreated only if missing or damaged. One another build wrote (another ABI
-                    // or layout), or one that could not be opened just now, may be in use by the
-                    // slice's processes (the container's mount holds the file itself: a new file
-                    // here would never reach them); it is left alone and reported.
-                    if let Some(why) = keep_region(&e) {
-                        done.push(format!("left {} alone: {e}{why}", p.display()));
-                        continue;
-                    }
-                    let _ = std::fs::remove_file(&p);
-                    let init = || Init {
-                        devices: s.gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(),
-                        standalone: false,
-                    };
-                    match Region::open_or_create(&p, init) {
-                        Ok(_) => {
-                            if f == "limits" {
-                                use std::os::unix::fs::PermissionsExt;
-                                let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644));
-                            }
-                            done.push(format!("recreated {} (missing or unreadable)", p.display()))
-                        }
-                        Err(e) => done.push(format!("cannot recreate {}: {e}", p.display())),
-                    }
-                }
-            }
+            self.recover_files(&s, &mut done);
             match self.apply_limits(&s) {
                 Ok(true) => done.push(format!("slice {name}: limits brought in line with its record")),
                 Ok(false) => {}
@@ -301,29 +513,132 @@ impl SliceStore {
         done
     }
 
-    /// Deletes a slice. Refused while processes of the container are alive, unless `force`.
+    /// Makes a slice's limits file and region anew where they are missing, damaged or not regular
+    /// files (a link is removed, never followed).
+    fn recover_files(&self, s: &Slice, done: &mut Vec<String>) {
+        let dir = self.dir(&s.name);
+        for f in ["limits", "region"] {
+            let p = dir.join(f);
+            let odd = p.symlink_metadata().is_ok_and(|m| !m.file_type().is_file());
+            if odd {
+                let gone = std::fs::remove_file(&p).or_else(|_| std::fs::remove_dir_all(&p));
+                done.push(format!(
+                    "removed {}: not a regular file ({})",
+                    p.display(),
+                    if gone.is_ok() { "done" } else { "failed" }
+                ));
+            } else if let Err(e) = Region::open_strict(&p, true) {
+                // Recreated only if missing or damaged. One another build wrote (another ABI or
+                // layout), or one that could not be opened just now, may be in use by the slice's
+                // processes (the container's mount holds the file itself: a new file here would
+                // never reach them); it is left alone and reported.
+                if let Some(why) = keep_region(&e) {
+                    done.push(format!("left {} alone: {e}{why}", p.display()));
+                    continue;
+                }
+                let _ = std::fs::remove_file(&p);
+            } else {
+                continue;
+            }
+            let init = || Init {
+                devices: s.gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(),
+                standalone: false,
+            };
+            match Region::open_or_create(&p, init) {
+                Ok(_) => {
+                    if f == "limits" {
+                        let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644));
+                    }
+                    done.push(format!("recreated {} (missing or unreadable)", p.display()))
+                }
+                Err(e) => done.push(format!("cannot recreate {}: {e}", p.display())),
+            }
+        }
+    }
+
+    /// Moves the record of the former layout (`slices/<name>/slice.json`, which the container could
+    /// write) out of its reach. Its limits are not believed: they are taken from the slice's limits
+    /// file, which the container only ever had read-only; its labels and creation time are kept
+    /// where they are valid.
+    fn migrate(&self, name: &str) -> String {
+        let dir = self.dir(name);
+        let old = dir.join("slice.json");
+        let line = if self.record(name).symlink_metadata().is_ok() {
+            format!("removed {}: the record is in {} now", old.display(), self.records.display())
+        } else {
+            match Region::open_strict(&dir.join("limits"), false) {
+                Ok(limits) => {
+                    let gpus = (0..limits.ndevices())
+                        .map(|i| SliceGpu { uuid: limits.device_uuid(i), memory: limits.mem_limit(i), sm: limits.sm_limit(i) })
+                        .collect();
+                    let was: Option<Slice> =
+                        read_bounded(&old, RECORD_MAX).ok().and_then(|d| serde_json::from_slice(&d).ok());
+                    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                    let mut s = Slice {
+                        name: name.to_owned(),
+                        gpus,
+                        created: now.as_secs(),
+                        labels: BTreeMap::new(),
+                        created_ns: 0,
+                    };
+                    if let Some(w) = was {
+                        (s.created, s.created_ns) = (w.created, w.created_ns);
+                        if check_labels(&w.labels).is_ok() {
+                            s.labels = w.labels;
+                        }
+                    }
+                    match self.write_record(&s) {
+                        Ok(()) => format!(
+                            "moved the record of slice {name} out of the container's reach ({}), with the limits of its read-only limits file",
+                            self.record(name).display()
+                        ),
+                        Err(e) => return format!("slice {name}: cannot move its record: {e}"),
+                    }
+                }
+                Err(e) => return format!("slice {name}: its former record is not believed and its limits file cannot be read ({e}); quarantined"),
+            }
+        };
+        let _ = std::fs::remove_file(&old);
+        line
+    }
+
+    /// Deletes a slice. Refused while processes of the container are alive, unless `force`. A
+    /// quarantined slice (its record unreadable) is deleted with `force`.
     pub fn delete(&self, name: &str, force: bool) -> Result<()> {
-        self.get(name)?;
+        check_name(name)?;
+        let record = self.record(name);
+        if record.symlink_metadata().is_err() {
+            return Err(SliceError::new(ErrorKind::NotFound, format!("no slice named {name}")));
+        }
+        if !force {
+            self.get(name)?;
+        }
         let dir = self.dir(name);
         if !force {
-            if let Ok(r) = Region::open(&dir.join("region"), true) {
+            if let Ok(r) = Region::open_strict(&dir.join("region"), true) {
                 r.reap();
                 let live = r.slots();
-                if !live.is_empty() {
-                    return Err(SliceError(format!(
-                        "slice {name} has {} live process(es); stop them or force the deletion",
-                        live.len()
-                    )));
+                if !live.is_empty() && !r.faulted() {
+                    return Err(SliceError::new(
+                        ErrorKind::Busy,
+                        format!("slice {name} has {} live process(es); stop them or force the deletion", live.len()),
+                    ));
                 }
             }
         }
         // The record goes first: a deletion interrupted after it leaves a directory that is no
         // longer a slice, which the next create or start removes.
-        std::fs::remove_file(dir.join("slice.json")).map_err(io(format!("cannot remove {}", dir.display())))?;
-        std::fs::remove_dir_all(&dir).map_err(io(format!("cannot remove {}", dir.display())))
+        std::fs::remove_file(&record).map_err(io(format!("cannot remove {}", record.display())))?;
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(SliceError::new(ErrorKind::Io, format!("cannot remove {}: {e}", dir.display())))
+            }
+            _ => Ok(()),
+        }
     }
 
-    /// The environment and mounts that put a process into this slice (for `docker run`).
+    /// The environment and mounts that put a process into this slice (for `docker run`): the region
+    /// file read-write and the limits file read-only, each mounted by itself.
     pub fn injection(&self, name: &str, library: Option<&Path>) -> Result<Injection> {
         let s = self.get(name)?;
         let mut env = vec![
@@ -349,7 +664,7 @@ impl SliceStore {
         let dir = self.dir(name);
         let m = |host: PathBuf, container: String, read_only| Mount { host, container, read_only };
         let mut mounts = vec![
-            m(dir.clone(), CONTAINER_DIR.to_string(), false),
+            m(dir.join("region"), format!("{CONTAINER_DIR}/region"), false),
             m(dir.join("limits"), format!("{CONTAINER_DIR}/limits"), true),
         ];
         if let Some(lib) = library {
@@ -383,8 +698,7 @@ pub fn install_library(src: &Path, lib_dir: &Path, version: &str) -> Result<Path
     std::fs::create_dir_all(lib_dir).map_err(io(format!("cannot create {}", lib_dir.display())))?;
     let dst = lib_dir.join(format!("libvgpu.so.{version}.{digest:016x}"));
     if !dst.exists() {
-        write_atomic(&dst, &data)?;
-        use std::os::unix::fs::PermissionsExt;
+        write_atomic(&dst, &data, 0o755)?;
         std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755))
             .map_err(io(format!("cannot chmod {}", dst.display())))?;
     } else {
@@ -455,7 +769,7 @@ mod tests {
         // Killed after an update wrote its record, before the regions followed.
         let mut s = st.get("drift").unwrap();
         s.gpus[0].memory = 3 << 30;
-        super::write_atomic(&st.dir("drift").join("slice.json"), &serde_json::to_vec(&s).unwrap()).unwrap();
+        st.write_record(&s).unwrap();
         // A limits file gone and a region overwritten.
         std::fs::remove_file(st.dir("lost").join("limits")).unwrap();
         std::fs::write(st.dir("lost").join("region"), vec![0xffu8; 4096]).unwrap();
@@ -463,7 +777,10 @@ mod tests {
         let repairs = st.recover();
         assert_eq!(repairs.len(), 4, "{repairs:?}");
         assert!(!st.dir("half").exists());
-        assert_eq!(st.list().unwrap().iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["drift", "lost", "ok"]);
+        assert_eq!(
+            st.list().unwrap().slices.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+            ["drift", "lost", "ok"]
+        );
         for f in ["limits", "region"] {
             let r = vgpu_region::Region::open(&st.dir("drift").join(f), false).unwrap();
             assert_eq!(r.mem_limit(0), 3 << 30, "{f}");
@@ -508,6 +825,161 @@ mod tests {
         std::fs::remove_dir_all(d).ok();
     }
 
+    /// Attacks through the files a container used to reach (issue: the whole slice directory was
+    /// mounted read-write): a rewritten record, a region replaced by a link to a neighbour's limits,
+    /// a garbage record, a record linked to /dev/zero. None of them may move a limit or block
+    /// another slice.
+    #[test]
+    fn the_record_is_out_of_the_container_s_reach_and_only_its_files_are_mounted() {
+        let (st, d) = store();
+        st.create("job", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        let inj = st.injection("job", None).unwrap();
+        let hosts: Vec<_> = inj.mounts.iter().map(|m| (m.host.clone(), m.container.as_str(), m.read_only)).collect();
+        assert_eq!(
+            hosts,
+            [
+                (st.dir("job").join("region"), "/usr/local/vgpu/region", false),
+                (st.dir("job").join("limits"), "/usr/local/vgpu/limits", true)
+            ],
+            "the files alone, never the directory"
+        );
+        assert!(!st.dir("job").join("slice.json").exists(), "no record beside what the container gets");
+        let mode = std::fs::metadata(d.join("records")).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn a_former_record_the_container_rewrote_does_not_raise_its_limit() {
+        let (st, d) = store();
+        st.create("job", vec![gpu(1 << 30, 30)], [("pod".to_string(), "a".to_string())].into()).unwrap();
+        // The former layout: the record inside the (container-writable) directory, raised to 70 GiB.
+        let mut s = st.get("job").unwrap();
+        std::fs::remove_file(st.record("job")).unwrap();
+        s.gpus[0].memory = 70 << 30;
+        s.gpus[0].sm = 0;
+        std::fs::write(st.dir("job").join("slice.json"), serde_json::to_vec(&s).unwrap()).unwrap();
+        let repairs = st.recover();
+        assert!(repairs.iter().any(|r| r.contains("moved the record of slice job")), "{repairs:?}");
+        let got = st.get("job").unwrap();
+        assert_eq!((got.gpus[0].memory, got.gpus[0].sm), (1 << 30, 30), "the read-only limits file decides");
+        assert_eq!(got.labels["pod"], "a");
+        assert!(!st.dir("job").join("slice.json").exists());
+        for f in ["limits", "region"] {
+            assert_eq!(Region::open(&st.dir("job").join(f), false).unwrap().mem_limit(0), 1 << 30, "{f}");
+        }
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn a_region_replaced_by_a_link_is_never_followed() {
+        let (st, d) = store();
+        st.create("victim", vec![gpu(4 << 30, 0)], Default::default()).unwrap();
+        st.create("evil", vec![gpu(1 << 20, 0)], Default::default()).unwrap();
+        let victim = st.dir("victim").join("limits");
+        std::fs::remove_file(st.dir("evil").join("region")).unwrap();
+        std::os::unix::fs::symlink(&victim, st.dir("evil").join("region")).unwrap();
+        // Neither an update nor a restart's repair writes through the link.
+        assert!(st.update("evil", &[gpu(2 << 20, 0)]).unwrap_err().msg.contains("not a regular file"));
+        let repairs = st.recover();
+        assert!(repairs.iter().any(|r| r.contains("not a regular file")), "{repairs:?}");
+        assert_eq!(Region::open(&victim, false).unwrap().mem_limit(0), 4 << 30, "the neighbour keeps its limit");
+        let evil = st.dir("evil").join("region");
+        assert!(evil.symlink_metadata().unwrap().file_type().is_file(), "made anew as a file");
+        assert_eq!(Region::open(&evil, false).unwrap().mem_limit(0), 2 << 20);
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_read_quarantines_its_slice_alone() {
+        let (st, d) = store();
+        for n in ["a", "garbage", "zero", "z"] {
+            st.create(n, vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        }
+        std::fs::write(st.record("garbage"), b"{not json").unwrap();
+        std::fs::remove_file(st.record("zero")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", st.record("zero")).unwrap();
+        let t = std::time::Instant::now();
+        let l = st.list().unwrap();
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "a bounded read");
+        assert_eq!(l.slices.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["a", "z"]);
+        assert_eq!(l.quarantined.iter().map(|q| q.0.as_str()).collect::<Vec<_>>(), ["garbage", "zero"]);
+        assert!(l.quarantined[1].1.contains("symbolic link"), "{:?}", l.quarantined);
+        // A big record is refused by its size, not read whole.
+        std::fs::write(st.record("a"), vec![b' '; RECORD_MAX as usize + 1]).unwrap();
+        assert!(st.get("a").unwrap_err().msg.contains("more than the"));
+        // Quarantined slices are deleted with force; the name is then free.
+        assert!(st.delete("garbage", false).is_err());
+        st.delete("garbage", true).unwrap();
+        st.delete("zero", true).unwrap();
+        st.create("garbage", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn every_name_is_checked_on_every_path_and_nothing_outside_the_store_is_touched() {
+        let (st, d) = store();
+        st.create("victim", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        let outside = d.join("outside").join("precious");
+        std::fs::create_dir_all(&outside).unwrap();
+        for name in ["lib/../victim", "../outside/precious", "../../../outside/precious", "..", "a/b", ""] {
+            for force in [false, true] {
+                let e = st.delete(name, force).unwrap_err();
+                assert_eq!(e.kind, ErrorKind::Invalid, "{name:?}: {e}");
+            }
+            assert_eq!(st.get(name).unwrap_err().kind, ErrorKind::Invalid);
+            assert_eq!(st.update(name, &[]).unwrap_err().kind, ErrorKind::Invalid);
+            assert_eq!(st.set_labels(name, Default::default()).unwrap_err().kind, ErrorKind::Invalid);
+        }
+        assert!(outside.exists() && st.get("victim").is_ok());
+        let long = "x".repeat(70_000);
+        let e = st.create(&long, vec![gpu(1, 0)], Default::default()).unwrap_err().msg;
+        assert!(e.len() < 300 && e.contains("(70000 bytes)"), "the name is not echoed whole: {} bytes", e.len());
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn slices_and_labels_are_bounded_with_clear_errors() {
+        let (st, d) = store();
+        let st = st.with_max_slices(2);
+        st.create("a", vec![gpu(1, 0)], Default::default()).unwrap();
+        st.create("b", vec![gpu(1, 0)], Default::default()).unwrap();
+        let e = st.create("c", vec![gpu(1, 0)], Default::default()).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Full);
+        assert!(e.msg.contains("2 slices, the most max_slices = 2 allows"), "{e}");
+        st.delete("b", true).unwrap();
+        let label = |k: &str, v: String| BTreeMap::from([(k.to_string(), v)]);
+        for (labels, want) in [
+            (label("pod", "x".repeat(LABEL_VALUE_MAX + 1)), "its value has 1025 bytes"),
+            (label("pod", "a\u{1b}[31m".into()), "control characters"),
+            ((0..=LABELS_MAX).map(|i| (format!("k{i}"), String::new())).collect(), "at most 32"),
+        ] {
+            let e = st.create("c", vec![gpu(1, 0)], labels.clone()).unwrap_err();
+            assert!(e.kind == ErrorKind::Invalid && e.msg.contains(want), "{e}");
+            assert!(st.set_labels("a", labels).unwrap_err().msg.contains(want));
+        }
+        assert_eq!(printable("a\u{1b}[31mb\n"), "a?[31mb?");
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    #[test]
+    fn what_killed_writers_left_is_removed_at_start() {
+        let (st, d) = store();
+        st.create("a", vec![gpu(1, 0)], Default::default()).unwrap();
+        std::fs::write(d.join("records").join(".a.json.tmp.4242"), b"{").unwrap();
+        std::fs::write(st.dir("a").join("slice.tmp.77"), b"{").unwrap();
+        let lib = d.join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libvgpu.so.0.1.0.tmp.99"), b"half").unwrap();
+        std::fs::write(lib.join(".libvgpu.so.0.1.0.0123456789abcdef.tmp.98"), b"half").unwrap();
+        std::fs::write(lib.join("libvgpu.so.0.1.0.0123456789abcdef"), b"whole").unwrap();
+        let repairs = st.recover();
+        assert_eq!(repairs.iter().filter(|r| r.contains("a write cut short")).count(), 2, "{repairs:?}");
+        assert_eq!(remove_temporaries(&lib).len(), 2);
+        assert_eq!(std::fs::read_dir(&lib).unwrap().count(), 1, "the install stays");
+        std::fs::remove_dir_all(d).ok();
+    }
+
     use super::*;
 
     fn store() -> (SliceStore, PathBuf) {
@@ -526,13 +998,13 @@ mod tests {
         let (s, d) = store();
         let a = s.create("job1", vec![gpu(8 << 30, 30)], Default::default()).unwrap();
         assert_eq!(s.get("job1").unwrap(), a);
-        assert!(s.create("job1", vec![gpu(1, 0)], Default::default()).unwrap_err().0.contains("already exists"));
+        assert!(s.create("job1", vec![gpu(1, 0)], Default::default()).unwrap_err().msg.contains("already exists"));
         assert!(s
             .create("Bad Name", vec![gpu(1, 0)], Default::default())
             .unwrap_err()
-            .0
+            .msg
             .contains("invalid slice name"));
-        assert!(s.create("x", vec![gpu(1, 120)], Default::default()).unwrap_err().0.contains("above 100"));
+        assert!(s.create("x", vec![gpu(1, 120)], Default::default()).unwrap_err().msg.contains("above 100"));
         let limits = Region::open(&s.dir("job1").join("limits"), false).unwrap();
         assert_eq!(
             (limits.mem_limit(0), limits.sm_limit(0), limits.device_uuid(0)),
@@ -543,21 +1015,21 @@ mod tests {
         assert!(s
             .update("job1", &[SliceGpu { uuid: "GPU-zz".into(), memory: 1, sm: 0 }])
             .unwrap_err()
-            .0
+            .msg
             .contains("no GPU"));
         s.create("job0", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
-        let names: Vec<String> = s.list().unwrap().into_iter().map(|x| x.name).collect();
+        let names: Vec<String> = s.list().unwrap().slices.into_iter().map(|x| x.name).collect();
         assert_eq!(names, vec!["job0", "job1"]);
         // A live process in the slice blocks deletion.
         let region = Region::open(&s.dir("job1").join("region"), true).unwrap();
         let claim = region.claim(42, 42).unwrap();
-        assert!(s.delete("job1", false).unwrap_err().0.contains("1 live process"));
+        assert!(s.delete("job1", false).unwrap_err().msg.contains("1 live process"));
         drop(claim);
         s.delete("job1", false).unwrap();
-        assert!(s.get("job1").unwrap_err().0.contains("no slice named job1"));
+        assert!(s.get("job1").unwrap_err().msg.contains("no slice named job1"));
         // A restarted agent recovers what is on disk.
         let again = SliceStore::open(&d).unwrap();
-        assert_eq!(again.list().unwrap().len(), 1);
+        assert_eq!(again.list().unwrap().slices.len(), 1);
         std::fs::remove_dir_all(d).ok();
     }
 
@@ -607,7 +1079,7 @@ mod tests {
         let v3 = install(b"v3");
         std::fs::write(libs.join("notes.txt"), b"not an install").unwrap();
         // A slice from before the current install: its container may ask for an older file again.
-        let old = s.list().unwrap();
+        let old = s.list().unwrap().slices;
         assert!(prune_libraries(&libs, &v3, &old).is_empty());
         assert!(v1.exists() && v2.exists());
         // Once it is gone, only what a process maps stays: v2 mapped by this test.
@@ -618,18 +1090,18 @@ mod tests {
         assert_ne!(p, libc::MAP_FAILED);
         s.delete("old", true).unwrap();
         s.create("new", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
-        assert_eq!(prune_libraries(&libs, &v3, &s.list().unwrap()), vec![v1.clone()]);
+        assert_eq!(prune_libraries(&libs, &v3, &s.list().unwrap().slices), vec![v1.clone()]);
         assert!(!v1.exists() && v2.exists() && v3.exists() && libs.join("notes.txt").exists());
         // SAFETY: the mapping made above.
         unsafe { libc::munmap(p, 2) };
-        assert_eq!(prune_libraries(&libs, &v3, &s.list().unwrap()), vec![v2.clone()]);
+        assert_eq!(prune_libraries(&libs, &v3, &s.list().unwrap().slices), vec![v2.clone()]);
         // Back to a build still installed (a rollback from v4 to v3): current from then, so the
         // slice made under v4 keeps v4.
         let v4 = install(b"v4");
         std::thread::sleep(std::time::Duration::from_millis(20));
         s.create("newer", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
         assert_eq!(install(b"v3"), v3);
-        assert!(prune_libraries(&libs, &v3, &s.list().unwrap()).is_empty());
+        assert!(prune_libraries(&libs, &v3, &s.list().unwrap().slices).is_empty());
         assert!(v4.exists());
         assert!(!is_install_name("libvgpu.so.0.1.0.tmp.123") && is_install_name("libvgpu.so.0.1.0.0123456789abcdef"));
         std::fs::remove_dir_all(d).ok();

@@ -47,7 +47,9 @@ pub struct Device {
     pub mem_limit: AtomicU64,
     /// SM limit in percent; 0 or >= 100 = unlimited.
     pub sm_limit: AtomicU32,
-    pub _pad: AtomicU32,
+    /// Launches the container's processes could not time with events (each said once in its log;
+    /// the agent reports the count). Wrapping. Was padding: builds that do not know it leave it 0.
+    pub sm_unmeasured: AtomicU32,
     /// Allocations refused because of the limit.
     pub oom_rejections: AtomicU64,
     /// Highest usage seen by a successful reservation.

@@ -13,6 +13,7 @@
 //! * **Limits** are per device and can change at any time; readers load them on every check.
 
 mod layout;
+pub mod shrink;
 
 pub use layout::*;
 use std::fs::{File, OpenOptions};
@@ -25,13 +26,39 @@ use std::sync::atomic::{AtomicU64, Ordering::*};
 /// Why a region cannot be used. Messages are meant for one stderr line.
 #[derive(Debug)]
 pub enum RegionError {
-    Io { path: PathBuf, action: &'static str, source: io::Error },
-    Truncated { path: PathBuf, len: u64 },
-    BadMagic { path: PathBuf },
-    Version { path: PathBuf, found: u32 },
-    Layout { path: PathBuf },
-    NoSlot { path: PathBuf },
-    ReadOnly { path: PathBuf },
+    Io {
+        path: PathBuf,
+        action: &'static str,
+        source: io::Error,
+    },
+    Truncated {
+        path: PathBuf,
+        len: u64,
+    },
+    BadMagic {
+        path: PathBuf,
+    },
+    Version {
+        path: PathBuf,
+        found: u32,
+    },
+    Layout {
+        path: PathBuf,
+    },
+    NoSlot {
+        path: PathBuf,
+    },
+    ReadOnly {
+        path: PathBuf,
+    },
+    /// Not a regular file (a symbolic link, a device, a FIFO...), refused by [`Region::open_strict`].
+    NotAFile {
+        path: PathBuf,
+    },
+    /// Every guarded mapping slot is taken ([`shrink::CAPACITY`]).
+    TooMany {
+        path: PathBuf,
+    },
 }
 
 impl std::fmt::Display for RegionError {
@@ -56,6 +83,15 @@ impl std::fmt::Display for RegionError {
                 write!(f, "region {}: all {MAX_SLOTS} process slots are in use", path.display())
             }
             RegionError::ReadOnly { path } => write!(f, "region {} is open read-only", path.display()),
+            RegionError::NotAFile { path } => {
+                write!(f, "{} is not a regular file (a link or a special file); refusing it", path.display())
+            }
+            RegionError::TooMany { path } => write!(
+                f,
+                "cannot map region {}: {} regions are mapped already, the most this process guards",
+                path.display(),
+                shrink::CAPACITY
+            ),
         }
     }
 }
@@ -78,6 +114,8 @@ pub struct Region {
     path: PathBuf,
     file: File,
     map: &'static Layout,
+    /// The mapping's slot in the shrink guard (see [`shrink`]), where that is on.
+    guard: Option<usize>,
     writable: bool,
     /// A second open file description for taking dead slots' locks (opened at the first reap and
     /// kept: a monitor reaps every pass).
@@ -168,7 +206,7 @@ impl Region {
                     let _ = file.set_len(0);
                     return Err(io("reserve space for", e));
                 }
-                let map = map(&file, path, true)?;
+                let (map, guard) = map(&file, path, true)?;
                 let h = &map.header;
                 let init = init();
                 for (i, (uuid, mem, sm)) in init.devices.iter().take(MAX_DEVICES).enumerate() {
@@ -185,25 +223,52 @@ impl Region {
                 h.layout_hash.store(LAYOUT_HASH, Relaxed);
                 h.magic.store(MAGIC, Relaxed);
                 h.state.store(1, Release);
-                Ok(map)
+                Ok((map, guard))
             } else {
                 validate(&file, path)
             }
         })();
         let _ = lock(fd, INIT_LOCK_BYTE, libc::F_OFD_SETLK, libc::F_UNLCK);
-        Ok(Region { path: path.to_owned(), file, map: r?, writable: true, reap_fd: Default::default() })
+        let (map, guard) = r?;
+        Ok(Region { path: path.to_owned(), file, map, guard, writable: true, reap_fd: Default::default() })
     }
 
     /// Opens an existing region, read-write or read-only, validating it.
     pub fn open(path: &Path, writable: bool) -> Result<Region> {
+        Region::open_with(path, writable, 0)
+    }
+
+    /// Opens an existing region as [`open`](Self::open) does, but only a regular file, and not
+    /// through a symbolic link as its last component (the agent, for files a container could have
+    /// replaced).
+    pub fn open_strict(path: &Path, writable: bool) -> Result<Region> {
+        Region::open_with(path, writable, libc::O_NOFOLLOW | libc::O_NONBLOCK)
+    }
+
+    fn open_with(path: &Path, writable: bool, flags: i32) -> Result<Region> {
         let file = OpenOptions::new()
             .read(true)
             .write(writable)
-            .custom_flags(libc::O_CLOEXEC)
+            .custom_flags(libc::O_CLOEXEC | flags)
             .open(path)
-            .map_err(|source| RegionError::Io { path: path.to_owned(), action: "open", source })?;
-        let map = if writable { validate(&file, path)? } else { validate_ro(&file, path)? };
-        Ok(Region { path: path.to_owned(), file, map, writable, reap_fd: Default::default() })
+            .map_err(|source| match source.raw_os_error() {
+                Some(libc::ELOOP) if flags & libc::O_NOFOLLOW != 0 => RegionError::NotAFile { path: path.to_owned() },
+                _ => RegionError::Io { path: path.to_owned(), action: "open", source },
+            })?;
+        if flags != 0 {
+            let regular = file.metadata().is_ok_and(|m| m.file_type().is_file());
+            if !regular {
+                return Err(RegionError::NotAFile { path: path.to_owned() });
+            }
+        }
+        let (map, guard) = if writable { validate(&file, path)? } else { validate_ro(&file, path)? };
+        Ok(Region { path: path.to_owned(), file, map, guard, writable, reap_fd: Default::default() })
+    }
+
+    /// Whether the file shrank under this mapping and the shrink guard replaced it with zeros
+    /// ([`shrink`]): nothing read from it means anything any more; drop it and open the file again.
+    pub fn faulted(&self) -> bool {
+        self.guard.is_some_and(shrink::faulted)
     }
 
     pub fn path(&self) -> &Path {
@@ -603,6 +668,17 @@ impl Region {
     }
 
     /// Records a throttled launch that waited `ns`.
+    /// Counts a launch that could not be timed with events (see `Device::sm_unmeasured`).
+    pub fn note_unmeasured(&self, dev: usize) {
+        if self.writable && dev < MAX_DEVICES {
+            self.map.devices[dev].sm_unmeasured.fetch_add(1, Relaxed);
+        }
+    }
+
+    pub fn sm_unmeasured(&self, dev: usize) -> u32 {
+        self.map.devices.get(dev).map_or(0, |d| d.sm_unmeasured.load(Relaxed))
+    }
+
     pub fn sm_note_wait(&self, dev: usize, ns: u64) {
         let d = &self.map.devices[dev];
         d.sm_throttled_ns.fetch_add(ns, Relaxed);
@@ -851,30 +927,46 @@ fn check_header(map: &Layout, path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn validate(file: &File, path: &Path) -> Result<&'static Layout> {
+type Mapped = (&'static Layout, Option<usize>);
+
+fn validate(file: &File, path: &Path) -> Result<Mapped> {
     check_len(file, path)?;
     checked(map(file, path, true)?, path)
 }
 
-fn validate_ro(file: &File, path: &Path) -> Result<&'static Layout> {
+fn validate_ro(file: &File, path: &Path) -> Result<Mapped> {
     check_len(file, path)?;
     checked(map(file, path, false)?, path)
 }
 
-/// The mapping if its header is valid; otherwise unmapped (a caller retrying a damaged region,
-/// as the agent's monitor does every pass, must not leak a mapping per try).
-fn checked(map: &'static Layout, path: &Path) -> Result<&'static Layout> {
-    match check_header(map, path) {
-        Ok(()) => Ok(map),
+/// The mapping if its header is valid (and it did not shrink while checked); otherwise unmapped (a
+/// caller retrying a damaged region, as the agent's monitor does every pass, must not leak a
+/// mapping per try).
+fn checked((map, guard): Mapped, path: &Path) -> Result<Mapped> {
+    let r = check_header(map, path).and_then(|()| match guard {
+        Some(g) if shrink::faulted(g) => Err(RegionError::Truncated { path: path.to_owned(), len: 0 }),
+        _ => Ok(()),
+    });
+    match r {
+        Ok(()) => Ok((map, guard)),
         Err(e) => {
-            // SAFETY: the mapping was made just above by `map` and no reference to it is kept.
-            unsafe { libc::munmap(map as *const Layout as *mut libc::c_void, TOTAL_SIZE) };
+            unmap(map, guard);
             Err(e)
         }
     }
 }
 
-fn map(file: &File, path: &Path, writable: bool) -> Result<&'static Layout> {
+/// Leaves the shrink guard, then unmaps.
+fn unmap(map: &'static Layout, guard: Option<usize>) {
+    if let Some(g) = guard {
+        shrink::unregister(g);
+    }
+    // SAFETY: the mapping was made by `map` for one owner (a Region, or `checked` before it hands
+    // it out), which calls this once and keeps no reference to it afterwards.
+    unsafe { libc::munmap(map as *const Layout as *mut libc::c_void, TOTAL_SIZE) };
+}
+
+fn map(file: &File, path: &Path, writable: bool) -> Result<Mapped> {
     let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
     // SAFETY: maps exactly TOTAL_SIZE bytes of a file whose length was checked (or just set) to
     // TOTAL_SIZE. The mapping lives as long as the Region that owns it (unmapped by its Drop; the
@@ -887,7 +979,13 @@ fn map(file: &File, path: &Path, writable: bool) -> Result<&'static Layout> {
         if p == libc::MAP_FAILED {
             return Err(RegionError::Io { path: path.to_owned(), action: "map", source: io::Error::last_os_error() });
         }
-        Ok(&*(p as *const Layout))
+        match shrink::register(p as usize) {
+            Ok(guard) => Ok((&*(p as *const Layout), guard)),
+            Err(()) => {
+                libc::munmap(p, TOTAL_SIZE);
+                Err(RegionError::TooMany { path: path.to_owned() })
+            }
+        }
     }
 }
 
@@ -896,11 +994,11 @@ mod tests;
 
 impl Drop for Region {
     fn drop(&mut self) {
-        // SAFETY: `map` is the TOTAL_SIZE-byte mapping made for this region alone (each open maps
-        // anew); no reference to it outlives the region (`layout` borrows it, `layout_static` is for
-        // regions that are never dropped). Without this, every open leaked a mapping: an agent that
-        // creates and deletes slices grew by one mapping per slice (found by the soak benchmark).
-        unsafe { libc::munmap(self.map as *const Layout as *mut libc::c_void, TOTAL_SIZE) };
+        // `map` is the mapping made for this region alone (each open maps anew); no reference to it
+        // outlives the region (`layout` borrows it, `layout_static` is for regions that are never
+        // dropped). Without this, every open leaked a mapping: an agent that creates and deletes
+        // slices grew by one mapping per slice (found by the soak benchmark).
+        unmap(self.map, self.guard);
     }
 }
 

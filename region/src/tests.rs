@@ -429,3 +429,42 @@ fn a_process_records_its_host_pid_in_its_own_slot_only() {
     std::fs::remove_file(p).ok();
     std::fs::remove_file(agent).ok();
 }
+
+/// A container truncating its region under the agent's mapping: without the guard the next read of
+/// the mapping kills the reader with SIGBUS (the agent, at every restart); with it the reader sees
+/// zeros, is told the mapping faulted, and a new open is refused as truncated.
+#[test]
+fn a_region_that_shrinks_under_a_guarded_mapping_reads_as_zeros_instead_of_killing_the_reader() {
+    shrink::enable().unwrap();
+    let p = tmp("shrink");
+    let made = Region::open_or_create(&p, init(1 << 30)).unwrap();
+    let r = Region::open_strict(&p, true).unwrap();
+    assert_eq!((r.mem_limit(0), r.faulted()), (1 << 30, false));
+    std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(0).unwrap();
+    let before = shrink::faults();
+    // Past the end of the file now: a SIGBUS the guard turns into zeros.
+    assert_eq!(r.mem_limit(0), 0);
+    assert_eq!(r.slots().len(), 0);
+    assert!(r.faulted() && shrink::faults() > before);
+    assert!(made.faulted() || made.mem_limit(0) == 0);
+    assert!(matches!(Region::open_strict(&p, true), Err(RegionError::Truncated { .. })));
+    drop((r, made));
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
+fn a_strict_open_refuses_links_and_special_files() {
+    let p = tmp("strict-target");
+    Region::open_or_create(&p, init(1 << 30)).unwrap();
+    let link = tmp("strict-link");
+    std::os::unix::fs::symlink(&p, &link).unwrap();
+    assert!(Region::open(&link, false).is_ok(), "a plain open follows the link");
+    assert!(matches!(Region::open_strict(&link, true), Err(RegionError::NotAFile { .. })));
+    let dir = tmp("strict-dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    assert!(matches!(Region::open_strict(&dir, false), Err(RegionError::NotAFile { .. })));
+    for x in [&p, &link] {
+        std::fs::remove_file(x).ok();
+    }
+    std::fs::remove_dir(dir).ok();
+}

@@ -20,6 +20,8 @@ pub struct Config {
     /// SM limit in percent per device; 0 = none.
     pub sm_limit: [u32; MAX_DEVICES],
     pub region_path: String,
+    /// `region_path` is [`default_region`]'s (no region was named).
+    pub default_region: bool,
     /// Read-only region holding the limits (written by the agent), if any.
     pub limits_path: Option<String>,
     pub core_policy: CorePolicy,
@@ -45,7 +47,18 @@ pub struct Config {
     pub ignored: Vec<String>,
 }
 
-pub const DEFAULT_REGION: &str = "/tmp/vgpu.region";
+/// Where a process keeps its region when nothing names one (no agent, no
+/// `CUDA_DEVICE_MEMORY_SHARED_CACHE`): one file per user and limit set, so that processes of one
+/// user started with the same limits share a quota, and a run with other limits gets its own
+/// instead of the limits an earlier run left in a shared file.
+pub fn default_region(uid: u32, mem: &[u64; MAX_DEVICES], sm: &[u32; MAX_DEVICES]) -> String {
+    // FNV-1a over the limits: a name, not a secret.
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in mem.iter().flat_map(|m| m.to_le_bytes()).chain(sm.iter().flat_map(|s| s.to_le_bytes())) {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    format!("/tmp/vgpu-{uid}-{h:016x}.region")
+}
 /// Where the agent's injection puts a slice's files in a container.
 pub const INJECTED_REGION: &str = "/usr/local/vgpu/region";
 pub const INJECTED_LIMITS: &str = "/usr/local/vgpu/limits";
@@ -165,9 +178,11 @@ impl Config {
         let mut c = Config {
             mem_limit,
             sm_limit,
-            region_path: get("CUDA_DEVICE_MEMORY_SHARED_CACHE")
-                .filter(|p| !p.is_empty())
-                .unwrap_or_else(|| DEFAULT_REGION.into()),
+            region_path: get("CUDA_DEVICE_MEMORY_SHARED_CACHE").filter(|p| !p.is_empty()).unwrap_or_else(|| {
+                // SAFETY: geteuid has no preconditions.
+                default_region(unsafe { libc::geteuid() }, &mem_limit, &sm_limit)
+            }),
+            default_region: get("CUDA_DEVICE_MEMORY_SHARED_CACHE").is_none_or(|p| p.is_empty()),
             limits_path: get("VGPU_LIMITS_FILE").filter(|p| !p.is_empty()),
             core_policy,
             log_level,
@@ -199,6 +214,7 @@ impl Config {
             }
         }
         self.region_path = INJECTED_REGION.into();
+        self.default_region = false;
         self.limits_path = Some(INJECTED_LIMITS.into());
         if self.fail_open {
             ignored.push("VGPU_FAIL_OPEN".into());
@@ -266,7 +282,18 @@ mod tests {
         assert_eq!(c.log_level, 1);
         assert!(!c.fail_open && c.count_managed);
         let d = cfg(&[]);
-        assert_eq!((d.mem_limit[0], d.region_path.as_str()), (0, DEFAULT_REGION));
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        assert_eq!(d.mem_limit[0], 0);
+        assert!(d.default_region && d.region_path.starts_with(&format!("/tmp/vgpu-{uid}-")), "{}", d.region_path);
+        let four = cfg(&[("CUDA_DEVICE_MEMORY_LIMIT", "4g")]);
+        let one = cfg(&[("CUDA_DEVICE_MEMORY_LIMIT", "1g")]);
+        assert_ne!(four.region_path, one.region_path, "another limit set, another region");
+        assert_eq!(
+            four.region_path,
+            cfg(&[("CUDA_DEVICE_MEMORY_LIMIT", "4096m")]).region_path,
+            "the same limits, the same one"
+        );
         assert!(!d.oversubscribe && !cfg(&[("CUDA_OVERSUBSCRIBE", "false")]).oversubscribe);
         assert!(d.memory_true_up && cfg(&[("VGPU_MEMORY_TRUE_UP", "yes")]).memory_true_up);
         assert!(

@@ -1084,6 +1084,7 @@ fn visible_info(st: &State) -> Result<Option<(u64, u64)>, CUresult> {
     if st.trueup.on() {
         st.trueup.near_limit(st, d, false, 0);
     }
+    st.reap_dead_every_100ms();
     let phys = st.phys_total(d);
     let total = if phys == 0 { limit } else { limit.min(phys) };
     Ok(Some((total.saturating_sub(st.used(d)), total)))

@@ -239,6 +239,9 @@ static SPARE_EVENTS: Mutex<Vec<(u64, usize)>> = Mutex::new(Vec::new());
 /// A child forked from a process that measured launches: it inherited events (and possibly locks
 /// held by threads it does not have) from a CUDA it cannot use, so it measures nothing.
 static NO_MEASURING: AtomicBool = AtomicBool::new(false);
+/// Timing events failed for this process (an event could not be timed): launches are timed by
+/// their stream's completion from then on.
+static EVENTS_FAIL: AtomicBool = AtomicBool::new(false);
 
 static ESTIMATES: std::sync::OnceLock<Estimates> = std::sync::OnceLock::new();
 
@@ -424,8 +427,69 @@ fn event(ctx: u64) -> Option<CUevent> {
 
 fn spare(ctx: u64, events: &[CUevent]) {
     if let Ok(mut s) = SPARE_EVENTS.lock() {
-        s.extend(events.iter().map(|&e| (ctx, e as usize)));
+        s.extend(events.iter().filter(|e| !e.is_null()).map(|&e| (ctx, e as usize)));
     }
+}
+
+/// Counts a launch that could not be timed with events (the agent shows the count) and says why,
+/// once per process, at the default log level: the limit then rests on synchronising the stream
+/// around the measured launches (see [`by_synchronising`]), which costs the measured launches
+/// their overlap with earlier work but keeps the limit.
+#[cold]
+fn unmeasured(region: &vgpu_region::Region, dev: usize, why: &str) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    region.note_unmeasured(dev);
+    if !SAID.swap(true, Relaxed) {
+        crate::log::vlog!(
+            crate::log::WARN,
+            "SM limit: a launch on device {dev} could not be timed with events ({why}); measured launches are \
+             timed by synchronising their stream instead"
+        );
+    }
+}
+
+/// Nothing times launches (events and stream synchronisation both fail): each is charged
+/// [`BLIND_NS`] at least.
+static BLIND: AtomicBool = AtomicBool::new(false);
+/// What a launch is charged at least when nothing can time it: a long kernel's time, so that the
+/// limit errs toward holding the container back.
+const BLIND_NS: u64 = 2_000_000;
+
+/// Times a launch that events cannot: the stream is drained first, then the launch runs and the
+/// stream is drained again; the time between is the launch's (its call's host time included, an
+/// upper bound). Where synchronising fails too, nothing measures: launches are charged at least
+/// [`BLIND_NS`] from then on, and that is said once.
+#[cold]
+fn by_synchronising(
+    region: &vgpu_region::Region,
+    key: u64,
+    dev: usize,
+    cost: u64,
+    stream: CUstream,
+    launch: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let sync = driver().cuda.cuStreamSynchronize;
+    // SAFETY: the caller's stream, as the launch itself is given it.
+    let drained = sync.is_some_and(|f| unsafe { f(stream) } == CUresult::SUCCESS);
+    let since = now_precise();
+    let res = launch();
+    if res != CUresult::SUCCESS {
+        region.sm_correct(dev, cost as i64, 0);
+        return res;
+    }
+    // SAFETY: as above.
+    if drained && sync.is_some_and(|f| unsafe { f(stream) } == CUresult::SUCCESS) {
+        let ns = estimates().learn(key, now_precise().saturating_sub(since));
+        region.sm_correct(dev, cost as i64 - ns as i64, ns);
+    } else if !BLIND.swap(true, Relaxed) {
+        crate::log::vlog!(
+            crate::log::WARN,
+            "SM limit: launches can be timed neither with events nor by synchronising their stream; each is \
+             charged at least {} us of GPU time",
+            BLIND_NS / 1000
+        );
+    }
+    res
 }
 
 /// Reads finished measurements without blocking and corrects the budget.
@@ -441,18 +505,21 @@ fn collect(st: &State) {
     sweep(
         &mut p,
         // SAFETY: events we created and recorded.
-        |e| unsafe { query(e) },
+        |s| unsafe { query(s.end) },
         |s, q| {
             let mut ms = 0f32;
-            // SAFETY: as above; both recorded on the same stream. Any other answer than success (an
-            // event that cannot be timed) drops the measurement; the launch keeps its charge.
-            let ok = q == CUresult::SUCCESS && unsafe { elapsed(&mut ms, s.start, s.end) } == CUresult::SUCCESS;
-            if ok {
-                // The launch is charged what the updated estimate says, not the raw measurement,
-                // which includes any time spent queued behind other work.
-                let ns = estimates().learn(s.key, kernel_ns((ms as f64 * 1e6) as u64, s.idle_gap));
-                if let Some(r) = st.region.as_ref() {
+            // SAFETY: as above; both recorded on the same stream.
+            let e = if q == CUresult::SUCCESS { unsafe { elapsed(&mut ms, s.start, s.end) } } else { q };
+            if let Some(r) = st.region.as_ref() {
+                if e == CUresult::SUCCESS {
+                    // The launch is charged what the updated estimate says, not the raw
+                    // measurement, which includes any time spent queued behind other work.
+                    let ns = estimates().learn(s.key, kernel_ns((ms as f64 * 1e6) as u64, s.idle_gap));
                     r.sm_correct(s.dev, s.charged as i64 - ns as i64, ns);
+                } else {
+                    // The events cannot be timed: measured launches synchronise from now on.
+                    EVENTS_FAIL.store(true, Relaxed);
+                    unmeasured(r, s.dev, "cuEventQuery or cuEventElapsedTime failed");
                 }
             }
             spare(s.ctx, &[s.start, s.end]);
@@ -495,7 +562,7 @@ const MAX_BUSY_STREAMS: usize = 16;
 /// delay, never a wrong measurement.
 fn sweep(
     pending: &mut Vec<Sample>,
-    mut query: impl FnMut(CUevent) -> CUresult,
+    mut query: impl FnMut(&Sample) -> CUresult,
     mut done: impl FnMut(&Sample, CUresult),
 ) {
     let mut busy = [(0, std::ptr::null_mut()); MAX_BUSY_STREAMS];
@@ -504,7 +571,7 @@ fn sweep(
         if n == MAX_BUSY_STREAMS || busy[..n].contains(&(s.ctx, s.stream)) {
             return true;
         }
-        let q = query(s.end);
+        let q = query(s);
         if q == CUresult::NOT_READY {
             busy[n] = (s.ctx, s.stream);
             n += 1;
@@ -587,6 +654,7 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     let (est, n) = estimates().get(key);
     let sample = !open && sampled(est, n, PENDING_N.load(Relaxed)) && !NO_MEASURING.load(Relaxed);
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
+    let cost = if BLIND.load(Relaxed) { cost.max(BLIND_NS) } else { cost };
     if !charge(region, dev, cost) {
         // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| throttle(st, region, dev, pct, cost))).is_err() {
@@ -632,7 +700,9 @@ fn throttle(st: &State, region: &vgpu_region::Region, dev: usize, pct: u32, cost
     region.sm_note_wait(dev, waited);
 }
 
-/// Runs `launch` between two events and queues the measurement.
+/// Runs `launch` between two events and queues the measurement. Where events cannot be had or
+/// recorded (the stream's context unknown, an event refused), or timing them failed before, the
+/// launch is timed by synchronising its stream instead ([`by_synchronising`]), and counted.
 fn measure(
     region: &vgpu_region::Region,
     key: u64,
@@ -643,9 +713,13 @@ fn measure(
 ) -> CUresult {
     let h = &driver().helpers;
     let rec = h.cuEventRecord;
-    // The events must be of the stream's context, which need not be the current one.
-    let ctx = crate::memory::stream_ctx(stream);
-    let bracket = rec.and_then(|r| {
+    // The events must be of the stream's context, which need not be the current one; where the
+    // driver cannot say which that is, the current one (most streams are of it).
+    let ctx = match crate::memory::stream_ctx(stream) {
+        0 => crate::memory::current_ctx(),
+        c => c,
+    };
+    let bracket = rec.filter(|_| !EVENTS_FAIL.load(Relaxed)).and_then(|r| {
         let e0 = event(ctx)?;
         match event(ctx) {
             Some(e1) => Some((r, e0, e1)),
@@ -655,36 +729,45 @@ fn measure(
             }
         }
     });
+    let Some((r, e0, e1)) = bracket else {
+        let why = if EVENTS_FAIL.load(Relaxed) {
+            "timing events failed before"
+        } else {
+            "no timing event for the stream's context: cuStreamGetCtx, cuCtxGetCurrent or cuEventCreate failed"
+        };
+        unmeasured(region, dev, why);
+        return by_synchronising(region, key, dev, cost, stream, launch);
+    };
     // Whether the stream has no work left (then the start event fires at once and the measurement
     // includes the launch call's host time; see `kernel_ns`). Asked only for launches shorter than
     // `LONG_NS`: next to longer ones that time is noise.
     // SAFETY: the caller's stream, as the launch itself is given it.
-    let idle = bracket.is_some()
-        && cost < LONG_NS
-        && h.cuStreamQuery.is_some_and(|q| unsafe { q(stream) } == CUresult::SUCCESS);
-    let mut recorded = 0;
-    if let Some((r, e0, _)) = bracket {
-        // SAFETY: recording our own event on the caller's stream, before its launch.
-        unsafe { r(e0, stream) };
-        if idle {
-            recorded = now_precise();
-        }
+    let idle = cost < LONG_NS && h.cuStreamQuery.is_some_and(|q| unsafe { q(stream) } == CUresult::SUCCESS);
+    // SAFETY: recording our own event on the caller's stream, before its launch.
+    if unsafe { r(e0, stream) } != CUresult::SUCCESS {
+        spare(ctx, &[e0, e1]);
+        EVENTS_FAIL.store(true, Relaxed);
+        unmeasured(region, dev, "cuEventRecord failed");
+        return by_synchronising(region, key, dev, cost, stream, launch);
     }
+    let recorded = if idle { now_precise() } else { 0 };
     let res = launch();
     let idle_gap = if idle { now_precise().saturating_sub(recorded).max(1) } else { 0 };
     if res != CUresult::SUCCESS {
         region.sm_correct(dev, cost as i64, 0);
+        spare(ctx, &[e0, e1]);
+        return res;
     }
-    if let Some((r, e0, e1)) = bracket {
-        // SAFETY: as above, after the launch.
-        if res == CUresult::SUCCESS && unsafe { r(e1, stream) } == CUresult::SUCCESS {
-            if let Ok(mut p) = PENDING.lock() {
-                p.push(Sample { key, dev, charged: cost, stream, ctx, start: e0, end: e1, idle_gap });
-                PENDING_N.fetch_add(1, Relaxed);
-            }
-        } else {
-            spare(ctx, &[e0, e1]);
+    // SAFETY: as above, after the launch.
+    if unsafe { r(e1, stream) } == CUresult::SUCCESS {
+        if let Ok(mut p) = PENDING.lock() {
+            p.push(Sample { key, dev, charged: cost, stream, ctx, start: e0, end: e1, idle_gap });
+            PENDING_N.fetch_add(1, Relaxed);
         }
+    } else {
+        spare(ctx, &[e0, e1]);
+        EVENTS_FAIL.store(true, Relaxed);
+        unmeasured(region, dev, "cuEventRecord failed");
     }
     res
 }
@@ -963,9 +1046,9 @@ mod tests {
         let mut finished = Vec::new();
         sweep(
             &mut p,
-            |e| {
-                asked.push(e as usize);
-                if e as usize == 10 {
+            |s| {
+                asked.push(s.end as usize);
+                if s.end as usize == 10 {
                     CUresult::NOT_READY
                 } else {
                     CUresult::SUCCESS

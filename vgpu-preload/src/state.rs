@@ -105,6 +105,13 @@ fn reap_exited(r: &Region) {
     }
 }
 
+/// Whether the file at `path` belongs to this process's effective user.
+fn owned_by_us(path: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions.
+    std::fs::metadata(path).is_ok_and(|m| m.uid() == unsafe { libc::geteuid() })
+}
+
 fn limit_error(cfg: &Config, what: String) -> bool {
     if cfg.fail_open {
         vlog!(ERROR, "{what}; VGPU_FAIL_OPEN is set: running without GPU memory limits");
@@ -133,6 +140,12 @@ impl State {
             devices: Vec::new(),
             standalone: true,
         }) {
+            // The default path is in a directory every user writes: one another user made first
+            // is not this user's quota.
+            Ok(_) if cfg.default_region && !owned_by_us(&cfg.region_path) => {
+                refuse |= limit_error(&cfg, format!("{} belongs to another user", cfg.region_path));
+                None
+            }
             Ok(r) => Some(r),
             Err(e) => {
                 refuse |= limit_error(&cfg, e.to_string());
@@ -376,7 +389,9 @@ impl State {
             Some(r) => {
                 let mem = self.cfg.mem_limit.get(idx).copied().unwrap_or(0);
                 let sm = self.cfg.sm_limit.get(idx).copied().unwrap_or(0);
-                r.bind_device(idx, &uuid, mem, sm).ok_or(CUresult::INVALID_DEVICE)?
+                let d = r.bind_device(idx, &uuid, mem, sm).ok_or(CUresult::INVALID_DEVICE)?;
+                self.warn_if_other_limits(r, d, mem, sm);
+                d
             }
             None => idx.min(MAX_DEVICES - 1),
         };
@@ -419,8 +434,30 @@ impl State {
         let mem = self.cfg.mem_limit.get(idx).copied().unwrap_or(0);
         let sm = self.cfg.sm_limit.get(idx).copied().unwrap_or(0);
         let d = r.bind_device(idx, uuid, mem, sm)?;
+        self.warn_if_other_limits(r, d, mem, sm);
         vlog!(INFO, "NVML device {index} ({uuid}) is container device {d}, limit {} bytes", self.mem_limit(d));
         Some(d)
+    }
+
+    /// Says so (at the default log level, once per device) when a region no agent manages holds
+    /// other limits for a device than this process's environment gives: the region's apply, to
+    /// every process that shares it, and nothing else would tell why.
+    #[cold]
+    fn warn_if_other_limits(&self, r: &Region, d: usize, mem: u64, sm: u32) {
+        static WARNED: AtomicU32 = AtomicU32::new(0);
+        if self.cfg.managed || self.cfg.limits_path.is_some() || !r.standalone() || d >= 32 {
+            return;
+        }
+        let (have_mem, have_sm) = (r.mem_limit(d), r.sm_limit(d));
+        if (have_mem, have_sm) != (mem, sm) && WARNED.fetch_or(1 << d, Relaxed) & (1 << d) == 0 {
+            vlog!(
+                WARN,
+                "region {} holds other limits for device {d} (memory {have_mem} bytes, SM {have_sm} %) than this \
+                 process's environment (memory {mem} bytes, SM {sm} %): the region's apply, as to every process \
+                 sharing it; name another CUDA_DEVICE_MEMORY_SHARED_CACHE for other limits",
+                self.cfg.region_path
+            );
+        }
     }
 
     pub fn phys_total(&self, dev: usize) -> u64 {
@@ -516,6 +553,25 @@ impl State {
     /// Container usage on `dev`, after reclaiming the slots of processes that exited since the
     /// last look (one load when there are none).
     #[inline]
+    /// Reclaims the slots of processes that died without exiting (SIGKILL, a crash) at most once
+    /// per 100 ms, where no agent does it every pass: what `cuMemGetInfo` reports free then
+    /// recovers as fast as an allocation would (which reclaims at the limit). A lock test per live
+    /// slot: for the paths that read the usage, not for allocations.
+    #[cold]
+    pub fn reap_dead_every_100ms(&self) {
+        static LAST_NS: AtomicU64 = AtomicU64::new(0);
+        let Some(r) = self.region.as_ref().filter(|_| !self.watched) else { return };
+        let now = crate::sm::now_coarse();
+        let last = LAST_NS.load(Relaxed);
+        if now.saturating_sub(last) < 100_000_000 || LAST_NS.compare_exchange(last, now, Relaxed, Relaxed).is_err() {
+            return;
+        }
+        let freed = r.reap();
+        if freed > 0 {
+            vlog!(INFO, "reclaimed {freed} bytes held by dead processes");
+        }
+    }
+
     pub fn used(&self, dev: usize) -> u64 {
         let Some(r) = self.region.as_ref() else { return 0 };
         if r.exiting() != 0 {

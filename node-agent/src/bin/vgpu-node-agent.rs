@@ -42,10 +42,12 @@ fn main() {
     if cmd.is_none() {
         usage();
     }
-    let cfg = Config::load(&flags, |k| std::env::var(k).ok()).unwrap_or_else(|e| {
-        eprintln!("error: {e}");
-        std::process::exit(2)
-    });
+    let cfg = vgpu_agent::config::check_environment()
+        .and_then(|()| Config::load(&flags, |k| std::env::var(k).ok()))
+        .unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            std::process::exit(2)
+        });
     if cmd.as_deref() == Some("run") {
         use std::io::IsTerminal;
         let builder = tracing_subscriber::fmt()

@@ -50,10 +50,16 @@ fn kai_memory(env: &Env, total: u64) -> Result<u64, String> {
     }
 }
 
-/// Whether the container already has `/usr/local/vgpu` among its mounts.
+/// Whether the container already has `/usr/local/vgpu` or a file in it among its mounts (a device
+/// plugin mounts the slice's region and limits files there).
 fn already_in_a_slice(cfg: &Value) -> bool {
     cfg["mounts"].as_array().is_some_and(|m| {
-        m.iter().any(|m| m["destination"].as_str().is_some_and(|d| d.trim_end_matches('/') == "/usr/local/vgpu"))
+        m.iter().any(|m| {
+            m["destination"].as_str().is_some_and(|d| {
+                let d = d.trim_end_matches('/');
+                d == "/usr/local/vgpu" || d.starts_with("/usr/local/vgpu/")
+            })
+        })
     })
 }
 

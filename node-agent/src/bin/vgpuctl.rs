@@ -127,12 +127,31 @@ struct Limits {
     /// GPU index or UUID; repeat or separate with commas for several GPUs
     #[arg(long, value_delimiter = ',', required = true)]
     gpu: Vec<String>,
-    /// Memory limit per GPU, e.g. 8GiB, 512m [default: none]
-    #[arg(long, value_parser = ctl::parse_size)]
+    /// Memory limit per GPU, e.g. 8GiB, 512m, or none [create: none; update: kept]
+    #[arg(long, value_parser = parse_memory)]
     memory: Option<u64>,
-    /// SM-time limit per GPU in percent, 1-100 [default: none]
-    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
+    /// SM-time limit per GPU in percent, 1-100, or none [create: none; update: kept]
+    #[arg(long, value_parser = parse_sm)]
     sm: Option<u32>,
+}
+
+/// A memory limit, or `none` (0: no limit).
+fn parse_memory(s: &str) -> Result<u64, String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(0);
+    }
+    ctl::parse_size(s)
+}
+
+/// An SM limit in percent (1-100), or `none` (0: no limit).
+fn parse_sm(s: &str) -> Result<u32, String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(0);
+    }
+    match s.trim().parse::<u32>() {
+        Ok(v) if (1..=100).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a percentage from 1 to 100, or none")),
+    }
 }
 
 #[derive(Subcommand)]
@@ -147,11 +166,14 @@ enum SliceCmd {
         #[arg(long = "label", value_parser = parse_label)]
         labels: Vec<(String, String)>,
     },
-    /// Change a slice's limits (running processes follow at once)
+    /// Change a slice's limits (running processes follow at once); a limit not given is kept
     Update {
         name: String,
         #[command(flatten)]
         limits: Limits,
+        /// Accept a memory limit below what the slice's processes hold now
+        #[arg(long)]
+        force: bool,
     },
     /// Delete a slice (refused while its processes run, unless --force)
     Delete {
@@ -198,7 +220,9 @@ fn main() {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = Cli::parse();
     let flags = Flags { config: cli.config.clone(), socket: cli.socket.clone(), ..Default::default() };
-    let cfg = Config::load(&flags, |k| std::env::var(k).ok()).unwrap_or_else(|e| die(2, e));
+    let cfg = vgpu_agent::config::check_environment()
+        .and_then(|()| Config::load(&flags, |k| std::env::var(k).ok()))
+        .unwrap_or_else(|e| die(2, e));
     let style = Style { colour: std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none() };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap_or_else(|e| die(1, e));
     rt.block_on(async {
@@ -259,10 +283,22 @@ fn main() {
                 let d = c.create_slice(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
                 println!("{}", if cli.json { json(&d) } else { ctl::render_slice(&d) });
             }
-            Cmd::Slice(SliceCmd::Update { name, limits: l }) => {
-                let d = c.update_slice(pb::UpdateSliceRequest { name, gpus: limits(&l) }).await.unwrap_or_else(|e| grpc_err(e));
+            Cmd::Slice(SliceCmd::Update { name, limits: l, force }) => {
+                if l.memory.is_none() && l.sm.is_none() {
+                    die(2, "nothing to change: give --memory, --sm or both (none removes a limit)");
+                }
+                let cur = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                let st = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                let plan = ctl::plan_update(&cur, &st, &l.gpu, l.memory, l.sm, force).unwrap_or_else(|e| die(2, e));
+                let d = c.update_slice(pb::UpdateSliceRequest { name, gpus: plan.gpus }).await.unwrap_or_else(|e| grpc_err(e));
                 let d = d.into_inner();
-                println!("{}", if cli.json { json(&d) } else { ctl::render_slice(&d) });
+                if cli.json {
+                    println!("{}", json(&d));
+                } else {
+                    for line in plan.changes.iter().chain(&plan.warnings) {
+                        println!("{line}");
+                    }
+                }
             }
             Cmd::Slice(SliceCmd::Delete { name, force }) => {
                 c.delete_slice(pb::DeleteSliceRequest { name: name.clone(), force }).await.unwrap_or_else(|e| grpc_err(e));

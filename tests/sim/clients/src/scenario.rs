@@ -10,12 +10,14 @@ use std::io::Write;
 pub const USAGE: &str = "\
 scenarios:
   info                                  devices, versions and memory info as the driver reports them
+  watch-free [--seconds S] [--every-ms M]
+                                        after a context, memory info every M ms for S seconds
   alloc --size N [--chunk N] [--allocator device|pitch|managed|vmm|async|pool|array|array-v1|
                                         array3d-v1|mipmap|host]
         [--modules K] [--delay-secs S] [--hold] [--hold-secs S] [--no-free]
                                         allocate N bytes in chunks until done or refused (after
                                         loading K modules)
-  launch [--kernel NAME] [--count N | --seconds S [--sync-every K]]
+  launch [--no-timing] [--kernel NAME] [--count N | --seconds S [--sync-every K]]
          [--path kernel|ex|coop|graph|capture|legacy|legacy-default]
          [--nodes K] [--grid G | --grids G1,G2,...] [--block B] [--duration-ns D [--ramp-ppm R]]
          [--threads T | --devices D1,D2,...] [--regraph-after N [--regraph-factor F] [--regraph-how HOW]]
@@ -260,6 +262,17 @@ pub fn run(api: &Api, args: &[String]) -> Res<()> {
         "watch" => watch(api, dev, &o),
         "fork-child" => fork_child(api, dev, &o),
         "exec-self" => exec_self(api, dev, &o),
+        "watch-free" => {
+            setup(api, dev)?;
+            let (secs, every) = (o.num("seconds", 5)?, o.num("every-ms", 20)?);
+            emit(json!({"event": "ready", "pid": std::process::id(), "mem_info": mem_info(api)}));
+            let t = std::time::Instant::now();
+            while t.elapsed() < std::time::Duration::from_secs(secs) {
+                emit(json!({"t_ms": t.elapsed().as_millis() as u64, "mem_info": mem_info(api)}));
+                std::thread::sleep(std::time::Duration::from_millis(every));
+            }
+            Ok(())
+        }
         "hold" => {
             setup(api, dev)?;
             emit(json!({"event": "ready", "pid": std::process::id(), "mem_info": mem_info(api)}));
@@ -1180,8 +1193,12 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
             ck(api, (api.cuStreamCreate)(&mut s, 0), "cuStreamCreate")?;
         }
         let (mut e0, mut e1) = (std::ptr::null_mut(), std::ptr::null_mut());
-        ck(api, (api.cuEventCreate)(&mut e0, 0), "cuEventCreate")?;
-        ck(api, (api.cuEventCreate)(&mut e1, 0), "cuEventCreate")?;
+        // --no-timing: no events of the run's own (a test that makes event calls fail).
+        let timing = !o.flag("no-timing");
+        if timing {
+            ck(api, (api.cuEventCreate)(&mut e0, 0), "cuEventCreate")?;
+            ck(api, (api.cuEventCreate)(&mut e1, 0), "cuEventCreate")?;
+        }
         if o.flag("abandon-capture") {
             // A capture begun on a stream of its own, which is destroyed instead of ending it (an
             // error path): the capture goes with the stream.
@@ -1432,7 +1449,9 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
                 _ => (api.cuGraphLaunch)(exec, s),
             }
         };
-        ck(api, (api.cuEventRecord)(e0, s), "cuEventRecord")?;
+        if timing {
+            ck(api, (api.cuEventRecord)(e0, s), "cuEventRecord")?;
+        }
         let mut launches = 0u64;
         match seconds {
             Some(secs) => {
@@ -1455,8 +1474,8 @@ fn launch_one(api: &Api, o: &Opts, dev: i32) -> Res<Value> {
         }
         let mut ms = 0f32;
         let (e0, e1) = events.get();
-        if restream_after > 0 && launches > restream_after {
-            // The events are the first stream's context's: no GPU time is reported.
+        if restream_after > 0 && launches > restream_after || !timing {
+            // The events are the first stream's context's (or there are none): no GPU time is reported.
             ck(api, (api.cuStreamSynchronize)(cur.get()), "cuStreamSynchronize")?;
         } else {
             ck(api, (api.cuEventRecord)(e1, s), "cuEventRecord")?;

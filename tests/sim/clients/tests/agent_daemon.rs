@@ -46,7 +46,8 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     let sd = a.state.join("slices/job1");
     assert_eq!(mode(a.state.clone()), 0o755);
     assert_eq!((mode(sd.join("limits")), mode(sd.join("region"))), (0o644, 0o666));
-    assert_eq!(mode(sd.join("slice.json")) & 0o022, 0, "the record is not writable by others");
+    assert_eq!(mode(a.state.join("records/job1.json")), 0o600, "the record is the agent's alone");
+    assert!(!sd.join("slice.json").exists(), "no record where a container could reach it");
     // Its CDI spec: the same edits, for CDI-enabled runtimes.
     assert_eq!(j1["cdi_device"], "vgpu.io/slice=job1");
     let cdi: Value = serde_json::from_slice(&std::fs::read(a.state.join("cdi/vgpu-job1.json")).unwrap()).unwrap();

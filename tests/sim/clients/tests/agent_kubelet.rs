@@ -125,7 +125,8 @@ fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
         assert_eq!(cr.envs.get("CUDA_DEVICE_MEMORY_SHARED_CACHE").map(String::as_str), Some("/usr/local/vgpu/region"));
         assert!(!cr.envs.contains_key("LD_PRELOAD"), "the preload file does it");
         let mount = |cp: &str| cr.mounts.iter().find(|m| m.container_path == cp).unwrap_or_else(|| panic!("no mount {cp}: {cr:?}"));
-        assert!(!mount("/usr/local/vgpu").read_only);
+        assert!(!mount("/usr/local/vgpu/region").read_only, "the region file alone, read-write");
+        assert!(!cr.mounts.iter().any(|m| m.container_path == "/usr/local/vgpu"), "never the slice's directory");
         assert!(mount("/usr/local/vgpu/limits").read_only);
         assert!(mount("/usr/local/vgpu/libvgpu.so").read_only && mount("/usr/local/vgpu/libvgpu.so").host_path.contains("/lib/libvgpu.so.0."));
         let pre = mount("/etc/ld.so.preload");

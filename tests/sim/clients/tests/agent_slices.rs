@@ -76,7 +76,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     let nvml = nvml_of(&s);
     let mut m = Monitor::new(EscapeAction::Report);
     // Like the agent, one shared list of slices until the slices change.
-    let mut list = std::sync::Arc::new(store.list().unwrap());
+    let mut list = std::sync::Arc::new(store.list().unwrap().slices);
     let mut pass = |list: &std::sync::Arc<Vec<_>>| m.pass(&nvml, &store, list);
     let r = pass(&list);
     assert_eq!(r.slices.len(), 1);
@@ -132,7 +132,7 @@ fn a_monitoring_pass_attributes_reclaims_and_catches_escapes() {
     store
         .create("aa-first", vec![SliceGpu { uuid: uuid.clone(), memory: 1 << 30, sm: 0 }], Default::default())
         .unwrap();
-    list = std::sync::Arc::new(store.list().unwrap());
+    list = std::sync::Arc::new(store.list().unwrap().slices);
     let names: Vec<_> = list.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["aa-first", "job1"]);
     let (p, _) = s.spawn_cmd(s.in_slice(RT, &dir, "64m"), &["alloc", "--size", "100m", "--hold"]);
@@ -160,7 +160,7 @@ fn what_the_driver_holds_beyond_a_process_s_own_account_is_charged_to_it() {
     let (a, _) = s.spawn_cmd(s.in_slice_uncharged(RT, &dir), &["alloc", "--size", "100m", "--hold"]);
     let nvml = nvml_of(&s);
     let mut m = Monitor::new(EscapeAction::Report);
-    let list = std::sync::Arc::new(store.list().unwrap());
+    let list = std::sync::Arc::new(store.list().unwrap().slices);
     let mut pass = |list: &std::sync::Arc<Vec<_>>| m.pass(&nvml, &store, list);
     let used = |r: &vgpu_agent::monitor::Pass| {
         let g = &r.slices[0].gpus[0];
@@ -275,7 +275,7 @@ fn the_agent_keeps_a_context_s_correction_while_threads_allocate() {
     let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
     let (store, _) = store_with_slice(&s, 4 << 30);
     let nvml = nvml_of(&s);
-    let list = std::sync::Arc::new(store.list().unwrap());
+    let list = std::sync::Arc::new(store.list().unwrap().slices);
     for run in 0..3 {
         let size = (512 * MIB).to_string();
         let (corrections, v) = corrections_during(
@@ -320,7 +320,7 @@ fn the_agent_keeps_a_correction_while_a_pool_trim_returns() {
     ));
     let (store, _) = store_with_slice(&s, 4 << 30);
     let nvml = nvml_of(&s);
-    let list = std::sync::Arc::new(store.list().unwrap());
+    let list = std::sync::Arc::new(store.list().unwrap().slices);
     // One thread, three allocations of 512 MiB live at a time, all freed: the pool keeps 1.5 GiB
     // (its release threshold raised to never) until the trim.
     let size = (512 * MIB).to_string();
@@ -351,7 +351,7 @@ fn the_agent_lowers_a_correction_once_three_quiet_passes_show_less() {
     let (p, _) = s.spawn_cmd(s.in_slice_uncharged(RT, &dir), &["alloc", "--size", "100m", "--hold"]);
     let nvml = nvml_of(&s);
     let mut m = Monitor::new(EscapeAction::Report);
-    let list = std::sync::Arc::new(store.list().unwrap());
+    let list = std::sync::Arc::new(store.list().unwrap().slices);
     let mut used = || m.pass(&nvml, &store, &list).slices[0].gpus[0].memory_used / MIB;
     assert_eq!([used(), used()], [100, 164], "the context's 64 MiB, charged at the second pass");
     let r = Region::open(&dir.join("region"), true).unwrap();

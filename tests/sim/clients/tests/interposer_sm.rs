@@ -299,3 +299,48 @@ fn a_reset_context_s_events_are_not_asked_about() {
     assert_eq!(v["reset"], "CUDA_SUCCESS", "{v}");
     assert!(v["rounds_during_reset"].as_u64().unwrap() >= 1, "{v}");
 }
+
+/// Each driver call the limiter uses to time launches, failing on its own (the driver exports it
+/// and answers an error): the limit still holds, timed by synchronising the stream (or, where that
+/// fails too, on a conservative charge per launch), and the process says why once. (A driver whose `cuStreamGetCtx_v2` answered
+/// NOT_SUPPORTED let a process under a 30 % limit take 98 % of the GPU, saying nothing.)
+#[test]
+fn the_limit_holds_when_a_call_it_relies_on_fails() {
+    let h = harness();
+    let sim = |args: &[&str]| {
+        let o = std::process::Command::new(SIM)
+            .env("VGPU_SIM_STATE", h.dir.join("state"))
+            .env("VGPU_SIM_CONFIG", h.dir.join("node.toml"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "vgpu-sim {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    };
+    // Launches into a stream the process made (the stream's context is asked for), 1 ms kernels.
+    let args = ["--loader", "library", "--path", "kernel", "--stream-on", "0", "--no-timing"];
+    for (i, failing) in [
+        &["cuStreamGetCtx_v2"][..],
+        &["cuStreamGetCtx_v2", "cuStreamGetCtx"],
+        &["cuEventCreate"],
+        &["cuEventRecord"],
+        &["cuEventElapsedTime"],
+        &["cuEventQuery"],
+        &["cuStreamQuery"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        sim(&["fault", "clear"]);
+        for f in failing {
+            sim(&["fault", "set", f, "--code", "801", "--count", "0"]);
+        }
+        let o = h.run(&one(container(30, "sleep_1ms", &args), 3.5), 100 + i);
+        let got = o.overall[0][0] * 100.0;
+        assert!((5.0..=35.0).contains(&got), "{failing:?} failing: achieved {got:.1} % under a 30 % limit");
+        // Launches that events could not time are counted where the agent reads them.
+        let r = vgpu_region::Region::open(&h.dir.join(format!("s{}-c0.region", 100 + i)), false).unwrap();
+        let events = failing.iter().any(|f| f.starts_with("cuEvent"));
+        assert_eq!(r.sm_unmeasured(0) > 0, events, "{failing:?}: {} unmeasured", r.sm_unmeasured(0));
+    }
+    sim(&["fault", "clear"]);
+}

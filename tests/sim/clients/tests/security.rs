@@ -125,11 +125,12 @@ fn a_managed_container_s_environment_cannot_loosen_its_limits() {
         ("VGPU_CONTEXT_OVERHEAD", "0"),
     ];
     // In a private mount namespace, the slice's files where the agent's injection puts them (the
-    // directory, and its limits file read-only over it), then the workload.
+    // region file, and the limits file read-only), then the workload.
     let run = |mounted: bool| {
         let script = if mounted {
             "mount --make-rprivate / && mount -t tmpfs vgpu-test /usr/local && mkdir /usr/local/vgpu \
-             && mount --bind \"$1\" /usr/local/vgpu && mount --bind -o ro \"$1/limits\" /usr/local/vgpu/limits \
+             && touch /usr/local/vgpu/region /usr/local/vgpu/limits \
+             && mount --bind \"$1/region\" /usr/local/vgpu/region && mount --bind -o ro \"$1/limits\" /usr/local/vgpu/limits \
              && shift && exec \"$@\""
         } else {
             "shift; exec \"$@\""

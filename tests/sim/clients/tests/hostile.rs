@@ -1,0 +1,324 @@
+//! The agent against a hostile container: a private mount namespace holding exactly the mounts the
+//! agent's injection gives (`vgpuctl inspect --json`), root inside it and a non-root user, trying
+//! what independent testing found worked before: rewriting the slice record, pointing its region at
+//! a neighbour's limits, truncating or scribbling on its region, and the API asked for names that
+//! are paths, for more slices and labels than a node can hold. Each test fails on the layout that
+//! mounted the slice's whole directory read-write (0be7502). The threat model is docs/security.md.
+
+mod common;
+use common::agent::{bin, in_slice, slice_of, Agent};
+use common::*;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+const NODE: &str = "[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 16384\n";
+
+/// Root and unshare(1) for private mount namespaces, else skipped (CI runs as root and sets
+/// VGPU_REQUIRE_RUNC: not skipped there).
+fn can_mount() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let tools = ["unshare", "setpriv"]
+        .iter()
+        .all(|t| std::process::Command::new(t).arg("--version").output().is_ok_and(|o| o.status.success()));
+    if root && tools {
+        return true;
+    }
+    assert!(std::env::var_os("VGPU_REQUIRE_RUNC").is_none(), "needs root ({root}), unshare and setpriv ({tools})");
+    eprintln!("SKIPPED: needs root, unshare and setpriv");
+    false
+}
+
+/// Runs `script` with `sh` as a container of the slice would: in a new mount namespace whose
+/// `/usr/local` is a fresh tmpfs holding the injection's mounts, each made as the runtime makes it
+/// (a file bind-mounted on a file, read-only where the injection says), as `uid` (0: root).
+fn in_container(a: &Agent, slice: &str, uid: u32, script: &str) -> std::process::Output {
+    let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", slice, "--json"])).unwrap();
+    let mut setup = String::from("set -e; mount --make-rprivate /; mount -t tmpfs hostile /usr/local; ");
+    for m in d["slice"]["mounts"].as_array().unwrap() {
+        let (host, dst) = (m["host_path"].as_str().unwrap(), m["container_path"].as_str().unwrap());
+        let ro = if m["read_only"].as_bool().unwrap_or(false) { "-o ro " } else { "" };
+        let dir = std::path::Path::new(dst).parent().unwrap().display().to_string();
+        if std::path::Path::new(host).is_dir() {
+            setup += &format!("mkdir -p '{dst}'; mount --bind {ro}'{host}' '{dst}'; ");
+        } else {
+            setup += &format!("mkdir -p '{dir}'; touch '{dst}'; mount --bind {ro}'{host}' '{dst}'; ");
+        }
+    }
+    setup += &format!("set +e; exec setpriv --reuid {uid} --regid {uid} --clear-groups sh -c \"$0\"");
+    std::process::Command::new("unshare").args(["-m", "--", "sh", "-c", &setup, script]).output().unwrap()
+}
+
+fn text(o: &std::process::Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn limit(a: &Agent, slice: &str) -> u64 {
+    let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", slice, "--json"])).unwrap();
+    d["slice"]["gpus"][0]["memory"].as_u64().unwrap()
+}
+
+fn restart(a: &mut Agent, s: &Sim) {
+    a.sigkill();
+    a.spawn(s);
+}
+
+#[test]
+fn a_container_cannot_raise_its_own_limit_or_lower_a_neighbours() {
+    if !can_mount() {
+        return;
+    }
+    let s = Sim::new(Some(NODE));
+    let mut a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "evil", "--gpu", "0", "--memory", "1GiB"]);
+    a.ctl_ok(&["slice", "create", "--name", "victim", "--gpu", "0", "--memory", "4GiB"]);
+    let victim_limits = a.state.join("slices/victim/limits");
+    let raised = r#"{"name":"evil","gpus":[{"uuid":"x","memory":75161927680,"sm":0}],"created":1}"#;
+    for uid in [0, 65534] {
+        let o = in_container(
+            &a,
+            "evil",
+            uid,
+            &format!(
+                "echo '{raised}' > /usr/local/vgpu/slice.json; \
+                 rm -f /usr/local/vgpu/region && echo REGION-REMOVED; \
+                 ln -sf '{}' /usr/local/vgpu/region && echo REGION-LINKED; \
+                 (echo x >> /usr/local/vgpu/limits) 2>/dev/null && echo LIMITS-WRITABLE; true",
+                victim_limits.display()
+            ),
+        );
+        let out = text(&o);
+        assert!(!out.contains("REGION-REMOVED") && !out.contains("REGION-LINKED"), "uid {uid}: {out}");
+        assert!(!out.contains("LIMITS-WRITABLE"), "uid {uid}: {out}");
+    }
+    // Nothing of that reached the host: the agent's next start keeps both limits.
+    restart(&mut a, &s);
+    assert_eq!((limit(&a, "evil"), limit(&a, "victim")), (1 << 30, 4 << 30));
+    let r = vgpu_region::Region::open(&victim_limits, false).unwrap();
+    assert_eq!(r.mem_limit(0), 4 << 30);
+    // And the slice holds its processes to 1 GiB.
+    let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "evil", "--json"])).unwrap();
+    let o = in_slice(&s, &d["slice"], RT).args(["alloc", "--size", "3g", "--chunk", "100m"]).output().unwrap();
+    let v = lines(&o.stdout).remove(0);
+    assert_eq!(v["allocated"].as_u64().unwrap(), 700 * MIB, "1 GiB less the 256 MiB context: {v}");
+}
+
+#[test]
+fn a_container_that_truncates_or_scribbles_on_its_region_does_not_take_the_agent_down() {
+    if !can_mount() {
+        return;
+    }
+    let s = Sim::new(Some(NODE));
+    let mut a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "evil", "--gpu", "0", "--memory", "1GiB"]);
+    a.ctl_ok(&["slice", "create", "--name", "other", "--gpu", "0", "--memory", "2GiB"]);
+    // Truncated by a non-root user (the region is 0666), then by root, between passes.
+    for uid in [65534, 0] {
+        let o = in_container(&a, "evil", uid, ": > /usr/local/vgpu/region && echo TRUNCATED");
+        assert!(text(&o).contains("TRUNCATED"), "{}", text(&o));
+        let seq = a.status().unwrap()["sequence"].as_u64().unwrap();
+        a.wait("passes after the truncation", |v| v["sequence"].as_u64().unwrap_or(0) > seq + 3);
+        assert!(a.log_text().contains("shrank under the agent"), "{}", a.log_text());
+        // The region made again (as the agent's next start does) for the next round.
+        restart(&mut a, &s);
+        assert!(a.log_text().contains("recreated"), "{}", a.log_text());
+    }
+    // Scribbled with random bytes: the agent keeps serving, the other slice is unaffected.
+    let o = in_container(&a, "evil", 0, "head -c 200000 /dev/urandom > /usr/local/vgpu/region; echo DONE");
+    assert!(text(&o).contains("DONE"));
+    let seq = a.status().unwrap()["sequence"].as_u64().unwrap();
+    let st = a.wait("passes after the scribble", |v| v["sequence"].as_u64().unwrap_or(0) > seq + 3);
+    assert_eq!(slice_of(&st, "other")["gpus"][0]["memory_limit"], 2u64 << 30);
+    restart(&mut a, &s);
+    assert_eq!(a.ctl_ok(&["slice", "list"]).lines().filter(|l| l.contains("evil") || l.contains("other")).count(), 2);
+    a.ctl_ok(&["slice", "delete", "evil", "--force"]);
+}
+
+#[test]
+fn region_scribbles_neither_poison_node_counters_nor_name_another_container_s_process() {
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let detail = |n: &str| -> Value {
+        serde_json::from_str::<Value>(&a.ctl_ok(&["inspect", n, "--json"])).unwrap()["slice"].clone()
+    };
+    a.ctl_ok(&["slice", "create", "--name", "evil", "--gpu", "0", "--memory", "1GiB"]);
+    a.ctl_ok(&["slice", "create", "--name", "victim", "--gpu", "0", "--memory", "2GiB"]);
+    let (victim, _) = s.spawn_cmd(in_slice(&s, &detail("victim"), RT), &["alloc", "--size", "64m", "--hold"]);
+    let (evil, _) = s.spawn_cmd(in_slice(&s, &detail("evil"), RT), &["alloc", "--size", "64m", "--hold"]);
+    a.wait("both processes attributed", |v| {
+        [("victim", victim), ("evil", evil)].iter().all(|(n, p)| {
+            slice_of(v, n)["processes"].as_array().is_some_and(|ps| ps.iter().any(|x| x["host_pid"] == *p))
+        })
+    });
+    // The evil container writes the victim's PID into its own slot, and an absurd usage.
+    let region = vgpu_region::Region::open(&a.state.join("slices/evil/region"), true).unwrap();
+    let slot = region.layout().slots.iter().find(|x| x.pid.load(std::sync::atomic::Ordering::SeqCst) == evil).unwrap();
+    slot.host_pid.store(victim, std::sync::atomic::Ordering::SeqCst);
+    slot.used[0].store(u64::MAX / 2, std::sync::atomic::Ordering::SeqCst);
+    let seq = a.status().unwrap()["sequence"].as_u64().unwrap();
+    let st = a.wait("passes after the scribble", |v| v["sequence"].as_u64().unwrap_or(0) > seq + 3);
+    let evil_pids: Vec<u64> =
+        slice_of(&st, "evil")["processes"].as_array().unwrap().iter().filter_map(|p| p["host_pid"].as_u64()).collect();
+    assert!(!evil_pids.contains(&(victim as u64)), "the victim's process listed under the evil slice: {evil_pids:?}");
+    assert!(slice_of(&st, "victim")["processes"].as_array().unwrap().iter().any(|p| p["host_pid"] == victim), "{st}");
+    // The evil process dies: what its slot claimed is reclaimed, but never more than the GPU has.
+    s.kill(evil);
+    a.wait("the slot reclaimed", |v| v["agent"]["reclaimed_bytes"].as_u64().unwrap_or(0) > 0);
+    let (_, body) = a.scrape("/metrics");
+    let reclaimed: f64 = body
+        .lines()
+        .find(|l| l.starts_with("vgpu_reclaimed_bytes_total"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap();
+    assert!(reclaimed <= (1024 * MIB) as f64, "reclaimed {reclaimed} bytes of a slice limited to 1 GiB");
+}
+
+#[test]
+fn names_that_are_paths_are_refused_on_every_call_and_nothing_outside_is_deleted() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "victim", "--gpu", "0", "--memory", "1GiB"]);
+    let precious = s.state.join("outside/precious");
+    std::fs::create_dir_all(&precious).unwrap();
+    for name in ["lib/../victim", "../../../outside/precious", "../records/victim", ".."] {
+        for force in [false, true] {
+            let mut args = vec!["slice", "delete", name];
+            if force {
+                args.push("--force");
+            }
+            let o = a.ctl(&args);
+            assert!(!o.status.success(), "{name}");
+            assert!(
+                String::from_utf8_lossy(&o.stderr).contains("invalid slice name"),
+                "{}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+    assert!(precious.exists());
+    assert!(a.ctl_ok(&["slice", "list"]).contains("victim"));
+    assert!(a.status().is_some(), "listing still works for everyone");
+    // An over-long name is not echoed whole (gRPC clients refuse large metadata).
+    let long = "a".repeat(70_000);
+    let o = a.ctl(&["slice", "delete", &long]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("invalid slice name") && err.len() < 400,
+        "{} bytes: {}",
+        err.len(),
+        &err[..err.len().min(200)]
+    );
+}
+
+#[test]
+fn slices_and_labels_are_bounded_and_running_out_of_descriptors_does_not_spin() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[("VGPU_AGENT_MAX_SLICES", "3")]);
+    for n in ["a", "b", "c"] {
+        a.ctl_ok(&["slice", "create", "--name", n, "--gpu", "0", "--memory", "64m"]);
+    }
+    let o = a.ctl(&["slice", "create", "--name", "d", "--gpu", "0", "--memory", "64m"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("the most max_slices = 3 allows"), "{o:?}");
+    a.ctl_ok(&["slice", "delete", "c"]);
+    let big = format!("note={}", "x".repeat(100_000));
+    let o = a.ctl(&["slice", "create", "--name", "c", "--gpu", "0", "--memory", "64m", "--label", &big]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at most 1024"), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = a.ctl(&["slice", "create", "--name", "c", "--gpu", "0", "--label", "pod=a\u{1b}[2J"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("control characters"));
+    assert!(a.status().is_some());
+
+    // The agent's descriptors run out (a low limit, held connections): it waits instead of spinning
+    // on accept, and serves again once they are free.
+    // Only the soft limit: raising a hard limit again needs CAP_SYS_RESOURCE.
+    let mut was = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: prlimit on our own child with valid structs.
+    assert_eq!(unsafe { libc::prlimit(a.pid() as i32, libc::RLIMIT_NOFILE, std::ptr::null(), &mut was) }, 0);
+    let lim = libc::rlimit { rlim_cur: 64, rlim_max: was.rlim_max };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::prlimit(a.pid() as i32, libc::RLIMIT_NOFILE, &lim, std::ptr::null_mut()) }, 0);
+    let held: Vec<_> = (0..80).filter_map(|_| std::os::unix::net::UnixStream::connect(&a.socket).ok()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let cpu = |pid: u32| -> u64 {
+        let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let f: Vec<&str> = st.rsplit_once(')').unwrap().1.split_whitespace().collect();
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+    };
+    let (t, c) = (Instant::now(), cpu(a.pid()));
+    std::thread::sleep(Duration::from_secs(2));
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let share = (cpu(a.pid()) - c) as f64 / ticks / t.elapsed().as_secs_f64();
+    assert!(share < 0.5, "the agent used {:.0} % of a CPU while out of descriptors", share * 100.0);
+    assert!(a.log_text().contains("cannot accept a connection"), "said why");
+    drop(held);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::prlimit(a.pid() as i32, libc::RLIMIT_NOFILE, &was, std::ptr::null_mut()) }, 0);
+    let t = Instant::now();
+    while a.status().is_none() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the agent serves again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn cdi_specs_are_reconciled_at_start_and_a_failed_start_leaves_no_socket() {
+    let s = Sim::new(Some(NODE));
+    let mut a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "kept", "--gpu", "0", "--memory", "64m"]);
+    a.ctl_ok(&["slice", "create", "--name", "gone", "--gpu", "0", "--memory", "64m"]);
+    a.sigkill();
+    let cdi = a.state.join("cdi");
+    std::fs::remove_file(cdi.join("vgpu-kept.json")).unwrap();
+    // Deleted while the agent was down (its record and files), its spec left behind.
+    std::fs::remove_file(a.state.join("records/gone.json")).unwrap();
+    std::fs::write(cdi.join("vgpu-x.json.tmp"), b"{").unwrap();
+    a.spawn(&s);
+    assert!(cdi.join("vgpu-kept.json").exists(), "{}", a.log_text());
+    assert!(!cdi.join("vgpu-gone.json").exists() && !cdi.join("vgpu-x.json.tmp").exists());
+    assert!(!a.state.join("slices/gone").exists());
+    a.sigkill();
+
+    // No NVML: the start fails, and the socket it had bound is gone.
+    let o = s
+        .cmd(&bin("vgpu-node-agent"))
+        .args(["--state-dir", a.state.to_str().unwrap(), "--socket", a.socket.to_str().unwrap()])
+        .args(["--nvml-library", "/nonexistent/libnvidia-ml.so.1", "run"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(!a.socket.exists(), "the socket outlived a failed start");
+    let e = String::from_utf8_lossy(&a.ctl(&["status"]).stderr).into_owned();
+    assert!(e.contains("is vgpu-node-agent running?") && !e.contains("refused"), "{e}");
+    // A value that is not UTF-8 is named, not ignored.
+    use std::os::unix::ffi::OsStrExt;
+    let o = s
+        .cmd(&bin("vgpu-node-agent"))
+        .env("VGPU_AGENT_ESCAPE_ACTION", std::ffi::OsStr::from_bytes(b"kill\xff"))
+        .args(["--state-dir", a.state.to_str().unwrap(), "run"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("VGPU_AGENT_ESCAPE_ACTION: its value"), "{o:?}");
+}
+
+#[test]
+fn slice_update_changes_only_what_it_names() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "j", "--gpu", "0", "--memory", "2GiB", "--sm", "30"]);
+    let out = a.ctl_ok(&["slice", "update", "j", "--gpu", "0", "--memory", "1GiB"]);
+    assert!(out.contains("memory 2.0 GiB -> 1.0 GiB") && out.contains("SM 30% (kept)"), "{out}");
+    let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "j", "--json"])).unwrap();
+    assert_eq!(
+        (d["slice"]["gpus"][0]["memory"].as_u64(), d["slice"]["gpus"][0]["sm"].as_u64()),
+        (Some(1 << 30), Some(30))
+    );
+    a.ctl_ok(&["slice", "update", "j", "--gpu", "0", "--sm", "none"]);
+    let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "j", "--json"])).unwrap();
+    assert_eq!(
+        (d["slice"]["gpus"][0]["memory"].as_u64(), d["slice"]["gpus"][0]["sm"].as_u64()),
+        (Some(1 << 30), Some(0))
+    );
+    let o = a.ctl(&["slice", "update", "j", "--gpu", "0"]);
+    assert_eq!(o.status.code(), Some(2), "nothing to change");
+}
