@@ -68,6 +68,11 @@ impl Store {
     pub fn in_progress(&self) -> Vec<String> {
         self.list("journal").into_iter().map(|r| r.gpu_uuid).collect()
     }
+
+    /// Forgets a GPU's journal (an apply that can no longer be carried out).
+    pub fn drop_journal(&self, uuid: &str) {
+        let _ = std::fs::remove_file(self.path("journal", uuid));
+    }
 }
 
 /// What an apply did to one GPU.
@@ -106,21 +111,79 @@ pub fn execute(b: &dyn MigBackend, gpu: u32, plan: &Plan) -> Result<(), MigError
 /// The plan that would bring GPU `gpu` to `d` (None: only the mode changes, or nothing).
 pub fn plan_gpu(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Option<Plan>, MigError> {
     let g = b.gpu(gpu)?;
-    // MIG on with no devices named: the mode only; instances are made per request (dynamic mode).
-    if !d.mig_enabled || !g.mig_enabled || d.devices.is_empty() {
+    // MIG on with no layout named: the mode only; instances are made per request (dynamic mode).
+    if !d.mig_enabled || !g.mig_enabled || !d.has_layout() {
         return Ok(None);
     }
     let w = wants(&g, d).map_err(|e| MigError(e.0))?;
     planner::plan(&g, &w, force).map(Some).map_err(|e| MigError(format!("GPU {gpu} ({}): {e}", g.name)))
 }
 
-/// Brings GPU `gpu` to `d`: records it, switches the mode if needed, then applies the minimal plan.
+/// Everything an apply would do to one GPU, in order, worked out before anything is done.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    /// With MIG going off: the instances destroyed first.
+    pub destroy_first: Option<Plan>,
+    /// The mode switched to (None: it stays).
+    pub mode: Option<bool>,
+    /// The layout's plan once the mode is as wanted (with MIG coming on: from an empty GPU).
+    pub plan: Option<Plan>,
+}
+
+impl Transition {
+    /// The steps, the mode change included.
+    pub fn step_count(&self) -> usize {
+        self.destroy_first.as_ref().map_or(0, |p| p.steps.len())
+            + usize::from(self.mode.is_some())
+            + self.plan.as_ref().map_or(0, |p| p.steps.len())
+    }
+}
+
+/// Works out whether GPU `gpu` can be brought to `d`, and how, for every mode transition: an
+/// impossible layout, busy instances (unless `force`) and processes that would block a mode change
+/// are refused here, before anything is recorded or changed.
+pub fn transition(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Transition, MigError> {
+    let g = b.gpu(gpu)?;
+    let label = format!("GPU {gpu} ({})", g.name);
+    let mode_changes = g.mig_enabled != d.mig_enabled || g.mode_pending;
+    if mode_changes {
+        let pids = b.processes(gpu)?;
+        if !pids.is_empty() {
+            let shown: Vec<String> = pids.iter().take(8).map(u32::to_string).collect();
+            return Err(MigError(format!(
+                "{label}: MIG mode cannot change while processes run on the GPU ({} of them: PIDs {}); stop them first",
+                pids.len(),
+                shown.join(", ")
+            )));
+        }
+    }
+    let destroy_first = if g.mig_enabled && !d.mig_enabled {
+        Some(planner::plan(&g, &[], force).map_err(|e| MigError(format!("{label}: {e}")))?)
+    } else {
+        None
+    };
+    let plan = if !d.mig_enabled || !d.has_layout() {
+        None
+    } else {
+        // From the instances there are, or from none where MIG is coming on.
+        let mut from = g.clone();
+        if !g.mig_enabled {
+            from.instances.clear();
+            from.mig_enabled = true;
+        }
+        let w = wants(&from, d).map_err(|e| MigError(e.0))?;
+        Some(planner::plan(&from, &w, force).map_err(|e| MigError(format!("{label}: {e}")))?)
+    };
+    let mode = (g.mig_enabled != d.mig_enabled).then_some(d.mig_enabled);
+    Ok(Transition { destroy_first, mode, plan })
+}
+
+/// Brings GPU `gpu` to `d`: checks that it can ([`transition`]) before anything else, then
+/// records it, switches the mode if needed and applies the minimal plan. A refused change leaves
+/// no record behind, so nothing carries it out later.
 pub fn apply_gpu(b: &dyn MigBackend, store: &Store, gpu: u32, d: &Desired, force: bool) -> Result<Outcome, MigError> {
     let g = b.gpu(gpu)?;
-    // Refuse an impossible target before touching anything.
-    if d.mig_enabled && g.mig_enabled {
-        plan_gpu(b, gpu, d, force)?;
-    }
+    transition(b, gpu, d, force)?;
     let rec = Record { gpu_uuid: g.uuid.clone(), desired: d.clone(), force };
     store.put("desired", &rec)?;
     store.put("journal", &rec)?;
@@ -136,7 +199,8 @@ fn run(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Outcome
     let mut mode = ModeChange::Unchanged;
     if g.mig_enabled != d.mig_enabled || g.mode_pending {
         if !d.mig_enabled && g.mig_enabled {
-            // Instances go before the mode: destroy them (busy ones only when forced).
+            // Instances go before the mode: destroy them (busy ones only when forced; `transition`
+            // made sure the mode change can follow).
             let p = planner::plan(&g, &[], force).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
             execute(b, gpu, &p)?;
         }

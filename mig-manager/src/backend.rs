@@ -43,6 +43,11 @@ pub trait MigBackend {
     fn destroy(&self, gpu: u32, gi: u32) -> Result<(), MigError>;
     /// PCI device id (`0xDDDDVVVV`, as mig-parted's `device-filter` writes it).
     fn pci_device_id(&self, gpu: u32) -> Result<String, MigError>;
+    /// PIDs of the processes running on the GPU (any of them blocks a MIG mode change).
+    fn processes(&self, gpu: u32) -> Result<Vec<u32>, MigError> {
+        let _ = gpu;
+        Ok(Vec::new())
+    }
 }
 
 pub struct NvmlBackend {
@@ -304,6 +309,20 @@ impl MigBackend for NvmlBackend {
         }
         // SAFETY: a GPU-instance handle NVML just gave us.
         check(|| format!("GPU {gpu}: destroy GPU instance {gi}"), unsafe { lib.nvmlGpuInstanceDestroy(h) })
+    }
+
+    fn processes(&self, gpu: u32) -> Result<Vec<u32>, MigError> {
+        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
+        let mut pids: Vec<u32> = d
+            .running_compute_processes()
+            .map_err(|e| MigError(format!("GPU {gpu}: processes: {e}")))?
+            .into_iter()
+            .chain(d.running_graphics_processes().unwrap_or_default())
+            .map(|p| p.pid)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        Ok(pids)
     }
 
     fn pci_device_id(&self, gpu: u32) -> Result<String, MigError> {

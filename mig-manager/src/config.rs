@@ -53,8 +53,10 @@ pub struct Entry {
     pub devices: Devices,
     #[serde(rename = "mig-enabled")]
     pub mig_enabled: bool,
+    /// Absent: the mode only, instances are made per request (dynamic mode). Given, even as `{}`:
+    /// exactly these instances (`{}`: none, as mig-parted has it).
     #[serde(rename = "mig-devices", default)]
-    pub mig_devices: BTreeMap<String, u32>,
+    pub mig_devices: Option<BTreeMap<String, u32>>,
 }
 
 /// What one GPU should look like.
@@ -63,6 +65,17 @@ pub struct Desired {
     pub mig_enabled: bool,
     /// Profile names and counts (resolved against the GPU's own profiles).
     pub devices: BTreeMap<String, u32>,
+    /// `devices` is the whole layout, even when empty (`mig-devices` was given; `{}`: no
+    /// instances). False: empty `devices` sets the mode only and leaves instances to requests.
+    #[serde(default)]
+    pub exact: bool,
+}
+
+impl Desired {
+    /// Whether the layout is named (else only the mode is).
+    pub fn has_layout(&self) -> bool {
+        self.exact || !self.devices.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,10 +104,11 @@ impl File {
                         )));
                     }
                 }
-                if !e.mig_enabled && !e.mig_devices.is_empty() {
+                let devices = e.mig_devices.clone().unwrap_or_default();
+                if !e.mig_enabled && !devices.is_empty() {
                     return Err(ConfigError(format!("{name}[{i}]: mig-devices given with mig-enabled: false")));
                 }
-                for k in e.mig_devices.keys() {
+                for k in devices.keys() {
                     if k.matches('.').count() > 1 && k.split('.').next().is_some_and(|c| c.ends_with('c')) {
                         return Err(ConfigError(format!(
                             "{name}[{i}]: {k}: compute-instance sub-profiles are not supported; \
@@ -126,7 +140,11 @@ impl File {
                 Some(OneOrMany::Many(v)) => v.iter().any(|f| f.eq_ignore_ascii_case(pci)),
             };
             if idx_ok && filter_ok {
-                return Ok(Some(Desired { mig_enabled: e.mig_enabled, devices: e.mig_devices.clone() }));
+                return Ok(Some(Desired {
+                    mig_enabled: e.mig_enabled,
+                    devices: e.mig_devices.clone().unwrap_or_default(),
+                    exact: e.mig_devices.is_some(),
+                }));
             }
         }
         Ok(None)

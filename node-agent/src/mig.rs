@@ -91,6 +91,9 @@ fn describe(d: &Desired) -> Vec<String> {
     if !d.mig_enabled {
         return vec!["MIG disabled".into()];
     }
+    if d.exact && d.devices.is_empty() {
+        return vec!["MIG enabled, no instances".into()];
+    }
     d.devices.iter().map(|(k, v)| format!("{k}: {v}")).collect()
 }
 
@@ -162,15 +165,21 @@ pub fn run(
                 Err(e) => r.error = e.0,
             },
             Op::Plan => {
-                // With MIG off, plan against an empty layout (what enabling gives).
-                let target =
-                    if g.mig_enabled { apply::plan_gpu(&b, i, &d, req.force) } else { plan_empty(&g, &d, req.force) };
-                match target {
-                    Ok(Some(p)) => {
-                        r.steps = describe_steps(&p.steps);
-                        r.kept = p.keep.len() as u32;
+                // Everything the apply would do, the mode change and the instances it destroys
+                // included; refused exactly where the apply would be.
+                match apply::transition(&b, i, &d, req.force) {
+                    Ok(t) => {
+                        let mut steps = t.destroy_first.as_ref().map_or(Vec::new(), |p| describe_steps(&p.steps));
+                        if let Some(on) = t.mode {
+                            steps.push(if on { "enable MIG mode".into() } else { "disable MIG mode".into() });
+                        }
+                        if let Some(p) = &t.plan {
+                            steps.extend(describe_steps(&p.steps));
+                            r.kept = p.keep.len() as u32;
+                        }
+                        debug_assert_eq!(steps.len(), t.step_count());
+                        r.steps = steps;
                     }
-                    Ok(None) => {}
                     Err(e) => r.error = e.0,
                 }
                 r.pending_reset = g.mode_pending;
@@ -199,23 +208,6 @@ pub fn run(
         return Err(ApiError::Invalid(format!("mig-config {:?} selects no GPU of this node", req.config_name)));
     }
     Ok(pb::MigReport { gpus: out })
-}
-
-fn plan_empty(
-    g: &vgpu_mig::model::Gpu,
-    d: &Desired,
-    force: bool,
-) -> Result<Option<vgpu_mig::planner::Plan>, vgpu_mig::backend::MigError> {
-    if !d.mig_enabled {
-        return Ok(None);
-    }
-    let mut e = g.clone();
-    e.instances.clear();
-    e.mig_enabled = true;
-    let w = config::wants(&e, d).map_err(|x| vgpu_mig::backend::MigError(x.0))?;
-    vgpu_mig::planner::plan(&e, &w, force)
-        .map(Some)
-        .map_err(|x| vgpu_mig::backend::MigError(format!("GPU {}: {x}", g.index)))
 }
 
 /// After start-up: finishes interrupted applies and re-applies recorded layouts that no longer hold

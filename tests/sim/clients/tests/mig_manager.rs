@@ -97,6 +97,9 @@ impl MigBackend for Crashing<'_> {
     fn pci_device_id(&self, gpu: u32) -> Result<String, MigError> {
         self.inner.pci_device_id(gpu)
     }
+    fn processes(&self, gpu: u32) -> Result<Vec<u32>, MigError> {
+        self.inner.processes(gpu)
+    }
 }
 
 /// Marks GPU instances busy, as a workload on them would.
@@ -128,6 +131,9 @@ impl MigBackend for Busy<'_> {
     fn pci_device_id(&self, gpu: u32) -> Result<String, MigError> {
         self.inner.pci_device_id(gpu)
     }
+    fn processes(&self, gpu: u32) -> Result<Vec<u32>, MigError> {
+        self.inner.processes(gpu)
+    }
 }
 
 fn desired(f: &config::File, name: &str, b: &dyn MigBackend, gpu: u32) -> Desired {
@@ -139,8 +145,13 @@ fn layout(b: &dyn MigBackend, gpu: u32) -> Vec<(String, u32)> {
     g.instances.iter().map(|i| (g.profile(i.profile).unwrap().name.clone(), i.start)).collect()
 }
 
+/// The simulated NVML is loaded into this process and finds its node through the environment: one
+/// test at a time.
+static ONE_NODE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn mig_manager_on_the_simulated_node() {
+    let _one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
     let mut s = Sim::new(Some(NODE));
     std::env::set_var("VGPU_SIM_STATE", &s.state);
     std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
@@ -262,9 +273,9 @@ fn mig_manager_on_the_simulated_node() {
 
     // Errors name the problem: an unknown config, a profile the GPU lacks, an impossible layout.
     assert!(f.desired("nope", 0, "0x20B010DE").unwrap_err().0.contains("no mig-config named \"nope\""));
-    let bad = Desired { mig_enabled: true, devices: [("9g.99gb".to_string(), 1)].into() };
+    let bad = Desired { mig_enabled: true, devices: [("9g.99gb".to_string(), 1)].into(), exact: true };
     assert!(apply::apply_gpu(&b, &store, 0, &bad, false).unwrap_err().0.contains("has no MIG profile \"9g.99gb\""));
-    let too_many = Desired { mig_enabled: true, devices: [("4g.20gb".to_string(), 2)].into() };
+    let too_many = Desired { mig_enabled: true, devices: [("4g.20gb".to_string(), 2)].into(), exact: true };
     let e = apply::apply_gpu(&b, &store, 0, &too_many, false).unwrap_err();
     assert!(e.0.contains("at most 1"), "{e}");
     assert_eq!(apply::check(&b, 0, &desired(&f, "all-balanced", &b, 0)).unwrap(), Vec::<String>::new(), "untouched");
@@ -274,7 +285,8 @@ fn mig_manager_on_the_simulated_node() {
     for i in b.gpu(3).unwrap().instances {
         b.destroy(3, i.gi).unwrap();
     }
-    apply::apply_gpu(&b, &store, 3, &Desired { mig_enabled: true, devices: Default::default() }, false).unwrap();
+    apply::apply_gpu(&b, &store, 3, &Desired { mig_enabled: true, devices: Default::default(), exact: false }, false)
+        .unwrap();
     let req = |mib, media| vgpu_mig::planner::Request { memory_mib: mib, compute: 0, sms: 0, media };
     let a = apply::allocate(&b, 3, &req(16 << 10, false)).unwrap();
     assert!(a.profile.starts_with("1g."), "the smallest fitting profile: {a:?}");
@@ -317,4 +329,76 @@ fn mig_parted_configs_are_parsed_and_bad_ones_rejected_precisely() {
     )
     .unwrap_err();
     assert!(e.0.contains("colour"), "{e}");
+}
+
+/// A refused change is never carried out later, and every mode transition is checked before
+/// anything changes (issue: disabling MIG with an instance held was refused, but recorded and done
+/// at the next start; an impossible layout switched MIG on first and was retried at every start;
+/// disabling with a process on the GPU destroyed every idle instance, then failed).
+#[test]
+fn refused_mig_changes_change_nothing_now_or_later() {
+    let _one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
+    let mut s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    std::env::set_var("VGPU_SIM_STATE", &s.state);
+    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
+    let nvml =
+        Arc::new(nvml_wrapper::Nvml::builder().lib_path(s.libs.join("libnvidia-ml.so.1").as_os_str()).init().unwrap());
+    let b = NvmlBackend::new(nvml);
+    let store = Store::open(&s.state.join("mig")).unwrap();
+    let f = config::File::parse(CONFIG).unwrap();
+    let balanced = desired(&f, "all-balanced", &b, 0);
+    apply::apply_gpu(&b, &store, 0, &balanced, false).unwrap();
+    let before = layout(&b, 0);
+
+    // 1. Disabling with an instance held: refused, and nothing recorded for a later start.
+    let gi = b.gpu(0).unwrap().instances[0].gi;
+    let busy = Busy { inner: &b, busy: vec![(0, gi)] };
+    let off = desired(&f, "all-disabled", &b, 0);
+    let e = apply::apply_gpu(&busy, &store, 0, &off, false).unwrap_err();
+    assert!(e.0.contains("in use"), "{e}");
+    assert!(store.in_progress().is_empty(), "no journal for a refused change");
+    assert_eq!(store.desired(&b.gpu(0).unwrap().uuid), Some(balanced.clone()), "the recorded layout stays");
+    // The holder goes; a restart's reconcile keeps the layout.
+    apply::reconcile(&b, &store);
+    assert!(b.gpu(0).unwrap().mig_enabled);
+    assert_eq!(layout(&b, 0), before);
+
+    // 2. An impossible layout on a GPU with MIG off: refused before the mode is switched on.
+    let eight = Desired { mig_enabled: true, devices: [("1g.10gb".to_string(), 8)].into(), exact: true };
+    let e = apply::apply_gpu(&b, &store, 1, &eight, false).unwrap_err();
+    assert!(e.0.contains("at most 7"), "{e}");
+    assert!(!b.gpu(1).unwrap().mig_enabled, "MIG mode left off");
+    assert_eq!(store.desired(&b.gpu(1).unwrap().uuid), None);
+    assert!(apply::transition(&b, 1, &eight, false).is_err(), "plan refuses it the same way");
+
+    // 3. Disabling while a process runs on the GPU: refused before any instance is destroyed.
+    let (pid, _) = s.spawn(RT, &["alloc", "--size", "64m", "--hold"]);
+    let e = apply::apply_gpu(&b, &store, 0, &off, false).unwrap_err();
+    assert!(e.0.contains("processes run on the GPU") && e.0.contains(&pid.to_string()), "{e}");
+    assert_eq!(layout(&b, 0), before, "no instance destroyed");
+    assert!(b.gpu(0).unwrap().mig_enabled && store.in_progress().is_empty());
+    s.kill(pid);
+    let t = std::time::Instant::now();
+    while !b.processes(0).unwrap().is_empty() {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the killed process is still listed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    // 4. Planning a disable counts and names every step: the instances destroyed and the mode.
+    let t = apply::transition(&b, 0, &off, false).unwrap();
+    assert_eq!(t.step_count(), before.len() + 1, "{t:?}");
+    assert_eq!((t.destroy_first.as_ref().unwrap().steps.len(), t.mode), (before.len(), Some(false)));
+
+    // 5. `mig-devices: {}` is mig-parted's "MIG on, no instances"; leaving it out sets the mode only.
+    let empty = desired(&f, "all-enabled", &b, 0);
+    assert!(empty.exact && empty.devices.is_empty());
+    apply::apply_gpu(&b, &store, 0, &empty, false).unwrap();
+    assert!(b.gpu(0).unwrap().mig_enabled && layout(&b, 0).is_empty(), "{:?}", layout(&b, 0));
+    let mode_only =
+        config::File::parse("version: v1\nmig-configs:\n  on:\n    - devices: all\n      mig-enabled: true\n")
+            .unwrap()
+            .desired("on", 0, "0x233010DE")
+            .unwrap()
+            .unwrap();
+    assert!(!mode_only.exact && !mode_only.has_layout());
 }
