@@ -252,6 +252,14 @@ impl Auth {
     }
 }
 
+/// A text field within `max` bytes.
+pub(crate) fn valid_text(v: &str, max: usize) -> Result<(), String> {
+    if v.len() > max {
+        return Err(format!("{} bytes (at most {max})", v.len()));
+    }
+    Ok(())
+}
+
 fn read(file: &Path) -> Result<Tokens, String> {
     let text = std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let t = Tokens::parse(&text).map_err(|e| format!("{}: {e}", file.display()))?;

@@ -189,6 +189,20 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
     s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("{s:?} is not key=value"))
 }
 
+/// SIGPIPE: when standard output is a pipe whose reader went, end as the default action would;
+/// otherwise (a socket) return, and the write fails with EPIPE, reported like any error.
+extern "C" fn on_sigpipe(_: libc::c_int) {
+    let mut p = libc::pollfd { fd: 1, events: 0, revents: 0 };
+    // SAFETY: poll on one valid pollfd with no wait; signal, raise and _exit are async-signal-safe.
+    unsafe {
+        if libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLERR != 0 {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            libc::raise(libc::SIGPIPE);
+            libc::_exit(141);
+        }
+    }
+}
+
 fn die(code: i32, msg: impl std::fmt::Display) -> ! {
     eprintln!("vgpuctl: {msg}");
     std::process::exit(code)
@@ -214,10 +228,12 @@ fn limits(l: &Limits) -> Vec<pb::SliceGpuLimit> {
 }
 
 fn main() {
-    // Like any Unix filter: when the reader goes (`vgpuctl status | head`), end quietly by SIGPIPE
-    // rather than report a failed write (Rust ignores SIGPIPE by default).
-    // SAFETY: restores the default disposition of one signal before any thread is started.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    // Like any Unix filter: when the reader of its output goes (`vgpuctl status | head`), end quietly
+    // by SIGPIPE rather than report a failed write. Only for standard output: a connection the peer
+    // closed (a receiver refusing the TLS handshake) is an error to report, not a reason to die
+    // silently (see `on_sigpipe`).
+    // SAFETY: installs a handler with the plain signal-handler signature before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, on_sigpipe as *const () as libc::sighandler_t) };
     let cli = Cli::parse();
     let flags = Flags { config: cli.config.clone(), socket: cli.socket.clone(), ..Default::default() };
     let cfg = vgpu_agent::config::check_environment()
@@ -426,16 +442,26 @@ async fn cluster_status(r: &Receiver, node: String) -> vgpu_proto::scheduler::v1
     let ch = report::channel_with(&endpoint, r.ca.as_deref(), r.server_name.as_deref(), identity)
         .await
         .unwrap_or_else(|e| die(3, e));
-    let mut req = tonic::Request::new(vgpu_proto::scheduler::v1::ClusterStatusRequest { node });
-    if let Some(t) = token {
-        let v = format!("Bearer {t}")
-            .parse()
-            .unwrap_or_else(|_| die(2, "the token holds characters not allowed in a header"));
-        req.metadata_mut().insert("authorization", v);
+    let mut client = vgpu_proto::scheduler::v1::cluster_client::ClusterClient::new(ch);
+    // Page by page (a page is at most about 1 MiB, whatever the nodes hold).
+    let mut all = vgpu_proto::scheduler::v1::ClusterStatus::default();
+    loop {
+        let mut req = tonic::Request::new(vgpu_proto::scheduler::v1::ClusterStatusRequest {
+            node: node.clone(),
+            after: all.next_after.clone(),
+            page_size: 0,
+        });
+        if let Some(t) = &token {
+            let v = format!("Bearer {t}")
+                .parse()
+                .unwrap_or_else(|_| die(2, "the token holds characters not allowed in a header"));
+            req.metadata_mut().insert("authorization", v);
+        }
+        let page = client.status(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+        all.nodes.extend(page.nodes);
+        all.next_after = page.next_after;
+        if all.next_after.is_empty() {
+            return all;
+        }
     }
-    vgpu_proto::scheduler::v1::cluster_client::ClusterClient::new(ch)
-        .status(req)
-        .await
-        .unwrap_or_else(|e| grpc_err(e))
-        .into_inner()
 }

@@ -54,6 +54,12 @@ enum Cmd {
         /// Heartbeat period asked of nodes, ms; a node silent for three is stale.
         #[arg(long, default_value_t = 10_000)]
         heartbeat_ms: u64,
+        /// A node disconnected this long (seconds) leaves the view.
+        #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..=604_800))]
+        forget_after_s: u64,
+        /// The most node names one token may stream (a `nodes` token is one Secret for a DaemonSet).
+        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+        max_nodes_per_token: u64,
     },
     /// Add a fresh token to a token file (the running receiver picks it up within a second) and
     /// write it to --out (0600) or print it. Revoke a token by deleting its line.
@@ -185,6 +191,8 @@ fn main() {
             unix,
             metrics_address,
             heartbeat_ms,
+            forget_after_s,
+            max_nodes_per_token,
         } => {
             // An empty --client-ca is off (the Helm chart always passes it).
             let client_ca = client_ca.filter(|p| !p.is_empty()).map(PathBuf::from);
@@ -235,6 +243,8 @@ fn main() {
                     auth: Arc::new(auth),
                     heartbeat: Duration::from_millis(heartbeat_ms),
                     node_certs: require_node_certs,
+                    forget_after: Duration::from_secs(forget_after_s),
+                    max_nodes_per_token: max_nodes_per_token as usize,
                 },
             ));
         }

@@ -47,7 +47,12 @@ impl Receiver {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("receiver.log")).unwrap();
         let d = &self.dir;
         let c = Command::new(bin("vgpu-receiver"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port), "--heartbeat-ms", "500"])
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port)])
+            .args(if self.extra.iter().any(|a| a == "--heartbeat-ms") {
+                &[][..]
+            } else {
+                &["--heartbeat-ms", "500"][..]
+            })
             .args(["--metrics-address", &format!("127.0.0.1:{}", self.metrics)])
             .arg("--tls-cert")
             .arg(d.join("server.pem"))
@@ -139,7 +144,11 @@ fn with_token<T>(token: &str, msg: T) -> tonic::Request<T> {
 fn node_view(rt: &tokio::runtime::Runtime, r: &Receiver, node: &str) -> Option<sp::NodeView> {
     rt.block_on(async {
         let mut c = cluster(r).await;
-        let v = c.status(authed(r, sp::ClusterStatusRequest { node: node.into() })).await.unwrap().into_inner();
+        let v = c
+            .status(authed(r, sp::ClusterStatusRequest { node: node.into(), ..Default::default() }))
+            .await
+            .unwrap()
+            .into_inner();
         v.nodes.into_iter().next()
     })
 }
@@ -597,6 +606,9 @@ fn mutual_tls_refuses_clients_without_a_certificate_from_its_ca() {
     wait_until("n1's reporter is connected", || good.connected.load(std::sync::atomic::Ordering::Relaxed));
     let o = status(false);
     assert!(!o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    // Refused with a reason, not killed by SIGPIPE in silence (exit 141, no output).
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).starts_with("vgpuctl: "), "{o:?}");
     assert!(
         node_view_mtls(&rt, &r, &cert, &key, "bare").is_none() && node_view_mtls(&rt, &r, &cert, &key, "n2").is_none()
     );
@@ -669,7 +681,11 @@ fn node_view_mtls(
         let ep = Endpoint::parse(&r.endpoint()).unwrap();
         let ch = report::channel_with(&ep, Some(&r.dir.join("ca.pem")), None, Some((cert, key))).await.unwrap();
         let mut c = sp::cluster_client::ClusterClient::new(ch);
-        let v = c.status(authed(r, sp::ClusterStatusRequest { node: node.into() })).await.unwrap().into_inner();
+        let v = c
+            .status(authed(r, sp::ClusterStatusRequest { node: node.into(), ..Default::default() }))
+            .await
+            .unwrap()
+            .into_inner();
         v.nodes.into_iter().next()
     })
 }
@@ -870,4 +886,191 @@ fn a_unix_socket_endpoint_needs_no_tls() {
     assert_eq!(v["nodes"][0]["capacity"]["gpus"].as_array().unwrap().len(), 3);
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// How a stream ended: Ok, or its status's code and message.
+type Ended = tokio::task::JoinHandle<Result<(), (tonic::Code, String)>>;
+
+/// A node stream that stays open: its messages go in through the sender, which the caller keeps.
+fn open_stream(
+    rt: &tokio::runtime::Runtime,
+    r: &Receiver,
+    token: &str,
+    first: Vec<sp::node_message::Body>,
+) -> (tokio::sync::mpsc::Sender<sp::NodeMessage>, Ended) {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    for b in first {
+        tx.try_send(sp::NodeMessage { body: Some(b) }).unwrap();
+    }
+    let (endpoint, ca, token) = (r.endpoint(), r.dir.join("ca.pem"), token.to_string());
+    let task = rt.spawn(async move {
+        let ch = report::channel(&Endpoint::parse(&endpoint).unwrap(), Some(&ca), None).await.unwrap();
+        let mut c = sp::capacity_client::CapacityClient::new(ch);
+        let req = with_token(&token, tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut s = c.report(req).await.map_err(|e| (e.code(), e.message().to_string()))?.into_inner();
+        loop {
+            match s.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(()),
+                Err(e) => return Err((e.code(), e.message().to_string())),
+            }
+        }
+    });
+    (tx, task)
+}
+
+/// What one node can make the receiver hold, and what one node can do to everyone's view, are
+/// bounded (issue: 15 MiB of empty entries cost 434 MiB of receiver memory, again under every
+/// node name; a 5 MiB model made every full `vgpuctl cluster status` fail; disconnected nodes
+/// stayed forever; nonsense numbers were shown as synced; a sequence wrapped to 0 and was accepted).
+#[test]
+fn what_one_node_makes_the_receiver_hold_is_bounded_and_checked() {
+    use sp::node_message::Body as B;
+    let s = Sim::new(None);
+    let r = Receiver::start_with(&s.state.join("receiver"), &["--forget-after-s", "2", "--max-nodes-per-token", "6"]);
+    let rt = rt();
+    let hello = |node: &str| {
+        B::Hello(sp::Hello { protocol_version: 1, node: node.into(), agent_version: "x".into(), epoch: 7 })
+    };
+    let gpu = |u: &str| sp::GpuCapacity { uuid: u.into(), memory_total: 80 << 30, ..Default::default() };
+    let snap = |node: &str, seq: u64, gpus: Vec<sp::GpuCapacity>| {
+        B::Snapshot(sp::NodeCapacity { node: node.into(), epoch: 7, sequence: seq, gpus, ..Default::default() })
+    };
+    // 15 MiB of empty entries in one message: over the message bound, refused while decoding.
+    let mut many = gpu("G1");
+    many.peers = vec![sp::Peer::default(); 7 << 20];
+    let e = raw(&rt, &r, vec![hello("fat"), snap("fat", 1, vec![many])], true).unwrap_err();
+    assert!(e.1.contains("could not be read") || e.1.contains("too large") || e.0 == tonic::Code::OutOfRange, "{e:?}");
+    // Within the message bound but too many entries, strings too long, numbers that make no sense.
+    let mut peers = gpu("G1");
+    peers.peers = vec![sp::Peer::default(); 300];
+    let mut model = gpu("G1");
+    model.model = "m".repeat(5 << 20);
+    let mut over = gpu("G1");
+    over.memory_allocatable = over.memory_total * 10 + 1;
+    let mut sm = gpu("G1");
+    sm.sm_allocatable = 101;
+    let mut numa = gpu("G1");
+    numa.numa_node = -5;
+    for (g, want) in
+        [(peers, "300 peers"), (over, "above ten times memory_total"), (sm, "above 100"), (numa, "numa_node -5")]
+    {
+        let e = raw(&rt, &r, vec![hello("odd"), snap("odd", 1, vec![g])], true).unwrap_err();
+        assert!(e.0 == tonic::Code::InvalidArgument && e.1.contains(want), "{want}: {e:?}");
+    }
+    let e = raw(&rt, &r, vec![hello("odd"), snap("odd", 1, vec![model])], true).unwrap_err();
+    assert!(e.1.contains("model has 5242880 bytes") || e.1.contains("could not be read"), "{e:?}");
+    let neg = B::Snapshot(sp::NodeCapacity { node: "odd".into(), epoch: 7, cuda_version: -1, ..Default::default() });
+    let e = raw(&rt, &r, vec![hello("odd"), neg], true).unwrap_err();
+    assert!(e.1.contains("cuda_version -1 is negative"), "{e:?}");
+    // A sequence never wraps: after u64::MAX a delta numbered 0 is not applied.
+    let wrap = B::Delta(sp::CapacityDelta { epoch: 7, sequence: 0, changed: vec![gpu("G2")], ..Default::default() });
+    let got = raw(&rt, &r, vec![hello("wrap"), snap("wrap", u64::MAX, vec![gpu("G1")]), wrap], true).unwrap();
+    assert!(got.iter().any(|m| m.starts_with("resync")), "{got:?}");
+    assert_eq!(
+        node_view(&rt, &r, "wrap").unwrap().capacity.unwrap().gpus.len(),
+        1,
+        "the wrapped delta was not applied"
+    );
+    // One token speaks for at most --max-nodes-per-token node names (fat, odd and wrap so far).
+    for n in ["n4", "n5", "n6"] {
+        raw(&rt, &r, vec![hello(n), snap(n, 1, vec![gpu("G1")])], true).unwrap();
+    }
+    let e = raw(&rt, &r, vec![hello("n7"), snap("n7", 1, vec![gpu("G1")])], true).unwrap_err();
+    assert!(e.0 == tonic::Code::ResourceExhausted && e.1.contains("already speaks for 6 nodes"), "{e:?}");
+    // The view comes in pages; all of it through vgpuctl.
+    let page = rt.block_on(async {
+        let mut c = cluster(&r).await;
+        c.status(authed(&r, sp::ClusterStatusRequest { page_size: 2, ..Default::default() }))
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    assert_eq!(page.nodes.len(), 2);
+    assert!(!page.next_after.is_empty());
+    let o = Command::new(bin("vgpuctl"))
+        .args(["cluster", "status", "--json", "--server", &r.endpoint(), "--ca"])
+        .arg(r.dir.join("ca.pem"))
+        .arg("--token-file")
+        .arg(r.dir.join("token"))
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
+    assert_eq!(v["nodes"].as_array().unwrap().len(), 6, "{v}");
+    // Disconnected nodes leave the view after --forget-after-s, and free their token's room.
+    wait_until("disconnected nodes are forgotten", || node_view(&rt, &r, "n4").is_none());
+    raw(&rt, &r, vec![hello("n7"), snap("n7", 1, vec![gpu("G1")])], true).unwrap();
+    assert!(r.log().contains("node forgotten"), "{}", r.log());
+}
+
+/// A silent stream ends after three heartbeats, and a revoked token ends its streams and watches
+/// within seconds of the token file's change, whether or not they send anything (issue: a revoked
+/// node that stayed silent stayed connected and still received requests; a revoked watch ended
+/// with status OK).
+#[test]
+fn silent_and_revoked_streams_end_without_waiting_for_a_message() {
+    use sp::node_message::Body as B;
+    let s = Sim::new(None);
+    let r = Receiver::start_with(&s.state.join("receiver"), &["--heartbeat-ms", "1000"]);
+    let rt = rt();
+    let hello = |node: &str| {
+        B::Hello(sp::Hello { protocol_version: 1, node: node.into(), agent_version: "x".into(), epoch: 7 })
+    };
+    let snap =
+        |node: &str| B::Snapshot(sp::NodeCapacity { node: node.into(), epoch: 7, sequence: 1, ..Default::default() });
+    let cluster_token = std::fs::read_to_string(r.dir.join("token")).unwrap().lines().next().unwrap().to_string();
+    // Silent after its snapshot: cut off after three heartbeats (3 s).
+    let t = Instant::now();
+    let (_keep, task) = open_stream(&rt, &r, &cluster_token, vec![hello("quiet"), snap("quiet")]);
+    let e = rt.block_on(task).unwrap().unwrap_err();
+    assert!(e.0 == tonic::Code::DeadlineExceeded && e.1.contains("three heartbeats"), "{e:?}");
+    assert!(t.elapsed() < Duration::from_secs(10));
+    wait_until("the silent node shows disconnected", || node_view(&rt, &r, "quiet").is_some_and(|v| !v.connected));
+
+    // A node token and a reader token, revoked while their stream and watch send nothing: the
+    // node keeps heartbeating below the silence limit so that only the revocation can end it.
+    let node_token = add_token(&r, &["--node", "rev"]).unwrap().trim().to_string();
+    let reader = add_token(&r, &["--reader"]).unwrap().trim().to_string();
+    wait_until("the new tokens are in force", || {
+        rt.block_on(async {
+            cluster(&r).await.status(with_token(&reader, sp::ClusterStatusRequest::default())).await.is_ok()
+        })
+    });
+    let (tx, task) = open_stream(&rt, &r, &node_token, vec![hello("rev"), snap("rev")]);
+    let beat = rt.spawn(async move {
+        for i in 0.. {
+            let h = B::Heartbeat(sp::Heartbeat { epoch: 7, sequence: 1, timestamp_ms: i });
+            if tx.send(sp::NodeMessage { body: Some(h) }).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    let watch = rt.spawn({
+        let (endpoint, ca, reader) = (r.endpoint(), r.dir.join("ca.pem"), reader.clone());
+        async move {
+            let ch = report::channel(&Endpoint::parse(&endpoint).unwrap(), Some(&ca), None).await.unwrap();
+            let mut c = sp::cluster_client::ClusterClient::new(ch);
+            let mut w = c.watch(with_token(&reader, sp::WatchRequest::default())).await.unwrap().into_inner();
+            loop {
+                match w.message().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => return Ok(()),
+                    Err(e) => return Err((e.code(), e.message().to_string())),
+                }
+            }
+        }
+    });
+    wait_until("the node is in", || node_view(&rt, &r, "rev").is_some_and(|v| v.connected));
+    let tokens = std::fs::read_to_string(r.dir.join("token")).unwrap();
+    let kept: String =
+        tokens.lines().filter(|l| !l.contains(&node_token) && !l.contains(&reader)).map(|l| format!("{l}\n")).collect();
+    std::fs::write(r.dir.join("token"), kept).unwrap();
+    let t = Instant::now();
+    let e = rt.block_on(task).unwrap().unwrap_err();
+    assert_eq!(e.0, tonic::Code::Unauthenticated, "{e:?}");
+    let w = rt.block_on(watch).unwrap().unwrap_err();
+    assert_eq!(w.0, tonic::Code::Unauthenticated, "the revoked watch ends with a status: {w:?}");
+    assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+    beat.abort();
 }
