@@ -593,21 +593,25 @@ pub fn render_mig_report(r: &pb::MigReport, op: &str) -> String {
             continue;
         }
         o.push('\n');
-        if !g.mode_change.is_empty() {
-            let _ = writeln!(
-                o,
-                "  {} MIG mode{}",
-                g.mode_change,
-                if g.pending_reset { " (pending a GPU reset)" } else { "" }
-            );
-        } else if g.pending_reset {
+        let mode = (!g.mode_change.is_empty()).then(|| {
+            format!("  {} MIG mode{}\n", g.mode_change, if g.pending_reset { " (pending a GPU reset)" } else { "" })
+        });
+        // The mode comes on before the instances are made, and goes off after they are destroyed.
+        let disabling = g.mode_change == "disable";
+        if let Some(m) = mode.as_ref().filter(|_| !disabling) {
+            o.push_str(m);
+        } else if mode.is_none() && g.pending_reset {
             let _ = writeln!(o, "  MIG mode change pending a GPU reset: the layout follows after it");
         }
         for s in &g.steps {
             let _ = writeln!(o, "  {s}");
         }
+        if let Some(m) = mode.as_ref().filter(|_| disabling) {
+            o.push_str(m);
+        }
         if op != "assert" {
-            let _ = writeln!(o, "  {} step(s), {} instance(s) kept", g.steps.len(), g.kept);
+            let n = g.steps.len() + usize::from(mode.is_some());
+            let _ = writeln!(o, "  {n} step(s), {} instance(s) kept", g.kept);
         }
         if op == "assert" || op == "apply" {
             if g.differences.is_empty() && !g.pending_reset {

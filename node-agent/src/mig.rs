@@ -169,15 +169,13 @@ pub fn run(
                 // included; refused exactly where the apply would be.
                 match apply::transition(&b, i, &d, req.force) {
                     Ok(t) => {
+                        // The mode change is `mode_change` (shown and counted as a step of its own).
                         let mut steps = t.destroy_first.as_ref().map_or(Vec::new(), |p| describe_steps(&p.steps));
-                        if let Some(on) = t.mode {
-                            steps.push(if on { "enable MIG mode".into() } else { "disable MIG mode".into() });
-                        }
                         if let Some(p) = &t.plan {
                             steps.extend(describe_steps(&p.steps));
                             r.kept = p.keep.len() as u32;
                         }
-                        debug_assert_eq!(steps.len(), t.step_count());
+                        debug_assert_eq!(steps.len() + usize::from(t.mode.is_some()), t.step_count());
                         r.steps = steps;
                     }
                     Err(e) => r.error = e.0,

@@ -70,6 +70,7 @@ extern "C" fn child_after_fork() {
     crate::sm::after_fork();
     crate::capture::after_fork();
     crate::guard::Calls::after_fork();
+    crate::trueup::after_fork_in_child();
 }
 
 /// At exit (exit(3) or a return from main; not _exit or a signal): mark the slot exiting, so that
@@ -182,6 +183,7 @@ impl State {
         let watched = region.is_some() && !standalone;
         if trueup.measures() {
             crate::guard::Calls::track();
+            trueup.warm_up();
         }
         // SAFETY: registering plain extern "C" handlers.
         unsafe {
@@ -483,6 +485,8 @@ impl State {
     #[inline]
     fn reserve_accounted(&self, dev: usize, bytes: u64) -> Result<(), CUresult> {
         let Some((r, slot)) = self.accounting() else { return Ok(()) };
+        // A context's true-up still measuring on its own thread: admitted on its figure.
+        self.trueup.settle(dev);
         let limit = self.mem_limit(dev);
         match r.reserve_seen(slot, dev, bytes, limit) {
             // Within min(limit / 4, 1 GiB) of the limit, where no agent watches: what the driver

@@ -16,6 +16,12 @@
 //!   loaded lazily at a kernel's first launch show in its answer before an allocation comes near
 //!   the limit).
 //!
+//! The first two are off the path of the context's creation: NVML is initialised on a thread of its
+//! own as soon as the process starts using CUDA (`nvmlInit` alone took 10 ms and more on an H200),
+//! and the measurement after a context runs on a thread of its own too; until it is done, an
+//! allocation on that device waits for it (exactness is kept: nothing is admitted on a figure the
+//! measurement would change), nothing else does.
+//!
 //! In a PID namespace the process does not know its host PID: it learns it from NVML at its first
 //! context, as the one process that appears in the device's list while the context is created (if
 //! others appear at the same moment it cannot tell, and tries again at its next first context on a
@@ -30,8 +36,8 @@ use crate::real::nvml;
 use crate::state::State;
 use crate::MAX_DEVICES;
 use std::ffi::CString;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::*};
+use std::sync::Mutex;
 
 /// Changes smaller than this are left alone (NVML's figures move by a few MiB on their own).
 const STEP: u64 = 8 << 20;
@@ -55,6 +61,10 @@ pub struct TrueUp {
     /// A context was created on the device in this process (its host PID is then in the list
     /// before the next one, so a new one cannot tell it).
     had_context: [AtomicBool; MAX_DEVICES],
+    /// A context's measurement is running on its own thread: allocations on the device wait.
+    pending: [AtomicBool; MAX_DEVICES],
+    /// How many devices are pending (the allocation path's one load).
+    any_pending: AtomicU32,
     lock: Mutex<()>,
 }
 
@@ -74,7 +84,38 @@ impl TrueUp {
             added: [const { AtomicU64::new(0) }; MAX_DEVICES],
             last_ns: [const { AtomicU64::new(0) }; MAX_DEVICES],
             had_context: [const { AtomicBool::new(false) }; MAX_DEVICES],
+            pending: [const { AtomicBool::new(false) }; MAX_DEVICES],
+            any_pending: AtomicU32::new(0),
             lock: Mutex::new(()),
+        }
+    }
+
+    /// Starts NVML's initialisation on a thread of its own, where any measurement will be made
+    /// (at the process's first CUDA call, well before its first context).
+    #[cold]
+    pub fn warm_up(&self) {
+        if self.at_context && NVML_STATE.load(Acquire) == NVML_NONE {
+            let _ = std::thread::Builder::new().name("vgpu-nvml".into()).spawn(|| {
+                nvml_ready();
+            });
+        }
+    }
+
+    /// Waits (up to 2 s) for a context's measurement on `dev` still running on its own thread: an
+    /// allocation is admitted on the figure it gives. One load where none is pending.
+    #[inline]
+    pub fn settle(&self, dev: usize) {
+        if self.any_pending.load(Acquire) != 0 {
+            self.settle_slow(dev);
+        }
+    }
+
+    #[cold]
+    fn settle_slow(&self, dev: usize) {
+        let t = std::time::Instant::now();
+        while self.pending.get(dev).is_some_and(|p| p.load(Acquire)) && t.elapsed() < std::time::Duration::from_secs(2)
+        {
+            std::thread::sleep(std::time::Duration::from_micros(100));
         }
     }
 
@@ -96,7 +137,10 @@ impl TrueUp {
             self.added[i].store(0, Relaxed);
             self.last_ns[i].store(0, Relaxed);
             self.had_context[i].store(false, Relaxed);
+            // A measurement thread of the parent's is not the child's.
+            self.pending[i].store(false, Relaxed);
         }
+        self.any_pending.store(0, Release);
     }
 
     /// Bytes the true-up charges on `dev` now.
@@ -117,13 +161,43 @@ impl TrueUp {
         processes(st, dev).map(|v| v.into_iter().map(|(pid, _)| pid).collect())
     }
 
-    /// After a context was created on `dev` (`before` from [`before_context`](Self::before_context)).
+    /// After a context was created on `dev` (`before` from [`before_context`](Self::before_context)):
+    /// the measurement runs on a thread of its own, and allocations on `dev` wait for it
+    /// ([`settle`](Self::settle)); where no thread can be started, here.
     #[cold]
-    pub fn after_context(&self, st: &State, dev: usize, before: Option<Vec<u32>>) {
+    pub fn after_context(&self, st: &'static State, dev: usize, before: Option<Vec<u32>>) {
         if !self.at_context {
             return;
         }
         self.had_context[dev].store(true, Release);
+        if self.pending[dev].swap(true, AcqRel) {
+            // One is running for this device already (two contexts at once): it measures both.
+            return;
+        }
+        self.any_pending.fetch_add(1, AcqRel);
+        let job: Box<dyn FnOnce() + Send> = Box::new(move || {
+            st.trueup.after_context_now(st, dev, before);
+            st.trueup.pending[dev].store(false, Release);
+            st.trueup.any_pending.fetch_sub(1, AcqRel);
+        });
+        let job = std::sync::Arc::new(Mutex::new(Some(job)));
+        let theirs = job.clone();
+        let spawned = std::thread::Builder::new().name("vgpu-trueup".into()).spawn(move || {
+            let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(f) = f {
+                f();
+            }
+        });
+        if spawned.is_err() {
+            // No thread to be had: measured here, as before.
+            let f = job.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(f) = f {
+                f();
+            }
+        }
+    }
+
+    fn after_context_now(&self, st: &State, dev: usize, before: Option<Vec<u32>>) {
         if let (Some(before), Some(after)) = (before, processes(st, dev)) {
             match learned(&before, after.iter().map(|(pid, _)| *pid)) {
                 Ok(pid) => {
@@ -244,18 +318,46 @@ fn learned(before: &[u32], after: impl Iterator<Item = u32>) -> Result<u32, usiz
     }
 }
 
+const NVML_NONE: u8 = 0;
+const NVML_STARTING: u8 = 1;
+const NVML_READY: u8 = 2;
+const NVML_UNAVAILABLE: u8 = 3;
+/// Where this library's NVML initialisation is. An atomic rather than a lock: a child forked while
+/// another thread initialised NVML must not wait for a thread it does not have.
+static NVML_STATE: AtomicU8 = AtomicU8::new(NVML_NONE);
+
+/// In a forked child: an initialisation that was under way in the parent never finishes here.
+pub(crate) fn after_fork_in_child() {
+    let _ = NVML_STATE.compare_exchange(NVML_STARTING, NVML_UNAVAILABLE, AcqRel, Acquire);
+}
+
 /// NVML, initialised once by this library (its own reference; the application's init and shutdown
-/// pair is unaffected). None when it cannot be used.
+/// pair is unaffected). False when it cannot be used.
 pub(crate) fn nvml_ready() -> bool {
-    static READY: OnceLock<bool> = OnceLock::new();
-    *READY.get_or_init(|| {
-        // SAFETY: nvmlInit_v2 takes no arguments; NVML counts initialisations.
-        let ok = nvml().nvmlInit_v2.is_some_and(|init| unsafe { init() } == NVML_SUCCESS);
-        if !ok {
-            vlog!(INFO, "NVML unavailable: device memory the driver holds beyond what is allocated is not charged");
+    let t = std::time::Instant::now();
+    loop {
+        match NVML_STATE.load(Acquire) {
+            NVML_READY => return true,
+            NVML_UNAVAILABLE => return false,
+            NVML_NONE if NVML_STATE.compare_exchange(NVML_NONE, NVML_STARTING, AcqRel, Acquire).is_ok() => {
+                // SAFETY: nvmlInit_v2 takes no arguments; NVML counts initialisations.
+                let ok = nvml().nvmlInit_v2.is_some_and(|init| unsafe { init() } == NVML_SUCCESS);
+                if !ok {
+                    vlog!(
+                        INFO,
+                        "NVML unavailable: device memory the driver holds beyond what is allocated is not charged"
+                    );
+                }
+                NVML_STATE.store(if ok { NVML_READY } else { NVML_UNAVAILABLE }, Release);
+                return ok;
+            }
+            // Another thread is initialising it: wait for it (NVML's init takes milliseconds).
+            _ if t.elapsed() < std::time::Duration::from_secs(10) => {
+                std::thread::sleep(std::time::Duration::from_micros(200))
+            }
+            _ => return false,
         }
-        ok
-    })
+    }
 }
 
 /// (PID, bytes) of each process NVML lists on the region device `dev`; None if NVML cannot say

@@ -193,10 +193,16 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 /// otherwise (a socket) return, and the write fails with EPIPE, reported like any error.
 extern "C" fn on_sigpipe(_: libc::c_int) {
     let mut p = libc::pollfd { fd: 1, events: 0, revents: 0 };
-    // SAFETY: poll on one valid pollfd with no wait; signal, raise and _exit are async-signal-safe.
+    // SAFETY: poll on one valid pollfd with no wait; a sigset made and used on the stack; poll,
+    // signal, pthread_sigmask, raise and _exit are async-signal-safe.
     unsafe {
         if libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLERR != 0 {
+            // Blocked while its handler runs: unblocked, so that the default action ends the process.
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGPIPE);
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
             libc::raise(libc::SIGPIPE);
             libc::_exit(141);
         }

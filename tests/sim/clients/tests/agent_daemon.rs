@@ -689,7 +689,7 @@ fn mig_through_the_agent_plan_apply_assert_and_restore_after_reboot() {
     assert!(
         plan.contains("GPU 1\n  enable MIG mode")
             && plan.contains("create 3g.40gb at slice")
-            && plan.contains("4 step(s)"),
+            && plan.contains("5 step(s)"),
         "{plan}"
     );
     assert!(!plan.contains("GPU 0"), "the filter selects the H100 only: {plan}");
@@ -707,6 +707,12 @@ fn mig_through_the_agent_plan_apply_assert_and_restore_after_reboot() {
     // Incremental: to 7 x 1g.10gb keeps the two 1g.10gb.
     let plan = a.ctl_ok(&["mig", "plan", "-f", c, "--name", "all-1g"]);
     assert!(plan.contains("2 instance(s) kept"), "{plan}");
+    // Disabling: the plan names the four instances destroyed, then the mode, and counts all five.
+    let off = s.state.join("off.yaml");
+    std::fs::write(&off, "version: v1\nmig-configs:\n  off:\n    - devices: [1]\n      mig-enabled: false\n").unwrap();
+    let plan = a.ctl_ok(&["mig", "plan", "-f", off.to_str().unwrap(), "--name", "off"]);
+    assert_eq!(plan.matches("  destroy ").count(), 4, "{plan}");
+    assert!(plan.contains("disable MIG mode\n  5 step(s)"), "the mode after the destroys, counted: {plan}");
     // Bad input is refused with the reason.
     let o = a.ctl(&["mig", "apply", "-f", c, "--name", "nope"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("no mig-config named \"nope\""), "{o:?}");

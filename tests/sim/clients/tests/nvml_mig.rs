@@ -310,3 +310,55 @@ fn nvml_faults_and_xid_events() {
     assert_eq!(v["xid"], 79, "{v}");
     assert_eq!(v["uuid"], s.status()["gpus"][1]["uuid"]);
 }
+
+/// MIG devices as the driver has them (issue: a MIG device's UUID came from its GPU instance id,
+/// so an instance made again with another profile got the old UUID; a CUDA process asking for a
+/// MIG device got no device; a plain process on a GPU in MIG mode saw the whole GPU): each instance
+/// made gets a new UUID; CUDA sees a MIG device, named or the GPU's first, with its own memory and
+/// SMs, and a process in it is held to its memory; a GPU in MIG mode with no instance is no device.
+#[test]
+fn mig_devices_are_cuda_devices_with_their_own_memory_and_new_uuids() {
+    let s = Sim::new(Some(NODE));
+    let devices = |r: &[Value]| r.last().unwrap()["mig_devices"].as_array().unwrap().clone();
+    let r = s.mig(1, &["mode:1", "create:19", "ci:1:0", "devices"]);
+    assert!(r[..3].iter().all(|x| ret(x) == 0), "{r:?}");
+    let first = devices(&r)[0]["uuid"].as_str().unwrap().to_string();
+    let r = s.mig(1, &["destroyci:1:0", "destroy:1", "create:14", "ci:1:1", "devices"]);
+    assert!(r[..4].iter().all(|x| ret(x) == 0), "{r:?}");
+    let d = devices(&r)[0].clone();
+    let uuid = d["uuid"].as_str().unwrap().to_string();
+    let mem = d["memory"].as_u64().unwrap();
+    assert_ne!(uuid, first, "GPU instance 1 made again: a new MIG device, a new UUID");
+    // Named by its UUID: CUDA's one device is the MIG device, with its memory and SMs.
+    let named = s.cmd(RT).env("CUDA_VISIBLE_DEVICES", &uuid).arg("info").output().unwrap();
+    let info = &lines(&named.stdout)[0];
+    let devs = info["devices"].as_array().unwrap_or_else(|| panic!("{info}"));
+    assert_eq!(devs.len(), 1, "{info}");
+    assert_eq!(devs[0]["total_mem"].as_u64().unwrap(), mem, "{info}");
+    assert!(devs[0]["sm_count"].as_u64().unwrap() < 132, "a 2g instance has fewer SMs than the GPU: {info}");
+    // CUDA gives the UUID's bytes (the application prints them with its own prefix).
+    let hex = |u: &str| u.split_once('-').map(|x| x.1.to_string()).unwrap_or_default();
+    assert_eq!(hex(devs[0]["uuid"].as_str().unwrap()), hex(&uuid));
+    // A process in it is held to its memory (by the driver, whatever it asks).
+    let o = s
+        .cmd(RT)
+        .env("CUDA_VISIBLE_DEVICES", &uuid)
+        .args(["alloc", "--size", &(mem + (4 << 30)).to_string(), "--chunk", "1g"])
+        .output()
+        .unwrap();
+    let v = &lines(&o.stdout)[0];
+    assert!(v["allocated"].as_u64().unwrap() < mem && v["error"] == "CUDA_ERROR_OUT_OF_MEMORY", "{v}");
+    // No variable: the GPU in MIG mode is its first MIG device, the others whole.
+    let all = s.run1(RT, &["info"]);
+    let devs = all["devices"].as_array().unwrap();
+    assert_eq!(devs.len(), 3, "{all}");
+    assert_eq!(
+        (hex(devs[1]["uuid"].as_str().unwrap()), devs[1]["total_mem"].as_u64()),
+        (hex(&uuid), Some(mem)),
+        "{all}"
+    );
+    // MIG on and no instance: no CUDA device on that GPU.
+    assert_eq!(ret(&s.mig(1, &["destroy-all"])[0]), 0);
+    let none = s.run1(RT, &["info"]);
+    assert_eq!(none["devices"].as_array().unwrap().len(), 2, "{none}");
+}

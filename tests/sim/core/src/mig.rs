@@ -119,7 +119,9 @@ pub fn create_gi(st: &mut MigState, m: &Model, profile_id: u32, start: Option<u3
     };
     let slot = st.gis.iter().position(|g| g.live == 0).ok_or(MigErr::InsufficientResources)?;
     let id = (1..).find(|id| live_gis(st).all(|g| g.id != *id)).unwrap();
-    st.gis[slot] = GiRec { live: 1, id, profile_id, start, size: p.size, cis: [CiRec::default(); MAX_CI] };
+    st.serials = st.serials.wrapping_add(1);
+    st.gis[slot] =
+        GiRec { live: 1, id, profile_id, start, size: p.size, serial: st.serials, cis: [CiRec::default(); MAX_CI] };
     Ok(slot)
 }
 
@@ -228,6 +230,21 @@ pub fn mig_devices(st: &MigState) -> Vec<(usize, usize)> {
 }
 
 pub const _ASSERT_SIZES: () = assert!(MAX_GI >= 7 && MAX_CI >= 7);
+
+/// The UUID of the MIG device of compute instance `ci` in the GPU instance made as creation
+/// `serial` on the GPU `gpu_uuid`: new for every creation, as the driver's are.
+pub fn mig_uuid(gpu_uuid: &str, serial: u32, ci: u32) -> String {
+    let h = gpu_uuid.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let m = (h ^ (serial as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0x100_0000_01b3);
+    format!(
+        "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+        (h >> 32) as u32,
+        serial & 0xffff,
+        ci,
+        (m >> 16) as u16,
+        m & 0xffff_ffff_ffff
+    )
+}
 
 #[cfg(test)]
 mod tests {

@@ -27,7 +27,7 @@ use std::sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Order
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUSIM1");
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 pub const MAX_PROCS: usize = 512;
 /// Kernel records kept per GPU (utilisation history).
 pub const RING: usize = 1 << 15;
@@ -83,6 +83,9 @@ pub struct GiRec {
     pub profile_id: u32,
     pub start: u32,
     pub size: u32,
+    /// Which creation on this GPU made it (never reused, as a real MIG device's UUID is not: an
+    /// instance made again gets a new UUID).
+    pub serial: u32,
     pub cis: [CiRec; MAX_CI],
 }
 
@@ -92,6 +95,8 @@ pub struct MigState {
     pub current: u32,
     pub pending: u32,
     pub gis: [GiRec; MAX_GI],
+    /// The last `GiRec::serial` given.
+    pub serials: u32,
 }
 
 #[repr(C)]
@@ -117,6 +122,9 @@ pub struct ProcSlot {
     pub ctx: [AtomicU32; MAX_GPUS],
     /// Device memory the process holds per GPU, context overhead included.
     pub mem: [AtomicU64; MAX_GPUS],
+    /// Per GPU, the GPU instance (its id + 1) the process's CUDA device is, where it runs in a MIG
+    /// device; 0: the whole GPU.
+    pub mig: [AtomicU32; MAX_GPUS],
 }
 
 #[repr(C)]
@@ -371,6 +379,7 @@ impl Node {
             for d in 0..MAX_GPUS {
                 slot.ctx[d].store(0, Relaxed);
                 slot.mem[d].store(0, Relaxed);
+                slot.mig[d].store(0, Relaxed);
             }
             slot.pid.store(crate::host_pid(), Relaxed);
             slot.state.store(1, Release);
@@ -487,6 +496,29 @@ impl Node {
             }
         }
         false
+    }
+
+    /// Memory the processes running in GPU instance `gi` of `gpu` hold.
+    pub fn mig_mem_used(&self, gpu: usize, gi: u32) -> u64 {
+        self.live_slots().filter(|p| p.mig[gpu].load(SeqCst) == gi + 1).map(|p| p.mem[gpu].load(SeqCst)).sum()
+    }
+
+    /// [`try_charge`](Self::try_charge) for a process running in GPU instance `gi` of `gpu`: what
+    /// the instance's processes hold stays within its `cap` bytes, as the GPU's within its memory.
+    pub fn try_charge_mig(&self, slot: usize, gpu: usize, gi: u32, cap: u64, bytes: u64) -> bool {
+        let mine = &self.shared.procs[slot].mem[gpu];
+        mine.fetch_add(bytes, SeqCst);
+        if self.mig_mem_used(gpu, gi) <= cap {
+            mine.fetch_sub(bytes, SeqCst);
+            return self.try_charge(slot, gpu, bytes);
+        }
+        mine.fetch_sub(bytes, SeqCst);
+        false
+    }
+
+    /// Marks `slot` as running in GPU instance `gi` of `gpu` (None: the whole GPU).
+    pub fn set_mig(&self, slot: usize, gpu: usize, gi: Option<u32>) {
+        self.shared.procs[slot].mig[gpu].store(gi.map_or(0, |g| g + 1), SeqCst);
     }
 
     pub fn uncharge(&self, slot: usize, gpu: usize, bytes: u64) {

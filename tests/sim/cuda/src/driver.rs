@@ -14,7 +14,17 @@ pub struct Proc {
     pub slot: usize,
     /// CUDA ordinal -> node GPU index (after CUDA_VISIBLE_DEVICES).
     pub visible: Vec<usize>,
+    /// Per node GPU index: the MIG device this process's CUDA device on that GPU is, if it is one.
+    pub mig: Vec<Option<MigDev>>,
     _liveness: File,
+}
+
+/// A MIG device as a CUDA device: its GPU instance, and the device as CUDA describes it (its own
+/// UUID, memory and SMs; the parent's everything else).
+#[derive(Clone, Copy)]
+pub struct MigDev {
+    pub gi: u32,
+    pub cfg: &'static vgpu_sim::GpuConfig,
 }
 
 static PROC: OnceLock<R<Proc>> = OnceLock::new();
@@ -39,14 +49,17 @@ pub fn init(flags: u32) -> CUresult {
             eprintln!("vgpu-sim libcuda: {e}");
             CUresult::NO_DEVICE
         })?;
-        let visible = parse_visible(node);
+        let (visible, mig) = parse_visible(node);
         let (slot, f) = node.register_process().map_err(|e| {
             eprintln!("vgpu-sim libcuda: {e}");
             CUresult::OUT_OF_MEMORY
         })?;
+        for (g, m) in mig.iter().enumerate() {
+            node.set_mig(slot, g, m.map(|m| m.gi));
+        }
         // SAFETY: registering a plain extern "C" handler with no other callbacks.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
-        Ok(Proc { node, slot, visible, _liveness: f })
+        Ok(Proc { node, slot, visible, mig, _liveness: f })
     });
     match r {
         Ok(p) if p.visible.is_empty() => CUresult::NO_DEVICE,
@@ -55,29 +68,84 @@ pub fn init(flags: u32) -> CUresult {
     }
 }
 
-/// CUDA_VISIBLE_DEVICES: indices or GPU UUIDs (prefixes allowed); parsing stops at the first entry
-/// that matches nothing, as in CUDA.
-fn parse_visible(node: &Node) -> Vec<usize> {
+/// CUDA_VISIBLE_DEVICES: indices, GPU UUIDs (prefixes allowed) or MIG device UUIDs; parsing stops at
+/// the first entry that matches nothing, as in CUDA. A GPU in MIG mode is no CUDA device itself: a
+/// MIG device UUID names one of its MIG devices, and an index or GPU UUID (or no variable) gives its
+/// first MIG device, or nothing where it has none. Returns the visible GPUs and, per GPU, the MIG
+/// device used there.
+fn parse_visible(node: &Node) -> (Vec<usize>, Vec<Option<MigDev>>) {
     let n = node.cfg.gpus.len();
-    let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") else {
-        return (0..n).collect();
-    };
+    let mut mig: Vec<Option<MigDev>> = vec![None; n];
     let mut out = Vec::new();
+    let mut take = |i: usize, m: Option<Option<MigDev>>, out: &mut Vec<usize>| -> bool {
+        // m: Some(..) where the GPU is in MIG mode (Some(None): no MIG device to use).
+        match m {
+            Some(None) => true,
+            Some(Some(d)) if !out.contains(&i) => {
+                mig[i] = Some(d);
+                out.push(i);
+                true
+            }
+            None if !out.contains(&i) => {
+                out.push(i);
+                true
+            }
+            _ => false,
+        }
+    };
+    let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") else {
+        for i in 0..n {
+            take(i, mig_of(node, i, None), &mut out);
+        }
+        return (out, mig);
+    };
     for item in v.split(',').map(str::trim) {
         let found = if let Ok(i) = item.parse::<usize>() {
-            (i < n).then_some(i)
+            (i < n).then(|| (i, mig_of(node, i, None)))
         } else if item.starts_with("GPU-") && item.len() > 4 {
             let m: Vec<_> = node.cfg.gpus.iter().filter(|g| g.uuid.starts_with(item)).collect();
-            (m.len() == 1).then(|| m[0].index as usize)
+            (m.len() == 1).then(|| (m[0].index as usize, mig_of(node, m[0].index as usize, None)))
+        } else if item.starts_with("MIG-") {
+            (0..n).find_map(|i| mig_of(node, i, Some(item)).flatten().map(|d| (i, Some(Some(d)))))
         } else {
             None
         };
         match found {
-            Some(i) if !out.contains(&i) => out.push(i),
+            Some((i, m)) if take(i, m, &mut out) => {}
             _ => break,
         }
     }
-    out
+    (out, mig)
+}
+
+/// None: GPU `i` is not in MIG mode. Some(device): its MIG device named `uuid`, or its first one
+/// (by GPU instance id) when no UUID is given; Some(None): no such device.
+fn mig_of(node: &Node, i: usize, uuid: Option<&str>) -> Option<Option<MigDev>> {
+    let cfg = &node.cfg.gpus[i];
+    let st = {
+        let mut l = node.lock();
+        *node.mig(&mut l, i)
+    };
+    if st.current == 0 {
+        return None;
+    }
+    let table = cfg.model.mig.as_ref()?;
+    let mut gis: Vec<_> = st.gis.iter().filter(|g| g.live != 0).collect();
+    gis.sort_by_key(|g| g.id);
+    for g in gis {
+        let Some(ci) = g.cis.iter().filter(|c| c.live != 0).min_by_key(|c| c.id) else { continue };
+        let id = vgpu_sim::mig::mig_uuid(&cfg.uuid, g.serial, ci.id);
+        if uuid.is_some_and(|u| u != id) {
+            continue;
+        }
+        let Some(p) = table.by_id(g.profile_id) else { continue };
+        let mut c = cfg.clone();
+        c.uuid = id;
+        c.memory_bytes = p.mib << 20;
+        c.sm_count = p.sm;
+        return Some(Some(MigDev { gi: g.id, cfg: Box::leak(Box::new(c)) }));
+    }
+    Some(None)
 }
 
 #[inline]
@@ -93,12 +161,28 @@ impl Proc {
         usize::try_from(ordinal).ok().and_then(|o| self.visible.get(o).copied()).ok_or(CUresult::INVALID_DEVICE)
     }
 
+    /// The GPU as this process's CUDA device on it sees it (a MIG device's memory and SMs there).
     pub fn gpu_cfg(&self, gpu: usize) -> &'static vgpu_sim::GpuConfig {
-        &self.node.cfg.gpus[gpu]
+        match self.mig.get(gpu).copied().flatten() {
+            Some(m) => m.cfg,
+            None => &self.node.cfg.gpus[gpu],
+        }
+    }
+
+    /// Memory in use on this process's CUDA device on `gpu` (its MIG device's, where it is one).
+    pub fn mem_used(&self, gpu: usize) -> u64 {
+        match self.mig.get(gpu).copied().flatten() {
+            Some(m) => self.node.mig_mem_used(gpu, m.gi),
+            None => self.node.mem_used(gpu),
+        }
     }
 
     pub fn charge(&self, gpu: usize, bytes: u64) -> R<()> {
-        if self.node.try_charge(self.slot, gpu, bytes) {
+        let fits = match self.mig.get(gpu).copied().flatten() {
+            Some(m) => self.node.try_charge_mig(self.slot, gpu, m.gi, m.cfg.memory_bytes, bytes),
+            None => self.node.try_charge(self.slot, gpu, bytes),
+        };
+        if fits {
             Ok(())
         } else {
             Err(CUresult::OUT_OF_MEMORY)

@@ -107,6 +107,7 @@ fn gpu(dev: CUdevice) -> R<(usize, &'static vgpu_sim::GpuConfig)> {
 fn uuid_bytes(uuid: &str) -> CUuuid {
     let hex: Vec<u8> = uuid
         .trim_start_matches("GPU-")
+        .trim_start_matches("MIG-")
         .bytes()
         .filter(u8::is_ascii_hexdigit)
         .map(|b| (b as char).to_digit(16).unwrap() as u8)

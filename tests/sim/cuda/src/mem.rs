@@ -316,7 +316,7 @@ pub fn get_info() -> R<(u64, u64)> {
     let p = proc()?;
     p.node.maybe_reap();
     let total = p.gpu_cfg(c.gpu).memory_bytes;
-    Ok((total.saturating_sub(p.node.mem_used(c.gpu)), total))
+    Ok((total.saturating_sub(p.mem_used(c.gpu)), total))
 }
 
 pub fn address_range(ptr: CUdeviceptr) -> R<(CUdeviceptr, u64)> {

@@ -204,11 +204,6 @@ fn gi_profile(cfg: &GpuConfig, g: &GiRec) -> R<&'static vgpu_sim::models::GiProf
     cfg.model.mig.as_ref().and_then(|t| t.by_id(g.profile_id)).ok_or(UNKNOWN)
 }
 
-fn mig_uuid(cfg: &GpuConfig, gi: u32, ci: u32) -> String {
-    let h = cfg.uuid.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-    format!("MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}", (h >> 32) as u32, gi, ci, (h >> 16) as u16, h & 0xffff_ffff_ffff)
-}
-
 fn privileged() -> R<()> {
     if std::env::var_os("VGPU_SIM_UNPRIVILEGED").is_some_and(|v| v == "1") {
         Err(NO_PERMISSION)
@@ -307,6 +302,20 @@ exports! {
         if u.is_null() { return Err(INVALID); }
         // SAFETY: NUL-terminated string from the caller.
         let u = unsafe { CStr::from_ptr(u) }.to_str().map_err(|_| INVALID)?;
+        if u.starts_with("MIG-") {
+            // A MIG device's UUID names its handle, as the driver's does.
+            for (g, cfg) in n.cfg.gpus.iter().enumerate() {
+                let st = mig_state(n, g);
+                for gi in st.gis.iter().filter(|x| x.live != 0) {
+                    for ci in gi.cis.iter().filter(|c| c.live != 0) {
+                        if mig::mig_uuid(&cfg.uuid, gi.serial, ci.id) == u {
+                            return out(d, encode(H::Mig(g, gi.id, ci.id)) as nvmlDevice_t);
+                        }
+                    }
+                }
+            }
+            return Err(NOT_FOUND);
+        }
         let g = n.cfg.gpus.iter().find(|g| g.uuid == u).ok_or(NOT_FOUND)?;
         out(d, dev_handle(g.index as usize))
     }
@@ -341,8 +350,9 @@ exports! {
             H::Dev(g) => write_str(buf, len, &gpu_of(n, g)?.uuid),
             H::Mig(g, gi, ci) => {
                 let cfg = gpu_of(n, g)?;
-                find_ci(&mig_state(n, g), gi, ci)?;
-                write_str(buf, len, &mig_uuid(cfg, gi, ci))
+                let st = mig_state(n, g);
+                let (gs, _) = find_ci(&st, gi, ci)?;
+                write_str(buf, len, &mig::mig_uuid(&cfg.uuid, st.gis[gs].serial, ci))
             }
             _ => Err(INVALID),
         }
