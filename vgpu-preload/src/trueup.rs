@@ -65,6 +65,8 @@ pub struct TrueUp {
     pending: [AtomicBool; MAX_DEVICES],
     /// How many devices are pending (the allocation path's one load).
     any_pending: AtomicU32,
+    /// Signalled when a pending measurement is done.
+    done: (Mutex<()>, std::sync::Condvar),
     lock: Mutex<()>,
 }
 
@@ -86,6 +88,7 @@ impl TrueUp {
             had_context: [const { AtomicBool::new(false) }; MAX_DEVICES],
             pending: [const { AtomicBool::new(false) }; MAX_DEVICES],
             any_pending: AtomicU32::new(0),
+            done: (Mutex::new(()), std::sync::Condvar::new()),
             lock: Mutex::new(()),
         }
     }
@@ -113,9 +116,10 @@ impl TrueUp {
     #[cold]
     fn settle_slow(&self, dev: usize) {
         let t = std::time::Instant::now();
+        let mut g = self.done.0.lock().unwrap_or_else(|p| p.into_inner());
         while self.pending.get(dev).is_some_and(|p| p.load(Acquire)) && t.elapsed() < std::time::Duration::from_secs(2)
         {
-            std::thread::sleep(std::time::Duration::from_micros(100));
+            g = self.done.1.wait_timeout(g, std::time::Duration::from_millis(10)).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 
@@ -170,6 +174,11 @@ impl TrueUp {
             return;
         }
         self.had_context[dev].store(true, Release);
+        // NVML ready already (its initialisation, begun at the first CUDA call, is done): a process
+        // list is all the measurement costs, less than a thread's start and hand-over.
+        if NVML_STATE.load(Acquire) != NVML_STARTING {
+            return self.after_context_now(st, dev, before);
+        }
         if self.pending[dev].swap(true, AcqRel) {
             // One is running for this device already (two contexts at once): it measures both.
             return;
@@ -177,8 +186,10 @@ impl TrueUp {
         self.any_pending.fetch_add(1, AcqRel);
         let job: Box<dyn FnOnce() + Send> = Box::new(move || {
             st.trueup.after_context_now(st, dev, before);
+            let _g = st.trueup.done.0.lock().unwrap_or_else(|p| p.into_inner());
             st.trueup.pending[dev].store(false, Release);
             st.trueup.any_pending.fetch_sub(1, AcqRel);
+            st.trueup.done.1.notify_all();
         });
         let job = std::sync::Arc::new(Mutex::new(Some(job)));
         let theirs = job.clone();
