@@ -43,6 +43,9 @@ use std::sync::Mutex;
 const STEP: u64 = 8 << 20;
 /// Near the limit, at most one measurement per device per this long.
 const PERIOD_NS: u64 = 100_000_000;
+/// The stack of the true-up's threads (NVML calls and a few vectors; the default 2 MiB costs more to
+/// map than the work takes on a simulator).
+const HELPER_STACK: usize = 256 << 10;
 /// NVML's "not available" for a process's memory.
 const NOT_AVAILABLE: u64 = u64::MAX;
 
@@ -98,7 +101,7 @@ impl TrueUp {
     #[cold]
     pub fn warm_up(&self) {
         if self.at_context && NVML_STATE.load(Acquire) == NVML_NONE {
-            let _ = std::thread::Builder::new().name("vgpu-nvml".into()).spawn(|| {
+            let _ = std::thread::Builder::new().name("vgpu-nvml".into()).stack_size(HELPER_STACK).spawn(|| {
                 nvml_ready();
             });
         }
@@ -174,11 +177,6 @@ impl TrueUp {
             return;
         }
         self.had_context[dev].store(true, Release);
-        // NVML ready already (its initialisation, begun at the first CUDA call, is done): a process
-        // list is all the measurement costs, less than a thread's start and hand-over.
-        if NVML_STATE.load(Acquire) != NVML_STARTING {
-            return self.after_context_now(st, dev, before);
-        }
         if self.pending[dev].swap(true, AcqRel) {
             // One is running for this device already (two contexts at once): it measures both.
             return;
@@ -193,12 +191,13 @@ impl TrueUp {
         });
         let job = std::sync::Arc::new(Mutex::new(Some(job)));
         let theirs = job.clone();
-        let spawned = std::thread::Builder::new().name("vgpu-trueup".into()).spawn(move || {
-            let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(f) = f {
-                f();
-            }
-        });
+        let spawned =
+            std::thread::Builder::new().name("vgpu-trueup".into()).stack_size(HELPER_STACK).spawn(move || {
+                let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(f) = f {
+                    f();
+                }
+            });
         if spawned.is_err() {
             // No thread to be had: measured here, as before.
             let f = job.lock().unwrap_or_else(|p| p.into_inner()).take();
