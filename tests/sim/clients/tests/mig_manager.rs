@@ -149,16 +149,22 @@ fn layout(b: &dyn MigBackend, gpu: u32) -> Vec<(String, u32)> {
 /// test at a time.
 static ONE_NODE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-#[test]
-fn mig_manager_on_the_simulated_node() {
-    let _one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
-    let mut s = Sim::new(Some(NODE));
+/// A simulated node described by `config`, the MIG backend on its NVML (loaded in this process) and
+/// the applier's store; other tests of this file wait while the guard is held.
+fn on_node(config: &str) -> (std::sync::MutexGuard<'static, ()>, Sim, NvmlBackend, Store) {
+    let one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
+    let s = Sim::new(Some(config));
     std::env::set_var("VGPU_SIM_STATE", &s.state);
     std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
     let nvml =
         Arc::new(nvml_wrapper::Nvml::builder().lib_path(s.libs.join("libnvidia-ml.so.1").as_os_str()).init().unwrap());
-    let b = NvmlBackend::new(nvml);
     let store = Store::open(&s.state.join("mig")).unwrap();
+    (one, s, NvmlBackend::new(nvml), store)
+}
+
+#[test]
+fn mig_manager_on_the_simulated_node() {
+    let (_one, mut s, b, store) = on_node(NODE);
     let f = config::File::parse(CONFIG).unwrap();
 
     // Profiles and placements come from NVML.
@@ -337,14 +343,7 @@ fn mig_parted_configs_are_parsed_and_bad_ones_rejected_precisely() {
 /// disabling with a process on the GPU destroyed every idle instance, then failed).
 #[test]
 fn refused_mig_changes_change_nothing_now_or_later() {
-    let _one = ONE_NODE.lock().unwrap_or_else(|p| p.into_inner());
-    let mut s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n"));
-    std::env::set_var("VGPU_SIM_STATE", &s.state);
-    std::env::set_var("VGPU_SIM_CONFIG", s.config.as_ref().unwrap());
-    let nvml =
-        Arc::new(nvml_wrapper::Nvml::builder().lib_path(s.libs.join("libnvidia-ml.so.1").as_os_str()).init().unwrap());
-    let b = NvmlBackend::new(nvml);
-    let store = Store::open(&s.state.join("mig")).unwrap();
+    let (_one, mut s, b, store) = on_node("[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n");
     let f = config::File::parse(CONFIG).unwrap();
     let balanced = desired(&f, "all-balanced", &b, 0);
     apply::apply_gpu(&b, &store, 0, &balanced, false).unwrap();
