@@ -1056,6 +1056,21 @@ impl Monitor {
     /// and cached by its start time); a host PID that a slot names is the container's word and is
     /// not believed.
     fn owner(&mut self, pid: u32, slices: &[Slice]) -> Option<(usize, u32)> {
+        // Where a slot names this host PID and the process was already attributed to that slot's
+        // slice by the region it maps, that stands without reading /proc again, except every tenth
+        // pass (a PID reused meanwhile is caught within a second). A slot that names a PID the maps
+        // gave to another slice (or none) is not believed: the full path below decides.
+        if self.passes % 10 != 1 {
+            if let (Some(&(i, inner)), Some(c)) = (self.by_host.get(&pid), self.procs.get(&pid)) {
+                let agrees = c
+                    .owner
+                    .as_ref()
+                    .is_some_and(|(slice, cached)| *cached == inner && slices.get(i).is_some_and(|s| s.name == *slice));
+                if agrees && self.regions[i].is_some() {
+                    return Some((i, inner));
+                }
+            }
+        }
         let start = procfs::start_time(pid)?;
         if let Some(c) = self.procs.get(&pid) {
             if c.start == start {
