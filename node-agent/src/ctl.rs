@@ -7,31 +7,10 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use vgpu_proto::v1 as pb;
 
-/// Parses a size: a number of bytes, or a number (decimals allowed) with a unit: `KiB`, `MiB`, `GiB`,
-/// `TiB` or `k`, `m`, `g`, `t` (powers of 1024, as the HAMi contract has them), or `KB`, `MB`, `GB`,
-/// `TB` (powers of 1000). Case-insensitive.
+/// Parses a size as everything in vgpu does (`vgpu_units::parse_size`: bytes, `0x` hex, `k`/`m`/`g`/`t`
+/// and `KiB`...`TiB` as powers of 1024, `KB`...`TB` as powers of 1000, decimals allowed).
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size such as 8GiB, 512m or 1073741824"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "ki" | "kib" => 1 << 10,
-        "m" | "mi" | "mib" => 1 << 20,
-        "g" | "gi" | "gib" => 1 << 30,
-        "t" | "ti" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        u => return Err(format!("{s:?}: unknown unit {u:?} (use KiB, MiB, GiB, TiB, or KB, MB, GB, TB)")),
-    };
-    let v = n * mult as f64;
-    if !v.is_finite() || v >= u64::MAX as f64 {
-        return Err(format!("{s:?} is too large"));
-    }
-    Ok(v.round() as u64)
+    vgpu_units::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// `1.5 GiB`, `512 MiB`, `0 B`.

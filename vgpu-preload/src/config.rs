@@ -64,20 +64,10 @@ pub const INJECTED_REGION: &str = "/usr/local/vgpu/region";
 pub const INJECTED_LIMITS: &str = "/usr/local/vgpu/limits";
 pub const DEFAULT_CONTEXT_OVERHEAD: u64 = 256 << 20;
 
-/// `<n>`, `<n>k|m|g` (any case, powers of 1024), or `0x<hex>`.
+/// A size as everything in vgpu parses it (`vgpu_units`: HAMi's `8g` and `8192m`, `8GiB`, `8GB`,
+/// bytes, `0x` hex); None when it is not one.
 pub fn parse_size(s: &str) -> Option<u64> {
-    let s = s.trim();
-    if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        return u64::from_str_radix(h, 16).ok();
-    }
-    let (num, shift) = match s.as_bytes().last()? {
-        b'k' | b'K' => (&s[..s.len() - 1], 10),
-        b'm' | b'M' => (&s[..s.len() - 1], 20),
-        b'g' | b'G' => (&s[..s.len() - 1], 30),
-        _ => (s, 0),
-    };
-    let n: u64 = num.trim().parse().ok()?;
-    n.checked_mul(1 << shift)
+    vgpu_units::parse_size(s).ok()
 }
 
 fn parse_percent(s: &str) -> Option<u32> {
@@ -120,10 +110,10 @@ impl Config {
         let mut errors = Vec::new();
         let mut size = |k: &str| -> Option<u64> {
             let v = get(k)?;
-            match parse_size(&v) {
-                Some(x) => Some(x),
-                None => {
-                    errors.push(format!("{k}={v:?} is not a size (bytes, or a number with k, m or g)"));
+            match vgpu_units::parse_size(&v) {
+                Ok(x) => Some(x),
+                Err(e) => {
+                    errors.push(format!("{k}={v:?} {}", e.reason()));
                     None
                 }
             }
@@ -257,9 +247,19 @@ mod tests {
         assert_eq!(parse_size("16k"), Some(16 << 10));
         assert_eq!(parse_size("0x100"), Some(256));
         assert_eq!(parse_size("0"), Some(0));
-        for bad in ["", "m", "12q", "-5", "1.5g", "99999999999999g"] {
+        // The forms vgpuctl accepts are accepted here too (one parser: `vgpu_units`).
+        assert_eq!(parse_size("8GiB"), Some(8 << 30));
+        assert_eq!(parse_size("1.5g"), Some(3 << 29));
+        for bad in ["", "m", "12q", "-5", "99999999999999g"] {
             assert_eq!(parse_size(bad), None, "{bad}");
         }
+        let c = Config::from_lookup_in(|k| (k == "CUDA_DEVICE_MEMORY_LIMIT").then(|| "8 gigs".to_string()), false);
+        assert!(
+            c.errors[0].contains("CUDA_DEVICE_MEMORY_LIMIT=\"8 gigs\" has an unknown unit")
+                && c.errors[0].contains("KiB"),
+            "{:?}",
+            c.errors
+        );
     }
 
     #[test]
