@@ -1,54 +1,73 @@
 //! vgpu-node-agent [--config PATH] [--state-dir DIR] [--socket PATH] [--metrics-address ADDR]
-//!                 [--nvml-library PATH] <command>
-//!   run        recover the slices, serve the API and metrics, monitor until SIGTERM/SIGINT
-//!   discover   print the node's GPU inventory as JSON
+//!                 [--nvml-library PATH] run|discover|version (`--help` for all, with their
+//!                 environment variables; `--flag=value` works too)
 //!
 //! Exit codes: 0 success, 1 the daemon failed, 2 usage or configuration error, 3 NVML unavailable.
+use clap::{Parser, Subcommand};
 use vgpu_agent::config::{Config, Flags};
 use vgpu_agent::discovery;
 
-const USAGE: &str =
-    "usage: vgpu-node-agent [--config PATH] [--state-dir DIR] [--socket PATH] [--metrics-address ADDR|off]
-                       [--nvml-library PATH] run|discover|version";
+/// The vgpu node agent. Settings come from the configuration file, then the environment
+/// (`VGPU_AGENT_*`), then these options, each overriding the one before.
+#[derive(Parser)]
+#[command(name = "vgpu-node-agent", version = vgpu_agent::agent::VERSION, disable_version_flag = true)]
+struct Cli {
+    /// The configuration file [env: VGPU_AGENT_CONFIG; default: /etc/vgpu/agent.toml where it exists]
+    #[arg(long, global = true, value_name = "PATH")]
+    config: Option<std::path::PathBuf>,
+    /// The state directory [env: VGPU_AGENT_STATE_DIR; default: /var/lib/vgpu]
+    #[arg(long, global = true, value_name = "DIR")]
+    state_dir: Option<std::path::PathBuf>,
+    /// The API's Unix socket [env: VGPU_AGENT_SOCKET; default: /run/vgpu/agent.sock]
+    #[arg(long, global = true, value_name = "PATH")]
+    socket: Option<std::path::PathBuf>,
+    /// The metrics address, or off [env: VGPU_AGENT_METRICS_ADDRESS; default: 127.0.0.1:9394]
+    #[arg(long, global = true, value_name = "ADDR")]
+    metrics_address: Option<String>,
+    /// The NVML library to load [env: VGPU_AGENT_NVML_LIBRARY; default: the system's]
+    #[arg(long, global = true, value_name = "PATH")]
+    nvml_library: Option<std::path::PathBuf>,
+    /// Print the version
+    #[arg(long)]
+    version: bool,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
 
-fn usage() -> ! {
-    eprintln!("{USAGE}");
-    std::process::exit(2)
+#[derive(Subcommand, Clone, Copy, PartialEq, Eq)]
+enum Cmd {
+    /// Recover the slices, serve the API and metrics, monitor until SIGTERM or SIGINT
+    Run,
+    /// Print the node's GPU inventory as JSON
+    Discover,
+    /// Print the version
+    Version,
 }
 
 fn main() {
-    let mut flags = Flags::default();
-    let mut cmd = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--config" => flags.config = Some(args.next().unwrap_or_else(|| usage()).into()),
-            "--state-dir" => flags.state_dir = Some(args.next().unwrap_or_else(|| usage()).into()),
-            "--nvml-library" => flags.nvml_library = Some(args.next().unwrap_or_else(|| usage()).into()),
-            "--socket" => flags.socket = Some(args.next().unwrap_or_else(|| usage()).into()),
-            "--metrics-address" => flags.metrics_address = Some(args.next().unwrap_or_else(|| usage())),
-            "version" | "--version" => {
-                println!("vgpu-node-agent {}", vgpu_agent::agent::VERSION);
-                return;
-            }
-            "discover" | "run" if cmd.is_none() => cmd = Some(a),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return;
-            }
-            _ => usage(),
-        }
+    let cli = Cli::parse();
+    if cli.version || cli.cmd == Some(Cmd::Version) {
+        println!("vgpu-node-agent {}", vgpu_agent::agent::VERSION);
+        return;
     }
-    if cmd.is_none() {
-        usage();
-    }
+    let Some(cmd) = cli.cmd else {
+        eprintln!("error: a command is required: run, discover or version (see --help)");
+        std::process::exit(2)
+    };
+    let flags = Flags {
+        config: cli.config,
+        state_dir: cli.state_dir,
+        nvml_library: cli.nvml_library,
+        socket: cli.socket,
+        metrics_address: cli.metrics_address,
+    };
     let cfg = vgpu_agent::config::check_environment()
         .and_then(|()| Config::load(&flags, |k| std::env::var(k).ok()))
         .unwrap_or_else(|e| {
             eprintln!("error: {e}");
             std::process::exit(2)
         });
-    if cmd.as_deref() == Some("run") {
+    if cmd == Cmd::Run {
         use std::io::IsTerminal;
         let builder = tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
