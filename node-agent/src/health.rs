@@ -52,20 +52,10 @@ pub struct Health {
     xids: Mutex<HashMap<String, XidCounts>>,
 }
 
+/// `t` as RFC 3339 in UTC to the second (`YYYY-MM-DDTHH:MM:SSZ`, as Kubernetes writes times).
 fn rfc3339(t: SystemTime) -> String {
-    let s = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
-    let (days, rem) = (s.div_euclid(86_400), s.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+    let secs = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    jiff::Timestamp::from_second(secs).map_or_else(|_| "1970-01-01T00:00:00Z".to_string(), |ts| ts.to_string())
 }
 
 /// Now, as `YYYY-MM-DDTHH:MM:SSZ`.
