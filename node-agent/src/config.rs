@@ -12,6 +12,7 @@ struct FileConfig {
     nvml_library: Option<PathBuf>,
     monitor_interval_ms: Option<u64>,
     log_format: Option<String>,
+    log_level: Option<String>,
     escape_action: Option<String>,
     memory_true_up: Option<bool>,
     pod_events: Option<bool>,
@@ -96,6 +97,8 @@ pub struct Config {
     pub nvml_library: Option<PathBuf>,
     pub monitor_interval_ms: u64,
     pub log_format: LogFormat,
+    /// What is logged: a level (`info`) or `RUST_LOG`-style directives (`warn,vgpu_agent::monitor=debug`).
+    pub log_level: String,
     pub escape_action: EscapeAction,
     /// Charge slice processes for what the driver holds beyond their own account (see `monitor`).
     pub memory_true_up: bool,
@@ -341,6 +344,15 @@ impl Config {
         };
         if !(10..=60_000).contains(&monitor_interval_ms) {
             return Err(bad("monitor_interval_ms", format!("{monitor_interval_ms} is outside 10..=60000")));
+        }
+        let log_level = env("VGPU_AGENT_LOG_LEVEL").or(file.log_level.take()).unwrap_or_else(|| "info".into());
+        if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&log_level) {
+            return Err(bad(
+                "log_level",
+                format!(
+                    "{log_level:?} is not a level (error, warn, info, debug, trace) or RUST_LOG-style directives: {e}"
+                ),
+            ));
         }
         let log_format = match env("VGPU_AGENT_LOG_FORMAT").or(file.log_format).as_deref() {
             None | Some("text") => LogFormat::Text,
@@ -640,6 +652,7 @@ impl Config {
             nvml_library,
             monitor_interval_ms,
             log_format,
+            log_level,
             escape_action,
             memory_true_up,
             pod_events,
@@ -935,6 +948,11 @@ mod tests {
         assert!(e.contains("stall_after_s: 0 is outside"), "{e}");
         let e = load(None, &[("VGPU_AGENT_STALL_AFTER_S", "soon")], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("environment variable VGPU_AGENT_STALL_AFTER_S: \"soon\" is not a number"), "{e}");
+        assert_eq!(load(None, &[], Flags::default()).unwrap().log_level, "info");
+        let c = load(Some("log_level = \"warn,vgpu_agent::monitor=debug\""), &[], Flags::default()).unwrap();
+        assert_eq!(c.log_level, "warn,vgpu_agent::monitor=debug");
+        let e = load(None, &[("VGPU_AGENT_LOG_LEVEL", "monitor=verbose")], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("VGPU_AGENT_LOG_LEVEL: \"monitor=verbose\" is not a level"), "{e}");
         let e = load(Some("max_slices = 0"), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("max_slices: 0 is outside 1..=8192"), "{e}");
         assert_eq!(load(None, &[], Flags::default()).unwrap().max_slices, crate::slices::DEFAULT_MAX_SLICES);

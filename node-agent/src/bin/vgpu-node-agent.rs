@@ -72,7 +72,9 @@ fn main() {
         let builder = tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
             .with_target(false)
-            .with_ansi(std::io::stderr().is_terminal());
+            .with_ansi(std::io::stderr().is_terminal())
+            // Checked when the configuration was read.
+            .with_env_filter(tracing_subscriber::EnvFilter::builder().parse_lossy(&cfg.log_level));
         match cfg.log_format {
             vgpu_agent::config::LogFormat::Json => builder.json().init(),
             vgpu_agent::config::LogFormat::Text => builder.init(),

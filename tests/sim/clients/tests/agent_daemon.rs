@@ -1088,3 +1088,16 @@ fn an_upgrade_gives_new_slices_the_new_library_and_the_old_one_goes_once_nothing
     assert!(!l1.exists() && l2.exists(), "no slice predates the new build and no process maps the old one");
     assert!(a.log_text().contains("older libvgpu.so removed"), "{}", a.log_text());
 }
+
+/// `log_level` (or `VGPU_AGENT_LOG_LEVEL`) sets what the agent logs, as a level or `RUST_LOG`-style
+/// directives.
+#[test]
+fn the_log_level_is_a_setting() {
+    let s = Sim::new(Some(NODE));
+    let quiet = Agent::start(&s, &[("VGPU_AGENT_LOG_LEVEL", "warn")]);
+    assert!(!quiet.log_text().contains("serving the API"), "{}", quiet.log_text());
+    drop(quiet);
+    let s = Sim::new(Some(NODE));
+    let chatty = Agent::start(&s, &[("VGPU_AGENT_LOG_LEVEL", "warn,vgpu_agent::daemon=info")]);
+    assert!(chatty.log_text().contains("serving the API"), "{}", chatty.log_text());
+}
