@@ -65,7 +65,13 @@ pub fn owner(pid: u32) -> Owner {
 /// it goes.
 pub fn printable(comm: &[u8]) -> String {
     let comm = comm.strip_suffix(b"\n").unwrap_or(comm);
-    String::from_utf8_lossy(comm).chars().map(|c| if c.is_control() || c == '\u{fffd}' { '?' } else { c }).collect()
+    printable_text(&String::from_utf8_lossy(comm))
+}
+
+/// Text from elsewhere (a process name, a slice's label) safe to print: control characters and
+/// the replacement character of invalid UTF-8 become `?`.
+pub fn printable_text(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() || c == '\u{fffd}' { '?' } else { c }).collect()
 }
 
 /// A pod's UID and a container's ID from `/proc/<pid>/cgroup`, in the layouts kubelet and the

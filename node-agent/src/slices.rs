@@ -196,7 +196,7 @@ pub fn check_labels(labels: &BTreeMap<String, String>) -> Result<()> {
 
 /// `s` with control characters as `?`, for a terminal or a metrics label.
 pub fn printable(s: &str) -> String {
-    s.chars().map(|c| if c.is_control() { '?' } else { c }).collect()
+    crate::procfs::printable_text(s)
 }
 
 /// Writes `data` to `path` through a temporary file and a rename (readers never see a partial
