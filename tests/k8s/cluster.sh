@@ -1,0 +1,291 @@
+#!/usr/bin/env bash
+# A real single-node Kubernetes on loopback, in a scratch folder, for the end-to-end test: etcd,
+# kube-apiserver (RBAC, Node authorisation and admission on, resource.k8s.io/v1 served, certificates
+# made for the run), kube-controller-manager and kube-scheduler; with `node`, also containerd, runc
+# and a real kubelet registered as $VGPU_K8S_NODE.
+#   tests/k8s/cluster.sh up DIR        # control plane; DIR/kubeconfig is the admin's
+#   tests/k8s/cluster.sh node DIR      # containerd and the kubelet (after up)
+#   tests/k8s/cluster.sh import DIR TAR...  # image archives into the node's containerd
+#   tests/k8s/cluster.sh address DIR    # where pods reach the API server (IP:PORT)
+#   tests/k8s/cluster.sh down DIR      # stops everything up/node started (safe to repeat)
+# Logs: DIR/logs/<component>.log. Binaries: tests/k8s/tools.sh (built once).
+# Ports: VGPU_K8S_PORT (default 26443) is the API server's; the others follow it.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cmd=${1:-}
+dir=${2:-}
+[ -n "$cmd" ] && [ -n "$dir" ] || { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+node=${VGPU_K8S_NODE:-vgpu-e2e-node}
+port=${VGPU_K8S_PORT:-26443}
+etcd_port=$((port - 64)) etcd_peer=$((port - 63)) cm_port=$((port - 62)) sched_port=$((port - 61))
+kubelet_port=$((port - 60)) kubelet_health=$((port - 59))
+
+log() { echo "cluster.sh: $*" >&2; }
+# The node's address: the kubelet refuses a loopback one; the API server reaches it there, and pods
+# reach the API server there (no kube-proxy here: see KUBERNETES_SERVICE_HOST in e2e.sh).
+node_ip=$(ip -4 route get 192.0.2.250 2>/dev/null | grep -o 'src [0-9.]*' | cut -d' ' -f2 || true)
+[ -n "$node_ip" ] || node_ip=$(hostname -I | cut -d' ' -f1)
+
+# start NAME CMD...: runs CMD in the background, its output in logs/NAME.log, its PID in pids/NAME.
+start() {
+    local name=$1
+    shift
+    mkdir -p "$dir/logs" "$dir/pids"
+    # setsid: a process group of its own, so that down stops whatever the component started.
+    setsid "$@" >"$dir/logs/$name.log" 2>&1 </dev/null &
+    echo $! >"$dir/pids/$name"
+}
+
+# wait_for WHAT SECONDS CMD...: polls CMD until it succeeds; on a timeout prints the log and fails.
+wait_for() {
+    local what=$1 limit=$2 waited=0
+    shift 2
+    until "$@" >/dev/null 2>&1; do
+        if [ -f "$dir/pids/$what" ] && ! kill -0 "$(cat "$dir/pids/$what")" 2>/dev/null; then
+            log "$what exited; the end of its log:"
+            tail -40 "$dir/logs/$what.log" >&2 || true
+            return 1
+        fi
+        if [ "$waited" -ge "$((limit * 5))" ]; then
+            log "$what did not come up within $limit s; the end of its log:"
+            tail -40 "$dir/logs/$what.log" >&2 || true
+            return 1
+        fi
+        sleep 0.2
+        waited=$((waited + 1))
+    done
+}
+
+# cert NAME SUBJECT [SAN]: a key and a certificate signed by the run's CA.
+cert() {
+    local name=$1 subject=$2 san=${3:-}
+    openssl genrsa -out "$dir/pki/$name.key" 2048 2>/dev/null
+    openssl req -new -key "$dir/pki/$name.key" -subj "$subject" -out "$dir/pki/$name.csr" 2>/dev/null
+    local ext="$dir/pki/$name.ext"
+    {
+        echo "basicConstraints=CA:FALSE"
+        echo "keyUsage=critical,digitalSignature,keyEncipherment"
+        if [ -n "$san" ]; then
+            echo "extendedKeyUsage=serverAuth,clientAuth"
+            echo "subjectAltName=$san"
+        else
+            echo "extendedKeyUsage=clientAuth"
+        fi
+    } >"$ext"
+    openssl x509 -req -in "$dir/pki/$name.csr" -CA "$dir/pki/ca.crt" -CAkey "$dir/pki/ca.key" \
+        -CAcreateserial -days 2 -extfile "$ext" -out "$dir/pki/$name.crt" 2>/dev/null
+}
+
+# kubeconfig NAME CERT: a kubeconfig for the API server with a client certificate.
+kubeconfig() {
+    cat >"$dir/$1.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: e2e
+  cluster:
+    server: https://127.0.0.1:$port
+    certificate-authority: $dir/pki/ca.crt
+users:
+- name: $1
+  user:
+    client-certificate: $dir/pki/$2.crt
+    client-key: $dir/pki/$2.key
+contexts:
+- name: e2e
+  context: {cluster: e2e, user: $1}
+current-context: e2e
+EOF
+}
+
+up() {
+    bin=$("$here/tools.sh")
+    echo "$bin" >"$dir/bin"
+    if [ -f "$dir/pids/kube-apiserver" ] && kill -0 "$(cat "$dir/pids/kube-apiserver")" 2>/dev/null; then
+        log "already up in $dir"
+        return 0
+    fi
+    rm -rf "$dir/pki" "$dir/etcd-data"
+    mkdir -p "$dir/pki"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$dir/pki/ca.key" -out "$dir/pki/ca.crt" \
+        -subj "/CN=vgpu-e2e-ca" -days 2 2>/dev/null
+    cert apiserver "/CN=kube-apiserver" \
+        "IP:127.0.0.1,IP:$node_ip,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
+    cert admin "/O=system:masters/CN=e2e-admin"
+    cert apiserver-kubelet "/O=system:masters/CN=kube-apiserver-kubelet-client"
+    cert controller-manager "/CN=system:kube-controller-manager"
+    cert scheduler "/CN=system:kube-scheduler"
+    cert kubelet "/O=system:nodes/CN=system:node:$node"
+    openssl genrsa -out "$dir/pki/sa.key" 2048 2>/dev/null
+    openssl rsa -in "$dir/pki/sa.key" -pubout -out "$dir/pki/sa.pub" 2>/dev/null
+    kubeconfig admin admin
+    cp "$dir/admin.kubeconfig" "$dir/kubeconfig"
+    kubeconfig controller-manager controller-manager
+    kubeconfig scheduler scheduler
+    kubeconfig kubelet kubelet
+
+    log "etcd on 127.0.0.1:$etcd_port"
+    start etcd "$bin/etcd" --name e2e --data-dir "$dir/etcd-data" \
+        --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+        --listen-peer-urls "http://127.0.0.1:$etcd_peer" --initial-advertise-peer-urls "http://127.0.0.1:$etcd_peer" \
+        --initial-cluster "e2e=http://127.0.0.1:$etcd_peer" --unsafe-no-fsync
+    wait_for etcd 60 curl -sf "http://127.0.0.1:$etcd_port/health"
+
+    log "kube-apiserver on 127.0.0.1:$port"
+    start kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
+        --bind-address 0.0.0.0 --advertise-address "$node_ip" --secure-port "$port" \
+        --tls-cert-file "$dir/pki/apiserver.crt" --tls-private-key-file "$dir/pki/apiserver.key" \
+        --client-ca-file "$dir/pki/ca.crt" --requestheader-client-ca-file "$dir/pki/ca.crt" \
+        --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
+        --requestheader-extra-headers-prefix X-Remote-Extra- --requestheader-allowed-names front-proxy-client \
+        --kubelet-client-certificate "$dir/pki/apiserver-kubelet.crt" --kubelet-client-key "$dir/pki/apiserver-kubelet.key" \
+        --kubelet-certificate-authority "$dir/pki/ca.crt" \
+        --service-account-key-file "$dir/pki/sa.pub" --service-account-signing-key-file "$dir/pki/sa.key" \
+        --service-account-issuer https://kubernetes.default.svc \
+        --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
+        --runtime-config resource.k8s.io/v1=true \
+        --kubelet-preferred-address-types InternalIP,Hostname \
+        --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --profiling=false
+    wait_for kube-apiserver 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get --raw /readyz
+
+    log "kube-controller-manager and kube-scheduler"
+    start kube-controller-manager "$bin/kube-controller-manager" --kubeconfig "$dir/controller-manager.kubeconfig" \
+        --authentication-kubeconfig "$dir/controller-manager.kubeconfig" \
+        --authorization-kubeconfig "$dir/controller-manager.kubeconfig" \
+        --bind-address 127.0.0.1 --secure-port "$cm_port" --leader-elect=false \
+        --use-service-account-credentials --service-account-private-key-file "$dir/pki/sa.key" \
+        --root-ca-file "$dir/pki/ca.crt" --cluster-signing-cert-file "$dir/pki/ca.crt" \
+        --cluster-signing-key-file "$dir/pki/ca.key" --profiling=false
+    start kube-scheduler "$bin/kube-scheduler" --kubeconfig "$dir/scheduler.kubeconfig" \
+        --authentication-kubeconfig "$dir/scheduler.kubeconfig" \
+        --authorization-kubeconfig "$dir/scheduler.kubeconfig" \
+        --bind-address 127.0.0.1 --secure-port "$sched_port" --leader-elect=false --profiling=false
+    wait_for kube-controller-manager 60 curl -skf "https://127.0.0.1:$cm_port/healthz"
+    wait_for kube-scheduler 60 curl -skf "https://127.0.0.1:$sched_port/healthz"
+    # The default ServiceAccount of a namespace is made by the controller manager: pods need it.
+    wait_for kube-controller-manager 60 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get serviceaccount default
+    log "control plane up: KUBECONFIG=$dir/kubeconfig"
+}
+
+node() {
+    bin=$(cat "$dir/bin")
+    local root="$dir/node"
+    mkdir -p "$root/containerd" "$root/run" "$root/kubelet" "$root/cni-conf"
+    cert kubelet-serving "/CN=$node" "IP:$node_ip,IP:127.0.0.1,DNS:$node,DNS:localhost"
+    # Pod networking: a bridge on the node with addresses from host-local, no masquerading (pods
+    # talk to the node only).
+    cat >"$root/cni-conf/10-e2e.conflist" <<EOF
+{"cniVersion": "1.0.0", "name": "e2e", "plugins": [
+  {"type": "bridge", "bridge": "vgpue2e0", "isGateway": true, "isDefaultGateway": true, "ipMasq": false,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.77.0/24"}]], "dataDir": "$root/cni-ipam"}},
+  {"type": "loopback"}]}
+EOF
+    cat >"$root/containerd.toml" <<EOF
+version = 3
+root = "$root/containerd/root"
+state = "$root/run/containerd"
+[grpc]
+  address = "$root/run/containerd.sock"
+[plugins.'io.containerd.cri.v1.runtime']
+  enable_cdi = true
+  # A sandbox without CAP_SYS_RESOURCE cannot lower a process's OOM score (the pod sandbox's -998):
+  # never below containerd's own.
+  restrict_oom_score_adj = true
+  cdi_spec_dirs = ["${VGPU_K8S_CDI_DIR:-/var/run/cdi}"]
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+  BinaryName = "${VGPU_K8S_RUNC:-$(command -v runc)}"
+  # The containers' runc state in the scratch folder: down stops exactly these.
+  Root = "$root/run/runc"
+[plugins.'io.containerd.cri.v1.runtime'.cni]
+  bin_dirs = ["$bin/cni"]
+  conf_dir = "$root/cni-conf"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "native"
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = "vgpu.test/pause:e2e"
+EOF
+    log "containerd (socket $root/run/containerd.sock)"
+    PATH="$bin:$PATH" start containerd "$bin/containerd" --config "$root/containerd.toml"
+    wait_for containerd 60 test -S "$root/run/containerd.sock"
+    "$here/oci-image.py" --ref vgpu.test/pause:e2e --out "$root/pause.tar" --entrypoint /pause "$bin/pause=/pause"
+    import_image "$root/pause.tar"
+    cat >"$root/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $node_ip
+port: $kubelet_port
+healthzBindAddress: 127.0.0.1
+healthzPort: $kubelet_health
+readOnlyPort: 0
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $dir/pki/ca.crt}
+authorization: {mode: Webhook}
+tlsCertFile: $dir/pki/kubelet-serving.crt
+tlsPrivateKeyFile: $dir/pki/kubelet-serving.key
+containerRuntimeEndpoint: unix://$root/run/containerd.sock
+cgroupDriver: cgroupfs
+failCgroupV1: false
+failSwapOn: false
+enforceNodeAllocatable: []
+cgroupsPerQOS: false
+makeIPTablesUtilChains: false
+registerNode: true
+staticPodPath: ""
+evictionHard: {}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+localStorageCapacityIsolation: false
+EOF
+    log "kubelet as node $node"
+    start kubelet "$bin/kubelet" --config "$root/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
+        --hostname-override "$node" --root-dir "$root/kubelet" --node-ip "$node_ip"
+    wait_for kubelet 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" wait --for=condition=Ready "node/$node" --timeout=1s
+    log "node $node ready (kubelet root $root/kubelet, containerd socket $root/run/containerd.sock)"
+}
+
+# import_image TAR: an image archive into containerd's Kubernetes namespace.
+import_image() {
+    "$(cat "$dir/bin")/ctr" --address "$dir/node/run/containerd.sock" -n k8s.io images import "$1" >/dev/null
+}
+
+down() {
+    [ -d "$dir/pids" ] || return 0
+    # The node first (its containers, then its components), then the control plane.
+    for name in kubelet containerd kube-scheduler kube-controller-manager kube-apiserver etcd; do
+        [ -f "$dir/pids/$name" ] || continue
+        local pid
+        pid=$(cat "$dir/pids/$name")
+        kill -TERM -- "-$pid" 2>/dev/null || true
+        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        rm -f "$dir/pids/$name"
+    done
+    # The containers themselves (their processes outlive the shims), then the shims.
+    if [ -d "$dir/node/run/runc" ]; then
+        for id in $(runc --root "$dir/node/run/runc" list -q 2>/dev/null); do
+            runc --root "$dir/node/run/runc" delete --force "$id" 2>/dev/null || true
+        done
+    fi
+    # Container shims run in process groups of their own: whatever still runs from the node's folder.
+    pkill -KILL -f "$dir/node/" 2>/dev/null || true
+    # Mounts the kubelet and containerd made under the scratch folder, deepest first.
+    if [ -d "$dir/node" ]; then
+        grep -o " $dir/node/[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+    fi
+    log "stopped (logs kept in $dir/logs)"
+}
+
+case "$cmd" in
+    up) up ;;
+    node) node ;;
+    address) echo "$node_ip:$port" ;;
+    import) shift 2; for f in "$@"; do import_image "$f"; done ;;
+    down) down ;;
+    *) log "unknown command '$cmd': up, node or down"; exit 2 ;;
+esac

@@ -1,0 +1,354 @@
+#!/usr/bin/env bash
+# The Kubernetes end-to-end test: a real control plane and a real node (tests/k8s/cluster.sh), the
+# chart checked by Helm and by the API server and installed by Helm, the agent as the chart's
+# DaemonSet on the real kubelet, containerd and runc, serving the simulated GPU:
+#   1. the chart: helm lint, and each value set's rendering accepted by the API server (server-side
+#      dry run); wrong values refused by values.schema.json, naming the value;
+#   2. HAMi mode: the register annotation on the real Node; a pod bound by kube-scheduler with the
+#      annotations HAMi's scheduler writes is allocated by the kubelet through the device plugin; its
+#      simulated-CUDA client is held to the slice's memory; the node lock is released and the bind
+#      phase set; `vgpuctl status` names the pod; an agent may change only its own Node;
+#   3. DRA: `helm upgrade` to DRA restarts the agent (checksum/config); its ResourceSlices pass the
+#      API server's validation; a pod with a ResourceClaim (a CEL selector on memory) is allocated by
+#      kube-scheduler, prepared by the agent through the kubelet, held to the claim's memory; another
+#      node's ResourceSlice is refused; deleting the pod frees the slice.
+#   tests/k8s/e2e.sh [DIR]        # DIR: scratch folder (default target/k8s-e2e); logs kept there
+# VGPU_K8S_KEEP=1 leaves the cluster up when it ends (to look at it).
+# Needs root, Go (tests/k8s/tools.sh), cargo, openssl, python3, runc. Stops all it started on exit.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+repo=$PWD
+dir=${1:-target/k8s-e2e}
+mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)
+node=${VGPU_K8S_NODE:-vgpu-e2e-node}
+ns=vgpu-system
+export VGPU_K8S_NODE=$node VGPU_K8S_CDI_DIR="$dir/node/cdi"
+t0=$SECONDS
+stage() { echo "=== $* (at $((SECONDS - t0)) s)"; }
+fail() {
+    echo "FAILED: $*" >&2
+    exit 1
+}
+
+tests/k8s/cluster.sh down "$dir" 2>/dev/null || true
+rm -rf "${dir:?}"/{node,logs,pids,pki,etcd-data,images,sim}
+finish() {
+    rc=$?
+    if [ "$rc" != 0 ]; then
+        echo "--- the end of each log in $dir/logs (the test failed):" >&2
+        for f in "$dir"/logs/*.log; do [ -f "$f" ] && { echo "--- $f" >&2; tail -15 "$f" >&2; }; done
+        if [ -n "${K:-}" ]; then
+            "$K" get pods -A -o wide >&2 2>/dev/null || true
+            echo "--- the agent's log" >&2
+            "$K" -n "$ns" logs -l app.kubernetes.io/name=vgpu-node-agent --tail 30 >&2 2>/dev/null || true
+        fi
+    fi
+    if [ -n "${VGPU_K8S_KEEP:-}" ]; then
+        echo "VGPU_K8S_KEEP: the cluster stays up (KUBECONFIG=$dir/kubeconfig; tests/k8s/cluster.sh down $dir)" >&2
+        exit "$rc"
+    fi
+    tests/k8s/cluster.sh down "$dir" || true
+    exit "$rc"
+}
+trap finish EXIT
+
+stage "tools (built once: tests/k8s/tools.sh)"
+bin=$(tests/k8s/tools.sh)
+K="$bin/kubectl"
+H="$bin/helm"
+export KUBECONFIG="$dir/kubeconfig"
+
+stage "vgpu release binaries and libvgpu.so"
+. scripts/release-set.sh
+cargo build --release -q "${RELEASE_SET[@]}"
+scripts/build-libvgpu.sh >/dev/null
+lib="target/$(uname -m)-unknown-linux-gnu/release/libvgpu.so"
+
+stage "control plane"
+tests/k8s/cluster.sh up "$dir"
+stage "node: containerd, runc, kubelet"
+tests/k8s/cluster.sh node "$dir"
+
+stage "images: the agent and a simulated-CUDA client, imported into containerd"
+mkdir -p "$dir/images" "$dir/sim/lib"
+# The glibc the binaries link, as they find it here (a base image of sorts).
+libs=()
+for f in $(ldd target/release/vgpu-node-agent target/release/gpu-probe "$lib" target/release/sim-lib/libcuda.so.1 |
+    awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u); do
+    libs+=("$f=$f:755")
+done
+tests/k8s/oci-image.py --ref vgpu.test/vgpu-node-agent:e2e --out "$dir/images/agent.tar" \
+    --entrypoint /usr/local/bin/vgpu-node-agent "${libs[@]}" \
+    target/release/vgpu-node-agent=/usr/local/bin/vgpu-node-agent \
+    target/release/vgpuctl=/usr/local/bin/vgpuctl target/release/vgpu-oci-hook=/usr/local/bin/vgpu-oci-hook \
+    "$lib=/usr/local/lib/vgpu/libvgpu.so:644"
+tests/k8s/oci-image.py --ref vgpu.test/gpu-probe:e2e --out "$dir/images/probe.tar" \
+    --entrypoint /usr/local/bin/gpu-probe "${libs[@]}" target/release/gpu-probe=/usr/local/bin/gpu-probe \
+    /bin/busybox=/bin/sh
+tests/k8s/cluster.sh import "$dir" "$dir/images/agent.tar" "$dir/images/probe.tar"
+# The simulated GPU's driver libraries and state, on the node as a driver's would be.
+cp -L target/release/sim-lib/libcuda.so.1 target/release/sim-lib/libnvidia-ml.so.1 "$dir/sim/lib/"
+printf '[[gpu]]\nmodel = "A100-40GB"\n\n[[gpu]]\nmodel = "A100-40GB"\n' >"$dir/sim/node.toml"
+
+stage "the chart: helm lint, the API server's server-side dry run of each value set, the schema"
+"$K" create namespace "$ns" >/dev/null
+"$H" lint packaging/helm/vgpu --strict >"$dir/logs/helm-lint.log" || { cat "$dir/logs/helm-lint.log"; fail "helm lint"; }
+cat >"$dir/values-tls.yaml" <<EOF
+metrics: {tlsSecret: vgpu-metrics-tls, tokenSecret: vgpu-metrics-token, insecure: false}
+EOF
+cat >"$dir/values-mig.yaml" <<EOF
+compat: hami
+migGeometriesFile: /etc/vgpu-mig-geometries/device-config.yaml
+extraConfig: |
+  mig_strategy = "single"
+EOF
+for set in "" "--set compat=hami" "--set compat=volcano --set memoryFactor=512" \
+    "--set dra=on --set devicePlugin=off --set deviceClasses=true" \
+    "--set dra=on --set devicePlugin=off --set draSharing=capacity --set draMig=dynamic --set deviceClasses=true" \
+    "-f $dir/values-mig.yaml" "-f $dir/values-tls.yaml" "--set compat=replicas --set receiver=true --set grafanaDashboard=true" \
+    "--set imagePullSecrets[0].name=regcred --set runtimeClassName=nvidia --set nodeSelector.pool=gpu --set podLabels.team=ml"; do
+    # shellcheck disable=SC2086
+    "$H" template vgpu packaging/helm/vgpu -n "$ns" $set >"$dir/rendered.yaml" || fail "helm template $set"
+    # The Prometheus operator's kinds need its CRDs: not part of this cluster (the Rust packaging
+    # test checks them); everything else the API server validates.
+    "$K" apply --dry-run=server -n "$ns" -f "$dir/rendered.yaml" >"$dir/logs/dry-run.log" 2>&1 ||
+        { cat "$dir/logs/dry-run.log"; fail "the API server refused the chart rendered with: ${set:-defaults}"; }
+    echo "  accepted by the API server: ${set:-defaults} ($(grep -c '^kind:' "$dir/rendered.yaml") objects)"
+done
+if out=$("$H" install bad packaging/helm/vgpu -n "$ns" --dry-run=server --set splitCount=0 2>&1); then
+    fail "splitCount=0 was accepted"
+fi
+echo "$out" | grep -q "/splitCount" || fail "the schema's refusal does not name the value: $out"
+echo "  refused: splitCount=0 ($(echo "$out" | grep splitCount | head -1 | sed 's/^ *//'))"
+
+stage "HAMi mode: helm install, the agent as a DaemonSet on the real node"
+"$K" label node "$node" nvidia.com/gpu.present=true >/dev/null
+k=$dir/node/kubelet
+api=$(tests/k8s/cluster.sh address "$dir")
+cat >"$dir/values-e2e.yaml" <<EOF
+image: {repository: vgpu.test/vgpu-node-agent, tag: e2e, pullPolicy: Never}
+compat: hami
+logLevel: info
+stateDir: $dir/node/vgpu-state
+runDir: $dir/node/vgpu-run
+cdiDir: $dir/node/cdi
+# The kubelet's device-plugin directory is fixed (/var/lib/kubelet/device-plugins, whatever its
+# --root-dir); its other directories follow --root-dir.
+kubeletDir: /var/lib/kubelet/device-plugins
+podResourcesDir: $k/pod-resources
+kubeletPluginsDir: $k/plugins
+kubeletRegistryDir: $k/plugins_registry
+priorityClassName: ""
+# The simulated GPU's NVML, mounted from the node as the NVIDIA container toolkit mounts the driver's.
+extraEnv:
+  # No kube-proxy on this node: the API server's own address instead of its Service's.
+  - {name: KUBERNETES_SERVICE_HOST, value: "${api%:*}"}
+  - {name: KUBERNETES_SERVICE_PORT, value: "${api#*:}"}
+  - {name: VGPU_AGENT_NVML_LIBRARY, value: /opt/vgpu-sim/lib/libnvidia-ml.so.1}
+  - {name: VGPU_SIM_CONFIG, value: /opt/vgpu-sim/node.toml}
+  - {name: VGPU_SIM_STATE, value: /opt/vgpu-sim/state}
+extraVolumes:
+  - {name: sim, hostPath: {path: $dir/sim, type: Directory}}
+extraVolumeMounts:
+  - {name: sim, mountPath: /opt/vgpu-sim}
+EOF
+"$H" install vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --wait --timeout 120s >/dev/null ||
+    fail "helm install"
+"$K" -n "$ns" get pods -o wide
+agent_pod=$("$K" -n "$ns" get pods -l app.kubernetes.io/name=vgpu-node-agent -o jsonpath='{.items[0].metadata.name}')
+vgpuctl() { target/release/vgpuctl --socket "$dir/node/vgpu-run/agent.sock" "$@"; }
+
+# wait_until SECONDS WHAT CMD...: polls CMD once a second.
+wait_until() {
+    local limit=$1 what=$2
+    shift 2
+    for _ in $(seq "$limit"); do
+        if "$@" >/dev/null 2>&1; then return 0; fi
+        sleep 1
+    done
+    fail "$what (not within $limit s)"
+}
+annotation() { "$K" get "$1" "$2" ${3:+-n "$3"} -o json | python3 -c "import json,sys; print(json.load(sys.stdin)['metadata'].get('annotations',{}).get('$4',''))"; }
+registered() { [ -n "$(annotation node "$node" "" hami.io/node-nvidia-register)" ]; }
+wait_until 60 "the register annotation on the Node" registered
+register=$(annotation node "$node" "" hami.io/node-nvidia-register)
+uuid=$(echo "$register" | python3 -c "import json,sys; print(json.load(sys.stdin)[0]['id'])")
+echo "  registered: $(echo "$register" | python3 -c "import json,sys; d=json.load(sys.stdin); print(len(d), 'GPUs,', d[0]['type'], d[0]['devmem'], 'MiB')")"
+allocatable() { [ "$("$K" get node "$node" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')" -gt 0 ]; }
+wait_until 60 "nvidia.com/gpu allocatable on the node (the device plugin registered with kubelet)" allocatable
+echo "  allocatable nvidia.com/gpu: $("$K" get node "$node" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')"
+"$K" auth can-i --list --as "system:serviceaccount:$ns:vgpu-node-agent" >"$dir/logs/can-i-hami.txt"
+
+stage "HAMi mode: a pod with HAMi's scheduler annotations, bound by kube-scheduler, allocated by kubelet"
+"$K" create namespace e2e >/dev/null
+# What HAMi's scheduler writes: the node lock naming the pod, and the pod's devices (1024 MiB, 30 %).
+"$K" annotate node "$node" "hami.io/mutex.lock=$(date -u +%Y-%m-%dT%H:%M:%SZ),e2e,hami-pod" >/dev/null
+devices="$uuid,NVIDIA,1024,30:;"
+cat <<EOF | "$K" apply -f - >/dev/null
+apiVersion: v1
+kind: Pod
+metadata:
+  name: hami-pod
+  namespace: e2e
+  annotations:
+    hami.io/bind-phase: allocating
+    hami.io/bind-time: "$(date +%s)"
+    hami.io/vgpu-node: $node
+    hami.io/vgpu-devices-to-allocate: "$devices"
+    hami.io/vgpu-devices-allocated: "$devices"
+spec:
+  restartPolicy: Never
+  containers:
+    - name: cuda
+      image: vgpu.test/gpu-probe:e2e
+      imagePullPolicy: Never
+      command: ["/bin/sh", "-c", "gpu-probe fill --chunk 104857600 >/tmp/fill & until [ -s /tmp/fill ]; do sleep 0.2; done; cat /tmp/fill; gpu-probe info; sleep 600"]
+      env:
+        - {name: LD_LIBRARY_PATH, value: /opt/vgpu-sim/lib}
+        - {name: VGPU_SIM_CONFIG, value: /opt/vgpu-sim/node.toml}
+        - {name: VGPU_SIM_STATE, value: /opt/vgpu-sim/state}
+      resources:
+        limits: {nvidia.com/gpu: 1}
+      volumeMounts:
+        - {name: sim, mountPath: /opt/vgpu-sim}
+  volumes:
+    - {name: sim, hostPath: {path: $dir/sim, type: Directory}}
+EOF
+ran() { "$K" -n e2e logs "$1" 2>/dev/null | grep -q mem_total; }
+wait_until 180 "the HAMi pod's client ran" ran hami-pod
+logs=$("$K" -n e2e logs hami-pod)
+echo "$logs" | sed 's/^/  pod: /'
+python3 - "$logs" <<'EOF' || fail "the HAMi pod was not held to its 1024 MiB"
+import json, sys
+fill, info = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")][:2]
+MIB = 1 << 20
+assert fill["result"] == "CUDA_ERROR_OUT_OF_MEMORY", fill
+assert 0 < fill["allocated"] <= 1024 * MIB, fill
+assert info["mem_total"] == 1024 * MIB, info
+EOF
+[ "$(annotation pod hami-pod e2e hami.io/bind-phase)" = success ] || fail "bind phase: $(annotation pod hami-pod e2e hami.io/bind-phase)"
+[ -z "$(annotation node "$node" "" hami.io/mutex.lock)" ] || fail "the node lock was not released"
+vgpuctl status >"$dir/logs/vgpuctl-status-hami.txt"
+grep -q "hami-pod" "$dir/logs/vgpuctl-status-hami.txt" || { cat "$dir/logs/vgpuctl-status-hami.txt"; fail "vgpuctl status does not name the pod"; }
+echo "  held to 1024 MiB; bind phase success; lock released; vgpuctl status names e2e/hami-pod"
+
+stage "an agent changes only its own Node (the chart's ValidatingAdmissionPolicy)"
+"$K" create -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Node
+metadata: {name: other-node}
+EOF
+uid=$("$K" -n "$ns" get pod "$agent_pod" -o jsonpath='{.metadata.uid}')
+token=$("$K" -n "$ns" create token vgpu-node-agent --bound-object-kind Pod --bound-object-name "$agent_pod" --bound-object-uid "$uid")
+# A kubeconfig without the admin's certificate: the token alone speaks.
+sed '/client-certificate\|client-key/d; s/user:$/user: {}/' "$dir/kubeconfig" >"$dir/anon.kubeconfig"
+as_agent() { KUBECONFIG="$dir/anon.kubeconfig" "$K" --token "$token" "$@"; }
+as_agent annotate node "$node" e2e/own=yes >/dev/null || fail "the agent could not annotate its own node"
+if out=$(as_agent annotate node other-node e2e/other=yes 2>&1); then fail "the agent annotated another node"; fi
+echo "$out" | grep -q "may not change node other-node" || fail "refused for another reason: $out"
+echo "  refused: $out"
+if out=$(as_agent label node "$node" e2e/label=yes 2>&1); then fail "the agent labelled its node"; fi
+echo "  refused: $out"
+"$K" -n e2e delete pod hami-pod --wait=true --timeout=60s >/dev/null
+
+stage "DRA: helm upgrade restarts the agent as a DRA driver"
+old_hash=$("$K" -n "$ns" get ds vgpu-node-agent -o jsonpath='{.spec.template.metadata.annotations.checksum/config}')
+"$H" upgrade vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --set dra=on --set devicePlugin=off \
+    --set deviceClasses=true --wait --timeout 120s >/dev/null || fail "helm upgrade to DRA"
+new_hash=$("$K" -n "$ns" get ds vgpu-node-agent -o jsonpath='{.spec.template.metadata.annotations.checksum/config}')
+[ "$old_hash" != "$new_hash" ] || fail "the configuration's checksum did not change"
+"$K" -n "$ns" rollout status ds/vgpu-node-agent --timeout=90s >/dev/null || fail "the agent did not restart"
+new_pod=$("$K" -n "$ns" get pods -l app.kubernetes.io/name=vgpu-node-agent -o jsonpath='{.items[0].metadata.name}')
+[ "$new_pod" != "$agent_pod" ] || fail "the agent's pod was not replaced"
+echo "  checksum/config changed; pod $agent_pod replaced by $new_pod"
+published() { "$K" get resourceslices -o name | grep -q .; }
+wait_until 60 "the agent's ResourceSlices" published
+"$K" get resourceslices -o yaml >"$dir/logs/resourceslices.yaml"
+echo "  ResourceSlices: $("$K" get resourceslices --no-headers | wc -l), devices: $(grep -c '^    - name: \|^      - name:' "$dir/logs/resourceslices.yaml" || true)"
+"$K" auth can-i --list --as "system:serviceaccount:$ns:vgpu-node-agent" >"$dir/logs/can-i-dra.txt"
+
+stage "DRA: a claim with a CEL selector on memory, allocated by kube-scheduler, prepared through kubelet"
+cat <<EOF | "$K" apply -f - >/dev/null
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: gpu-share, namespace: e2e}
+spec:
+  devices:
+    requests:
+      - name: gpu
+        exactly:
+          deviceClassName: vgpu-share
+          selectors:
+            - cel:
+                expression: device.capacity["gpu.vgpu.io"].memory.compareTo(quantity("1Gi")) >= 0
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: dra-pod, namespace: e2e}
+spec:
+  restartPolicy: Never
+  resourceClaims:
+    - {name: gpu, resourceClaimName: gpu-share}
+  containers:
+    - name: cuda
+      image: vgpu.test/gpu-probe:e2e
+      imagePullPolicy: Never
+      command: ["/bin/sh", "-c", "gpu-probe fill --chunk 104857600 >/tmp/fill & until [ -s /tmp/fill ]; do sleep 0.2; done; cat /tmp/fill; gpu-probe info; sleep 600"]
+      env:
+        - {name: LD_LIBRARY_PATH, value: /opt/vgpu-sim/lib}
+        - {name: VGPU_SIM_CONFIG, value: /opt/vgpu-sim/node.toml}
+        - {name: VGPU_SIM_STATE, value: /opt/vgpu-sim/state}
+      resources:
+        claims: [{name: gpu}]
+      volumeMounts:
+        - {name: sim, mountPath: /opt/vgpu-sim}
+  volumes:
+    - {name: sim, hostPath: {path: $dir/sim, type: Directory}}
+EOF
+wait_until 180 "the DRA pod's client ran" ran dra-pod
+logs=$("$K" -n e2e logs dra-pod)
+echo "$logs" | sed 's/^/  pod: /'
+"$K" -n e2e get resourceclaim gpu-share -o jsonpath='{.status.allocation.devices.results}' >"$dir/logs/claim-allocation.json"
+echo "  allocated: $(cat "$dir/logs/claim-allocation.json")"
+limit=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])[0]['mem_total'])" "$(echo "$logs" | grep mem_total)")
+python3 - "$logs" <<'EOF' || fail "the DRA pod was not held to its share"
+import json, sys
+fill, info = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")][:2]
+assert fill["result"] == "CUDA_ERROR_OUT_OF_MEMORY", fill
+assert 0 < fill["allocated"] <= info["mem_total"] < 40 << 30, (fill, info)
+EOF
+vgpuctl status >"$dir/logs/vgpuctl-status-dra.txt"
+grep -q "dra-pod\|gpu-share" "$dir/logs/vgpuctl-status-dra.txt" || { cat "$dir/logs/vgpuctl-status-dra.txt"; fail "vgpuctl status does not name the claim"; }
+echo "  held to its share ($((limit >> 20)) MiB of a 40 GiB GPU); vgpuctl status names it"
+
+stage "DRA: another node's ResourceSlice is refused"
+uid=$("$K" -n "$ns" get pod "$new_pod" -o jsonpath='{.metadata.uid}')
+token=$("$K" -n "$ns" create token vgpu-node-agent --bound-object-kind Pod --bound-object-name "$new_pod" --bound-object-uid "$uid")
+slice_of() {
+    cat <<EOF
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {name: e2e-$1}
+spec:
+  driver: gpu.vgpu.io
+  nodeName: $1
+  pool: {name: $1, generation: 1, resourceSliceCount: 1}
+  devices: [{name: gpu-9}]
+EOF
+}
+if out=$(slice_of other-node | as_agent create -f - 2>&1); then fail "the agent wrote another node's ResourceSlice"; fi
+echo "$out" | grep -q 'may not write a ResourceSlice of node "other-node"' || fail "refused for another reason: $out"
+echo "  refused: $out"
+slice_of "$node" | as_agent create -f - >/dev/null || fail "the agent could not write its own node's ResourceSlice"
+"$K" delete resourceslice "e2e-$node" >/dev/null
+
+stage "DRA: deleting the pod unprepares the claim and frees the slice"
+"$K" -n e2e delete pod dra-pod --wait=true --timeout=60s >/dev/null
+freed() { ! vgpuctl status | grep -q 'dra-pod\|gpu-share'; }
+wait_until 60 "the claim's slice removed" freed
+echo "  the slice is gone"
+
+stage "helm uninstall"
+"$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
+echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s"
