@@ -707,7 +707,9 @@ impl Driver {
     /// Prepares one claim: its slice, and what kubelet is told.
     pub async fn prepare(&self, namespace: &str, name: &str, uid: &str) -> Result<Vec<Prepared>, String> {
         let api = self.claims(namespace).await?;
-        let claim = api.get(name).await.map_err(|e| format!("reading claim {namespace}/{name}: {e}"))?;
+        let claim = crate::k8s::retried(|| api.get(name))
+            .await
+            .map_err(|e| format!("reading claim {namespace}/{name}: {e}"))?;
         if claim.metadata.uid.as_deref() != Some(uid) {
             return Err(format!(
                 "claim {namespace}/{name} is {}, not {uid} (it was made again)",

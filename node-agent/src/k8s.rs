@@ -61,6 +61,36 @@ pub async fn client(api: Option<&str>) -> Result<kube::Client, String> {
     kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
 }
 
+/// A request the API server never answered (the connection refused, or closed under a pooled
+/// connection before the request went out) is tried again, three times in all, 100 and 400 ms
+/// apart: a connection that the server, a load balancer or the pod network dropped while idle must
+/// not fail a kubelet's Allocate. (Seen against a real API server from a pod: `client error
+/// (SendRequest)` on the first request after a minute idle.) A patch is safe to send again: it
+/// carries the resourceVersion it was made from, so one that did land is refused as a conflict.
+pub async fn retried<T, F, Fut>(mut call: F) -> Result<T, kube::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, kube::Error>>,
+{
+    let mut delay = std::time::Duration::from_millis(100);
+    for _ in 0..2 {
+        match call().await {
+            Err(e) if unanswered(&e) => {
+                tracing::debug!(error = %e, "the API server did not answer; trying again");
+                tokio::time::sleep(delay).await;
+                delay *= 4;
+            }
+            r => return r,
+        }
+    }
+    call().await
+}
+
+/// Whether a request failed before the API server answered it.
+fn unanswered(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::HyperError(_) | kube::Error::Service(_))
+}
+
 impl Kube {
     /// Connects as [`client`] does.
     pub async fn connect(api: Option<&str>, node: &str, proto: &'static hami::Protocol) -> Result<Kube, String> {
@@ -70,7 +100,7 @@ impl Kube {
     async fn pods(&self) -> Result<Vec<Pod>, String> {
         let api: Api<Pod> = Api::all(self.client.clone());
         let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
-        Ok(api.list(&lp).await.map_err(err("listing this node's pods"))?.items)
+        Ok(retried(|| api.list(&lp)).await.map_err(err("listing this node's pods"))?.items)
     }
 
     async fn patch_pod(&self, pod: &Pod, set: &[(&str, Option<String>)]) -> Result<(), String> {
@@ -78,24 +108,22 @@ impl Kube {
         let name = pod.metadata.name.clone().unwrap_or_default();
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
         let p = annotation_patch(pod.metadata.resource_version.as_deref(), set);
-        api.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-            .await
-            .map_err(err(&format!("patching pod {ns}/{name}")))?;
+        let (pp, patch) = (PatchParams::default(), Patch::Merge(&p));
+        retried(|| api.patch(&name, &pp, &patch)).await.map_err(err(&format!("patching pod {ns}/{name}")))?;
         Ok(())
     }
 
     async fn patch_node(&self, node: &Node, set: &[(&str, Option<String>)]) -> Result<(), String> {
         let api: Api<Node> = Api::all(self.client.clone());
         let p = annotation_patch(node.metadata.resource_version.as_deref(), set);
-        api.patch(&self.node, &PatchParams::default(), &Patch::Merge(&p))
-            .await
-            .map_err(err(&format!("patching node {}", self.node)))?;
+        let (pp, patch) = (PatchParams::default(), Patch::Merge(&p));
+        retried(|| api.patch(&self.node, &pp, &patch)).await.map_err(err(&format!("patching node {}", self.node)))?;
         Ok(())
     }
 
     async fn get_node(&self) -> Result<Node, String> {
         let api: Api<Node> = Api::all(self.client.clone());
-        api.get(&self.node).await.map_err(err(&format!("reading node {}", self.node)))
+        retried(|| api.get(&self.node)).await.map_err(err(&format!("reading node {}", self.node)))
     }
 
     /// Writes this node's GPUs in HAMi's register annotation, when it changed (v2.8 JSON, or the v2.7
