@@ -23,6 +23,7 @@ struct FileConfig {
     max_slices: Option<usize>,
     device_plugin: Option<String>,
     kubelet_dir: Option<PathBuf>,
+    kubelet_root_dir: Option<PathBuf>,
     pod_resources_socket: Option<String>,
     slice_gc_grace_s: Option<u64>,
     split_count: Option<u32>,
@@ -123,6 +124,10 @@ pub struct Config {
     pub device_plugin: bool,
     /// Kubelet's device-plugin directory (its `kubelet.sock`, and where the plugin's socket goes).
     pub kubelet_dir: PathBuf,
+    /// Kubelet's `--root-dir`: its `plugins_registry` and `plugins` (the DRA driver's sockets) and
+    /// `pod-resources`. The device-plugin directory is fixed in kubelet whatever its root, so a
+    /// kubelet with another root (k0s, a test cluster) needs this said.
+    pub kubelet_root_dir: PathBuf,
     /// Kubelet's pod resources API (which devices each container holds), for removing the slices of
     /// replicas no container holds any more; None: not used.
     pub pod_resources_socket: Option<PathBuf>,
@@ -453,10 +458,18 @@ impl Config {
             .map(PathBuf::from)
             .or(file.kubelet_dir)
             .unwrap_or_else(|| PathBuf::from("/var/lib/kubelet/device-plugins"));
-        // Beside the device-plugin directory, as kubelet lays them out.
+        // By default the device-plugin directory's parent, as kubelet lays them out with its default
+        // root.
+        let kubelet_root_dir = env("VGPU_AGENT_KUBELET_ROOT_DIR")
+            .map(PathBuf::from)
+            .or(file.kubelet_root_dir)
+            .unwrap_or_else(|| kubelet_dir.parent().unwrap_or(Path::new("/")).to_path_buf());
+        if !kubelet_root_dir.is_absolute() {
+            return Err(bad("kubelet_root_dir", format!("{} is not an absolute path", kubelet_root_dir.display())));
+        }
         let pod_resources_socket = match env("VGPU_AGENT_POD_RESOURCES_SOCKET").or(file.pod_resources_socket).as_deref()
         {
-            None => Some(kubelet_dir.parent().unwrap_or(Path::new("/")).join("pod-resources/kubelet.sock")),
+            None => Some(kubelet_root_dir.join("pod-resources/kubelet.sock")),
             Some("" | "off") => None,
             Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
             Some(p) => return Err(bad("pod_resources_socket", format!("{p} is not an absolute path (or \"off\")"))),
@@ -643,6 +656,7 @@ impl Config {
             cdi_dir,
             device_plugin,
             kubelet_dir,
+            kubelet_root_dir,
             pod_resources_socket,
             slice_gc_grace_s,
             split_count,
@@ -782,6 +796,15 @@ mod tests {
         assert_eq!(c.slice_gc_grace_s, 60);
         let c = load(None, &[("VGPU_AGENT_KUBELET_DIR", "/k/device-plugins")], Flags::default()).unwrap();
         assert_eq!(c.pod_resources_socket.as_deref(), Some(Path::new("/k/pod-resources/kubelet.sock")));
+        // A kubelet with a root of its own: its sockets there, the device plugins where they are.
+        let c = load(Some("kubelet_root_dir = \"/var/lib/k0s/kubelet\""), &[], Flags::default()).unwrap();
+        assert_eq!(
+            c.pod_resources_socket.as_deref(),
+            Some(Path::new("/var/lib/k0s/kubelet/pod-resources/kubelet.sock"))
+        );
+        assert_eq!(c.kubelet_dir, Path::new("/var/lib/kubelet/device-plugins"));
+        let e = load(Some("kubelet_root_dir = \"k\""), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("kubelet_root_dir") && e.contains("absolute"), "{e}");
         let c = load(Some("pod_resources_socket = \"off\"\nslice_gc_grace_s = 5"), &[], Flags::default()).unwrap();
         assert_eq!((c.pod_resources_socket, c.slice_gc_grace_s), (None, 5));
         let e = load(Some("pod_resources_socket = \"kubelet.sock\""), &[], Flags::default()).unwrap_err().to_string();

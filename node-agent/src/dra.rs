@@ -1378,10 +1378,9 @@ async fn collect(d: &Driver) -> usize {
     removed
 }
 
-/// Kubelet's plugin directories: `plugins_registry` and `plugins`, beside the device-plugin
-/// directory (`/var/lib/kubelet` by default).
+/// Kubelet's plugin directories: `plugins_registry` and `plugins`, under its root directory.
 pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) {
-    let root = cfg.kubelet_dir.parent().unwrap_or(Path::new("/var/lib/kubelet"));
+    let root = &cfg.kubelet_root_dir;
     (
         root.join("plugins_registry").join(format!("{driver}-reg.sock")),
         root.join("plugins").join(driver).join("dra.sock"),

@@ -51,13 +51,21 @@ fn slice_name(ns: &str, pod: &str, idx: usize) -> String {
     format!("{}-{digest:016x}", &clean[..46])
 }
 
+/// How long the agent waits for a connection to the API server, or for its answer to a request.
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A client of the API server at `api` (tests, or outside a cluster without kubeconfig); None:
 /// in-cluster configuration or the kubeconfig, as kubectl finds them.
 pub async fn client(api: Option<&str>) -> Result<kube::Client, String> {
-    let config = match api {
+    let mut config = match api {
         Some(url) => kube::Config::new(url.parse().map_err(|e| format!("kube_api {url:?}: {e}"))?),
         None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
     };
+    // The agent never watches: every request is a short get, list or patch, and some run inside a
+    // kubelet's Allocate. One the API server does not answer within 10 s is given up (and sent again
+    // by `retried`) rather than stalling the kubelet for kube's default of 295 s.
+    config.read_timeout = Some(REQUEST_TIMEOUT);
+    config.connect_timeout = Some(REQUEST_TIMEOUT);
     kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
 }
 
