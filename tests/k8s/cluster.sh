@@ -21,6 +21,7 @@ node=${VGPU_K8S_NODE:-vgpu-e2e-node}
 port=${VGPU_K8S_PORT:-26443}
 etcd_port=$((port - 64)) etcd_peer=$((port - 63)) cm_port=$((port - 62)) sched_port=$((port - 61))
 kubelet_port=$((port - 60)) kubelet_health=$((port - 59))
+bridge=vgpue2e0
 
 log() { echo "cluster.sh: $*" >&2; }
 # The node's address: the kubelet refuses a loopback one; the API server reaches it there, and pods
@@ -173,12 +174,13 @@ node() {
     bin=$(cat "$dir/bin")
     local root="$dir/node"
     mkdir -p "$root/containerd" "$root/run" "$root/kubelet" "$root/cni-conf"
+    ip link del "$bridge" 2>/dev/null || true
     cert kubelet-serving "/CN=$node" "IP:$node_ip,IP:127.0.0.1,DNS:$node,DNS:localhost"
     # Pod networking: a bridge on the node with addresses from host-local, no masquerading (pods
     # talk to the node only).
     cat >"$root/cni-conf/10-e2e.conflist" <<EOF
 {"cniVersion": "1.0.0", "name": "e2e", "plugins": [
-  {"type": "bridge", "bridge": "vgpue2e0", "isGateway": true, "isDefaultGateway": true, "ipMasq": false,
+  {"type": "bridge", "bridge": "$bridge", "isGateway": true, "isDefaultGateway": true, "ipMasq": false,
    "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.77.0/24"}]], "dataDir": "$root/cni-ipam"}},
   {"type": "loopback"}]}
 EOF
@@ -193,6 +195,10 @@ state = "$root/run/containerd"
   # A sandbox without CAP_SYS_RESOURCE cannot lower a process's OOM score (the pod sandbox's -998):
   # never below containerd's own.
   restrict_oom_score_adj = true
+  # Pods' network namespaces in the scratch folder, so that down removes exactly these: a namespace
+  # left behind keeps its veth on the bridge, and a later pod given the same address then loses
+  # half its packets to the dead one (seen: connections to the API server timing out).
+  netns_mounts_under_state_dir = true
   cdi_spec_dirs = ["${VGPU_K8S_CDI_DIR:-/var/run/cdi}"]
 [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
@@ -278,6 +284,8 @@ down() {
     if [ -d "$dir/node" ]; then
         grep -o " $dir/node/[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
     fi
+    # The pods' bridge (their veths went with their namespaces).
+    ip link del "$bridge" 2>/dev/null || true
     log "stopped (logs kept in $dir/logs)"
 }
 
