@@ -273,11 +273,13 @@ down() {
         rm -f "$dir/pids/$name"
     done
     # The containers themselves (their processes outlive the shims), then the shims.
-    if [ -d "$dir/node/run/runc" ]; then
-        for id in $(runc --root "$dir/node/run/runc" list -q 2>/dev/null); do
-            runc --root "$dir/node/run/runc" delete --force "$id" 2>/dev/null || true
+    # (containerd keeps each namespace's in a folder of its own under the runc root.)
+    for runc_root in "$dir"/node/run/runc/*/; do
+        [ -d "$runc_root" ] || continue
+        for id in $(runc --root "$runc_root" list -q 2>/dev/null); do
+            runc --root "$runc_root" delete --force "$id" 2>/dev/null || true
         done
-    fi
+    done
     # Container shims run in process groups of their own: whatever still runs from the node's folder.
     pkill -KILL -f "$dir/node/" 2>/dev/null || true
     # Mounts the kubelet and containerd made under the scratch folder, deepest first.
