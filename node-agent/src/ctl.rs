@@ -251,8 +251,13 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
                 .map(|s| style.bold(s))
                 .to_vec()];
         for s in &st.slices {
-            let owner = match (s.labels.get("namespace"), s.labels.get("pod"), s.labels.get("container")) {
-                (Some(n), Some(p), Some(c)) => format!("{}  ({})", s.name, printable(&format!("{n}/{p}/{c}"))),
+            let label = |k: &str| s.labels.get(k);
+            let owner = match (label("namespace"), label("pod"), label("container"), label("claim")) {
+                (Some(n), Some(p), Some(c), _) => format!("{}  ({})", s.name, printable(&format!("{n}/{p}/{c}"))),
+                (Some(n), Some(p), None, Some(c)) => {
+                    format!("{}  ({})", s.name, printable(&format!("{n}/{p} claim {c}")))
+                }
+                (Some(n), None, None, Some(c)) => format!("{}  ({})", s.name, printable(&format!("{n} claim {c}"))),
                 _ => s.name.clone(),
             };
             for (i, g) in s.gpus.iter().enumerate() {

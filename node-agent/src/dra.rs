@@ -18,7 +18,7 @@
 //!   devices change (a GPU's health, a MIG layout), every slice with the generation raised; an API
 //!   server that drops fields it does not serve (consumable capacity before its feature gate) is not
 //!   written again for that.
-//! - **Kubelet**: the registration service on `plugins_registry/<driver>-reg.sock` and the DRA
+//! - **Kubelet**: the registration service on `plugins_registry/<driver>-reg.sock@localhost` and the DRA
 //!   service (`v1.DRAPlugin` and `v1beta1.DRAPlugin`, the same calls) with device health
 //!   (`v1alpha1.DRAResourceHealth`: every device with its GPU's health, for pods' status) on
 //!   `plugins/<driver>/dra.sock`, both beside the device-plugin directory. A socket removed (a
@@ -435,7 +435,8 @@ fn gpu_devices(agent: &Agent, g: &crate::discovery::Gpu, v: ApiVersion, pool: &m
         }));
         return;
     }
-    let memory = agent.scaled(g.memory_total) / split as u64;
+    // Whole MiB, as a slice's limit is: the capacity a claim is allocated is what its tenant gets.
+    let memory = agent.scaled(g.memory_total) / split as u64 / MIB * MIB;
     for n in 0..split {
         pool.devices.push(json!({
             "name": device_name(g.index, n),
@@ -800,7 +801,19 @@ impl Driver {
             }
             whole_cdi_name(w, uid)
         } else {
-            self.prepare_slice(namespace, name, uid, &wants)?;
+            // The pod it is reserved for, when one: what `vgpuctl status` and the metrics name.
+            let pods: Vec<(&str, &str)> = claim.data["status"]["reservedFor"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["resource"] == "pods")
+                .filter_map(|r| Some((r["name"].as_str()?, r["uid"].as_str().unwrap_or_default())))
+                .collect();
+            let pod = match pods[..] {
+                [one] => Some(one),
+                _ => None,
+            };
+            self.prepare_slice(namespace, name, uid, pod, &wants)?;
             crate::cdi::device_name(&slice)
         };
         let mut named = std::collections::HashSet::new();
@@ -916,17 +929,29 @@ impl Driver {
         None
     }
 
-    /// The claim's slice, made if it is not there.
-    fn prepare_slice(&self, namespace: &str, name: &str, uid: &str, wants: &BTreeMap<u32, Want>) -> Result<(), String> {
+    /// The claim's slice, made if it is not there; labelled with its pod (name, UID) when one pod
+    /// holds the claim.
+    fn prepare_slice(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        pod: Option<(&str, &str)>,
+        wants: &BTreeMap<u32, Want>,
+    ) -> Result<(), String> {
         let slice = slice_name(uid);
         if self.agent.get_slice(&slice).is_err() {
-            let labels = [
+            let mut labels: std::collections::HashMap<String, String> = [
                 ("source".to_string(), "dra".to_string()),
                 ("namespace".to_string(), namespace.to_string()),
                 ("claim".to_string(), name.to_string()),
                 ("claim-uid".to_string(), uid.to_string()),
             ]
             .into();
+            if let Some((pod, pod_uid)) = pod {
+                labels.insert("pod".to_string(), pod.to_string());
+                labels.insert("pod-uid".to_string(), pod_uid.to_string());
+            }
             let gpus = self.limits(wants)?;
             let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels };
             match self.agent.create_slice(req) {
@@ -1379,12 +1404,23 @@ async fn collect(d: &Driver) -> usize {
 }
 
 /// Kubelet's plugin directories: `plugins_registry` and `plugins`, under its root directory.
+///
+/// The registration socket's name ends in `@localhost`. Kubelet's plugin watcher dials it with
+/// grpc-go, which sends the socket's path, percent-encoded, as the HTTP/2 `:authority`; a
+/// percent-encoded host is not a valid authority, and the HTTP/2 server under tonic resets every
+/// such stream (kubelet logs `RST_STREAM with error code: PROTOCOL_ERROR`). With the `@`, the path
+/// becomes the authority's user information and `localhost` its host, which RFC 3986 allows.
 pub fn sockets(cfg: &crate::config::Config, driver: &str) -> (PathBuf, PathBuf) {
     let root = &cfg.kubelet_root_dir;
     (
-        root.join("plugins_registry").join(format!("{driver}-reg.sock")),
+        root.join("plugins_registry").join(format!("{driver}-reg.sock@localhost")),
         root.join("plugins").join(driver).join("dra.sock"),
     )
+}
+
+/// The registration socket earlier versions made, which kubelet could not use; removed at start.
+fn former_registration_socket(cfg: &crate::config::Config, driver: &str) -> PathBuf {
+    cfg.kubelet_root_dir.join("plugins_registry").join(format!("{driver}-reg.sock"))
 }
 
 /// The most devices one ResourceSlice may list (the API's limit); a pool with more spans several.
@@ -1562,6 +1598,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
         whole_lock: Default::default(),
     };
     let (reg_sock, dra_sock) = sockets(&agent.cfg, &driver);
+    let _ = std::fs::remove_file(former_registration_socket(&agent.cfg, &driver));
     let registrar = Registrar { driver: driver.clone(), endpoint: dra_sock.clone() };
     let mut owner = None;
     let mut written: Written = Vec::new();

@@ -310,13 +310,12 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
     }
 
     let (reg_sock, dra_sock) =
-        (kubelet.join("plugins_registry").join(format!("{DRIVER}-reg.sock")), dra_socket(&kubelet));
+        (kubelet.join("plugins_registry").join(format!("{DRIVER}-reg.sock@localhost")), dra_socket(&kubelet));
     wait("the registration socket", || reg_sock.exists());
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
-        // The plugin watcher's side of registration.
-        let mut r =
-            reg::registration_client::RegistrationClient::new(vgpu_agent::api::unix_channel(&reg_sock).await.unwrap());
+        // The plugin watcher's side of registration, with the HTTP/2 authority kubelet sends.
+        let mut r = reg::registration_client::RegistrationClient::new(kubelet_style_channel(&reg_sock).await);
         let info = r.get_info(reg::InfoRequest {}).await.unwrap().into_inner();
         assert_eq!((info.r#type.as_str(), info.name.as_str()), ("DRAPlugin", DRIVER));
         assert_eq!(info.endpoint, dra_sock.display().to_string());
@@ -1124,6 +1123,14 @@ fn a_container_is_given_one_claim_of_the_driver() {
     }
     let (_rt, _sock, resp) = prepare_claims(&kubelet, "cc", &["x", "y", "z", "alone"]);
     assert_eq!(resp.claims["cc-0004"].error, "", "{resp:?}");
+    // Its slice names the pod it is reserved for, as `vgpuctl status` shows it.
+    let detail: Value = serde_json::from_str(&_a.ctl_ok(&["inspect", "dra-cc-0004", "--json"])).unwrap();
+    assert_eq!(
+        (&detail["slice"]["labels"]["pod"], &detail["slice"]["labels"]["pod-uid"]),
+        (&json!("p2"), &json!("p2-uid"))
+    );
+    let status = _a.ctl_ok(&["status"]);
+    assert!(status.contains("dra-cc-0004  (ml/p2 claim alone)"), "{status}");
 }
 
 /// The H100's MIG profiles as NVML gives them (name, placement starts, memory slices).
@@ -1295,4 +1302,41 @@ fn with_dynamic_mig_claims_get_instances_made_to_measure() {
     starts.sort();
     assert_eq!(starts, [0, 1], "{now:?}");
     assert!(a.log_text().contains("were made in part"), "{}", a.log_text());
+}
+
+/// What grpc-go, in kubelet's plugin watcher, sends as the `:authority` when it dials a socket by
+/// its path: the path with every byte that RFC 3986 does not allow in an authority
+/// percent-encoded.
+fn grpc_go_authority(path: &Path) -> String {
+    let keep = |c: u8| c.is_ascii_alphanumeric() || b"-_.~!$&'()*+,;=:[]@".contains(&c);
+    path.as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .map(|&c| if keep(c) { (c as char).to_string() } else { format!("%{c:02X}") })
+        .collect()
+}
+
+/// A channel to the socket at `path` whose requests carry the authority kubelet's sends.
+async fn kubelet_style_channel(path: &Path) -> tonic::transport::Channel {
+    let uri = format!("http://{}", grpc_go_authority(path));
+    let p = path.to_owned();
+    tonic::transport::Endpoint::from_shared(uri.clone())
+        .unwrap_or_else(|e| panic!("kubelet's authority for {} is not a valid one ({uri}): {e}", path.display()))
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let p = p.clone();
+            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+        }))
+        .await
+        .unwrap()
+}
+
+#[test]
+fn a_socket_path_is_a_valid_authority_only_with_a_host_after_an_at() {
+    // The reason for the registration socket's name: without the `@`, the percent-encoded path is
+    // the host, which the HTTP/2 server refuses.
+    let plain = grpc_go_authority(Path::new("/var/lib/kubelet/plugins_registry/gpu.vgpu.io-reg.sock"));
+    assert!(plain.parse::<tonic::codegen::http::uri::Authority>().is_err(), "{plain}");
+    let named = grpc_go_authority(Path::new("/var/lib/kubelet/plugins_registry/gpu.vgpu.io-reg.sock@localhost"));
+    let a = named.parse::<tonic::codegen::http::uri::Authority>().unwrap();
+    assert_eq!(a.host(), "localhost");
 }
