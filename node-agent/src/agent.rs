@@ -108,14 +108,20 @@ fn hostname() -> String {
 }
 
 /// A slice API error: what gRPC status it maps to, and the message.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum ApiError {
+    #[error("{0}")]
     Invalid(String),
+    #[error("{0}")]
     NotFound(String),
+    #[error("{0}")]
     Exists(String),
+    #[error("{0}")]
     Busy(String),
     /// A node-wide bound is reached (`max_slices`).
+    #[error("{0}")]
     Full(String),
+    #[error("{0}")]
     Internal(String),
 }
 

@@ -320,8 +320,8 @@ impl Kube {
             let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {
                 Ok(d) => Ok(d),
                 // A container restarted by kubelet: its slice is there.
-                Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&key).map_err(|e| format!("{e:?}")),
-                Err(e) => Err(format!("{e:?}")),
+                Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&key).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
             })
             .await
             .map_err(|e| e.to_string())?;
@@ -355,14 +355,17 @@ impl Kube {
         Ok(())
     }
 
-    /// Deletes slices made for pods that no longer exist on this node.
+    /// Deletes slices made for pods that no longer exist on this node: those made from either
+    /// scheduler's annotations (a node switched from one protocol to the other keeps its slices
+    /// until their pods go).
     pub async fn collect(&self, agent: &Agent) -> Result<usize, String> {
         let pods = self.pods().await?;
         let uids: std::collections::HashSet<String> = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
+        let protocols = [crate::hami::HAMI.name, crate::hami::VOLCANO.name];
         let mut n = 0;
         for s in agent.slices().iter() {
             let Some(uid) = s.labels.get("pod-uid") else { continue };
-            if s.labels.get("source").map(String::as_str) == Some("hami")
+            if s.labels.get("source").is_some_and(|src| protocols.contains(&src.as_str()))
                 && !uids.contains(uid)
                 && agent.delete_slice(&s.name, false).is_ok()
             {

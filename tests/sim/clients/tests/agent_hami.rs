@@ -483,6 +483,12 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
     let reg = cl.node["metadata"]["annotations"]["volcano.sh/node-vgpu-register"].as_str().unwrap();
     assert!(reg.starts_with(&format!("{g0},10,16,NVIDIA-NVIDIA A100-SXM4-40GB,true,hami-core:{g1},10,159,")), "{reg}");
     drop(cl);
+
+    // The pod goes: its slice goes.
+    let job = |v: &Value| v["slices"].as_array().unwrap().iter().any(|x| x["labels"]["pod"] == "job");
+    assert!(_a.status().is_some_and(|v| job(&v)), "{:?}", _a.status());
+    cluster.lock().unwrap().pods.clear();
+    wait("the deleted pod's slice removed", || _a.status().is_some_and(|v| !job(&v)));
     let _ = &mut s;
 }
 
