@@ -6,12 +6,15 @@
 #      dry run); wrong values refused by values.schema.json, naming the value;
 #   2. HAMi mode: the register annotation on the real Node; a pod bound by kube-scheduler with the
 #      annotations HAMi's scheduler writes is allocated by the kubelet through the device plugin; its
-#      simulated-CUDA client is held to the slice's memory; the node lock is released and the bind
-#      phase set; `vgpuctl status` names the pod; an agent may change only its own Node;
-#   3. DRA: `helm upgrade` to DRA restarts the agent (checksum/config); its ResourceSlices pass the
+#      simulated-CUDA client is held to the slice's memory and SM share; the lock is released, the
+#      bind phase set; `vgpuctl status` names the pod; an Allocate that fails leaves no slice; an
+#      agent may change only its own Node; without one of its RBAC rules it says so, writes nothing;
+#   3. Volcano mode: the same with the annotations Volcano's scheduler writes; a deleted pod's slice
+#      is removed;
+#   4. DRA: `helm upgrade` to DRA restarts the agent (checksum/config); its ResourceSlices pass the
 #      API server's validation; a pod with a ResourceClaim (a CEL selector on memory) is allocated by
-#      kube-scheduler, prepared by the agent through the kubelet, held to the claim's memory; another
-#      node's ResourceSlice is refused; deleting the pod frees the slice.
+#      kube-scheduler, prepared by the agent through the kubelet, held to the claim's memory and SM
+#      share; another node's ResourceSlice is refused; deleting the pod frees the slice.
 #   tests/k8s/e2e.sh [DIR]        # DIR: scratch folder (default target/k8s-e2e); logs kept there
 # VGPU_K8S_KEEP=1 leaves the cluster up when it ends (to look at it).
 # Needs root, Go (tests/k8s/tools.sh), cargo, openssl, python3, runc. Stops all it started on exit.
@@ -179,18 +182,22 @@ echo "  allocatable nvidia.com/gpu: $("$K" get node "$node" -o jsonpath='{.statu
 "$K" auth can-i --list --as "system:serviceaccount:$ns:vgpu-node-agent" >"$dir/logs/can-i-hami.txt"
 
 # The simulated-CUDA client's container and volumes, for a pod spec: it prints what the driver says
-# the device has, then fills its GPU memory until refused and holds it. $1: its resources.
+# the device has, keeps the GPU busy for 3 s (measuring the share of GPU time it got), then fills
+# its GPU memory until refused and holds it. $1: its resources.
 cuda_client() {
     cat <<EOF
   containers:
     - name: cuda
       image: vgpu.test/gpu-probe:e2e
       imagePullPolicy: Never
-      command: ["/bin/sh", "-c", "gpu-probe info; gpu-probe fill --chunk 104857600"]
+      command: ["/bin/sh", "-c", "gpu-probe info; gpu-probe spin --seconds 3; gpu-probe fill --chunk 104857600"]
       env:
         - {name: LD_LIBRARY_PATH, value: /opt/vgpu-sim/lib}
         - {name: VGPU_SIM_CONFIG, value: /opt/vgpu-sim/node.toml}
         - {name: VGPU_SIM_STATE, value: /opt/vgpu-sim/state}
+        # By default the SM share applies only while another container shares the GPU (HAMi's
+        # meaning); a tenant may ask for it always (it can tighten its limits, never loosen them).
+        - {name: GPU_CORE_UTILIZATION_POLICY, value: force}
       resources:
         $1
       volumeMounts:
@@ -201,20 +208,24 @@ EOF
 }
 
 ran() { "$K" -n e2e logs "$1" 2>/dev/null | grep -q '"result"'; }
-# held POD BYTES: the pod's client was refused at its quota (having got no more than BYTES) and the
-# driver tells it the device has exactly BYTES.
+# held POD BYTES PERCENT: the pod's client was refused at its quota (having got no more than BYTES),
+# the driver tells it the device has exactly BYTES, and it got about PERCENT of the GPU's time
+# (unthrottled, it gets over 90 %).
 held() {
     wait_until 180 "$1's client ran" ran "$1"
     local logs
     logs=$("$K" -n e2e logs "$1")
     echo "$logs" | sed 's/^/  pod: /'
-    python3 - "$logs" "$2" <<'EOF' || fail "$1 was not held to $(($2 >> 20)) MiB"
+    python3 - "$logs" "$2" "$3" <<'EOF' || fail "$1 was not held to $(($2 >> 20)) MiB and $3 % of the GPU"
 import json, sys
-info, fill = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")][:2]
-quota = int(sys.argv[2])
+info, spin, fill = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")][:3]
+quota, share = int(sys.argv[2]), int(sys.argv[3]) / 100
 assert fill["result"] == "CUDA_ERROR_OUT_OF_MEMORY", fill
 assert 0 < fill["allocated"] <= quota, (fill, quota)
 assert info["mem_total"] == quota, (info, quota)
+assert 0.02 < spin["busy"] <= share + 0.1, (spin, share)
+print("  held: memory %d MiB (refused after %d MiB), GPU time %.1f %% (limit %d %%)"
+      % (quota >> 20, fill["allocated"] >> 20, spin["busy"] * 100, share * 100))
 EOF
 }
 
@@ -240,12 +251,44 @@ spec:
   terminationGracePeriodSeconds: 1
 $(cuda_client "limits: {nvidia.com/gpu: 1}")
 EOF
-held hami-pod $((1024 << 20))
+held hami-pod $((1024 << 20)) 30
 [ "$(annotation pod hami-pod e2e hami.io/bind-phase)" = success ] || fail "bind phase: $(annotation pod hami-pod e2e hami.io/bind-phase)"
 [ -z "$(annotation node "$node" "" hami.io/mutex.lock)" ] || fail "the node lock was not released"
 vgpuctl status >"$dir/logs/vgpuctl-status-hami.txt"
 grep -q "hami-pod" "$dir/logs/vgpuctl-status-hami.txt" || { cat "$dir/logs/vgpuctl-status-hami.txt"; fail "vgpuctl status does not name the pod"; }
-echo "  held to 1024 MiB; bind phase success; lock released; vgpuctl status names e2e/hami-pod"
+echo "  bind phase success; lock released; vgpuctl status names e2e/hami-pod"
+
+stage "HAMi mode: an Allocate that fails leaves nothing behind"
+# The scheduler's annotations name a GPU this node does not have.
+"$K" annotate node "$node" --overwrite "hami.io/mutex.lock=$(date -u +%Y-%m-%dT%H:%M:%SZ),e2e,bad-pod" >/dev/null
+devices="GPU-00000000-0000-4000-8000-000000000000,NVIDIA,1024,30:;"
+cat <<EOF | "$K" apply -f - >/dev/null
+apiVersion: v1
+kind: Pod
+metadata:
+  name: bad-pod
+  namespace: e2e
+  annotations:
+    hami.io/bind-phase: allocating
+    hami.io/bind-time: "$(date +%s)"
+    hami.io/vgpu-node: $node
+    hami.io/vgpu-devices-to-allocate: "$devices"
+    hami.io/vgpu-devices-allocated: "$devices"
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+$(cuda_client "limits: {nvidia.com/gpu: 1}")
+EOF
+refused() { [ "$("$K" -n e2e get pod bad-pod -o jsonpath='{.status.phase}')" = Failed ]; }
+wait_until 60 "bad-pod failed by kubelet" refused
+echo "  kubelet: $("$K" -n e2e get pod bad-pod -o jsonpath='{.status.reason}: {.status.message}' | cut -c1-240)"
+[ "$(annotation pod bad-pod e2e hami.io/bind-phase)" = failed ] || fail "bind phase: $(annotation pod bad-pod e2e hami.io/bind-phase)"
+[ -z "$(annotation node "$node" "" hami.io/mutex.lock)" ] || fail "the node lock was not released"
+vgpuctl status >"$dir/logs/vgpuctl-status-bad.txt"
+if grep -q "bad-pod" "$dir/logs/vgpuctl-status-bad.txt"; then cat "$dir/logs/vgpuctl-status-bad.txt"; fail "a slice was left for bad-pod"; fi
+[ "$(grep -c 'e2e/' "$dir/logs/vgpuctl-status-bad.txt")" = 1 ] || { cat "$dir/logs/vgpuctl-status-bad.txt"; fail "slices other than hami-pod's"; }
+echo "  bind phase failed; lock released; no slice for it (hami-pod's alone)"
+"$K" -n e2e delete pod bad-pod --wait=true --timeout=60s >/dev/null
 
 stage "an agent changes only its own Node (the chart's ValidatingAdmissionPolicy)"
 "$K" create -f - >/dev/null <<EOF
@@ -310,12 +353,15 @@ spec:
   terminationGracePeriodSeconds: 1
 $(cuda_client "limits: {volcano.sh/vgpu-number: 1}")
 EOF
-held volcano-pod $((2048 << 20))
+held volcano-pod $((2048 << 20)) 50
 [ "$(annotation pod volcano-pod e2e volcano.sh/bind-phase)" = success ] ||
     fail "bind phase: $(annotation pod volcano-pod e2e volcano.sh/bind-phase)"
 [ -z "$(annotation node "$node" "" hamivgpu)" ] || fail "Volcano's node lock was not released"
-echo "  held to 2048 MiB; bind phase success; lock released"
+echo "  bind phase success; lock released"
 "$K" -n e2e delete pod volcano-pod --wait=true --timeout=60s >/dev/null
+volcano_freed() { ! vgpuctl status | grep -q 'e2e/volcano-pod'; }
+wait_until 60 "volcano-pod's slice removed once the pod is gone" volcano_freed
+echo "  the pod deleted: its slice removed"
 
 stage "DRA: helm upgrade restarts the agent as a DRA driver"
 old_hash=$("$K" -n "$ns" get ds vgpu-node-agent -o jsonpath='{.spec.template.metadata.annotations.checksum/config}')
@@ -354,16 +400,8 @@ echo "  refused: $out"
 slice_of "$node" | as_agent create -f - >/dev/null || fail "the agent could not write its own node's ResourceSlice"
 "$K" delete resourceslice "e2e-$node" >/dev/null
 
-# Kubelet v1.36 dials a plugin's registration socket with the socket's path as the HTTP/2
-# :authority (pkg/kubelet/pluginmanager/operationexecutor: grpc.DialContext(ctx, unixSocketPath)),
-# which the HTTP/2 server under tonic refuses as malformed (kubelet logs "RegisterPlugin error --
-# ... RST_STREAM with error code: PROTOCOL_ERROR"), so the DRA driver is never registered and a
-# claim is never prepared. Until the agent answers such a client, preparation runs only on request.
-if [ -z "${VGPU_K8S_DRA_PREPARE:-}" ]; then
-    echo "=== DRA: claim preparation through the kubelet NOT RUN (the kubelet cannot register the driver: see e2e.sh)"
-else
-    stage "DRA: a claim with a CEL selector on memory, allocated by kube-scheduler, prepared through kubelet"
-    cat <<EOF | "$K" apply -f - >/dev/null
+stage "DRA: a claim with a CEL selector on memory, allocated by kube-scheduler, prepared through kubelet"
+cat <<EOF | "$K" apply -f - >/dev/null
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaim
 metadata: {name: gpu-share, namespace: e2e}
@@ -387,10 +425,12 @@ spec:
     - {name: gpu, resourceClaimName: gpu-share}
 $(cuda_client "claims: [{name: gpu}]")
 EOF
-    # The share the scheduler allocated: the memory capacity of the device in the agent's ResourceSlice.
-    "$K" -n e2e get resourceclaim gpu-share -o jsonpath='{.status.allocation.devices.results}' >"$dir/logs/claim-allocation.json"
-    "$K" get resourceslices -o json >"$dir/logs/resourceslices.json"
-    limit=$(python3 - "$dir/logs/claim-allocation.json" "$dir/logs/resourceslices.json" <<'EOF'
+claimed() { [ -n "$("$K" -n e2e get resourceclaim gpu-share -o jsonpath='{.status.allocation}')" ]; }
+wait_until 60 "the claim allocated by kube-scheduler" claimed
+# The share the scheduler allocated: the capacity of the device in the agent's ResourceSlice.
+"$K" -n e2e get resourceclaim gpu-share -o jsonpath='{.status.allocation.devices.results}' >"$dir/logs/claim-allocation.json"
+"$K" get resourceslices -o json >"$dir/logs/resourceslices.json"
+read -r limit cores < <(python3 - "$dir/logs/claim-allocation.json" "$dir/logs/resourceslices.json" <<'EOF'
 import json, sys
 device = json.load(open(sys.argv[1]))[0]["device"]
 units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
@@ -398,23 +438,23 @@ for s in json.load(open(sys.argv[2]))["items"]:
     for d in s["spec"]["devices"]:
         if d["name"] == device:
             v = d["capacity"]["memory"]["value"]
-            print(int(v[:-2]) * units[v[-2:]] if v[-2:] in units else int(v))
+            print(int(v[:-2]) * units[v[-2:]] if v[-2:] in units else int(v), d["capacity"]["cores"]["value"])
 EOF
-    )
-    [ -n "$limit" ] || fail "the allocated device is in no ResourceSlice: $(cat "$dir/logs/claim-allocation.json")"
-    echo "  allocated: $(cat "$dir/logs/claim-allocation.json") ($((limit >> 20)) MiB)"
-    held dra-pod "$limit"
-    vgpuctl status >"$dir/logs/vgpuctl-status-dra.txt"
-    grep -q "dra-pod\|gpu-share" "$dir/logs/vgpuctl-status-dra.txt" || { cat "$dir/logs/vgpuctl-status-dra.txt"; fail "vgpuctl status does not name the claim"; }
-    echo "  held to its share ($((limit >> 20)) MiB of a 40 GiB GPU); vgpuctl status names it"
+)
+[ -n "$limit" ] || fail "the allocated device is in no ResourceSlice: $(cat "$dir/logs/claim-allocation.json")"
+echo "  allocated: $(cat "$dir/logs/claim-allocation.json") ($((limit >> 20)) MiB, $cores % of the GPU)"
+held dra-pod "$limit" "$cores"
+vgpuctl status >"$dir/logs/vgpuctl-status-dra.txt"
+grep -q "(e2e/dra-pod claim gpu-share)" "$dir/logs/vgpuctl-status-dra.txt" ||
+    { cat "$dir/logs/vgpuctl-status-dra.txt"; fail "vgpuctl status does not name the pod and its claim"; }
+echo "  vgpuctl status names it: e2e/dra-pod claim gpu-share"
 
-    stage "DRA: deleting the pod unprepares the claim and frees the slice"
-    "$K" -n e2e delete pod dra-pod --wait=true --timeout=60s >/dev/null
-    freed() { ! vgpuctl status | grep -q 'dra-pod\|gpu-share'; }
-    wait_until 60 "the claim's slice removed" freed
-    echo "  the slice is gone"
+stage "DRA: deleting the pod unprepares the claim and frees the slice"
+"$K" -n e2e delete pod dra-pod --wait=true --timeout=60s >/dev/null
+freed() { ! vgpuctl status | grep -q 'dra-pod\|gpu-share'; }
+wait_until 60 "the claim's slice removed" freed
+echo "  the slice is gone"
 
-fi
 stage "helm uninstall"
 "$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
 echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s"
