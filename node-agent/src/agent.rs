@@ -72,21 +72,19 @@ pub struct Agent {
     pub nvml: std::sync::OnceLock<Arc<nvml_wrapper::Nvml>>,
     /// The MIG applier's records (`<state_dir>/mig`), and one MIG operation at a time.
     pub mig: Mutex<vgpu_mig::apply::Store>,
-    /// The Kubernetes client (HAMi mode), once connected.
-    pub kube: std::sync::OnceLock<Arc<crate::k8s::Kube>>,
     /// Resident memory, read every tenth pass.
     rss: AtomicU64,
     /// Wakes the monitoring thread for a pass now (after a slice change).
     kick: (std::sync::Mutex<bool>, std::sync::Condvar),
     /// Notified after every published pass and every drain change (the capacity reporter waits on it).
     pub capacity_changed: tokio::sync::Notify,
-    /// GPUs the scheduler drained (by UUID), persisted in `<state_dir>/drained.json`.
+    /// GPUs the scheduler drained (by UUID); the capacity reporter loads and keeps them.
     pub drained: RwLock<std::collections::BTreeSet<String>>,
     /// MIG profile tables by GPU UUID (they never change), read once from NVML.
     pub mig_profiles: Mutex<std::collections::HashMap<String, Vec<vgpu_mig::model::Profile>>>,
-    /// Who holds each MIG device given out whole (by MIG UUID), from the records of the DRA driver
-    /// and of HAMi mode; see [`Agent::refresh_mig_holders`].
-    pub mig_holders: RwLock<std::collections::BTreeMap<String, String>>,
+    /// Who holds each MIG device given out whole (by MIG UUID), as each feature that gives them out
+    /// (the DRA driver, HAMi mode) last said; see [`Agent::set_mig_holders`].
+    mig_holders: RwLock<BTreeMap<&'static str, BTreeMap<String, String>>>,
     /// The DRA claims prepared with admin access, as the monitoring pass knows their containers'
     /// processes; see [`Agent::refresh_admitted`].
     pub admitted: RwLock<Arc<Vec<crate::monitor::Admitted>>>,
@@ -96,8 +94,6 @@ pub struct Agent {
     /// them (`notices_wanted`), at most [`NOTICES_KEPT`].
     pub notices: Mutex<std::collections::VecDeque<Notice>>,
     pub notices_wanted: AtomicBool,
-    /// The capacity reporter's connection state.
-    pub reporter: Arc<crate::report::ReporterState>,
 }
 
 fn hostname() -> String {
@@ -153,7 +149,6 @@ impl Agent {
         let slices = list.into_iter().map(|s| (s.name.clone(), s)).collect();
         let health = Arc::new(Health::new(std::time::Duration::from_secs(cfg.health_recovery_s)));
         let mig = Mutex::new(vgpu_mig::apply::Store::open(&cfg.state_dir.join("mig")).map_err(|e| e.0)?);
-        let cfg_state_dir = cfg.state_dir.clone();
         Ok(Agent {
             cfg,
             store,
@@ -172,17 +167,15 @@ impl Agent {
             kick: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             rss: AtomicU64::new(0),
             nvml: std::sync::OnceLock::new(),
-            kube: std::sync::OnceLock::new(),
             mig,
             capacity_changed: tokio::sync::Notify::new(),
-            drained: RwLock::new(crate::capacity::load_drained(&cfg_state_dir)),
+            drained: RwLock::new(Default::default()),
             mig_profiles: Mutex::new(Default::default()),
             mig_holders: RwLock::new(Default::default()),
             admitted: RwLock::new(Default::default()),
             warnings: RwLock::new(warnings),
             notices: Mutex::new(Default::default()),
             notices_wanted: AtomicBool::new(false),
-            reporter: Default::default(),
         })
     }
 
@@ -196,7 +189,7 @@ impl Agent {
 
     /// Asks for a pass now and waits (up to a second) until one has been published, so that a status
     /// read after a slice change shows it.
-    fn refresh(&self) {
+    pub fn refresh(&self) {
         if !self.ready.load(Acquire) {
             return;
         }
@@ -459,39 +452,20 @@ impl Agent {
         })
     }
 
-    /// A MIG operation (status, plan, apply, assert) on the agent's NVML; after an apply, the
-    /// inventory is read again and a pass published, so the status stream shows the new layout.
-    pub fn mig(&self, req: Option<pb::MigRequest>, op: crate::mig::Op) -> Result<pb::MigReport, ApiError> {
-        let nvml = self.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
-        let store = self.mig.lock();
-        let held = self.mig_holders.read().keys().cloned().collect();
-        let r = crate::mig::run(nvml.clone(), &store, held, &req.unwrap_or_default(), op);
-        drop(store);
-        if op == crate::mig::Op::Apply {
-            if let Ok(inv) = crate::discovery::discover(&nvml) {
-                *self.inventory.write() = inv;
-            }
-            self.refresh();
-        }
-        r
+    /// Sets who holds the MIG devices that `source` gave out (MIG UUID -> holder, as status shows
+    /// it), replacing what it said before. The features call it at start and after every change.
+    pub fn set_mig_holders(&self, source: &'static str, held: BTreeMap<String, String>) {
+        self.mig_holders.write().insert(source, held);
     }
 
-    /// Reads again who holds which MIG device: the DRA driver's records of claims
-    /// (`<state_dir>/dra-mig/`) and HAMi mode's of containers (`<state_dir>/mig/allocations/`).
-    /// Called at start and after every change to either.
-    pub fn refresh_mig_holders(&self) {
-        let mut held = std::collections::BTreeMap::new();
-        for c in crate::dra::mig_claims(self) {
-            for d in c.devices {
-                held.insert(d, format!("claim {}/{}", c.namespace, c.name));
-            }
-        }
-        for (key, rec) in crate::k8s::mig_records(self) {
-            for u in rec.allocations.into_iter().filter_map(|a| a.uuid) {
-                held.insert(u, format!("container {key}"));
-            }
-        }
-        *self.mig_holders.write() = held;
+    /// Who holds MIG device `uuid`, if a feature gave it out whole.
+    pub fn mig_holder(&self, uuid: &str) -> Option<String> {
+        self.mig_holders.read().values().find_map(|m| m.get(uuid).cloned())
+    }
+
+    /// Who holds each MIG device given out whole, whichever feature gave it.
+    pub fn mig_holders(&self) -> BTreeMap<String, String> {
+        self.mig_holders.read().values().flat_map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone()))).collect()
     }
 
     /// Sets (Some) or clears (None) the warning of `source`, shown in the status (`warnings`) from the
@@ -503,38 +477,6 @@ impl Agent {
             None => w.remove(source),
         };
         old != text
-    }
-
-    /// Reads again the DRA driver's records of claims with admin access (`<state_dir>/dra-admin/`):
-    /// each record's identity, where its containers see it, and the GPUs it covers (a MIG device's
-    /// parent with it). Called at start and after every change.
-    pub fn refresh_admitted(&self) {
-        let inv = self.inventory.read();
-        let v = crate::dra::whole_claims(self, crate::dra::Whole::Admin)
-            .into_iter()
-            .filter_map(|(path, c)| {
-                let file = crate::procfs::file_id(&path)?;
-                let mut gpus = c.devices.clone();
-                for g in &inv.gpus {
-                    let mig = g.mig.iter().flat_map(|m| &m.devices);
-                    if mig.into_iter().any(|m| c.devices.contains(&m.uuid)) {
-                        gpus.push(g.uuid.clone());
-                    }
-                }
-                Some(crate::monitor::Admitted {
-                    claim: format!("{}/{}", c.namespace, c.name),
-                    path: crate::dra::admin_mount(&path),
-                    file,
-                    gpus,
-                })
-            })
-            .collect();
-        *self.admitted.write() = Arc::new(v);
-    }
-
-    pub fn mig_status(&self) -> Result<pb::MigStatusResponse, ApiError> {
-        let nvml = self.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
-        crate::mig::status(nvml, &self.mig.lock(), &self.mig_holders.read(), &self.cfg.mig_geometries)
     }
 
     pub fn health_response(&self) -> pb::HealthResponse {
@@ -559,7 +501,7 @@ impl Agent {
             }
         }
         // What an operator must act on: escapes and the status's warnings.
-        problems.extend(st.escapes.iter().map(|e| format!("escape: {}", crate::ctl::escape_line(e))));
+        problems.extend(st.escapes.iter().map(|e| format!("escape: {}", crate::describe::escape_line(e))));
         problems.extend(st.warnings.iter().cloned());
         let stalled = self.stalled();
         problems.extend(stalled.clone());
@@ -645,9 +587,7 @@ impl Agent {
                                             name: dev.map(|d| d.name.clone()).unwrap_or_default(),
                                             memory_total: dev.map_or(0, |d| d.memory_total),
                                             compute_instances: gi.compute_instances.len() as u32,
-                                            holder: dev
-                                                .and_then(|d| self.mig_holders.read().get(&d.uuid).cloned())
-                                                .unwrap_or_default(),
+                                            holder: dev.and_then(|d| self.mig_holder(&d.uuid)).unwrap_or_default(),
                                         }
                                     })
                                     .collect()

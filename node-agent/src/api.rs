@@ -2,7 +2,7 @@
 //! `vgpuctl` and tests use.
 
 use crate::agent::{Agent, ApiError};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_stream::wrappers::ReceiverStream;
@@ -12,6 +12,8 @@ use vgpu_proto::v1::agent_server::AgentServer;
 
 pub struct Service {
     agent: Arc<Agent>,
+    /// The capacity reporter's connection state, for `vgpuctl capacity`.
+    reporter: Arc<crate::report::ReporterState>,
 }
 
 impl From<ApiError> for Status {
@@ -32,7 +34,7 @@ impl Service {
         self.ready()?;
         let a = self.agent.clone();
         let r = req.into_inner();
-        Ok(Response::new(blocking(move || a.mig(Some(r), op)).await?))
+        Ok(Response::new(blocking(move || crate::mig::operate(&a, Some(r), op)).await?))
     }
 
     fn ready(&self) -> Result<(), Status> {
@@ -44,8 +46,8 @@ impl Service {
     }
 }
 
-pub fn server(agent: Arc<Agent>) -> AgentServer<Service> {
-    AgentServer::new(Service { agent })
+pub fn server(agent: Arc<Agent>, reporter: Arc<crate::report::ReporterState>) -> AgentServer<Service> {
+    AgentServer::new(Service { agent, reporter })
 }
 
 /// Runs a blocking slice operation (file system work) off the async threads.
@@ -99,7 +101,7 @@ impl pb::agent_server::Agent for Service {
         let capacity = tokio::task::spawn_blocking(move || a.node_capacity())
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
-        let r = &self.agent.reporter;
+        let r = &self.reporter;
         use std::sync::atomic::Ordering::Relaxed;
         Ok(Response::new(pb::CapacityResponse {
             capacity: Some(capacity),
@@ -148,7 +150,7 @@ impl pb::agent_server::Agent for Service {
     async fn mig_status(&self, _: Request<pb::MigStatusRequest>) -> Result<Response<pb::MigStatusResponse>, Status> {
         self.ready()?;
         let a = self.agent.clone();
-        Ok(Response::new(blocking(move || a.mig_status()).await?))
+        Ok(Response::new(blocking(move || crate::mig::agent_status(&a)).await?))
     }
 
     async fn mig_plan(&self, req: Request<pb::MigRequest>) -> Result<Response<pb::MigReport>, Status> {
@@ -164,94 +166,9 @@ impl pb::agent_server::Agent for Service {
     }
 }
 
-/// Binds the API socket: refuses if another agent answers on it, removes a stale one, and leaves
-/// the socket readable and writable by its owner and group only (mode 0660).
-pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    }
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(format!("another agent is serving on {}", path.display()));
-        }
-        std::fs::remove_file(path).map_err(|e| format!("cannot remove the stale socket {}: {e}", path.display()))?;
-    }
-    // The socket is created with the umask's permissions: make it 0660 from the start (no window in
-    // which others could connect). The agent is single-threaded at this point.
-    // SAFETY: umask has no preconditions.
-    let old = unsafe { libc::umask(0o117) };
-    let l = std::os::unix::net::UnixListener::bind(path);
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
-    let l = l.map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
-    l.set_nonblocking(true).map_err(|e| e.to_string())?;
-    tokio::net::UnixListener::from_std(l).map_err(|e| e.to_string())
-}
-
-/// The connections of a listening socket, for a tonic server, that survive running out of file
-/// descriptors: on EMFILE or ENFILE the accept loop waits (10 ms, doubling up to 1 s) and says so at
-/// most once a minute, instead of trying again at once (which spun at full CPU and starved the
-/// agent). Ends when the server drops the stream.
-pub fn incoming(
-    l: tokio::net::UnixListener,
-) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::UnixStream>> {
-    let (tx, rx) = tokio::sync::mpsc::channel(16);
-    tokio::spawn(async move {
-        let floor = std::time::Duration::from_millis(10);
-        let mut wait = floor;
-        let mut said: Option<std::time::Instant> = None;
-        loop {
-            match l.accept().await {
-                Ok((s, _)) => {
-                    wait = floor;
-                    if tx.send(Ok(s)).await.is_err() {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    if tx.is_closed() {
-                        return;
-                    }
-                    if said.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(60)) {
-                        tracing::warn!(error = %e, "cannot accept a connection (out of file descriptors? see max_slices and LimitNOFILE); waiting");
-                        said = Some(std::time::Instant::now());
-                    }
-                    tokio::time::sleep(wait).await;
-                    let fds = matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE));
-                    wait = if fds { (wait * 2).min(std::time::Duration::from_secs(1)) } else { floor };
-                }
-            }
-        }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
-}
-
-/// Removes the API socket when dropped: a start that fails after binding it (no NVML, say) leaves
-/// nothing behind that would make `vgpuctl` report "connection refused" instead of "no agent".
-pub struct SocketFile(pub PathBuf);
-
-impl Drop for SocketFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// A gRPC channel to the Unix socket at `path` (the agent's, kubelet's, a local scheduler's).
-pub async fn unix_channel(path: &Path) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    let p: PathBuf = path.to_owned();
-    // The URI is required by the API but unused: the connector dials the socket.
-    tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_timeout(std::time::Duration::from_secs(10))
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let p = p.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
-        }))
-        .await
-}
-
 /// A client of the agent on the Unix socket at `path`.
 pub async fn connect(path: &Path) -> Result<pb::agent_client::AgentClient<tonic::transport::Channel>, String> {
-    let channel = unix_channel(path).await.map_err(|e| {
+    let channel = crate::sockets::unix_channel(path).await.map_err(|e| {
         let cause = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
         format!(
             "cannot reach the agent at {}{cause} (is vgpu-node-agent running? see `vgpuctl doctor`)",

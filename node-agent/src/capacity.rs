@@ -297,7 +297,7 @@ impl Agent {
         let r = {
             let _g = self.mig.lock();
             // Not one given to a DRA claim or a HAMi-mode container, idle or not.
-            let b = vgpu_mig::backend::NvmlBackend::with_held(nvml, self.mig_holders.read().keys().cloned());
+            let b = vgpu_mig::backend::NvmlBackend::with_held(nvml, self.mig_holders().into_keys());
             vgpu_mig::apply::release(&b, index, d.gpu_instance_id)
         };
         match r {

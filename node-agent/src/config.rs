@@ -1,6 +1,9 @@
 //! Agent configuration: a TOML file, then environment (`VGPU_AGENT_*`), then command-line flags, each
 //! overriding the one before; validated once, with messages that name the file, key and problem.
 
+pub mod peer;
+pub mod scheduler;
+
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -157,7 +160,7 @@ pub struct Config {
     /// what a container's allocations find no physical room for is served as unified memory.
     pub memory_scaling: f64,
     /// Capacity reporting to the central scheduler; None: off.
-    pub scheduler: Option<crate::report::ReportConfig>,
+    pub scheduler: Option<scheduler::ReportConfig>,
     /// The kubelet DRA plugin (resource.k8s.io): its driver name; None: off.
     pub dra: Option<String>,
     /// How the DRA plugin offers each GPU.
@@ -166,9 +169,9 @@ pub struct Config {
     pub dra_mig: DraMig,
     /// HAMi and Volcano modes: the MIG geometries of the scheduler's configuration
     /// (`knownMigGeometries`); empty: each GPU's own, from its profile table.
-    pub mig_geometries: Vec<crate::hami::KnownMigGeometries>,
+    pub mig_geometries: Vec<peer::KnownMigGeometries>,
     /// The same file's other settings the agent must agree with (its `nvidia` section), if any.
-    pub scheduler_settings: Option<crate::hami::SchedulerSettings>,
+    pub scheduler_settings: Option<peer::SchedulerSettings>,
     /// The `[[node]]` section that applies to this node (its index and names), if any.
     pub node_section: Option<(usize, Vec<String>)>,
     /// Whether HAMi's per-node configuration (`hami_node_config_file`) has an entry for this node.
@@ -296,7 +299,7 @@ impl Config {
         if let Some(p) = hami_node {
             let text = std::fs::read_to_string(&p)
                 .map_err(|e| bad("hami_node_config_file", format!("cannot read {}: {e}", p.display())))?;
-            let entry = crate::hami::hami_node_entry(&text, &node_name)
+            let entry = peer::hami_node_entry(&text, &node_name)
                 .map_err(|e| bad("hami_node_config_file", format!("{}: {e}", p.display())))?;
             if let Some(e) = entry {
                 file.split_count = e.split_count.or(file.split_count);
@@ -518,8 +521,8 @@ impl Config {
                     .map_err(|e| bad("mig_geometries_file", format!("cannot read {}: {e}", p.display())))?;
                 let file_err = |e: String| bad("mig_geometries_file", format!("{}: {e}", p.display()));
                 (
-                    crate::hami::parse_mig_geometries(&text).map_err(file_err)?,
-                    crate::hami::parse_scheduler_settings(&text).map_err(file_err)?,
+                    peer::parse_mig_geometries(&text).map_err(file_err)?,
+                    peer::parse_scheduler_settings(&text).map_err(file_err)?,
                 )
             }
         };
@@ -574,8 +577,8 @@ impl Config {
         let scheduler = match env("VGPU_AGENT_SCHEDULER_ENDPOINT").or(file.scheduler_endpoint).as_deref() {
             None | Some("" | "off") => None,
             Some(e) => {
-                let endpoint = crate::report::Endpoint::parse(e).map_err(|m| bad("scheduler_endpoint", m))?;
-                let mut r = crate::report::ReportConfig::new(endpoint, node_name.clone());
+                let endpoint = scheduler::Endpoint::parse(e).map_err(|m| bad("scheduler_endpoint", m))?;
+                let mut r = scheduler::ReportConfig::new(endpoint, node_name.clone());
                 r.ca = env("VGPU_AGENT_SCHEDULER_CA").map(PathBuf::from).or(file.scheduler_ca);
                 r.token_file = env("VGPU_AGENT_SCHEDULER_TOKEN_FILE").map(PathBuf::from).or(file.scheduler_token_file);
                 r.server_name = file.scheduler_server_name;
@@ -586,7 +589,7 @@ impl Config {
                 r.identity = match (cert, key) {
                     (None, None) => None,
                     (Some(c), Some(k)) => {
-                        if !matches!(r.endpoint, crate::report::Endpoint::Https { .. }) {
+                        if !matches!(r.endpoint, scheduler::Endpoint::Https { .. }) {
                             return Err(bad(
                                 "scheduler_client_cert",
                                 "a client certificate is for https endpoints".into(),
@@ -611,7 +614,7 @@ impl Config {
                     return Err(bad("scheduler_heartbeat_s", format!("{hb} is outside 1..=3600")));
                 }
                 r.heartbeat = std::time::Duration::from_secs(hb);
-                if matches!(r.endpoint, crate::report::Endpoint::Https { .. }) {
+                if matches!(r.endpoint, scheduler::Endpoint::Https { .. }) {
                     for (k, v) in [("scheduler_ca", &r.ca), ("scheduler_token_file", &r.token_file)] {
                         match v {
                             None => return Err(bad(k, format!("is required for {e} (TLS and a bearer token)"))),

@@ -93,21 +93,24 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
             .map_err(|e| format!("cannot write {}: {e}", tpl.display()))?;
     }
     let agent = Arc::new(Agent::new(cfg.clone(), store, library)?);
-    agent.refresh_mig_holders();
-    agent.refresh_admitted();
+    *agent.drained.write() = crate::capacity::load_drained(&agent.cfg.state_dir);
+    crate::dra::refresh_mig_holders(&agent);
+    crate::k8s::refresh_mig_holders(&agent);
+    crate::dra::refresh_admitted(&agent);
+    let reporter_state = Arc::new(crate::report::ReporterState::default());
     agent.prune_libraries();
     agent.reconcile_cdi();
     tracing::info!(slices = agent.slices().len(), state_dir = %cfg.state_dir.display(), "recovered slices");
 
-    let listener = crate::api::bind(&cfg.socket)?;
-    let _socket = crate::api::SocketFile(cfg.socket.clone());
+    let listener = crate::sockets::bind(&cfg.socket)?;
+    let _socket = crate::sockets::SocketFile(cfg.socket.clone());
     tracing::info!(socket = %cfg.socket.display(), "serving the API");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut srx = stop_rx.clone();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(crate::api::server(agent.clone()))
-            .serve_with_incoming_shutdown(crate::api::incoming(listener), async move {
+            .add_service(crate::api::server(agent.clone(), reporter_state.clone()))
+            .serve_with_incoming_shutdown(crate::sockets::incoming(listener), async move {
                 let _ = srx.wait_for(|s| *s).await;
             }),
     );
@@ -132,7 +135,10 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     // systemd's notifications (Type=notify units): ready after the first pass, the watchdog.
     let notify = tokio::spawn(crate::notify::run(agent.clone(), stop_rx.clone()));
     // The device plugin serves before the slow work too (its device list follows the first pass).
-    let plugin = cfg.device_plugin.then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), stop_rx.clone())));
+    let kube_cell = crate::k8s::KubeCell::default();
+    let plugin = cfg
+        .device_plugin
+        .then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), kube_cell.clone(), stop_rx.clone())));
 
     // NVML is synchronous: discovery, XID events and passes run on threads of their own.
     let stop = Arc::new(AtomicBool::new(false));
@@ -149,7 +155,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     {
         let (n, a) = (nvml.clone(), agent.clone());
         tokio::task::spawn_blocking(move || {
-            crate::mig::reconcile(n, &a.mig.lock(), a.mig_holders.read().keys().cloned().collect())
+            crate::mig::reconcile(n, &a.mig.lock(), a.mig_holders().into_keys().collect())
         })
         .await
         .map_err(|e| e.to_string())?;
@@ -177,7 +183,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     let report_stop = Arc::new(tokio::sync::Notify::new());
     let reporter = cfg.scheduler.clone().map(|rc| {
         tracing::info!(endpoint = %rc.endpoint, node = %rc.node, "reporting capacity to the scheduler");
-        tokio::spawn(crate::report::run(rc, agent.clone(), agent.reporter.clone(), report_stop.clone()))
+        tokio::spawn(crate::report::run(rc, agent.clone(), reporter_state.clone(), report_stop.clone()))
     });
     let proto = match cfg.compat {
         crate::config::Compat::Hami => Some(&crate::hami::HAMI),
@@ -205,20 +211,20 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     // Where the agent disagrees with the scheduler's device configuration (mig_geometries_file):
     // logged, and a warning in the status for as long as it runs.
     if let (Some(_), Some(s)) = (proto, &agent.cfg.scheduler_settings) {
-        let m = crate::hami::settings_mismatches(s, &agent.cfg);
+        let m = crate::deviceplugin::settings_mismatches(s, &agent.cfg);
         for (_, t) in &m {
             tracing::warn!("the scheduler's device configuration: {t}");
         }
-        let all = crate::hami::mismatches_text(&m);
+        let all = crate::deviceplugin::mismatches_text(&m);
         agent.warn("scheduler-config", (!m.is_empty()).then(|| format!("the scheduler's device configuration: {all}")));
     }
     let kube = proto.map(|proto| {
-        let (a, stop) = (agent.clone(), stop_rx.clone());
+        let (a, stop, cell) = (agent.clone(), stop_rx.clone(), kube_cell.clone());
         tokio::spawn(async move {
             match crate::k8s::Kube::connect(a.cfg.kube_api.as_deref(), &a.cfg.node_name, proto).await {
                 Ok(k) => {
                     let k = Arc::new(k);
-                    let _ = a.kube.set(k.clone());
+                    let _ = cell.set(k.clone());
                     tracing::info!(node = %a.cfg.node_name, protocol = proto.name, "connected to the Kubernetes API");
                     crate::k8s::run(a.clone(), k, a.cfg.hami_text_register, stop).await;
                 }

@@ -13,9 +13,9 @@
 //! removed (see [`collect`]).
 
 use crate::agent::Agent;
+use crate::sockets::inode;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,6 +34,8 @@ pub struct Plugin {
     agent: Arc<Agent>,
     kind: Kind,
     recent: Recent,
+    /// HAMi and Volcano modes' client of the API server, once connected.
+    kube: crate::k8s::KubeCell,
 }
 
 /// When each replica slice was last handed to a container (by this run of the agent).
@@ -251,7 +253,6 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                 dp::ContainerAllocateResponse::default()
             } else if self.agent.cfg.compat != crate::config::Compat::Replicas {
                 let kube = self
-                    .agent
                     .kube
                     .get()
                     .cloned()
@@ -319,7 +320,7 @@ pub fn held_slices(list: &pr::ListPodResourcesResponse, resource: &str) -> HashM
 /// What kubelet's pod resources API lists now.
 async fn list_pod_resources(sock: &Path) -> Result<pr::ListPodResourcesResponse, String> {
     let call = async move {
-        let ch = crate::api::unix_channel(sock).await.map_err(|e| format!("cannot connect: {e}"))?;
+        let ch = crate::sockets::unix_channel(sock).await.map_err(|e| format!("cannot connect: {e}"))?;
         pr::pod_resources_lister_client::PodResourcesListerClient::new(ch)
             .max_decoding_message_size(64 << 20)
             .list(pr::ListPodResourcesRequest {})
@@ -409,14 +410,10 @@ pub async fn collect(agent: Arc<Agent>, sock: PathBuf, recent: Recent, mut stop:
     }
 }
 
-/// The inode of `p` (None: not there): a socket made again has another.
-pub(crate) fn inode(p: &Path) -> Option<u64> {
-    std::fs::metadata(p).ok().map(|m| m.ino())
-}
-
 async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), String> {
-    let ch =
-        crate::api::unix_channel(&dir.join("kubelet.sock")).await.map_err(|e| format!("cannot reach kubelet: {e}"))?;
+    let ch = crate::sockets::unix_channel(&dir.join("kubelet.sock"))
+        .await
+        .map_err(|e| format!("cannot reach kubelet: {e}"))?;
     dp::registration_client::RegistrationClient::new(ch)
         .register(dp::RegisterRequest {
             version: "v1beta1".into(),
@@ -433,12 +430,12 @@ async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), String
 }
 
 /// Serves and registers every resource for as long as the agent runs, again whenever kubelet restarts.
-pub async fn run(agent: Arc<Agent>, stop: tokio::sync::watch::Receiver<bool>) {
+pub async fn run(agent: Arc<Agent>, kube: crate::k8s::KubeCell, stop: tokio::sync::watch::Receiver<bool>) {
     let recent = Recent::default();
     let mut tasks: Vec<_> = resources(&agent.cfg)
         .into_iter()
         .map(|(resource, socket, kind)| {
-            tokio::spawn(serve(agent.clone(), resource, socket, kind, recent.clone(), stop.clone()))
+            tokio::spawn(serve(agent.clone(), resource, socket, kind, recent.clone(), kube.clone(), stop.clone()))
         })
         .collect();
     if agent.cfg.compat == crate::config::Compat::Replicas {
@@ -457,6 +454,7 @@ async fn serve(
     socket: String,
     kind: Kind,
     recent: Recent,
+    kube: crate::k8s::KubeCell,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let dir: PathBuf = agent.cfg.kubelet_dir.clone();
@@ -472,7 +470,7 @@ async fn serve(
         }
         let kubelet_ino = inode(&kubelet);
         let _ = std::fs::remove_file(&ours);
-        let listener = match crate::api::bind(&ours) {
+        let listener = match crate::sockets::bind(&ours) {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "device plugin: cannot listen");
@@ -488,8 +486,9 @@ async fn serve(
                     agent: agent.clone(),
                     kind,
                     recent: recent.clone(),
+                    kube: kube.clone(),
                 }))
-                .serve_with_incoming_shutdown(crate::api::incoming(listener), async move {
+                .serve_with_incoming_shutdown(crate::sockets::incoming(listener), async move {
                     let _ = down_rx.wait_for(|d| *d).await;
                 }),
         );
@@ -529,6 +528,72 @@ async fn serve(
         let _ = down_tx.send(true);
         let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     }
+}
+
+/// Where the agent's configuration disagrees with the scheduler's settings, each with whether it
+/// breaks placement outright (a resource pods ask for that the agent does not serve, or memory
+/// counted in other units: `true`) or only makes the two count differently (`false`).
+pub fn settings_mismatches(
+    s: &crate::config::peer::SchedulerSettings,
+    cfg: &crate::config::Config,
+) -> Vec<(bool, String)> {
+    let mut v = Vec::new();
+    let served = resources(cfg);
+    let volcano = cfg.compat == crate::config::Compat::Volcano;
+    // HAMi's memory and core resources are the scheduler's alone (no device plugin serves them).
+    let names = [
+        ("resourceCountName", &s.resource_count_name, Kind::Replicas),
+        ("resourceMemoryName", &s.resource_memory_name, Kind::Memory),
+        ("resourceCoreName", &s.resource_core_name, Kind::Cores),
+    ];
+    for (key, want, kind) in names {
+        let Some(want) = want.as_deref().filter(|w| !w.is_empty()) else { continue };
+        match served.iter().find(|(_, _, k)| *k == kind) {
+            Some((name, _, _)) if name != want => v.push((
+                true,
+                format!("{key} is {want}, but the agent serves {name}: pods asking for {want} fit no node"),
+            )),
+            _ => {}
+        }
+    }
+    // HAMi's device plugin takes the replicas and the scaling from this configuration (Volcano's from
+    // its own flags, so there they say nothing), unless the node has its own (HAMi's per-node
+    // configuration, or a [[node]] section: deliberate).
+    if !volcano && !cfg.hami_node_entry && cfg.node_section.is_none() {
+        if let Some(n) = s.device_split_count.filter(|&n| n > 0 && n != cfg.split_count) {
+            v.push((
+                false,
+                format!("deviceSplitCount is {n}, but the agent registers {} per GPU (split_count)", cfg.split_count),
+            ));
+        }
+        if let Some(x) = s.device_memory_scaling.filter(|&x| x > 0.0 && (x - cfg.memory_scaling).abs() > 1e-9) {
+            v.push((
+                false,
+                format!(
+                    "deviceMemoryScaling is {x}, but the agent scales memory by {} (memory_scaling)",
+                    cfg.memory_scaling
+                ),
+            ));
+        }
+    }
+    // Volcano's scheduler reads memory requests in units of this factor.
+    if volcano {
+        if let Some(f) = s.gpu_memory_factor.filter(|&f| f > 0 && f != cfg.memory_factor) {
+            v.push((
+                true,
+                format!(
+                    "gpuMemoryFactor is {f} MiB, but the agent counts memory in {} MiB units (memory_factor)",
+                    cfg.memory_factor
+                ),
+            ));
+        }
+    }
+    v
+}
+
+/// [`settings_mismatches`] as one line: each difference, `; ` between.
+pub fn mismatches_text(m: &[(bool, String)]) -> String {
+    m.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("; ")
 }
 
 #[cfg(test)]

@@ -600,7 +600,7 @@ pub(crate) struct Made {
 }
 
 /// A MIG device's profile, from its name (`NVIDIA A100-SXM4-40GB MIG 3g.20gb` -> `3g.20gb`).
-pub(crate) fn mig_profile(name: &str) -> &str {
+pub fn mig_profile(name: &str) -> &str {
     name.rsplit_once(" MIG ").map_or(name, |(_, p)| p)
 }
 
@@ -619,6 +619,45 @@ pub(crate) fn whole_claims(agent: &Agent, w: Whole) -> Vec<(PathBuf, WholeClaim)
 /// The claims whose MIG devices this node has prepared (their records under `<state_dir>/dra-mig/`).
 pub(crate) fn mig_claims(agent: &Agent) -> Vec<WholeClaim> {
     whole_claims(agent, Whole::Mig).into_iter().map(|(_, c)| c).collect()
+}
+
+/// Tells the agent who holds the MIG devices this node's claims were given whole (from their
+/// records). Called at start and after every change.
+pub fn refresh_mig_holders(agent: &Agent) {
+    let mut held = BTreeMap::new();
+    for c in mig_claims(agent) {
+        for d in c.devices {
+            held.insert(d, format!("claim {}/{}", c.namespace, c.name));
+        }
+    }
+    agent.set_mig_holders("dra", held);
+}
+
+/// Reads again the records of claims with admin access (`<state_dir>/dra-admin/`) into what the
+/// monitoring pass admits: each record's identity, where its containers see it, and the GPUs it
+/// covers (a MIG device's parent with it). Called at start and after every change.
+pub fn refresh_admitted(agent: &Agent) {
+    let inv = agent.inventory.read();
+    let v = whole_claims(agent, Whole::Admin)
+        .into_iter()
+        .filter_map(|(path, c)| {
+            let file = crate::procfs::file_id(&path)?;
+            let mut gpus = c.devices.clone();
+            for g in &inv.gpus {
+                let mig = g.mig.iter().flat_map(|m| &m.devices);
+                if mig.into_iter().any(|m| c.devices.contains(&m.uuid)) {
+                    gpus.push(g.uuid.clone());
+                }
+            }
+            Some(crate::monitor::Admitted {
+                claim: format!("{}/{}", c.namespace, c.name),
+                path: admin_mount(&path),
+                file,
+                gpus,
+            })
+        })
+        .collect();
+    *agent.admitted.write() = std::sync::Arc::new(v);
 }
 
 /// The CDI device that gives a claim its devices whole.
@@ -1031,8 +1070,7 @@ impl Driver {
     /// destroyed, and kubelet asks again). One gone already, or replaced since, is done.
     fn destroy_made(&self, c: &WholeClaim) -> Result<bool, String> {
         let nvml = self.agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
-        let held: Vec<String> =
-            self.agent.mig_holders.read().keys().filter(|u| !c.devices.contains(u)).cloned().collect();
+        let held: Vec<String> = self.agent.mig_holders().into_keys().filter(|u| !c.devices.contains(u)).collect();
         let b = vgpu_mig::backend::NvmlBackend::with_held(nvml, held);
         let mut any = false;
         for m in &c.made {
@@ -1057,8 +1095,8 @@ impl Driver {
     /// Tells the agent its records of `w` changed (MIG holders, or the claims with admin access).
     fn records_changed(&self, w: Whole) {
         match w {
-            Whole::Mig => self.agent.refresh_mig_holders(),
-            Whole::Admin => self.agent.refresh_admitted(),
+            Whole::Mig => refresh_mig_holders(&self.agent),
+            Whole::Admin => refresh_admitted(&self.agent),
         }
     }
 
@@ -1613,9 +1651,9 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
     loop {
         // (Re)serve when a socket is missing: the DRA service first, so kubelet can call it as soon as
         // it learns of it from the registration socket.
-        let up = serving.as_ref().is_some_and(|(r, s, _)| {
-            crate::deviceplugin::inode(&reg_sock) == *r && crate::deviceplugin::inode(&dra_sock) == *s
-        });
+        let up = serving
+            .as_ref()
+            .is_some_and(|(r, s, _)| crate::sockets::inode(&reg_sock) == *r && crate::sockets::inode(&dra_sock) == *s);
         if !up {
             if let Some((_, _, down)) = serving.take() {
                 let _ = down.send(true);
@@ -1623,7 +1661,7 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
             let (down_tx, down_rx) = tokio::sync::watch::channel(false);
             let _ = std::fs::remove_file(&dra_sock);
             let _ = std::fs::remove_file(&reg_sock);
-            match (crate::api::bind(&dra_sock), crate::api::bind(&reg_sock)) {
+            match (crate::sockets::bind(&dra_sock), crate::sockets::bind(&reg_sock)) {
                 (Ok(dl), Ok(rl)) => {
                     let (mut r1, mut r2) = (down_rx.clone(), down_rx);
                     tokio::spawn(
@@ -1631,20 +1669,19 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                             .add_service(v1::dra_plugin_server::DraPluginServer::new(d.clone()))
                             .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(d.clone()))
                             .add_service(hp::dra_resource_health_server::DraResourceHealthServer::new(d.clone()))
-                            .serve_with_incoming_shutdown(crate::api::incoming(dl), async move {
+                            .serve_with_incoming_shutdown(crate::sockets::incoming(dl), async move {
                                 let _ = r1.wait_for(|x| *x).await;
                             }),
                     );
                     tokio::spawn(
                         tonic::transport::Server::builder()
                             .add_service(reg::registration_server::RegistrationServer::new(registrar.clone()))
-                            .serve_with_incoming_shutdown(crate::api::incoming(rl), async move {
+                            .serve_with_incoming_shutdown(crate::sockets::incoming(rl), async move {
                                 let _ = r2.wait_for(|x| *x).await;
                             }),
                     );
                     tracing::info!(driver = %driver, registration = %reg_sock.display(), service = %dra_sock.display(), "serving the DRA driver");
-                    serving =
-                        Some((crate::deviceplugin::inode(&reg_sock), crate::deviceplugin::inode(&dra_sock), down_tx));
+                    serving = Some((crate::sockets::inode(&reg_sock), crate::sockets::inode(&dra_sock), down_tx));
                 }
                 (a, b) => {
                     let e = a.err().or(b.err()).unwrap_or_default();

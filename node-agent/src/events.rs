@@ -164,7 +164,11 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
                 let culprit = if e.pid == 0 {
                     String::new()
                 } else {
-                    format!("; process {}{} holds the most beyond its own account", e.pid, crate::ctl::process_owner(e))
+                    format!(
+                        "; process {}{} holds the most beyond its own account",
+                        e.pid,
+                        crate::describe::process_owner(e)
+                    )
                 };
                 let m = format!(
                     "vgpu: the container holds {} MiB on {} as NVML measures it, over its {} MiB quota{culprit} ({action})",
@@ -177,7 +181,7 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
                 let m = format!(
                     "vgpu: process {}{} of the container uses {} ({} MiB), a GPU outside its slice ({action})",
                     e.pid,
-                    crate::ctl::process_owner(e),
+                    crate::describe::process_owner(e),
                     e.gpu,
                     mib(e.measured)
                 );
@@ -186,7 +190,7 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
                 let m = format!(
                     "vgpu: process {}{} uses {} ({} MiB) outside every slice, on a GPU that slices use ({action})",
                     e.pid,
-                    crate::ctl::process_owner(e),
+                    crate::describe::process_owner(e),
                     e.gpu,
                     mib(e.measured)
                 );

@@ -388,6 +388,10 @@ impl Kube {
     }
 }
 
+/// The Kubernetes client of HAMi or Volcano mode once it has connected, shared by the task that
+/// connects and the device plugin's Allocate.
+pub type KubeCell = Arc<std::sync::OnceLock<Arc<Kube>>>;
+
 /// What Allocate gives a container: a slice, or MIG devices.
 pub enum Allocated {
     /// The slice, and whether to mount `/etc/ld.so.preload`.
@@ -405,6 +409,18 @@ pub(crate) struct MigRecord {
 
 fn mig_dir(agent: &Agent) -> std::path::PathBuf {
     agent.cfg.state_dir.join("mig").join("allocations")
+}
+
+/// Tells the agent who holds the MIG devices made for containers in HAMi mode (from their
+/// records). Called at start and after every change.
+pub fn refresh_mig_holders(agent: &Agent) {
+    let mut held = std::collections::BTreeMap::new();
+    for (key, rec) in mig_records(agent) {
+        for u in rec.allocations.into_iter().filter_map(|a| a.uuid) {
+            held.insert(u, format!("container {key}"));
+        }
+    }
+    agent.set_mig_holders("hami", held);
 }
 
 /// HAMi mode's records of containers' MIG instances, by container key.
@@ -451,7 +467,7 @@ fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDev
         rollback(&rec.allocations);
         return Err(format!("recording the MIG instances in {}: {e}", path.display()));
     }
-    agent.refresh_mig_holders();
+    refresh_mig_holders(agent);
     if let Ok(inv) = crate::discovery::discover(&nvml) {
         *agent.inventory.write() = inv;
     }
@@ -556,7 +572,7 @@ fn mig_release(agent: &Agent, key: &str, rec: &MigRecord) -> Result<(), String> 
         }
     }
     let _ = std::fs::remove_file(mig_dir(agent).join(format!("{key}.json")));
-    agent.refresh_mig_holders();
+    refresh_mig_holders(agent);
     if let Ok(inv) = crate::discovery::discover(&nvml) {
         *agent.inventory.write() = inv;
     }

@@ -6,8 +6,8 @@ pub mod api;
 pub mod capacity;
 pub mod cdi;
 pub mod config;
-pub mod ctl;
 pub mod daemon;
+pub mod describe;
 pub mod deviceplugin;
 pub mod discovery;
 pub mod dra;
@@ -22,6 +22,7 @@ pub mod notify;
 pub mod procfs;
 pub mod report;
 pub mod slices;
+pub mod sockets;
 
 /// Entry points of the fuzz targets (`fuzz/`), also run over the stored corpora by the unit tests.
 #[doc(hidden)]
@@ -44,8 +45,10 @@ pub mod fuzzing {
         }
         // The same bytes as a whole device configuration's settings: read or refused, never a panic.
         if let Ok(Some(settings)) = crate::hami::parse_scheduler_settings(&s) {
-            let _ =
-                crate::hami::settings_mismatches(&settings, &crate::config::Config::from_toml("").expect("defaults"));
+            let _ = crate::deviceplugin::settings_mismatches(
+                &settings,
+                &crate::config::Config::from_toml("").expect("defaults"),
+            );
         }
         // And as HAMi's per-node configuration (JSON).
         if let Ok(Some(e)) = crate::hami::hami_node_entry(&s, "node1") {

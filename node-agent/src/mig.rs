@@ -1,7 +1,7 @@
 //! MIG through the agent: status, and mig-parted configs planned, applied (recorded, so they come
 //! back after a reboot) and asserted, on the agent's NVML. One MIG operation at a time.
 
-use crate::agent::ApiError;
+use crate::agent::{Agent, ApiError};
 use nvml_wrapper::Nvml;
 use std::sync::Arc;
 use vgpu_mig::apply::{self, Store};
@@ -15,6 +15,29 @@ pub enum Op {
     Plan,
     Apply,
     Assert,
+}
+
+/// A MIG operation (plan, apply, assert) on the agent's NVML; after an apply, the inventory is read
+/// again and a pass published, so the status stream shows the new layout.
+pub fn operate(agent: &Agent, req: Option<pb::MigRequest>, op: Op) -> Result<pb::MigReport, ApiError> {
+    let nvml = agent.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
+    let store = agent.mig.lock();
+    let held = agent.mig_holders().into_keys().collect();
+    let r = run(nvml.clone(), &store, held, &req.unwrap_or_default(), op);
+    drop(store);
+    if op == Op::Apply {
+        if let Ok(inv) = crate::discovery::discover(&nvml) {
+            *agent.inventory.write() = inv;
+        }
+        agent.refresh();
+    }
+    r
+}
+
+/// The MIG status of the agent's GPUs, with who holds each MIG device.
+pub fn agent_status(agent: &Agent) -> Result<pb::MigStatusResponse, ApiError> {
+    let nvml = agent.nvml.get().cloned().ok_or_else(|| ApiError::Internal("NVML is not open yet".into()))?;
+    status(nvml, &agent.mig.lock(), &agent.mig_holders(), &agent.cfg.mig_geometries)
 }
 
 /// MIG status of every capable GPU; `holders`: who holds which MIG device (by UUID).

@@ -13,7 +13,7 @@
 
 use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,87 +22,7 @@ use vgpu_proto::scheduler::v1 as sp;
 
 pub const PROTOCOL_VERSION: u32 = 1;
 
-/// Where the scheduler listens.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `unix:///path`: a local socket (TLS not needed; a token is sent when configured).
-    Unix(PathBuf),
-    /// `https://host:port`: TLS with the configured CA, and a bearer token.
-    Https { uri: String, host: String },
-}
-
-impl Endpoint {
-    /// Parses `unix:///path` or `https://host:port`. Plain `http://` is refused: capacity and
-    /// requests are not sent over the network unauthenticated.
-    pub fn parse(s: &str) -> Result<Endpoint, String> {
-        if let Some(p) = s.strip_prefix("unix://") {
-            if !p.starts_with('/') {
-                return Err(format!("{s:?}: a unix endpoint needs an absolute path (unix:///run/sched.sock)"));
-            }
-            return Ok(Endpoint::Unix(PathBuf::from(p)));
-        }
-        if let Some(rest) = s.strip_prefix("https://") {
-            let authority = rest.split('/').next().unwrap_or("");
-            let host = if let Some(v6) = authority.strip_prefix('[') {
-                v6.split(']').next().unwrap_or("").to_string()
-            } else {
-                authority.rsplit_once(':').map_or(authority, |(h, _)| h).to_string()
-            };
-            if host.is_empty() || !authority.contains(':') {
-                return Err(format!("{s:?}: expected https://host:port"));
-            }
-            return Ok(Endpoint::Https { uri: format!("https://{authority}"), host });
-        }
-        if s.starts_with("http://") {
-            return Err(format!("{s:?}: plain http is not allowed; use https:// (TLS and a token) or unix://"));
-        }
-        Err(format!("{s:?} is not https://host:port or unix:///path"))
-    }
-}
-
-impl std::fmt::Display for Endpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Endpoint::Unix(p) => write!(f, "unix://{}", p.display()),
-            Endpoint::Https { uri, .. } => f.write_str(uri),
-        }
-    }
-}
-
-/// How to reach the scheduler and how to behave.
-#[derive(Clone, Debug)]
-pub struct ReportConfig {
-    pub endpoint: Endpoint,
-    /// PEM file of the CA that signed the scheduler's certificate (https).
-    pub ca: Option<PathBuf>,
-    /// File holding the bearer token (read at every connection, so it can be rotated).
-    pub token_file: Option<PathBuf>,
-    /// The name the scheduler's certificate is checked against (default: the endpoint's host).
-    pub server_name: Option<String>,
-    /// A client certificate and its key (PEM files) for schedulers that require mutual TLS; read at
-    /// every connection, so they can be renewed.
-    pub identity: Option<(PathBuf, PathBuf)>,
-    pub node: String,
-    pub heartbeat: Duration,
-    pub backoff_initial: Duration,
-    pub backoff_max: Duration,
-}
-
-impl ReportConfig {
-    pub fn new(endpoint: Endpoint, node: String) -> ReportConfig {
-        ReportConfig {
-            endpoint,
-            ca: None,
-            token_file: None,
-            server_name: None,
-            identity: None,
-            node,
-            heartbeat: Duration::from_secs(10),
-            backoff_initial: Duration::from_millis(500),
-            backoff_max: Duration::from_secs(10),
-        }
-    }
-}
+pub use crate::config::scheduler::{Endpoint, ReportConfig};
 
 /// What the reporter reports and serves.
 pub trait Source: Send + Sync + 'static {
@@ -164,7 +84,7 @@ pub async fn channel_with(
         format!("cannot connect to {endpoint}{c}")
     };
     match endpoint {
-        Endpoint::Unix(p) => crate::api::unix_channel(p).await.map_err(cause),
+        Endpoint::Unix(p) => crate::sockets::unix_channel(p).await.map_err(cause),
         Endpoint::Https { uri, host } => {
             let ca = ca.ok_or_else(|| format!("{endpoint}: a CA file is needed for https"))?;
             let pem = std::fs::read(ca).map_err(|e| format!("cannot read the CA file {}: {e}", ca.display()))?;

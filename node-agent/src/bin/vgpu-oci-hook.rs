@@ -41,7 +41,7 @@ type Env = std::collections::HashMap<String, String>;
 /// hamicore plugin set it, else `GPU_PORTION` (0 < p <= 1) of the GPU's memory (`total`), in whole MiB.
 fn kai_memory(env: &Env, total: u64) -> Result<u64, String> {
     if let Some(v) = env.get("CUDA_DEVICE_MEMORY_LIMIT_0").or(env.get("CUDA_DEVICE_MEMORY_LIMIT")) {
-        return vgpu_agent::ctl::parse_size(v).map_err(|e| format!("CUDA_DEVICE_MEMORY_LIMIT: {e}"));
+        return vgpu_units::parse_size(v).map_err(|e| format!("CUDA_DEVICE_MEMORY_LIMIT: {e}"));
     }
     let v = env.get("GPU_PORTION").map_or("", |v| v.trim());
     match v.parse::<f64>() {
@@ -173,7 +173,7 @@ fn main() {
         let gpus = env.get("VGPU_GPUS").or(env.get("NVIDIA_VISIBLE_DEVICES")).cloned().unwrap_or_else(|| "0".into());
         let mut memory = env
             .get("VGPU_MEMORY")
-            .map_or(0, |v| vgpu_agent::ctl::parse_size(v).unwrap_or_else(|e| die(format!("VGPU_MEMORY: {e}"))));
+            .map_or(0, |v| vgpu_units::parse_size(v).unwrap_or_else(|e| die(format!("VGPU_MEMORY: {e}"))));
         let percent = |k: &str| {
             env.get(k)
                 .map(|v| v.trim().parse::<u32>().unwrap_or_else(|_| die(format!("{k}={v:?} is not a percentage"))))

@@ -179,7 +179,7 @@ fn wait(what: &str, f: impl Fn() -> bool) {
 /// NodePrepareResources (v1) on the driver's socket, as kubelet calls it.
 fn prepare(rt: &tokio::runtime::Runtime, sock: &Path, claims: Vec<v1::Claim>) -> v1::NodePrepareResourcesResponse {
     rt.block_on(async {
-        let mut c = v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(sock).await.unwrap());
+        let mut c = v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::sockets::unix_channel(sock).await.unwrap());
         c.node_prepare_resources(v1::NodePrepareResourcesRequest { claims }).await.unwrap().into_inner()
     })
 }
@@ -187,7 +187,7 @@ fn prepare(rt: &tokio::runtime::Runtime, sock: &Path, claims: Vec<v1::Claim>) ->
 /// NodeUnprepareResources (v1).
 fn unprepare(rt: &tokio::runtime::Runtime, sock: &Path, claims: Vec<v1::Claim>) -> v1::NodeUnprepareResourcesResponse {
     rt.block_on(async {
-        let mut c = v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(sock).await.unwrap());
+        let mut c = v1::dra_plugin_client::DraPluginClient::new(vgpu_agent::sockets::unix_channel(sock).await.unwrap());
         c.node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims }).await.unwrap().into_inner()
     })
 }
@@ -231,7 +231,7 @@ fn watch_health(rt: &tokio::runtime::Runtime, sock: &Path) -> std::sync::mpsc::R
     let (health_tx, health_rx) = std::sync::mpsc::channel();
     let sock = sock.to_path_buf();
     rt.spawn(async move {
-        let ch = vgpu_agent::api::unix_channel(&sock).await.unwrap();
+        let ch = vgpu_agent::sockets::unix_channel(&sock).await.unwrap();
         let mut c = hp::dra_resource_health_client::DraResourceHealthClient::new(ch);
         let mut stream = c.node_watch_resources(hp::NodeWatchResourcesRequest {}).await.unwrap().into_inner();
         while let Ok(Some(m)) = stream.message().await {
@@ -324,7 +324,7 @@ fn the_agent_is_a_dra_driver_for_claims_of_gpu_shares() {
             .await
             .unwrap();
 
-        let ch = vgpu_agent::api::unix_channel(&dra_sock).await.unwrap();
+        let ch = vgpu_agent::sockets::unix_channel(&dra_sock).await.unwrap();
         let mut c = v1::dra_plugin_client::DraPluginClient::new(ch.clone());
         let req = v1::NodePrepareResourcesRequest {
             claims: vec![
@@ -510,8 +510,9 @@ fn before_kubernetes_1_34_the_driver_speaks_v1beta2_or_v1beta1() {
         wait("the DRA socket", || sock.exists());
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let resp = rt.block_on(async {
-            let mut b =
-                v1beta1::dra_plugin_client::DraPluginClient::new(vgpu_agent::api::unix_channel(&sock).await.unwrap());
+            let mut b = v1beta1::dra_plugin_client::DraPluginClient::new(
+                vgpu_agent::sockets::unix_channel(&sock).await.unwrap(),
+            );
             let claims = vec![v1beta1::Claim { namespace: "ml".into(), uid: "c1a2-0001".into(), name: "half".into() }];
             b.node_prepare_resources(v1beta1::NodePrepareResourcesRequest { claims }).await.unwrap().into_inner()
         });

@@ -41,7 +41,7 @@ pub fn start(
 
 /// A client of the plugin serving on `sock`.
 pub async fn plugin(sock: PathBuf) -> dp::device_plugin_client::DevicePluginClient<tonic::transport::Channel> {
-    dp::device_plugin_client::DevicePluginClient::new(vgpu_agent::api::unix_channel(&sock).await.unwrap())
+    dp::device_plugin_client::DevicePluginClient::new(vgpu_agent::sockets::unix_channel(&sock).await.unwrap())
 }
 
 /// Kubelet's Allocate for one container of the device IDs `ids`, on the plugin socket `sock`.

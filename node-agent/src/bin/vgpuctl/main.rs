@@ -2,11 +2,15 @@
 //! Exit codes: 0 success, 1 the operation failed (or `doctor` found a failure), 2 usage error,
 //! 3 the agent cannot be reached.
 
+mod doctor;
+mod render;
+mod update;
+
 use clap::{Args, Parser, Subcommand};
+use render::Style;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use vgpu_agent::config::{Config, Flags};
-use vgpu_agent::ctl::{self, Style};
 use vgpu_proto::v1 as pb;
 
 #[derive(Parser)]
@@ -140,7 +144,7 @@ fn parse_memory(s: &str) -> Result<u64, String> {
     if s.trim().eq_ignore_ascii_case("none") {
         return Ok(0);
     }
-    ctl::parse_size(s)
+    render::parse_size(s)
 }
 
 /// An SM limit in percent (1-100), or `none` (0: no limit).
@@ -253,11 +257,11 @@ fn main() {
                 Ok(mut c) => c.health(pb::HealthRequest {}).await.map(|r| r.into_inner()).map_err(|e| e.message().to_string()),
                 Err(e) => Err(e),
             };
-            let checks = tokio::task::spawn_blocking(move || ctl::doctor(&cfg, health)).await.unwrap_or_else(|e| die(1, e));
+            let checks = tokio::task::spawn_blocking(move || doctor::doctor(&cfg, health)).await.unwrap_or_else(|e| die(1, e));
             if cli.json {
                 println!("{}", json(&checks));
             } else {
-                print!("{}", ctl::render_doctor(&checks, style));
+                print!("{}", doctor::render_doctor(&checks, style));
             }
             std::process::exit(if checks.iter().any(|c| c.level == "fail") { 1 } else { 0 });
         }
@@ -266,7 +270,7 @@ fn main() {
             if cli.json {
                 println!("{}", json(&st));
             } else {
-                print!("{}", ctl::render_cluster(&st, style));
+                print!("{}", render::render_cluster(&st, style));
             }
             return;
         }
@@ -277,7 +281,7 @@ fn main() {
                 if cli.json {
                     println!("{}", json(&st));
                 } else {
-                    print!("{}", ctl::render_status(&st, style));
+                    print!("{}", render::render_status(&st, style));
                 }
             }
             Cmd::Status { watch: true, interval } => {
@@ -291,9 +295,9 @@ fn main() {
                     let text = if cli.json {
                         format!("{}\n", serde_json::to_string(&st).expect("serialisable"))
                     } else if style.colour {
-                        format!("\x1b[H\x1b[2J{}", ctl::render_status(&st, style))
+                        format!("\x1b[H\x1b[2J{}", render::render_status(&st, style))
                     } else {
-                        format!("{}\n", ctl::render_status(&st, style))
+                        format!("{}\n", render::render_status(&st, style))
                     };
                     if out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_err() {
                         return; // the reader went away
@@ -303,7 +307,7 @@ fn main() {
             Cmd::Slice(SliceCmd::Create { name, limits: l, labels }) => {
                 let req = pb::CreateSliceRequest { name, gpus: limits(&l), labels: labels.into_iter().collect() };
                 let d = c.create_slice(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
-                println!("{}", if cli.json { json(&d) } else { ctl::render_slice(&d) });
+                println!("{}", if cli.json { json(&d) } else { render::render_slice(&d) });
             }
             Cmd::Slice(SliceCmd::Update { name, limits: l, force }) => {
                 if l.memory.is_none() && l.sm.is_none() {
@@ -311,7 +315,7 @@ fn main() {
                 }
                 let cur = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
                 let st = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
-                let plan = ctl::plan_update(&cur, &st, &l.gpu, l.memory, l.sm, force).unwrap_or_else(|e| die(2, e));
+                let plan = update::plan_update(&cur, &st, &l.gpu, l.memory, l.sm, force).unwrap_or_else(|e| die(2, e));
                 let d = c.update_slice(pb::UpdateSliceRequest { name, gpus: plan.gpus }).await.unwrap_or_else(|e| grpc_err(e));
                 let d = d.into_inner();
                 if cli.json {
@@ -340,7 +344,7 @@ fn main() {
                             .gpus
                             .iter()
                             .map(|g| {
-                                let m = if g.memory == 0 { "-".into() } else { ctl::human(g.memory) };
+                                let m = if g.memory == 0 { "-".into() } else { vgpu_agent::describe::human(g.memory) };
                                 let sm = if g.sm == 0 { "-".into() } else { format!("{}%", g.sm) };
                                 format!("{} mem {m} sm {sm}", g.gpu)
                             })
@@ -356,16 +360,16 @@ fn main() {
                 if cli.json {
                     println!("{}", json(&serde_json::json!({ "slice": d, "status": usage })));
                 } else {
-                    print!("{}", ctl::render_slice(&d));
+                    print!("{}", render::render_slice(&d));
                     if let Some(u) = usage {
                         for g in &u.gpus {
                             println!(
                                 "usage on {}: memory {} of {} (NVML {}; peak {}), SM {}% of {}%, throttled {:.1}s in {} launches, {} OOM refusals",
                                 g.uuid,
-                                ctl::human(g.memory_used),
-                                ctl::human(g.memory_limit),
-                                ctl::human(g.memory_measured),
-                                ctl::human(g.memory_peak),
+                                vgpu_agent::describe::human(g.memory_used),
+                                vgpu_agent::describe::human(g.memory_limit),
+                                vgpu_agent::describe::human(g.memory_measured),
+                                vgpu_agent::describe::human(g.memory_peak),
                                 g.sm_used,
                                 g.sm_limit,
                                 g.throttled_ns as f64 / 1e9,
@@ -374,7 +378,7 @@ fn main() {
                             );
                         }
                         for p in &u.processes {
-                            println!("process {} (host {}) on {}: {}", p.pid, p.host_pid, p.gpu, ctl::human(p.memory));
+                            println!("process {} (host {}) on {}: {}", p.pid, p.host_pid, p.gpu, vgpu_agent::describe::human(p.memory));
                         }
                     }
                 }
@@ -385,7 +389,7 @@ fn main() {
                 if cli.json {
                     println!("{}", json(&r));
                 } else {
-                    print!("{}", ctl::render_capacity(&r, style));
+                    print!("{}", render::render_capacity(&r, style));
                 }
             }
             Cmd::Mig(MigCmd::Status) => {
@@ -393,7 +397,7 @@ fn main() {
                 if cli.json {
                     println!("{}", json(&st));
                 } else {
-                    print!("{}", ctl::render_mig_status(&st));
+                    print!("{}", render::render_mig_status(&st));
                 }
             }
             Cmd::Mig(MigCmd::Geometries { hami }) => {
@@ -406,7 +410,7 @@ fn main() {
                         .collect();
                     println!("{}", json(&v));
                 } else {
-                    print!("{}", ctl::render_mig_geometries(&st, hami));
+                    print!("{}", render::render_mig_geometries(&st, hami));
                 }
             }
             Cmd::Mig(cmd) => {
@@ -428,7 +432,7 @@ fn main() {
                 if cli.json {
                     println!("{}", json(&r));
                 } else {
-                    print!("{}", ctl::render_mig_report(&r, op));
+                    print!("{}", render::render_mig_report(&r, op));
                 }
                 let failed = r.gpus.iter().any(|g| !g.error.is_empty() || (op != "plan" && !g.differences.is_empty() && !g.pending_reset));
                 std::process::exit(i32::from(failed));

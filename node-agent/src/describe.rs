@@ -1,0 +1,126 @@
+//! Words for what the agent reports, shared by its logs, health answer and Events and by
+//! `vgpuctl`: sizes, GPU UUIDs, escapes and who runs a process.
+
+use vgpu_proto::v1 as pb;
+
+/// `1.5 GiB`, `512 MiB`, `0 B`.
+pub fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+/// A GPU UUID's first block, as tables show it.
+pub fn short_uuid(u: &str) -> String {
+    u.chars().take(12).collect()
+}
+
+/// One escape as `vgpuctl status` lists it (and `doctor` reports it).
+pub fn escape_line(e: &pb::Escape) -> String {
+    if e.kind == pb::escape::Kind::OverLimit as i32 {
+        format!(
+            "slice {} over its limit on {}: NVML measures {} > {} (pid {}{}, {})",
+            e.slice,
+            short_uuid(&e.gpu),
+            human(e.measured),
+            human(e.limit),
+            e.pid,
+            process_owner(e),
+            e.action
+        )
+    } else if !e.slice.is_empty() {
+        format!(
+            "pid {}{} of slice {} on {}, outside the slice: {} ({})",
+            e.pid,
+            process_owner(e),
+            e.slice,
+            short_uuid(&e.gpu),
+            human(e.measured),
+            e.action
+        )
+    } else {
+        format!(
+            "pid {}{} on {} outside every slice: {} ({})",
+            e.pid,
+            process_owner(e),
+            short_uuid(&e.gpu),
+            human(e.measured),
+            e.action
+        )
+    }
+}
+
+/// Who runs an escape's process, as ` (python3, pod ml/train-0, container 0a1b2c3d4e5f)`: its
+/// command, its pod (by name where a slice belongs to it, else by UID) and its container's short ID,
+/// whichever are known; empty when none is.
+pub fn process_owner(e: &pb::Escape) -> String {
+    let mut parts = Vec::new();
+    if !e.command.is_empty() {
+        parts.push(e.command.clone());
+    }
+    if !e.pod.is_empty() {
+        parts.push(format!("pod {}", e.pod));
+    } else if !e.pod_uid.is_empty() {
+        parts.push(format!("pod UID {}", e.pod_uid));
+    }
+    if !e.container_id.is_empty() {
+        parts.push(format!("container {}", e.container_id.chars().take(12).collect::<String>()));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", parts.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_read_by_kind_and_name_who_runs_them() {
+        let e = |kind: pb::escape::Kind, slice: &str| pb::Escape {
+            kind: kind as i32,
+            gpu: "GPU-5eed0000-1000".into(),
+            slice: slice.into(),
+            pid: 4242,
+            measured: 3 << 30,
+            limit: 2 << 30,
+            action: "reported".into(),
+            command: "python3".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            escape_line(&e(pb::escape::Kind::OverLimit, "job1")),
+            "slice job1 over its limit on GPU-5eed0000: NVML measures 3.0 GiB > 2.0 GiB (pid 4242 (python3), reported)"
+        );
+        assert_eq!(
+            escape_line(&e(pb::escape::Kind::Unaccounted, "job1")),
+            "pid 4242 (python3) of slice job1 on GPU-5eed0000, outside the slice: 3.0 GiB (reported)"
+        );
+        let mut out = e(pb::escape::Kind::Unaccounted, "");
+        out.pod_uid = "4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d".into();
+        out.container_id = "0a1b2c3d4e5f60718293".into();
+        assert_eq!(
+            escape_line(&out),
+            "pid 4242 (python3, pod UID 4c1b2a3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d, container 0a1b2c3d4e5f) on GPU-5eed0000 \
+             outside every slice: 3.0 GiB (reported)"
+        );
+        out.command.clear();
+        out.pod = "ml/train-0".into();
+        out.container_id.clear();
+        assert!(escape_line(&out).starts_with("pid 4242 (pod ml/train-0) on "), "{}", escape_line(&out));
+        out.pod.clear();
+        out.pod_uid.clear();
+        assert!(escape_line(&out).starts_with("pid 4242 on "), "nothing known: nothing added");
+    }
+}

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""The node agent's module graph: which module of node-agent/src imports which (`crate::m` paths,
+`use crate::{..}` groups; tests left out), and the layering rule it must keep:
+
+- the core (configuration, inventory, slices, monitoring and what they stand on) imports no
+  feature module: features reach the core, never the reverse;
+- no module imports, through any path, a module that imports it back (no circles).
+
+    scripts/module-graph.py          # prints the graph; exits 1 naming each breach
+    scripts/module-graph.py --dot    # the same as Graphviz
+Run by .ci/run.
+"""
+import os
+import re
+import sys
+
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "node-agent", "src")
+# The core: what the agent is without any of its features.
+CORE = {"agent", "cdi", "config", "describe", "discovery", "health", "monitor", "procfs", "slices", "sockets"}
+# The top: the binaries' wiring, free to import anything.
+TOP = {"lib", "daemon"}
+
+
+def modules():
+    """Module name -> its source (a directory module's files together), tests left out."""
+    out = {}
+    for entry in sorted(os.listdir(SRC)):
+        path = os.path.join(SRC, entry)
+        # `m.rs` and its submodules in `m/` (or `m/mod.rs`) are one module.
+        if entry.endswith(".rs"):
+            out.setdefault(entry[:-3], []).append(path)
+        elif os.path.isdir(path) and entry != "bin":
+            files = [os.path.join(d, f) for d, _, fs in sorted(os.walk(path)) for f in sorted(fs) if f.endswith(".rs")]
+            out.setdefault(entry, []).extend(files)
+    text = {}
+    for name, files in out.items():
+        parts = []
+        for f in files:
+            src = open(f).read()
+            # Unit tests are not the module's dependencies.
+            src = re.split(r"\n#\[cfg\(test\)\]\nmod \w+ \{", src)[0]
+            parts.append(re.sub(r"//[^\n]*", "", src))
+        text[name] = "\n".join(parts)
+    return text
+
+
+def imports(text, names):
+    found = set(re.findall(r"\bcrate::(\w+)", text))
+    for group in re.findall(r"\bcrate::\{([^}]*)\}", text):
+        found.update(re.findall(r"(?:^|,)\s*(\w+)", group))
+    return found & names
+
+
+def main():
+    text = modules()
+    names = set(text)
+    graph = {m: sorted(imports(t, names) - {m}) for m, t in text.items()}
+    if "--dot" in sys.argv:
+        print("digraph agent {")
+        for m, deps in sorted(graph.items()):
+            for d in deps:
+                print(f'  "{m}" -> "{d}";')
+        print("}")
+        return 0
+    for m, deps in sorted(graph.items()):
+        layer = "top" if m in TOP else "core" if m in CORE else "feature"
+        print(f"{m:14} [{layer:7}] -> {' '.join(deps) if deps else '-'}")
+    bad = []
+    for m in sorted(CORE & names):
+        for d in graph[m]:
+            if d not in CORE:
+                bad.append(f"core module {m} imports feature module {d}")
+    for m in sorted(names - TOP):
+        for d in graph[m]:
+            if d in TOP:
+                bad.append(f"{m} imports {d}, which only the binaries may")
+    # Circles: a module that reaches itself.
+    def reach(start):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(graph[n])
+        return seen
+    for m in sorted(names):
+        if m in reach(m):
+            back = [d for d in graph[m] if m in reach(d) or d == m]
+            bad.append(f"{m} is in a circle (through {', '.join(back)})")
+    if bad:
+        print("\nlayering broken:\n  " + "\n  ".join(bad))
+        return 1
+    print(f"\nok: {len(names)} modules; the core imports no feature; no circles")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
