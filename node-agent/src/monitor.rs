@@ -72,6 +72,99 @@ struct Cached {
     trued: HashMap<(usize, u32), TrueUp>,
 }
 
+impl Cached {
+    /// One GPU of the slice, after NVML was read: marks it shared or not for the interposer,
+    /// smooths its processes' SM samples and what its launches were charged, dates its latest
+    /// kernel, publishes its utilisation and corrects its SM rate while it is throttled. The
+    /// throttled launches so far.
+    fn follow_sm(
+        &mut self,
+        dev: usize,
+        sm_share: u32,
+        gpu: Option<&GpuSample>,
+        fresh: bool,
+        clock: Clock,
+        publish_ms: u64,
+    ) -> u64 {
+        let layout = self.region.layout();
+        let d = &layout.devices[dev];
+        let gpu_index = gpu.map_or(u32::MAX, |g| g.index);
+        let nv = &self.nvml;
+        let mine = || nv.iter().filter(move |p| p.gpu_index == gpu_index);
+        if let Some(g) = gpu {
+            let shared = g.slices > 1 || g.outsiders;
+            d.sm_flags.store(SM_MANAGED | if shared { SM_SHARED } else { 0 }, Relaxed);
+        }
+        let sm = mine().map(|p| p.sm).sum::<u32>().min(100) as f64;
+        let e = &mut self.sm_ewma[dev];
+        *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
+        // What the interposers charged since the last pass, as a share of the time between.
+        let (acct, at) = (self.region.sm_accounted_ns(dev), clock.now_ns);
+        let (last, last_at) = self.sm_acct[dev];
+        // The slice's latest kernel: launches charged since the last pass (the budget moves
+        // only with launches), or NVML's newest sample of its processes above 0 (the only
+        // sign while no SM limit applies). Samples are dated by NVML; never in the future.
+        let sampled_at = mine().filter(|p| p.sm > 0).map(|p| (p.sm_at_us / 1000).min(clock.wall_ms)).max();
+        let charged = last_at > 0 && acct != last;
+        let lk = &mut self.last_kernel_ms[dev];
+        *lk = (*lk).max(sampled_at.unwrap_or(0)).max(if charged { clock.wall_ms } else { 0 });
+        if last_at > 0 && at > last_at {
+            let share = (acct.wrapping_sub(last) as f64 * 100.0 / (at - last_at) as f64).max(0.0);
+            let e = &mut self.sm_acct_ewma[dev];
+            *e = 0.8 * *e + 0.2 * share;
+        }
+        self.sm_acct[dev] = (acct, at);
+        // The slice's utilisation, for NVML in its containers (libvgpu answers
+        // nvmlDeviceGetUtilizationRates with it): its processes' samples where the GPU's
+        // add up; else, under an SM limit, what its launches were charged; else not known
+        // (NVML there shows the GPU's).
+        let util = if gpu.is_some_and(|g| !g.sm_feedback_held && !g.sm_samples_fail) {
+            Some(self.sm_ewma[dev].round() as u32)
+        } else if (1..100).contains(&self.region.sm_limit(dev)) && last_at > 0 {
+            Some(self.sm_acct_ewma[dev].round() as u32)
+        } else {
+            None
+        };
+        self.region.set_utilization(dev, util, publish_ms);
+        let throttled = d.sm_throttled_launches.load(Relaxed);
+        // The controller: only while the slice is throttled (its demand exceeds its budget),
+        // from new samples (not the first, which covers NVML's whole window), after ten of
+        // them, outside a 1-point dead band, and not while the GPU's samples do not add up
+        // (a pass where they do not restarts the count).
+        let limit = self.region.sm_limit(dev).min(sm_share.max(1));
+        let held = gpu.is_none_or(|g| g.sm_feedback_held || g.sm_samples_fail);
+        let sampled = fresh && mine().any(|p| p.sm_new);
+        if throttled <= self.throttled_launches[dev] || held || !(1..100).contains(&sm_share) {
+            self.streak[dev] = 0;
+            self.sm_ctl[dev] = f64::NAN;
+        } else if sampled {
+            self.streak[dev] += 1;
+            let e = &mut self.sm_ctl[dev];
+            *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
+            if self.streak[dev] >= CONTROL_AFTER && (self.sm_ctl[dev] - limit as f64).abs() >= 1.0 {
+                let old = d.sm_rate_ppm.load(Relaxed);
+                let new = corrected_rate(old, limit, self.sm_ctl[dev]);
+                if new != old {
+                    d.sm_rate_ppm.store(new, Relaxed);
+                }
+            }
+        }
+        // Throttled, but no new sample in this pass: the run goes on.
+        self.throttled_launches[dev] = throttled;
+        throttled
+    }
+}
+
+/// When a pass runs: monotonic ns (never 0) and wall-clock ms.
+#[derive(Clone, Copy)]
+struct Clock {
+    now_ns: u64,
+    wall_ms: u64,
+}
+
+/// What NVML said of each GPU in a pass: the sample and its processes (PID, bytes).
+type Queried = Vec<(GpuSample, Vec<(u32, u64)>)>;
+
 /// The agent's part of a process's charge on a device after a pass: `added` now; `up`, the excess
 /// (NVML's figure less the process's own account) this pass and the last; `down`, the most the
 /// excess can be this pass and the two before: the excess plus what the container had reserved for
@@ -503,6 +596,29 @@ impl Monitor {
 
     pub fn pass(&mut self, nvml: &Nvml, store: &SliceStore, slices: &Arc<Vec<Slice>>) -> Pass {
         let mut pass = Pass::default();
+        let changed = self.reopen(store, slices);
+        let slices: &[Slice] = slices;
+        if self.true_up {
+            self.note_before_nvml();
+        }
+        // NVML first: which processes hold contexts now.
+        self.passes += 1;
+        let queried = self.query(nvml);
+        let full = self.passes % 10 == 1;
+        self.note_alive(&queried);
+        self.place(slices, &queried, changed);
+        self.reap(slices, &queried, full, &mut pass);
+        // Monotonic ns (never 0) of this pass.
+        let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
+        self.attribute(slices, queried, now_ns, &mut pass);
+        self.account(slices, now_ns, &mut pass);
+        self.act_on_escapes(slices, &mut pass);
+        pass
+    }
+
+    /// Aligns with a new slice list, drops the regions that shrank under their mapping and opens
+    /// those not open: whether any slice's region changed.
+    fn reopen(&mut self, store: &SliceStore, slices: &Arc<Vec<Slice>>) -> bool {
         let realigned = !self.list.as_ref().is_some_and(|l| Arc::ptr_eq(l, slices));
         if realigned {
             self.realign(slices);
@@ -525,17 +641,21 @@ impl Monitor {
                 opened |= self.regions[i].is_some();
             }
         }
-        let slices: &[Slice] = slices;
-        if self.true_up {
-            for c in self.regions.iter_mut().flatten() {
-                let before = &mut c.before_nvml;
-                before.clear();
-                c.in_flight_before = std::array::from_fn(|dev| c.region.in_flight(dev));
-                c.region.for_each_slot(|slot, pid, _, used| before.push((slot, pid, *used)));
-            }
+        realigned || opened
+    }
+
+    /// What each slot said it held before NVML was read (the true-up compares).
+    fn note_before_nvml(&mut self) {
+        for c in self.regions.iter_mut().flatten() {
+            let before = &mut c.before_nvml;
+            before.clear();
+            c.in_flight_before = std::array::from_fn(|dev| c.region.in_flight(dev));
+            c.region.for_each_slot(|slot, pid, _, used| before.push((slot, pid, *used)));
         }
-        // NVML first: which processes hold contexts now.
-        self.passes += 1;
+    }
+
+    /// Every GPU's memory, utilisation, compute processes and per-process SM samples.
+    fn query(&mut self, nvml: &Nvml) -> Queried {
         let count = nvml.device_count().unwrap_or(0);
         let mut queried = Vec::with_capacity(count as usize);
         self.fresh.clear();
@@ -597,7 +717,11 @@ impl Monitor {
             }
             queried.push((g, procs));
         }
-        let full = self.passes % 10 == 1;
+        queried
+    }
+
+    /// The processes NVML lists, by host PID and as their slices know them.
+    fn note_alive(&mut self, queried: &Queried) {
         self.alive.clear();
         self.alive.extend(queried.iter().flat_map(|(_, p)| p.iter().map(|x| x.0)));
         self.alive_inner.clear();
@@ -608,11 +732,14 @@ impl Monitor {
                 }
             }
         }
-        // Which GPUs each slice uses: worked out again when the slices, their regions or the GPUs
-        // changed.
-        let gpus_changed = self.gpu_uuids.len() != queried.len()
-            || self.gpu_uuids.iter().zip(&queried).any(|(u, (g, _))| *u != g.uuid);
-        if realigned || opened || gpus_changed {
+    }
+
+    /// Which GPUs each slice uses: worked out again when the slices, their regions or the GPUs
+    /// changed.
+    fn place(&mut self, slices: &[Slice], queried: &Queried, changed: bool) {
+        let gpus_changed =
+            self.gpu_uuids.len() != queried.len() || self.gpu_uuids.iter().zip(queried).any(|(u, (g, _))| *u != g.uuid);
+        if changed || gpus_changed {
             self.gpu_uuids = queried.iter().map(|(g, _)| g.uuid.clone()).collect();
             let gpu_at: HashMap<&str, usize> =
                 queried.iter().enumerate().map(|(k, (g, _))| (g.uuid.as_str(), k)).collect();
@@ -632,7 +759,10 @@ impl Monitor {
                 }
             }
         }
-        // Slots: reclaim the dead, index the living by host PID.
+    }
+
+    /// Slots: reclaims the dead (a full lock test every tenth pass) and indexes the living.
+    fn reap(&mut self, slices: &[Slice], queried: &Queried, full: bool, pass: &mut Pass) {
         self.live.clear();
         self.live_slot.clear();
         self.by_host.clear();
@@ -669,12 +799,12 @@ impl Monitor {
         }
         self.by_file.clear();
         self.by_file.extend(self.regions.iter().enumerate().filter_map(|(i, c)| Some((c.as_ref()?.id?, i))));
+    }
 
-        // Each GPU process: its slice's (with its SM share), an MPS server, or an escape.
+    /// Each GPU process: its slice's (with its SM share), an MPS server, or an escape.
+    fn attribute(&mut self, slices: &[Slice], queried: Queried, now_ns: u64, pass: &mut Pass) {
         let mut seen_pids = HashSet::default();
         let mut mps = HashSet::default();
-        // Monotonic ns (never 0) of this pass.
-        let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
         // Samples older than a few passes no longer stand for their process.
         let passes = self.passes;
         self.sm_samples.retain(|_, x| x.pass + SAMPLE_STALE_PASSES >= passes);
@@ -780,8 +910,10 @@ impl Monitor {
         }
         self.procs.retain(|pid, _| seen_pids.contains(pid));
         self.mps = mps;
+    }
 
-        // Per slice: usage, processes, SM flags and rate, over-limit escapes.
+    /// Per slice: usage, processes, SM flags and rate, over-limit escapes.
+    fn account(&mut self, slices: &[Slice], now_ns: u64, pass: &mut Pass) {
         pass.slices.reserve(slices.len());
         let wall_ms =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
@@ -797,7 +929,6 @@ impl Monitor {
                 let gpus = &gpu_index[..s.gpus.len().min(vgpu_region::MAX_DEVICES)];
                 true_up(c, &s.name, &mut self.live, &self.live_slot, gpus);
             }
-            let layout = c.region.layout();
             let mut st = pb::SliceStatus {
                 name: s.name.clone(),
                 labels: s.labels.clone().into_iter().collect(),
@@ -808,71 +939,15 @@ impl Monitor {
             let (live, live_slot) = (&self.live[c.live.clone()], &self.live_slot[c.live.clone()]);
             for (dev, sg) in s.gpus.iter().enumerate().take(vgpu_region::MAX_DEVICES) {
                 let gpu = pass.gpus.get(c.gpu_pos[dev]);
+                let fresh = gpu.is_some_and(|g| self.fresh.contains(&g.index));
+                let clock = Clock { now_ns, wall_ms };
+                let throttled = c.follow_sm(dev, sg.sm, gpu, fresh, clock, self.publish_ms);
+                let layout = c.region.layout();
                 let d = &layout.devices[dev];
                 let gpu_index = gpu.map_or(u32::MAX, |g| g.index);
                 let nv = &c.nvml;
                 let mine = || nv.iter().filter(move |p| p.gpu_index == gpu_index);
                 let measured: u64 = mine().map(|p| p.bytes).sum();
-                if let Some(g) = gpu {
-                    let shared = g.slices > 1 || g.outsiders;
-                    d.sm_flags.store(SM_MANAGED | if shared { SM_SHARED } else { 0 }, Relaxed);
-                }
-                let sm = mine().map(|p| p.sm).sum::<u32>().min(100) as f64;
-                let e = &mut c.sm_ewma[dev];
-                *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
-                // What the interposers charged since the last pass, as a share of the time between.
-                let (acct, at) = (c.region.sm_accounted_ns(dev), now_ns);
-                let (last, last_at) = c.sm_acct[dev];
-                // The slice's latest kernel: launches charged since the last pass (the budget moves
-                // only with launches), or NVML's newest sample of its processes above 0 (the only
-                // sign while no SM limit applies). Samples are dated by NVML; never in the future.
-                let sampled_at = mine().filter(|p| p.sm > 0).map(|p| (p.sm_at_us / 1000).min(wall_ms)).max();
-                let charged = last_at > 0 && acct != last;
-                let lk = &mut c.last_kernel_ms[dev];
-                *lk = (*lk).max(sampled_at.unwrap_or(0)).max(if charged { wall_ms } else { 0 });
-                if last_at > 0 && at > last_at {
-                    let share = (acct.wrapping_sub(last) as f64 * 100.0 / (at - last_at) as f64).max(0.0);
-                    let e = &mut c.sm_acct_ewma[dev];
-                    *e = 0.8 * *e + 0.2 * share;
-                }
-                c.sm_acct[dev] = (acct, at);
-                // The slice's utilisation, for NVML in its containers (libvgpu answers
-                // nvmlDeviceGetUtilizationRates with it): its processes' samples where the GPU's
-                // add up; else, under an SM limit, what its launches were charged; else not known
-                // (NVML there shows the GPU's).
-                let util = if gpu.is_some_and(|g| !g.sm_feedback_held && !g.sm_samples_fail) {
-                    Some(c.sm_ewma[dev].round() as u32)
-                } else if (1..100).contains(&c.region.sm_limit(dev)) && last_at > 0 {
-                    Some(c.sm_acct_ewma[dev].round() as u32)
-                } else {
-                    None
-                };
-                c.region.set_utilization(dev, util, self.publish_ms);
-                let throttled = d.sm_throttled_launches.load(Relaxed);
-                // The controller: only while the slice is throttled (its demand exceeds its budget),
-                // from new samples (not the first, which covers NVML's whole window), after ten of
-                // them, outside a 1-point dead band, and not while the GPU's samples do not add up
-                // (a pass where they do not restarts the count).
-                let limit = c.region.sm_limit(dev).min(sg.sm.max(1));
-                let held = gpu.is_none_or(|g| g.sm_feedback_held || g.sm_samples_fail);
-                let sampled = gpu.is_some_and(|g| self.fresh.contains(&g.index)) && mine().any(|p| p.sm_new);
-                if throttled <= c.throttled_launches[dev] || held || !(1..100).contains(&sg.sm) {
-                    c.streak[dev] = 0;
-                    c.sm_ctl[dev] = f64::NAN;
-                } else if sampled {
-                    c.streak[dev] += 1;
-                    let e = &mut c.sm_ctl[dev];
-                    *e = if e.is_nan() { sm } else { 0.8 * *e + 0.2 * sm };
-                    if c.streak[dev] >= CONTROL_AFTER && (c.sm_ctl[dev] - limit as f64).abs() >= 1.0 {
-                        let old = d.sm_rate_ppm.load(Relaxed);
-                        let new = corrected_rate(old, limit, c.sm_ctl[dev]);
-                        if new != old {
-                            d.sm_rate_ppm.store(new, Relaxed);
-                        }
-                    }
-                }
-                // Throttled, but no new sample in this pass: the run goes on.
-                c.throttled_launches[dev] = throttled;
                 if sg.memory > 0 && measured > sg.memory {
                     pass.escapes.push(pb::Escape {
                         kind: pb::escape::Kind::OverLimit as i32,
@@ -942,8 +1017,10 @@ impl Monitor {
             }
             pass.slices.push(st);
         }
+    }
 
-        // New escapes: counted, logged and acted on once; ongoing ones are only reported.
+    /// New escapes: counted, logged and acted on once; ongoing ones are only reported.
+    fn act_on_escapes(&mut self, slices: &[Slice], pass: &mut Pass) {
         let mut now = HashSet::default();
         let mut owners = HashMap::default();
         for e in &mut pass.escapes {
@@ -992,7 +1069,6 @@ impl Monitor {
         }
         self.active = now;
         self.owners = owners;
-        pass
     }
 
     /// Aligns what is kept per slice with a new list of slices: a slice in both keeps its region and
