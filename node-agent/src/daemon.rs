@@ -60,7 +60,10 @@ pub fn run(cfg: Config) -> Result<u64, String> {
     rt.block_on(run_async(cfg))
 }
 
-async fn run_async(cfg: Config) -> Result<u64, String> {
+/// The agent's state as the last run left it: the state directory, the slice store (repaired),
+/// `libvgpu.so` installed for containers, the preload template, and what the features recorded
+/// (drained GPUs, MIG devices and admin claims given out).
+fn recover(cfg: &Config) -> Result<Arc<Agent>, String> {
     std::fs::create_dir_all(&cfg.state_dir).map_err(|e| format!("cannot create {}: {e}", cfg.state_dir.display()))?;
     // The state directory holds the limits: only the agent writes there.
     use std::os::unix::fs::PermissionsExt;
@@ -97,10 +100,36 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     crate::dra::refresh_mig_holders(&agent);
     crate::k8s::refresh_mig_holders(&agent);
     crate::dra::refresh_admitted(&agent);
-    let reporter_state = Arc::new(crate::report::ReporterState::default());
     agent.prune_libraries();
     agent.reconcile_cdi();
     tracing::info!(slices = agent.slices().len(), state_dir = %cfg.state_dir.display(), "recovered slices");
+    Ok(agent)
+}
+
+/// Serves `/metrics` and `/healthz` where the configuration asks for them.
+async fn serve_metrics(cfg: &Config, agent: &Arc<Agent>) -> Result<Option<tokio::task::JoinHandle<()>>, String> {
+    Ok(match cfg.metrics_address {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+            let bound = l.local_addr().map_err(|e| e.to_string())?;
+            *agent.metrics_address.write() = Some(bound);
+            tracing::info!(address = %bound, "serving metrics");
+            let tls = crate::metrics::acceptor(cfg)?;
+            let token = match &cfg.metrics_token_file {
+                Some(p) => crate::report::read_token(p)?,
+                None => None,
+            };
+            Some(tokio::spawn(crate::metrics::serve(l, agent.clone(), tls, token)))
+        }
+        None => None,
+    })
+}
+
+async fn run_async(cfg: Config) -> Result<u64, String> {
+    let agent = recover(&cfg)?;
+    let reporter_state = Arc::new(crate::report::ReporterState::default());
 
     let listener = crate::sockets::bind(&cfg.socket)?;
     let _socket = crate::sockets::SocketFile(cfg.socket.clone());
@@ -114,23 +143,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
                 let _ = srx.wait_for(|s| *s).await;
             }),
     );
-    let metrics = match cfg.metrics_address {
-        Some(addr) => {
-            let l = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
-            let bound = l.local_addr().map_err(|e| e.to_string())?;
-            *agent.metrics_address.write() = Some(bound);
-            tracing::info!(address = %bound, "serving metrics");
-            let tls = crate::metrics::acceptor(&cfg)?;
-            let token = match &cfg.metrics_token_file {
-                Some(p) => crate::report::read_token(p)?,
-                None => None,
-            };
-            Some(tokio::spawn(crate::metrics::serve(l, agent.clone(), tls, token)))
-        }
-        None => None,
-    };
+    let metrics = serve_metrics(&cfg, &agent).await?;
 
     // systemd's notifications (Type=notify units): ready after the first pass, the watchdog.
     let notify = tokio::spawn(crate::notify::run(agent.clone(), stop_rx.clone()));

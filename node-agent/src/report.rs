@@ -194,13 +194,12 @@ fn msg(body: sp::node_message::Body) -> sp::NodeMessage {
     sp::NodeMessage { body: Some(body) }
 }
 
-async fn session<S: Source>(
+/// Connects to the scheduler, says Hello and waits for its Welcome: the sending side of the
+/// stream, the scheduler's messages and the heartbeat interval it asked for.
+async fn connect(
     cfg: &ReportConfig,
-    src: &Arc<S>,
-    state: &ReporterState,
     epoch: u64,
-    answered: &Arc<Mutex<Answered>>,
-) -> Result<(), String> {
+) -> Result<(mpsc::Sender<sp::NodeMessage>, tonic::Streaming<sp::SchedulerMessage>, Duration), String> {
     let identity = cfg.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
     let ch = channel_with(&cfg.endpoint, cfg.ca.as_deref(), cfg.server_name.as_deref(), identity).await?;
     let token = match &cfg.token_file {
@@ -256,6 +255,17 @@ async fn session<S: Source>(
         0 => cfg.heartbeat,
         ms => Duration::from_millis(ms as u64).max(Duration::from_millis(100)),
     };
+    Ok((tx, inbound, heartbeat))
+}
+
+async fn session<S: Source>(
+    cfg: &ReportConfig,
+    src: &Arc<S>,
+    state: &ReporterState,
+    epoch: u64,
+    answered: &Arc<Mutex<Answered>>,
+) -> Result<(), String> {
+    let (tx, mut inbound, heartbeat) = connect(cfg, epoch).await?;
     state.connected.store(true, Release);
     state.connections.fetch_add(1, Relaxed);
     tracing::info!(endpoint = %cfg.endpoint, node = %cfg.node, "capacity reporting connected");
