@@ -222,6 +222,21 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
         );
     }
     o.push('\n');
+    render_slices(&mut o, st, style);
+    if !st.escapes.is_empty() {
+        o.push('\n');
+        o.push_str(&style.red("ESCAPES"));
+        o.push('\n');
+        for e in &st.escapes {
+            let _ = writeln!(o, "  {}", escape_line(e));
+        }
+    }
+    o
+}
+
+/// The status's slice table: each slice's GPUs with their memory, SM time, throttling, latest
+/// kernel and processes, then the allocations served as unified memory.
+fn render_slices(o: &mut String, st: &pb::NodeStatus, style: Style) {
     if st.slices.is_empty() {
         o.push_str("no slices (create one: vgpuctl slice create --gpu 0 --memory 8GiB --sm 30 --name job1)\n");
     } else {
@@ -286,15 +301,6 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
             }
         }
     }
-    if !st.escapes.is_empty() {
-        o.push('\n');
-        o.push_str(&style.red("ESCAPES"));
-        o.push('\n');
-        for e in &st.escapes {
-            let _ = writeln!(o, "  {}", escape_line(e));
-        }
-    }
-    o
 }
 
 /// A slice's limits, environment and mounts, and the `docker run` flags that put a container in it.
