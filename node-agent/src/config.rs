@@ -276,83 +276,30 @@ impl Config {
         flags: &Flags,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let where_ = path.map_or("configuration".to_string(), |p| p.display().to_string());
-        // A value from the environment is blamed on its variable, not on the file.
-        let bad = |key: &str, msg: String| {
-            let var = format!("VGPU_AGENT_{}", key.to_ascii_uppercase());
-            match env(&var) {
-                Some(_) => ConfigError(format!("environment variable {var}: {msg}")),
-                None => ConfigError(format!("{where_}: {key}: {msg}")),
-            }
-        };
+        let src = Sources { env: &env, where_: path.map_or("configuration".to_string(), |p| p.display().to_string()) };
+        let bad = |key: &str, msg: String| src.bad(key, msg);
 
         let node_name = env("NODE_NAME").or(file.node_name.take()).unwrap_or_else(|| {
             std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string()
         });
-        // This node's entry in HAMi's per-node configuration, then the first [[node]] section naming
-        // it: their keys replace the file's.
-        let hami_node = env("VGPU_AGENT_HAMI_NODE_CONFIG_FILE")
-            .filter(|s| !s.is_empty())
-            .map(PathBuf::from)
-            .or(file.hami_node_config_file.take());
-        let mut hami_node_entry = false;
-        if let Some(p) = hami_node {
-            let text = std::fs::read_to_string(&p)
-                .map_err(|e| bad("hami_node_config_file", format!("cannot read {}: {e}", p.display())))?;
-            let entry = peer::hami_node_entry(&text, &node_name)
-                .map_err(|e| bad("hami_node_config_file", format!("{}: {e}", p.display())))?;
-            if let Some(e) = entry {
-                file.split_count = e.split_count.or(file.split_count);
-                file.memory_scaling = e.memory_scaling.or(file.memory_scaling);
-                hami_node_entry = true;
-            }
-        }
-        let sections = file.node.take().unwrap_or_default();
-        for (i, n) in sections.iter().enumerate() {
-            if n.names.is_empty()
-                || n.names.iter().any(|p| p.is_empty() || p.strip_suffix('*').unwrap_or(p).contains('*'))
-            {
-                return Err(bad(
-                    &format!("node[{i}]"),
-                    "names must list node names (a `*` only at the end of one)".into(),
-                ));
-            }
-        }
-        let node_section = sections.iter().position(|n| n.names(&node_name));
-        if let Some(n) = node_section.map(|i| &sections[i]) {
-            file.split_count = n.split_count.or(file.split_count);
-            file.memory_scaling = n.memory_scaling.or(file.memory_scaling);
-        }
+        let (hami_node_entry, sections, node_section) = node_overrides(&mut file, &node_name, &src)?;
+        let (metrics_address, metrics_tls, metrics_token_file) = metrics_settings(&mut file, flags, &src)?;
+        let dra = dra_driver(&mut file, &src)?;
+        let scheduler = report_settings(&mut file, &node_name, &src)?;
+        let Paths {
+            state_dir,
+            socket,
+            nvml_library,
+            library,
+            kubelet_dir,
+            kubelet_root_dir,
+            pod_resources_socket,
+            cdi_dir,
+        } = paths(&mut file, flags, &src)?;
+        let (mig_geometries, scheduler_settings) = peer_device_config(&mut file, &src)?;
 
-        let state_dir = flags
-            .state_dir
-            .clone()
-            .or_else(|| env("VGPU_AGENT_STATE_DIR").map(PathBuf::from))
-            .or(file.state_dir)
-            .unwrap_or_else(|| PathBuf::from("/var/lib/vgpu"));
-        let socket = flags
-            .socket
-            .clone()
-            .or_else(|| env("VGPU_AGENT_SOCKET").map(PathBuf::from))
-            .or(file.socket)
-            .unwrap_or_else(|| PathBuf::from("/run/vgpu/agent.sock"));
-        for (k, p) in [("state_dir", &state_dir), ("socket", &socket)] {
-            if !p.is_absolute() {
-                return Err(bad(k, format!("{} is not an absolute path", p.display())));
-            }
-        }
-        let nvml_library = flags
-            .nvml_library
-            .clone()
-            .or_else(|| env("VGPU_AGENT_NVML_LIBRARY").map(PathBuf::from))
-            .or(file.nvml_library);
-        let monitor_interval_ms = match env("VGPU_AGENT_MONITOR_INTERVAL_MS") {
-            Some(v) => v.trim().parse().map_err(|_| bad("monitor_interval_ms", format!("{v:?} is not a number")))?,
-            None => file.monitor_interval_ms.unwrap_or(100),
-        };
-        if !(10..=60_000).contains(&monitor_interval_ms) {
-            return Err(bad("monitor_interval_ms", format!("{monitor_interval_ms} is outside 10..=60000")));
-        }
+        let monitor_interval_ms =
+            src.number("monitor_interval_ms", file.monitor_interval_ms.unwrap_or(100), 10..=60_000)?;
         let log_level = env("VGPU_AGENT_LOG_LEVEL").or(file.log_level.take()).unwrap_or_else(|| "info".into());
         if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&log_level) {
             return Err(bad(
@@ -362,170 +309,31 @@ impl Config {
                 ),
             ));
         }
-        let log_format = match env("VGPU_AGENT_LOG_FORMAT").or(file.log_format).as_deref() {
-            None | Some("text") => LogFormat::Text,
-            Some("json") => LogFormat::Json,
-            Some(v) => return Err(bad("log_format", format!("{v:?} is not text or json"))),
-        };
-        let escape_action = match env("VGPU_AGENT_ESCAPE_ACTION").or(file.escape_action).as_deref() {
-            None | Some("report") => EscapeAction::Report,
-            Some("kill") => EscapeAction::Kill,
-            Some(v) => return Err(bad("escape_action", format!("{v:?} is not report or kill"))),
-        };
-        let memory_true_up = match env("VGPU_AGENT_MEMORY_TRUE_UP").as_deref() {
-            None => file.memory_true_up.unwrap_or(true),
-            Some("1" | "true") => true,
-            Some("0" | "false") => false,
-            Some(v) => return Err(bad("memory_true_up", format!("{v:?} is not true or false"))),
-        };
-        let pod_events = match env("VGPU_AGENT_POD_EVENTS").as_deref() {
-            None => file.pod_events.unwrap_or(true),
-            Some("1" | "true") => true,
-            Some("0" | "false") => false,
-            Some(v) => return Err(bad("pod_events", format!("{v:?} is not true or false"))),
-        };
-        let library = env("VGPU_AGENT_LIBRARY")
-            .map(PathBuf::from)
-            .or(file.library)
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_LIBRARY));
-        let metrics_address = match flags
-            .metrics_address
-            .clone()
-            .or_else(|| env("VGPU_AGENT_METRICS_ADDRESS"))
-            .or(file.metrics_address)
-            .as_deref()
-        {
-            None => Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9394))),
-            Some("" | "off") => None,
-            Some(v) => Some(v.parse().map_err(|_| {
-                bad("metrics_address", format!("{v:?} is not an address such as 0.0.0.0:9394 (or \"off\")"))
-            })?),
-        };
-        // The metrics endpoint is the agent's only TCP listener: off loopback it needs TLS and a
-        // token, unless plain HTTP is asked for explicitly (a port a NetworkPolicy protects).
-        let metrics_tls = match (file.metrics_tls_cert, file.metrics_tls_key) {
-            (Some(c), Some(k)) => {
-                for (key, p) in [("metrics_tls_cert", &c), ("metrics_tls_key", &k)] {
-                    if !p.is_file() {
-                        return Err(bad(key, format!("{} is not a readable file", p.display())));
-                    }
-                }
-                Some((c, k))
-            }
-            (None, None) => None,
-            _ => return Err(bad("metrics_tls_cert", "and metrics_tls_key go together".into())),
-        };
-        let metrics_token_file = file.metrics_token_file;
-        if let Some(p) = &metrics_token_file {
-            if !p.is_file() {
-                return Err(bad("metrics_token_file", format!("{} is not a readable file", p.display())));
-            }
-        }
-        if let Some(a) = metrics_address {
-            let secured = metrics_tls.is_some() && metrics_token_file.is_some();
-            if !a.ip().is_loopback() && !secured && !file.metrics_insecure.unwrap_or(false) {
-                return Err(bad(
-                    "metrics_address",
-                    format!(
-                        "{a} is reachable from the network: give metrics_tls_cert, metrics_tls_key and \
-                         metrics_token_file, bind it to 127.0.0.1, or set metrics_insecure = true (plain HTTP, \
-                         e.g. behind a NetworkPolicy)"
-                    ),
-                ));
-            }
-        }
-        let health_recovery_s = file.health_recovery_s.unwrap_or(60);
-        if !(1..=86_400).contains(&health_recovery_s) {
-            return Err(bad("health_recovery_s", format!("{health_recovery_s} is outside 1..=86400")));
-        }
-        let stall_after_s = match env("VGPU_AGENT_STALL_AFTER_S") {
-            Some(v) => v.trim().parse().map_err(|_| bad("stall_after_s", format!("{v:?} is not a number")))?,
-            None => file.stall_after_s.unwrap_or(60),
-        };
-        if !(1..=86_400).contains(&stall_after_s) {
-            return Err(bad("stall_after_s", format!("{stall_after_s} is outside 1..=86400")));
-        }
-        let max_slices = match env("VGPU_AGENT_MAX_SLICES") {
-            Some(v) => v.trim().parse().map_err(|_| bad("max_slices", format!("{v:?} is not a number")))?,
-            None => file.max_slices.unwrap_or(crate::slices::DEFAULT_MAX_SLICES),
-        };
-        if !(1..=MAX_SLICES_CEILING).contains(&max_slices) {
-            return Err(bad("max_slices", format!("{max_slices} is outside 1..={MAX_SLICES_CEILING}")));
-        }
-        let device_plugin = match env("VGPU_AGENT_DEVICE_PLUGIN").or(file.device_plugin).as_deref() {
-            None | Some("auto") | Some("on") => true,
-            Some("off") => false,
-            Some(v) => return Err(bad("device_plugin", format!("{v:?} is not auto or off"))),
-        };
-        let kubelet_dir = env("VGPU_AGENT_KUBELET_DIR")
-            .map(PathBuf::from)
-            .or(file.kubelet_dir)
-            .unwrap_or_else(|| PathBuf::from("/var/lib/kubelet/device-plugins"));
-        // By default the device-plugin directory's parent, as kubelet lays them out with its default
-        // root.
-        let kubelet_root_dir = env("VGPU_AGENT_KUBELET_ROOT_DIR")
-            .map(PathBuf::from)
-            .or(file.kubelet_root_dir)
-            .unwrap_or_else(|| kubelet_dir.parent().unwrap_or(Path::new("/")).to_path_buf());
-        if !kubelet_root_dir.is_absolute() {
-            return Err(bad("kubelet_root_dir", format!("{} is not an absolute path", kubelet_root_dir.display())));
-        }
-        let pod_resources_socket = match env("VGPU_AGENT_POD_RESOURCES_SOCKET").or(file.pod_resources_socket).as_deref()
-        {
-            None => Some(kubelet_root_dir.join("pod-resources/kubelet.sock")),
-            Some("" | "off") => None,
-            Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
-            Some(p) => return Err(bad("pod_resources_socket", format!("{p} is not an absolute path (or \"off\")"))),
-        };
-        let dra = match env("VGPU_AGENT_DRA").or(file.dra).as_deref() {
-            None | Some("off") => None,
-            Some("on") => {
-                let driver = env("VGPU_AGENT_DRA_DRIVER").or(file.dra_driver).unwrap_or_else(|| "gpu.vgpu.io".into());
-                // A DNS subdomain (the driver name is one in every ResourceSlice and claim result).
-                let label_ok = |l: &str| {
-                    !l.is_empty()
-                        && l.len() <= 63
-                        && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                        && !l.starts_with('-')
-                        && !l.ends_with('-')
-                };
-                if driver.len() > 63 || !driver.split('.').all(label_ok) {
-                    return Err(bad(
-                        "dra_driver",
-                        format!("{driver:?} is not a DNS subdomain of at most 63 characters"),
-                    ));
-                }
-                Some(driver)
-            }
-            Some(v) => return Err(bad("dra", format!("{v:?} is not on or off"))),
-        };
-        let dra_sharing = match env("VGPU_AGENT_DRA_SHARING").or(file.dra_sharing).as_deref() {
-            None | Some("replicas") => DraSharing::Replicas,
-            Some("capacity") => DraSharing::Capacity,
-            Some(v) => return Err(bad("dra_sharing", format!("{v:?} is not replicas or capacity"))),
-        };
-        let dra_mig = match env("VGPU_AGENT_DRA_MIG").or(file.dra_mig).as_deref() {
-            None | Some("existing") => DraMig::Existing,
-            Some("dynamic") => DraMig::Dynamic,
-            Some(v) => return Err(bad("dra_mig", format!("{v:?} is not existing or dynamic"))),
-        };
-        // An empty value (the chart's default) is no file.
-        let (mig_geometries, scheduler_settings) = match env("VGPU_AGENT_MIG_GEOMETRIES_FILE")
-            .filter(|s| !s.is_empty())
-            .map(PathBuf::from)
-            .or(file.mig_geometries_file)
-        {
-            None => (Vec::new(), None),
-            Some(p) => {
-                let text = std::fs::read_to_string(&p)
-                    .map_err(|e| bad("mig_geometries_file", format!("cannot read {}: {e}", p.display())))?;
-                let file_err = |e: String| bad("mig_geometries_file", format!("{}: {e}", p.display()));
-                (
-                    peer::parse_mig_geometries(&text).map_err(file_err)?,
-                    peer::parse_scheduler_settings(&text).map_err(file_err)?,
-                )
-            }
-        };
+        let log_format =
+            src.choice("log_format", file.log_format, &[("text", LogFormat::Text), ("json", LogFormat::Json)])?;
+        let escape_action = src.choice(
+            "escape_action",
+            file.escape_action,
+            &[("report", EscapeAction::Report), ("kill", EscapeAction::Kill)],
+        )?;
+        let memory_true_up = src.switch("memory_true_up", file.memory_true_up.unwrap_or(true))?;
+        let pod_events = src.switch("pod_events", file.pod_events.unwrap_or(true))?;
+        let health_recovery_s = src.within("health_recovery_s", file.health_recovery_s.unwrap_or(60), 1..=86_400)?;
+        let stall_after_s = src.number("stall_after_s", file.stall_after_s.unwrap_or(60), 1..=86_400)?;
+        let max_slices = src.number(
+            "max_slices",
+            file.max_slices.unwrap_or(crate::slices::DEFAULT_MAX_SLICES),
+            1..=MAX_SLICES_CEILING,
+        )?;
+        let device_plugin =
+            src.choice("device_plugin", file.device_plugin, &[("auto", true), ("off", false), ("on", true)])?;
+        let dra_sharing = src.choice(
+            "dra_sharing",
+            file.dra_sharing,
+            &[("replicas", DraSharing::Replicas), ("capacity", DraSharing::Capacity)],
+        )?;
+        let dra_mig =
+            src.choice("dra_mig", file.dra_mig, &[("existing", DraMig::Existing), ("dynamic", DraMig::Dynamic)])?;
         let slice_gc_grace_s = match env("VGPU_AGENT_SLICE_GC_GRACE_S") {
             Some(v) => v.parse().map_err(|_| bad("slice_gc_grace_s", format!("{v:?} is not a number of seconds")))?,
             None => file.slice_gc_grace_s.unwrap_or(60),
@@ -533,40 +341,25 @@ impl Config {
         if !(1..=86_400).contains(&slice_gc_grace_s) {
             return Err(bad("slice_gc_grace_s", format!("{slice_gc_grace_s} is outside 1..=86400")));
         }
-        let split_count = file.split_count.unwrap_or(10);
-        if !(1..=100).contains(&split_count) {
-            return Err(bad("split_count", format!("{split_count} is outside 1..=100")));
-        }
+        let split_count = src.within("split_count", file.split_count.unwrap_or(10), 1..=100)?;
         let resource_name = file.resource_name.unwrap_or_else(|| "nvidia.com/gpu".into());
         if !resource_name.contains('/') || resource_name.len() > 63 + 254 {
             return Err(bad("resource_name", format!("{resource_name:?} is not of the form domain/name")));
         }
-        let cdi_dir = match env("VGPU_AGENT_CDI_DIR").or(file.cdi_dir).as_deref() {
-            None => Some(PathBuf::from("/var/run/cdi")),
-            Some("" | "off") => None,
-            Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
-            Some(p) => return Err(bad("cdi_dir", format!("{p} is not an absolute path (or \"off\")"))),
-        };
-        let compat = match env("VGPU_AGENT_COMPAT").or(file.compat).as_deref() {
-            None | Some("replicas") => Compat::Replicas,
-            Some("hami") => Compat::Hami,
-            Some("volcano") => Compat::Volcano,
-            Some(v) => return Err(bad("compat", format!("{v:?} is not replicas, hami or volcano"))),
-        };
+        let compat = src.choice(
+            "compat",
+            file.compat,
+            &[("replicas", Compat::Replicas), ("hami", Compat::Hami), ("volcano", Compat::Volcano)],
+        )?;
         let kube_api = env("VGPU_AGENT_KUBE_API").or(file.kube_api).filter(|s| !s.is_empty());
-        let register_interval_s = file.register_interval_s.unwrap_or(30);
-        if !(1..=3600).contains(&register_interval_s) {
-            return Err(bad("register_interval_s", format!("{register_interval_s} is outside 1..=3600")));
-        }
+        let register_interval_s =
+            src.within("register_interval_s", file.register_interval_s.unwrap_or(30), 1..=3600)?;
         let hami_text_register = match file.hami_register_format.as_deref() {
             None | Some("json") => false,
             Some("text") => true,
             Some(v) => return Err(bad("hami_register_format", format!("{v:?} is not json or text"))),
         };
-        let memory_factor = file.memory_factor.unwrap_or(1024);
-        if !(1..=1 << 20).contains(&memory_factor) {
-            return Err(bad("memory_factor", format!("{memory_factor} is outside 1..=1048576")));
-        }
+        let memory_factor = src.within("memory_factor", file.memory_factor.unwrap_or(1024), 1..=1 << 20)?;
         let memory_scaling = match env("VGPU_AGENT_MEMORY_SCALING") {
             Some(v) => v.trim().parse().map_err(|_| bad("memory_scaling", format!("{v:?} is not a number")))?,
             None => file.memory_scaling.unwrap_or(1.0),
@@ -574,60 +367,6 @@ impl Config {
         if !(memory_scaling > 0.0 && memory_scaling <= 10.0) {
             return Err(bad("memory_scaling", format!("{memory_scaling} is outside (0, 10]")));
         }
-        let scheduler = match env("VGPU_AGENT_SCHEDULER_ENDPOINT").or(file.scheduler_endpoint).as_deref() {
-            None | Some("" | "off") => None,
-            Some(e) => {
-                let endpoint = scheduler::Endpoint::parse(e).map_err(|m| bad("scheduler_endpoint", m))?;
-                let mut r = scheduler::ReportConfig::new(endpoint, node_name.clone());
-                r.ca = env("VGPU_AGENT_SCHEDULER_CA").map(PathBuf::from).or(file.scheduler_ca);
-                r.token_file = env("VGPU_AGENT_SCHEDULER_TOKEN_FILE").map(PathBuf::from).or(file.scheduler_token_file);
-                r.server_name = file.scheduler_server_name;
-                // An empty value is unset (the Helm chart always passes these two).
-                let nonempty = |v: Option<String>| v.filter(|s| !s.is_empty()).map(PathBuf::from);
-                let cert = nonempty(env("VGPU_AGENT_SCHEDULER_CLIENT_CERT")).or(file.scheduler_client_cert);
-                let key = nonempty(env("VGPU_AGENT_SCHEDULER_CLIENT_KEY")).or(file.scheduler_client_key);
-                r.identity = match (cert, key) {
-                    (None, None) => None,
-                    (Some(c), Some(k)) => {
-                        if !matches!(r.endpoint, scheduler::Endpoint::Https { .. }) {
-                            return Err(bad(
-                                "scheduler_client_cert",
-                                "a client certificate is for https endpoints".into(),
-                            ));
-                        }
-                        for (name, p) in [("scheduler_client_cert", &c), ("scheduler_client_key", &k)] {
-                            if !p.is_file() {
-                                return Err(bad(name, format!("{} is not a readable file", p.display())));
-                            }
-                        }
-                        Some((c, k))
-                    }
-                    _ => {
-                        return Err(bad(
-                            "scheduler_client_cert",
-                            "scheduler_client_cert and scheduler_client_key go together".into(),
-                        ))
-                    }
-                };
-                let hb = file.scheduler_heartbeat_s.unwrap_or(10);
-                if !(1..=3600).contains(&hb) {
-                    return Err(bad("scheduler_heartbeat_s", format!("{hb} is outside 1..=3600")));
-                }
-                r.heartbeat = std::time::Duration::from_secs(hb);
-                if matches!(r.endpoint, scheduler::Endpoint::Https { .. }) {
-                    for (k, v) in [("scheduler_ca", &r.ca), ("scheduler_token_file", &r.token_file)] {
-                        match v {
-                            None => return Err(bad(k, format!("is required for {e} (TLS and a bearer token)"))),
-                            Some(p) if !p.is_file() => {
-                                return Err(bad(k, format!("{} is not a readable file", p.display())))
-                            }
-                            Some(_) => {}
-                        }
-                    }
-                }
-                Some(r)
-            }
-        };
         if dra.is_some() && device_plugin {
             return Err(bad(
                 "dra",
@@ -689,6 +428,370 @@ impl Config {
     }
 }
 
+/// The node's paths: the agent's own, the libraries', kubelet's and CDI's.
+struct Paths {
+    state_dir: PathBuf,
+    socket: PathBuf,
+    nvml_library: Option<PathBuf>,
+    library: PathBuf,
+    kubelet_dir: PathBuf,
+    kubelet_root_dir: PathBuf,
+    pod_resources_socket: Option<PathBuf>,
+    cdi_dir: Option<PathBuf>,
+}
+
+fn paths(file: &mut FileConfig, flags: &Flags, src: &Sources) -> Result<Paths, ConfigError> {
+    let state_dir = flags
+        .state_dir
+        .clone()
+        .or_else(|| (src.env)("VGPU_AGENT_STATE_DIR").map(PathBuf::from))
+        .or(file.state_dir.take())
+        .unwrap_or_else(|| PathBuf::from("/var/lib/vgpu"));
+    let socket = flags
+        .socket
+        .clone()
+        .or_else(|| (src.env)("VGPU_AGENT_SOCKET").map(PathBuf::from))
+        .or(file.socket.take())
+        .unwrap_or_else(|| PathBuf::from("/run/vgpu/agent.sock"));
+    for (k, p) in [("state_dir", &state_dir), ("socket", &socket)] {
+        if !p.is_absolute() {
+            return Err(src.bad(k, format!("{} is not an absolute path", p.display())));
+        }
+    }
+    let nvml_library = flags
+        .nvml_library
+        .clone()
+        .or_else(|| (src.env)("VGPU_AGENT_NVML_LIBRARY").map(PathBuf::from))
+        .or(file.nvml_library.take());
+    let library = (src.env)("VGPU_AGENT_LIBRARY")
+        .map(PathBuf::from)
+        .or(file.library.take())
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_LIBRARY));
+    let kubelet_dir = (src.env)("VGPU_AGENT_KUBELET_DIR")
+        .map(PathBuf::from)
+        .or(file.kubelet_dir.take())
+        .unwrap_or_else(|| PathBuf::from("/var/lib/kubelet/device-plugins"));
+    // By default the device-plugin directory's parent, as kubelet lays them out with its default
+    // root.
+    let kubelet_root_dir = (src.env)("VGPU_AGENT_KUBELET_ROOT_DIR")
+        .map(PathBuf::from)
+        .or(file.kubelet_root_dir.take())
+        .unwrap_or_else(|| kubelet_dir.parent().unwrap_or(Path::new("/")).to_path_buf());
+    if !kubelet_root_dir.is_absolute() {
+        return Err(src.bad("kubelet_root_dir", format!("{} is not an absolute path", kubelet_root_dir.display())));
+    }
+    let pod_resources_socket =
+        match (src.env)("VGPU_AGENT_POD_RESOURCES_SOCKET").or(file.pod_resources_socket.take()).as_deref() {
+            None => Some(kubelet_root_dir.join("pod-resources/kubelet.sock")),
+            Some("" | "off") => None,
+            Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
+            Some(p) => return Err(src.bad("pod_resources_socket", format!("{p} is not an absolute path (or \"off\")"))),
+        };
+    let cdi_dir = match (src.env)("VGPU_AGENT_CDI_DIR").or(file.cdi_dir.take()).as_deref() {
+        None => Some(PathBuf::from("/var/run/cdi")),
+        Some("" | "off") => None,
+        Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
+        Some(p) => return Err(src.bad("cdi_dir", format!("{p} is not an absolute path (or \"off\")"))),
+    };
+    Ok(Paths { state_dir, socket, nvml_library, library, kubelet_dir, kubelet_root_dir, pod_resources_socket, cdi_dir })
+}
+
+/// The peer scheduler's device configuration, when a file is named (an empty value, the chart's
+/// default, names none): its MIG geometries and its settings.
+fn peer_device_config(
+    file: &mut FileConfig,
+    src: &Sources,
+) -> Result<(Vec<peer::KnownMigGeometries>, Option<peer::SchedulerSettings>), ConfigError> {
+    Ok(
+        match (src.env)("VGPU_AGENT_MIG_GEOMETRIES_FILE")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from)
+            .or(file.mig_geometries_file.take())
+        {
+            None => (Vec::new(), None),
+            Some(p) => {
+                let text = std::fs::read_to_string(&p)
+                    .map_err(|e| src.bad("mig_geometries_file", format!("cannot read {}: {e}", p.display())))?;
+                let file_err = |e: String| src.bad("mig_geometries_file", format!("{}: {e}", p.display()));
+                (
+                    peer::parse_mig_geometries(&text).map_err(file_err)?,
+                    peer::parse_scheduler_settings(&text).map_err(file_err)?,
+                )
+            }
+        },
+    )
+}
+
+/// Where the settings come from while the configuration is built: the environment, and the file
+/// (named in errors).
+struct Sources<'a> {
+    env: &'a dyn Fn(&str) -> Option<String>,
+    where_: String,
+}
+
+impl Sources<'_> {
+    /// `VGPU_AGENT_<KEY>` from the environment, else `file`: one of `choices` by name (the first
+    /// when neither is set; a later name for the same value is an alias). Refused naming the
+    /// accepted names, aliases left out.
+    fn choice<T: Copy + PartialEq>(
+        &self,
+        key: &str,
+        file: Option<String>,
+        choices: &[(&str, T)],
+    ) -> Result<T, ConfigError> {
+        let var = format!("VGPU_AGENT_{}", key.to_ascii_uppercase());
+        let Some(v) = (self.env)(&var).or(file) else { return Ok(choices[0].1) };
+        if let Some((_, t)) = choices.iter().find(|(name, _)| *name == v) {
+            return Ok(*t);
+        }
+        let names: Vec<&str> = choices
+            .iter()
+            .enumerate()
+            .filter(|(i, (_, t))| !choices[..*i].iter().any(|(_, u)| u == t))
+            .map(|(_, (name, _))| *name)
+            .collect();
+        let expected = match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.join(""),
+        };
+        Err(self.bad(key, format!("{v:?} is not {expected}")))
+    }
+
+    /// `VGPU_AGENT_<KEY>` as `true`/`1` or `false`/`0`, else `file`.
+    fn switch(&self, key: &str, file: bool) -> Result<bool, ConfigError> {
+        let var = format!("VGPU_AGENT_{}", key.to_ascii_uppercase());
+        match (self.env)(&var).as_deref() {
+            None => Ok(file),
+            Some("1" | "true") => Ok(true),
+            Some("0" | "false") => Ok(false),
+            Some(v) => Err(self.bad(key, format!("{v:?} is not true or false"))),
+        }
+    }
+
+    /// `VGPU_AGENT_<KEY>` as a number, else `file`, within `range`.
+    fn number<T>(&self, key: &str, file: T, range: std::ops::RangeInclusive<T>) -> Result<T, ConfigError>
+    where
+        T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
+    {
+        let var = format!("VGPU_AGENT_{}", key.to_ascii_uppercase());
+        let n = match (self.env)(&var) {
+            Some(v) => v.trim().parse().map_err(|_| self.bad(key, format!("{v:?} is not a number")))?,
+            None => file,
+        };
+        self.within(key, n, range)
+    }
+
+    /// `n`, if within `range`.
+    fn within<T: PartialOrd + std::fmt::Display>(
+        &self,
+        key: &str,
+        n: T,
+        range: std::ops::RangeInclusive<T>,
+    ) -> Result<T, ConfigError> {
+        if range.contains(&n) {
+            Ok(n)
+        } else {
+            Err(self.bad(key, format!("{n} is outside {}..={}", range.start(), range.end())))
+        }
+    }
+
+    /// An error about setting `key`: blamed on its environment variable when that is set, else on
+    /// the file.
+    fn bad(&self, key: &str, msg: String) -> ConfigError {
+        let var = format!("VGPU_AGENT_{}", key.to_ascii_uppercase());
+        match (self.env)(&var) {
+            Some(_) => ConfigError(format!("environment variable {var}: {msg}")),
+            None => ConfigError(format!("{}: {key}: {msg}", self.where_)),
+        }
+    }
+}
+
+/// This node's entry in HAMi's per-node configuration, then the first `[[node]]` section naming it:
+/// their keys replace the file's. Whether HAMi's file had an entry, the sections, and which one
+/// names the node.
+fn node_overrides(
+    file: &mut FileConfig,
+    node_name: &str,
+    src: &Sources,
+) -> Result<(bool, Vec<NodeSection>, Option<usize>), ConfigError> {
+    let hami_node = (src.env)("VGPU_AGENT_HAMI_NODE_CONFIG_FILE")
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .or(file.hami_node_config_file.take());
+    let mut hami_node_entry = false;
+    if let Some(p) = hami_node {
+        let text = std::fs::read_to_string(&p)
+            .map_err(|e| src.bad("hami_node_config_file", format!("cannot read {}: {e}", p.display())))?;
+        let entry = peer::hami_node_entry(&text, node_name)
+            .map_err(|e| src.bad("hami_node_config_file", format!("{}: {e}", p.display())))?;
+        if let Some(e) = entry {
+            file.split_count = e.split_count.or(file.split_count);
+            file.memory_scaling = e.memory_scaling.or(file.memory_scaling);
+            hami_node_entry = true;
+        }
+    }
+    let sections = file.node.take().unwrap_or_default();
+    for (i, n) in sections.iter().enumerate() {
+        if n.names.is_empty() || n.names.iter().any(|p| p.is_empty() || p.strip_suffix('*').unwrap_or(p).contains('*'))
+        {
+            return Err(
+                src.bad(&format!("node[{i}]"), "names must list node names (a `*` only at the end of one)".into())
+            );
+        }
+    }
+    let node_section = sections.iter().position(|n| n.names(node_name));
+    if let Some(n) = node_section.map(|i| &sections[i]) {
+        file.split_count = n.split_count.or(file.split_count);
+        file.memory_scaling = n.memory_scaling.or(file.memory_scaling);
+    }
+    Ok((hami_node_entry, sections, node_section))
+}
+
+/// Where metrics are served, and with what TLS and token. The endpoint is the agent's only TCP
+/// listener: off loopback it needs TLS and a token, unless plain HTTP is asked for explicitly.
+#[allow(clippy::type_complexity)]
+fn metrics_settings(
+    file: &mut FileConfig,
+    flags: &Flags,
+    src: &Sources,
+) -> Result<(Option<std::net::SocketAddr>, Option<(PathBuf, PathBuf)>, Option<PathBuf>), ConfigError> {
+    let metrics_address = match flags
+        .metrics_address
+        .clone()
+        .or_else(|| (src.env)("VGPU_AGENT_METRICS_ADDRESS"))
+        .or(file.metrics_address.take())
+        .as_deref()
+    {
+        None => Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9394))),
+        Some("" | "off") => None,
+        Some(v) => Some(v.parse().map_err(|_| {
+            src.bad("metrics_address", format!("{v:?} is not an address such as 0.0.0.0:9394 (or \"off\")"))
+        })?),
+    };
+    // The metrics endpoint is the agent's only TCP listener: off loopback it needs TLS and a
+    // token, unless plain HTTP is asked for explicitly (a port a NetworkPolicy protects).
+    let metrics_tls = match (file.metrics_tls_cert.take(), file.metrics_tls_key.take()) {
+        (Some(c), Some(k)) => {
+            for (key, p) in [("metrics_tls_cert", &c), ("metrics_tls_key", &k)] {
+                if !p.is_file() {
+                    return Err(src.bad(key, format!("{} is not a readable file", p.display())));
+                }
+            }
+            Some((c, k))
+        }
+        (None, None) => None,
+        _ => return Err(src.bad("metrics_tls_cert", "and metrics_tls_key go together".into())),
+    };
+    let metrics_token_file = file.metrics_token_file.take();
+    if let Some(p) = &metrics_token_file {
+        if !p.is_file() {
+            return Err(src.bad("metrics_token_file", format!("{} is not a readable file", p.display())));
+        }
+    }
+    if let Some(a) = metrics_address {
+        let secured = metrics_tls.is_some() && metrics_token_file.is_some();
+        if !a.ip().is_loopback() && !secured && !file.metrics_insecure.unwrap_or(false) {
+            return Err(src.bad(
+                "metrics_address",
+                format!(
+                    "{a} is reachable from the network: give metrics_tls_cert, metrics_tls_key and \
+                     metrics_token_file, bind it to 127.0.0.1, or set metrics_insecure = true (plain HTTP, \
+                     e.g. behind a NetworkPolicy)"
+                ),
+            ));
+        }
+    }
+    Ok((metrics_address, metrics_tls, metrics_token_file))
+}
+
+/// The DRA driver's name when DRA is on (a DNS subdomain: it is one in every ResourceSlice).
+fn dra_driver(file: &mut FileConfig, src: &Sources) -> Result<Option<String>, ConfigError> {
+    Ok(match (src.env)("VGPU_AGENT_DRA").or(file.dra.take()).as_deref() {
+        None | Some("off") => None,
+        Some("on") => {
+            let driver =
+                (src.env)("VGPU_AGENT_DRA_DRIVER").or(file.dra_driver.take()).unwrap_or_else(|| "gpu.vgpu.io".into());
+            // A DNS subdomain (the driver name is one in every ResourceSlice and claim result).
+            let label_ok = |l: &str| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+            };
+            if driver.len() > 63 || !driver.split('.').all(label_ok) {
+                return Err(
+                    src.bad("dra_driver", format!("{driver:?} is not a DNS subdomain of at most 63 characters"))
+                );
+            }
+            Some(driver)
+        }
+        Some(v) => return Err(src.bad("dra", format!("{v:?} is not on or off"))),
+    })
+}
+
+/// How to reach the central scheduler that capacity is reported to, when one is set.
+fn report_settings(
+    file: &mut FileConfig,
+    node_name: &str,
+    src: &Sources,
+) -> Result<Option<scheduler::ReportConfig>, ConfigError> {
+    Ok(match (src.env)("VGPU_AGENT_SCHEDULER_ENDPOINT").or(file.scheduler_endpoint.take()).as_deref() {
+        None | Some("" | "off") => None,
+        Some(e) => {
+            let endpoint = scheduler::Endpoint::parse(e).map_err(|m| src.bad("scheduler_endpoint", m))?;
+            let mut r = scheduler::ReportConfig::new(endpoint, node_name.to_string());
+            r.ca = (src.env)("VGPU_AGENT_SCHEDULER_CA").map(PathBuf::from).or(file.scheduler_ca.take());
+            r.token_file =
+                (src.env)("VGPU_AGENT_SCHEDULER_TOKEN_FILE").map(PathBuf::from).or(file.scheduler_token_file.take());
+            r.server_name = file.scheduler_server_name.take();
+            // An empty value is unset (the Helm chart always passes these two).
+            let nonempty = |v: Option<String>| v.filter(|s| !s.is_empty()).map(PathBuf::from);
+            let cert = nonempty((src.env)("VGPU_AGENT_SCHEDULER_CLIENT_CERT")).or(file.scheduler_client_cert.take());
+            let key = nonempty((src.env)("VGPU_AGENT_SCHEDULER_CLIENT_KEY")).or(file.scheduler_client_key.take());
+            r.identity = match (cert, key) {
+                (None, None) => None,
+                (Some(c), Some(k)) => {
+                    if !matches!(r.endpoint, scheduler::Endpoint::Https { .. }) {
+                        return Err(
+                            src.bad("scheduler_client_cert", "a client certificate is for https endpoints".into())
+                        );
+                    }
+                    for (name, p) in [("scheduler_client_cert", &c), ("scheduler_client_key", &k)] {
+                        if !p.is_file() {
+                            return Err(src.bad(name, format!("{} is not a readable file", p.display())));
+                        }
+                    }
+                    Some((c, k))
+                }
+                _ => {
+                    return Err(src.bad(
+                        "scheduler_client_cert",
+                        "scheduler_client_cert and scheduler_client_key go together".into(),
+                    ))
+                }
+            };
+            let hb = file.scheduler_heartbeat_s.unwrap_or(10);
+            if !(1..=3600).contains(&hb) {
+                return Err(src.bad("scheduler_heartbeat_s", format!("{hb} is outside 1..=3600")));
+            }
+            r.heartbeat = std::time::Duration::from_secs(hb);
+            if matches!(r.endpoint, scheduler::Endpoint::Https { .. }) {
+                for (k, v) in [("scheduler_ca", &r.ca), ("scheduler_token_file", &r.token_file)] {
+                    match v {
+                        None => return Err(src.bad(k, format!("is required for {e} (TLS and a bearer token)"))),
+                        Some(p) if !p.is_file() => {
+                            return Err(src.bad(k, format!("{} is not a readable file", p.display())))
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+            Some(r)
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -711,6 +814,44 @@ mod tests {
         let r = Config::load(&flags, |k| env.get(k).cloned());
         std::fs::remove_dir_all(dir).ok();
         r
+    }
+
+    #[test]
+    fn each_bad_setting_is_refused_naming_its_source_and_what_is_accepted() {
+        let refused = |file: &str, env: &[(&str, &str)]| {
+            load(Some(file), env, Flags::default()).map(|_| ()).unwrap_err().to_string()
+        };
+        let from_env = |k: &str, v: &str| refused("", &[(k, v)]);
+        let cases = [
+            (
+                from_env("VGPU_AGENT_DEVICE_PLUGIN", "maybe"),
+                "environment variable VGPU_AGENT_DEVICE_PLUGIN: \"maybe\" is not auto or off",
+            ),
+            (refused("compat = \"x\"\n", &[]), "compat: \"x\" is not replicas, hami or volcano"),
+            (refused("log_format = \"xml\"\n", &[]), "log_format: \"xml\" is not text or json"),
+            (from_env("VGPU_AGENT_ESCAPE_ACTION", "stop"), "\"stop\" is not report or kill"),
+            (from_env("VGPU_AGENT_DRA_SHARING", "all"), "\"all\" is not replicas or capacity"),
+            (from_env("VGPU_AGENT_DRA_MIG", "some"), "\"some\" is not existing or dynamic"),
+            (from_env("VGPU_AGENT_POD_EVENTS", "yes"), "VGPU_AGENT_POD_EVENTS: \"yes\" is not true or false"),
+            (from_env("VGPU_AGENT_MEMORY_TRUE_UP", "on"), "\"on\" is not true or false"),
+            (
+                from_env("VGPU_AGENT_MONITOR_INTERVAL_MS", "5"),
+                "VGPU_AGENT_MONITOR_INTERVAL_MS: 5 is outside 10..=60000",
+            ),
+            (from_env("VGPU_AGENT_MAX_SLICES", "many"), "VGPU_AGENT_MAX_SLICES: \"many\" is not a number"),
+            (refused("stall_after_s = 0\n", &[]), "stall_after_s: 0 is outside 1..=86400"),
+            (refused("health_recovery_s = 90000\n", &[]), "health_recovery_s: 90000 is outside 1..=86400"),
+            (refused("memory_factor = 0\n", &[]), "memory_factor: 0 is outside 1..=1048576"),
+            (refused("register_interval_s = 0\n", &[]), "register_interval_s: 0 is outside 1..=3600"),
+        ];
+        for (got, want) in cases {
+            assert!(got.contains(want), "{got:?} should say {want:?}");
+        }
+        // Aliases and defaults.
+        let c = load(Some(""), &[("VGPU_AGENT_DEVICE_PLUGIN", "on"), ("VGPU_AGENT_POD_EVENTS", "0")], Flags::default());
+        let c = c.unwrap();
+        assert!(c.device_plugin && !c.pod_events && c.memory_true_up);
+        assert_eq!((c.compat, c.log_format, c.monitor_interval_ms), (Compat::Replicas, LogFormat::Text, 100));
     }
 
     #[test]
