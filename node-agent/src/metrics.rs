@@ -29,6 +29,61 @@ impl Out {
             let _ = writeln!(self.0, "{name}{{{}}} {v}", l.join(","));
         }
     }
+
+    /// One metric: its HELP/TYPE head, then a sample per GPU.
+    fn per_gpu(&mut self, st: &pb::NodeStatus, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::GpuStatus) -> f64) {
+        self.head(name, kind, help);
+        for g in &st.gpus {
+            self.put(name, &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())], f(g));
+        }
+    }
+
+    /// One metric: its head, then a sample per slice and GPU, with the slice's owner labels.
+    fn per_slice_gpu(
+        &mut self,
+        st: &pb::NodeStatus,
+        name: &str,
+        kind: &str,
+        help: &str,
+        f: &dyn Fn(&pb::SliceStatus, &pb::SliceGpuStatus) -> f64,
+    ) {
+        self.head(name, kind, help);
+        for s in &st.slices {
+            let ow = owner(s);
+            for (i, g) in s.gpus.iter().enumerate() {
+                let idx = i.to_string();
+                let mut l: Vec<(&str, &str)> = ow.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                l.push(("vdevice_index", &idx));
+                l.push(("device_uuid", &g.uuid));
+                self.put(name, &l, f(s, g));
+            }
+        }
+    }
+
+    /// One gauge per MIG instance: labels of its GPU, its UUID and GPU instance ID, and its profile
+    /// where wanted.
+    fn per_mig(
+        &mut self,
+        st: &pb::NodeStatus,
+        name: &str,
+        help: &str,
+        profile: bool,
+        f: &dyn Fn(&pb::MigInstance) -> f64,
+    ) {
+        self.head(name, "gauge", help);
+        for g in &st.gpus {
+            for m in g.mig.iter().flat_map(|m| &m.instances) {
+                let (index, gi) = (g.index.to_string(), m.gpu_instance_id.to_string());
+                let mut labels =
+                    vec![("device_uuid", g.uuid.as_str()), ("device_index", &index), ("mig_uuid", &m.uuid)];
+                if profile {
+                    labels.push(("profile", &m.name));
+                }
+                labels.push(("gpu_instance_id", &gi));
+                self.put(name, &labels, f(m));
+            }
+        }
+    }
 }
 
 /// Kubernetes owner labels of a slice (empty outside Kubernetes).
@@ -40,66 +95,53 @@ fn owner(s: &pb::SliceStatus) -> [(&'static str, String); 4] {
 pub fn render(agent: &Agent) -> String {
     let st = agent.live_status();
     let mut o = Out(String::with_capacity(16 * 1024));
-    // One metric: its HELP/TYPE head, then a sample per GPU (or per slice and GPU).
-    let per_gpu = |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::GpuStatus) -> f64| {
-        o.head(name, kind, help);
-        for g in &st.gpus {
-            o.put(name, &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())], f(g));
-        }
-    };
+    hami_series(&mut o, &st);
+    vgpu_series(&mut o, &st);
+    agent_series(&mut o, agent, &st);
+    o.0
+}
+
+/// The series HAMi's node monitor serves, under its names.
+fn hami_series(o: &mut Out, st: &pb::NodeStatus) {
     // --- HAMi node-monitor names ---
-    per_gpu(
-        &mut o,
+    o.per_gpu(
+        st,
         "hami_host_gpu_memory_used_bytes",
         "gauge",
         "Device memory in use on the GPU (all processes).",
         &|g| g.memory_used as f64,
     );
-    per_gpu(
-        &mut o,
+    o.per_gpu(
+        st,
         "hami_host_gpu_utilization_ratio",
         "gauge",
         "GPU utilisation over NVML's last sample period (0..1).",
         &|g| g.utilization as f64 / 100.0,
     );
-    let per_slice_gpu =
-        |o: &mut Out, name: &str, kind: &str, help: &str, f: &dyn Fn(&pb::SliceStatus, &pb::SliceGpuStatus) -> f64| {
-            o.head(name, kind, help);
-            for s in &st.slices {
-                let ow = owner(s);
-                for (i, g) in s.gpus.iter().enumerate() {
-                    let idx = i.to_string();
-                    let mut l: Vec<(&str, &str)> = ow.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                    l.push(("vdevice_index", &idx));
-                    l.push(("device_uuid", &g.uuid));
-                    o.put(name, &l, f(s, g));
-                }
-            }
-        };
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "hami_vgpu_memory_used_bytes",
         "gauge",
         "Device memory a container's processes hold, as its interposers account it.",
         &|_, g| g.memory_used as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "hami_vgpu_memory_limit_bytes",
         "gauge",
         "A container's device memory limit (0: none).",
         &|_, g| g.memory_limit as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "hami_container_device_utilization_ratio",
         "gauge",
         "Share of the GPU's time a container used in the last pass (0..1).",
         &|_, g| g.sm_used as f64 / 100.0,
     );
     let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "hami_container_last_kernel_elapsed_seconds",
         "gauge",
         "Seconds since the agent last saw a container's kernels on the GPU (NVML per-process samples, or launches \
@@ -109,139 +151,127 @@ pub fn render(agent: &Agent) -> String {
             now_ms.saturating_sub(since) as f64 / 1000.0
         },
     );
-    // Per MIG instance: labels of its GPU, its UUID and GPU instance ID, and its profile where wanted.
-    let per_mig = |o: &mut Out, name: &str, help: &str, profile: bool, f: &dyn Fn(&pb::MigInstance) -> f64| {
-        o.head(name, "gauge", help);
-        for g in &st.gpus {
-            for m in g.mig.iter().flat_map(|m| &m.instances) {
-                let (index, gi) = (g.index.to_string(), m.gpu_instance_id.to_string());
-                let mut labels =
-                    vec![("device_uuid", g.uuid.as_str()), ("device_index", &index), ("mig_uuid", &m.uuid)];
-                if profile {
-                    labels.push(("profile", &m.name));
-                }
-                labels.push(("gpu_instance_id", &gi));
-                o.put(name, &labels, f(m));
-            }
-        }
-    };
-    per_mig(&mut o, "hami_mig_device_info", "MIG instances (value 1).", true, &|_| 1.0);
+    o.per_mig(st, "hami_mig_device_info", "MIG instances (value 1).", true, &|_| 1.0);
+}
+
+/// vgpu's own series of GPUs, MIG instances and slices.
+fn vgpu_series(o: &mut Out, st: &pb::NodeStatus) {
     // --- vgpu's own ---
-    per_mig(
-        &mut o,
+    o.per_mig(
+        st,
         "vgpu_mig_device_healthy",
         "1 unless a critical XID NVML reported about the MIG device's GPU instance (not the whole GPU) was \
          recent; the GPU's own health is vgpu_gpu_healthy.",
         false,
         &|m| f64::from(u8::from(!m.unhealthy)),
     );
-    per_gpu(
-        &mut o,
+    o.per_gpu(
+        st,
         "vgpu_gpu_admin_processes",
         "gauge",
         "Processes of DRA claims with admin access on the GPU, outside every slice and not escapes.",
         &|g| g.admin_processes.len() as f64,
     );
-    per_gpu(
-        &mut o,
+    o.per_gpu(
+        st,
         "vgpu_gpu_healthy",
         "gauge",
         "1 when the GPU is healthy (no recent critical XID, NVML answers).",
         &|g| g.healthy as u8 as f64,
     );
-    per_gpu(
-        &mut o,
+    o.per_gpu(
+        st,
         "vgpu_gpu_critical_xids_total",
         "counter",
         "Critical XID events the GPU reported since the agent started (they make it unhealthy).",
         &|g| g.critical_xids as f64,
     );
-    per_gpu(
-        &mut o,
+    o.per_gpu(
+        st,
         "vgpu_gpu_application_xids_total",
         "counter",
         "XID events reporting an application's fault (13, 31, 43, 45, 68, 109) since the agent started.",
         &|g| g.application_xids as f64,
     );
-    per_gpu(
-        &mut o,
+    o.per_gpu(
+        st,
         "vgpu_gpu_last_critical_xid",
         "gauge",
         "The last critical XID the GPU reported since the agent started (0: none).",
         &|g| f64::from(g.last_critical_xid),
     );
-    per_gpu(&mut o, "vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.", &|g| g.memory_total as f64);
-    per_gpu(
-        &mut o,
+    o.per_gpu(st, "vgpu_gpu_memory_total_bytes", "gauge", "Device memory of the GPU.", &|g| g.memory_total as f64);
+    o.per_gpu(
+        st,
         "vgpu_gpu_sm_feedback_held",
         "gauge",
         "1 while NVML's per-process SM samples on the GPU do not add up and SM-rate corrections are held.",
         &|g| g.sm_feedback_held as u8 as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_memory_measured_bytes",
         "gauge",
         "Device memory of a slice's processes as NVML measures it.",
         &|_, g| g.memory_measured as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_memory_drift_bytes",
         "gauge",
         "NVML-measured minus interposer-accounted memory (contexts, escapes).",
         &|_, g| g.memory_measured as f64 - g.memory_used as f64,
     );
-    per_slice_gpu(&mut o, "vgpu_slice_memory_peak_bytes", "gauge", "Highest accounted memory of a slice.", &|_, g| {
+    o.per_slice_gpu(st, "vgpu_slice_memory_peak_bytes", "gauge", "Highest accounted memory of a slice.", &|_, g| {
         g.memory_peak as f64
     });
-    per_slice_gpu(&mut o, "vgpu_slice_sm_limit_ratio", "gauge", "A slice's SM-time limit (0..1; 0: none).", &|_, g| {
+    o.per_slice_gpu(st, "vgpu_slice_sm_limit_ratio", "gauge", "A slice's SM-time limit (0..1; 0: none).", &|_, g| {
         g.sm_limit as f64 / 100.0
     });
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_throttled_seconds_total",
         "counter",
         "Time a slice's launches waited for SM budget.",
         &|_, g| g.throttled_ns as f64 / 1e9,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_throttled_launches_total",
         "counter",
         "Launches of a slice that waited for SM budget.",
         &|_, g| g.throttled_launches as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_sm_unmeasured_launches_total",
         "counter",
         "Launches of a slice its interposers could not time with events (a driver call failed); timed by their stream's completion instead.",
         &|_, g| g.sm_unmeasured_launches as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_oom_rejections_total",
         "counter",
         "Allocations refused because they would pass the limit.",
         &|_, g| g.oom_rejections as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_spilled_bytes_total",
         "counter",
         "Bytes of allocations the GPU had no room for, served as unified memory (CUDA_OVERSUBSCRIBE).",
         &|_, g| g.spilled_bytes as f64,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_sm_rate_correction_ratio",
         "gauge",
         "The agent's correction of the SM budget's refill rate (1: none).",
         &|_, g| g.sm_rate_ppm as f64 / 1e6,
     );
-    per_slice_gpu(
-        &mut o,
+    o.per_slice_gpu(
+        st,
         "vgpu_slice_sm_accounted_ratio",
         "gauge",
         "Share of the GPU's time a slice's interposers charged its launches (0..1; 0 while no SM limit applies).",
@@ -256,6 +286,10 @@ pub fn render(agent: &Agent) -> String {
         pids.dedup();
         o.put("vgpu_slice_processes", &l, pids.len() as f64);
     }
+}
+
+/// The agent's own: versions, counters, its passes and its resources.
+fn agent_series(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
     let s = &agent.stats;
     o.head("vgpu_agent_info", "gauge", "The agent's version and the node's NVIDIA driver and CUDA versions (value 1).");
     let cuda = format!("{}.{}", st.cuda_version / 1000, st.cuda_version % 1000 / 10);
@@ -305,7 +339,6 @@ pub fn render(agent: &Agent) -> String {
     o.put("vgpu_agent_resident_bytes", &[], crate::procfs::self_rss() as f64);
     o.head("vgpu_agent_cpu_seconds_total", "counter", "CPU time the agent used.");
     o.put("vgpu_agent_cpu_seconds_total", &[], crate::procfs::self_cpu_ns() as f64 / 1e9);
-    o.0
 }
 
 /// Serves the endpoint until the task is dropped.
