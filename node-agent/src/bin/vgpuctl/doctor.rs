@@ -86,6 +86,15 @@ fn check(name: &'static str, level: &'static str, detail: String, fix: &str) -> 
 /// The checks that need no agent; `agent` is the result of asking the agent for its health.
 pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Check> {
     let mut v = Vec::new();
+    driver_checks(cfg, &mut v);
+    library_checks(cfg, &mut v);
+    agent_checks(cfg, &agent, &mut v);
+    kubernetes_checks(cfg, &mut v);
+    v
+}
+
+/// NVML and the CUDA driver library.
+fn driver_checks(cfg: &Config, v: &mut Vec<Check>) {
     // NVML and the driver.
     match vgpu_agent::discovery::open(cfg.nvml_library.as_deref()).and_then(|n| vgpu_agent::discovery::discover(&n)) {
         Ok(inv) => v.push(check(
@@ -122,6 +131,10 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
         unsafe { libc::dlclose(h) };
         v.push(check("driver", "ok", "libcuda.so.1 loads".into(), ""));
     }
+}
+
+/// `libvgpu.so`, the preload template, and the host's own preload file.
+fn library_checks(cfg: &Config, v: &mut Vec<Check>) {
     // The library.
     match std::fs::read(&cfg.library) {
         Ok(b) if b.starts_with(b"\x7fELF") => {
@@ -206,6 +219,10 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
             "remove the line: only containers should preload it",
         ));
     }
+}
+
+/// The state directory, and the agent's socket and health.
+fn agent_checks(cfg: &Config, agent: &Result<pb::HealthResponse, String>, v: &mut Vec<Check>) {
     // The state directory.
     match std::fs::metadata(&cfg.state_dir) {
         Ok(m) if m.permissions().mode() & 0o022 != 0 => v.push(check(
@@ -252,7 +269,7 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
             format!("{} is accessible to others (mode {:o})", cfg.socket.display(), m.permissions().mode() & 0o777),
             "restart the agent (it creates the socket with mode 0660)",
         )),
-        Ok(_) => match &agent {
+        Ok(_) => match agent {
             Ok(h) if !h.live => v.push(check(
                 "agent",
                 "fail",
@@ -283,6 +300,10 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
             "start the agent: systemctl start vgpu-node-agent",
         )),
     }
+}
+
+/// Kubernetes, the DRA driver, the peer schedulers' settings, and CDI, where present.
+fn kubernetes_checks(cfg: &Config, v: &mut Vec<Check>) {
     // Kubernetes and CDI, when present.
     let kubelet = cfg.kubelet_dir.join("kubelet.sock");
     if kubelet.exists() {
@@ -365,7 +386,6 @@ pub fn doctor(cfg: &Config, agent: Result<pb::HealthResponse, String>) -> Vec<Ch
     } else {
         v.push(check("cdi", "ok", format!("CDI directories: {}", cdi.join(", ")), ""));
     }
-    v
 }
 
 pub fn render_doctor(checks: &[Check], style: Style) -> String {
