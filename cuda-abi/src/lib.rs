@@ -1,6 +1,7 @@
 //! CUDA driver API types and constants, as laid out in `cuda.h` (only what the simulator and its test
 //! clients use). Result codes and enums are open integers: a value from a newer driver is not UB.
 #![allow(non_camel_case_types, non_snake_case)]
+#![deny(clippy::too_many_lines)]
 
 use std::ffi::c_void;
 

@@ -10,6 +10,7 @@
 //!   raw calls through the loaded library for what the wrapper lacks).
 //! * [`apply`]: carrying a plan out, with a journal so that an interrupted apply resumes on restart.
 //! * [`config`]: the mig-parted v1 configuration format.
+#![deny(clippy::too_many_lines)]
 
 pub mod apply;
 pub mod backend;

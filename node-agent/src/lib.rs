@@ -1,5 +1,6 @@
 //! The vgpu node agent's library: configuration, GPU discovery and health through NVML, slices,
 //! the monitoring pass, the gRPC API, metrics and the daemon. `vgpuctl` is built from it too.
+#![deny(clippy::too_many_lines)]
 
 pub mod agent;
 pub mod api;

@@ -10,6 +10,7 @@
 //! (a Resync, or its stream ends with an error) and nobody else notices. A delta applies only on top
 //! of the sequence before it; after a gap the receiver asks for a snapshot and applies nothing until
 //! it comes.
+#![deny(clippy::too_many_lines)]
 
 pub mod auth;
 pub mod certs;

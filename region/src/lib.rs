@@ -11,6 +11,7 @@
 //!   slot for its whole life; the kernel drops it when the process dies, however it dies. A slot
 //!   whose lock can be taken is dead. PID reuse cannot fool this and no process scan is needed.
 //! * **Limits** are per device and can change at any time; readers load them on every check.
+#![deny(clippy::too_many_lines)]
 
 mod layout;
 pub mod shrink;

@@ -11,6 +11,7 @@
 //! | `1.5g`, `0.5GiB` | a decimal number with any of those units, rounded to a byte |
 //!
 //! Spaces between the number and its unit, and a trailing `b`/`B` on its own, are accepted.
+#![deny(clippy::too_many_lines)]
 
 /// What a size that cannot be parsed was, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 //! graphs allocate, `vmm` follows physical allocations, `ctxlimits` what context limits are
 //! charged up to), and `sm` throttles launches (`capture` and `stale` keep its charges and
 //! estimates right); `state` holds the process's slot in the container's region.
-
+#![deny(clippy::too_many_lines)]
 // Unit-test builds have no exported hooks, so most of the crate is unreachable there.
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 

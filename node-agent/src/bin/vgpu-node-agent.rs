@@ -3,6 +3,7 @@
 //!                 environment variables; `--flag=value` works too)
 //!
 //! Exit codes: 0 success, 1 the daemon failed, 2 usage or configuration error, 3 NVML unavailable.
+#![deny(clippy::too_many_lines)]
 use clap::{Parser, Subcommand};
 use vgpu_agent::config::{Config, Flags};
 use vgpu_agent::discovery;

@@ -13,6 +13,7 @@
 //! read-only, and `/etc/ld.so.preload`. A hook cannot change the container's environment: the
 //! interposer finds the mounted region and limits by their paths. `poststop` deletes the slice it
 //! made. Errors go to stderr and fail the hook (the runtime then refuses to start the container).
+#![deny(clippy::too_many_lines)]
 
 use serde_json::Value;
 use std::ffi::CString;

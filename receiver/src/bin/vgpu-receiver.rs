@@ -5,6 +5,7 @@
 //!   vgpu-receiver gen-certs --out DIR --host receiver.example --host 10.0.0.5
 //!   vgpu-receiver gen-client-cert --ca-dir DIR --name node-7 --out DIR   (with serve --client-ca DIR/ca.pem,
 //!                                                                         and --require-node-certs)
+#![deny(clippy::too_many_lines)]
 use clap::{Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;

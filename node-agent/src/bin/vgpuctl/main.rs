@@ -1,6 +1,7 @@
 //! vgpuctl: the operator's command line for the vgpu node agent (over its Unix socket).
 //! Exit codes: 0 success, 1 the operation failed (or `doctor` found a failure), 2 usage error,
 //! 3 the agent cannot be reached.
+#![deny(clippy::too_many_lines)]
 
 mod doctor;
 mod render;
@@ -237,6 +238,96 @@ fn limits(l: &Limits) -> Vec<pb::SliceGpuLimit> {
         .collect()
 }
 
+/// The agent's gRPC client.
+type Client = pb::agent_client::AgentClient<tonic::transport::Channel>;
+
+/// `vgpuctl status --watch`: each status the agent publishes, until the reader goes.
+async fn watch(c: &mut Client, interval: u32, json_out: bool, style: Style) {
+    let mut s = c
+        .watch_status(pb::WatchStatusRequest { min_interval_ms: interval })
+        .await
+        .unwrap_or_else(|e| grpc_err(e))
+        .into_inner();
+    let mut out = std::io::stdout();
+    while let Some(st) = s.message().await.unwrap_or_else(|e| grpc_err(e)) {
+        let text = if json_out {
+            format!("{}\n", serde_json::to_string(&st).expect("serialisable"))
+        } else if style.colour {
+            format!("\x1b[H\x1b[2J{}", render::render_status(&st, style))
+        } else {
+            format!("{}\n", render::render_status(&st, style))
+        };
+        if out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_err() {
+            return; // the reader went away
+        }
+    }
+}
+
+/// `vgpuctl inspect NAME`: a slice's limits and injection, and its usage now.
+async fn inspect(c: &mut Client, name: String, json_out: bool) {
+    let d = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+    let st = c.status(pb::StatusRequest {}).await.ok().map(|r| r.into_inner());
+    let usage = st.and_then(|s| s.slices.into_iter().find(|s| s.name == name));
+    if json_out {
+        println!("{}", json(&serde_json::json!({ "slice": d, "status": usage })));
+    } else {
+        print!("{}", render::render_slice(&d));
+        if let Some(u) = usage {
+            for g in &u.gpus {
+                println!(
+                    "usage on {}: memory {} of {} (NVML {}; peak {}), SM {}% of {}%, throttled {:.1}s in {} launches, {} OOM refusals",
+                    g.uuid,
+                    vgpu_agent::describe::human(g.memory_used),
+                    vgpu_agent::describe::human(g.memory_limit),
+                    vgpu_agent::describe::human(g.memory_measured),
+                    vgpu_agent::describe::human(g.memory_peak),
+                    g.sm_used,
+                    g.sm_limit,
+                    g.throttled_ns as f64 / 1e9,
+                    g.throttled_launches,
+                    g.oom_rejections
+                );
+            }
+            for p in &u.processes {
+                println!(
+                    "process {} (host {}) on {}: {}",
+                    p.pid,
+                    p.host_pid,
+                    p.gpu,
+                    vgpu_agent::describe::human(p.memory)
+                );
+            }
+        }
+    }
+}
+
+/// `vgpuctl mig plan|apply|assert`: exits 1 when the layout is not (or would not be) as asked.
+async fn mig_operation(c: &mut Client, cmd: MigCmd, json_out: bool) {
+    let (a, op) = match &cmd {
+        MigCmd::Plan(a) => (a, "plan"),
+        MigCmd::Apply(a) => (a, "apply"),
+        MigCmd::Assert(a) => (a, "assert"),
+        MigCmd::Status | MigCmd::Geometries { .. } => unreachable!("handled above"),
+    };
+    let text = std::fs::read_to_string(&a.file).unwrap_or_else(|e| die(2, format!("{}: {e}", a.file.display())));
+    let req = pb::MigRequest { config_yaml: text, config_name: a.name.clone(), gpus: a.gpu.clone(), force: a.force };
+    let r = match op {
+        "plan" => c.mig_plan(req).await,
+        "apply" => c.mig_apply(req).await,
+        _ => c.mig_assert(req).await,
+    }
+    .unwrap_or_else(|e| grpc_err(e))
+    .into_inner();
+    if json_out {
+        println!("{}", json(&r));
+    } else {
+        print!("{}", render::render_mig_report(&r, op));
+    }
+    let failed =
+        r.gpus.iter().any(|g| !g.error.is_empty() || (op != "plan" && !g.differences.is_empty() && !g.pending_reset));
+    std::process::exit(i32::from(failed));
+}
+
 fn main() {
     // Like any Unix filter: when the reader of its output goes (`vgpuctl status | head`), end quietly
     // by SIGPIPE rather than report a failed write. Only for standard output: a connection the peer
@@ -284,26 +375,7 @@ fn main() {
                     print!("{}", render::render_status(&st, style));
                 }
             }
-            Cmd::Status { watch: true, interval } => {
-                let mut s = c
-                    .watch_status(pb::WatchStatusRequest { min_interval_ms: interval })
-                    .await
-                    .unwrap_or_else(|e| grpc_err(e))
-                    .into_inner();
-                let mut out = std::io::stdout();
-                while let Some(st) = s.message().await.unwrap_or_else(|e| grpc_err(e)) {
-                    let text = if cli.json {
-                        format!("{}\n", serde_json::to_string(&st).expect("serialisable"))
-                    } else if style.colour {
-                        format!("\x1b[H\x1b[2J{}", render::render_status(&st, style))
-                    } else {
-                        format!("{}\n", render::render_status(&st, style))
-                    };
-                    if out.write_all(text.as_bytes()).and_then(|_| out.flush()).is_err() {
-                        return; // the reader went away
-                    }
-                }
-            }
+            Cmd::Status { watch: true, interval } => watch(&mut c, interval, cli.json, style).await,
             Cmd::Slice(SliceCmd::Create { name, limits: l, labels }) => {
                 let req = pb::CreateSliceRequest { name, gpus: limits(&l), labels: labels.into_iter().collect() };
                 let d = c.create_slice(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
@@ -353,36 +425,7 @@ fn main() {
                     }
                 }
             }
-            Cmd::Inspect { name } => {
-                let d = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
-                let st = c.status(pb::StatusRequest {}).await.ok().map(|r| r.into_inner());
-                let usage = st.and_then(|s| s.slices.into_iter().find(|s| s.name == name));
-                if cli.json {
-                    println!("{}", json(&serde_json::json!({ "slice": d, "status": usage })));
-                } else {
-                    print!("{}", render::render_slice(&d));
-                    if let Some(u) = usage {
-                        for g in &u.gpus {
-                            println!(
-                                "usage on {}: memory {} of {} (NVML {}; peak {}), SM {}% of {}%, throttled {:.1}s in {} launches, {} OOM refusals",
-                                g.uuid,
-                                vgpu_agent::describe::human(g.memory_used),
-                                vgpu_agent::describe::human(g.memory_limit),
-                                vgpu_agent::describe::human(g.memory_measured),
-                                vgpu_agent::describe::human(g.memory_peak),
-                                g.sm_used,
-                                g.sm_limit,
-                                g.throttled_ns as f64 / 1e9,
-                                g.throttled_launches,
-                                g.oom_rejections
-                            );
-                        }
-                        for p in &u.processes {
-                            println!("process {} (host {}) on {}: {}", p.pid, p.host_pid, p.gpu, vgpu_agent::describe::human(p.memory));
-                        }
-                    }
-                }
-            }
+            Cmd::Inspect { name } => inspect(&mut c, name, cli.json).await,
             Cmd::Doctor | Cmd::Cluster(_) => unreachable!("handled above"),
             Cmd::Capacity => {
                 let r = c.capacity(pb::CapacityRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
@@ -413,30 +456,7 @@ fn main() {
                     print!("{}", render::render_mig_geometries(&st, hami));
                 }
             }
-            Cmd::Mig(cmd) => {
-                let (a, op) = match &cmd {
-                    MigCmd::Plan(a) => (a, "plan"),
-                    MigCmd::Apply(a) => (a, "apply"),
-                    MigCmd::Assert(a) => (a, "assert"),
-                    MigCmd::Status | MigCmd::Geometries { .. } => unreachable!("handled above"),
-                };
-                let text = std::fs::read_to_string(&a.file).unwrap_or_else(|e| die(2, format!("{}: {e}", a.file.display())));
-                let req = pb::MigRequest { config_yaml: text, config_name: a.name.clone(), gpus: a.gpu.clone(), force: a.force };
-                let r = match op {
-                    "plan" => c.mig_plan(req).await,
-                    "apply" => c.mig_apply(req).await,
-                    _ => c.mig_assert(req).await,
-                }
-                .unwrap_or_else(|e| grpc_err(e))
-                .into_inner();
-                if cli.json {
-                    println!("{}", json(&r));
-                } else {
-                    print!("{}", render::render_mig_report(&r, op));
-                }
-                let failed = r.gpus.iter().any(|g| !g.error.is_empty() || (op != "plan" && !g.differences.is_empty() && !g.pending_reset));
-                std::process::exit(i32::from(failed));
-            }
+            Cmd::Mig(cmd) => mig_operation(&mut c, cmd, cli.json).await,
         }
     });
 }
