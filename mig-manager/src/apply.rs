@@ -330,15 +330,15 @@ fn make(b: &dyn MigBackend, gpu: u32, g: &crate::model::Gpu, p: crate::model::Pl
 }
 
 /// Dynamic mode: destroys an allocation's GPU instance once idle (refused while it is busy: processes
-/// run on it, or the backend reports it given to a workload).
-pub fn release(b: &dyn MigBackend, gpu: u32, gi: u32) -> Result<(), MigError> {
+/// run on it, or the backend reports it given to a workload). False when it was already gone (a
+/// retry): released all the same.
+pub fn release(b: &dyn MigBackend, gpu: u32, gi: u32) -> Result<bool, MigError> {
     let g = b.gpu(gpu)?;
-    let inst =
-        g.instances.iter().find(|i| i.gi == gi).ok_or_else(|| MigError(format!("GPU {gpu}: no GPU instance {gi}")))?;
+    let Some(inst) = g.instances.iter().find(|i| i.gi == gi) else { return Ok(false) };
     if inst.busy {
         return Err(MigError(format!(
             "GPU {gpu}: GPU instance {gi} is in use (processes run on it, or it is given out)"
         )));
     }
-    b.destroy(gpu, gi)
+    b.destroy(gpu, gi).map(|()| true)
 }

@@ -300,12 +300,8 @@ impl Agent {
             let b = vgpu_mig::backend::NvmlBackend::with_held(nvml, self.mig_holders().into_keys());
             vgpu_mig::apply::release(&b, index, d.gpu_instance_id)
         };
-        match r {
-            Ok(()) => {}
-            // Already gone (a retry): done.
-            Err(e) if e.0.contains("no GPU instance") => {}
-            Err(e) => return Err(e.0),
-        }
+        // Already gone (a retry) is done too.
+        r.map_err(|e| e.0)?;
         self.rediscover();
         Ok(sp::RequestResult { ok: true, ..Default::default() })
     }

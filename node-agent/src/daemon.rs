@@ -43,33 +43,66 @@ fn raise_fd_limit(max_slices: usize) {
     }
 }
 
-pub fn run(cfg: Config) -> Result<u64, String> {
+/// Why the daemon could not start or keep running. The agent's exit code follows the variant
+/// ([`DaemonError::exit_code`]), never the message.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The process could not be set up: a signal handler, the runtime, a thread.
+    #[error("{what}: {source}")]
+    Process { what: &'static str, source: std::io::Error },
+    /// The state a last run left could not be recovered, or the state directory prepared.
+    #[error("{0}")]
+    State(String),
+    /// The API socket or the metrics endpoint could not be served.
+    #[error("{0}")]
+    Serve(String),
+    /// NVML could not be opened, or the GPUs read.
+    #[error("NVML: {0}")]
+    Nvml(#[from] discovery::DiscoveryError),
+    /// A task the daemon waited on panicked.
+    #[error("internal: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+impl DaemonError {
+    /// The agent binary's exit code: 3 when NVML is unavailable, else 1.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DaemonError::Nvml(_) => 3,
+            _ => 1,
+        }
+    }
+}
+
+pub fn run(cfg: Config) -> Result<u64, DaemonError> {
     // Past a file-size limit (ulimit -f), writes fail with EFBIG like on a full disk, instead of the
     // signal killing the agent.
     // SAFETY: setting a signal's disposition to SIG_IGN has no preconditions.
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     // Every container's region is mapped here, and a container can truncate its own: a SIGBUS in
     // one of those mappings turns it into zeros instead of killing the agent.
-    vgpu_region::shrink::enable().map_err(|e| format!("cannot install the SIGBUS guard: {e}"))?;
+    vgpu_region::shrink::enable()
+        .map_err(|source| DaemonError::Process { what: "cannot install the SIGBUS guard", source })?;
     raise_fd_limit(cfg.max_slices);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(4)
         .build()
-        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+        .map_err(|source| DaemonError::Process { what: "cannot start the runtime", source })?;
     rt.block_on(run_async(cfg))
 }
 
 /// The agent's state as the last run left it: the state directory, the slice store (repaired),
 /// `libvgpu.so` installed for containers, the preload template, and what the features recorded
 /// (drained GPUs, MIG devices and admin claims given out).
-fn recover(cfg: &Config) -> Result<Arc<Agent>, String> {
-    std::fs::create_dir_all(&cfg.state_dir).map_err(|e| format!("cannot create {}: {e}", cfg.state_dir.display()))?;
+fn recover(cfg: &Config) -> Result<Arc<Agent>, DaemonError> {
+    std::fs::create_dir_all(&cfg.state_dir)
+        .map_err(|e| DaemonError::State(format!("cannot create {}: {e}", cfg.state_dir.display())))?;
     // The state directory holds the limits: only the agent writes there.
     use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o755));
     let store = SliceStore::open(&cfg.state_dir)
-        .map_err(|e| e.to_string())?
+        .map_err(|e| DaemonError::State(e.to_string()))?
         .with_oversubscribe(cfg.memory_scaling > 1.0)
         .with_max_slices(cfg.max_slices);
     for repair in store.recover() {
@@ -79,7 +112,8 @@ fn recover(cfg: &Config) -> Result<Arc<Agent>, String> {
         tracing::warn!(file = %p.display(), "removed a library install cut short");
     }
     let library = if cfg.library.exists() {
-        let l = install_library(&cfg.library, &cfg.state_dir.join("lib"), VERSION).map_err(|e| e.to_string())?;
+        let l = install_library(&cfg.library, &cfg.state_dir.join("lib"), VERSION)
+            .map_err(|e| DaemonError::State(e.to_string()))?;
         tracing::info!(library = %l.display(), "libvgpu.so installed for containers");
         Some(l)
     } else {
@@ -93,9 +127,9 @@ fn recover(cfg: &Config) -> Result<Arc<Agent>, String> {
         let tmp = tpl.with_extension("tmp");
         std::fs::write(&tmp, &line)
             .and_then(|_| std::fs::rename(&tmp, &tpl))
-            .map_err(|e| format!("cannot write {}: {e}", tpl.display()))?;
+            .map_err(|e| DaemonError::State(format!("cannot write {}: {e}", tpl.display())))?;
     }
-    let agent = Arc::new(Agent::new(cfg.clone(), store, library)?);
+    let agent = Arc::new(Agent::new(cfg.clone(), store, library).map_err(DaemonError::State)?);
     *agent.drained.write() = crate::capacity::load_drained(&agent.cfg.state_dir);
     crate::dra::refresh_mig_holders(&agent);
     crate::k8s::refresh_mig_holders(&agent);
@@ -107,18 +141,18 @@ fn recover(cfg: &Config) -> Result<Arc<Agent>, String> {
 }
 
 /// Serves `/metrics` and `/healthz` where the configuration asks for them.
-async fn serve_metrics(cfg: &Config, agent: &Arc<Agent>) -> Result<Option<tokio::task::JoinHandle<()>>, String> {
+async fn serve_metrics(cfg: &Config, agent: &Arc<Agent>) -> Result<Option<tokio::task::JoinHandle<()>>, DaemonError> {
     Ok(match cfg.metrics_address {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
-            let bound = l.local_addr().map_err(|e| e.to_string())?;
+                .map_err(|e| DaemonError::Serve(format!("cannot listen on {addr} for metrics: {e}")))?;
+            let bound = l.local_addr().map_err(|e| DaemonError::Serve(e.to_string()))?;
             *agent.metrics_address.write() = Some(bound);
             tracing::info!(address = %bound, "serving metrics");
-            let tls = crate::metrics::acceptor(cfg)?;
+            let tls = crate::metrics::acceptor(cfg).map_err(DaemonError::Serve)?;
             let token = match &cfg.metrics_token_file {
-                Some(p) => crate::report::read_token(p)?,
+                Some(p) => crate::report::read_token(p).map_err(DaemonError::Serve)?,
                 None => None,
             };
             Some(tokio::spawn(crate::metrics::serve(l, agent.clone(), tls, token)))
@@ -127,11 +161,11 @@ async fn serve_metrics(cfg: &Config, agent: &Arc<Agent>) -> Result<Option<tokio:
     })
 }
 
-async fn run_async(cfg: Config) -> Result<u64, String> {
+async fn run_async(cfg: Config) -> Result<u64, DaemonError> {
     let agent = recover(&cfg)?;
     let reporter_state = Arc::new(crate::report::ReporterState::default());
 
-    let listener = crate::sockets::bind(&cfg.socket)?;
+    let listener = crate::sockets::bind(&cfg.socket).map_err(DaemonError::Serve)?;
     let _socket = crate::sockets::SocketFile(cfg.socket.clone());
     tracing::info!(socket = %cfg.socket.display(), "serving the API");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -157,10 +191,7 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
     let stop = Arc::new(AtomicBool::new(false));
     let nvml = {
         let lib = cfg.nvml_library.clone();
-        tokio::task::spawn_blocking(move || discovery::open(lib.as_deref()))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?
+        tokio::task::spawn_blocking(move || discovery::open(lib.as_deref())).await??
     };
     let nvml = Arc::new(nvml);
     let _ = agent.nvml.set(nvml.clone());
@@ -170,10 +201,9 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         tokio::task::spawn_blocking(move || {
             crate::mig::reconcile(n, &a.mig.lock(), a.mig_holders().into_keys().collect())
         })
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     }
-    let inv = discovery::discover(&nvml).map_err(|e| e.to_string())?;
+    let inv = discovery::discover(&nvml)?;
     for g in &inv.gpus {
         tracing::info!(gpu = %g.uuid, index = g.index, name = %g.name, memory = g.memory_total, "discovered GPU");
     }
@@ -185,12 +215,12 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         let (n, h, s) = (nvml.clone(), agent.health.clone(), stop.clone());
         std::thread::Builder::new().name("xid-events".into()).spawn(move || crate::health::watch_xids(n, h, s))
     }
-    .map_err(|e| e.to_string())?;
+    .map_err(|source| DaemonError::Process { what: "cannot start the XID thread", source })?;
     let monitor = {
         let (n, a, s) = (nvml.clone(), agent.clone(), stop.clone());
         std::thread::Builder::new().name("monitor".into()).spawn(move || monitor_loop(&n, &a, &s))
     }
-    .map_err(|e| e.to_string())?;
+    .map_err(|source| DaemonError::Process { what: "cannot start the monitoring thread", source })?;
     // Capacity reporting to the central scheduler (when configured): after discovery, so that the
     // first snapshot has the GPUs.
     let report_stop = Arc::new(tokio::sync::Notify::new());
@@ -246,10 +276,10 @@ async fn run_async(cfg: Config) -> Result<u64, String> {
         })
     });
 
-    let mut term =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(|e| e.to_string())?;
-    let mut int =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|source| DaemonError::Process { what: "cannot handle SIGTERM", source })?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|source| DaemonError::Process { what: "cannot handle SIGINT", source })?;
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}

@@ -565,11 +565,8 @@ fn mig_release(agent: &Agent, key: &str, rec: &MigRecord) -> Result<(), String> 
     let b = vgpu_mig::backend::NvmlBackend::new(nvml.clone());
     let _g = agent.mig.lock();
     for a in &rec.allocations {
-        match vgpu_mig::apply::release(&b, a.gpu, a.gi) {
-            Ok(()) => {}
-            Err(e) if e.0.contains("no GPU instance") => {}
-            Err(e) => return Err(e.0),
-        }
+        // An instance already gone is released too.
+        vgpu_mig::apply::release(&b, a.gpu, a.gi).map_err(|e| e.0)?;
     }
     let _ = std::fs::remove_file(mig_dir(agent).join(format!("{key}.json")));
     refresh_mig_holders(agent);

@@ -82,7 +82,7 @@ fn main() {
         }
         if let Err(e) = vgpu_agent::daemon::run(cfg.clone()) {
             tracing::error!(error = %e, "agent failed");
-            std::process::exit(if e.contains("NVML") { 3 } else { 1 });
+            std::process::exit(e.exit_code());
         }
         return;
     }

@@ -610,6 +610,35 @@ fn bad_configuration_is_rejected_precisely() {
 }
 
 #[test]
+fn the_agent_exits_3_without_nvml_and_1_when_its_state_cannot_be_made() {
+    let s = Sim::new(Some(NODE));
+    let dir = s.state.join("exits");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |state_dir: &Path, nvml: &Path| {
+        let cfg = dir.join("agent.toml");
+        let toml = format!(
+            "state_dir = \"{}\"\nsocket = \"{}\"\nmetrics_address = \"off\"\ndevice_plugin = \"off\"\n",
+            state_dir.display(),
+            dir.join("agent.sock").display()
+        );
+        std::fs::write(&cfg, toml).unwrap();
+        let args = ["--config", cfg.to_str().unwrap(), "--nvml-library", nvml.to_str().unwrap(), "run"];
+        let o = s.cmd(&bin("vgpu-node-agent")).args(args).output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let nvml = s.libs.join("libnvidia-ml.so.1");
+    // NVML missing: 3, as documented, and said.
+    let (code, err) = run(&dir.join("state"), Path::new("/nonexistent/libnvidia-ml.so.1"));
+    assert_eq!(code, Some(3), "{err}");
+    assert!(err.contains("NVML: cannot initialise NVML from /nonexistent/libnvidia-ml.so.1"), "{err}");
+    // A state directory that cannot be made (under a file): 1, whatever the message says.
+    std::fs::write(dir.join("a-file"), "").unwrap();
+    let (code, err) = run(&dir.join("a-file").join("state"), &nvml);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("cannot create"), "{err}");
+}
+
+#[test]
 fn doctor_reports_what_to_fix() {
     let s = Sim::new(Some(NODE));
     let a = Agent::start(&s, &[]);
