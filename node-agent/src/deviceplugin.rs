@@ -257,11 +257,7 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     .get()
                     .cloned()
                     .ok_or_else(|| Status::unavailable("not connected to the Kubernetes API"))?;
-                match kube
-                    .allocate(self.agent.clone(), c.devices_ids.len())
-                    .await
-                    .map_err(Status::failed_precondition)?
-                {
+                match kube.allocate(self.agent.clone(), c.devices_ids.len()).await.map_err(|e| e.status())? {
                     crate::k8s::Allocated::Slice(detail, preload) => {
                         let mut r = response(&self.agent, *detail);
                         if !preload {

@@ -16,8 +16,45 @@ pub struct Kube {
     pub proto: &'static hami::Protocol,
 }
 
-fn err(what: &str) -> impl Fn(kube::Error) -> String + '_ {
-    move |e| format!("{what}: {e}")
+/// What a HAMi- or Volcano-mode action against the API server failed at. The kubelet's Allocate
+/// gets the gRPC status of the variant ([`K8sError::status`]).
+#[derive(Debug, thiserror::Error)]
+pub enum K8sError {
+    /// No client: the API URL does not parse, or no configuration is found.
+    #[error("{0}")]
+    Config(String),
+    /// The API server refused a request, or did not answer it.
+    #[error("{what}: {source}")]
+    Api {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// The scheduler's annotations do not allow the allocation asked for.
+    #[error("{0}")]
+    Refused(String),
+    /// The slice or MIG instance of an allocation could not be made or removed.
+    #[error("{0}")]
+    Devices(String),
+    /// A blocking task of the allocation panicked.
+    #[error("internal: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+impl K8sError {
+    /// The status the kubelet is answered with: the scheduler's or the node's state refuses the
+    /// allocation (FailedPrecondition), or the API server could not be asked (Unavailable).
+    pub fn status(&self) -> tonic::Status {
+        match self {
+            K8sError::Refused(_) | K8sError::Devices(_) => tonic::Status::failed_precondition(self.to_string()),
+            K8sError::Config(_) | K8sError::Api { .. } => tonic::Status::unavailable(self.to_string()),
+            K8sError::Task(_) => tonic::Status::internal(self.to_string()),
+        }
+    }
+}
+
+fn err(what: &str) -> impl Fn(kube::Error) -> K8sError + '_ {
+    move |source| K8sError::Api { what: what.to_string(), source }
 }
 
 fn ann(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, k: &str) -> Option<String> {
@@ -56,17 +93,19 @@ const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A client of the API server at `api` (tests, or outside a cluster without kubeconfig); None:
 /// in-cluster configuration or the kubeconfig, as kubectl finds them.
-pub async fn client(api: Option<&str>) -> Result<kube::Client, String> {
+pub async fn client(api: Option<&str>) -> Result<kube::Client, K8sError> {
     let mut config = match api {
-        Some(url) => kube::Config::new(url.parse().map_err(|e| format!("kube_api {url:?}: {e}"))?),
-        None => kube::Config::infer().await.map_err(|e| format!("no Kubernetes configuration: {e}"))?,
+        Some(url) => kube::Config::new(url.parse().map_err(|e| K8sError::Config(format!("kube_api {url:?}: {e}")))?),
+        None => {
+            kube::Config::infer().await.map_err(|e| K8sError::Config(format!("no Kubernetes configuration: {e}")))?
+        }
     };
     // The agent never watches: every request is a short get, list or patch, and some run inside a
     // kubelet's Allocate. One the API server does not answer within 10 s is given up (and sent again
     // by `retried`) rather than stalling the kubelet for kube's default of 295 s.
     config.read_timeout = Some(REQUEST_TIMEOUT);
     config.connect_timeout = Some(REQUEST_TIMEOUT);
-    kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))
+    kube::Client::try_from(config).map_err(|e| K8sError::Config(format!("Kubernetes client: {e}")))
 }
 
 /// A request the API server never answered (the connection refused, or closed under a pooled
@@ -101,17 +140,17 @@ fn unanswered(e: &kube::Error) -> bool {
 
 impl Kube {
     /// Connects as [`client`] does.
-    pub async fn connect(api: Option<&str>, node: &str, proto: &'static hami::Protocol) -> Result<Kube, String> {
+    pub async fn connect(api: Option<&str>, node: &str, proto: &'static hami::Protocol) -> Result<Kube, K8sError> {
         Ok(Kube { client: client(api).await?, node: node.to_string(), proto })
     }
 
-    async fn pods(&self) -> Result<Vec<Pod>, String> {
+    async fn pods(&self) -> Result<Vec<Pod>, K8sError> {
         let api: Api<Pod> = Api::all(self.client.clone());
         let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
         Ok(retried(|| api.list(&lp)).await.map_err(err("listing this node's pods"))?.items)
     }
 
-    async fn patch_pod(&self, pod: &Pod, set: &[(&str, Option<String>)]) -> Result<(), String> {
+    async fn patch_pod(&self, pod: &Pod, set: &[(&str, Option<String>)]) -> Result<(), K8sError> {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
@@ -121,7 +160,7 @@ impl Kube {
         Ok(())
     }
 
-    async fn patch_node(&self, node: &Node, set: &[(&str, Option<String>)]) -> Result<(), String> {
+    async fn patch_node(&self, node: &Node, set: &[(&str, Option<String>)]) -> Result<(), K8sError> {
         let api: Api<Node> = Api::all(self.client.clone());
         let p = annotation_patch(node.metadata.resource_version.as_deref(), set);
         let (pp, patch) = (PatchParams::default(), Patch::Merge(&p));
@@ -129,14 +168,14 @@ impl Kube {
         Ok(())
     }
 
-    async fn get_node(&self) -> Result<Node, String> {
+    async fn get_node(&self) -> Result<Node, K8sError> {
         let api: Api<Node> = Api::all(self.client.clone());
         retried(|| api.get(&self.node)).await.map_err(err(&format!("reading node {}", self.node)))
     }
 
     /// Writes this node's GPUs in HAMi's register annotation, when it changed (v2.8 JSON, or the v2.7
     /// text form with its handshake).
-    pub async fn register(&self, agent: &Agent, text_format: bool) -> Result<bool, String> {
+    pub async fn register(&self, agent: &Agent, text_format: bool) -> Result<bool, K8sError> {
         let node = self.get_node().await?;
         let st = agent.status();
         let inv = agent.inventory.read().clone();
@@ -192,7 +231,7 @@ impl Kube {
     /// container entry not yet consumed, a slice with that entry's limits; the entry is then marked
     /// consumed, and once none is left the pod's bind phase becomes "success" and the node lock is
     /// released. On a mismatch the bind phase becomes "failed".
-    pub async fn allocate(&self, agent: Arc<Agent>, count: usize) -> Result<Allocated, String> {
+    pub async fn allocate(&self, agent: Arc<Agent>, count: usize) -> Result<Allocated, K8sError> {
         let node = self.get_node().await?;
         let p = self.proto;
         let lock = ann(&node.metadata, p.lock).filter(|_| p.lock_names_owner);
@@ -220,28 +259,35 @@ impl Kube {
             })
             .copied()
             .ok_or_else(|| {
-                format!("no pod on node {} is waiting for its GPUs (bind phase \"allocating\")", self.node)
+                K8sError::Refused(format!(
+                    "no pod on node {} is waiting for its GPUs (bind phase \"allocating\")",
+                    self.node
+                ))
             })?;
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
-        let fail = |msg: String| async move {
+        // The allocation refused (Refused) or its devices not made (Devices): the pod's bind phase
+        // becomes "failed" and the lock is released.
+        let fail = |e: K8sError| async move {
             let _ = self.patch_pod(pod, &[(self.proto.bind_phase, Some("failed".into()))]).await;
             let _ = self.release_lock(&ns_name(pod)).await;
-            Err::<Allocated, String>(msg)
+            Err::<Allocated, K8sError>(e)
         };
+        let refused = |msg: String| K8sError::Refused(format!("pod {ns}/{name}: {msg}"));
+        let devices_err = |msg: String| K8sError::Devices(format!("pod {ns}/{name}: {msg}"));
         let mut entries =
             match hami::decode(&ann(&pod.metadata, p.to_allocate).unwrap_or_default(), p.trailing_separator) {
                 Ok(e) => e,
-                Err(e) => return fail(format!("pod {ns}/{name}: {}: {e}", p.to_allocate)).await,
+                Err(e) => return fail(refused(format!("{}: {e}", p.to_allocate))).await,
             };
         let Some(idx) = entries.iter().position(|e| !e.is_empty()) else {
-            return fail(format!("pod {ns}/{name}: every container's devices are already allocated")).await;
+            return fail(refused("every container's devices are already allocated".into())).await;
         };
         if entries[idx].len() != count {
-            return fail(format!(
-                "pod {ns}/{name}: kubelet asks for {count} device(s), the scheduler assigned {} (device number not matched)",
+            return fail(refused(format!(
+                "kubelet asks for {count} device(s), the scheduler assigned {} (device number not matched)",
                 entries[idx].len()
-            ))
+            )))
             .await;
         }
         let devices: Vec<ContainerDevice> = std::mem::take(&mut entries[idx]);
@@ -274,26 +320,23 @@ impl Kube {
             // MIG GPUs: an instance per device, made for this container.
             let a = agent.clone();
             let (devs, key, uid2) = (devices.clone(), slice.clone(), uid.clone());
-            match tokio::task::spawn_blocking(move || mig_allocate(&a, &key, &uid2, &devs))
-                .await
-                .map_err(|e| e.to_string())?
-            {
+            match tokio::task::spawn_blocking(move || mig_allocate(&a, &key, &uid2, &devs)).await? {
                 Ok(uuids) => Allocated::Mig(uuids),
-                Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
+                Err(e) => return fail(devices_err(e)).await,
             }
         } else if devices.iter().any(on_mig) {
-            return fail(format!("pod {ns}/{name}: a container mixes MIG and whole GPUs")).await;
+            return fail(refused("a container mixes MIG and whole GPUs".into())).await;
         } else if let Some(d) =
             devices.iter().find(|d| hami::split_device_id(&d.uuid).map_or(true, |(_, p)| p.is_some()))
         {
             // A MIG position on a GPU that is not (or no longer) in MIG mode, or an ID that does not parse.
-            return fail(format!(
-                "pod {ns}/{name}: device {}: {}",
+            return fail(refused(format!(
+                "device {}: {}",
                 d.uuid,
                 hami::split_device_id(&d.uuid)
                     .err()
                     .unwrap_or_else(|| "a MIG geometry position, on a GPU not in MIG mode".into())
-            ))
+            )))
             .await;
         } else {
             let req = pb::CreateSliceRequest {
@@ -323,11 +366,10 @@ impl Kube {
                 Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&key).map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             })
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
             match made {
                 Ok(d) => Allocated::Slice(Box::new(d), !disable_control),
-                Err(e) => return fail(format!("pod {ns}/{name}: {e}")).await,
+                Err(e) => return fail(devices_err(e)).await,
             }
         };
         let done = entries.iter().all(|e| e.is_empty());
@@ -345,7 +387,7 @@ impl Kube {
     }
 
     /// Removes the node lock if `owner` (namespace/name) holds it (Volcano's names no owner: removed).
-    async fn release_lock(&self, owner: &str) -> Result<(), String> {
+    async fn release_lock(&self, owner: &str) -> Result<(), K8sError> {
         let node = self.get_node().await?;
         let Some(l) = ann(&node.metadata, self.proto.lock) else { return Ok(()) };
         let f: Vec<&str> = l.split(',').collect();
@@ -358,7 +400,7 @@ impl Kube {
     /// Deletes slices made for pods that no longer exist on this node: those made from either
     /// scheduler's annotations (a node switched from one protocol to the other keeps its slices
     /// until their pods go).
-    pub async fn collect(&self, agent: &Agent) -> Result<usize, String> {
+    pub async fn collect(&self, agent: &Agent) -> Result<usize, K8sError> {
         let pods = self.pods().await?;
         let uids: std::collections::HashSet<String> = pods.iter().filter_map(|p| p.metadata.uid.clone()).collect();
         let protocols = [crate::hami::HAMI.name, crate::hami::VOLCANO.name];

@@ -344,6 +344,7 @@ fn hami_mode_follows_the_schedulers_annotations() {
             .await
             .unwrap_err();
         assert!(e.message().contains("device number not matched"), "{e}");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "the scheduler's annotations refuse it: {e}");
         {
             let cl = cluster.lock().unwrap();
             let x = cl.pods.iter().find(|p| p["metadata"]["name"] == "x").unwrap();
