@@ -739,7 +739,7 @@ fn report_settings(
     Ok(match (src.env)("VGPU_AGENT_SCHEDULER_ENDPOINT").or(file.scheduler_endpoint.take()).as_deref() {
         None | Some("" | "off") => None,
         Some(e) => {
-            let endpoint = scheduler::Endpoint::parse(e).map_err(|m| src.bad("scheduler_endpoint", m))?;
+            let endpoint = scheduler::Endpoint::parse(e).map_err(|m| src.bad("scheduler_endpoint", m.to_string()))?;
             let mut r = scheduler::ReportConfig::new(endpoint, node_name.to_string());
             r.ca = (src.env)("VGPU_AGENT_SCHEDULER_CA").map(PathBuf::from).or(file.scheduler_ca.take());
             r.token_file =

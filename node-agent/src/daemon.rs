@@ -59,6 +59,9 @@ pub enum DaemonError {
     /// NVML could not be opened, or the GPUs read.
     #[error("NVML: {0}")]
     Nvml(#[from] discovery::DiscoveryError),
+    /// The API socket could not be bound.
+    #[error(transparent)]
+    Socket(#[from] crate::sockets::BindError),
     /// A task the daemon waited on panicked.
     #[error("internal: {0}")]
     Task(#[from] tokio::task::JoinError),
@@ -165,7 +168,7 @@ async fn run_async(cfg: Config) -> Result<u64, DaemonError> {
     let agent = recover(&cfg)?;
     let reporter_state = Arc::new(crate::report::ReporterState::default());
 
-    let listener = crate::sockets::bind(&cfg.socket).map_err(DaemonError::Serve)?;
+    let listener = crate::sockets::bind(&cfg.socket)?;
     let _socket = crate::sockets::SocketFile(cfg.socket.clone());
     tracing::info!(socket = %cfg.socket.display(), "serving the API");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -22,7 +22,7 @@ use vgpu_proto::scheduler::v1 as sp;
 
 pub const PROTOCOL_VERSION: u32 = 1;
 
-pub use crate::config::scheduler::{Endpoint, ReportConfig};
+pub use crate::config::scheduler::{Endpoint, EndpointError, ReportConfig};
 
 /// What the reporter reports and serves.
 pub trait Source: Send + Sync + 'static {
@@ -401,10 +401,14 @@ mod tests {
             Endpoint::parse("https://[::1]:9400/x").unwrap(),
             Endpoint::Https { uri: "https://[::1]:9400".into(), host: "::1".into() }
         );
-        assert!(Endpoint::parse("http://sched:9400").unwrap_err().contains("plain http is not allowed"));
-        assert!(Endpoint::parse("https://sched").unwrap_err().contains("host:port"));
-        assert!(Endpoint::parse("unix://run/s.sock").unwrap_err().contains("absolute"));
-        assert!(Endpoint::parse("sched:9400").is_err());
+        let refused = |s: &str| Endpoint::parse(s).unwrap_err();
+        assert!(matches!(refused("http://sched:9400"), EndpointError::PlainHttp(_)));
+        assert!(refused("http://sched:9400").to_string().contains("plain http is not allowed"));
+        assert!(matches!(refused("https://sched"), EndpointError::NoPort(_)));
+        assert!(refused("https://sched").to_string().contains("host:port"));
+        assert!(matches!(refused("unix://run/s.sock"), EndpointError::RelativePath(_)));
+        assert!(refused("unix://run/s.sock").to_string().contains("absolute"));
+        assert_eq!(refused("sched:9400"), EndpointError::Scheme("sched:9400".into()));
     }
 
     #[test]

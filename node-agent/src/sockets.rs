@@ -5,17 +5,36 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+/// Why a server's socket could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// Another server answers on the socket.
+    #[error("another agent is serving on {0}")]
+    Taken(PathBuf),
+    /// The socket's directory, a stale socket's removal, or the listening itself failed.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Binds a server's socket: refuses if another server answers on it, removes a stale one, and leaves
 /// the socket readable and writable by its owner and group only (mode 0660).
-pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
+pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, BindError> {
+    fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> BindError + 'a {
+        move |source| BindError::Io { what, path: path.to_owned(), source }
+    }
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(io("cannot create", dir))?;
     }
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(format!("another agent is serving on {}", path.display()));
+            return Err(BindError::Taken(path.to_owned()));
         }
-        std::fs::remove_file(path).map_err(|e| format!("cannot remove the stale socket {}: {e}", path.display()))?;
+        std::fs::remove_file(path).map_err(io("cannot remove the stale socket", path))?;
     }
     // The socket is created with the umask's permissions: make it 0660 from the start (no window in
     // which others could connect). The agent is single-threaded at this point.
@@ -24,9 +43,9 @@ pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, String> {
     let l = std::os::unix::net::UnixListener::bind(path);
     // SAFETY: as above.
     unsafe { libc::umask(old) };
-    let l = l.map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
-    l.set_nonblocking(true).map_err(|e| e.to_string())?;
-    tokio::net::UnixListener::from_std(l).map_err(|e| e.to_string())
+    let l = l.map_err(io("cannot listen on", path))?;
+    l.set_nonblocking(true).map_err(io("cannot listen on", path))?;
+    tokio::net::UnixListener::from_std(l).map_err(io("cannot listen on", path))
 }
 
 /// The connections of a listening socket, for a tonic server, that survive running out of file

@@ -12,13 +12,26 @@ pub enum Endpoint {
     Https { uri: String, host: String },
 }
 
+/// Why a scheduler endpoint is refused; each names the value and what is accepted.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("{0:?}: a unix endpoint needs an absolute path (unix:///run/sched.sock)")]
+    RelativePath(String),
+    #[error("{0:?}: expected https://host:port")]
+    NoPort(String),
+    #[error("{0:?}: plain http is not allowed; use https:// (TLS and a token) or unix://")]
+    PlainHttp(String),
+    #[error("{0:?} is not https://host:port or unix:///path")]
+    Scheme(String),
+}
+
 impl Endpoint {
     /// Parses `unix:///path` or `https://host:port`. Plain `http://` is refused: capacity and
     /// requests are not sent over the network unauthenticated.
-    pub fn parse(s: &str) -> Result<Endpoint, String> {
+    pub fn parse(s: &str) -> Result<Endpoint, EndpointError> {
         if let Some(p) = s.strip_prefix("unix://") {
             if !p.starts_with('/') {
-                return Err(format!("{s:?}: a unix endpoint needs an absolute path (unix:///run/sched.sock)"));
+                return Err(EndpointError::RelativePath(s.to_string()));
             }
             return Ok(Endpoint::Unix(PathBuf::from(p)));
         }
@@ -30,14 +43,14 @@ impl Endpoint {
                 authority.rsplit_once(':').map_or(authority, |(h, _)| h).to_string()
             };
             if host.is_empty() || !authority.contains(':') {
-                return Err(format!("{s:?}: expected https://host:port"));
+                return Err(EndpointError::NoPort(s.to_string()));
             }
             return Ok(Endpoint::Https { uri: format!("https://{authority}"), host });
         }
         if s.starts_with("http://") {
-            return Err(format!("{s:?}: plain http is not allowed; use https:// (TLS and a token) or unix://"));
+            return Err(EndpointError::PlainHttp(s.to_string()));
         }
-        Err(format!("{s:?} is not https://host:port or unix:///path"))
+        Err(EndpointError::Scheme(s.to_string()))
     }
 }
 

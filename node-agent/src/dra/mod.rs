@@ -276,8 +276,9 @@ pub async fn run(agent: Arc<Agent>, driver: String, mut stop: tokio::sync::watch
                     serving = Some((crate::sockets::inode(&reg_sock), crate::sockets::inode(&dra_sock), down_tx));
                 }
                 (a, b) => {
-                    let e = a.err().or(b.err()).unwrap_or_default();
-                    tracing::error!(error = %e, "DRA driver: cannot listen; retrying");
+                    for e in [a.err(), b.err()].into_iter().flatten() {
+                        tracing::error!(error = %e, "DRA driver: cannot listen; retrying");
+                    }
                 }
             }
         }
