@@ -103,6 +103,17 @@ fn hostname() -> String {
     String::from_utf8_lossy(&b[..b.iter().position(|&c| c == 0).unwrap_or(0)]).into_owned()
 }
 
+/// Why the agent's records could not be loaded at start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The slice records.
+    #[error("{0}")]
+    Slices(#[from] SliceError),
+    /// The MIG applier's records.
+    #[error("{0}")]
+    Mig(String),
+}
+
 /// A slice API error: what gRPC status it maps to, and the message.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -137,8 +148,8 @@ impl From<SliceError> for ApiError {
 }
 
 impl Agent {
-    pub fn new(cfg: Config, store: SliceStore, library: Option<PathBuf>) -> Result<Agent, String> {
-        let listing = store.list().map_err(|e| e.to_string())?;
+    pub fn new(cfg: Config, store: SliceStore, library: Option<PathBuf>) -> Result<Agent, LoadError> {
+        let listing = store.list()?;
         let list = listing.slices;
         let mut warnings = BTreeMap::new();
         for (name, why) in listing.quarantined {
@@ -148,7 +159,8 @@ impl Agent {
         let snapshot = RwLock::new(Arc::new(list.clone()));
         let slices = list.into_iter().map(|s| (s.name.clone(), s)).collect();
         let health = Arc::new(Health::new(std::time::Duration::from_secs(cfg.health_recovery_s)));
-        let mig = Mutex::new(vgpu_mig::apply::Store::open(&cfg.state_dir.join("mig")).map_err(|e| e.0)?);
+        let mig =
+            Mutex::new(vgpu_mig::apply::Store::open(&cfg.state_dir.join("mig")).map_err(|e| LoadError::Mig(e.0))?);
         Ok(Agent {
             cfg,
             store,

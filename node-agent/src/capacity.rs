@@ -17,12 +17,33 @@ pub fn load_drained(state_dir: &Path) -> BTreeSet<String> {
     std::fs::read(state_dir.join(DRAINED)).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
 }
 
-fn save_drained(state_dir: &Path, set: &BTreeSet<String>) -> Result<(), String> {
+fn save_drained(state_dir: &Path, set: &BTreeSet<String>) -> Result<(), RequestError> {
     let p = state_dir.join(DRAINED);
     let tmp = p.with_extension("tmp");
     std::fs::write(&tmp, serde_json::to_vec(set).expect("serialisable"))
         .and_then(|_| std::fs::rename(&tmp, &p))
-        .map_err(|e| format!("cannot write {}: {e}", p.display()))
+        .map_err(|source| RequestError::Save { path: p, source })
+}
+
+/// Why a scheduler's request was not carried out; its text goes back in the request's result.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The slice API refused it (no such GPU, no room, a slice of that name with other limits).
+    #[error(transparent)]
+    Slice(#[from] ApiError),
+    #[error("GPU {0} is drained")]
+    Drained(String),
+    #[error("GPU {0} is in MIG mode: ask for a MIG instance instead")]
+    MigMode(String),
+    /// No MIG instance could be placed, made or destroyed as asked.
+    #[error("{0}")]
+    Mig(String),
+    #[error("NVML is not open yet")]
+    NoNvml,
+    #[error("cannot write {}: {source}", path.display())]
+    Save { path: std::path::PathBuf, source: std::io::Error },
+    #[error("unknown request (from a newer scheduler?)")]
+    Unknown,
 }
 
 impl Agent {
@@ -175,8 +196,8 @@ impl Agent {
         self.capacity_changed.notify_one();
     }
 
-    fn set_drained(&self, gpu: &str, on: bool) -> Result<(), String> {
-        let (uuid, _) = self.resolve_gpu(gpu).map_err(api_text)?;
+    fn set_drained(&self, gpu: &str, on: bool) -> Result<(), RequestError> {
+        let (uuid, _) = self.resolve_gpu(gpu)?;
         let mut set = self.drained.write();
         let changed = if on { set.insert(uuid.clone()) } else { set.remove(&uuid) };
         if changed {
@@ -188,18 +209,18 @@ impl Agent {
         Ok(())
     }
 
-    fn open_gpu(&self, gpu: &str) -> Result<String, String> {
-        let (uuid, _) = self.resolve_gpu(gpu).map_err(api_text)?;
+    fn open_gpu(&self, gpu: &str) -> Result<String, RequestError> {
+        let (uuid, _) = self.resolve_gpu(gpu)?;
         if self.drained.read().contains(&uuid) {
-            return Err(format!("GPU {uuid} is drained"));
+            return Err(RequestError::Drained(uuid));
         }
         Ok(uuid)
     }
 
-    fn create_slice_for(&self, c: &sp::CreateSlice) -> Result<sp::RequestResult, String> {
+    fn create_slice_for(&self, c: &sp::CreateSlice) -> Result<sp::RequestResult, RequestError> {
         let uuid = self.open_gpu(&c.gpu)?;
         if self.inventory.read().gpus.iter().any(|g| g.uuid == uuid && g.mig.as_ref().is_some_and(|m| m.enabled)) {
-            return Err(format!("GPU {uuid} is in MIG mode: ask for a MIG instance instead"));
+            return Err(RequestError::MigMode(uuid));
         }
         let req = pb::CreateSliceRequest {
             name: c.name.clone(),
@@ -210,15 +231,15 @@ impl Agent {
             Ok(d) => d,
             // The same slice already made (a retry after the agent restarted): the same answer.
             Err(ApiError::Exists(m)) => {
-                let d = self.get_slice(&c.name).map_err(api_text)?;
+                let d = self.get_slice(&c.name)?;
                 let same =
                     d.gpus.len() == 1 && d.gpus[0].gpu == uuid && d.gpus[0].memory == c.memory && d.gpus[0].sm == c.sm;
                 if !same {
-                    return Err(m);
+                    return Err(ApiError::Exists(m).into());
                 }
                 d
             }
-            Err(e) => return Err(api_text(e)),
+            Err(e) => return Err(e.into()),
         };
         Ok(sp::RequestResult {
             ok: true,
@@ -232,8 +253,8 @@ impl Agent {
         })
     }
 
-    fn create_mig_for(&self, c: &sp::CreateMigInstance) -> Result<sp::RequestResult, String> {
-        let nvml = self.nvml.get().cloned().ok_or("NVML is not open yet")?;
+    fn create_mig_for(&self, c: &sp::CreateMigInstance) -> Result<sp::RequestResult, RequestError> {
+        let nvml = self.nvml.get().cloned().ok_or(RequestError::NoNvml)?;
         let b = vgpu_mig::backend::NvmlBackend::new(nvml);
         let _g = self.mig.lock();
         let inv = self.inventory.read().clone();
@@ -250,16 +271,16 @@ impl Agent {
             inv.gpus.iter().filter(|g| g.uuid == uuid).map(|g| g.index).collect()
         };
         let models: Vec<vgpu_mig::model::Gpu> =
-            candidates.iter().map(|&i| b.gpu(i)).collect::<Result<_, _>>().map_err(|e| e.0)?;
+            candidates.iter().map(|&i| b.gpu(i)).collect::<Result<_, _>>().map_err(|e| RequestError::Mig(e.0))?;
         if models.is_empty() {
-            return Err("no MIG-enabled GPU to place the instance on".into());
+            return Err(RequestError::Mig("no MIG-enabled GPU to place the instance on".into()));
         }
         let req = if c.profile.is_empty() {
             vgpu_mig::planner::Request { memory_mib: c.memory_mib, compute: c.compute_slices, sms: 0, media: c.media }
         } else {
             let p = models[0]
                 .profile_named(&c.profile)
-                .ok_or_else(|| format!("{} has no MIG profile {:?}", models[0].name, c.profile))?;
+                .ok_or_else(|| RequestError::Mig(format!("{} has no MIG profile {:?}", models[0].name, c.profile)))?;
             vgpu_mig::planner::Request {
                 memory_mib: p.memory_mib,
                 compute: p.compute,
@@ -267,13 +288,16 @@ impl Agent {
                 media: p.media_extended(),
             }
         };
-        let (i, placed) = vgpu_mig::planner::choose_on(&models, &req)?;
+        let (i, placed) = vgpu_mig::planner::choose_on(&models, &req).map_err(RequestError::Mig)?;
         let g = &models[i];
         let name = g.profile(placed.profile).map(|p| p.name.clone()).unwrap_or_default();
         if !c.profile.is_empty() && !name.eq_ignore_ascii_case(c.profile.trim_start_matches("MIG ")) {
-            return Err(format!("no room for {} on {}: its free slices fit {name} at best", c.profile, g.name));
+            return Err(RequestError::Mig(format!(
+                "no room for {} on {}: its free slices fit {name} at best",
+                c.profile, g.name
+            )));
         }
-        let a = vgpu_mig::apply::allocate(&b, g.index, &req).map_err(|e| e.0)?;
+        let a = vgpu_mig::apply::allocate(&b, g.index, &req).map_err(|e| RequestError::Mig(e.0))?;
         drop(_g);
         tracing::info!(gpu = %g.uuid, gi = a.gi, profile = %a.profile, "MIG instance created for the scheduler");
         self.rediscover();
@@ -290,10 +314,11 @@ impl Agent {
         })
     }
 
-    fn delete_mig_for(&self, d: &sp::DeleteMigInstance) -> Result<sp::RequestResult, String> {
-        let nvml = self.nvml.get().cloned().ok_or("NVML is not open yet")?;
-        let (uuid, _) = self.resolve_gpu(&d.gpu).map_err(api_text)?;
-        let index = self.inventory.read().gpus.iter().find(|g| g.uuid == uuid).map(|g| g.index).ok_or("no such GPU")?;
+    fn delete_mig_for(&self, d: &sp::DeleteMigInstance) -> Result<sp::RequestResult, RequestError> {
+        let nvml = self.nvml.get().cloned().ok_or(RequestError::NoNvml)?;
+        let (uuid, _) = self.resolve_gpu(&d.gpu)?;
+        let index = self.inventory.read().gpus.iter().find(|g| g.uuid == uuid).map(|g| g.index);
+        let index = index.ok_or_else(|| ApiError::NotFound(format!("no GPU {uuid} on this node")))?;
         let r = {
             let _g = self.mig.lock();
             // Not one given to a DRA claim or a HAMi-mode container, idle or not.
@@ -301,20 +326,9 @@ impl Agent {
             vgpu_mig::apply::release(&b, index, d.gpu_instance_id)
         };
         // Already gone (a retry) is done too.
-        r.map_err(|e| e.0)?;
+        r.map_err(|e| RequestError::Mig(e.0))?;
         self.rediscover();
         Ok(sp::RequestResult { ok: true, ..Default::default() })
-    }
-}
-
-fn api_text(e: ApiError) -> String {
-    match e {
-        ApiError::Invalid(m)
-        | ApiError::NotFound(m)
-        | ApiError::Exists(m)
-        | ApiError::Busy(m)
-        | ApiError::Full(m)
-        | ApiError::Internal(m) => m,
     }
 }
 
@@ -333,7 +347,7 @@ impl Source for Agent {
             Some(Op::CreateSlice(c)) => self.create_slice_for(c),
             Some(Op::DeleteSlice(d)) => match self.delete_slice(&d.name, d.force) {
                 Ok(()) | Err(ApiError::NotFound(_)) => Ok(sp::RequestResult { ok: true, ..Default::default() }),
-                Err(e) => Err(api_text(e)),
+                Err(e) => Err(e.into()),
             },
             Some(Op::CreateMigInstance(c)) => self.create_mig_for(c),
             Some(Op::DeleteMigInstance(d)) => self.delete_mig_for(d),
@@ -343,11 +357,11 @@ impl Source for Agent {
             Some(Op::UndrainGpu(d)) => {
                 self.set_drained(&d.gpu, false).map(|_| sp::RequestResult { ok: true, ..Default::default() })
             }
-            None => Err("unknown request (from a newer scheduler?)".to_string()),
+            None => Err(RequestError::Unknown),
         };
         let mut r = r.unwrap_or_else(|error| {
             tracing::warn!(id = %req.id, %error, "scheduler request failed");
-            sp::RequestResult { ok: false, error, ..Default::default() }
+            sp::RequestResult { ok: false, error: error.to_string(), ..Default::default() }
         });
         r.id = req.id.clone();
         r

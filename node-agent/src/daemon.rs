@@ -132,7 +132,7 @@ fn recover(cfg: &Config) -> Result<Arc<Agent>, DaemonError> {
             .and_then(|_| std::fs::rename(&tmp, &tpl))
             .map_err(|e| DaemonError::State(format!("cannot write {}: {e}", tpl.display())))?;
     }
-    let agent = Arc::new(Agent::new(cfg.clone(), store, library).map_err(DaemonError::State)?);
+    let agent = Arc::new(Agent::new(cfg.clone(), store, library).map_err(|e| DaemonError::State(e.to_string()))?);
     *agent.drained.write() = crate::capacity::load_drained(&agent.cfg.state_dir);
     crate::dra::refresh_mig_holders(&agent);
     crate::k8s::refresh_mig_holders(&agent);
@@ -155,7 +155,7 @@ async fn serve_metrics(cfg: &Config, agent: &Arc<Agent>) -> Result<Option<tokio:
             tracing::info!(address = %bound, "serving metrics");
             let tls = crate::metrics::acceptor(cfg).map_err(DaemonError::Serve)?;
             let token = match &cfg.metrics_token_file {
-                Some(p) => crate::report::read_token(p).map_err(DaemonError::Serve)?,
+                Some(p) => crate::report::read_token(p).map_err(|e| DaemonError::Serve(e.to_string()))?,
                 None => None,
             };
             Some(tokio::spawn(crate::metrics::serve(l, agent.clone(), tls, token)))

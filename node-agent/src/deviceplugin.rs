@@ -314,17 +314,28 @@ pub fn held_slices(list: &pr::ListPodResourcesResponse, resource: &str) -> HashM
 }
 
 /// What kubelet's pod resources API lists now.
-async fn list_pod_resources(sock: &Path) -> Result<pr::ListPodResourcesResponse, String> {
+/// Why talking to the kubelet failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    #[error("cannot reach the kubelet: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    #[error("{what}: {}", status.message())]
+    Call { what: &'static str, status: tonic::Status },
+    #[error("no answer within 10 s")]
+    Timeout,
+}
+
+async fn list_pod_resources(sock: &Path) -> Result<pr::ListPodResourcesResponse, KubeletError> {
     let call = async move {
-        let ch = crate::sockets::unix_channel(sock).await.map_err(|e| format!("cannot connect: {e}"))?;
+        let ch = crate::sockets::unix_channel(sock).await?;
         pr::pod_resources_lister_client::PodResourcesListerClient::new(ch)
             .max_decoding_message_size(64 << 20)
             .list(pr::ListPodResourcesRequest {})
             .await
             .map(|r| r.into_inner())
-            .map_err(|e| format!("List failed: {}", e.message()))
+            .map_err(|status| KubeletError::Call { what: "List failed", status })
     };
-    tokio::time::timeout(Duration::from_secs(10), call).await.map_err(|_| "no answer within 10 s".to_string())?
+    tokio::time::timeout(Duration::from_secs(10), call).await.map_err(|_| KubeletError::Timeout)?
 }
 
 /// Labels replica slices with the pod and container holding them (`namespace`, `pod`, `container`:
@@ -406,10 +417,8 @@ pub async fn collect(agent: Arc<Agent>, sock: PathBuf, recent: Recent, mut stop:
     }
 }
 
-async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), String> {
-    let ch = crate::sockets::unix_channel(&dir.join("kubelet.sock"))
-        .await
-        .map_err(|e| format!("cannot reach kubelet: {e}"))?;
+async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), KubeletError> {
+    let ch = crate::sockets::unix_channel(&dir.join("kubelet.sock")).await?;
     dp::registration_client::RegistrationClient::new(ch)
         .register(dp::RegisterRequest {
             version: "v1beta1".into(),
@@ -421,7 +430,7 @@ async fn register(dir: &Path, resource: &str, socket: &str) -> Result<(), String
             }),
         })
         .await
-        .map_err(|e| format!("kubelet refused the registration: {}", e.message()))?;
+        .map_err(|status| KubeletError::Call { what: "kubelet refused the registration", status })?;
     Ok(())
 }
 

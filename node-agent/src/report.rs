@@ -48,17 +48,26 @@ pub struct ReporterState {
 
 /// The bearer token in a file (its one line, trimmed; `#` lines are comments); None when the file
 /// holds nothing.
-pub fn read_token(p: &Path) -> Result<Option<String>, String> {
-    let t = std::fs::read_to_string(p).map_err(|e| format!("cannot read the token file {}: {e}", p.display()))?;
+pub fn read_token(p: &Path) -> Result<Option<String>, TokenError> {
+    let t = std::fs::read_to_string(p).map_err(|source| TokenError::Read { path: p.to_owned(), source })?;
     let mut lines = t.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#'));
     let token = lines.next();
     if lines.next().is_some() || token.is_some_and(|t| t.contains(char::is_whitespace)) {
-        return Err(format!(
-            "the token file {} must hold one token on one line (a receiver's token file, with roles, is not a client's)",
-            p.display()
-        ));
+        return Err(TokenError::Form(p.to_owned()));
     }
     Ok(token.map(str::to_string))
+}
+
+/// Why a bearer token file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("cannot read the token file {}: {source}", path.display())]
+    Read { path: std::path::PathBuf, source: std::io::Error },
+    #[error(
+        "the token file {} must hold one token on one line (a receiver's token file, with roles, is not a client's)",
+        .0.display()
+    )]
+    Form(std::path::PathBuf),
 }
 
 /// A channel to `endpoint` (TLS with `ca` for https).
@@ -203,7 +212,7 @@ async fn connect(
     let identity = cfg.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
     let ch = channel_with(&cfg.endpoint, cfg.ca.as_deref(), cfg.server_name.as_deref(), identity).await?;
     let token = match &cfg.token_file {
-        Some(p) => read_token(p)?,
+        Some(p) => read_token(p).map_err(|e| e.to_string())?,
         None => None,
     };
     if token.is_none() && matches!(cfg.endpoint, Endpoint::Https { .. }) {
@@ -452,11 +461,14 @@ mod tests {
             std::fs::write(&f, text).unwrap();
             match (read_token(&f), want) {
                 (Ok(got), Ok(w)) => assert_eq!(got.as_deref(), w, "{text:?}"),
-                (Err(e), Err(w)) => assert!(e.contains(w), "{text:?}: {e}"),
+                (Err(e), Err(w)) => {
+                    assert!(matches!(e, TokenError::Form(_)) && e.to_string().contains(w), "{text:?}: {e}")
+                }
                 (got, w) => panic!("{text:?}: got {got:?}, wanted {w:?}"),
             }
         }
-        assert!(read_token(&d.join("missing")).unwrap_err().contains("cannot read"));
+        let e = read_token(&d.join("missing")).unwrap_err();
+        assert!(matches!(e, TokenError::Read { .. }) && e.to_string().contains("cannot read"), "{e}");
         std::fs::remove_dir_all(d).unwrap();
     }
 }
