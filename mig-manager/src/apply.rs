@@ -295,7 +295,7 @@ pub fn allocate(b: &dyn MigBackend, gpu: u32, req: &planner::Request) -> Result<
     if !g.mig_enabled {
         return Err(MigError(format!("GPU {gpu} ({}): MIG mode is off", g.name)));
     }
-    let p = planner::choose(&g, req).map_err(MigError)?;
+    let p = planner::choose(&g, req).map_err(|e| MigError(e.to_string()))?;
     make(b, gpu, &g, p)
 }
 
@@ -312,7 +312,7 @@ pub fn allocate_in_geometry(
     if !g.mig_enabled {
         return Err(MigError(format!("GPU {gpu} ({}): MIG mode is off", g.name)));
     }
-    let p = planner::choose_in_geometry(&g, geometry, profile).map_err(MigError)?;
+    let p = planner::choose_in_geometry(&g, geometry, profile).map_err(|e| MigError(e.to_string()))?;
     make(b, gpu, &g, p)
 }
 

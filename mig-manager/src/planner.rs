@@ -33,6 +33,36 @@ pub struct Plan {
     pub layout: Vec<Placed>,
 }
 
+/// Why no instance can be placed as asked (dynamic and geometry modes).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NoPlacement {
+    #[error("no MIG profile of {gpu} offers {}", wanted(request))]
+    NoProfile { gpu: String, request: Request },
+    #[error("no room on {gpu} for {memory_mib} MiB: its free memory slices cannot hold a fitting profile")]
+    NoRoom { gpu: String, memory_mib: u64 },
+    #[error("no GPUs")]
+    NoGpus,
+    #[error("{gpu} has no MIG profile {profile}")]
+    UnknownProfile { gpu: String, profile: u32 },
+    #[error("{gpu} holds a {profile} instance (GPU instance {gi} at slice {start}) that the geometry has no room for")]
+    Foreign { gpu: String, profile: String, gi: u32, start: u32 },
+    #[error("the geometry has {count} {profile} instances, and all of them are made")]
+    GeometryFull { count: u32, profile: String },
+    #[error("no placement of {profile} on {gpu} leaves room for the rest of the geometry")]
+    NoRest { profile: String, gpu: String },
+}
+
+/// What a request asks for, as an error names it.
+fn wanted(r: &Request) -> String {
+    format!(
+        "{} MiB{}{}{}",
+        r.memory_mib,
+        if r.compute > 0 { format!(", {} compute slices", r.compute) } else { String::new() },
+        if r.sms > 0 { format!(", {} SMs", r.sms) } else { String::new() },
+        if r.media { ", media engines" } else { "" }
+    )
+}
+
 /// Why a target cannot be reached.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Impossible {
@@ -316,7 +346,7 @@ pub struct Request {
 /// instances now. Best fit: the fewest memory slices, then the fewest compute slices, then the least
 /// memory; this picks double-memory profiles (`1g.10gb` on an A100 40GB) over wider ones and `+me`
 /// profiles only when media engines are asked for.
-pub fn choose(gpu: &Gpu, req: &Request) -> Result<Placed, String> {
+pub fn choose(gpu: &Gpu, req: &Request) -> Result<Placed, NoPlacement> {
     let fits = |p: &Profile| {
         p.memory_mib >= req.memory_mib
             && p.compute >= req.compute
@@ -326,14 +356,7 @@ pub fn choose(gpu: &Gpu, req: &Request) -> Result<Placed, String> {
     };
     let mut candidates: Vec<&Profile> = gpu.profiles.iter().filter(|p| fits(p)).collect();
     if candidates.is_empty() {
-        return Err(format!(
-            "no MIG profile of {} offers {} MiB{}{}{}",
-            gpu.name,
-            req.memory_mib,
-            if req.compute > 0 { format!(", {} compute slices", req.compute) } else { String::new() },
-            if req.sms > 0 { format!(", {} SMs", req.sms) } else { String::new() },
-            if req.media { ", media engines" } else { "" }
-        ));
+        return Err(NoPlacement::NoProfile { gpu: gpu.name.clone(), request: *req });
     }
     candidates.sort_by_key(|p| (p.memory_slices, p.compute, p.memory_mib, p.id));
     let used = gpu.used_mask();
@@ -352,18 +375,15 @@ pub fn choose(gpu: &Gpu, req: &Request) -> Result<Placed, String> {
             return Ok(Placed { profile: p.id, start });
         }
     }
-    Err(format!(
-        "no room on {} for {} MiB: its free memory slices cannot hold a fitting profile",
-        gpu.name, req.memory_mib
-    ))
+    Err(NoPlacement::NoRoom { gpu: gpu.name.clone(), memory_mib: req.memory_mib })
 }
 
 /// Node-level dynamic choice: the GPU (and placement) where the request costs the least room, so
 /// that small instances gather on GPUs already cut up and whole GPUs stay whole for large ones.
 /// Ties go to the lowest index.
-pub fn choose_on(gpus: &[Gpu], req: &Request) -> Result<(usize, Placed), String> {
+pub fn choose_on(gpus: &[Gpu], req: &Request) -> Result<(usize, Placed), NoPlacement> {
     let mut best: Option<(u64, u32, usize, Placed)> = None;
-    let mut last_err = String::from("no GPUs");
+    let mut last_err = NoPlacement::NoGpus;
     for (i, g) in gpus.iter().enumerate() {
         if !g.mig_enabled {
             continue;
@@ -489,21 +509,20 @@ pub fn default_geometries(gpu: &Gpu) -> Vec<Geometry> {
 /// Where to make one more instance of `profile` on a GPU partitioned as `geometry`: a free placement
 /// of it after which the instances the geometry still lacks can all be placed too. The GPU's
 /// instances must all belong to the geometry (each one takes one of its entries).
-pub fn choose_in_geometry(gpu: &Gpu, geometry: &[(u32, u32)], profile: u32) -> Result<Placed, String> {
+pub fn choose_in_geometry(gpu: &Gpu, geometry: &[(u32, u32)], profile: u32) -> Result<Placed, NoPlacement> {
     let name = |id: u32| gpu.profile(id).map_or_else(|| format!("profile {id}"), |p| p.name.clone());
-    let p = gpu.profile(profile).ok_or_else(|| format!("{} has no MIG profile {profile}", gpu.name))?;
+    let p = gpu.profile(profile).ok_or_else(|| NoPlacement::UnknownProfile { gpu: gpu.name.clone(), profile })?;
     let mut left: Vec<(u32, u32)> = geometry.to_vec();
     for i in &gpu.instances {
         match left.iter_mut().find(|(id, n)| *id == i.profile && *n > 0) {
             Some(e) => e.1 -= 1,
             None => {
-                return Err(format!(
-                    "{} holds a {} instance (GPU instance {} at slice {}) that the geometry has no room for",
-                    gpu.name,
-                    name(i.profile),
-                    i.gi,
-                    i.start
-                ))
+                return Err(NoPlacement::Foreign {
+                    gpu: gpu.name.clone(),
+                    profile: name(i.profile),
+                    gi: i.gi,
+                    start: i.start,
+                })
             }
         }
     }
@@ -511,7 +530,7 @@ pub fn choose_in_geometry(gpu: &Gpu, geometry: &[(u32, u32)], profile: u32) -> R
         Some(e) => e.1 -= 1,
         None => {
             let n = geometry.iter().filter(|(id, _)| *id == profile).map(|(_, n)| n).sum::<u32>();
-            return Err(format!("the geometry has {n} {} instances, and all of them are made", p.name));
+            return Err(NoPlacement::GeometryFull { count: n, profile: p.name.clone() });
         }
     }
     // The rest, widest first: prunes early.
@@ -532,7 +551,7 @@ pub fn choose_in_geometry(gpu: &Gpu, geometry: &[(u32, u32)], profile: u32) -> R
         .into_iter()
         .find(|&s| fits(&rest, used | mask(s, p.memory_slices)))
         .map(|start| Placed { profile, start })
-        .ok_or_else(|| format!("no placement of {} on {} leaves room for the rest of the geometry", p.name, gpu.name))
+        .ok_or_else(|| NoPlacement::NoRest { profile: p.name.clone(), gpu: gpu.name.clone() })
 }
 
 #[cfg(test)]

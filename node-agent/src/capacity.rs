@@ -288,7 +288,7 @@ impl Agent {
                 media: p.media_extended(),
             }
         };
-        let (i, placed) = vgpu_mig::planner::choose_on(&models, &req).map_err(RequestError::Mig)?;
+        let (i, placed) = vgpu_mig::planner::choose_on(&models, &req).map_err(|e| RequestError::Mig(e.to_string()))?;
         let g = &models[i];
         let name = g.profile(placed.profile).map(|p| p.name.clone()).unwrap_or_default();
         if !c.profile.is_empty() && !name.eq_ignore_ascii_case(c.profile.trim_start_matches("MIG ")) {

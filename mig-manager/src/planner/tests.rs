@@ -203,7 +203,8 @@ fn dynamic_choice_fits_best_and_keeps_large_placements_free() {
     // Media engines: the +me profile.
     assert_eq!(g.profile(choose(&g, &r(4096, 0, true)).unwrap().profile).unwrap().name, "1g.5gb+me");
     assert_eq!(g.profile(choose(&g, &r(4096, 0, false)).unwrap().profile).unwrap().name, "1g.5gb");
-    assert!(choose(&g, &r(50_000, 0, false)).unwrap_err().contains("no MIG profile"));
+    let e = choose(&g, &r(50_000, 0, false)).unwrap_err();
+    assert!(matches!(e, NoPlacement::NoProfile { .. }) && e.to_string().contains("no MIG profile"), "{e}");
     // A small instance on an empty GPU goes where it blocks least: not slice 0 (4g, 3g, 2g, 7g start there).
     let p = choose(&g, &r(4096, 1, false)).unwrap();
     assert_ne!(p.start, 0);
@@ -259,19 +260,26 @@ fn an_instance_of_a_geometry_leaves_room_for_the_rest_of_it() {
     }
     let full = with(&g, &layout);
     assert_eq!(full.used_mask(), 0x7f, "{layout:?}");
-    assert!(choose_in_geometry(&full, &geo, 14).unwrap_err().contains("3 2g.10gb instances, and all of them are made"));
-    assert!(choose_in_geometry(&full, &geo, 19).unwrap_err().contains("all of them are made"));
+    assert_eq!(
+        choose_in_geometry(&full, &geo, 14).unwrap_err(),
+        NoPlacement::GeometryFull { count: 3, profile: "2g.10gb".into() }
+    );
+    assert!(choose_in_geometry(&full, &geo, 14)
+        .unwrap_err()
+        .to_string()
+        .contains("3 2g.10gb instances, and all of them are made"));
+    assert!(matches!(choose_in_geometry(&full, &geo, 19).unwrap_err(), NoPlacement::GeometryFull { .. }));
     // A 2g.10gb made where it blocks nothing first still leaves the 1g.5gb its slice.
     let first = with(&g, &[Placed { profile: 14, start: 0 }, Placed { profile: 14, start: 2 }]);
     assert_eq!(choose_in_geometry(&first, &geo, 14).unwrap(), Placed { profile: 14, start: 4 });
     // An instance the geometry does not hold (a 3g.20gb made by hand) is named.
     let foreign = with(&g, &[Placed { profile: 9, start: 4 }]);
-    let e = choose_in_geometry(&foreign, &geo, 14).unwrap_err();
+    let e = choose_in_geometry(&foreign, &geo, 14).unwrap_err().to_string();
     assert!(e.contains("holds a 3g.20gb instance") && e.contains("slice 4"), "{e}");
     // A profile the GPU does not have.
-    assert!(choose_in_geometry(&g, &geo, 99).unwrap_err().contains("no MIG profile 99"));
+    assert!(choose_in_geometry(&g, &geo, 99).unwrap_err().to_string().contains("no MIG profile 99"));
     // Where the placements left cannot hold the rest: 1g.5gb at 0 and 2 break the 2g.10gb pairs.
     let broken = with(&g, &[Placed { profile: 19, start: 1 }]);
     let e = choose_in_geometry(&broken, &[(14, 3), (19, 2)], 14).unwrap_err();
-    assert!(e.contains("leaves room for the rest"), "{e}");
+    assert!(matches!(e, NoPlacement::NoRest { .. }) && e.to_string().contains("leaves room for the rest"), "{e}");
 }
