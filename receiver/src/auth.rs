@@ -291,7 +291,7 @@ pub fn add_token(file: &Path, role: &Role) -> Result<String, String> {
             ));
         }
     }
-    let token = crate::certs::token()?;
+    let token = crate::certs::token().map_err(|e| e.to_string())?;
     let line = match role {
         Role::Cluster => token.clone(),
         Role::Reader => format!("reader {token}"),

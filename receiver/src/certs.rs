@@ -5,7 +5,7 @@
 //! each agent the CA that signed the receiver's certificate (and its own certificate and key).
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// PEM texts of a fresh CA, a server certificate for `hosts` (DNS names or IP addresses) signed by
 /// it, the server's key, and a random bearer token.
@@ -17,49 +17,59 @@ pub struct Bundle {
     pub token: String,
 }
 
-fn err(e: rcgen::Error) -> String {
-    format!("cannot make the certificates: {e}")
+/// Why certificates, a token or their files could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    #[error("cannot make the certificates: {0}")]
+    Make(#[from] rcgen::Error),
+    #[error("not a CA key: {0}")]
+    CaKey(rcgen::Error),
+    #[error("cannot read /dev/urandom: {0}")]
+    Random(std::io::Error),
+    #[error("cannot create {}: {source}", path.display())]
+    CreateDir { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {}: {source}", path.display())]
+    Write { path: PathBuf, source: std::io::Error },
 }
 
 /// The CA's parameters (the same every time, so that its key alone can sign for it again).
-fn ca_params() -> Result<CertificateParams, String> {
-    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+fn ca_params() -> Result<CertificateParams, CertError> {
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.distinguished_name.push(DnType::CommonName, "vgpu receiver CA");
     ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
     Ok(ca)
 }
 
-pub fn generate(hosts: &[String]) -> Result<Bundle, String> {
-    let e = err;
+pub fn generate(hosts: &[String]) -> Result<Bundle, CertError> {
     let ca = ca_params()?;
-    let ca_key = KeyPair::generate().map_err(e)?;
-    let ca_cert = ca.self_signed(&ca_key).map_err(e)?;
+    let ca_key = KeyPair::generate()?;
+    let ca_cert = ca.self_signed(&ca_key)?;
     let ca_key_pem = ca_key.serialize_pem();
     let issuer = Issuer::new(ca, ca_key);
-    let mut srv = CertificateParams::new(hosts.to_vec()).map_err(e)?;
+    let mut srv = CertificateParams::new(hosts.to_vec())?;
     srv.distinguished_name.push(DnType::CommonName, hosts.first().map_or("vgpu-receiver", |h| h.as_str()));
     srv.use_authority_key_identifier_extension = true;
     srv.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     srv.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-    let key = KeyPair::generate().map_err(e)?;
-    let cert = srv.signed_by(&key, &issuer).map_err(e)?;
+    let key = KeyPair::generate()?;
+    let cert = srv.signed_by(&key, &issuer)?;
     Ok(Bundle { ca: ca_cert.pem(), ca_key: ca_key_pem, cert: cert.pem(), key: key.serialize_pem(), token: token()? })
 }
 
 /// A client certificate for `name` (its common name, and its subject alternative name, which
 /// `--require-node-certs` compares with the node's name) and its key, PEM, signed by the CA that
 /// `gen-certs` made (given by its key).
-pub fn client(ca_key_pem: &str, name: &str) -> Result<(String, String), String> {
-    let ca_key = KeyPair::from_pem(ca_key_pem).map_err(|e| format!("not a CA key: {e}"))?;
+pub fn client(ca_key_pem: &str, name: &str) -> Result<(String, String), CertError> {
+    let ca_key = KeyPair::from_pem(ca_key_pem).map_err(CertError::CaKey)?;
     let issuer = Issuer::new(ca_params()?, ca_key);
-    let mut p = CertificateParams::new(vec![name.to_string()]).map_err(err)?;
+    let mut p = CertificateParams::new(vec![name.to_string()])?;
     p.distinguished_name.push(DnType::CommonName, name);
     p.use_authority_key_identifier_extension = true;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-    let key = KeyPair::generate().map_err(err)?;
-    let cert = p.signed_by(&key, &issuer).map_err(err)?;
+    let key = KeyPair::generate()?;
+    let cert = p.signed_by(&key, &issuer)?;
     Ok((cert.pem(), key.serialize_pem()))
 }
 
@@ -72,17 +82,17 @@ pub fn names(cert: &rustls_pki_types::CertificateDer<'_>, node: &str) -> bool {
 }
 
 /// 32 random bytes, hex.
-pub fn token() -> Result<String, String> {
+pub fn token() -> Result<String, CertError> {
     let mut b = [0u8; 32];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+        .map_err(CertError::Random)?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// Writes `ca.pem`, `ca-key.pem` (0600), `server.pem`, `server-key.pem` (0600) and `token` (0600)
 /// into `dir`.
-pub fn write(dir: &Path, b: &Bundle) -> Result<(), String> {
+pub fn write(dir: &Path, b: &Bundle) -> Result<(), CertError> {
     write_files(
         dir,
         &[
@@ -96,9 +106,9 @@ pub fn write(dir: &Path, b: &Bundle) -> Result<(), String> {
 }
 
 /// Writes each `(name, text, mode)` into `dir` (made if needed).
-pub fn write_files(dir: &Path, files: &[(&str, &str, u32)]) -> Result<(), String> {
+pub fn write_files(dir: &Path, files: &[(&str, &str, u32)]) -> Result<(), CertError> {
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|source| CertError::CreateDir { path: dir.to_owned(), source })?;
     for &(name, text, mode) in files {
         let p = dir.join(name);
         let mut f = std::fs::OpenOptions::new()
@@ -107,8 +117,9 @@ pub fn write_files(dir: &Path, files: &[(&str, &str, u32)]) -> Result<(), String
             .truncate(true)
             .mode(mode)
             .open(&p)
-            .map_err(|e| format!("cannot write {}: {e}", p.display()))?;
-        std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| format!("cannot write {}: {e}", p.display()))?;
+            .map_err(|source| CertError::Write { path: p.clone(), source })?;
+        std::io::Write::write_all(&mut f, text.as_bytes())
+            .map_err(|source| CertError::Write { path: p.clone(), source })?;
     }
     Ok(())
 }
