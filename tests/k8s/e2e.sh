@@ -231,14 +231,16 @@ EOF
 
 stage "HAMi mode: a pod with HAMi's scheduler annotations, bound by kube-scheduler, allocated by kubelet"
 "$K" create namespace e2e >/dev/null
-# What HAMi's scheduler writes: the node lock naming the pod, and the pod's devices (1024 MiB, 30 %).
-"$K" annotate node "$node" "hami.io/mutex.lock=$(date -u +%Y-%m-%dT%H:%M:%SZ),e2e,hami-pod" >/dev/null
-devices="$uuid,NVIDIA,1024,30:;"
-cat <<EOF | "$K" apply -f - >/dev/null
+# hami_pod NAME DEVICES: what HAMi's scheduler writes for a pod it placed on this node (the node
+# lock naming the pod, the pod's devices), and the pod, with its simulated-CUDA client.
+hami_pod() {
+    local devices=$2
+    "$K" annotate node "$node" --overwrite "hami.io/mutex.lock=$(date -u +%Y-%m-%dT%H:%M:%SZ),e2e,$1" >/dev/null
+    cat <<EOF | "$K" apply -f - >/dev/null
 apiVersion: v1
 kind: Pod
 metadata:
-  name: hami-pod
+  name: $1
   namespace: e2e
   annotations:
     hami.io/bind-phase: allocating
@@ -251,6 +253,9 @@ spec:
   terminationGracePeriodSeconds: 1
 $(cuda_client "limits: {nvidia.com/gpu: 1}")
 EOF
+}
+# Devices of 1024 MiB and 30 %.
+hami_pod hami-pod "$uuid,NVIDIA,1024,30:;"
 held hami-pod $((1024 << 20)) 30
 [ "$(annotation pod hami-pod e2e hami.io/bind-phase)" = success ] || fail "bind phase: $(annotation pod hami-pod e2e hami.io/bind-phase)"
 [ -z "$(annotation node "$node" "" hami.io/mutex.lock)" ] || fail "the node lock was not released"
@@ -260,25 +265,7 @@ echo "  bind phase success; lock released; vgpuctl status names e2e/hami-pod"
 
 stage "HAMi mode: an Allocate that fails leaves nothing behind"
 # The scheduler's annotations name a GPU this node does not have.
-"$K" annotate node "$node" --overwrite "hami.io/mutex.lock=$(date -u +%Y-%m-%dT%H:%M:%SZ),e2e,bad-pod" >/dev/null
-devices="GPU-00000000-0000-4000-8000-000000000000,NVIDIA,1024,30:;"
-cat <<EOF | "$K" apply -f - >/dev/null
-apiVersion: v1
-kind: Pod
-metadata:
-  name: bad-pod
-  namespace: e2e
-  annotations:
-    hami.io/bind-phase: allocating
-    hami.io/bind-time: "$(date +%s)"
-    hami.io/vgpu-node: $node
-    hami.io/vgpu-devices-to-allocate: "$devices"
-    hami.io/vgpu-devices-allocated: "$devices"
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-$(cuda_client "limits: {nvidia.com/gpu: 1}")
-EOF
+hami_pod bad-pod "GPU-00000000-0000-4000-8000-000000000000,NVIDIA,1024,30:;"
 refused() { [ "$("$K" -n e2e get pod bad-pod -o jsonpath='{.status.phase}')" = Failed ]; }
 wait_until 60 "bad-pod failed by kubelet" refused
 echo "  kubelet: $("$K" -n e2e get pod bad-pod -o jsonpath='{.status.reason}: {.status.message}' | cut -c1-240)"
