@@ -1,5 +1,6 @@
 //! The intercepted API, declared once. Each line names an exported entry point, its C signature and
-//! the policy function it routes to (`pass` forwards unchanged). From these lists the macros generate
+//! the policy function it routes to (`pass` forwards unchanged); a `_ptsz` twin routes to its
+//! sibling's function with `::<true>` (its default stream is the calling thread's). From these lists the macros generate
 //! the table of real driver functions, the exported hook symbols, and the name -> hook map used by
 //! the `dlsym` and `cuGetProcAddress` hooks. Every symbol not listed passes through untouched.
 
@@ -38,10 +39,10 @@ macro_rules! cuda_hooks {
             cuMemUnmap(ptr: CUdeviceptr, size: usize) => vmm::unmap;
             cuMemRetainAllocationHandle(handle: *mut u64, addr: *mut c_void) => vmm::retain;
             // stream-ordered allocator
-            cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async;
-            cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async_ptsz;
-            cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool;
-            cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool_ptsz;
+            cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async::<false>;
+            cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => memory::alloc_async::<true>;
+            cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool::<false>;
+            cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => memory::alloc_from_pool::<true>;
             cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
             cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => memory::free_async;
             // what the pools hold beyond their allocations (see `pools`): settled where the driver
@@ -81,19 +82,19 @@ macro_rules! cuda_hooks {
             cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) => procaddr::get_v1;
             cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) => procaddr::get_v2;
             // launches: throttled by the SM-time controller
-            cuLaunchKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel;
-            cuLaunchKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ptsz;
-            cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ex;
-            cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ex_ptsz;
-            cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative;
-            cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative_ptsz;
+            cuLaunchKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel::<false>;
+            cuLaunchKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel::<true>;
+            cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ex::<false>;
+            cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => sm::launch_kernel_ex::<true>;
+            cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative::<false>;
+            cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, shm: u32, stream: CUstream, params: *mut *mut c_void) => sm::launch_cooperative::<true>;
             cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: u32, flags: u32) => sm::launch_cooperative_multi;
             // the deprecated launch API (block shape and parameters set on the function beforehand)
             cuLaunch(f: CUfunction) => sm::launch_legacy;
             cuLaunchGrid(f: CUfunction, w: i32, h: i32) => sm::launch_grid;
             cuLaunchGridAsync(f: CUfunction, w: i32, h: i32, stream: CUstream) => sm::launch_grid_async;
-            cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => sm::graph_launch;
-            cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch_ptsz;
+            cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => sm::graph_launch::<false>;
+            cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => sm::graph_launch::<true>;
             // modules unloaded (their functions' handles may name other kernels later) and executable
             // graphs whose work changes: SM estimates are forgotten
             cuModuleUnload(m: CUmodule) => stale::module_unload;
@@ -122,8 +123,8 @@ macro_rules! cuda_hooks {
             cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: i32) => capture::begin;
             cuStreamBeginCaptureToGraph(stream: CUstream, graph: CUgraph, deps: *const c_void, data: *const c_void, n: usize, mode: i32) => capture::begin_to_graph;
             cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: CUgraph, deps: *const c_void, data: *const c_void, n: usize, mode: i32) => capture::begin_to_graph;
-            cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) => capture::end;
-            cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut CUgraph) => capture::end_ptsz;
+            cuStreamEndCapture(stream: CUstream, graph: *mut CUgraph) => capture::end::<false>;
+            cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut CUgraph) => capture::end::<true>;
         }
     };
 }

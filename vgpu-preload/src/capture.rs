@@ -104,7 +104,7 @@ pub fn put_back(captures: Vec<(usize, u64)>) {
 /// stream cannot capture).
 fn opened(s: CUstream, r: CUresult) -> CUresult {
     if r == CUresult::SUCCESS {
-        let ctx = crate::memory::stream_ctx(ptsz(s));
+        let ctx = crate::drv::stream_ctx(ptsz(s));
         with_captures(|v| v.push((ptsz(s) as usize, ctx)));
     }
     r
@@ -158,16 +158,12 @@ fn ended(s: CUstream, was: bool, r: CUresult) -> CUresult {
     r
 }
 
-pub unsafe fn end(real: f::cuStreamEndCapture, s: CUstream, g: *mut CUgraph) -> CUresult {
-    let was = capturing(s);
+/// `cuStreamEndCapture` and its `_ptsz` twin (`PER_THREAD`: the default stream is the thread's).
+pub unsafe fn end<const PER_THREAD: bool>(real: f::cuStreamEndCapture, s: CUstream, g: *mut CUgraph) -> CUresult {
+    let mine = if PER_THREAD { ptsz(s) } else { s };
+    let was = capturing(mine);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    ended(s, was, unsafe { real(s, g) })
-}
-
-pub unsafe fn end_ptsz(real: f::cuStreamEndCapture_ptsz, s: CUstream, g: *mut CUgraph) -> CUresult {
-    let was = capturing(ptsz(s));
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    ended(ptsz(s), was, unsafe { real(s, g) })
+    ended(mine, was, unsafe { real(s, g) })
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! The context limits that hold device memory (`cuCtxSetLimit`: stack, printf FIFO, malloc heap):
 //! for each context, the value each limit is charged up to, and a flag that lets one thread at a
-//! time charge a limit (see `memory::ctx_set_limit`).
+//! time charge a limit (see `memory::set_limit`).
 //!
 //! A limit lowered keeps its charge until its context goes (the driver need not give the memory
 //! back), so the charge follows the highest value set: raised again, only what lies above that is

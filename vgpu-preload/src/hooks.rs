@@ -16,12 +16,12 @@ mod exports {
     use crate::{capture, graphmem, memory, nvml, pools, procaddr, sm, smi, stale, vmm};
 
     macro_rules! cuda_exports {
-        ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident)?;)*) => {
+        ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident $(::<$g:tt>)?)?;)*) => {
             $(
                 #[no_mangle]
                 pub unsafe extern "C" fn $name($($a: $t),*) -> CUresult {
                     let Some(real) = real::driver().cuda.$name else { return CUresult::NOT_SUPPORTED };
-                    body!($p $(:: $q)?, real, $($a),*)
+                    body!($p $(:: $q $(::<$g>)?)?, real, $($a),*)
                 }
             )*
             pub fn cuda_hook(name: &str) -> Option<*mut c_void> {
@@ -44,37 +44,32 @@ mod exports {
         // SM path cannot panic on its fast path and guards its slow path itself (see `sm`), so it
         // runs without the entry guard. Graph launches also take that path while a graph of the
         // process allocates memory (see `graphmem`), limited or not.
-        (sm :: graph_launch, $real:ident, $($a:ident),*) => {
+        (sm :: graph_launch::<$g:tt>, $real:ident, $($a:ident),*) => {
             if crate::sm::engaged() || crate::graphmem::any() {
                 // SAFETY: the policy receives the caller's arguments and the real entry point.
-                unsafe { crate::sm::graph_launch($real, $($a),*) }
+                unsafe { crate::sm::graph_launch::<$g>($real, $($a),*) }
             } else {
                 // SAFETY: as for `pass`.
                 unsafe { $real($($a),*) }
             }
         };
-        (sm :: graph_launch_ptsz, $real:ident, $($a:ident),*) => {
-            if crate::sm::engaged() || crate::graphmem::any() {
-                // SAFETY: as above.
-                unsafe { crate::sm::graph_launch_ptsz($real, $($a),*) }
-            } else {
-                // SAFETY: as for `pass`.
-                unsafe { $real($($a),*) }
-            }
-        };
-        (sm :: $f:ident, $real:ident, $($a:ident),*) => {
+        (sm :: $f:ident $(::<$g:tt>)?, $real:ident, $($a:ident),*) => {
             if crate::sm::engaged() {
                 // SAFETY: the policy receives the caller's arguments and the real entry point.
-                unsafe { crate::sm::$f($real, $($a),*) }
+                unsafe { crate::sm::$f $(::<$g>)? ($real, $($a),*) }
             } else {
                 // SAFETY: as for `pass`.
                 unsafe { $real($($a),*) }
             }
         };
         ($p:path, $real:ident, $($a:ident),*) => {
-            // SAFETY: the policy receives the caller's arguments and the real entry point.
-            crate::guard::run_counted(|| unsafe { $p($real, $($a),*) }, CUresult::UNKNOWN)
-                .unwrap_or_else(|| unsafe { $real($($a),*) })
+            crate::guard::run_counted(
+                // SAFETY: the policy receives the caller's arguments and the real entry point.
+                || unsafe { $p($real, $($a),*) },
+                CUresult::UNKNOWN,
+            )
+            // SAFETY: as for `pass` (a call made from inside a hook goes straight on, see `guard`).
+            .unwrap_or_else(|| unsafe { $real($($a),*) })
         };
     }
 
@@ -86,9 +81,13 @@ mod exports {
                 #[no_mangle]
                 pub unsafe extern "C" fn $name($($a: $t),*) -> NvmlReturn {
                     let Some(real) = real::nvml().$name else { return NVML_ERROR_FUNCTION_NOT_FOUND };
-                    // SAFETY: as above.
-                    crate::guard::run(|| unsafe { $p(real, $($a),*) }, NVML_ERROR_UNKNOWN)
-                        .unwrap_or_else(|| unsafe { real($($a),*) })
+                    crate::guard::run(
+                        // SAFETY: the policy receives the caller's arguments and the real entry point.
+                        || unsafe { $p(real, $($a),*) },
+                        NVML_ERROR_UNKNOWN,
+                    )
+                    // SAFETY: as for `pass` (a call made from inside a hook goes straight on, see `guard`).
+                    .unwrap_or_else(|| unsafe { real($($a),*) })
                 }
             )*
             pub fn nvml_hook(name: &str) -> Option<*mut c_void> {

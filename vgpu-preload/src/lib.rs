@@ -18,6 +18,7 @@ mod config;
 mod contexts;
 mod ctxlimits;
 mod dl;
+mod drv;
 mod graphmem;
 mod guard;
 mod hooks;

@@ -38,7 +38,7 @@ pub fn sym(h: *mut c_void, name: &str) -> *mut c_void {
 }
 
 macro_rules! define_real {
-    ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident)?;)*) => {
+    ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident $(::<$g:tt>)?)?;)*) => {
         /// Function-pointer types of the intercepted entry points.
         #[allow(non_camel_case_types)]
         pub mod cuda_fns {

@@ -421,7 +421,7 @@ fn event(ctx: u64) -> Option<CUevent> {
     let create = driver().helpers.cuEventCreate?;
     let mut e = std::ptr::null_mut();
     // SAFETY: out-pointer to a local; default flags (timing enabled).
-    let made = crate::memory::with_context(ctx, || unsafe { create(&mut e, 0) })?;
+    let made = crate::drv::with_context(ctx, || unsafe { create(&mut e, 0) })?;
     (made == CUresult::SUCCESS).then_some(e)
 }
 
@@ -629,7 +629,7 @@ fn sampled(est: u64, n: u64, pending: u64) -> bool {
 }
 
 /// The device whose budget a launch into `stream` is charged to: the stream's
-/// (`memory::stream_dev`: a stream the process made is asked for its context once per thread, and
+/// (`contexts::stream_dev`: a stream the process made is asked for its context once per thread, and
 /// it need not be the current one, as a context-independent `CUkernel` may be launched into a
 /// stream of any context); without a driver call when the process sees one device.
 #[inline]
@@ -637,7 +637,7 @@ fn launch_dev(st: &State, stream: CUstream) -> Result<usize, CUresult> {
     if st.sees_one_device() {
         return st.launch_dev();
     }
-    crate::memory::stream_dev(st, stream).map(|(_, d)| d)
+    crate::contexts::stream_dev(st, stream).map(|(_, d)| d)
 }
 
 /// Admits one launch of `key` on `stream` (waiting while the budget is in debt), then runs `launch`.
@@ -715,8 +715,8 @@ fn measure(
     let rec = h.cuEventRecord;
     // The events must be of the stream's context, which need not be the current one; where the
     // driver cannot say which that is, the current one (most streams are of it).
-    let ctx = match crate::memory::stream_ctx(stream) {
-        0 => crate::memory::current_ctx(),
+    let ctx = match crate::drv::stream_ctx(stream) {
+        0 => crate::drv::current_ctx(),
         c => c,
     };
     let bracket = rec.filter(|_| !EVENTS_FAIL.load(Relaxed)).and_then(|r| {
@@ -772,7 +772,19 @@ fn measure(
     res
 }
 
-pub unsafe fn launch_kernel(
+/// The stream a launch runs on as the policy sees it: a `_ptsz` twin's (`PER_THREAD`) default
+/// stream is the calling thread's.
+#[inline]
+fn on<const PER_THREAD: bool>(s: CUstream) -> CUstream {
+    if PER_THREAD {
+        ptsz(s)
+    } else {
+        s
+    }
+}
+
+/// `cuLaunchKernel` and its `_ptsz` twin.
+pub unsafe fn launch_kernel<const PER_THREAD: bool>(
     real: f::cuLaunchKernel,
     k: CUfunction,
     gx: u32,
@@ -787,28 +799,11 @@ pub unsafe fn launch_kernel(
     e: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(kernel_key(k, gx, gy, gz), s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
+    admit(kernel_key(k, gx, gy, gz), on::<PER_THREAD>(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
 }
 
-pub unsafe fn launch_kernel_ptsz(
-    real: f::cuLaunchKernel_ptsz,
-    k: CUfunction,
-    gx: u32,
-    gy: u32,
-    gz: u32,
-    bx: u32,
-    by: u32,
-    bz: u32,
-    shm: u32,
-    s: CUstream,
-    p: *mut *mut c_void,
-    e: *mut *mut c_void,
-) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(kernel_key(k, gx, gy, gz), ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
-}
-
-pub unsafe fn launch_kernel_ex(
+/// `cuLaunchKernelEx` and its `_ptsz` twin.
+pub unsafe fn launch_kernel_ex<const PER_THREAD: bool>(
     real: f::cuLaunchKernelEx,
     c: *const CUlaunchConfig,
     k: CUfunction,
@@ -817,22 +812,11 @@ pub unsafe fn launch_kernel_ex(
 ) -> CUresult {
     let (s, key) = ex_launch(c, k);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(key, s, || unsafe { real(c, k, p, e) })
+    admit(key, on::<PER_THREAD>(s), || unsafe { real(c, k, p, e) })
 }
 
-pub unsafe fn launch_kernel_ex_ptsz(
-    real: f::cuLaunchKernelEx_ptsz,
-    c: *const CUlaunchConfig,
-    k: CUfunction,
-    p: *mut *mut c_void,
-    e: *mut *mut c_void,
-) -> CUresult {
-    let (s, key) = ex_launch(c, k);
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(key, ptsz(s), || unsafe { real(c, k, p, e) })
-}
-
-pub unsafe fn launch_cooperative(
+/// `cuLaunchCooperativeKernel` and its `_ptsz` twin.
+pub unsafe fn launch_cooperative<const PER_THREAD: bool>(
     real: f::cuLaunchCooperativeKernel,
     k: CUfunction,
     gx: u32,
@@ -846,24 +830,7 @@ pub unsafe fn launch_cooperative(
     p: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(kernel_key(k, gx, gy, gz), s, || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
-}
-
-pub unsafe fn launch_cooperative_ptsz(
-    real: f::cuLaunchCooperativeKernel_ptsz,
-    k: CUfunction,
-    gx: u32,
-    gy: u32,
-    gz: u32,
-    bx: u32,
-    by: u32,
-    bz: u32,
-    shm: u32,
-    s: CUstream,
-    p: *mut *mut c_void,
-) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(kernel_key(k, gx, gy, gz), ptsz(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
+    admit(kernel_key(k, gx, gy, gz), on::<PER_THREAD>(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
 }
 
 /// The multi-device cooperative launch is charged as one launch of its first kernel on the current
@@ -874,10 +841,13 @@ pub unsafe fn launch_cooperative_multi(
     n: u32,
     flags: u32,
 ) -> CUresult {
-    // SAFETY: optional input pointer from the caller.
-    let Some(first) = (unsafe { list.as_ref() }) else { return unsafe { real(list, n, flags) } };
+    // SAFETY: optional input pointer from the caller, NULL or valid for reads (the hook's contract).
+    let first = unsafe { list.as_ref() };
+    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point.
+    let launch = || unsafe { real(list, n, flags) };
+    let Some(first) = first else { return launch() };
     let key = kernel_key(first.function, first.gridDimX, first.gridDimY, first.gridDimZ);
-    admit(key, first.hStream, || unsafe { real(list, n, flags) })
+    admit(key, first.hStream, launch)
 }
 
 /// The deprecated launches run on the default stream (`cuLaunch`: a 1 x 1 grid), or on `s`.
@@ -896,26 +866,13 @@ pub unsafe fn launch_grid_async(real: f::cuLaunchGridAsync, k: CUfunction, w: i3
     admit(kernel_key(k, w as u32, h as u32, 1), s, || unsafe { real(k, w, h, s) })
 }
 
-pub unsafe fn graph_launch(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {
+/// `cuGraphLaunch` and its `_ptsz` twin: throttled where an SM limit is set, and charged for what
+/// the graph allocates (see `graphmem`).
+pub unsafe fn graph_launch<const PER_THREAD: bool>(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {
+    let mine = on::<PER_THREAD>(s);
     // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    graphmem::launched(g, s, || {
-        if engaged() {
-            admit(g as u64, s, || unsafe { real(g, s) })
-        } else {
-            unsafe { real(g, s) }
-        }
-    })
-}
-
-pub unsafe fn graph_launch_ptsz(real: f::cuGraphLaunch_ptsz, g: CUgraphExec, s: CUstream) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    graphmem::launched(g, ptsz(s), || {
-        if engaged() {
-            admit(g as u64, ptsz(s), || unsafe { real(g, s) })
-        } else {
-            unsafe { real(g, s) }
-        }
-    })
+    let launch = || unsafe { real(g, s) };
+    graphmem::launched(g, mine, || if engaged() { admit(g as u64, mine, launch) } else { launch() })
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ pub struct State {
     /// Each ordinal's primary context, as its first retain returned it (0: not seen).
     pub primary_ctx: [AtomicU64; MAX_ORDINALS],
     /// What each ordinal's primary context's limits (stack, printf FIFO, heap) are charged beyond
-    /// their defaults (see `memory::ctx_set_limit`).
+    /// their defaults (see `memory::set_limit`).
     pub primary_limits: [AtomicU64; MAX_ORDINALS],
     pub primary_lock: Mutex<()>,
     /// The contexts allocations were made in (see `contexts`).
@@ -49,6 +49,17 @@ pub struct State {
     pub ptrs: PtrMap,
     /// VMM handles, arrays, explicit contexts -> (device, context id, bytes).
     pub handles: PtrMap,
+}
+
+/// What [`State::assemble`] makes a state of.
+struct Parts {
+    cfg: Config,
+    region: Option<Region>,
+    limits_region: Option<Region>,
+    claim: Option<Claim>,
+    refuse: bool,
+    trueup: crate::trueup::TrueUp,
+    watched: bool,
 }
 
 /// Bytes counted in flight by [`State::in_flight`], until dropped.
@@ -160,8 +171,6 @@ impl State {
                 None
             }
         });
-        // SAFETY: both regions move into the State, which lives in a static and is never dropped.
-        let limits = limits_region.as_ref().or(region.as_ref()).map(|r| unsafe { r.layout_static() });
         let mut claim = None;
         if let Some(r) = &region {
             let freed = r.reap();
@@ -192,6 +201,16 @@ impl State {
                 libc::atexit(at_exit);
             }
         }
+        State::assemble(Parts { cfg, region, limits_region, claim, refuse, trueup, watched })
+    }
+
+    /// The state from its parts, the limits read from the limits region if there is one, else from
+    /// the region itself.
+    fn assemble(p: Parts) -> State {
+        let Parts { cfg, region, limits_region, claim, refuse, trueup, watched } = p;
+        // SAFETY: both regions move into the State, which lives in a static (or, in unit tests, is
+        // leaked) and is never dropped.
+        let limits = limits_region.as_ref().or(region.as_ref()).map(|r| unsafe { r.layout_static() });
         State {
             slot: AtomicUsize::new(claim.as_ref().map_or(usize::MAX, |c: &Claim| c.index)),
             claim: Mutex::new(claim),
@@ -215,6 +234,28 @@ impl State {
             watched,
             cfg,
         }
+    }
+
+    /// A state over `region` (one this process claims a slot in) for the policies' unit tests:
+    /// default configuration, no true-up, CUDA ordinal `o` bound to region device `o`.
+    #[cfg(test)]
+    pub fn for_test(region: Region) -> &'static State {
+        let cfg = Config::from_lookup(|_| None);
+        let claim = Some(region.claim(std::process::id(), host_pid()).expect("a free slot"));
+        let trueup = crate::trueup::TrueUp::new(false, false, host_pid());
+        let st = State::assemble(Parts {
+            cfg,
+            region: Some(region),
+            limits_region: None,
+            claim,
+            refuse: false,
+            trueup,
+            watched: true,
+        });
+        for (o, m) in st.devmap.iter().enumerate().take(MAX_DEVICES) {
+            m.store(o as i32, Release);
+        }
+        Box::leak(Box::new(st))
     }
 
     /// A forked child claims its own slot and starts with no allocations of its own.
