@@ -34,8 +34,12 @@ pub fn dlopen_cuda() -> Result<*mut c_void, String> {
     if h.is_null() {
         // SAFETY: dlerror returns a C string or NULL.
         let e = unsafe { libc::dlerror() };
-        let msg =
-            if e.is_null() { "unknown".into() } else { unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned() };
+        let msg = if e.is_null() {
+            "unknown".into()
+        } else {
+            // SAFETY: a C string dlerror just returned, read before any other dl call.
+            unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+        };
         return Err(format!("cannot load {name}: {msg}"));
     }
     Ok(h)
@@ -134,25 +138,14 @@ pub fn error_name(api: &Api, r: CUresult) -> String {
     format!("CUresult({})", r.0)
 }
 
-/// Entry point shared by the client binaries: parses global options, binds, runs the scenario.
-pub fn client_main(kind: &str, bind: impl FnOnce(&Binding) -> Result<Api, String>) -> ! {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let mut b = Binding { cuda_version: 12040, per_thread: false };
-    if let Some(i) = args.iter().position(|a| a == "--cuda-version") {
-        b.cuda_version =
-            args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or_else(|| usage_exit("--cuda-version needs a number"));
-        args.drain(i..i + 2);
-    }
-    if let Some(i) = args.iter().position(|a| a == "--per-thread") {
-        b.per_thread = true;
-        args.remove(i);
-    }
-    if args.is_empty() || args[0] == "--help" || args[0] == "-h" {
-        println!("usage: {kind} [--cuda-version N] [--per-thread] <scenario> [options]\n{}", scenario::USAGE);
-        std::process::exit(0);
-    }
-    if args[0] == "procaddr" {
-        match procaddr(&b, &args[1..]) {
+/// Entry point shared by the client binaries: parses the command line, binds, runs the scenario.
+pub fn client_main(kind: &'static str, bind: impl FnOnce(&Binding) -> Result<Api, String>) -> ! {
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = scenario::Cli::command().name(kind).get_matches();
+    let cli = scenario::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let b = Binding { cuda_version: cli.cuda_version, per_thread: cli.per_thread };
+    if let scenario::Scenario::Procaddr { names } = &cli.scenario {
+        match procaddr(&b, names) {
             Ok(()) => std::process::exit(0),
             Err(e) => {
                 eprintln!("{kind}: {e}");
@@ -167,7 +160,7 @@ pub fn client_main(kind: &str, bind: impl FnOnce(&Binding) -> Result<Api, String
             std::process::exit(3);
         }
     };
-    match scenario::run(&api, &args) {
+    match scenario::run(&api, &cli) {
         Ok(()) => std::process::exit(0),
         Err(e) => {
             eprintln!("{kind}: {e}");
@@ -215,9 +208,4 @@ fn procaddr(b: &Binding, names: &[String]) -> Result<(), String> {
         );
     }
     Ok(())
-}
-
-pub fn usage_exit(msg: &str) -> ! {
-    eprintln!("error: {msg}\n{}", scenario::USAGE);
-    std::process::exit(2);
 }

@@ -400,8 +400,8 @@ fn fill(args: &[String]) -> Result<Value, String> {
                 p.sync()?;
                 let mut got = [0u8; 2];
                 for (i, at) in [0, bytes - 1].into_iter().enumerate() {
-                    // SAFETY: one byte into a local, from inside the allocation.
                     p.ck(
+                        // SAFETY: one byte into a local, from inside the allocation.
                         unsafe { (p.cu.cuMemcpyDtoH_v2)(got[i..].as_mut_ptr().cast(), d + at as u64, 1) },
                         "cuMemcpyDtoH",
                     )?;
@@ -620,7 +620,7 @@ fn pool_threads(args: &[String]) -> Result<Value, String> {
     let (p, dev) = Probe::open()?;
     // With the context made: time for an agent to measure it before the storm.
     std::thread::sleep(std::time::Duration::from_secs_f64(wait.max(0.0)));
-    // SAFETY (whole block): out-pointers to locals, 64-bit attribute values in locals, and handles
+    // SAFETY: (the whole block) out-pointers to locals, 64-bit attribute values in locals, and handles
     // the driver gave; each thread makes the primary context current before its calls.
     unsafe {
         let mut pool = std::ptr::null_mut();

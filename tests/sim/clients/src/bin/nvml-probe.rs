@@ -159,6 +159,7 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
                 for gi in &arr[..n as usize] {
                     // SAFETY: zeroed POD out-struct.
                     let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+                    // SAFETY: a handle NVML just listed and an out-pointer to the local above.
                     unsafe { lib.nvmlGpuInstanceGetInfo(*gi, &mut info) };
                     v.push((info.id, info.profileId, info.placement.start, info.placement.size, *gi));
                 }
@@ -167,7 +168,7 @@ fn mig_op(nvml: &Nvml, g: u32, op: &str) -> Value {
         v.sort();
         v
     };
-    // SAFETY (all arms): raw calls with handles obtained above and out-pointers to locals.
+    // SAFETY: (all arms) raw calls with handles obtained above and out-pointers to locals.
     unsafe {
         match parts[0] {
             "mode" => {
