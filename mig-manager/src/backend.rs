@@ -110,6 +110,7 @@ impl NvmlBackend {
             // SAFETY: zeroed POD out-struct with its version set; valid device handle.
             let mut info: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
             info.version = (std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as u32) | (2 << 24);
+            // SAFETY: a device handle NVML gave us and an out-pointer to the local above.
             if unsafe { lib.nvmlDeviceGetGpuInstanceProfileInfoV(dev, idx, &mut info) } != 0 {
                 continue;
             }
@@ -150,6 +151,7 @@ impl NvmlBackend {
         (0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT).find_map(|idx| {
             // SAFETY: zeroed POD out-struct; valid GPU-instance handle.
             let mut info: nvmlComputeInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: a GPU-instance handle NVML gave us and an out-pointer to the local above.
             let r = unsafe {
                 lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(
                     gi,
@@ -175,6 +177,7 @@ impl NvmlBackend {
             for ci in &arr[..(n as usize).min(8)] {
                 // SAFETY: zeroed POD out-struct; a handle NVML just gave us.
                 let mut info: nvmlComputeInstanceInfo_t = unsafe { std::mem::zeroed() };
+                // SAFETY: a compute-instance handle NVML just listed and an out-pointer to the local above.
                 if unsafe { lib.nvmlComputeInstanceGetInfo_v2(*ci, &mut info) } == 0 {
                     v.push((info.id, info.profileId, *ci));
                 }
@@ -207,6 +210,7 @@ impl MigBackend for NvmlBackend {
                 for gi in &arr[..(n as usize).min(8)] {
                     // SAFETY: zeroed POD out-struct; a handle NVML just gave us.
                     let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+                    // SAFETY: a GPU-instance handle NVML just listed and an out-pointer to the local above.
                     if unsafe { lib.nvmlGpuInstanceGetInfo(*gi, &mut info) } != 0 {
                         continue;
                     }
@@ -281,6 +285,7 @@ impl MigBackend for NvmlBackend {
         })?;
         // SAFETY: zeroed POD out-struct; the handle just created.
         let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the GPU-instance handle just created and an out-pointer to the local above.
         check(|| format!("GPU {gpu}: new GPU instance"), unsafe { lib.nvmlGpuInstanceGetInfo(gi, &mut info) })?;
         let ci_profile = self
             .full_ci_profile(gi, p.compute)

@@ -175,6 +175,7 @@ fn profile_ids(nvml: &Nvml, dev: nvmlDevice_t) -> Vec<u32> {
         .filter_map(|idx| {
             // SAFETY: zeroed POD out-struct; a valid device handle.
             let mut info: nvmlGpuInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: a valid device handle and an out-pointer to the local above.
             (unsafe { lib.nvmlDeviceGetGpuInstanceProfileInfo(dev, idx, &mut info) } == 0).then_some(info.id)
         })
         .collect()
@@ -197,6 +198,7 @@ fn mig(nvml: &Nvml, d: &Device) -> Option<Mig> {
             for gi in &arr[..(n as usize).min(8)] {
                 // SAFETY: zeroed POD out-struct; a handle NVML just gave us.
                 let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+                // SAFETY: a handle NVML just listed and an out-pointer to the local above.
                 if unsafe { lib.nvmlGpuInstanceGetInfo(*gi, &mut info) } != 0 {
                     continue;
                 }
@@ -211,6 +213,7 @@ fn mig(nvml: &Nvml, d: &Device) -> Option<Mig> {
                     for ci in &cis[..(m as usize).min(8)] {
                         // SAFETY: as above.
                         let mut ci_info: nvmlComputeInstanceInfo_t = unsafe { std::mem::zeroed() };
+                        // SAFETY: as above.
                         if unsafe { lib.nvmlComputeInstanceGetInfo_v2(*ci, &mut ci_info) } == 0 {
                             compute_instances.push((ci_info.id, ci_info.profileId));
                         }

@@ -194,6 +194,7 @@ pub fn self_rss() -> u64 {
 pub fn self_cpu_ns() -> u64 {
     // SAFETY: getrusage fills the zeroed struct it is given.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: an out-pointer to the local above.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
     tv(ru.ru_utime) + tv(ru.ru_stime)

@@ -857,8 +857,8 @@ fn reopen(file: &File, path: &Path) -> Result<OwnedFd> {
     let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
     let fd = if fd < 0 {
         // read-only regions (or no /proc): fall back to the path, read-only is enough for locks
-        // SAFETY: as above.
         let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: as above.
         unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) }
     } else {
         fd

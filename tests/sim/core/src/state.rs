@@ -168,8 +168,8 @@ pub fn sleep_until(deadline_ns: u64) {
         tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
     };
-    // SAFETY: ts is valid; an EINTR simply returns early and we loop.
     while now_ns() < deadline_ns {
+        // SAFETY: ts is valid; an EINTR simply returns early and we loop.
         unsafe { libc::clock_nanosleep(libc::CLOCK_MONOTONIC, libc::TIMER_ABSTIME, &ts, std::ptr::null_mut()) };
     }
 }
