@@ -307,7 +307,9 @@ pub(crate) fn pooled(
 }
 
 /// Takes what pool `i` (on region device `d`) holds spare for `size` bytes and reserves the rest:
-/// (taken from the pool, reserved, the reservation counted in flight).
+/// (taken from the pool, reserved, the reservation counted in flight). Inlined: it is the stream-ordered
+/// allocation's hot path.
+#[inline(always)]
 fn pool_reserve(st: &State, i: usize, d: usize, size: u64) -> Made<(u64, u64, crate::state::InFlight<'_>)> {
     let mut settled = false;
     loop {
