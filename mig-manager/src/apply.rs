@@ -31,14 +31,14 @@ fn write_atomic(path: &Path, data: &[u8]) -> Result<(), MigError> {
     std::fs::write(&tmp, data)
         .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
         .and_then(|_| std::fs::rename(&tmp, path))
-        .map_err(|e| MigError(format!("cannot write {}: {e}", path.display())))
+        .map_err(|e| MigError::Write { path: path.to_owned(), error: e.to_string() })
 }
 
 impl Store {
     pub fn open(dir: &Path) -> Result<Store, MigError> {
         for d in ["desired", "journal"] {
             std::fs::create_dir_all(dir.join(d))
-                .map_err(|e| MigError(format!("cannot create {}: {e}", dir.display())))?;
+                .map_err(|e| MigError::CreateDir { path: dir.to_owned(), error: e.to_string() })?;
         }
         Ok(Store { dir: dir.to_owned() })
     }
@@ -92,7 +92,7 @@ fn find_gpu(b: &dyn MigBackend, uuid: &str) -> Result<Gpu, MigError> {
             return Ok(g);
         }
     }
-    Err(MigError(format!("no GPU {uuid} on this node")))
+    Err(MigError::NoGpu(uuid.to_string()))
 }
 
 /// Runs a plan's steps.
@@ -115,8 +115,10 @@ pub fn plan_gpu(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Resul
     if !d.mig_enabled || !g.mig_enabled || !d.has_layout() {
         return Ok(None);
     }
-    let w = wants(&g, d).map_err(|e| MigError(e.0))?;
-    planner::plan(&g, &w, force).map(Some).map_err(|e| MigError(format!("GPU {gpu} ({}): {e}", g.name)))
+    let w = wants(&g, d).map_err(|e| MigError::Desired(e.to_string()))?;
+    planner::plan(&g, &w, force)
+        .map(Some)
+        .map_err(|e| MigError::Plan { label: format!("GPU {gpu} ({})", g.name), error: e.to_string() })
 }
 
 /// Everything an apply would do to one GPU, in order, worked out before anything is done.
@@ -150,15 +152,11 @@ pub fn transition(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Res
         let pids = b.processes(gpu)?;
         if !pids.is_empty() {
             let shown: Vec<String> = pids.iter().take(8).map(u32::to_string).collect();
-            return Err(MigError(format!(
-                "{label}: MIG mode cannot change while processes run on the GPU ({} of them: PIDs {}); stop them first",
-                pids.len(),
-                shown.join(", ")
-            )));
+            return Err(MigError::Busy { label, count: pids.len(), pids: shown.join(", ") });
         }
     }
     let destroy_first = if g.mig_enabled && !d.mig_enabled {
-        Some(planner::plan(&g, &[], force).map_err(|e| MigError(format!("{label}: {e}")))?)
+        Some(planner::plan(&g, &[], force).map_err(|e| MigError::Plan { label: label.clone(), error: e.to_string() })?)
     } else {
         None
     };
@@ -171,8 +169,11 @@ pub fn transition(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Res
             from.instances.clear();
             from.mig_enabled = true;
         }
-        let w = wants(&from, d).map_err(|e| MigError(e.0))?;
-        Some(planner::plan(&from, &w, force).map_err(|e| MigError(format!("{label}: {e}")))?)
+        let w = wants(&from, d).map_err(|e| MigError::Desired(e.to_string()))?;
+        Some(
+            planner::plan(&from, &w, force)
+                .map_err(|e| MigError::Plan { label: label.clone(), error: e.to_string() })?,
+        )
     };
     let mode = (g.mig_enabled != d.mig_enabled).then_some(d.mig_enabled);
     Ok(Transition { destroy_first, mode, plan })
@@ -201,7 +202,8 @@ fn run(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Outcome
         if !d.mig_enabled && g.mig_enabled {
             // Instances go before the mode: destroy them (busy ones only when forced; `transition`
             // made sure the mode change can follow).
-            let p = planner::plan(&g, &[], force).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
+            let p = planner::plan(&g, &[], force)
+                .map_err(|e| MigError::Plan { label: format!("GPU {gpu}"), error: e.to_string() })?;
             execute(b, gpu, &p)?;
         }
         mode = b.set_mode(gpu, d.mig_enabled)?;
@@ -293,9 +295,9 @@ pub struct Allocation {
 pub fn allocate(b: &dyn MigBackend, gpu: u32, req: &planner::Request) -> Result<Allocation, MigError> {
     let g = b.gpu(gpu)?;
     if !g.mig_enabled {
-        return Err(MigError(format!("GPU {gpu} ({}): MIG mode is off", g.name)));
+        return Err(MigError::MigOff { gpu, name: g.name.clone() });
     }
-    let p = planner::choose(&g, req).map_err(|e| MigError(e.to_string()))?;
+    let p = planner::choose(&g, req).map_err(|e| MigError::Placement(e.to_string()))?;
     make(b, gpu, &g, p)
 }
 
@@ -310,9 +312,9 @@ pub fn allocate_in_geometry(
 ) -> Result<Allocation, MigError> {
     let g = b.gpu(gpu)?;
     if !g.mig_enabled {
-        return Err(MigError(format!("GPU {gpu} ({}): MIG mode is off", g.name)));
+        return Err(MigError::MigOff { gpu, name: g.name.clone() });
     }
-    let p = planner::choose_in_geometry(&g, geometry, profile).map_err(|e| MigError(e.to_string()))?;
+    let p = planner::choose_in_geometry(&g, geometry, profile).map_err(|e| MigError::Placement(e.to_string()))?;
     make(b, gpu, &g, p)
 }
 
@@ -336,9 +338,7 @@ pub fn release(b: &dyn MigBackend, gpu: u32, gi: u32) -> Result<bool, MigError> 
     let g = b.gpu(gpu)?;
     let Some(inst) = g.instances.iter().find(|i| i.gi == gi) else { return Ok(false) };
     if inst.busy {
-        return Err(MigError(format!(
-            "GPU {gpu}: GPU instance {gi} is in use (processes run on it, or it is given out)"
-        )));
+        return Err(MigError::InUse { gpu, gi });
     }
     b.destroy(gpu, gi).map(|()| true)
 }

@@ -7,16 +7,43 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings::*;
 use std::sync::Arc;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MigError(pub String);
-
-impl std::fmt::Display for MigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
+/// Why a MIG action failed: one variant per failed step.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MigError {
+    /// An NVML call refused (its return code by name).
+    #[error("{what}: {code}")]
+    Nvml { what: String, code: String },
+    /// NVML could not say how many GPUs there are.
+    #[error("{0}")]
+    Count(String),
+    /// NVML could not answer a question about a GPU.
+    #[error("GPU {gpu}: {what}{error}")]
+    Query { gpu: u32, what: &'static str, error: String },
+    #[error("GPU {gpu}: no profile {profile}")]
+    NoProfile { gpu: u32, profile: u32 },
+    #[error("GPU {gpu}: no compute-instance profile spans {profile}")]
+    NoComputeProfile { gpu: u32, profile: String },
+    #[error("cannot write {}: {error}", path.display())]
+    Write { path: std::path::PathBuf, error: String },
+    #[error("cannot create {}: {error}", path.display())]
+    CreateDir { path: std::path::PathBuf, error: String },
+    #[error("no GPU {0} on this node")]
+    NoGpu(String),
+    /// The desired layout does not fit the GPU's profiles.
+    #[error("{0}")]
+    Desired(String),
+    /// No plan or placement reaches what is asked.
+    #[error("{label}: {error}")]
+    Plan { label: String, error: String },
+    #[error("{0}")]
+    Placement(String),
+    #[error("{label}: MIG mode cannot change while processes run on the GPU ({count} of them: PIDs {pids}); stop them first")]
+    Busy { label: String, count: usize, pids: String },
+    #[error("GPU {gpu} ({name}): MIG mode is off")]
+    MigOff { gpu: u32, name: String },
+    #[error("GPU {gpu}: GPU instance {gi} is in use (processes run on it, or it is given out)")]
+    InUse { gpu: u32, gi: u32 },
 }
-
-impl std::error::Error for MigError {}
 
 /// What a mode change did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -72,7 +99,7 @@ fn check(what: impl FnOnce() -> String, r: nvmlReturn_t) -> Result<(), MigError>
     if r == 0 {
         Ok(())
     } else {
-        Err(MigError(format!("{}: {}", what(), ret_name(r))))
+        Err(MigError::Nvml { what: what(), code: ret_name(r) })
     }
 }
 
@@ -89,7 +116,7 @@ impl NvmlBackend {
     }
 
     fn handle(&self, gpu: u32) -> Result<nvmlDevice_t, MigError> {
-        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
+        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError::Query { gpu, what: "", error: e.to_string() })?;
         // SAFETY: the handle stays valid while `self.nvml` lives.
         Ok(unsafe { d.handle() })
     }
@@ -189,12 +216,12 @@ impl NvmlBackend {
 
 impl MigBackend for NvmlBackend {
     fn gpu_count(&self) -> Result<u32, MigError> {
-        self.nvml.device_count().map_err(|e| MigError(e.to_string()))
+        self.nvml.device_count().map_err(|e| MigError::Count(e.to_string()))
     }
 
     fn gpu(&self, gpu: u32) -> Result<Gpu, MigError> {
-        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
-        let mode = d.mig_mode().map_err(|e| MigError(format!("GPU {gpu}: MIG mode: {e}")))?;
+        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError::Query { gpu, what: "", error: e.to_string() })?;
+        let mode = d.mig_mode().map_err(|e| MigError::Query { gpu, what: "MIG mode: ", error: e.to_string() })?;
         let dev = self.handle(gpu)?;
         let lib = self.nvml.lib();
         let profiles = self.profiles(dev);
@@ -256,9 +283,9 @@ impl MigBackend for NvmlBackend {
     }
 
     fn set_mode(&self, gpu: u32, enabled: bool) -> Result<ModeChange, MigError> {
-        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
+        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError::Query { gpu, what: "", error: e.to_string() })?;
         let want = u32::from(enabled);
-        let m = d.mig_mode().map_err(|e| MigError(format!("GPU {gpu}: MIG mode: {e}")))?;
+        let m = d.mig_mode().map_err(|e| MigError::Query { gpu, what: "MIG mode: ", error: e.to_string() })?;
         if m.current == want && m.pending == want {
             return Ok(ModeChange::Unchanged);
         }
@@ -268,7 +295,7 @@ impl MigBackend for NvmlBackend {
         check(|| format!("GPU {gpu}: set MIG mode {want}"), unsafe {
             self.nvml.lib().nvmlDeviceSetMigMode(dev, want, &mut activation)
         })?;
-        let m = d.mig_mode().map_err(|e| MigError(format!("GPU {gpu}: MIG mode: {e}")))?;
+        let m = d.mig_mode().map_err(|e| MigError::Query { gpu, what: "MIG mode: ", error: e.to_string() })?;
         Ok(if m.current == want { ModeChange::Applied } else { ModeChange::PendingReset })
     }
 
@@ -276,7 +303,7 @@ impl MigBackend for NvmlBackend {
         let dev = self.handle(gpu)?;
         let lib = self.nvml.lib();
         let g = self.gpu(gpu)?;
-        let p = g.profile(profile).ok_or_else(|| MigError(format!("GPU {gpu}: no profile {profile}")))?;
+        let p = g.profile(profile).ok_or(MigError::NoProfile { gpu, profile })?;
         let mut gi = std::ptr::null_mut();
         let placement = nvmlGpuInstancePlacement_t { start, size: p.memory_slices };
         // SAFETY: valid handle, placement and out-pointer.
@@ -289,7 +316,7 @@ impl MigBackend for NvmlBackend {
         check(|| format!("GPU {gpu}: new GPU instance"), unsafe { lib.nvmlGpuInstanceGetInfo(gi, &mut info) })?;
         let ci_profile = self
             .full_ci_profile(gi, p.compute)
-            .ok_or_else(|| MigError(format!("GPU {gpu}: no compute-instance profile spans {}", p.name)))?;
+            .ok_or_else(|| MigError::NoComputeProfile { gpu, profile: p.name.clone() })?;
         let mut ci = std::ptr::null_mut();
         // SAFETY: valid GPU-instance handle, out-pointer to a local.
         let r = unsafe { lib.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile, &mut ci) };
@@ -317,10 +344,10 @@ impl MigBackend for NvmlBackend {
     }
 
     fn processes(&self, gpu: u32) -> Result<Vec<u32>, MigError> {
-        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
+        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError::Query { gpu, what: "", error: e.to_string() })?;
         let mut pids: Vec<u32> = d
             .running_compute_processes()
-            .map_err(|e| MigError(format!("GPU {gpu}: processes: {e}")))?
+            .map_err(|e| MigError::Query { gpu, what: "processes: ", error: e.to_string() })?
             .into_iter()
             .chain(d.running_graphics_processes().unwrap_or_default())
             .map(|p| p.pid)
@@ -331,8 +358,8 @@ impl MigBackend for NvmlBackend {
     }
 
     fn pci_device_id(&self, gpu: u32) -> Result<String, MigError> {
-        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError(format!("GPU {gpu}: {e}")))?;
-        let p = d.pci_info().map_err(|e| MigError(format!("GPU {gpu}: PCI info: {e}")))?;
+        let d = self.nvml.device_by_index(gpu).map_err(|e| MigError::Query { gpu, what: "", error: e.to_string() })?;
+        let p = d.pci_info().map_err(|e| MigError::Query { gpu, what: "PCI info: ", error: e.to_string() })?;
         Ok(format!("0x{:08X}", p.pci_device_id))
     }
 }

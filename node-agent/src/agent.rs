@@ -159,8 +159,9 @@ impl Agent {
         let snapshot = RwLock::new(Arc::new(list.clone()));
         let slices = list.into_iter().map(|s| (s.name.clone(), s)).collect();
         let health = Arc::new(Health::new(std::time::Duration::from_secs(cfg.health_recovery_s)));
-        let mig =
-            Mutex::new(vgpu_mig::apply::Store::open(&cfg.state_dir.join("mig")).map_err(|e| LoadError::Mig(e.0))?);
+        let mig = Mutex::new(
+            vgpu_mig::apply::Store::open(&cfg.state_dir.join("mig")).map_err(|e| LoadError::Mig(e.to_string()))?,
+        );
         Ok(Agent {
             cfg,
             store,

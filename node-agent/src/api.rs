@@ -166,14 +166,20 @@ impl pb::agent_server::Agent for Service {
     }
 }
 
+/// The agent's socket could not be reached.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot reach the agent at {}{} (is vgpu-node-agent running? see `vgpuctl doctor`)", path.display(), std::error::Error::source(source).map_or(String::new(), |s| format!(": {s}")))]
+pub struct UnreachableError {
+    pub path: std::path::PathBuf,
+    pub source: tonic::transport::Error,
+}
+
 /// A client of the agent on the Unix socket at `path`.
-pub async fn connect(path: &Path) -> Result<pb::agent_client::AgentClient<tonic::transport::Channel>, String> {
-    let channel = crate::sockets::unix_channel(path).await.map_err(|e| {
-        let cause = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
-        format!(
-            "cannot reach the agent at {}{cause} (is vgpu-node-agent running? see `vgpuctl doctor`)",
-            path.display()
-        )
-    })?;
+pub async fn connect(
+    path: &Path,
+) -> Result<pb::agent_client::AgentClient<tonic::transport::Channel>, UnreachableError> {
+    let channel = crate::sockets::unix_channel(path)
+        .await
+        .map_err(|source| UnreachableError { path: path.to_owned(), source })?;
     Ok(pb::agent_client::AgentClient::new(channel))
 }

@@ -270,8 +270,11 @@ impl Agent {
             let uuid = self.open_gpu(&c.gpu)?;
             inv.gpus.iter().filter(|g| g.uuid == uuid).map(|g| g.index).collect()
         };
-        let models: Vec<vgpu_mig::model::Gpu> =
-            candidates.iter().map(|&i| b.gpu(i)).collect::<Result<_, _>>().map_err(|e| RequestError::Mig(e.0))?;
+        let models: Vec<vgpu_mig::model::Gpu> = candidates
+            .iter()
+            .map(|&i| b.gpu(i))
+            .collect::<Result<_, _>>()
+            .map_err(|e| RequestError::Mig(e.to_string()))?;
         if models.is_empty() {
             return Err(RequestError::Mig("no MIG-enabled GPU to place the instance on".into()));
         }
@@ -297,7 +300,7 @@ impl Agent {
                 c.profile, g.name
             )));
         }
-        let a = vgpu_mig::apply::allocate(&b, g.index, &req).map_err(|e| RequestError::Mig(e.0))?;
+        let a = vgpu_mig::apply::allocate(&b, g.index, &req).map_err(|e| RequestError::Mig(e.to_string()))?;
         drop(_g);
         tracing::info!(gpu = %g.uuid, gi = a.gi, profile = %a.profile, "MIG instance created for the scheduler");
         self.rediscover();
@@ -326,7 +329,7 @@ impl Agent {
             vgpu_mig::apply::release(&b, index, d.gpu_instance_id)
         };
         // Already gone (a retry) is done too.
-        r.map_err(|e| RequestError::Mig(e.0))?;
+        r.map_err(|e| RequestError::Mig(e.to_string()))?;
         self.rediscover();
         Ok(sp::RequestResult { ok: true, ..Default::default() })
     }

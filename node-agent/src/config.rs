@@ -216,16 +216,24 @@ pub struct Flags {
     pub metrics_address: Option<String>,
 }
 
-#[derive(Debug)]
-pub struct ConfigError(pub String);
-
-impl std::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
+/// Why the configuration cannot be used: where the bad value came from, and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("environment variable {var}: its value {shown} is not UTF-8")]
+    NotUtf8 { var: String, shown: String },
+    #[error("configuration: {0}")]
+    Toml(String),
+    #[error("cannot read {}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{}: {message}", path.display())]
+    File { path: PathBuf, message: String },
+    /// A setting with a bad value, set by its environment variable.
+    #[error("environment variable {var}: {message}")]
+    Variable { var: String, message: String },
+    /// A setting with a bad value, set in the file (or on the command line).
+    #[error("{source_name}: {key}: {message}")]
+    Setting { source_name: String, key: String, message: String },
 }
-
-impl std::error::Error for ConfigError {}
 
 /// The highest `max_slices`: the agent maps each slice's region once, and guards at most
 /// [`vgpu_region::shrink::CAPACITY`] mappings (half of them left for the ones it opens briefly).
@@ -237,10 +245,7 @@ pub fn check_environment() -> Result<(), ConfigError> {
     for (k, v) in std::env::vars_os() {
         let k = k.to_string_lossy();
         if (k.starts_with("VGPU_AGENT_") || k == "NODE_NAME") && v.to_str().is_none() {
-            return Err(ConfigError(format!(
-                "environment variable {k}: its value {} is not UTF-8",
-                crate::slices::shown(&v.to_string_lossy())
-            )));
+            return Err(ConfigError::NotUtf8 { var: k.to_string(), shown: crate::slices::shown(&v.to_string_lossy()) });
         }
     }
     Ok(())
@@ -266,7 +271,7 @@ impl Config {
     /// The configuration a TOML text gives alone (no environment, no flags).
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
         let file: FileConfig =
-            toml::from_str(text).map_err(|e| ConfigError(format!("configuration: {}", e.to_string().trim_end())))?;
+            toml::from_str(text).map_err(|e| ConfigError::Toml(e.to_string().trim_end().to_string()))?;
         Self::build(file, None, &Flags::default(), |_| None)
     }
 
@@ -423,8 +428,9 @@ impl Config {
     }
 
     fn read(p: &Path) -> Result<FileConfig, ConfigError> {
-        let text = std::fs::read_to_string(p).map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
-        toml::from_str(&text).map_err(|e| ConfigError(format!("{}: {}", p.display(), e.to_string().trim_end())))
+        let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: p.to_owned(), source })?;
+        toml::from_str(&text)
+            .map_err(|e| ConfigError::File { path: p.to_owned(), message: e.to_string().trim_end().to_string() })
     }
 }
 
@@ -512,7 +518,8 @@ fn peer_device_config(
             Some(p) => {
                 let text = std::fs::read_to_string(&p)
                     .map_err(|e| src.bad("mig_geometries_file", format!("cannot read {}: {e}", p.display())))?;
-                let file_err = |e: String| src.bad("mig_geometries_file", format!("{}: {e}", p.display()));
+                let file_err =
+                    |e: peer::PeerConfigError| src.bad("mig_geometries_file", format!("{}: {e}", p.display()));
                 (
                     peer::parse_mig_geometries(&text).map_err(file_err)?,
                     peer::parse_scheduler_settings(&text).map_err(file_err)?,
@@ -600,8 +607,8 @@ impl Sources<'_> {
     fn bad(&self, key: &str, msg: String) -> ConfigError {
         let var = format!("VGPU_AGENT_{}", key.to_ascii_uppercase());
         match (self.env)(&var) {
-            Some(_) => ConfigError(format!("environment variable {var}: {msg}")),
-            None => ConfigError(format!("{}: {key}: {msg}", self.where_)),
+            Some(_) => ConfigError::Variable { var, message: msg },
+            None => ConfigError::Setting { source_name: self.where_.to_string(), key: key.to_string(), message: msg },
         }
     }
 }
@@ -1023,7 +1030,7 @@ mod tests {
         assert!(!quiet.pod_events);
         let e = load(None, &[("VGPU_AGENT_POD_EVENTS", "maybe")], Flags::default()).unwrap_err();
         assert!(
-            e.0.starts_with("environment variable VGPU_AGENT_POD_EVENTS: "),
+            matches!(&e, ConfigError::Variable { var, .. } if var == "VGPU_AGENT_POD_EVENTS"),
             "blamed on the variable, not a file: {e}"
         );
         let e = load(None, &[("VGPU_AGENT_MEMORY_TRUE_UP", "maybe")], Flags::default()).unwrap_err().to_string();

@@ -53,9 +53,15 @@ pub enum DaemonError {
     /// The state a last run left could not be recovered, or the state directory prepared.
     #[error("{0}")]
     State(String),
-    /// The API socket or the metrics endpoint could not be served.
-    #[error("{0}")]
-    Serve(String),
+    /// The metrics endpoint could not be served.
+    #[error("cannot listen on {addr} for metrics: {source}")]
+    Listen { addr: String, source: std::io::Error },
+    /// The metrics endpoint's TLS could not be set up.
+    #[error(transparent)]
+    MetricsTls(#[from] crate::metrics::MetricsTlsError),
+    /// The metrics endpoint's bearer token could not be read.
+    #[error(transparent)]
+    MetricsToken(#[from] crate::report::TokenError),
     /// NVML could not be opened, or the GPUs read.
     #[error("NVML: {0}")]
     Nvml(#[from] discovery::DiscoveryError),
@@ -149,13 +155,13 @@ async fn serve_metrics(cfg: &Config, agent: &Arc<Agent>) -> Result<Option<tokio:
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(|e| DaemonError::Serve(format!("cannot listen on {addr} for metrics: {e}")))?;
-            let bound = l.local_addr().map_err(|e| DaemonError::Serve(e.to_string()))?;
+                .map_err(|source| DaemonError::Listen { addr: addr.to_string(), source })?;
+            let bound = l.local_addr().map_err(|source| DaemonError::Listen { addr: addr.to_string(), source })?;
             *agent.metrics_address.write() = Some(bound);
             tracing::info!(address = %bound, "serving metrics");
-            let tls = crate::metrics::acceptor(cfg).map_err(DaemonError::Serve)?;
+            let tls = crate::metrics::acceptor(cfg)?;
             let token = match &cfg.metrics_token_file {
-                Some(p) => crate::report::read_token(p).map_err(|e| DaemonError::Serve(e.to_string()))?,
+                Some(p) => crate::report::read_token(p)?,
                 None => None,
             };
             Some(tokio::spawn(crate::metrics::serve(l, agent.clone(), tls, token)))

@@ -7,16 +7,14 @@ use nvml_wrapper_sys::bindings::*;
 use serde::Serialize;
 use std::path::Path;
 
-#[derive(Debug)]
-pub struct DiscoveryError(pub String);
-
-impl std::fmt::Display for DiscoveryError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
+/// Why NVML could not be opened, or the GPUs read.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("cannot initialise NVML from {library}: {source}")]
+    Open { library: String, source: nvml_wrapper::error::NvmlError },
+    #[error("{what}: {source}")]
+    Read { what: String, source: nvml_wrapper::error::NvmlError },
 }
-
-impl std::error::Error for DiscoveryError {}
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Inventory {
@@ -85,7 +83,7 @@ pub fn open(library: Option<&Path>) -> Result<Nvml, DiscoveryError> {
     }
     b.init().map_err(|e| {
         let lib = library.map_or("libnvidia-ml.so.1".into(), |l| l.display().to_string());
-        DiscoveryError(format!("cannot initialise NVML from {lib}: {e}"))
+        DiscoveryError::Open { library: lib.to_string(), source: e }
     })
 }
 
@@ -110,7 +108,7 @@ pub fn memory(
 
 /// The node's GPUs as NVML sees them now.
 pub fn discover(nvml: &Nvml) -> Result<Inventory, DiscoveryError> {
-    let err = |what: &str, e: nvml_wrapper::error::NvmlError| DiscoveryError(format!("{what}: {e}"));
+    let err = |what: &str, source| DiscoveryError::Read { what: what.to_string(), source };
     let n = nvml.device_count().map_err(|e| err("device count", e))?;
     let devices: Vec<Device> =
         (0..n).map(|i| nvml.device_by_index(i).map_err(|e| err(&format!("GPU {i}"), e))).collect::<Result<_, _>>()?;

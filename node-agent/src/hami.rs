@@ -72,10 +72,25 @@ pub struct ContainerDevice {
     pub cores: u32,
 }
 
+/// Why a scheduler's assignment annotation cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AssignmentError {
+    #[error("device {0:?}: expected UUID,TYPE,MEM,CORES")]
+    Fields(String),
+    #[error("device {device:?}: memory {value:?} is not a number")]
+    Memory { device: String, value: String },
+    #[error("device {device:?}: cores {value:?} is not a number")]
+    Cores { device: String, value: String },
+    #[error("device {0:?}: expected UUID[geometry-position]")]
+    DeviceId(String),
+    #[error("device {device:?}: position {value:?} is not a number")]
+    Position { device: String, value: String },
+}
+
 /// Decodes `hami.io/vgpu-devices-to-allocate`: containers separated by `;` (init containers first,
 /// GPU-less containers as empty entries), devices closed by `:`. With `trailing_separator` (HAMi)
 /// every container is closed by `;`; without (Volcano) they are joined by `;`.
-pub fn decode(s: &str, trailing_separator: bool) -> Result<Vec<Vec<ContainerDevice>>, String> {
+pub fn decode(s: &str, trailing_separator: bool) -> Result<Vec<Vec<ContainerDevice>>, AssignmentError> {
     let body = if trailing_separator { s.strip_suffix(';').unwrap_or(s) } else { s };
     body.split(';')
         .map(|ctr| {
@@ -84,7 +99,7 @@ pub fn decode(s: &str, trailing_separator: bool) -> Result<Vec<Vec<ContainerDevi
                 .map(|d| {
                     let f: Vec<&str> = d.split(',').collect();
                     if f.len() != 4 {
-                        return Err(format!("device {d:?}: expected UUID,TYPE,MEM,CORES"));
+                        return Err(AssignmentError::Fields(d.to_string()));
                     }
                     Ok(ContainerDevice {
                         uuid: f[0].trim().to_string(),
@@ -92,11 +107,11 @@ pub fn decode(s: &str, trailing_separator: bool) -> Result<Vec<Vec<ContainerDevi
                         mem_mib: f[2]
                             .trim()
                             .parse()
-                            .map_err(|_| format!("device {d:?}: memory {:?} is not a number", f[2]))?,
+                            .map_err(|_| AssignmentError::Memory { device: d.to_string(), value: f[2].to_string() })?,
                         cores: f[3]
                             .trim()
                             .parse()
-                            .map_err(|_| format!("device {d:?}: cores {:?} is not a number", f[3]))?,
+                            .map_err(|_| AssignmentError::Cores { device: d.to_string(), value: f[3].to_string() })?,
                     })
                 })
                 .collect()
@@ -245,14 +260,14 @@ pub type MigPosition<'a> = (&'a str, u32);
 /// A device ID of a scheduler's assignment: a GPU UUID, or (a GPU in MIG mode) a GPU UUID with the
 /// geometry and the position in it, `GPU-...[geometry-position]`; the geometry is HAMi's index or
 /// Volcano's group name.
-pub fn split_device_id(id: &str) -> Result<(&str, Option<MigPosition<'_>>), String> {
+pub fn split_device_id(id: &str) -> Result<(&str, Option<MigPosition<'_>>), AssignmentError> {
     let Some((base, rest)) = id.split_once('[') else { return Ok((id, None)) };
-    let inner = rest.strip_suffix(']').ok_or_else(|| format!("device {id:?}: expected UUID[geometry-position]"))?;
-    let (geo, pos) =
-        inner.rsplit_once('-').ok_or_else(|| format!("device {id:?}: expected UUID[geometry-position]"))?;
-    let pos = pos.parse().map_err(|_| format!("device {id:?}: position {pos:?} is not a number"))?;
+    let shape = || AssignmentError::DeviceId(id.to_string());
+    let inner = rest.strip_suffix(']').ok_or_else(shape)?;
+    let (geo, pos) = inner.rsplit_once('-').ok_or_else(shape)?;
+    let pos = pos.parse().map_err(|_| AssignmentError::Position { device: id.to_string(), value: pos.to_string() })?;
     if base.is_empty() || geo.is_empty() {
-        return Err(format!("device {id:?}: expected UUID[geometry-position]"));
+        return Err(shape());
     }
     Ok((base, Some((geo, pos))))
 }
@@ -309,8 +324,10 @@ mod tests {
         assert_eq!(v.len(), 2);
         assert_eq!(decode("GPU-a,NVIDIA,1,2:;", false).unwrap().len(), 2, "Volcano: a GPU-less second container");
         assert_eq!(encode_joined(&v), "GPU-a,NVIDIA,1,2:;GPU-b,NVIDIA,3,4:");
-        assert!(decode("GPU-a,NVIDIA,lots,2:;", true).unwrap_err().contains("memory \"lots\""));
-        assert!(decode("GPU-a,NVIDIA:;", true).unwrap_err().contains("expected UUID,TYPE,MEM,CORES"));
+        assert!(
+            matches!(decode("GPU-a,NVIDIA,lots,2:;", true).unwrap_err(), AssignmentError::Memory { value, .. } if value == "lots")
+        );
+        assert_eq!(decode("GPU-a,NVIDIA:;", true).unwrap_err(), AssignmentError::Fields("GPU-a,NVIDIA".into()));
     }
 
     #[test]
@@ -425,9 +442,9 @@ mod tests {
         assert_eq!(split_device_id("GPU-aaa").unwrap(), ("GPU-aaa", None));
         assert_eq!(split_device_id("GPU-a-b-c[2-3]").unwrap(), ("GPU-a-b-c", Some(("2", 3))));
         assert_eq!(split_device_id("GPU-a[group2-0]").unwrap(), ("GPU-a", Some(("group2", 0))));
-        assert!(split_device_id("GPU-a[2-3").unwrap_err().contains("expected UUID[geometry-position]"));
-        assert!(split_device_id("GPU-a[23]").unwrap_err().contains("expected UUID[geometry-position]"));
-        assert!(split_device_id("GPU-a[2-x]").unwrap_err().contains("position \"x\" is not a number"));
+        assert!(split_device_id("GPU-a[2-3").unwrap_err().to_string().contains("expected UUID[geometry-position]"));
+        assert!(split_device_id("GPU-a[23]").unwrap_err().to_string().contains("expected UUID[geometry-position]"));
+        assert!(split_device_id("GPU-a[2-x]").unwrap_err().to_string().contains("position \"x\" is not a number"));
         assert!(split_device_id("[2-1]").is_err());
         // And through the annotation's encoding, as HAMi's scheduler writes it.
         let v = decode("GPU-a[1-2],NVIDIA,20096,0:;", true).unwrap();
@@ -460,22 +477,24 @@ mod tests {
         assert_eq!(g3[0].group, "0", "referred to by its index in what is registered, not in the file");
         assert_eq!(gpu_geometries(&k, "NVIDIA H100 80GB HBM3", &h100())[0].group, "1g.10gb");
         // Mistakes are named.
-        let e = parse_mig_geometries("knownMigGeometries:\n- models: [A30]\n  allowedGeometries:\n  - group: my-group\n    geometries: [{name: 1g.6gb, memory: 6144, count: 4}]\n").unwrap_err();
+        let e = parse_mig_geometries("knownMigGeometries:\n- models: [A30]\n  allowedGeometries:\n  - group: my-group\n    geometries: [{name: 1g.6gb, memory: 6144, count: 4}]\n").unwrap_err().to_string();
         assert!(e.contains("group \"my-group\"") && e.contains("[group-position]"), "{e}");
         let e = parse_mig_geometries("- models: [A30]\n  allowedGeometries:\n  - - {name: 1g.6gb, memory: 6144}\n")
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("geometry 0: every template needs a name and a count"), "{e}");
-        let e = parse_mig_geometries("- models: []\n  allowedGeometries: []\n").unwrap_err();
+        let e = parse_mig_geometries("- models: []\n  allowedGeometries: []\n").unwrap_err().to_string();
         assert!(e.contains("entry 0: models is empty"), "{e}");
-        let e = parse_mig_geometries("- models: [\"\"]\n  allowedGeometries: []\n").unwrap_err();
+        let e = parse_mig_geometries("- models: [\"\"]\n  allowedGeometries: []\n").unwrap_err().to_string();
         assert!(e.contains("names an empty model"), "{e}");
         let e = parse_mig_geometries(
             "- models: [A30]\n  allowedGeometries:\n  - group: \"7\"\n    geometries: [{name: 1g.6gb, count: 1}]\n",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("digits alone would read as a geometry's index"), "{e}");
-        assert!(parse_mig_geometries("gpus: 3\n").unwrap_err().contains("expected knownMigGeometries"));
-        let e = parse_mig_geometries("- models: [A30]\n  allowedGeometries:\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n").unwrap_err();
+        assert!(parse_mig_geometries("gpus: 3\n").unwrap_err().to_string().contains("expected knownMigGeometries"));
+        let e = parse_mig_geometries("- models: [A30]\n  allowedGeometries:\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n  - group: g\n    geometries: [{name: 1g.6gb, count: 1}]\n").unwrap_err().to_string();
         assert!(e.contains("geometry g is named twice"), "{e}");
     }
 
@@ -488,7 +507,7 @@ mod tests {
         let s = parse_scheduler_settings(&hami).unwrap().unwrap();
         assert_eq!(s.resource_count_name.as_deref(), Some("nvidia.com/gpu"));
         assert_eq!((s.device_split_count, s.device_memory_scaling, s.gpu_memory_factor), (Some(10), Some(1.0), None));
-        let e = parse_scheduler_settings("nvidia:\n  deviceSplitCount: ten\n").unwrap_err();
+        let e = parse_scheduler_settings("nvidia:\n  deviceSplitCount: ten\n").unwrap_err().to_string();
         assert!(e.starts_with("nvidia.deviceSplitCount: invalid type"), "{e}");
         let cfg = |toml: &str| crate::config::Config::from_toml(toml).unwrap();
         // HAMi's defaults agree with the agent's; its memory resource is the scheduler's own.

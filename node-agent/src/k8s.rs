@@ -53,6 +53,27 @@ impl K8sError {
     }
 }
 
+/// Why the MIG instances of a scheduler's assignment could not be made or released.
+#[derive(Debug, thiserror::Error)]
+pub enum MigAllocationError {
+    #[error("NVML is not open yet")]
+    NoNvml,
+    #[error(transparent)]
+    Assignment(#[from] hami::AssignmentError),
+    #[error("no GPU {0}")]
+    NoGpu(String),
+    #[error("device {device}: {gpu} has no MIG geometry {geometry:?} (it has {known})")]
+    NoGeometry { device: String, gpu: String, geometry: String, known: String },
+    #[error("device {device}: geometry {geometry} has no position {position}")]
+    NoPosition { device: String, geometry: String, position: u32 },
+    #[error("device {device}: geometry {geometry} names MIG profile {profile}, which {gpu} lacks")]
+    NoProfile { device: String, geometry: String, profile: String, gpu: String },
+    #[error(transparent)]
+    Mig(#[from] vgpu_mig::backend::MigError),
+    #[error("recording the MIG instances in {}: {error}", path.display())]
+    Record { path: std::path::PathBuf, error: std::io::Error },
+}
+
 fn err(what: &str) -> impl Fn(kube::Error) -> K8sError + '_ {
     move |source| K8sError::Api { what: what.to_string(), source }
 }
@@ -322,7 +343,7 @@ impl Kube {
             let (devs, key, uid2) = (devices.clone(), slice.clone(), uid.clone());
             match tokio::task::spawn_blocking(move || mig_allocate(&a, &key, &uid2, &devs)).await? {
                 Ok(uuids) => Allocated::Mig(uuids),
-                Err(e) => return fail(devices_err(e)).await,
+                Err(e) => return fail(devices_err(e.to_string())).await,
             }
         } else if devices.iter().any(on_mig) {
             return fail(refused("a container mixes MIG and whole GPUs".into())).await;
@@ -335,7 +356,7 @@ impl Kube {
                 d.uuid,
                 hami::split_device_id(&d.uuid)
                     .err()
-                    .unwrap_or_else(|| "a MIG geometry position, on a GPU not in MIG mode".into())
+                    .map_or_else(|| "a MIG geometry position, on a GPU not in MIG mode".into(), |e| e.to_string())
             )))
             .await;
         } else {
@@ -476,12 +497,17 @@ pub(crate) fn mig_records(agent: &Agent) -> Vec<(String, MigRecord)> {
         .collect()
 }
 
-fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDevice]) -> Result<Vec<String>, String> {
+fn mig_allocate(
+    agent: &Agent,
+    key: &str,
+    pod_uid: &str,
+    devices: &[ContainerDevice],
+) -> Result<Vec<String>, MigAllocationError> {
     let path = mig_dir(agent).join(format!("{key}.json"));
     if let Ok(rec) = serde_json::from_slice::<MigRecord>(&std::fs::read(&path).unwrap_or_default()) {
         return Ok(rec.allocations.into_iter().filter_map(|a| a.uuid).collect());
     }
-    let nvml = agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+    let nvml = agent.nvml.get().cloned().ok_or(MigAllocationError::NoNvml)?;
     let b = vgpu_mig::backend::NvmlBackend::new(nvml.clone());
     let _g = agent.mig.lock();
     let inv = agent.inventory.read().clone();
@@ -503,11 +529,11 @@ fn mig_allocate(agent: &Agent, key: &str, pod_uid: &str, devices: &[ContainerDev
         }
     }
     let rec = MigRecord { pod_uid: pod_uid.to_string(), allocations: made };
-    if let Err(e) = std::fs::create_dir_all(mig_dir(agent))
+    if let Err(error) = std::fs::create_dir_all(mig_dir(agent))
         .and_then(|_| std::fs::write(&path, serde_json::to_vec_pretty(&rec).expect("serialisable")))
     {
         rollback(&rec.allocations);
-        return Err(format!("recording the MIG instances in {}: {e}", path.display()));
+        return Err(MigAllocationError::Record { path, error });
     }
     refresh_mig_holders(agent);
     if let Ok(inv) = crate::discovery::discover(&nvml) {
@@ -523,46 +549,48 @@ fn make_instance(
     b: &vgpu_mig::backend::NvmlBackend,
     inv: &crate::discovery::Inventory,
     d: &ContainerDevice,
-) -> Result<vgpu_mig::apply::Allocation, String> {
+) -> Result<vgpu_mig::apply::Allocation, MigAllocationError> {
     let (base, position) = hami::split_device_id(&d.uuid)?;
-    let g = inv.gpus.iter().find(|g| g.uuid == base).ok_or_else(|| format!("no GPU {base}"))?;
-    let gpu = vgpu_mig::backend::MigBackend::gpu(b, g.index).map_err(|e| e.0)?;
+    let g = inv.gpus.iter().find(|g| g.uuid == base).ok_or_else(|| MigAllocationError::NoGpu(base.to_string()))?;
+    let gpu = vgpu_mig::backend::MigBackend::gpu(b, g.index)?;
     match position {
         // A position in a geometry (HAMi's and Volcano's MIG mode): an instance of its template's
         // profile, placed so that the rest of the geometry still fits.
         Some((geo, pos)) => {
             let geometries = agent.mig_geometries(g).unwrap_or_default();
-            let geometry = hami::find_geometry(&geometries, geo).ok_or_else(|| {
-                format!(
-                    "device {}: {} has no MIG geometry {geo:?} (it has {})",
-                    d.uuid,
-                    g.name,
-                    geometries.iter().map(|x| x.group.as_str()).collect::<Vec<_>>().join(", ")
-                )
+            let geometry = hami::find_geometry(&geometries, geo).ok_or_else(|| MigAllocationError::NoGeometry {
+                device: d.uuid.clone(),
+                gpu: g.name.clone(),
+                geometry: geo.to_string(),
+                known: geometries.iter().map(|x| x.group.as_str()).collect::<Vec<_>>().join(", "),
             })?;
-            let t = geometry
-                .template_at(pos)
-                .ok_or_else(|| format!("device {}: geometry {} has no position {pos}", d.uuid, geometry.group))?;
+            let t = geometry.template_at(pos).ok_or_else(|| MigAllocationError::NoPosition {
+                device: d.uuid.clone(),
+                geometry: geometry.group.clone(),
+                position: pos,
+            })?;
             let id = |name: &str| {
-                gpu.profile_named(name).map(|p| p.id).ok_or_else(|| {
-                    format!(
-                        "device {}: geometry {} names MIG profile {name}, which {} lacks",
-                        d.uuid, geometry.group, g.name
-                    )
+                gpu.profile_named(name).map(|p| p.id).ok_or_else(|| MigAllocationError::NoProfile {
+                    device: d.uuid.clone(),
+                    geometry: geometry.group.clone(),
+                    profile: name.to_string(),
+                    gpu: g.name.clone(),
                 })
             };
-            let ids =
-                geometry.templates.iter().map(|x| Ok((id(&x.name)?, x.count))).collect::<Result<Vec<_>, String>>()?;
-            vgpu_mig::apply::allocate_in_geometry(b, g.index, &ids, id(&t.name)?)
+            let ids = geometry
+                .templates
+                .iter()
+                .map(|x| Ok((id(&x.name)?, x.count)))
+                .collect::<Result<Vec<_>, MigAllocationError>>()?;
+            Ok(vgpu_mig::apply::allocate_in_geometry(b, g.index, &ids, id(&t.name)?)?)
         }
         None => {
             let full = gpu.profiles.iter().map(|p| p.compute).max().unwrap_or(7);
             let compute = if (1..100).contains(&d.cores) { (d.cores * full).div_ceil(100) } else { 0 };
             let req = vgpu_mig::planner::Request { memory_mib: d.mem_mib, compute, sms: 0, media: false };
-            vgpu_mig::apply::allocate(b, g.index, &req)
+            Ok(vgpu_mig::apply::allocate(b, g.index, &req)?)
         }
     }
-    .map_err(|e| e.0)
 }
 
 /// The source of a GPU's warning about its configured MIG geometries ([`Agent::warn`]).
@@ -602,13 +630,13 @@ impl Agent {
     }
 }
 
-fn mig_release(agent: &Agent, key: &str, rec: &MigRecord) -> Result<(), String> {
-    let nvml = agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+fn mig_release(agent: &Agent, key: &str, rec: &MigRecord) -> Result<(), MigAllocationError> {
+    let nvml = agent.nvml.get().cloned().ok_or(MigAllocationError::NoNvml)?;
     let b = vgpu_mig::backend::NvmlBackend::new(nvml.clone());
     let _g = agent.mig.lock();
     for a in &rec.allocations {
         // An instance already gone is released too.
-        vgpu_mig::apply::release(&b, a.gpu, a.gi).map_err(|e| e.0)?;
+        vgpu_mig::apply::release(&b, a.gpu, a.gi)?;
     }
     let _ = std::fs::remove_file(mig_dir(agent).join(format!("{key}.json")));
     refresh_mig_holders(agent);

@@ -73,7 +73,7 @@ pub mod fuzzing {
     pub fn agent_config(data: &[u8]) {
         if let Ok(text) = std::str::from_utf8(data) {
             if let Err(e) = crate::config::Config::from_toml(text) {
-                assert!(!e.0.is_empty());
+                assert!(!e.to_string().is_empty());
             }
         }
     }

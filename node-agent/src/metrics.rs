@@ -341,25 +341,31 @@ fn agent_series(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
     o.put("vgpu_agent_cpu_seconds_total", &[], crate::procfs::self_cpu_ns() as f64 / 1e9);
 }
 
-/// Serves the endpoint until the task is dropped.
+/// Why the metrics endpoint's TLS cannot be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsTlsError {
+    #[error("metrics TLS: {}: {source}", path.display())]
+    Pem { path: std::path::PathBuf, source: rustls_pki_types::pem::Error },
+    #[error("metrics TLS: {0}")]
+    Config(#[from] tokio_rustls::rustls::Error),
+}
+
 /// TLS for the metrics endpoint, from the configured PEM files (None: plain HTTP).
-pub fn acceptor(cfg: &crate::config::Config) -> Result<Option<tokio_rustls::TlsAcceptor>, String> {
+pub fn acceptor(cfg: &crate::config::Config) -> Result<Option<tokio_rustls::TlsAcceptor>, MetricsTlsError> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let Some((cert, key)) = &cfg.metrics_tls else { return Ok(None) };
-    let bad = |p: &std::path::Path, e: &dyn std::fmt::Display| format!("metrics TLS: {}: {e}", p.display());
+    let bad = |path: &std::path::Path, source| MetricsTlsError::Pem { path: path.to_owned(), source };
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| bad(cert, &e))?
+        .map_err(|e| bad(cert, e))?
         .collect::<Result<_, _>>()
-        .map_err(|e| bad(cert, &e))?;
-    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, &e))?;
+        .map_err(|e| bad(cert, e))?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, e))?;
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
     let sc = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("metrics TLS: {e}"))?
+        .with_safe_default_protocol_versions()?
         .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| format!("metrics TLS: {e}"))?;
+        .with_single_cert(certs, key)?;
     Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(sc))))
 }
 

@@ -48,7 +48,7 @@ pub fn status(
     known: &[crate::hami::KnownMigGeometries],
 ) -> Result<pb::MigStatusResponse, ApiError> {
     let b = NvmlBackend::new(nvml);
-    let n = b.gpu_count().map_err(|e| ApiError::Internal(e.0))?;
+    let n = b.gpu_count().map_err(|e| ApiError::Internal(e.to_string()))?;
     let in_progress = store.in_progress();
     let mut gpus = Vec::new();
     for i in 0..n {
@@ -130,7 +130,7 @@ pub fn run(
     req: &pb::MigRequest,
     op: Op,
 ) -> Result<pb::MigReport, ApiError> {
-    let file = config::File::parse(&req.config_yaml).map_err(|e| ApiError::Invalid(e.0))?;
+    let file = config::File::parse(&req.config_yaml).map_err(|e| ApiError::Invalid(e.to_string()))?;
     if !file.mig_configs.contains_key(&req.config_name) {
         return Err(ApiError::Invalid(format!(
             "no mig-config named {:?} (have: {})",
@@ -139,7 +139,7 @@ pub fn run(
         )));
     }
     let b = NvmlBackend::with_held(nvml, held);
-    let n = b.gpu_count().map_err(|e| ApiError::Internal(e.0))?;
+    let n = b.gpu_count().map_err(|e| ApiError::Internal(e.to_string()))?;
     if let Some(g) = req.gpus.iter().find(|&&g| g >= n) {
         return Err(ApiError::Invalid(format!("no GPU {g} on this node (it has {n})")));
     }
@@ -148,13 +148,15 @@ pub fn run(
         if !req.gpus.is_empty() && !req.gpus.contains(&i) {
             continue;
         }
-        let pci = b.pci_device_id(i).map_err(|e| ApiError::Internal(e.0))?;
-        let Some(d) = file.desired(&req.config_name, i, &pci).map_err(|e| ApiError::Invalid(e.0))? else { continue };
+        let pci = b.pci_device_id(i).map_err(|e| ApiError::Internal(e.to_string()))?;
+        let Some(d) = file.desired(&req.config_name, i, &pci).map_err(|e| ApiError::Invalid(e.to_string()))? else {
+            continue;
+        };
         let mut r = pb::MigGpuReport { gpu: i, ..Default::default() };
         let g = match b.gpu(i) {
             Ok(g) => g,
             Err(e) => {
-                r.error = e.0;
+                r.error = e.to_string();
                 out.push(r);
                 continue;
             }
@@ -185,7 +187,7 @@ pub fn run(
         match op {
             Op::Assert => match apply::check(&b, i, &d) {
                 Ok(diffs) => r.differences = diffs,
-                Err(e) => r.error = e.0,
+                Err(e) => r.error = e.to_string(),
             },
             Op::Plan => {
                 // Everything the apply would do, the mode change and the instances it destroys
@@ -201,7 +203,7 @@ pub fn run(
                         debug_assert_eq!(steps.len() + usize::from(t.mode.is_some()), t.step_count());
                         r.steps = steps;
                     }
-                    Err(e) => r.error = e.0,
+                    Err(e) => r.error = e.to_string(),
                 }
                 r.pending_reset = g.mode_pending;
             }
@@ -220,7 +222,7 @@ pub fn run(
                     }
                     tracing::info!(gpu = i, config = %req.config_name, steps = r.steps.len(), pending_reset = r.pending_reset, "MIG layout applied");
                 }
-                Err(e) => r.error = e.0,
+                Err(e) => r.error = e.to_string(),
             },
         }
         out.push(r);

@@ -70,12 +70,50 @@ pub enum TokenError {
     Form(std::path::PathBuf),
 }
 
+/// Why the scheduler could not be reached, or a session with it ended.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("cannot connect to {endpoint}{}", causes(.source))]
+    Connect { endpoint: String, source: tonic::transport::Error },
+    #[error("{0}: a CA file is needed for https")]
+    NoCa(String),
+    #[error("cannot read the CA file {}: {source}", path.display())]
+    ReadCa { path: std::path::PathBuf, source: std::io::Error },
+    #[error("cannot read the client {what} {}: {source}", path.display())]
+    ReadIdentity { what: &'static str, path: std::path::PathBuf, source: std::io::Error },
+    #[error("{endpoint}: {source}")]
+    Endpoint { endpoint: String, source: tonic::transport::Error },
+    #[error(transparent)]
+    Token(#[from] TokenError),
+    #[error("{0}: a bearer token is needed for https (scheduler_token_file)")]
+    NoToken(String),
+    #[error("the token holds characters not allowed in a header")]
+    TokenNotAHeader,
+    /// The scheduler answered with an error status (with a hint where it looks like a TLS
+    /// handshake refused for want of a client certificate).
+    #[error("{endpoint}: {text}{hint}")]
+    Refused { endpoint: String, text: String, hint: &'static str },
+    #[error("{0}: no Welcome within 10 s")]
+    NoWelcome(String),
+    #[error("{0}: the stream ended before a Welcome")]
+    EndedBeforeWelcome(String),
+    #[error("{0}: the first message was not a Welcome")]
+    NotWelcome(String),
+    #[error("the stream closed")]
+    Closed,
+}
+
+/// ": cause" of a transport error (empty when it has none).
+fn causes(e: &tonic::transport::Error) -> String {
+    std::error::Error::source(e).map_or(String::new(), |s| format!(": {s}"))
+}
+
 /// A channel to `endpoint` (TLS with `ca` for https).
 pub async fn channel(
     endpoint: &Endpoint,
     ca: Option<&Path>,
     server_name: Option<&str>,
-) -> Result<tonic::transport::Channel, String> {
+) -> Result<tonic::transport::Channel, ReportError> {
     channel_with(endpoint, ca, server_name, None).await
 }
 
@@ -86,30 +124,28 @@ pub async fn channel_with(
     ca: Option<&Path>,
     server_name: Option<&str>,
     identity: Option<(&Path, &Path)>,
-) -> Result<tonic::transport::Channel, String> {
+) -> Result<tonic::transport::Channel, ReportError> {
     use tonic::transport::{Certificate, ClientTlsConfig, Endpoint as E, Identity};
-    let cause = |e: tonic::transport::Error| {
-        let c = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
-        format!("cannot connect to {endpoint}{c}")
-    };
+    let cause = |source| ReportError::Connect { endpoint: endpoint.to_string(), source };
+    let bad = |source| ReportError::Endpoint { endpoint: endpoint.to_string(), source };
     match endpoint {
         Endpoint::Unix(p) => crate::sockets::unix_channel(p).await.map_err(cause),
         Endpoint::Https { uri, host } => {
-            let ca = ca.ok_or_else(|| format!("{endpoint}: a CA file is needed for https"))?;
-            let pem = std::fs::read(ca).map_err(|e| format!("cannot read the CA file {}: {e}", ca.display()))?;
+            let ca = ca.ok_or_else(|| ReportError::NoCa(endpoint.to_string()))?;
+            let pem = std::fs::read(ca).map_err(|source| ReportError::ReadCa { path: ca.to_owned(), source })?;
             let mut tls = ClientTlsConfig::new()
                 .ca_certificate(Certificate::from_pem(pem))
                 .domain_name(server_name.unwrap_or(host).to_string());
             if let Some((cert, key)) = identity {
-                let read = |p: &Path, what: &str| {
-                    std::fs::read(p).map_err(|e| format!("cannot read the client {what} {}: {e}", p.display()))
+                let read = |p: &Path, what: &'static str| {
+                    std::fs::read(p).map_err(|source| ReportError::ReadIdentity { what, path: p.to_owned(), source })
                 };
                 tls = tls.identity(Identity::from_pem(read(cert, "certificate")?, read(key, "key")?));
             }
             E::from_shared(uri.clone())
-                .map_err(|e| format!("{endpoint}: {e}"))?
+                .map_err(bad)?
                 .tls_config(tls)
-                .map_err(|e| format!("{endpoint}: {e}"))?
+                .map_err(bad)?
                 .connect_timeout(Duration::from_secs(10))
                 .http2_keep_alive_interval(Duration::from_secs(30))
                 .keep_alive_timeout(Duration::from_secs(10))
@@ -183,7 +219,7 @@ pub async fn run<S: Source>(cfg: ReportConfig, src: Arc<S>, state: Arc<ReporterS
             Ok(()) => tracing::warn!(endpoint = %cfg.endpoint, "the scheduler closed the capacity stream"),
             Err(e) => {
                 tracing::warn!(endpoint = %cfg.endpoint, error = %e, "capacity reporting: not connected");
-                *state.last_error.lock() = e;
+                *state.last_error.lock() = e.to_string();
             }
         }
         // A connection that lasted starts the back-off over.
@@ -208,15 +244,15 @@ fn msg(body: sp::node_message::Body) -> sp::NodeMessage {
 async fn connect(
     cfg: &ReportConfig,
     epoch: u64,
-) -> Result<(mpsc::Sender<sp::NodeMessage>, tonic::Streaming<sp::SchedulerMessage>, Duration), String> {
+) -> Result<(mpsc::Sender<sp::NodeMessage>, tonic::Streaming<sp::SchedulerMessage>, Duration), ReportError> {
     let identity = cfg.identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
     let ch = channel_with(&cfg.endpoint, cfg.ca.as_deref(), cfg.server_name.as_deref(), identity).await?;
     let token = match &cfg.token_file {
-        Some(p) => read_token(p).map_err(|e| e.to_string())?,
+        Some(p) => read_token(p)?,
         None => None,
     };
     if token.is_none() && matches!(cfg.endpoint, Endpoint::Https { .. }) {
-        return Err(format!("{}: a bearer token is needed for https (scheduler_token_file)", cfg.endpoint));
+        return Err(ReportError::NoToken(cfg.endpoint.to_string()));
     }
     let (tx, rx) = mpsc::channel::<sp::NodeMessage>(16);
     tx.send(msg(sp::node_message::Body::Hello(sp::Hello {
@@ -226,12 +262,10 @@ async fn connect(
         epoch,
     })))
     .await
-    .map_err(|_| "internal: stream closed".to_string())?;
+    .map_err(|_| ReportError::Closed)?;
     let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
     if let Some(t) = token {
-        let v = format!("Bearer {t}")
-            .parse()
-            .map_err(|_| "the token holds characters not allowed in a header".to_string())?;
+        let v = format!("Bearer {t}").parse().map_err(|_| ReportError::TokenNotAHeader)?;
         req.metadata_mut().insert("authorization", v);
     }
     let mut client = sp::capacity_client::CapacityClient::new(ch).max_decoding_message_size(16 << 20);
@@ -239,25 +273,23 @@ async fn connect(
     // broken pipe, or the TLS alert itself, whichever the client sees first) is most often a TLS
     // handshake it refused for want of a client certificate (TLS 1.3 tells the client only then).
     let hint = |s: &tonic::Status| {
-        let t = status_text(s);
-        let refused = ["transport error", "CertificateRequired"].iter().any(|w| t.contains(w));
-        if refused && cfg.identity.is_none() && matches!(cfg.endpoint, Endpoint::Https { .. }) {
-            format!(
-                "{}: {t}; if the scheduler requires mutual TLS, set scheduler_client_cert and scheduler_client_key",
-                cfg.endpoint
-            )
+        let text = status_text(s);
+        let refused = ["transport error", "CertificateRequired"].iter().any(|w| text.contains(w));
+        let hint = if refused && cfg.identity.is_none() && matches!(cfg.endpoint, Endpoint::Https { .. }) {
+            "; if the scheduler requires mutual TLS, set scheduler_client_cert and scheduler_client_key"
         } else {
-            format!("{}: {t}", cfg.endpoint)
-        }
+            ""
+        };
+        ReportError::Refused { endpoint: cfg.endpoint.to_string(), text, hint }
     };
     let mut inbound = client.report(req).await.map_err(|s| hint(&s))?.into_inner();
     let welcome = match tokio::time::timeout(Duration::from_secs(10), inbound.message()).await {
-        Err(_) => return Err(format!("{}: no Welcome within 10 s", cfg.endpoint)),
+        Err(_) => return Err(ReportError::NoWelcome(cfg.endpoint.to_string())),
         Ok(Err(s)) => return Err(hint(&s)),
-        Ok(Ok(None)) => return Err(format!("{}: the stream ended before a Welcome", cfg.endpoint)),
+        Ok(Ok(None)) => return Err(ReportError::EndedBeforeWelcome(cfg.endpoint.to_string())),
         Ok(Ok(Some(m))) => match m.body {
             Some(sp::scheduler_message::Body::Welcome(w)) => w,
-            _ => return Err(format!("{}: the first message was not a Welcome", cfg.endpoint)),
+            _ => return Err(ReportError::NotWelcome(cfg.endpoint.to_string())),
         },
     };
     let heartbeat = match welcome.heartbeat_interval_ms {
@@ -273,7 +305,7 @@ async fn session<S: Source>(
     state: &ReporterState,
     epoch: u64,
     answered: &Arc<Mutex<Answered>>,
-) -> Result<(), String> {
+) -> Result<(), ReportError> {
     let (tx, mut inbound, heartbeat) = connect(cfg, epoch).await?;
     state.connected.store(true, Release);
     state.connections.fetch_add(1, Relaxed);
@@ -288,7 +320,7 @@ async fn session<S: Source>(
     };
     let send = |m: sp::NodeMessage| {
         let tx = tx.clone();
-        async move { tx.send(m).await.map_err(|_| "the stream closed".to_string()) }
+        async move { tx.send(m).await.map_err(|_| ReportError::Closed) }
     };
     let mut seq = state.sequence.load(Relaxed) + 1;
     let mut last = stamp(src.capacity(), seq);
@@ -373,7 +405,9 @@ async fn session<S: Source>(
                     _ => {}
                 },
                 Ok(None) => return Ok(()),
-                Err(s) => return Err(format!("{}: {}", cfg.endpoint, status_text(&s))),
+                Err(s) => {
+                    return Err(ReportError::Refused { endpoint: cfg.endpoint.to_string(), text: status_text(&s), hint: "" })
+                }
             },
         }
     }

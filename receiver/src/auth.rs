@@ -55,12 +55,49 @@ pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn valid_token(t: &str) -> Result<(), String> {
+/// Why a token, a token file or a new token is refused: one variant per failed check or action.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("a token must have at least {MIN_TOKEN} characters")]
+    TooShort,
+    #[error("a token must be printable ASCII without spaces")]
+    NotPrintable,
+    #[error("line {0}: expected `TOKEN`, `reader TOKEN`, `nodes TOKEN` or `node NAME TOKEN`")]
+    BadLine(usize),
+    #[error("line {line}: {error}")]
+    BadToken { line: usize, error: Box<TokenError> },
+    #[error("line {0}: this token is already listed")]
+    ListedTwice(usize),
+    #[error("cannot read {}: {error}", path.display())]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("{}: {error}", path.display())]
+    Parse { path: PathBuf, error: Box<TokenError> },
+    #[error("{} lists no token (at least one token is needed)", .0.display())]
+    Empty(PathBuf),
+    #[error("{0:?} is not a node name")]
+    NotANodeName(String),
+    #[error("{} already has a token for node {node} (delete its line to revoke it first)", path.display())]
+    NodeHasToken { path: PathBuf, node: String },
+    #[error(transparent)]
+    Random(#[from] crate::certs::CertError),
+    #[error("cannot write {}: {error}", path.display())]
+    Write { path: PathBuf, error: std::io::Error },
+}
+
+/// A text field longer than its bound.
+#[derive(Debug, thiserror::Error)]
+#[error("{len} bytes (at most {max})")]
+pub struct TextTooLong {
+    pub len: usize,
+    pub max: usize,
+}
+
+fn valid_token(t: &str) -> Result<(), TokenError> {
     if t.len() < MIN_TOKEN {
-        return Err(format!("a token must have at least {MIN_TOKEN} characters"));
+        return Err(TokenError::TooShort);
     }
     if !t.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err("a token must be printable ASCII without spaces".into());
+        return Err(TokenError::NotPrintable);
     }
     Ok(())
 }
@@ -72,7 +109,7 @@ pub fn valid_node(n: &str) -> bool {
 
 impl Tokens {
     /// Parses a token file's text; errors name the line.
-    pub fn parse(text: &str) -> Result<Tokens, String> {
+    pub fn parse(text: &str) -> Result<Tokens, TokenError> {
         let mut entries: Vec<(String, Role)> = Vec::new();
         for (i, line) in text.lines().enumerate() {
             let line = line.trim();
@@ -85,16 +122,11 @@ impl Tokens {
                 ["reader", t] => (*t, Role::Reader),
                 ["nodes", t] => (*t, Role::Nodes),
                 ["node", n, t] if valid_node(n) => (*t, Role::Node(n.to_string())),
-                _ => {
-                    return Err(format!(
-                        "line {}: expected `TOKEN`, `reader TOKEN`, `nodes TOKEN` or `node NAME TOKEN`",
-                        i + 1
-                    ))
-                }
+                _ => return Err(TokenError::BadLine(i + 1)),
             };
-            valid_token(token).map_err(|e| format!("line {}: {e}", i + 1))?;
+            valid_token(token).map_err(|e| TokenError::BadToken { line: i + 1, error: Box::new(e) })?;
             if entries.iter().any(|(t, _)| t == token) {
-                return Err(format!("line {}: this token is already listed", i + 1));
+                return Err(TokenError::ListedTwice(i + 1));
             }
             entries.push((token.to_string(), role));
         }
@@ -193,8 +225,8 @@ impl Auth {
     /// Tokens read from `file` now (an error if it cannot be read, does not parse, or lists none), and
     /// again whenever it changes. A later version that cannot be read or parsed, or lists no token,
     /// is reported and the tokens before it stay in force.
-    pub fn from_file(file: &Path) -> Result<Auth, String> {
-        let st = stamp(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    pub fn from_file(file: &Path) -> Result<Auth, TokenError> {
+        let st = stamp(file).map_err(|error| TokenError::Read { path: file.to_owned(), error })?;
         let tokens = read(file)?;
         Ok(Auth {
             file: Some(file.to_owned()),
@@ -253,18 +285,18 @@ impl Auth {
 }
 
 /// A text field within `max` bytes.
-pub(crate) fn valid_text(v: &str, max: usize) -> Result<(), String> {
+pub(crate) fn valid_text(v: &str, max: usize) -> Result<(), TextTooLong> {
     if v.len() > max {
-        return Err(format!("{} bytes (at most {max})", v.len()));
+        return Err(TextTooLong { len: v.len(), max });
     }
     Ok(())
 }
 
-fn read(file: &Path) -> Result<Tokens, String> {
-    let text = std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-    let t = Tokens::parse(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+fn read(file: &Path) -> Result<Tokens, TokenError> {
+    let text = std::fs::read_to_string(file).map_err(|error| TokenError::Read { path: file.to_owned(), error })?;
+    let t = Tokens::parse(&text).map_err(|e| TokenError::Parse { path: file.to_owned(), error: Box::new(e) })?;
     if t.is_empty() {
-        return Err(format!("{} lists no token (at least one token is needed)", file.display()));
+        return Err(TokenError::Empty(file.to_owned()));
     }
     Ok(t)
 }
@@ -272,26 +304,23 @@ fn read(file: &Path) -> Result<Tokens, String> {
 /// Adds an entry for `role` with a fresh token to `file` (made 0600 if absent; replaced by
 /// write-and-rename, so a reader never sees half a file) and returns the token. Refuses a second
 /// token for the same node (revoke the first by deleting its line).
-pub fn add_token(file: &Path, role: &Role) -> Result<String, String> {
+pub fn add_token(file: &Path, role: &Role) -> Result<String, TokenError> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let old = match std::fs::read_to_string(file) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(e) => return Err(format!("cannot read {}: {e}", file.display())),
+        Err(error) => return Err(TokenError::Read { path: file.to_owned(), error }),
     };
-    let parsed = Tokens::parse(&old).map_err(|e| format!("{}: {e}", file.display()))?;
+    let parsed = Tokens::parse(&old).map_err(|e| TokenError::Parse { path: file.to_owned(), error: Box::new(e) })?;
     if let Role::Node(n) = role {
         if !valid_node(n) {
-            return Err(format!("{n:?} is not a node name"));
+            return Err(TokenError::NotANodeName(n.clone()));
         }
         if parsed.has_node(n) {
-            return Err(format!(
-                "{} already has a token for node {n} (delete its line to revoke it first)",
-                file.display()
-            ));
+            return Err(TokenError::NodeHasToken { path: file.to_owned(), node: n.clone() });
         }
     }
-    let token = crate::certs::token().map_err(|e| e.to_string())?;
+    let token = crate::certs::token()?;
     let line = match role {
         Role::Cluster => token.clone(),
         Role::Reader => format!("reader {token}"),
@@ -312,9 +341,9 @@ pub fn add_token(file: &Path, role: &Role) -> Result<String, String> {
         f.sync_all()?;
         std::fs::rename(&tmp, file)
     };
-    write().map_err(|e| {
+    write().map_err(|error| {
         let _ = std::fs::remove_file(&tmp);
-        format!("cannot write {}: {e}", file.display())
+        TokenError::Write { path: file.to_owned(), error }
     })?;
     Ok(token)
 }

@@ -128,58 +128,88 @@ fn event(node: &str, kind: &str, c: &sp::NodeCapacity, gpus: Vec<String>) -> sp:
     sp::ClusterEvent { node: node.to_string(), kind: kind.to_string(), epoch: c.epoch, sequence: c.sequence, gpus }
 }
 
-fn text(what: &str, v: &str, max: usize) -> Result<(), String> {
+/// Why a node's capacity is refused: one variant per rule it breaks.
+#[derive(Debug, thiserror::Error)]
+pub enum CapacityError {
+    #[error("{field} has {len} bytes (at most {max})")]
+    TooLong { field: &'static str, len: usize, max: usize },
+    #[error("cuda_version {0} is negative")]
+    NegativeCudaVersion(i32),
+    #[error("{0} GPUs (at most {MAX_GPUS})")]
+    TooManyGpus(usize),
+    #[error("GPU {0} has no (or an oversized) uuid")]
+    BadUuid(usize),
+    #[error("GPU {0} listed twice")]
+    ListedTwice(String),
+    #[error("GPU {uuid}: {error}")]
+    Gpu { uuid: String, error: Box<CapacityError> },
+    #[error("memory_allocatable {allocatable} is above ten times memory_total {total}")]
+    MemoryAboveTenfold { allocatable: u64, total: u64 },
+    #[error("sm_allocatable {0} % is above 100")]
+    SmAbove100(u32),
+    #[error("numa_node {0} (-1 means unknown)")]
+    BadNumaNode(i32),
+    #[error("{0} peers (at most {MAX_GPUS})")]
+    TooManyPeers(usize),
+    #[error("more than {MAX_MIG_ITEMS} MIG instances or profiles")]
+    TooManyMigItems,
+    #[error("MIG profile {0}: more than {MAX_MIG_ITEMS} starts")]
+    TooManyStarts(String),
+    #[error("the node's state would take {0} bytes (at most {MAX_NODE_BYTES})")]
+    TooLarge(usize),
+    #[error("removes unknown GPU {0}")]
+    RemovesUnknown(String),
+}
+
+fn text(field: &'static str, v: &str, max: usize) -> Result<(), CapacityError> {
     if v.len() > max {
-        return Err(format!("{what} has {} bytes (at most {max})", v.len()));
+        return Err(CapacityError::TooLong { field, len: v.len(), max });
     }
     Ok(())
 }
 
 /// What is wrong with a node's capacity, if anything: every list and string is bounded and every
 /// number makes sense.
-fn check_capacity(c: &sp::NodeCapacity) -> Result<(), String> {
+fn check_capacity(c: &sp::NodeCapacity) -> Result<(), CapacityError> {
     text("driver_version", &c.driver_version, 64)?;
     if c.cuda_version < 0 {
-        return Err(format!("cuda_version {} is negative", c.cuda_version));
+        return Err(CapacityError::NegativeCudaVersion(c.cuda_version));
     }
     check_gpus(&c.gpus)
 }
 
-fn check_gpus(gpus: &[sp::GpuCapacity]) -> Result<(), String> {
+fn check_gpus(gpus: &[sp::GpuCapacity]) -> Result<(), CapacityError> {
     if gpus.len() > MAX_GPUS {
-        return Err(format!("{} GPUs (at most {MAX_GPUS})", gpus.len()));
+        return Err(CapacityError::TooManyGpus(gpus.len()));
     }
     for (i, g) in gpus.iter().enumerate() {
         if g.uuid.is_empty() || g.uuid.len() > MAX_UUID {
-            return Err(format!("GPU {i} has no (or an oversized) uuid"));
+            return Err(CapacityError::BadUuid(i));
         }
         if gpus[..i].iter().any(|o| o.uuid == g.uuid) {
-            return Err(format!("GPU {} listed twice", g.uuid));
+            return Err(CapacityError::ListedTwice(g.uuid.clone()));
         }
-        check_gpu(g).map_err(|e| format!("GPU {}: {e}", g.uuid))?;
+        check_gpu(g).map_err(|e| CapacityError::Gpu { uuid: g.uuid.clone(), error: Box::new(e) })?;
     }
     Ok(())
 }
 
-fn check_gpu(g: &sp::GpuCapacity) -> Result<(), String> {
+fn check_gpu(g: &sp::GpuCapacity) -> Result<(), CapacityError> {
     text("model", &g.model, MAX_TEXT)?;
     text("health_reason", &g.health_reason, MAX_TEXT)?;
     text("pci_bus_id", &g.pci_bus_id, 32)?;
     // An agent may oversubscribe memory up to ten times (memory_scaling at most 10).
     if g.memory_allocatable > g.memory_total.saturating_mul(10) {
-        return Err(format!(
-            "memory_allocatable {} is above ten times memory_total {}",
-            g.memory_allocatable, g.memory_total
-        ));
+        return Err(CapacityError::MemoryAboveTenfold { allocatable: g.memory_allocatable, total: g.memory_total });
     }
     if g.sm_allocatable > 100 {
-        return Err(format!("sm_allocatable {} % is above 100", g.sm_allocatable));
+        return Err(CapacityError::SmAbove100(g.sm_allocatable));
     }
     if g.numa_node < -1 {
-        return Err(format!("numa_node {} (-1 means unknown)", g.numa_node));
+        return Err(CapacityError::BadNumaNode(g.numa_node));
     }
     if g.peers.len() > MAX_GPUS {
-        return Err(format!("{} peers (at most {MAX_GPUS})", g.peers.len()));
+        return Err(CapacityError::TooManyPeers(g.peers.len()));
     }
     for p in &g.peers {
         text("a peer's uuid", &p.uuid, MAX_UUID)?;
@@ -187,7 +217,7 @@ fn check_gpu(g: &sp::GpuCapacity) -> Result<(), String> {
     }
     if let Some(m) = &g.mig {
         if m.instances.len() > MAX_MIG_ITEMS || m.room.len() > MAX_MIG_ITEMS {
-            return Err(format!("more than {MAX_MIG_ITEMS} MIG instances or profiles"));
+            return Err(CapacityError::TooManyMigItems);
         }
         for i in &m.instances {
             text("a MIG instance's profile", &i.profile, 64)?;
@@ -197,7 +227,7 @@ fn check_gpu(g: &sp::GpuCapacity) -> Result<(), String> {
         for r in &m.room {
             text("a MIG profile's name", &r.profile, 64)?;
             if r.starts.len() > MAX_MIG_ITEMS {
-                return Err(format!("MIG profile {}: more than {MAX_MIG_ITEMS} starts", r.profile));
+                return Err(CapacityError::TooManyStarts(r.profile.clone()));
             }
         }
     }
@@ -205,10 +235,10 @@ fn check_gpu(g: &sp::GpuCapacity) -> Result<(), String> {
 }
 
 /// A node's state within [`MAX_NODE_BYTES`].
-fn check_size(c: &sp::NodeCapacity) -> Result<(), String> {
+fn check_size(c: &sp::NodeCapacity) -> Result<(), CapacityError> {
     let n = prost::Message::encoded_len(c);
     if n > MAX_NODE_BYTES {
-        return Err(format!("the node's state would take {n} bytes (at most {MAX_NODE_BYTES})"));
+        return Err(CapacityError::TooLarge(n));
     }
     Ok(())
 }
@@ -394,11 +424,11 @@ impl Cluster {
                     n.in_sync && d.epoch == n.capacity.epoch && n.capacity.sequence.checked_add(1) == Some(d.sequence);
                 let valid = check_gpus(&d.changed).and_then(|_| {
                     if let Some(u) = d.removed.iter().find(|u| !n.capacity.gpus.iter().any(|g| &g.uuid == *u)) {
-                        return Err(format!("removes unknown GPU {u}"));
+                        return Err(CapacityError::RemovesUnknown(u.clone()));
                     }
                     let added = d.changed.iter().filter(|g| !n.capacity.gpus.iter().any(|x| x.uuid == g.uuid)).count();
                     if n.capacity.gpus.len() + added > MAX_GPUS {
-                        return Err(format!("would make more than {MAX_GPUS} GPUs"));
+                        return Err(CapacityError::TooManyGpus(n.capacity.gpus.len() + added));
                     }
                     Ok(())
                 });

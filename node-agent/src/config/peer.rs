@@ -80,13 +80,44 @@ enum FileForm {
     },
 }
 
+/// Why a scheduler's (HAMi's or Volcano's) device configuration cannot be followed.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerConfigError {
+    #[error("{0}; expected knownMigGeometries: a list of {{models: [...], allowedGeometries: [...]}}")]
+    GeometriesForm(#[source] yaml_serde::Error),
+    #[error("entry {0}: models is empty or names an empty model")]
+    NoModels(usize),
+    #[error(
+        "entry {entry} ({models}): group {group:?}: a group name of digits alone would read as a geometry's index"
+    )]
+    DigitGroup { entry: usize, models: String, group: String },
+    #[error(
+        "entry {entry} ({models}): group {group:?}: a group name cannot be empty or hold '-', brackets, ',', ':' or ';' \
+         (device IDs carry it as [group-position])"
+    )]
+    BadGroup { entry: usize, models: String, group: String },
+    #[error("entry {entry} ({models}): geometry {group}: every template needs a name and a count of at least 1")]
+    BadTemplate { entry: usize, models: String, group: String },
+    #[error("entry {entry} ({models}): geometry {group} is named twice")]
+    GroupTwice { entry: usize, models: String, group: String },
+    #[error("{0}")]
+    Settings(#[source] yaml_serde::Error),
+    #[error("{0}; expected {{\"nodeconfig\": [...]}}")]
+    NodeConfigForm(#[source] serde_json::Error),
+    #[error(
+        "node {0}: filterdevices is not supported (the agent shares every GPU of its node; leave the GPU out of the \
+         scheduler's placement instead)"
+    )]
+    FilterDevices(String),
+    #[error("node {0}: operatingmode mps is not supported (hami-core, or mig, which follows each GPU's MIG mode)")]
+    Mps(String),
+}
+
 /// Parses the `knownMigGeometries` of HAMi's or Volcano's device configuration: the list itself, a
 /// mapping with that key, or the whole file with it under `nvidia` (other keys are ignored).
 /// Geometries without a group name are named by their index, as HAMi refers to them.
-pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, String> {
-    let form: FileForm = yaml_serde::from_str(text).map_err(|e| {
-        format!("{e}; expected knownMigGeometries: a list of {{models: [...], allowedGeometries: [...]}}")
-    })?;
+pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, PeerConfigError> {
+    let form: FileForm = yaml_serde::from_str(text).map_err(PeerConfigError::GeometriesForm)?;
     let mut form = form;
     let known = loop {
         match form {
@@ -97,34 +128,25 @@ pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, Strin
     let mut out = Vec::new();
     for (i, k) in known.into_iter().enumerate() {
         if k.models.is_empty() || k.models.iter().any(|m| m.trim().is_empty()) {
-            return Err(format!("entry {i}: models is empty or names an empty model"));
+            return Err(PeerConfigError::NoModels(i));
         }
         let mut geometries = Vec::new();
         for (j, g) in k.allowed.into_iter().enumerate() {
             let (group, templates) = match g {
                 GeometryForm::Named { group, .. } if group.parse::<usize>().is_ok() => {
-                    return Err(format!(
-                    "entry {i} ({}): group {group:?}: a group name of digits alone would read as a geometry's index",
-                    k.models.join(", ")
-                ))
+                    return Err(PeerConfigError::DigitGroup { entry: i, models: k.models.join(", "), group })
                 }
                 GeometryForm::Named { group, geometries } => (group, geometries),
                 GeometryForm::Bare(t) => (j.to_string(), t),
             };
             if group.is_empty() || group.contains(['-', '[', ']', ',', ':', ';']) {
-                return Err(format!(
-                    "entry {i} ({}): group {group:?}: a group name cannot be empty or hold '-', brackets, ',', ':' or ';' (device IDs carry it as [group-position])",
-                    k.models.join(", ")
-                ));
+                return Err(PeerConfigError::BadGroup { entry: i, models: k.models.join(", "), group });
             }
             if templates.is_empty() || templates.iter().any(|t| t.name.is_empty() || t.count == 0) {
-                return Err(format!(
-                    "entry {i} ({}): geometry {group}: every template needs a name and a count of at least 1",
-                    k.models.join(", ")
-                ));
+                return Err(PeerConfigError::BadTemplate { entry: i, models: k.models.join(", "), group });
             }
             if geometries.iter().any(|g: &MigGeometry| g.group == group) {
-                return Err(format!("entry {i} ({}): geometry {group} is named twice", k.models.join(", ")));
+                return Err(PeerConfigError::GroupTwice { entry: i, models: k.models.join(", "), group });
             }
             geometries.push(MigGeometry { group, templates });
         }
@@ -149,17 +171,17 @@ pub struct SchedulerSettings {
 
 /// The settings of a device configuration's `nvidia` section; None for a file without one (the
 /// geometries alone).
-pub fn parse_scheduler_settings(text: &str) -> Result<Option<SchedulerSettings>, String> {
+pub fn parse_scheduler_settings(text: &str) -> Result<Option<SchedulerSettings>, PeerConfigError> {
     #[derive(Deserialize)]
     struct Doc {
         nvidia: SchedulerSettings,
     }
-    let v: yaml_serde::Value = yaml_serde::from_str(text).map_err(|e| e.to_string())?;
+    let v: yaml_serde::Value = yaml_serde::from_str(text).map_err(PeerConfigError::Settings)?;
     if v.get("nvidia").is_none() {
         return Ok(None);
     }
     // Read again as a document, so that an error names the key's path and line.
-    yaml_serde::from_str::<Doc>(text).map(|d| Some(d.nvidia)).map_err(|e| e.to_string())
+    yaml_serde::from_str::<Doc>(text).map(|d| Some(d.nvidia)).map_err(PeerConfigError::Settings)
 }
 
 /// This node's entry in HAMi's per-node device plugin configuration (the `config.json` of its
@@ -167,7 +189,7 @@ pub fn parse_scheduler_settings(text: &str) -> Result<Option<SchedulerSettings>,
 /// "devicememoryscaling", "operatingmode", "filterdevices", ...}]}`): its replicas per GPU and memory
 /// scaling. What the agent cannot do as HAMi's plugin would is refused, naming the entry: GPUs left
 /// out (`filterdevices`) and the `mps` mode.
-pub fn hami_node_entry(text: &str, node: &str) -> Result<Option<HamiNodeEntry>, String> {
+pub fn hami_node_entry(text: &str, node: &str) -> Result<Option<HamiNodeEntry>, PeerConfigError> {
     #[derive(Deserialize)]
     struct File {
         nodeconfig: Vec<Entry>,
@@ -188,17 +210,13 @@ pub fn hami_node_entry(text: &str, node: &str) -> Result<Option<HamiNodeEntry>, 
         #[serde(default)]
         index: Vec<u32>,
     }
-    let f: File = serde_json::from_str(text).map_err(|e| format!("{e}; expected {{\"nodeconfig\": [...]}}"))?;
+    let f: File = serde_json::from_str(text).map_err(PeerConfigError::NodeConfigForm)?;
     let Some(e) = f.nodeconfig.into_iter().find(|e| e.name == node) else { return Ok(None) };
     if !e.filterdevices.uuid.is_empty() || !e.filterdevices.index.is_empty() {
-        return Err(format!(
-            "node {node}: filterdevices is not supported (the agent shares every GPU of its node; leave the GPU out of the scheduler's placement instead)"
-        ));
+        return Err(PeerConfigError::FilterDevices(node.to_string()));
     }
     if e.operatingmode.as_deref() == Some("mps") {
-        return Err(format!(
-            "node {node}: operatingmode mps is not supported (hami-core, or mig, which follows each GPU's MIG mode)"
-        ));
+        return Err(PeerConfigError::Mps(node.to_string()));
     }
     Ok(Some(HamiNodeEntry {
         split_count: e.devicesplitcount.filter(|&n| n > 0),

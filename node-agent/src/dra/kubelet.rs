@@ -31,7 +31,7 @@ macro_rules! dra_service {
                                     .collect(),
                                 error: String::new(),
                             },
-                            Err(error) => $m::NodePrepareResourceResponse { devices: Vec::new(), error },
+                            Err(e) => $m::NodePrepareResourceResponse { devices: Vec::new(), error: e.to_string() },
                         };
                         (uid, resp)
                     })
@@ -48,7 +48,7 @@ macro_rules! dra_service {
                     .claims
                     .into_iter()
                     .map(|c| {
-                        let error = self.unprepare(&c.uid).err().unwrap_or_default();
+                        let error = self.unprepare(&c.uid).err().map(|e| e.to_string()).unwrap_or_default();
                         if !error.is_empty() {
                             tracing::warn!(uid = %c.uid, error = %error, "DRA claim not unprepared");
                         }

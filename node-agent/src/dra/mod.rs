@@ -155,9 +155,86 @@ const NO_PARTITIONS: &str = "DRA: dra_mig = \"dynamic\" needs resource.k8s.io/v1
                              counter sets have ResourceSlices of their own; GPUs in MIG mode offer their MIG devices \
                              as they are";
 
+/// Why a DRA action failed: one variant per failed step (kubelet is told its text per claim).
+#[derive(Debug, thiserror::Error)]
+pub enum DraError {
+    #[error("listing the API server's API groups: {0}")]
+    ListGroups(#[source] Box<kube::Error>),
+    #[error(
+        "the API server serves {0} of resource.k8s.io; the driver needs v1 (Kubernetes 1.34), v1beta2 (1.33) or \
+         v1beta1 (1.32), with DRA enabled"
+    )]
+    NoVersion(String),
+    #[error("{what} ResourceSlice {name}: {source}")]
+    Slice { what: &'static str, name: String, source: Box<kube::Error> },
+    #[error("reading claim {claim}: {source}")]
+    ReadClaim { claim: String, source: Box<kube::Error> },
+    #[error("claim {claim} is {found}, not {uid} (it was made again)")]
+    Replaced { claim: String, found: String, uid: String },
+    #[error("claim {0} is not allocated")]
+    NotAllocated(String),
+    #[error(
+        "claim {0} has requests with admin access and without, which cannot be given to one container together \
+         (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
+    )]
+    MixedAdmin(String),
+    #[error(
+        "claim {0} has MIG devices and GPU shares, which cannot be given to one container together \
+         (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
+    )]
+    MixedMigAndShares(String),
+    #[error("{0} is not a device of this driver")]
+    NotOurs(String),
+    #[error("{0} is not a device of this node")]
+    NotHere(String),
+    #[error("{device}: consumed {key} {value} is not a whole quantity")]
+    BadQuantity { device: String, key: String, value: String },
+    #[error("{device}: consumed cores {cores}")]
+    BadCores { device: String, cores: u64 },
+    #[error("claim UID {0:?} cannot name a slice")]
+    BadUid(String),
+    /// A container of the claim's pod also uses another claim of this driver on this node.
+    #[error("{0}")]
+    SharedContainer(String),
+    #[error("no GPU {0} on this node")]
+    NoGpu(u32),
+    #[error("the claim consumes {bytes} bytes of GPU {index}'s memory, which offers {offers}")]
+    TooMuchMemory { bytes: u64, index: u32, offers: u64 },
+    #[error("making slice {slice}: {source}")]
+    MakeSlice { slice: String, source: crate::agent::ApiError },
+    #[error("removing the claim's slice: {0}")]
+    DeleteSlice(#[source] crate::agent::ApiError),
+    #[error("NVML is not open yet")]
+    NoNvml,
+    #[error("writing {}: {source}", path.display())]
+    Write { path: std::path::PathBuf, source: std::io::Error },
+    #[error("MIG device {uuid}: {source}")]
+    Release { uuid: String, source: vgpu_mig::backend::MigError },
+    #[error(transparent)]
+    Mig(#[from] vgpu_mig::backend::MigError),
+    #[error("{0}: no such MIG device on this node (the GPU's layout changed)")]
+    NoMigDevice(String),
+    #[error("{0}: no MIG instance there (one is made when a claim is prepared for it)")]
+    NoPartitionInstance(String),
+    #[error("{device}: no GPU {index} on this node")]
+    DeviceNoGpu { device: String, index: u32 },
+    #[error("MIG device {device} is prepared for claim {claim} ({uid})")]
+    MigDeviceHeld { device: String, claim: String, uid: String },
+    #[error("{device}: {source}")]
+    DeviceGpu { device: String, source: vgpu_mig::backend::MigError },
+    #[error("{device}: GPU {index} is not in MIG mode")]
+    NotMigMode { device: String, index: u32 },
+    #[error("{device}: GPU {index} has no MIG profile {label} placed at memory slice {start}")]
+    NoProfile { device: String, index: u32, label: String, start: u32 },
+    #[error("{device}: making a {profile} instance at memory slice {start}: {source}")]
+    MakeInstance { device: String, profile: String, start: u32, source: vgpu_mig::backend::MigError },
+    #[error("{device}: the new {profile} instance has no MIG device UUID")]
+    NoUuid { device: String, profile: String },
+}
+
 /// Which version of `resource.k8s.io` the API server serves that the driver knows, newest first.
-async fn discover(client: &kube::Client) -> Result<ApiVersion, String> {
-    let groups = client.list_api_groups().await.map_err(|e| format!("listing the API server's API groups: {e}"))?;
+async fn discover(client: &kube::Client) -> Result<ApiVersion, DraError> {
+    let groups = client.list_api_groups().await.map_err(|e| DraError::ListGroups(Box::new(e)))?;
     let served: Vec<String> = groups
         .groups
         .iter()
@@ -165,11 +242,7 @@ async fn discover(client: &kube::Client) -> Result<ApiVersion, String> {
         .flat_map(|g| g.versions.iter().map(|v| v.version.clone()))
         .collect();
     ApiVersion::newest(served.iter().map(String::as_str)).ok_or_else(|| {
-        format!(
-            "the API server serves {} of resource.k8s.io; the driver needs v1 (Kubernetes 1.34), v1beta2 (1.33) or \
-             v1beta1 (1.32), with DRA enabled",
-            if served.is_empty() { "no version".to_string() } else { served.join(", ") }
-        )
+        DraError::NoVersion(if served.is_empty() { "no version".to_string() } else { served.join(", ") })
     })
 }
 
@@ -188,7 +261,7 @@ pub struct Driver {
 
 impl Driver {
     /// The version of `resource.k8s.io` to speak, asked of the API server the first time.
-    async fn version(&self) -> Result<ApiVersion, String> {
+    async fn version(&self) -> Result<ApiVersion, DraError> {
         let v = self
             .version
             .get_or_try_init(|| async {
@@ -197,14 +270,14 @@ impl Driver {
                 if self.agent.cfg.dra_mig == crate::config::DraMig::Dynamic && !v.partitions() {
                     tracing::warn!("{}", NO_PARTITIONS);
                 }
-                Ok::<_, String>(v)
+                Ok::<_, DraError>(v)
             })
             .await?;
         Ok(*v)
     }
 
     /// The claims of a namespace, in the version spoken.
-    async fn claims(&self, namespace: &str) -> Result<Api<DynamicObject>, String> {
+    async fn claims(&self, namespace: &str) -> Result<Api<DynamicObject>, DraError> {
         let v = self.version().await?;
         Ok(Api::namespaced_with(self.client.clone(), namespace, &v.resource("ResourceClaim", "resourceclaims")))
     }

@@ -158,16 +158,12 @@ pub fn whole_cdi_name(w: Whole, claim_uid: &str) -> String {
 impl Driver {
     /// The slice's per-GPU limits for the devices a claim was allocated (by NVML index): k/split of
     /// a GPU for k of its replicas, plus what the claim consumed of its shared device.
-    pub(super) fn limits(&self, wants: &BTreeMap<u32, Want>) -> Result<Vec<vgpu_proto::v1::SliceGpuLimit>, String> {
+    pub(super) fn limits(&self, wants: &BTreeMap<u32, Want>) -> Result<Vec<vgpu_proto::v1::SliceGpuLimit>, DraError> {
         let inv = self.agent.inventory.read();
         wants
             .iter()
             .map(|(index, w)| {
-                let g = inv
-                    .gpus
-                    .iter()
-                    .find(|g| g.index == *index)
-                    .ok_or_else(|| format!("no GPU {index} on this node"))?;
+                let g = inv.gpus.iter().find(|g| g.index == *index).ok_or(DraError::NoGpu(*index))?;
                 let (mut memory, mut sm, mut unlimited) = (0u64, 0u32, false);
                 if w.replicas > 0 {
                     let s = crate::deviceplugin::share(&self.agent, g, w.replicas);
@@ -182,9 +178,7 @@ impl Driver {
                     let m = m.unwrap_or(whole);
                     // (A limit of 0 would be none: the request policy's minimum is 1 MiB.)
                     if m == 0 || m > whole {
-                        return Err(format!(
-                            "the claim consumes {m} bytes of GPU {index}'s memory, which offers {whole}"
-                        ));
+                        return Err(DraError::TooMuchMemory { bytes: m, index: *index, offers: whole });
                     }
                     memory += m;
                     // 0 cores: the claim asked for no share of the GPU's time, and runs unlimited.
@@ -200,20 +194,21 @@ impl Driver {
     }
 
     /// Prepares one claim: its slice, and what kubelet is told.
-    pub async fn prepare(&self, namespace: &str, name: &str, uid: &str) -> Result<Vec<Prepared>, String> {
+    pub async fn prepare(&self, namespace: &str, name: &str, uid: &str) -> Result<Vec<Prepared>, DraError> {
         let api = self.claims(namespace).await?;
         let claim = crate::k8s::retried(|| api.get(name))
             .await
-            .map_err(|e| format!("reading claim {namespace}/{name}: {e}"))?;
+            .map_err(|e| DraError::ReadClaim { claim: format!("{namespace}/{name}"), source: Box::new(e) })?;
         if claim.metadata.uid.as_deref() != Some(uid) {
-            return Err(format!(
-                "claim {namespace}/{name} is {}, not {uid} (it was made again)",
-                claim.metadata.uid.as_deref().unwrap_or("?")
-            ));
+            return Err(DraError::Replaced {
+                claim: format!("{namespace}/{name}"),
+                found: claim.metadata.uid.as_deref().unwrap_or("?").to_string(),
+                uid: uid.to_string(),
+            });
         }
         let results = claim.data["status"]["allocation"]["devices"]["results"]
             .as_array()
-            .ok_or_else(|| format!("claim {namespace}/{name} is not allocated"))?;
+            .ok_or_else(|| DraError::NotAllocated(format!("{namespace}/{name}")))?;
         let ours: Vec<(&str, &str, &Value)> = results
             .iter()
             .filter(|r| r["driver"] == self.driver.as_str() && r["pool"] == self.node.as_str())
@@ -224,19 +219,16 @@ impl Driver {
         }
         let admin = ours.iter().filter(|(_, _, r)| r["adminAccess"] == true).count();
         if admin > 0 && admin < ours.len() {
-            return Err(format!(
-                "claim {namespace}/{name} has requests with admin access and without, which cannot be given to one \
-                 container together (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
-            ));
+            return Err(DraError::MixedAdmin(format!("{namespace}/{name}")));
         }
         let mut wants: BTreeMap<u32, Want> = BTreeMap::new();
         let mut whole: Vec<String> = Vec::new();
         let mut parts: Vec<(String, u32, String, u32)> = Vec::new();
         for (_, device, result) in &ours {
-            let dev = parse_device(device).ok_or_else(|| format!("{device} is not a device of this driver"))?;
+            let dev = parse_device(device).ok_or_else(|| DraError::NotOurs(device.to_string()))?;
             if let Dev::Replica(_, n) = dev {
                 if n >= self.agent.cfg.split_count {
-                    return Err(format!("{device} is not a device of this node"));
+                    return Err(DraError::NotHere(device.to_string()));
                 }
             }
             match dev {
@@ -247,38 +239,39 @@ impl Driver {
                 Dev::Replica(index, _) => wants.entry(index).or_default().replicas += 1,
                 Dev::Shared(index) => {
                     let consumed = &result["consumedCapacity"];
-                    let read = |k: &str| -> Result<Option<u64>, String> {
+                    let read = |k: &str| -> Result<Option<u64>, DraError> {
                         match &consumed[k] {
                             Value::Null => Ok(None),
-                            q => q
-                                .as_str()
-                                .and_then(quantity)
-                                .and_then(|n| u64::try_from(n).ok())
-                                .map(Some)
-                                .ok_or_else(|| format!("{device}: consumed {k} {q} is not a whole quantity")),
+                            q => {
+                                q.as_str().and_then(quantity).and_then(|n| u64::try_from(n).ok()).map(Some).ok_or_else(
+                                    || DraError::BadQuantity {
+                                        device: device.to_string(),
+                                        key: k.to_string(),
+                                        value: q.to_string(),
+                                    },
+                                )
+                            }
                         }
                     };
                     // Nothing recorded (a scheduler without consumable capacity allocated the device
                     // to this claim alone): all of the memory, and no SM limit.
                     let cores = read("cores")?.unwrap_or(0);
-                    let cores = u32::try_from(cores).map_err(|_| format!("{device}: consumed cores {cores}"))?;
+                    let cores =
+                        u32::try_from(cores).map_err(|_| DraError::BadCores { device: device.to_string(), cores })?;
                     wants.entry(index).or_default().shares.push((read("memory")?, cores));
                 }
             }
         }
         let slice = slice_name(uid);
         if !crate::slices::valid_name(&slice) {
-            return Err(format!("claim UID {uid:?} cannot name a slice"));
+            return Err(DraError::BadUid(uid.to_string()));
         }
         if let Some(e) = self.shared_container(namespace, name, &claim).await {
-            return Err(e);
+            return Err(DraError::SharedContainer(e));
         }
         let cdi = if !whole.is_empty() || !parts.is_empty() {
             if !wants.is_empty() {
-                return Err(format!(
-                    "claim {namespace}/{name} has MIG devices and GPU shares, which cannot be given to one container \
-                     together (NVIDIA_VISIBLE_DEVICES): put them in separate claims"
-                ));
+                return Err(DraError::MixedMigAndShares(format!("{namespace}/{name}")));
             }
             let w = if admin > 0 { Whole::Admin } else { Whole::Mig };
             let claim = WholeClaim {
@@ -324,7 +317,7 @@ impl Driver {
     }
 
     /// The UUID of what a device gives whole: a GPU's (of its shares), or a MIG device's.
-    pub(super) fn uuid_of(&self, device: &str, dev: &Dev) -> Result<String, String> {
+    pub(super) fn uuid_of(&self, device: &str, dev: &Dev) -> Result<String, DraError> {
         let inv = self.agent.inventory.read();
         match dev {
             Dev::Mig(n) => inv
@@ -334,7 +327,7 @@ impl Driver {
                 .flat_map(|m| &m.devices)
                 .find(|m| mig_device_name(&m.uuid) == *n)
                 .map(|m| m.uuid.clone())
-                .ok_or_else(|| format!("{device}: no such MIG device on this node (the GPU's layout changed)")),
+                .ok_or_else(|| DraError::NoMigDevice(device.to_string())),
             // Admin access to a partition: the instance a claim had made there.
             Dev::Partition(index, label, start) => inv
                 .gpus
@@ -347,15 +340,13 @@ impl Driver {
                 })
                 .find(|d| profile_label(mig_profile(&d.name)) == *label)
                 .map(|d| d.uuid.clone())
-                .ok_or_else(|| {
-                    format!("{device}: no MIG instance there (one is made when a claim is prepared for it)")
-                }),
+                .ok_or_else(|| DraError::NoPartitionInstance(device.to_string())),
             Dev::Replica(index, _) | Dev::Shared(index) => inv
                 .gpus
                 .iter()
                 .find(|g| g.index == *index)
                 .map(|g| g.uuid.clone())
-                .ok_or_else(|| format!("{device}: no GPU {index} on this node")),
+                .ok_or_else(|| DraError::DeviceNoGpu { device: device.to_string(), index: *index }),
         }
     }
 
@@ -432,7 +423,7 @@ impl Driver {
         uid: &str,
         pod: Option<(&str, &str)>,
         wants: &BTreeMap<u32, Want>,
-    ) -> Result<(), String> {
+    ) -> Result<(), DraError> {
         let slice = slice_name(uid);
         if self.agent.get_slice(&slice).is_err() {
             let mut labels: std::collections::HashMap<String, String> = [
@@ -450,7 +441,7 @@ impl Driver {
             let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels };
             match self.agent.create_slice(req) {
                 Ok(_) | Err(ApiError::Exists(_)) => {}
-                Err(e) => return Err(format!("making slice {slice}: {}", Status::from(e).message())),
+                Err(source) => return Err(DraError::MakeSlice { slice, source }),
             }
         }
         Ok(())
@@ -463,7 +454,7 @@ impl Driver {
         &self,
         mut claim: WholeClaim,
         parts: &[(String, u32, String, u32)],
-    ) -> Result<(), String> {
+    ) -> Result<(), DraError> {
         let r = {
             let _mig = self.agent.mig.lock();
             let before = whole_claims(&self.agent, Whole::Mig)
@@ -502,8 +493,8 @@ impl Driver {
     /// none. Each is recorded with the claim as soon as it is made, so that an agent killed
     /// meanwhile leaves nothing it does not know of: unpreparing the claim destroys what the record
     /// names, and preparing it again makes what is missing.
-    pub(super) fn make(&self, claim: &WholeClaim, parts: &[(String, u32, String, u32)]) -> Result<Vec<Made>, String> {
-        let nvml = self.agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+    pub(super) fn make(&self, claim: &WholeClaim, parts: &[(String, u32, String, u32)]) -> Result<Vec<Made>, DraError> {
+        let nvml = self.agent.nvml.get().cloned().ok_or(DraError::NoNvml)?;
         let b = vgpu_mig::backend::NvmlBackend::new(nvml);
         let (record, _) = self.whole_paths(Whole::Mig, &claim.uid);
         let mut made = Vec::new();
@@ -514,7 +505,7 @@ impl Driver {
                 c.devices.extend(made.iter().map(|m| m.uuid.clone()));
                 c.made = made.clone();
                 crate::cdi::write_spec(&record, &serde_json::to_value(&c).expect("serialisable"))
-                    .map_err(|e| format!("writing {}: {e}", record.display()))
+                    .map_err(|source| DraError::Write { path: record.clone(), source })
             });
             if let Err(e) = r {
                 unmake(&b, &made);
@@ -527,17 +518,18 @@ impl Driver {
 
     /// Destroys the instances made for a claim, unless processes run on one (then nothing more is
     /// destroyed, and kubelet asks again). One gone already, or replaced since, is done.
-    pub(super) fn destroy_made(&self, c: &WholeClaim) -> Result<bool, String> {
-        let nvml = self.agent.nvml.get().cloned().ok_or("NVML is not open yet")?;
+    pub(super) fn destroy_made(&self, c: &WholeClaim) -> Result<bool, DraError> {
+        let nvml = self.agent.nvml.get().cloned().ok_or(DraError::NoNvml)?;
         let held: Vec<String> = self.agent.mig_holders().into_keys().filter(|u| !c.devices.contains(u)).collect();
         let b = vgpu_mig::backend::NvmlBackend::with_held(nvml, held);
         let mut any = false;
         for m in &c.made {
-            let g = vgpu_mig::backend::MigBackend::gpu(&b, m.gpu).map_err(|e| e.0)?;
+            let g = vgpu_mig::backend::MigBackend::gpu(&b, m.gpu)?;
             if !g.instances.iter().any(|i| i.gi == m.gi && i.uuid.as_deref() == Some(m.uuid.as_str())) {
                 continue;
             }
-            vgpu_mig::apply::release(&b, m.gpu, m.gi).map_err(|e| format!("MIG device {}: {e}", m.uuid))?;
+            vgpu_mig::apply::release(&b, m.gpu, m.gi)
+                .map_err(|source| DraError::Release { uuid: m.uuid.clone(), source })?;
             tracing::info!(claim = %format!("{}/{}", c.namespace, c.name), gpu = m.gpu, gi = m.gi, uuid = %m.uuid, "MIG instance of a DRA claim destroyed");
             any = true;
         }
@@ -562,17 +554,18 @@ impl Driver {
     /// Records a claim given devices whole (MIG devices: refused if another claim has one of them)
     /// and writes the CDI spec that gives them to its containers (with admin access, with the
     /// record mounted, by which the agent knows the containers' processes).
-    pub(super) fn prepare_whole(&self, w: Whole, mut claim: WholeClaim) -> Result<(), String> {
+    pub(super) fn prepare_whole(&self, w: Whole, mut claim: WholeClaim) -> Result<(), DraError> {
         claim.devices.sort();
         claim.devices.dedup();
         let _one = self.whole_lock.lock();
         if w == Whole::Mig {
             for other in mig_claims(&self.agent).iter().filter(|c| c.uid != claim.uid) {
                 if let Some(d) = claim.devices.iter().find(|d| other.devices.contains(d)) {
-                    return Err(format!(
-                        "MIG device {d} is prepared for claim {}/{} ({})",
-                        other.namespace, other.name, other.uid
-                    ));
+                    return Err(DraError::MigDeviceHeld {
+                        device: d.clone(),
+                        claim: format!("{}/{}", other.namespace, other.name),
+                        uid: other.uid.clone(),
+                    });
                 }
             }
         }
@@ -591,16 +584,16 @@ impl Driver {
         }
         // The record first: the spec mounts it.
         crate::cdi::write_spec(&record, &serde_json::to_value(&claim).expect("serialisable"))
-            .map_err(|e| format!("writing {}: {e}", record.display()))?;
+            .map_err(|source| DraError::Write { path: record.clone(), source })?;
         crate::cdi::write_spec(&spec, &crate::cdi::spec_of(w.cdi_kind(), &name, &inj))
-            .map_err(|e| format!("writing {}: {e}", spec.display()))?;
+            .map_err(|source| DraError::Write { path: spec.clone(), source })?;
         self.records_changed(w);
         Ok(())
     }
 
     /// Undoes `prepare`: the claim's slice goes (if there is one), or the record and spec of the
     /// devices it was given whole.
-    pub fn unprepare(&self, uid: &str) -> Result<(), String> {
+    pub fn unprepare(&self, uid: &str) -> Result<(), DraError> {
         let slice = slice_name(uid);
         if !crate::slices::valid_name(&slice) {
             return Ok(());
@@ -627,14 +620,14 @@ impl Driver {
         }
         match self.agent.delete_slice(&slice, false) {
             Ok(()) | Err(ApiError::NotFound(_)) => Ok(()),
-            Err(e) => Err(Status::from(e).message().to_string()),
+            Err(e) => Err(DraError::DeleteSlice(e)),
         }
     }
 
     pub(super) async fn prepare_all(
         &self,
         claims: Vec<(String, String, String)>,
-    ) -> BTreeMap<String, Result<Vec<Prepared>, String>> {
+    ) -> BTreeMap<String, Result<Vec<Prepared>, DraError>> {
         let mut out = BTreeMap::new();
         for (namespace, uid, name) in claims {
             let r = self.prepare(&namespace, &name, &uid).await;
@@ -660,19 +653,22 @@ pub(super) fn make_one(
     index: u32,
     label: &str,
     start: u32,
-) -> Result<Made, String> {
+) -> Result<Made, DraError> {
     use vgpu_mig::backend::MigBackend;
-    let g = b.gpu(index).map_err(|e| format!("{device}: {e}"))?;
+    let g = b.gpu(index).map_err(|source| DraError::DeviceGpu { device: device.to_string(), source })?;
     if !g.mig_enabled {
-        return Err(format!("{device}: GPU {index} is not in MIG mode"));
+        return Err(DraError::NotMigMode { device: device.to_string(), index });
     }
     let p =
         g.profiles.iter().find(|p| profile_label(&p.name) == label && p.starts.contains(&start)).ok_or_else(|| {
-            format!("{device}: GPU {index} has no MIG profile {label} placed at memory slice {start}")
+            DraError::NoProfile { device: device.to_string(), index, label: label.to_string(), start }
         })?;
-    let gi = b
-        .create(index, p.id, start)
-        .map_err(|e| format!("{device}: making a {} instance at memory slice {start}: {e}", p.name))?;
+    let gi = b.create(index, p.id, start).map_err(|source| DraError::MakeInstance {
+        device: device.to_string(),
+        profile: p.name.clone(),
+        start,
+        source,
+    })?;
     match b.gpu(index).ok().and_then(|g| g.instances.into_iter().find(|i| i.gi == gi)?.uuid) {
         Some(uuid) => {
             tracing::info!(gpu = index, gi, profile = %p.name, start, uuid = %uuid, "MIG instance made for a DRA claim");
@@ -680,7 +676,7 @@ pub(super) fn make_one(
         }
         None => {
             let _ = b.destroy(index, gi);
-            Err(format!("{device}: the new {} instance has no MIG device UUID", p.name))
+            Err(DraError::NoUuid { device: device.to_string(), profile: p.name.clone() })
         }
     }
 }

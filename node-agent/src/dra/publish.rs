@@ -52,7 +52,7 @@ pub(super) type Written = Vec<(Value, Value)>;
 /// Writes the node's pool (its ResourceSlices, see [`pool_parts`]) when it differs from what the
 /// API server has: every slice with the generation raised, and the slices a smaller pool no longer
 /// needs removed.
-pub(super) async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Result<bool, String> {
+pub(super) async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Written) -> Result<bool, DraError> {
     let v = d.version().await?;
     let unpartitioned = d.agent.cfg.dra_mig == crate::config::DraMig::Dynamic && !v.partitions();
     d.agent.warn("dra-partitions", unpartitioned.then(|| NO_PARTITIONS.to_string()));
@@ -63,7 +63,7 @@ pub(super) async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Wri
     let get = |k: usize| {
         let api = api.clone();
         let n = name(k);
-        async move { api.get_opt(&n).await.map_err(|e| format!("reading ResourceSlice {n}: {e}")) }
+        async move { api.get_opt(&n).await.map_err(|e| DraError::Slice { what: "reading", name: n, source: Box::new(e) }) }
     };
     // What the pool is now: its first slice says how many there are.
     let first = get(0).await?;
@@ -103,9 +103,11 @@ pub(super) async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Wri
         let stored = match existing[k].take() {
             Some(mut o) => {
                 o.data["spec"] = spec;
-                api.replace(&n, &PostParams::default(), &o)
-                    .await
-                    .map_err(|e| format!("updating ResourceSlice {n}: {e}"))?
+                api.replace(&n, &PostParams::default(), &o).await.map_err(|e| DraError::Slice {
+                    what: "updating",
+                    name: n.clone(),
+                    source: Box::new(e),
+                })?
             }
             None => {
                 let mut o = DynamicObject::new(&n, &slices);
@@ -113,14 +115,22 @@ pub(super) async fn publish(d: &Driver, owner: &Option<Value>, written: &mut Wri
                 if let Some(owner) = owner {
                     o.metadata.owner_references = serde_json::from_value(json!([owner])).ok();
                 }
-                api.create(&PostParams::default(), &o).await.map_err(|e| format!("creating ResourceSlice {n}: {e}"))?
+                api.create(&PostParams::default(), &o).await.map_err(|e| DraError::Slice {
+                    what: "creating",
+                    name: n.clone(),
+                    source: Box::new(e),
+                })?
             }
         };
         now.push((part.clone(), v.v1_spec(&stored.data["spec"])));
     }
     for (k, _) in existing.iter().enumerate().skip(chunks.len()).filter(|(_, o)| o.is_some()) {
         let n = name(k);
-        api.delete(&n, &Default::default()).await.map_err(|e| format!("removing ResourceSlice {n}: {e}"))?;
+        api.delete(&n, &Default::default()).await.map_err(|e| DraError::Slice {
+            what: "removing",
+            name: n.clone(),
+            source: Box::new(e),
+        })?;
     }
     // What the API server dropped of what was sent: a feature gate it lacks.
     let any = |f: &dyn Fn(&Value) -> bool, v: &Value| v["devices"].as_array().is_some_and(|v| v.iter().any(f));

@@ -346,7 +346,7 @@ fn main() {
         if let Cmd::Doctor = cli.cmd {
             let health = match vgpu_agent::api::connect(&cfg.socket).await {
                 Ok(mut c) => c.health(pb::HealthRequest {}).await.map(|r| r.into_inner()).map_err(|e| e.message().to_string()),
-                Err(e) => Err(e),
+                Err(e) => Err(e.to_string()),
             };
             let checks = tokio::task::spawn_blocking(move || doctor::doctor(&cfg, health)).await.unwrap_or_else(|e| die(1, e));
             if cli.json {

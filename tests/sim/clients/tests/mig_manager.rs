@@ -247,7 +247,7 @@ fn mig_manager_on_the_simulated_node() {
     let busy = Busy { inner: &b, busy: vec![(0, gi)] };
     let before = layout(&b, 0);
     let e = apply::apply_gpu(&busy, &store, 0, &desired(&f, "all-balanced", &b, 0), false).unwrap_err();
-    assert!(e.0.contains("in use"), "{e}");
+    assert!(matches!(e, vgpu_mig::backend::MigError::Plan { .. }) && e.to_string().contains("in use"), "{e}");
     assert_eq!(layout(&b, 0), before);
     // Forced, it goes.
     apply::apply_gpu(&busy, &store, 0, &desired(&f, "all-balanced", &b, 0), true).unwrap();
@@ -278,12 +278,15 @@ fn mig_manager_on_the_simulated_node() {
     }
 
     // Errors name the problem: an unknown config, a profile the GPU lacks, an impossible layout.
-    assert!(f.desired("nope", 0, "0x20B010DE").unwrap_err().0.contains("no mig-config named \"nope\""));
+    assert!(f.desired("nope", 0, "0x20B010DE").unwrap_err().to_string().contains("no mig-config named \"nope\""));
     let bad = Desired { mig_enabled: true, devices: [("9g.99gb".to_string(), 1)].into(), exact: true };
-    assert!(apply::apply_gpu(&b, &store, 0, &bad, false).unwrap_err().0.contains("has no MIG profile \"9g.99gb\""));
+    assert!(apply::apply_gpu(&b, &store, 0, &bad, false)
+        .unwrap_err()
+        .to_string()
+        .contains("has no MIG profile \"9g.99gb\""));
     let too_many = Desired { mig_enabled: true, devices: [("4g.20gb".to_string(), 2)].into(), exact: true };
     let e = apply::apply_gpu(&b, &store, 0, &too_many, false).unwrap_err();
-    assert!(e.0.contains("at most 1"), "{e}");
+    assert!(e.to_string().contains("at most 1"), "{e}");
     assert_eq!(apply::check(&b, 0, &desired(&f, "all-balanced", &b, 0)).unwrap(), Vec::<String>::new(), "untouched");
 
     // Dynamic mode on the H200: its layout is destroyed, then MIG mode alone is recorded (a config
@@ -302,7 +305,7 @@ fn mig_manager_on_the_simulated_node() {
     assert_eq!(b.gpu(3).unwrap().instances.len(), 1, "the dynamic instance survives");
     let m = apply::allocate(&b, 3, &req(1 << 10, true)).unwrap();
     assert!(m.profile.ends_with("+me"), "{m:?}");
-    assert!(apply::allocate(&b, 3, &req(1 << 30, false)).unwrap_err().0.contains("no MIG profile"));
+    assert!(apply::allocate(&b, 3, &req(1 << 30, false)).unwrap_err().to_string().contains("no MIG profile"));
     assert!(apply::release(&b, 3, a.gi).unwrap());
     assert!(apply::release(&b, 3, m.gi).unwrap());
     assert!(!apply::release(&b, 3, m.gi).unwrap(), "a second release finds it gone, and succeeds");
@@ -324,17 +327,17 @@ fn mig_parted_configs_are_parsed_and_bad_ones_rejected_precisely() {
     assert_eq!(f.desired("custom", 2, "0x20B710DE").unwrap(), None);
     assert!(f.desired("custom", 3, "0x233510DE").unwrap().is_some());
     let e = config::File::parse("version: v2\nmig-configs: {}\n").unwrap_err();
-    assert!(e.0.contains("version \"v2\" is not supported"), "{e}");
+    assert!(e.to_string().contains("version \"v2\" is not supported"), "{e}");
     let e = config::File::parse("version: v1\nmig-configs:\n  x:\n    - devices: some\n      mig-enabled: true\n")
         .unwrap_err();
-    assert!(e.0.contains("x[0]: devices must be \"all\""), "{e}");
+    assert!(e.to_string().contains("x[0]: devices must be \"all\""), "{e}");
     let e = config::File::parse("version: v1\nmig-configs:\n  x:\n    - devices: all\n      mig-enabled: true\n      mig-devices: {\"1c.3g.20gb\": 2}\n").unwrap_err();
-    assert!(e.0.contains("compute-instance sub-profiles are not supported"), "{e}");
+    assert!(e.to_string().contains("compute-instance sub-profiles are not supported"), "{e}");
     let e = config::File::parse(
         "version: v1\nmig-configs:\n  x:\n    - devices: all\n      mig-enabled: true\n      colour: red\n",
     )
     .unwrap_err();
-    assert!(e.0.contains("colour"), "{e}");
+    assert!(e.to_string().contains("colour"), "{e}");
 }
 
 /// A refused change is never carried out later, and every mode transition is checked before
@@ -354,7 +357,7 @@ fn refused_mig_changes_change_nothing_now_or_later() {
     let busy = Busy { inner: &b, busy: vec![(0, gi)] };
     let off = desired(&f, "all-disabled", &b, 0);
     let e = apply::apply_gpu(&busy, &store, 0, &off, false).unwrap_err();
-    assert!(e.0.contains("in use"), "{e}");
+    assert!(matches!(e, vgpu_mig::backend::MigError::Plan { .. }) && e.to_string().contains("in use"), "{e}");
     assert!(store.in_progress().is_empty(), "no journal for a refused change");
     assert_eq!(store.desired(&b.gpu(0).unwrap().uuid), Some(balanced.clone()), "the recorded layout stays");
     // The holder goes; a restart's reconcile keeps the layout.
@@ -365,7 +368,7 @@ fn refused_mig_changes_change_nothing_now_or_later() {
     // 2. An impossible layout on a GPU with MIG off: refused before the mode is switched on.
     let eight = Desired { mig_enabled: true, devices: [("1g.10gb".to_string(), 8)].into(), exact: true };
     let e = apply::apply_gpu(&b, &store, 1, &eight, false).unwrap_err();
-    assert!(e.0.contains("at most 7"), "{e}");
+    assert!(e.to_string().contains("at most 7"), "{e}");
     assert!(!b.gpu(1).unwrap().mig_enabled, "MIG mode left off");
     assert_eq!(store.desired(&b.gpu(1).unwrap().uuid), None);
     assert!(apply::transition(&b, 1, &eight, false).is_err(), "plan refuses it the same way");
@@ -373,7 +376,7 @@ fn refused_mig_changes_change_nothing_now_or_later() {
     // 3. Disabling while a process runs on the GPU: refused before any instance is destroyed.
     let (pid, _) = s.spawn(RT, &["alloc", "--size", "64m", "--hold"]);
     let e = apply::apply_gpu(&b, &store, 0, &off, false).unwrap_err();
-    assert!(e.0.contains("processes run on the GPU") && e.0.contains(&pid.to_string()), "{e}");
+    assert!(matches!(&e, vgpu_mig::backend::MigError::Busy { pids, .. } if pids.contains(&pid.to_string())), "{e}");
     assert_eq!(layout(&b, 0), before, "no instance destroyed");
     assert!(b.gpu(0).unwrap().mig_enabled && store.in_progress().is_empty());
     s.kill(pid);
