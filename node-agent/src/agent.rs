@@ -85,6 +85,8 @@ pub struct Agent {
     /// Who holds each MIG device given out whole (by MIG UUID), as each feature that gives them out
     /// (the DRA driver, HAMi mode) last said; see [`Agent::set_mig_holders`].
     mig_holders: RwLock<BTreeMap<&'static str, BTreeMap<String, String>>>,
+    /// The containers HAMi mode gave MIG devices to, by MIG UUID (see [`Agent::set_mig_containers`]).
+    mig_containers: RwLock<BTreeMap<String, pb::MigContainer>>,
     /// The DRA claims prepared with admin access, as the monitoring pass knows their containers'
     /// processes; see [`Agent::refresh_admitted`].
     pub admitted: RwLock<Arc<Vec<crate::monitor::Admitted>>>,
@@ -185,6 +187,7 @@ impl Agent {
             drained: RwLock::new(Default::default()),
             mig_profiles: Mutex::new(Default::default()),
             mig_holders: RwLock::new(Default::default()),
+            mig_containers: RwLock::new(Default::default()),
             admitted: RwLock::new(Default::default()),
             warnings: RwLock::new(warnings),
             notices: Mutex::new(Default::default()),
@@ -471,6 +474,12 @@ impl Agent {
         self.mig_holders.write().insert(source, held);
     }
 
+    /// Sets the containers HAMi mode gave MIG devices to (MIG UUID -> container), as the status and
+    /// HAMi's `hami_mig_device_info` name them.
+    pub fn set_mig_containers(&self, containers: BTreeMap<String, pb::MigContainer>) {
+        *self.mig_containers.write() = containers;
+    }
+
     /// Who holds MIG device `uuid`, if a feature gave it out whole.
     pub fn mig_holder(&self, uuid: &str) -> Option<String> {
         self.mig_holders.read().values().find_map(|m| m.get(uuid).cloned())
@@ -601,6 +610,9 @@ impl Agent {
                                             memory_total: dev.map_or(0, |d| d.memory_total),
                                             compute_instances: gi.compute_instances.len() as u32,
                                             holder: dev.and_then(|d| self.mig_holder(&d.uuid)).unwrap_or_default(),
+                                            compute_instance_id: gi.compute_instances.first().map_or(0, |c| c.0),
+                                            container: dev
+                                                .and_then(|d| self.mig_containers.read().get(&d.uuid).cloned()),
                                         }
                                     })
                                     .collect()

@@ -50,6 +50,7 @@ struct FileConfig {
     metrics_tls_key: Option<PathBuf>,
     metrics_token_file: Option<PathBuf>,
     metrics_insecure: Option<bool>,
+    metrics_hami_legacy: Option<bool>,
     dra: Option<String>,
     dra_driver: Option<String>,
     dra_sharing: Option<String>,
@@ -108,6 +109,8 @@ pub struct Config {
     pub memory_true_up: bool,
     /// Post Kubernetes Events on the pods (or DRA claims) whose allocations the quota refused.
     pub pod_events: bool,
+    /// Serve HAMi's legacy metric names beside its current ones (HAMi's `--legacy-metrics`).
+    pub metrics_hami_legacy: bool,
     /// The `libvgpu.so` to install for containers (copied under a versioned, content-addressed name).
     pub library: PathBuf,
     /// Prometheus endpoint (`host:port`); None: no metrics endpoint.
@@ -323,6 +326,7 @@ impl Config {
         )?;
         let memory_true_up = src.switch("memory_true_up", file.memory_true_up.unwrap_or(true))?;
         let pod_events = src.switch("pod_events", file.pod_events.unwrap_or(true))?;
+        let metrics_hami_legacy = src.switch("metrics_hami_legacy", file.metrics_hami_legacy.unwrap_or(false))?;
         let health_recovery_s = src.within("health_recovery_s", file.health_recovery_s.unwrap_or(60), 1..=86_400)?;
         let stall_after_s = src.number("stall_after_s", file.stall_after_s.unwrap_or(60), 1..=86_400)?;
         let max_slices = src.number(
@@ -417,6 +421,7 @@ impl Config {
             escape_action,
             memory_true_up,
             pod_events,
+            metrics_hami_legacy,
             library,
             metrics_address,
             metrics_tls,

@@ -28,7 +28,7 @@ pub enum K8sError {
     Api {
         what: String,
         #[source]
-        source: kube::Error,
+        source: Box<kube::Error>,
     },
     /// The scheduler's annotations do not allow the allocation asked for.
     #[error("{0}")]
@@ -36,6 +36,10 @@ pub enum K8sError {
     /// The slice or MIG instance of an allocation could not be made or removed.
     #[error("{0}")]
     Devices(String),
+    /// An annotation the agent read changed before its patch could be written (the conflict was
+    /// retried on the object as it now is, and what the patch depends on no longer holds).
+    #[error("{what}: {key} changed while the agent wrote its answer")]
+    Changed { what: String, key: String },
     /// A blocking task of the allocation panicked.
     #[error("internal: {0}")]
     Task(#[from] tokio::task::JoinError),
@@ -46,7 +50,9 @@ impl K8sError {
     /// allocation (FailedPrecondition), or the API server could not be asked (Unavailable).
     pub fn status(&self) -> tonic::Status {
         match self {
-            K8sError::Refused(_) | K8sError::Devices(_) => tonic::Status::failed_precondition(self.to_string()),
+            K8sError::Refused(_) | K8sError::Devices(_) | K8sError::Changed { .. } => {
+                tonic::Status::failed_precondition(self.to_string())
+            }
             K8sError::Config(_) | K8sError::Api { .. } => tonic::Status::unavailable(self.to_string()),
             K8sError::Task(_) => tonic::Status::internal(self.to_string()),
         }
@@ -75,7 +81,7 @@ pub enum MigAllocationError {
 }
 
 fn err(what: &str) -> impl Fn(kube::Error) -> K8sError + '_ {
-    move |source| K8sError::Api { what: what.to_string(), source }
+    move |source| K8sError::Api { what: what.to_string(), source: Box::new(source) }
 }
 
 fn ann(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, k: &str) -> Option<String> {
@@ -154,6 +160,15 @@ where
     call().await
 }
 
+/// How often an annotation patch that meets a conflict (409) is written again on the object as it
+/// now is.
+const CONFLICT_RETRIES: usize = 5;
+
+/// Whether the API server refused a write because the object changed since it was read.
+fn conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 409)
+}
+
 /// Whether a request failed before the API server answered it.
 fn unanswered(e: &kube::Error) -> bool {
     matches!(e, kube::Error::HyperError(_) | kube::Error::Service(_))
@@ -171,22 +186,58 @@ impl Kube {
         Ok(retried(|| api.list(&lp)).await.map_err(err("listing this node's pods"))?.items)
     }
 
-    async fn patch_pod(&self, pod: &Pod, set: &[(&str, Option<String>)]) -> Result<(), K8sError> {
+    /// Patches a pod's annotations at the version read. On a conflict (409: the pod changed
+    /// since), the pod is read again and the patch written at its new version, as long as the
+    /// annotations in `keep` still hold what they held when read (else [`K8sError::Changed`]); at
+    /// most [`CONFLICT_RETRIES`] times.
+    async fn patch_pod(&self, pod: &Pod, set: &[(&str, Option<String>)], keep: &[&str]) -> Result<(), K8sError> {
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
-        let p = annotation_patch(pod.metadata.resource_version.as_deref(), set);
-        let (pp, patch) = (PatchParams::default(), Patch::Merge(&p));
-        retried(|| api.patch(&name, &pp, &patch)).await.map_err(err(&format!("patching pod {ns}/{name}")))?;
-        Ok(())
+        let what = format!("patching pod {ns}/{name}");
+        let mut version = pod.metadata.resource_version.clone();
+        for attempt in 0.. {
+            let p = annotation_patch(version.as_deref(), set);
+            let (pp, patch) = (PatchParams::default(), Patch::Merge(&p));
+            match retried(|| api.patch(&name, &pp, &patch)).await {
+                Ok(_) => return Ok(()),
+                Err(e) if conflict(&e) && attempt < CONFLICT_RETRIES => {
+                    let now = retried(|| api.get(&name)).await.map_err(err(&what))?;
+                    if let Some(k) = keep.iter().find(|k| ann(&now.metadata, k) != ann(&pod.metadata, k)) {
+                        return Err(K8sError::Changed { what: format!("pod {ns}/{name}"), key: k.to_string() });
+                    }
+                    tracing::debug!(pod = %format!("{ns}/{name}"), attempt, "annotation patch conflicted; written again");
+                    version = now.metadata.resource_version;
+                }
+                Err(e) => return Err(err(&what)(e)),
+            }
+        }
+        unreachable!("the loop returns")
     }
 
-    async fn patch_node(&self, node: &Node, set: &[(&str, Option<String>)]) -> Result<(), K8sError> {
+    /// Patches the node's annotations at the version read, retrying conflicts as [`Kube::patch_pod`]
+    /// does while the annotations in `keep` hold what they held.
+    async fn patch_node(&self, node: &Node, set: &[(&str, Option<String>)], keep: &[&str]) -> Result<(), K8sError> {
         let api: Api<Node> = Api::all(self.client.clone());
-        let p = annotation_patch(node.metadata.resource_version.as_deref(), set);
-        let (pp, patch) = (PatchParams::default(), Patch::Merge(&p));
-        retried(|| api.patch(&self.node, &pp, &patch)).await.map_err(err(&format!("patching node {}", self.node)))?;
-        Ok(())
+        let what = format!("patching node {}", self.node);
+        let mut version = node.metadata.resource_version.clone();
+        for attempt in 0.. {
+            let p = annotation_patch(version.as_deref(), set);
+            let (pp, patch) = (PatchParams::default(), Patch::Merge(&p));
+            match retried(|| api.patch(&self.node, &pp, &patch)).await {
+                Ok(_) => return Ok(()),
+                Err(e) if conflict(&e) && attempt < CONFLICT_RETRIES => {
+                    let now = self.get_node().await?;
+                    if let Some(k) = keep.iter().find(|k| ann(&now.metadata, k) != ann(&node.metadata, k)) {
+                        return Err(K8sError::Changed { what: format!("node {}", self.node), key: k.to_string() });
+                    }
+                    tracing::debug!(node = %self.node, attempt, "annotation patch conflicted; written again");
+                    version = now.metadata.resource_version;
+                }
+                Err(e) => return Err(err(&what)(e)),
+            }
+        }
+        unreachable!("the loop returns")
     }
 
     async fn get_node(&self) -> Result<Node, K8sError> {
@@ -243,8 +294,57 @@ impl Kube {
         if set.is_empty() {
             return Ok(false);
         }
-        self.patch_node(&node, &set).await?;
+        // The register annotation is this agent's own: written over whatever changed meanwhile.
+        self.patch_node(&node, &set, &[]).await?;
         Ok(true)
+    }
+
+    /// The pod whose devices kubelet is allocating. HAMi: the one the node lock names (the scheduler
+    /// locks the node for the pod it binds, and no other pod may be given devices; HAMi's own
+    /// plugin dropped falling back to the oldest pending pod, which can hand one pod's devices to
+    /// another). Volcano, whose lock names no pod: the pending pod bound first, as its plugin does.
+    fn pending_pod<'a>(&self, node: &Node, pods: &'a [Pod]) -> Result<&'a Pod, K8sError> {
+        let p = self.proto;
+        let pending = |x: &&Pod| {
+            ann(&x.metadata, p.bind_phase).as_deref() == Some("allocating") && ann(&x.metadata, p.to_allocate).is_some()
+        };
+        let none = || {
+            K8sError::Refused(format!(
+                "no pod on node {} is waiting for its GPUs (bind phase \"allocating\")",
+                self.node
+            ))
+        };
+        if !p.lock_names_owner {
+            let bound =
+                |x: &&Pod| ann(&x.metadata, p.bind_time).and_then(|t| t.parse::<u64>().ok()).unwrap_or(u64::MAX);
+            return pods.iter().filter(pending).min_by_key(bound).ok_or_else(none);
+        }
+        let Some(lock) = ann(&node.metadata, p.lock) else {
+            return Err(K8sError::Refused(format!(
+                "node {} has no {} annotation: the scheduler locks the node for the pod it binds, and no pod \
+                 holds the lock (none was bound here, or its lock was released or expired)",
+                self.node, p.lock
+            )));
+        };
+        let (ns, name) = match lock.split(',').collect::<Vec<_>>()[..] {
+            [_, ns, name, ..] => (ns.to_string(), name.to_string()),
+            _ => {
+                return Err(K8sError::Refused(format!(
+                    "node {}: lock {:?} names no pod (expected <time>,<namespace>,<pod>)",
+                    self.node, lock
+                )))
+            }
+        };
+        let named = |x: &&Pod| {
+            x.metadata.namespace.as_deref() == Some(ns.as_str()) && x.metadata.name.as_deref() == Some(name.as_str())
+        };
+        pods.iter().filter(named).find(pending).ok_or_else(|| {
+            K8sError::Refused(format!(
+                "node {}: the lock names {ns}/{name}, which is not waiting for its GPUs (bind phase \"allocating\"): \
+                 the lock is stale",
+                self.node
+            ))
+        })
     }
 
     /// Allocate in HAMi mode, for one container asking for `count` devices: the pending pod (the
@@ -255,47 +355,19 @@ impl Kube {
     pub async fn allocate(&self, agent: Arc<Agent>, count: usize) -> Result<Allocated, K8sError> {
         let node = self.get_node().await?;
         let p = self.proto;
-        let lock = ann(&node.metadata, p.lock).filter(|_| p.lock_names_owner);
-        let owner: Option<(String, String)> = lock.as_deref().and_then(|l| {
-            let f: Vec<&str> = l.split(',').collect();
-            (f.len() >= 3).then(|| (f[1].to_string(), f[2].to_string()))
-        });
         let pods = self.pods().await?;
-        let pending: Vec<&Pod> = pods
-            .iter()
-            .filter(|x| ann(&x.metadata, p.bind_phase).as_deref() == Some("allocating"))
-            .filter(|x| ann(&x.metadata, p.to_allocate).is_some())
-            .collect();
-        let pod = pending
-            .iter()
-            .find(|p| {
-                owner.as_ref().is_some_and(|(ns, n)| {
-                    p.metadata.namespace.as_deref() == Some(ns) && p.metadata.name.as_deref() == Some(n)
-                })
-            })
-            .or_else(|| {
-                pending.iter().min_by_key(|p| {
-                    ann(&p.metadata, self.proto.bind_time).and_then(|t| t.parse::<u64>().ok()).unwrap_or(u64::MAX)
-                })
-            })
-            .copied()
-            .ok_or_else(|| {
-                K8sError::Refused(format!(
-                    "no pod on node {} is waiting for its GPUs (bind phase \"allocating\")",
-                    self.node
-                ))
-            })?;
+        let pod = self.pending_pod(&node, &pods)?;
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
         let name = pod.metadata.name.clone().unwrap_or_default();
         // The allocation refused (Refused) or its devices not made (Devices): the pod's bind phase
         // becomes "failed" and the lock is released.
         let fail = |e: K8sError| async move {
-            let _ = self.patch_pod(pod, &[(self.proto.bind_phase, Some("failed".into()))]).await;
+            let _ =
+                self.patch_pod(pod, &[(self.proto.bind_phase, Some("failed".into()))], &[self.proto.bind_phase]).await;
             let _ = self.release_lock(&ns_name(pod)).await;
             Err::<Allocated, K8sError>(e)
         };
         let refused = |msg: String| K8sError::Refused(format!("pod {ns}/{name}: {msg}"));
-        let devices_err = |msg: String| K8sError::Devices(format!("pod {ns}/{name}: {msg}"));
         let mut entries =
             match hami::decode(&ann(&pod.metadata, p.to_allocate).unwrap_or_default(), p.trailing_separator) {
                 Ok(e) => e,
@@ -331,67 +403,10 @@ impl Kube {
             });
         let slice = slice_name(&ns, &name, idx);
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let inv = agent.inventory.read().clone();
-        // A device on a GPU in MIG mode: its UUID, or its UUID with a position in a MIG geometry.
-        let on_mig = |d: &ContainerDevice| {
-            let base = hami::split_device_id(&d.uuid).map_or(d.uuid.as_str(), |(b, _)| b);
-            inv.gpus.iter().any(|g| g.uuid == base && g.mig.as_ref().is_some_and(|m| m.enabled))
-        };
-        let allocated = if devices.iter().all(on_mig) {
-            // MIG GPUs: an instance per device, made for this container.
-            let a = agent.clone();
-            let (devs, key, uid2) = (devices.clone(), slice.clone(), uid.clone());
-            match tokio::task::spawn_blocking(move || mig_allocate(&a, &key, &uid2, &devs)).await? {
-                Ok(uuids) => Allocated::Mig(uuids),
-                Err(e) => return fail(devices_err(e.to_string())).await,
-            }
-        } else if devices.iter().any(on_mig) {
-            return fail(refused("a container mixes MIG and whole GPUs".into())).await;
-        } else if let Some(d) =
-            devices.iter().find(|d| hami::split_device_id(&d.uuid).map_or(true, |(_, p)| p.is_some()))
-        {
-            // A MIG position on a GPU that is not (or no longer) in MIG mode, or an ID that does not parse.
-            return fail(refused(format!(
-                "device {}: {}",
-                d.uuid,
-                hami::split_device_id(&d.uuid)
-                    .err()
-                    .map_or_else(|| "a MIG geometry position, on a GPU not in MIG mode".into(), |e| e.to_string())
-            )))
-            .await;
-        } else {
-            let req = pb::CreateSliceRequest {
-                name: slice.clone(),
-                gpus: devices
-                    .iter()
-                    .map(|d| pb::SliceGpuLimit {
-                        gpu: d.uuid.clone(),
-                        memory: d.mem_mib << 20,
-                        sm: if d.cores >= 100 { 0 } else { d.cores },
-                    })
-                    .collect(),
-                labels: [
-                    ("source".to_string(), p.name.to_string()),
-                    ("namespace".to_string(), ns.clone()),
-                    ("pod".to_string(), name.clone()),
-                    ("container".to_string(), container),
-                    ("pod-uid".to_string(), uid.clone()),
-                ]
-                .into(),
-            };
-            let a = agent.clone();
-            let key = slice.clone();
-            let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {
-                Ok(d) => Ok(d),
-                // A container restarted by kubelet: its slice is there.
-                Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&key).map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            })
-            .await?;
-            match made {
-                Ok(d) => Allocated::Slice(Box::new(d), !disable_control),
-                Err(e) => return fail(devices_err(e)).await,
-            }
+        let owner = MigOwner { pod_uid: uid, namespace: ns.clone(), pod: name.clone(), container };
+        let allocated = match self.make_devices(&agent, &devices, &slice, owner, disable_control).await {
+            Ok(a) => a,
+            Err(e) => return fail(e).await,
         };
         let done = entries.iter().all(|e| e.is_empty());
         let encoded = if p.trailing_separator { hami::encode(&entries) } else { hami::encode_joined(&entries) };
@@ -399,12 +414,117 @@ impl Kube {
         if done {
             set.push((p.bind_phase, Some("success".into())));
         }
-        self.patch_pod(pod, &set).await?;
+        // The assignment written back only while it is the one read: what a container's devices are is
+        // the scheduler's, and a pod whose assignment changed meanwhile is allocated again.
+        if let Err(e) = self.patch_pod(pod, &set, &[p.to_allocate, p.bind_phase]).await {
+            self.undo(&agent, &allocated, &slice).await;
+            return fail(e).await;
+        }
+        // The pod has its devices: a lock that cannot be released now is not the pod's failure (the
+        // scheduler lets an old lock expire).
         if done {
-            self.release_lock(&ns_name(pod)).await?;
+            if let Err(e) = self.release_lock(&ns_name(pod)).await {
+                tracing::warn!(pod = %format!("{ns}/{name}"), error = %e, "the node lock was not released; the scheduler lets it expire");
+            }
         }
         tracing::info!(pod = %format!("{ns}/{name}"), allocation = %slice, done, protocol = p.name, "allocation from the scheduler's annotations");
         Ok(allocated)
+    }
+
+    /// Makes what a container's devices from the scheduler are: a MIG instance per device on GPUs
+    /// in MIG mode, else a slice of whole GPUs (`slice`, labelled with its owner).
+    async fn make_devices(
+        &self,
+        agent: &Arc<Agent>,
+        devices: &[ContainerDevice],
+        slice: &str,
+        owner: MigOwner,
+        disable_control: bool,
+    ) -> Result<Allocated, K8sError> {
+        let who = format!("pod {}/{}", owner.namespace, owner.pod);
+        let refused = |msg: String| K8sError::Refused(format!("{who}: {msg}"));
+        let devices_err = |msg: String| K8sError::Devices(format!("{who}: {msg}"));
+        let inv = agent.inventory.read().clone();
+        // A device on a GPU in MIG mode: its UUID, or its UUID with a position in a MIG geometry.
+        let on_mig = |d: &ContainerDevice| {
+            let base = hami::split_device_id(&d.uuid).map_or(d.uuid.as_str(), |(b, _)| b);
+            inv.gpus.iter().any(|g| g.uuid == base && g.mig.as_ref().is_some_and(|m| m.enabled))
+        };
+        if devices.iter().all(on_mig) {
+            // MIG GPUs: an instance per device, made for this container.
+            let (a, devs, key) = (agent.clone(), devices.to_vec(), slice.to_string());
+            return match tokio::task::spawn_blocking(move || mig_allocate(&a, &key, owner, &devs)).await? {
+                Ok(uuids) => Ok(Allocated::Mig(uuids)),
+                Err(e) => Err(devices_err(e.to_string())),
+            };
+        }
+        if devices.iter().any(on_mig) {
+            return Err(refused("a container mixes MIG and whole GPUs".into()));
+        }
+        if let Some(d) = devices.iter().find(|d| hami::split_device_id(&d.uuid).map_or(true, |(_, p)| p.is_some())) {
+            // A MIG position on a GPU that is not (or no longer) in MIG mode, or an ID that does not parse.
+            let why = hami::split_device_id(&d.uuid)
+                .err()
+                .map_or_else(|| "a MIG geometry position, on a GPU not in MIG mode".into(), |e| e.to_string());
+            return Err(refused(format!("device {}: {why}", d.uuid)));
+        }
+        let req = pb::CreateSliceRequest {
+            name: slice.to_string(),
+            gpus: devices
+                .iter()
+                .map(|d| pb::SliceGpuLimit {
+                    gpu: d.uuid.clone(),
+                    memory: d.mem_mib << 20,
+                    sm: if d.cores >= 100 { 0 } else { d.cores },
+                })
+                .collect(),
+            labels: [
+                ("source".to_string(), self.proto.name.to_string()),
+                ("namespace".to_string(), owner.namespace),
+                ("pod".to_string(), owner.pod),
+                ("container".to_string(), owner.container),
+                ("pod-uid".to_string(), owner.pod_uid),
+            ]
+            .into(),
+        };
+        let (a, key) = (agent.clone(), slice.to_string());
+        let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {
+            Ok(d) => Ok(d),
+            // A container restarted by kubelet: its slice is there.
+            Err(crate::agent::ApiError::Exists(_)) => a.get_slice(&key).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        })
+        .await?;
+        match made {
+            Ok(d) => Ok(Allocated::Slice(Box::new(d), !disable_control)),
+            Err(e) => Err(devices_err(e)),
+        }
+    }
+
+    /// Removes what [`Kube::make_devices`] made for an allocation that could not be recorded in
+    /// the pod's annotations: nothing is left that no annotation names.
+    async fn undo(&self, agent: &Arc<Agent>, allocated: &Allocated, slice: &str) {
+        let (a, key) = (agent.clone(), slice.to_string());
+        let mig = matches!(allocated, Allocated::Mig(_));
+        let undone = tokio::task::spawn_blocking(move || {
+            if !mig {
+                return a.delete_slice(&key, false).map_err(|e| e.to_string());
+            }
+            match mig_records(&a).into_iter().find(|(k, _)| *k == key) {
+                Some((k, rec)) => mig_release(&a, &k, &rec).map_err(|e| e.to_string()),
+                None => Ok(()),
+            }
+        })
+        .await;
+        match undone {
+            Ok(Ok(())) => tracing::info!(allocation = %slice, "devices of an allocation that was not recorded removed"),
+            Ok(Err(e)) => {
+                tracing::warn!(allocation = %slice, error = %e, "devices of an unrecorded allocation not removed")
+            }
+            Err(e) => {
+                tracing::warn!(allocation = %slice, error = %e, "devices of an unrecorded allocation not removed")
+            }
+        }
     }
 
     /// Removes the node lock if `owner` (namespace/name) holds it (Volcano's names no owner: removed).
@@ -413,7 +533,7 @@ impl Kube {
         let Some(l) = ann(&node.metadata, self.proto.lock) else { return Ok(()) };
         let f: Vec<&str> = l.split(',').collect();
         if !self.proto.lock_names_owner || (f.len() >= 3 && format!("{}/{}", f[1], f[2]) == owner) {
-            self.patch_node(&node, &[(self.proto.lock, None)]).await?;
+            self.patch_node(&node, &[(self.proto.lock, None)], &[self.proto.lock]).await?;
         }
         Ok(())
     }
@@ -438,7 +558,7 @@ impl Kube {
         }
         // MIG instances made for pods that are gone.
         for (key, rec) in mig_records(agent) {
-            if !uids.contains(&rec.pod_uid) {
+            if !uids.contains(&rec.owner.pod_uid) {
                 if let Err(e) = mig_release(agent, &key, &rec) {
                     tracing::warn!(allocation = %key, error = %e, "MIG instance of a deleted pod not released");
                 } else {
@@ -466,8 +586,22 @@ pub enum Allocated {
 /// pod's are destroyed.
 #[derive(serde::Serialize, serde::Deserialize)]
 pub(crate) struct MigRecord {
-    pod_uid: String,
+    #[serde(flatten)]
+    owner: MigOwner,
     pub allocations: Vec<vgpu_mig::apply::Allocation>,
+}
+
+/// The container a HAMi-mode MIG allocation is for (records written before its names were kept
+/// have the pod's UID alone).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub(crate) struct MigOwner {
+    pod_uid: String,
+    #[serde(default)]
+    namespace: String,
+    #[serde(default)]
+    pod: String,
+    #[serde(default)]
+    container: String,
 }
 
 fn mig_dir(agent: &Agent) -> std::path::PathBuf {
@@ -478,12 +612,24 @@ fn mig_dir(agent: &Agent) -> std::path::PathBuf {
 /// records). Called at start and after every change.
 pub fn refresh_mig_holders(agent: &Agent) {
     let mut held = std::collections::BTreeMap::new();
+    let mut containers = std::collections::BTreeMap::new();
     for (key, rec) in mig_records(agent) {
-        for u in rec.allocations.into_iter().filter_map(|a| a.uuid) {
-            held.insert(u, format!("container {key}"));
+        for (i, u) in rec.allocations.into_iter().filter_map(|a| a.uuid).enumerate() {
+            held.insert(u.clone(), format!("container {key}"));
+            let o = &rec.owner;
+            if !o.pod.is_empty() {
+                let c = pb::MigContainer {
+                    namespace: o.namespace.clone(),
+                    pod: o.pod.clone(),
+                    container: o.container.clone(),
+                    device_index: i as u32,
+                };
+                containers.insert(u, c);
+            }
         }
     }
     agent.set_mig_holders("hami", held);
+    agent.set_mig_containers(containers);
 }
 
 /// HAMi mode's records of containers' MIG instances, by container key.
@@ -500,7 +646,7 @@ pub(crate) fn mig_records(agent: &Agent) -> Vec<(String, MigRecord)> {
 fn mig_allocate(
     agent: &Agent,
     key: &str,
-    pod_uid: &str,
+    owner: MigOwner,
     devices: &[ContainerDevice],
 ) -> Result<Vec<String>, MigAllocationError> {
     let path = mig_dir(agent).join(format!("{key}.json"));
@@ -528,7 +674,7 @@ fn mig_allocate(
             }
         }
     }
-    let rec = MigRecord { pod_uid: pod_uid.to_string(), allocations: made };
+    let rec = MigRecord { owner, allocations: made };
     if let Err(error) = std::fs::create_dir_all(mig_dir(agent))
         .and_then(|_| std::fs::write(&path, serde_json::to_vec_pretty(&rec).expect("serialisable")))
     {

@@ -200,9 +200,49 @@ pub fn self_cpu_ns() -> u64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// When this process started, in seconds since the Unix epoch (`/proc/self/stat`'s start time
+/// after boot, plus `/proc/stat`'s boot time).
+pub fn self_start_time_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command (which may hold spaces), from the third on: start time is the 22nd.
+    let ticks: f64 = stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()?;
+    let boot: f64 = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| boot + ticks / hz as f64)
+}
+
+/// How many file descriptors this process has open.
+pub fn self_open_fds() -> Option<usize> {
+    Some(std::fs::read_dir("/proc/self/fd").ok()?.count())
+}
+
+/// The most file descriptors this process may open (its soft limit).
+pub fn self_max_fds() -> Option<u64> {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: an out-pointer to the local above.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } == 0).then_some(l.rlim_cur)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn this_process_s_start_and_descriptors_are_read() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+        let start = self_start_time_s().unwrap();
+        assert!(start <= now + 1.0 && start > now - 86_400.0 * 365.0, "{start} against {now}");
+        let _f = std::fs::File::open("/proc/self/stat").unwrap();
+        assert!(self_open_fds().unwrap() >= 4, "stdin, stdout, stderr and the file above");
+        assert!(self_max_fds().unwrap() >= self_open_fds().unwrap() as u64);
+    }
 
     #[test]
     fn parses_mem_total() {

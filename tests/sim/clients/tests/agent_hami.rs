@@ -28,6 +28,14 @@ struct Cluster {
     events: Vec<Value>,
     /// Answer 403 to an Event's update (a ClusterRole without `patch` on events).
     forbid_event_patch: bool,
+    /// The next this many patches of a pod or the node meet another writer's change first: the
+    /// object's resourceVersion moves on (and `concurrent` is merged into it), so the patch at the
+    /// version read conflicts (409).
+    conflicts: u32,
+    /// What the other writer changes (merged into the object), if anything.
+    concurrent: Option<Value>,
+    /// The next this many patches of a pod fail (500).
+    fail_pod_patches: u32,
 }
 
 fn merge(dst: &mut Value, patch: &Value) {
@@ -64,6 +72,12 @@ fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> 
             )
         }
         ("GET", ["api", "v1", "nodes", "node1"]) => (200, c.node.clone()),
+        ("GET", ["api", "v1", "namespaces", ns, "pods", name]) => {
+            match c.pods.iter().find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name) {
+                Some(p) => (200, p.clone()),
+                None => (404, not_found),
+            }
+        }
         ("POST", ["api", "v1", "namespaces", ns, "events"]) => {
             let e: Value = serde_json::from_slice(body).unwrap();
             assert_eq!(e["metadata"]["namespace"], *ns, "{e}");
@@ -86,7 +100,18 @@ fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> 
         }
         ("PATCH", rest) => {
             let patch: Value = serde_json::from_slice(body).unwrap();
+            let is_pod = matches!(rest, ["api", "v1", "namespaces", _, "pods", _]);
+            if is_pod && c.fail_pod_patches > 0 {
+                c.fail_pod_patches -= 1;
+                let e = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "InternalError", "code": 500, "message": "etcdserver: request timed out"});
+                return (500, e);
+            }
             c.rv += 1;
+            let (concurrent, conflicts) = (c.concurrent.clone(), c.conflicts);
+            if conflicts > 0 {
+                c.conflicts -= 1;
+                c.rv += 1;
+            }
             let rv = c.rv.to_string();
             let obj: &mut Value = match rest {
                 ["api", "v1", "nodes", "node1"] => &mut c.node,
@@ -102,6 +127,13 @@ fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> 
                 }
                 _ => return (404, not_found),
             };
+            if conflicts > 0 {
+                // Another writer was first.
+                if let Some(change) = &concurrent {
+                    merge(obj, change);
+                }
+                obj["metadata"]["resourceVersion"] = (rv.parse::<u64>().unwrap() - 1).to_string().into();
+            }
             if let Some(want) = patch["metadata"]["resourceVersion"].as_str() {
                 if obj["metadata"]["resourceVersion"].as_str() != Some(want) {
                     return (409, conflict);
@@ -125,6 +157,15 @@ fn pod(ns: &str, name: &str, uid: &str, bind_time: &str, devices: &str, containe
                  "initContainers": init.iter().map(|n| json!({"name": n})).collect::<Vec<_>>(),
                  "containers": containers.iter().map(|n| json!({"name": n})).collect::<Vec<_>>()},
     })
+}
+
+/// The node lock HAMi's scheduler sets for the pod it binds (`<time>,<namespace>,<pod>`).
+fn lock(cluster: &Mutex<Cluster>, ns: &str, pod: &str) {
+    let mut c = cluster.lock().unwrap();
+    c.rv += 1;
+    let rv = c.rv.to_string();
+    c.node["metadata"]["annotations"]["hami.io/mutex.lock"] = format!("2026-11-29T10:01:00Z,{ns},{pod}").into();
+    c.node["metadata"]["resourceVersion"] = rv.into();
 }
 
 fn wait(what: &str, f: impl Fn() -> bool) {
@@ -338,7 +379,9 @@ fn hami_mode_follows_the_schedulers_annotations() {
         let sl = v["slices"].as_array().unwrap().iter().find(|x| x["labels"]["pod"] == "train").expect("the pod's slice").clone();
         assert_eq!((sl["labels"]["namespace"].as_str(), sl["labels"]["container"].as_str()), (Some("ml"), Some("main")));
 
-        // Next pending pod: its container has two devices but kubelet asks for one: refused, failed.
+        // The scheduler locks the node for the next pod it binds: its container has two devices but
+        // kubelet asks for one: refused, failed.
+        lock(&cluster, "other", "x");
         let e = c
             .allocate(dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g0}-1")] }] })
             .await
@@ -351,6 +394,7 @@ fn hami_mode_follows_the_schedulers_annotations() {
             assert_eq!(x["metadata"]["annotations"]["hami.io/bind-phase"], "failed");
         }
         // CUDA_DISABLE_CONTROL=true: limits and files, but no preload file.
+        lock(&cluster, "ml", "free");
         let r = c
             .allocate(dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g1}-2")] }] })
             .await
@@ -384,6 +428,84 @@ fn hami_mode_follows_the_schedulers_annotations() {
         a.status().is_some_and(|v| !v["slices"].as_array().unwrap().iter().any(|x| x["labels"]["pod"] == "train"))
     });
     let _ = &mut s;
+}
+
+/// HAMi's protocol where the API server is not quiet: the pod is the node lock's, or none; a
+/// conflicting write to the pod or the node is written again on the object as it now is; an
+/// assignment that changed meanwhile, or a pod that cannot be annotated, leaves no slice behind.
+#[test]
+fn hami_mode_allocates_only_the_lock_s_pod_and_retries_conflicts_leaving_nothing_behind() {
+    let s = Sim::new(Some(NODE));
+    let g0 = s.status()["gpus"][0]["uuid"].as_str().unwrap().to_string();
+    let one = |name: &str, bind: &str| {
+        pod("ml", name, &format!("uid-{name}"), bind, &format!("{g0},NVIDIA,1000,0:;"), &["c"], &[])
+    };
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
+        pods: vec![one("a", "100"), one("b", "200"), one("c", "300"), one("d", "400")],
+        rv: 10,
+        ..Default::default()
+    }));
+    let Harness { kdir, rt, mut rx, _kubelet, a } =
+        harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 60\n");
+    let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
+    let slices = || a.status().unwrap()["slices"].as_array().unwrap().len();
+    let ann = |name: &str, key: &str| {
+        let c = cluster.lock().unwrap();
+        c.pods.iter().find(|p| p["metadata"]["name"] == name).unwrap()["metadata"]["annotations"][key].clone()
+    };
+    rt.block_on(async {
+        let mut c = kubelet::plugin(kdir.join(&reg.endpoint)).await;
+        let ask = || dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids: vec![format!("{g0}-0")] }] };
+        // No lock: no pod is the scheduler's now, and the oldest pending one is not taken for it.
+        let e = c.allocate(ask()).await.unwrap_err();
+        assert!(e.message().contains("has no hami.io/mutex.lock annotation"), "{e}");
+        assert_eq!((e.code(), slices()), (tonic::Code::FailedPrecondition, 0));
+        assert_eq!(ann("a", "hami.io/bind-phase"), "allocating", "the oldest pending pod is untouched");
+        // A lock naming a pod that is not pending (stale): refused, naming it.
+        lock(&cluster, "ml", "gone");
+        let e = c.allocate(ask()).await.unwrap_err();
+        assert!(e.message().contains("names ml/gone") && e.message().contains("stale"), "{e}");
+        assert_eq!(slices(), 0);
+
+        // The lock's pod; two other writers change the pod first (its labels): written again, and
+        // the node's lock, changed by another writer too, released.
+        lock(&cluster, "ml", "b");
+        {
+            let mut cl = cluster.lock().unwrap();
+            cl.conflicts = 2;
+            cl.concurrent = Some(json!({"metadata": {"labels": {"touched": "yes"}}}));
+        }
+        c.allocate(ask()).await.unwrap();
+        assert_eq!(ann("b", "hami.io/bind-phase"), "success");
+        assert_eq!(ann("b", "hami.io/vgpu-devices-to-allocate"), ";");
+        assert_eq!(ann("a", "hami.io/bind-phase"), "allocating", "not the lock's pod");
+        assert!(cluster.lock().unwrap().node["metadata"]["annotations"].get("hami.io/mutex.lock").is_none());
+        assert_eq!(slices(), 1);
+
+        // The scheduler changes the pod's assignment while the agent writes its answer: the answer
+        // is not written over it, and the slice made for the old one goes.
+        lock(&cluster, "ml", "c");
+        {
+            let mut cl = cluster.lock().unwrap();
+            cl.conflicts = 1;
+            cl.concurrent = Some(json!({"metadata": {"annotations": {"hami.io/vgpu-devices-to-allocate": format!("{g0},NVIDIA,2000,0:;")}}}));
+        }
+        let e = c.allocate(ask()).await.unwrap_err();
+        assert!(e.message().contains("hami.io/vgpu-devices-to-allocate changed"), "{e}");
+        assert_eq!(ann("c", "hami.io/vgpu-devices-to-allocate"), format!("{g0},NVIDIA,2000,0:;"), "the scheduler's");
+        assert_eq!(slices(), 1, "only b's slice: c's went with the refusal");
+        cluster.lock().unwrap().concurrent = None;
+
+        // The pod cannot be annotated (the API server fails): the slice goes, nothing is left.
+        lock(&cluster, "ml", "d");
+        cluster.lock().unwrap().fail_pod_patches = 1;
+        let e = c.allocate(ask()).await.unwrap_err();
+        assert!(e.message().contains("etcdserver: request timed out"), "{e}");
+        assert_eq!(slices(), 1, "d's slice removed");
+        assert_eq!(ann("d", "hami.io/bind-phase"), "failed", "the failure recorded once the server answers");
+        assert!(cluster.lock().unwrap().node["metadata"]["annotations"].get("hami.io/mutex.lock").is_none());
+    });
 }
 
 fn vpod(ns: &str, name: &str, uid: &str, devices: &str) -> Value {
@@ -553,12 +675,15 @@ fn h100_instances(a: &Agent) -> Vec<(String, u64)> {
 fn hami_mig_node(pod: impl FnOnce(&str) -> Value) -> (Sim, String, Arc<Mutex<Cluster>>, Harness) {
     let s = Sim::new(Some(NODE));
     let g1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    let first = pod(&g1);
     let cluster = Arc::new(Mutex::new(Cluster {
         node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
-        pods: vec![pod(&g1)],
+        pods: vec![first.clone()],
         rv: 10,
         ..Default::default()
     }));
+    // The scheduler has bound it: the node is locked for it.
+    lock(&cluster, first["metadata"]["namespace"].as_str().unwrap(), first["metadata"]["name"].as_str().unwrap());
     let h = harness(&s, &cluster, "compat = \"hami\"\nregister_interval_s = 1\n");
     mig_on(&s, &h.a);
     (s, g1, cluster, h)
@@ -630,6 +755,7 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
         &["main"],
         &[],
     ));
+    lock(&cluster, "ml", "mid");
     allocate(&format!("{g1}-1")).unwrap();
     let inst = h100_instances(&a);
     assert_eq!(inst.len(), 2, "{inst:?}");
@@ -657,6 +783,7 @@ fn hami_mode_registers_mig_geometries_and_makes_the_instance_of_a_position_in_on
     for (i, (name, devices, ids, why)) in refusals.iter().enumerate() {
         let t = (300 + i).to_string();
         cluster.lock().unwrap().pods.push(pod("ml", name, &format!("uid-{name}"), &t, devices, &["main"], &[]));
+        lock(&cluster, "ml", name);
         let e = allocate(ids).unwrap_err();
         assert!(e.message().contains(why), "{name}: {e}");
     }

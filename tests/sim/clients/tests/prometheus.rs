@@ -52,8 +52,16 @@ fn repo_file(path: &str) -> std::path::PathBuf {
 /// A node with one GPU and one slice with a pod's labels (1 GiB, 50 % of the GPU's time), a
 /// process holding 300 MiB in it.
 fn node_with_a_slice() -> (Sim, Agent, Value) {
+    node_with_a_slice_and(&[])
+}
+
+/// [`node_with_a_slice`], the agent given `env` too. The agent's node is the one the scrape
+/// labels (in a cluster, both are the Node's name).
+fn node_with_a_slice_and(env: &[(&str, &str)]) -> (Sim, Agent, Value) {
     let mut s = Sim::new(Some("context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
-    let a = Agent::start(&s, &[]);
+    let mut env = env.to_vec();
+    env.push(("NODE_NAME", "gpu-node-7"));
+    let a = Agent::start(&s, &env);
     let args = "slice create --name train-0-main --gpu 0 --memory 1GiB --sm 50 --json";
     let mut args: Vec<&str> = args.split(' ').collect();
     args.extend(["--label", "namespace=ml", "--label", "pod=train-0", "--label", "container=main"]);
@@ -551,4 +559,93 @@ fn a_prometheus_scraping_the_agent_runs_the_rules_and_every_dashboard_query() {
     );
     let summary = alert["annotations"]["summary"].as_str().unwrap();
     assert!(summary.starts_with("GPU allocations of ml/train-0 (main, slice train-0-main) were refused"), "{summary}");
+}
+
+/// HAMi's published PromQL: the examples of HAMi's metrics reference (generated from its metrics
+/// catalog, `docs/metrics.md`), each with what its answer must be on a node whose one slice keeps
+/// the GPU busy (alone on it, its 50 % share does not hold it back) and holds 300 MiB. The units
+/// are the point: HAMi's utilisation series are percent (0 to 100), so a 0..1 ratio would read a
+/// busy GPU as idle.
+const HAMI_QUERIES: &[(&str, Expect)] = &[
+    ("avg_over_time(hami_host_gpu_utilization_ratio[1h])", Expect::Within(20.0, 100.0)),
+    ("avg by (namespace, pod) (hami_container_device_utilization_ratio)", Expect::Within(20.0, 100.0)),
+    ("hami_vgpu_memory_used_bytes / hami_vgpu_memory_limit_bytes", Expect::Within(0.25, 0.6)),
+    ("topk(10, hami_vgpu_memory_used_bytes)", Expect::Within(300.0 * MIB as f64, 600.0 * MIB as f64)),
+    ("hami_container_device_memory_bytes", Expect::Within(300.0 * MIB as f64, 600.0 * MIB as f64)),
+    ("hami_container_last_kernel_elapsed_seconds > 3600", Expect::Nothing),
+    ("hami_mig_device_info", Expect::Nothing),
+    ("hami_host_gpu_memory_used_bytes", Expect::Within(300.0 * MIB as f64, 8192.0 * MIB as f64)),
+    ("hami_host_gpu_memory_controller_utilization_ratio", Expect::Within(10.0, 100.0)),
+    ("hami_host_gpu_temperature_celsius", Expect::Within(30.0, 100.0)),
+    ("hami_host_gpu_power_usage_watts", Expect::Within(60.0, 400.0)),
+    ("hami_host_gpu_ecc_errors_total", Expect::Within(0.0, 0.0)),
+    // The names HAMi served before (its --legacy-metrics), in the same units.
+    ("avg_over_time(HostCoreUtilization[1h])", Expect::Within(20.0, 100.0)),
+    ("vGPU_device_memory_usage_in_bytes / vGPU_device_memory_limit_in_bytes", Expect::Within(0.25, 0.6)),
+    ("Device_utilization_desc_of_container", Expect::Within(20.0, 100.0)),
+];
+
+enum Expect {
+    /// Series, every value within (inclusive).
+    Within(f64, f64),
+    /// No series.
+    Nothing,
+}
+
+#[test]
+fn hami_s_published_queries_read_the_agent_in_hami_s_units_and_labels() {
+    let Some(bin) = tool("prometheus") else { return };
+    let (s, a, j) = node_with_a_slice_and(&[("VGPU_AGENT_METRICS_HAMI_LEGACY", "true")]);
+    // The slice's kernels, for the whole test.
+    let mut busy = in_slice(&s, &j, RT).args(["launch", "--seconds", "60", "--kernel", "sleep_5ms"]).spawn().unwrap();
+    a.wait("the slice's kernels", |v| slice_of(v, "train-0-main")["gpus"][0]["sm_used"].as_u64() > Some(20));
+    let rules = s.state.join("no-rules.yaml");
+    std::fs::write(&rules, "groups: []\n").unwrap();
+    let p = Prometheus::start(&bin, &s.state.join("prometheus-hami"), &a.metrics, &rules);
+    p.until("five scrapes of the agent", Duration::from_secs(60), || {
+        p.query(r#"count_over_time(up{job="vgpu-node-agent-metrics"}[1m]) >= 5 and up == 1"#).len() == 1
+    });
+    for (q, want) in HAMI_QUERIES {
+        let r = p.query(q);
+        match want {
+            Expect::Nothing => assert!(r.is_empty(), "{q}: {r:?}"),
+            Expect::Within(lo, hi) => {
+                assert!(!r.is_empty(), "{q}: no series");
+                for series in &r {
+                    let v: f64 = series["value"][1].as_str().unwrap().parse().unwrap();
+                    assert!((*lo..=*hi).contains(&v), "{q}: {v} is not within {lo}..={hi}: {series}");
+                }
+            }
+        }
+    }
+    // HAMi's labels: every series in zone vGPU; a GPU's type as HAMi names it and its node; a
+    // container's namespace, pod, container, vdevice_index and device_uuid.
+    assert!(p.query(r#"{__name__=~"hami_.*", zone!="vGPU"}"#).is_empty());
+    let host = p.query("hami_host_gpu_utilization_ratio");
+    let m = &host[0]["metric"];
+    assert_eq!(
+        (m["device_type"].as_str(), m["node"].as_str(), m["device_index"].as_str()),
+        (Some("NVIDIA-NVIDIA A100-SXM4-40GB"), Some("gpu-node-7"), Some("0")),
+        "{m}"
+    );
+    let ctr = p.query("hami_container_device_utilization_ratio");
+    let m = &ctr[0]["metric"];
+    assert_eq!(
+        (m["namespace"].as_str(), m["pod"].as_str(), m["container"].as_str(), m["vdevice_index"].as_str()),
+        (Some("ml"), Some("train-0"), Some("main"), Some("0")),
+        "{m}"
+    );
+    assert!(m["device_uuid"].as_str().is_some_and(|u| u.starts_with("GPU-")), "{m}");
+    let legacy = p.query("vGPU_device_memory_usage_in_bytes");
+    assert_eq!(
+        (legacy[0]["metric"]["podname"].as_str(), legacy[0]["metric"]["ctrname"].as_str()),
+        (Some("train-0"), Some("main"))
+    );
+    // The standard process series, not home-made names.
+    let rss = p.query(r#"process_resident_memory_bytes{job="vgpu-node-agent-metrics"}"#);
+    let rss: f64 = rss[0]["value"][1].as_str().unwrap().parse().unwrap();
+    assert!((1e6..2e9).contains(&rss), "{rss}");
+    assert_eq!(p.query(r#"process_start_time_seconds{job="vgpu-node-agent-metrics"} > 1.7e9"#).len(), 1);
+    let _ = busy.kill();
+    let _ = busy.wait();
 }

@@ -1,6 +1,9 @@
-//! The Prometheus endpoint: the HAMi node-monitor metric names (so existing dashboards keep
-//! working) and vgpu's own, rendered from the latest status at scrape time. A minimal HTTP/1.1
+//! The Prometheus endpoint: HAMi's node-monitor series as HAMi serves them (`hami`, so existing
+//! dashboards and alerts keep working), vgpu's own, and the standard process series, rendered from
+//! the latest status at scrape time. A minimal HTTP/1.1
 //! server: `GET /metrics`, `GET /healthz` (200 when ready), anything else 404.
+
+mod hami;
 
 use crate::agent::Agent;
 use std::fmt::Write;
@@ -95,63 +98,10 @@ fn owner(s: &pb::SliceStatus) -> [(&'static str, String); 4] {
 pub fn render(agent: &Agent) -> String {
     let st = agent.live_status();
     let mut o = Out(String::with_capacity(16 * 1024));
-    hami_series(&mut o, &st);
+    hami::series(&mut o, agent, &st);
     vgpu_series(&mut o, &st);
     agent_series(&mut o, agent, &st);
     o.0
-}
-
-/// The series HAMi's node monitor serves, under its names.
-fn hami_series(o: &mut Out, st: &pb::NodeStatus) {
-    // --- HAMi node-monitor names ---
-    o.per_gpu(
-        st,
-        "hami_host_gpu_memory_used_bytes",
-        "gauge",
-        "Device memory in use on the GPU (all processes).",
-        &|g| g.memory_used as f64,
-    );
-    o.per_gpu(
-        st,
-        "hami_host_gpu_utilization_ratio",
-        "gauge",
-        "GPU utilisation over NVML's last sample period (0..1).",
-        &|g| g.utilization as f64 / 100.0,
-    );
-    o.per_slice_gpu(
-        st,
-        "hami_vgpu_memory_used_bytes",
-        "gauge",
-        "Device memory a container's processes hold, as its interposers account it.",
-        &|_, g| g.memory_used as f64,
-    );
-    o.per_slice_gpu(
-        st,
-        "hami_vgpu_memory_limit_bytes",
-        "gauge",
-        "A container's device memory limit (0: none).",
-        &|_, g| g.memory_limit as f64,
-    );
-    o.per_slice_gpu(
-        st,
-        "hami_container_device_utilization_ratio",
-        "gauge",
-        "Share of the GPU's time a container used in the last pass (0..1).",
-        &|_, g| g.sm_used as f64 / 100.0,
-    );
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    o.per_slice_gpu(
-        st,
-        "hami_container_last_kernel_elapsed_seconds",
-        "gauge",
-        "Seconds since the agent last saw a container's kernels on the GPU (NVML per-process samples, or launches \
-         its interposers charged); with none seen, since the agent began watching it (a lower bound).",
-        &|s, g| {
-            let since = if g.last_kernel_unix_ms > 0 { g.last_kernel_unix_ms } else { s.watched_since_unix_ms };
-            now_ms.saturating_sub(since) as f64 / 1000.0
-        },
-    );
-    o.per_mig(st, "hami_mig_device_info", "MIG instances (value 1).", true, &|_| 1.0);
 }
 
 /// vgpu's own series of GPUs, MIG instances and slices.
@@ -335,10 +285,27 @@ fn agent_series(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
     o.put("vgpu_agent_loop_seconds_total", &[], s.loop_us_total.load(Relaxed) as f64 / 1e6);
     o.head("vgpu_agent_passes_total", "counter", "Monitoring passes made.");
     o.put("vgpu_agent_passes_total", &[], s.passes.load(Relaxed) as f64);
-    o.head("vgpu_agent_resident_bytes", "gauge", "The agent's resident memory.");
-    o.put("vgpu_agent_resident_bytes", &[], crate::procfs::self_rss() as f64);
-    o.head("vgpu_agent_cpu_seconds_total", "counter", "CPU time the agent used.");
-    o.put("vgpu_agent_cpu_seconds_total", &[], crate::procfs::self_cpu_ns() as f64 / 1e9);
+    process_series(o);
+}
+
+/// The standard process series (Prometheus's client libraries' names and units).
+fn process_series(o: &mut Out) {
+    o.head("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.");
+    o.put("process_resident_memory_bytes", &[], crate::procfs::self_rss() as f64);
+    o.head("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.");
+    o.put("process_cpu_seconds_total", &[], crate::procfs::self_cpu_ns() as f64 / 1e9);
+    if let Some(t) = crate::procfs::self_start_time_s() {
+        o.head("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.");
+        o.put("process_start_time_seconds", &[], t);
+    }
+    if let Some(n) = crate::procfs::self_open_fds() {
+        o.head("process_open_fds", "gauge", "Number of open file descriptors.");
+        o.put("process_open_fds", &[], n as f64);
+    }
+    if let Some(n) = crate::procfs::self_max_fds() {
+        o.head("process_max_fds", "gauge", "Maximum number of open file descriptors.");
+        o.put("process_max_fds", &[], n as f64);
+    }
 }
 
 /// Why the metrics endpoint's TLS cannot be set up.
