@@ -6,9 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-echo "== building (release)"
+echo "== building (release; the first build takes about 10 minutes on 2 cores, later ones seconds)"
 . scripts/release-set.sh
-cargo build --release -q "${RELEASE_SET[@]}"
+cargo build --release "${RELEASE_SET[@]}"
 T=$PWD/target/release
 mkdir -p "$T/sim-lib"
 ln -sfn ../libcuda.so "$T/sim-lib/libcuda.so.1"
@@ -32,7 +32,9 @@ cleanup() {
     [ -n "${agent:-}" ] && kill -TERM "$agent" 2>/dev/null && wait "$agent" 2>/dev/null
     [ -n "${receiver:-}" ] && kill -TERM "$receiver" 2>/dev/null && wait "$receiver" 2>/dev/null
     wait 2>/dev/null || true
-    rm -rf "$DEMO"
+    # The logs stay for a look afterwards; the rest of the demo's files go.
+    rm -rf "$DEMO/node" "$DEMO/state" "$DEMO/cdi" "$DEMO/kubelet"
+    echo "The demo's logs: $DEMO/agent.log, $DEMO/receiver.log (rm -rf $DEMO removes them)"
 }
 trap cleanup EXIT
 
@@ -73,7 +75,9 @@ echo "== and one process outside every slice on the same GPU (an escape the agen
 "$T/cuda-rt-app" alloc --size 1g --hold >/dev/null &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$DEMO/w1.out" ] && break; sleep 0.05; done
-echo "train's allocation: $(grep -o '"allocated":[0-9]*' "$DEMO/w1.out") bytes (limit 8 GiB, less its CUDA context)"
+got=$(grep -o '"allocated":[0-9]*' "$DEMO/w1.out" | cut -d: -f2)
+echo "train's allocation: $(awk -v b="${got:-0}" 'BEGIN { printf "%.2f GiB", b / 1073741824 }') of the 12 GiB asked" \
+    "(the slice's 8 GiB less the CUDA contexts of its two processes)"
 sleep 2.5
 
 echo

@@ -238,6 +238,9 @@ pub enum ConfigError {
     Setting { source_name: String, key: String, message: String },
 }
 
+/// Where the agent keeps its state unless told otherwise.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/vgpu";
+
 /// The highest `max_slices`: the agent maps each slice's region once, and guards at most
 /// [`vgpu_region::shrink::CAPACITY`] mappings (half of them left for the ones it opens briefly).
 pub const MAX_SLICES_CEILING: usize = vgpu_region::shrink::CAPACITY / 2;
@@ -457,7 +460,7 @@ fn paths(file: &mut FileConfig, flags: &Flags, src: &Sources) -> Result<Paths, C
         .clone()
         .or_else(|| (src.env)("VGPU_AGENT_STATE_DIR").map(PathBuf::from))
         .or(file.state_dir.take())
-        .unwrap_or_else(|| PathBuf::from("/var/lib/vgpu"));
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR));
     let socket = flags
         .socket
         .clone()
@@ -499,7 +502,10 @@ fn paths(file: &mut FileConfig, flags: &Flags, src: &Sources) -> Result<Paths, C
             Some(p) => return Err(src.bad("pod_resources_socket", format!("{p} is not an absolute path (or \"off\")"))),
         };
     let cdi_dir = match (src.env)("VGPU_AGENT_CDI_DIR").or(file.cdi_dir.take()).as_deref() {
-        None => Some(PathBuf::from("/var/run/cdi")),
+        // The container runtime's directory for the node's agent; an agent run with a state
+        // directory of its own (by hand, a test) keeps its specs there too.
+        None if state_dir == Path::new(DEFAULT_STATE_DIR) => Some(PathBuf::from("/var/run/cdi")),
+        None => Some(state_dir.join("cdi")),
         Some("" | "off") => None,
         Some(p) if p.starts_with('/') => Some(PathBuf::from(p)),
         Some(p) => return Err(src.bad("cdi_dir", format!("{p} is not an absolute path (or \"off\")"))),
@@ -1013,6 +1019,9 @@ mod tests {
     fn defaults_and_precedence() {
         let c = load(None, &[], Flags::default()).unwrap();
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/vgpu"));
+        assert_eq!(c.cdi_dir.as_deref(), Some(Path::new("/var/run/cdi")), "the runtime's, for the node's agent");
+        let mine = load(Some("state_dir = \"/tmp/mine\""), &[], Flags::default()).unwrap();
+        assert_eq!(mine.cdi_dir.as_deref(), Some(Path::new("/tmp/mine/cdi")), "an agent of its own keeps its specs");
         assert_eq!(
             (c.monitor_interval_ms, c.log_format, c.escape_action),
             (100, LogFormat::Text, EscapeAction::Report)

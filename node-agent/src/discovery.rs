@@ -10,7 +10,10 @@ use std::path::Path;
 /// Why NVML could not be opened, or the GPUs read.
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
-    #[error("cannot initialise NVML from {library}: {source}")]
+    #[error(
+        "cannot initialise NVML from {library}: {source} (name the NVML library with --nvml-library or \
+         VGPU_AGENT_NVML_LIBRARY; on the simulated GPU, target/release/sim-lib/libnvidia-ml.so.1)"
+    )]
     Open { library: String, source: nvml_wrapper::error::NvmlError },
     #[error("{what}: {source}")]
     Read { what: String, source: nvml_wrapper::error::NvmlError },

@@ -1,10 +1,10 @@
-//! Prometheus metrics of the receiver over plain HTTP (`GET /metrics`, `GET /healthz`).
+//! Prometheus metrics of the receiver over plain HTTP (`GET /metrics`, `GET /healthz`), served by
+//! `vgpu-httpd`.
 
 use crate::Cluster;
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The metrics text.
 pub fn render(c: &Cluster) -> String {
@@ -20,9 +20,14 @@ pub fn render(c: &Cluster) -> String {
     gauge("vgpu_receiver_nodes_known", "Nodes the receiver has heard from since it started.", known as f64);
     gauge("vgpu_receiver_nodes_stale", "Connected nodes silent for three heartbeat periods.", stale as f64);
     gauge("vgpu_receiver_gpus", "GPUs in the cluster view.", gpus as f64);
+    // The standard process series.
     let (rss, cpu) = process();
-    gauge("vgpu_receiver_resident_memory_bytes", "Resident memory of the receiver.", rss as f64);
-    gauge("vgpu_receiver_cpu_seconds", "CPU time the receiver used (user + system).", cpu);
+    gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss as f64);
+    let _ = writeln!(
+        s,
+        "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n\
+         # TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total {cpu}"
+    );
     let k = &c.counters;
     let _ = writeln!(s, "# HELP vgpu_receiver_messages_total Messages received from nodes, by kind.");
     let _ = writeln!(s, "# TYPE vgpu_receiver_messages_total counter");
@@ -81,30 +86,17 @@ pub fn process() -> (u64, f64) {
     (rss, cpu)
 }
 
-/// Serves `/metrics` and `/healthz` on `l` until the task is dropped.
+/// Serves `/metrics` and `/healthz` on `l` until the task is dropped (HTTP/1.1 with keep-alive,
+/// bounded as [`vgpu_httpd::Limits`] says).
 pub async fn serve(l: tokio::net::TcpListener, c: Arc<Cluster>) {
-    loop {
-        let Ok((mut conn, _)) = l.accept().await else { continue };
-        let c = c.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 2048];
-            let n = match tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut buf)).await {
-                Ok(Ok(n)) => n,
-                _ => return,
-            };
-            let line = String::from_utf8_lossy(&buf[..n]);
-            let path = line.split_whitespace().nth(1).unwrap_or("/");
-            let (status, body) = match path {
-                "/metrics" => ("200 OK", render(&c)),
-                "/healthz" => ("200 OK", "ok\n".to_string()),
-                _ => ("404 Not Found", "not found\n".to_string()),
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = conn.write_all(head.as_bytes()).await;
-            let _ = conn.write_all(body.as_bytes()).await;
-        });
-    }
+    use vgpu_httpd::Response;
+    let handler: vgpu_httpd::Handler = Arc::new(move |r| match (r.method, r.path) {
+        ("GET", "/metrics") => {
+            Response { status: 200, content_type: "text/plain; version=0.0.4; charset=utf-8", body: render(&c) }
+        }
+        ("GET", "/healthz") => Response::text(200, "ok\n"),
+        ("GET", _) => Response::text(404, "not found\n"),
+        _ => Response::text(405, "only GET\n"),
+    });
+    vgpu_httpd::serve(l, None, vgpu_httpd::Limits::default(), handler).await;
 }

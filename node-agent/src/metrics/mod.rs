@@ -1,7 +1,7 @@
 //! The Prometheus endpoint: HAMi's node-monitor series as HAMi serves them (`hami`, so existing
 //! dashboards and alerts keep working), vgpu's own, and the standard process series, rendered from
-//! the latest status at scrape time. A minimal HTTP/1.1
-//! server: `GET /metrics`, `GET /healthz` (200 when ready), anything else 404.
+//! the latest status at scrape time, served by `vgpu-httpd`: `GET /metrics`, `GET /healthz` (200
+//! when ready), `GET /livez`, anything else 404.
 
 mod hami;
 
@@ -9,7 +9,6 @@ use crate::agent::Agent;
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use vgpu_proto::v1 as pb;
 
 /// A label value as the exposition format wants it; control characters (which a record written
@@ -336,37 +335,17 @@ pub fn acceptor(cfg: &crate::config::Config) -> Result<Option<tokio_rustls::TlsA
     Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(sc))))
 }
 
-/// Serves `/metrics` (with the bearer token when one is configured) and `/healthz` (open: probes
-/// carry no token, and it tells nothing but readiness), over TLS when `tls` is given.
+/// Serves `/metrics` (with the bearer token when one is configured), `/healthz` (readiness) and
+/// `/livez` (open: probes carry no token, and they tell nothing but health), over TLS when `tls`
+/// is given; HTTP/1.1 with keep-alive, bounded as [`vgpu_httpd::Limits`] says.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     agent: Arc<Agent>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     token: Option<String>,
 ) {
-    let token = token.map(Arc::new);
-    loop {
-        let sock = match listener.accept().await {
-            Ok((sock, _)) => sock,
-            Err(_) => {
-                // Out of file descriptors, most often: wait rather than spin.
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let (agent, tls, token) = (agent.clone(), tls.clone(), token.clone());
-        tokio::spawn(async move {
-            let limit = std::time::Duration::from_secs(5);
-            match tls {
-                Some(t) => {
-                    if let Ok(Ok(s)) = tokio::time::timeout(limit, t.accept(sock)).await {
-                        answer(s, &agent, token.as_deref().map(String::as_str)).await;
-                    }
-                }
-                None => answer(sock, &agent, token.as_deref().map(String::as_str)).await,
-            }
-        });
-    }
+    let handler: vgpu_httpd::Handler = Arc::new(move |r| answer(&agent, token.as_deref(), r));
+    vgpu_httpd::serve(listener, tls, vgpu_httpd::Limits::default(), handler).await;
 }
 
 /// Constant-time comparison of a presented token.
@@ -374,57 +353,27 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn answer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
-    mut sock: S,
-    agent: &Agent,
-    token: Option<&str>,
-) {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-        while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
-            let n = sock.read(&mut chunk).await.ok().filter(|&n| n > 0)?;
-            buf.extend_from_slice(&chunk[..n]);
-        }
-        Some(())
-    })
-    .await;
-    if !matches!(read, Ok(Some(()))) {
-        return;
-    }
-    let head = String::from_utf8_lossy(&buf).into_owned();
-    let line = head.lines().next().unwrap_or("").to_string();
+fn answer(agent: &Agent, token: Option<&str>, r: &vgpu_httpd::Request) -> vgpu_httpd::Response {
+    use vgpu_httpd::Response;
     let authorized = token.is_none_or(|t| {
-        head.lines().any(|l| {
-            let (k, v) = l.split_once(':').unwrap_or(("", ""));
-            k.trim().eq_ignore_ascii_case("authorization")
-                && v.trim().strip_prefix("Bearer ").is_some_and(|p| same(p.trim().as_bytes(), t.as_bytes()))
-        })
+        r.authorization
+            .and_then(|v| v.trim().strip_prefix("Bearer "))
+            .is_some_and(|p| same(p.trim().as_bytes(), t.as_bytes()))
     });
-    let mut parts = line.split(' ');
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = path.split('?').next().unwrap_or("");
-    let (code, ctype, body) = match (method, path) {
-        ("GET", "/metrics") if !authorized => {
-            ("401 Unauthorized", "text/plain", "a bearer token is required\n".to_string())
+    match (r.method, r.path) {
+        ("GET", "/metrics") if !authorized => Response::text(401, "a bearer token is required\n"),
+        ("GET", "/metrics") => {
+            Response { status: 200, content_type: "text/plain; version=0.0.4; charset=utf-8", body: render(agent) }
         }
-        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", render(agent)),
-        ("GET", "/healthz") if agent.ready.load(Relaxed) => ("200 OK", "text/plain", "ok\n".to_string()),
-        ("GET", "/healthz") => ("503 Service Unavailable", "text/plain", "starting\n".to_string()),
+        ("GET", "/healthz") if agent.ready.load(Relaxed) => Response::text(200, "ok\n"),
+        ("GET", "/healthz") => Response::text(503, "starting\n"),
         // Liveness: fails only while the monitoring has stalled (not while starting), so that kubelet
         // restarts an agent stuck in a call that never returns.
         ("GET", "/livez") => match agent.stalled() {
-            None => ("200 OK", "text/plain", "ok\n".to_string()),
-            Some(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
+            None => Response::text(200, "ok\n"),
+            Some(why) => Response::text(503, format!("{why}\n")),
         },
-        ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics\n".to_string()),
-        _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
-    };
-    let head = format!(
-        "HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    let _ = sock.write_all(head.as_bytes()).await;
-    let _ = sock.write_all(body.as_bytes()).await;
-    let _ = sock.shutdown().await;
+        ("GET", _) => Response::text(404, "not found: try /metrics\n"),
+        _ => Response::text(405, "only GET\n"),
+    }
 }

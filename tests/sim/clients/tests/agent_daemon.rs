@@ -164,6 +164,33 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     }
     assert_eq!(a.scrape("/healthz").0, "HTTP/1.1 200 OK");
     assert_eq!(a.scrape("/nope").0, "HTTP/1.1 404 Not Found");
+    // Keep-alive: Prometheus scrapes over one connection.
+    {
+        use std::io::{BufRead, Read, Write};
+        let c = std::net::TcpStream::connect(&a.metrics).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut r = std::io::BufReader::new(c.try_clone().unwrap());
+        let mut w = c;
+        for _ in 0..2 {
+            write!(w, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let (mut status, mut len) = (String::new(), 0usize);
+            r.read_line(&mut status).unwrap();
+            loop {
+                let mut h = String::new();
+                r.read_line(&mut h).unwrap();
+                if h == "\r\n" {
+                    break;
+                }
+                if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap();
+                }
+            }
+            let mut body = vec![0; len];
+            r.read_exact(&mut body).unwrap();
+            assert_eq!(status.trim_end(), "HTTP/1.1 200 OK");
+            assert!(String::from_utf8_lossy(&body).contains("hami_vgpu_memory_used_bytes"));
+        }
+    }
 
     // Limits change live over gRPC.
     a.ctl_ok(&["slice", "update", "job1", "--gpu", "0", "--memory", "2GiB", "--sm", "50"]);
@@ -631,6 +658,7 @@ fn the_agent_exits_3_without_nvml_and_1_when_its_state_cannot_be_made() {
     let (code, err) = run(&dir.join("state"), Path::new("/nonexistent/libnvidia-ml.so.1"));
     assert_eq!(code, Some(3), "{err}");
     assert!(err.contains("NVML: cannot initialise NVML from /nonexistent/libnvidia-ml.so.1"), "{err}");
+    assert!(err.contains("--nvml-library or VGPU_AGENT_NVML_LIBRARY"), "it says how to name it: {err}");
     // A state directory that cannot be made (under a file): 1, whatever the message says.
     std::fs::write(dir.join("a-file"), "").unwrap();
     let (code, err) = run(&dir.join("a-file").join("state"), &nvml);

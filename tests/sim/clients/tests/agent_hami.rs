@@ -28,10 +28,12 @@ struct Cluster {
     events: Vec<Value>,
     /// Answer 403 to an Event's update (a ClusterRole without `patch` on events).
     forbid_event_patch: bool,
-    /// The next this many patches of a pod or the node meet another writer's change first: the
-    /// object's resourceVersion moves on (and `concurrent` is merged into it), so the patch at the
-    /// version read conflicts (409).
+    /// The next this many patches of a pod meet another writer's change first: the object's
+    /// resourceVersion moves on (and `concurrent` is merged into it), so the patch at the version
+    /// read conflicts (409).
     conflicts: u32,
+    /// The same for patches of the node.
+    node_conflicts: u32,
     /// What the other writer changes (merged into the object), if anything.
     concurrent: Option<Value>,
     /// The next this many patches of a pod fail (500).
@@ -107,9 +109,10 @@ fn handle(cluster: &Mutex<Cluster>, method: &str, target: &str, body: &[u8]) -> 
                 return (500, e);
             }
             c.rv += 1;
-            let (concurrent, conflicts) = (c.concurrent.clone(), c.conflicts);
+            let concurrent = c.concurrent.clone();
+            let conflicts = if is_pod { &mut c.conflicts } else { &mut c.node_conflicts };
+            let conflicts = std::mem::replace(conflicts, conflicts.saturating_sub(1));
             if conflicts > 0 {
-                c.conflicts -= 1;
                 c.rv += 1;
             }
             let rv = c.rv.to_string();
@@ -468,12 +471,12 @@ fn hami_mode_allocates_only_the_lock_s_pod_and_retries_conflicts_leaving_nothing
         assert!(e.message().contains("names ml/gone") && e.message().contains("stale"), "{e}");
         assert_eq!(slices(), 0);
 
-        // The lock's pod; two other writers change the pod first (its labels): written again, and
-        // the node's lock, changed by another writer too, released.
+        // The lock's pod; two other writers change the pod first (its labels) and one the node:
+        // both written again, the lock released.
         lock(&cluster, "ml", "b");
         {
             let mut cl = cluster.lock().unwrap();
-            cl.conflicts = 2;
+            (cl.conflicts, cl.node_conflicts) = (2, 1);
             cl.concurrent = Some(json!({"metadata": {"labels": {"touched": "yes"}}}));
         }
         c.allocate(ask()).await.unwrap();
@@ -481,6 +484,7 @@ fn hami_mode_allocates_only_the_lock_s_pod_and_retries_conflicts_leaving_nothing
         assert_eq!(ann("b", "hami.io/vgpu-devices-to-allocate"), ";");
         assert_eq!(ann("a", "hami.io/bind-phase"), "allocating", "not the lock's pod");
         assert!(cluster.lock().unwrap().node["metadata"]["annotations"].get("hami.io/mutex.lock").is_none());
+        assert_eq!(cluster.lock().unwrap().node["metadata"]["labels"]["touched"], "yes", "the other writer's change kept");
         assert_eq!(slices(), 1);
 
         // The scheduler changes the pod's assignment while the agent writes its answer: the answer

@@ -200,7 +200,7 @@ fn converged(rt: &tokio::runtime::Runtime, r: &Receiver, a: &Agent, node: &str, 
 fn metric(r: &Receiver, name: &str) -> f64 {
     use std::io::{Read, Write};
     let mut c = std::net::TcpStream::connect(("127.0.0.1", r.metrics)).unwrap();
-    write!(c, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    write!(c, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
     let mut s = String::new();
     c.read_to_string(&mut s).unwrap();
     s.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(f64::NAN)

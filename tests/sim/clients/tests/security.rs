@@ -27,7 +27,7 @@ async fn https_get(addr: &str, ca: &std::path::Path, path: &str, token: Option<&
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut s = conn.connect("127.0.0.1".try_into().unwrap(), tcp).await.unwrap();
     let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n").as_bytes()).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\r\n").as_bytes()).await.unwrap();
     let mut out = String::new();
     let _ = s.read_to_string(&mut out).await;
     out

@@ -120,7 +120,7 @@ impl Agent {
     pub fn scrape(&self, path: &str) -> (String, String) {
         use std::io::{Read, Write};
         let mut c = std::net::TcpStream::connect(&self.metrics).unwrap();
-        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
         let mut r = String::new();
         c.read_to_string(&mut r).unwrap();
         let (head, body) = r.split_once("\r\n\r\n").unwrap();
