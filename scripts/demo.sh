@@ -64,7 +64,7 @@ in_slice() {
 mapfile -t TRAIN < <(in_slice train)
 mapfile -t NOTEBOOK < <(in_slice notebook)
 
-echo "== workloads: in train, ask for 12 GiB (gets 8) and run 5 ms kernels; in notebook, run 5 ms kernels"
+echo "== workloads: in train, ask for 12 GiB in 1 GiB chunks and run 5 ms kernels; in notebook, run 5 ms kernels"
 "${TRAIN[@]}" "$T/cuda-rt-app" alloc --size 12g --chunk 1g --hold >"$DEMO/w1.out" &
 pids+=($!)
 "${TRAIN[@]}" "$T/cuda-rt-app" launch --kernel sleep_5ms --seconds 4 >"$DEMO/w2.out" &
@@ -77,7 +77,7 @@ pids+=($!)
 for _ in $(seq 100); do [ -s "$DEMO/w1.out" ] && break; sleep 0.05; done
 got=$(grep -o '"allocated":[0-9]*' "$DEMO/w1.out" | cut -d: -f2)
 echo "train's allocation: $(awk -v b="${got:-0}" 'BEGIN { printf "%.2f GiB", b / 1073741824 }') of the 12 GiB asked" \
-    "(the slice's 8 GiB less the CUDA contexts of its two processes)"
+    "(in 1 GiB chunks until refused: the slice's 8 GiB less its two processes' CUDA contexts hold 7)"
 sleep 2.5
 
 echo
