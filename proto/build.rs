@@ -30,6 +30,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // JSON output (`vgpuctl --json`) serialises the messages as they are.
         .type_attribute(".", "#[derive(serde::Serialize)]")
+        // Enums by name in JSON ("UNACCOUNTED"), not by number.
+        .field_attribute("vgpu.v1.Escape.kind", "#[serde(serialize_with = \"crate::escape_kind\")]")
         .compile_fds(fds)?;
     Ok(())
 }

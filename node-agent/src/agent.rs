@@ -294,11 +294,11 @@ impl Agent {
             m.first().copied()
         };
         let g = g.ok_or_else(|| {
-            ApiError::Invalid(format!(
-                "no GPU {gpu:?} on this node (it has {} GPUs: indices 0..{})",
-                inv.gpus.len(),
-                inv.gpus.len()
-            ))
+            ApiError::Invalid(match inv.gpus.len() {
+                0 => format!("no GPU {gpu:?} on this node (it has no GPU)"),
+                1 => format!("no GPU {gpu:?} on this node (it has 1 GPU: index 0, or its UUID)"),
+                n => format!("no GPU {gpu:?} on this node (it has {n} GPUs: indices 0 to {}, or their UUIDs)", n - 1),
+            })
         })?;
         Ok((g.uuid.clone(), g.memory_total))
     }

@@ -351,7 +351,7 @@ impl Config {
             None => file.slice_gc_grace_s.unwrap_or(60),
         };
         if !(1..=86_400).contains(&slice_gc_grace_s) {
-            return Err(bad("slice_gc_grace_s", format!("{slice_gc_grace_s} is outside 1..=86400")));
+            return Err(bad("slice_gc_grace_s", format!("{slice_gc_grace_s} is not from 1 to 86400")));
         }
         let split_count = src.within("split_count", file.split_count.unwrap_or(10), 1..=100)?;
         let resource_name = file.resource_name.unwrap_or_else(|| "nvidia.com/gpu".into());
@@ -377,7 +377,7 @@ impl Config {
             None => file.memory_scaling.unwrap_or(1.0),
         };
         if !(memory_scaling > 0.0 && memory_scaling <= 10.0) {
-            return Err(bad("memory_scaling", format!("{memory_scaling} is outside (0, 10]")));
+            return Err(bad("memory_scaling", format!("{memory_scaling} is not above 0 and at most 10")));
         }
         if dra.is_some() && device_plugin {
             return Err(bad(
@@ -609,7 +609,7 @@ impl Sources<'_> {
         if range.contains(&n) {
             Ok(n)
         } else {
-            Err(self.bad(key, format!("{n} is outside {}..={}", range.start(), range.end())))
+            Err(self.bad(key, format!("{n} is not from {} to {}", range.start(), range.end())))
         }
     }
 
@@ -791,7 +791,7 @@ fn report_settings(
             };
             let hb = file.scheduler_heartbeat_s.unwrap_or(10);
             if !(1..=3600).contains(&hb) {
-                return Err(src.bad("scheduler_heartbeat_s", format!("{hb} is outside 1..=3600")));
+                return Err(src.bad("scheduler_heartbeat_s", format!("{hb} is not from 1 to 3600")));
             }
             r.heartbeat = std::time::Duration::from_secs(hb);
             if matches!(r.endpoint, scheduler::Endpoint::Https { .. }) {
@@ -854,13 +854,13 @@ mod tests {
             (from_env("VGPU_AGENT_MEMORY_TRUE_UP", "on"), "\"on\" is not true or false"),
             (
                 from_env("VGPU_AGENT_MONITOR_INTERVAL_MS", "5"),
-                "VGPU_AGENT_MONITOR_INTERVAL_MS: 5 is outside 10..=60000",
+                "VGPU_AGENT_MONITOR_INTERVAL_MS: 5 is not from 10 to 60000",
             ),
             (from_env("VGPU_AGENT_MAX_SLICES", "many"), "VGPU_AGENT_MAX_SLICES: \"many\" is not a number"),
-            (refused("stall_after_s = 0\n", &[]), "stall_after_s: 0 is outside 1..=86400"),
-            (refused("health_recovery_s = 90000\n", &[]), "health_recovery_s: 90000 is outside 1..=86400"),
-            (refused("memory_factor = 0\n", &[]), "memory_factor: 0 is outside 1..=1048576"),
-            (refused("register_interval_s = 0\n", &[]), "register_interval_s: 0 is outside 1..=3600"),
+            (refused("stall_after_s = 0\n", &[]), "stall_after_s: 0 is not from 1 to 86400"),
+            (refused("health_recovery_s = 90000\n", &[]), "health_recovery_s: 90000 is not from 1 to 86400"),
+            (refused("memory_factor = 0\n", &[]), "memory_factor: 0 is not from 1 to 1048576"),
+            (refused("register_interval_s = 0\n", &[]), "register_interval_s: 0 is not from 1 to 3600"),
         ];
         for (got, want) in cases {
             assert!(got.contains(want), "{got:?} should say {want:?}");
@@ -889,7 +889,7 @@ mod tests {
         let c = load(Some(f), &[("NODE_NAME", "gpu-a100-1"), ("VGPU_AGENT_MEMORY_SCALING", "2")], Flags::default());
         assert_eq!(c.unwrap().memory_scaling, 2.0);
         let e = load(Some("[[node]]\nnames = [\"n1\"]\nsplit_count = 0\n"), &[("NODE_NAME", "n1")], Flags::default());
-        assert!(e.unwrap_err().to_string().contains("split_count: 0 is outside 1..=100"));
+        assert!(e.unwrap_err().to_string().contains("split_count: 0 is not from 1 to 100"));
         for bad in ["names = []", "names = [\"\"]", "names = [\"g*pu\"]"] {
             let e = load(Some(&format!("[[node]]\n{bad}\n")), &[], Flags::default()).unwrap_err().to_string();
             assert!(e.contains("node[0]: names must list node names"), "{bad}: {e}");
@@ -972,7 +972,7 @@ mod tests {
         let e = load(Some("pod_resources_socket = \"kubelet.sock\""), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("pod_resources_socket") && e.contains("absolute"), "{e}");
         let e = load(None, &[("VGPU_AGENT_SLICE_GC_GRACE_S", "0")], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("VGPU_AGENT_SLICE_GC_GRACE_S") && e.contains("outside"), "{e}");
+        assert!(e.contains("VGPU_AGENT_SLICE_GC_GRACE_S") && e.contains("is not from 1 to 86400"), "{e}");
     }
 
     #[test]
@@ -1119,7 +1119,7 @@ mod tests {
     #[test]
     fn bad_files_are_rejected_precisely() {
         let e = load(Some("monitor_interval_ms = 5"), &[], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("monitor_interval_ms: 5 is outside"), "{e}");
+        assert!(e.contains("monitor_interval_ms: 5 is not from"), "{e}");
         let e = load(Some("colour = 1"), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("unknown field `colour`"), "{e}");
         let e = load(Some("state_dir = \"relative\""), &[], Flags::default()).unwrap_err().to_string();
@@ -1131,9 +1131,9 @@ mod tests {
         let e = load(Some("metrics_address = \"localhost\""), &[], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("metrics_address: \"localhost\" is not an address"), "{e}");
         let e = load(Some("health_recovery_s = 0"), &[], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("health_recovery_s: 0 is outside"), "{e}");
+        assert!(e.contains("health_recovery_s: 0 is not from"), "{e}");
         let e = load(Some("stall_after_s = 0"), &[], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("stall_after_s: 0 is outside"), "{e}");
+        assert!(e.contains("stall_after_s: 0 is not from"), "{e}");
         let e = load(None, &[("VGPU_AGENT_STALL_AFTER_S", "soon")], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("environment variable VGPU_AGENT_STALL_AFTER_S: \"soon\" is not a number"), "{e}");
         assert_eq!(load(None, &[], Flags::default()).unwrap().log_level, "info");
@@ -1142,12 +1142,12 @@ mod tests {
         let e = load(None, &[("VGPU_AGENT_LOG_LEVEL", "monitor=verbose")], Flags::default()).unwrap_err().to_string();
         assert!(e.contains("VGPU_AGENT_LOG_LEVEL: \"monitor=verbose\" is not a level"), "{e}");
         let e = load(Some("max_slices = 0"), &[], Flags::default()).unwrap_err().to_string();
-        assert!(e.contains("max_slices: 0 is outside 1..=8192"), "{e}");
+        assert!(e.contains("max_slices: 0 is not from 1 to 8192"), "{e}");
         assert_eq!(load(None, &[], Flags::default()).unwrap().max_slices, crate::slices::DEFAULT_MAX_SLICES);
         assert_eq!(load(None, &[], Flags::default()).unwrap().stall_after_s, 60);
         for v in ["0", "-1", "11", "nan"] {
             let e = load(Some(&format!("memory_scaling = {v}")), &[], Flags::default()).unwrap_err().to_string();
-            assert!(e.contains("memory_scaling:") && e.contains("is outside (0, 10]"), "{v}: {e}");
+            assert!(e.contains("memory_scaling:") && e.contains("is not above 0 and at most 10"), "{v}: {e}");
         }
         let c = load(Some("memory_scaling = 1.5"), &[], Flags::default()).unwrap();
         assert_eq!(c.memory_scaling, 1.5);

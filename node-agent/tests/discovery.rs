@@ -88,7 +88,7 @@ fn the_agent_sees_every_gpu_and_mig_instance() {
     std::fs::write(&bad, "monitor_interval_ms = 1\n").unwrap();
     let o = Command::new(AGENT).args(["--config", bad.to_str().unwrap(), "discover"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("monitor_interval_ms: 1 is outside 10..=60000"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("monitor_interval_ms: 1 is not from 10 to 60000"));
     let o =
         Command::new(AGENT).args(["--nvml-library", "/nonexistent/libnvidia-ml.so.1", "discover"]).output().unwrap();
     assert_eq!(o.status.code(), Some(3));

@@ -6,6 +6,12 @@ pub mod v1 {
     tonic::include_proto!("vgpu.v1");
 }
 
+/// An escape's kind as JSON shows it: its name (`"UNACCOUNTED"`, `"OVER_LIMIT"`), not its number.
+pub fn escape_kind<S: serde::Serializer>(kind: &i32, s: S) -> Result<S::Ok, S::Error> {
+    let name = v1::escape::Kind::try_from(*kind).map_or("KIND_UNSPECIFIED", |k| k.as_str_name());
+    s.serialize_str(name)
+}
+
 /// The scheduler API (`vgpu.scheduler.v1`): node capacity streamed to the central scheduler, its
 /// requests to the node, and the reference receiver's cluster view.
 pub mod scheduler {

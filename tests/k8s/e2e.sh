@@ -262,6 +262,12 @@ held hami-pod $((1024 << 20)) 30
 vgpuctl status >"$dir/logs/vgpuctl-status-hami.txt"
 grep -q "hami-pod" "$dir/logs/vgpuctl-status-hami.txt" || { cat "$dir/logs/vgpuctl-status-hami.txt"; fail "vgpuctl status does not name the pod"; }
 echo "  bind phase success; lock released; vgpuctl status names e2e/hami-pod"
+# From a workstation: `kubectl vgpu NODE ...` runs vgpuctl in the node's agent pod.
+KUBECTL="$K" VGPU_NAMESPACE="$ns" packaging/kubectl-vgpu "$node" status --namespace e2e -o wide \
+    >"$dir/logs/kubectl-vgpu-status.txt" 2>&1 || { cat "$dir/logs/kubectl-vgpu-status.txt"; fail "kubectl vgpu status failed"; }
+grep -q "hami-pod" "$dir/logs/kubectl-vgpu-status.txt" || { cat "$dir/logs/kubectl-vgpu-status.txt"; fail "kubectl vgpu status does not name the pod"; }
+grep -q "$uuid" "$dir/logs/kubectl-vgpu-status.txt" || { cat "$dir/logs/kubectl-vgpu-status.txt"; fail "kubectl vgpu status -o wide lacks the whole UUID"; }
+echo "  kubectl vgpu $node status --namespace e2e -o wide: names it, from the agent's pod"
 
 stage "HAMi mode: an Allocate that fails leaves nothing behind"
 # The scheduler's annotations name a GPU this node does not have.

@@ -23,17 +23,71 @@ struct Cli {
     /// The agent's configuration file (for defaults and `doctor`)
     #[arg(long, global = true)]
     config: Option<PathBuf>,
-    /// Print JSON instead of tables
+    /// How to print: table, wide (tables with whole UUIDs), json or yaml
+    #[arg(long, short = 'o', global = true, value_enum, default_value_t = Output::Table)]
+    output: Output,
+    /// The same as `-o json`
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Output {
+    Table,
+    Wide,
+    Json,
+    Yaml,
+}
+
+/// The output chosen on the command line (set once, at start).
+static OUTPUT: std::sync::OnceLock<Output> = std::sync::OnceLock::new();
+
+/// Whether tables print whole UUIDs (`-o wide`).
+fn wide() -> bool {
+    OUTPUT.get() == Some(&Output::Wide)
+}
+
+/// Which of a status's GPUs and slices to show (`status --pod/--namespace/--gpu`).
+#[derive(Args, Clone, Default)]
+struct StatusFilter {
+    /// Only the slices of this pod (its `pod` label)
+    #[arg(long)]
+    pod: Option<String>,
+    /// Only the slices of this namespace (their `namespace` label)
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Only this GPU (its index, or the start of its UUID), and the slices on it
+    #[arg(long)]
+    gpu: Option<String>,
+}
+
+impl StatusFilter {
+    /// The status with what the filter leaves out removed.
+    fn apply(&self, mut st: pb::NodeStatus) -> pb::NodeStatus {
+        let label = |s: &pb::SliceStatus, k: &str, want: &Option<String>| {
+            want.as_ref().is_none_or(|w| s.labels.get(k).is_some_and(|v| v == w))
+        };
+        st.slices.retain(|s| label(s, "pod", &self.pod) && label(s, "namespace", &self.namespace));
+        if let Some(g) = &self.gpu {
+            let matches =
+                |index: u32, uuid: &str| index.to_string() == *g || (g.len() >= 4 && uuid.starts_with(g.as_str()));
+            st.gpus.retain(|x| matches(x.index, &x.uuid));
+            let uuids: Vec<String> = st.gpus.iter().map(|x| x.uuid.clone()).collect();
+            st.slices.retain(|s| s.gpus.iter().any(|x| uuids.contains(&x.uuid)));
+            st.escapes.retain(|e| uuids.contains(&e.gpu));
+        }
+        st
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// GPUs and slices on this node
     Status {
+        #[command(flatten)]
+        filter: StatusFilter,
         /// Keep printing as the agent's status changes
         #[arg(long)]
         watch: bool,
@@ -227,7 +281,11 @@ fn grpc_err(s: tonic::Status) -> ! {
     die(code, s.message())
 }
 
+/// `v` as JSON (pretty), or as YAML with `-o yaml`.
 fn json<T: serde::Serialize>(v: &T) -> String {
+    if OUTPUT.get() == Some(&Output::Yaml) {
+        return yaml_serde::to_string(v).expect("serialisable").trim_end().to_string();
+    }
     serde_json::to_string_pretty(v).expect("serialisable")
 }
 
@@ -335,7 +393,12 @@ fn main() {
     // silently (see `on_sigpipe`).
     // SAFETY: installs a handler with the plain signal-handler signature before any thread starts.
     unsafe { libc::signal(libc::SIGPIPE, on_sigpipe as *const () as libc::sighandler_t) };
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if cli.json {
+        cli.output = Output::Json;
+    }
+    cli.json = matches!(cli.output, Output::Json | Output::Yaml);
+    let _ = OUTPUT.set(cli.output);
     let flags = Flags { config: cli.config.clone(), socket: cli.socket.clone(), ..Default::default() };
     let cfg = vgpu_agent::config::check_environment()
         .and_then(|()| Config::load(&flags, |k| std::env::var(k).ok()))
@@ -367,15 +430,16 @@ fn main() {
         }
         let mut c = vgpu_agent::api::connect(&cfg.socket).await.unwrap_or_else(|e| die(3, e));
         match cli.cmd {
-            Cmd::Status { watch: false, .. } => {
+            Cmd::Status { watch: false, filter, .. } => {
                 let st = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                let st = filter.apply(st);
                 if cli.json {
                     println!("{}", json(&st));
                 } else {
                     print!("{}", render::render_status(&st, style));
                 }
             }
-            Cmd::Status { watch: true, interval } => watch(&mut c, interval, cli.json, style).await,
+            Cmd::Status { watch: true, interval, .. } => watch(&mut c, interval, cli.json, style).await,
             Cmd::Slice(SliceCmd::Create { name, limits: l, labels }) => {
                 let req = pb::CreateSliceRequest { name, gpus: limits(&l), labels: labels.into_iter().collect() };
                 let d = c.create_slice(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();

@@ -2,7 +2,16 @@
 //! capacity and the cluster's view.
 
 use std::fmt::Write;
-use vgpu_agent::describe::{escape_line, human, short_uuid};
+use vgpu_agent::describe::{escape_line, human};
+
+/// A UUID as a table shows it: its first 12 characters, whole with `-o wide`.
+fn short_uuid(u: &str) -> String {
+    if crate::wide() {
+        u.to_string()
+    } else {
+        vgpu_agent::describe::short_uuid(u)
+    }
+}
 use vgpu_agent::slices::printable;
 use vgpu_proto::v1 as pb;
 

@@ -102,7 +102,10 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     assert_eq!(j1s["gpus"][0]["memory_measured"], 364 * MIB);
     assert_eq!(j1s["gpus"][0]["oom_rejections"], 1);
     assert_eq!(slice_of(&st, "job2")["processes"][0]["pid"], p2);
-    assert_eq!((st["escapes"][0]["pid"].as_u64(), st["escapes"][0]["kind"].as_i64()), (Some(pout as u64), Some(1)));
+    assert_eq!(
+        (st["escapes"][0]["pid"].as_u64(), st["escapes"][0]["kind"].as_str()),
+        (Some(pout as u64), Some("UNACCOUNTED"))
+    );
 
     // The table names the same things.
     let table = a.ctl_ok(&["status"]);
@@ -118,6 +121,24 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     ] {
         assert!(table.contains(want), "{want:?} missing from\n{table}");
     }
+    // -o yaml is the JSON's content; -o wide prints whole UUIDs; filters keep what they name.
+    let yaml: Value = yaml_serde::from_str(&a.ctl_ok(&["status", "-o", "yaml"])).unwrap();
+    assert_eq!(yaml["slices"].as_array().map(Vec::len), st["slices"].as_array().map(Vec::len));
+    assert_eq!(yaml["escapes"][0]["kind"], "UNACCOUNTED", "enums by name");
+    let uuid = g0["uuid"].as_str().unwrap();
+    assert!(a.ctl_ok(&["status", "-o", "wide"]).contains(uuid), "the whole UUID");
+    assert!(!table.contains(uuid), "a table shortens it");
+    let only = |args: &[&str]| -> Vec<String> {
+        let v: Value = serde_json::from_str(&a.ctl_ok(&[&["status", "-o", "json"], args].concat())).unwrap();
+        v["slices"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(only(&["--gpu", "1"]), Vec::<String>::new(), "no slice on GPU 1");
+    let mut on0 = only(&["--gpu", "0"]);
+    on0.sort();
+    assert_eq!(on0, ["job1", "job2"]);
+    assert_eq!(only(&["--pod", "nobody"]), Vec::<String>::new(), "no slice has that pod label");
+    let e = a.ctl(&["status", "-o", "xml"]);
+    assert!(String::from_utf8_lossy(&e.stderr).contains("possible values: table, wide, json, yaml"), "{e:?}");
 
     // Into a pipe nobody reads any more (`vgpuctl status | head -0`): ended by SIGPIPE, quietly.
     let mut fds = [0; 2];
@@ -627,7 +648,7 @@ fn bad_configuration_is_rejected_precisely() {
     let o = s.cmd(&bin("vgpu-node-agent")).args(["--config", cfg.to_str().unwrap(), "run"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(e.contains("bad.toml: monitor_interval_ms: 1 is outside 10..=60000"), "{e}");
+    assert!(e.contains("bad.toml: monitor_interval_ms: 1 is not from 10 to 60000"), "{e}");
     std::fs::write(&cfg, "state_dir = \"/x\"\nsocket = 5\n").unwrap();
     let o = s.cmd(&bin("vgpu-node-agent")).args(["--config", cfg.to_str().unwrap(), "run"]).output().unwrap();
     let e = String::from_utf8_lossy(&o.stderr);
