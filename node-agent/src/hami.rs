@@ -85,6 +85,68 @@ pub enum AssignmentError {
     DeviceId(String),
     #[error("device {device:?}: position {value:?} is not a number")]
     Position { device: String, value: String },
+    #[error("{MIG_ALLOCATIONS}: {0}")]
+    MigAllocationsForm(String),
+    #[error("{MIG_ALLOCATIONS}: allocation {0} is incomplete (it needs gpuUUID, profile and a placement)")]
+    MigAllocationIncomplete(usize),
+    #[error("{MIG_ALLOCATIONS}: allocation {0} has part of a MIG device's identity (migUUID, gpuInstanceID and computeInstanceID go together)")]
+    MigAllocationPartial(usize),
+    #[error("{MIG_ALLOCATIONS}: container {container} device {device} is allocated twice")]
+    MigAllocationTwice { container: usize, device: usize },
+}
+
+/// HAMi (v2.10 and later): the MIG device its scheduler reserved for each MIG-placed device of a
+/// pod, as JSON in this annotation; the node side makes exactly that (the profile at that
+/// placement) and writes back the MIG device it made.
+pub const MIG_ALLOCATIONS: &str = "hami.io/vgpu-mig-allocations";
+
+/// One MIG device a scheduler reserved: for which container (annotation order, init containers
+/// first) and which of its devices, on which GPU, of which profile, where; once made, its identity.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigAllocation {
+    pub container_index: usize,
+    pub device_index: usize,
+    #[serde(rename = "gpuUUID")]
+    pub gpu_uuid: String,
+    pub profile: String,
+    pub placement: MigPlacement,
+    #[serde(rename = "migUUID", default, skip_serializing_if = "String::is_empty")]
+    pub mig_uuid: String,
+    #[serde(rename = "gpuInstanceID", default, skip_serializing_if = "Option::is_none")]
+    pub gpu_instance_id: Option<u32>,
+    #[serde(rename = "computeInstanceID", default, skip_serializing_if = "Option::is_none")]
+    pub compute_instance_id: Option<u32>,
+}
+
+/// Where a MIG device sits: its first memory slice and how many it spans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigPlacement {
+    pub start: u32,
+    pub size: u32,
+}
+
+/// Reads [`MIG_ALLOCATIONS`] as HAMi writes it (empty: none), refusing an allocation without a
+/// GPU, profile or placement, one with part of a made device's identity, and a device twice.
+pub fn decode_mig_allocations(raw: &str) -> Result<Vec<MigAllocation>, AssignmentError> {
+    if raw.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    let all: Vec<MigAllocation> =
+        serde_json::from_str(raw).map_err(|e| AssignmentError::MigAllocationsForm(e.to_string()))?;
+    for (i, a) in all.iter().enumerate() {
+        if a.gpu_uuid.is_empty() || a.profile.is_empty() || a.placement.size == 0 {
+            return Err(AssignmentError::MigAllocationIncomplete(i));
+        }
+        let made = [!a.mig_uuid.is_empty(), a.gpu_instance_id.is_some(), a.compute_instance_id.is_some()];
+        if made.iter().any(|m| *m) && !made.iter().all(|m| *m) {
+            return Err(AssignmentError::MigAllocationPartial(i));
+        }
+        if all[..i].iter().any(|b| (b.container_index, b.device_index) == (a.container_index, a.device_index)) {
+            return Err(AssignmentError::MigAllocationTwice { container: a.container_index, device: a.device_index });
+        }
+    }
+    Ok(all)
 }
 
 /// Decodes `hami.io/vgpu-devices-to-allocate`: containers separated by `;` (init containers first,
@@ -435,6 +497,32 @@ mod tests {
         assert_eq!(find_geometry(&g, "3g.40gb").unwrap().group, "3g.40gb");
         assert!(find_geometry(&g, "9").is_none());
         assert!(find_geometry(&g, "8g").is_none());
+    }
+
+    #[test]
+    fn hami_s_mig_allocations_are_read_as_it_writes_them_and_refused_when_broken() {
+        let raw = r#"[{"containerIndex":1,"deviceIndex":0,"gpuUUID":"GPU-a","profile":"1g.10gb","placement":{"start":6,"size":1}}]"#;
+        let a = decode_mig_allocations(raw).unwrap();
+        assert_eq!(
+            (a[0].container_index, a[0].profile.as_str(), a[0].placement),
+            (1, "1g.10gb", MigPlacement { start: 6, size: 1 })
+        );
+        assert_eq!(decode_mig_allocations("").unwrap(), []);
+        let mut made = a[0].clone();
+        (made.mig_uuid, made.gpu_instance_id, made.compute_instance_id) = ("MIG-x".into(), Some(13), Some(0));
+        let back = serde_json::to_string(&[made.clone()]).unwrap();
+        assert!(back.contains(r#""migUUID":"MIG-x","gpuInstanceID":13,"computeInstanceID":0"#), "{back}");
+        assert_eq!(decode_mig_allocations(&back).unwrap(), [made]);
+        let partial = raw.replace(r#""placement""#, r#""migUUID":"MIG-x","placement""#);
+        assert_eq!(decode_mig_allocations(&partial).unwrap_err(), AssignmentError::MigAllocationPartial(0));
+        let twice = format!("[{0},{0}]", &raw[1..raw.len() - 1]);
+        assert_eq!(
+            decode_mig_allocations(&twice).unwrap_err(),
+            AssignmentError::MigAllocationTwice { container: 1, device: 0 }
+        );
+        let empty = raw.replace("GPU-a", "");
+        assert_eq!(decode_mig_allocations(&empty).unwrap_err(), AssignmentError::MigAllocationIncomplete(0));
+        assert!(matches!(decode_mig_allocations("{").unwrap_err(), AssignmentError::MigAllocationsForm(_)));
     }
 
     #[test]

@@ -74,6 +74,8 @@ pub enum MigAllocationError {
     NoPosition { device: String, geometry: String, position: u32 },
     #[error("device {device}: geometry {geometry} names MIG profile {profile}, which {gpu} lacks")]
     NoProfile { device: String, geometry: String, profile: String, gpu: String },
+    #[error("{gpu} has no MIG profile {profile} of {size} memory slices placed at slice {start}")]
+    NoPlacement { gpu: String, profile: String, start: u32, size: u32 },
     #[error(transparent)]
     Mig(#[from] vgpu_mig::backend::MigError),
     #[error("recording the MIG instances in {}: {error}", path.display())]
@@ -404,7 +406,16 @@ impl Kube {
         let slice = slice_name(&ns, &name, idx);
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let owner = MigOwner { pod_uid: uid, namespace: ns.clone(), pod: name.clone(), container };
-        let allocated = match self.make_devices(&agent, &devices, &slice, owner, disable_control).await {
+        // HAMi v2.10: the MIG devices its scheduler reserved, each to be made exactly.
+        let mut reserved =
+            match hami::decode_mig_allocations(&ann(&pod.metadata, hami::MIG_ALLOCATIONS).unwrap_or_default()) {
+                Ok(r) => r,
+                Err(e) => return fail(refused(e.to_string())).await,
+            };
+        let mut placed: Vec<hami::MigAllocation> =
+            reserved.iter().filter(|a| a.container_index == idx).cloned().collect();
+        placed.sort_by_key(|a| a.device_index);
+        let allocated = match self.make_devices(&agent, &devices, &slice, owner, disable_control, placed).await {
             Ok(a) => a,
             Err(e) => return fail(e).await,
         };
@@ -414,9 +425,14 @@ impl Kube {
         if done {
             set.push((p.bind_phase, Some("success".into())));
         }
+        // What was made for HAMi's reservations, written back into them.
+        if let (Allocated::Mig(uuids), true) = (&allocated, reserved.iter().any(|a| a.container_index == idx)) {
+            fill_identities(&agent, &mut reserved, idx, uuids);
+            set.push((hami::MIG_ALLOCATIONS, Some(serde_json::to_string(&reserved).expect("serialisable"))));
+        }
         // The assignment written back only while it is the one read: what a container's devices are is
         // the scheduler's, and a pod whose assignment changed meanwhile is allocated again.
-        if let Err(e) = self.patch_pod(pod, &set, &[p.to_allocate, p.bind_phase]).await {
+        if let Err(e) = self.patch_pod(pod, &set, &[p.to_allocate, p.bind_phase, hami::MIG_ALLOCATIONS]).await {
             self.undo(&agent, &allocated, &slice).await;
             return fail(e).await;
         }
@@ -440,6 +456,7 @@ impl Kube {
         slice: &str,
         owner: MigOwner,
         disable_control: bool,
+        placed: Vec<hami::MigAllocation>,
     ) -> Result<Allocated, K8sError> {
         let who = format!("pod {}/{}", owner.namespace, owner.pod);
         let refused = |msg: String| K8sError::Refused(format!("{who}: {msg}"));
@@ -453,8 +470,24 @@ impl Kube {
         if devices.iter().all(on_mig) {
             // MIG GPUs: an instance per device, made for this container.
             let (a, devs, key) = (agent.clone(), devices.to_vec(), slice.to_string());
-            return match tokio::task::spawn_blocking(move || mig_allocate(&a, &key, owner, &devs)).await? {
-                Ok(uuids) => Ok(Allocated::Mig(uuids)),
+            if !placed.is_empty() && placed.len() != devs.len() {
+                return Err(refused(format!(
+                    "{} reserves {} MIG devices for the container, its devices are {}",
+                    hami::MIG_ALLOCATIONS,
+                    placed.len(),
+                    devs.len()
+                )));
+            }
+            let made = tokio::task::spawn_blocking(move || {
+                if placed.is_empty() {
+                    mig_allocate(&a, &key, owner, devs.len(), |b, inv, i| make_instance(&a, b, inv, &devs[i]))
+                } else {
+                    mig_allocate(&a, &key, owner, placed.len(), |b, inv, i| make_placed(b, inv, &placed[i]))
+                }
+            })
+            .await?;
+            return match made {
+                Ok(m) => Ok(Allocated::Mig(m.into_iter().filter_map(|a| a.uuid).collect())),
                 Err(e) => Err(devices_err(e.to_string())),
             };
         }
@@ -643,15 +676,23 @@ pub(crate) fn mig_records(agent: &Agent) -> Vec<(String, MigRecord)> {
         .collect()
 }
 
+/// Makes `n` MIG instances for a container (the `i`th by `make`), or none: every instance made so
+/// far goes again if a later one, or the record, cannot be made. A container restarted by kubelet
+/// gets the ones its record names.
 fn mig_allocate(
     agent: &Agent,
     key: &str,
     owner: MigOwner,
-    devices: &[ContainerDevice],
-) -> Result<Vec<String>, MigAllocationError> {
+    n: usize,
+    make: impl Fn(
+        &vgpu_mig::backend::NvmlBackend,
+        &crate::discovery::Inventory,
+        usize,
+    ) -> Result<vgpu_mig::apply::Allocation, MigAllocationError>,
+) -> Result<Vec<vgpu_mig::apply::Allocation>, MigAllocationError> {
     let path = mig_dir(agent).join(format!("{key}.json"));
     if let Ok(rec) = serde_json::from_slice::<MigRecord>(&std::fs::read(&path).unwrap_or_default()) {
-        return Ok(rec.allocations.into_iter().filter_map(|a| a.uuid).collect());
+        return Ok(rec.allocations);
     }
     let nvml = agent.nvml.get().cloned().ok_or(MigAllocationError::NoNvml)?;
     let b = vgpu_mig::backend::NvmlBackend::new(nvml.clone());
@@ -665,8 +706,8 @@ fn mig_allocate(
             let _ = vgpu_mig::apply::release(&b, a.gpu, a.gi);
         }
     };
-    for d in devices {
-        match make_instance(agent, &b, &inv, d) {
+    for i in 0..n {
+        match make(&b, &inv, i) {
             Ok(a) => made.push(a),
             Err(e) => {
                 rollback(&made);
@@ -685,7 +726,50 @@ fn mig_allocate(
     if let Ok(inv) = crate::discovery::discover(&nvml) {
         *agent.inventory.write() = inv;
     }
-    Ok(rec.allocations.into_iter().filter_map(|a| a.uuid).collect())
+    Ok(rec.allocations)
+}
+
+/// Fills in the MIG device made for each of container `idx`'s reservations (in device order, as
+/// `uuids` are): its UUID, GPU instance and compute instance, as the inventory now knows them.
+fn fill_identities(agent: &Agent, reserved: &mut [hami::MigAllocation], idx: usize, uuids: &[String]) {
+    let inv = agent.inventory.read();
+    let mut mine: Vec<&mut hami::MigAllocation> = reserved.iter_mut().filter(|a| a.container_index == idx).collect();
+    mine.sort_by_key(|a| a.device_index);
+    for (a, uuid) in mine.into_iter().zip(uuids) {
+        let found = inv.gpus.iter().filter_map(|g| g.mig.as_ref()).find_map(|m| {
+            let gi = m.devices.iter().find(|d| &d.uuid == uuid)?.gpu_instance_id?;
+            let ci = m.gpu_instances.iter().find(|i| i.id == gi)?.compute_instances.first()?.0;
+            Some((gi, ci))
+        });
+        if let Some((gi, ci)) = found {
+            (a.mig_uuid, a.gpu_instance_id, a.compute_instance_id) = (uuid.clone(), Some(gi), Some(ci));
+        }
+    }
+}
+
+/// The MIG instance HAMi's scheduler reserved (v2.10's [`hami::MIG_ALLOCATIONS`]): its profile at
+/// its placement on its GPU, exactly.
+fn make_placed(
+    b: &vgpu_mig::backend::NvmlBackend,
+    inv: &crate::discovery::Inventory,
+    a: &hami::MigAllocation,
+) -> Result<vgpu_mig::apply::Allocation, MigAllocationError> {
+    use vgpu_mig::backend::MigBackend;
+    let g =
+        inv.gpus.iter().find(|g| g.uuid == a.gpu_uuid).ok_or_else(|| MigAllocationError::NoGpu(a.gpu_uuid.clone()))?;
+    let gpu = b.gpu(g.index)?;
+    let p = gpu
+        .profile_named(&a.profile)
+        .filter(|p| p.memory_slices == a.placement.size && p.starts.contains(&a.placement.start))
+        .ok_or_else(|| MigAllocationError::NoPlacement {
+            gpu: g.name.clone(),
+            profile: a.profile.clone(),
+            start: a.placement.start,
+            size: a.placement.size,
+        })?;
+    let gi = b.create(g.index, p.id, a.placement.start)?;
+    let uuid = b.gpu(g.index)?.instances.into_iter().find(|i| i.gi == gi).and_then(|i| i.uuid);
+    Ok(vgpu_mig::apply::Allocation { gpu: g.index, gi, profile: p.name.clone(), start: a.placement.start, uuid })
 }
 
 /// One MIG instance for a device of a scheduler's assignment: at a position of a geometry, or (a

@@ -173,6 +173,8 @@ fn mig(o: &mut Out, st: &pb::NodeStatus) {
             let Some(c) = &m.container else { continue };
             let (idx, gi, ci) =
                 (c.device_index.to_string(), m.gpu_instance_id.to_string(), m.compute_instance_id.to_string());
+            // The profile as HAMi names it (`1g.10gb`), not the device's NVML name.
+            let profile = m.name.rsplit_once(" MIG ").map_or(m.name.as_str(), |(_, p)| p);
             let l = [
                 ("namespace", c.namespace.as_str()),
                 ("pod", &c.pod),
@@ -180,7 +182,7 @@ fn mig(o: &mut Out, st: &pb::NodeStatus) {
                 ("vdevice_index", &idx),
                 ("device_uuid", &g.uuid),
                 ("mig_uuid", &m.uuid),
-                ("profile", &m.name),
+                ("profile", profile),
                 ("gpu_instance_id", &gi),
                 ("compute_instance_id", &ci),
                 ZONE,

@@ -512,6 +512,59 @@ fn hami_mode_allocates_only_the_lock_s_pod_and_retries_conflicts_leaving_nothing
     });
 }
 
+/// HAMi v2.10 reserves each MIG device in `hami.io/vgpu-mig-allocations`: the agent makes that
+/// profile at that placement, exactly (not where it would fit best), and writes back the MIG device
+/// it made; the metrics name the container it went to.
+#[test]
+fn hami_mode_makes_the_mig_device_hami_reserved_and_says_which() {
+    let (mut s, g1, cluster, Harness { kdir, rt, mut rx, _kubelet, a }) = hami_mig_node(|g1| {
+        let mut p = pod("ml", "placed", "uid-placed", "100", &format!("{g1},NVIDIA,9984,0:;"), &["main"], &[]);
+        p["metadata"]["annotations"]["hami.io/vgpu-mig-allocations"] = format!(
+            r#"[{{"containerIndex":0,"deviceIndex":0,"gpuUUID":"{g1}","profile":"1g.10gb","placement":{{"start":5,"size":1}}}}]"#
+        )
+        .into();
+        p
+    });
+    let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
+    let uuid = rt.block_on(async {
+        let r = kubelet::allocate(kdir.join(&reg.endpoint), vec![format!("{g1}-0")]).await.unwrap();
+        r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"].clone()
+    });
+    assert!(uuid.starts_with("MIG-"), "{uuid}");
+    assert_eq!(h100_instances(&a), [("1g.10gb".to_string(), 5)], "at the reserved slice 5");
+    let ann = cluster.lock().unwrap().pods[0]["metadata"]["annotations"]["hami.io/vgpu-mig-allocations"].clone();
+    let back: Value = serde_json::from_str(ann.as_str().unwrap()).unwrap();
+    assert_eq!(back[0]["migUUID"], uuid.as_str(), "{back}");
+    assert!(back[0]["gpuInstanceID"].is_u64() && back[0]["computeInstanceID"].is_u64(), "{back}");
+    assert_eq!((back[0]["profile"].as_str(), back[0]["placement"]["start"].as_u64()), (Some("1g.10gb"), Some(5)));
+    let (_, body) = a.scrape("/metrics");
+    let info = body.lines().find(|l| l.starts_with("hami_mig_device_info{")).unwrap_or_default().to_string();
+    for want in [
+        "namespace=\"ml\"",
+        "pod=\"placed\"",
+        "container=\"main\"",
+        "profile=\"1g.10gb\"",
+        &format!("mig_uuid=\"{uuid}\""),
+    ] {
+        assert!(info.contains(want), "{want} missing from {info:?}");
+    }
+
+    // A reservation the GPU cannot make (no 1g.10gb starts at slice 7): refused, saying so.
+    {
+        let mut p = pod("ml", "off", "uid-off", "200", &format!("{g1},NVIDIA,9984,0:;"), &["main"], &[]);
+        p["metadata"]["annotations"]["hami.io/vgpu-mig-allocations"] = format!(
+            r#"[{{"containerIndex":0,"deviceIndex":0,"gpuUUID":"{g1}","profile":"1g.10gb","placement":{{"start":7,"size":1}}}}]"#
+        )
+        .into();
+        cluster.lock().unwrap().pods.push(p);
+    }
+    lock(&cluster, "ml", "off");
+    let e = rt.block_on(kubelet::allocate(kdir.join(&reg.endpoint), vec![format!("{g1}-1")])).unwrap_err();
+    assert!(e.message().contains("no MIG profile 1g.10gb of 1 memory slices placed at slice 7"), "{e}");
+    assert_eq!(h100_instances(&a), [("1g.10gb".to_string(), 5)], "nothing more made");
+    let _ = &mut s;
+}
+
 fn vpod(ns: &str, name: &str, uid: &str, devices: &str) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Pod",
