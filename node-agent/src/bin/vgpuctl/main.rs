@@ -100,6 +100,14 @@ enum Cmd {
     Slice(SliceCmd),
     /// One slice: limits, environment, mounts, usage
     Inspect { name: String },
+    /// Run a command on this host in a slice: the slice's environment with host paths (a container
+    /// gets it from `slice create`'s flags instead)
+    Run {
+        name: String,
+        /// The command and its arguments (after `--`)
+        #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
     /// Check NVML, the driver, the library, the state directory, the agent, kubelet and CDI
     Doctor,
     /// MIG layouts: status, and mig-parted configs planned, applied and asserted
@@ -321,6 +329,48 @@ async fn watch(c: &mut Client, interval: u32, json_out: bool, style: Style) {
     }
 }
 
+/// A slice's environment as a process on this host needs it: each value under a container path
+/// mapped back through the slice's mounts to the host path, and the GPUs a container runtime would
+/// give it (`NVIDIA_VISIBLE_DEVICES`) as CUDA_VISIBLE_DEVICES.
+fn host_env(d: &pb::SliceDetail) -> Vec<(String, String)> {
+    let host = |v: &str| -> String {
+        d.mounts
+            .iter()
+            .filter(|m| v.starts_with(m.container_path.as_str()))
+            .max_by_key(|m| m.container_path.len())
+            .map_or(v.to_string(), |m| v.replacen(&m.container_path, &m.host_path, 1))
+    };
+    let mut env: Vec<(String, String)> = d
+        .env
+        .iter()
+        .map(|(k, v)| {
+            if k == "NVIDIA_VISIBLE_DEVICES" {
+                ("CUDA_VISIBLE_DEVICES".into(), v.clone())
+            } else {
+                (k.clone(), host(v))
+            }
+        })
+        .collect();
+    env.sort();
+    env
+}
+
+/// `vgpuctl run NAME -- CMD...`: CMD in slice NAME on this host (exec'd; returns only on failure).
+async fn run_in(c: &mut Client, name: String, command: Vec<String>) -> ! {
+    use std::os::unix::process::CommandExt;
+    let d = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+    let env = host_env(&d);
+    if let Some((_, lib)) = env.iter().find(|(k, _)| k == "LD_PRELOAD") {
+        if !std::path::Path::new(lib).is_file() {
+            eprintln!(
+                "vgpuctl: warning: {lib} (the slice's libvgpu.so) is not there: the command runs without its limits"
+            );
+        }
+    }
+    let e = std::process::Command::new(&command[0]).args(&command[1..]).envs(env).exec();
+    die(1, format!("cannot run {}: {e}", command[0]))
+}
+
 /// `vgpuctl inspect NAME`: a slice's limits and injection, and its usage now.
 async fn inspect(c: &mut Client, name: String, json_out: bool) {
     let d = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
@@ -490,6 +540,7 @@ fn main() {
                 }
             }
             Cmd::Inspect { name } => inspect(&mut c, name, cli.json).await,
+            Cmd::Run { name, command } => run_in(&mut c, name, command).await,
             Cmd::Doctor | Cmd::Cluster(_) => unreachable!("handled above"),
             Cmd::Capacity => {
                 let r = c.capacity(pb::CapacityRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();

@@ -261,6 +261,21 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     w.wait().unwrap();
     assert!(seqs.windows(2).all(|p| p[1] > p[0]), "{seqs:?}");
 
+    // On this host, in a slice: `vgpuctl run` gives a command the slice's environment with host
+    // paths, and its allocations are held to the slice's limit (2 GiB since the update above; the
+    // GPU alone would give the whole 2 GiB asked).
+    let o = s
+        .cmd(&bin("vgpuctl"))
+        .env("VGPU_SOCKET", &a.socket)
+        .env_remove("VGPU_AGENT_CONFIG")
+        .env("VGPU_CONTEXT_OVERHEAD", "64m")
+        .args(["run", "job1", "--", RT, "alloc", "--size", "2g", "--chunk", "100m"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let got = lines(&o.stdout)[0]["allocated"].as_u64().unwrap();
+    assert!(got > 0 && got < 2 << 30, "held to the slice's limit: {got}");
+
     // SIGTERM: a clean exit, the socket removed.
     assert!(a.sigterm().success());
     assert!(!a.socket.exists());
