@@ -532,6 +532,8 @@ impl Agent {
             ready,
             problems,
             metrics_address: self.metrics_address.read().map(|a| a.to_string()).unwrap_or_default(),
+            state_dir: self.cfg.state_dir.display().to_string(),
+            library: self.cfg.library.display().to_string(),
         }
     }
 

@@ -461,6 +461,17 @@ fn main() {
                 Ok(mut c) => c.health(pb::HealthRequest {}).await.map(|r| r.into_inner()).map_err(|e| e.message().to_string()),
                 Err(e) => Err(e.to_string()),
             };
+            // A running agent's own state directory and library are what is checked (a configuration
+            // file, or none, may say otherwise).
+            let mut cfg = cfg;
+            if let Ok(h) = &health {
+                if !h.state_dir.is_empty() {
+                    cfg.state_dir = h.state_dir.clone().into();
+                }
+                if !h.library.is_empty() {
+                    cfg.library = h.library.clone().into();
+                }
+            }
             let checks = tokio::task::spawn_blocking(move || doctor::doctor(&cfg, health)).await.unwrap_or_else(|e| die(1, e));
             if cli.json {
                 println!("{}", json(&checks));

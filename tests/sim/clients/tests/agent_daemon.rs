@@ -734,7 +734,20 @@ fn doctor_reports_what_to_fix() {
     );
     // The simulated libcuda is on LD_LIBRARY_PATH: the driver check passes too, so nothing fails.
     assert_eq!(code, Some(0), "{v}");
-    // A world-writable state directory and a missing library are failures, with the fix.
+    // A configuration that names only the socket: the running agent says where its state and
+    // library are, and those are checked (not the defaults).
+    let bare = s.state.join("bare.toml");
+    let nvml = s.libs.join("libnvidia-ml.so.1");
+    std::fs::write(&bare, format!("socket = \"{}\"\nnvml_library = \"{}\"\n", a.socket.display(), nvml.display()))
+        .unwrap();
+    let (_, _, lib, _, state, _, v) = run(&bare);
+    assert_eq!((lib.as_deref(), state.as_deref()), (Some("ok"), Some("ok")), "{v}");
+    let sd = v.as_array().unwrap().iter().find(|c| c["name"] == "state-dir").cloned().unwrap_or_default();
+    assert!(sd.to_string().contains(&a.state.display().to_string()), "the agent's state directory: {sd}");
+    // A world-writable state directory and a missing library are failures, with the fix (the agent
+    // stopped: the configuration file's paths are what is checked).
+    let mut a = a;
+    assert!(a.sigterm().success());
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&a.state, std::fs::Permissions::from_mode(0o777)).unwrap();
     std::fs::write(
