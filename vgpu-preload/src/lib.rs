@@ -7,7 +7,9 @@
 //! `nvml` are the policies (`pools` and `graphmem` charge what stream-ordered pools hold and what
 //! graphs allocate, `vmm` follows physical allocations, `ctxlimits` what context limits are
 //! charged up to), and `sm` throttles launches (`capture` and `stale` keep its charges and
-//! estimates right); `state` holds the process's slot in the container's region.
+//! estimates right); `state` holds the process's slot in the container's region, `contexts` the
+//! table of contexts seen, `locate` which device and context a call is on, and `drv` the driver
+//! calls the policies make themselves.
 #![deny(clippy::too_many_lines)]
 // Unit-test builds have no exported hooks, so most of the crate is unreachable there.
 #![cfg_attr(test, allow(dead_code, unused_imports))]
@@ -22,6 +24,7 @@ mod drv;
 mod graphmem;
 mod guard;
 mod hooks;
+mod locate;
 mod log;
 mod memory;
 mod nvml;

@@ -629,7 +629,7 @@ fn sampled(est: u64, n: u64, pending: u64) -> bool {
 }
 
 /// The device whose budget a launch into `stream` is charged to: the stream's
-/// (`contexts::stream_dev`: a stream the process made is asked for its context once per thread, and
+/// (`locate::stream_dev`: a stream the process made is asked for its context once per thread, and
 /// it need not be the current one, as a context-independent `CUkernel` may be launched into a
 /// stream of any context); without a driver call when the process sees one device.
 #[inline]
@@ -637,7 +637,7 @@ fn launch_dev(st: &State, stream: CUstream) -> Result<usize, CUresult> {
     if st.sees_one_device() {
         return st.launch_dev();
     }
-    crate::contexts::stream_dev(st, stream).map(|(_, d)| d)
+    crate::locate::stream_dev(st, stream).map(|(_, d)| d)
 }
 
 /// Admits one launch of `key` on `stream` (waiting while the budget is in debt), then runs `launch`.

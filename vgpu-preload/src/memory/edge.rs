@@ -13,7 +13,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 use super::{Made, OK};
-use crate::contexts::site;
+use crate::locate::site;
 use crate::real::cuda_fns as f;
 use crate::state::state;
 use cuda_abi::*;
@@ -102,16 +102,9 @@ pub unsafe fn alloc_pitch(
 ) -> CUresult {
     // SAFETY: as in `alloc_v2`, for both out-pointers.
     let (Some(out), Some(pitch)) = (unsafe { dptr.as_mut() }, unsafe { pitch.as_mut() }) else { return INVALID };
-    let st = state();
-    let extent = (width as u64, height as u64);
-    status(super::pitched(
-        st,
-        extent,
-        || site(st),
-        // SAFETY: the caller's arguments, the out-pointers now references.
-        || made(unsafe { real(out, pitch, width, height, elem) }, || (*out, *pitch as u64)),
-        crate::drv::free,
-    ))
+    // SAFETY: the caller's arguments, the out-pointers now references.
+    let call = |o: &mut CUdeviceptr, p: &mut usize| unsafe { real(o, p, width, height, elem) };
+    pitched(out, pitch, (width as u64, height as u64), call, |o, p| (o, p as u64))
 }
 
 /// The original `cuMemAllocPitch` (32-bit pointer, pitch and extents), as `alloc_pitch`.
@@ -125,16 +118,24 @@ pub unsafe fn alloc_pitch_v1(
 ) -> CUresult {
     // SAFETY: as in `alloc_pitch`.
     let (Some(out), Some(pitch)) = (unsafe { dptr.as_mut() }, unsafe { pitch.as_mut() }) else { return INVALID };
+    // SAFETY: as in `alloc_pitch`.
+    let call = |o: &mut u32, p: &mut u32| unsafe { real(o, p, width, height, elem) };
+    pitched(out, pitch, (width as u64, height as u64), call, |o, p| (o as u64, p as u64))
+}
+
+/// Both pitched forms: `call` makes the allocation into `out` and `pitch` (of the form's widths),
+/// `read` widens what it wrote.
+#[inline]
+fn pitched<P: Copy, Q: Copy>(
+    out: &mut P,
+    pitch: &mut Q,
+    extent: (u64, u64),
+    call: impl FnOnce(&mut P, &mut Q) -> CUresult,
+    read: impl FnOnce(P, Q) -> (u64, u64),
+) -> CUresult {
     let st = state();
-    let extent = (width as u64, height as u64);
-    status(super::pitched(
-        st,
-        extent,
-        || site(st),
-        // SAFETY: as in `alloc_pitch`.
-        || made(unsafe { real(out, pitch, width, height, elem) }, || (*out as u64, *pitch as u64)),
-        crate::drv::free,
-    ))
+    let made = || made(call(out, pitch), || read(*out, *pitch));
+    status(super::pitched(st, extent, || site(st), made, crate::drv::free))
 }
 
 pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
@@ -222,7 +223,7 @@ fn array<H>(
     let st = state();
     let at = || {
         let (o, d) = st.current_dev()?;
-        Ok((o, d, crate::contexts::ctx_id(st, d)))
+        Ok((o, d, crate::locate::ctx_id(st, d)))
     };
     status(super::array(st, estimate, at, || made(create(out), || *out as u64), size_of, destroy))
 }

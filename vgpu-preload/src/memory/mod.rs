@@ -11,8 +11,8 @@ mod edge;
 
 pub use edge::*;
 
-use crate::contexts::{self, streams_changed};
 use crate::drv;
+use crate::locate::{self, streams_changed};
 use crate::log::{vlog, INFO};
 use crate::pools;
 use crate::ptrmap::{ctx_of, pack, pack_in, unpack};
@@ -280,7 +280,7 @@ pub(crate) fn pooled(
     }
     // `cuMemAllocAsync` draws from the current pool of the stream's device, which need not be the
     // current context's; `cuMemAllocFromPoolAsync`'s pool says where its memory is.
-    let (ordinal, here) = if pool.is_none() { contexts::stream_dev(st, stream) } else { current(st) }?;
+    let (ordinal, here) = if pool.is_none() { locate::stream_dev(st, stream) } else { current(st) }?;
     let handle = pool.map_or_else(|| pools::current(ordinal), |p| p as u64);
     let Some(i) = pools::index(handle, here) else {
         return linear(st, size, || Ok((here, 0)), call);
