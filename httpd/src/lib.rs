@@ -100,7 +100,19 @@ async fn connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(io: S, l
     let io = Watched { inner: io, last: last.clone(), started };
     let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
         let handler = handler.clone();
-        async move { Ok::<_, std::convert::Infallible>(answer(&handler, &req)) }
+        // The handler may block (the agent's metrics read NVML and /proc): off the runtime's
+        // threads.
+        let method = req.method().as_str().to_string();
+        let path = req.uri().path().to_string();
+        let auth = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(String::from);
+        async move {
+            let r = tokio::task::spawn_blocking(move || {
+                handler(&Request { method: &method, path: &path, authorization: auth.as_deref() })
+            })
+            .await
+            .unwrap_or_else(|_| Response::text(500, "internal error\n"));
+            Ok::<_, std::convert::Infallible>(answer(r))
+        }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -128,9 +140,7 @@ async fn connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(io: S, l
     }
 }
 
-fn answer(handler: &Handler, req: &hyper::Request<Incoming>) -> hyper::Response<Full<Bytes>> {
-    let authorization = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    let r = handler(&Request { method: req.method().as_str(), path: req.uri().path(), authorization });
+fn answer(r: Response) -> hyper::Response<Full<Bytes>> {
     hyper::Response::builder()
         .status(r.status)
         .header(hyper::header::CONTENT_TYPE, r.content_type)
