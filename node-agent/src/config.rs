@@ -371,7 +371,12 @@ impl Config {
             Some("text") => true,
             Some(v) => return Err(bad("hami_register_format", format!("{v:?} is not json or text"))),
         };
-        let memory_factor = src.within("memory_factor", file.memory_factor.unwrap_or(1024), 1..=1 << 20)?;
+        // Volcano's scheduler reads a pod's volcano.sh/vgpu-memory in units of its gpuMemoryFactor MiB,
+        // 1 unless configured (as Volcano documents it): unset, the agent takes the scheduler's
+        // (from its device configuration, where given) or 1.
+        let scheduler_factor = scheduler_settings.as_ref().and_then(|s| s.gpu_memory_factor).filter(|&f| f > 0);
+        let memory_factor =
+            src.number("memory_factor", file.memory_factor.or(scheduler_factor).unwrap_or(1), 1..=1 << 20)?;
         let memory_scaling = match env("VGPU_AGENT_MEMORY_SCALING") {
             Some(v) => v.trim().parse().map_err(|_| bad("memory_scaling", format!("{v:?} is not a number")))?,
             None => file.memory_scaling.unwrap_or(1.0),

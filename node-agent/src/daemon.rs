@@ -68,16 +68,21 @@ pub enum DaemonError {
     /// The API socket could not be bound.
     #[error(transparent)]
     Socket(#[from] crate::sockets::BindError),
+    /// The configuration cannot work with this node or its scheduler (exit code 2, as a bad
+    /// configuration).
+    #[error("{0}")]
+    Refused(String),
     /// A task the daemon waited on panicked.
     #[error("internal: {0}")]
     Task(#[from] tokio::task::JoinError),
 }
 
 impl DaemonError {
-    /// The agent binary's exit code: 3 when NVML is unavailable, else 1.
+    /// The agent binary's exit code: 3 when NVML is unavailable, 2 when refused, else 1.
     pub fn exit_code(&self) -> i32 {
         match self {
             DaemonError::Nvml(_) => 3,
+            DaemonError::Refused(_) => 2,
             _ => 1,
         }
     }
@@ -217,6 +222,12 @@ async fn run_async(cfg: Config) -> Result<u64, DaemonError> {
         tracing::info!(gpu = %g.uuid, index = g.index, name = %g.name, memory = g.memory_total, "discovered GPU");
     }
     *agent.inventory.write() = inv;
+    // Volcano mode: a pod's volcano.sh/vgpu-memory must mean here what it means to the scheduler.
+    if let Some(why) = crate::deviceplugin::volcano_memory_refusal(&agent) {
+        tracing::error!("{why}");
+        crate::events::post_node_warning(&cfg, "VolcanoMemoryUnits", &why).await;
+        return Err(DaemonError::Refused(why));
+    }
     // The DRA driver after discovery: its ResourceSlice lists the GPUs.
     let dra = cfg.dra.clone().map(|driver| tokio::spawn(crate::dra::run(agent.clone(), driver, stop_rx.clone())));
     let events = cfg.pod_events.then(|| tokio::spawn(crate::events::run(agent.clone(), stop_rx.clone())));

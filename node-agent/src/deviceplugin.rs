@@ -76,6 +76,11 @@ pub fn resources(cfg: &crate::config::Config) -> Vec<(String, String, Kind)> {
 
 /// The devices of a resource now: per GPU (not in MIG mode), with its health and NUMA node.
 pub fn devices(agent: &Agent, kind: Kind) -> Vec<dp::Device> {
+    devices_at(agent, kind, agent.cfg.memory_factor)
+}
+
+/// [`devices`], with memory devices of `memory_factor` MiB each.
+fn devices_at(agent: &Agent, kind: Kind, memory_factor: u32) -> Vec<dp::Device> {
     let st = agent.status();
     let inv = agent.inventory.read();
     let split = agent.cfg.split_count;
@@ -88,7 +93,7 @@ pub fn devices(agent: &Agent, kind: Kind) -> Vec<dp::Device> {
         let topology = g.numa_node.map(|n| dp::TopologyInfo { nodes: vec![dp::NumaNode { id: n as i64 }] });
         let (n_devices, tag) = match kind {
             Kind::Replicas => (split as u64, ""),
-            Kind::Memory => ((agent.scaled(g.memory_total) >> 20) / agent.cfg.memory_factor.max(1) as u64, "mem-"),
+            Kind::Memory => ((agent.scaled(g.memory_total) >> 20) / memory_factor.max(1) as u64, "mem-"),
             Kind::Cores => (100, "core-"),
         };
         for n in 0..n_devices {
@@ -195,10 +200,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                 if last.as_ref() != Some(&now) {
                     let msg = dp::ListAndWatchResponse { devices: now.clone() };
                     if prost::Message::encoded_len(&msg) > MAX_LIST_BYTES {
-                        tracing::error!(
-                            devices = now.len(),
-                            "device list over the kubelet message limit: lower split_count"
-                        );
+                        let fix = if kind == Kind::Memory { "raise memory_factor" } else { "lower split_count" };
+                        tracing::error!(devices = now.len(), "device list over the kubelet message limit: {fix}");
                     }
                     if tx.send(Ok(msg)).await.is_err() {
                         return;
@@ -594,6 +597,49 @@ pub fn settings_mismatches(
         }
     }
     v
+}
+
+/// Why an agent in Volcano mode must not start: a pod's `volcano.sh/vgpu-memory` would not mean here
+/// what it means to the scheduler (whose `gpuMemoryFactor` differs from `memory_factor`), or the
+/// kubelet could not take the memory device list at this factor (one device per `memory_factor`
+/// MiB). None where it may start, and outside Volcano mode.
+pub fn volcano_memory_refusal(agent: &Agent) -> Option<String> {
+    let cfg = &agent.cfg;
+    if cfg.compat != crate::config::Compat::Volcano {
+        return None;
+    }
+    let factor = cfg.memory_factor;
+    let scheduler = cfg.scheduler_settings.as_ref().and_then(|s| s.gpu_memory_factor).filter(|&f| f > 0);
+    if let Some(f) = scheduler.filter(|&f| f != factor) {
+        return Some(format!(
+            "Volcano's scheduler counts volcano.sh/vgpu-memory in units of {f} MiB (gpuMemoryFactor in its \
+             device configuration), but memory_factor is {factor} MiB: a pod asking for 1000 would be placed \
+             for {} and limited to {} here. Set memory_factor = {f} (chart: memoryFactor), or leave it unset \
+             to follow the scheduler",
+            crate::describe::human((u64::from(f) * 1000) << 20),
+            crate::describe::human((u64::from(factor) * 1000) << 20),
+        ));
+    }
+    let list_bytes =
+        |f: u32| prost::Message::encoded_len(&dp::ListAndWatchResponse { devices: devices_at(agent, Kind::Memory, f) });
+    let bytes = list_bytes(factor);
+    if bytes <= MAX_LIST_BYTES {
+        return None;
+    }
+    let mut fits = factor.next_power_of_two().max(2);
+    while fits < 1 << 20 && list_bytes(fits) > MAX_LIST_BYTES {
+        fits *= 2;
+    }
+    let n = devices_at(agent, Kind::Memory, factor).len();
+    Some(format!(
+        "at memory_factor {factor} MiB (Volcano's default unit) this node's volcano.sh/vgpu-memory is {n} devices, \
+         a list of {} where the kubelet takes at most {}: set gpuMemoryFactor: {fits} in the scheduler's device \
+         configuration (ConfigMap volcano-vgpu-device-config, its nvidia section) and memory_factor = {fits} here \
+         (chart: memoryFactor), or leave memory_factor unset and give the agent that configuration \
+         (mig_geometries_file); pods then ask for volcano.sh/vgpu-memory in units of {fits} MiB",
+        crate::describe::human(bytes as u64),
+        crate::describe::human(MAX_LIST_BYTES as u64),
+    ))
 }
 
 /// [`settings_mismatches`] as one line: each difference, `; ` between.

@@ -260,6 +260,29 @@ pub fn event(object: &Value, kind: &str, reason: &str, message: &str, node: &str
     })
 }
 
+/// Posts one Warning about this node (a refusal to start, before [`run`] posts anything): where
+/// `pod_events` is on, within 10 s, or not at all (logged).
+pub async fn post_node_warning(cfg: &crate::config::Config, reason: &str, message: &str) {
+    if !cfg.pod_events {
+        return;
+    }
+    let post = async {
+        let client = crate::k8s::client(cfg.kube_api.as_deref()).await.map_err(|e| e.to_string())?;
+        let events = ApiResource::erase::<k8s_openapi::api::core::v1::Event>(&());
+        let api: Api<DynamicObject> = Api::namespaced_with(client, "default", &events);
+        let object = node_object(&cfg.node_name);
+        let e = serde_json::from_value::<DynamicObject>(event(&object, "Warning", reason, message, &cfg.node_name))
+            .map_err(|e| format!("cannot make an Event: {e}"))?;
+        api.create(&PostParams::default(), &e).await.map_err(|e| e.to_string())?;
+        Ok::<(), String>(())
+    };
+    match tokio::time::timeout(Duration::from_secs(10), post).await {
+        Ok(Ok(())) => tracing::info!(reason, "Event: {message}"),
+        Ok(Err(e)) => tracing::warn!(error = %e, reason, "cannot post the Event"),
+        Err(_) => tracing::warn!(reason, "cannot post the Event: the API server did not answer in 10 s"),
+    }
+}
+
 /// The Events posted lately, by what they were about, so that the same again updates its Event.
 #[derive(Default)]
 pub struct Recent {

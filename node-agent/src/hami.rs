@@ -31,6 +31,10 @@ pub struct Protocol {
     pub lock_names_owner: bool,
     /// Every container entry closed by `;` (HAMi), or entries joined by `;` (Volcano).
     pub trailing_separator: bool,
+    /// A device's memory in the scheduler's annotations: MiB (HAMi), or units of the scheduler's
+    /// `gpuMemoryFactor` MiB, `memory_factor` here (Volcano: its scheduler writes what the pod asked
+    /// for in `volcano.sh/vgpu-memory`, and its device plugin multiplies).
+    pub memory_in_factor_units: bool,
 }
 
 pub static HAMI: Protocol = Protocol {
@@ -42,6 +46,7 @@ pub static HAMI: Protocol = Protocol {
     lock: NODE_LOCK,
     lock_names_owner: true,
     trailing_separator: true,
+    memory_in_factor_units: false,
 };
 
 pub static VOLCANO: Protocol = Protocol {
@@ -53,6 +58,7 @@ pub static VOLCANO: Protocol = Protocol {
     lock: "hamivgpu",
     lock_names_owner: false,
     trailing_separator: false,
+    memory_in_factor_units: true,
 };
 
 /// Volcano's register value: `uuid,count,devmem,NVIDIA-<model>,health,mode:` per device, `devmem` in
@@ -563,6 +569,9 @@ mod tests {
         assert_eq!(g3.len(), 1);
         assert_eq!(g3[0].templates[0].name, "3g.40gb");
         assert_eq!(g3[0].group, "0", "referred to by its index in what is registered, not in the file");
+        // A whole device configuration without geometries (no MIG in the cluster): none, the GPUs' own.
+        assert!(parse_mig_geometries("nvidia:\n  gpuMemoryFactor: 4\n").unwrap().is_empty());
+        assert!(parse_mig_geometries("other: 1\n").is_err(), "neither form");
         assert_eq!(gpu_geometries(&k, "NVIDIA H100 80GB HBM3", &h100())[0].group, "1g.10gb");
         // Mistakes are named.
         let e = parse_mig_geometries("knownMigGeometries:\n- models: [A30]\n  allowedGeometries:\n  - group: my-group\n    geometries: [{name: 1g.6gb, memory: 6144, count: 4}]\n").unwrap_err().to_string();
@@ -618,7 +627,7 @@ mod tests {
         assert_eq!(settings_mismatches(&s, &own), []);
         // Volcano: its three resources, and the memory factor.
         let volcano = parse_scheduler_settings(&format!("nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  resourceMemoryName: volcano.sh/vgpu-mem\n  resourceCoreName: volcano.sh/vgpu-cores\n  deviceSplitCount: 4\n  gpuMemoryFactor: 1\n{geo}")).unwrap().unwrap();
-        let got = settings_mismatches(&volcano, &cfg("compat = \"volcano\""));
+        let got = settings_mismatches(&volcano, &cfg("compat = \"volcano\"\nmemory_factor = 1024"));
         assert_eq!(got.len(), 2, "not deviceSplitCount, which Volcano's plugin takes from its flags: {got:?}");
         assert!(
             got[0].0
@@ -635,5 +644,7 @@ mod tests {
             )
         );
         assert_eq!(settings_mismatches(&volcano, &cfg("compat = \"volcano\"\nmemory_factor = 1")).len(), 1);
+        // Unset, memory_factor is Volcano's default unit, 1 MiB.
+        assert_eq!(cfg("compat = \"volcano\"").memory_factor, 1);
     }
 }

@@ -385,7 +385,13 @@ impl Kube {
             )))
             .await;
         }
-        let devices: Vec<ContainerDevice> = std::mem::take(&mut entries[idx]);
+        let mut devices: Vec<ContainerDevice> = std::mem::take(&mut entries[idx]);
+        if p.memory_in_factor_units {
+            let unit = u64::from(agent.cfg.memory_factor.max(1));
+            for d in &mut devices {
+                d.mem_mib = d.mem_mib.saturating_mul(unit);
+            }
+        }
         // Container names in annotation order: init containers first.
         let spec = pod.spec.clone().unwrap_or_default();
         let ctr_names: Vec<String> =

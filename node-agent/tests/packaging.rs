@@ -112,7 +112,7 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                     .unwrap_or_else(|e| panic!("the chart's agent.toml: {e}"));
                 assert_eq!(cfg.compat, vgpu_agent::config::Compat::Hami);
                 assert_eq!(cfg.kubelet_dir, PathBuf::from("/var/lib/kubelet/device-plugins"));
-                assert_eq!((cfg.memory_scaling, cfg.memory_factor), (1.0, 1024));
+                assert_eq!((cfg.memory_scaling, cfg.memory_factor), (1.0, 1), "Volcano's default unit, 1 MiB");
                 std::fs::remove_file(f).ok();
             }
             "DaemonSet" => {

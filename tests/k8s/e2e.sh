@@ -9,8 +9,10 @@
 #      simulated-CUDA client is held to the slice's memory and SM share; the lock is released, the
 #      bind phase set; `vgpuctl status` names the pod; an Allocate that fails leaves no slice; an
 #      agent may change only its own Node; without one of its RBAC rules it says so, writes nothing;
-#   3. Volcano mode: the same with the annotations Volcano's scheduler writes; a deleted pod's slice
-#      is removed;
+#   3. Volcano mode: without the scheduler's memory unit for a node this large the agent does not
+#      start and raises an Event on the Node saying what to set; with the scheduler's configuration
+#      its volcano.sh/vgpu-memory is in that unit, and a pod with the annotations Volcano's scheduler
+#      writes (memory in that unit) is held to it; a deleted pod's slice is removed;
 #   4. DRA: `helm upgrade` to DRA restarts the agent (checksum/config); its ResourceSlices pass the
 #      API server's validation; a pod with a ResourceClaim (a CEL selector on memory) is allocated by
 #      kube-scheduler, prepared by the agent through the kubelet, held to the claim's memory and SM
@@ -314,11 +316,24 @@ wait_until 60 "a log line saying the node patch was forbidden" forbidden
 [ -z "$(annotation node "$node" "" hami.io/node-nvidia-register)" ] || fail "the register annotation came back without the rule"
 echo "  refused and said; the register annotation stays away (the next upgrade restores the rule)"
 
-stage "Volcano mode: helm upgrade; a pod with the annotations Volcano's scheduler writes"
-# --force-conflicts: the ClusterRole's rules, which the stage above patched, are the chart's again.
+stage "Volcano mode: memory in the scheduler's units, or no start; a pod as Volcano's scheduler writes it"
+# Without the scheduler's configuration the agent counts volcano.sh/vgpu-memory in MiB, Volcano's
+# default; two 40 GB GPUs are more MiB devices than the kubelet takes: the agent does not start, and
+# says so in an Event on the Node. --force-conflicts: the ClusterRole's rules, which the stage above
+# patched, are the chart's again.
 "$H" upgrade vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --set compat=volcano --force-conflicts \
-    --wait --timeout 120s >/dev/null ||
-    fail "helm upgrade to Volcano mode"
+    >/dev/null || fail "helm upgrade to Volcano mode"
+units_event() { "$K" get events -A --field-selector reason=VolcanoMemoryUnits -o jsonpath='{.items[0].message}'; }
+units_said() { units_event | grep -q "set gpuMemoryFactor: "; }
+wait_until 90 "the agent's VolcanoMemoryUnits Event" units_said
+echo "  Event: $(units_event | cut -c1-160)..."
+# Volcano's device configuration, with a factor that fits (as the Event says), given to the agent.
+"$K" -n "$ns" create configmap volcano-vgpu-device-config \
+    --from-literal=device-config.yaml="$(printf 'nvidia:\n  resourceMemoryName: volcano.sh/vgpu-memory\n  gpuMemoryFactor: 4\n')" >/dev/null
+"$H" upgrade vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --set compat=volcano \
+    --set migGeometriesConfigMap=volcano-vgpu-device-config \
+    --set migGeometriesFile=/etc/vgpu-mig-geometries/device-config.yaml --wait --timeout 120s >/dev/null ||
+    fail "helm upgrade to Volcano mode with the scheduler's configuration"
 "$K" -n "$ns" rollout status ds/vgpu-node-agent --timeout=90s >/dev/null || fail "the agent did not restart"
 agent_pod=$("$K" -n "$ns" get pods -l app.kubernetes.io/name=vgpu-node-agent -o jsonpath='{.items[0].metadata.name}')
 volcano_registered() { [ -n "$(annotation node "$node" "" volcano.sh/node-vgpu-register)" ]; }
@@ -326,9 +341,14 @@ wait_until 60 "Volcano's register annotation on the Node" volcano_registered
 echo "  registered: $(annotation node "$node" "" volcano.sh/node-vgpu-register | cut -c1-100)"
 volcano_allocatable() { [ "$("$K" get node "$node" -o jsonpath='{.status.allocatable.volcano\.sh/vgpu-number}')" -gt 0 ]; }
 wait_until 60 "volcano.sh/vgpu-number allocatable on the node" volcano_allocatable
-# Volcano's node lock and the pod's devices (2048 MiB, 50 %).
+# One volcano.sh/vgpu-memory unit per 4 MiB: what the register annotation offers, and the kubelet.
+units=$(annotation node "$node" "" volcano.sh/node-vgpu-register | python3 -c "import sys; print(sum(int(d.split(',')[2]) for d in sys.stdin.read().strip().split(':') if d))")
+memory_allocatable() { [ "$("$K" get node "$node" -o jsonpath='{.status.allocatable.volcano\.sh/vgpu-memory}')" = "$units" ]; }
+wait_until 60 "volcano.sh/vgpu-memory allocatable = the register annotation's $units units" memory_allocatable
+echo "  volcano.sh/vgpu-memory: $units units of 4 MiB, in the annotation and allocatable"
+# Volcano's node lock and the pod's devices: 512 units of 4 MiB (2048 MiB), 50 %.
 "$K" annotate node "$node" "hamivgpu=$(date -u +%Y-%m-%dT%H:%M:%SZ)" >/dev/null
-devices="$uuid,NVIDIA,2048,50:;"
+devices="$uuid,NVIDIA,512,50:;"
 cat <<EOF | "$K" apply -f - >/dev/null
 apiVersion: v1
 kind: Pod

@@ -75,9 +75,16 @@ enum FileForm {
         #[serde(rename = "knownMigGeometries")]
         known: Vec<KnownForm>,
     },
+    /// The whole file: its `nvidia` section, which may have no geometries (the GPUs' own then).
     Nvidia {
-        nvidia: Box<FileForm>,
+        nvidia: NvidiaForm,
     },
+}
+
+#[derive(Deserialize)]
+struct NvidiaForm {
+    #[serde(rename = "knownMigGeometries", default)]
+    known: Vec<KnownForm>,
 }
 
 /// Why a scheduler's (HAMi's or Volcano's) device configuration cannot be followed.
@@ -114,16 +121,13 @@ pub enum PeerConfigError {
 }
 
 /// Parses the `knownMigGeometries` of HAMi's or Volcano's device configuration: the list itself, a
-/// mapping with that key, or the whole file with it under `nvidia` (other keys are ignored).
+/// mapping with that key, or the whole file with it under `nvidia` (other keys are ignored; a whole
+/// file without it gives none).
 /// Geometries without a group name are named by their index, as HAMi refers to them.
 pub fn parse_mig_geometries(text: &str) -> Result<Vec<KnownMigGeometries>, PeerConfigError> {
     let form: FileForm = yaml_serde::from_str(text).map_err(PeerConfigError::GeometriesForm)?;
-    let mut form = form;
-    let known = loop {
-        match form {
-            FileForm::List(k) | FileForm::Known { known: k } => break k,
-            FileForm::Nvidia { nvidia } => form = *nvidia,
-        }
+    let known = match form {
+        FileForm::List(k) | FileForm::Known { known: k } | FileForm::Nvidia { nvidia: NvidiaForm { known: k } } => k,
     };
     let mut out = Vec::new();
     for (i, k) in known.into_iter().enumerate() {

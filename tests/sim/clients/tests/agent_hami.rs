@@ -584,8 +584,9 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
     let cluster = Arc::new(Mutex::new(Cluster {
         node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1",
                      "annotations": {"hamivgpu": "2026-11-29T10:00:00Z"}}}),
-        // Volcano's encoding: containers joined by ';' without a trailing one; the second container has no GPU.
-        pods: vec![vpod("batch", "job", "uid-job", &format!("{g1},NVIDIA,2048,50:;"))],
+        // Volcano's encoding: containers joined by ';' without a trailing one; the second container has
+        // no GPU. Memory in the scheduler's units, gpuMemoryFactor (memory_factor 1024 here): 2 GiB.
+        pods: vec![vpod("batch", "job", "uid-job", &format!("{g1},NVIDIA,2,50:;"))],
         rv: 10,
         ..Default::default()
     }));
@@ -874,7 +875,7 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
     let conf = s.state.join("volcano-vgpu-device-config.yaml");
     std::fs::write(
         &conf,
-        "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  deviceSplitCount: 5\n  gpuMemoryFactor: 1\n  knownMigGeometries:\n  - models: [\"A100-SXM4-80GB\"]\n    allowedGeometries:\n    - group: other\n      geometries: [{name: 7g.80gb, memory: 81920, count: 1}]\n  - models: [\"H100 80GB HBM3\", \"H100-SXM5-80GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries: [{name: 1g.10gb, memory: 10240, count: 7}]\n    - group: group3\n      geometries:\n      - {name: 3g.40gb, memory: 40960, count: 1}\n      - {name: 2g.20gb, memory: 20480, count: 1}\n      - {name: 1g.10gb, memory: 10240, count: 1}\n    - group: groupx\n      geometries: [{name: 1g.5gb, memory: 5120, count: 7}]\n",
+        "nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  deviceSplitCount: 5\n  gpuMemoryFactor: 1024\n  knownMigGeometries:\n  - models: [\"A100-SXM4-80GB\"]\n    allowedGeometries:\n    - group: other\n      geometries: [{name: 7g.80gb, memory: 81920, count: 1}]\n  - models: [\"H100 80GB HBM3\", \"H100-SXM5-80GB\"]\n    allowedGeometries:\n    - group: group1\n      geometries: [{name: 1g.10gb, memory: 10240, count: 7}]\n    - group: group3\n      geometries:\n      - {name: 3g.40gb, memory: 40960, count: 1}\n      - {name: 2g.20gb, memory: 20480, count: 1}\n      - {name: 1g.10gb, memory: 10240, count: 1}\n    - group: groupx\n      geometries: [{name: 1g.5gb, memory: 5120, count: 7}]\n",
     )
     .unwrap();
     let cluster = Arc::new(Mutex::new(Cluster {
@@ -920,17 +921,11 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
     // The agent says so too: a warning in the status while it lasts, logged once.
     let left = "GPU 1 (NVIDIA H100 80GB HBM3): 1 of the 3 MIG geometries mig_geometries_file gives it name profiles it lacks and are left out: groupx (1g.5gb)";
     let st = a.wait("the left-out geometry's warning", |v| v["warnings"].to_string().contains(left));
-    // And where it disagrees with the rest of the scheduler's configuration (from its start): the
-    // memory factor, not the replicas (Volcano's plugin takes those from its flags).
-    let factor = "gpuMemoryFactor is 1 MiB, but the agent counts memory in 1024 MiB units (memory_factor)";
-    assert_eq!(
-        st["warnings"],
-        json!([left, format!("the scheduler's device configuration: {factor}")]),
-        "the H100's and the configuration's, nothing else: {st}"
-    );
+    // Nothing else: the memory unit is the scheduler's (memory_factor unset follows its
+    // gpuMemoryFactor), and the replicas are not compared (Volcano's plugin takes them from its flags).
+    assert_eq!(st["warnings"], json!([left]), "the H100's, nothing else: {st}");
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(a.log_text().matches(left).count(), 1, "logged once over several register passes:\n{}", a.log_text());
-    assert_eq!(a.log_text().matches(factor).count(), 1, "logged at start:\n{}", a.log_text());
     // vgpuctl doctor says which GPUs the file does not fit: the A100 40GB matches none of its
     // models, and one of the H100's geometries names an A100 profile.
     let doctor_check = |cfg: &std::path::Path, name: &str| -> Option<Value> {
@@ -940,7 +935,7 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
     };
     let doctor = |cfg: &std::path::Path| doctor_check(cfg, "mig-geometries").expect("a mig-geometries check");
     let d = doctor_check(&s.state.join("agent.toml"), "scheduler-config").expect("a scheduler-config check");
-    assert_eq!((d["level"].as_str(), d["detail"].as_str()), (Some("fail"), Some(factor)), "{d}");
+    assert_eq!(d["level"], "ok", "{d}");
     let d = doctor(&s.state.join("agent.toml"));
     assert_eq!(d["level"], "warn", "{d}");
     let detail = d["detail"].as_str().unwrap();
@@ -984,4 +979,110 @@ fn volcano_mode_follows_the_mig_geometries_of_the_schedulers_configuration() {
         "{d}"
     );
     let _ = &mut s;
+}
+
+/// Volcano mode: a pod's `volcano.sh/vgpu-memory` means here what it means to Volcano's scheduler.
+/// Unset, `memory_factor` is the scheduler's `gpuMemoryFactor`, or 1 MiB (Volcano's default); an
+/// agent whose units differ from the scheduler's, or whose memory device list the kubelet could not
+/// take, refuses to start, says what to set, and raises a Kubernetes Event on its Node.
+#[test]
+fn volcano_mode_refuses_memory_units_other_than_the_schedulers() {
+    let s = Sim::new(Some(NODE));
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
+        rv: 10,
+        ..Default::default()
+    }));
+    let api = serve(cluster.clone());
+    let kdir = s.state.join("kubelet");
+    std::fs::create_dir_all(&kdir).unwrap();
+    let scheduler = s.state.join("volcano-vgpu-device-config.yaml");
+    std::fs::write(&scheduler, "nvidia:\n  resourceMemoryName: volcano.sh/vgpu-memory\n  gpuMemoryFactor: 1\n")
+        .unwrap();
+    let cfg = s.state.join("agent.toml");
+    let run = |config: String| {
+        std::fs::write(&cfg, config).unwrap();
+        let o = s
+            .cmd(&bin("vgpu-node-agent"))
+            .env("VGPU_AGENT_KUBELET_DIR", &kdir)
+            .env("VGPU_AGENT_KUBE_API", &api)
+            .env("NODE_NAME", "node1")
+            .args(["--config", cfg.to_str().unwrap(), "--state-dir", s.state.join("agent").to_str().unwrap()])
+            .args(["--socket", s.state.join("agent.sock").to_str().unwrap(), "--metrics-address", "off"])
+            .arg("--nvml-library")
+            .arg(s.libs.join("libnvidia-ml.so.1"))
+            .arg("run")
+            .output()
+            .unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    // The scheduler counts in MiB (its default), the agent was told GiB: refused, with the fix.
+    let base = format!("compat = \"volcano\"\nmig_geometries_file = {:?}\n", scheduler.to_str().unwrap());
+    let (code, err) = run(format!("{base}memory_factor = 1024\n"));
+    assert_eq!(code, Some(2), "{err}");
+    let why = "Volcano's scheduler counts volcano.sh/vgpu-memory in units of 1 MiB (gpuMemoryFactor in its device configuration), but memory_factor is 1024 MiB: a pod asking for 1000 would be placed for 1000.0 MiB and limited to 1000.0 GiB here. Set memory_factor = 1 (chart: memoryFactor), or leave it unset to follow the scheduler";
+    assert!(err.contains(why), "{err}");
+    {
+        let c = cluster.lock().unwrap();
+        assert_eq!(c.events.len(), 1, "{:?}", c.events);
+        let e = &c.events[0];
+        assert_eq!((e["type"].as_str(), e["reason"].as_str()), (Some("Warning"), Some("VolcanoMemoryUnits")));
+        assert_eq!(
+            (e["involvedObject"]["kind"].as_str(), e["involvedObject"]["name"].as_str()),
+            (Some("Node"), Some("node1"))
+        );
+        assert!(e["message"].as_str().unwrap().contains(why), "{e}");
+    }
+    // vgpuctl doctor, on the same configuration, fails the same check.
+    let o = s.cmd(&bin("vgpuctl")).args(["--config", cfg.to_str().unwrap(), "doctor", "--json"]).output().unwrap();
+    let checks: Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
+    let d = checks.as_array().unwrap().iter().find(|c| c["name"] == "scheduler-config").expect("the check").clone();
+    let factor = "gpuMemoryFactor is 1 MiB, but the agent counts memory in 1024 MiB units (memory_factor)";
+    assert_eq!((d["level"].as_str(), d["detail"].as_str()), (Some("fail"), Some(factor)), "{d}");
+
+    // Unset, memory_factor is Volcano's default, 1 MiB: this node's 8 GiB and 80 GiB GPUs as one
+    // device per MiB are more than the kubelet takes in one message. Refused, naming a factor that fits.
+    let (code, err) = run("compat = \"volcano\"\n".into());
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains(
+            "at memory_factor 1 MiB (Volcano's default unit) this node's volcano.sh/vgpu-memory is 89751 devices"
+        ),
+        "{err}"
+    );
+    let fits: u32 = err
+        .split("set gpuMemoryFactor: ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("a factor named: {err}"));
+    assert!(err.contains(&format!("and memory_factor = {fits} here")), "{err}");
+    assert_eq!(cluster.lock().unwrap().events.len(), 2, "an Event for this refusal too");
+    // And it does fit: at that factor the agent starts and the kubelet takes the list.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
+    std::fs::write(&cfg, format!("compat = \"volcano\"\nmemory_factor = {fits}\n")).unwrap();
+    let _a = Agent::start(
+        &s,
+        &[
+            ("VGPU_AGENT_CONFIG", cfg.to_str().unwrap()),
+            ("VGPU_AGENT_KUBELET_DIR", kdir.to_str().unwrap()),
+            ("VGPU_AGENT_KUBE_API", &api),
+            ("NODE_NAME", "node1"),
+        ],
+    );
+    let sock = rt.block_on(async {
+        loop {
+            let r = tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap();
+            if r.resource_name == "volcano.sh/vgpu-memory" {
+                break r.endpoint;
+            }
+        }
+    });
+    let n = rt.block_on(async {
+        let mut c = kubelet::plugin(kdir.join(sock)).await;
+        c.list_and_watch(dp::Empty {}).await.unwrap().into_inner().message().await.unwrap().unwrap().devices.len()
+    });
+    assert_eq!(n as u32, 8192 / fits + 81559 / fits, "one device per {fits} MiB of each GPU");
 }
