@@ -3,6 +3,7 @@
 //! publishes after every pass and the API and metrics endpoints read.
 
 use crate::config::Config;
+use crate::describe::exact;
 use crate::discovery::Inventory;
 use crate::health::Health;
 use crate::monitor::Pass;
@@ -312,8 +313,10 @@ impl Agent {
                 let scaling =
                     if cap == total { String::new() } else { format!(", memory_scaling {}", self.cfg.memory_scaling) };
                 return Err(ApiError::Invalid(format!(
-                    "memory limit {} is more than GPU {} has ({cap} bytes{scaling})",
-                    g.memory, g.gpu
+                    "memory limit {} is more than GPU {} has ({}{scaling})",
+                    exact(g.memory, cap),
+                    g.gpu,
+                    exact(cap, g.memory)
                 )));
             }
             if v.iter().any(|x| x.uuid == uuid) {

@@ -3,19 +3,14 @@
 
 use vgpu_proto::v1 as pb;
 
-/// `1.5 GiB`, `512 MiB`, `0 B`.
-pub fn human(b: u64) -> String {
-    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i < U.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{b} B")
+pub use vgpu_units::human;
+
+/// `b` for people, with its bytes when `other` (the size it is compared with) reads the same.
+pub fn exact(b: u64, other: u64) -> String {
+    if human(b) == human(other) {
+        format!("{} ({b} bytes)", human(b))
     } else {
-        format!("{v:.1} {}", U[i])
+        human(b)
     }
 }
 

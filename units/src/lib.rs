@@ -86,6 +86,22 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     Ok(v.round() as u64)
 }
 
+/// A size for people: `1.5 GiB`, `512.0 MiB`, `0 B` (powers of 1024, one decimal).
+pub fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +139,15 @@ mod tests {
         assert!(matches!(parse_size("16777216t"), Err(SizeError::TooLarge(_))));
         assert!(matches!(parse_size("0xzz"), Err(SizeError::NotANumber(_))));
         assert!(matches!(parse_size(""), Err(SizeError::NotANumber(_))));
+    }
+
+    #[test]
+    fn human_sizes_read_as_powers_of_1024() {
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(1023), "1023 B");
+        assert_eq!(human(1536 << 20), "1.5 GiB");
+        assert_eq!(human(8 << 30), "8.0 GiB");
+        assert_eq!(human(7_516_192_768), "7.0 GiB");
+        assert_eq!(parse_size(&human(8 << 30)), Ok(8 << 30));
     }
 }

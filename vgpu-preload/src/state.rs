@@ -445,7 +445,7 @@ impl State {
                 self.phys_total[d].store(t as u64, Release);
             }
         }
-        vlog!(INFO, "CUDA device {ordinal} ({uuid}) is container device {d}, limit {} bytes", self.mem_limit(d));
+        vlog!(INFO, "CUDA device {ordinal} ({uuid}) is container device {d}, limit {}", limit_words(self.mem_limit(d)));
         if let Some(count) = h.cuDeviceGetCount {
             let mut n = 0;
             // SAFETY: out-pointer to a local.
@@ -478,7 +478,7 @@ impl State {
         let sm = self.cfg.sm_limit.get(idx).copied().unwrap_or(0);
         let d = r.bind_device(idx, uuid, mem, sm)?;
         self.warn_if_other_limits(r, d, mem, sm);
-        vlog!(INFO, "NVML device {index} ({uuid}) is container device {d}, limit {} bytes", self.mem_limit(d));
+        vlog!(INFO, "NVML device {index} ({uuid}) is container device {d}, limit {}", limit_words(self.mem_limit(d)));
         Some(d)
     }
 
@@ -672,5 +672,14 @@ fn host_pid() -> u32 {
         ns[0]
     } else {
         0
+    }
+}
+
+/// A device's memory limit as the log says it: `8.0 GiB (8589934592 bytes)`, or `none`.
+fn limit_words(limit: u64) -> String {
+    if limit == 0 || limit == u64::MAX {
+        "none".to_string()
+    } else {
+        format!("{} ({limit} bytes)", vgpu_units::human(limit))
     }
 }

@@ -198,7 +198,7 @@ pub enum DraError {
     SharedContainer(String),
     #[error("no GPU {0} on this node")]
     NoGpu(u32),
-    #[error("the claim consumes {bytes} bytes of GPU {index}'s memory, which offers {offers}")]
+    #[error("the claim consumes {} of GPU {index}'s memory, which offers {}", crate::describe::exact(*bytes, *offers), crate::describe::exact(*offers, *bytes))]
     TooMuchMemory { bytes: u64, index: u32, offers: u64 },
     #[error("making slice {slice}: {source}")]
     MakeSlice { slice: String, source: crate::agent::ApiError },

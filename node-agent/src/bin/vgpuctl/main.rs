@@ -64,21 +64,37 @@ struct StatusFilter {
 }
 
 impl StatusFilter {
+    /// Whether a slice's labels pass `--pod` and `--namespace`.
+    fn labels_match(&self, labels: &std::collections::HashMap<String, String>) -> bool {
+        let label = |k: &str, want: &Option<String>| want.as_ref().is_none_or(|w| labels.get(k) == Some(w));
+        label("pod", &self.pod) && label("namespace", &self.namespace)
+    }
+
+    /// Whether a GPU passes `--gpu` (its index, or at least four leading characters of its UUID).
+    fn gpu_matches(&self, index: u32, uuid: &str) -> bool {
+        self.gpu.as_ref().is_none_or(|g| index.to_string() == *g || (g.len() >= 4 && uuid.starts_with(g.as_str())))
+    }
+
     /// The status with what the filter leaves out removed.
     fn apply(&self, mut st: pb::NodeStatus) -> pb::NodeStatus {
-        let label = |s: &pb::SliceStatus, k: &str, want: &Option<String>| {
-            want.as_ref().is_none_or(|w| s.labels.get(k).is_some_and(|v| v == w))
-        };
-        st.slices.retain(|s| label(s, "pod", &self.pod) && label(s, "namespace", &self.namespace));
-        if let Some(g) = &self.gpu {
-            let matches =
-                |index: u32, uuid: &str| index.to_string() == *g || (g.len() >= 4 && uuid.starts_with(g.as_str()));
-            st.gpus.retain(|x| matches(x.index, &x.uuid));
+        st.slices.retain(|s| self.labels_match(&s.labels));
+        if self.gpu.is_some() {
+            st.gpus.retain(|x| self.gpu_matches(x.index, &x.uuid));
             let uuids: Vec<String> = st.gpus.iter().map(|x| x.uuid.clone()).collect();
             st.slices.retain(|s| s.gpus.iter().any(|x| uuids.contains(&x.uuid)));
             st.escapes.retain(|e| uuids.contains(&e.gpu));
         }
         st
+    }
+
+    /// The slices of `list` that pass the filter (`gpus`: the node's, to resolve `--gpu`).
+    fn apply_to_list(&self, slices: &mut Vec<pb::SliceDetail>, gpus: &[pb::GpuStatus]) {
+        slices.retain(|d| self.labels_match(&d.labels));
+        if self.gpu.is_some() {
+            let uuids: Vec<&str> =
+                gpus.iter().filter(|x| self.gpu_matches(x.index, &x.uuid)).map(|x| x.uuid.as_str()).collect();
+            slices.retain(|d| d.gpus.iter().any(|x| uuids.contains(&x.gpu.as_str())));
+        }
     }
 }
 
@@ -249,7 +265,10 @@ enum SliceCmd {
         force: bool,
     },
     /// List slices
-    List,
+    List {
+        #[command(flatten)]
+        filter: StatusFilter,
+    },
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -529,25 +548,18 @@ fn main() {
                     println!("slice {name} deleted");
                 }
             }
-            Cmd::Slice(SliceCmd::List) => {
-                let l = c.list_slices(pb::ListSlicesRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+            Cmd::Slice(SliceCmd::List { filter }) => {
+                let mut l = c.list_slices(pb::ListSlicesRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                if filter.gpu.is_some() {
+                    let st = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+                    filter.apply_to_list(&mut l.slices, &st.gpus);
+                } else {
+                    filter.apply_to_list(&mut l.slices, &[]);
+                }
                 if cli.json {
                     println!("{}", json(&l.slices));
-                } else if l.slices.is_empty() {
-                    println!("no slices");
                 } else {
-                    for d in &l.slices {
-                        let gpus: Vec<String> = d
-                            .gpus
-                            .iter()
-                            .map(|g| {
-                                let m = if g.memory == 0 { "-".into() } else { vgpu_agent::describe::human(g.memory) };
-                                let sm = if g.sm == 0 { "-".into() } else { format!("{}%", g.sm) };
-                                format!("{} mem {m} sm {sm}", g.gpu)
-                            })
-                            .collect();
-                        println!("{:<24} {}", d.name, gpus.join("; "));
-                    }
+                    print!("{}", render::render_slice_list(&l.slices));
                 }
             }
             Cmd::Inspect { name } => inspect(&mut c, name, cli.json).await,

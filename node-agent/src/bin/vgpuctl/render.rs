@@ -3,6 +3,8 @@
 
 use std::fmt::Write;
 use vgpu_agent::describe::{escape_line, human};
+use vgpu_agent::slices::printable;
+use vgpu_proto::v1 as pb;
 
 /// A UUID as a table shows it: its first 12 characters, whole with `-o wide`.
 fn short_uuid(u: &str) -> String {
@@ -12,8 +14,6 @@ fn short_uuid(u: &str) -> String {
         vgpu_agent::describe::short_uuid(u)
     }
 }
-use vgpu_agent::slices::printable;
-use vgpu_proto::v1 as pb;
 
 /// Parses a size as everything in vgpu does (`vgpu_units::parse_size`: bytes, `0x` hex, `k`/`m`/`g`/`t`
 /// and `KiB`...`TiB` as powers of 1024, `KB`...`TB` as powers of 1000, decimals allowed).
@@ -338,7 +338,7 @@ pub fn render_slice(d: &pb::SliceDetail) -> String {
             writeln!(o, "  {} -> {}{}", m.host_path, m.container_path, if m.read_only { " (read-only)" } else { "" });
     }
     if !d.cdi_device.is_empty() {
-        let _ = writeln!(o, "CDI device (CDI-enabled runtimes, e.g. podman run --device {}):", d.cdi_device);
+        let _ = writeln!(o, "CDI device: {0}  (CDI-enabled runtimes: podman run --device {0})", d.cdi_device);
     }
     o.push_str("docker/podman run flags (add --gpus or the CDI device for the GPUs themselves):\n ");
     for (k, v) in &env {
@@ -348,7 +348,40 @@ pub fn render_slice(d: &pb::SliceDetail) -> String {
         let _ = write!(o, " -v {}:{}{}", m.host_path, m.container_path, if m.read_only { ":ro" } else { "" });
     }
     o.push('\n');
+    let _ = writeln!(o, "on this host, without a container:\n  vgpuctl run {} -- COMMAND [ARGS...]", d.name);
+    if !d.mounts.iter().any(|m| m.container_path.ends_with("/libvgpu.so")) {
+        o.push_str(
+            "warning: the agent has no libvgpu.so to give this slice (none was at its --library path when it \
+             started): processes in it run without limits; install it (scripts/install.sh) and restart the agent\n",
+        );
+    }
     o
+}
+
+/// `vgpuctl slice list`: a slice per GPU row, with its limits and owner.
+pub fn render_slice_list(slices: &[pb::SliceDetail]) -> String {
+    if slices.is_empty() {
+        return "no slices\n".into();
+    }
+    let mut rows = vec![["SLICE", "GPU", "MEMORY LIMIT", "SM LIMIT", "OWNER"].map(String::from).to_vec()];
+    for d in slices {
+        let owner = match (d.labels.get("namespace"), d.labels.get("pod"), d.labels.get("container")) {
+            (Some(n), Some(p), Some(c)) => printable(&format!("{n}/{p}/{c}")),
+            (Some(n), Some(p), None) => printable(&format!("{n}/{p}")),
+            _ => "-".into(),
+        };
+        for (i, g) in d.gpus.iter().enumerate() {
+            let first = i == 0;
+            rows.push(vec![
+                if first { d.name.clone() } else { String::new() },
+                short_uuid(&g.gpu),
+                if g.memory == 0 { "none".into() } else { human(g.memory) },
+                if g.sm == 0 || g.sm >= 100 { "none".into() } else { format!("{}%", g.sm) },
+                if first { owner.clone() } else { String::new() },
+            ]);
+        }
+    }
+    table(&rows)
 }
 
 /// `vgpuctl mig status`.

@@ -37,6 +37,9 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     // Slices over gRPC, through vgpuctl.
     let out = a.ctl_ok(&["slice", "create", "--name", "job1", "--gpu", "0", "--memory", "1GiB", "--sm", "30"]);
     assert!(out.contains("-e CUDA_DEVICE_MEMORY_LIMIT_0=1024m") && out.contains("/usr/local/vgpu/limits:ro"), "{out}");
+    assert!(out.contains("CDI device: vgpu.io/slice=job1  (CDI-enabled runtimes"), "{out}");
+    assert!(out.contains("on this host, without a container:\n  vgpuctl run job1 -- COMMAND"), "{out}");
+    assert!(!out.contains("warning"), "the library is installed: {out}");
     let j1: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "job1", "--json"])).unwrap();
     let j1 = j1["slice"].clone();
     // On disk: the state directory and the slice's record are the agent's to write; the limits file
@@ -62,9 +65,21 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
         .unwrap()
         .iter()
         .any(|m| m["host_path"].as_str().unwrap().contains("/lib/libvgpu.so.0.")));
-    let j2: Value = serde_json::from_str(
-        &a.ctl_ok(&["slice", "create", "--name", "job2", "--gpu", "0", "--memory", "512m", "--json"]),
-    )
+    let j2: Value = serde_json::from_str(&a.ctl_ok(&[
+        "slice",
+        "create",
+        "--name",
+        "job2",
+        "--gpu",
+        "0",
+        "--memory",
+        "512m",
+        "--label",
+        "namespace=ml",
+        "--label",
+        "pod=p2",
+        "--json",
+    ]))
     .unwrap();
     // Bad requests are refused with the reason.
     let o = a.ctl(&["slice", "create", "--name", "job1", "--gpu", "0"]);
@@ -73,7 +88,10 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "7"]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("no GPU \"7\" on this node"), "{o:?}");
     let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "0", "--memory", "100GiB"]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("is more than GPU 0 has"), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("memory limit 100.0 GiB is more than GPU 0 has (8.0 GiB)"),
+        "{o:?}"
+    );
     let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "0", "--memory", "lots"]);
     assert_eq!(o.status.code(), Some(2), "a usage error");
     let list = a.ctl_ok(&["slice", "list"]);
@@ -137,6 +155,27 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     on0.sort();
     assert_eq!(on0, ["job1", "job2"]);
     assert_eq!(only(&["--pod", "nobody"]), Vec::<String>::new(), "no slice has that pod label");
+    assert_eq!(only(&["--namespace", "ml"]), ["job2"]);
+    // slice list takes the same filters.
+    let listed = |args: &[&str]| -> Vec<String> {
+        let v: Value = serde_json::from_str(&a.ctl_ok(&[&["slice", "list", "-o", "json"], args].concat())).unwrap();
+        let mut names: Vec<String> =
+            v.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap().to_string()).collect();
+        names.sort();
+        names
+    };
+    assert_eq!(listed(&[]), ["job1", "job2"]);
+    assert_eq!(listed(&["--gpu", "1"]), Vec::<String>::new());
+    assert_eq!(listed(&["--gpu", "0"]), ["job1", "job2"]);
+    assert_eq!(listed(&["--gpu", &uuid[..8]]), ["job1", "job2"], "a UUID's start");
+    assert_eq!(listed(&["--pod", "p2", "--namespace", "ml"]), ["job2"]);
+    assert_eq!(listed(&["--pod", "p2", "--namespace", "other"]), Vec::<String>::new());
+    let list_table = a.ctl_ok(&["slice", "list", "--namespace", "ml"]);
+    assert!(
+        list_table.contains("job2") && list_table.contains("ml/p2") && !list_table.contains("job1"),
+        "{list_table}"
+    );
+    assert_eq!(a.ctl_ok(&["slice", "list", "--pod", "nobody"]), "no slices\n");
     let e = a.ctl(&["status", "-o", "xml"]);
     assert!(String::from_utf8_lossy(&e.stderr).contains("possible values: table, wide, json, yaml"), "{e:?}");
 
@@ -1078,7 +1117,7 @@ fn with_memory_scaling_slices_add_up_past_the_gpu_and_what_has_no_room_becomes_u
     // GPU 0's 8 GiB count as 12 GiB.
     let o = a.ctl(&["slice", "create", "--name", "x", "--gpu", "0", "--memory", "12.5g"]);
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(e.contains("is more than GPU 0 has (12884901888 bytes, memory_scaling 1.5)"), "{e}");
+    assert!(e.contains("memory limit 12.5 GiB is more than GPU 0 has (12.0 GiB, memory_scaling 1.5)"), "{e}");
     let mut detail = std::collections::HashMap::new();
     for (name, memory) in [("a", "6g"), ("b", "5g")] {
         let out = a.ctl_ok(&["slice", "create", "--name", name, "--gpu", "0", "--memory", memory, "--json"]);
@@ -1206,4 +1245,14 @@ fn the_log_level_is_a_setting() {
     let s = Sim::new(Some(NODE));
     let chatty = Agent::start(&s, &[("VGPU_AGENT_LOG_LEVEL", "warn,vgpu_agent::daemon=info")]);
     assert!(chatty.log_text().contains("serving the API"), "{}", chatty.log_text());
+}
+
+/// An agent that found no libvgpu.so at start: `slice create` says that the slice runs unlimited.
+#[test]
+fn a_slice_without_the_library_is_said_to_run_unlimited() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[("VGPU_AGENT_LIBRARY", "/nonexistent/libvgpu.so")]);
+    let out = a.ctl_ok(&["slice", "create", "--name", "bare", "--gpu", "0", "--memory", "1GiB"]);
+    assert!(out.contains("warning: the agent has no libvgpu.so to give this slice"), "{out}");
+    assert!(out.contains("run without limits"), "{out}");
 }

@@ -633,7 +633,7 @@ fn with_consumable_capacity_claims_share_a_gpu_by_what_they_asked_for() {
     assert_eq!(resp.claims["cc-0005"].devices.len(), 2, "a device per request, each with the slice");
     assert_eq!(resp.claims["cc-0005"].devices[1].cdi_device_ids, ["vgpu.io/slice=dra-cc-0005"]);
     let huge = &resp.claims["cc-0004"];
-    assert!(huge.error.contains("consumes 9663676416 bytes of GPU 0's memory, which offers 8589934592"), "{huge:?}");
+    assert!(huge.error.contains("consumes 9.0 GiB of GPU 0's memory, which offers 8.0 GiB"), "{huge:?}");
 
     let limits = |uid: &str| {
         let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", &format!("dra-{uid}"), "--json"])).unwrap();
