@@ -237,6 +237,32 @@ fn kernels_of_two_processes_share_one_timeline() {
     }
 }
 
+/// A 1 ms kernel queued beside another process's 200 ms backlog: on a first-come GPU
+/// (`timeslice_us = 0`) it waits for the whole backlog; on a time-slicing one it waits for at most
+/// the rest of the neighbour's 2 ms slice, then shares the GPU (the backlog ends 1 ms later).
+#[test]
+fn a_time_slicing_gpu_serves_a_short_kernel_beside_a_backlog() {
+    // (timeslice, the short kernel's time from its launch, the backlog's time)
+    // (the backlog's launches may straggle on a loaded machine: its figure has slack)
+    for (slice_us, short, long) in [(0u64, 150.0..260.0, 200.0..215.0), (2000, 1.0..4.5, 201.0..216.0)] {
+        let s = Sim::new(Some(&format!("timeslice_us = {slice_us}\n{SMALL}")));
+        let backlog = s
+            .cmd(RT)
+            .args(["launch", "--kernel", "sleep_5ms", "--count", "40"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let v = s.run1(DIRECT, &["launch", "--kernel", "sleep_1ms", "--count", "1"]);
+        let waited = v["gpu_ms"].as_f64().unwrap();
+        assert!(short.contains(&waited), "timeslice {slice_us} us: the 1 ms kernel took {waited} ms");
+        let o = backlog.wait_with_output().unwrap();
+        let b = &lines(&o.stdout)[0];
+        let took = b["gpu_ms"].as_f64().unwrap();
+        assert!(long.contains(&took), "timeslice {slice_us} us: the backlog took {took} ms: {b}");
+    }
+}
+
 #[test]
 fn every_launch_path_runs_on_the_timeline() {
     let s = Sim::new(Some(SMALL));

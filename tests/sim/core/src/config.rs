@@ -23,6 +23,8 @@ struct RawConfig {
     destroy_return_ms: Option<u64>,
     graph_launch_ms: Option<u64>,
     launch_host_us: Option<u64>,
+    timeslice_us: Option<u64>,
+    context_switch_us: Option<u64>,
     #[serde(default)]
     gpu: Vec<RawGpu>,
 }
@@ -81,6 +83,8 @@ pub struct Config {
     /// driver marshals the arguments and writes the command buffer first: microseconds). Work
     /// recorded on the stream just before it (an event) is ahead of it by that much on an idle GPU.
     pub launch_host_ns: u64,
+    /// How a GPU time-slices between the processes that have work queued (`timeline.rs`).
+    pub slicing: crate::timeline::Slicing,
     pub cuda_version: i32,
     pub driver_version: String,
     pub context_overhead_bytes: u64,
@@ -197,6 +201,10 @@ impl Config {
             destroy_return_ns: raw.destroy_return_ms.unwrap_or(0) * 1_000_000,
             graph_launch_ns: raw.graph_launch_ms.unwrap_or(0) * 1_000_000,
             launch_host_ns: raw.launch_host_us.unwrap_or(0) * 1_000,
+            slicing: crate::timeline::Slicing {
+                timeslice_ns: raw.timeslice_us.unwrap_or(0) * 1_000,
+                switch_ns: raw.context_switch_us.unwrap_or(0) * 1_000,
+            },
             cuda_version: raw.cuda_version.unwrap_or(12040),
             driver_version: raw.driver_version.unwrap_or_else(|| "550.54.15".into()),
             context_overhead_bytes: raw.context_overhead_mib.unwrap_or(256) << 20,
@@ -218,6 +226,8 @@ impl Config {
         h.write(&self.cuda_version.to_le_bytes());
         h.write(&self.context_overhead_bytes.to_le_bytes());
         h.write(&self.module_overhead_bytes.to_le_bytes());
+        h.write(&self.slicing.timeslice_ns.to_le_bytes());
+        h.write(&self.slicing.switch_ns.to_le_bytes());
         for g in &self.gpus {
             h.write(g.model.key.as_bytes());
             h.write(g.uuid.as_bytes());

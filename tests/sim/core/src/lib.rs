@@ -7,6 +7,7 @@ pub mod kernels;
 pub mod mig;
 pub mod models;
 pub mod state;
+pub mod timeline;
 
 pub use config::{Config, GpuConfig, MAX_GPUS};
 pub use state::{now_ns, Node};

@@ -17,6 +17,7 @@
 //! query, or a reap) records the host PID instead.
 
 use crate::config::{Config, MAX_GPUS};
+use crate::timeline::{Completion, Piece, Timeline};
 use std::cell::UnsafeCell;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -27,7 +28,7 @@ use std::sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Order
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUSIM1");
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 pub const MAX_PROCS: usize = 512;
 /// Kernel records kept per GPU (utilisation history).
 pub const RING: usize = 1 << 15;
@@ -101,9 +102,9 @@ pub struct MigState {
 
 #[repr(C)]
 pub struct GpuShared {
-    /// Monotonic ns at which the last kernel queued on this GPU ends.
-    pub busy_until: AtomicU64,
     pub ring_head: AtomicU64,
+    /// The kernel the newest record is of (a kernel's pieces run back to back are one record).
+    last_recorded: AtomicU64,
     pub xid_head: AtomicU64,
     /// Non-zero: the GPU has fallen off the bus (NVML answers GPU_IS_LOST).
     pub lost: AtomicU32,
@@ -149,10 +150,17 @@ pub struct Shared {
     pub gpus: [GpuShared; MAX_GPUS],
     pub procs: [ProcSlot; MAX_PROCS],
     pub rings: [[KernelRec; RING]; MAX_GPUS],
+    /// Changed only under the GPU's timeline lock; see [`Node::timeline`].
+    timelines: [UnsafeCell<Timeline>; MAX_GPUS],
+    /// Per GPU, the lock of its timeline: a process-shared robust mutex (one whose holder died is
+    /// handed to the next locker).
+    timeline_locks: [UnsafeCell<libc::pthread_mutex_t>; MAX_GPUS],
 }
 
 // SAFETY: every field is an atomic except `GpuShared::mig`, which is only reached through
-// `Node::mig`, which requires the node lock.
+// `Node::mig`, which requires the node lock, `timelines`, only reached through `Node::timeline`,
+// which holds the GPU's timeline lock, and those locks, process-shared pthread mutexes made for
+// concurrent use.
 unsafe impl Sync for Shared {}
 
 pub fn now_ns() -> u64 {
@@ -183,6 +191,25 @@ pub struct Node {
     /// Process lock files this process has opened to check liveness, kept open (a monitor checks
     /// every process many times a second).
     liveness: Mutex<Vec<Option<File>>>,
+}
+
+/// Makes `m` a process-shared robust mutex.
+fn init_robust_mutex(m: *mut libc::pthread_mutex_t) -> Result<(), String> {
+    // SAFETY: `attr` is initialised before use and destroyed after; `m` points into the fresh
+    // mapping, which nobody else sees yet.
+    unsafe {
+        let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
+        let ok = libc::pthread_mutexattr_init(&mut attr) == 0
+            && libc::pthread_mutexattr_setpshared(&mut attr, libc::PTHREAD_PROCESS_SHARED) == 0
+            && libc::pthread_mutexattr_setrobust(&mut attr, libc::PTHREAD_MUTEX_ROBUST) == 0
+            && libc::pthread_mutex_init(m, &attr) == 0;
+        libc::pthread_mutexattr_destroy(&mut attr);
+        if ok {
+            Ok(())
+        } else {
+            Err("cannot make the timeline's process-shared mutex".into())
+        }
+    }
 }
 
 /// Proof that the node lock is held.
@@ -319,6 +346,11 @@ impl Node {
             (*p).ngpus = cfg.gpus.len() as u32;
             (*p).fingerprint = cfg.fingerprint();
         }
+        for g in 0..MAX_GPUS {
+            init_robust_mutex(s.timeline_locks[g].get())?;
+            // SAFETY: as above: nobody else sees the mapping yet.
+            unsafe { (*s.timelines[g].get()).init() };
+        }
         s.magic.store(MAGIC, Release);
         std::fs::rename(&tmp, &path).map_err(|e| format!("cannot install {}: {e}", path.display()))?;
         Ok(s)
@@ -452,6 +484,10 @@ impl Node {
                     freed += slot.mem[d].swap(0, AcqRel);
                     slot.ctx[d].store(0, Relaxed);
                 }
+                // Its queued work goes with its contexts.
+                for g in 0..self.cfg.gpus.len() {
+                    self.timeline(g, |t, now, _| t.drop_channel(i as u32, now));
+                }
                 slot.state.store(0, Release);
                 let _ = flock(f, libc::LOCK_UN);
             }
@@ -532,33 +568,105 @@ impl Node {
 
     // ----- the kernel timeline -----
 
-    /// Queues a kernel of `dur_ns` on `gpu`, not before `not_before`; returns (start, end).
-    pub fn launch(&self, gpu: usize, pid: u32, dur_ns: u64, not_before: u64) -> (u64, u64) {
-        let g = &self.shared.gpus[gpu];
-        let earliest = now_ns().max(not_before);
-        let mut bu = g.busy_until.load(Acquire);
-        let (start, end) = loop {
-            let start = earliest.max(bu);
-            let end = start + dur_ns;
-            match g.busy_until.compare_exchange_weak(bu, end, AcqRel, Acquire) {
-                Ok(_) => break (start, end),
-                Err(x) => bu = x,
+    /// `f` on `gpu`'s timeline, under its lock, with the model run up to now first (the pieces of
+    /// GPU time run meanwhile go to the kernel records).
+    fn timeline<T>(&self, gpu: usize, f: impl FnOnce(&mut Timeline, u64, &mut dyn FnMut(Piece)) -> T) -> T {
+        let m = self.shared.timeline_locks[gpu].get();
+        // SAFETY: a process-shared robust mutex initialised with the state file and never moved;
+        // EOWNERDEAD hands over the lock of a holder that died (the timeline is then as it left it,
+        // which the model tolerates: a step leaves it consistent but for the kernel it ran).
+        unsafe {
+            if libc::pthread_mutex_lock(m) == libc::EOWNERDEAD {
+                libc::pthread_mutex_consistent(m);
             }
-        };
+        }
+        // SAFETY: the timeline is only reached here, under its GPU's lock, so no other thread of
+        // any process touches it meanwhile; the mapping lives forever.
+        let t = unsafe { &mut *self.shared.timelines[gpu].get() };
+        let now = now_ns();
+        let mut out = |p: Piece| self.record(gpu, p);
+        t.advance(now, self.cfg.slicing, &mut out);
+        let r = f(t, now, &mut out);
+        // SAFETY: locked above by this thread.
+        unsafe { libc::pthread_mutex_unlock(m) };
+        r
+    }
+
+    /// Queues kernels of `durs_ns`, in order, of process slot `slot` (PID `pid`) on `gpu`; the id
+    /// of the last on the GPU's timeline (0 for none). Waits while the GPU's queue is full.
+    pub fn launch(&self, gpu: usize, slot: usize, pid: u32, durs_ns: &[u64]) -> u64 {
+        let (mut queued, mut last) = (0, 0);
+        let s = self.cfg.slicing;
+        while queued < durs_ns.len() {
+            self.timeline(gpu, |t, now, out| {
+                for &d in &durs_ns[queued..] {
+                    let Some(id) = t.enqueue(now, slot as u32, pid, d, s, &mut *out) else { break };
+                    (queued, last) = (queued + 1, id);
+                }
+            });
+            if queued < durs_ns.len() {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+        last
+    }
+
+    /// When kernel `id` of `gpu` ends (see [`Completion`]).
+    pub fn completion(&self, gpu: usize, id: u64) -> Completion {
+        if id == 0 {
+            return Completion::Done(0);
+        }
+        let s = self.cfg.slicing;
+        self.timeline(gpu, |t, _, _| t.completion(id, s))
+    }
+
+    /// Drops every kernel queued on `gpu` (a reboot of an idle node).
+    pub fn clear_timeline(&self, gpu: usize) {
+        self.timeline(gpu, |t, now, _| t.clear(now));
+    }
+
+    /// Waits until kernel `id` of `gpu` has ended; when it did.
+    pub fn wait_for(&self, gpu: usize, id: u64) -> u64 {
+        loop {
+            match self.completion(gpu, id) {
+                Completion::Done(t) => return t,
+                Completion::Pending(t) => sleep_until(t),
+            }
+        }
+    }
+
+    /// A piece of GPU time run, as a kernel record (a kernel preempted by time-slicing leaves one
+    /// per slice it ran in).
+    fn record(&self, gpu: usize, p: Piece) {
+        let g = &self.shared.gpus[gpu];
+        let head = g.ring_head.load(Acquire);
+        if head > 0 && g.last_recorded.load(Relaxed) == p.id {
+            let last = &self.shared.rings[gpu][((head - 1) as usize) % RING];
+            if last.end.load(Relaxed) == p.start {
+                // The same kernel ran on: its record grows.
+                last.seq.store(0, Relaxed);
+                fence(Release);
+                last.end.store(p.end, Relaxed);
+                last.seq.store(head, Release);
+                return;
+            }
+        }
+        g.last_recorded.store(p.id, Relaxed);
         let idx = g.ring_head.fetch_add(1, AcqRel);
         let rec = &self.shared.rings[gpu][(idx as usize) % RING];
         rec.seq.store(0, Relaxed);
         fence(Release);
-        rec.start.store(start, Relaxed);
-        rec.end.store(end, Relaxed);
-        rec.pid.store(pid as u64, Relaxed);
+        rec.start.store(p.start, Relaxed);
+        rec.end.store(p.end, Relaxed);
+        rec.pid.store(p.pid as u64, Relaxed);
         rec.seq.store(idx + 1, Release);
-        (start, end)
     }
 
     /// Kernel records (start, end, pid) of `gpu`, newest first, back to those ending after `t0`
     /// (the walk stops after 256 consecutive older records: starts are nearly ordered).
     pub fn kernels_since(&self, gpu: usize, t0: u64) -> Vec<(u64, u64, u32)> {
+        // What ran up to now is recorded first.
+        self.timeline(gpu, |_, _, _| ());
         let g = &self.shared.gpus[gpu];
         let head = g.ring_head.load(Acquire);
         let lo = head.saturating_sub(RING as u64);
@@ -821,18 +929,16 @@ mod tests {
     }
 
     #[test]
-    fn timeline_serialises_and_measures() {
+    fn the_timeline_runs_each_process_s_work_and_measures_it() {
         let (n, dir) = node();
-        let t = now_ns() + 1_000_000_000;
-        let (s1, e1) = n.launch(0, 10, 1000, t);
-        let (s2, e2) = n.launch(0, 11, 3000, 0);
-        assert_eq!((s1, e1), (t, t + 1000));
-        assert_eq!((s2, e2), (e1, e1 + 3000));
-        let (total, per) = n.busy(0, t, t + 10_000);
-        assert_eq!(total, 4000);
-        assert!(per.contains(&(10, 1000)) && per.contains(&(11, 3000)));
-        let (total, _) = n.busy(0, t + 500, t + 1500);
-        assert_eq!(total, 1000);
+        let t0 = now_ns();
+        let a = n.launch(0, 3, 10, &[1_000_000]);
+        let b = n.launch(0, 4, 11, &[3_000_000]);
+        let (ea, eb) = (n.wait_for(0, a), n.wait_for(0, b));
+        assert!(eb >= t0 + 4_000_000 && ea < eb, "{ea} {eb}: the GPU serves one at a time");
+        let (total, per) = n.busy(0, t0, now_ns());
+        assert_eq!(total, 4_000_000);
+        assert!(per.contains(&(10, 1_000_000)) && per.contains(&(11, 3_000_000)), "{per:?}");
         std::fs::remove_dir_all(dir).ok();
     }
 

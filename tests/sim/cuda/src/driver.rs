@@ -214,8 +214,8 @@ pub struct Ctx {
     pub primary: bool,
     /// Primary context retain count.
     pub refs: AtomicU32,
-    /// End of the last work queued in this context.
-    pub last_end: AtomicU64,
+    /// The last kernel queued in this context (its id on the GPU's timeline; 0: none).
+    pub last: AtomicU64,
     /// Device memory its loaded modules hold (freed with it).
     pub module_bytes: AtomicU64,
     /// Its loaded modules (unloaded with it).
@@ -243,7 +243,7 @@ impl Ctx {
             ordinal,
             primary,
             refs: AtomicU32::new(0),
-            last_end: AtomicU64::new(0),
+            last: AtomicU64::new(0),
             module_bytes: AtomicU64::new(0),
             modules: Mutex::new(Vec::new()),
             limits: Mutex::new(LIMIT_DEFAULTS),

@@ -1,8 +1,9 @@
 //! Execution: modules and functions, streams, events, kernel launches, graphs and stream capture.
 //!
-//! Kernels run on the node's per-GPU timeline shared by every process: a launch starts at
-//! max(now, GPU busy-until) and lasts the duration its name gives (see `vgpu_sim::kernels::KernelKind`).
-//! Synchronisation sleeps until the simulated completion time.
+//! Kernels run on the node's per-GPU timeline shared by every process (`vgpu_sim::timeline`: the
+//! GPU time-slices between processes with work queued), each for the duration its name gives (see
+//! `vgpu_sim::kernels::KernelKind`). A stream, a context and an event know the last kernel queued
+//! before them; synchronisation sleeps until the timeline says it ended.
 
 use crate::driver::{current, proc, Ctx, R};
 use crate::mem::{GraphAlloc, MemOp};
@@ -11,7 +12,8 @@ use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering::*};
 use std::sync::Mutex;
 use vgpu_sim::abi::*;
 use vgpu_sim::kernels::{parse_kernel_name, KernelKind};
-use vgpu_sim::state::{now_ns, sleep_until};
+use vgpu_sim::state::now_ns;
+use vgpu_sim::timeline::Completion;
 
 const STREAM_MAGIC: u64 = 0x5354_524d_5349_4d01;
 const EVENT_MAGIC: u64 = 0x4556_4e54_5349_4d01;
@@ -158,7 +160,8 @@ pub fn module_get_function(h: CUmodule, name: &str) -> R<CUfunction> {
 pub struct Stream {
     magic: AtomicU64,
     ctx: AtomicPtr<Ctx>,
-    pub last_end: AtomicU64,
+    /// The last kernel queued on it (its id on the GPU's timeline; 0: none).
+    pub last: AtomicU64,
     capture: AtomicPtr<Graph>,
 }
 
@@ -167,7 +170,7 @@ impl Stream {
         Stream {
             magic: AtomicU64::new(STREAM_MAGIC),
             ctx: AtomicPtr::new(ctx as *mut Ctx),
-            last_end: AtomicU64::new(0),
+            last: AtomicU64::new(0),
             capture: AtomicPtr::new(std::ptr::null_mut()),
         }
     }
@@ -208,7 +211,7 @@ pub fn stream_create() -> R<CUstream> {
         // other call uses it meanwhile (every field is atomic).
         let s = unsafe { &*(h as *const Stream) };
         s.set_ctx(c);
-        s.last_end.store(0, Release);
+        s.last.store(0, Release);
         s.capture.store(std::ptr::null_mut(), Release);
         s.magic.store(STREAM_MAGIC, Release);
         return Ok(h as CUstream);
@@ -227,29 +230,36 @@ pub fn stream_destroy(h: CUstream) -> R<()> {
     Ok(())
 }
 
-fn wait(c: &Ctx, until: u64) {
-    sleep_until(until);
+fn wait(c: &Ctx, kernel: u64) {
+    if let Ok(p) = proc() {
+        p.node.wait_for(c.gpu, kernel);
+    }
     crate::mem::pools_sync(c.gpu);
 }
 
-/// When the work queued so far on `s` completes; the default stream waits for the whole context.
-fn completion(c: &Ctx, s: &Stream) -> u64 {
+/// The last kernel queued so far on `s`; the default stream waits for the whole context.
+fn last_kernel(c: &Ctx, s: &Stream) -> u64 {
     if std::ptr::eq(s, &c.default_stream) {
-        c.last_end.load(Acquire)
+        c.last.load(Acquire)
     } else {
-        s.last_end.load(Acquire)
+        s.last.load(Acquire)
     }
+}
+
+/// Whether kernel `id` of `c`'s GPU has ended.
+fn ended(c: &Ctx, id: u64) -> R<bool> {
+    Ok(matches!(proc()?.node.completion(c.gpu, id), Completion::Done(_)))
 }
 
 pub fn stream_sync(h: CUstream) -> R<()> {
     let (c, s) = stream(h)?;
-    wait(c, completion(c, s));
+    wait(c, last_kernel(c, s));
     Ok(())
 }
 
 pub fn stream_query(h: CUstream) -> R<()> {
     let (c, s) = stream(h)?;
-    if now_ns() >= completion(c, s) {
+    if ended(c, last_kernel(c, s))? {
         Ok(())
     } else {
         Err(CUresult::NOT_READY)
@@ -262,7 +272,7 @@ pub fn ctx_sync() -> R<()> {
 
 /// Waits for the work of context `c` (`cuCtxSynchronize_v2`).
 pub fn ctx_sync_of(c: &Ctx) -> R<()> {
-    wait(c, c.last_end.load(Acquire));
+    wait(c, c.last.load(Acquire));
     Ok(())
 }
 
@@ -271,8 +281,11 @@ pub fn ctx_sync_of(c: &Ctx) -> R<()> {
 #[repr(C)]
 pub struct Event {
     magic: AtomicU64,
-    /// Simulated completion time; 0 = never recorded; `CAPTURED`: last recorded into a capture.
+    /// When it was last recorded; 0 = never; `CAPTURED`: last recorded into a capture.
     ts: AtomicU64,
+    /// The last kernel queued before it on its stream when it was recorded (0: none): it completes
+    /// when that kernel ends, or at `ts` if that was later.
+    kernel: AtomicU64,
     /// The context it was made in (a leaked, never-freed `Ctx`): it can be recorded only on that
     /// context's streams, and goes with the context.
     ctx: usize,
@@ -305,7 +318,7 @@ const CAPTURED: u64 = u64::MAX;
 pub fn event_create() -> R<CUevent> {
     let c = current()?;
     let (ts, ctx, ends) = (AtomicU64::new(0), c as *const Ctx as usize, c.ends.load(Acquire));
-    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts, ctx, ends }))
+    Ok(leak(Event { magic: AtomicU64::new(EVENT_MAGIC), ts, kernel: AtomicU64::new(0), ctx, ends }))
 }
 
 pub fn event_destroy(h: CUevent) -> R<()> {
@@ -323,46 +336,61 @@ pub fn event_record(h: CUevent, st: CUstream) -> R<()> {
         e.ts.store(CAPTURED, Release); // an event node in the captured graph: nothing to time
         return Ok(());
     }
-    e.ts.store(completion(c, s).max(now_ns()).max(1), Release);
+    e.kernel.store(last_kernel(c, s), Release);
+    e.ts.store(now_ns().max(1), Release);
     Ok(())
+}
+
+/// The context an event was made in.
+fn event_ctx(e: &Event) -> &'static Ctx {
+    // SAFETY: set at creation to a leaked, never-freed context.
+    unsafe { &*(e.ctx as *const Ctx) }
+}
+
+/// When a recorded event completed, or None while it has not.
+fn event_time(e: &Event) -> R<Option<u64>> {
+    let (ts, k) = (e.ts.load(Acquire), e.kernel.load(Acquire));
+    Ok(match proc()?.node.completion(event_ctx(e).gpu, k) {
+        // Ended so long ago that its time is forgotten: before the record, so the record's.
+        Completion::Done(t) => Some(t.max(ts)),
+        Completion::Pending(_) => None,
+    })
 }
 
 pub fn event_query(h: CUevent) -> R<()> {
     let e = live_event(h)?;
-    let ts = e.ts.load(Acquire);
-    if ts == CAPTURED {
+    if e.ts.load(Acquire) == CAPTURED {
         return Err(CUresult::CAPTURED_EVENT);
     }
-    if now_ns() >= ts {
-        Ok(())
-    } else {
-        Err(CUresult::NOT_READY)
+    match event_time(e)? {
+        Some(_) => Ok(()),
+        None => Err(CUresult::NOT_READY),
     }
 }
 
 pub fn event_sync(h: CUevent) -> R<()> {
     let e = live_event(h)?;
     let c = current()?;
-    let ts = e.ts.load(Acquire);
-    if ts == CAPTURED {
+    if e.ts.load(Acquire) == CAPTURED {
         return Err(CUresult::CAPTURED_EVENT);
     }
-    wait(c, ts);
+    proc()?.node.wait_for(event_ctx(e).gpu, e.kernel.load(Acquire));
+    crate::mem::pools_sync(c.gpu);
     Ok(())
 }
 
 pub fn event_elapsed(a: CUevent, b: CUevent) -> R<f32> {
     let (a, b) = (live_event(a)?, live_event(b)?);
-    let (ta, tb) = (a.ts.load(Acquire), b.ts.load(Acquire));
-    if ta == CAPTURED || tb == CAPTURED {
+    let (ra, rb) = (a.ts.load(Acquire), b.ts.load(Acquire));
+    if ra == CAPTURED || rb == CAPTURED {
         return Err(CUresult::CAPTURED_EVENT);
     }
-    if ta == 0 || tb == 0 {
+    if ra == 0 || rb == 0 {
         return Err(CUresult::INVALID_HANDLE);
     }
-    if now_ns() < ta.max(tb) {
+    let (Some(ta), Some(tb)) = (event_time(a)?, event_time(b)?) else {
         return Err(CUresult::NOT_READY);
-    }
+    };
     Ok((tb as f64 - ta as f64) as f32 / 1e6)
 }
 
@@ -410,11 +438,9 @@ fn duration(l: &Launch, gpu: usize) -> R<u64> {
 
 fn run_on(c: &Ctx, s: &Stream, durs: &[u64]) -> R<()> {
     let p = proc()?;
-    for &d in durs {
-        let (_, end) = p.node.launch(c.gpu, p.node.slot_pid(p.slot), d, 0);
-        s.last_end.fetch_max(end, AcqRel);
-        c.last_end.fetch_max(end, AcqRel);
-    }
+    let id = p.node.launch(c.gpu, p.slot, p.node.slot_pid(p.slot), durs);
+    s.last.fetch_max(id, AcqRel);
+    c.last.fetch_max(id, AcqRel);
     Ok(())
 }
 

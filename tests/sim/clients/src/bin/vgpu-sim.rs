@@ -77,7 +77,7 @@ fn main() {
             let mut l = n.lock();
             for (g, cfg) in n.cfg.gpus.iter().enumerate() {
                 mig::reboot(n.mig(&mut l, g), cfg.model);
-                n.gpu(g).busy_until.store(0, Release);
+                n.clear_timeline(g);
             }
             println!("node rebooted");
         }
