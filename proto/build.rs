@@ -32,6 +32,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .type_attribute(".", "#[derive(serde::Serialize)]")
         // Enums by name in JSON ("UNACCOUNTED"), not by number.
         .field_attribute("vgpu.v1.Escape.kind", "#[serde(serialize_with = \"crate::escape_kind\")]")
+        .field_attribute("vgpu.v1.SliceStatus.priority", "#[serde(serialize_with = \"crate::priority\")]")
+        .field_attribute("vgpu.v1.SliceDetail.priority", "#[serde(serialize_with = \"crate::priority\")]")
+        .field_attribute("vgpu.v1.CreateSliceRequest.priority", "#[serde(serialize_with = \"crate::priority\")]")
         .compile_fds(fds)?;
     Ok(())
 }

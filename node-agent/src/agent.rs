@@ -7,7 +7,7 @@ use crate::describe::exact;
 use crate::discovery::Inventory;
 use crate::health::Health;
 use crate::monitor::Pass;
-use crate::slices::{Injection, Slice, SliceError, SliceGpu, SliceStore};
+use crate::slices::{Injection, Priority, Slice, SliceError, SliceGpu, SliceStore};
 use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -332,9 +332,10 @@ impl Agent {
             return Err(ApiError::Invalid("a slice needs at least one GPU".into()));
         }
         let gpus = self.limits(&req.gpus)?;
+        let priority = priority_of(req.priority)?;
         let _g = self.changing.lock();
-        let s = self.store.create(&req.name, gpus, req.labels.into_iter().collect())?;
-        tracing::info!(slice = %s.name, gpus = s.gpus.len(), labels = ?s.labels, "slice created");
+        let s = self.store.create_with(&req.name, gpus, req.labels.into_iter().collect(), priority)?;
+        tracing::info!(slice = %s.name, gpus = s.gpus.len(), labels = ?s.labels, ?priority, "slice created");
         self.write_cdi(&s.name);
         self.slices.write().insert(s.name.clone(), s.clone());
         self.resnapshot();
@@ -345,8 +346,13 @@ impl Agent {
 
     pub fn update_slice(&self, req: pb::UpdateSliceRequest) -> Result<pb::SliceDetail, ApiError> {
         let gpus = self.limits(&req.gpus)?;
+        let priority = req.priority.map(priority_of).transpose()?;
         let _g = self.changing.lock();
-        let s = self.store.update(&req.name, &gpus)?;
+        let mut s = self.store.update(&req.name, &gpus)?;
+        if let Some(p) = priority.filter(|&p| p != s.priority) {
+            s = self.store.set_priority(&req.name, p)?;
+            tracing::info!(slice = %s.name, priority = ?p, "slice priority changed");
+        }
         tracing::info!(slice = %s.name, "slice limits changed");
         self.slices.write().insert(s.name.clone(), s.clone());
         self.resnapshot();
@@ -449,6 +455,7 @@ impl Agent {
     pub fn detail(&self, s: &Slice) -> Result<pb::SliceDetail, ApiError> {
         let Injection { env, mounts } = self.store.injection(&s.name, self.library.as_deref())?;
         Ok(pb::SliceDetail {
+            priority: priority_pb(s.priority) as i32,
             name: s.name.clone(),
             labels: s.labels.clone().into_iter().collect(),
             created_unix: s.created,
@@ -710,6 +717,23 @@ pub fn scaled(total: u64, scaling: f64) -> u64 {
         total
     } else {
         ((total >> 20) as f64 * scaling) as u64 * (1 << 20)
+    }
+}
+
+/// A slice priority of the API, as the store keeps it.
+pub fn priority_of(p: i32) -> Result<Priority, ApiError> {
+    match pb::SlicePriority::try_from(p) {
+        Ok(pb::SlicePriority::PriorityNormal) => Ok(Priority::Normal),
+        Ok(pb::SlicePriority::PriorityHigh) => Ok(Priority::High),
+        Err(_) => Err(ApiError::Invalid(format!("priority {p} is not 0 (normal) or 1 (high)"))),
+    }
+}
+
+/// The API's form of a slice priority.
+pub fn priority_pb(p: Priority) -> pb::SlicePriority {
+    match p {
+        Priority::Normal => pb::SlicePriority::PriorityNormal,
+        Priority::High => pb::SlicePriority::PriorityHigh,
     }
 }
 

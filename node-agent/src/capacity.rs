@@ -226,6 +226,7 @@ impl Agent {
             name: c.name.clone(),
             gpus: vec![pb::SliceGpuLimit { gpu: uuid.clone(), memory: c.memory, sm: c.sm }],
             labels: c.labels.clone(),
+            priority: 0,
         };
         let d = match self.create_slice(req) {
             Ok(d) => d,

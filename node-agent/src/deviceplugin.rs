@@ -147,7 +147,7 @@ impl Plugin {
         let detail = match a.get_slice(&name) {
             Ok(d) => d,
             Err(_) => a
-                .create_slice(vgpu_proto::v1::CreateSliceRequest { name: name.clone(), gpus, labels })
+                .create_slice(vgpu_proto::v1::CreateSliceRequest { name: name.clone(), gpus, labels, priority: 0 })
                 .map_err(Status::from)?,
         };
         Ok(response(a, detail))

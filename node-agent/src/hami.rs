@@ -61,6 +61,21 @@ pub static VOLCANO: Protocol = Protocol {
     memory_in_factor_units: true,
 };
 
+/// A container's priority as HAMi states it: its `nvidia.com/priority` limit, or the
+/// `CUDA_TASK_PRIORITY` its spec sets (what HAMi's admission webhook writes from that limit): 0 is
+/// high, anything else (HAMi's default, 1) normal.
+pub fn task_priority(c: &k8s_openapi::api::core::v1::Container) -> crate::slices::Priority {
+    let limit = c.resources.as_ref().and_then(|r| r.limits.as_ref()).and_then(|l| l.get(PRIORITY_RESOURCE));
+    let env = || c.env.iter().flatten().find(|e| e.name == "CUDA_TASK_PRIORITY").and_then(|e| e.value.clone());
+    match limit.map(|q| q.0.clone()).or_else(env).as_deref().map(str::trim) {
+        Some("0") => crate::slices::Priority::High,
+        _ => crate::slices::Priority::Normal,
+    }
+}
+
+/// HAMi's resource for a container's task priority.
+pub const PRIORITY_RESOURCE: &str = "nvidia.com/priority";
+
 /// Volcano's register value: `uuid,count,devmem,NVIDIA-<model>,health,mode:` per device, `devmem` in
 /// units of the memory factor.
 pub fn register_volcano(devs: &[RegisteredDevice], memory_factor: u32) -> String {

@@ -176,6 +176,15 @@ fn unanswered(e: &kube::Error) -> bool {
     matches!(e, kube::Error::HyperError(_) | kube::Error::Service(_))
 }
 
+/// What a container's spec asks of its devices beyond the scheduler's annotation.
+#[derive(Clone, Copy)]
+struct CtrSpec {
+    /// `CUDA_DISABLE_CONTROL=true`: no preload file.
+    disable_control: bool,
+    /// HAMi's task priority of the container.
+    priority: crate::slices::Priority,
+}
+
 impl Kube {
     /// Connects as [`client`] does.
     pub async fn connect(api: Option<&str>, node: &str, proto: &'static hami::Protocol) -> Result<Kube, K8sError> {
@@ -399,16 +408,12 @@ impl Kube {
         let container = ctr_names.get(idx).cloned().unwrap_or_else(|| idx.to_string());
         // `CUDA_DISABLE_CONTROL=true` in the container's spec: no preload file (HAMi's convention).
         let spec2 = pod.spec.clone().unwrap_or_default();
-        let disable_control = spec2
-            .init_containers
-            .unwrap_or_default()
-            .into_iter()
-            .chain(spec2.containers)
-            .nth(idx)
-            .and_then(|c| c.env)
-            .is_some_and(|env| {
-                env.iter().any(|e| e.name == "CUDA_DISABLE_CONTROL" && e.value.as_deref() == Some("true"))
-            });
+        let ctr = spec2.init_containers.unwrap_or_default().into_iter().chain(spec2.containers).nth(idx);
+        let disable_control = ctr.as_ref().and_then(|c| c.env.as_ref()).is_some_and(|env| {
+            env.iter().any(|e| e.name == "CUDA_DISABLE_CONTROL" && e.value.as_deref() == Some("true"))
+        });
+        let priority = ctr.as_ref().map_or(crate::slices::Priority::Normal, hami::task_priority);
+        let spec = CtrSpec { disable_control, priority };
         let slice = slice_name(&ns, &name, idx);
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let owner = MigOwner { pod_uid: uid, namespace: ns.clone(), pod: name.clone(), container };
@@ -421,7 +426,7 @@ impl Kube {
         let mut placed: Vec<hami::MigAllocation> =
             reserved.iter().filter(|a| a.container_index == idx).cloned().collect();
         placed.sort_by_key(|a| a.device_index);
-        let allocated = match self.make_devices(&agent, &devices, &slice, owner, disable_control, placed).await {
+        let allocated = match self.make_devices(&agent, &devices, &slice, owner, spec, placed).await {
             Ok(a) => a,
             Err(e) => return fail(e).await,
         };
@@ -461,9 +466,10 @@ impl Kube {
         devices: &[ContainerDevice],
         slice: &str,
         owner: MigOwner,
-        disable_control: bool,
+        spec: CtrSpec,
         placed: Vec<hami::MigAllocation>,
     ) -> Result<Allocated, K8sError> {
+        let CtrSpec { disable_control, priority } = spec;
         let who = format!("pod {}/{}", owner.namespace, owner.pod);
         let refused = |msg: String| K8sError::Refused(format!("{who}: {msg}"));
         let devices_err = |msg: String| K8sError::Devices(format!("{who}: {msg}"));
@@ -525,6 +531,7 @@ impl Kube {
                 ("pod-uid".to_string(), owner.pod_uid),
             ]
             .into(),
+            priority: crate::agent::priority_pb(priority) as i32,
         };
         let (a, key) = (agent.clone(), slice.to_string());
         let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {

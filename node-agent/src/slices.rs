@@ -91,6 +91,26 @@ pub struct Slice {
     /// (0 in records written before it existed).
     #[serde(default)]
     pub created_ns: u64,
+    #[serde(default, skip_serializing_if = "Priority::is_normal")]
+    pub priority: Priority,
+}
+
+/// How a slice's work is ordered against the other tenants of its GPUs (in its limits file, which
+/// only the agent writes; see docs/priority.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Best effort beside a high-priority slice; otherwise as any tenant.
+    #[default]
+    Normal,
+    /// Latency first: the normal slices of its GPUs admit new work only while it has none queued.
+    High,
+}
+
+impl Priority {
+    fn is_normal(&self) -> bool {
+        *self == Priority::Normal
+    }
 }
 
 /// A bind mount into the container.
@@ -310,8 +330,19 @@ impl SliceStore {
         })
     }
 
-    /// Creates a slice; fails if one of that name exists.
+    /// Creates a slice of normal priority; fails if one of that name exists.
     pub fn create(&self, name: &str, gpus: Vec<SliceGpu>, labels: BTreeMap<String, String>) -> Result<Slice> {
+        self.create_with(name, gpus, labels, Priority::Normal)
+    }
+
+    /// Creates a slice; fails if one of that name exists.
+    pub fn create_with(
+        &self,
+        name: &str,
+        gpus: Vec<SliceGpu>,
+        labels: BTreeMap<String, String>,
+        priority: Priority,
+    ) -> Result<Slice> {
         check_name(name)?;
         check_labels(&labels)?;
         if gpus.is_empty() || gpus.len() > vgpu_region::MAX_DEVICES {
@@ -345,10 +376,10 @@ impl SliceStore {
             _ => SliceError::new(ErrorKind::Io, format!("cannot create {}: {e}", dir.display())),
         })?;
         let made = (|| {
-            self.make_files(&dir, &gpus)?;
+            self.make_files(&dir, &gpus, priority)?;
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             let (created, created_ns) = (now.as_secs(), now.as_nanos() as u64);
-            let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels, created_ns };
+            let s = Slice { name: name.to_owned(), gpus: gpus.clone(), created, labels, created_ns, priority };
             self.write_record(&s)?;
             Ok(s)
         })();
@@ -359,18 +390,20 @@ impl SliceStore {
     }
 
     /// Makes a slice's limits file and region in `dir`.
-    fn make_files(&self, dir: &Path, gpus: &[SliceGpu]) -> Result<()> {
+    fn make_files(&self, dir: &Path, gpus: &[SliceGpu], priority: Priority) -> Result<()> {
         let init =
             || Init { devices: gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(), standalone: false };
         let region_err = |e: vgpu_region::RegionError| SliceError::new(ErrorKind::Io, e.to_string());
         let limits = Region::open_or_create(&dir.join("limits"), init).map_err(region_err)?;
         limits.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
+        limits.set_priority_high(priority == Priority::High).map_err(region_err)?;
         // Only the agent writes limits (containers get the file read-only; on the host, other
         // users must not raise them). The region stays writable by every user: a container's
         // processes, whatever their uid, account their usage in it.
         std::fs::set_permissions(dir.join("limits"), std::fs::Permissions::from_mode(0o644))
             .map_err(io(format!("cannot restrict {}", dir.join("limits").display())))?;
         let region = Region::open_or_create(&dir.join("region"), init).map_err(region_err)?;
+        region.set_priority_high(priority == Priority::High).map_err(region_err)?;
         region.set_oversubscribe(self.oversubscribe).map_err(region_err)
     }
 
@@ -427,6 +460,15 @@ impl SliceStore {
         Ok(s)
     }
 
+    /// Changes a slice's priority; its running processes follow within a launch or two.
+    pub fn set_priority(&self, name: &str, priority: Priority) -> Result<Slice> {
+        let mut s = self.get(name)?;
+        s.priority = priority;
+        self.write_record(&s)?;
+        self.apply_limits(&s)?;
+        Ok(s)
+    }
+
     /// Replaces a slice's labels (the record only; limits and files are untouched).
     pub fn set_labels(&self, name: &str, labels: BTreeMap<String, String>) -> Result<Slice> {
         check_labels(&labels)?;
@@ -445,6 +487,10 @@ impl SliceStore {
             let r = Region::open_strict(&self.dir(&s.name).join(f), true).map_err(region_err)?;
             if r.oversubscribe() != self.oversubscribe {
                 r.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
+                changed = true;
+            }
+            if r.priority_high() != (s.priority == Priority::High) {
+                r.set_priority_high(s.priority == Priority::High).map_err(region_err)?;
                 changed = true;
             }
             for (i, g) in s.gpus.iter().enumerate() {
@@ -580,6 +626,7 @@ impl SliceStore {
                         created: now.as_secs(),
                         labels: BTreeMap::new(),
                         created_ns: 0,
+                        priority: if limits.priority_high() { Priority::High } else { Priority::Normal },
                     };
                     if let Some(w) = was {
                         (s.created, s.created_ns) = (w.created, w.created_ns);

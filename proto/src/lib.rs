@@ -12,6 +12,11 @@ pub fn escape_kind<S: serde::Serializer>(kind: &i32, s: S) -> Result<S::Ok, S::E
     s.serialize_str(name)
 }
 
+/// A slice's priority as JSON shows it: `"high"` or `"normal"`.
+pub fn priority<S: serde::Serializer>(p: &i32, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(if *p == v1::SlicePriority::PriorityHigh as i32 { "high" } else { "normal" })
+}
+
 /// The scheduler API (`vgpu.scheduler.v1`): node capacity streamed to the central scheduler, its
 /// requests to the node, and the reference receiver's cluster view.
 pub mod scheduler {

@@ -26,7 +26,8 @@ pub struct Header {
     /// Bit 0 ([`FLAG_STANDALONE`](crate::FLAG_STANDALONE)): created by a process from its
     /// environment, not by the agent. Bit 1
     /// ([`FLAG_OVERSUBSCRIBE`](crate::FLAG_OVERSUBSCRIBE)): allocations the GPU has no room for may
-    /// be served as unified memory.
+    /// be served as unified memory. Bit 2 ([`FLAG_PRIORITY_HIGH`](crate::FLAG_PRIORITY_HIGH)): the
+    /// slice is a high-priority tenant.
     pub flags: AtomicU32,
     pub creator_pid: AtomicU32,
     /// Bumped by every limit change.

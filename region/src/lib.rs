@@ -391,12 +391,26 @@ impl Region {
     }
 
     pub fn set_oversubscribe(&self, on: bool) -> Result<()> {
+        self.set_flag(FLAG_OVERSUBSCRIBE, on)
+    }
+
+    /// Whether the slice is a high-priority tenant of its GPUs (set by the agent).
+    #[inline]
+    pub fn priority_high(&self) -> bool {
+        self.map.header.flags.load(Acquire) & FLAG_PRIORITY_HIGH != 0
+    }
+
+    pub fn set_priority_high(&self, on: bool) -> Result<()> {
+        self.set_flag(FLAG_PRIORITY_HIGH, on)
+    }
+
+    fn set_flag(&self, flag: u32, on: bool) -> Result<()> {
         self.writable()?;
         let f = &self.map.header.flags;
         if on {
-            f.fetch_or(FLAG_OVERSUBSCRIBE, AcqRel);
+            f.fetch_or(flag, AcqRel);
         } else {
-            f.fetch_and(!FLAG_OVERSUBSCRIBE, AcqRel);
+            f.fetch_and(!flag, AcqRel);
         }
         Ok(())
     }
@@ -701,6 +715,8 @@ pub const SM_BURST_WALL_NS: u64 = 20_000_000;
 pub const FLAG_STANDALONE: u32 = 1;
 /// Header flag: allocations the GPU has no physical room for may be served as unified memory.
 pub const FLAG_OVERSUBSCRIBE: u32 = 2;
+/// Header flag: the slice is a high-priority tenant of its GPUs.
+pub const FLAG_PRIORITY_HIGH: u32 = 4;
 
 /// Outcome of a reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -407,6 +407,21 @@ fn the_oversubscribe_flag_is_the_writers_and_leaves_the_standalone_bit_alone() {
 }
 
 #[test]
+fn the_priority_flag_is_the_writers_and_independent_of_the_others() {
+    let p = tmp("priority");
+    let r = Region::open_or_create(&p, init(1 << 30)).unwrap();
+    assert!(!r.priority_high());
+    r.set_oversubscribe(true).unwrap();
+    r.set_priority_high(true).unwrap();
+    let ro = Region::open(&p, false).unwrap();
+    assert!(ro.priority_high() && ro.oversubscribe(), "seen by another mapping, the other flag kept");
+    assert!(ro.set_priority_high(false).is_err(), "a read-only mapping cannot change it");
+    r.set_priority_high(false).unwrap();
+    assert!(!ro.priority_high() && ro.oversubscribe());
+    std::fs::remove_file(p).ok();
+}
+
+#[test]
 fn a_process_records_its_host_pid_in_its_own_slot_only() {
     let p = tmp("hostpid");
     let r = Region::open_or_create(&p, init(1 << 30)).unwrap();

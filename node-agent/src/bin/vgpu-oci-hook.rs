@@ -6,7 +6,8 @@
 //! `VGPU_SLICE`, or KAI's `GPU_PORTION`), or whose `/usr/local/vgpu` is already mounted (a device
 //! plugin put it in a slice), is left alone. Otherwise it asks the agent for a slice (`VGPU_SLICE`: an
 //! existing one; else `oci-<container id>` with `VGPU_MEMORY` and `VGPU_SM` on `VGPU_GPUS` or
-//! `NVIDIA_VISIBLE_DEVICES`, default GPU 0; for KAI's fractional GPUs, the `GPU_PORTION` of the one
+//! `NVIDIA_VISIBLE_DEVICES`, default GPU 0, of `VGPU_PRIORITY` (`high` or `normal`, the default);
+//! for KAI's fractional GPUs, the `GPU_PORTION` of the one
 //! GPU in `NVIDIA_VISIBLE_DEVICES`, or exactly `CUDA_DEVICE_MEMORY_LIMIT` where KAI's hamicore
 //! plugin set it) and bind-mounts, inside the container's mount namespace,
 //! the slice directory at `/usr/local/vgpu`, its limits file and the versioned `libvgpu.so`
@@ -204,6 +205,11 @@ fn main() {
                 .map(|g| pb::SliceGpuLimit { gpu: g.trim().into(), memory, sm })
                 .collect(),
             labels: [("container".to_string(), id.clone()), ("source".to_string(), "oci-hook".to_string())].into(),
+            priority: match env.get("VGPU_PRIORITY").map(|v| v.trim()) {
+                None | Some("normal") => pb::SlicePriority::PriorityNormal as i32,
+                Some("high") => pb::SlicePriority::PriorityHigh as i32,
+                Some(v) => die(format!("VGPU_PRIORITY={v:?} is not high or normal")),
+            },
         };
         match c.create_slice(req).await {
             Ok(r) => r.into_inner(),

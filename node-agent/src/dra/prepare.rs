@@ -438,7 +438,7 @@ impl Driver {
                 labels.insert("pod-uid".to_string(), pod_uid.to_string());
             }
             let gpus = self.limits(wants)?;
-            let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels };
+            let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels, priority: 0 };
             match self.agent.create_slice(req) {
                 Ok(_) | Err(ApiError::Exists(_)) => {}
                 Err(source) => return Err(DraError::MakeSlice { slice, source }),

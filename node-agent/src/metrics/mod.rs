@@ -235,6 +235,17 @@ fn vgpu_series(o: &mut Out, st: &pb::NodeStatus) {
         pids.dedup();
         o.put("vgpu_slice_processes", &l, pids.len() as f64);
     }
+    o.head(
+        "vgpu_slice_priority_high",
+        "gauge",
+        "1 for a high-priority slice (its GPUs' normal slices yield to it), else 0.",
+    );
+    for s in &st.slices {
+        let ow = owner(s);
+        let l: Vec<(&str, &str)> = ow.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let high = s.priority == pb::SlicePriority::PriorityHigh as i32;
+        o.put("vgpu_slice_priority_high", &l, if high { 1.0 } else { 0.0 });
+    }
 }
 
 /// The agent's own: versions, counters, its passes and its resources.

@@ -208,7 +208,7 @@ enum MigCmd {
 #[derive(Args)]
 struct Limits {
     /// GPU index or UUID; repeat or separate with commas for several GPUs
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "priority")]
     gpu: Vec<String>,
     /// Memory limit per GPU, e.g. 8GiB, 512m, or none [create: none; update: kept]
     #[arg(long, value_parser = parse_memory)]
@@ -216,6 +216,25 @@ struct Limits {
     /// SM-time limit per GPU in percent, 1-100, or none [create: none; update: kept]
     #[arg(long, value_parser = parse_sm)]
     sm: Option<u32>,
+    /// high: latency first, the normal slices of its GPUs yield to it [create: normal; update: kept]
+    #[arg(long, value_enum)]
+    priority: Option<PriorityArg>,
+}
+
+/// A slice's priority on the command line.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PriorityArg {
+    Normal,
+    High,
+}
+
+impl PriorityArg {
+    fn pb(self) -> i32 {
+        match self {
+            PriorityArg::Normal => pb::SlicePriority::PriorityNormal as i32,
+            PriorityArg::High => pb::SlicePriority::PriorityHigh as i32,
+        }
+    }
 }
 
 /// A memory limit, or `none` (0: no limit).
@@ -521,19 +540,31 @@ fn main() {
             }
             Cmd::Status { watch: true, interval, .. } => watch(&mut c, interval, cli.json, style).await,
             Cmd::Slice(SliceCmd::Create { name, limits: l, labels }) => {
-                let req = pb::CreateSliceRequest { name, gpus: limits(&l), labels: labels.into_iter().collect() };
+                if l.gpu.is_empty() {
+                    die(2, "a slice needs --gpu (an index or UUID, or several)");
+                }
+                let priority = l.priority.map_or(0, PriorityArg::pb);
+                let req =
+                    pb::CreateSliceRequest { name, gpus: limits(&l), labels: labels.into_iter().collect(), priority };
                 let d = c.create_slice(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
                 println!("{}", if cli.json { json(&d) } else { render::render_slice(&d) });
             }
             Cmd::Slice(SliceCmd::Update { name, limits: l, force }) => {
-                if l.memory.is_none() && l.sm.is_none() {
-                    die(2, "nothing to change: give --memory, --sm or both (none removes a limit)");
+                if l.memory.is_none() && l.sm.is_none() && l.priority.is_none() {
+                    die(2, "nothing to change: give --memory, --sm, --priority or several (none removes a limit)");
                 }
                 let cur = c.get_slice(pb::GetSliceRequest { name: name.clone() }).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
                 let st = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
-                let plan = update::plan_update(&cur, &st, &l.gpu, l.memory, l.sm, force).unwrap_or_else(|e| die(2, e));
-                let d = c.update_slice(pb::UpdateSliceRequest { name, gpus: plan.gpus }).await.unwrap_or_else(|e| grpc_err(e));
-                let d = d.into_inner();
+                let mut plan = update::UpdatePlan::default();
+                if l.memory.is_some() || l.sm.is_some() {
+                    plan = update::plan_update(&cur, &st, &l.gpu, l.memory, l.sm, force).unwrap_or_else(|e| die(2, e));
+                }
+                let priority = l.priority.map(PriorityArg::pb);
+                if let Some(p) = priority.filter(|&p| p != cur.priority) {
+                    plan.changes.push(format!("priority: {} -> {}", render::priority_name(cur.priority), render::priority_name(p)));
+                }
+                let req = pb::UpdateSliceRequest { name, gpus: plan.gpus, priority };
+                let d = c.update_slice(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
                 if cli.json {
                     println!("{}", json(&d));
                 } else {

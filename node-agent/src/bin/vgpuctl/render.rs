@@ -263,6 +263,8 @@ fn render_slices(o: &mut String, st: &pb::NodeStatus, style: Style) {
                 (Some(n), None, None, Some(c)) => format!("{}  ({})", s.name, printable(&format!("{n} claim {c}"))),
                 _ => s.name.clone(),
             };
+            let owner =
+                if s.priority == pb::SlicePriority::PriorityHigh as i32 { format!("{owner} [high]") } else { owner };
             for (i, g) in s.gpus.iter().enumerate() {
                 let lim = if g.memory_limit == 0 { "none".to_string() } else { human(g.memory_limit) };
                 let mem = format!("{} / {lim}", human(g.memory_used));
@@ -315,7 +317,8 @@ fn render_slices(o: &mut String, st: &pb::NodeStatus, style: Style) {
 /// A slice's limits, environment and mounts, and the `docker run` flags that put a container in it.
 pub fn render_slice(d: &pb::SliceDetail) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "slice {}  (state {})", d.name, d.state_dir);
+    let high = if d.priority == pb::SlicePriority::PriorityHigh as i32 { ", priority high" } else { "" };
+    let _ = writeln!(o, "slice {}  (state {}{high})", d.name, d.state_dir);
     for (i, g) in d.gpus.iter().enumerate() {
         let mem = if g.memory == 0 { "no memory limit".to_string() } else { format!("memory {}", human(g.memory)) };
         let sm = if g.sm == 0 || g.sm >= 100 { "no SM limit".to_string() } else { format!("SM {}%", g.sm) };
@@ -358,12 +361,21 @@ pub fn render_slice(d: &pb::SliceDetail) -> String {
     o
 }
 
+/// A slice priority's name, as tables and messages show it.
+pub fn priority_name(p: i32) -> &'static str {
+    if p == pb::SlicePriority::PriorityHigh as i32 {
+        "high"
+    } else {
+        "normal"
+    }
+}
+
 /// `vgpuctl slice list`: a slice per GPU row, with its limits and owner.
 pub fn render_slice_list(slices: &[pb::SliceDetail]) -> String {
     if slices.is_empty() {
         return "no slices\n".into();
     }
-    let mut rows = vec![["SLICE", "GPU", "MEMORY LIMIT", "SM LIMIT", "OWNER"].map(String::from).to_vec()];
+    let mut rows = vec![["SLICE", "GPU", "MEMORY LIMIT", "SM LIMIT", "PRIORITY", "OWNER"].map(String::from).to_vec()];
     for d in slices {
         let owner = match (d.labels.get("namespace"), d.labels.get("pod"), d.labels.get("container")) {
             (Some(n), Some(p), Some(c)) => printable(&format!("{n}/{p}/{c}")),
@@ -377,6 +389,7 @@ pub fn render_slice_list(slices: &[pb::SliceDetail]) -> String {
                 short_uuid(&g.gpu),
                 if g.memory == 0 { "none".into() } else { human(g.memory) },
                 if g.sm == 0 || g.sm >= 100 { "none".into() } else { format!("{}%", g.sm) },
+                if first { priority_name(d.priority).into() } else { String::new() },
                 if first { owner.clone() } else { String::new() },
             ]);
         }

@@ -1256,3 +1256,58 @@ fn a_slice_without_the_library_is_said_to_run_unlimited() {
     assert!(out.contains("warning: the agent has no libvgpu.so to give this slice"), "{out}");
     assert!(out.contains("run without limits"), "{out}");
 }
+
+/// A slice's priority: set at creation, shown by status, slice list, inspect and the metrics, kept
+/// in its limits file (which only the agent writes), and changed while its processes run.
+#[test]
+fn a_slice_s_priority_is_set_shown_and_changed_while_it_runs() {
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let d: Value = serde_json::from_str(&a.ctl_ok(&[
+        "slice",
+        "create",
+        "--name",
+        "web",
+        "--gpu",
+        "0",
+        "--memory",
+        "1GiB",
+        "--priority",
+        "high",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(d["priority"], "high", "{d}");
+    a.ctl_ok(&["slice", "create", "--name", "batch", "--gpu", "0", "--memory", "1GiB"]);
+    let limits = |name: &str| {
+        let p = a.state.join("slices").join(name).join("limits");
+        vgpu_region::Region::open(&p, false).unwrap().priority_high()
+    };
+    assert!(limits("web") && !limits("batch"));
+    // A process in the slice while its priority changes.
+    let (p, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--size", "100m", "--hold"]);
+    let st = a.wait("the process in web", |v| slice_of(v, "web")["processes"][0]["host_pid"] == p);
+    assert_eq!(
+        (slice_of(&st, "web")["priority"].as_str(), slice_of(&st, "batch")["priority"].as_str()),
+        (Some("high"), Some("normal"))
+    );
+    let list = a.ctl_ok(&["slice", "list"]);
+    assert!(list.lines().any(|l| l.starts_with("web ") && l.contains(" high ")), "{list}");
+    assert!(a.ctl_ok(&["status"]).contains("web [high]"));
+    let (_, body) = a.scrape("/metrics");
+    assert_eq!(metric(&body, "vgpu_slice_priority_high", "slice=\"web\""), 1.0);
+    assert_eq!(metric(&body, "vgpu_slice_priority_high", "slice=\"batch\""), 0.0);
+    // Lowered while it runs: the limits file follows at once, and so does what the agent reports.
+    let out = a.ctl_ok(&["slice", "update", "web", "--priority", "normal"]);
+    assert!(out.contains("priority: high -> normal"), "{out}");
+    assert!(!limits("web"));
+    let st = a.wait("web normal", |v| slice_of(v, "web")["priority"] == "normal");
+    assert_eq!(slice_of(&st, "web")["processes"][0]["host_pid"], p, "its process runs on");
+    a.ctl_ok(&["slice", "update", "batch", "--priority", "high"]);
+    assert!(limits("batch"));
+    // A bad value is refused with what is accepted.
+    let o = a.ctl(&["slice", "update", "web", "--priority", "top"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("possible values: normal, high"), "{o:?}");
+    s.kill(p);
+}

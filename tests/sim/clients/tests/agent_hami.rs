@@ -223,8 +223,21 @@ fn hami_mode_follows_the_schedulers_annotations() {
         node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1",
                      "annotations": {"hami.io/mutex.lock": "2026-11-29T10:00:00Z,ml,train"}}}),
         pods: vec![
-            // The lock owner: an init container and a sidecar without GPUs, one container with 3000 MiB and 30 %.
-            pod("ml", "train", "uid-train", "200", &format!(";{g0},NVIDIA,3000,30:;;"), &["main", "side"], &["init"]),
+            // The lock owner: an init container and a sidecar without GPUs, one container with 3000 MiB
+            // and 30 %, of HAMi's high task priority (its nvidia.com/priority resource at 0).
+            {
+                let mut p = pod(
+                    "ml",
+                    "train",
+                    "uid-train",
+                    "200",
+                    &format!(";{g0},NVIDIA,3000,30:;;"),
+                    &["main", "side"],
+                    &["init"],
+                );
+                p["spec"]["containers"][0]["resources"] = json!({"limits": {"nvidia.com/priority": "0"}});
+                p
+            },
             // Older, but not the lock owner; two devices for its one container.
             pod("other", "x", "uid-x", "100", &format!("{g0},NVIDIA,1000,0:{g1},NVIDIA,1000,0:;"), &["c"], &[]),
             // Newest; its container sets CUDA_DISABLE_CONTROL=true.
@@ -289,6 +302,12 @@ fn hami_mode_follows_the_schedulers_annotations() {
         assert_eq!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").map(String::as_str), Some("30"));
         assert_eq!(cr.envs.get("CUDA_OVERSUBSCRIBE").map(String::as_str), Some("true"), "memory_scaling above 1");
         assert!(cr.mounts.iter().any(|m| m.container_path == "/etc/ld.so.preload" && m.read_only));
+        // HAMi's task priority 0 is a high-priority slice, in its limits file (the agent's alone).
+        let st = a.status().unwrap();
+        let train = st["slices"].as_array().unwrap().iter().find(|x| x["labels"]["pod"] == "train").unwrap().clone();
+        assert_eq!(train["priority"], "high", "{train}");
+        let limits = cr.mounts.iter().find(|m| m.container_path == "/usr/local/vgpu/limits").unwrap();
+        assert!(vgpu_region::Region::open(std::path::Path::new(&limits.host_path), false).unwrap().priority_high());
 
         // A process with that environment gets its 3000 MiB.
         let detail = json!({

@@ -90,7 +90,7 @@ fn runc_containers_get_their_slice_through_the_hook() {
         a.state.display()
     );
     let script = script.as_str();
-    bundle(&b1, &["VGPU_MEMORY=1GiB", "VGPU_SM=30", "VGPU_GPUS=0"], script, &hook, &a.socket);
+    bundle(&b1, &["VGPU_MEMORY=1GiB", "VGPU_SM=30", "VGPU_GPUS=0", "VGPU_PRIORITY=high"], script, &hook, &a.socket);
     let out = run(&b1, &id);
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines[0], "/usr/local/vgpu/libvgpu.so", "{out}");
@@ -104,6 +104,12 @@ fn runc_containers_get_their_slice_through_the_hook() {
     assert_eq!(size, vgpu_region::TOTAL_SIZE as u64, "the slice's limits region");
     // The agent made the slice with the asked limits, and poststop removed it.
     assert!(a.log_text().contains(&format!("\"slice\":\"oci-{id}\"")), "{}", a.log_text());
+    let created = a
+        .log_text()
+        .lines()
+        .find(|l| l.contains("slice created") && l.contains(&format!("oci-{id}")))
+        .map(str::to_owned);
+    assert!(created.as_deref().is_some_and(|l| l.contains("\"priority\":\"High\"")), "VGPU_PRIORITY=high: {created:?}");
     let list = a.ctl_ok(&["slice", "list"]);
     assert!(!list.contains(&format!("oci-{id}")), "deleted at poststop: {list}");
 
