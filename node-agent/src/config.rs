@@ -39,6 +39,7 @@ struct FileConfig {
     hami_register_format: Option<String>,
     memory_factor: Option<u32>,
     memory_scaling: Option<f64>,
+    priority_queue_us: Option<u64>,
     scheduler_endpoint: Option<String>,
     scheduler_ca: Option<PathBuf>,
     scheduler_token_file: Option<PathBuf>,
@@ -162,6 +163,9 @@ pub struct Config {
     /// `deviceMemoryScaling`): above 1 the slices' limits may add up to more than the GPU has, and
     /// what a container's allocations find no physical room for is served as unified memory.
     pub memory_scaling: f64,
+    /// The most GPU time (µs) a normal slice keeps queued on a GPU beside a high-priority slice:
+    /// the longest the high-priority slice's work waits behind it (docs/priority.md).
+    pub priority_queue_us: u64,
     /// Capacity reporting to the central scheduler; None: off.
     pub scheduler: Option<scheduler::ReportConfig>,
     /// The kubelet DRA plugin (resource.k8s.io): its driver name; None: off.
@@ -377,6 +381,8 @@ impl Config {
         let scheduler_factor = scheduler_settings.as_ref().and_then(|s| s.gpu_memory_factor).filter(|&f| f > 0);
         let memory_factor =
             src.number("memory_factor", file.memory_factor.or(scheduler_factor).unwrap_or(1), 1..=1 << 20)?;
+        let priority_queue_us =
+            src.number("priority_queue_us", file.priority_queue_us.unwrap_or(100), 50..=1_000_000)?;
         let memory_scaling = match env("VGPU_AGENT_MEMORY_SCALING") {
             Some(v) => v.trim().parse().map_err(|_| bad("memory_scaling", format!("{v:?} is not a number")))?,
             None => file.memory_scaling.unwrap_or(1.0),
@@ -406,6 +412,7 @@ impl Config {
             dra_mig,
             scheduler,
             memory_factor,
+            priority_queue_us,
             memory_scaling,
             compat,
             kube_api,

@@ -118,6 +118,7 @@ fn recover(cfg: &Config) -> Result<Arc<Agent>, DaemonError> {
     let store = SliceStore::open(&cfg.state_dir)
         .map_err(|e| DaemonError::State(e.to_string()))?
         .with_oversubscribe(cfg.memory_scaling > 1.0)
+        .with_priority_queue_ns(cfg.priority_queue_us * 1000)
         .with_max_slices(cfg.max_slices);
     for repair in store.recover() {
         tracing::warn!(%repair, "slice store repaired at start");

@@ -33,6 +33,10 @@ pub const RATE_MAX_PPM: u64 = 4_000_000;
 
 struct Cached {
     region: Region,
+    /// Its activity file (see `vgpu_region::activity`): cleared while none of its processes lives,
+    /// so that a killed high-priority process holds the normal slices of its GPUs back for at most
+    /// one pass.
+    activity: Option<vgpu_region::activity::Mapped>,
     /// The slice's creation time: a slice made again under the same name is another region.
     created_ns: u64,
     id: Option<FileId>,
@@ -1016,6 +1020,12 @@ impl Monitor {
                     st.processes.push(pb::ProcessStatus { host_pid: host, pid: *pid, ..Default::default() });
                 }
             }
+            if live.is_empty() {
+                // What its dead processes queued went with them.
+                if let Some(a) = &c.activity {
+                    (0..s.gpus.len()).filter(|&d| a.until(d) != 0).for_each(|d| a.set(d, 0));
+                }
+            }
             pass.slices.push(st);
         }
     }
@@ -1097,6 +1107,7 @@ impl Monitor {
                 self.unopened.remove(&s.name);
                 Some(Cached {
                     region,
+                    activity: vgpu_region::activity::Mapped::open(&store.dir(&s.name).join("activity"), true),
                     created_ns: s.created_ns,
                     id: procfs::file_id(&path),
                     live: 0..0,

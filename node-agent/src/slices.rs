@@ -139,19 +139,32 @@ pub struct Listing {
 pub struct SliceStore {
     /// `<state_dir>/slices`: the files containers get.
     root: PathBuf,
+    /// `<state_dir>/gates`: per GPU UUID, links to the activity files of its high-priority slices
+    /// (every container gets it read-only; see docs/priority.md).
+    gates: PathBuf,
     /// `<state_dir>/records`: the records, which no container gets.
     records: PathBuf,
     /// The node's memory is oversubscribed (`memory_scaling` above 1): every slice's files carry the
     /// flag that lets its interposers serve what the GPU has no room for as unified memory.
     oversubscribe: bool,
+    /// What every slice's limits file says a normal slice keeps queued beside a high-priority one.
+    priority_queue_ns: u64,
     max_slices: usize,
 }
+
+/// What a normal slice keeps queued beside a high-priority one, unless configured.
+pub const DEFAULT_PRIORITY_QUEUE_NS: u64 = 100_000;
 
 /// Where the container sees the slice's files.
 pub const CONTAINER_DIR: &str = "/usr/local/vgpu";
 
 fn io(what: String) -> impl FnOnce(std::io::Error) -> SliceError {
     move |e| SliceError::new(ErrorKind::Io, format!("{what}: {e}"))
+}
+
+/// A GPU UUID as a directory name may hold it (`GPU-...`, `MIG-...`).
+fn valid_uuid(u: &str) -> bool {
+    !u.is_empty() && u.len() <= 96 && u.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 pub fn valid_name(name: &str) -> bool {
@@ -287,16 +300,33 @@ impl SliceStore {
     pub fn open(state_dir: &Path) -> Result<SliceStore> {
         let root = state_dir.join("slices");
         let records = state_dir.join("records");
-        for d in [&root, &records] {
+        let gates = state_dir.join("gates");
+        for d in [&root, &records, &gates] {
             std::fs::create_dir_all(d).map_err(io(format!("cannot create {}", d.display())))?;
         }
         std::fs::set_permissions(&records, std::fs::Permissions::from_mode(0o700))
             .map_err(io(format!("cannot restrict {}", records.display())))?;
-        Ok(SliceStore { root, records, oversubscribe: false, max_slices: DEFAULT_MAX_SLICES })
+        std::fs::set_permissions(&gates, std::fs::Permissions::from_mode(0o755))
+            .map_err(io(format!("cannot set the mode of {}", gates.display())))?;
+        Ok(SliceStore {
+            root,
+            records,
+            gates,
+            oversubscribe: false,
+            priority_queue_ns: DEFAULT_PRIORITY_QUEUE_NS,
+            max_slices: DEFAULT_MAX_SLICES,
+        })
     }
 
     /// Sets whether slices get the oversubscription flag (new ones at creation, existing ones at
     /// [`recover`](Self::recover) and at their next update).
+    /// Sets what normal slices keep queued beside a high-priority one (written like the
+    /// oversubscription flag).
+    pub fn with_priority_queue_ns(mut self, ns: u64) -> SliceStore {
+        self.priority_queue_ns = ns;
+        self
+    }
+
     pub fn with_oversubscribe(mut self, on: bool) -> SliceStore {
         self.oversubscribe = on;
         self
@@ -386,7 +416,55 @@ impl SliceStore {
         if made.is_err() {
             let _ = std::fs::remove_dir_all(&dir);
         }
+        if made.as_ref().is_ok_and(|s| s.priority == Priority::High) {
+            self.sync_gates();
+        }
         made
+    }
+
+    /// Where slice `name`'s device `dev` is linked in its GPU's gate directory: a name that tells
+    /// the slices of the GPU apart without naming them.
+    fn gate_link(&self, uuid: &str, name: &str, dev: usize) -> PathBuf {
+        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        self.gates.join(uuid).join(format!("{h:016x}.{dev}"))
+    }
+
+    /// Makes `gates/<gpu>/` hold exactly the activity files of the high-priority slices on each GPU
+    /// (hard links: the containers see the directory, read-only, not the slices'). Best effort:
+    /// what cannot be linked is logged, and a normal slice then does not wait for that one.
+    pub fn sync_gates(&self) {
+        let Ok(listing) = self.list() else { return };
+        let mut want: BTreeMap<PathBuf, PathBuf> = BTreeMap::new();
+        for s in listing.slices.iter().filter(|s| s.priority == Priority::High) {
+            for (i, g) in s.gpus.iter().enumerate() {
+                if valid_uuid(&g.uuid) {
+                    want.insert(self.gate_link(&g.uuid, &s.name, i), self.dir(&s.name).join("activity"));
+                }
+            }
+        }
+        // What is there and not wanted goes.
+        for gpu in std::fs::read_dir(&self.gates).into_iter().flatten().flatten() {
+            for e in std::fs::read_dir(gpu.path()).into_iter().flatten().flatten() {
+                if !want.contains_key(&e.path()) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        use std::os::unix::fs::MetadataExt;
+        for (link, target) in want {
+            let same = |a: &Path, b: &Path| matches!((a.symlink_metadata(), b.symlink_metadata()), (Ok(x), Ok(y)) if x.ino() == y.ino() && x.dev() == y.dev());
+            if same(&link, &target) {
+                continue;
+            }
+            let made = link.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|_| {
+                let tmp = link.with_extension("tmp");
+                let _ = std::fs::remove_file(&tmp);
+                std::fs::hard_link(&target, &tmp).and_then(|_| std::fs::rename(&tmp, &link))
+            });
+            if let Err(e) = made {
+                tracing::warn!(link = %link.display(), error = %e, "cannot link a high-priority slice into its GPU's gate");
+            }
+        }
     }
 
     /// Makes a slice's limits file and region in `dir`.
@@ -397,6 +475,7 @@ impl SliceStore {
         let limits = Region::open_or_create(&dir.join("limits"), init).map_err(region_err)?;
         limits.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
         limits.set_priority_high(priority == Priority::High).map_err(region_err)?;
+        limits.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
         // Only the agent writes limits (containers get the file read-only; on the host, other
         // users must not raise them). The region stays writable by every user: a container's
         // processes, whatever their uid, account their usage in it.
@@ -404,7 +483,10 @@ impl SliceStore {
             .map_err(io(format!("cannot restrict {}", dir.join("limits").display())))?;
         let region = Region::open_or_create(&dir.join("region"), init).map_err(region_err)?;
         region.set_priority_high(priority == Priority::High).map_err(region_err)?;
-        region.set_oversubscribe(self.oversubscribe).map_err(region_err)
+        region.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
+        region.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
+        let activity = dir.join("activity");
+        vgpu_region::activity::create(&activity).map_err(io(format!("cannot create {}", activity.display())))
     }
 
     pub fn get(&self, name: &str) -> Result<Slice> {
@@ -466,6 +548,7 @@ impl SliceStore {
         s.priority = priority;
         self.write_record(&s)?;
         self.apply_limits(&s)?;
+        self.sync_gates();
         Ok(s)
     }
 
@@ -491,6 +574,10 @@ impl SliceStore {
             }
             if r.priority_high() != (s.priority == Priority::High) {
                 r.set_priority_high(s.priority == Priority::High).map_err(region_err)?;
+                changed = true;
+            }
+            if r.priority_queue_ns() != self.priority_queue_ns {
+                r.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
                 changed = true;
             }
             for (i, g) in s.gpus.iter().enumerate() {
@@ -555,7 +642,18 @@ impl SliceStore {
                 Ok(false) => {}
                 Err(e) => done.push(format!("slice {name}: {e}")),
             }
+            // A slice from before activity files (or whose file is not one): a new one; processes
+            // already running keep theirs (they run without the gate until they restart).
+            let activity = self.dir(&name).join("activity");
+            if vgpu_region::activity::Mapped::open(&activity, false).is_none() {
+                let _ = std::fs::remove_file(&activity);
+                match vgpu_region::activity::create(&activity) {
+                    Ok(()) => done.push(format!("made {}", activity.display())),
+                    Err(e) => done.push(format!("cannot make {}: {e}", activity.display())),
+                }
+            }
         }
+        self.sync_gates();
         done
     }
 
@@ -676,6 +774,7 @@ impl SliceStore {
         // The record goes first: a deletion interrupted after it leaves a directory that is no
         // longer a slice, which the next create or start removes.
         std::fs::remove_file(&record).map_err(io(format!("cannot remove {}", record.display())))?;
+        self.sync_gates();
         match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 Err(SliceError::new(ErrorKind::Io, format!("cannot remove {}: {e}", dir.display())))
@@ -708,11 +807,15 @@ impl SliceStore {
                 env.push((format!("CUDA_DEVICE_SM_LIMIT_{i}"), g.sm.to_string()));
             }
         }
+        env.push(("VGPU_ACTIVITY_FILE".to_string(), format!("{CONTAINER_DIR}/activity")));
+        env.push(("VGPU_GATES_DIR".to_string(), format!("{CONTAINER_DIR}/gates")));
         let dir = self.dir(name);
         let m = |host: PathBuf, container: String, read_only| Mount { host, container, read_only };
         let mut mounts = vec![
             m(dir.join("region"), format!("{CONTAINER_DIR}/region"), false),
             m(dir.join("limits"), format!("{CONTAINER_DIR}/limits"), true),
+            m(dir.join("activity"), format!("{CONTAINER_DIR}/activity"), false),
+            m(self.gates.clone(), format!("{CONTAINER_DIR}/gates"), true),
         ];
         if let Some(lib) = library {
             mounts.push(m(lib.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true));
@@ -822,7 +925,8 @@ mod tests {
         std::fs::write(st.dir("lost").join("region"), vec![0xffu8; 4096]).unwrap();
         // A new slice of the half-made one's name works even before recovery.
         let repairs = st.recover();
-        assert_eq!(repairs.len(), 4, "{repairs:?}");
+        // (the lost slice's new files get their limits, the priority queue bound among them)
+        assert_eq!(repairs.len(), 5, "{repairs:?}");
         assert!(!st.dir("half").exists());
         assert_eq!(
             st.list().unwrap().slices.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
@@ -886,9 +990,11 @@ mod tests {
             hosts,
             [
                 (st.dir("job").join("region"), "/usr/local/vgpu/region", false),
-                (st.dir("job").join("limits"), "/usr/local/vgpu/limits", true)
+                (st.dir("job").join("limits"), "/usr/local/vgpu/limits", true),
+                (st.dir("job").join("activity"), "/usr/local/vgpu/activity", false),
+                (d.join("gates"), "/usr/local/vgpu/gates", true),
             ],
-            "the files alone, never the directory"
+            "the files alone, never the slice's directory (the gates, read-only, hold links only)"
         );
         assert!(!st.dir("job").join("slice.json").exists(), "no record beside what the container gets");
         let mode = std::fs::metadata(d.join("records")).unwrap().permissions().mode() & 0o777;
@@ -1038,6 +1144,43 @@ mod tests {
 
     fn gpu(m: u64, sm: u32) -> SliceGpu {
         SliceGpu { uuid: "GPU-aaaa".into(), memory: m, sm }
+    }
+
+    /// A GPU's gate holds exactly its high-priority slices' activity files, as the priority
+    /// changes and slices go.
+    #[test]
+    fn the_gates_follow_the_high_priority_slices() {
+        use std::os::unix::fs::MetadataExt;
+        let (st, d) = store();
+        let gate = |n: &str| -> Vec<u64> {
+            std::fs::read_dir(d.join("gates").join(n))
+                .map_or(Vec::new(), |rd| rd.flatten().map(|e| e.metadata().unwrap().ino()).collect())
+        };
+        let ino = |slice: &str| std::fs::metadata(st.dir(slice).join("activity")).unwrap().ino();
+        st.create_with("svc", vec![gpu(1 << 30, 0)], Default::default(), Priority::High).unwrap();
+        st.create("batch", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        assert_eq!(gate("GPU-aaaa"), [ino("svc")]);
+        let names: Vec<String> = std::fs::read_dir(d.join("gates/GPU-aaaa"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.contains("svc") && n.ends_with(".0")), "named without the slice: {names:?}");
+        st.set_priority("batch", Priority::High).unwrap();
+        let mut both = vec![ino("svc"), ino("batch")];
+        both.sort();
+        let mut now = gate("GPU-aaaa");
+        now.sort();
+        assert_eq!(now, both);
+        st.set_priority("svc", Priority::Normal).unwrap();
+        assert_eq!(gate("GPU-aaaa"), [ino("batch")]);
+        st.delete("batch", true).unwrap();
+        assert!(gate("GPU-aaaa").is_empty());
+        // A restart finds the record's priority again: the gate is remade from the records.
+        st.set_priority("svc", Priority::High).unwrap();
+        std::fs::remove_dir_all(d.join("gates/GPU-aaaa")).unwrap();
+        st.recover();
+        assert_eq!(gate("GPU-aaaa"), [ino("svc")]);
     }
 
     #[test]

@@ -259,17 +259,18 @@ fn optional_objects_and_rbac_follow_the_values() {
     assert_eq!(beta.matches("apiVersion: resource.k8s.io/v1beta1\n").count(), 2, "{beta}");
 }
 
-/// Values that reach the agent's configuration: Volcano's memory factor and the memory scaling, and
+/// Values that reach the agent's configuration: Volcano's memory factor, the memory scaling and the
+/// priority gate's queue bound, and
 /// any other key (and `[[node]]` sections) through `extraConfig`.
 #[test]
 fn the_agent_configuration_takes_the_chart_s_values() {
-    let values = "compat: volcano\nmemoryFactor: 512\nmemoryScaling: 1.5\nextraConfig: |\n  escape_action = \"kill\"\n  register_interval_s = 7\n  [[node]]\n  names = [\"*\"]\n  split_count = 3\n";
+    let values = "compat: volcano\nmemoryFactor: 512\nmemoryScaling: 1.5\npriorityQueueUs: 250\nextraConfig: |\n  escape_action = \"kill\"\n  register_interval_s = 7\n  [[node]]\n  names = [\"*\"]\n  split_count = 3\n";
     let Some(r) = template(values) else { return };
     let c: ConfigMap = yaml_serde::from_str(doc(&docs(&r), "ConfigMap")).unwrap();
     let cfg = vgpu_agent::config::Config::from_toml(&c.data.unwrap()["agent.toml"])
         .unwrap_or_else(|e| panic!("the rendered agent.toml: {e}"));
     assert_eq!(cfg.compat, vgpu_agent::config::Compat::Volcano);
-    assert_eq!((cfg.memory_factor, cfg.memory_scaling), (512, 1.5));
+    assert_eq!((cfg.memory_factor, cfg.memory_scaling, cfg.priority_queue_us), (512, 1.5, 250));
     assert_eq!((cfg.escape_action, cfg.register_interval_s), (vgpu_agent::config::EscapeAction::Kill, 7));
     assert_eq!((cfg.split_count, cfg.node_section.map(|n| n.0)), (3, Some(0)), "a [[node]] section for every node");
 }

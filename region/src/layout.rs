@@ -37,7 +37,10 @@ pub struct Header {
     /// Slots marked exiting and not yet reclaimed (a hint: readers of the usage that see 0 do not
     /// look for them). Was padding: builds that do not know it leave it 0.
     pub exiting: AtomicU32,
-    pub _reserved: [AtomicU64; 8],
+    /// A normal slice beside a high-priority one keeps at most this much GPU time queued on each
+    /// GPU (ns; 0: the interposer's default). Was reserved: builds that do not know it leave it 0.
+    pub priority_queue_ns: AtomicU64,
+    pub _reserved: [AtomicU64; 7],
 }
 
 #[repr(C)]

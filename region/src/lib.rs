@@ -13,6 +13,7 @@
 //! * **Limits** are per device and can change at any time; readers load them on every check.
 #![deny(clippy::too_many_lines)]
 
+pub mod activity;
 mod layout;
 pub mod shrink;
 
@@ -402,6 +403,18 @@ impl Region {
 
     pub fn set_priority_high(&self, on: bool) -> Result<()> {
         self.set_flag(FLAG_PRIORITY_HIGH, on)
+    }
+
+    /// The most GPU time a normal slice keeps queued beside a high-priority one (ns; 0: default).
+    #[inline]
+    pub fn priority_queue_ns(&self) -> u64 {
+        self.map.header.priority_queue_ns.load(Relaxed)
+    }
+
+    pub fn set_priority_queue_ns(&self, ns: u64) -> Result<()> {
+        self.writable()?;
+        self.map.header.priority_queue_ns.store(ns, Relaxed);
+        Ok(())
     }
 
     fn set_flag(&self, flag: u32, on: bool) -> Result<()> {

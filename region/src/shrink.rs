@@ -17,6 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
 pub const CAPACITY: usize = 16_384;
 
 static STARTS: [AtomicUsize; CAPACITY] = [const { AtomicUsize::new(0) }; CAPACITY];
+/// The length of each registered mapping (set before its start is published).
+static LENS: [AtomicUsize; CAPACITY] = [const { AtomicUsize::new(0) }; CAPACITY];
 static FAULTED: [AtomicBool; CAPACITY] = [const { AtomicBool::new(false) }; CAPACITY];
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static FAULTS: AtomicUsize = AtomicUsize::new(0);
@@ -51,13 +53,24 @@ pub fn faults() -> usize {
     FAULTS.load(Relaxed)
 }
 
-/// Registers a mapping at `start` (when guarding is on). `Ok(None)`: guarding is off.
+/// Registers a region's mapping at `start` (when guarding is on). `Ok(None)`: guarding is off.
 pub(crate) fn register(start: usize) -> Result<Option<usize>, ()> {
+    register_len(start, crate::TOTAL_SIZE)
+}
+
+/// Registers a mapping of `len` bytes at `start` (when guarding is on).
+pub(crate) fn register_len(start: usize, len: usize) -> Result<Option<usize>, ()> {
     if !ENABLED.load(Acquire) {
         return Ok(None);
     }
     for (i, s) in STARTS.iter().enumerate() {
-        if s.compare_exchange(0, start, AcqRel, Relaxed).is_ok() {
+        // A slot is claimed by its length (free: 0), then published by its start: the handler
+        // matches an address only against a published start, whose length is set by then.
+        if s.load(Relaxed) == 0 && LENS[i].compare_exchange(0, len, AcqRel, Relaxed).is_ok() {
+            if s.compare_exchange(0, start, AcqRel, Relaxed).is_err() {
+                LENS[i].store(0, Release);
+                continue;
+            }
             FAULTED[i].store(false, Release);
             return Ok(Some(i));
         }
@@ -67,22 +80,19 @@ pub(crate) fn register(start: usize) -> Result<Option<usize>, ()> {
 
 pub(crate) fn unregister(slot: usize) {
     STARTS[slot].store(0, Release);
+    LENS[slot].store(0, Release);
 }
 
 pub(crate) fn faulted(slot: usize) -> bool {
     FAULTED[slot].load(Acquire)
 }
 
-fn mapping_len() -> usize {
-    crate::TOTAL_SIZE
-}
-
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for a SA_SIGINFO handler.
     let addr = unsafe { (*info).si_addr() } as usize;
-    let len = mapping_len();
     for (i, s) in STARTS.iter().enumerate() {
         let start = s.load(Acquire);
+        let len = LENS[i].load(Acquire);
         if start != 0 && addr >= start && addr < start + len {
             // SAFETY: replaces exactly the registered mapping (made by this crate, `len` bytes at
             // `start`, still registered so not yet unmapped) with private zero pages; every field

@@ -29,6 +29,7 @@ mod log;
 mod memory;
 mod nvml;
 mod pools;
+mod priority;
 mod procaddr;
 mod ptrmap;
 mod real;

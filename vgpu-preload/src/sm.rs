@@ -46,7 +46,7 @@ fn monotonic(clock: libc::clockid_t) -> u64 {
 }
 
 /// The monotonic clock at full resolution: for measured launches only.
-fn now_precise() -> u64 {
+pub(crate) fn now_precise() -> u64 {
     monotonic(libc::CLOCK_MONOTONIC)
 }
 
@@ -586,11 +586,14 @@ static GEN: AtomicPtr<AtomicU64> = AtomicPtr::new(std::ptr::null_mut());
 static SEEN: AtomicU64 = AtomicU64::new(u64::MAX);
 static ANY: AtomicBool = AtomicBool::new(false);
 
-/// Whether any device of the container has an SM limit; the launch hooks skip everything else when
-/// not. Cached process-wide and re-evaluated only when the limits' generation changes, so the
+/// Whether any device of the container has an SM limit, or a priority gate applies; the launch
+/// hooks skip everything else when not. Cached process-wide and re-evaluated only when the limits' generation changes, so the
 /// common answer costs two loads.
 #[inline]
 pub fn engaged() -> bool {
+    if crate::priority::engaged() {
+        return true;
+    }
     let g = GEN.load(Acquire);
     // SAFETY: GEN only ever holds a pointer into the limits mapping of the process's State, whose
     // regions live in a static and are never dropped (so never unmapped).
@@ -645,7 +648,12 @@ fn launch_dev(st: &State, stream: CUstream) -> Result<usize, CUresult> {
 fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUresult {
     let st = state();
     let Ok(dev) = launch_dev(st, stream) else { return launch() };
-    let (Some(pct), Some(region)) = (applies(st, dev), st.region.as_ref()) else { return launch() };
+    let pct = applies(st, dev);
+    let gate = crate::priority::role(st, dev);
+    let Some(region) = st.region.as_ref() else { return launch() };
+    if pct.is_none() && matches!(gate, crate::priority::Role::Free) {
+        return launch();
+    }
     if capture::capturing(stream) {
         return launch(); // becomes a graph node; charged when the graph is launched
     }
@@ -655,11 +663,24 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     let sample = !open && sampled(est, n, PENDING_N.load(Relaxed)) && !NO_MEASURING.load(Relaxed);
     let cost = if est == 0 { FIRST_GUESS_NS } else { est };
     let cost = if BLIND.load(Relaxed) { cost.max(BLIND_NS) } else { cost };
-    if !charge(region, dev, cost) {
-        // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| throttle(st, region, dev, pct, cost))).is_err() {
-            crate::log::vlog!(crate::log::ERROR, "internal error while throttling; launching unthrottled");
+    if let Some(pct) = pct {
+        if !charge(region, dev, cost) {
+            // The slow path sleeps and reads the clock; a panic in it must not unwind into C.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| throttle(st, region, dev, pct, cost))).is_err()
+            {
+                crate::log::vlog!(crate::log::ERROR, "internal error while throttling; launching unthrottled");
+            }
         }
+    }
+    match gate {
+        crate::priority::Role::Normal(own) => {
+            // Sleeps and reads the clock; a panic in it must not unwind into C.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                crate::priority::wait_normal(st, own, dev, cost)
+            }));
+        }
+        crate::priority::Role::High(own) => crate::priority::note_high(own, dev, cost),
+        crate::priority::Role::Free => {}
     }
     let res = if sample {
         let mut res = CUresult::UNKNOWN;
@@ -673,7 +694,7 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
         }
     } else {
         let res = launch();
-        if res != CUresult::SUCCESS {
+        if res != CUresult::SUCCESS && pct.is_some() {
             region.sm_correct(dev, cost as i64, 0);
         }
         res

@@ -201,7 +201,9 @@ impl State {
                 libc::atexit(at_exit);
             }
         }
-        State::assemble(Parts { cfg, region, limits_region, claim, refuse, trueup, watched })
+        let st = State::assemble(Parts { cfg, region, limits_region, claim, refuse, trueup, watched });
+        crate::priority::start(&st);
+        st
     }
 
     /// The state from its parts, the limits read from the limits region if there is one, else from
@@ -354,6 +356,25 @@ impl State {
     #[inline]
     pub fn mem_limit(&self, dev: usize) -> u64 {
         self.limits.map_or(0, |l| l.devices[dev].mem_limit.load(Acquire))
+    }
+
+    /// Whether the agent made this a high-priority slice: its limits file's flag (never the
+    /// region's, which the container could write).
+    #[inline]
+    pub fn priority_high(&self) -> bool {
+        self._limits_region.as_ref().is_some_and(|r| r.priority_high())
+    }
+
+    /// What a normal slice keeps queued beside a high-priority one (ns; 0: the default).
+    pub fn priority_queue_ns(&self) -> u64 {
+        self._limits_region.as_ref().map_or(0, |r| r.priority_queue_ns())
+    }
+
+    /// The agent's limits file, with the GPU UUID of each of its devices.
+    pub fn limits_file(&self) -> Option<(&str, Vec<String>)> {
+        let r = self._limits_region.as_ref()?;
+        let path = self.cfg.limits_path.as_deref()?;
+        Some((path, (0..r.ndevices()).map(|i| r.device_uuid(i)).collect()))
     }
 
     /// Whether an allocation the GPU has no room for may be served as unified memory:

@@ -9,6 +9,7 @@ mod launch;
 mod memory;
 mod process;
 mod reuse;
+mod serve;
 
 use crate::abi::*;
 use crate::{error_name, Api};
@@ -178,6 +179,7 @@ pub enum Scenario {
     Hold,
     Alloc(memory::AllocArgs),
     Launch(launch::LaunchArgs),
+    Serve(serve::ServeArgs),
     Memcpy(memory::MemcpyArgs),
     GraphMem(graphs::GraphMemArgs),
     Pool(memory::PoolArgs),
@@ -214,6 +216,7 @@ pub fn run(api: &Api, cli: &Cli) -> Res<()> {
         Scenario::Hold => process::hold(api, dev),
         Scenario::Alloc(a) => memory::alloc(api, dev, a),
         Scenario::Launch(a) => launch::launch(api, dev, a),
+        Scenario::Serve(a) => serve::serve(api, dev, a),
         Scenario::Memcpy(a) => memory::memcpy(api, dev, a),
         Scenario::GraphMem(a) => graphs::graph_mem(api, dev, a),
         Scenario::Pool(a) => memory::pool_steps(api, dev, a),

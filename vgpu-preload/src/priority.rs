@@ -1,0 +1,205 @@
+//! Priority tenants (docs/priority.md): the gate between a GPU's high-priority slice and its
+//! normal ones.
+//!
+//! A high-priority slice's processes note each launch's estimated GPU time in their slice's
+//! activity file (`vgpu_region::activity`): until when the work they queued is expected to run. The
+//! agent links that file into `gates/<gpu-uuid>/`, which every container of the node sees
+//! read-only. A normal slice's process on that GPU admits a launch only once that time has passed
+//! (the high-priority slice has nothing queued) and while its own queued work (noted in its own
+//! activity file) is within the bound the agent wrote in its limits file: what the high-priority
+//! slice's next request can find ahead of it on the GPU.
+//!
+//! A helper thread looks at the gate directories every [`WATCH_EVERY`] and publishes the files it
+//! finds (mapped once, never unmapped); the launch path only loads atomics and reads the clock.
+
+use crate::state::State;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering::*};
+use std::time::Duration;
+use vgpu_region::activity::Mapped;
+use vgpu_region::MAX_DEVICES;
+
+/// High-priority slices of one GPU followed, at most.
+const MAX_HIGH: usize = 8;
+/// Activity files mapped in a process's life, at most.
+const MAX_MAPS: usize = 256;
+/// What a normal slice keeps queued where the agent's limits file says nothing.
+const DEFAULT_QUEUE_NS: u64 = 100_000;
+/// How often the gate directories are looked at.
+const WATCH_EVERY: Duration = Duration::from_millis(20);
+/// Longest single wait at the gate; the state is read again after it.
+const MAX_WAIT_NS: u64 = 5_000_000;
+
+/// One GPU's gate: the high-priority slices' activity files and which of their devices it is.
+struct Gate {
+    n: AtomicUsize,
+    files: [AtomicPtr<Mapped>; MAX_HIGH],
+    devs: [AtomicUsize; MAX_HIGH],
+}
+
+static GATES: [Gate; MAX_DEVICES] = [const {
+    Gate {
+        n: AtomicUsize::new(0),
+        files: [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_HIGH],
+        devs: [const { AtomicUsize::new(0) }; MAX_HIGH],
+    }
+}; MAX_DEVICES];
+
+/// This slice's own activity file (null: none, so no gate applies).
+static OWN: AtomicPtr<Mapped> = AtomicPtr::new(std::ptr::null_mut());
+/// Whether launches must pass the gate: this is a high-priority slice, or a GPU of it has one
+/// (kept by the watcher).
+static ENGAGED: AtomicBool = AtomicBool::new(false);
+
+/// Whether launches must go through [`role`] (one load: the launch hooks ask it first).
+#[inline]
+pub fn engaged() -> bool {
+    ENGAGED.load(Relaxed)
+}
+
+/// What a launch on a device has to do at the gate.
+pub enum Role {
+    /// Nothing: no activity file, or no high-priority slice on the GPU.
+    Free,
+    /// This is the high-priority slice: note the launch's time.
+    High(&'static Mapped),
+    /// A normal slice beside a high-priority one: wait at the gate, then note the launch's time.
+    Normal(&'static Mapped),
+}
+
+/// The gate of region device `dev` for this process.
+#[inline]
+pub fn role(st: &State, dev: usize) -> Role {
+    let own = OWN.load(Acquire);
+    if own.is_null() || dev >= MAX_DEVICES {
+        return Role::Free;
+    }
+    // SAFETY: OWN holds a leaked, never freed mapping once set.
+    let own = unsafe { &*own };
+    if st.priority_high() {
+        Role::High(own)
+    } else if GATES[dev].n.load(Acquire) > 0 {
+        Role::Normal(own)
+    } else {
+        Role::Free
+    }
+}
+
+/// The latest time a high-priority slice of `dev`'s GPU has work queued until.
+fn high_until(dev: usize) -> u64 {
+    let g = &GATES[dev];
+    let n = g.n.load(Acquire).min(MAX_HIGH);
+    (0..n)
+        .filter_map(|i| {
+            let f = g.files[i].load(Acquire);
+            // SAFETY: published pointers are leaked, never freed mappings.
+            (!f.is_null()).then(|| unsafe { &*f }.until(g.devs[i].load(Relaxed)))
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// A normal slice's launch of `cost_ns` on `dev`: waits while a high-priority slice of the GPU has
+/// work queued, or while this slice's own queued work is past the bound; then notes it. Returns the
+/// time waited.
+pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) -> u64 {
+    let bound = match st.priority_queue_ns() {
+        0 => DEFAULT_QUEUE_NS,
+        b => b,
+    };
+    let start = crate::sm::now_precise();
+    let mut now = start;
+    loop {
+        let wait = high_until(dev).saturating_sub(now).max(own.until(dev).saturating_sub(now.saturating_add(bound)));
+        if wait == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_nanos(wait.min(MAX_WAIT_NS)));
+        now = crate::sm::now_precise();
+    }
+    own.note(dev, now, cost_ns);
+    now - start
+}
+
+/// A high-priority slice's launch of `cost_ns` on `dev`, queued.
+#[inline]
+pub fn note_high(own: &Mapped, dev: usize, cost_ns: u64) {
+    own.note(dev, crate::sm::now_precise(), cost_ns);
+}
+
+/// Maps this slice's activity file and starts following the gates of its GPUs, where the agent
+/// manages the container (a limits file of its own); paths from `VGPU_ACTIVITY_FILE` and
+/// `VGPU_GATES_DIR`, else beside the limits file.
+pub fn start(st: &State) {
+    let Some((limits, uuids)) = st.limits_file() else { return };
+    let dir = Path::new(limits).parent().map(Path::to_path_buf).unwrap_or_default();
+    let from_env = |k: &str, dflt: PathBuf| {
+        if st.cfg.managed {
+            dflt
+        } else {
+            std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or(dflt)
+        }
+    };
+    let own_path = from_env("VGPU_ACTIVITY_FILE", dir.join("activity"));
+    let gates = from_env("VGPU_GATES_DIR", dir.join("gates"));
+    let Some(own) = Mapped::open(&own_path, true) else {
+        crate::log::vlog!(crate::log::INFO, "no activity file at {}: no priority gate", own_path.display());
+        return;
+    };
+    crate::log::vlog!(
+        crate::log::INFO,
+        "priority gate: {} slice, gates in {}",
+        if st.priority_high() { "high-priority" } else { "normal" },
+        gates.display()
+    );
+    use std::os::unix::fs::MetadataExt;
+    let own_ino = std::fs::metadata(&own_path).map_or(0, |m| m.ino());
+    OWN.store(Box::leak(Box::new(own)), Release);
+    let high = st.priority_high();
+    ENGAGED.store(high, Release);
+    // The watcher reads the flag from its own mapping of the limits file (the agent may change it).
+    let limits = vgpu_region::Region::open(Path::new(limits), false).ok();
+    let _ = std::thread::Builder::new().name("vgpu-gate".into()).stack_size(256 << 10).spawn(move || {
+        let mut maps: Vec<(u64, &'static Mapped)> = Vec::new();
+        loop {
+            let mut any = limits.as_ref().is_some_and(|l| l.priority_high());
+            for (d, uuid) in uuids.iter().enumerate().take(MAX_DEVICES) {
+                any |= publish(d, &gates.join(uuid), own_ino, &mut maps) > 0;
+            }
+            ENGAGED.store(any, Release);
+            std::thread::sleep(WATCH_EVERY);
+        }
+    });
+}
+
+/// Publishes the activity files in GPU gate directory `dir` as device `d`'s gate; how many.
+fn publish(d: usize, dir: &Path, own_ino: u64, maps: &mut Vec<(u64, &'static Mapped)>) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let mut found: Vec<(&'static Mapped, usize)> = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(dev) = name.rsplit_once('.').and_then(|(_, d)| d.parse::<usize>().ok()) else { continue };
+        let Ok(md) = e.metadata() else { continue };
+        if md.ino() == own_ino || found.len() == MAX_HIGH {
+            continue;
+        }
+        let m = match maps.iter().find(|(ino, _)| *ino == md.ino()) {
+            Some((_, m)) => *m,
+            None if maps.len() < MAX_MAPS => {
+                let Some(m) = Mapped::open(&e.path(), false) else { continue };
+                let m: &'static Mapped = Box::leak(Box::new(m));
+                maps.push((md.ino(), m));
+                m
+            }
+            None => continue,
+        };
+        found.push((m, dev));
+    }
+    let g = &GATES[d];
+    for (i, (m, dev)) in found.iter().enumerate() {
+        g.devs[i].store(*dev, Relaxed);
+        g.files[i].store(*m as *const Mapped as *mut Mapped, Release);
+    }
+    g.n.store(found.len(), Release);
+    found.len()
+}
