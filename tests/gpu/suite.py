@@ -1682,6 +1682,59 @@ def check_agent_sm(s):
     return summary, v
 
 
+def check_priority(s):
+    """Priority tenants (docs/priority.md): a small model's forward passes at 100 a second in a slice
+    alone, beside a training loop in another slice, and beside it with the service's slice at high
+    priority. Passes when the service's P99 with priority is within 10 % of alone; reports the
+    training loop's steps a second in each case."""
+    if not s.torch:
+        raise Skip("PyTorch with CUDA is not available")
+    with AgentRun(s, "priority") as a:
+        g = a.first_gpu()
+        svc, batch = a.slice_env("svc", g, "8GiB"), a.slice_env("batch", g, "16GiB")
+        for e in (svc, batch):
+            e["VGPU_GATES_DIR"] = os.path.join(a.d, "state", "gates")
+        secs = 6 if s.o.quick else 15
+
+        def serve():
+            rc, j, _, err = s.run(s.worker_argv("serve", {"rate": 100, "seconds": secs}), svc, timeout=secs + 120)
+            if rc != 0 or not j or "p99_ms" not in j:
+                raise Fail("serve: %s" % tail(err))
+            return j
+
+        def beside(fn):
+            t = Proc(s, s.worker_argv("train_loop", {"seconds": secs + 8}), batch)
+            try:
+                t.expect("training", 120)
+                time.sleep(2)
+                r = fn()
+            finally:
+                deadline = time.time() + secs + 60
+                while t.p.poll() is None and time.time() < deadline:
+                    time.sleep(0.5)
+                t.kill()
+            res = next((parse_json(l) for l in reversed(t.lines) if l and "steps_per_s" in l), None) or {}
+            return r, res.get("steps_per_s", 0.0)
+
+        alone = serve()
+        _, train_alone = beside(lambda: time.sleep(secs))
+        shared, train_shared = beside(serve)
+        rc, _, _, err = a.vgpuctl(["slice", "update", "svc", "--priority", "high"])
+        if rc != 0:
+            raise Fail("slice update --priority high: %s" % tail(err))
+        time.sleep(0.5)
+        gated, train_gated = beside(serve)
+        v = {"alone": alone, "no_priority": shared, "high_priority": gated,
+             "train_steps_per_s": {"alone": train_alone, "no_priority": train_shared, "high_priority": train_gated}}
+        infl = lambda r: 100.0 * (r["p99_ms"] / alone["p99_ms"] - 1.0)
+        summary = ("P99 of 100 forward passes/s: alone %.2f ms, beside training %.2f ms (%+.0f %%), with priority %.2f ms (%+.0f %%); "
+                   "training steps/s: alone %.1f, beside %.1f, with priority %.1f") % (
+            alone["p99_ms"], shared["p99_ms"], infl(shared), gated["p99_ms"], infl(gated), train_alone, train_shared, train_gated)
+        if infl(gated) > 10.0:
+            raise Fail(summary, v)
+        return summary, v
+
+
 CHECKS = [
     ("load", check_load),
     ("mem-info", check_mem_info),
@@ -1710,6 +1763,7 @@ CHECKS = [
     ("oom-agent", check_oom_agent),
     ("pool-threads-agent", check_pool_threads_agent),
     ("agent-sm", check_agent_sm),
+    ("priority", check_priority),
 ]
 
 

@@ -322,7 +322,56 @@ def hold(torch, a):
     return {"held": t.numel()}
 
 
+def serve(torch, a):
+    """A small model's forward passes at a fixed rate (an inference service): each request's
+    latency from its arrival to its result, as percentiles (ms)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2048, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 2048)
+    ).cuda().half().eval()
+    x = torch.randn(int(a.get("batch", 8)), 2048, device="cuda", dtype=torch.half)
+    rate, seconds, warmup = float(a.get("rate", 100)), float(a.get("seconds", 10)), int(a.get("warmup", 50))
+    period, lat = 1.0 / rate, []
+    with torch.no_grad():
+        start = time.perf_counter()
+        for i in range(warmup + int(seconds * rate)):
+            arrival = start + i * period
+            now = time.perf_counter()
+            if now < arrival:
+                time.sleep(arrival - now)
+            model(x)
+            torch.cuda.synchronize()
+            if i >= warmup:
+                lat.append((time.perf_counter() - arrival) * 1e3)
+    lat.sort()
+    q = lambda f: lat[min(len(lat) - 1, max(0, int(f * len(lat) + 0.999999) - 1))]
+    return {"requests": len(lat), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999), "max_ms": lat[-1]}
+
+
+def train_loop(torch, a):
+    """A training loop for `seconds` (best-effort work): its steps a second."""
+    torch.manual_seed(0)
+    n = int(a.get("width", 4096))
+    model = torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.ReLU(), torch.nn.Linear(n, n)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    inp = torch.randn(int(a.get("batch", 512)), n, device="cuda")
+    steps, end = 0, time.perf_counter() + float(a.get("seconds", 10))
+    emit({"event": "training"})
+    start = time.perf_counter()
+    while time.perf_counter() < end:
+        opt.zero_grad(set_to_none=True)
+        model(inp).square().mean().backward()
+        opt.step()
+        steps += 1
+        if steps % 20 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return {"steps": steps, "steps_per_s": steps / (time.perf_counter() - start)}
+
+
 TASKS = {
+    "serve": serve,
+    "train_loop": train_loop,
     "smoke": smoke,
     "meminfo": meminfo,
     "oom": oom,

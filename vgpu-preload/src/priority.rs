@@ -141,7 +141,11 @@ pub fn start(st: &State) {
         }
     };
     let own_path = from_env("VGPU_ACTIVITY_FILE", dir.join("activity"));
-    let gates = from_env("VGPU_GATES_DIR", dir.join("gates"));
+    // Beside the limits file in a container; on the agent's host, two levels up
+    // (`<state>/slices/<name>/limits`, `<state>/gates`).
+    let beside = dir.join("gates");
+    let host = dir.parent().and_then(Path::parent).map(|p| p.join("gates"));
+    let gates = from_env("VGPU_GATES_DIR", host.filter(|h| !beside.is_dir() && h.is_dir()).unwrap_or(beside));
     let Some(own) = Mapped::open(&own_path, true) else {
         crate::log::vlog!(crate::log::INFO, "no activity file at {}: no priority gate", own_path.display());
         return;

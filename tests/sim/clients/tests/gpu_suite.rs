@@ -59,6 +59,7 @@ fn options_are_checked_and_checks_listed() {
         "oom-agent",
         "pool-threads-agent",
         "agent-sm",
+        "priority",
     ] {
         assert!(listed.iter().any(|l| l == c), "{c} not listed: {listed:?}");
     }

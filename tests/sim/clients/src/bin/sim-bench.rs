@@ -121,6 +121,29 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         serde_json::from_slice(&o.stdout).expect("json")
     };
     let run = |region: Option<&Path>, sm: bool| run_on(region, sm, false);
+    // A high-priority slice as the agent makes it: a limits file flagged high beside its activity
+    // file; its launches note their time for the gate (docs/priority.md).
+    let prio = region.with_extension("prio");
+    let high_run = |region: &Path| -> serde_json::Value {
+        if !prio.join("limits").exists() {
+            std::fs::create_dir_all(&prio).unwrap();
+            let uuid = vgpu_region::Region::open(region, false).expect("the contained run's region").device_uuid(0);
+            let init = || vgpu_region::Init { devices: vec![(uuid, 60 << 30, 0)], standalone: false };
+            let l = vgpu_region::Region::open_or_create(&prio.join("limits"), init).expect("a limits file");
+            l.set_priority_high(true).unwrap();
+            vgpu_region::activity::create(&prio.join("activity")).unwrap();
+        }
+        let mut c = Command::new(exe);
+        c.arg("--json");
+        if quick {
+            c.arg("--quick");
+        }
+        contained(&mut c, lib, &prio.join("region"));
+        c.env("VGPU_LIMITS_FILE", prio.join("limits"));
+        let o = c.output().expect("run sim-bench");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("json")
+    };
     // A region made as the agent makes a slice's (not standalone: allocations are counted in flight
     // for the agent's true-up, and the process does not true itself up), for the GPU the first
     // contained run recorded.
@@ -135,6 +158,7 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     };
     let rounds = if quick { 3 } else { 5 };
     let (mut bare, mut with, mut limited, mut watched) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut high = Vec::new();
     let (mut bare_two, mut with_two, mut limited_two) = (Vec::new(), Vec::new(), Vec::new());
     let sm_region = region.with_extension("sm");
     let two_region = region.with_extension("two");
@@ -144,13 +168,14 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         with.push(run(Some(&region), false));
         limited.push(run(Some(&sm_region), true));
         watched.push(run(Some(agent_made()), false));
+        high.push(high_run(&region));
         bare_two.push(run_on(None, false, true));
         with_two.push(run_on(Some(&two_region), false, true));
         limited_two.push(run_on(Some(&two_sm_region), true, true));
     }
     let _ = (std::fs::remove_file(&agents), std::fs::remove_file(&sm_region), std::fs::remove_file(&two_region));
     let _ = std::fs::remove_file(&two_sm_region);
-    let _ = (std::fs::remove_dir_all(&two), std::fs::remove_file(&two_cfg));
+    let _ = (std::fs::remove_dir_all(&two), std::fs::remove_file(&two_cfg), std::fs::remove_dir_all(&prio));
     let m = |v: &[serde_json::Value], k: &str| median(v.iter().map(|x| x[k].as_f64().unwrap()).collect());
     println!("| measure | bare simulator | with libvgpu.so | added | budget |\n|---|---|---|---|---|");
     let live = if quick {
@@ -194,6 +219,7 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
             "+150 ns",
         ),
         (&bare, &limited, "launch_ns", "cuLaunchKernel with an SM limit (99 %), budget available (ns)", "+30 ns"),
+        (&bare, &high, "launch_ns", "cuLaunchKernel of a high-priority slice, no SM limit (ns)", "+30 ns"),
         (
             &bare_two,
             &limited_two,

@@ -1,0 +1,198 @@
+//! Priority tenants on a simulated GPU that time-slices between processes (2 ms slices): a service
+//! issuing requests at a fixed rate (each one kernel, then a synchronisation) alone, beside a
+//! best-effort training-like loop (short kernels, 50 queued between synchronisations) without
+//! priority, and beside it with the service's slice at high priority. Per case: the requests' P50,
+//! P99 and P99.9 latency and their inflation over the service alone, the loop's kernels a second,
+//! and the share of the GPU time the service leaves idle that the loop used. Printed as a Markdown
+//! table (docs/benchmarks.md records it).
+//!
+//! usage: priority-bench [--quick] [--seconds S] [--queue-us N]
+//!
+//! Uses `vgpu-node-agent`, `vgpuctl`, `cuda-rt-app`, `libvgpu.so` and the simulated libraries built
+//! next to this binary (cargo build --release -p vgpu-node-agent -p vgpu-preload -p vgpu-sim-cuda
+//! -p vgpu-sim-nvml -p vgpu-sim-clients).
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn need(p: PathBuf) -> PathBuf {
+    assert!(p.exists(), "{} is missing: build the release binaries first (see the usage)", p.display());
+    p
+}
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+}
+
+/// How long a simulator kernel of that name runs, in seconds.
+fn kernel_s(name: &str) -> f64 {
+    let digits: String = name.chars().filter(char::is_ascii_digit).collect();
+    let n: f64 = digits.parse().expect("a kernel of a duration");
+    n * if name.ends_with("us") { 1e-6 } else { 1e-3 }
+}
+
+struct Node {
+    work: PathBuf,
+    libs: PathBuf,
+    ctl: PathBuf,
+    app: PathBuf,
+    agent: Child,
+}
+
+impl Node {
+    fn cmd(&self, bin: &Path) -> Command {
+        let mut c = Command::new(bin);
+        c.env("LD_LIBRARY_PATH", &self.libs)
+            .env("VGPU_SIM_STATE", self.work.join("node"))
+            .env("VGPU_SIM_CONFIG", self.work.join("node.toml"))
+            .env("VGPU_SOCKET", self.work.join("agent.sock"))
+            .env_remove("CUDA_VISIBLE_DEVICES");
+        c
+    }
+
+    fn ctl(&self, args: &[&str]) -> String {
+        let o = self.cmd(&self.ctl).args(args).output().unwrap();
+        assert!(o.status.success(), "vgpuctl {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    /// `cuda-rt-app ARGS` in slice `slice`, on this host.
+    fn run_in(&self, slice: &str, args: &[&str]) -> Command {
+        let mut c = self.cmd(&self.ctl);
+        c.args(["run", slice, "--"]).arg(&self.app).args(args).stdout(Stdio::piped());
+        c
+    }
+}
+
+fn start(queue_us: &str) -> Node {
+    let dir = std::env::current_exe().unwrap().parent().unwrap().to_path_buf();
+    let (agent_bin, ctl, app) =
+        (need(dir.join("vgpu-node-agent")), need(dir.join("vgpuctl")), need(dir.join("cuda-rt-app")));
+    let libvgpu = need(dir.join("libvgpu.so"));
+    let libs = dir.join("sim-lib");
+    std::fs::create_dir_all(&libs).unwrap();
+    for (name, file) in [("libcuda.so.1", "libcuda.so"), ("libnvidia-ml.so.1", "libnvidia_ml.so")] {
+        let _ = std::fs::remove_file(libs.join(name));
+        std::os::unix::fs::symlink(need(dir.join(file)), libs.join(name)).unwrap();
+    }
+    let work = std::env::temp_dir().join(format!("vgpu-priority-bench-{}", std::process::id()));
+    std::fs::create_dir_all(work.join("node")).unwrap();
+    std::fs::write(
+        work.join("node.toml"),
+        "timeslice_us = 2000\ncontext_overhead_mib = 64\n[[gpu]]\nmodel = \"H100-80GB\"\n",
+    )
+    .unwrap();
+    let mut n = Node { work: work.clone(), libs: libs.clone(), ctl, app, agent: Command::new("true").spawn().unwrap() };
+    let mut c = n.cmd(&agent_bin);
+    c.env("VGPU_AGENT_LIBRARY", &libvgpu)
+        .env("VGPU_AGENT_PRIORITY_QUEUE_US", queue_us)
+        .env("VGPU_AGENT_CDI_DIR", work.join("cdi"))
+        .args(["--state-dir", work.join("state").to_str().unwrap()])
+        .args(["--socket", work.join("agent.sock").to_str().unwrap(), "--metrics-address", "off", "--nvml-library"])
+        .arg(libs.join("libnvidia-ml.so.1"))
+        .arg("run")
+        .stderr(std::fs::File::create(work.join("agent.log")).unwrap());
+    n.agent = c.spawn().unwrap();
+    let t = Instant::now();
+    while !n.cmd(&n.ctl).arg("status").output().unwrap().status.success() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the agent did not start: {}", work.join("agent.log").display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    n.ctl(&["slice", "create", "--name", "svc", "--gpu", "0"]);
+    n.ctl(&["slice", "create", "--name", "batch", "--gpu", "0"]);
+    n
+}
+
+/// The last JSON line a process printed.
+fn last(c: Child) -> Value {
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8(o.stdout).unwrap();
+    serde_json::from_str(out.lines().last().expect("a result line")).unwrap()
+}
+
+/// The service's latencies over `secs` at `rate`, beside the loop of `be_kernel` or alone; and the
+/// loop's kernels a second.
+fn case(n: &Node, rate: f64, kernel: &str, be_kernel: Option<&str>, secs: f64) -> (Value, f64) {
+    let run_s = format!("{}", secs + 1.0);
+    let be = be_kernel.map(|k| {
+        n.run_in("batch", &["launch", "--kernel", k, "--seconds", &run_s, "--sync-every", "50"]).spawn().unwrap()
+    });
+    if be.is_some() {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let svc = n
+        .run_in("svc", &["serve", "--rate", &rate.to_string(), "--seconds", &secs.to_string(), "--kernel", kernel])
+        .spawn()
+        .unwrap();
+    let served = last(svc);
+    let be_rate = be.map_or(0.0, |b| {
+        let v = last(b);
+        v["kernels"].as_f64().unwrap() / (v["wall_ms"].as_f64().unwrap() / 1e3)
+    });
+    (served, be_rate)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let secs: f64 = arg(&args, "--seconds").map_or(if quick { 1.5 } else { 4.0 }, |v| v.parse().expect("seconds"));
+    let queue_us = arg(&args, "--queue-us").unwrap_or_else(|| "100".into());
+    let n = start(&queue_us);
+    let cases: &[(f64, &str, &str)] = if quick {
+        &[(100.0, "sleep_500us", "sleep_100us")]
+    } else {
+        &[
+            (100.0, "sleep_500us", "sleep_100us"),
+            (400.0, "sleep_500us", "sleep_100us"),
+            (100.0, "sleep_2ms", "sleep_100us"),
+            (100.0, "sleep_500us", "sleep_50us"),
+            (100.0, "sleep_500us", "sleep_500us"),
+        ]
+    };
+    println!("simulated GPU, 2 ms timeslice; normal slices' queue bound {queue_us} us; {secs} s per case");
+    println!();
+    println!("| requests | request kernel | loop kernel | case | P50 us | P99 us | P99.9 us | P99 vs alone | loop kernels/s | loop's share of the idle time |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for &(rate, kernel, be_kernel) in cases {
+        // The loop alone, for its full rate.
+        let full = {
+            let run_s = format!("{secs}");
+            let mut b =
+                n.run_in("batch", &["launch", "--kernel", be_kernel, "--seconds", &run_s, "--sync-every", "50"]);
+            let v = last(b.spawn().unwrap());
+            v["kernels"].as_f64().unwrap() / (v["wall_ms"].as_f64().unwrap() / 1e3)
+        };
+        let idle = (1.0 - rate * kernel_s(kernel)).max(0.0);
+        n.ctl(&["slice", "update", "svc", "--priority", "normal"]);
+        let (alone, _) = case(&n, rate, kernel, None, secs);
+        let (shared, be_shared) = case(&n, rate, kernel, Some(be_kernel), secs);
+        n.ctl(&["slice", "update", "svc", "--priority", "high"]);
+        std::thread::sleep(Duration::from_millis(100));
+        let (gated, be_gated) = case(&n, rate, kernel, Some(be_kernel), secs);
+        let q = |v: &Value, k: &str| v[k].as_f64().unwrap();
+        let p99 = q(&alone, "p99_us");
+        for (name, v, be) in [
+            ("alone", &alone, None),
+            ("no priority", &shared, Some(be_shared)),
+            ("high priority", &gated, Some(be_gated)),
+        ] {
+            let (be_col, share) = match be {
+                Some(r) => (format!("{r:.0}"), format!("{:.0} %", 100.0 * r / full / idle.max(1e-9))),
+                None => (format!("({full:.0} alone)"), "-".into()),
+            };
+            println!(
+                "| {rate}/s | {kernel} | {be_kernel} | {name} | {:.0} | {:.0} | {:.0} | {:+.1} % | {be_col} | {share} |",
+                q(v, "p50_us"),
+                q(v, "p99_us"),
+                q(v, "p999_us"),
+                100.0 * (q(v, "p99_us") / p99 - 1.0),
+            );
+        }
+    }
+    let mut agent = n.agent;
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let _ = std::fs::remove_dir_all(&n.work);
+}
