@@ -158,3 +158,22 @@ pub fn measure(api: &Api, scale: usize) -> Figures {
         }
     }
 }
+
+/// What a benchmark that runs the agent needs next to it (in `dir`, the release binaries'): the
+/// path of each, checked, with the simulated driver libraries linked under `dir/sim-lib` by the
+/// names a process loads (`libcuda.so.1`, `libnvidia-ml.so.1`). Returns that directory.
+pub fn sim_libs(dir: &std::path::Path) -> std::path::PathBuf {
+    let libs = dir.join("sim-lib");
+    std::fs::create_dir_all(&libs).unwrap();
+    for (name, file) in [("libcuda.so.1", "libcuda.so"), ("libnvidia-ml.so.1", "libnvidia_ml.so")] {
+        let _ = std::fs::remove_file(libs.join(name));
+        std::os::unix::fs::symlink(need(dir.join(file)), libs.join(name)).unwrap();
+    }
+    libs
+}
+
+/// `p`, which must exist (a benchmark's binary or library).
+pub fn need(p: std::path::PathBuf) -> std::path::PathBuf {
+    assert!(p.exists(), "{} is missing: build the release binaries first (see the usage)", p.display());
+    p
+}

@@ -18,7 +18,6 @@
 //! Uses `vgpu-node-agent`, `vgpuctl`, `cuda-rt-app`, `libvgpu.so` and the simulated libraries built
 //! next to this binary (cargo build --release -p vgpu-node-agent -p vgpu-preload -p vgpu-sim-cuda
 //! -p vgpu-sim-nvml -p vgpu-sim-clients).
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -26,10 +25,7 @@ fn arg(args: &[String], name: &str, default: u64) -> u64 {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or(default, |v| v.parse().expect("a number"))
 }
 
-fn need(p: PathBuf) -> PathBuf {
-    assert!(p.exists(), "{} is missing: build the release binaries first (see the usage)", p.display());
-    p
-}
+use vgpu_sim_clients::bench::need;
 
 /// (utime + stime) in clock ticks, and VmRSS / VmHWM in bytes, of `pid`.
 fn usage(pid: u32) -> (u64, u64, u64) {
@@ -91,12 +87,7 @@ fn main() {
     let ctl = need(dir.join("vgpuctl"));
     let app = need(dir.join("cuda-rt-app"));
     let libvgpu = need(dir.join("libvgpu.so"));
-    let libs = dir.join("sim-lib");
-    std::fs::create_dir_all(&libs).unwrap();
-    for (name, file) in [("libcuda.so.1", "libcuda.so"), ("libnvidia-ml.so.1", "libnvidia_ml.so")] {
-        let _ = std::fs::remove_file(libs.join(name));
-        std::os::unix::fs::symlink(need(dir.join(file)), libs.join(name)).unwrap();
-    }
+    let libs = vgpu_sim_clients::bench::sim_libs(&dir);
     let work = std::env::temp_dir().join(format!("vgpu-agent-bench-{}", std::process::id()));
     std::fs::create_dir_all(work.join("node")).unwrap();
     let mut cfg = String::from("context_overhead_mib = 16\n");

@@ -16,10 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn need(p: PathBuf) -> PathBuf {
-    assert!(p.exists(), "{} is missing: build the release binaries first (see the usage)", p.display());
-    p
-}
+use vgpu_sim_clients::bench::need;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
@@ -70,12 +67,7 @@ fn start(queue_us: &str) -> Node {
     let (agent_bin, ctl, app) =
         (need(dir.join("vgpu-node-agent")), need(dir.join("vgpuctl")), need(dir.join("cuda-rt-app")));
     let libvgpu = need(dir.join("libvgpu.so"));
-    let libs = dir.join("sim-lib");
-    std::fs::create_dir_all(&libs).unwrap();
-    for (name, file) in [("libcuda.so.1", "libcuda.so"), ("libnvidia-ml.so.1", "libnvidia_ml.so")] {
-        let _ = std::fs::remove_file(libs.join(name));
-        std::os::unix::fs::symlink(need(dir.join(file)), libs.join(name)).unwrap();
-    }
+    let libs = vgpu_sim_clients::bench::sim_libs(&dir);
     let work = std::env::temp_dir().join(format!("vgpu-priority-bench-{}", std::process::id()));
     std::fs::create_dir_all(work.join("node")).unwrap();
     std::fs::write(
