@@ -1023,7 +1023,7 @@ impl Monitor {
             if live.is_empty() {
                 // What its dead processes queued went with them.
                 if let Some(a) = &c.activity {
-                    (0..s.gpus.len()).filter(|&d| a.until(d) != 0).for_each(|d| a.set(d, 0));
+                    (0..s.gpus.len()).filter(|&d| a.until(d) != 0 || a.rhythm(d).is_some()).for_each(|d| a.clear(d));
                 }
             }
             pass.slices.push(st);

@@ -26,6 +26,23 @@ pub struct Activity {
     pub magic: AtomicU64,
     /// Per slice device: when the work queued so far is estimated to be done.
     pub until: [AtomicU64; MAX_DEVICES],
+    /// Per slice device: when the latest burst of work began (a launch onto an idle queue: a
+    /// service's request).
+    pub burst: [AtomicU64; MAX_DEVICES],
+    /// Per slice device: the smoothed time between bursts, and how far they stray from it (ns).
+    pub period: [AtomicU64; MAX_DEVICES],
+    pub jitter: [AtomicU64; MAX_DEVICES],
+}
+
+/// When a slice's bursts of work come, where they come regularly (a service at a fixed rate).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rhythm {
+    /// When the latest began.
+    pub last: u64,
+    /// The time between them.
+    pub period: u64,
+    /// How far they stray from it.
+    pub jitter: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<Activity>() <= SIZE);
@@ -93,25 +110,56 @@ impl Mapped {
     }
 
     /// Notes `cost_ns` more work queued on slice device `dev` at `now`: done at the later of
-    /// what was queued and now, plus the cost. Returns the new estimate.
+    /// what was queued and now, plus the cost. Returns the estimate before, and the new one.
     #[inline]
-    pub fn note(&self, dev: usize, now: u64, cost_ns: u64) -> u64 {
-        let Some(u) = self.map.until.get(dev) else { return 0 };
+    pub fn note(&self, dev: usize, now: u64, cost_ns: u64) -> (u64, u64) {
+        let Some(u) = self.map.until.get(dev) else { return (0, 0) };
         let mut cur = u.load(Relaxed);
         loop {
             let next = cur.max(now).saturating_add(cost_ns);
             match u.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
-                Ok(_) => return next,
+                Ok(_) => return (cur, next),
                 Err(x) => cur = x,
             }
         }
     }
 
-    /// Sets slice device `dev`'s estimate (the agent clears a slice's when none of its processes
-    /// lives: a dead process's queued work went with it).
-    pub fn set(&self, dev: usize, until: u64) {
-        if let Some(u) = self.map.until.get(dev) {
-            u.store(until, Relaxed);
+    /// Notes that a burst of work began on slice device `dev` at `now` (its queue was idle): the
+    /// time between bursts and its jitter follow, smoothed (1/8 of each new gap).
+    pub fn note_burst(&self, dev: usize, now: u64) {
+        let m = self.map;
+        let (Some(b), Some(p), Some(j)) = (m.burst.get(dev), m.period.get(dev), m.jitter.get(dev)) else { return };
+        let last = b.swap(now, Relaxed);
+        if last == 0 || now <= last {
+            return;
+        }
+        let gap = now - last;
+        let per = p.load(Relaxed);
+        if per == 0 || gap > 4 * per {
+            // The first gap, or the service paused: the rhythm starts again.
+            p.store(gap, Relaxed);
+            j.store(gap / 4, Relaxed);
+            return;
+        }
+        p.store((per * 7 + gap) / 8, Relaxed);
+        j.store((j.load(Relaxed) * 7 + gap.abs_diff(per)) / 8, Relaxed);
+    }
+
+    /// Slice device `dev`'s rhythm of bursts (None before two).
+    pub fn rhythm(&self, dev: usize) -> Option<Rhythm> {
+        let m = self.map;
+        let period = m.period.get(dev)?.load(Relaxed);
+        (period > 0).then(|| Rhythm { last: m.burst[dev].load(Relaxed), period, jitter: m.jitter[dev].load(Relaxed) })
+    }
+
+    /// Forgets slice device `dev`'s queued work and rhythm (the agent, for a slice with no live
+    /// process: a dead process's queued work went with it, and its requests will not come).
+    pub fn clear(&self, dev: usize) {
+        let m = self.map;
+        for a in [&m.until, &m.burst, &m.period, &m.jitter] {
+            if let Some(x) = a.get(dev) {
+                x.store(0, Relaxed);
+            }
         }
     }
 
@@ -141,9 +189,17 @@ mod tests {
         create(&p).unwrap();
         let w = Mapped::open(&p, true).unwrap();
         let r = Mapped::open(&p, false).unwrap();
-        assert_eq!(w.note(1, 1000, 500), 1500);
-        assert_eq!(w.note(1, 1200, 500), 2000, "after what was queued");
-        assert_eq!(w.note(1, 5000, 100), 5100, "idle meanwhile: from now");
+        assert_eq!(w.note(1, 1000, 500), (0, 1500));
+        assert_eq!(w.note(1, 1200, 500), (1500, 2000), "after what was queued");
+        assert_eq!(w.note(1, 5000, 100), (2000, 5100), "idle meanwhile: from now");
+        // Bursts every 10 ms, 1 ms off at times: the rhythm follows.
+        assert_eq!(r.rhythm(0), None);
+        for (i, off) in [0u64, 0, 1, 0, 0, 0, 1, 0].iter().enumerate() {
+            w.note_burst(0, 1_000_000_000 + i as u64 * 10_000_000 + off * 1_000_000);
+        }
+        let rh = r.rhythm(0).unwrap();
+        assert!(rh.period.abs_diff(10_000_000) < 1_000_000 && rh.jitter < 2_000_000, "{rh:?}");
+        assert_eq!(rh.last, 1_070_000_000);
         assert_eq!((r.until(0), r.until(1)), (0, 5100));
         assert_eq!(r.until(MAX_DEVICES), 0, "no such device");
         std::fs::write(&p, b"short").unwrap();

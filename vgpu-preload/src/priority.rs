@@ -7,7 +7,10 @@
 //! read-only. A normal slice's process on that GPU admits a launch only once that time has passed
 //! (the high-priority slice has nothing queued) and while its own queued work (noted in its own
 //! activity file) is within the bound the agent wrote in its limits file: what the high-priority
-//! slice's next request can find ahead of it on the GPU.
+//! slice's next request can find ahead of it on the GPU. Where the high-priority slice's requests
+//! come in a steady rhythm (each launch onto its idle queue starts one; their period and jitter are
+//! in its activity file), a normal launch is also held when the next request is due before the
+//! launch and what is queued could be done: the request then finds the GPU free.
 //!
 //! A helper thread looks at the gate directories every [`WATCH_EVERY`] and publishes the files it
 //! finds (mapped once, never unmapped); the launch path only loads atomics and reads the clock.
@@ -85,15 +88,39 @@ pub fn role(st: &State, dev: usize) -> Role {
     }
 }
 
-/// The latest time a high-priority slice of `dev`'s GPU has work queued until.
-fn high_until(dev: usize) -> u64 {
+/// The high-priority slices of `dev`'s GPU: each one's activity and its device there.
+fn highs(dev: usize) -> impl Iterator<Item = (&'static Mapped, usize)> {
     let g = &GATES[dev];
     let n = g.n.load(Acquire).min(MAX_HIGH);
-    (0..n)
-        .filter_map(|i| {
-            let f = g.files[i].load(Acquire);
-            // SAFETY: published pointers are leaked, never freed mappings.
-            (!f.is_null()).then(|| unsafe { &*f }.until(g.devs[i].load(Relaxed)))
+    (0..n).filter_map(move |i| {
+        let f = g.files[i].load(Acquire);
+        // SAFETY: published pointers are leaked, never freed mappings.
+        (!f.is_null()).then(|| (unsafe { &*f }, g.devs[i].load(Relaxed)))
+    })
+}
+
+/// The latest time a high-priority slice of `dev`'s GPU has work queued until.
+fn high_until(dev: usize) -> u64 {
+    highs(dev).map(|(f, d)| f.until(d)).max().unwrap_or(0)
+}
+
+/// How long to hold a normal launch at `now` because a high-priority slice whose requests come in
+/// a steady rhythm is due within `guard` (0: not due): what this launch would queue must be done by
+/// then. A slice that missed four periods is not waited for.
+fn due(dev: usize, now: u64, guard: u64) -> u64 {
+    highs(dev)
+        .filter_map(|(f, d)| f.rhythm(d))
+        .filter(|r| r.jitter.saturating_mul(8) < r.period && now < r.last.saturating_add(r.period.saturating_mul(4)))
+        .map(|r| {
+            // The next burst after the latest, given a slack of its jitter each way.
+            let late = now.saturating_sub(r.last) / r.period.max(1);
+            let next = r.last + r.period * (late + 1);
+            let (from, to) = (next.saturating_sub(guard + r.jitter), next + r.jitter);
+            if (from..to).contains(&now) {
+                to - now
+            } else {
+                0
+            }
         })
         .max()
         .unwrap_or(0)
@@ -110,7 +137,10 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) -> u64 {
     let start = crate::sm::now_precise();
     let mut now = start;
     loop {
-        let wait = high_until(dev).saturating_sub(now).max(own.until(dev).saturating_sub(now.saturating_add(bound)));
+        let wait = high_until(dev)
+            .saturating_sub(now)
+            .max(own.until(dev).saturating_sub(now.saturating_add(bound)))
+            .max(due(dev, now, bound.saturating_add(cost_ns)));
         if wait == 0 {
             break;
         }
@@ -121,10 +151,14 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) -> u64 {
     now - start
 }
 
-/// A high-priority slice's launch of `cost_ns` on `dev`, queued.
+/// A high-priority slice's launch of `cost_ns` on `dev`, queued; onto an idle queue, the start of
+/// a burst (a request), whose rhythm normal slices may anticipate.
 #[inline]
 pub fn note_high(own: &Mapped, dev: usize, cost_ns: u64) {
-    own.note(dev, crate::sm::now_precise(), cost_ns);
+    let now = crate::sm::now_precise();
+    if own.note(dev, now, cost_ns).0 < now {
+        own.note_burst(dev, now);
+    }
 }
 
 /// Maps this slice's activity file and starts following the gates of its GPUs, where the agent
