@@ -3,7 +3,7 @@
 //! publishes after every pass and the API and metrics endpoints read.
 
 use crate::config::Config;
-use crate::describe::exact;
+use crate::describe::{exact, priority_pb};
 use crate::discovery::Inventory;
 use crate::health::Health;
 use crate::monitor::Pass;
@@ -726,14 +726,6 @@ pub fn priority_of(p: i32) -> Result<Priority, ApiError> {
         Ok(pb::SlicePriority::PriorityNormal) => Ok(Priority::Normal),
         Ok(pb::SlicePriority::PriorityHigh) => Ok(Priority::High),
         Err(_) => Err(ApiError::Invalid(format!("priority {p} is not 0 (normal) or 1 (high)"))),
-    }
-}
-
-/// The API's form of a slice priority.
-pub fn priority_pb(p: Priority) -> pb::SlicePriority {
-    match p {
-        Priority::Normal => pb::SlicePriority::PriorityNormal,
-        Priority::High => pb::SlicePriority::PriorityHigh,
     }
 }
 

@@ -14,6 +14,14 @@ pub fn exact(b: u64, other: u64) -> String {
     }
 }
 
+/// The API's form of a slice priority.
+pub fn priority_pb(p: crate::slices::Priority) -> pb::SlicePriority {
+    match p {
+        crate::slices::Priority::Normal => pb::SlicePriority::PriorityNormal,
+        crate::slices::Priority::High => pb::SlicePriority::PriorityHigh,
+    }
+}
+
 /// A GPU UUID's first block, as tables show it.
 pub fn short_uuid(u: &str) -> String {
     u.chars().take(12).collect()

@@ -531,7 +531,7 @@ impl Kube {
                 ("pod-uid".to_string(), owner.pod_uid),
             ]
             .into(),
-            priority: crate::agent::priority_pb(priority) as i32,
+            priority: crate::describe::priority_pb(priority) as i32,
         };
         let (a, key) = (agent.clone(), slice.to_string());
         let made = tokio::task::spawn_blocking(move || match a.create_slice(req) {

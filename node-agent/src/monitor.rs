@@ -938,7 +938,7 @@ impl Monitor {
                 labels: s.labels.clone().into_iter().collect(),
                 created_unix: s.created,
                 watched_since_unix_ms: c.watched_since_ms,
-                priority: crate::agent::priority_pb(s.priority) as i32,
+                priority: crate::describe::priority_pb(s.priority) as i32,
                 ..Default::default()
             };
             let (live, live_slot) = (&self.live[c.live.clone()], &self.live_slot[c.live.clone()]);
