@@ -193,6 +193,8 @@ pub enum DraError {
     BadCores { device: String, cores: u64 },
     #[error("claim UID {0:?} cannot name a slice")]
     BadUid(String),
+    #[error("the claim's configuration for this driver gives priority {0}: \"high\" or \"normal\" is accepted")]
+    BadPriority(String),
     /// A container of the claim's pod also uses another claim of this driver on this node.
     #[error("{0}")]
     SharedContainer(String),

@@ -300,7 +300,8 @@ impl Driver {
                 [one] => Some(one),
                 _ => None,
             };
-            self.prepare_slice(namespace, name, uid, pod, &wants)?;
+            let priority = claim_priority(&claim.data, &self.driver)?;
+            self.prepare_slice(namespace, name, uid, pod, &wants, priority)?;
             crate::cdi::device_name(&slice)
         };
         let mut named = std::collections::HashSet::new();
@@ -423,6 +424,7 @@ impl Driver {
         uid: &str,
         pod: Option<(&str, &str)>,
         wants: &BTreeMap<u32, Want>,
+        priority: crate::slices::Priority,
     ) -> Result<(), DraError> {
         let slice = slice_name(uid);
         if self.agent.get_slice(&slice).is_err() {
@@ -438,7 +440,8 @@ impl Driver {
                 labels.insert("pod-uid".to_string(), pod_uid.to_string());
             }
             let gpus = self.limits(wants)?;
-            let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels, priority: 0 };
+            let priority = crate::describe::priority_pb(priority) as i32;
+            let req = vgpu_proto::v1::CreateSliceRequest { name: slice.clone(), gpus, labels, priority };
             match self.agent.create_slice(req) {
                 Ok(_) | Err(ApiError::Exists(_)) => {}
                 Err(source) => return Err(DraError::MakeSlice { slice, source }),
@@ -689,4 +692,21 @@ pub(super) fn unmake(b: &vgpu_mig::backend::NvmlBackend, made: &[Made]) {
             tracing::warn!(gpu = m.gpu, gi = m.gi, error = %e, "cannot destroy a MIG instance made for a claim that failed");
         }
     }
+}
+
+/// A claim's slice priority: `priority` (`high` or `normal`) in the opaque parameters of its
+/// allocation's configuration for this driver (what the claim, or its DeviceClass, gave as
+/// `config[].opaque.parameters`); normal without one.
+fn claim_priority(claim: &Value, driver: &str) -> Result<crate::slices::Priority, DraError> {
+    let configs = claim["status"]["allocation"]["devices"]["config"].as_array().into_iter().flatten();
+    let mut priority = crate::slices::Priority::Normal;
+    for c in configs.filter(|c| c["opaque"]["driver"] == driver) {
+        match &c["opaque"]["parameters"]["priority"] {
+            Value::Null => {}
+            Value::String(p) if p == "high" => priority = crate::slices::Priority::High,
+            Value::String(p) if p == "normal" => priority = crate::slices::Priority::Normal,
+            other => return Err(DraError::BadPriority(other.to_string())),
+        }
+    }
+    Ok(priority)
 }

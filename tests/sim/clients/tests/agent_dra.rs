@@ -1341,3 +1341,45 @@ fn a_socket_path_is_a_valid_authority_only_with_a_host_after_an_at() {
     let a = named.parse::<tonic::codegen::http::uri::Authority>().unwrap();
     assert_eq!(a.host(), "localhost");
 }
+
+/// A claim's configuration for the driver (`config[].opaque.parameters`, from the claim or its
+/// DeviceClass) can make its slice high-priority (docs/priority.md); another driver's cannot, and a
+/// value other than high or normal is refused, naming it.
+#[test]
+fn a_claim_s_configuration_sets_its_slice_s_priority() {
+    let s = Sim::new(Some(NODE));
+    let (store, a, kubelet) = start(&s, "dra_sharing = \"capacity\"\n");
+    a.wait("GPUs discovered", |v| v["gpus"].as_array().is_some_and(|g| g.len() == 2));
+    let at = format!("{SLICES}/node1-{DRIVER}");
+    wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
+    let config = |driver: &str, priority: &str| {
+        json!([{"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": driver,
+            "parameters": {"apiVersion": "gpu.vgpu.io/v1", "kind": "SliceConfig", "priority": priority}}}])
+    };
+    for (name, uid, cfg) in [
+        ("svc", "pr-0001", config(DRIVER, "high")),
+        ("bad", "pr-0002", config(DRIVER, "urgent")),
+        ("batch", "pr-0003", config("other.example.com", "high")),
+    ] {
+        put_claim(&store, name, uid, vec![shared("gpu", "gpu-0", Some(("1Gi", "0")))]);
+        let key = format!("/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/{name}");
+        store.lock().unwrap().objects.get_mut(&key).unwrap()["status"]["allocation"]["devices"]["config"] = cfg;
+    }
+    let (_rt, _, resp) = prepare_claims(&kubelet, "pr", &["svc", "bad", "batch"]);
+    let priority = |uid: &str| {
+        let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", &format!("dra-{uid}"), "--json"])).unwrap();
+        d["slice"]["priority"].as_str().unwrap().to_string()
+    };
+    assert_eq!(resp.claims["pr-0001"].error, "");
+    assert_eq!(priority("pr-0001"), "high");
+    assert!(
+        resp.claims["pr-0002"].error.contains(r#"gives priority "urgent": "high" or "normal" is accepted"#),
+        "{:?}",
+        resp.claims["pr-0002"]
+    );
+    assert_eq!(
+        (resp.claims["pr-0003"].error.as_str(), priority("pr-0003").as_str()),
+        ("", "normal"),
+        "another driver's"
+    );
+}

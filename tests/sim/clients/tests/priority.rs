@@ -99,3 +99,26 @@ fn a_killed_high_priority_process_releases_the_gate_within_a_pass() {
     assert!(n > 12_000.0, "the gate was released within a pass: {n} kernels");
     assert!(n < 24_000.0, "and held while the service lived: {n} kernels");
 }
+
+/// Best-effort work that bypasses the gate (a process launching without libvgpu.so) cannot be held
+/// back, but it is not hidden: the agent reports it as an escape on the high-priority slice's GPU.
+#[test]
+fn work_that_bypasses_the_gate_is_reported() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let _svc = slice(&a, "svc", "high");
+    let mut rogue = s
+        .cmd(RT)
+        .args(["launch", "--kernel", "sleep_100us", "--seconds", "3", "--sync-every", "50"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = rogue.id() as u64;
+    let st = a.wait("the escape", |v| {
+        v["escapes"].as_array().is_some_and(|e| e.iter().any(|x| x["pid"].as_u64() == Some(pid)))
+    });
+    let e = st["escapes"].as_array().unwrap().iter().find(|x| x["pid"].as_u64() == Some(pid)).unwrap().clone();
+    assert_eq!(e["kind"], "UNACCOUNTED", "{e}");
+    let _ = rogue.kill();
+    let _ = rogue.wait();
+}
