@@ -1020,10 +1020,18 @@ impl Monitor {
                     st.processes.push(pb::ProcessStatus { host_pid: host, pid: *pid, ..Default::default() });
                 }
             }
-            if live.is_empty() {
-                // What its dead processes queued went with them.
-                if let Some(a) = &c.activity {
-                    (0..s.gpus.len()).filter(|&d| a.until(d) != 0 || a.rhythm(d).is_some()).for_each(|d| a.clear(d));
+            if let Some(a) = &c.activity {
+                // What its dead processes queued went with them; and no slice holds the normal
+                // slices of a GPU back for more than 10 s of work it claims to have queued.
+                let horizon = monotonic_ns().saturating_add(10_000_000_000);
+                for d in 0..s.gpus.len().min(vgpu_region::MAX_DEVICES) {
+                    let idle = live.is_empty() && (a.until(d) != 0 || a.rhythm(d).is_some());
+                    if idle || a.until(d) > horizon {
+                        if !idle {
+                            tracing::warn!(slice = %s.name, "its activity file claims more than 10 s of queued GPU work: cleared");
+                        }
+                        a.clear(d);
+                    }
                 }
             }
             pass.slices.push(st);
@@ -1175,6 +1183,14 @@ impl Monitor {
         self.procs.insert(pid, ProcOwner { start, owner: cached });
         owner
     }
+}
+
+/// CLOCK_MONOTONIC in ns: the clock of the interposers' activity files.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 #[cfg(test)]

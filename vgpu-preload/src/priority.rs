@@ -113,9 +113,10 @@ fn due(dev: usize, now: u64, guard: u64) -> u64 {
         .filter(|r| r.jitter.saturating_mul(8) < r.period && now < r.last.saturating_add(r.period.saturating_mul(4)))
         .map(|r| {
             // The next burst after the latest, given a slack of its jitter each way.
+            // (saturating: the file is another tenant's to write)
             let late = now.saturating_sub(r.last) / r.period.max(1);
-            let next = r.last + r.period * (late + 1);
-            let (from, to) = (next.saturating_sub(guard + r.jitter), next + r.jitter);
+            let next = r.last.saturating_add(r.period.saturating_mul(late.saturating_add(1)));
+            let (from, to) = (next.saturating_sub(guard.saturating_add(r.jitter)), next.saturating_add(r.jitter));
             if (from..to).contains(&now) {
                 to - now
             } else {

@@ -122,3 +122,27 @@ fn work_that_bypasses_the_gate_is_reported() {
     let _ = rogue.kill();
     let _ = rogue.wait();
 }
+
+/// A high-priority slice whose activity file claims far more queued work than it could have (its
+/// file is its own to write) holds normal slices back for at most a pass: the agent clears it.
+#[test]
+fn a_high_priority_slice_cannot_claim_endless_work() {
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let (svc, batch) = (slice(&a, "svc", "high"), slice(&a, "batch", "normal"));
+    // A live process in the high-priority slice, and its file made to claim 1000 s of work.
+    let (p, _) = s.spawn_cmd(in_slice(&s, &svc, RT), &["alloc", "--size", "64m", "--hold"]);
+    a.wait("its process", |v| slice_of(v, "svc")["processes"][0]["host_pid"] == p);
+    let file = a.state.join("slices/svc/activity");
+    let act = vgpu_region::activity::Mapped::open(&file, true).unwrap();
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    act.note(0, ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64, 1_000_000_000_000);
+    let be = backlog(&s, &batch, "2");
+    let n = kernels(be);
+    assert!(n > 10_000.0, "held back for at most a pass: {n} kernels in 2 s");
+    assert!(act.until(0) < 1_000_000_000_000, "cleared");
+    assert!(a.log_text().contains("claims more than 10 s of queued GPU work"), "{}", a.log_text());
+    s.kill(p);
+}
