@@ -225,6 +225,12 @@ fn publish(d: usize, dir: &Path, own_ino: u64, maps: &mut Vec<(u64, &'static Map
         let m = match maps.iter().find(|(ino, _)| *ino == md.ino()) {
             Some((_, m)) => *m,
             None if maps.len() < MAX_MAPS => {
+                // Another slice's file, which it can truncate: its mapping is guarded, so that a
+                // read past a new end gives zeros instead of SIGBUS (`vgpu_region::shrink`; a
+                // handler of the application's installed before is kept for other addresses).
+                if vgpu_region::shrink::enable().is_err() {
+                    continue;
+                }
                 let Some(m) = Mapped::open(&e.path(), false) else { continue };
                 let m: &'static Mapped = Box::leak(Box::new(m));
                 maps.push((md.ino(), m));

@@ -146,3 +146,17 @@ fn a_high_priority_slice_cannot_claim_endless_work() {
     assert!(a.log_text().contains("claims more than 10 s of queued GPU work"), "{}", a.log_text());
     s.kill(p);
 }
+
+/// A high-priority tenant that truncates its activity file (its own to write) does not crash the
+/// normal slices that read it: their mapping reads zeros, and their work goes on.
+#[test]
+fn a_truncated_activity_file_crashes_no_neighbour() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let (_svc, batch) = (slice(&a, "svc", "high"), slice(&a, "batch", "normal"));
+    let be = backlog(&s, &batch, "1.5");
+    std::thread::sleep(Duration::from_millis(500));
+    let file = a.state.join("slices/svc/activity");
+    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(0).unwrap();
+    assert!(kernels(be) > 1_000.0, "the loop ran on");
+}
