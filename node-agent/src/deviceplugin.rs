@@ -46,8 +46,7 @@ type Recent = Arc<Mutex<HashMap<String, Instant>>>;
 pub fn slice_name(ids: &[String]) -> String {
     let mut sorted = ids.to_vec();
     sorted.sort();
-    let digest =
-        sorted.join(",").bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let digest = crate::slices::fnv1a(sorted.join(",").bytes());
     format!("k8s-{digest:016x}")
 }
 

@@ -113,7 +113,7 @@ fn slice_name(ns: &str, pod: &str, idx: usize) -> String {
     if clean.len() <= 63 {
         return clean;
     }
-    let digest = full.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let digest = crate::slices::fnv1a(full.bytes());
     format!("{}-{digest:016x}", &clean[..46])
 }
 

@@ -203,7 +203,7 @@ pub async fn run<S: Source>(cfg: ReportConfig, src: Arc<S>, state: Arc<ReporterS
     let epoch = new_epoch();
     // Seeded by time, process and node name, so that nodes (or reporters of one process) started at
     // the same instant still draw different waits.
-    let name = cfg.node.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let name = crate::slices::fnv1a(cfg.node.bytes());
     let mut jitter = Jitter::new(epoch ^ ((std::process::id() as u64) << 32) ^ name);
     let mut backoff = cfg.backoff_initial;
     let answered = Arc::new(Mutex::new(Answered(VecDeque::new())));

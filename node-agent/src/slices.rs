@@ -162,6 +162,12 @@ fn io(what: String) -> impl FnOnce(std::io::Error) -> SliceError {
     move |e| SliceError::new(ErrorKind::Io, format!("{what}: {e}"))
 }
 
+/// FNV-1a of `bytes`: the digest in the names the agent makes (slices, library installs, gate
+/// links, replica slices, leases).
+pub fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
 /// A GPU UUID as a directory name may hold it (`GPU-...`, `MIG-...`).
 fn valid_uuid(u: &str) -> bool {
     !u.is_empty() && u.len() <= 96 && u.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
@@ -425,7 +431,7 @@ impl SliceStore {
     /// Where slice `name`'s device `dev` is linked in its GPU's gate directory: a name that tells
     /// the slices of the GPU apart without naming them.
     fn gate_link(&self, uuid: &str, name: &str, dev: usize) -> PathBuf {
-        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        let h = fnv1a(name.bytes());
         self.gates.join(uuid).join(format!("{h:016x}.{dev}"))
     }
 
@@ -844,7 +850,7 @@ fn keep_region(e: &vgpu_region::RegionError) -> Option<&'static str> {
 /// modification time says when it became the current install (see [`prune_libraries`]).
 pub fn install_library(src: &Path, lib_dir: &Path, version: &str) -> Result<PathBuf> {
     let data = std::fs::read(src).map_err(io(format!("cannot read {}", src.display())))?;
-    let digest = data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3));
+    let digest = fnv1a(data.iter().copied());
     std::fs::create_dir_all(lib_dir).map_err(io(format!("cannot create {}", lib_dir.display())))?;
     let dst = lib_dir.join(format!("libvgpu.so.{version}.{digest:016x}"));
     if !dst.exists() {

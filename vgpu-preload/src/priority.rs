@@ -128,15 +128,13 @@ fn due(dev: usize, now: u64, guard: u64) -> u64 {
 }
 
 /// A normal slice's launch of `cost_ns` on `dev`: waits while a high-priority slice of the GPU has
-/// work queued, or while this slice's own queued work is past the bound; then notes it. Returns the
-/// time waited.
-pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) -> u64 {
+/// work queued, or while this slice's own queued work is past the bound; then notes it.
+pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) {
     let bound = match st.priority_queue_ns() {
         0 => DEFAULT_QUEUE_NS,
         b => b,
     };
-    let start = crate::sm::now_precise();
-    let mut now = start;
+    let mut now = crate::sm::now_precise();
     loop {
         let wait = high_until(dev)
             .saturating_sub(now)
@@ -149,7 +147,6 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) -> u64 {
         now = crate::sm::now_precise();
     }
     own.note(dev, now, cost_ns);
-    now - start
 }
 
 /// A high-priority slice's launch of `cost_ns` on `dev`, queued; onto an idle queue, the start of

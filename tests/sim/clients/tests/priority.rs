@@ -135,10 +135,7 @@ fn a_high_priority_slice_cannot_claim_endless_work() {
     a.wait("its process", |v| slice_of(v, "svc")["processes"][0]["host_pid"] == p);
     let file = a.state.join("slices/svc/activity");
     let act = vgpu_region::activity::Mapped::open(&file, true).unwrap();
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    act.note(0, ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64, 1_000_000_000_000);
+    act.note(0, vgpu_sim::now_ns(), 1_000_000_000_000);
     let be = backlog(&s, &batch, "2");
     let n = kernels(be);
     assert!(n > 10_000.0, "held back for at most a pass: {n} kernels in 2 s");

@@ -119,17 +119,9 @@ impl Cursor {
         if self.t >= until {
             return None;
         }
-        if s.timeslice_ns == 0 {
-            // No time-slicing: every kernel in the order queued, whoever queued it.
-            let head = pending.iter_mut().filter(|p| p.id != 0).min_by_key(|p| p.id)?;
-            let run = head.left.min(until - self.t);
-            let piece = Piece { start: self.t, end: self.t + run, pid: head.pid, id: head.id };
-            self.t += run;
-            head.left -= run;
-            let ended = (head.left == 0).then(|| std::mem::take(head).id);
-            return Some((Some(piece), ended));
-        }
-        if self.running == NONE || !has_work(pending, self.running) {
+        // No time-slicing: every kernel in the order queued, whoever queued it.
+        let sliced = s.timeslice_ns > 0;
+        if sliced && (self.running == NONE || !has_work(pending, self.running)) {
             let next = next_after(pending, self.running)?;
             if self.running != NONE {
                 self.switch_left = s.switch_ns;
@@ -144,15 +136,18 @@ impl Cursor {
             return Some((None, None));
         }
         let ch = self.running;
-        let others = pending.iter().any(|p| p.id != 0 && p.chan != ch);
-        let head = pending.iter_mut().filter(|p| p.id != 0 && p.chan == ch).min_by_key(|p| p.id)?;
+        let mine = |p: &Pending| p.id != 0 && (!sliced || p.chan == ch);
+        let others = sliced && pending.iter().any(|p| p.id != 0 && p.chan != ch);
+        let head = pending.iter_mut().filter(|p| mine(p)).min_by_key(|p| p.id)?;
         let run = head.left.min(until - self.t).min(if others { self.slice_left.max(1) } else { u64::MAX });
         let piece = Piece { start: self.t, end: self.t + run, pid: head.pid, id: head.id };
         self.t += run;
         head.left -= run;
-        self.slice_left = self.slice_left.saturating_sub(run);
         let ended = (head.left == 0).then(|| std::mem::take(head).id);
-        if self.slice_left == 0 {
+        if sliced {
+            self.slice_left = self.slice_left.saturating_sub(run);
+        }
+        if sliced && self.slice_left == 0 {
             // The slice is over: the next channel with work (this one again when alone).
             self.slice_left = s.timeslice_ns;
             if others {
@@ -281,8 +276,9 @@ impl Timeline {
         self.npending
     }
 
-    /// A fresh timeline (tests; the shared one starts zeroed, which is the same).
-    pub fn boxed() -> Box<Timeline> {
+    /// A fresh timeline (the shared one starts zeroed, and [`Timeline::init`] makes it the same).
+    #[cfg(test)]
+    fn boxed() -> Box<Timeline> {
         // SAFETY: every field is an integer or an array of integers: all zeroes is a valid value,
         // and the one `Timeline::default` would build (an idle GPU at time 0, nothing queued).
         let mut t: Box<Timeline> = unsafe { Box::new_zeroed().assume_init() };
