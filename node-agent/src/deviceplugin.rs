@@ -619,17 +619,16 @@ pub fn volcano_memory_refusal(agent: &Agent) -> Option<String> {
             crate::describe::human((u64::from(factor) * 1000) << 20),
         ));
     }
-    let list_bytes =
-        |f: u32| prost::Message::encoded_len(&dp::ListAndWatchResponse { devices: devices_at(agent, Kind::Memory, f) });
-    let bytes = list_bytes(factor);
+    let list = |f: u32| dp::ListAndWatchResponse { devices: devices_at(agent, Kind::Memory, f) };
+    let at_factor = list(factor);
+    let (bytes, n) = (prost::Message::encoded_len(&at_factor), at_factor.devices.len());
     if bytes <= MAX_LIST_BYTES {
         return None;
     }
     let mut fits = factor.next_power_of_two().max(2);
-    while fits < 1 << 20 && list_bytes(fits) > MAX_LIST_BYTES {
+    while fits < 1 << 20 && prost::Message::encoded_len(&list(fits)) > MAX_LIST_BYTES {
         fits *= 2;
     }
-    let n = devices_at(agent, Kind::Memory, factor).len();
     Some(format!(
         "at memory_factor {factor} MiB (Volcano's default unit) this node's volcano.sh/vgpu-memory is {n} devices, \
          a list of {} where the kubelet takes at most {}: set gpuMemoryFactor: {fits} in the scheduler's device \
