@@ -16,6 +16,7 @@
 
 mod api;
 mod capture;
+mod clock;
 mod config;
 mod contexts;
 mod ctxlimits;

@@ -134,7 +134,7 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) {
         0 => DEFAULT_QUEUE_NS,
         b => b,
     };
-    let mut now = crate::sm::now_precise();
+    let mut now = crate::clock::now_precise();
     loop {
         let wait = high_until(dev)
             .saturating_sub(now)
@@ -144,7 +144,7 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) {
             break;
         }
         std::thread::sleep(Duration::from_nanos(wait.min(MAX_WAIT_NS)));
-        now = crate::sm::now_precise();
+        now = crate::clock::now_precise();
     }
     own.note(dev, now, cost_ns);
 }
@@ -153,7 +153,7 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) {
 /// a burst (a request), whose rhythm normal slices may anticipate.
 #[inline]
 pub fn note_high(own: &Mapped, dev: usize, cost_ns: u64) {
-    let now = crate::sm::now_precise();
+    let now = crate::clock::now_precise();
     if own.note(dev, now, cost_ns).0 < now {
         own.note_burst(dev, now);
     }

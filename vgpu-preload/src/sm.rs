@@ -37,22 +37,7 @@ const MAX_SLEEP_NS: u64 = 20_000_000;
 /// GPU time a thread charges to the shared budget ahead of its launches (see [`Credit`]).
 const PREPAY_NS: u64 = 50_000;
 
-/// A monotonic clock in ns (a vDSO read, no system call).
-fn monotonic(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid out-pointer; both clocks used here always exist.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// The monotonic clock at full resolution: for measured launches only.
-pub(crate) fn now_precise() -> u64 {
-    monotonic(libc::CLOCK_MONOTONIC)
-}
-
-pub(crate) fn now_coarse() -> u64 {
-    monotonic(libc::CLOCK_MONOTONIC_COARSE)
-}
+pub(crate) use crate::clock::{now_coarse, now_precise};
 
 /// Per-process estimates of a kernel's (or graph's) GPU time, keyed by function and grid (see
 /// [`kernel_key`]) or by graph handle.

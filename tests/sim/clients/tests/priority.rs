@@ -10,6 +10,9 @@ use serde_json::Value;
 use std::process::Stdio;
 use std::time::Duration;
 
+/// The tests here measure time on a shared machine: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 const NODE: &str = "timeslice_us = 2000\ncontext_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\n";
 
 fn slice(a: &Agent, name: &str, priority: &str) -> Value {
@@ -44,6 +47,7 @@ fn kernels(c: std::process::Child) -> f64 {
 
 #[test]
 fn a_high_priority_slice_keeps_its_latency_and_the_backlog_the_rest() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = Sim::new(Some(NODE));
     let a = Agent::start(&s, &[]);
     let (svc, batch) = (slice(&a, "svc", "normal"), slice(&a, "batch", "normal"));
@@ -74,6 +78,7 @@ fn a_high_priority_slice_keeps_its_latency_and_the_backlog_the_rest() {
 
 #[test]
 fn a_killed_high_priority_process_releases_the_gate_within_a_pass() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = Sim::new(Some(NODE));
     let a = Agent::start(&s, &[]);
     let (svc, batch) = (slice(&a, "svc", "high"), slice(&a, "batch", "normal"));
@@ -104,6 +109,7 @@ fn a_killed_high_priority_process_releases_the_gate_within_a_pass() {
 /// back, but it is not hidden: the agent reports it as an escape on the high-priority slice's GPU.
 #[test]
 fn work_that_bypasses_the_gate_is_reported() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = Sim::new(Some(NODE));
     let a = Agent::start(&s, &[]);
     let _svc = slice(&a, "svc", "high");
@@ -127,6 +133,7 @@ fn work_that_bypasses_the_gate_is_reported() {
 /// file is its own to write) holds normal slices back for at most a pass: the agent clears it.
 #[test]
 fn a_high_priority_slice_cannot_claim_endless_work() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut s = Sim::new(Some(NODE));
     let a = Agent::start(&s, &[]);
     let (svc, batch) = (slice(&a, "svc", "high"), slice(&a, "batch", "normal"));
@@ -148,6 +155,7 @@ fn a_high_priority_slice_cannot_claim_endless_work() {
 /// normal slices that read it: their mapping reads zeros, and their work goes on.
 #[test]
 fn a_truncated_activity_file_crashes_no_neighbour() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = Sim::new(Some(NODE));
     let a = Agent::start(&s, &[]);
     let (_svc, batch) = (slice(&a, "svc", "high"), slice(&a, "batch", "normal"));
