@@ -6,9 +6,9 @@
 //!   which works across PID and mount namespaces) with its PID inside the container from `NSpid`;
 //! * tell each slice's interposers whether their GPU is shared (the default SM policy limits only
 //!   then) and correct their SM budgets' refill rate from the measured utilisation;
-//! * report escapes (a GPU process outside every slice on a GPU that slices use, unless it is an
-//!   MPS server or in a container of a DRA claim with admin access to the GPU; a slice whose
-//!   NVML-measured memory exceeds its limit) and act on them as configured.
+//! * report escapes (a GPU process outside every slice on a GPU that slices use in two passes in a
+//!   row, unless it is an MPS server or in a container of a DRA claim with admin access to the GPU;
+//!   a slice whose NVML-measured memory exceeds its limit) and act on them as configured.
 
 use crate::config::EscapeAction;
 use crate::procfs::{self, FileId};
@@ -373,6 +373,9 @@ struct ProcOwner {
     start: u64,
     /// (slice, PID inside the container)
     owner: Option<(String, u32)>,
+    /// The list of slices it was judged against ([`Monitor::lists`]): no owner is believed only
+    /// while that list stands (the process may map a slice newer than the pass's list).
+    list: u64,
 }
 
 /// What one GPU looked like in a pass.
@@ -428,6 +431,12 @@ pub struct Monitor {
     /// The GPUs' UUIDs in the last pass, in NVML's order (the slices' `gpu_pos` refer to them).
     gpu_uuids: Vec<String>,
     procs: HashMap<u32, ProcOwner>,
+    /// Lists of slices seen (each realignment counts one).
+    lists: u64,
+    /// (GPU index, host PID) of the processes outside every slice in the last pass: one is an
+    /// escape when the next pass, with its own list of slices, finds it outside every slice again
+    /// (a container started between a pass's list and its NVML query is not one).
+    suspects: HashSet<(u32, u32)>,
     util_seen: HashMap<u32, u64>,
     /// (GPU index, host PID) -> that process's latest SM sample.
     sm_samples: HashMap<(u32, u32), SmSample>,
@@ -517,6 +526,8 @@ impl Monitor {
             index: HashMap::default(),
             gpu_uuids: Vec::new(),
             procs: HashMap::default(),
+            lists: 0,
+            suspects: HashSet::default(),
             util_seen: HashMap::default(),
             sm_samples: HashMap::default(),
             feedback: HashMap::default(),
@@ -809,6 +820,7 @@ impl Monitor {
     fn attribute(&mut self, slices: &[Slice], queried: Queried, now_ns: u64, pass: &mut Pass) {
         let mut seen_pids = HashSet::default();
         let mut mps = HashSet::default();
+        let mut suspects = HashSet::default();
         // Samples older than a few passes no longer stand for their process.
         let passes = self.passes;
         self.sm_samples.retain(|_, x| x.pass + SAMPLE_STALE_PASSES >= passes);
@@ -898,13 +910,18 @@ impl Monitor {
                         g.outsiders = true;
                         match self.admitted(pid, &g.uuid) {
                             Some(claim) => g.admin_processes.push(pb::AdminProcess { pid, claim, memory: mem }),
-                            None => pass.escapes.push(pb::Escape {
-                                kind: pb::escape::Kind::Unaccounted as i32,
-                                gpu: g.uuid.clone(),
-                                pid,
-                                measured: mem,
-                                ..Default::default()
-                            }),
+                            None => {
+                                suspects.insert((g.index, pid));
+                                if self.suspects.contains(&(g.index, pid)) {
+                                    pass.escapes.push(pb::Escape {
+                                        kind: pb::escape::Kind::Unaccounted as i32,
+                                        gpu: g.uuid.clone(),
+                                        pid,
+                                        measured: mem,
+                                        ..Default::default()
+                                    });
+                                }
+                            }
                         }
                     }
                     None => {}
@@ -914,6 +931,7 @@ impl Monitor {
         }
         self.procs.retain(|pid, _| seen_pids.contains(pid));
         self.mps = mps;
+        self.suspects = suspects;
     }
 
     /// Per slice: usage, processes, SM flags and rate, over-limit escapes.
@@ -1103,6 +1121,7 @@ impl Monitor {
         }
         self.regions = slices.iter().map(|s| old.remove(&s.name).filter(|c| c.created_ns == s.created_ns)).collect();
         self.index = slices.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect();
+        self.lists += 1;
         self.unopened.retain(|name, _| self.index.contains_key(name));
         self.list = Some(slices.clone());
     }
@@ -1169,7 +1188,7 @@ impl Monitor {
         }
         let start = procfs::start_time(pid)?;
         if let Some(c) = self.procs.get(&pid) {
-            if c.start == start {
+            if c.start == start && (c.owner.is_some() || c.list == self.lists) {
                 // A cached owner must still exist (the slice may have been deleted).
                 let (slice, inner) = c.owner.as_ref()?;
                 return self.index.get(slice.as_str()).filter(|&&i| self.regions[i].is_some()).map(|&i| (i, *inner));
@@ -1180,7 +1199,7 @@ impl Monitor {
             (i, inner)
         });
         let cached = owner.map(|(i, inner)| (slices[i].name.clone(), inner));
-        self.procs.insert(pid, ProcOwner { start, owner: cached });
+        self.procs.insert(pid, ProcOwner { start, owner: cached, list: self.lists });
         owner
     }
 }
