@@ -124,6 +124,15 @@ impl Mapped {
         }
     }
 
+    /// Adds `cost_ns` to the work queued on slice device `dev`, known to be busy (what was queued
+    /// ends after now): `note` without the clock.
+    #[inline]
+    pub fn add(&self, dev: usize, cost_ns: u64) {
+        if let Some(u) = self.map.until.get(dev) {
+            u.fetch_add(cost_ns, Relaxed);
+        }
+    }
+
     /// Notes that a burst of work began on slice device `dev` at `now` (its queue was idle): the
     /// time between bursts and its jitter follow, smoothed (1/8 of each new gap).
     pub fn note_burst(&self, dev: usize, now: u64) {
@@ -192,6 +201,9 @@ mod tests {
         assert_eq!(w.note(1, 1000, 500), (0, 1500));
         assert_eq!(w.note(1, 1200, 500), (1500, 2000), "after what was queued");
         assert_eq!(w.note(1, 5000, 100), (2000, 5100), "idle meanwhile: from now");
+        w.add(1, 50);
+        assert_eq!(r.until(1), 5150, "busy: added");
+        w.add(MAX_DEVICES, 50);
         // Bursts every 10 ms, 1 ms off at times: the rhythm follows.
         assert_eq!(r.rhythm(0), None);
         for (i, off) in [0u64, 0, 1, 0, 0, 0, 1, 0].iter().enumerate() {
@@ -200,7 +212,7 @@ mod tests {
         let rh = r.rhythm(0).unwrap();
         assert!(rh.period.abs_diff(10_000_000) < 1_000_000 && rh.jitter < 2_000_000, "{rh:?}");
         assert_eq!(rh.last, 1_070_000_000);
-        assert_eq!((r.until(0), r.until(1)), (0, 5100));
+        assert_eq!((r.until(0), r.until(1)), (0, 5150));
         assert_eq!(r.until(MAX_DEVICES), 0, "no such device");
         std::fs::write(&p, b"short").unwrap();
         assert!(Mapped::open(&p, false).is_none(), "a truncated file is not mapped");

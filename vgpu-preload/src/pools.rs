@@ -313,6 +313,7 @@ pub fn settle_all(st: &State, dev: Option<usize>) -> u64 {
 #[inline]
 fn synced(r: CUresult) -> CUresult {
     if r == OK {
+        crate::priority::synced();
         if DIRTY.load(Relaxed) {
             let _ = settle_all(state(), None);
         }
