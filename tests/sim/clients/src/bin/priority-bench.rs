@@ -1,12 +1,15 @@
 //! Priority tenants on a simulated GPU that time-slices between processes (2 ms slices): a service
-//! issuing requests at a fixed rate (each one kernel, then a synchronisation) alone, beside a
+//! issuing requests at a fixed rate or at random (each one kernel, then a synchronisation) alone, beside a
 //! best-effort training-like loop (short kernels, 50 queued between synchronisations) without
 //! priority, and beside it with the service's slice at high priority. Per case: the requests' P50,
 //! P99 and P99.9 latency and their inflation over the service alone, the loop's kernels a second,
 //! and the share of the GPU time the service leaves idle that the loop used. Printed as a Markdown
 //! table (docs/benchmarks.md records it).
 //!
-//! usage: priority-bench [--quick] [--seconds S] [--queue-us N]
+//! usage: priority-bench [--quick] [--seconds S] [--queue-us N] [--case RATE,KERNEL,LOOP_KERNEL[,poisson]]...
+//!
+//! `--case` (repeatable) runs the cases given instead of the standard ones, e.g.
+//! `--case 100,sleep_500us,sleep_500us`; `poisson`: requests arrive at random at that mean rate.
 //!
 //! Uses `vgpu-node-agent`, `vgpuctl`, `cuda-rt-app`, `libvgpu.so` and the simulated libraries built
 //! next to this binary (cargo build --release -p vgpu-node-agent -p vgpu-preload -p vgpu-sim-cuda
@@ -104,18 +107,42 @@ fn last(c: Child) -> Value {
     serde_json::from_str(out.lines().last().expect("a result line")).unwrap()
 }
 
-/// The service's latencies over `secs` at `rate`, beside the loop of `be_kernel` or alone; and the
-/// loop's kernels a second.
-fn case(n: &Node, rate: f64, kernel: &str, be_kernel: Option<&str>, secs: f64) -> (Value, f64) {
+/// One comparison: the service's requests (a rate, their kernel, how they arrive) beside the loop's
+/// kernel.
+struct Case {
+    rate: f64,
+    kernel: String,
+    loop_kernel: String,
+    poisson: bool,
+}
+
+impl Case {
+    fn new(rate: f64, kernel: &str, loop_kernel: &str, poisson: bool) -> Case {
+        Case { rate, kernel: kernel.into(), loop_kernel: loop_kernel.into(), poisson }
+    }
+
+    /// The rate column: the rate, and "poisson" for random arrivals.
+    fn requests(&self) -> String {
+        format!("{}/s{}", self.rate, if self.poisson { " poisson" } else { "" })
+    }
+}
+
+/// The service's latencies over `secs` for case `c`, beside the loop or alone; and the loop's
+/// kernels a second.
+fn run_case(n: &Node, c: &Case, with_loop: bool, secs: f64) -> (Value, f64) {
     let run_s = format!("{}", secs + 1.0);
-    let be = be_kernel.map(|k| {
-        n.run_in("batch", &["launch", "--kernel", k, "--seconds", &run_s, "--sync-every", "50"]).spawn().unwrap()
+    let be = with_loop.then(|| {
+        n.run_in("batch", &["launch", "--kernel", &c.loop_kernel, "--seconds", &run_s, "--sync-every", "50"])
+            .spawn()
+            .unwrap()
     });
     if be.is_some() {
         std::thread::sleep(Duration::from_millis(500));
     }
+    let arrivals = if c.poisson { "poisson" } else { "fixed" };
+    let (rate, secs) = (c.rate.to_string(), secs.to_string());
     let svc = n
-        .run_in("svc", &["serve", "--rate", &rate.to_string(), "--seconds", &secs.to_string(), "--kernel", kernel])
+        .run_in("svc", &["serve", "--rate", &rate, "--seconds", &secs, "--kernel", &c.kernel, "--arrivals", arrivals])
         .spawn()
         .unwrap();
     let served = last(svc);
@@ -126,43 +153,74 @@ fn case(n: &Node, rate: f64, kernel: &str, be_kernel: Option<&str>, secs: f64) -
     (served, be_rate)
 }
 
+/// `RATE,KERNEL,LOOP_KERNEL[,poisson]` of `--case`; exits naming the value where it is not one.
+fn parse_case(v: &str) -> Case {
+    let parts: Vec<&str> = v.split(',').collect();
+    let kernel_ok = |k: &str| {
+        (k.starts_with("sleep_") || k.starts_with("wave_"))
+            && (k.ends_with("us") || k.ends_with("ms"))
+            && k.chars().any(|c| c.is_ascii_digit())
+    };
+    let rate_ok = |r: &str| r.parse::<f64>().is_ok_and(|r| r > 0.0);
+    match parts[..] {
+        [r, k, b] if rate_ok(r) && kernel_ok(k) && kernel_ok(b) => Case::new(r.parse().unwrap(), k, b, false),
+        [r, k, b, "poisson"] if rate_ok(r) && kernel_ok(k) && kernel_ok(b) => Case::new(r.parse().unwrap(), k, b, true),
+        _ => {
+            eprintln!(
+                "priority-bench: --case {v:?} is not RATE,KERNEL,LOOP_KERNEL[,poisson] (a rate in requests a second \
+                 over 0, kernels as sleep_<N>us|ms or wave_<N>us|ms, e.g. 100,sleep_500us,sleep_100us)"
+            );
+            std::process::exit(2);
+        }
+    }
+}
+
+/// The standard cases: fixed-rate requests at two rates and two kernel sizes beside loops of three
+/// kernel sizes, and random arrivals beside the shortest and the longest loop kernels.
+fn standard(quick: bool) -> Vec<Case> {
+    if quick {
+        return vec![Case::new(100.0, "sleep_500us", "sleep_100us", false)];
+    }
+    vec![
+        Case::new(100.0, "sleep_500us", "sleep_100us", false),
+        Case::new(400.0, "sleep_500us", "sleep_100us", false),
+        Case::new(100.0, "sleep_2ms", "sleep_100us", false),
+        Case::new(100.0, "sleep_500us", "sleep_50us", false),
+        Case::new(100.0, "sleep_500us", "sleep_500us", false),
+        Case::new(100.0, "sleep_500us", "sleep_50us", true),
+        Case::new(100.0, "sleep_500us", "sleep_500us", true),
+    ]
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let secs: f64 = arg(&args, "--seconds").map_or(if quick { 1.5 } else { 4.0 }, |v| v.parse().expect("seconds"));
+    let secs: f64 = arg(&args, "--seconds").map_or(if quick { 1.5 } else { 8.0 }, |v| v.parse().expect("seconds"));
     let queue_us = arg(&args, "--queue-us").unwrap_or_else(|| "100".into());
+    let given: Vec<Case> =
+        args.iter().zip(args.iter().skip(1)).filter(|(a, _)| *a == "--case").map(|(_, v)| parse_case(v)).collect();
+    let cases = if given.is_empty() { standard(quick) } else { given };
     let n = start(&queue_us);
-    let cases: &[(f64, &str, &str)] = if quick {
-        &[(100.0, "sleep_500us", "sleep_100us")]
-    } else {
-        &[
-            (100.0, "sleep_500us", "sleep_100us"),
-            (400.0, "sleep_500us", "sleep_100us"),
-            (100.0, "sleep_2ms", "sleep_100us"),
-            (100.0, "sleep_500us", "sleep_50us"),
-            (100.0, "sleep_500us", "sleep_500us"),
-        ]
-    };
     println!("simulated GPU, 2 ms timeslice; normal slices' queue bound {queue_us} us; {secs} s per case");
     println!();
     println!("| requests | request kernel | loop kernel | case | P50 us | P99 us | P99.9 us | P99 vs alone | loop kernels/s | loop's share of the idle time |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    for &(rate, kernel, be_kernel) in cases {
+    for c in &cases {
         // The loop alone, for its full rate.
         let full = {
             let run_s = format!("{secs}");
             let mut b =
-                n.run_in("batch", &["launch", "--kernel", be_kernel, "--seconds", &run_s, "--sync-every", "50"]);
+                n.run_in("batch", &["launch", "--kernel", &c.loop_kernel, "--seconds", &run_s, "--sync-every", "50"]);
             let v = last(b.spawn().unwrap());
             v["kernels"].as_f64().unwrap() / (v["wall_ms"].as_f64().unwrap() / 1e3)
         };
-        let idle = (1.0 - rate * kernel_s(kernel)).max(0.0);
+        let idle = (1.0 - c.rate * kernel_s(&c.kernel)).max(0.0);
         n.ctl(&["slice", "update", "svc", "--priority", "normal"]);
-        let (alone, _) = case(&n, rate, kernel, None, secs);
-        let (shared, be_shared) = case(&n, rate, kernel, Some(be_kernel), secs);
+        let (alone, _) = run_case(&n, c, false, secs);
+        let (shared, be_shared) = run_case(&n, c, true, secs);
         n.ctl(&["slice", "update", "svc", "--priority", "high"]);
         std::thread::sleep(Duration::from_millis(100));
-        let (gated, be_gated) = case(&n, rate, kernel, Some(be_kernel), secs);
+        let (gated, be_gated) = run_case(&n, c, true, secs);
         let q = |v: &Value, k: &str| v[k].as_f64().unwrap();
         let p99 = q(&alone, "p99_us");
         for (name, v, be) in [
@@ -175,7 +233,10 @@ fn main() {
                 None => (format!("({full:.0} alone)"), "-".into()),
             };
             println!(
-                "| {rate}/s | {kernel} | {be_kernel} | {name} | {:.0} | {:.0} | {:.0} | {:+.1} % | {be_col} | {share} |",
+                "| {} | {} | {} | {name} | {:.0} | {:.0} | {:.0} | {:+.1} % | {be_col} | {share} |",
+                c.requests(),
+                c.kernel,
+                c.loop_kernel,
                 q(v, "p50_us"),
                 q(v, "p99_us"),
                 q(v, "p999_us"),
