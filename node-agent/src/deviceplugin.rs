@@ -527,7 +527,16 @@ async fn serve(
                     return;
                 }
             }
-            if inode(&kubelet) != kubelet_ino || inode(&ours) != our_ino {
+            let (now_kubelet, now_ours) = (inode(&kubelet), inode(&ours));
+            if now_kubelet == kubelet_ino && now_ours.is_some() && now_ours != our_ino {
+                // Not a kubelet restart (which removes the plugins' sockets and makes its own
+                // again): another process bound our socket's path.
+                tracing::warn!(socket = %ours.display(),
+                    "another process replaced the device plugin socket (a second agent on this node?); \
+                     serving and registering again");
+                break;
+            }
+            if now_kubelet != kubelet_ino || now_ours != our_ino {
                 tracing::info!("kubelet restarted: serving and registering again");
                 break;
             }

@@ -173,8 +173,21 @@ fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
         let mut lw = c.list_and_watch(dp::Empty {}).await.unwrap().into_inner();
         assert_eq!(lw.message().await.unwrap().unwrap().devices.len(), 20);
     });
-    let _ = stop2.send(());
     assert!(a.log_text().contains("kubelet restarted"), "{}", a.log_text());
+    assert!(!a.log_text().contains("another process replaced"), "{}", a.log_text());
+
+    // Another process binds the plugin's socket path (a second agent on the node) while kubelet
+    // stays: not taken for a kubelet restart, but warned of; the plugin serves and registers again.
+    let _ = std::fs::remove_file(kdir.join("vgpu.sock"));
+    let _intruder = std::os::unix::net::UnixListener::bind(kdir.join("vgpu.sock")).unwrap();
+    let reg3 = rt.block_on(next_register(&mut rx, "after the socket was replaced"));
+    assert_eq!(reg3.endpoint, "vgpu.sock");
+    assert!(
+        a.log_text().contains("another process replaced the device plugin socket (a second agent on this node?)"),
+        "{}",
+        a.log_text()
+    );
+    let _ = stop2.send(());
     let _ = &mut s;
 }
 
