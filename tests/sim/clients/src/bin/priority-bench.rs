@@ -80,7 +80,9 @@ fn start(queue_us: &str) -> Node {
     .unwrap();
     let mut n = Node { work: work.clone(), libs: libs.clone(), ctl, app, agent: Command::new("true").spawn().unwrap() };
     let mut c = n.cmd(&agent_bin);
+    // No device plugin: a kubelet on this machine (the Kubernetes test's) is not this agent's.
     c.env("VGPU_AGENT_LIBRARY", &libvgpu)
+        .env("VGPU_AGENT_DEVICE_PLUGIN", "off")
         .env("VGPU_AGENT_PRIORITY_QUEUE_US", queue_us)
         .env("VGPU_AGENT_CDI_DIR", work.join("cdi"))
         .args(["--state-dir", work.join("state").to_str().unwrap()])
@@ -97,6 +99,15 @@ fn start(queue_us: &str) -> Node {
     n.ctl(&["slice", "create", "--name", "svc", "--gpu", "0"]);
     n.ctl(&["slice", "create", "--name", "batch", "--gpu", "0"]);
     n
+}
+
+impl Drop for Node {
+    /// The agent goes with the benchmark, however it ends.
+    fn drop(&mut self) {
+        let _ = self.agent.kill();
+        let _ = self.agent.wait();
+        let _ = std::fs::remove_dir_all(&self.work);
+    }
 }
 
 /// The last JSON line a process printed.
@@ -244,8 +255,5 @@ fn main() {
             );
         }
     }
-    let mut agent = n.agent;
-    let _ = agent.kill();
-    let _ = agent.wait();
-    let _ = std::fs::remove_dir_all(&n.work);
+    drop(n);
 }
