@@ -337,18 +337,22 @@ pub(crate) fn ours(dev: NvmlDevice) -> Option<Vec<(u32, u32)>> {
         return None;
     }
     let region = state().region.as_ref()?;
-    Some(
-        region
-            .slots()
-            .iter()
-            .map(|&(_, p, h, _)| match h {
-                0 => (p, p),
-                h if h == p || seen_by_host_pid(h, p) => (h, h),
-                h => (h, p),
-            })
-            .filter(|(nv, p)| *nv != 0 && *p != 0)
-            .collect(),
-    )
+    let slots: Vec<(u32, u32)> = region.slots().iter().map(|&(_, p, h, _)| (p, h)).collect();
+    Some(pid_pairs(&slots, seen_by_host_pid))
+}
+
+/// The (NVML's PID, the PID to show) of each slot's (PID, host PID), as [`ours`] says; `by_host`
+/// tells whether this process sees a process by its host PID ([`seen_by_host_pid`]).
+fn pid_pairs(slots: &[(u32, u32)], by_host: impl Fn(u32, u32) -> bool) -> Vec<(u32, u32)> {
+    slots
+        .iter()
+        .map(|&(p, h)| match h {
+            0 => (p, p),
+            h if h == p || by_host(h, p) => (h, h),
+            h => (h, p),
+        })
+        .filter(|(nv, p)| *nv != 0 && *p != 0)
+        .collect()
 }
 
 /// Whether this process sees process `host` (`inner` in its own PID namespace) by its host PID:
@@ -545,5 +549,161 @@ pub unsafe fn processes_utilization(
     // the caller's structure's (non-null), whose array holds the cap entries it stated.
     unsafe {
         answer_ours(query, &mine, &raw mut (*info).process_samples_count, out, cap as usize, NVML_ERROR_NOT_FOUND)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(pid: u32, mem: u64) -> NvmlProcessInfo {
+        NvmlProcessInfo { pid, used_gpu_memory: mem, ..Default::default() }
+    }
+
+    /// A driver's process list as NVML answers a query of it: the count (capacity in, entries
+    /// out), INSUFFICIENT_SIZE with the count needed when the array is NULL or too small. `grow`
+    /// processes start between one call and the next.
+    struct FakeList {
+        list: Vec<NvmlProcessInfo>,
+        grow: u32,
+        fail: Option<NvmlReturn>,
+        calls: u32,
+    }
+
+    impl FakeList {
+        fn new(pids: &[u32]) -> Self {
+            FakeList {
+                list: pids.iter().map(|&p| info(p, u64::from(p) << 20)).collect(),
+                grow: 0,
+                fail: None,
+                calls: 0,
+            }
+        }
+
+        /// # Safety
+        /// `n` is valid for reads and writes; `out` is NULL or holds `*n` entries.
+        unsafe fn query(&mut self, n: *mut u32, out: *mut NvmlProcessInfo) -> NvmlReturn {
+            self.calls += 1;
+            if let Some(e) = self.fail {
+                return e;
+            }
+            let len = self.list.len();
+            let next = self.list.len() as u32 + 1000;
+            self.list.extend((next..next + self.grow).map(|p| info(p, 0)));
+            // SAFETY: the function's contract.
+            let cap = unsafe { *n } as usize;
+            // SAFETY: the function's contract.
+            unsafe { *n = len as u32 };
+            if len == 0 {
+                return NVML_SUCCESS;
+            }
+            if out.is_null() || cap < len {
+                return NVML_ERROR_INSUFFICIENT_SIZE;
+            }
+            // SAFETY: out holds cap >= len entries.
+            unsafe { std::ptr::copy_nonoverlapping(self.list.as_ptr(), out, len) };
+            NVML_SUCCESS
+        }
+    }
+
+    fn pids<T: Listed>(l: &[T]) -> Vec<u32> {
+        l.iter().map(Listed::pid).collect()
+    }
+
+    /// `grown` over a fake list.
+    fn grow(fake: &mut FakeList) -> Result<Vec<NvmlProcessInfo>, NvmlReturn> {
+        // SAFETY: the fake's query takes grown()'s count and buffer, as its contract asks.
+        unsafe { grown(|n, p| fake.query(n, p)) }
+    }
+
+    #[test]
+    fn a_list_is_asked_for_its_size_then_read_into_a_buffer_of_ours() {
+        let mut fake = FakeList::new(&[11, 12, 13]);
+        assert_eq!(pids(&grow(&mut fake).unwrap()), [11, 12, 13]);
+        assert_eq!(fake.calls, 2, "a count query, then the list");
+        assert!(grow(&mut FakeList::new(&[])).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_list_that_grows_while_it_is_read_is_read_again_or_refused_whole() {
+        // Three processes start between calls: the buffer's slack holds them.
+        let mut fake = FakeList { grow: 3, ..FakeList::new(&[1, 2]) };
+        assert_eq!(grow(&mut fake).unwrap().len(), 5, "the list as the filling call found it");
+        // A list that outgrows every buffer: the caller is told so, never given part of it.
+        let mut fake = FakeList { grow: 20, ..FakeList::new(&[1, 2]) };
+        assert_eq!(grow(&mut fake).err(), Some(NVML_ERROR_INSUFFICIENT_SIZE));
+        assert_eq!(fake.calls, 5, "four tries after the count");
+    }
+
+    #[test]
+    fn a_driver_error_is_answered_as_it_was() {
+        let mut fake = FakeList { fail: Some(NVML_ERROR_UNKNOWN), ..FakeList::new(&[1]) };
+        assert_eq!(grow(&mut fake).err(), Some(NVML_ERROR_UNKNOWN));
+    }
+
+    /// `answer_ours` over a fake list, for a caller with an array of `cap` entries (None: NULL).
+    fn answer(
+        fake: &mut FakeList,
+        mine: &[(u32, u32)],
+        cap: Option<usize>,
+        empty: NvmlReturn,
+    ) -> (NvmlReturn, u32, Vec<NvmlProcessInfo>) {
+        let mut out = vec![info(99, 99); cap.unwrap_or(0)];
+        let ptr = if cap.is_some() { out.as_mut_ptr() } else { std::ptr::null_mut() };
+        let mut count = cap.unwrap_or(0) as u32;
+        // SAFETY: the fake's query as in `grow`; count is a local; out holds cap entries or is NULL.
+        let r = unsafe { answer_ours(|n, p| fake.query(n, p), mine, &mut count, ptr, cap.unwrap_or(0), empty) };
+        (r, count, out)
+    }
+
+    #[test]
+    fn only_the_container_s_processes_are_answered_under_the_pids_it_sees() {
+        let mut fake = FakeList::new(&[100, 200, 300]);
+        // 200 is the container's process 7 (a PID namespace); 300 is seen by its host PID.
+        let mine = [(200, 7), (300, 300)];
+        let (r, count, out) = answer(&mut fake, &mine, Some(4), NVML_SUCCESS);
+        assert_eq!((r, count), (NVML_SUCCESS, 2));
+        assert_eq!(pids(&out[..2]), [7, 300], "in NVML's order, renamed");
+        assert_eq!(out[0].used_gpu_memory, 200 << 20, "the entry's figures are NVML's");
+        assert_eq!(out[2].pid, 99, "nothing written past the count");
+    }
+
+    #[test]
+    fn a_caller_s_array_too_small_for_the_container_s_entries_is_told_how_many() {
+        let mine = [(200, 7), (300, 300)];
+        // Room for one of the two: INSUFFICIENT_SIZE, the count needed, the array untouched.
+        let (r, count, out) = answer(&mut FakeList::new(&[100, 200, 300]), &mine, Some(1), NVML_SUCCESS);
+        assert_eq!((r, count, out[0].pid), (NVML_ERROR_INSUFFICIENT_SIZE, 2, 99));
+        // The count query (NULL array).
+        let (r, count, _) = answer(&mut FakeList::new(&[100, 200, 300]), &mine, None, NVML_SUCCESS);
+        assert_eq!((r, count), (NVML_ERROR_INSUFFICIENT_SIZE, 2));
+        // The GPU's other tenants' entries do not count: room for two is enough though NVML has three.
+        let (r, count, _) = answer(&mut FakeList::new(&[100, 200, 300]), &mine, Some(2), NVML_SUCCESS);
+        assert_eq!((r, count), (NVML_SUCCESS, 2));
+    }
+
+    #[test]
+    fn none_of_the_container_s_processes_answers_the_query_s_empty_value() {
+        let mine = [(555, 5)];
+        let (r, count, _) = answer(&mut FakeList::new(&[100, 200]), &mine, Some(2), NVML_SUCCESS);
+        assert_eq!((r, count), (NVML_SUCCESS, 0), "a process list: empty");
+        let (r, count, _) = answer(&mut FakeList::new(&[100, 200]), &mine, Some(2), NVML_ERROR_NOT_FOUND);
+        assert_eq!((r, count), (NVML_ERROR_NOT_FOUND, 0), "utilization samples: none");
+        let mut failing = FakeList { fail: Some(NVML_ERROR_UNKNOWN), ..FakeList::new(&[200]) };
+        assert_eq!(answer(&mut failing, &[(200, 7)], Some(2), NVML_SUCCESS).0, NVML_ERROR_UNKNOWN);
+    }
+
+    #[test]
+    fn a_slot_is_named_by_its_host_pid_and_shown_as_the_caller_sees_it() {
+        // (pid, host pid) per slot; the caller sees process 4321 by its host PID (it is outside
+        // the container's PID namespace), not 1234.
+        let slots = [(5, 0), (6, 6), (7, 1234), (8, 4321), (0, 0), (9, 0)];
+        let pairs = pid_pairs(&slots, |host, inner| (host, inner) == (4321, 8));
+        assert_eq!(pairs, [(5, 5), (6, 6), (1234, 7), (4321, 4321), (9, 9)]);
+        assert_eq!(shown_as(&pairs, 1234), Some(7));
+        assert_eq!(shown_as(&pairs, 7), None, "NVML names host PIDs: 7 is another process");
+        let mut l = vec![info(1234, 1), info(42, 2), info(4321, 3)];
+        keep_ours(&mut l, &pairs);
+        assert_eq!(pids(&l), [7, 4321]);
     }
 }

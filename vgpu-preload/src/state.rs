@@ -484,17 +484,7 @@ impl State {
     #[cold]
     pub fn bind_nvml(&self, index: usize, uuid: &str) -> Option<usize> {
         let r = self.region.as_ref()?;
-        let idx = match std::env::var("CUDA_VISIBLE_DEVICES") {
-            Ok(v) => {
-                let items: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-                if items.iter().all(|s| s.parse::<usize>().is_ok()) {
-                    items.iter().any(|s| s.parse::<usize>() == Ok(index)).then_some(index)?
-                } else {
-                    items.iter().position(|s| uuid == *s || (s.starts_with("GPU-") && uuid.starts_with(s)))?
-                }
-            }
-            Err(_) => index,
-        };
+        let idx = nvml_container_index(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(), index, uuid)?;
         let mem = self.cfg.mem_limit.get(idx).copied().unwrap_or(0);
         let sm = self.cfg.sm_limit.get(idx).copied().unwrap_or(0);
         let d = r.bind_device(idx, uuid, mem, sm)?;
@@ -647,19 +637,32 @@ impl State {
     }
 }
 
-/// The container-visible index of a process's CUDA ordinal: through a numeric CUDA_VISIBLE_DEVICES,
-/// or by UUID in an existing region, else the ordinal itself.
+/// The container-visible index of a process's CUDA ordinal: by UUID in an existing region, through
+/// a numeric CUDA_VISIBLE_DEVICES, else the ordinal itself.
 fn container_index(ordinal: usize, uuid: &str, region: Option<&Region>) -> usize {
     if let Some(i) = region.and_then(|r| r.find_device(uuid)) {
         return i;
     }
-    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
-        let items: Vec<&str> = v.split(',').map(str::trim).collect();
-        if let Some(i) = items.get(ordinal).and_then(|s| s.parse::<usize>().ok()) {
-            return i;
-        }
+    visible_index(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(), ordinal)
+}
+
+/// The index a numeric `CUDA_VISIBLE_DEVICES` (`visible`) gives CUDA's `ordinal`, else the ordinal.
+fn visible_index(visible: Option<&str>, ordinal: usize) -> usize {
+    let item = visible.and_then(|v| v.split(',').map(str::trim).nth(ordinal));
+    item.and_then(|s| s.parse::<usize>().ok()).unwrap_or(ordinal)
+}
+
+/// The container index CUDA would give the device NVML lists at `index` with `uuid`, under
+/// `CUDA_VISIBLE_DEVICES` (`visible`): the index itself where unset or a list of numbers naming it,
+/// its position in a list of UUIDs (or UUID prefixes); None where CUDA would not see it.
+fn nvml_container_index(visible: Option<&str>, index: usize, uuid: &str) -> Option<usize> {
+    let Some(v) = visible else { return Some(index) };
+    let items: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    if items.iter().all(|s| s.parse::<usize>().is_ok()) {
+        items.iter().any(|s| s.parse::<usize>() == Ok(index)).then_some(index)
+    } else {
+        items.iter().position(|s| uuid == *s || (s.starts_with("GPU-") && uuid.starts_with(s)))
     }
-    ordinal
 }
 
 pub fn format_uuid(b: &[u8; 16]) -> String {
@@ -702,5 +705,86 @@ fn limit_words(limit: u64) -> String {
         "none".to_string()
     } else {
         format!("{} ({limit} bytes)", vgpu_units::human(limit))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A state over a new region of two devices limited to `limit` bytes each, watched.
+    fn limited(limit: u64) -> &'static State {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let path =
+            std::env::temp_dir().join(format!("vgpu-state-test-{}-{}", std::process::id(), N.fetch_add(1, Relaxed)));
+        let _ = std::fs::remove_file(&path);
+        let init = || Init { devices: vec![("GPU-a".into(), limit, 0), ("GPU-b".into(), limit, 0)], standalone: false };
+        let region = Region::open_or_create(&path, init).expect("region");
+        let _ = std::fs::remove_file(&path);
+        State::for_test(region)
+    }
+
+    #[test]
+    fn reservations_stop_at_each_device_s_limit_and_releases_make_room() {
+        let st = limited(8 * MIB);
+        assert_eq!(st.reserve(0, 6 * MIB), Ok(()));
+        assert_eq!(st.reserve(0, 3 * MIB), Err(CUresult::OUT_OF_MEMORY));
+        assert_eq!(st.used(0), 6 * MIB, "a refusal charges nothing");
+        assert_eq!(st.reserve(1, 8 * MIB), Ok(()), "each device has its own limit");
+        st.release(0, 4 * MIB);
+        assert_eq!(st.reserve(0, 6 * MIB), Ok(()), "up to the limit exactly");
+        assert_eq!((st.used(0), st.used(1)), (8 * MIB, 8 * MIB));
+        // Memory the driver already holds is charged past the limit: it cannot be refused.
+        st.charge_held(0, MIB);
+        assert_eq!(st.used(0), 9 * MIB);
+    }
+
+    #[test]
+    fn limits_changed_under_a_running_process_apply_to_its_next_reservation() {
+        let st = limited(4 * MIB);
+        let r = st.region.as_ref().unwrap();
+        assert_eq!(st.reserve(0, 3 * MIB), Ok(()));
+        r.set_mem_limit(0, 2 * MIB).unwrap();
+        assert_eq!(st.mem_limit(0), 2 * MIB);
+        assert_eq!(st.reserve(0, MIB), Err(CUresult::OUT_OF_MEMORY), "lowered below what it holds");
+        r.set_mem_limit(0, 16 * MIB).unwrap();
+        assert_eq!(st.reserve(0, 10 * MIB), Ok(()), "raised");
+        assert!(!st.sm_any());
+        r.set_sm_limit(1, 30).unwrap();
+        assert_eq!((st.sm_any(), st.sm_limit(1)), (true, 30), "an SM limit seen at the new generation");
+        r.set_sm_limit(1, 100).unwrap();
+        assert!(!st.sm_any(), "100 % is no limit");
+    }
+
+    #[test]
+    fn a_numeric_cuda_visible_devices_maps_an_ordinal_to_the_container_s_index() {
+        assert_eq!(visible_index(None, 1), 1);
+        assert_eq!(visible_index(Some("3, 5"), 1), 5);
+        assert_eq!(visible_index(Some("3,5"), 2), 2, "past the list: the ordinal");
+        assert_eq!(visible_index(Some("GPU-aa,GPU-bb"), 1), 1, "UUIDs: the ordinal");
+    }
+
+    #[test]
+    fn an_nvml_device_is_bound_where_cuda_would_see_it() {
+        let uuid = "GPU-5eed0000-1000-4000-8000-0000c0de0001";
+        assert_eq!(nvml_container_index(None, 3, uuid), Some(3), "unset: every device, as NVML lists them");
+        assert_eq!(nvml_container_index(Some("0,3"), 3, uuid), Some(3));
+        assert_eq!(nvml_container_index(Some("0,2"), 3, uuid), None, "a device CUDA does not see");
+        assert_eq!(nvml_container_index(Some("0,,3,"), 3, uuid), Some(3), "empty items are ignored");
+        let other = "GPU-5eed0000-1000-4000-8000-0000c0de0000";
+        assert_eq!(nvml_container_index(Some(&format!("{other},{uuid}")), 0, uuid), Some(1), "a UUID's position");
+        assert_eq!(nvml_container_index(Some("GPU-ffff, GPU-5eed0000-1000"), 0, uuid), Some(1), "a UUID prefix");
+        assert_eq!(nvml_container_index(Some("MIG-5eed0000"), 0, uuid), None);
+    }
+
+    #[test]
+    fn uuids_and_limits_read_as_nvidia_smi_and_people_write_them() {
+        let b = [0x5e, 0xed, 0, 0, 0x10, 0, 0x40, 0, 0x80, 0, 0, 0, 0xc0, 0xde, 0, 0x01];
+        assert_eq!(format_uuid(&b), "GPU-5eed0000-1000-4000-8000-0000c0de0001");
+        assert_eq!(limit_words(0), "none");
+        assert_eq!(limit_words(u64::MAX), "none");
+        assert_eq!(limit_words(8 << 30), "8.0 GiB (8589934592 bytes)");
     }
 }
