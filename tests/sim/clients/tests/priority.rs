@@ -1,7 +1,8 @@
 //! Priority tenants on a simulated GPU that time-slices between processes (`timeslice_us`), as a
 //! real one does: a high-priority slice's requests keep their latency beside a best-effort
 //! backlog, which still gets the GPU time they leave; a priority changed while both run takes
-//! effect; a killed high-priority process releases the gate within an agent pass. The benchmark with figures is `priority-bench` (docs/benchmarks.md).
+//! effect; a killed high-priority process releases the gate within an agent pass. The benchmark
+//! with figures is `priority-bench` (docs/benchmarks.md).
 
 mod common;
 use common::agent::*;
