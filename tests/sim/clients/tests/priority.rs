@@ -21,6 +21,15 @@ fn slice(a: &Agent, name: &str, priority: &str) -> Value {
     serde_json::from_str(&out).unwrap()
 }
 
+/// A simulated GPU, its agent, and two slices on it: the service `svc` (of `priority`) and the
+/// best-effort `batch`.
+fn tenants(priority: &str) -> (Sim, Agent, Value, Value) {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let (svc, batch) = (slice(&a, "svc", priority), slice(&a, "batch", "normal"));
+    (s, a, svc, batch)
+}
+
 /// 2 s of requests at 100 a second, each a 500 us kernel: their latency percentiles.
 fn serve(s: &Sim, svc: &Value) -> Value {
     let o = in_slice(s, svc, RT)
@@ -49,9 +58,7 @@ fn kernels(c: std::process::Child) -> f64 {
 #[test]
 fn a_high_priority_slice_keeps_its_latency_and_the_backlog_the_rest() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let s = Sim::new(Some(NODE));
-    let a = Agent::start(&s, &[]);
-    let (svc, batch) = (slice(&a, "svc", "normal"), slice(&a, "batch", "normal"));
+    let (s, a, svc, batch) = tenants("normal");
     let alone = serve(&s, &svc);
     // Without priority: each request waits behind the backlog's queued work.
     let be = backlog(&s, &batch, "3");
@@ -82,9 +89,7 @@ fn a_high_priority_slice_keeps_its_latency_and_the_backlog_the_rest() {
 #[test]
 fn a_priority_change_while_both_run_takes_effect() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut s = Sim::new(Some(NODE));
-    let a = Agent::start(&s, &[]);
-    let (svc, batch) = (slice(&a, "svc", "normal"), slice(&a, "batch", "normal"));
+    let (mut s, a, svc, batch) = tenants("normal");
     // A service process that lives through every change, and the backlog's one process.
     let (held, _) = s.spawn_cmd(in_slice(&s, &svc, RT), &["alloc", "--size", "100m", "--hold"]);
     let be = backlog(&s, &batch, "10");
@@ -123,9 +128,7 @@ fn a_priority_change_while_both_run_takes_effect() {
 #[test]
 fn a_killed_high_priority_process_releases_the_gate_within_a_pass() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let s = Sim::new(Some(NODE));
-    let a = Agent::start(&s, &[]);
-    let (svc, batch) = (slice(&a, "svc", "high"), slice(&a, "batch", "normal"));
+    let (s, a, svc, batch) = tenants("high");
     // The high-priority slice keeps the GPU busy: 10 ms kernels, 100 queued at a time.
     let mut hp = in_slice(&s, &svc, RT)
         .args(["launch", "--kernel", "sleep_10ms", "--seconds", "60", "--sync-every", "100"])
@@ -178,9 +181,7 @@ fn work_that_bypasses_the_gate_is_reported() {
 #[test]
 fn a_high_priority_slice_cannot_claim_endless_work() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let mut s = Sim::new(Some(NODE));
-    let a = Agent::start(&s, &[]);
-    let (svc, batch) = (slice(&a, "svc", "high"), slice(&a, "batch", "normal"));
+    let (mut s, a, svc, batch) = tenants("high");
     // A live process in the high-priority slice, and its file made to claim 1000 s of work.
     let (p, _) = s.spawn_cmd(in_slice(&s, &svc, RT), &["alloc", "--size", "64m", "--hold"]);
     a.wait("its process", |v| slice_of(v, "svc")["processes"][0]["host_pid"] == p);
