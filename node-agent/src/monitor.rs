@@ -1041,7 +1041,7 @@ impl Monitor {
             if let Some(a) = &c.activity {
                 // What its dead processes queued went with them; and no slice holds the normal
                 // slices of a GPU back for more than 10 s of work it claims to have queued.
-                let horizon = monotonic_ns().saturating_add(10_000_000_000);
+                let horizon = vgpu_region::monotonic_ns().saturating_add(10_000_000_000);
                 for d in 0..s.gpus.len().min(vgpu_region::MAX_DEVICES) {
                     let idle = live.is_empty() && (a.until(d) != 0 || a.rhythm(d).is_some());
                     if idle || a.until(d) > horizon {
@@ -1202,14 +1202,6 @@ impl Monitor {
         self.procs.insert(pid, ProcOwner { start, owner: cached, list: self.lists });
         owner
     }
-}
-
-/// CLOCK_MONOTONIC in ns: the clock of the interposers' activity files.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 #[cfg(test)]

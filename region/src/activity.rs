@@ -144,14 +144,15 @@ impl Mapped {
         }
         let gap = now - last;
         let per = p.load(Relaxed);
-        if per == 0 || gap > 4 * per {
+        // (saturating: the slice's processes can write anything into their file)
+        if per == 0 || gap > per.saturating_mul(4) {
             // The first gap, or the service paused: the rhythm starts again.
             p.store(gap, Relaxed);
             j.store(gap / 4, Relaxed);
             return;
         }
-        p.store((per * 7 + gap) / 8, Relaxed);
-        j.store((j.load(Relaxed) * 7 + gap.abs_diff(per)) / 8, Relaxed);
+        p.store(per.saturating_mul(7).saturating_add(gap) / 8, Relaxed);
+        j.store(j.load(Relaxed).saturating_mul(7).saturating_add(gap.abs_diff(per)) / 8, Relaxed);
     }
 
     /// Slice device `dev`'s rhythm of bursts (None before two).
@@ -232,6 +233,23 @@ mod tests {
         std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(0).unwrap();
         assert_eq!(r.until(0), 0);
         assert!(r.faulted());
+        std::fs::remove_file(&p).ok();
+    }
+
+    #[test]
+    fn a_rhythm_written_over_by_its_own_slice_does_not_break_the_next_burst() {
+        let p = std::env::temp_dir().join(format!("vgpu-activity-wild-{}", std::process::id()));
+        create(&p).unwrap();
+        let w = Mapped::open(&p, true).unwrap();
+        // Any value a process of the slice may have written (its file is its own).
+        for wild in [u64::MAX, u64::MAX / 4, u64::MAX / 7 + 1] {
+            w.map.burst[0].store(1, Relaxed);
+            w.map.period[0].store(wild, Relaxed);
+            w.map.jitter[0].store(wild, Relaxed);
+            w.note_burst(0, 1_000_000_000);
+            let rh = w.rhythm(0).unwrap();
+            assert!(rh.period <= wild && rh.jitter <= wild, "{rh:?}");
+        }
         std::fs::remove_file(&p).ok();
     }
 }

@@ -870,12 +870,18 @@ impl Region {
     }
 }
 
-/// CLOCK_MONOTONIC in ms: one clock for every process of the host (containers included).
-fn monotonic_ms() -> u64 {
+/// CLOCK_MONOTONIC in ns: one clock for every process of the host (containers included), the one
+/// the region's and the activity files' times are in.
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: an out-pointer to a local; CLOCK_MONOTONIC always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// [`monotonic_ns`] in ms.
+fn monotonic_ms() -> u64 {
+    monotonic_ns() / 1_000_000
 }
 
 fn reopen(file: &File, path: &Path) -> Result<OwnedFd> {

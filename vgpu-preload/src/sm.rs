@@ -37,7 +37,7 @@ const MAX_SLEEP_NS: u64 = 20_000_000;
 /// GPU time a thread charges to the shared budget ahead of its launches (see [`Credit`]).
 const PREPAY_NS: u64 = 50_000;
 
-pub(crate) use crate::clock::{now_coarse, now_precise};
+use crate::clock::{now_coarse, now_precise};
 
 /// Per-process estimates of a kernel's (or graph's) GPU time, keyed by function and grid (see
 /// [`kernel_key`]) or by graph handle.

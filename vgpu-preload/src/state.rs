@@ -617,7 +617,7 @@ impl State {
     pub fn reap_dead_every_100ms(&self) {
         static LAST_NS: AtomicU64 = AtomicU64::new(0);
         let Some(r) = self.region.as_ref().filter(|_| !self.watched) else { return };
-        let now = crate::sm::now_coarse();
+        let now = crate::clock::now_coarse();
         let last = LAST_NS.load(Relaxed);
         if now.saturating_sub(last) < 100_000_000 || LAST_NS.compare_exchange(last, now, Relaxed, Relaxed).is_err() {
             return;

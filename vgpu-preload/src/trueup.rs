@@ -249,7 +249,7 @@ impl TrueUp {
     /// driver has not allocated yet. True when the charge changed.
     #[cold]
     pub fn near_limit(&self, st: &State, dev: usize, force: bool, pending: u64) -> bool {
-        let now = crate::sm::now_coarse();
+        let now = crate::clock::now_coarse();
         let last = self.last_ns[dev].load(Relaxed);
         let period = if force { PERIOD_NS / 10 } else { PERIOD_NS };
         if last != 0 && now.saturating_sub(last) < period {

@@ -703,9 +703,7 @@ fn claim_priority(claim: &Value, driver: &str) -> Result<crate::slices::Priority
     for c in configs.filter(|c| c["opaque"]["driver"] == driver) {
         match &c["opaque"]["parameters"]["priority"] {
             Value::Null => {}
-            Value::String(p) if p == "high" => priority = crate::slices::Priority::High,
-            Value::String(p) if p == "normal" => priority = crate::slices::Priority::Normal,
-            other => return Err(DraError::BadPriority(other.to_string())),
+            v => priority = serde_json::from_value(v.clone()).map_err(|_| DraError::BadPriority(v.to_string()))?,
         }
     }
     Ok(priority)
