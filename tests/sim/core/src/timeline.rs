@@ -119,7 +119,8 @@ impl Cursor {
         if self.t >= until {
             return None;
         }
-        // No time-slicing: every kernel in the order queued, whoever queued it.
+        // Time-sliced: one channel's kernels at a time, for a slice each. Not: every kernel in the
+        // order queued, whoever queued it.
         let sliced = s.timeslice_ns > 0;
         if sliced && (self.running == NONE || !has_work(pending, self.running)) {
             let next = next_after(pending, self.running)?;

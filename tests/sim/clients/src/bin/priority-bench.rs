@@ -7,13 +7,12 @@
 //! table (docs/benchmarks.md records it).
 //!
 //! usage: priority-bench [--quick] [--seconds S] [--queue-us N] [--case RATE,KERNEL,LOOP_KERNEL[,poisson]]...
-//!
-//! `--case` (repeatable) runs the cases given instead of the standard ones, e.g.
-//! `--case 100,sleep_500us,sleep_500us`; `poisson`: requests arrive at random at that mean rate.
+//! (`--help` says more).
 //!
 //! Uses `vgpu-node-agent`, `vgpuctl`, `cuda-rt-app`, `libvgpu.so` and the simulated libraries built
 //! next to this binary (cargo build --release -p vgpu-node-agent -p vgpu-preload -p vgpu-sim-cuda
 //! -p vgpu-sim-nvml -p vgpu-sim-clients).
+use clap::Parser;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -21,8 +20,23 @@ use std::time::{Duration, Instant};
 
 use vgpu_sim_clients::bench::need;
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+/// Priority tenants on a time-slicing simulated GPU: a service's request latency alone, beside a
+/// best-effort loop, and beside it at high priority.
+#[derive(Parser)]
+struct Args {
+    /// The first standard case only, 1.5 s (CI)
+    #[arg(long)]
+    quick: bool,
+    /// How long each run of a case lasts [default: 8, 1.5 with --quick]
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// The agent's priority_queue_us: what a normal slice keeps queued beside a high-priority one
+    #[arg(long, default_value = "100")]
+    queue_us: u32,
+    /// A case to run instead of the standard ones (repeatable), e.g. 100,sleep_500us,sleep_100us;
+    /// `poisson`: requests arrive at random at that mean rate
+    #[arg(long = "case", value_name = "RATE,KERNEL,LOOP_KERNEL[,poisson]", value_parser = parse_case)]
+    cases: Vec<Case>,
 }
 
 /// How long a simulator kernel of that name runs, in seconds.
@@ -40,15 +54,20 @@ struct Node {
     agent: Child,
 }
 
+/// `bin` on the simulated node in `work`, with the simulated libraries in `libs`.
+fn on_node(bin: &Path, work: &Path, libs: &Path) -> Command {
+    let mut c = Command::new(bin);
+    c.env("LD_LIBRARY_PATH", libs)
+        .env("VGPU_SIM_STATE", work.join("node"))
+        .env("VGPU_SIM_CONFIG", work.join("node.toml"))
+        .env("VGPU_SOCKET", work.join("agent.sock"))
+        .env_remove("CUDA_VISIBLE_DEVICES");
+    c
+}
+
 impl Node {
     fn cmd(&self, bin: &Path) -> Command {
-        let mut c = Command::new(bin);
-        c.env("LD_LIBRARY_PATH", &self.libs)
-            .env("VGPU_SIM_STATE", self.work.join("node"))
-            .env("VGPU_SIM_CONFIG", self.work.join("node.toml"))
-            .env("VGPU_SOCKET", self.work.join("agent.sock"))
-            .env_remove("CUDA_VISIBLE_DEVICES");
-        c
+        on_node(bin, &self.work, &self.libs)
     }
 
     fn ctl(&self, args: &[&str]) -> String {
@@ -63,9 +82,22 @@ impl Node {
         c.args(["run", slice, "--"]).arg(&self.app).args(args).stdout(Stdio::piped());
         c
     }
+
+    /// The best-effort loop in slice `batch` for `secs`: `kernel`s, 50 queued between
+    /// synchronisations.
+    fn batch_loop(&self, kernel: &str, secs: f64) -> Child {
+        let secs = secs.to_string();
+        self.run_in("batch", &["launch", "--kernel", kernel, "--seconds", &secs, "--sync-every", "50"]).spawn().unwrap()
+    }
 }
 
-fn start(queue_us: &str) -> Node {
+/// The kernels a second a finished loop ran.
+fn kernels_per_s(c: Child) -> f64 {
+    let v = last(c);
+    v["kernels"].as_f64().unwrap() / (v["wall_ms"].as_f64().unwrap() / 1e3)
+}
+
+fn start(queue_us: u32) -> Node {
     let dir = std::env::current_exe().unwrap().parent().unwrap().to_path_buf();
     let (agent_bin, ctl, app) =
         (need(dir.join("vgpu-node-agent")), need(dir.join("vgpuctl")), need(dir.join("cuda-rt-app")));
@@ -78,22 +110,25 @@ fn start(queue_us: &str) -> Node {
         "timeslice_us = 2000\ncontext_overhead_mib = 64\n[[gpu]]\nmodel = \"H100-80GB\"\n",
     )
     .unwrap();
-    let mut n = Node { work: work.clone(), libs: libs.clone(), ctl, app, agent: Command::new("true").spawn().unwrap() };
-    let mut c = n.cmd(&agent_bin);
+    let mut c = on_node(&agent_bin, &work, &libs);
     // No device plugin: a kubelet on this machine (the Kubernetes test's) is not this agent's.
     c.env("VGPU_AGENT_LIBRARY", &libvgpu)
         .env("VGPU_AGENT_DEVICE_PLUGIN", "off")
-        .env("VGPU_AGENT_PRIORITY_QUEUE_US", queue_us)
+        .env("VGPU_AGENT_PRIORITY_QUEUE_US", queue_us.to_string())
         .env("VGPU_AGENT_CDI_DIR", work.join("cdi"))
         .args(["--state-dir", work.join("state").to_str().unwrap()])
         .args(["--socket", work.join("agent.sock").to_str().unwrap(), "--metrics-address", "off", "--nvml-library"])
         .arg(libs.join("libnvidia-ml.so.1"))
         .arg("run")
         .stderr(std::fs::File::create(work.join("agent.log")).unwrap());
-    n.agent = c.spawn().unwrap();
+    let n = Node { agent: c.spawn().unwrap(), work, libs, ctl, app };
     let t = Instant::now();
     while !n.cmd(&n.ctl).arg("status").output().unwrap().status.success() {
-        assert!(t.elapsed() < Duration::from_secs(10), "the agent did not start: {}", work.join("agent.log").display());
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the agent did not start: {}",
+            n.work.join("agent.log").display()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     n.ctl(&["slice", "create", "--name", "svc", "--gpu", "0"]);
@@ -120,6 +155,7 @@ fn last(c: Child) -> Value {
 
 /// One comparison: the service's requests (a rate, their kernel, how they arrive) beside the loop's
 /// kernel.
+#[derive(Clone)]
 struct Case {
     rate: f64,
     kernel: String,
@@ -141,12 +177,7 @@ impl Case {
 /// The service's latencies over `secs` for case `c`, beside the loop or alone; and the loop's
 /// kernels a second.
 fn run_case(n: &Node, c: &Case, with_loop: bool, secs: f64) -> (Value, f64) {
-    let run_s = format!("{}", secs + 1.0);
-    let be = with_loop.then(|| {
-        n.run_in("batch", &["launch", "--kernel", &c.loop_kernel, "--seconds", &run_s, "--sync-every", "50"])
-            .spawn()
-            .unwrap()
-    });
+    let be = with_loop.then(|| n.batch_loop(&c.loop_kernel, secs + 1.0));
     if be.is_some() {
         std::thread::sleep(Duration::from_millis(500));
     }
@@ -157,15 +188,11 @@ fn run_case(n: &Node, c: &Case, with_loop: bool, secs: f64) -> (Value, f64) {
         .spawn()
         .unwrap();
     let served = last(svc);
-    let be_rate = be.map_or(0.0, |b| {
-        let v = last(b);
-        v["kernels"].as_f64().unwrap() / (v["wall_ms"].as_f64().unwrap() / 1e3)
-    });
-    (served, be_rate)
+    (served, be.map_or(0.0, kernels_per_s))
 }
 
-/// `RATE,KERNEL,LOOP_KERNEL[,poisson]` of `--case`; exits naming the value where it is not one.
-fn parse_case(v: &str) -> Case {
+/// `RATE,KERNEL,LOOP_KERNEL[,poisson]` of `--case`.
+fn parse_case(v: &str) -> Result<Case, String> {
     let parts: Vec<&str> = v.split(',').collect();
     let kernel_ok = |k: &str| {
         (k.starts_with("sleep_") || k.starts_with("wave_"))
@@ -174,15 +201,13 @@ fn parse_case(v: &str) -> Case {
     };
     let rate_ok = |r: &str| r.parse::<f64>().is_ok_and(|r| r > 0.0);
     match parts[..] {
-        [r, k, b] if rate_ok(r) && kernel_ok(k) && kernel_ok(b) => Case::new(r.parse().unwrap(), k, b, false),
-        [r, k, b, "poisson"] if rate_ok(r) && kernel_ok(k) && kernel_ok(b) => Case::new(r.parse().unwrap(), k, b, true),
-        _ => {
-            eprintln!(
-                "priority-bench: --case {v:?} is not RATE,KERNEL,LOOP_KERNEL[,poisson] (a rate in requests a second \
-                 over 0, kernels as sleep_<N>us|ms or wave_<N>us|ms, e.g. 100,sleep_500us,sleep_100us)"
-            );
-            std::process::exit(2);
+        [r, k, b] if rate_ok(r) && kernel_ok(k) && kernel_ok(b) => Ok(Case::new(r.parse().unwrap(), k, b, false)),
+        [r, k, b, "poisson"] if rate_ok(r) && kernel_ok(k) && kernel_ok(b) => {
+            Ok(Case::new(r.parse().unwrap(), k, b, true))
         }
+        _ => Err("not RATE,KERNEL,LOOP_KERNEL[,poisson] (a rate in requests a second over 0, kernels as \
+                  sleep_<N>us|ms or wave_<N>us|ms, e.g. 100,sleep_500us,sleep_100us)"
+            .into()),
     }
 }
 
@@ -204,27 +229,18 @@ fn standard(quick: bool) -> Vec<Case> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let secs: f64 = arg(&args, "--seconds").map_or(if quick { 1.5 } else { 8.0 }, |v| v.parse().expect("seconds"));
-    let queue_us = arg(&args, "--queue-us").unwrap_or_else(|| "100".into());
-    let given: Vec<Case> =
-        args.iter().zip(args.iter().skip(1)).filter(|(a, _)| *a == "--case").map(|(_, v)| parse_case(v)).collect();
-    let cases = if given.is_empty() { standard(quick) } else { given };
-    let n = start(&queue_us);
+    let args = Args::parse();
+    let secs = args.seconds.unwrap_or(if args.quick { 1.5 } else { 8.0 });
+    let queue_us = args.queue_us;
+    let cases = if args.cases.is_empty() { standard(args.quick) } else { args.cases };
+    let n = start(queue_us);
     println!("simulated GPU, 2 ms timeslice; normal slices' queue bound {queue_us} us; {secs} s per case");
     println!();
     println!("| requests | request kernel | loop kernel | case | P50 us | P99 us | P99.9 us | P99 vs alone | loop kernels/s | loop's share of the idle time |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for c in &cases {
         // The loop alone, for its full rate.
-        let full = {
-            let run_s = format!("{secs}");
-            let mut b =
-                n.run_in("batch", &["launch", "--kernel", &c.loop_kernel, "--seconds", &run_s, "--sync-every", "50"]);
-            let v = last(b.spawn().unwrap());
-            v["kernels"].as_f64().unwrap() / (v["wall_ms"].as_f64().unwrap() / 1e3)
-        };
+        let full = kernels_per_s(n.batch_loop(&c.loop_kernel, secs));
         let idle = (1.0 - c.rate * kernel_s(&c.kernel)).max(0.0);
         n.ctl(&["slice", "update", "svc", "--priority", "normal"]);
         let (alone, _) = run_case(&n, c, false, secs);
@@ -255,5 +271,4 @@ fn main() {
             );
         }
     }
-    drop(n);
 }

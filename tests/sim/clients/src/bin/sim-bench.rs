@@ -99,14 +99,24 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         "context_overhead_mib = 1\n[[gpu]]\nmodel = \"H100-80GB\"\n[[gpu]]\nmodel = \"H100-80GB\"\n",
     )
     .unwrap();
-    // `region`: the interposer preloaded, with that region (None: the bare simulator); `sm`: with
-    // an SM limit; `two_gpus`: on the node of two GPUs.
-    let run_on = |region: Option<&Path>, sm: bool, two_gpus: bool| -> serde_json::Value {
+    // sim-bench itself, in JSON, quick where this run is.
+    let bench = || {
         let mut c = Command::new(exe);
         c.arg("--json");
         if quick {
             c.arg("--quick");
         }
+        c
+    };
+    let output = |mut c: Command| -> serde_json::Value {
+        let o = c.output().expect("run sim-bench");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("json")
+    };
+    // `region`: the interposer preloaded, with that region (None: the bare simulator); `sm`: with
+    // an SM limit; `two_gpus`: on the node of two GPUs.
+    let run_on = |region: Option<&Path>, sm: bool, two_gpus: bool| -> serde_json::Value {
+        let mut c = bench();
         if let Some(r) = region {
             contained(&mut c, lib, r);
         }
@@ -116,43 +126,35 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         if two_gpus {
             c.env("VGPU_SIM_STATE", &two).env("VGPU_SIM_CONFIG", &two_cfg);
         }
-        let o = c.output().expect("run sim-bench");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).expect("json")
+        output(c)
     };
     let run = |region: Option<&Path>, sm: bool| run_on(region, sm, false);
+    // A region at `path` made as the agent makes a slice's (not standalone: allocations are counted
+    // in flight for the agent's true-up, and the process does not true itself up), for the GPU the
+    // first contained run recorded.
+    let agent_region = |path: &Path| {
+        let uuid = vgpu_region::Region::open(&region, false).expect("the contained run's region").device_uuid(0);
+        let init = || vgpu_region::Init { devices: vec![(uuid, 60 << 30, 0)], standalone: false };
+        vgpu_region::Region::open_or_create(path, init).expect("an agent-made region")
+    };
     // A high-priority slice as the agent makes it: a limits file flagged high beside its activity
     // file; its launches note their time for the gate (docs/priority.md).
     let prio = region.with_extension("prio");
-    let high_run = |region: &Path| -> serde_json::Value {
+    let high_run = || -> serde_json::Value {
         if !prio.join("limits").exists() {
             std::fs::create_dir_all(&prio).unwrap();
-            let uuid = vgpu_region::Region::open(region, false).expect("the contained run's region").device_uuid(0);
-            let init = || vgpu_region::Init { devices: vec![(uuid, 60 << 30, 0)], standalone: false };
-            let l = vgpu_region::Region::open_or_create(&prio.join("limits"), init).expect("a limits file");
-            l.set_priority_high(true).unwrap();
+            agent_region(&prio.join("limits")).set_priority_high(true).unwrap();
             vgpu_region::activity::create(&prio.join("activity")).unwrap();
         }
-        let mut c = Command::new(exe);
-        c.arg("--json");
-        if quick {
-            c.arg("--quick");
-        }
+        let mut c = bench();
         contained(&mut c, lib, &prio.join("region"));
         c.env("VGPU_LIMITS_FILE", prio.join("limits"));
-        let o = c.output().expect("run sim-bench");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).expect("json")
+        output(c)
     };
-    // A region made as the agent makes a slice's (not standalone: allocations are counted in flight
-    // for the agent's true-up, and the process does not true itself up), for the GPU the first
-    // contained run recorded.
     let agents = region.with_extension("agent");
     let agent_made = || -> &Path {
         if !agents.exists() {
-            let uuid = vgpu_region::Region::open(&region, false).expect("the contained run's region").device_uuid(0);
-            let init = || vgpu_region::Init { devices: vec![(uuid, 60 << 30, 0)], standalone: false };
-            vgpu_region::Region::open_or_create(&agents, init).expect("an agent-made region");
+            agent_region(&agents);
         }
         &agents
     };
@@ -168,7 +170,7 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         with.push(run(Some(&region), false));
         limited.push(run(Some(&sm_region), true));
         watched.push(run(Some(agent_made()), false));
-        high.push(high_run(&region));
+        high.push(high_run());
         bare_two.push(run_on(None, false, true));
         with_two.push(run_on(Some(&two_region), false, true));
         limited_two.push(run_on(Some(&two_sm_region), true, true));
