@@ -8,6 +8,9 @@
 macro_rules! cuda_hooks {
     ($m:ident) => {
         $m! {
+            // the devices the process sees: its slice's (see `visible`)
+            cuDeviceGetCount(n: *mut i32) => visible::count;
+            cuDeviceGet(dev: *mut CUdevice, ordinal: i32) => visible::get;
             // contexts (their memory overhead is charged)
             cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) => memory::primary_retain;
             cuDevicePrimaryCtxRelease(dev: CUdevice) => memory::primary_release;
@@ -133,6 +136,14 @@ macro_rules! cuda_hooks {
 macro_rules! nvml_hooks {
     ($m:ident) => {
         $m! {
+            // the devices the process sees: its slice's (see `visible`)
+            nvmlDeviceGetCount_v2(n: *mut u32) => visible::nvml_count;
+            nvmlDeviceGetCount(n: *mut u32) => visible::nvml_count;
+            nvmlDeviceGetHandleByIndex_v2(index: u32, dev: *mut NvmlDevice) => visible::nvml_by_index;
+            nvmlDeviceGetHandleByIndex(index: u32, dev: *mut NvmlDevice) => visible::nvml_by_index;
+            nvmlDeviceGetIndex(dev: NvmlDevice, index: *mut u32) => visible::nvml_index;
+            nvmlDeviceGetHandleByUUID(uuid: *const c_char, dev: *mut NvmlDevice) => visible::nvml_by_uuid;
+            nvmlDeviceGetHandleByPciBusId_v2(bus: *const c_char, dev: *mut NvmlDevice) => visible::nvml_by_pci;
             nvmlDeviceGetMemoryInfo(dev: NvmlDevice, mem: *mut NvmlMemory) => nvml::memory_info;
             nvmlDeviceGetMemoryInfo_v2(dev: NvmlDevice, mem: *mut NvmlMemoryV2) => nvml::memory_info_v2;
             nvmlDeviceGetUtilizationRates(dev: NvmlDevice, util: *mut NvmlUtilization) => nvml::utilization_rates;

@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 mod exports {
     use super::*;
     #[allow(unused_imports)]
-    use crate::{capture, graphmem, memory, nvml, pools, procaddr, sm, smi, stale, vmm};
+    use crate::{capture, graphmem, memory, nvml, pools, procaddr, sm, smi, stale, visible, vmm};
 
     macro_rules! cuda_exports {
         ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident $(::<$g:tt>)?)?;)*) => {

@@ -9,7 +9,7 @@
 //! charged up to), and `sm` throttles launches (`capture` and `stale` keep its charges and
 //! estimates right); `state` holds the process's slot in the container's region, `contexts` the
 //! table of contexts seen, `locate` which device and context a call is on, and `drv` the driver
-//! calls the policies make themselves.
+//! calls the policies make themselves; `visible` keeps a process of a slice to its slice's GPUs.
 #![deny(clippy::too_many_lines)]
 // Unit-test builds have no exported hooks, so most of the crate is unreachable there.
 #![cfg_attr(test, allow(dead_code, unused_imports))]
@@ -39,6 +39,7 @@ mod smi;
 mod stale;
 mod state;
 mod trueup;
+mod visible;
 mod vmm;
 
 pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;

@@ -11,6 +11,7 @@ use std::ffi::{c_char, c_void, CStr};
 pub type NvmlReturn = u32;
 pub type NvmlDevice = *mut c_void;
 pub const NVML_SUCCESS: NvmlReturn = 0;
+pub const NVML_ERROR_INVALID_ARGUMENT: NvmlReturn = 2;
 pub const NVML_ERROR_NOT_SUPPORTED: NvmlReturn = 3;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
 pub const NVML_ERROR_NOT_FOUND: NvmlReturn = 6;

@@ -104,10 +104,6 @@ macro_rules! define_real_nvml {
             // Not intercepted; what the NVML hooks and the standalone true-up call themselves.
             nvmlInit_v2(),
             nvmlDeviceGetUUID(NvmlDevice, *mut c_char, u32),
-            nvmlDeviceGetIndex(NvmlDevice, *mut u32),
-            nvmlDeviceGetHandleByUUID(*const c_char, *mut NvmlDevice),
-            nvmlDeviceGetCount_v2(*mut u32),
-            nvmlDeviceGetHandleByIndex_v2(u32, *mut NvmlDevice),
             nvmlSystemGetDriverVersion(*mut c_char, u32),
         ]);
     };

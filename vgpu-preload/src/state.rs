@@ -448,6 +448,10 @@ impl State {
             }
         }
         let uuid = format_uuid(&u.bytes);
+        if !crate::visible::allows(&uuid) {
+            crate::visible::refused(ordinal, &uuid);
+            return Err(CUresult::INVALID_DEVICE);
+        }
         let idx = container_index(ordinal, &uuid, self.region.as_ref());
         let d = match &self.region {
             Some(r) => {
@@ -467,12 +471,9 @@ impl State {
             }
         }
         vlog!(INFO, "CUDA device {ordinal} ({uuid}) is container device {d}, limit {}", limit_words(self.mem_limit(d)));
-        if let Some(count) = h.cuDeviceGetCount {
-            let mut n = 0;
-            // SAFETY: out-pointer to a local.
-            if unsafe { count(&mut n) } == CUresult::SUCCESS && n == 1 {
-                self.only_dev.store(d as i32, Relaxed);
-            }
+        // The devices it sees: its slice's where the runtime exposed more.
+        if crate::visible::cuda_count() == Some(1) {
+            self.only_dev.store(d as i32, Relaxed);
         }
         self.devmap[ordinal].store(d as i32, Release);
         Ok(d)

@@ -398,3 +398,90 @@ fn the_agent_lowers_a_correction_once_three_quiet_passes_show_less() {
     }
     assert_eq!(r.in_flight(0), 0);
 }
+
+/// A node of two GPUs of two models.
+const TWO: &str = "context_overhead_mib = 64\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n\
+                   [[gpu]]\nmodel = \"H100-80GB\"\nmemory_mib = 8192\n";
+
+/// Defense in depth against a runtime that exposes more than the slice's GPUs (a pod HAMi placed on
+/// GPU 1 once ran without any limit on GPU 0): a process of a slice on GPU 1 of a two-GPU node,
+/// whose runtime exposed both GPUs, sees GPU 1 alone through CUDA and NVML, is refused a context on
+/// GPU 0 even through a raw handle, with a line that says why, and is held to its slice on GPU 1.
+/// Without the agent's files the same process sees both GPUs: the filter is the slice's.
+#[test]
+fn a_process_of_a_slice_uses_only_its_slice_s_gpus_whatever_the_runtime_exposed() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let s = Sim::new(Some(TWO));
+    let uuid = |i: usize| s.status()["gpus"][i]["uuid"].as_str().unwrap().to_owned();
+    let (g0, g1) = (uuid(0), uuid(1));
+    let store = SliceStore::open(&s.state.join("agent")).unwrap();
+    store.create("job1", vec![SliceGpu { uuid: g1.clone(), memory: 1 << 30, sm: 0 }], Default::default()).unwrap();
+    let dir = store.dir("job1");
+    let run = |args: &[&str]| s.in_slice(RT, &dir, "64m").args(args).output().unwrap();
+
+    let o = run(&["info"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let info = lines(&o.stdout).remove(0);
+    let devices: Vec<&str> = info["devices"].as_array().unwrap().iter().map(|d| d["uuid"].as_str().unwrap()).collect();
+    assert_eq!(devices, vec![g1.as_str()], "CUDA shows the slice's GPU alone");
+    assert_eq!(info["mem_info"]["total"], 1024 * MIB, "ordinal 0 is the slice's GPU, at its limit");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("outside this container's slice are hidden") && stderr.contains(&g0), "{stderr}");
+
+    // Ordinal 0 is GPU 1: held to the slice's 1 GiB less the context.
+    let o = run(&["alloc", "--size", "8g", "--chunk", "100m"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(lines(&o.stdout).remove(0)["allocated"], 900 * MIB);
+
+    // GPU 0 through its raw handle (0, as careless code takes it): no context at all.
+    let o = run(&["--raw-device", "--device", "0", "alloc", "--size", "8g", "--chunk", "100m"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a context on GPU 0 was made: {}", String::from_utf8_lossy(&o.stdout));
+    assert!(stderr.contains(&format!("({g0}) is not a GPU of this container's slice")), "{stderr}");
+    assert!(stderr.contains("CUDA_ERROR_INVALID_DEVICE"), "{stderr}");
+    // GPU 1 through its raw handle is the slice's, and held to it.
+    let o = run(&["--raw-device", "--device", "1", "alloc", "--size", "8g", "--chunk", "100m"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(lines(&o.stdout).remove(0)["allocated"], 900 * MIB);
+
+    // NVML (what nvidia-smi reads): one GPU, the slice's, at its limit; GPU 0 not found by UUID.
+    let o = s.in_slice(NVML, &dir, "64m").arg("snapshot").output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let snap: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let gpus = snap["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 1, "{snap}");
+    assert_eq!((gpus[0]["uuid"].as_str(), gpus[0]["index"].as_u64()), (Some(g1.as_str()), Some(0)));
+    assert_eq!(gpus[0]["memory"]["total"], 1024 * MIB);
+
+    // No agent's files: the runtime's view, both GPUs.
+    let o = s
+        .cmd(RT)
+        .env("LD_PRELOAD", libvgpu())
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", s.region_path())
+        .arg("info")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(lines(&o.stdout).remove(0)["devices"].as_array().unwrap().len(), 2);
+}
+
+/// The simulated runtime: `NVIDIA_VISIBLE_DEVICES` exposes only the GPUs it names, to CUDA and to
+/// NVML alike, renumbered from 0 (as the NVIDIA container runtime does in a container).
+#[test]
+fn the_simulated_runtime_exposes_only_what_nvidia_visible_devices_names() {
+    let s = Sim::new(Some(TWO));
+    let g1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_owned();
+    let o = s.cmd(RT).env("NVIDIA_VISIBLE_DEVICES", &g1).arg("info").output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let info = lines(&o.stdout).remove(0);
+    let devices = info["devices"].as_array().unwrap();
+    assert_eq!((devices.len(), devices[0]["uuid"].as_str()), (1, Some(g1.as_str())));
+    let o = s.cmd(NVML).env("NVIDIA_VISIBLE_DEVICES", &g1).arg("snapshot").output().unwrap();
+    let snap: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(snap["gpus"].as_array().unwrap().len(), 1, "{snap}");
+    assert_eq!((snap["gpus"][0]["uuid"].as_str(), snap["gpus"][0]["index"].as_u64()), (Some(g1.as_str()), Some(0)));
+    let o = s.cmd(RT).env("NVIDIA_VISIBLE_DEVICES", "void").arg("info").output().unwrap();
+    assert!(!o.status.success(), "no GPU exposed, yet CUDA found one: {}", String::from_utf8_lossy(&o.stdout));
+    let o = s.cmd(RT).env("NVIDIA_VISIBLE_DEVICES", "all").arg("info").output().unwrap();
+    assert_eq!(lines(&o.stdout).remove(0)["devices"].as_array().unwrap().len(), 2);
+}

@@ -73,8 +73,11 @@ pub fn init(flags: u32) -> CUresult {
 /// MIG device UUID names one of its MIG devices, and an index or GPU UUID (or no variable) gives its
 /// first MIG device, or nothing where it has none. Returns the visible GPUs and, per GPU, the MIG
 /// device used there.
+/// Only the GPUs the container runtime exposed count (`Node::exposed`): indices are positions among
+/// them, as in a container.
 fn parse_visible(node: &Node) -> (Vec<usize>, Vec<Option<MigDev>>) {
     let n = node.cfg.gpus.len();
+    let exposed = node.exposed();
     let mut mig: Vec<Option<MigDev>> = vec![None; n];
     let mut out = Vec::new();
     let mut take = |i: usize, m: Option<Option<MigDev>>, out: &mut Vec<usize>| -> bool {
@@ -94,19 +97,19 @@ fn parse_visible(node: &Node) -> (Vec<usize>, Vec<Option<MigDev>>) {
         }
     };
     let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") else {
-        for i in 0..n {
+        for &i in exposed {
             take(i, mig_of(node, i, None), &mut out);
         }
         return (out, mig);
     };
     for item in v.split(',').map(str::trim) {
         let found = if let Ok(i) = item.parse::<usize>() {
-            (i < n).then(|| (i, mig_of(node, i, None)))
+            exposed.get(i).map(|&g| (g, mig_of(node, g, None)))
         } else if item.starts_with("GPU-") && item.len() > 4 {
-            let m: Vec<_> = node.cfg.gpus.iter().filter(|g| g.uuid.starts_with(item)).collect();
-            (m.len() == 1).then(|| (m[0].index as usize, mig_of(node, m[0].index as usize, None)))
+            let m: Vec<usize> = exposed.iter().copied().filter(|&g| node.cfg.gpus[g].uuid.starts_with(item)).collect();
+            (m.len() == 1).then(|| (m[0], mig_of(node, m[0], None)))
         } else if item.starts_with("MIG-") {
-            (0..n).find_map(|i| mig_of(node, i, Some(item)).flatten().map(|d| (i, Some(Some(d)))))
+            exposed.iter().find_map(|&i| mig_of(node, i, Some(item)).flatten().map(|d| (i, Some(Some(d)))))
         } else {
             None
         };

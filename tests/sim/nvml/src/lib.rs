@@ -285,17 +285,20 @@ exports! {
     }
 
     // ----- enumeration -----
-    fn nvmlDeviceGetCount_v2(n: *mut c_uint) { out(n, node()?.cfg.gpus.len() as c_uint) }
-    fn nvmlDeviceGetCount(n: *mut c_uint) { out(n, node()?.cfg.gpus.len() as c_uint) }
+    // Only the GPUs the container runtime exposed (`Node::exposed`), indexed among them.
+    fn nvmlDeviceGetCount_v2(n: *mut c_uint) { let node = node()?; out(n, node.exposed().len() as c_uint) }
+    fn nvmlDeviceGetCount(n: *mut c_uint) { let node = node()?; out(n, node.exposed().len() as c_uint) }
     fn nvmlDeviceGetHandleByIndex_v2(i: c_uint, d: *mut nvmlDevice_t) {
         let n = node()?;
-        gpu_of(n, i as usize)?;
-        out(d, dev_handle(i as usize))
+        let g = *n.exposed().get(i as usize).ok_or(INVALID)?;
+        gpu_of(n, g)?;
+        out(d, dev_handle(g))
     }
     fn nvmlDeviceGetHandleByIndex(i: c_uint, d: *mut nvmlDevice_t) {
         let n = node()?;
-        gpu_of(n, i as usize)?;
-        out(d, dev_handle(i as usize))
+        let g = *n.exposed().get(i as usize).ok_or(INVALID)?;
+        gpu_of(n, g)?;
+        out(d, dev_handle(g))
     }
     fn nvmlDeviceGetHandleByUUID(u: *const c_char, d: *mut nvmlDevice_t) {
         let n = node()?;
@@ -308,7 +311,7 @@ exports! {
                 let st = mig_state(n, g);
                 for gi in st.gis.iter().filter(|x| x.live != 0) {
                     for ci in gi.cis.iter().filter(|c| c.live != 0) {
-                        if mig::mig_uuid(&cfg.uuid, gi.serial, ci.id) == u {
+                        if mig::mig_uuid(&cfg.uuid, gi.serial, ci.id) == u && n.exposed().contains(&g) {
                             return out(d, encode(H::Mig(g, gi.id, ci.id)) as nvmlDevice_t);
                         }
                     }
@@ -316,7 +319,7 @@ exports! {
             }
             return Err(NOT_FOUND);
         }
-        let g = n.cfg.gpus.iter().find(|g| g.uuid == u).ok_or(NOT_FOUND)?;
+        let g = n.cfg.gpus.iter().find(|g| g.uuid == u && n.exposed().contains(&(g.index as usize))).ok_or(NOT_FOUND)?;
         out(d, dev_handle(g.index as usize))
     }
     fn nvmlDeviceGetHandleByPciBusId_v2(b: *const c_char, d: *mut nvmlDevice_t) {
@@ -324,10 +327,13 @@ exports! {
         if b.is_null() { return Err(INVALID); }
         // SAFETY: NUL-terminated string from the caller.
         let b = unsafe { CStr::from_ptr(b) }.to_str().map_err(|_| INVALID)?.to_ascii_lowercase();
-        let g = n.cfg.gpus.iter().find(|g| b.ends_with(&g.pci_bus_id)).ok_or(NOT_FOUND)?;
+        let g = n.cfg.gpus.iter().find(|g| b.ends_with(&g.pci_bus_id) && n.exposed().contains(&(g.index as usize))).ok_or(NOT_FOUND)?;
         out(d, dev_handle(g.index as usize))
     }
-    fn nvmlDeviceGetIndex(d: nvmlDevice_t, i: *mut c_uint) { out(i, phys(d)?.1 as c_uint) }
+    fn nvmlDeviceGetIndex(d: nvmlDevice_t, i: *mut c_uint) {
+        let (n, g, _) = phys(d)?;
+        out(i, n.exposed().iter().position(|&x| x == g).ok_or(NOT_FOUND)? as c_uint)
+    }
     fn nvmlDeviceGetMinorNumber(d: nvmlDevice_t, i: *mut c_uint) { out(i, phys(d)?.1 as c_uint) }
 
     // ----- identity -----

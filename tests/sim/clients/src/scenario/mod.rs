@@ -164,6 +164,10 @@ pub struct Cli {
     /// The device the scenario runs on.
     #[arg(long, global = true, default_value_t = 0)]
     pub device: i32,
+    /// Use --device as the driver's device handle itself, without `cuDeviceGet` (as code that
+    /// takes a handle for an ordinal does).
+    #[arg(long, global = true)]
+    pub raw_device: bool,
     #[command(subcommand)]
     pub scenario: Scenario,
 }
@@ -210,6 +214,7 @@ type Res<T> = Result<T, String>;
 /// Runs the scenario `cli` names through `api`.
 pub fn run(api: &Api, cli: &Cli) -> Res<()> {
     let dev = cli.device;
+    RAW_DEVICE.store(cli.raw_device, std::sync::atomic::Ordering::Relaxed);
     match &cli.scenario {
         Scenario::Info => process::info(api, dev),
         Scenario::WatchFree(a) => process::watch_free(api, dev, a),
@@ -270,12 +275,17 @@ fn ck(api: &Api, r: CUresult, what: &str) -> Res<()> {
 }
 
 /// Initialises the driver and makes the device's primary context current.
+/// `--raw-device`: the device number is the driver's handle.
+static RAW_DEVICE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn setup(api: &Api, dev: i32) -> Res<CUcontext> {
     // SAFETY: (the whole module) calls through the bound table with valid out-pointers to locals.
     unsafe {
         ck(api, (api.cuInit)(0), "cuInit")?;
-        let mut d = 0;
-        ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        let mut d = dev;
+        if !RAW_DEVICE.load(std::sync::atomic::Ordering::Relaxed) {
+            ck(api, (api.cuDeviceGet)(&mut d, dev), "cuDeviceGet")?;
+        }
         let mut c = std::ptr::null_mut();
         ck(api, (api.cuDevicePrimaryCtxRetain)(&mut c, d), "cuDevicePrimaryCtxRetain")?;
         ck(api, (api.cuCtxSetCurrent)(c), "cuCtxSetCurrent")?;
