@@ -5,8 +5,10 @@
 //! annotation protocols (limits decided by their schedulers) build on this.
 //!
 //! Kubelet restarts delete plugin sockets and recreate `kubelet.sock`: the plugin watches both and
-//! serves and registers again at once. The gRPC server starts before registration (kubelet dials
-//! back as soon as it accepts).
+//! serves and registers again at once; so it does when another process replaces its socket, and when
+//! kubelet drops its ListAndWatch stream for good (another plugin registered the resource). The
+//! server it replaces ends its streams and closes its socket. The gRPC server starts before
+//! registration (kubelet dials back as soon as it accepts).
 //!
 //! Replica slices outlive their containers (a restarted container gets the same slice); once no
 //! container holds a slice's devices any more, as kubelet's pod resources API tells, the slice is
@@ -17,6 +19,7 @@ use crate::sockets::inode;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_stream::wrappers::ReceiverStream;
@@ -36,7 +39,32 @@ pub struct Plugin {
     recent: Recent,
     /// HAMi and Volcano modes' client of the API server, once connected.
     kube: crate::k8s::KubeCell,
+    /// ListAndWatch streams open now (kubelet keeps one while it uses the plugin).
+    watchers: Arc<AtomicUsize>,
+    /// Set when this server is replaced: its streams end, so that it can stop.
+    down: tokio::sync::watch::Receiver<bool>,
 }
+
+/// Counts an open ListAndWatch stream while it lives.
+struct Watching(Arc<AtomicUsize>);
+
+impl Watching {
+    fn new(n: &Arc<AtomicUsize>) -> Watching {
+        n.fetch_add(1, Ordering::AcqRel);
+        Watching(n.clone())
+    }
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// How long kubelet may go without a ListAndWatch stream, once it had one, before the plugin
+/// registers again: kubelet drops the stream of a plugin when another registers the same resource,
+/// and never asks that plugin again.
+const UNWATCHED: Duration = Duration::from_secs(5);
 
 /// When each replica slice was last handed to a container (by this run of the agent).
 type Recent = Arc<Mutex<HashMap<String, Instant>>>;
@@ -192,7 +220,10 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         let kind = self.kind;
         let mut rx = agent.subscribe();
         let (tx, out) = tokio::sync::mpsc::channel(2);
+        let watching = Watching::new(&self.watchers);
+        let mut down = self.down.clone();
         tokio::spawn(async move {
+            let _watching = watching;
             let mut last: Option<Vec<dp::Device>> = None;
             loop {
                 let now = devices(&agent, kind);
@@ -207,8 +238,11 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                     }
                     last = Some(now);
                 }
-                if rx.changed().await.is_err() {
-                    return;
+                // Ends with kubelet's side of the stream, or this server.
+                tokio::select! {
+                    r = rx.changed() => if r.is_err() { return },
+                    _ = tx.closed() => return,
+                    _ = down.wait_for(|d| *d) => return,
                 }
             }
         });
@@ -486,63 +520,104 @@ async fn serve(
             }
         };
         let our_ino = inode(&ours);
-        let (down_tx, mut down_rx) = tokio::sync::watch::channel(false);
-        let server = tokio::spawn(
+        let (down_tx, down_rx) = tokio::sync::watch::channel(false);
+        let watchers = Arc::new(AtomicUsize::new(0));
+        let plugin = Plugin {
+            agent: agent.clone(),
+            kind,
+            recent: recent.clone(),
+            kube: kube.clone(),
+            watchers: watchers.clone(),
+            down: down_rx.clone(),
+        };
+        let mut shutdown = down_rx;
+        let mut server = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(dp::device_plugin_server::DevicePluginServer::new(Plugin {
-                    agent: agent.clone(),
-                    kind,
-                    recent: recent.clone(),
-                    kube: kube.clone(),
-                }))
+                .add_service(dp::device_plugin_server::DevicePluginServer::new(plugin))
                 .serve_with_incoming_shutdown(crate::sockets::incoming(listener), async move {
-                    let _ = down_rx.wait_for(|d| *d).await;
+                    let _ = shutdown.wait_for(|d| *d).await;
                 }),
         );
-        let mut backoff = Duration::from_millis(200);
-        loop {
-            match register(&dir, &resource, &socket).await {
-                Ok(()) => {
-                    tracing::info!(resource = %resource, socket = %ours.display(), "registered with kubelet");
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "device plugin registration failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                    if inode(&kubelet) != kubelet_ino {
-                        break;
-                    }
-                }
-            }
+        register_until_accepted(&dir, &resource, &socket, &ours, &kubelet, kubelet_ino).await;
+        let stopped = watch_registration(&kubelet, &ours, (kubelet_ino, our_ino), &watchers, &mut stop).await;
+        // Streams end on the signal, so the server stops and closes its socket; one that has not
+        // within 2 s is aborted: a replaced server never lingers on the path.
+        let _ = down_tx.send(true);
+        if tokio::time::timeout(Duration::from_secs(2), &mut server).await.is_err() {
+            server.abort();
         }
-        // Watch for a kubelet restart (its socket recreated, ours removed).
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                _ = stop.changed() => {
-                    let _ = down_tx.send(true);
-                    let _ = server.await;
-                    let _ = std::fs::remove_file(&ours);
+        if stopped {
+            let _ = std::fs::remove_file(&ours);
+            return;
+        }
+    }
+}
+
+/// Registers `resource` (served on `socket`) until kubelet accepts, or until kubelet restarts.
+async fn register_until_accepted(
+    dir: &Path,
+    resource: &str,
+    socket: &str,
+    ours: &Path,
+    kubelet: &Path,
+    kubelet_ino: Option<u64>,
+) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match register(dir, resource, socket).await {
+            Ok(()) => {
+                tracing::info!(resource = %resource, socket = %ours.display(), "registered with kubelet");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "device plugin registration failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                if inode(kubelet) != kubelet_ino {
                     return;
                 }
             }
-            let (now_kubelet, now_ours) = (inode(&kubelet), inode(&ours));
-            if now_kubelet == kubelet_ino && now_ours.is_some() && now_ours != our_ino {
-                // Not a kubelet restart (which removes the plugins' sockets and makes its own
-                // again): another process bound our socket's path.
-                tracing::warn!(socket = %ours.display(),
-                    "another process replaced the device plugin socket (a second agent on this node?); \
-                     serving and registering again");
-                break;
-            }
-            if now_kubelet != kubelet_ino || now_ours != our_ino {
-                tracing::info!("kubelet restarted: serving and registering again");
-                break;
-            }
         }
-        let _ = down_tx.send(true);
-        let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    }
+}
+
+/// Watches a registration until it must be made again: kubelet restarted (its socket recreated,
+/// ours removed), another process replaced our socket, or kubelet stopped watching the plugin for
+/// [`UNWATCHED`] after it had. True when the agent stops instead.
+async fn watch_registration(
+    kubelet: &Path,
+    ours: &Path,
+    (kubelet_ino, our_ino): (Option<u64>, Option<u64>),
+    watchers: &AtomicUsize,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) -> bool {
+    let (mut watched, mut unwatched_since) = (false, Instant::now());
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = stop.changed() => return true,
+        }
+        let (now_kubelet, now_ours) = (inode(kubelet), inode(ours));
+        if now_kubelet == kubelet_ino && now_ours.is_some() && now_ours != our_ino {
+            // Not a kubelet restart (which removes the plugins' sockets and makes its own
+            // again): another process bound our socket's path.
+            tracing::warn!(socket = %ours.display(),
+                "another process replaced the device plugin socket (a second agent on this node?); \
+                 serving and registering again");
+            return false;
+        }
+        if now_kubelet != kubelet_ino || now_ours != our_ino {
+            tracing::info!("kubelet restarted: serving and registering again");
+            return false;
+        }
+        if watchers.load(Ordering::Acquire) > 0 {
+            (watched, unwatched_since) = (true, Instant::now());
+        } else if watched && unwatched_since.elapsed() >= UNWATCHED {
+            tracing::warn!(socket = %ours.display(),
+                "kubelet stopped watching the device plugin (another plugin registered the same resource?); \
+                 serving and registering again");
+            return false;
+        }
     }
 }
 

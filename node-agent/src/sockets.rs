@@ -51,7 +51,8 @@ pub fn bind(path: &Path) -> Result<tokio::net::UnixListener, BindError> {
 /// The connections of a listening socket, for a tonic server, that survive running out of file
 /// descriptors: on EMFILE or ENFILE the accept loop waits (10 ms, doubling up to 1 s) and says so at
 /// most once a minute, instead of trying again at once (which spun at full CPU and starved the
-/// agent). Ends when the server drops the stream.
+/// agent). Ends, closing the socket, as soon as the server drops the stream (not at the next
+/// connection: a replaced server must not keep listening).
 pub fn incoming(
     l: tokio::net::UnixListener,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<tokio::net::UnixStream>> {
@@ -61,7 +62,11 @@ pub fn incoming(
         let mut wait = floor;
         let mut said: Option<std::time::Instant> = None;
         loop {
-            match l.accept().await {
+            let accepted = tokio::select! {
+                a = l.accept() => a,
+                _ = tx.closed() => return,
+            };
+            match accepted {
                 Ok((s, _)) => {
                     wait = floor;
                     if tx.send(Ok(s)).await.is_err() {

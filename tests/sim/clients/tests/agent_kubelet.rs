@@ -160,6 +160,15 @@ fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
         }
     });
 
+    // Kubelet holds a ListAndWatch stream open while it uses the plugin (this one stays open
+    // through what follows): the servers the plugin replaces must stop all the same.
+    let held = rt.block_on(async {
+        let mut c = plugin(kdir.join("vgpu.sock")).await;
+        let mut lw = c.list_and_watch(dp::Empty {}).await.unwrap().into_inner();
+        lw.message().await.unwrap().unwrap();
+        lw
+    });
+
     // Kubelet restarts: it removes plugin sockets and recreates its own; the plugin registers again.
     let _ = stop.send(());
     let _ = std::fs::remove_file(kdir.join("vgpu.sock"));
@@ -187,8 +196,62 @@ fn the_device_plugin_registers_lists_allocates_and_follows_kubelet_restarts() {
         "{}",
         a.log_text()
     );
+    // Three servers later the agent listens on the path once: the replaced ones closed their sockets.
+    std::thread::sleep(Duration::from_millis(2500));
+    let n = listening(a.pid(), &kdir.join("vgpu.sock"));
+    if n != 1 {
+        eprintln!(
+            "{}",
+            std::fs::read_to_string("/proc/net/unix")
+                .unwrap()
+                .lines()
+                .filter(|l| l.contains("vgpu.sock"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        eprintln!("{}", a.log_text());
+    }
+    assert_eq!(n, 1, "the agent's listening sockets on vgpu.sock");
+    drop(held);
+
+    // Kubelet drops the plugin's stream for good (as when another plugin registers the same
+    // resource, and later goes): the plugin registers again within seconds.
+    let lw = rt.block_on(async {
+        let mut c = plugin(kdir.join("vgpu.sock")).await;
+        let mut lw = c.list_and_watch(dp::Empty {}).await.unwrap().into_inner();
+        lw.message().await.unwrap().unwrap();
+        lw
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    drop(lw);
+    let t = std::time::Instant::now();
+    let reg4 = rt.block_on(next_register(&mut rx, "after kubelet stopped watching"));
+    assert_eq!(reg4.resource_name, "nvidia.com/gpu");
+    assert!(t.elapsed() < Duration::from_secs(9), "registered again after {:?}", t.elapsed());
+    assert!(a.log_text().contains("kubelet stopped watching the device plugin"), "{}", a.log_text());
     let _ = stop2.send(());
     let _ = &mut s;
+}
+
+/// How many listening Unix sockets bound to `path` process `pid` holds.
+fn listening(pid: u32, path: &std::path::Path) -> usize {
+    const ACCEPTING: u32 = 0x10000; // __SO_ACCEPTCON
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    let on_path: std::collections::HashSet<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let flags = u32::from_str_radix(f.get(3)?, 16).ok()?;
+            (f.get(7) == Some(&path.to_str()?) && flags & ACCEPTING != 0).then(|| f[6].to_string())
+        })
+        .collect();
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(String::from))
+        .filter(|ino| on_path.contains(ino))
+        .count()
 }
 
 /// What a replica Allocate answers, as `in_slice` takes it.
