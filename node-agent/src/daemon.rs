@@ -196,11 +196,16 @@ async fn run_async(cfg: Config) -> Result<u64, DaemonError> {
 
     // systemd's notifications (Type=notify units): ready after the first pass, the watchdog.
     let notify = tokio::spawn(crate::notify::run(agent.clone(), stop_rx.clone()));
-    // The device plugin serves before the slow work too (its device list follows the first pass).
+    // The device plugin serves before the slow work too (its device list follows the first pass);
+    // in Volcano mode only once the memory units are known to be right (see below): a list the
+    // kubelet cannot take must never reach it.
     let kube_cell = crate::k8s::KubeCell::default();
-    let plugin = cfg
-        .device_plugin
-        .then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), kube_cell.clone(), stop_rx.clone())));
+    let start_plugin = || {
+        cfg.device_plugin
+            .then(|| tokio::spawn(crate::deviceplugin::run(agent.clone(), kube_cell.clone(), stop_rx.clone())))
+    };
+    let volcano = cfg.compat == crate::config::Compat::Volcano;
+    let mut plugin = if volcano { None } else { start_plugin() };
 
     // NVML is synchronous: discovery, XID events and passes run on threads of their own.
     let stop = Arc::new(AtomicBool::new(false));
@@ -228,6 +233,9 @@ async fn run_async(cfg: Config) -> Result<u64, DaemonError> {
         tracing::error!("{why}");
         crate::events::post_node_warning(&cfg, "VolcanoMemoryUnits", &why).await;
         return Err(DaemonError::Refused(why));
+    }
+    if volcano {
+        plugin = start_plugin();
     }
     // The DRA driver after discovery: its ResourceSlice lists the GPUs.
     let dra = cfg.dra.clone().map(|driver| tokio::spawn(crate::dra::run(agent.clone(), driver, stop_rx.clone())));

@@ -1019,6 +1019,10 @@ fn volcano_mode_refuses_memory_units_other_than_the_schedulers() {
     std::fs::write(&scheduler, "nvidia:\n  resourceMemoryName: volcano.sh/vgpu-memory\n  gpuMemoryFactor: 1\n")
         .unwrap();
     let cfg = s.state.join("agent.toml");
+    // A kubelet listens from the start: an agent that refuses never registers with it.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
     let run = |config: String| {
         std::fs::write(&cfg, config).unwrap();
         let o = s
@@ -1077,10 +1081,9 @@ fn volcano_mode_refuses_memory_units_other_than_the_schedulers() {
         .unwrap_or_else(|| panic!("a factor named: {err}"));
     assert!(err.contains(&format!("and memory_factor = {fits} here")), "{err}");
     assert_eq!(cluster.lock().unwrap().events.len(), 2, "an Event for this refusal too");
+    let early = rx.try_recv().ok().map(|r| r.resource_name);
+    assert_eq!(early, None, "a refusing agent registered with the kubelet (its list would be refused there)");
     // And it does fit: at that factor the agent starts and the kubelet takes the list.
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let _kubelet = rt.block_on(async { kubelet::start(&kdir, tx) });
     std::fs::write(&cfg, format!("compat = \"volcano\"\nmemory_factor = {fits}\n")).unwrap();
     let _a = Agent::start(
         &s,
