@@ -798,16 +798,12 @@ fn doctor_reports_what_to_fix() {
     assert_eq!((code, lib.as_deref(), state.as_deref()), (Some(1), Some("fail"), Some("fail")), "{v}");
     assert!(v.to_string().contains("chmod 0755"), "{v}");
     std::fs::set_permissions(&a.state, std::fs::Permissions::from_mode(0o755)).unwrap();
-    // On a Kubernetes node (kubelet's socket in kubelet_dir), replica mode needs the pod resources
-    // socket beside it: a warning while it is missing, ok once it is there.
-    let k = s.state.join("k8s");
+    // On a Kubernetes node (kubelet's socket in kubelet_dir: the node's own, which `s.cmd` names),
+    // replica mode needs the pod resources socket beside it: a warning while it is missing, ok once
+    // it is there.
+    let k = s.kubelet_dir().parent().unwrap().to_path_buf();
     std::fs::create_dir_all(k.join("device-plugins")).unwrap();
     let _kubelet = std::os::unix::net::UnixListener::bind(k.join("device-plugins/kubelet.sock")).unwrap();
-    std::fs::write(
-        &cfg,
-        format!("{}kubelet_dir = \"{}/device-plugins\"\n", std::fs::read_to_string(&cfg).unwrap(), k.display()),
-    )
-    .unwrap();
     let (_, _, _, _, _, _, v) = run(&cfg);
     let pr = v.as_array().unwrap().iter().find(|c| c["name"] == "pod-resources").cloned().unwrap_or_default();
     assert_eq!(pr["level"], "warn", "{v}");

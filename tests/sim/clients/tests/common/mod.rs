@@ -77,14 +77,22 @@ impl Sim {
         Sim { state, config, libs: lib_dir(), children: Vec::new() }
     }
 
+    /// `bin` on this node. An agent started this way has a kubelet directory of its own under the
+    /// node's (a test may name another): never the host's, where a real kubelet may be listening.
     pub fn cmd(&self, bin: &str) -> Command {
         let mut c = Command::new(bin);
         c.env("LD_LIBRARY_PATH", &self.libs).env("VGPU_SIM_STATE", &self.state).env_remove("CUDA_VISIBLE_DEVICES");
+        c.env("VGPU_AGENT_KUBELET_DIR", self.kubelet_dir()).env_remove("NVIDIA_VISIBLE_DEVICES");
         match &self.config {
             Some(p) => c.env("VGPU_SIM_CONFIG", p),
             None => c.env_remove("VGPU_SIM_CONFIG"),
         };
         c
+    }
+
+    /// The device-plugin directory of this node's kubelet (made by the tests that serve one).
+    pub fn kubelet_dir(&self) -> PathBuf {
+        self.state.join("kubelet").join("device-plugins")
     }
 
     /// The container's region file for this node.
