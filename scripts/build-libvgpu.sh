@@ -26,13 +26,19 @@ if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
     rustup target add "$target"
 fi
 
-if ! command -v zig >/dev/null 2>&1 && ! python3 -m ziglang version >/dev/null 2>&1; then
-    echo "installing zig (PyPI package ziglang)"
-    python3 -m pip install -q ziglang 2>/dev/null || python3 -m pip install -q --break-system-packages ziglang
+# The versions this build is checked with; a zig already on the machine is used as it is (said).
+ZIGLANG_VERSION=0.17.0
+ZIGBUILD_VERSION=0.24.0
+if command -v zig >/dev/null 2>&1; then
+    echo "using zig $(zig version) from $(command -v zig) (checked with $ZIGLANG_VERSION)"
+elif ! python3 -m ziglang version >/dev/null 2>&1; then
+    echo "installing zig $ZIGLANG_VERSION (PyPI package ziglang)"
+    python3 -m pip install -q "ziglang==$ZIGLANG_VERSION" 2>/dev/null ||
+        python3 -m pip install -q --break-system-packages "ziglang==$ZIGLANG_VERSION"
 fi
 if ! command -v cargo-zigbuild >/dev/null 2>&1; then
-    echo "installing cargo-zigbuild"
-    cargo install --locked -q cargo-zigbuild
+    echo "installing cargo-zigbuild $ZIGBUILD_VERSION"
+    cargo install --locked -q --version "$ZIGBUILD_VERSION" cargo-zigbuild
 fi
 cargo zigbuild --release -p vgpu-preload --target "$target.2.17"
 scripts/check-libvgpu.sh "target/$target/release/libvgpu.so"
