@@ -5,6 +5,7 @@
 # and a real kubelet registered as $VGPU_K8S_NODE.
 #   tests/k8s/cluster.sh up DIR        # control plane; DIR/kubeconfig is the admin's
 #   tests/k8s/cluster.sh node DIR      # containerd and the kubelet (after up)
+#   tests/k8s/cluster.sh restart-kubelet DIR  # the kubelet stopped and started again
 #   tests/k8s/cluster.sh import DIR TAR...  # image archives into the node's containerd
 #   tests/k8s/cluster.sh address DIR    # where pods reach the API server (IP:PORT)
 #   tests/k8s/cluster.sh down DIR      # stops everything up/node started (safe to repeat)
@@ -14,18 +15,22 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
 dir=${2:-}
-[ -n "$cmd" ] && [ -n "$dir" ] || { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ -n "$cmd" ] && [ -n "$dir" ] || { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 node=${VGPU_K8S_NODE:-vgpu-e2e-node}
 port=${VGPU_K8S_PORT:-26443}
 etcd_port=$((port - 64)) etcd_peer=$((port - 63)) cm_port=$((port - 62)) sched_port=$((port - 61))
 kubelet_port=$((port - 60)) kubelet_health=$((port - 59))
-bridge=vgpue2e0
+# The pods' bridge and subnet are named after the scratch folder: two runs on one host do not meet.
+tag=$(echo "$dir" | sha256sum | cut -c1-8)
+bridge=vgpu$tag
+subnet=10.244.$((16#${tag:0:2} % 200 + 20)).0/24
 
 log() { echo "cluster.sh: $*" >&2; }
 # The node's address: the kubelet refuses a loopback one; the API server reaches it there, and pods
-# reach the API server there (no kube-proxy here: see KUBERNETES_SERVICE_HOST in e2e.sh).
+# reach the API server there (no kube-proxy here: see KUBERNETES_SERVICE_HOST in e2e.sh; the API
+# server reaches webhooks' Services through their endpoints, --enable-aggregator-routing).
 node_ip=$(ip -4 route get 192.0.2.250 2>/dev/null | grep -o 'src [0-9.]*' | cut -d' ' -f2 || true)
 [ -n "$node_ip" ] || node_ip=$(hostname -I | cut -d' ' -f1)
 
@@ -148,7 +153,8 @@ up() {
         --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
         --runtime-config resource.k8s.io/v1=true \
         --kubelet-preferred-address-types InternalIP,Hostname \
-        --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --profiling=false
+        --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --profiling=false \
+        --enable-aggregator-routing=true
     wait_for kube-apiserver 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get --raw /readyz
 
     log "kube-controller-manager and kube-scheduler"
@@ -181,7 +187,7 @@ node() {
     cat >"$root/cni-conf/10-e2e.conflist" <<EOF
 {"cniVersion": "1.0.0", "name": "e2e", "plugins": [
   {"type": "bridge", "bridge": "$bridge", "isGateway": true, "isDefaultGateway": true, "ipMasq": false,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.77.0/24"}]], "dataDir": "$root/cni-ipam"}},
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$subnet"}]], "dataDir": "$root/cni-ipam"}},
   {"type": "loopback"}]}
 EOF
     cat >"$root/containerd.toml" <<EOF
@@ -247,12 +253,30 @@ evictionHard: {}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 localStorageCapacityIsolation: false
+# Pod logs in the scratch folder, not /var/log/pods.
+podLogsDir: $root/pod-logs
 EOF
+    start_kubelet
+    log "node $node ready (kubelet root $root/kubelet, containerd socket $root/run/containerd.sock)"
+}
+
+start_kubelet() {
+    bin=$(cat "$dir/bin")
+    local root="$dir/node"
     log "kubelet as node $node"
     start kubelet "$bin/kubelet" --config "$root/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
         --hostname-override "$node" --root-dir "$root/kubelet" --node-ip "$node_ip"
     wait_for kubelet 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" wait --for=condition=Ready "node/$node" --timeout=1s
-    log "node $node ready (kubelet root $root/kubelet, containerd socket $root/run/containerd.sock)"
+}
+
+# The kubelet stopped (its process group) and started again, as an upgrade or a crash does.
+restart_kubelet() {
+    local pid
+    pid=$(cat "$dir/pids/kubelet")
+    kill -TERM -- "-$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    start_kubelet
 }
 
 # import_image TAR: an image archive into containerd's Kubernetes namespace.
@@ -280,8 +304,10 @@ down() {
             runc --root "$runc_root" delete --force "$id" 2>/dev/null || true
         done
     done
-    # Container shims run in process groups of their own: whatever still runs from the node's folder.
-    pkill -KILL -f "$dir/node/" 2>/dev/null || true
+    # Container shims run in process groups of their own: each one containerd recorded.
+    for f in "$dir"/node/run/containerd/io.containerd.runtime.v2.task/*/*/shim.pid; do
+        [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
+    done
     # Mounts the kubelet and containerd made under the scratch folder, deepest first.
     if [ -d "$dir/node" ]; then
         grep -o " $dir/node/[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
@@ -294,8 +320,9 @@ down() {
 case "$cmd" in
     up) up ;;
     node) node ;;
+    restart-kubelet) restart_kubelet ;;
     address) echo "$node_ip:$port" ;;
     import) shift 2; for f in "$@"; do import_image "$f"; done ;;
     down) down ;;
-    *) log "unknown command '$cmd': up, node or down"; exit 2 ;;
+    *) log "unknown command '$cmd': up, node, restart-kubelet, address, import or down"; exit 2 ;;
 esac

@@ -6,9 +6,12 @@
 #      dry run); wrong values refused by values.schema.json, naming the value;
 #   2. HAMi mode: the register annotation on the real Node; a pod bound by kube-scheduler with the
 #      annotations HAMi's scheduler writes is allocated by the kubelet through the device plugin; its
-#      simulated-CUDA client is held to the slice's memory and SM share; the lock is released, the
-#      bind phase set; `vgpuctl status` names the pod; an Allocate that fails leaves no slice; an
-#      agent may change only its own Node; without one of its RBAC rules it says so, writes nothing;
+#      simulated-CUDA client is held to the slice's memory and SM share on GPU 1 (the node's two GPUs
+#      are of two models); the lock is released, the bind phase set; `vgpuctl status` names the pod;
+#      an Allocate that fails leaves no slice; an agent may change only its own Node; the agent
+#      follows a kubelet restart and a replaced socket; the real HAMi scheduler (stage-hami.sh, from
+#      peers.sh) places pods the agent holds; without one of its RBAC rules the agent says so, writes
+#      nothing;
 #   3. Volcano mode: without the scheduler's memory unit for a node this large the agent does not
 #      start and raises an Event on the Node saying what to set; with the scheduler's configuration
 #      its volcano.sh/vgpu-memory is in that unit, and a pod with the annotations Volcano's scheduler
@@ -19,9 +22,31 @@
 #      share; another node's ResourceSlice is refused; deleting the pod frees the slice.
 #   tests/k8s/e2e.sh [DIR]        # DIR: scratch folder (default target/k8s-e2e); logs kept there
 # VGPU_K8S_KEEP=1 leaves the cluster up when it ends (to look at it).
-# Needs root, Go (tests/k8s/tools.sh), cargo, openssl, python3, runc. Stops all it started on exit.
+# Needs root, Go (tests/k8s/tools.sh), cargo, a C compiler, openssl, python3, runc, a static
+# busybox (the client image's shell), ip and curl: each is checked before anything starts, with how
+# to get it. Stops all it started on exit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+missing=()
+need() { command -v "$1" >/dev/null 2>&1 || missing+=("$1 ($2)"); }
+need go "https://go.dev/dl/, 1.26 or later"
+need cargo "rustup"
+need cc "apt-get install gcc"
+need openssl "apt-get install openssl"
+need python3 "apt-get install python3"
+need runc "apt-get install runc"
+need ip "apt-get install iproute2"
+need curl "apt-get install curl"
+busybox=$(command -v busybox 2>/dev/null || true)
+[ -x /bin/busybox ] && busybox=/bin/busybox
+if [ -z "$busybox" ] || ldd "$busybox" >/dev/null 2>&1; then
+    missing+=("a static busybox (apt-get install busybox-static)")
+fi
+[ "$(id -u)" = 0 ] || missing+=("root (the node's containerd and kubelet run as root)")
+if [ ${#missing[@]} -gt 0 ]; then
+    printf 'e2e.sh: missing: %s\n' "${missing[@]}" >&2
+    exit 2
+fi
 repo=$PWD
 dir=${1:-target/k8s-e2e}
 mkdir -p "$dir"
@@ -58,10 +83,25 @@ finish() {
 }
 trap finish EXIT
 
-stage "tools (built once: tests/k8s/tools.sh)"
+stage "tools (built once: tests/k8s/tools.sh) and the peer schedulers (tests/k8s/peers.sh)"
 bin=$(tests/k8s/tools.sh)
 K="$bin/kubectl"
 H="$bin/helm"
+# The real peers' stages need their source (../shared/peers); without it they are skipped, said
+# here and at the end, unless VGPU_REQUIRE_PEERS=1 (CI) makes that a failure.
+peers_rc=0
+peers=$(tests/k8s/peers.sh) || peers_rc=$?
+if [ "$peers_rc" = 3 ]; then
+    peers=""
+    [ -z "${VGPU_REQUIRE_PEERS:-}" ] || fail "VGPU_REQUIRE_PEERS is set, but the peers' source is missing (see above)"
+    echo "  SKIPPED: the real-scheduler stages (no peer source; see above)"
+elif [ "$peers_rc" != 0 ]; then
+    fail "tests/k8s/peers.sh failed"
+else
+    hami_version=$(cat "$peers/hami/VERSION")
+    echo "  peers in $peers: HAMi $hami_version"
+fi
+. tests/k8s/stage-hami.sh
 export KUBECONFIG="$dir/kubeconfig"
 
 stage "vgpu release binaries and libvgpu.so"
@@ -69,6 +109,10 @@ stage "vgpu release binaries and libvgpu.so"
 cargo build --release -q "${RELEASE_SET[@]}"
 scripts/build-libvgpu.sh >/dev/null
 lib="target/$(uname -m)-unknown-linux-gnu/release/libvgpu.so"
+# The simulated driver's libraries under the names a driver's have (as scripts/demo.sh makes them).
+mkdir -p target/release/sim-lib
+ln -sfn ../libcuda.so target/release/sim-lib/libcuda.so.1
+ln -sfn ../libnvidia_ml.so target/release/sim-lib/libnvidia-ml.so.1
 
 stage "control plane"
 tests/k8s/cluster.sh up "$dir"
@@ -90,11 +134,13 @@ tests/k8s/oci-image.py --ref vgpu.test/vgpu-node-agent:e2e --out "$dir/images/ag
     "$lib=/usr/local/lib/vgpu/libvgpu.so:644"
 tests/k8s/oci-image.py --ref vgpu.test/gpu-probe:e2e --out "$dir/images/probe.tar" \
     --entrypoint /usr/local/bin/gpu-probe "${libs[@]}" target/release/gpu-probe=/usr/local/bin/gpu-probe \
-    /bin/busybox=/bin/sh
+    "$busybox=/bin/sh"
 tests/k8s/cluster.sh import "$dir" "$dir/images/agent.tar" "$dir/images/probe.tar"
 # The simulated GPU's driver libraries and state, on the node as a driver's would be.
 cp -L target/release/sim-lib/libcuda.so.1 target/release/sim-lib/libnvidia-ml.so.1 "$dir/sim/lib/"
-printf '[[gpu]]\nmodel = "A100-40GB"\n\n[[gpu]]\nmodel = "A100-40GB"\n' >"$dir/sim/node.toml"
+# Two GPUs of two models: a pod placed on GPU 1 must be held there, and see that GPU alone (the
+# simulated driver exposes what NVIDIA_VISIBLE_DEVICES names, as the NVIDIA runtime does).
+printf '[[gpu]]\nmodel = "A100-40GB"\n\n[[gpu]]\nmodel = "H100-80GB"\nmemory_mib = 40960\n' >"$dir/sim/node.toml"
 
 stage "the chart: helm lint, the API server's server-side dry run of each value set, the schema"
 "$K" create namespace "$ns" >/dev/null
@@ -176,7 +222,8 @@ annotation() { "$K" get "$1" "$2" ${3:+-n "$3"} -o json | python3 -c "import jso
 registered() { [ -n "$(annotation node "$node" "" hami.io/node-nvidia-register)" ]; }
 wait_until 60 "the register annotation on the Node" registered
 register=$(annotation node "$node" "" hami.io/node-nvidia-register)
-uuid=$(echo "$register" | python3 -c "import json,sys; print(json.load(sys.stdin)[0]['id'])")
+# GPU 1 (the H100): the pods below are placed there, and must be held there.
+uuid=$(echo "$register" | python3 -c "import json,sys; print([d['id'] for d in json.load(sys.stdin) if 'H100' in d['type']][0])")
 echo "  registered: $(echo "$register" | python3 -c "import json,sys; d=json.load(sys.stdin); print(len(d), 'GPUs,', d[0]['type'], d[0]['devmem'], 'MiB')")"
 allocatable() { [ "$("$K" get node "$node" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')" -gt 0 ]; }
 wait_until 60 "nvidia.com/gpu allocatable on the node (the device plugin registered with kubelet)" allocatable
@@ -187,12 +234,24 @@ echo "  allocatable nvidia.com/gpu: $("$K" get node "$node" -o jsonpath='{.statu
 # the device has, keeps the GPU busy for 3 s (measuring the share of GPU time it got), then fills
 # its GPU memory until refused and holds it. $1: its resources.
 cuda_client() {
+    echo "  containers:"
+    cuda_container cuda "$1"
+    sim_volume
+}
+sim_volume() {
     cat <<EOF
-  containers:
-    - name: cuda
+  volumes:
+    - {name: sim, hostPath: {path: $dir/sim, type: Directory}}
+EOF
+}
+# cuda_container NAME RESOURCES [COMMAND]: one such container (COMMAND: another shell command).
+cuda_container() {
+    local command=${3:-gpu-probe info; gpu-probe spin --seconds 3; gpu-probe fill --chunk 104857600}
+    cat <<EOF
+    - name: $1
       image: vgpu.test/gpu-probe:e2e
       imagePullPolicy: Never
-      command: ["/bin/sh", "-c", "gpu-probe info; gpu-probe spin --seconds 3; gpu-probe fill --chunk 104857600"]
+      command: ["/bin/sh", "-c", "$command"]
       env:
         - {name: LD_LIBRARY_PATH, value: /opt/vgpu-sim/lib}
         - {name: VGPU_SIM_CONFIG, value: /opt/vgpu-sim/node.toml}
@@ -201,27 +260,33 @@ cuda_client() {
         # meaning); a tenant may ask for it always (it can tighten its limits, never loosen them).
         - {name: GPU_CORE_UTILIZATION_POLICY, value: force}
       resources:
-        $1
+        $2
       volumeMounts:
         - {name: sim, mountPath: /opt/vgpu-sim}
-  volumes:
-    - {name: sim, hostPath: {path: $dir/sim, type: Directory}}
 EOF
 }
 
-ran() { "$K" -n e2e logs "$1" 2>/dev/null | grep -q '"result"'; }
-# held POD BYTES PERCENT: the pod's client was refused at its quota (having got no more than BYTES),
-# the driver tells it the device has exactly BYTES, and it got about PERCENT of the GPU's time
-# (unthrottled, it gets over 90 %).
+# logs_of POD[/CONTAINER]: a pod's (or one of its containers') log.
+logs_of() {
+    case "$1" in
+        */*) "$K" -n e2e logs "${1%%/*}" -c "${1#*/}" ;;
+        *) "$K" -n e2e logs "$1" ;;
+    esac
+}
+ran() { logs_of "$1" 2>/dev/null | grep -q '"result"'; }
+# held POD BYTES PERCENT [MODEL]: the pod's client was refused at its quota (having got no more than
+# BYTES), the driver tells it the device has exactly BYTES, it got about PERCENT of the GPU's time
+# (unthrottled, it gets over 90 %), and its device is a MODEL (the GPU it was placed on).
 held() {
     wait_until 180 "$1's client ran" ran "$1"
     local logs
-    logs=$("$K" -n e2e logs "$1")
+    logs=$(logs_of "$1")
     echo "$logs" | sed 's/^/  pod: /'
-    python3 - "$logs" "$2" "$3" <<'EOF' || fail "$1 was not held to $(($2 >> 20)) MiB and $3 % of the GPU"
+    python3 - "$logs" "$2" "$3" "${4:-}" <<'EOF' || fail "$1 was not held to $(($2 >> 20)) MiB and $3 % of ${4:-the GPU}"
 import json, sys
 info, spin, fill = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")][:3]
 quota, share = int(sys.argv[2]), int(sys.argv[3]) / 100
+assert sys.argv[4] in info["name"], (info, "not on the GPU it was placed on:", sys.argv[4])
 assert fill["result"] == "CUDA_ERROR_OUT_OF_MEMORY", fill
 assert 0 < fill["allocated"] <= quota, (fill, quota)
 assert info["mem_total"] == quota, (info, quota)
@@ -258,7 +323,7 @@ EOF
 }
 # Devices of 1024 MiB and 30 %.
 hami_pod hami-pod "$uuid,NVIDIA,1024,30:;"
-held hami-pod $((1024 << 20)) 30
+held hami-pod $((1024 << 20)) 30 H100
 [ "$(annotation pod hami-pod e2e hami.io/bind-phase)" = success ] || fail "bind phase: $(annotation pod hami-pod e2e hami.io/bind-phase)"
 [ -z "$(annotation node "$node" "" hami.io/mutex.lock)" ] || fail "the node lock was not released"
 vgpuctl status >"$dir/logs/vgpuctl-status-hami.txt"
@@ -303,6 +368,45 @@ echo "  refused: $out"
 if out=$(as_agent label node "$node" e2e/label=yes 2>&1); then fail "the agent labelled its node"; fi
 echo "  refused: $out"
 "$K" -n e2e delete pod hami-pod --wait=true --timeout=60s >/dev/null
+
+stage "the device plugin follows the kubelet: a restart, and its socket replaced by another process"
+plugin_dir=/var/lib/kubelet/device-plugins
+tests/k8s/cluster.sh restart-kubelet "$dir"
+wait_until 60 "nvidia.com/gpu allocatable after the kubelet restarted" allocatable
+# (The kubelet serves the pod's log again a moment after it is back.)
+restart_said() { "$K" -n "$ns" logs "$agent_pod" --since=120s | grep -q "kubelet restarted"; }
+wait_until 30 "the agent's line saying the kubelet restarted" restart_said
+echo "  kubelet restarted: the agent registered again ($("$K" get node "$node" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}') allocatable)"
+# Another process binds the plugin's socket for a while (a second agent, a test's), then goes.
+python3 - "$plugin_dir/vgpu.sock" <<'EOF'
+import os, socket, sys, time
+os.unlink(sys.argv[1])
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen()
+time.sleep(3)
+EOF
+replaced() { "$K" -n "$ns" logs "$agent_pod" --since=60s | grep -q "another process replaced the device plugin socket"; }
+wait_until 30 "the agent's warning of a replaced socket" replaced
+wait_until 60 "nvidia.com/gpu allocatable after the socket was replaced" allocatable
+# The agent listens on the path once: the servers it replaced closed their sockets.
+apid=$(pgrep -f "^/usr/local/bin/vgpu-node-agent" | head -1)
+listening=$(python3 - "$apid" "$plugin_dir/vgpu.sock" <<'EOF'
+import os, sys
+pid, path = sys.argv[1], sys.argv[2]
+# The agent's network namespace's table (a pod's own), its listening sockets on that path.
+inodes = {l.split()[6] for l in open(f"/proc/{pid}/net/unix").read().splitlines()[1:]
+          if len(l.split()) > 7 and l.split()[7] == path and int(l.split()[3], 16) & 0x10000}
+fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
+print(sum(1 for f in fds if f.startswith("socket:[") and f[8:-1] in inodes))
+EOF
+)
+[ "$listening" = 1 ] || fail "the agent listens on $plugin_dir/vgpu.sock $listening times"
+echo "  socket replaced: warned, registered again, one listening socket"
+
+if [ -n "$peers" ]; then
+    stage_hami_real
+fi
 
 stage "least privilege: without its nodes patch rule the agent says so and writes nothing"
 # The ClusterRole's second rule is nodes get/patch in HAMi mode: patch taken away.
@@ -366,7 +470,7 @@ spec:
   terminationGracePeriodSeconds: 1
 $(cuda_client "limits: {volcano.sh/vgpu-number: 1}")
 EOF
-held volcano-pod $((2048 << 20)) 50
+held volcano-pod $((2048 << 20)) 50 H100
 [ "$(annotation pod volcano-pod e2e volcano.sh/bind-phase)" = success ] ||
     fail "bind phase: $(annotation pod volcano-pod e2e volcano.sh/bind-phase)"
 [ -z "$(annotation node "$node" "" hamivgpu)" ] || fail "Volcano's node lock was not released"
@@ -470,4 +574,8 @@ echo "  the slice is gone"
 
 stage "helm uninstall"
 "$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
-echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s"
+if [ -n "$peers" ]; then
+    echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s (real peers: HAMi $hami_version)"
+else
+    echo "Kubernetes end-to-end: all stages but the real peers' passed in $((SECONDS - t0)) s (SKIPPED: no peer source)"
+fi

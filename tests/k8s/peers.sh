@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Builds the peer schedulers that the Kubernetes end-to-end test runs for real, from their released
+# source (a `git archive` of each tag, kept in ../shared/peers beside the checkout with its
+# SHA256SUMS; their Go modules are not served here, their dependencies are), once: a folder keyed by
+# the tarballs' digests and this recipe is reused, and Go's module and build caches (their default
+# places) make a rebuild fast. Test infrastructure only: nothing of theirs goes into the product.
+#   tests/k8s/peers.sh      # builds if needed; prints the folder (bin/ and each peer's source)
+# Exit 3 (and a line saying so) when the peers' source is not there: the stages that need them are
+# skipped, unless the caller makes that a failure (.ci/run does, with VGPU_REQUIRE_PEERS=1).
+# VGPU_PEERS_SRC: the tarballs' folder (default ../shared/peers); VGPU_K8S_TOOLS: where the keyed
+# folders live (default ~/.cache/vgpu/k8s-tools, beside the Kubernetes tools).
+#
+# | peer | version | built |
+# | HAMi | v2.10.0 (4707fb0) | cmd/scheduler (extender and mutating webhook); its chart, charts/hami |
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+src=${VGPU_PEERS_SRC:-$here/../../../shared/peers}
+if [ ! -f "$src/SHA256SUMS" ]; then
+    echo "peers.sh: no peer source at $src (../shared/peers beside the checkout, or VGPU_PEERS_SRC)" >&2
+    exit 3
+fi
+src=$(cd "$src" && pwd)
+command -v go >/dev/null || { echo "peers.sh: Go is required (https://go.dev/dl/; 1.26.6 or later)" >&2; exit 1; }
+(cd "$src" && sha256sum --quiet -c SHA256SUMS) >&2 || { echo "peers.sh: $src does not match its SHA256SUMS" >&2; exit 1; }
+key=$(cat "$src/SHA256SUMS" "$here/peers.sh" | sha256sum | cut -c1-16)
+root=${VGPU_K8S_TOOLS:-$HOME/.cache/vgpu/k8s-tools}
+out="$root/peers-$key"
+if [ -f "$out/.complete" ]; then
+    echo "$out"
+    exit 0
+fi
+rm -rf "$out.partial"
+mkdir -p "$out.partial/bin"
+
+# unpack TARBALL NAME: the source into NAME/ (the archive's single top folder, renamed).
+unpack() {
+    mkdir -p "$out.partial/$2.tmp"
+    tar -xzf "$src/$1" -C "$out.partial/$2.tmp"
+    mv "$out.partial/$2.tmp"/* "$out.partial/$2"
+    rmdir "$out.partial/$2.tmp"
+}
+
+start=$SECONDS
+echo "peers.sh: building HAMi's scheduler (cmd/scheduler of $(ls "$src" | grep '^hami-'))" >&2
+unpack hami-v2.10.0-4707fb0.tar.gz hami
+hami_version=$(cat "$out.partial/hami/VERSION")
+# As HAMi's Makefile builds it (its version in the binary); -mod=readonly: its go.sum is the truth.
+(cd "$out.partial/hami" && go build -mod=readonly -o "$out.partial/bin/hami-scheduler" \
+    -ldflags "-s -w -X github.com/Project-HAMi/HAMi/pkg/version.version=$hami_version \
+        -X github.com/Project-HAMi/HAMi/pkg/version.revision=4707fb0" ./cmd/scheduler) >&2
+echo "peers.sh: HAMi $hami_version built in $((SECONDS - start)) s" >&2
+
+touch "$out.partial/.complete"
+rm -rf "$out"
+mv "$out.partial" "$out"
+# Only the current build is kept.
+find "$root" -mindepth 1 -maxdepth 1 -type d -name 'peers-*' ! -name "peers-$key" -exec rm -rf {} +
+echo "$out"

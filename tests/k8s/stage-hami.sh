@@ -1,0 +1,166 @@
+# shellcheck shell=bash
+# The end-to-end test's stage with the real HAMi scheduler, sourced by e2e.sh (its helpers and
+# variables: K, H, dir, node, bin, peers, libs, cuda_container, sim_volume, held, wait_until, fail).
+# HAMi v2.10.0's scheduler (extender and mutating webhook in one binary, built from its released
+# source by peers.sh) runs in-cluster as HAMi's own chart (charts/hami) deploys it, its device
+# plugin left out: vgpu's agent, in HAMi mode, is the node side. Pods ask HAMi's resources and
+# nothing else; HAMi's webhook sends them to its scheduler, its extender filters, picks the GPUs and
+# binds; the agent allocates what HAMi wrote and the client is held to it on that GPU.
+#
+# Three things of the test's cluster stand in for what a real one has: no kube-proxy (the pods'
+# KUBERNETES_SERVICE_HOST is the API server's address, and the API server reaches the webhook's
+# Service through its endpoints: --enable-aggregator-routing), no registry (the images are built
+# from the binaries and imported), and no cert-manager or the chart's certificate job (whose image
+# cannot be pulled: its work, a serving certificate and the webhook's caBundle, is done here with
+# openssl and kubectl).
+
+# Where HAMi's documentation installs it (its scheduler's pod is of the system-node-critical class).
+hami_ns=kube-system
+
+# hami_gpu_model POD: the model of the GPU HAMi gave the pod's first container, from its annotation
+# and the node's register annotation.
+hami_gpu_model() {
+    local devices
+    devices=$(annotation pod "$1" e2e hami.io/vgpu-devices-allocated)
+    python3 - "$devices" "$(annotation node "$node" "" hami.io/node-nvidia-register)" <<'EOF'
+import json, sys
+uuid = sys.argv[1].split(",")[0]
+types = {d["id"]: d["type"] for d in json.loads(sys.argv[2])}
+print("H100" if "H100" in types[uuid] else "A100")
+EOF
+}
+
+# hami_pod NAME CONTAINERS: a pod of the given containers' YAML, as a user writes it (no scheduler
+# name, no annotation).
+hami_user_pod() {
+    cat <<EOF | "$K" apply -f - >/dev/null
+apiVersion: v1
+kind: Pod
+metadata: {name: $1, namespace: e2e}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+$2
+$(sim_volume)
+EOF
+}
+
+stage_hami_real() {
+    stage "HAMi, real: HAMi $hami_version's scheduler and webhook from its chart, in-cluster"
+    # Its images: HAMi's binary, and the kube-scheduler its pod runs beside it (this cluster's).
+    local sched_libs=()
+    for f in $(ldd "$peers/bin/hami-scheduler" "$bin/kube-scheduler" 2>/dev/null |
+        awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u); do
+        sched_libs+=("$f=$f:755")
+    done
+    tests/k8s/oci-image.py --ref vgpu.test/hami:e2e --out "$dir/images/hami.tar" --env PATH=/usr/local/bin:/bin \
+        "${sched_libs[@]}" "$peers/bin/hami-scheduler=/usr/local/bin/scheduler"
+    tests/k8s/oci-image.py --ref vgpu.test/kube-scheduler:e2e --out "$dir/images/kube-scheduler.tar" \
+        --env PATH=/usr/local/bin:/bin "${sched_libs[@]}" "$bin/kube-scheduler=/usr/local/bin/kube-scheduler"
+    tests/k8s/cluster.sh import "$dir" "$dir/images/hami.tar" "$dir/images/kube-scheduler.tar"
+    # The webhook's serving certificate (the chart's certificate job's work).
+    local pki=$dir/pki-hami
+    mkdir -p "$pki"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$pki/ca.key" -out "$pki/ca.crt" -subj "/CN=hami-e2e-ca" \
+        -days 2 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -keyout "$pki/tls.key" -out "$pki/tls.csr" -subj "/CN=hami-scheduler" 2>/dev/null
+    printf 'subjectAltName=DNS:hami-scheduler.%s.svc,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' "$hami_ns" >"$pki/ext"
+    openssl x509 -req -in "$pki/tls.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial -days 2 \
+        -extfile "$pki/ext" -out "$pki/tls.crt" 2>/dev/null
+    "$K" -n "$hami_ns" create secret tls hami-scheduler-tls --cert "$pki/tls.crt" --key "$pki/tls.key" >/dev/null
+    # HAMi's chart, as its users install it, less its device plugin (the agent is the node side).
+    "$H" template hami "$peers/hami/charts/hami" -n "$hami_ns" --kube-version "$("$K" version -o json |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["serverVersion"]["gitVersion"])')" \
+        --set devicePlugin.enabled=false --set scheduler.patch.enabled=false \
+        --set scheduler.kubeScheduler.image.registry=vgpu.test --set scheduler.kubeScheduler.image.repository=kube-scheduler \
+        --set scheduler.kubeScheduler.image.tag=e2e --set scheduler.kubeScheduler.image.pullPolicy=Never \
+        --set scheduler.extender.image.registry=vgpu.test --set scheduler.extender.image.repository=hami \
+        --set scheduler.extender.image.tag=e2e --set scheduler.extender.image.pullPolicy=Never \
+        >"$dir/hami.yaml" || fail "helm template of HAMi's chart"
+    echo "  HAMi's chart: $(grep -c '^kind:' "$dir/hami.yaml") objects ($(grep '^kind:' "$dir/hami.yaml" | sort | uniq -c | awk '{printf "%s %s, ", $1, $3}' | sed 's/, $//'))"
+    "$K" apply -f "$dir/hami.yaml" >"$dir/logs/hami-apply.log" 2>&1 || { cat "$dir/logs/hami-apply.log"; fail "kubectl apply of HAMi's chart"; }
+    local ca webhook
+    ca=$(base64 -w0 <"$pki/ca.crt")
+    webhook=$("$K" get mutatingwebhookconfigurations -o name | grep hami) || fail "HAMi's chart made no webhook"
+    "$K" patch "$webhook" --type=json \
+        -p "[{\"op\": \"add\", \"path\": \"/webhooks/0/clientConfig/caBundle\", \"value\": \"$ca\"}]" >/dev/null
+    local api
+    api=$(tests/k8s/cluster.sh address "$dir")
+    "$K" -n "$hami_ns" set env deployment/hami-scheduler "KUBERNETES_SERVICE_HOST=${api%:*}" \
+        "KUBERNETES_SERVICE_PORT=${api#*:}" >/dev/null
+    "$K" -n "$hami_ns" rollout status deployment/hami-scheduler --timeout=180s >/dev/null ||
+        { "$K" -n "$hami_ns" describe pods -l app.kubernetes.io/component=hami-scheduler >&2; fail "HAMi's scheduler did not start"; }
+    # The webhook answers once the Service has the pod's endpoint: a pod that asks nvidia.com/gpu,
+    # made in a server-side dry run, comes back with HAMi's scheduler's name.
+    hami_webhook_up() {
+        "$K" -n e2e create --dry-run=server -o jsonpath='{.spec.schedulerName}' -f - <<EOF | grep -qx hami-scheduler
+apiVersion: v1
+kind: Pod
+metadata: {name: hami-probe}
+spec:
+  containers: [{name: c, image: vgpu.test/gpu-probe:e2e, resources: {limits: {nvidia.com/gpu: 1}}}]
+EOF
+    }
+    wait_until 60 "HAMi's webhook answering (a dry-run pod sent to hami-scheduler)" hami_webhook_up
+    echo "  $webhook, deployment/hami-scheduler available ($("$K" -n "$hami_ns" get pods -l app.kubernetes.io/component=hami-scheduler -o jsonpath='{.items[0].spec.containers[*].name}'))"
+
+    stage "HAMi, real: one GPU, gpumem 1024, gpucores 30: placed by HAMi, held by the agent"
+    hami_user_pod hami-one "$(cuda_container cuda "limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1024, nvidia.com/gpucores: 30}")"
+    [ "$("$K" -n e2e get pod hami-one -o jsonpath='{.spec.schedulerName}')" = hami-scheduler ] ||
+        fail "HAMi's webhook did not send the pod to its scheduler: $("$K" -n e2e get pod hami-one -o jsonpath='{.spec.schedulerName}')"
+    hami_bound() { [ -n "$(annotation pod "$1" e2e hami.io/vgpu-devices-allocated)" ]; }
+    wait_until 120 "HAMi's annotations on hami-one" hami_bound hami-one
+    echo "  HAMi wrote: hami.io/vgpu-devices-allocated=$(annotation pod hami-one e2e hami.io/vgpu-devices-allocated)"
+    held hami-one $((1024 << 20)) 30 "$(hami_gpu_model hami-one)"
+    [ "$(annotation pod hami-one e2e hami.io/bind-phase)" = success ] || fail "bind phase: $(annotation pod hami-one e2e hami.io/bind-phase)"
+
+    stage "HAMi, real: two GPUs, and two containers, each held on what HAMi gave it"
+    hami_user_pod hami-two "$(cuda_container cuda "limits: {nvidia.com/gpu: 2, nvidia.com/gpumem: 1024, nvidia.com/gpucores: 30}" \
+        "gpu-probe info; CUDA_VISIBLE_DEVICES=1 gpu-probe info; CUDA_VISIBLE_DEVICES=1 gpu-probe fill --chunk 104857600 & sleep 2; gpu-probe fill --chunk 104857600")"
+    wait_until 120 "HAMi's annotations on hami-two" hami_bound hami-two
+    both() { [ "$(logs_of hami-two | grep -c '"result"')" = 2 ]; }
+    wait_until 120 "hami-two's clients on both GPUs ran" both
+    logs_of hami-two | sed 's/^/  pod: /'
+    python3 - "$(logs_of hami-two)" <<'EOF' || fail "hami-two was not held to 1024 MiB on each of two GPUs"
+import json, sys
+lines = [json.loads(l) for l in sys.argv[1].splitlines() if l.startswith("{")]
+infos = [l for l in lines if "mem_total" in l]
+fills = [l for l in lines if "result" in l]
+assert sorted("H100" in i["name"] for i in infos) == [False, True], ("one GPU of each model", infos)
+assert all(i["mem_total"] == 1024 << 20 for i in infos), infos
+assert all(f["result"] == "CUDA_ERROR_OUT_OF_MEMORY" and 0 < f["allocated"] <= 1024 << 20 for f in fills), fills
+print("  held: 1024 MiB on each of its two GPUs (%s)" % ", ".join(i["name"] for i in infos))
+EOF
+    "$K" -n e2e delete pod hami-one hami-two --wait=true --timeout=60s >/dev/null
+    hami_user_pod hami-pair "$(cuda_container first "limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1024, nvidia.com/gpucores: 30}")
+$(cuda_container second "limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 2048, nvidia.com/gpucores: 20}")"
+    wait_until 120 "HAMi's annotations on hami-pair" hami_bound hami-pair
+    echo "  HAMi wrote: $(annotation pod hami-pair e2e hami.io/vgpu-devices-allocated)"
+    held hami-pair/first $((1024 << 20)) 30
+    held hami-pair/second $((2048 << 20)) 20
+    "$K" -n e2e delete pod hami-pair --wait=true --timeout=60s >/dev/null
+
+    stage "HAMi, real: what fits nowhere stays Pending with HAMi's reason; nvidia.com/priority 0 is high"
+    hami_user_pod hami-huge "$(cuda_container cuda "limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 200000}")"
+    hami_refused() { "$K" -n e2e get events --field-selector involvedObject.name=hami-huge -o jsonpath='{.items[*].reason}' | grep -q FilteringFailed; }
+    wait_until 60 "HAMi's FilteringFailed event on hami-huge" hami_refused
+    [ "$("$K" -n e2e get pod hami-huge -o jsonpath='{.status.phase}')" = Pending ] || fail "hami-huge is not Pending"
+    echo "  Pending: $("$K" -n e2e get events --field-selector involvedObject.name=hami-huge,reason=FilteringFailed -o jsonpath='{.items[0].message}' | cut -c1-200)"
+    "$K" -n e2e delete pod hami-huge --wait=true --timeout=60s >/dev/null
+    hami_user_pod hami-urgent "$(cuda_container cuda "limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1024, nvidia.com/gpucores: 30, nvidia.com/priority: 0}")"
+    wait_until 120 "HAMi's annotations on hami-urgent" hami_bound hami-urgent
+    held hami-urgent $((1024 << 20)) 30 "$(hami_gpu_model hami-urgent)"
+    vgpuctl slice list -o json >"$dir/logs/hami-slices.json"
+    python3 - "$dir/logs/hami-slices.json" <<'EOF' || fail "hami-urgent's slice is not of high priority"
+import json, sys
+slices = json.load(open(sys.argv[1]))
+slices = slices.get("slices", slices) if isinstance(slices, dict) else slices
+mine = [s for s in slices if "hami-urgent" in json.dumps(s)]
+assert mine and all(str(s.get("priority", "")).lower() in ("high", "1", "priority_high") for s in mine), mine
+print("  hami-urgent's slice: priority high")
+EOF
+    "$K" -n e2e delete pod hami-urgent --wait=true --timeout=60s >/dev/null
+    "$K" delete -f "$dir/hami.yaml" --wait=true --timeout=60s >/dev/null 2>&1 || true
+    "$K" -n "$hami_ns" delete secret hami-scheduler-tls >/dev/null
+}
