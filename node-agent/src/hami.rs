@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 
 pub const NODE_REGISTER: &str = "hami.io/node-nvidia-register";
 pub const NODE_HANDSHAKE: &str = "hami.io/node-handshake";
+/// The handshake Volcano's vGPU device plugin writes; its scheduler reads no time from it, but the
+/// write is a node event (see `Kube::register`).
+pub const VOLCANO_HANDSHAKE: &str = "volcano.sh/node-vgpu-handshake";
 pub const NODE_LOCK: &str = "hami.io/mutex.lock";
 pub const TO_ALLOCATE: &str = "hami.io/vgpu-devices-to-allocate";
 pub const ALLOCATED: &str = "hami.io/vgpu-devices-allocated";

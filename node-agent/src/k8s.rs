@@ -302,6 +302,13 @@ impl Kube {
         if text_format && !volcano {
             set.push((hami::NODE_HANDSHAKE, Some(format!("Reported {}", chrono_like_now()))));
         }
+        if volcano {
+            // Volcano's scheduler (v1.15.1) builds a node's vGPU devices only on a node event after
+            // its deviceshare plugin came on: a node it cached before that has no GPUs for it, and a
+            // pod asking vGPU is bound without device annotations (the Allocate then fails). Its own
+            // device plugin's periodic handshake is such an event every interval; so is this.
+            set.push((hami::VOLCANO_HANDSHAKE, Some(format!("Reported {}", chrono_like_now()))));
+        }
         if set.is_empty() {
             return Ok(false);
         }

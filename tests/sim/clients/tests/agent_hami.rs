@@ -682,6 +682,10 @@ fn volcano_mode_registers_three_resources_and_follows_its_annotations() {
     assert!(cl.node["metadata"]["annotations"].get("hamivgpu").is_none(), "the node lock is released");
     let reg = cl.node["metadata"]["annotations"]["volcano.sh/node-vgpu-register"].as_str().unwrap();
     assert!(reg.starts_with(&format!("{g0},10,16,NVIDIA-NVIDIA A100-SXM4-40GB,true,hami-core:{g1},10,159,")), "{reg}");
+    // The handshake, written every registration: the node event that makes Volcano's scheduler
+    // build the node's GPUs (it ignores a node it cached before its vGPU plugin came on).
+    let hs = cl.node["metadata"]["annotations"]["volcano.sh/node-vgpu-handshake"].as_str().unwrap_or_default();
+    assert!(hs.starts_with("Reported 20"), "{hs:?}");
     drop(cl);
 
     // The pod goes: its slice goes.
