@@ -72,6 +72,12 @@ finish() {
             "$K" get pods -A -o wide >&2 2>/dev/null || true
             echo "--- the agent's log" >&2
             "$K" -n "$ns" logs -l app.kubernetes.io/name=vgpu-node-agent --tail 30 >&2 2>/dev/null || true
+            # The peers' schedulers, where a stage of theirs was running.
+            for d in kube-system/hami-scheduler volcano-system/volcano-scheduler volcano-system/volcano-controllers; do
+                "$K" -n "${d%/*}" get "deployment/${d#*/}" >/dev/null 2>&1 || continue
+                echo "--- $d's log" >&2
+                "$K" -n "${d%/*}" logs "deployment/${d#*/}" --all-containers --tail 40 >&2 2>/dev/null || true
+            done
         fi
     fi
     if [ -n "${VGPU_K8S_KEEP:-}" ]; then
@@ -99,9 +105,10 @@ elif [ "$peers_rc" != 0 ]; then
     fail "tests/k8s/peers.sh failed"
 else
     hami_version=$(cat "$peers/hami/VERSION")
-    echo "  peers in $peers: HAMi $hami_version"
+    echo "  peers in $peers: HAMi $hami_version, Volcano v1.15.1"
 fi
 . tests/k8s/stage-hami.sh
+. tests/k8s/stage-volcano.sh
 export KUBECONFIG="$dir/kubeconfig"
 
 stage "vgpu release binaries and libvgpu.so"
@@ -480,6 +487,10 @@ volcano_freed() { ! vgpuctl status | grep -q 'e2e/volcano-pod'; }
 wait_until 60 "volcano-pod's slice removed once the pod is gone" volcano_freed
 echo "  the pod deleted: its slice removed"
 
+if [ -n "$peers" ]; then
+    stage_volcano_real
+fi
+
 stage "DRA: helm upgrade restarts the agent as a DRA driver"
 old_hash=$("$K" -n "$ns" get ds vgpu-node-agent -o jsonpath='{.spec.template.metadata.annotations.checksum/config}')
 "$H" upgrade vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --set dra=on --set devicePlugin=off \
@@ -575,7 +586,7 @@ echo "  the slice is gone"
 stage "helm uninstall"
 "$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
 if [ -n "$peers" ]; then
-    echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s (real peers: HAMi $hami_version)"
+    echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s (real peers: HAMi $hami_version, Volcano v1.15.1)"
 else
     echo "Kubernetes end-to-end: all stages but the real peers' passed in $((SECONDS - t0)) s (SKIPPED: no peer source)"
 fi

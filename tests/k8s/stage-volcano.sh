@@ -1,0 +1,133 @@
+# shellcheck shell=bash
+# The end-to-end test's stage with the real Volcano scheduler, sourced by e2e.sh (its helpers and
+# variables, as for stage-hami.sh). Volcano v1.15.1's vc-scheduler (its deviceshare plugin with
+# vGPU on) and vc-controller-manager (queues' state, vcjobs' pods and podgroups), built from its
+# released source by peers.sh, run in-cluster as Volcano's own chart deploys them; the agent, in
+# Volcano mode with Volcano's device configuration, is the node side. A vcjob of two vGPU pods (a
+# gang: both or neither) is placed by Volcano and each pod held to what Volcano wrote, its memory in
+# the configuration's unit.
+#
+# Left out: vc-webhook-manager (its chart's certificate job needs an image no registry here serves;
+# the job's webhooks are validation and defaults, not placement), so the default Queue, which its
+# start makes, is made here. Stand-ins as for HAMi: the pods' KUBERNETES_SERVICE_HOST, images built
+# from the binaries.
+
+volcano_ns=volcano-system
+
+stage_volcano_real() {
+    stage "Volcano, real: vc-scheduler (deviceshare, vGPU on) and vc-controller-manager from Volcano's chart"
+    "$K" create namespace "$volcano_ns" >/dev/null
+    local vc_libs=() name
+    for f in $(ldd "$peers/bin/vc-scheduler" "$peers/bin/vc-controller-manager" 2>/dev/null |
+        awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u); do
+        vc_libs+=("$f=$f:755")
+    done
+    for name in vc-scheduler vc-controller-manager; do
+        tests/k8s/oci-image.py --ref "vgpu.test/$name:e2e" --out "$dir/images/$name.tar" \
+            --entrypoint "/usr/local/bin/$name" "${vc_libs[@]}" "$peers/bin/$name=/usr/local/bin/$name"
+    done
+    tests/k8s/cluster.sh import "$dir" "$dir/images/vc-scheduler.tar" "$dir/images/vc-controller-manager.tar"
+    # The scheduler's configuration: Volcano's default tiers with deviceshare's vGPU on, as Volcano's
+    # vGPU guide documents it; its device configuration where deviceshare reads it (kube-system).
+    cat >"$dir/volcano-scheduler.conf" <<EOF
+actions: "enqueue, allocate, backfill"
+tiers:
+- plugins:
+  - name: priority
+  - name: gang
+    enablePreemptable: false
+  - name: conformance
+- plugins:
+  - name: drf
+    enablePreemptable: false
+  - name: deviceshare
+    arguments:
+      deviceshare.VGPUEnable: true
+  - name: predicates
+  - name: proportion
+  - name: nodeorder
+  - name: binpack
+EOF
+    "$K" -n kube-system create configmap volcano-vgpu-device-config \
+        --from-literal=device-config.yaml="$(printf 'nvidia:\n  resourceCountName: volcano.sh/vgpu-number\n  resourceMemoryName: volcano.sh/vgpu-memory\n  resourceCoreName: volcano.sh/vgpu-cores\n  gpuMemoryFactor: 4\n')" >/dev/null
+    "$H" template volcano "$peers/volcano/installer/helm/chart/volcano" -n "$volcano_ns" \
+        --set basic.image_registry=vgpu.test --set basic.image_tag_version=e2e --set basic.image_pull_policy=Never \
+        --set basic.scheduler_image_name=vc-scheduler --set basic.controller_image_name=vc-controller-manager \
+        --set custom.admission_enable=false \
+        --set-file custom.scheduler_config_override="$dir/volcano-scheduler.conf" \
+        >"$dir/volcano.yaml" || fail "helm template of Volcano's chart"
+    echo "  Volcano's chart: $(grep -c '^kind:' "$dir/volcano.yaml") objects"
+    "$K" apply --server-side -f "$dir/volcano.yaml" >"$dir/logs/volcano-apply.log" 2>&1 ||
+        { tail -20 "$dir/logs/volcano-apply.log"; fail "kubectl apply of Volcano's chart"; }
+    # What vc-webhook-manager makes at its start.
+    "$K" apply -f - >/dev/null <<EOF
+apiVersion: scheduling.volcano.sh/v1beta1
+kind: Queue
+metadata: {name: default}
+spec: {reclaimable: true, weight: 1}
+EOF
+    local api d
+    api=$(tests/k8s/cluster.sh address "$dir")
+    for d in $("$K" -n "$volcano_ns" get deployments -o name); do
+        "$K" -n "$volcano_ns" set env "$d" "KUBERNETES_SERVICE_HOST=${api%:*}" "KUBERNETES_SERVICE_PORT=${api#*:}" >/dev/null
+        "$K" -n "$volcano_ns" rollout status "$d" --timeout=180s >/dev/null ||
+            { "$K" -n "$volcano_ns" describe pods >&2; fail "$d did not start"; }
+    done
+    queue_open() { [ "$("$K" get queue default -o jsonpath='{.status.state}')" = Open ]; }
+    wait_until 60 "the default Queue Open (vc-controller-manager sets it)" queue_open
+    # vc-scheduler builds a node's vGPU devices only on a node event after its plugin came on: the
+    # agent's next handshake (every 30 s) is one. Until then it would bind vGPU pods without devices.
+    local shake
+    shake=$(annotation node "$node" "" volcano.sh/node-vgpu-handshake)
+    [ -n "$shake" ] || fail "the agent writes no volcano.sh/node-vgpu-handshake"
+    shaken() { [ "$(annotation node "$node" "" volcano.sh/node-vgpu-handshake)" != "$shake" ]; }
+    wait_until 60 "the agent's next handshake (a node event for vc-scheduler)" shaken
+    echo "  $("$K" -n "$volcano_ns" get deployments -o name | tr '\n' ' ')available; Queue default Open"
+
+    stage "Volcano, real: a vcjob of two vGPU pods (a gang), placed by Volcano, each held by the agent"
+    cat <<EOF | "$K" apply -f - >/dev/null
+apiVersion: batch.volcano.sh/v1alpha1
+kind: Job
+metadata: {name: vc-gang, namespace: e2e}
+spec:
+  schedulerName: volcano
+  queue: default
+  minAvailable: 2
+  tasks:
+    - name: worker
+      replicas: 2
+      template:
+        spec:
+          restartPolicy: Never
+          terminationGracePeriodSeconds: 1
+          containers:
+$(cuda_container cuda "limits: {volcano.sh/vgpu-number: 1, volcano.sh/vgpu-memory: 256, volcano.sh/vgpu-cores: 30}" | sed 's/^/        /')
+$(sim_volume | sed 's/^/        /')
+EOF
+    vc_pods() { [ "$("$K" -n e2e get pods -l volcano.sh/job-name=vc-gang -o name | wc -l)" = 2 ]; }
+    wait_until 60 "vc-controller-manager's two pods of vc-gang" vc_pods
+    # vc_model POD: the model of the GPU Volcano gave the pod (its annotation, the register annotation).
+    vc_model() {
+        python3 - "$(annotation pod "$1" e2e volcano.sh/vgpu-ids-new)" \
+            "$(annotation node "$node" "" volcano.sh/node-vgpu-register)" <<'EOF'
+import sys
+uuid = sys.argv[1].split(",")[0]
+types = {d.split(",")[0]: d.split(",")[3] for d in sys.argv[2].split(":") if d.count(",") >= 5}
+print("H100" if "H100" in types[uuid] else "A100")
+EOF
+    }
+    local pod
+    for pod in vc-gang-worker-0 vc-gang-worker-1; do
+        vc_bound() { [ -n "$(annotation pod "$1" e2e volcano.sh/vgpu-ids-new)" ]; }
+        wait_until 120 "Volcano's annotations on $pod" vc_bound "$pod"
+        echo "  Volcano wrote on $pod: volcano.sh/vgpu-ids-new=$(annotation pod "$pod" e2e volcano.sh/vgpu-ids-new)"
+        # 256 units of 4 MiB (gpuMemoryFactor: 4).
+        held "$pod" $((1024 << 20)) 30 "$(vc_model "$pod")"
+        [ "$(annotation pod "$pod" e2e volcano.sh/bind-phase)" = success ] ||
+            fail "$pod's bind phase: $(annotation pod "$pod" e2e volcano.sh/bind-phase)"
+    done
+    "$K" -n e2e delete jobs.batch.volcano.sh vc-gang --wait=true --timeout=60s >/dev/null
+    "$K" delete -f "$dir/volcano.yaml" --wait=false >/dev/null 2>&1 || true
+    "$K" delete queue default --wait=false >/dev/null 2>&1 || true
+    "$K" -n kube-system delete configmap volcano-vgpu-device-config >/dev/null
+}
