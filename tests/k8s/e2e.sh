@@ -109,6 +109,7 @@ else
 fi
 . tests/k8s/stage-hami.sh
 . tests/k8s/stage-volcano.sh
+. tests/k8s/stage-kueue.sh
 export KUBECONFIG="$dir/kubeconfig"
 
 stage "vgpu release binaries and libvgpu.so"
@@ -413,6 +414,8 @@ echo "  socket replaced: warned, registered again, one listening socket"
 
 if [ -n "$peers" ]; then
     stage_hami_real
+    stage_kueue_real
+    hami_real_down
 fi
 
 stage "least privilege: without its nodes patch rule the agent says so and writes nothing"
@@ -586,7 +589,7 @@ echo "  the slice is gone"
 stage "helm uninstall"
 "$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
 if [ -n "$peers" ]; then
-    echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s (real peers: HAMi $hami_version, Volcano v1.15.1)"
+    echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s (real peers: HAMi $hami_version, Volcano v1.15.1, Kueue v0.17.0)"
 else
     echo "Kubernetes end-to-end: all stages but the real peers' passed in $((SECONDS - t0)) s (SKIPPED: no peer source)"
 fi

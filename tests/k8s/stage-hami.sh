@@ -161,6 +161,10 @@ assert mine and all(str(s.get("priority", "")).lower() in ("high", "1", "priorit
 print("  hami-urgent's slice: priority high")
 EOF
     "$K" -n e2e delete pod hami-urgent --wait=true --timeout=60s >/dev/null
+}
+
+# HAMi's scheduler removed (after the stages that use it: Kueue's places through it).
+hami_real_down() {
     "$K" delete -f "$dir/hami.yaml" --wait=true --timeout=60s >/dev/null 2>&1 || true
     "$K" -n "$hami_ns" delete secret hami-scheduler-tls >/dev/null
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the real Kubernetes components, etcd, Helm and containerd from their Go modules (the
+# Builds the real Kubernetes components, etcd, Helm, containerd and Kueue from their Go modules (the
 # versions pinned in tests/k8s/tools/*/go.mod), with CNI's plugins and the pause process, into one folder, once: a folder keyed by the go.mod
 # and go.sum files is reused, and Go's own module and build caches (their default places) make a
 # rebuild after a version change fast. Test infrastructure only: nothing here goes into the product.
@@ -35,7 +35,7 @@ k8s_version() {
     done
     echo "$flags"
 }
-for module in kubernetes etcd helm containerd cni; do
+for module in kubernetes etcd helm containerd cni kueue; do
     start=$SECONDS
     echo "tools.sh: building $module (go build tool in tests/k8s/tools/$module)" >&2
     flags='-s -w'
