@@ -2,14 +2,14 @@
 //!
 //! Configure it as a `createRuntime` hook (`vgpu-oci-hook [--socket PATH]`) and a `poststop` hook
 //! (`vgpu-oci-hook [--socket PATH] poststop`). It reads the OCI state on stdin and the container's
-//! `config.json`; a container whose environment asks for nothing (`VGPU_MEMORY`, `VGPU_SM`,
-//! `VGPU_SLICE`, or KAI's `GPU_PORTION`), or whose `/usr/local/vgpu` is already mounted (a device
-//! plugin put it in a slice), is left alone. Otherwise it asks the agent for a slice (`VGPU_SLICE`: an
-//! existing one; else `oci-<container id>` with `VGPU_MEMORY` and `VGPU_SM` on `VGPU_GPUS` or
-//! `NVIDIA_VISIBLE_DEVICES`, default GPU 0, of `VGPU_PRIORITY` (`high` or `normal`, the default);
-//! for KAI's fractional GPUs, the `GPU_PORTION` of the one
-//! GPU in `NVIDIA_VISIBLE_DEVICES`, or exactly `CUDA_DEVICE_MEMORY_LIMIT` where KAI's hamicore
-//! plugin set it) and bind-mounts, inside the container's mount namespace,
+//! `config.json`; a container that asks for nothing (`VGPU_MEMORY`, `VGPU_SM`, `VGPU_SLICE`, KAI's
+//! `GPU_PORTION`, or KAI's pod annotations below), or whose `/usr/local/vgpu` is already mounted (a
+//! device plugin put it in a slice), is left alone. Otherwise it asks the agent for a slice
+//! (`VGPU_SLICE`: an existing one; else `oci-<container id>` with `VGPU_MEMORY` and `VGPU_SM` on
+//! `VGPU_GPUS` or `NVIDIA_VISIBLE_DEVICES`, default GPU 0, of `VGPU_PRIORITY` (`high` or `normal`, the
+//! default); for KAI's GPU sharing (see [`kai_memory`]) each GPU in `NVIDIA_VISIBLE_DEVICES`, the GPU
+//! KAI reserved, held to the pod's `gpu-memory` or `gpu-fraction`) and bind-mounts, inside the
+//! container's mount namespace,
 //! the slice directory at `/usr/local/vgpu`, its limits file and the versioned `libvgpu.so`
 //! read-only, and `/etc/ld.so.preload`. A hook cannot change the container's environment: the
 //! interposer finds the mounted region and limits by their paths. `poststop` deletes the slice it
@@ -39,17 +39,77 @@ fn slice_name(id: &str) -> String {
 
 type Env = std::collections::HashMap<String, String>;
 
-/// The memory limit of a KAI fractional GPU: `CUDA_DEVICE_MEMORY_LIMIT` (or `_0`) where KAI's
-/// hamicore plugin set it, else `GPU_PORTION` (0 < p <= 1) of the GPU's memory (`total`), in whole MiB.
-fn kai_memory(env: &Env, total: u64) -> Result<u64, String> {
+/// What KAI asked for a pod that shares a GPU: its pod annotations, which containerd copies into the
+/// OCI spec's annotations where its runtime's `pod_annotations` names them (KAI passes no limit
+/// anywhere else; the `GPU_PORTION` it sets is rounded up to two decimals: a `gpu-memory: 2000`
+/// pod got 0.03 of an 80 GB GPU).
+struct KaiAsk {
+    /// `gpu-memory`: MiB on each GPU.
+    memory_mib: Option<u64>,
+    /// `gpu-fraction`: of each GPU's memory (0 < f <= 1).
+    fraction: Option<f64>,
+}
+
+impl KaiAsk {
+    fn from_annotations(a: &Value) -> Result<Option<KaiAsk>, String> {
+        let get = |k: &str| a[k].as_str().map(str::trim).filter(|v| !v.is_empty());
+        let memory_mib = get("gpu-memory")
+            .map(|v| v.parse::<u64>().ok().filter(|&m| m > 0).ok_or(format!("gpu-memory={v:?} is not a number of MiB")))
+            .transpose()?;
+        let fraction = get("gpu-fraction")
+            .map(|v| fraction(v).ok_or(format!("gpu-fraction={v:?} is not a fraction of a GPU (0 < f <= 1)")))
+            .transpose()?;
+        Ok((memory_mib.is_some() || fraction.is_some()).then_some(KaiAsk { memory_mib, fraction }))
+    }
+}
+
+fn fraction(v: &str) -> Option<f64> {
+    v.trim().parse::<f64>().ok().filter(|p| *p > 0.0 && *p <= 1.0)
+}
+
+/// The memory limit on one GPU (of `total` bytes) of a container KAI placed, in whole MiB: the pod's
+/// `gpu-memory` or exact `gpu-fraction` (its annotations), else `CUDA_DEVICE_MEMORY_LIMIT` (or `_0`)
+/// where something set it, else `GPU_PORTION` (0 < p <= 1, as KAI rounded it) of the GPU's memory.
+fn kai_memory(ask: Option<&KaiAsk>, env: &Env, total: u64) -> Result<u64, String> {
+    let of = |p: f64| ((total as f64 * p) as u64) & !((1 << 20) - 1);
+    match ask {
+        Some(KaiAsk { memory_mib: Some(m), .. }) => return Ok((m << 20).min(total)),
+        Some(KaiAsk { fraction: Some(f), .. }) => return Ok(of(*f)),
+        _ => {}
+    }
     if let Some(v) = env.get("CUDA_DEVICE_MEMORY_LIMIT_0").or(env.get("CUDA_DEVICE_MEMORY_LIMIT")) {
         return vgpu_units::parse_size(v).map_err(|e| format!("CUDA_DEVICE_MEMORY_LIMIT: {e}"));
     }
     let v = env.get("GPU_PORTION").map_or("", |v| v.trim());
-    match v.parse::<f64>() {
-        Ok(p) if p > 0.0 && p <= 1.0 => Ok(((total as f64 * p) as u64) & !((1 << 20) - 1)),
-        _ => Err(format!("GPU_PORTION={v:?} is not a fraction of a GPU (0 < p <= 1)")),
+    fraction(v).map(of).ok_or_else(|| format!("GPU_PORTION={v:?} is not a fraction of a GPU (0 < p <= 1)"))
+}
+
+/// The slice's GPUs for a container KAI placed: each GPU its `NVIDIA_VISIBLE_DEVICES` names (the
+/// one KAI reserved, or `gpu-fraction-num-devices` of them), held to [`kai_memory`].
+fn kai_gpus(
+    gpus: &str,
+    ask: Option<&KaiAsk>,
+    env: &Env,
+    node: &[pb::GpuStatus],
+    sm: u32,
+) -> Result<Vec<pb::SliceGpuLimit>, String> {
+    let list: Vec<&str> = gpus.split(',').map(str::trim).filter(|g| !g.is_empty()).collect();
+    let named = !list.is_empty() && !list.iter().any(|g| matches!(*g, "all" | "none" | "void"));
+    if ask.is_none() && (!named || list.len() != 1) {
+        return Err(format!("GPU_PORTION is a fraction of one GPU, but NVIDIA_VISIBLE_DEVICES is {gpus:?}"));
     }
+    if !named {
+        return Err(format!("KAI's share is of the GPUs it reserved, but NVIDIA_VISIBLE_DEVICES is {gpus:?}"));
+    }
+    list.iter()
+        .map(|gpu| {
+            let g = node
+                .iter()
+                .find(|g| g.uuid == *gpu || g.index.to_string() == *gpu)
+                .ok_or_else(|| format!("GPU {gpu} (NVIDIA_VISIBLE_DEVICES) is not on this node"))?;
+            Ok(pb::SliceGpuLimit { gpu: g.uuid.clone(), memory: kai_memory(ask, env, g.memory_total)?, sm })
+        })
+        .collect()
 }
 
 /// Whether the container already has `/usr/local/vgpu` or a file in it among its mounts (a device
@@ -146,7 +206,13 @@ fn main() {
             a.iter().filter_map(|e| e.as_str()?.split_once('=').map(|(k, v)| (k.to_string(), v.to_string()))).collect()
         })
         .unwrap_or_default();
-    let asks = ["VGPU_MEMORY", "VGPU_SM", "VGPU_SLICE", "GPU_PORTION"].iter().any(|k| env.contains_key(*k));
+    // KAI's ask, where containerd passed its pod annotations; only its GPU container has the GPU it
+    // reserved in NVIDIA_VISIBLE_DEVICES (the others share the pod's annotations).
+    let kai = KaiAsk::from_annotations(&cfg["annotations"])
+        .unwrap_or_else(|e| die(e))
+        .filter(|_| env.get("NVIDIA_VISIBLE_DEVICES").is_some_and(|v| v.contains("GPU-") || v.contains("MIG-")));
+    let asks =
+        kai.is_some() || ["VGPU_MEMORY", "VGPU_SM", "VGPU_SLICE", "GPU_PORTION"].iter().any(|k| env.contains_key(*k));
     if !asks || already_in_a_slice(&cfg) {
         return;
     }
@@ -173,37 +239,29 @@ fn main() {
                 .into_inner();
         }
         let gpus = env.get("VGPU_GPUS").or(env.get("NVIDIA_VISIBLE_DEVICES")).cloned().unwrap_or_else(|| "0".into());
-        let mut memory = env
+        let memory = env
             .get("VGPU_MEMORY")
             .map_or(0, |v| vgpu_units::parse_size(v).unwrap_or_else(|e| die(format!("VGPU_MEMORY: {e}"))));
         let percent = |k: &str| {
             env.get(k)
                 .map(|v| v.trim().parse::<u32>().unwrap_or_else(|_| die(format!("{k}={v:?} is not a percentage"))))
         };
-        let mut sm = percent("VGPU_SM").unwrap_or(0);
-        if memory == 0 && env.contains_key("GPU_PORTION") {
+        let sm = percent("VGPU_SM").unwrap_or(0);
+        let limits = if memory == 0 && (kai.is_some() || env.contains_key("GPU_PORTION")) {
             // HAMi's convention: 0 or 100 and more is no limit.
-            sm = percent("CUDA_DEVICE_SM_LIMIT").filter(|&p| sm == 0 && p < 100).unwrap_or(sm);
-            // KAI: a fraction of the one GPU it chose for the pod.
-            let gpu = gpus.trim();
-            if gpu.is_empty() || gpu.contains(',') || matches!(gpu, "all" | "none" | "void") {
-                die(format!("GPU_PORTION is a fraction of one GPU, but NVIDIA_VISIBLE_DEVICES is {gpu:?}"));
-            }
+            let sm = percent("CUDA_DEVICE_SM_LIMIT").filter(|&p| sm == 0 && p < 100).unwrap_or(sm);
+            // KAI: its share of each GPU it reserved for the pod.
             let status = c.status(pb::StatusRequest {}).await.unwrap_or_else(|e| die(e.message())).into_inner();
-            let g = status
-                .gpus
-                .iter()
-                .find(|g| g.uuid == gpu || g.index.to_string() == gpu)
-                .unwrap_or_else(|| die(format!("GPU {gpu} (NVIDIA_VISIBLE_DEVICES) is not on this node")));
-            memory = kai_memory(&env, g.memory_total).unwrap_or_else(|e| die(e));
-        }
-        let req = pb::CreateSliceRequest {
-            name: name.clone(),
-            gpus: gpus
-                .split(',')
+            kai_gpus(&gpus, kai.as_ref(), &env, &status.gpus, sm).unwrap_or_else(|e| die(e))
+        } else {
+            gpus.split(',')
                 .filter(|g| !g.is_empty())
                 .map(|g| pb::SliceGpuLimit { gpu: g.trim().into(), memory, sm })
-                .collect(),
+                .collect()
+        };
+        let req = pb::CreateSliceRequest {
+            name: name.clone(),
+            gpus: limits,
             labels: [("container".to_string(), id.clone()), ("source".to_string(), "oci-hook".to_string())].into(),
             priority: match env.get("VGPU_PRIORITY").map(|v| v.trim()) {
                 None | Some("normal") => pb::SlicePriority::PriorityNormal as i32,

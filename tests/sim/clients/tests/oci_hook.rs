@@ -144,7 +144,8 @@ fn kai_fractional_gpus_get_their_portion_through_the_hook() {
     let visible = format!("NVIDIA_VISIBLE_DEVICES={uuid}");
     // What the container's limits file says (the record is out of its reach): the first device's
     // UUID, memory and SM limits, read at their offsets in the region layout.
-    let record = |env: &[&str], n: &str| -> Value {
+    // annotations: the pod's, as containerd copies them into the OCI spec (its `pod_annotations`).
+    let record_with = |env: &[&str], annotations: Value, n: &str| -> Value {
         let b = s.state.join(format!("kai-{n}"));
         let (uuid, mem, sm) = (
             std::mem::offset_of!(vgpu_region::Layout, devices),
@@ -157,10 +158,14 @@ fn kai_fractional_gpus_get_their_portion_through_the_hook() {
              od -A n -t u8 -j {mem} -N 8 {f}; od -A n -t u4 -j {sm} -N 4 {f}"
         );
         bundle(&b, env, &script, &hook, &a.socket);
+        let mut cfg: Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+        cfg["annotations"] = annotations;
+        std::fs::write(b.join("config.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
         let out = run(&b, &format!("{id}-{n}"));
         let l: Vec<&str> = out.lines().map(str::trim).collect();
         json!({"gpus": [{"uuid": l[0], "memory": l[1].parse::<u64>().unwrap(), "sm": l[2].parse::<u64>().unwrap()}]})
     };
+    let record = |env: &[&str], n: &str| record_with(env, json!({}), n);
     // KAI alone: a quarter of the GPU's memory, no SM limit (KAI shares time, it does not divide it).
     let r = record(&["GPU_PORTION=0.25", &visible], "quarter");
     assert_eq!(r["gpus"][0]["uuid"], uuid.as_str(), "{r}");
@@ -171,6 +176,20 @@ fn kai_fractional_gpus_get_their_portion_through_the_hook() {
     let r =
         record(&["GPU_PORTION=0.5", &visible, "CUDA_DEVICE_MEMORY_LIMIT=6000m", "CUDA_DEVICE_SM_LIMIT=40"], "hamicore");
     assert_eq!((r["gpus"][0]["memory"].as_u64(), r["gpus"][0]["sm"].as_u64()), (Some(6000 * MIB), Some(40)), "{r}");
+    // KAI's pod annotations, which containerd passes where its runtime names them: exact, whatever
+    // the GPU_PORTION KAI rounded up to two decimals (a gpu-memory: 2000 pod gets 0.03 of a GPU).
+    let kai = |k: &str, v: &str| json!({k: v, "io.kubernetes.cri.container-name": "main"});
+    let r = record_with(&["GPU_PORTION=0.03", &visible], kai("gpu-memory", "2000"), "memory");
+    assert_eq!(
+        (r["gpus"][0]["uuid"].as_str(), r["gpus"][0]["memory"].as_u64()),
+        (Some(uuid.as_str()), Some(2000 * MIB)),
+        "{r}"
+    );
+    let r = record_with(&["GPU_PORTION=0.34", &visible], kai("gpu-fraction", "0.333"), "fraction");
+    assert_eq!(r["gpus"][0]["memory"].as_u64(), Some((total as f64 * 0.333) as u64 / MIB * MIB), "{r}");
+    // No GPU_PORTION at all: the annotations alone ask.
+    let r = record_with(&[&visible], kai("gpu-memory", "1500"), "annotations-only");
+    assert_eq!(r["gpus"][0]["memory"].as_u64(), Some(1500 * MIB), "{r}");
     // Nonsense is refused with the reason, and the container does not start.
     for (env, want) in [
         (vec!["GPU_PORTION=2", visible.as_str()], "is not a fraction of a GPU (0 < p <= 1)"),
