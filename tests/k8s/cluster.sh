@@ -304,9 +304,14 @@ down() {
             runc --root "$runc_root" delete --force "$id" 2>/dev/null || true
         done
     done
-    # Container shims run in process groups of their own: each one containerd recorded.
-    for f in "$dir"/node/run/containerd/io.containerd.runtime.v2.task/*/*/shim.pid; do
-        [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true
+    # Container shims run in process groups of their own, each started with the address of this
+    # node's containerd (recorded in its configuration): those, and no other process.
+    local p cmd sock="$dir/node/run/containerd.sock"
+    for p in /proc/[0-9]*; do
+        cmd=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue
+        case "$cmd" in
+            *containerd-shim-runc-v2\ *"-address $sock "*) kill -KILL "${p#/proc/}" 2>/dev/null || true ;;
+        esac
     done
     # Mounts the kubelet and containerd made under the scratch folder, deepest first.
     if [ -d "$dir/node" ]; then
