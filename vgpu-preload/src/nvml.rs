@@ -59,10 +59,8 @@ fn shared_device(dev: NvmlDevice) -> bool {
     })
 }
 
-/// The region device of an NVML handle (a device of the container, limited or not).
-fn region_device(dev: NvmlDevice) -> Option<usize> {
-    let st = state();
-    let r = st.region.as_ref()?;
+/// The UUID of an NVML handle, as the real NVML gives it.
+pub fn device_uuid(dev: NvmlDevice) -> Option<String> {
     let get = nvml().nvmlDeviceGetUUID?;
     let mut buf = [0 as c_char; 96];
     // SAFETY: buffer of 96 bytes as declared.
@@ -70,7 +68,15 @@ fn region_device(dev: NvmlDevice) -> Option<usize> {
         return None;
     }
     // SAFETY: NVML wrote a NUL-terminated string.
-    let uuid = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().ok()?;
+    unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().ok().map(str::to_string)
+}
+
+/// The region device of an NVML handle (a device of the container, limited or not).
+fn region_device(dev: NvmlDevice) -> Option<usize> {
+    let st = state();
+    let r = st.region.as_ref()?;
+    let uuid = device_uuid(dev)?;
+    let uuid = uuid.as_str();
     let d = match r.find_device(uuid) {
         Some(d) => d,
         // Not used through CUDA in this container yet (nvidia-smi before any CUDA process, or a

@@ -14,7 +14,7 @@ use crate::nvml::{NvmlDevice, NvmlReturn, NVML_ERROR_NOT_FOUND, NVML_SUCCESS};
 use crate::real::{self, cuda_fns as f, nvml_fns as nf};
 use crate::state::format_uuid;
 use cuda_abi::*;
-use std::ffi::{c_char, CStr};
+use std::ffi::c_char;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
 
@@ -62,10 +62,16 @@ pub fn refused(ordinal: usize, uuid: &str) {
     }
 }
 
-/// Says once that the runtime exposed devices outside the slice, and which.
+/// The slice's devices (`keep`) kept in `cell` for the life of the process; the first to keep them
+/// says once which devices of `what` the runtime exposed outside the slice (`hidden`).
 #[cold]
-fn warn_hidden(what: &str, hidden: &[String]) {
-    if !hidden.is_empty() {
+fn keep_once<T>(cell: &'static OnceLock<Vec<T>>, what: &str, keep: Vec<T>, hidden: &[String]) -> &'static [T] {
+    let mut first = false;
+    let v = cell.get_or_init(|| {
+        first = true;
+        keep
+    });
+    if first && !hidden.is_empty() {
         vlog!(
             WARN,
             "{what} devices outside this container's slice are hidden ({}); the slice's: {}",
@@ -73,6 +79,7 @@ fn warn_hidden(what: &str, hidden: &[String]) {
             slice_gpus().unwrap_or_default().join(", ")
         );
     }
+    v
 }
 
 /// The real ordinals of the slice's CUDA devices, in the driver's order (None: every device
@@ -104,15 +111,7 @@ fn cuda_devices() -> Result<Option<&'static [i32]>, CUresult> {
             false => hidden.push(format!("CUDA device {o} ({uuid})")),
         }
     }
-    let mut first = false;
-    let v = DEVS.get_or_init(|| {
-        first = true;
-        keep
-    });
-    if first {
-        warn_hidden("CUDA", &hidden);
-    }
-    Ok(Some(v))
+    Ok(Some(keep_once(&DEVS, "CUDA", keep, &hidden)))
 }
 
 /// How many CUDA devices the process sees: the slice's, or the driver's count.
@@ -158,18 +157,6 @@ pub unsafe fn get(real: f::cuDeviceGet, dev: *mut CUdevice, ordinal: i32) -> CUr
     }
 }
 
-/// The NVML UUID of a handle.
-fn nvml_uuid(dev: NvmlDevice) -> Option<String> {
-    let get = real::nvml().nvmlDeviceGetUUID?;
-    let mut buf = [0 as c_char; 96];
-    // SAFETY: a buffer of 96 bytes, as declared.
-    if unsafe { get(dev, buf.as_mut_ptr(), 96) } != NVML_SUCCESS {
-        return None;
-    }
-    // SAFETY: NVML wrote a NUL-terminated string.
-    unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().ok().map(str::to_string)
-}
-
 /// The real indices of the slice's NVML devices (None: every device passes, as where the slice
 /// holds MIG devices: NVML lists their parents, which the limits file does not name).
 fn nvml_devices() -> Result<Option<&'static [u32]>, NvmlReturn> {
@@ -192,21 +179,13 @@ fn nvml_devices() -> Result<Option<&'static [u32]>, NvmlReturn> {
     for i in 0..c {
         let mut h: NvmlDevice = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; an index below the count.
-        let uuid = (unsafe { by_index(i, &mut h) } == NVML_SUCCESS).then(|| nvml_uuid(h)).flatten();
+        let uuid = (unsafe { by_index(i, &mut h) } == NVML_SUCCESS).then(|| crate::nvml::device_uuid(h)).flatten();
         match uuid {
             Some(u) if in_slice(slice, &u) => keep.push(i),
             u => hidden.push(format!("NVML device {i} ({})", u.unwrap_or_default())),
         }
     }
-    let mut first = false;
-    let v = DEVS.get_or_init(|| {
-        first = true;
-        keep
-    });
-    if first {
-        warn_hidden("NVML", &hidden);
-    }
-    Ok(Some(v))
+    Ok(Some(keep_once(&DEVS, "NVML", keep, &hidden)))
 }
 
 /// `nvmlDeviceGetCount` (both versions): the slice's devices.
@@ -263,7 +242,9 @@ fn nvml_found(r: NvmlReturn, dev: *mut NvmlDevice) -> NvmlReturn {
     // SAFETY: the caller's out-pointer, which the driver filled (it succeeded).
     let Some(h) = (unsafe { dev.as_ref() }) else { return r };
     match (slice_gpus(), nvml_devices()) {
-        (Some(s), Ok(Some(_))) if !nvml_uuid(*h).is_some_and(|u| in_slice(s, &u)) => NVML_ERROR_NOT_FOUND,
+        (Some(s), Ok(Some(_))) if !crate::nvml::device_uuid(*h).is_some_and(|u| in_slice(s, &u)) => {
+            NVML_ERROR_NOT_FOUND
+        }
         _ => r,
     }
 }
