@@ -89,6 +89,23 @@ finish() {
 }
 trap finish EXIT
 
+# image_libs BIN...: the glibc the binaries link, as they find it here (a base image of sorts), as
+# oci-image.py's SRC=DEST:MODE arguments, one a line.
+image_libs() {
+    ldd "$@" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u |
+        sed 's/.*/&=&:755/'
+}
+# in_cluster NS [DEPLOYMENT]: a peer's Deployments (or one) given the API server's address (no
+# kube-proxy here), then waited for.
+in_cluster() {
+    local api d
+    api=$(tests/k8s/cluster.sh address "$dir")
+    for d in ${2:-$("$K" -n "$1" get deployments -o name)}; do
+        "$K" -n "$1" set env "$d" "KUBERNETES_SERVICE_HOST=${api%:*}" "KUBERNETES_SERVICE_PORT=${api#*:}" >/dev/null
+        "$K" -n "$1" rollout status "$d" --timeout=180s >/dev/null || { "$K" -n "$1" describe "$d" >&2; fail "$d did not start"; }
+    done
+}
+
 stage "tools (built once: tests/k8s/tools.sh) and the peer schedulers (tests/k8s/peers.sh)"
 bin=$(tests/k8s/tools.sh)
 K="$bin/kubectl"
@@ -129,12 +146,7 @@ tests/k8s/cluster.sh node "$dir"
 
 stage "images: the agent and a simulated-CUDA client, imported into containerd"
 mkdir -p "$dir/images" "$dir/sim/lib"
-# The glibc the binaries link, as they find it here (a base image of sorts).
-libs=()
-for f in $(ldd target/release/vgpu-node-agent target/release/gpu-probe "$lib" target/release/sim-lib/libcuda.so.1 |
-    awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u); do
-    libs+=("$f=$f:755")
-done
+mapfile -t libs < <(image_libs target/release/vgpu-node-agent target/release/gpu-probe "$lib" target/release/sim-lib/libcuda.so.1)
 tests/k8s/oci-image.py --ref vgpu.test/vgpu-node-agent:e2e --out "$dir/images/agent.tar" \
     --entrypoint /usr/local/bin/vgpu-node-agent "${libs[@]}" \
     target/release/vgpu-node-agent=/usr/local/bin/vgpu-node-agent \

@@ -49,11 +49,8 @@ EOF
 stage_hami_real() {
     stage "HAMi, real: HAMi $hami_version's scheduler and webhook from its chart, in-cluster"
     # Its images: HAMi's binary, and the kube-scheduler its pod runs beside it (this cluster's).
-    local sched_libs=()
-    for f in $(ldd "$peers/bin/hami-scheduler" "$bin/kube-scheduler" 2>/dev/null |
-        awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u); do
-        sched_libs+=("$f=$f:755")
-    done
+    local sched_libs
+    mapfile -t sched_libs < <(image_libs "$peers/bin/hami-scheduler" "$bin/kube-scheduler")
     tests/k8s/oci-image.py --ref vgpu.test/hami:e2e --out "$dir/images/hami.tar" --env PATH=/usr/local/bin:/bin \
         "${sched_libs[@]}" "$peers/bin/hami-scheduler=/usr/local/bin/scheduler"
     tests/k8s/oci-image.py --ref vgpu.test/kube-scheduler:e2e --out "$dir/images/kube-scheduler.tar" \
@@ -85,12 +82,7 @@ stage_hami_real() {
     webhook=$("$K" get mutatingwebhookconfigurations -o name | grep hami) || fail "HAMi's chart made no webhook"
     "$K" patch "$webhook" --type=json \
         -p "[{\"op\": \"add\", \"path\": \"/webhooks/0/clientConfig/caBundle\", \"value\": \"$ca\"}]" >/dev/null
-    local api
-    api=$(tests/k8s/cluster.sh address "$dir")
-    "$K" -n "$hami_ns" set env deployment/hami-scheduler "KUBERNETES_SERVICE_HOST=${api%:*}" \
-        "KUBERNETES_SERVICE_PORT=${api#*:}" >/dev/null
-    "$K" -n "$hami_ns" rollout status deployment/hami-scheduler --timeout=180s >/dev/null ||
-        { "$K" -n "$hami_ns" describe pods -l app.kubernetes.io/component=hami-scheduler >&2; fail "HAMi's scheduler did not start"; }
+    in_cluster "$hami_ns" deployment/hami-scheduler
     # The webhook answers once the Service has the pod's endpoint: a pod that asks nvidia.com/gpu,
     # made in a server-side dry run, comes back with HAMi's scheduler's name.
     hami_webhook_up() {

@@ -15,10 +15,8 @@ stage_kueue_real() {
     local chart
     chart="$(cd tests/k8s/tools/kueue && go list -mod=readonly -m -f '{{.Dir}}' sigs.k8s.io/kueue)/charts/kueue"
     stage "Kueue, real: Kueue $(cd tests/k8s/tools/kueue && go list -mod=readonly -m -f '{{.Version}}' sigs.k8s.io/kueue)'s manager from its chart; a quota over HAMi's resources"
-    local k_libs=()
-    for f in $(ldd "$bin/kueue" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u); do
-        k_libs+=("$f=$f:755")
-    done
+    local k_libs
+    mapfile -t k_libs < <(image_libs "$bin/kueue")
     tests/k8s/oci-image.py --ref vgpu.test/kueue:e2e --out "$dir/images/kueue.tar" --entrypoint /manager \
         "${k_libs[@]}" "$bin/kueue=/manager"
     tests/k8s/cluster.sh import "$dir" "$dir/images/kueue.tar"
@@ -50,13 +48,7 @@ EOF
     "$K" create namespace "$kueue_ns" >/dev/null
     "$K" apply --server-side -f "$dir/kueue.yaml" >"$dir/logs/kueue-apply.log" 2>&1 ||
         { tail -20 "$dir/logs/kueue-apply.log"; fail "kubectl apply of Kueue's chart"; }
-    local api d
-    api=$(tests/k8s/cluster.sh address "$dir")
-    for d in $("$K" -n "$kueue_ns" get deployments -o name); do
-        "$K" -n "$kueue_ns" set env "$d" "KUBERNETES_SERVICE_HOST=${api%:*}" "KUBERNETES_SERVICE_PORT=${api#*:}" >/dev/null
-        "$K" -n "$kueue_ns" rollout status "$d" --timeout=180s >/dev/null ||
-            { "$K" -n "$kueue_ns" describe pods >&2; fail "$d did not start"; }
-    done
+    in_cluster "$kueue_ns"
     # Its webhook answers once its certificate is made: a Job for a queue, in a server-side dry run,
     # comes back suspended.
     kueue_webhook_up() {

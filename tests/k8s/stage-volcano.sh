@@ -17,11 +17,8 @@ volcano_ns=volcano-system
 stage_volcano_real() {
     stage "Volcano, real: vc-scheduler (deviceshare, vGPU on) and vc-controller-manager from Volcano's chart"
     "$K" create namespace "$volcano_ns" >/dev/null
-    local vc_libs=() name
-    for f in $(ldd "$peers/bin/vc-scheduler" "$peers/bin/vc-controller-manager" 2>/dev/null |
-        awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u); do
-        vc_libs+=("$f=$f:755")
-    done
+    local vc_libs name
+    mapfile -t vc_libs < <(image_libs "$peers/bin/vc-scheduler" "$peers/bin/vc-controller-manager")
     for name in vc-scheduler vc-controller-manager; do
         tests/k8s/oci-image.py --ref "vgpu.test/$name:e2e" --out "$dir/images/$name.tar" \
             --entrypoint "/usr/local/bin/$name" "${vc_libs[@]}" "$peers/bin/$name=/usr/local/bin/$name"
@@ -66,13 +63,7 @@ kind: Queue
 metadata: {name: default}
 spec: {reclaimable: true, weight: 1}
 EOF
-    local api d
-    api=$(tests/k8s/cluster.sh address "$dir")
-    for d in $("$K" -n "$volcano_ns" get deployments -o name); do
-        "$K" -n "$volcano_ns" set env "$d" "KUBERNETES_SERVICE_HOST=${api%:*}" "KUBERNETES_SERVICE_PORT=${api#*:}" >/dev/null
-        "$K" -n "$volcano_ns" rollout status "$d" --timeout=180s >/dev/null ||
-            { "$K" -n "$volcano_ns" describe pods >&2; fail "$d did not start"; }
-    done
+    in_cluster "$volcano_ns"
     queue_open() { [ "$("$K" get queue default -o jsonpath='{.status.state}')" = Open ]; }
     wait_until 60 "the default Queue Open (vc-controller-manager sets it)" queue_open
     # vc-scheduler builds a node's vGPU devices only on a node event after its plugin came on: the
