@@ -112,6 +112,24 @@ fn kai_gpus(
         .collect()
 }
 
+/// The slice's labels: its source and container ID, and where containerd's CRI named them in the
+/// spec's annotations, the pod's namespace and name and the container's name (as a device plugin's
+/// slices are labelled, so that `vgpuctl status` and the metrics name the workload).
+fn labels(id: &str, annotations: &Value) -> std::collections::HashMap<String, String> {
+    let mut labels: std::collections::HashMap<String, String> =
+        [("container_id".to_string(), id.to_string()), ("source".to_string(), "oci-hook".to_string())].into();
+    for (label, key) in [
+        ("namespace", "io.kubernetes.cri.sandbox-namespace"),
+        ("pod", "io.kubernetes.cri.sandbox-name"),
+        ("container", "io.kubernetes.cri.container-name"),
+    ] {
+        if let Some(v) = annotations[key].as_str().filter(|v| !v.is_empty()) {
+            labels.insert(label.to_string(), v.to_string());
+        }
+    }
+    labels
+}
+
 /// Whether the container already has `/usr/local/vgpu` or a file in it among its mounts (a device
 /// plugin mounts the slice's region and limits files there).
 fn already_in_a_slice(cfg: &Value) -> bool {
@@ -262,7 +280,7 @@ fn main() {
         let req = pb::CreateSliceRequest {
             name: name.clone(),
             gpus: limits,
-            labels: [("container".to_string(), id.clone()), ("source".to_string(), "oci-hook".to_string())].into(),
+            labels: labels(&id, &cfg["annotations"]),
             priority: match env.get("VGPU_PRIORITY").map(|v| v.trim()) {
                 None | Some("normal") => pb::SlicePriority::PriorityNormal as i32,
                 Some("high") => pb::SlicePriority::PriorityHigh as i32,
