@@ -7,9 +7,18 @@
 #   tests/k8s/cluster.sh node DIR      # containerd and the kubelet (after up)
 #   tests/k8s/cluster.sh restart-kubelet DIR  # the kubelet stopped and started again
 #   tests/k8s/cluster.sh import DIR TAR...  # image archives into the node's containerd
-#   tests/k8s/cluster.sh address DIR    # where pods reach the API server (IP:PORT)
+#   tests/k8s/cluster.sh address DIR    # the API server's address on the node (IP:PORT)
 #   tests/k8s/cluster.sh down DIR      # stops everything up/node started (safe to repeat)
 # Logs: DIR/logs/<component>.log. Binaries: tests/k8s/tools.sh (built once).
+# Pods reach the API server as in any cluster, at the `kubernetes` Service (KUBERNETES_SERVICE_HOST):
+# with no kube-proxy (and no iptables) here, service-proxy.py forwards that one Service's address,
+# which is on an interface named after DIR, to the API server.
+# Besides runc, containerd has the runtime `nvidia` (the RuntimeClass GPU schedulers such as KAI
+# set): runc behind sim-nvidia-runtime, which does for the simulated GPU what the NVIDIA container
+# runtime does for a driver (VGPU_K8S_SIM_DIR, default DIR/sim, mounted where a container names
+# GPUs), with KAI's pod annotations passed into the containers' specs and, where VGPU_K8S_OCI_HOOK
+# is a command (vgpu-oci-hook and its arguments), that command as its createRuntime and poststop
+# hooks, as docs/deploying.md tells KAI users to configure it.
 # Ports: VGPU_K8S_PORT (default 26443) is the API server's; the others follow it.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -26,11 +35,14 @@ kubelet_port=$((port - 60)) kubelet_health=$((port - 59))
 tag=$(echo "$dir" | sha256sum | cut -c1-8)
 bridge=vgpu$tag
 subnet=10.244.$((16#${tag:0:2} % 200 + 20)).0/24
+# The Services' range, and the `kubernetes` Service's address (its first), likewise.
+services=10.$((16#${tag:2:2} % 32 + 96)).0.0/16
+api_service=${services%.0/16}.1
+service_link=vsvc$tag
 
 log() { echo "cluster.sh: $*" >&2; }
-# The node's address: the kubelet refuses a loopback one; the API server reaches it there, and pods
-# reach the API server there (no kube-proxy here: see KUBERNETES_SERVICE_HOST in e2e.sh; the API
-# server reaches webhooks' Services through their endpoints, --enable-aggregator-routing).
+# The node's address: the kubelet refuses a loopback one; the API server reaches it there (and
+# webhooks' Services through their endpoints, --enable-aggregator-routing: no kube-proxy here).
 node_ip=$(ip -4 route get 192.0.2.250 2>/dev/null | grep -o 'src [0-9.]*' | cut -d' ' -f2 || true)
 [ -n "$node_ip" ] || node_ip=$(hostname -I | cut -d' ' -f1)
 
@@ -118,7 +130,7 @@ up() {
     openssl req -x509 -newkey rsa:2048 -nodes -keyout "$dir/pki/ca.key" -out "$dir/pki/ca.crt" \
         -subj "/CN=vgpu-e2e-ca" -days 2 2>/dev/null
     cert apiserver "/CN=kube-apiserver" \
-        "IP:127.0.0.1,IP:$node_ip,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
+        "IP:127.0.0.1,IP:$node_ip,IP:$api_service,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
     cert admin "/O=system:masters/CN=e2e-admin"
     cert apiserver-kubelet "/O=system:masters/CN=kube-apiserver-kubelet-client"
     cert controller-manager "/CN=system:kube-controller-manager"
@@ -153,7 +165,7 @@ up() {
         --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction \
         --runtime-config resource.k8s.io/v1=true \
         --kubelet-preferred-address-types InternalIP,Hostname \
-        --service-cluster-ip-range 10.96.0.0/16 --allow-privileged=true --profiling=false \
+        --service-cluster-ip-range "$services" --allow-privileged=true --profiling=false \
         --enable-aggregator-routing=true
     wait_for kube-apiserver 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" get --raw /readyz
 
@@ -181,6 +193,15 @@ node() {
     local root="$dir/node"
     mkdir -p "$root/containerd" "$root/run" "$root/kubelet" "$root/cni-conf"
     ip link del "$bridge" 2>/dev/null || true
+    # The `kubernetes` Service's address, which service-proxy.py serves, on an interface of its
+    # own (the bridge plugin allows its bridge one IPv4 address; a veth pair, as no dummy driver
+    # may be loaded).
+    ip link del "$service_link" 2>/dev/null || true
+    ip link add "$service_link" type veth peer name "${service_link}p"
+    ip link set "${service_link}p" up
+    ip link set "$service_link" up
+    ip addr add "$api_service/32" dev "$service_link"
+    start service-proxy python3 "$here/service-proxy.py" "$api_service:443" "127.0.0.1:$port"
     cert kubelet-serving "/CN=$node" "IP:$node_ip,IP:127.0.0.1,DNS:$node,DNS:localhost"
     # Pod networking: a bridge on the node with addresses from host-local, no masquerading (pods
     # talk to the node only).
@@ -190,6 +211,27 @@ node() {
    "ipam": {"type": "host-local", "ranges": [[{"subnet": "$subnet"}]], "dataDir": "$root/cni-ipam"}},
   {"type": "loopback"}]}
 EOF
+    # The `nvidia` runtime: runc behind the simulated NVIDIA container runtime, with vgpu-oci-hook
+    # (VGPU_K8S_OCI_HOOK) as its hooks in a base spec (containerd's default spec plus the hooks).
+    local runc=${VGPU_K8S_RUNC:-$(command -v runc)} base_spec=""
+    cat >"$root/nvidia-runc" <<EOF
+#!/bin/sh
+case " \$* " in
+    *" create "*) exec python3 "$here/sim-nvidia-runtime.py" "${VGPU_K8S_SIM_DIR:-$dir/sim}" "$runc" "\$@" ;;
+esac
+exec "$runc" "\$@"
+EOF
+    chmod +x "$root/nvidia-runc"
+    if [ -n "${VGPU_K8S_OCI_HOOK:-}" ]; then
+        # shellcheck disable=SC2086
+        "$bin/ctr" oci spec | python3 -c '
+import json, os, sys
+spec, hook = json.load(sys.stdin), sys.argv[1:]
+entry = lambda *more: {"path": hook[0], "args": [os.path.basename(hook[0]), *hook[1:], *more]}
+spec["hooks"] = {"createRuntime": [entry()], "poststop": [entry("poststop")]}
+json.dump(spec, sys.stdout, indent=1)' $VGPU_K8S_OCI_HOOK >"$root/nvidia-base-spec.json"
+        base_spec="base_runtime_spec = \"$root/nvidia-base-spec.json\""
+    fi
     cat >"$root/containerd.toml" <<EOF
 version = 3
 root = "$root/containerd/root"
@@ -209,8 +251,16 @@ state = "$root/run/containerd"
 [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
 [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-  BinaryName = "${VGPU_K8S_RUNC:-$(command -v runc)}"
+  BinaryName = "$runc"
   # The containers' runc state in the scratch folder: down stops exactly these.
+  Root = "$root/run/runc"
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.nvidia]
+  runtime_type = "io.containerd.runc.v2"
+  # KAI's asks, which it passes nowhere else.
+  pod_annotations = ["gpu-memory", "gpu-fraction", "gpu-fraction-num-devices"]
+  $base_spec
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.nvidia.options]
+  BinaryName = "$root/nvidia-runc"
   Root = "$root/run/runc"
 [plugins.'io.containerd.cri.v1.runtime'.cni]
   bin_dirs = ["$bin/cni"]
@@ -287,7 +337,7 @@ import_image() {
 down() {
     [ -d "$dir/pids" ] || return 0
     # The node first (its containers, then its components), then the control plane.
-    for name in kubelet containerd kube-scheduler kube-controller-manager kube-apiserver etcd; do
+    for name in kubelet containerd service-proxy kube-scheduler kube-controller-manager kube-apiserver etcd; do
         [ -f "$dir/pids/$name" ] || continue
         local pid
         pid=$(cat "$dir/pids/$name")
@@ -319,6 +369,7 @@ down() {
     fi
     # The pods' bridge (their veths went with their namespaces).
     ip link del "$bridge" 2>/dev/null || true
+    ip link del "$service_link" 2>/dev/null || true
     log "stopped (logs kept in $dir/logs)"
 }
 

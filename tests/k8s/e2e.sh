@@ -15,7 +15,10 @@
 #   3. Volcano mode: without the scheduler's memory unit for a node this large the agent does not
 #      start and raises an Event on the Node saying what to set; with the scheduler's configuration
 #      its volcano.sh/vgpu-memory is in that unit, and a pod with the annotations Volcano's scheduler
-#      writes (memory in that unit) is held to it; a deleted pod's slice is removed;
+#      writes (memory in that unit) is held to it; a deleted pod's slice is removed; the real
+#      Volcano (stage-volcano.sh) places a gang the agent holds; then the real KAI (stage-kai.sh):
+#      the agent in replica mode gives KAI's reservation pods their GPU, and vgpu-oci-hook in the
+#      node's `nvidia` runtime holds KAI's sharing pods to their gpu-fraction or gpu-memory;
 #   4. DRA: `helm upgrade` to DRA restarts the agent (checksum/config); its ResourceSlices pass the
 #      API server's validation; a pod with a ResourceClaim (a CEL selector on memory) is allocated by
 #      kube-scheduler, prepared by the agent through the kubelet, held to the claim's memory and SM
@@ -73,7 +76,8 @@ finish() {
             echo "--- the agent's log" >&2
             "$K" -n "$ns" logs -l app.kubernetes.io/name=vgpu-node-agent --tail 30 >&2 2>/dev/null || true
             # The peers' schedulers, where a stage of theirs was running.
-            for d in kube-system/hami-scheduler volcano-system/volcano-scheduler volcano-system/volcano-controllers; do
+            for d in kube-system/hami-scheduler volcano-system/volcano-scheduler volcano-system/volcano-controllers \
+                kai-scheduler/kai-operator kai-scheduler/binder kai-scheduler/kai-scheduler-default kai-scheduler/kai-admission; do
                 "$K" -n "${d%/*}" get "deployment/${d#*/}" >/dev/null 2>&1 || continue
                 echo "--- $d's log" >&2
                 "$K" -n "${d%/*}" logs "deployment/${d#*/}" --all-containers --tail 40 >&2 2>/dev/null || true
@@ -95,13 +99,11 @@ image_libs() {
     ldd "$@" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u |
         sed 's/.*/&=&:755/'
 }
-# in_cluster NS [DEPLOYMENT]: a peer's Deployments (or one) given the API server's address (no
-# kube-proxy here), then waited for.
+# in_cluster NS [DEPLOYMENT]: a peer's Deployments (or one) waited for (they reach the API server at
+# the `kubernetes` Service, as in any cluster: cluster.sh serves its address).
 in_cluster() {
-    local api d
-    api=$(tests/k8s/cluster.sh address "$dir")
+    local d
     for d in ${2:-$("$K" -n "$1" get deployments -o name)}; do
-        "$K" -n "$1" set env "$d" "KUBERNETES_SERVICE_HOST=${api%:*}" "KUBERNETES_SERVICE_PORT=${api#*:}" >/dev/null
         "$K" -n "$1" rollout status "$d" --timeout=180s >/dev/null || { "$K" -n "$1" describe "$d" >&2; fail "$d did not start"; }
     done
 }
@@ -122,11 +124,12 @@ elif [ "$peers_rc" != 0 ]; then
     fail "tests/k8s/peers.sh failed"
 else
     hami_version=$(cat "$peers/hami/VERSION")
-    echo "  peers in $peers: HAMi $hami_version, Volcano v1.15.1"
+    echo "  peers in $peers: HAMi $hami_version, Volcano v1.15.1, KAI Scheduler v0.13.0"
 fi
 . tests/k8s/stage-hami.sh
 . tests/k8s/stage-volcano.sh
 . tests/k8s/stage-kueue.sh
+. tests/k8s/stage-kai.sh
 export KUBECONFIG="$dir/kubeconfig"
 
 stage "vgpu release binaries and libvgpu.so"
@@ -138,6 +141,9 @@ lib="target/$(uname -m)-unknown-linux-gnu/release/libvgpu.so"
 mkdir -p target/release/sim-lib
 ln -sfn ../libcuda.so target/release/sim-lib/libcuda.so.1
 ln -sfn ../libnvidia_ml.so target/release/sim-lib/libnvidia-ml.so.1
+
+# The node's `nvidia` runtime (KAI's RuntimeClass) runs vgpu-oci-hook as its hooks (cluster.sh).
+export VGPU_K8S_OCI_HOOK="$repo/target/release/vgpu-oci-hook --socket $dir/node/vgpu-run/agent.sock"
 
 stage "control plane"
 tests/k8s/cluster.sh up "$dir"
@@ -196,7 +202,6 @@ echo "  refused: splitCount=0 ($(echo "$out" | grep splitCount | head -1 | sed '
 stage "HAMi mode: helm install, the agent as a DaemonSet on the real node"
 "$K" label node "$node" nvidia.com/gpu.present=true >/dev/null
 k=$dir/node/kubelet
-api=$(tests/k8s/cluster.sh address "$dir")
 cat >"$dir/values-e2e.yaml" <<EOF
 image: {repository: vgpu.test/vgpu-node-agent, tag: e2e, pullPolicy: Never}
 compat: hami
@@ -211,9 +216,6 @@ kubeletRootDir: $k
 priorityClassName: ""
 # The simulated GPU's NVML, mounted from the node as the NVIDIA container toolkit mounts the driver's.
 extraEnv:
-  # No kube-proxy on this node: the API server's own address instead of its Service's.
-  - {name: KUBERNETES_SERVICE_HOST, value: "${api%:*}"}
-  - {name: KUBERNETES_SERVICE_PORT, value: "${api#*:}"}
   - {name: VGPU_AGENT_NVML_LIBRARY, value: /opt/vgpu-sim/lib/libnvidia-ml.so.1}
   - {name: VGPU_SIM_CONFIG, value: /opt/vgpu-sim/node.toml}
   - {name: VGPU_SIM_STATE, value: /opt/vgpu-sim/state}
@@ -504,6 +506,7 @@ echo "  the pod deleted: its slice removed"
 
 if [ -n "$peers" ]; then
     stage_volcano_real
+    stage_kai_real
 fi
 
 stage "DRA: helm upgrade restarts the agent as a DRA driver"

@@ -2,10 +2,12 @@
 """Writes a one-layer OCI image archive from files on this machine, for `ctr images import`:
 the end-to-end test's images (the pod sandbox's pause, the simulated-CUDA client), since no
 registry can be reached.
-  oci-image.py --ref NAME:TAG --out FILE.tar [--entrypoint ARG]... SRC=DEST[:MODE]...
+  oci-image.py --ref NAME:TAG --out FILE.tar [--entrypoint ARG]... [--also NAME:TAG=PATH]...
+      SRC=DEST[:MODE]...
+--also: one more image in the archive, of the same layer (stored once), with PATH its entrypoint.
+The layer is not compressed: the archive stays on this machine.
 """
 import argparse
-import gzip
 import hashlib
 import io
 import json
@@ -38,8 +40,7 @@ def layer(entries):
             info = tarfile.TarInfo(dest.strip("/"))
             info.size, info.mode = len(data), mode
             tar.addfile(info, io.BytesIO(data))
-    diff = raw.getvalue()
-    return diff, gzip.compress(diff, mtime=0)
+    return raw.getvalue()
 
 
 def main():
@@ -48,6 +49,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--entrypoint", action="append", default=[])
     ap.add_argument("--env", action="append", default=[])
+    ap.add_argument("--also", action="append", default=[], metavar="NAME:TAG=PATH")
     ap.add_argument("files", nargs="+", metavar="SRC=DEST[:MODE]")
     a = ap.parse_args()
     entries = []
@@ -63,24 +65,33 @@ def main():
             sys.exit(f"oci-image.py: no file {src}")
         entries.append((src, dest, mode))
     files = {}
-    diff, gz = layer(entries)
-    layer_desc = blob(files, gz)
-    layer_desc["mediaType"] = "application/vnd.oci.image.layer.v1.tar+gzip"
-    config = {
-        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
-        "os": "linux",
-        "config": {"Entrypoint": a.entrypoint or None, "Env": a.env or ["PATH=/usr/local/bin:/usr/bin:/bin"]},
-        "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(diff).hexdigest()]},
-    }
-    config_desc = blob(files, json.dumps(config).encode())
-    config_desc["mediaType"] = "application/vnd.oci.image.config.v1+json"
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "config": config_desc, "layers": [layer_desc]}
-    manifest_desc = blob(files, json.dumps(manifest).encode())
-    manifest_desc["mediaType"] = "application/vnd.oci.image.manifest.v1+json"
-    manifest_desc["annotations"] = {"io.containerd.image.name": a.ref,
-                                    "org.opencontainers.image.ref.name": a.ref.rsplit(":", 1)[-1]}
-    files["index.json"] = json.dumps({"schemaVersion": 2, "manifests": [manifest_desc]}).encode()
+    diff = layer(entries)
+    layer_desc = blob(files, diff)
+    layer_desc["mediaType"] = "application/vnd.oci.image.layer.v1.tar"
+    images = [(a.ref, a.entrypoint)]
+    for also in a.also:
+        if "=" not in also:
+            sys.exit(f"oci-image.py: --also '{also}' is not NAME:TAG=PATH")
+        ref, path = also.split("=", 1)
+        images.append((ref, [path]))
+    manifests = []
+    for ref, entrypoint in images:
+        config = {
+            "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
+            "os": "linux",
+            "config": {"Entrypoint": entrypoint or None, "Env": a.env or ["PATH=/usr/local/bin:/usr/bin:/bin"]},
+            "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
+        }
+        config_desc = blob(files, json.dumps(config).encode())
+        config_desc["mediaType"] = "application/vnd.oci.image.config.v1+json"
+        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "config": config_desc, "layers": [layer_desc]}
+        manifest_desc = blob(files, json.dumps(manifest).encode())
+        manifest_desc["mediaType"] = "application/vnd.oci.image.manifest.v1+json"
+        manifest_desc["annotations"] = {"io.containerd.image.name": ref,
+                                        "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[-1]}
+        manifests.append(manifest_desc)
+    files["index.json"] = json.dumps({"schemaVersion": 2, "manifests": manifests}).encode()
     files["oci-layout"] = json.dumps({"imageLayoutVersion": "1.0.0"}).encode()
     with tarfile.open(a.out, "w") as tar:
         for name, data in files.items():

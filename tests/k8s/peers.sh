@@ -13,6 +13,7 @@
 # | peer | version | built |
 # | HAMi | v2.10.0 (4707fb0) | cmd/scheduler (extender and mutating webhook); its chart, charts/hami |
 # | Volcano | v1.15.1 (0a56ed3) | cmd/scheduler (vc-scheduler, deviceshare inside), cmd/controller-manager; its chart, installer/helm/chart/volcano |
+# | KAI Scheduler | v0.13.0 (5d35eca) | cmd/ operator, scheduler, binder, admission, podgrouper, podgroupcontroller, queuecontroller, resourcereservation (NVML through cgo); its chart, deployments/kai-scheduler |
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=${VGPU_PEERS_SRC:-$here/../../../shared/peers}
@@ -61,6 +62,22 @@ vc_flags="-s -w -X volcano.sh/volcano/pkg/version.Version=v1.15.1 -X volcano.sh/
     CGO_ENABLED=0 go build -mod=readonly -ldflags "$vc_flags" -o "$out.partial/bin/vc-controller-manager" \
         ./cmd/controller-manager) >&2
 echo "peers.sh: Volcano v1.15.1 built in $((SECONDS - start)) s" >&2
+
+start=$SECONDS
+echo "peers.sh: building KAI Scheduler's operator and the seven images it deploys ($(ls "$src" | grep '^kai-'))" >&2
+unpack kai-scheduler-v0.13.0.tar.gz kai
+# As KAI's Makefile builds them (its version in the binaries); CGO off but for the reservation
+# pod's binary, which reads the GPU's UUID through NVML (go-nvml loads the driver's library).
+kai_flags="-s -w -X github.com/NVIDIA/KAI-scheduler/pkg/scheduler/version.gitVersion=v0.13.0 \
+    -X github.com/NVIDIA/KAI-scheduler/pkg/scheduler/version.gitCommit=5d35ecab74e693d6f40309d2e23a68b8ac138571"
+mkdir -p "$out.partial/bin/kai"
+for c in operator scheduler binder admission podgrouper podgroupcontroller queuecontroller resourcereservation; do
+    cgo=0
+    [ "$c" = resourcereservation ] && cgo=1
+    (cd "$out.partial/kai" && CGO_ENABLED=$cgo go build -mod=readonly -buildvcs=false -ldflags "$kai_flags" \
+        -o "$out.partial/bin/kai/$c" "./cmd/$c") >&2
+done
+echo "peers.sh: KAI Scheduler v0.13.0 built in $((SECONDS - start)) s" >&2
 
 touch "$out.partial/.complete"
 rm -rf "$out"

@@ -7,9 +7,9 @@
 # nothing else; HAMi's webhook sends them to its scheduler, its extender filters, picks the GPUs and
 # binds; the agent allocates what HAMi wrote and the client is held to it on that GPU.
 #
-# Three things of the test's cluster stand in for what a real one has: no kube-proxy (the pods'
-# KUBERNETES_SERVICE_HOST is the API server's address, and the API server reaches the webhook's
-# Service through its endpoints: --enable-aggregator-routing), no registry (the images are built
+# Three things of the test's cluster stand in for what a real one has: no kube-proxy (cluster.sh
+# serves the `kubernetes` Service alone, and the API server reaches the webhook's Service through
+# its endpoints: --enable-aggregator-routing), no registry (the images are built
 # from the binaries and imported), and no cert-manager or the chart's certificate job (whose image
 # cannot be pulled: its work, a serving certificate and the webhook's caBundle, is done here with
 # openssl and kubectl).

@@ -9,7 +9,7 @@
 #
 # Left out: vc-webhook-manager (its chart's certificate job needs an image no registry here serves;
 # the job's webhooks are validation and defaults, not placement), so the default Queue, which its
-# start makes, is made here. Stand-ins as for HAMi: the pods' KUBERNETES_SERVICE_HOST, images built
+# start makes, is made here. Stand-ins as for HAMi: the `kubernetes` Service alone, images built
 # from the binaries.
 
 volcano_ns=volcano-system
