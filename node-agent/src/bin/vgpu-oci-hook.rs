@@ -5,13 +5,15 @@
 //! `config.json`; a container that asks for nothing (`VGPU_MEMORY`, `VGPU_SM`, `VGPU_SLICE`, KAI's
 //! `GPU_PORTION`, or KAI's pod annotations below), or whose `/usr/local/vgpu` is already mounted (a
 //! device plugin put it in a slice), is left alone. Otherwise it asks the agent for a slice
-//! (`VGPU_SLICE`: an existing one; else `oci-<container id>` with `VGPU_MEMORY` and `VGPU_SM` on
-//! `VGPU_GPUS` or `NVIDIA_VISIBLE_DEVICES`, default GPU 0, of `VGPU_PRIORITY` (`high` or `normal`, the
-//! default); for KAI's GPU sharing (see [`kai_memory`]) each GPU in `NVIDIA_VISIBLE_DEVICES`, the GPU
-//! KAI reserved, held to the pod's `gpu-memory` or `gpu-fraction`) and bind-mounts, inside the
-//! container's mount namespace,
-//! the slice directory at `/usr/local/vgpu`, its limits file and the versioned `libvgpu.so`
-//! read-only, and `/etc/ld.so.preload`. A hook cannot change the container's environment: the
+//! (`VGPU_SLICE`: an existing one, where the hook runs with `--allow-join`; else `oci-<container id>`
+//! with `VGPU_MEMORY` and `VGPU_SM` on `VGPU_GPUS` or `NVIDIA_VISIBLE_DEVICES`, default GPU 0, of
+//! `VGPU_PRIORITY` (`normal`, the default, or `high` where the hook runs with `--allow-priority`); for
+//! KAI's GPU sharing (see [`kai_memory`]) each GPU in `NVIDIA_VISIBLE_DEVICES`, the GPU KAI
+//! reserved, held to the pod's `gpu-memory` or `gpu-fraction`) and bind-mounts, inside the
+//! container's mount namespace and resolved inside its root (see [`within`]), the slice directory at
+//! `/usr/local/vgpu`, its limits file and the versioned `libvgpu.so` read-only, and
+//! `/etc/ld.so.preload`. The environment is the tenant's: what it asks beyond the hook's arguments
+//! (the administrator's) is refused. A hook cannot change the container's environment: the
 //! interposer finds the mounted region and limits by their paths. `poststop` deletes the slice it
 //! made. Errors go to stderr and fail the hook (the runtime then refuses to start the container).
 #![deny(clippy::too_many_lines)]
@@ -147,6 +149,44 @@ fn c(p: &Path) -> CString {
     CString::new(p.as_os_str().as_encoded_bytes()).unwrap_or_else(|_| die(format!("bad path {}", p.display())))
 }
 
+/// `path`, a path in the container, as the container will resolve it under `rootfs`: the image's
+/// symbolic links are followed inside the root (an absolute target starts again at the root, `..`
+/// stops there), never out to the host's files, as runc resolves its own mount targets. What does not
+/// exist yet is kept as it is (the hook then makes it inside the root). Nothing in the container runs
+/// yet (a createRuntime hook), so the links cannot change between this and the mount.
+fn within(rootfs: &Path, path: &str) -> Result<PathBuf, String> {
+    use std::path::Component;
+    let mut pending: Vec<std::ffi::OsString> =
+        Path::new(path).components().rev().map(|c| c.as_os_str().to_owned()).collect();
+    let mut at = PathBuf::new();
+    let mut links = 0;
+    while let Some(part) = pending.pop() {
+        match Path::new(&part).components().next() {
+            None | Some(Component::RootDir | Component::CurDir | Component::Prefix(_)) => continue,
+            Some(Component::ParentDir) => {
+                at.pop();
+                continue;
+            }
+            Some(Component::Normal(_)) => {}
+        }
+        let next = at.join(&part);
+        match std::fs::read_link(rootfs.join(&next)) {
+            Ok(target) => {
+                links += 1;
+                if links > 40 {
+                    return Err(format!("{path}: more than 40 symbolic links in the image"));
+                }
+                if target.is_absolute() {
+                    at = PathBuf::new();
+                }
+                pending.extend(target.components().rev().map(|c| c.as_os_str().to_owned()));
+            }
+            Err(_) => at = next,
+        }
+    }
+    Ok(rootfs.join(at))
+}
+
 /// In a fresh single-threaded process: enter the container's mount namespace and make the mounts
 /// (`setns` into a mount namespace needs a single-threaded caller).
 fn inject(pid: &str, rootfs: &Path, mounts: &[(String, String, bool)]) {
@@ -159,7 +199,7 @@ fn inject(pid: &str, rootfs: &Path, mounts: &[(String, String, bool)]) {
         }
     }
     for (host, container, ro) in mounts {
-        let target = rootfs.join(container.trim_start_matches('/'));
+        let target = within(rootfs, container).unwrap_or_else(|e| die(e));
         let is_dir = Path::new(host).is_dir();
         if is_dir {
             std::fs::create_dir_all(&target).unwrap_or_else(|e| die(format!("mkdir {}: {e}", target.display())));
@@ -185,13 +225,44 @@ fn inject(pid: &str, rootfs: &Path, mounts: &[(String, String, bool)]) {
     }
 }
 
+/// What the runtime's administrator lets a container's environment ask for (the hook's arguments):
+/// by default a container gets only a slice made for it, of normal priority.
+#[derive(Default)]
+struct Policy {
+    /// `--allow-join`: `VGPU_SLICE` may name an existing slice to join.
+    join: bool,
+    /// `--allow-priority`: `VGPU_PRIORITY=high` may make a high-priority slice.
+    priority: bool,
+}
+
+impl Policy {
+    /// Refuses what the environment asks beyond the policy, naming the variable and the argument.
+    fn check(&self, env: &Env) -> Result<(), String> {
+        if let Some(name) = env.get("VGPU_SLICE").filter(|_| !self.join) {
+            return Err(format!(
+                "VGPU_SLICE={name:?}: joining an existing slice is not allowed here (the runtime's hook \
+                 configuration allows it with --allow-join)"
+            ));
+        }
+        if env.get("VGPU_PRIORITY").is_some_and(|v| v.trim() == "high") && !self.priority {
+            return Err("VGPU_PRIORITY=high: a container may not make its slice high-priority here (the \
+                        runtime's hook configuration allows it with --allow-priority)"
+                .to_string());
+        }
+        Ok(())
+    }
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
+    let mut policy = Policy::default();
     let mut socket = PathBuf::from(std::env::var("VGPU_SOCKET").unwrap_or_else(|_| "/run/vgpu/agent.sock".into()));
     let mut stage = "createRuntime".to_string();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--socket" => socket = args.next().unwrap_or_else(|| die("--socket needs a path")).into(),
+            "--allow-join" => policy.join = true,
+            "--allow-priority" => policy.priority = true,
             "--inject" => {
                 // Internal: --inject PID ROOTFS MOUNTS-JSON
                 let (pid, rootfs, json) = (args.next(), args.next(), args.next());
@@ -204,7 +275,10 @@ fn main() {
             }
             "createRuntime" | "prestart" | "poststop" => stage = a,
             "-h" | "--help" => {
-                println!("usage: vgpu-oci-hook [--socket PATH] [createRuntime|poststop]  (OCI state on stdin)");
+                println!(
+                    "usage: vgpu-oci-hook [--socket PATH] [--allow-join] [--allow-priority] \
+                     [createRuntime|poststop]  (OCI state on stdin)"
+                );
                 return;
             }
             _ => die(format!("unknown argument {a:?}")),
@@ -246,6 +320,7 @@ fn main() {
         }
         return;
     }
+    policy.check(&env).unwrap_or_else(|e| die(e));
     let pid = state["pid"].as_u64().unwrap_or_else(|| die("OCI state without pid")).to_string();
     let detail = rt.block_on(async {
         let mut c = vgpu_agent::api::connect(&socket).await.unwrap_or_else(|e| die(e));

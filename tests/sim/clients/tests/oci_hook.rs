@@ -55,6 +55,18 @@ fn bundle(dir: &Path, env: &[&str], script: &str, hook: &str, socket: &Path) {
     std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
 }
 
+/// The bundle's hooks run with these arguments too (the runtime administrator's policy).
+fn hook_args(dir: &Path, extra: &[&str]) {
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    for stage in ["createRuntime", "poststop"] {
+        let args = cfg["hooks"][stage][0]["args"].as_array_mut().unwrap();
+        for (i, a) in extra.iter().enumerate() {
+            args.insert(3 + i, json!(a));
+        }
+    }
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+}
+
 fn run(dir: &Path, id: &str) -> String {
     let o = Command::new("runc").args(["run", id]).current_dir(dir).output().unwrap();
     let _ = Command::new("runc").args(["delete", "--force", id]).output();
@@ -91,6 +103,7 @@ fn runc_containers_get_their_slice_through_the_hook() {
     );
     let script = script.as_str();
     bundle(&b1, &["VGPU_MEMORY=1GiB", "VGPU_SM=30", "VGPU_GPUS=0", "VGPU_PRIORITY=high"], script, &hook, &a.socket);
+    hook_args(&b1, &["--allow-priority"]);
     let out = run(&b1, &id);
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines[0], "/usr/local/vgpu/libvgpu.so", "{out}");
@@ -219,4 +232,78 @@ fn kai_fractional_gpus_get_their_portion_through_the_hook() {
     let list = a.ctl_ok(&["slice", "list"]);
     assert!(!list.contains(&format!("{id}-mounted")) && !list.contains("kai"), "{list}");
     assert!(!a.log_text().contains(&format!("oci-{id}-mounted")), "no slice was made for it");
+}
+
+#[test]
+fn a_container_s_environment_gets_it_no_slice_but_its_own_and_no_priority_unless_allowed() {
+    if !available() {
+        return;
+    }
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let hook = bin("vgpu-oci-hook");
+    let id = format!("vgpu-policy-{}", std::process::id());
+    a.ctl_ok(&["slice", "create", "--name", "victim", "--gpu", "0", "--memory", "1GiB", "--priority", "high"]);
+    // A tenant naming another slice in its environment: refused, the container never starts (so
+    // it never mounts the victim's region or activity file).
+    let b = s.state.join("join");
+    bundle(&b, &["VGPU_SLICE=victim"], "ls /usr/local/vgpu", &hook, &a.socket);
+    let e = run_failing(&b, &format!("{id}-join"));
+    assert!(e.contains("VGPU_SLICE=") && e.contains("victim") && e.contains("--allow-join"), "{e}");
+    // Claiming high priority for its own slice: refused, and no slice is left behind.
+    let b = s.state.join("priority");
+    bundle(&b, &["VGPU_MEMORY=1GiB", "VGPU_PRIORITY=high"], "true", &hook, &a.socket);
+    let e = run_failing(&b, &format!("{id}-priority"));
+    assert!(e.contains("VGPU_PRIORITY=high") && e.contains("--allow-priority"), "{e}");
+    let list = a.ctl_ok(&["slice", "list"]);
+    assert!(!list.contains(&format!("oci-{id}")), "{list}");
+    // Where the administrator allows them (the hook's arguments), both work.
+    let b = s.state.join("joined");
+    bundle(&b, &["VGPU_SLICE=victim"], "ls /usr/local/vgpu", &hook, &a.socket);
+    hook_args(&b, &["--allow-join"]);
+    let out = run(&b, &format!("{id}-joined"));
+    assert!(out.lines().any(|l| l == "limits"), "{out}");
+    let b = s.state.join("prioritised");
+    bundle(&b, &["VGPU_MEMORY=1GiB", "VGPU_PRIORITY=high"], "true", &hook, &a.socket);
+    hook_args(&b, &["--allow-priority"]);
+    run(&b, &format!("{id}-prioritised"));
+    assert!(
+        a.log_text().lines().any(|l| l.contains("slice created")
+            && l.contains(&format!("oci-{id}-prioritised"))
+            && l.contains("\"priority\":\"High\"")),
+        "{}",
+        a.log_text()
+    );
+}
+
+#[test]
+fn the_image_s_symbolic_links_lead_the_hook_s_mounts_only_inside_the_container() {
+    if !available() {
+        return;
+    }
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    let hook = bin("vgpu-oci-hook");
+    // The image's /usr/local/vgpu and /etc point at host folders (absolute links): the hook must
+    // resolve them inside the container's root, as the container will, and write nothing there.
+    let (host_vgpu, host_etc) = (s.state.join("host-vgpu"), s.state.join("host-etc"));
+    std::fs::create_dir_all(&host_vgpu).unwrap();
+    std::fs::create_dir_all(&host_etc).unwrap();
+    let b = s.state.join("links");
+    bundle(&b, &["VGPU_MEMORY=1GiB"], "ls /usr/local/vgpu; cat /etc/ld.so.preload", &hook, &a.socket);
+    let rootfs = b.join("rootfs");
+    std::fs::create_dir_all(rootfs.join("usr/local")).unwrap();
+    std::os::unix::fs::symlink(&host_vgpu, rootfs.join("usr/local/vgpu")).unwrap();
+    std::fs::remove_dir_all(rootfs.join("etc")).unwrap();
+    std::os::unix::fs::symlink(&host_etc, rootfs.join("etc")).unwrap();
+    let out = run(&b, &format!("vgpu-links-{}", std::process::id()));
+    for f in ["limits", "region", "libvgpu.so", "/usr/local/vgpu/libvgpu.so"] {
+        assert!(out.lines().any(|l| l == f), "{f} missing in the container:\n{out}");
+    }
+    for d in [&host_vgpu, &host_etc] {
+        let left: Vec<_> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "the hook wrote on the host through the image's link, in {}: {left:?}", d.display());
+    }
+    // Inside the root, where the links lead in the container.
+    assert!(rootfs.join(host_vgpu.strip_prefix("/").unwrap()).join("limits").exists());
 }
