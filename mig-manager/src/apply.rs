@@ -236,12 +236,19 @@ pub fn check(b: &dyn MigBackend, gpu: u32, d: &Desired) -> Result<Vec<String>, M
                 diffs.push(format!("{have} x {name}, wanted {n}"));
             }
         }
-        for i in g.instances.iter().filter(|_| !d.devices.is_empty()) {
+        // `mig-devices: {}` names a layout too: no instances at all.
+        for i in g.instances.iter().filter(|_| d.has_layout()) {
             let name = g.profile(i.profile).map_or("?".to_string(), |p| p.name.clone());
             if !d.devices.keys().any(|k| g.profile_named(k).is_some_and(|p| p.id == i.profile)) {
                 diffs.push(format!("unwanted {name} at slice {}", i.start));
             }
         }
+    }
+    // A GPU instance with no compute instance (an apply cut short between the two) is of no use
+    // to CUDA: it never counts as done.
+    for i in g.instances.iter().filter(|i| i.compute_instances.is_empty()) {
+        let name = g.profile(i.profile).map_or("?".to_string(), |p| p.name.clone());
+        diffs.push(format!("{name} at slice {} has no compute instance", i.start));
     }
     Ok(diffs)
 }

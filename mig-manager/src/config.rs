@@ -163,6 +163,13 @@ pub fn wants(gpu: &Gpu, d: &Desired) -> Result<Vec<Want>, ConfigError> {
                 gpu.profiles.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
             ))
         })?;
+        // Bounded before anything is built from it: a count is the config's, not the GPU's.
+        if n > p.max {
+            return Err(ConfigError(format!(
+                "{n} x {name}: GPU {} ({}) holds at most {} of that profile",
+                gpu.index, gpu.name, p.max
+            )));
+        }
         v.extend((0..n).map(|_| Want { profile: p.id, start: None }));
     }
     Ok(v)

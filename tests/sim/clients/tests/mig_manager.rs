@@ -404,3 +404,28 @@ fn refused_mig_changes_change_nothing_now_or_later() {
             .unwrap();
     assert!(!mode_only.exact && !mode_only.has_layout());
 }
+
+/// A config's counts are bounded before anything is built from them (4e9 instances of a profile
+/// made the agent allocate 48 GB and abort), and `mig-devices: {}` asserts that no instance is
+/// left (it passed with instances in place). Issue 61, items 2 and 3.
+#[test]
+fn huge_counts_are_refused_and_an_empty_layout_is_asserted() {
+    let (_one, _s, b, store) = on_node(NODE);
+    let huge = config::File::parse(
+        "version: v1\nmig-configs:\n  huge:\n    - devices: all\n      mig-enabled: true\n      mig-devices: {\"1g.10gb\": 4000000000}\n",
+    )
+    .unwrap();
+    let d = desired(&huge, "huge", &b, 1);
+    let e = config::wants(&b.gpu(1).unwrap(), &d).unwrap_err();
+    assert!(e.to_string().contains("4000000000 x 1g.10gb") && e.to_string().contains("holds at most 7"), "{e}");
+    let e = apply::apply_gpu(&b, &store, 1, &d, false).unwrap_err();
+    assert!(e.to_string().contains("holds at most"), "{e}");
+    assert!(layout(&b, 1).is_empty(), "nothing made: {:?}", layout(&b, 1));
+
+    let f = config::File::parse(CONFIG).unwrap();
+    apply::apply_gpu(&b, &store, 1, &desired(&f, "all-balanced", &b, 1), false).unwrap();
+    assert_eq!(layout(&b, 1).len(), 4);
+    let empty = desired(&f, "all-enabled", &b, 1);
+    let diffs = apply::check(&b, 1, &empty).unwrap();
+    assert_eq!(diffs.iter().filter(|d| d.starts_with("unwanted")).count(), 4, "{diffs:?}");
+}
