@@ -261,6 +261,22 @@ fn on(b: bool) -> &'static str {
     }
 }
 
+/// GPU instances without a compute instance (an apply or a request cut short between the two
+/// creations, or a `nvidia-smi mig -cgi` without `-C`): of no use to CUDA, and a placement nothing
+/// could use. Each is destroyed (nothing can run on it, so nothing is lost); returns what was
+/// removed (`GPU <index>: <profile> at slice <start>`) and what could not be.
+pub fn remove_half_made(b: &dyn MigBackend) -> Vec<Result<String, MigError>> {
+    let mut out = Vec::new();
+    for index in 0..b.gpu_count().unwrap_or(0) {
+        let Ok(g) = b.gpu(index) else { continue };
+        for i in g.instances.iter().filter(|i| g.mig_enabled && i.compute_instances.is_empty()) {
+            let name = g.profile(i.profile).map_or("?".to_string(), |p| p.name.clone());
+            out.push(b.destroy(index, i.gi).map(|()| format!("GPU {index}: {name} at slice {}", i.start)));
+        }
+    }
+    out
+}
+
 /// After a restart, a reboot or a driver reload: finishes journalled applies, then re-applies every
 /// recorded desired state that no longer holds. Returns what it did per GPU.
 pub fn reconcile(b: &dyn MigBackend, store: &Store) -> Vec<Result<Outcome, MigError>> {

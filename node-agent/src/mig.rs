@@ -233,10 +233,18 @@ pub fn run(
     Ok(pb::MigReport { gpus: out })
 }
 
-/// After start-up: finishes interrupted applies and re-applies recorded layouts that no longer hold
-/// (after a reboot or driver reload), keeping the MIG devices given out (`held`).
+/// After start-up: removes GPU instances left without a compute instance, finishes interrupted
+/// applies and re-applies recorded layouts that no longer hold (after a reboot or driver reload),
+/// keeping the MIG devices given out (`held`).
 pub fn reconcile(nvml: Arc<Nvml>, store: &Store, held: Vec<String>) {
     let b = NvmlBackend::with_held(nvml, held);
+    // First what an apply or a request cut short left: the layouts below are then made whole.
+    for r in apply::remove_half_made(&b) {
+        match r {
+            Ok(what) => tracing::warn!(instance = %what, "a GPU instance without a compute instance removed"),
+            Err(e) => tracing::warn!(error = %e, "a GPU instance without a compute instance could not be removed"),
+        }
+    }
     for r in apply::reconcile(&b, store) {
         match r {
             Ok(o) => tracing::info!(gpu = o.gpu, pending_reset = o.pending_reset, "MIG layout restored"),

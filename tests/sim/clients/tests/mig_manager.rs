@@ -429,3 +429,39 @@ fn huge_counts_are_refused_and_an_empty_layout_is_asserted() {
     let diffs = apply::check(&b, 1, &empty).unwrap();
     assert_eq!(diffs.iter().filter(|d| d.starts_with("unwanted")).count(), 4, "{diffs:?}");
 }
+
+/// A GPU instance left without its compute instance (the agent killed between the two creations)
+/// matched the layout's profiles, so `assert` passed with CUDA a device short and the replay kept
+/// it. It is now never counted as done, and the agent's start removes it and makes the layout
+/// whole. Issue 61, item 1.
+#[test]
+fn a_half_made_instance_is_not_done_and_is_removed_at_start() {
+    let (_one, s, b, store) = on_node(NODE);
+    let f = config::File::parse(CONFIG).unwrap();
+    let d = desired(&f, "all-balanced", &b, 1);
+    apply::apply_gpu(&b, &store, 1, &d, false).unwrap();
+    assert_eq!(apply::check(&b, 1, &d).unwrap(), Vec::<String>::new());
+    // One instance made again as a cut-short apply leaves it: the GPU instance alone.
+    let g = b.gpu(1).unwrap();
+    let i = g.instances[0].clone();
+    let p = g.profile(i.profile).unwrap().clone();
+    b.destroy(1, i.gi).unwrap();
+    let nvml = nvml_wrapper::Nvml::builder().lib_path(s.libs.join("libnvidia-ml.so.1").as_os_str()).init().unwrap();
+    let dev = nvml.device_by_index(1).unwrap();
+    let placement = nvml_wrapper_sys::bindings::nvmlGpuInstancePlacement_t { start: i.start, size: p.memory_slices };
+    let mut gi = std::ptr::null_mut();
+    // SAFETY: a valid device handle of a live Nvml, a placement and an out-pointer to a local.
+    let r = unsafe { nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement(dev.handle(), p.id, &placement, &mut gi) };
+    assert_eq!(r, 0, "the GPU instance alone");
+    let diffs = apply::check(&b, 1, &d).unwrap();
+    assert!(
+        diffs.iter().any(|x| x.contains(&format!("{} at slice {} has no compute instance", p.name, i.start))),
+        "{diffs:?}"
+    );
+    // The agent's start: removed, then the recorded layout made whole.
+    let removed: Vec<String> = apply::remove_half_made(&b).into_iter().map(Result::unwrap).collect();
+    assert_eq!(removed, vec![format!("GPU 1: {} at slice {}", p.name, i.start)]);
+    assert!(apply::reconcile(&b, &store).iter().all(Result::is_ok));
+    assert_eq!(apply::check(&b, 1, &d).unwrap(), Vec::<String>::new());
+    assert!(b.gpu(1).unwrap().instances.iter().all(|i| i.compute_instances.len() == 1));
+}
