@@ -36,8 +36,15 @@ pub(crate) const MAX_NAME: usize = 253;
 /// The largest message a node may send (a 256-GPU node with every peer listed fits).
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// The most a node's applied state may take, encoded: what the receiver keeps per node is bounded
-/// by this, however the node's messages are made up.
-pub const MAX_NODE_BYTES: usize = 4 << 20;
+/// by this, however the node's messages are made up. With what the cluster view wraps around it
+/// (at most [`VIEW_ENVELOPE`]) it stays within the 4 MiB every gRPC client reads by default, so the
+/// page that carries the largest state a node may have is still readable: one node never makes the
+/// view of the others fail.
+pub const MAX_NODE_BYTES: usize = MAX_MESSAGE - VIEW_ENVELOPE;
+/// What a page of the cluster view adds around one node's state, at most: the view's fields (agent
+/// version up to 64 bytes, the peer's address, flags, times) and the page's (`next_after`, a node
+/// name up to 253 bytes), with their tags and lengths.
+const VIEW_ENVELOPE: usize = 4096;
 /// Text fields (models, versions, reasons, profile names) and list lengths within a GPU.
 const MAX_TEXT: usize = 256;
 const MAX_UUID: usize = 96;

@@ -234,3 +234,57 @@ fn a_client_certificate_names_a_node_by_its_subject_alternative_names_only() {
     assert!(!crate::certs::names(&rustls_pki_types::CertificateDer::from(cn_only.der().to_vec()), "n1"));
     assert!(!crate::certs::names(&rustls_pki_types::CertificateDer::from(vec![0x30, 0x03, 1, 2, 3]), "n1"));
 }
+
+/// A state of about `bytes` encoded (at most that, within a few hundred bytes of it) that passes
+/// every check: GPUs with full peer lists (256 GPUs of 256 peers exceed 4 MiB), the last one cut
+/// to size and padded with its model.
+fn state_of(bytes: usize) -> sp::NodeCapacity {
+    let peer = |i: usize| sp::Peer { uuid: format!("GPU-{i:0>92}"), nvlink: true, pcie: "Node".into() };
+    let gpu = |i: usize, peers: usize| sp::GpuCapacity {
+        uuid: format!("GPU-{i:0>92}"),
+        memory_total: 80 << 30,
+        peers: (0..peers).map(peer).collect(),
+        ..Default::default()
+    };
+    let mut c = sp::NodeCapacity { node: "n".repeat(MAX_NAME), ..Default::default() };
+    let len = |c: &sp::NodeCapacity| prost::Message::encoded_len(c);
+    while len(&c) <= bytes {
+        c.gpus.push(gpu(c.gpus.len(), MAX_GPUS));
+    }
+    while len(&c) > bytes && !c.gpus.last().unwrap().peers.is_empty() {
+        c.gpus.last_mut().unwrap().peers.pop();
+    }
+    for n in (0..=MAX_TEXT).rev() {
+        c.gpus.last_mut().unwrap().model = "m".repeat(n);
+        if len(&c) <= bytes {
+            break;
+        }
+    }
+    c
+}
+
+/// The largest state a node may have still reaches every client: the page of the cluster view that
+/// carries it, with every field of its envelope at its largest, is within the 4 MiB a gRPC client
+/// reads by default (a legal 4,194,264-byte state made `vgpuctl cluster status` fail for the whole
+/// cluster with "found 4194371 bytes, the limit is 4194304"). Issue 61, item 8.
+#[test]
+fn the_page_of_the_largest_state_a_node_may_have_is_readable() {
+    let c = state_of(MAX_NODE_BYTES);
+    let n = prost::Message::encoded_len(&c);
+    assert!(n <= MAX_NODE_BYTES && n > MAX_NODE_BYTES - 400, "{n}");
+    assert!(check_capacity(&c).is_ok() && check_size(&c).is_ok());
+    let view = sp::NodeView {
+        capacity: Some(c),
+        connected: true,
+        last_seen_ms_ago: u64::MAX,
+        stale: true,
+        agent_version: "v".repeat(64),
+        peer: "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535".into(),
+        synced: true,
+    };
+    let page = sp::ClusterStatus { nodes: vec![view], next_after: "z".repeat(MAX_NAME) };
+    assert!(prost::Message::encoded_len(&page) <= MAX_MESSAGE, "{}", prost::Message::encoded_len(&page));
+    // More than that is refused, with the bound.
+    let e = check_size(&state_of(MAX_NODE_BYTES + 1000)).unwrap_err();
+    assert!(e.to_string().contains(&format!("(at most {MAX_NODE_BYTES})")), "{e}");
+}
