@@ -414,7 +414,7 @@ async fn session<S: Source>(
 }
 
 /// A status with its whole chain of causes (a refused TLS handshake shows only at the bottom).
-fn status_text(s: &tonic::Status) -> String {
+pub fn status_text(s: &tonic::Status) -> String {
     let m = s.message();
     let mut causes: Vec<String> = Vec::new();
     let mut c = std::error::Error::source(s);

@@ -45,6 +45,11 @@ pub const MAX_NODE_BYTES: usize = MAX_MESSAGE - VIEW_ENVELOPE;
 /// version up to 64 bytes, the peer's address, flags, times) and the page's (`next_after`, a node
 /// name up to 253 bytes), with their tags and lengths.
 const VIEW_ENVELOPE: usize = 4096;
+/// A GPU's memory (64 TiB), SMs and slices at most: far above any GPU's, so that what a node reports
+/// is a number a scheduler can add up.
+const MAX_GPU_MEMORY: u64 = 64 << 40;
+const MAX_SMS: u64 = 10_000;
+const MAX_SLICES: u64 = 65_536;
 /// Text fields (models, versions, reasons, profile names) and list lengths within a GPU.
 const MAX_TEXT: usize = 256;
 const MAX_UUID: usize = 96;
@@ -152,6 +157,8 @@ pub enum CapacityError {
     Gpu { uuid: String, error: Box<CapacityError> },
     #[error("memory_allocatable {allocatable} is above ten times memory_total {total}")]
     MemoryAboveTenfold { allocatable: u64, total: u64 },
+    #[error("{field} {value} is above {max}, more than any GPU has")]
+    Absurd { field: &'static str, value: u64, max: u64 },
     #[error("sm_allocatable {0} % is above 100")]
     SmAbove100(u32),
     #[error("numa_node {0} (-1 means unknown)")]
@@ -205,6 +212,16 @@ fn check_gpu(g: &sp::GpuCapacity) -> Result<(), CapacityError> {
     text("model", &g.model, MAX_TEXT)?;
     text("health_reason", &g.health_reason, MAX_TEXT)?;
     text("pci_bus_id", &g.pci_bus_id, 32)?;
+    // Numbers no GPU has: a bound far above today's (192 GB, 148 SMs) and the agent's slices.
+    if g.memory_total > MAX_GPU_MEMORY {
+        return Err(CapacityError::Absurd { field: "memory_total", value: g.memory_total, max: MAX_GPU_MEMORY });
+    }
+    if u64::from(g.sm_count) > MAX_SMS {
+        return Err(CapacityError::Absurd { field: "sm_count", value: g.sm_count.into(), max: MAX_SMS });
+    }
+    if u64::from(g.slices) > MAX_SLICES {
+        return Err(CapacityError::Absurd { field: "slices", value: g.slices.into(), max: MAX_SLICES });
+    }
     // An agent may oversubscribe memory up to ten times (memory_scaling at most 10).
     if g.memory_allocatable > g.memory_total.saturating_mul(10) {
         return Err(CapacityError::MemoryAboveTenfold { allocatable: g.memory_allocatable, total: g.memory_total });

@@ -288,3 +288,25 @@ fn the_page_of_the_largest_state_a_node_may_have_is_readable() {
     let e = check_size(&state_of(MAX_NODE_BYTES + 1000)).unwrap_err();
     assert!(e.to_string().contains(&format!("(at most {MAX_NODE_BYTES})")), "{e}");
 }
+
+/// Numbers no GPU has are refused with the field and the bound (2^64-1 bytes, 1e9 SMs and 4e9
+/// slices were accepted and summed into the cluster view). Issue 61, item 12.
+#[test]
+fn numbers_no_gpu_has_are_refused() {
+    let ok = sp::GpuCapacity {
+        uuid: "G".into(),
+        memory_total: 192 << 30,
+        sm_count: 148,
+        slices: 4096,
+        ..Default::default()
+    };
+    assert!(check_gpu(&ok).is_ok());
+    for (g, want) in [
+        (sp::GpuCapacity { memory_total: u64::MAX, ..ok.clone() }, "memory_total 18446744073709551615 is above"),
+        (sp::GpuCapacity { sm_count: 1_000_000_000, ..ok.clone() }, "sm_count 1000000000 is above 10000"),
+        (sp::GpuCapacity { slices: 4_000_000_000, ..ok.clone() }, "slices 4000000000 is above 65536"),
+    ] {
+        let e = check_gpu(&g).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+}

@@ -630,6 +630,24 @@ fn main() {
     });
 }
 
+/// The receiver's refusal, with its causes; a connection it dropped during the TLS handshake
+/// without a client certificate most often means it requires mutual TLS: said, with the options.
+fn refused(r: &Receiver, endpoint: &vgpu_agent::report::Endpoint, s: tonic::Status) -> ! {
+    let text = vgpu_agent::report::status_text(&s);
+    let tls = matches!(endpoint, vgpu_agent::report::Endpoint::Https { .. });
+    if tls && r.cert.is_none() && ["transport error", "CertificateRequired"].iter().any(|w| text.contains(w)) {
+        die(
+            if s.code() == tonic::Code::Unavailable { 3 } else { 1 },
+            format!(
+                "{}: {text}; if the receiver requires mutual TLS, give its client certificate and key \
+                 (--cert and --key, or VGPU_CLUSTER_CERT and VGPU_CLUSTER_KEY)",
+                r.server
+            ),
+        )
+    }
+    grpc_err(s)
+}
+
 async fn cluster_status(r: &Receiver, node: String) -> vgpu_proto::scheduler::v1::ClusterStatus {
     use vgpu_agent::report;
     let endpoint = report::Endpoint::parse(&r.server).unwrap_or_else(|e| die(2, e));
@@ -656,7 +674,7 @@ async fn cluster_status(r: &Receiver, node: String) -> vgpu_proto::scheduler::v1
                 .unwrap_or_else(|_| die(2, "the token holds characters not allowed in a header"));
             req.metadata_mut().insert("authorization", v);
         }
-        let page = client.status(req).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+        let page = client.status(req).await.unwrap_or_else(|e| refused(r, &endpoint, e)).into_inner();
         all.nodes.extend(page.nodes);
         all.next_after = page.next_after;
         if all.next_after.is_empty() {

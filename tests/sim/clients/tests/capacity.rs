@@ -609,6 +609,11 @@ fn mutual_tls_refuses_clients_without_a_certificate_from_its_ca() {
     // Refused with a reason, not killed by SIGPIPE in silence (exit 141, no output).
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(String::from_utf8_lossy(&o.stderr).starts_with("vgpuctl: "), "{o:?}");
+    // Naming what to give, as the agent does (it said only "transport error").
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("give its client certificate and key (--cert and --key"),
+        "{o:?}"
+    );
     assert!(
         node_view_mtls(&rt, &r, &cert, &key, "bare").is_none() && node_view_mtls(&rt, &r, &cert, &key, "n2").is_none()
     );
