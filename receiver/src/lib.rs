@@ -394,13 +394,24 @@ impl Cluster {
             out
         };
         let id = req.id.clone();
-        out.send(Ok(sp::SchedulerMessage { body: Some(sp::scheduler_message::Body::Request(req)) }))
-            .await
-            .map_err(|_| Status::unavailable(format!("node {node} disconnected")))?;
-        let r = match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(_)) => Err(Status::unavailable(format!("node {node} disconnected before answering"))),
-            Err(_) => Err(Status::deadline_exceeded(format!("node {node} did not answer request {id} in time"))),
+        // One deadline for all of it: a node that stops reading fills its queue, and the wait for
+        // room there counts against the request's time as the wait for the answer does.
+        let deadline = tokio::time::Instant::now() + timeout;
+        let message = Ok(sp::SchedulerMessage { body: Some(sp::scheduler_message::Body::Request(req)) });
+        let sent = match tokio::time::timeout_at(deadline, out.send(message)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(Status::unavailable(format!("node {node} disconnected"))),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "node {node} did not take request {id} in time (it is not reading its stream)"
+            ))),
+        };
+        let r = match sent {
+            Err(e) => Err(e),
+            Ok(()) => match tokio::time::timeout_at(deadline, rx).await {
+                Ok(Ok(r)) => Ok(r),
+                Ok(Err(_)) => Err(Status::unavailable(format!("node {node} disconnected before answering"))),
+                Err(_) => Err(Status::deadline_exceeded(format!("node {node} did not answer request {id} in time"))),
+            },
         };
         if let Some(n) = self.nodes.read().get(node) {
             n.lock().pending.remove(&id);

@@ -1092,3 +1092,75 @@ fn silent_and_revoked_streams_end_without_waiting_for_a_message() {
     assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
     beat.abort();
 }
+
+/// A node that stops reading its stream cannot hold a scheduler's request past the request's
+/// deadline: the wait for room in the node's queue counts against it (before, 1200 queued requests
+/// made a new one of 1000 ms hang until the client's own deadline). Issue 61, item 9.
+#[test]
+fn a_node_that_stops_reading_holds_no_request_past_its_deadline() {
+    use sp::node_message::Body as B;
+    let s = Sim::new(None);
+    let r = Receiver::start(&s.state.join("receiver"));
+    let rt = rt();
+    // A node that says hello and sends its state, then never reads what the receiver sends it.
+    let (_tx, _stream) = rt.block_on(async {
+        let ch =
+            report::channel(&Endpoint::parse(&r.endpoint()).unwrap(), Some(&r.dir.join("ca.pem")), None).await.unwrap();
+        let mut c = sp::capacity_client::CapacityClient::new(ch);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let hello =
+            B::Hello(sp::Hello { protocol_version: 1, node: "deaf".into(), agent_version: "x".into(), epoch: 7 });
+        let gpus = vec![sp::GpuCapacity { uuid: "G1".into(), memory_total: 80 << 30, ..Default::default() }];
+        let snap =
+            B::Snapshot(sp::NodeCapacity { node: "deaf".into(), epoch: 7, sequence: 1, gpus, ..Default::default() });
+        for b in [hello, snap] {
+            tx.send(sp::NodeMessage { body: Some(b) }).await.unwrap();
+        }
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+        let answer = c.report(authed(&r, stream)).await.unwrap();
+        // It keeps talking (heartbeats), so it stays connected.
+        let beat = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let h = B::Heartbeat(sp::Heartbeat { epoch: 7, sequence: 1, timestamp_ms: 0 });
+                if beat.send(sp::NodeMessage { body: Some(h) }).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (tx, answer)
+    });
+    wait_until("the deaf node is in", || node_view(&rt, &r, "deaf").is_some_and(|v| v.connected));
+    // Requests of 16 KiB (a label), so that a few thousand fill what the stream buffers.
+    let ask = |timeout_ms: u32, id: String| {
+        let labels = [("note".to_string(), "x".repeat(16 << 10))].into();
+        let slice = sp::CreateSlice { name: id.clone(), gpu: "G1".into(), memory: 1 << 30, sm: 0, labels };
+        sp::ClusterRequest {
+            node: "deaf".into(),
+            request: Some(sp::NodeRequest { id, op: Some(sp::node_request::Op::CreateSlice(slice)) }),
+            timeout_ms,
+        }
+    };
+    let (elapsed, e) = rt.block_on(async {
+        let c = cluster(&r).await;
+        // Enough long requests to fill the node's queue and the stream's window, over several
+        // connections (a connection carries at most some hundred requests at once).
+        for conn in 0..20 {
+            let many = cluster(&r).await;
+            for i in 0..150 {
+                let (mut c, req) = (many.clone(), authed(&r, ask(60_000, format!("long-{conn}-{i}"))));
+                tokio::spawn(async move { c.request(req).await });
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let start = Instant::now();
+        let got =
+            tokio::time::timeout(Duration::from_secs(20), c.clone().request(authed(&r, ask(1000, "short".into()))))
+                .await
+                .expect("the request came back within the client's 20 s");
+        (start.elapsed(), got.unwrap_err())
+    });
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    assert!(elapsed < Duration::from_secs(3), "a 1000 ms request took {elapsed:?}");
+}
