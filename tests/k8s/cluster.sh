@@ -188,6 +188,26 @@ up() {
     log "control plane up: KUBECONFIG=$dir/kubeconfig"
 }
 
+# The node's mount namespace, where containerd, the kubelet and all they start run: the host's, but
+# for /var/lib, whose writes go to DIR/node/var-lib (an overlay), and the kubelet's device-plugin
+# directory, which the kubelet fixes at /var/lib/kubelet/device-plugins whatever its --root-dir:
+# there it is DIR/node/device-plugins. So the test's kubelet and agents never meet a host's kubelet
+# or its plugins. Kept as the file DIR/node/ns/mnt (nsenter --mount=... enters it).
+node_namespace() {
+    local root="$dir/node" ns="$dir/node/ns"
+    mkdir -p "$ns" "$root/device-plugins" "$root/var-lib/upper" "$root/var-lib/work"
+    # A namespace is kept by a bind mount of its file, which must not be on a shared mount.
+    if ! mountpoint -q "$ns"; then
+        mount --bind "$ns" "$ns"
+        mount --make-private "$ns"
+    fi
+    touch "$ns/mnt"
+    unshare --mount="$ns/mnt" --propagation slave sh -ec "
+        mount -t overlay overlay -o lowerdir=/var/lib,upperdir=$root/var-lib/upper,workdir=$root/var-lib/work /var/lib
+        mkdir -p /var/lib/kubelet/device-plugins
+        mount --bind $root/device-plugins /var/lib/kubelet/device-plugins"
+}
+
 node() {
     bin=$(cat "$dir/bin")
     local root="$dir/node"
@@ -202,6 +222,7 @@ node() {
     ip link set "$service_link" up
     ip addr add "$api_service/32" dev "$service_link"
     start service-proxy python3 "$here/service-proxy.py" "$api_service:443" "127.0.0.1:$port"
+    node_namespace
     cert kubelet-serving "/CN=$node" "IP:$node_ip,IP:127.0.0.1,DNS:$node,DNS:localhost"
     # Pod networking: a bridge on the node with addresses from host-local, no masquerading (pods
     # talk to the node only).
@@ -271,7 +292,7 @@ state = "$root/run/containerd"
   sandbox = "vgpu.test/pause:e2e"
 EOF
     log "containerd (socket $root/run/containerd.sock)"
-    PATH="$bin:$PATH" start containerd "$bin/containerd" --config "$root/containerd.toml"
+    PATH="$bin:$PATH" start containerd nsenter --mount="$root/ns/mnt" -- "$bin/containerd" --config "$root/containerd.toml"
     wait_for containerd 60 test -S "$root/run/containerd.sock"
     "$here/oci-image.py" --ref vgpu.test/pause:e2e --out "$root/pause.tar" --entrypoint /pause "$bin/pause=/pause"
     import_image "$root/pause.tar"
@@ -314,7 +335,7 @@ start_kubelet() {
     bin=$(cat "$dir/bin")
     local root="$dir/node"
     log "kubelet as node $node"
-    start kubelet "$bin/kubelet" --config "$root/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
+    start kubelet nsenter --mount="$root/ns/mnt" -- "$bin/kubelet" --config "$root/kubelet.yaml" --kubeconfig "$dir/kubelet.kubeconfig" \
         --hostname-override "$node" --root-dir "$root/kubelet" --node-ip "$node_ip"
     wait_for kubelet 120 "$bin/kubectl" --kubeconfig "$dir/kubeconfig" wait --for=condition=Ready "node/$node" --timeout=1s
 }
@@ -363,9 +384,12 @@ down() {
             *containerd-shim-runc-v2\ *"-address $sock "*) kill -KILL "${p#/proc/}" 2>/dev/null || true ;;
         esac
     done
-    # Mounts the kubelet and containerd made under the scratch folder, deepest first.
+    # The node's namespace (the mounts made in it go with it once nothing runs in it), then mounts
+    # made under the scratch folder on the host, deepest first.
+    umount "$dir/node/ns/mnt" 2>/dev/null || true
+    umount "$dir/node/ns" 2>/dev/null || true
     if [ -d "$dir/node" ]; then
-        grep -o " $dir/node/[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+        { grep -o " $dir/node/[^ ]*" /proc/self/mounts || true; } | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
     fi
     # The pods' bridge (their veths went with their namespaces).
     ip link del "$bridge" 2>/dev/null || true

@@ -26,8 +26,8 @@
 #   tests/k8s/e2e.sh [DIR]        # DIR: scratch folder (default target/k8s-e2e); logs kept there
 # VGPU_K8S_KEEP=1 leaves the cluster up when it ends (to look at it).
 # Needs root, Go (tests/k8s/tools.sh), cargo, a C compiler, openssl, python3, runc, a static
-# busybox (the client image's shell), ip and curl: each is checked before anything starts, with how
-# to get it. Stops all it started on exit.
+# busybox (the client image's shell), ip, curl, unshare and nsenter: each is checked before
+# anything starts, with how to get it. Stops all it started on exit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 missing=()
@@ -40,6 +40,8 @@ need python3 "apt-get install python3"
 need runc "apt-get install runc"
 need ip "apt-get install iproute2"
 need curl "apt-get install curl"
+need unshare "apt-get install util-linux"
+need nsenter "apt-get install util-linux"
 busybox=$(command -v busybox 2>/dev/null || true)
 [ -x /bin/busybox ] && busybox=/bin/busybox
 if [ -z "$busybox" ] || ldd "$busybox" >/dev/null 2>&1; then
@@ -210,7 +212,8 @@ stateDir: $dir/node/vgpu-state
 runDir: $dir/node/vgpu-run
 cdiDir: $dir/node/cdi
 # The kubelet's device-plugin directory is fixed (/var/lib/kubelet/device-plugins, whatever its
-# --root-dir); its other directories follow --root-dir.
+# --root-dir): in the node's mount namespace it is $dir/node/device-plugins (cluster.sh). Its other
+# directories follow --root-dir.
 kubeletDir: /var/lib/kubelet/device-plugins
 kubeletRootDir: $k
 priorityClassName: ""
@@ -392,7 +395,8 @@ echo "  refused: $out"
 "$K" -n e2e delete pod hami-pod --wait=true --timeout=60s >/dev/null
 
 stage "the device plugin follows the kubelet: a restart, and its socket replaced by another process"
-plugin_dir=/var/lib/kubelet/device-plugins
+# The plugins' directory as the host sees it (the node's namespace has it at the kubelet's path).
+plugin_dir=$dir/node/device-plugins
 tests/k8s/cluster.sh restart-kubelet "$dir"
 wait_until 60 "nvidia.com/gpu allocatable after the kubelet restarted" allocatable
 # (The kubelet serves the pod's log again a moment after it is back.)
@@ -413,7 +417,7 @@ wait_until 30 "the agent's warning of a replaced socket" replaced
 wait_until 60 "nvidia.com/gpu allocatable after the socket was replaced" allocatable
 # The agent listens on the path once: the servers it replaced closed their sockets.
 apid=$(pgrep -f "^/usr/local/bin/vgpu-node-agent" | head -1)
-listening=$(python3 - "$apid" "$plugin_dir/vgpu.sock" <<'EOF'
+listening=$(python3 - "$apid" /var/lib/kubelet/device-plugins/vgpu.sock <<'EOF'
 import os, sys
 pid, path = sys.argv[1], sys.argv[2]
 # The agent's network namespace's table (a pod's own), its listening sockets on that path.
@@ -423,7 +427,7 @@ fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")
 print(sum(1 for f in fds if f.startswith("socket:[") and f[8:-1] in inodes))
 EOF
 )
-[ "$listening" = 1 ] || fail "the agent listens on $plugin_dir/vgpu.sock $listening times"
+[ "$listening" = 1 ] || fail "the agent listens on its plugin socket $listening times"
 echo "  socket replaced: warned, registered again, one listening socket"
 
 if [ -n "$peers" ]; then
@@ -604,7 +608,7 @@ echo "  the slice is gone"
 stage "helm uninstall"
 "$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
 if [ -n "$peers" ]; then
-    echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s (real peers: HAMi $hami_version, Volcano v1.15.1, Kueue v0.17.0)"
+    echo "Kubernetes end-to-end: all stages passed in $((SECONDS - t0)) s (real peers: HAMi $hami_version, Volcano v1.15.1, Kueue v0.17.0, KAI Scheduler v0.13.0)"
 else
     echo "Kubernetes end-to-end: all stages but the real peers' passed in $((SECONDS - t0)) s (SKIPPED: no peer source)"
 fi

@@ -8,8 +8,7 @@
 # the configuration's unit.
 #
 # Left out: vc-webhook-manager (its chart's certificate job needs an image no registry here serves;
-# the job's webhooks are validation and defaults, not placement), so the default Queue, which its
-# start makes, is made here. Stand-ins as for HAMi: the `kubernetes` Service alone, images built
+# the job's webhooks are validation and defaults, not placement). Stand-ins as for HAMi: the `kubernetes` Service alone, images built
 # from the binaries.
 
 volcano_ns=volcano-system
@@ -56,16 +55,9 @@ EOF
     echo "  Volcano's chart: $(grep -c '^kind:' "$dir/volcano.yaml") objects"
     "$K" apply --server-side -f "$dir/volcano.yaml" >"$dir/logs/volcano-apply.log" 2>&1 ||
         { tail -20 "$dir/logs/volcano-apply.log"; fail "kubectl apply of Volcano's chart"; }
-    # What vc-webhook-manager makes at its start.
-    "$K" apply -f - >/dev/null <<EOF
-apiVersion: scheduling.volcano.sh/v1beta1
-kind: Queue
-metadata: {name: default}
-spec: {reclaimable: true, weight: 1}
-EOF
     in_cluster "$volcano_ns"
     queue_open() { [ "$("$K" get queue default -o jsonpath='{.status.state}')" = Open ]; }
-    wait_until 60 "the default Queue Open (vc-controller-manager sets it)" queue_open
+    wait_until 60 "the default Queue (vc-scheduler makes it) Open (vc-controller-manager sets it)" queue_open
     # vc-scheduler builds a node's vGPU devices only on a node event after its plugin came on: the
     # agent's next handshake (every 30 s) is one. Until then it would bind vGPU pods without devices.
     local shake
