@@ -296,9 +296,13 @@ impl Agent {
         };
         let g = g.ok_or_else(|| {
             ApiError::Invalid(match inv.gpus.len() {
-                0 => format!("no GPU {gpu:?} on this node (it has no GPU)"),
-                1 => format!("no GPU {gpu:?} on this node (it has 1 GPU: index 0, or its UUID)"),
-                n => format!("no GPU {gpu:?} on this node (it has {n} GPUs: indices 0 to {}, or their UUIDs)", n - 1),
+                0 => format!("no GPU {} on this node (it has no GPU)", crate::slices::shown(gpu)),
+                1 => format!("no GPU {} on this node (it has 1 GPU: index 0, or its UUID)", crate::slices::shown(gpu)),
+                n => format!(
+                    "no GPU {} on this node (it has {n} GPUs: indices 0 to {}, or their UUIDs)",
+                    crate::slices::shown(gpu),
+                    n - 1
+                ),
             })
         })?;
         Ok((g.uuid.clone(), g.memory_total))
@@ -365,7 +369,7 @@ impl Agent {
     pub fn label_slice(&self, name: &str, labels: &[(&str, &str)]) -> Result<(), ApiError> {
         let _g = self.changing.lock();
         let Some(cur) = self.slices.read().get(name).cloned() else {
-            return Err(ApiError::NotFound(format!("no slice named {name}")));
+            return Err(ApiError::NotFound(format!("no slice named {}", crate::slices::shown(name))));
         };
         if labels.iter().all(|(k, v)| cur.labels.get(*k).map(String::as_str) == Some(*v)) {
             return Ok(());
@@ -448,7 +452,7 @@ impl Agent {
             .read()
             .get(name)
             .cloned()
-            .ok_or_else(|| ApiError::NotFound(format!("no slice named {name}")))?;
+            .ok_or_else(|| ApiError::NotFound(format!("no slice named {}", crate::slices::shown(name))))?;
         self.detail(&s)
     }
 

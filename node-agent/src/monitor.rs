@@ -620,6 +620,13 @@ impl Monitor {
         self.passes += 1;
         let queried = self.query(nvml);
         let full = self.passes % 10 == 1;
+        if full {
+            for s in slices {
+                for (file, len) in store.bound_files(&s.name) {
+                    tracing::warn!(slice = %s.name, file, bytes = len, "a container grew its slice's file; cut back to its size");
+                }
+            }
+        }
         self.note_alive(&queried);
         self.place(slices, &queried, changed);
         self.reap(slices, &queried, full, &mut pass);
@@ -641,13 +648,21 @@ impl Monitor {
         let now = std::time::Instant::now();
         let mut opened = false;
         // A region that shrank under its mapping (its container truncated it) reads as zeros from
-        // then on: dropped, and opened again (refused while it stays damaged).
+        // then on: dropped, made whole in place (the same file, which the container has mounted:
+        // its next processes share the slice's quota again) and opened again; where it cannot be
+        // repaired, tried again in 10 s (libvgpu.so refuses the container's allocations meanwhile).
         for (c, s) in self.regions.iter_mut().zip(slices.iter()) {
             if c.as_ref().is_some_and(|c| c.region.faulted()) {
                 tracing::error!(slice = %s.name, "the slice's region shrank under the agent (truncated by its container?); dropped");
                 *c = None;
-                self.unopened.insert(s.name.clone(), now + std::time::Duration::from_secs(10));
                 self.procs.retain(|_, p| p.owner.as_ref().is_none_or(|(n, _)| *n != s.name));
+                match store.repair_region(&s.name) {
+                    Ok(()) => tracing::warn!(slice = %s.name, "the slice's region repaired in place"),
+                    Err(e) => {
+                        tracing::error!(slice = %s.name, error = %e, "the slice's region could not be repaired");
+                        self.unopened.insert(s.name.clone(), now + std::time::Duration::from_secs(10));
+                    }
+                }
             }
         }
         for (i, s) in slices.iter().enumerate() {

@@ -435,6 +435,55 @@ impl SliceStore {
         self.gates.join(uuid).join(format!("{h:016x}.{dev}"))
     }
 
+    /// Makes a slice's region whole again in place (the same file, which its containers have
+    /// mounted): after its container truncated or resized it, emptied and made afresh with the
+    /// slice's limits. A new file would not reach the running container, whose processes started
+    /// after would then have no region (libvgpu.so refuses their allocations until this is done).
+    pub fn repair_region(&self, name: &str) -> Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let s = self.get(name)?;
+        let path = self.dir(name).join("region");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(io(format!("cannot open {}", path.display())))?;
+        let md = f.metadata().map_err(io(format!("cannot stat {}", path.display())))?;
+        if !md.is_file() {
+            return Err(SliceError::new(ErrorKind::Io, format!("{} is not a regular file", path.display())));
+        }
+        f.set_len(0).map_err(io(format!("cannot empty {}", path.display())))?;
+        let init =
+            || Init { devices: s.gpus.iter().map(|g| (g.uuid.clone(), g.memory, g.sm)).collect(), standalone: false };
+        let region_err = |e: vgpu_region::RegionError| SliceError::new(ErrorKind::Io, e.to_string());
+        let region = Region::open_or_create(&path, init).map_err(region_err)?;
+        region.set_priority_high(s.priority == Priority::High).map_err(region_err)?;
+        region.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
+        region.set_oversubscribe(self.oversubscribe).map_err(region_err)
+    }
+
+    /// Cuts a slice's container-writable files (its region and activity file, each of a fixed
+    /// size) back to their size where they grew: a container appending to them writes into the
+    /// agent's state directory, outside its own storage. What was cut, with the size it had.
+    pub fn bound_files(&self, name: &str) -> Vec<(&'static str, u64)> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut cut = Vec::new();
+        let dir = self.dir(name);
+        let sizes = [("region", vgpu_region::TOTAL_SIZE as u64), ("activity", vgpu_region::activity::SIZE as u64)];
+        for (file, size) in sizes {
+            let open = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+                .open(dir.join(file));
+            let Ok(f) = open else { continue };
+            match f.metadata() {
+                Ok(md) if md.is_file() && md.len() > size && f.set_len(size).is_ok() => cut.push((file, md.len())),
+                _ => {}
+            }
+        }
+        cut
+    }
+
     /// Makes `gates/<gpu>/` hold exactly the activity files of the high-priority slices on each GPU
     /// (hard links: the containers see the directory, read-only, not the slices'). Best effort:
     /// what cannot be linked is logged, and a normal slice then does not wait for that one.
@@ -499,7 +548,9 @@ impl SliceStore {
         check_name(name)?;
         let p = self.record(name);
         let data = read_bounded(&p, RECORD_MAX).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => SliceError::new(ErrorKind::NotFound, format!("no slice named {name}")),
+            std::io::ErrorKind::NotFound => {
+                SliceError::new(ErrorKind::NotFound, format!("no slice named {}", shown(name)))
+            }
             _ => SliceError::new(ErrorKind::Io, format!("cannot read {}: {e}", p.display())),
         })?;
         let s: Slice = serde_json::from_slice(&data)
@@ -759,7 +810,7 @@ impl SliceStore {
         check_name(name)?;
         let record = self.record(name);
         if record.symlink_metadata().is_err() {
-            return Err(SliceError::new(ErrorKind::NotFound, format!("no slice named {name}")));
+            return Err(SliceError::new(ErrorKind::NotFound, format!("no slice named {}", shown(name))));
         }
         if !force {
             self.get(name)?;
@@ -821,8 +872,16 @@ impl SliceStore {
             m(dir.join("region"), format!("{CONTAINER_DIR}/region"), false),
             m(dir.join("limits"), format!("{CONTAINER_DIR}/limits"), true),
             m(dir.join("activity"), format!("{CONTAINER_DIR}/activity"), false),
-            m(self.gates.clone(), format!("{CONTAINER_DIR}/gates"), true),
         ];
+        // The gates of the slice's own GPUs only: another GPU's would tell a tenant the rhythm of
+        // high-priority work it does not share a GPU with. Each is made now, so that it can be
+        // mounted before any high-priority slice is linked into it.
+        for g in s.gpus.iter().filter(|g| valid_uuid(&g.uuid)) {
+            let gate = self.gates.join(&g.uuid);
+            std::fs::create_dir_all(&gate)
+                .map_err(|e| SliceError::new(ErrorKind::Io, format!("{}: {e}", gate.display())))?;
+            mounts.push(m(gate, format!("{CONTAINER_DIR}/gates/{}", g.uuid), true));
+        }
         if let Some(lib) = library {
             mounts.push(m(lib.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true));
         }
@@ -998,9 +1057,9 @@ mod tests {
                 (st.dir("job").join("region"), "/usr/local/vgpu/region", false),
                 (st.dir("job").join("limits"), "/usr/local/vgpu/limits", true),
                 (st.dir("job").join("activity"), "/usr/local/vgpu/activity", false),
-                (d.join("gates"), "/usr/local/vgpu/gates", true),
+                (d.join("gates").join("GPU-aaaa"), "/usr/local/vgpu/gates/GPU-aaaa", true),
             ],
-            "the files alone, never the slice's directory (the gates, read-only, hold links only)"
+            "the files alone, never the slice's directory (its GPU's gate, read-only, holds links only)"
         );
         assert!(!st.dir("job").join("slice.json").exists(), "no record beside what the container gets");
         let mode = std::fs::metadata(d.join("records")).unwrap().permissions().mode() & 0o777;
@@ -1222,7 +1281,7 @@ mod tests {
         assert!(s.delete("job1", false).unwrap_err().msg.contains("1 live process"));
         drop(claim);
         s.delete("job1", false).unwrap();
-        assert!(s.get("job1").unwrap_err().msg.contains("no slice named job1"));
+        assert!(s.get("job1").unwrap_err().msg.contains("no slice named \"job1\""));
         // A restarted agent recovers what is on disk.
         let again = SliceStore::open(&d).unwrap();
         assert_eq!(again.list().unwrap().slices.len(), 1);
@@ -1257,6 +1316,38 @@ mod tests {
             .mounts
             .iter()
             .any(|m| m.host.ends_with("limits") && m.container == "/usr/local/vgpu/limits" && m.read_only));
+        // The gates of its own GPUs only, each read-only (issue 61, item 18: every GPU's were
+        // mounted, so a tenant read the rhythm of high-priority work on GPUs it does not use).
+        s.create("elsewhere", vec![SliceGpu { uuid: "GPU-cccc".into(), memory: 0, sm: 0 }], Default::default())
+            .unwrap();
+        let gates: Vec<&str> =
+            inj.mounts.iter().filter(|m| m.container.contains("/gates")).map(|m| m.container.as_str()).collect();
+        assert_eq!(gates, ["/usr/local/vgpu/gates/GPU-aaaa", "/usr/local/vgpu/gates/GPU-bbbb"]);
+        assert!(inj.mounts.iter().filter(|m| m.container.contains("/gates")).all(|m| m.read_only && m.host.is_dir()));
+        std::fs::remove_dir_all(d).ok();
+    }
+
+    /// A container that appends to its region and activity file (both mounted read-write) is cut
+    /// back to their sizes (issue 61, item 21: 200 MiB each went into the agent's state directory,
+    /// and the activity file kept them across a restart).
+    #[test]
+    fn files_a_container_grows_are_cut_back_to_their_size() {
+        use std::io::Write;
+        let (s, d) = store();
+        s.create("fat", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        assert!(s.bound_files("fat").is_empty(), "nothing to cut in a fresh slice");
+        for f in ["region", "activity"] {
+            let mut h = std::fs::OpenOptions::new().append(true).open(s.dir("fat").join(f)).unwrap();
+            h.write_all(&vec![7u8; 1 << 20]).unwrap();
+        }
+        let cut = s.bound_files("fat");
+        assert_eq!(cut.iter().map(|(f, _)| *f).collect::<Vec<_>>(), ["region", "activity"], "{cut:?}");
+        let len = |f: &str| std::fs::metadata(s.dir("fat").join(f)).unwrap().len();
+        assert_eq!(
+            (len("region"), len("activity")),
+            (vgpu_region::TOTAL_SIZE as u64, vgpu_region::activity::SIZE as u64)
+        );
+        assert!(vgpu_region::activity::Mapped::open(&s.dir("fat").join("activity"), false).is_some(), "still valid");
         std::fs::remove_dir_all(d).ok();
     }
 

@@ -148,10 +148,16 @@ impl State {
         if !cfg.errors.is_empty() {
             refuse = limit_error(&cfg, format!("bad configuration: {}", cfg.errors.join("; ")));
         }
-        let region = match Region::open_or_create(std::path::Path::new(&cfg.region_path), || Init {
-            devices: Vec::new(),
-            standalone: true,
-        }) {
+        let path = std::path::Path::new(&cfg.region_path);
+        // A managed container's region is the agent's: opened as it is, never made here. One its
+        // container truncated would otherwise become a fresh quota for each process started after
+        // (fail closed: refused until the agent has repaired it).
+        let opened = if cfg.managed {
+            Region::open(path, true)
+        } else {
+            Region::open_or_create(path, || Init { devices: Vec::new(), standalone: true })
+        };
+        let region = match opened {
             // The default path is in a directory every user writes: one another user made first
             // is not this user's quota.
             Ok(_) if cfg.default_region && !owned_by_us(&cfg.region_path) => {

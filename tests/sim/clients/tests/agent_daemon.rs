@@ -280,7 +280,15 @@ fn slices_over_grpc_status_metrics_reclaim_and_clean_stop() {
     assert!(!a.state.join("cdi/vgpu-job2.json").exists(), "the CDI spec goes with the slice");
     assert!(!a.state.join("slices/job2").exists());
     let o = a.ctl(&["inspect", "job2"]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("no slice named job2"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no slice named \"job2\""), "{o:?}");
+    // An error quotes at most 64 characters of what it names (issue 61, item 25: a 16 kB name came
+    // back whole, and vgpuctl failed with an h2 protocol error).
+    let long = "x".repeat(16 << 10);
+    for args in [vec!["inspect", long.as_str()], vec!["slice", "create", "--name", "y", "--gpu", long.as_str()]] {
+        let o = a.ctl(&args);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains("... (16384 bytes)") && e.len() < 400 && !e.contains("h2 protocol"), "{e}");
+    }
 
     // The watch stream delivers successive passes.
     let mut w = Command::new(bin("vgpuctl"))

@@ -142,14 +142,21 @@ impl Drop for Agent {
 pub fn in_slice(s: &Sim, detail: &Value, bin: &str) -> Command {
     let mut c = s.cmd(bin);
     let mounts = detail["mounts"].as_array().unwrap();
+    let cp = |m: &Value| m["container_path"].as_str().unwrap().to_string();
+    let hp = |m: &Value| m["host_path"].as_str().unwrap().to_string();
     let host = |v: &str| -> String {
+        if let Some(m) = mounts.iter().filter(|m| v.starts_with(cp(m).as_str())).max_by_key(|m| cp(m).len()) {
+            return v.replacen(&cp(m), &hp(m), 1);
+        }
+        // A folder that holds mounts (the gates: one per GPU of the slice): their host folder.
         mounts
             .iter()
-            .filter(|m| v.starts_with(m["container_path"].as_str().unwrap()))
-            .max_by_key(|m| m["container_path"].as_str().unwrap().len())
-            .map_or(v.to_string(), |m| {
-                v.replacen(m["container_path"].as_str().unwrap(), m["host_path"].as_str().unwrap(), 1)
+            .find_map(|m| {
+                let (c, h) = (cp(m), hp(m));
+                let rest = c.strip_prefix(v)?.strip_prefix('/')?;
+                h.strip_suffix(rest).map(|p| p.trim_end_matches('/').to_string())
             })
+            .unwrap_or_else(|| v.to_string())
     };
     for (k, v) in detail["env"].as_object().unwrap() {
         // The container runtime turns NVIDIA_VISIBLE_DEVICES into the devices the container sees.
