@@ -218,8 +218,11 @@ fn main() {
                     let read = |p: &PathBuf| {
                         std::fs::read(p).unwrap_or_else(|e| die(2, format!("cannot read {}: {e}", p.display())))
                     };
+                    // A handshake not done in 10 s is dropped: half-open ones otherwise held their
+                    // descriptors for minutes (310 of them starved the port of descriptors).
                     let tls = tonic::transport::ServerTlsConfig::new()
-                        .identity(tonic::transport::Identity::from_pem(read(c), read(k)));
+                        .identity(tonic::transport::Identity::from_pem(read(c), read(k)))
+                        .timeout(Duration::from_secs(10));
                     Some(match &client_ca {
                         Some(ca) => tls.client_ca_root(tonic::transport::Certificate::from_pem(read(ca))),
                         None => tls,
