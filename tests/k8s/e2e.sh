@@ -550,6 +550,23 @@ echo "  refused: $out"
 slice_of "$node" | as_agent create -f - >/dev/null || fail "the agent could not write its own node's ResourceSlice"
 "$K" delete resourceslice "e2e-$node" >/dev/null
 
+# claim_share CLAIM: the share the scheduler allocated to a claim of namespace e2e (the capacity of
+# its device in the agent's ResourceSlice): its memory in bytes and its cores in percent.
+claim_share() {
+    "$K" -n e2e get resourceclaim "$1" -o jsonpath='{.status.allocation.devices.results}' >"$dir/logs/claim-allocation.json"
+    "$K" get resourceslices -o json >"$dir/logs/resourceslices.json"
+    python3 - "$dir/logs/claim-allocation.json" "$dir/logs/resourceslices.json" <<'EOF'
+import json, sys
+device = json.load(open(sys.argv[1]))[0]["device"]
+units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+for s in json.load(open(sys.argv[2]))["items"]:
+    for d in s["spec"]["devices"]:
+        if d["name"] == device:
+            v = d["capacity"]["memory"]["value"]
+            print(int(v[:-2]) * units[v[-2:]] if v[-2:] in units else int(v), d["capacity"]["cores"]["value"])
+EOF
+}
+
 stage "DRA: a claim with a CEL selector on memory, allocated by kube-scheduler, prepared through kubelet"
 cat <<EOF | "$K" apply -f - >/dev/null
 apiVersion: resource.k8s.io/v1
@@ -577,20 +594,7 @@ $(cuda_client "claims: [{name: gpu}]")
 EOF
 claimed() { [ -n "$("$K" -n e2e get resourceclaim gpu-share -o jsonpath='{.status.allocation}')" ]; }
 wait_until 60 "the claim allocated by kube-scheduler" claimed
-# The share the scheduler allocated: the capacity of the device in the agent's ResourceSlice.
-"$K" -n e2e get resourceclaim gpu-share -o jsonpath='{.status.allocation.devices.results}' >"$dir/logs/claim-allocation.json"
-"$K" get resourceslices -o json >"$dir/logs/resourceslices.json"
-read -r limit cores < <(python3 - "$dir/logs/claim-allocation.json" "$dir/logs/resourceslices.json" <<'EOF'
-import json, sys
-device = json.load(open(sys.argv[1]))[0]["device"]
-units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
-for s in json.load(open(sys.argv[2]))["items"]:
-    for d in s["spec"]["devices"]:
-        if d["name"] == device:
-            v = d["capacity"]["memory"]["value"]
-            print(int(v[:-2]) * units[v[-2:]] if v[-2:] in units else int(v), d["capacity"]["cores"]["value"])
-EOF
-)
+read -r limit cores < <(claim_share gpu-share)
 [ -n "$limit" ] || fail "the allocated device is in no ResourceSlice: $(cat "$dir/logs/claim-allocation.json")"
 echo "  allocated: $(cat "$dir/logs/claim-allocation.json") ($((limit >> 20)) MiB, $cores % of the GPU)"
 held dra-pod "$limit" "$cores"
@@ -604,6 +608,8 @@ stage "DRA: deleting the pod unprepares the claim and frees the slice"
 freed() { ! vgpuctl status | grep -q 'dra-pod\|gpu-share'; }
 wait_until 60 "the claim's slice removed" freed
 echo "  the slice is gone"
+
+stage_kueue_dra
 
 stage "helm uninstall"
 "$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null

@@ -12,7 +12,7 @@
 #
 # | peer | version | built |
 # | HAMi | v2.10.0 (4707fb0) | cmd/scheduler (extender and mutating webhook); its chart, charts/hami |
-# | Volcano | v1.15.1 (0a56ed3) | cmd/scheduler (vc-scheduler, deviceshare inside), cmd/controller-manager; its chart, installer/helm/chart/volcano |
+# | Volcano | v1.15.1 (0a56ed3) | cmd/scheduler (vc-scheduler, deviceshare inside), cmd/controller-manager, cmd/webhook-manager; its chart, installer/helm/chart/volcano |
 # | KAI Scheduler | v0.13.0 (5d35eca) | cmd/ operator, scheduler, binder, admission, podgrouper, podgroupcontroller, queuecontroller, resourcereservation (NVML through cgo); its chart, deployments/kai-scheduler |
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -53,14 +53,16 @@ hami_version=$(cat "$out.partial/hami/VERSION")
 echo "peers.sh: HAMi $hami_version built in $((SECONDS - start)) s" >&2
 
 start=$SECONDS
-echo "peers.sh: building Volcano's scheduler and controller manager ($(ls "$src" | grep '^volcano-'))" >&2
+echo "peers.sh: building Volcano's scheduler, controller manager and webhook manager ($(ls "$src" | grep '^volcano-'))" >&2
 unpack volcano-v1.15.1.tar.gz volcano
 # As Volcano's Makefile builds them (CGO off, its version in the binary).
 vc_flags="-s -w -X volcano.sh/volcano/pkg/version.Version=v1.15.1 -X volcano.sh/volcano/pkg/version.GitSHA=0a56ed331897f5455916a44d3075671376d731d6"
 (cd "$out.partial/volcano" && CGO_ENABLED=0 go build -mod=readonly -ldflags "$vc_flags" \
     -o "$out.partial/bin/vc-scheduler" ./cmd/scheduler &&
     CGO_ENABLED=0 go build -mod=readonly -ldflags "$vc_flags" -o "$out.partial/bin/vc-controller-manager" \
-        ./cmd/controller-manager) >&2
+        ./cmd/controller-manager &&
+    CGO_ENABLED=0 go build -mod=readonly -ldflags "$vc_flags" -o "$out.partial/bin/vc-webhook-manager" \
+        ./cmd/webhook-manager) >&2
 echo "peers.sh: Volcano v1.15.1 built in $((SECONDS - start)) s" >&2
 
 start=$SECONDS

@@ -11,11 +11,13 @@
 
 kueue_ns=kueue-system
 
-stage_kueue_real() {
+# kueue_up [FEATURE-GATE] < RESOURCES: Kueue's manager from its chart, its configuration's
+# `resources` section read from stdin, with a feature gate on where one is named; waited for until
+# its webhook answers.
+kueue_up() {
     local chart
     chart="$(cd tests/k8s/tools/kueue && go list -mod=readonly -m -f '{{.Dir}}' sigs.k8s.io/kueue)/charts/kueue"
-    stage "Kueue, real: Kueue $(cd tests/k8s/tools/kueue && go list -mod=readonly -m -f '{{.Version}}' sigs.k8s.io/kueue)'s manager from its chart; a quota over HAMi's resources"
-    local k_libs
+    local k_libs gates=()
     mapfile -t k_libs < <(image_libs "$bin/kueue")
     tests/k8s/oci-image.py --ref vgpu.test/kueue:e2e --out "$dir/images/kueue.tar" --entrypoint /manager \
         "${k_libs[@]}" "$bin/kueue=/manager"
@@ -33,18 +35,16 @@ leaderElection:
   leaderElect: false
 integrations:
   frameworks: ["batch/job"]
-resources:
-  transformations:
-    - {input: nvidia.com/gpumem, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpumem: "1"}}
-    - {input: nvidia.com/gpucores, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpucores: "1"}}
+$(cat)
 EOF
+    [ -z "${1:-}" ] || gates=(--set "controllerManager.featureGates[0].name=$1" --set "controllerManager.featureGates[0].enabled=true")
     "$H" template kueue "$chart" -n "$kueue_ns" \
         --set controllerManager.manager.image.repository=vgpu.test/kueue --set controllerManager.manager.image.tag=e2e \
         --set controllerManager.manager.image.pullPolicy=Never \
-        --set controllerManager.manager.podSecurityContext.runAsUser=65532 \
+        --set controllerManager.manager.podSecurityContext.runAsUser=65532 "${gates[@]}" \
         --set-file managerConfig.controllerManagerConfigYaml="$dir/kueue-config.yaml" \
         >"$dir/kueue.yaml" || fail "helm template of Kueue's chart"
-    echo "  Kueue's chart: $(grep -c '^kind:' "$dir/kueue.yaml") objects"
+    echo "  Kueue's chart: $(grep -c '^kind:' "$dir/kueue.yaml") objects${1:+, feature gate $1}"
     "$K" create namespace "$kueue_ns" >/dev/null
     "$K" apply --server-side -f "$dir/kueue.yaml" >"$dir/logs/kueue-apply.log" 2>&1 ||
         { tail -20 "$dir/logs/kueue-apply.log"; fail "kubectl apply of Kueue's chart"; }
@@ -64,6 +64,39 @@ spec:
 EOF
     }
     wait_until 120 "Kueue's webhook answering (a dry-run Job suspended)" kueue_webhook_up
+}
+
+# kueue_down: Kueue removed, its aggregated visibility API with it (later stages' Helm reads
+# discovery), and the namespace gone before another install.
+kueue_down() {
+    "$K" delete localqueue -n e2e gpu --wait=false >/dev/null 2>&1 || true
+    "$K" delete clusterqueue gpu --wait=false >/dev/null 2>&1 || true
+    "$K" delete -f "$dir/kueue.yaml" --wait=true --timeout=90s >/dev/null 2>&1 || true
+    "$K" delete namespace "$kueue_ns" --wait=true --timeout=90s >/dev/null 2>&1 || true
+}
+
+# kueue_order A B WHY: which of two Jobs made in the same second Kueue admits first (it orders by
+# creation time, which does not tell them apart), in $first, the other in $second, which must then
+# wait (WHY: what admitting both would mean).
+kueue_order() {
+    admitted() { [ "$("$K" -n e2e get job "$1" -o jsonpath='{.spec.suspend}')" = false ]; }
+    one_admitted() { admitted "$1" || admitted "$2"; }
+    wait_until 60 "Kueue admitting $1 or $2" one_admitted "$1" "$2"
+    first=$1 second=$2
+    admitted "$1" || { first=$2; second=$1; }
+    sleep 3
+    ! admitted "$second" || fail "Kueue admitted $second beside $first: $3"
+    echo "  $first admitted; $second waits ($("$K" -n e2e get workloads -o jsonpath='{range .items[*]}{.metadata.name}: {.status.conditions[?(@.type=="QuotaReserved")].reason}; {end}'))"
+}
+
+stage_kueue_real() {
+    stage "Kueue, real: Kueue $(cd tests/k8s/tools/kueue && go list -mod=readonly -m -f '{{.Version}}' sigs.k8s.io/kueue)'s manager from its chart; a quota over HAMi's resources"
+    kueue_up <<EOF
+resources:
+  transformations:
+    - {input: nvidia.com/gpumem, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpumem: "1"}}
+    - {input: nvidia.com/gpucores, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpucores: "1"}}
+EOF
     "$K" apply -f - >/dev/null <<EOF
 apiVersion: kueue.x-k8s.io/v1beta2
 kind: ResourceFlavor
@@ -111,23 +144,106 @@ $(cuda_container cuda "{requests: {cpu: 100m, memory: 64Mi}, limits: {nvidia.com
 $(sim_volume | sed 's/^/    /')
 EOF
     done
-    admitted() { [ "$("$K" -n e2e get job "$1" -o jsonpath='{.spec.suspend}')" = false ]; }
-    wait_until 60 "Kueue admitting kueue-a" admitted kueue-a
-    sleep 3
-    admitted kueue-b && fail "Kueue admitted kueue-b beside kueue-a: 2 x 1024 MiB counted within 1536 (no multiplyBy?)"
-    echo "  kueue-a admitted; kueue-b waits ($("$K" -n e2e get workloads -o jsonpath='{range .items[*]}{.metadata.name}: {.status.conditions[?(@.type=="QuotaReserved")].reason}; {end}'))"
-    local pod
-    pod=$("$K" -n e2e get pods -l job-name=kueue-a -o jsonpath='{.items[0].metadata.name}')
+    local first second pod
+    kueue_order kueue-a kueue-b "2 x 1024 MiB counted within 1536 (no multiplyBy?)"
+    pod=$("$K" -n e2e get pods -l "job-name=$first" -o jsonpath='{.items[0].metadata.name}')
     held "$pod" $((512 << 20)) 20
     done_job() { [ "$("$K" -n e2e get job "$1" -o jsonpath='{.status.succeeded}')" = 1 ]; }
-    wait_until 60 "kueue-a completed" done_job kueue-a
-    wait_until 60 "Kueue admitting kueue-b once kueue-a ended" admitted kueue-b
-    pod=$("$K" -n e2e get pods -l job-name=kueue-b -o jsonpath='{.items[0].metadata.name}')
+    wait_until 60 "$first completed" done_job "$first"
+    wait_until 60 "Kueue admitting $second once $first ended" admitted "$second"
+    pod=$("$K" -n e2e get pods -l "job-name=$second" -o jsonpath='{.items[0].metadata.name}')
     held "$pod" $((512 << 20)) 20
-    echo "  kueue-b admitted after kueue-a ended, held alike"
+    echo "  $second admitted after $first ended, held alike"
     "$K" -n e2e delete job kueue-a kueue-b --wait=true --timeout=60s >/dev/null
-    # Kueue removed, its aggregated visibility API with it (the later stages' Helm reads discovery).
-    "$K" delete localqueue -n e2e gpu --wait=false >/dev/null
-    "$K" delete clusterqueue gpu --wait=false >/dev/null
-    "$K" delete -f "$dir/kueue.yaml" --wait=true --timeout=90s >/dev/null 2>&1 || true
+    kueue_down
+}
+
+# The same with DRA (after e2e.sh's DRA stages, the agent a DRA driver): behind Kueue's
+# DynamicResourceAllocation gate, a ClusterQueue's quota counts devices of the DeviceClass
+# vgpu-share (resources.deviceClassMappings); two Jobs of one claim each on a quota of one: the
+# second admitted only once the first ends, each held by the agent to the share it was allocated.
+stage_kueue_dra() {
+    stage "Kueue, real, with DRA: a quota of one vgpu-share device, two Jobs of one claim each"
+    kueue_up DynamicResourceAllocation <<EOF
+resources:
+  deviceClassMappings:
+    - {name: vgpu.io/share, deviceClassNames: [vgpu-share]}
+EOF
+    "$K" apply -f - >/dev/null <<EOF
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ResourceFlavor
+metadata: {name: default}
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ClusterQueue
+metadata: {name: gpu}
+spec:
+  namespaceSelector: {}
+  resourceGroups:
+    - coveredResources: [cpu, memory, vgpu.io/share]
+      flavors:
+        - name: default
+          resources:
+            - {name: cpu, nominalQuota: "4"}
+            - {name: memory, nominalQuota: 8Gi}
+            - {name: vgpu.io/share, nominalQuota: "1"}
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: LocalQueue
+metadata: {name: gpu, namespace: e2e}
+spec: {clusterQueue: gpu}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: share, namespace: e2e}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly: {deviceClassName: vgpu-share, allocationMode: ExactCount, count: 1}
+EOF
+    echo "  ClusterQueue gpu: vgpu.io/share 1 (devices of the DeviceClass vgpu-share)"
+    local j
+    for j in kueue-dra-a kueue-dra-b; do
+        cat <<EOF | "$K" apply -f - >/dev/null
+apiVersion: batch/v1
+kind: Job
+metadata: {name: $j, namespace: e2e, labels: {kueue.x-k8s.io/queue-name: gpu}}
+spec:
+  backoffLimit: 0
+  template:
+    spec:
+      restartPolicy: Never
+      terminationGracePeriodSeconds: 1
+      resourceClaims:
+        - {name: gpu, resourceClaimTemplateName: share}
+      containers:
+$(cuda_container cuda "{requests: {cpu: 100m, memory: 64Mi}, claims: [{name: gpu}]}" \
+        "gpu-probe info; gpu-probe spin --seconds 3; timeout 6 gpu-probe fill --chunk 104857600; true" | sed 's/^/    /')
+$(sim_volume | sed 's/^/    /')
+EOF
+    done
+    local first second pod
+    kueue_order kueue-dra-a kueue-dra-b "two devices within a quota of one"
+    for j in "$first" "$second"; do
+        [ "$j" = "$first" ] || wait_until 60 "Kueue admitting $second once $first ended" admitted "$j"
+        job_pod() { "$K" -n e2e get pods -l "job-name=$1" -o jsonpath='{.items[0].metadata.name}' | grep -q .; }
+        wait_until 60 "$j's pod" job_pod "$j"
+        pod=$("$K" -n e2e get pods -l "job-name=$j" -o jsonpath='{.items[0].metadata.name}')
+        pod_claimed() { [ -n "$("$K" -n e2e get pod "$1" -o jsonpath='{.status.resourceClaimStatuses[0].resourceClaimName}')" ]; }
+        wait_until 60 "$pod's claim made from the template" pod_claimed "$pod"
+        local claim limit cores
+        claim=$("$K" -n e2e get pod "$pod" -o jsonpath='{.status.resourceClaimStatuses[0].resourceClaimName}')
+        claim_allocated() { [ -n "$("$K" -n e2e get resourceclaim "$1" -o jsonpath='{.status.allocation}')" ]; }
+        wait_until 60 "$claim allocated by kube-scheduler" claim_allocated "$claim"
+        read -r limit cores < <(claim_share "$claim")
+        held "$pod" "$limit" "$cores"
+        done_job() { [ "$("$K" -n e2e get job "$1" -o jsonpath='{.status.succeeded}')" = 1 ]; }
+        wait_until 60 "$j completed" done_job "$j"
+    done
+    echo "  $second admitted after $first ended; each held to its share"
+    "$K" -n e2e delete job kueue-dra-a kueue-dra-b --wait=true --timeout=60s >/dev/null
+    "$K" -n e2e delete resourceclaimtemplate share >/dev/null
+    kueue_down
 }

@@ -7,8 +7,10 @@
 # gang: both or neither) is placed by Volcano and each pod held to what Volcano wrote, its memory in
 # the configuration's unit.
 #
-# Left out: vc-webhook-manager (its chart's certificate job needs an image no registry here serves;
-# the job's webhooks are validation and defaults, not placement). Stand-ins as for HAMi: the `kubernetes` Service alone, images built
+# vc-webhook-manager (Volcano's admission: vcjobs', podgroups' and queues' defaults and validation)
+# runs too; its chart's init job, which makes the webhook's serving certificate with a script in
+# Volcano's image, is the one object left out: the test makes that certificate (as for HAMi), and the
+# webhook manager puts its CA in its webhooks' configurations itself. Stand-ins as for HAMi: the `kubernetes` Service alone, images built
 # from the binaries.
 
 volcano_ns=volcano-system
@@ -17,12 +19,24 @@ stage_volcano_real() {
     stage "Volcano, real: vc-scheduler (deviceshare, vGPU on) and vc-controller-manager from Volcano's chart"
     "$K" create namespace "$volcano_ns" >/dev/null
     local vc_libs name
-    mapfile -t vc_libs < <(image_libs "$peers/bin/vc-scheduler" "$peers/bin/vc-controller-manager")
-    for name in vc-scheduler vc-controller-manager; do
+    mapfile -t vc_libs < <(image_libs "$peers/bin/vc-scheduler" "$peers/bin/vc-controller-manager" "$peers/bin/vc-webhook-manager")
+    for name in vc-scheduler vc-controller-manager vc-webhook-manager; do
         tests/k8s/oci-image.py --ref "vgpu.test/$name:e2e" --out "$dir/images/$name.tar" \
             --entrypoint "/usr/local/bin/$name" "${vc_libs[@]}" "$peers/bin/$name=/usr/local/bin/$name"
     done
-    tests/k8s/cluster.sh import "$dir" "$dir/images/vc-scheduler.tar" "$dir/images/vc-controller-manager.tar"
+    tests/k8s/cluster.sh import "$dir" "$dir/images/vc-scheduler.tar" "$dir/images/vc-controller-manager.tar" \
+        "$dir/images/vc-webhook-manager.tar"
+    # The admission webhook's serving certificate, as the chart's init job would make it.
+    local pki=$dir/pki-volcano
+    mkdir -p "$pki"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$pki/ca.key" -out "$pki/ca.crt" -subj "/CN=volcano-e2e-ca" \
+        -days 2 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -keyout "$pki/tls.key" -out "$pki/tls.csr" -subj "/CN=volcano-admission" 2>/dev/null
+    printf 'subjectAltName=DNS:volcano-admission-service.%s.svc\nextendedKeyUsage=serverAuth\n' "$volcano_ns" >"$pki/ext"
+    openssl x509 -req -in "$pki/tls.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial -days 2 \
+        -extfile "$pki/ext" -out "$pki/tls.crt" 2>/dev/null
+    "$K" -n "$volcano_ns" create secret generic volcano-admission-secret --from-file=tls.crt="$pki/tls.crt" \
+        --from-file=tls.key="$pki/tls.key" --from-file=ca.crt="$pki/ca.crt" >/dev/null
     # The scheduler's configuration: Volcano's default tiers with deviceshare's vGPU on, as Volcano's
     # vGPU guide documents it; its device configuration where deviceshare reads it (kube-system).
     cat >"$dir/volcano-scheduler.conf" <<EOF
@@ -49,10 +63,17 @@ EOF
     "$H" template volcano "$peers/volcano/installer/helm/chart/volcano" -n "$volcano_ns" \
         --set basic.image_registry=vgpu.test --set basic.image_tag_version=e2e --set basic.image_pull_policy=Never \
         --set basic.scheduler_image_name=vc-scheduler --set basic.controller_image_name=vc-controller-manager \
-        --set custom.admission_enable=false \
+        --set basic.admission_image_name=vc-webhook-manager \
         --set-file custom.scheduler_config_override="$dir/volcano-scheduler.conf" \
         >"$dir/volcano.yaml" || fail "helm template of Volcano's chart"
-    echo "  Volcano's chart: $(grep -c '^kind:' "$dir/volcano.yaml") objects"
+    # Less its admission init job (the certificate is made above).
+    python3 - "$dir/volcano.yaml" <<'EOF'
+import re, sys
+docs = re.split(r"^---\s*$", open(sys.argv[1]).read(), flags=re.M)
+keep = [d for d in docs if not re.search(r"^kind:\s*Job\s*$", d, re.M)]
+open(sys.argv[1], "w").write("---".join(keep))
+EOF
+    echo "  Volcano's chart: $(grep -c '^kind:' "$dir/volcano.yaml") objects (its admission init job left out)"
     "$K" apply --server-side -f "$dir/volcano.yaml" >"$dir/logs/volcano-apply.log" 2>&1 ||
         { tail -20 "$dir/logs/volcano-apply.log"; fail "kubectl apply of Volcano's chart"; }
     in_cluster "$volcano_ns"
@@ -65,7 +86,20 @@ EOF
     [ -n "$shake" ] || fail "the agent writes no volcano.sh/node-vgpu-handshake"
     shaken() { [ "$(annotation node "$node" "" volcano.sh/node-vgpu-handshake)" != "$shake" ]; }
     wait_until 60 "the agent's next handshake (a node event for vc-scheduler)" shaken
-    echo "  $("$K" -n "$volcano_ns" get deployments -o name | tr '\n' ' ')available; Queue default Open"
+    # The admission webhook answers once vc-webhook-manager has put its CA in the configurations: a
+    # vcjob without a queue, in a server-side dry run, comes back with the default one (its mutation).
+    vc_webhook_up() {
+        "$K" -n e2e create --dry-run=server -o jsonpath='{.spec.queue}' -f - <<EOF | grep -qx default
+apiVersion: batch.volcano.sh/v1alpha1
+kind: Job
+metadata: {name: vc-probe}
+spec:
+  schedulerName: volcano
+  tasks: [{name: t, replicas: 1, template: {spec: {containers: [{name: c, image: vgpu.test/gpu-probe:e2e}]}}}]
+EOF
+    }
+    wait_until 90 "vc-webhook-manager's admission answering (a dry-run vcjob given the default queue)" vc_webhook_up
+    echo "  $("$K" -n "$volcano_ns" get deployments -o name | tr '\n' ' ')available; Queue default Open; admission on"
 
     stage "Volcano, real: a vcjob of two vGPU pods (a gang), placed by Volcano, each held by the agent"
     cat <<EOF | "$K" apply -f - >/dev/null
