@@ -168,6 +168,16 @@ impl Region {
     /// Opens the region at `path`, creating and initialising it from `init()` if it does not exist or
     /// is empty. Concurrent creators are serialised by a record lock that dies with its holder.
     pub fn open_or_create(path: &Path, init: impl FnOnce() -> Init) -> Result<Region> {
+        Region::open_or_create_mode(path, 0o666, 0, init)
+    }
+
+    /// As [`open_or_create`](Self::open_or_create), for one user's own region (a process's region
+    /// of its own, where none is named): made 0600, and never opened through a symbolic link.
+    pub fn open_or_create_private(path: &Path, init: impl FnOnce() -> Init) -> Result<Region> {
+        Region::open_or_create_mode(path, 0o600, libc::O_NOFOLLOW, init)
+    }
+
+    fn open_or_create_mode(path: &Path, mode: u32, flags: i32, init: impl FnOnce() -> Init) -> Result<Region> {
         let io = |action, source| RegionError::Io { path: path.to_owned(), action, source };
         if let Some(dir) = path.parent() {
             if !dir.as_os_str().is_empty() && !dir.exists() {
@@ -179,8 +189,8 @@ impl Region {
             .write(true)
             .create(true)
             .truncate(false)
-            .mode(0o666)
-            .custom_flags(libc::O_CLOEXEC)
+            .mode(mode)
+            .custom_flags(libc::O_CLOEXEC | flags)
             .open(path)
             .map_err(|e| io("open", e))?;
         let fd = file.as_raw_fd();
@@ -198,7 +208,7 @@ impl Region {
             if len == 0 {
                 // Make the file's permissions independent of the creator's umask.
                 // SAFETY: fchmod on our open fd.
-                unsafe { libc::fchmod(fd, 0o666) };
+                unsafe { libc::fchmod(fd, mode) };
                 // Blocks reserved now, not a sparse file: on a full file system a shared mapping of
                 // a sparse file faults (SIGBUS) at the first write; this fails cleanly instead.
                 // SAFETY: posix_fallocate on our open fd; it returns an errno value.

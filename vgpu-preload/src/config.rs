@@ -57,8 +57,15 @@ pub fn default_region(uid: u32, mem: &[u64; MAX_DEVICES], sm: &[u32; MAX_DEVICES
     for b in mem.iter().flat_map(|m| m.to_le_bytes()).chain(sm.iter().flat_map(|s| s.to_le_bytes())) {
         h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
     }
-    format!("/tmp/vgpu-{uid}-{h:016x}.region")
+    format!("{}/{h:016x}.region", default_region_dir(uid))
 }
+/// The folder of a user's default regions: `$TMPDIR/vgpu-<uid>` (`/tmp` without `TMPDIR`), which
+/// only that user may write (see the interposer's state: made 0700, refused otherwise).
+pub fn default_region_dir(uid: u32) -> String {
+    let tmp = std::env::var("TMPDIR").ok().filter(|t| t.starts_with('/')).unwrap_or_else(|| "/tmp".into());
+    format!("{}/vgpu-{uid}", tmp.trim_end_matches('/'))
+}
+
 /// Where the agent's injection puts a slice's files in a container.
 pub const INJECTED_REGION: &str = "/usr/local/vgpu/region";
 pub const INJECTED_LIMITS: &str = "/usr/local/vgpu/limits";
@@ -285,7 +292,11 @@ mod tests {
         // SAFETY: geteuid has no preconditions.
         let uid = unsafe { libc::geteuid() };
         assert_eq!(d.mem_limit[0], 0);
-        assert!(d.default_region && d.region_path.starts_with(&format!("/tmp/vgpu-{uid}-")), "{}", d.region_path);
+        assert!(
+            d.default_region && d.region_path.starts_with(&format!("{}/", default_region_dir(uid))),
+            "{}",
+            d.region_path
+        );
         let four = cfg(&[("CUDA_DEVICE_MEMORY_LIMIT", "4g")]);
         let one = cfg(&[("CUDA_DEVICE_MEMORY_LIMIT", "1g")]);
         assert_ne!(four.region_path, one.region_path, "another limit set, another region");

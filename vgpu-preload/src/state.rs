@@ -118,6 +118,32 @@ fn reap_exited(r: &Region) {
 }
 
 /// Whether the file at `path` belongs to this process's effective user.
+/// Makes `dir`, a user's default regions' folder, or checks it: a folder of this user's that no one
+/// else may write, not a link; anything else there (another user's, a planted link) is refused.
+fn private_dir(dir: &str) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(dir);
+    let md = std::fs::symlink_metadata(dir).map_err(|e| format!("{dir}: {e}"))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !md.file_type().is_dir() || md.uid() != me || md.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{dir} is not a folder of this user's that only it may write (owner {}, mode {:o}, {}); \
+             remove it, or name a region (CUDA_DEVICE_MEMORY_SHARED_CACHE)",
+            md.uid(),
+            md.mode() & 0o7777,
+            if md.file_type().is_symlink() {
+                "a link"
+            } else if md.is_dir() {
+                "a folder"
+            } else {
+                "a file"
+            }
+        ));
+    }
+    Ok(())
+}
+
 fn owned_by_us(path: &str) -> bool {
     use std::os::unix::fs::MetadataExt;
     // SAFETY: geteuid has no preconditions.
@@ -152,10 +178,17 @@ impl State {
         // A managed container's region is the agent's: opened as it is, never made here. One its
         // container truncated would otherwise become a fresh quota for each process started after
         // (fail closed: refused until the agent has repaired it).
+        let init = || Init { devices: Vec::new(), standalone: true };
         let opened = if cfg.managed {
-            Region::open(path, true)
+            Region::open(path, true).map_err(|e| e.to_string())
+        } else if cfg.default_region {
+            // A user's own region, where none is named: 0600, in a folder only that user writes,
+            // never through a link (another local user could otherwise pre-make it, lock it or
+            // change its limits).
+            let dir = path.parent().map(|d| d.display().to_string()).unwrap_or_default();
+            private_dir(&dir).and_then(|()| Region::open_or_create_private(path, init).map_err(|e| e.to_string()))
         } else {
-            Region::open_or_create(path, || Init { devices: Vec::new(), standalone: true })
+            Region::open_or_create(path, init).map_err(|e| e.to_string())
         };
         let region = match opened {
             // The default path is in a directory every user writes: one another user made first
@@ -166,7 +199,7 @@ impl State {
             }
             Ok(r) => Some(r),
             Err(e) => {
-                refuse |= limit_error(&cfg, e.to_string());
+                refuse |= limit_error(&cfg, e);
                 None
             }
         };

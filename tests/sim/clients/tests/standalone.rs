@@ -11,21 +11,58 @@ use std::time::{Duration, Instant};
 /// The default regions of this user now.
 fn default_regions() -> std::collections::BTreeSet<std::path::PathBuf> {
     // SAFETY: geteuid has no preconditions.
-    let prefix = format!("vgpu-{}-", unsafe { libc::geteuid() });
-    std::fs::read_dir("/tmp")
-        .unwrap()
+    let dir = format!("/tmp/vgpu-{}", unsafe { libc::geteuid() });
+    std::fs::read_dir(dir)
+        .into_iter()
         .flatten()
-        .filter(|e| {
-            e.file_name().to_string_lossy().starts_with(&prefix) && e.file_name().to_string_lossy().ends_with(".region")
-        })
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".region"))
         .map(|e| e.path())
         .collect()
 }
 
 fn unnamed(s: &Sim, limit: &str) -> std::process::Command {
     let mut c = s.limited(RT, &[("CUDA_DEVICE_MEMORY_LIMIT", limit)]);
-    c.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    c.env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE").env_remove("TMPDIR");
     c
+}
+
+/// A user's own region (none named) is its alone: made 0600 in a folder only it writes (it was 0666
+/// in /tmp itself: another local user set a victim's limit to none, held its init lock, took its
+/// slots or made the path first); a folder there that another user owns, or a link planted there,
+/// is refused with the reason, and the process's allocations with it. Issue 61, item 23.
+#[test]
+fn a_user_s_own_region_is_private_and_a_planted_folder_or_link_is_refused() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let s = Sim::new(None);
+    let tmp = s.state.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let run = || unnamed(&s, "1g").env("TMPDIR", &tmp).args(["alloc", "--size", "64m"]).output().unwrap();
+    let o = run();
+    assert_eq!(lines(&o.stdout)[0]["allocated"], 64 * MIB, "{}", String::from_utf8_lossy(&o.stderr));
+    // SAFETY: geteuid has no preconditions.
+    let dir = tmp.join(format!("vgpu-{}", unsafe { libc::geteuid() }));
+    assert_eq!(std::fs::symlink_metadata(&dir).unwrap().mode() & 0o7777, 0o700);
+    let regions: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(regions.len(), 1, "{regions:?}");
+    assert_eq!(regions[0].metadata().unwrap().mode() & 0o777, 0o600);
+    // Another user's folder where this user's would be: refused, with the reason.
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    let o = run();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("is not a folder of this user's") && e.contains("owner 65534"), "{e}");
+    assert_ne!(lines(&o.stdout)[0]["allocated"], 64 * MIB, "{e}");
+    // A link planted there (to a folder of the victim's choosing): refused, nothing made through it.
+    std::fs::remove_dir_all(&dir).unwrap();
+    let elsewhere = s.state.join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &dir).unwrap();
+    let o = run();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("a link"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "nothing made through the link");
 }
 
 #[test]
