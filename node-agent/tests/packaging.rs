@@ -134,7 +134,13 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
                     p.as_ref().and_then(|p| p.http_get.as_ref()).and_then(|h| h.path.clone())
                 };
                 assert_eq!(probe(&c.readiness_probe).as_deref(), Some("/healthz"));
-                assert_eq!(probe(&c.liveness_probe).as_deref(), Some("/livez"));
+                // Liveness over the agent's socket, not the metrics port (a slowloris there made
+                // 5 of 6 /livez probes take 10-14 s against the probe's 5 s: issue 61, item 24).
+                let live = c.liveness_probe.as_ref().and_then(|p| p.exec.as_ref()).and_then(|e| e.command.clone());
+                assert_eq!(
+                    live.as_deref(),
+                    Some(&["/usr/local/bin/vgpuctl", "--socket", "/run/vgpu/agent.sock", "live"].map(String::from)[..])
+                );
                 // Capacity reporting is off by default and its Secret optional.
                 let env = |name: &str| c.env.as_ref().unwrap().iter().find(|e| e.name == name).unwrap().value.clone();
                 assert_eq!(env("VGPU_AGENT_SCHEDULER_ENDPOINT").as_deref(), Some(""));

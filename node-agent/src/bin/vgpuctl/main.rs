@@ -131,6 +131,10 @@ enum Cmd {
     Mig(MigCmd),
     /// What this node reports to the central scheduler, and the connection's state
     Capacity,
+    /// Whether the agent is live (exit 0), its monitoring stalled (1, with the reason) or it does
+    /// not answer (3): over its socket, as the chart's liveness probe asks, whatever its metrics
+    /// port suffers
+    Live,
     /// The cluster view of a capacity receiver (vgpu-receiver or a scheduler serving vgpu.scheduler.v1)
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -596,6 +600,7 @@ fn main() {
             Cmd::Inspect { name } => inspect(&mut c, name, cli.json).await,
             Cmd::Run { name, command } => run_in(&mut c, name, command).await,
             Cmd::Doctor | Cmd::Cluster(_) => unreachable!("handled above"),
+            Cmd::Live => live(&mut c).await,
             Cmd::Capacity => {
                 let r = c.capacity(pb::CapacityRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
                 if cli.json {
@@ -628,6 +633,16 @@ fn main() {
             Cmd::Mig(cmd) => mig_operation(&mut c, cmd, cli.json).await,
         }
     });
+}
+
+/// `vgpuctl live`: "live", or exit 1 with why not (the chart's liveness probe).
+async fn live(c: &mut Client) {
+    let h = c.health(pb::HealthRequest {}).await.unwrap_or_else(|e| grpc_err(e)).into_inner();
+    if !h.live {
+        let why: Vec<&str> = h.problems.iter().map(String::as_str).filter(|p| p.contains("stalled")).collect();
+        die(1, format!("not live: {}", if why.is_empty() { "the agent says so".to_string() } else { why.join("; ") }));
+    }
+    println!("live");
 }
 
 /// The receiver's refusal, with its causes; a connection it dropped during the TLS handshake

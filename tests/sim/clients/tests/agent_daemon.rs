@@ -1315,3 +1315,32 @@ fn a_slice_s_priority_is_set_shown_and_changed_while_it_runs() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("possible values: normal, high"), "{o:?}");
     s.kill(p);
 }
+
+/// Liveness holds whatever the metrics port suffers: with 600 connections held open there sending
+/// a header a byte at a time (a slowloris: 5 of 6 `/livez` probes took 10-14 s against the chart's
+/// 5 s), `vgpuctl live`, the chart's probe, answers over the agent's socket at once. Issue 61,
+/// item 24.
+#[test]
+fn liveness_is_answered_over_the_socket_whatever_the_metrics_port_suffers() {
+    use std::io::Write;
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"A100-40GB\"\n"));
+    let a = Agent::start(&s, &[]);
+    assert_eq!(a.ctl_ok(&["live"]).trim(), "live");
+    let mut held: Vec<std::net::TcpStream> = Vec::new();
+    let addr: std::net::SocketAddr = a.metrics.parse().unwrap();
+    for _ in 0..600 {
+        match std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(200)) {
+            Ok(mut c) => {
+                let _ = c.write_all(b"GET /metrics HTTP/1.1\r\nX-a: ");
+                held.push(c);
+            }
+            Err(_) => break,
+        }
+    }
+    let t = std::time::Instant::now();
+    for _ in 0..6 {
+        assert_eq!(a.ctl_ok(&["live"]).trim(), "live");
+    }
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "six probes took {:?}", t.elapsed());
+    drop(held);
+}

@@ -360,6 +360,10 @@ fn a_stalled_monitoring_fails_liveness_and_starves_the_watchdog() {
     assert!([before, got].concat().join("\n").contains("STATUS=monitoring stalled"));
     let table = a.ctl_ok(&["status"]);
     assert!(table.contains("monitoring stalled: no pass completed for"), "{table}");
+    // The chart's liveness probe, over the agent's socket: not live, with the reason.
+    let live = a.ctl(&["live"]);
+    assert_eq!(live.status.code(), Some(1), "{live:?}");
+    assert!(String::from_utf8_lossy(&live.stderr).contains("not live: monitoring stalled"), "{live:?}");
     let doctor = a.ctl(&["--config", cfg.to_str().unwrap(), "doctor"]);
     let text = String::from_utf8_lossy(&doctor.stdout);
     assert!(text.contains("agent not live: monitoring stalled"), "{text}");
