@@ -68,10 +68,14 @@ pub fn printable(comm: &[u8]) -> String {
     printable_text(&String::from_utf8_lossy(comm))
 }
 
-/// Text from elsewhere (a process name, a slice's label) safe to print: control characters and
-/// the replacement character of invalid UTF-8 become `?`.
+/// Text from elsewhere (a process name, a slice's label) safe to print: control characters, the
+/// replacement character of invalid UTF-8 and the bidirectional controls (which reorder what a
+/// terminal shows after them: `U+202A`-`U+202E`, `U+2066`-`U+2069`, `U+200E`/`U+200F`, `U+061C`)
+/// become `?`.
 pub fn printable_text(s: &str) -> String {
-    s.chars().map(|c| if c.is_control() || c == '\u{fffd}' { '?' } else { c }).collect()
+    let bidi =
+        |c: char| matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}' | '\u{061c}');
+    s.chars().map(|c| if c.is_control() || c == '\u{fffd}' || bidi(c) { '?' } else { c }).collect()
 }
 
 /// A pod's UID and a container's ID from `/proc/<pid>/cgroup`, in the layouts kubelet and the
@@ -315,6 +319,10 @@ mod tests {
         // A command a process chose to disturb a terminal or a log prints harmlessly.
         assert_eq!(printable(b"python3\n"), "python3");
         assert_eq!(printable(b"\x1b[2J\x1b[Hx\ty\xff\n"), "?[2J?[Hx?y?");
+        // Bidirectional controls reorder what follows on a terminal (issue 61, item 25: a label
+        // holding U+202E was printed raw).
+        assert_eq!(printable_text("team\u{202e}nimda\u{2066}x\u{200f}"), "team?nimda?x?");
+        assert_eq!(printable_text("é ü 中文"), "é ü 中文", "other text stays");
         // This process: its command, and whatever its cgroup says.
         let me = owner(std::process::id());
         assert!(!me.command.is_empty(), "{me:?}");
