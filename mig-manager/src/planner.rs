@@ -38,8 +38,8 @@ pub struct Plan {
 pub enum NoPlacement {
     #[error("no MIG profile of {gpu} offers {}", wanted(request))]
     NoProfile { gpu: String, request: Request },
-    #[error("no room on {gpu} for {memory_mib} MiB: its free memory slices cannot hold a fitting profile")]
-    NoRoom { gpu: String, memory_mib: u64 },
+    #[error("no room on {gpu} for {}: its free memory slices cannot hold a fitting profile", wanted(request))]
+    NoRoom { gpu: String, request: Request },
     #[error("no GPUs")]
     NoGpus,
     #[error("{gpu} has no MIG profile {profile}")]
@@ -54,13 +54,17 @@ pub enum NoPlacement {
 
 /// What a request asks for, as an error names it.
 fn wanted(r: &Request) -> String {
-    format!(
-        "{} MiB{}{}{}",
-        r.memory_mib,
-        if r.compute > 0 { format!(", {} compute slices", r.compute) } else { String::new() },
-        if r.sms > 0 { format!(", {} SMs", r.sms) } else { String::new() },
-        if r.media { ", media engines" } else { "" }
-    )
+    let mut parts = Vec::new();
+    if r.memory_mib > 0 || (r.compute == 0 && r.sms == 0) {
+        parts.push(format!("{} MiB", r.memory_mib));
+    }
+    if r.compute > 0 {
+        parts.push(format!("{} compute slices", r.compute));
+    }
+    if r.sms > 0 {
+        parts.push(format!("{} SMs", r.sms));
+    }
+    format!("{}{}", parts.join(", "), if r.media { ", media engines" } else { "" })
 }
 
 /// Why a target cannot be reached.
@@ -375,7 +379,7 @@ pub fn choose(gpu: &Gpu, req: &Request) -> Result<Placed, NoPlacement> {
             return Ok(Placed { profile: p.id, start });
         }
     }
-    Err(NoPlacement::NoRoom { gpu: gpu.name.clone(), memory_mib: req.memory_mib })
+    Err(NoPlacement::NoRoom { gpu: gpu.name.clone(), request: *req })
 }
 
 /// Node-level dynamic choice: the GPU (and placement) where the request costs the least room, so

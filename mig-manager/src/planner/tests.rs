@@ -216,6 +216,14 @@ fn dynamic_choice_fits_best_and_keeps_large_placements_free() {
     assert_eq!(q.start, 0);
     let g3 = with(&g, &[q]);
     assert!(choose_greedy(&g3, &r(20_000, 4, false)).is_none());
+    // A refusal names what was asked: a request of compute slices alone said "for 0 MiB" (issue 61,
+    // item 7); a full GPU has no room for 4 compute slices.
+    let full = gpu_with_all_but(&g, 0);
+    let e = choose(&full, &r(0, 4, false)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("no room on {} for 4 compute slices: its free memory slices cannot hold a fitting profile", g.name)
+    );
     assert_eq!(fragmentation(&g), 0.0, "an empty GPU: one usable block");
     assert_eq!(fragmentation(&gpu_with_all_but(&g, 0)), 1.0, "slice 7 alone holds no profile");
 }
