@@ -73,6 +73,10 @@ kueue_down() {
     "$K" delete clusterqueue gpu --wait=false >/dev/null 2>&1 || true
     "$K" delete -f "$dir/kueue.yaml" --wait=true --timeout=90s >/dev/null 2>&1 || true
     "$K" delete namespace "$kueue_ns" --wait=true --timeout=90s >/dev/null 2>&1 || true
+    # Its CRDs go after their objects (a finalizer): a later install must not meet them terminating
+    # ("create not allowed while custom resource definition is terminating", seen in CI).
+    kueue_crds_gone() { ! "$K" get crd -o name | grep -q 'kueue.x-k8s.io'; }
+    wait_until 180 "Kueue's CRDs removed" kueue_crds_gone
 }
 
 # kueue_order A B WHY: which of two Jobs made in the same second Kueue admits first (it orders by
