@@ -157,12 +157,17 @@ EOF
     echo "  both on $gpu_a and running; the second got as much as the first after the first was refused"
     local rpod
     rpod=$("$K" -n kai-resource-reservation get pods -o jsonpath='{.items[0].metadata.name}')
-    "$K" -n kai-resource-reservation logs "$rpod" | grep -q 'Found 1 GPU devices' ||
-        fail "the reservation pod's NVML did not show exactly one GPU: $("$K" -n kai-resource-reservation logs "$rpod" | tail -3)"
+    local rlog
+    rlog=$("$K" -n kai-resource-reservation logs "$rpod")
+    # (grep reads all of it: with pipefail, a grep -q that stops early fails the writer's SIGPIPE.)
+    grep 'Found 1 GPU devices' <<<"$rlog" >/dev/null ||
+        fail "the reservation pod's NVML did not show exactly one GPU: $(tail -3 <<<"$rlog")"
     echo "  the reservation pod's NVML shows one GPU (its log: Found 1 GPU devices)"
     [ "$(oci_slices)" = 2 ] || fail "$(oci_slices) oci- slices for two sharing pods"
     # The hook labels each slice with the pod (containerd's CRI annotations): status names them.
-    vgpuctl status | grep -q 'e2e/kai-half-b' || fail "vgpuctl status does not name kai-half-b: $(vgpuctl status)"
+    local st
+    st=$(vgpuctl status)
+    grep 'e2e/kai-half-b' <<<"$st" >/dev/null || fail "vgpuctl status does not name kai-half-b: $st"
     "$K" -n e2e delete pod kai-half-a kai-half-b --wait=true --timeout=60s >/dev/null
     wait_until 60 "the sharing pods' slices removed with the pods" no_oci_slices
     echo "  the pods deleted: their slices removed"
