@@ -101,6 +101,17 @@ image_libs() {
     ldd "$@" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\/lib/ {print $1}' | sort -u |
         sed 's/.*/&=&:755/'
 }
+# serving_cert DIR CN SAN: a webhook's serving certificate (DIR/tls.crt, tls.key) for SAN (e.g.
+# DNS:svc.ns.svc), signed by a CA of its own (DIR/ca.crt): what peers' certificate jobs make.
+serving_cert() {
+    mkdir -p "$1"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$1/ca.key" -out "$1/ca.crt" -subj "/CN=$2-e2e-ca" \
+        -days 2 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -keyout "$1/tls.key" -out "$1/tls.csr" -subj "/CN=$2" 2>/dev/null
+    printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth\n' "$3" >"$1/ext"
+    openssl x509 -req -in "$1/tls.csr" -CA "$1/ca.crt" -CAkey "$1/ca.key" -CAcreateserial -days 2 \
+        -extfile "$1/ext" -out "$1/tls.crt" 2>/dev/null
+}
 # in_cluster NS [DEPLOYMENT]: a peer's Deployments (or one) waited for (they reach the API server at
 # the `kubernetes` Service, as in any cluster: cluster.sh serves its address).
 in_cluster() {

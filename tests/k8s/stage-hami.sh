@@ -58,13 +58,7 @@ stage_hami_real() {
     tests/k8s/cluster.sh import "$dir" "$dir/images/hami.tar" "$dir/images/kube-scheduler.tar"
     # The webhook's serving certificate (the chart's certificate job's work).
     local pki=$dir/pki-hami
-    mkdir -p "$pki"
-    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$pki/ca.key" -out "$pki/ca.crt" -subj "/CN=hami-e2e-ca" \
-        -days 2 2>/dev/null
-    openssl req -newkey rsa:2048 -nodes -keyout "$pki/tls.key" -out "$pki/tls.csr" -subj "/CN=hami-scheduler" 2>/dev/null
-    printf 'subjectAltName=DNS:hami-scheduler.%s.svc,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' "$hami_ns" >"$pki/ext"
-    openssl x509 -req -in "$pki/tls.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial -days 2 \
-        -extfile "$pki/ext" -out "$pki/tls.crt" 2>/dev/null
+    serving_cert "$pki" hami-scheduler "DNS:hami-scheduler.$hami_ns.svc,IP:127.0.0.1"
     "$K" -n "$hami_ns" create secret tls hami-scheduler-tls --cert "$pki/tls.crt" --key "$pki/tls.key" >/dev/null
     # HAMi's chart, as its users install it, less its device plugin (the agent is the node side).
     "$H" template hami "$peers/hami/charts/hami" -n "$hami_ns" --kube-version "$("$K" version -o json |

@@ -93,14 +93,14 @@ kueue_order() {
     echo "  $first admitted; $second waits ($("$K" -n e2e get workloads -o jsonpath='{range .items[*]}{.metadata.name}: {.status.conditions[?(@.type=="QuotaReserved")].reason}; {end}'))"
 }
 
-stage_kueue_real() {
-    stage "Kueue, real: Kueue $(cd tests/k8s/tools/kueue && go list -mod=readonly -m -f '{{.Version}}' sigs.k8s.io/kueue)'s manager from its chart; a quota over HAMi's resources"
-    kueue_up <<EOF
-resources:
-  transformations:
-    - {input: nvidia.com/gpumem, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpumem: "1"}}
-    - {input: nvidia.com/gpucores, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpucores: "1"}}
-EOF
+# kueue_queue RESOURCE=QUOTA...: the ClusterQueue `gpu` (a flavor `default`, cpu and memory
+# besides these) and its LocalQueue in e2e.
+kueue_queue() {
+    local names="" quotas="" r
+    for r in "$@"; do
+        names+=", ${r%%=*}"
+        quotas+=$'\n'"            - {name: ${r%%=*}, nominalQuota: \"${r#*=}\"}"
+    done
     "$K" apply -f - >/dev/null <<EOF
 apiVersion: kueue.x-k8s.io/v1beta2
 kind: ResourceFlavor
@@ -112,52 +112,76 @@ metadata: {name: gpu}
 spec:
   namespaceSelector: {}
   resourceGroups:
-    - coveredResources: [cpu, memory, nvidia.com/gpu, nvidia.com/gpumem, nvidia.com/gpucores]
+    - coveredResources: [cpu, memory$names]
       flavors:
         - name: default
           resources:
             - {name: cpu, nominalQuota: "4"}
-            - {name: memory, nominalQuota: 8Gi}
-            - {name: nvidia.com/gpu, nominalQuota: "4"}
-            - {name: nvidia.com/gpumem, nominalQuota: "1536"}
-            - {name: nvidia.com/gpucores, nominalQuota: "200"}
+            - {name: memory, nominalQuota: 8Gi}$quotas
 ---
 apiVersion: kueue.x-k8s.io/v1beta2
 kind: LocalQueue
 metadata: {name: gpu, namespace: e2e}
 spec: {clusterQueue: gpu}
 EOF
-    echo "  ClusterQueue gpu: nvidia.com/gpumem 1536 (MiB, per GPU x GPUs), nvidia.com/gpucores 200"
+}
 
-    stage "Kueue, real: two Jobs of 2 GPUs x 512 MiB: the second admitted only when the first ends"
-    local j
-    for j in kueue-a kueue-b; do
-        cat <<EOF | "$K" apply -f - >/dev/null
+# kueue_job NAME RESOURCES [POD-LINES]: a Job for the LocalQueue gpu, one simulated-CUDA container
+# of RESOURCES that runs a few seconds and ends (POD-LINES: more of its pod spec, indented 6).
+kueue_job() {
+    cat <<EOF | "$K" apply -f - >/dev/null
 apiVersion: batch/v1
 kind: Job
-metadata: {name: $j, namespace: e2e, labels: {kueue.x-k8s.io/queue-name: gpu}}
+metadata: {name: $1, namespace: e2e, labels: {kueue.x-k8s.io/queue-name: gpu}}
 spec:
   backoffLimit: 0
   template:
     spec:
       restartPolicy: Never
-      terminationGracePeriodSeconds: 1
+      terminationGracePeriodSeconds: 1${3:+
+$3}
       containers:
-$(cuda_container cuda "{requests: {cpu: 100m, memory: 64Mi}, limits: {nvidia.com/gpu: 2, nvidia.com/gpumem: 512, nvidia.com/gpucores: 20}}" \
+$(cuda_container cuda "$2" \
         "gpu-probe info; gpu-probe spin --seconds 3; timeout 6 gpu-probe fill --chunk 104857600; true" | sed 's/^/    /')
 $(sim_volume | sed 's/^/    /')
 EOF
-    done
-    local first second pod
-    kueue_order kueue-a kueue-b "2 x 1024 MiB counted within 1536 (no multiplyBy?)"
-    pod=$("$K" -n e2e get pods -l "job-name=$first" -o jsonpath='{.items[0].metadata.name}')
-    held "$pod" $((512 << 20)) 20
+}
+
+# kueue_pair A B WHY CHECK: Jobs A and B, made together, one admitted and the other waiting until
+# it ends (kueue_order); CHECK POD then checks each one's pod.
+kueue_pair() {
+    local first second j pod
+    kueue_order "$1" "$2" "$3"
     done_job() { [ "$("$K" -n e2e get job "$1" -o jsonpath='{.status.succeeded}')" = 1 ]; }
-    wait_until 60 "$first completed" done_job "$first"
-    wait_until 60 "Kueue admitting $second once $first ended" admitted "$second"
-    pod=$("$K" -n e2e get pods -l "job-name=$second" -o jsonpath='{.items[0].metadata.name}')
-    held "$pod" $((512 << 20)) 20
-    echo "  $second admitted after $first ended, held alike"
+    job_pod() { "$K" -n e2e get pods -l "job-name=$1" -o jsonpath='{.items[0].metadata.name}' | grep . >/dev/null; }
+    for j in "$first" "$second"; do
+        [ "$j" = "$first" ] || wait_until 60 "Kueue admitting $second once $first ended" admitted "$j"
+        wait_until 60 "$j's pod" job_pod "$j"
+        pod=$("$K" -n e2e get pods -l "job-name=$j" -o jsonpath='{.items[0].metadata.name}')
+        "$4" "$pod"
+        wait_until 60 "$j completed" done_job "$j"
+    done
+    echo "  $second admitted after $first ended; each held"
+}
+
+stage_kueue_real() {
+    stage "Kueue, real: Kueue $(cd tests/k8s/tools/kueue && go list -mod=readonly -m -f '{{.Version}}' sigs.k8s.io/kueue)'s manager from its chart; a quota over HAMi's resources"
+    kueue_up <<EOF
+resources:
+  transformations:
+    - {input: nvidia.com/gpumem, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpumem: "1"}}
+    - {input: nvidia.com/gpucores, strategy: Replace, multiplyBy: nvidia.com/gpu, outputs: {nvidia.com/gpucores: "1"}}
+EOF
+    kueue_queue nvidia.com/gpu=4 nvidia.com/gpumem=1536 nvidia.com/gpucores=200
+    echo "  ClusterQueue gpu: nvidia.com/gpumem 1536 (MiB, per GPU x GPUs), nvidia.com/gpucores 200"
+
+    stage "Kueue, real: two Jobs of 2 GPUs x 512 MiB: the second admitted only when the first ends"
+    local j
+    for j in kueue-a kueue-b; do
+        kueue_job "$j" "{requests: {cpu: 100m, memory: 64Mi}, limits: {nvidia.com/gpu: 2, nvidia.com/gpumem: 512, nvidia.com/gpucores: 20}}"
+    done
+    held_512() { held "$1" $((512 << 20)) 20; }
+    kueue_pair kueue-a kueue-b "2 x 1024 MiB counted within 1536 (no multiplyBy?)" held_512
     "$K" -n e2e delete job kueue-a kueue-b --wait=true --timeout=60s >/dev/null
     kueue_down
 }
@@ -173,30 +197,8 @@ resources:
   deviceClassMappings:
     - {name: vgpu.io/share, deviceClassNames: [vgpu-share]}
 EOF
+    kueue_queue vgpu.io/share=1
     "$K" apply -f - >/dev/null <<EOF
-apiVersion: kueue.x-k8s.io/v1beta2
-kind: ResourceFlavor
-metadata: {name: default}
----
-apiVersion: kueue.x-k8s.io/v1beta2
-kind: ClusterQueue
-metadata: {name: gpu}
-spec:
-  namespaceSelector: {}
-  resourceGroups:
-    - coveredResources: [cpu, memory, vgpu.io/share]
-      flavors:
-        - name: default
-          resources:
-            - {name: cpu, nominalQuota: "4"}
-            - {name: memory, nominalQuota: 8Gi}
-            - {name: vgpu.io/share, nominalQuota: "1"}
----
-apiVersion: kueue.x-k8s.io/v1beta2
-kind: LocalQueue
-metadata: {name: gpu, namespace: e2e}
-spec: {clusterQueue: gpu}
----
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate
 metadata: {name: share, namespace: e2e}
@@ -210,43 +212,21 @@ EOF
     echo "  ClusterQueue gpu: vgpu.io/share 1 (devices of the DeviceClass vgpu-share)"
     local j
     for j in kueue-dra-a kueue-dra-b; do
-        cat <<EOF | "$K" apply -f - >/dev/null
-apiVersion: batch/v1
-kind: Job
-metadata: {name: $j, namespace: e2e, labels: {kueue.x-k8s.io/queue-name: gpu}}
-spec:
-  backoffLimit: 0
-  template:
-    spec:
-      restartPolicy: Never
-      terminationGracePeriodSeconds: 1
-      resourceClaims:
-        - {name: gpu, resourceClaimTemplateName: share}
-      containers:
-$(cuda_container cuda "{requests: {cpu: 100m, memory: 64Mi}, claims: [{name: gpu}]}" \
-        "gpu-probe info; gpu-probe spin --seconds 3; timeout 6 gpu-probe fill --chunk 104857600; true" | sed 's/^/    /')
-$(sim_volume | sed 's/^/    /')
-EOF
+        kueue_job "$j" "{requests: {cpu: 100m, memory: 64Mi}, claims: [{name: gpu}]}" \
+            "      resourceClaims: [{name: gpu, resourceClaimTemplateName: share}]"
     done
-    local first second pod
-    kueue_order kueue-dra-a kueue-dra-b "two devices within a quota of one"
-    for j in "$first" "$second"; do
-        [ "$j" = "$first" ] || wait_until 60 "Kueue admitting $second once $first ended" admitted "$j"
-        job_pod() { "$K" -n e2e get pods -l "job-name=$1" -o jsonpath='{.items[0].metadata.name}' | grep -q .; }
-        wait_until 60 "$j's pod" job_pod "$j"
-        pod=$("$K" -n e2e get pods -l "job-name=$j" -o jsonpath='{.items[0].metadata.name}')
+    # held to the share its claim (made from the template) was allocated.
+    held_claimed() {
         pod_claimed() { [ -n "$("$K" -n e2e get pod "$1" -o jsonpath='{.status.resourceClaimStatuses[0].resourceClaimName}')" ]; }
-        wait_until 60 "$pod's claim made from the template" pod_claimed "$pod"
+        wait_until 60 "$1's claim made from the template" pod_claimed "$1"
         local claim limit cores
-        claim=$("$K" -n e2e get pod "$pod" -o jsonpath='{.status.resourceClaimStatuses[0].resourceClaimName}')
+        claim=$("$K" -n e2e get pod "$1" -o jsonpath='{.status.resourceClaimStatuses[0].resourceClaimName}')
         claim_allocated() { [ -n "$("$K" -n e2e get resourceclaim "$1" -o jsonpath='{.status.allocation}')" ]; }
         wait_until 60 "$claim allocated by kube-scheduler" claim_allocated "$claim"
         read -r limit cores < <(claim_share "$claim")
-        held "$pod" "$limit" "$cores"
-        done_job() { [ "$("$K" -n e2e get job "$1" -o jsonpath='{.status.succeeded}')" = 1 ]; }
-        wait_until 60 "$j completed" done_job "$j"
-    done
-    echo "  $second admitted after $first ended; each held to its share"
+        held "$1" "$limit" "$cores"
+    }
+    kueue_pair kueue-dra-a kueue-dra-b "two devices within a quota of one" held_claimed
     "$K" -n e2e delete job kueue-dra-a kueue-dra-b --wait=true --timeout=60s >/dev/null
     "$K" -n e2e delete resourceclaimtemplate share >/dev/null
     kueue_down

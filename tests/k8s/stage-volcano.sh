@@ -28,13 +28,7 @@ stage_volcano_real() {
         "$dir/images/vc-webhook-manager.tar"
     # The admission webhook's serving certificate, as the chart's init job would make it.
     local pki=$dir/pki-volcano
-    mkdir -p "$pki"
-    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$pki/ca.key" -out "$pki/ca.crt" -subj "/CN=volcano-e2e-ca" \
-        -days 2 2>/dev/null
-    openssl req -newkey rsa:2048 -nodes -keyout "$pki/tls.key" -out "$pki/tls.csr" -subj "/CN=volcano-admission" 2>/dev/null
-    printf 'subjectAltName=DNS:volcano-admission-service.%s.svc\nextendedKeyUsage=serverAuth\n' "$volcano_ns" >"$pki/ext"
-    openssl x509 -req -in "$pki/tls.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial -days 2 \
-        -extfile "$pki/ext" -out "$pki/tls.crt" 2>/dev/null
+    serving_cert "$pki" volcano-admission "DNS:volcano-admission-service.$volcano_ns.svc"
     "$K" -n "$volcano_ns" create secret generic volcano-admission-secret --from-file=tls.crt="$pki/tls.crt" \
         --from-file=tls.key="$pki/tls.key" --from-file=ca.crt="$pki/ca.crt" >/dev/null
     # The scheduler's configuration: Volcano's default tiers with deviceshare's vGPU on, as Volcano's
