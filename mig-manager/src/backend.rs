@@ -83,6 +83,11 @@ pub struct NvmlBackend {
     held: std::collections::BTreeSet<String>,
 }
 
+/// Whether any of `processes` (a physical GPU's list) runs in GPU instance `gi`.
+fn runs_in(processes: &[nvml_wrapper::struct_wrappers::device::ProcessInfo], gi: u32) -> bool {
+    processes.iter().any(|p| p.gpu_instance_id == Some(gi))
+}
+
 fn ret_name(r: nvmlReturn_t) -> String {
     match r {
         2 => "INVALID_ARGUMENT".into(),
@@ -252,7 +257,12 @@ impl MigBackend for NvmlBackend {
                     });
                 }
             }
-            // MIG devices: UUIDs and processes.
+            // Busy: a process on the instance by either of NVML's lists (the parent GPU's carries
+            // each process's GPU instance; a MIG device's lists its own), or given to a workload.
+            let on_parent = d.running_compute_processes().unwrap_or_default();
+            for inst in instances.iter_mut() {
+                inst.busy = runs_in(&on_parent, inst.gi);
+            }
             for i in 0..d.mig_device_count().unwrap_or(0) {
                 let Ok(m) = d.mig_device_by_index(i) else { continue };
                 let mut id = 0;
@@ -263,7 +273,7 @@ impl MigBackend for NvmlBackend {
                 if let Some(inst) = instances.iter_mut().find(|x| x.gi == id) {
                     inst.uuid = m.uuid().ok();
                     let held = inst.uuid.as_ref().is_some_and(|u| self.held.contains(u));
-                    inst.busy = held || m.running_compute_processes().is_ok_and(|p| !p.is_empty());
+                    inst.busy |= held || m.running_compute_processes().is_ok_and(|p| !p.is_empty());
                 }
             }
             instances.sort_by_key(|i| (i.start, i.gi));
@@ -361,5 +371,24 @@ impl MigBackend for NvmlBackend {
         let d = self.nvml.device_by_index(gpu).map_err(|e| MigError::Query { gpu, what: "", error: e.to_string() })?;
         let p = d.pci_info().map_err(|e| MigError::Query { gpu, what: "PCI info: ", error: e.to_string() })?;
         Ok(format!("0x{:08X}", p.pci_device_id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs_in;
+    use nvml_wrapper::enums::device::UsedGpuMemory;
+    use nvml_wrapper::struct_wrappers::device::ProcessInfo;
+
+    fn process(pid: u32, gi: Option<u32>) -> ProcessInfo {
+        ProcessInfo { pid, used_gpu_memory: UsedGpuMemory::Used(1 << 20), gpu_instance_id: gi, compute_instance_id: gi }
+    }
+
+    #[test]
+    fn a_parent_process_marks_its_gpu_instance_busy() {
+        let list = [process(10, Some(3)), process(11, None)];
+        assert!(runs_in(&list, 3));
+        assert!(!runs_in(&list, 5), "a process of another instance");
+        assert!(!runs_in(&list[1..], 0), "a process with no instance id is on none");
     }
 }

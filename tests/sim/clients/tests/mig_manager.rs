@@ -465,3 +465,43 @@ fn a_half_made_instance_is_not_done_and_is_removed_at_start() {
     assert_eq!(apply::check(&b, 1, &d).unwrap(), Vec::<String>::new());
     assert!(b.gpu(1).unwrap().instances.iter().all(|i| i.compute_instances.len() == 1));
 }
+
+/// `apply` without `--force` destroyed a GPU instance a process ran on: the simulated MIG devices
+/// listed no process, and the parent GPU's list (which carries each process's GPU instance, as the
+/// driver's does) was not read. Both now list it as the driver does, and either one keeps the
+/// instance. Issue 61, item 4.
+#[test]
+fn a_process_on_a_mig_device_keeps_its_instance() {
+    let (_one, mut s, b, store) = on_node(NODE);
+    let f = config::File::parse(CONFIG).unwrap();
+    apply::apply_gpu(&b, &store, 1, &desired(&f, "all-balanced", &b, 1), false).unwrap();
+    let g = b.gpu(1).unwrap();
+    let inst = g.instances.last().unwrap().clone();
+    assert!(g.instances.iter().all(|i| !i.busy), "{:?}", g.instances);
+    let mut c = s.cmd(RT);
+    c.env("CUDA_VISIBLE_DEVICES", inst.uuid.as_deref().unwrap());
+    let (pid, _) = s.spawn_cmd(c, &["alloc", "--size", "64m", "--hold"]);
+
+    // The driver's two views: the parent lists it with its GPU instance, the MIG device lists it.
+    let nvml = nvml_wrapper::Nvml::builder().lib_path(s.libs.join("libnvidia-ml.so.1").as_os_str()).init().unwrap();
+    let parent = nvml.device_by_index(1).unwrap();
+    let listed = parent.running_compute_processes().unwrap();
+    assert_eq!(listed.iter().map(|p| (p.pid, p.gpu_instance_id)).collect::<Vec<_>>(), vec![(pid, Some(inst.gi))]);
+    let mine = (0..parent.mig_device_count().unwrap())
+        .map(|i| parent.mig_device_by_index(i).unwrap())
+        .find(|m| m.uuid().ok() == inst.uuid)
+        .unwrap();
+    assert_eq!(mine.running_compute_processes().unwrap().iter().map(|p| p.pid).collect::<Vec<_>>(), vec![pid]);
+    let busy: Vec<u32> = b.gpu(1).unwrap().instances.iter().filter(|i| i.busy).map(|i| i.gi).collect();
+    assert_eq!(busy, vec![inst.gi]);
+
+    // A layout without it is refused and changes nothing; forced, it goes.
+    let before = layout(&b, 1);
+    let e = apply::apply_gpu(&b, &store, 1, &desired(&f, "all-enabled", &b, 1), false).unwrap_err();
+    assert!(e.to_string().contains("in use"), "{e}");
+    assert_eq!(layout(&b, 1), before);
+    s.kill(pid);
+    std::thread::sleep(std::time::Duration::from_millis(20)); // NVML reaps the dead at most every 10 ms
+    apply::apply_gpu(&b, &store, 1, &desired(&f, "all-enabled", &b, 1), false).unwrap();
+    assert!(layout(&b, 1).is_empty());
+}

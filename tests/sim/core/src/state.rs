@@ -123,9 +123,17 @@ pub struct ProcSlot {
     pub ctx: [AtomicU32; MAX_GPUS],
     /// Device memory the process holds per GPU, context overhead included.
     pub mem: [AtomicU64; MAX_GPUS],
-    /// Per GPU, the GPU instance (its id + 1) the process's CUDA device is, where it runs in a MIG
-    /// device; 0: the whole GPU.
+    /// Per GPU, the MIG device the process's CUDA device is: its GPU instance id + 1 in the low 16
+    /// bits, its compute instance id above; 0: the whole GPU. See [`ProcSlot::mig_at`].
     pub mig: [AtomicU32; MAX_GPUS],
+}
+
+impl ProcSlot {
+    /// The MIG device (GPU instance id, compute instance id) the process runs in on `gpu`, if any.
+    pub fn mig_at(&self, gpu: usize) -> Option<(u32, u32)> {
+        let v = self.mig[gpu].load(SeqCst);
+        (v & 0xffff != 0).then(|| ((v & 0xffff) - 1, v >> 16))
+    }
 }
 
 #[repr(C)]
@@ -536,7 +544,7 @@ impl Node {
 
     /// Memory the processes running in GPU instance `gi` of `gpu` hold.
     pub fn mig_mem_used(&self, gpu: usize, gi: u32) -> u64 {
-        self.live_slots().filter(|p| p.mig[gpu].load(SeqCst) == gi + 1).map(|p| p.mem[gpu].load(SeqCst)).sum()
+        self.live_slots().filter(|p| p.mig_at(gpu).is_some_and(|(g, _)| g == gi)).map(|p| p.mem[gpu].load(SeqCst)).sum()
     }
 
     /// [`try_charge`](Self::try_charge) for a process running in GPU instance `gi` of `gpu`: what
@@ -552,9 +560,10 @@ impl Node {
         false
     }
 
-    /// Marks `slot` as running in GPU instance `gi` of `gpu` (None: the whole GPU).
-    pub fn set_mig(&self, slot: usize, gpu: usize, gi: Option<u32>) {
-        self.shared.procs[slot].mig[gpu].store(gi.map_or(0, |g| g + 1), SeqCst);
+    /// Marks `slot` as running in the MIG device (GPU instance, compute instance) `at` of `gpu`
+    /// (None: the whole GPU).
+    pub fn set_mig(&self, slot: usize, gpu: usize, at: Option<(u32, u32)>) {
+        self.shared.procs[slot].mig[gpu].store(at.map_or(0, |(gi, ci)| (gi + 1) | ci << 16), SeqCst);
     }
 
     pub fn uncharge(&self, slot: usize, gpu: usize, bytes: u64) {

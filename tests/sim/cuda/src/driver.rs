@@ -24,6 +24,7 @@ pub struct Proc {
 #[derive(Clone, Copy)]
 pub struct MigDev {
     pub gi: u32,
+    pub ci: u32,
     pub cfg: &'static vgpu_sim::GpuConfig,
 }
 
@@ -55,7 +56,7 @@ pub fn init(flags: u32) -> CUresult {
             CUresult::OUT_OF_MEMORY
         })?;
         for (g, m) in mig.iter().enumerate() {
-            node.set_mig(slot, g, m.map(|m| m.gi));
+            node.set_mig(slot, g, m.map(|m| (m.gi, m.ci)));
         }
         // SAFETY: registering a plain extern "C" handler with no other callbacks.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
@@ -146,7 +147,7 @@ fn mig_of(node: &Node, i: usize, uuid: Option<&str>) -> Option<Option<MigDev>> {
         c.uuid = id;
         c.memory_bytes = p.mib << 20;
         c.sm_count = p.sm;
-        return Some(Some(MigDev { gi: g.id, cfg: Box::leak(Box::new(c)) }));
+        return Some(Some(MigDev { gi: g.id, ci: ci.id, cfg: Box::leak(Box::new(c)) }));
     }
     Some(None)
 }

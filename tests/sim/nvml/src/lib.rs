@@ -463,8 +463,9 @@ exports! {
         let l = v1_struct(l)?;
         let which = match l.mode { 0 => List::Compute, 1 => List::Graphics, 2 => List::Mps, _ => return Err(INVALID) };
         let list: Vec<nvmlProcessDetail_v1_t> = listed(d, which)?.into_iter()
-            .map(|(pid, mem)| nvmlProcessDetail_v1_t {
-                pid, usedGpuMemory: mem, gpuInstanceId: u32::MAX, computeInstanceId: u32::MAX, usedGpuCcProtectedMemory: 0,
+            .map(|p| nvmlProcessDetail_v1_t {
+                pid: p.pid, usedGpuMemory: p.bytes, gpuInstanceId: p.gi(), computeInstanceId: p.ci(),
+                usedGpuCcProtectedMemory: 0,
             })
             .collect();
         write_list(l.procArray, &mut l.numProcArrayEntries, &list)
@@ -949,23 +950,23 @@ enum List {
 /// The processes a list shows: with `mps = true` in the node description and an MPS server on the
 /// GPU, the compute list holds the server and the MPS list every other process (its clients);
 /// otherwise the compute list holds all. The graphics list holds all with `graphics = true`.
-fn listed(d: nvmlDevice_t, which: List) -> R<Vec<(u32, u64)>> {
+fn listed(d: nvmlDevice_t, which: List) -> R<Vec<Listed>> {
     let all = processes(d)?;
     let cfg = &node()?.cfg;
     if which == List::Graphics {
         return Ok(if cfg.graphics { all } else { Vec::new() });
     }
-    let on = cfg.mps && all.iter().any(|(pid, _)| mps_server(*pid));
+    let on = cfg.mps && all.iter().any(|p| mps_server(p.pid));
     Ok(match (on, which == List::Mps) {
         (false, false) => all,
         (false, true) => Vec::new(),
-        (true, clients) => all.into_iter().filter(|(pid, _)| mps_server(*pid) != clients).collect(),
+        (true, clients) => all.into_iter().filter(|p| mps_server(p.pid) != clients).collect(),
     })
 }
 
 /// [`listed`] as `nvmlProcessInfo_v1_t` (the unversioned calls).
 fn process_infos_v1(d: nvmlDevice_t, which: List) -> R<Vec<nvmlProcessInfo_v1_t>> {
-    Ok(listed(d, which)?.into_iter().map(|(pid, mem)| nvmlProcessInfo_v1_t { pid, usedGpuMemory: mem }).collect())
+    Ok(listed(d, which)?.into_iter().map(|p| nvmlProcessInfo_v1_t { pid: p.pid, usedGpuMemory: p.bytes }).collect())
 }
 
 /// NVML's `NVML_STRUCT_VERSION(name, 1)`.
@@ -991,30 +992,50 @@ fn v1_struct<'a, T>(p: *mut T) -> R<&'a mut T> {
 fn process_infos(d: nvmlDevice_t, which: List) -> R<Vec<nvmlProcessInfo_t>> {
     Ok(listed(d, which)?
         .into_iter()
-        .map(|(pid, mem)| nvmlProcessInfo_t {
-            pid,
-            usedGpuMemory: mem,
-            gpuInstanceId: u32::MAX,
-            computeInstanceId: u32::MAX,
+        .map(|p| nvmlProcessInfo_t {
+            pid: p.pid,
+            usedGpuMemory: p.bytes,
+            gpuInstanceId: p.gi(),
+            computeInstanceId: p.ci(),
         })
         .collect())
 }
 
-/// (pid, bytes) of the processes holding a context on a physical GPU.
-fn processes(d: nvmlDevice_t) -> R<Vec<(u32, u64)>> {
-    let n = node()?;
-    match decode(d as usize)? {
-        H::Dev(g) => {
-            gpu_of(n, g)?;
-            n.reap_for_query();
-            Ok(n.live_slots()
-                .filter(|p| p.ctx[g].load(Acquire) > 0)
-                .map(|p| (p.pid.load(Relaxed), p.mem[g].load(Acquire)))
-                .collect())
-        }
-        H::Mig(..) => Ok(Vec::new()),
-        _ => Err(INVALID),
+/// A process holding a context on a GPU: its PID, bytes and, on a GPU in MIG mode, the MIG device
+/// (GPU instance, compute instance) it runs in.
+#[derive(Clone, Copy)]
+struct Listed {
+    pid: u32,
+    bytes: u64,
+    mig: Option<(u32, u32)>,
+}
+
+impl Listed {
+    fn gi(&self) -> u32 {
+        self.mig.map_or(u32::MAX, |m| m.0)
     }
+    fn ci(&self) -> u32 {
+        self.mig.map_or(u32::MAX, |m| m.1)
+    }
+}
+
+/// The processes holding a context on a GPU, as the driver lists them: a physical GPU's handle
+/// gives every one (each with its GPU and compute instance in MIG mode), a MIG device's handle the
+/// processes running in that MIG device.
+fn processes(d: nvmlDevice_t) -> R<Vec<Listed>> {
+    let n = node()?;
+    let (g, only) = match decode(d as usize)? {
+        H::Dev(g) => (g, None),
+        H::Mig(g, gi, ci) => (g, Some((gi, ci))),
+        _ => return Err(INVALID),
+    };
+    gpu_of(n, g)?;
+    n.reap_for_query();
+    Ok(n.live_slots()
+        .filter(|p| p.ctx[g].load(Acquire) > 0)
+        .map(|p| Listed { pid: p.pid.load(Relaxed), bytes: p.mem[g].load(Acquire), mig: p.mig_at(g) })
+        .filter(|p| only.is_none() || p.mig == only)
+        .collect())
 }
 
 fn cpu_set(_n: &Node, numa: i32, size: c_uint, set: *mut c_ulong) -> R<()> {
@@ -1155,7 +1176,8 @@ fn write_private(d: nvmlDevice_t, which: List, count: *mut c_uint, array: *mut u
     if list.len() > cap || (array.is_null() && !list.is_empty()) {
         return Err(INSUFFICIENT_SIZE);
     }
-    for (k, (pid, bytes)) in list.iter().enumerate() {
+    for (k, p) in list.iter().enumerate() {
+        let (pid, bytes) = (&p.pid, &p.bytes);
         let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
         let name = name.trim_end().as_bytes();
         let name = &name[..name.len().min(ENTRY_BYTES - NAME_AT - 1)];
@@ -1165,8 +1187,8 @@ fn write_private(d: nvmlDevice_t, which: List, count: *mut c_uint, array: *mut u
             std::ptr::write_bytes(e, 0, ENTRY_BYTES);
             (e as *mut u32).write_unaligned(*pid);
             (e.add(8) as *mut u64).write_unaligned(*bytes);
-            (e.add(16) as *mut u32).write_unaligned(u32::MAX);
-            (e.add(20) as *mut u32).write_unaligned(u32::MAX);
+            (e.add(16) as *mut u32).write_unaligned(p.gi());
+            (e.add(20) as *mut u32).write_unaligned(p.ci());
             std::ptr::copy_nonoverlapping(name.as_ptr(), e.add(NAME_AT), name.len());
         }
     }
