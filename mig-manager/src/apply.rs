@@ -185,28 +185,81 @@ pub fn transition(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Res
 pub fn apply_gpu(b: &dyn MigBackend, store: &Store, gpu: u32, d: &Desired, force: bool) -> Result<Outcome, MigError> {
     let g = b.gpu(gpu)?;
     transition(b, gpu, d, force)?;
+    let before = store.list("desired").into_iter().find(|r| r.gpu_uuid == g.uuid);
     let rec = Record { gpu_uuid: g.uuid.clone(), desired: d.clone(), force };
     store.put("desired", &rec)?;
     store.put("journal", &rec)?;
     let r = run(b, gpu, d, force);
-    if r.is_ok() {
-        let _ = std::fs::remove_file(store.path("journal", &g.uuid));
+    match &r {
+        Ok(_) => store.drop_journal(&g.uuid),
+        // The driver refused the mode itself: what was destroyed for it is back, so the change is
+        // refused as a whole and nothing replays it at the next start.
+        Err(MigError::ModeRefused { .. }) => {
+            store.drop_journal(&g.uuid);
+            match before {
+                Some(r) => store.put("desired", &r)?,
+                None => {
+                    let _ = std::fs::remove_file(store.path("desired", &g.uuid));
+                }
+            }
+        }
+        Err(_) => {}
     }
     r
+}
+
+/// After the driver refused a mode switch (`error`), makes again the instances destroyed for it
+/// (`destroyed`, as the plan named them), and says exactly what state the GPU is in.
+fn mode_refused(b: &dyn MigBackend, g: &Gpu, destroyed: &[Step], want: bool, error: MigError) -> MigError {
+    let mut lost = Vec::new();
+    for s in destroyed {
+        if let Step::Destroy { profile, start, .. } = s {
+            if let Err(e) = b.create(g.index, *profile, *start) {
+                let name = g.profile(*profile).map_or("?".to_string(), |p| p.name.clone());
+                lost.push(format!("{name} at slice {start} ({e})"));
+            }
+        }
+    }
+    let state = match b.gpu(g.index) {
+        Ok(now) => {
+            let names: Vec<String> = now
+                .instances
+                .iter()
+                .map(|i| format!("{} at slice {}", now.profile(i.profile).map_or("?", |p| p.name.as_str()), i.start))
+                .collect();
+            let pending = if now.mode_pending { ", a mode change pending a reset" } else { "" };
+            let layout = if names.is_empty() { "no instances".to_string() } else { names.join(", ") };
+            format!("MIG is {}{pending}, with {layout}", on(now.mig_enabled))
+        }
+        Err(e) => format!("its state cannot be read ({e})"),
+    };
+    let again = match (destroyed.len(), lost.is_empty()) {
+        (0, _) => String::new(),
+        (n, true) => format!("; the {n} instances destroyed for it were made again (new UUIDs)"),
+        (n, false) => {
+            format!("; of the {n} instances destroyed for it, these could not be made again: {}", lost.join("; "))
+        }
+    };
+    MigError::ModeRefused {
+        label: format!("GPU {} ({})", g.index, g.name),
+        what: format!("switching MIG {} failed ({error}); the change is dropped: {state}{again}", on(want)),
+    }
 }
 
 fn run(b: &dyn MigBackend, gpu: u32, d: &Desired, force: bool) -> Result<Outcome, MigError> {
     let g = b.gpu(gpu)?;
     let mut mode = ModeChange::Unchanged;
     if g.mig_enabled != d.mig_enabled || g.mode_pending {
+        let mut destroyed = Vec::new();
         if !d.mig_enabled && g.mig_enabled {
             // Instances go before the mode: destroy them (busy ones only when forced; `transition`
-            // made sure the mode change can follow).
+            // made sure no process blocks the mode change).
             let p = planner::plan(&g, &[], force)
                 .map_err(|e| MigError::Plan { label: format!("GPU {gpu}"), error: e.to_string() })?;
             execute(b, gpu, &p)?;
+            destroyed = p.steps;
         }
-        mode = b.set_mode(gpu, d.mig_enabled)?;
+        mode = b.set_mode(gpu, d.mig_enabled).map_err(|e| mode_refused(b, &g, &destroyed, d.mig_enabled, e))?;
         if mode == ModeChange::PendingReset {
             return Ok(Outcome { gpu, mode, pending_reset: true, plan: None });
         }

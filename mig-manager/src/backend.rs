@@ -39,6 +39,9 @@ pub enum MigError {
     Placement(String),
     #[error("{label}: MIG mode cannot change while processes run on the GPU ({count} of them: PIDs {pids}); stop them first")]
     Busy { label: String, count: usize, pids: String },
+    /// The driver refused the mode switch itself; `state` says what the GPU is now.
+    #[error("{label}: {what}")]
+    ModeRefused { label: String, what: String },
     #[error("GPU {gpu} ({name}): MIG mode is off")]
     MigOff { gpu: u32, name: String },
     #[error("GPU {gpu}: GPU instance {gi} is in use (processes run on it, or it is given out)")]

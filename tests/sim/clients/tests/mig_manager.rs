@@ -505,3 +505,35 @@ fn a_process_on_a_mig_device_keeps_its_instance() {
     apply::apply_gpu(&b, &store, 1, &desired(&f, "all-enabled", &b, 1), false).unwrap();
     assert!(layout(&b, 1).is_empty());
 }
+
+/// The driver refusing the mode switch itself (an injected error) left the GPU's instances
+/// destroyed and the journal replaying the disable at every start. The instances destroyed for it
+/// are now made again, the change is dropped (journal and record as before), and the error says
+/// what state the GPU is in. Issue 61, item 5.
+#[test]
+fn a_refused_mode_switch_puts_the_instances_back_and_is_not_replayed() {
+    let (_one, s, b, store) = on_node(NODE);
+    let f = config::File::parse(CONFIG).unwrap();
+    let balanced = desired(&f, "all-balanced", &b, 1);
+    apply::apply_gpu(&b, &store, 1, &balanced, false).unwrap();
+    let before = layout(&b, 1);
+    assert_eq!(before.len(), 4);
+    let fault = |args: &[&str]| assert!(s.output(SIM, args).status.success(), "{args:?}");
+    fault(&["fault", "set", "nvmlDeviceSetMigMode", "--gpu", "1", "--code", "999", "--count", "1"]);
+    let e = apply::apply_gpu(&b, &store, 1, &desired(&f, "all-disabled", &b, 1), false).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, MigError::ModeRefused { .. }), "{e:?}");
+    assert!(msg.contains("switching MIG off failed") && msg.contains("MIG is on, with "), "{msg}");
+    assert!(msg.contains("the 4 instances destroyed for it were made again"), "{msg}");
+    let mut now = layout(&b, 1);
+    let mut was = before.clone();
+    now.sort();
+    was.sort();
+    assert_eq!(now, was, "the same profiles at the same places");
+    // Nothing replays the refused change: the journal is gone and the record is the layout's.
+    assert!(store.in_progress().is_empty());
+    assert_eq!(store.desired(&b.gpu(1).unwrap().uuid), Some(balanced.clone()));
+    assert!(apply::reconcile(&b, &store).is_empty(), "the layout holds: nothing to do");
+    assert!(b.gpu(1).unwrap().mig_enabled);
+    assert_eq!(apply::check(&b, 1, &balanced).unwrap(), Vec::<String>::new());
+}
