@@ -1,8 +1,9 @@
 //! GPU models the simulator can present, with their MIG profile tables.
 //!
-//! Figures come from NVIDIA's public MIG documentation and `nvidia-smi` captures (see the project's
-//! reference notes). Real code must read profiles from NVML at run time; these are the simulator's
-//! answers to those queries.
+//! Figures come from NVIDIA's public MIG documentation and published `nvidia-smi mig -lgip`
+//! listings; `tests::profile_memory_is_what_nvidia_smi_lists` names the source of each memory
+//! figure. Real code must read profiles from NVML at run time; these are the simulator's answers to
+//! those queries.
 
 /// Architecture family; decides how MIG mode changes take effect.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,13 +88,13 @@ static A100_40: [GiProfile; 7] = [
 ];
 
 static A100_80: [GiProfile; 7] = [
-    gi!("1g.10gb", 0, 19, 1, 1, 9984, 14, 1, 0, 0, 0, 0, 7, [0, 1, 2, 3, 4, 5, 6], 1),
-    gi!("1g.10gb+me", 7, 20, 1, 1, 9984, 14, 1, 1, 0, 1, 1, 1, [0, 1, 2, 3, 4, 5, 6], 1),
+    gi!("1g.10gb", 0, 19, 1, 1, 9728, 14, 1, 0, 0, 0, 0, 7, [0, 1, 2, 3, 4, 5, 6], 1),
+    gi!("1g.10gb+me", 7, 20, 1, 1, 9728, 14, 1, 1, 0, 1, 1, 1, [0, 1, 2, 3, 4, 5, 6], 1),
     gi!("1g.20gb", 9, 15, 1, 2, 19968, 14, 1, 1, 0, 0, 0, 4, [0, 2, 4, 6], 2),
     gi!("2g.20gb", 1, 14, 2, 2, 19968, 28, 2, 1, 0, 0, 0, 3, [0, 2, 4], 2),
     gi!("3g.40gb", 2, 9, 3, 4, 40192, 42, 3, 2, 0, 0, 0, 2, [0, 4], 4),
     gi!("4g.40gb", 3, 5, 4, 4, 40192, 56, 4, 2, 0, 0, 0, 1, [0], 4),
-    gi!("7g.80gb", 4, 0, 7, 8, 80384, 98, 7, 5, 0, 1, 1, 1, [0], 8),
+    gi!("7g.80gb", 4, 0, 7, 8, 80896, 98, 7, 5, 0, 1, 1, 1, [0], 8),
 ];
 
 static A30: [GiProfile; 5] = [
@@ -101,7 +102,7 @@ static A30: [GiProfile; 5] = [
     gi!("1g.6gb+me", 7, 21, 1, 1, 5952, 14, 1, 1, 0, 1, 1, 1, [0, 1, 2, 3], 1),
     gi!("2g.12gb", 1, 5, 2, 2, 11968, 28, 2, 2, 0, 0, 0, 2, [0, 2], 2),
     gi!("2g.12gb+me", 8, 6, 2, 2, 11968, 28, 2, 2, 0, 1, 1, 1, [0, 2], 2),
-    gi!("4g.24gb", 3, 0, 4, 4, 24000, 56, 4, 4, 0, 1, 1, 1, [0], 4),
+    gi!("4g.24gb", 3, 0, 4, 4, 24064, 56, 4, 4, 0, 1, 1, 1, [0], 4),
 ];
 
 static H100_80: [GiProfile; 7] = [
@@ -228,6 +229,85 @@ mod tests {
                 }
                 assert!(p.max as usize <= p.starts.len(), "{} {}", m.key, p.name);
                 assert!(t.by_id(p.id).is_some() && t.by_idx(p.idx).is_some());
+            }
+        }
+    }
+
+    /// Every profile's memory against the GiB that `nvidia-smi mig -lgip` printed for it (two
+    /// decimals), and where that figure was published:
+    /// * A100-40GB: NVIDIA's MIG User Guide, "Getting Started", the A100-SXM4-40GB listing;
+    /// * A100-80GB and A30: `-lgip` listings of A100-SXM4-80GB and A30-24GB (R525 and later drivers),
+    ///   as issue 61 of this project quotes them (9.50, 19.50, 39.25, 79.00 GiB; 5.81, 11.69, 23.50);
+    /// * H100-80GB: `-lgip` listings of H100 80GB HBM3 published with NVIDIA's mig-parted and GPU
+    ///   operator issues, and field notes (9.75, 19.62, 39.50, 79.25 GiB);
+    /// * H200-141GB: the `-lgip` listing in NVIDIA/mig-parted issue 120.
+    ///
+    /// Drivers have moved these figures by a few hundred MiB (a 7g.80gb of 78.50 GiB on older ones):
+    /// the agent reads them from NVML, never from a table.
+    #[test]
+    fn profile_memory_is_what_nvidia_smi_lists() {
+        let published: &[(&str, &[(&str, f64)])] = &[
+            (
+                "A100-40GB",
+                &[
+                    ("1g.5gb", 4.75),
+                    ("1g.5gb+me", 4.75),
+                    ("1g.10gb", 9.75),
+                    ("2g.10gb", 9.75),
+                    ("3g.20gb", 19.62),
+                    ("4g.20gb", 19.62),
+                    ("7g.40gb", 39.50),
+                ],
+            ),
+            (
+                "A100-80GB",
+                &[
+                    ("1g.10gb", 9.50),
+                    ("1g.10gb+me", 9.50),
+                    ("1g.20gb", 19.50),
+                    ("2g.20gb", 19.50),
+                    ("3g.40gb", 39.25),
+                    ("4g.40gb", 39.25),
+                    ("7g.80gb", 79.00),
+                ],
+            ),
+            (
+                "A30",
+                &[("1g.6gb", 5.81), ("1g.6gb+me", 5.81), ("2g.12gb", 11.69), ("2g.12gb+me", 11.69), ("4g.24gb", 23.50)],
+            ),
+            (
+                "H100-80GB",
+                &[
+                    ("1g.10gb", 9.75),
+                    ("1g.10gb+me", 9.75),
+                    ("1g.20gb", 19.62),
+                    ("2g.20gb", 19.62),
+                    ("3g.40gb", 39.50),
+                    ("4g.40gb", 39.50),
+                    ("7g.80gb", 79.25),
+                ],
+            ),
+            (
+                "H200-141GB",
+                &[
+                    ("1g.18gb", 16.00),
+                    ("1g.18gb+me", 16.00),
+                    ("1g.35gb", 32.25),
+                    ("2g.35gb", 32.25),
+                    ("3g.71gb", 69.50),
+                    ("4g.71gb", 69.50),
+                    ("7g.141gb", 139.75),
+                ],
+            ),
+        ];
+        for (key, list) in published {
+            let t = MODELS.iter().find(|m| m.key == *key).unwrap().mig.unwrap();
+            assert_eq!(t.profiles.len(), list.len(), "{key}: every profile is listed");
+            for (name, gib) in *list {
+                let p = t.profiles.iter().find(|p| p.name == *name).unwrap_or_else(|| panic!("{key} {name}"));
+                // nvidia-smi prints `%.2f` (exact halves to even), as Rust's `{:.2}` does.
+                let shown = format!("{:.2}", p.mib as f64 / 1024.0);
+                assert_eq!(shown, format!("{gib:.2}"), "{key} {name}: {} MiB", p.mib);
             }
         }
     }
