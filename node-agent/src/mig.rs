@@ -114,10 +114,12 @@ fn describe(d: &Desired) -> Vec<String> {
     if !d.mig_enabled {
         return vec!["MIG disabled".into()];
     }
-    if d.exact && d.devices.is_empty() {
-        return vec!["MIG enabled, no instances".into()];
+    match (d.exact, d.devices.is_empty()) {
+        (true, true) => vec!["MIG enabled, no instances".into()],
+        // The mode alone: instances are made per request (dynamic MIG).
+        (false, true) => vec!["MIG enabled, instances made per request (no layout)".into()],
+        _ => d.devices.iter().map(|(k, v)| format!("{k}: {v}")).collect(),
     }
-    d.devices.iter().map(|(k, v)| format!("{k}: {v}")).collect()
 }
 
 /// Plans, applies or asserts a mig-parted config on the GPUs it selects (or `req.gpus`).
@@ -250,5 +252,23 @@ pub fn reconcile(nvml: Arc<Nvml>, store: &Store, held: Vec<String>) {
             Ok(o) => tracing::info!(gpu = o.gpu, pending_reset = o.pending_reset, "MIG layout restored"),
             Err(e) => tracing::warn!(error = %e, "MIG layout could not be restored"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_recorded_layout_says_what_it_is() {
+        let d = |mig_enabled, exact, devices: &[(&str, u32)]| Desired {
+            mig_enabled,
+            exact,
+            devices: devices.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        };
+        assert_eq!(describe(&d(false, false, &[])), ["MIG disabled"]);
+        assert_eq!(describe(&d(true, true, &[])), ["MIG enabled, no instances"]);
+        assert_eq!(describe(&d(true, false, &[])), ["MIG enabled, instances made per request (no layout)"]);
+        assert_eq!(describe(&d(true, true, &[("1g.10gb", 2)])), ["1g.10gb: 2"]);
     }
 }

@@ -49,6 +49,30 @@ fn mig_geometries_check(known: &[vgpu_agent::hami::KnownMigGeometries], gpus: &[
     }
 }
 
+/// GPU instances without a compute instance (made outside the agent, e.g. `nvidia-smi mig -cgi`
+/// without `-C`, or cut short): CUDA has no device there while their slices are taken.
+fn mig_instances_check(gpus: &[vgpu_mig::model::Gpu]) -> Check {
+    let bad: Vec<String> = gpus
+        .iter()
+        .flat_map(|g| {
+            g.instances.iter().filter(|i| i.compute_instances.is_empty()).map(move |i| {
+                let name = g.profile(i.profile).map_or("?", |p| p.name.as_str());
+                format!("GPU {}: GPU instance {} ({name} at slice {})", g.index, i.gi, i.start)
+            })
+        })
+        .collect();
+    match (gpus.iter().any(|g| g.mig_enabled), bad.is_empty()) {
+        (false, _) => check("mig-instances", "skip", "no GPU in MIG mode".into(), ""),
+        (true, true) => check("mig-instances", "ok", "every GPU instance has its compute instance".into(), ""),
+        (true, false) => check(
+            "mig-instances",
+            "warn",
+            format!("without a compute instance, unusable, their slices taken: {}", bad.join("; ")),
+            "restart the agent (it removes them at start), or remove them with nvidia-smi mig -dgi -gi ID -i GPU",
+        ),
+    }
+}
+
 /// Whether the agent agrees with the rest of the scheduler's device configuration (the `nvidia`
 /// section of `mig_geometries_file`): a resource pods ask for that the agent does not serve, or
 /// memory counted in other units, fails; other differences warn.
@@ -345,18 +369,16 @@ fn kubernetes_checks(cfg: &Config, v: &mut Vec<Check>) {
             )
         });
     }
+    let gpus: Vec<vgpu_mig::model::Gpu> = vgpu_agent::discovery::open(cfg.nvml_library.as_deref())
+        .map(|n| {
+            use vgpu_mig::backend::MigBackend;
+            let b = vgpu_mig::backend::NvmlBackend::new(std::sync::Arc::new(n));
+            (0..b.gpu_count().unwrap_or(0)).filter_map(|i| b.gpu(i).ok()).filter(|g| !g.profiles.is_empty()).collect()
+        })
+        .unwrap_or_default();
+    v.push(mig_instances_check(&gpus));
     // The MIG geometries HAMi's and Volcano's MIG mode use, where a scheduler's file is configured.
     if cfg.compat != vgpu_agent::config::Compat::Replicas && !cfg.mig_geometries.is_empty() {
-        let gpus: Vec<vgpu_mig::model::Gpu> = vgpu_agent::discovery::open(cfg.nvml_library.as_deref())
-            .map(|n| {
-                use vgpu_mig::backend::MigBackend;
-                let b = vgpu_mig::backend::NvmlBackend::new(std::sync::Arc::new(n));
-                (0..b.gpu_count().unwrap_or(0))
-                    .filter_map(|i| b.gpu(i).ok())
-                    .filter(|g| !g.profiles.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default();
         v.push(mig_geometries_check(&cfg.mig_geometries, &gpus));
     }
     if let (false, Some(s)) = (cfg.compat == vgpu_agent::config::Compat::Replicas, &cfg.scheduler_settings) {
@@ -403,4 +425,54 @@ pub fn render_doctor(checks: &[Check], style: Style) -> String {
         }
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vgpu_mig::model::{Gpu, Instance, Profile};
+
+    #[test]
+    fn an_instance_without_a_compute_instance_is_reported() {
+        let profile = Profile {
+            id: 19,
+            name: "1g.10gb".into(),
+            compute: 1,
+            memory_slices: 1,
+            memory_mib: 9984,
+            sms: 16,
+            decoders: 1,
+            encoders: 0,
+            jpegs: 1,
+            ofas: 0,
+            max: 7,
+            starts: (0..7).collect(),
+        };
+        let inst = |gi, start, cis: &[(u32, u32)]| Instance {
+            gi,
+            profile: 19,
+            start,
+            size: 1,
+            compute_instances: cis.to_vec(),
+            busy: false,
+            uuid: None,
+        };
+        let mut g = Gpu {
+            index: 1,
+            uuid: "GPU-1".into(),
+            name: "NVIDIA H100 80GB HBM3".into(),
+            memory_slices: 8,
+            profiles: vec![profile],
+            mig_enabled: true,
+            mode_pending: false,
+            instances: vec![inst(7, 0, &[(0, 0)]), inst(8, 3, &[])],
+        };
+        let c = mig_instances_check(std::slice::from_ref(&g));
+        assert_eq!(c.level, "warn", "{c:?}");
+        assert!(c.detail.contains("GPU 1: GPU instance 8 (1g.10gb at slice 3)"), "{c:?}");
+        g.instances.pop();
+        assert_eq!(mig_instances_check(std::slice::from_ref(&g)).level, "ok");
+        g.mig_enabled = false;
+        assert_eq!(mig_instances_check(&[g]).level, "skip");
+    }
 }

@@ -413,9 +413,12 @@ pub fn render_mig_status(st: &pb::MigStatusResponse) -> String {
         let inst: Vec<String> = g
             .instances
             .iter()
-            .map(|i| match i.holder.as_str() {
-                "" => format!("{}@{}", i.name, i.start),
-                h => format!("{}@{} ({h})", i.name, i.start),
+            .map(|i| match (i.holder.as_str(), i.compute_instances) {
+                // Made without its compute instance (outside the agent, or cut short): CUDA has no
+                // device there, and its slices are taken all the same.
+                (_, 0) => format!("{}@{} (no compute instance: unusable)", i.name, i.start),
+                ("", _) => format!("{}@{}", i.name, i.start),
+                (h, _) => format!("{}@{} ({h})", i.name, i.start),
             })
             .collect();
         let mut desired = g.desired.join(", ");
@@ -690,7 +693,24 @@ mod tests {
             assert_eq!(back[1].group, if hami { "1" } else { "2g.20gb" });
             assert_eq!(back[1].templates[0].core, if hami { 28 } else { 0 });
         }
+        let mut st = st;
+        let inst = |name: &str, start, compute_instances, holder: &str| pb::MigInstance {
+            name: name.into(),
+            start,
+            compute_instances,
+            holder: holder.into(),
+            ..Default::default()
+        };
+        st.gpus[0].enabled = true;
+        st.gpus[0].instances =
+            vec![inst("1g.10gb", 0, 1, ""), inst("1g.10gb", 1, 0, ""), inst("2g.20gb", 2, 1, "pod a")];
+        st.gpus[0].desired = vec!["MIG enabled, instances made per request (no layout)".into()];
         let table = render_mig_status(&st);
+        assert!(
+            table.contains("1g.10gb@0 1g.10gb@1 (no compute instance: unusable) 2g.20gb@2 (pod a)"),
+            "an instance without a compute instance is named so: {table}"
+        );
+        assert!(table.contains("MIG enabled, instances made per request"), "{table}");
         assert!(table.contains("GPU 1 geometries: 0 1g.10gb (7x1g.10gb) | 1 2g.20gb (3x2g.20gb 1x1g.10gb)"), "{table}");
         assert!(render_mig_geometries(&pb::MigStatusResponse::default(), false).contains("no MIG-capable GPUs"));
     }
