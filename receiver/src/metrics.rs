@@ -20,6 +20,7 @@ pub fn render(c: &Cluster) -> String {
     gauge("vgpu_receiver_nodes_known", "Nodes the receiver has heard from since it started.", known as f64);
     gauge("vgpu_receiver_nodes_stale", "Connected nodes silent for three heartbeat periods.", stale as f64);
     gauge("vgpu_receiver_gpus", "GPUs in the cluster view.", gpus as f64);
+    gauge("vgpu_receiver_state_bytes", "Encoded bytes of node state held, all nodes together.", c.held_bytes() as f64);
     // The standard process series.
     let (rss, cpu) = process();
     gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss as f64);

@@ -61,6 +61,11 @@ enum Cmd {
         /// The most node names one token may stream (a `nodes` token is one Secret for a DaemonSet).
         #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
         max_nodes_per_token: u64,
+        /// The most node state the receiver holds, all nodes together, in MiB of encoded state (in
+        /// memory about 2.5 times that); a node whose state would go beyond is refused.
+        #[arg(long, default_value_t = (vgpu_receiver::DEFAULT_STATE_BYTES >> 20) as u64,
+              value_parser = clap::value_parser!(u64).range(4..=65_536))]
+        max_state_mib: u64,
     },
     /// Add a fresh token to a token file (the running receiver picks it up within a second) and
     /// write it to --out (0600) or print it. Revoke a token by deleting its line.
@@ -194,6 +199,7 @@ fn main() {
             heartbeat_ms,
             forget_after_s,
             max_nodes_per_token,
+            max_state_mib,
         } => {
             // An empty --client-ca is off (the Helm chart always passes it).
             let client_ca = client_ca.filter(|p| !p.is_empty()).map(PathBuf::from);
@@ -249,6 +255,7 @@ fn main() {
                     node_certs: require_node_certs,
                     forget_after: Duration::from_secs(forget_after_s),
                     max_nodes_per_token: max_nodes_per_token as usize,
+                    max_state_bytes: (max_state_mib as usize) << 20,
                 },
             ));
         }

@@ -1021,6 +1021,55 @@ fn what_one_node_makes_the_receiver_hold_is_bounded_and_checked() {
     assert!(r.log().contains("node forgotten"), "{}", r.log());
 }
 
+/// Node state is bounded in total, not only per node: 60 nodes of 4.13 MB each made the receiver
+/// hold 637 MiB, and a `nodes` token could speak for 10,000 of them. A state that would take the
+/// total past `--max-state-mib` is refused with a status that says so, and what forgotten nodes
+/// held is counted back. Issue 61, item 11.
+#[test]
+fn node_state_is_bounded_in_total() {
+    use sp::node_message::Body as B;
+    let s = Sim::new(None);
+    let r = Receiver::start_with(&s.state.join("receiver"), &["--forget-after-s", "2", "--max-state-mib", "4"]);
+    let rt = rt();
+    let hello = |node: &str| {
+        B::Hello(sp::Hello { protocol_version: 1, node: node.into(), agent_version: "x".into(), epoch: 7 })
+    };
+    // About 1.5 MB each: 60 GPUs of 250 peers with 96-byte UUIDs.
+    let big = |node: &str| {
+        let gpus = (0..60)
+            .map(|i| sp::GpuCapacity {
+                uuid: format!("GPU-{i}"),
+                index: i,
+                memory_total: 80 << 30,
+                peers: (0..250).map(|p| sp::Peer { uuid: format!("{p:096}"), ..Default::default() }).collect(),
+                ..Default::default()
+            })
+            .collect();
+        B::Snapshot(sp::NodeCapacity { node: node.into(), epoch: 7, sequence: 1, gpus, ..Default::default() })
+    };
+    for n in ["a", "b"] {
+        raw(&rt, &r, vec![hello(n), big(n)], true).unwrap();
+    }
+    let held = metric(&r, "vgpu_receiver_state_bytes");
+    assert!(held > 3e6 && held <= 4.0 * 1048576.0, "{held}");
+    let e = raw(&rt, &r, vec![hello("c"), big("c")], true).unwrap_err();
+    assert_eq!(e.0, tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(e.1.contains("node c's state of") && e.1.contains("(--max-state-mib 4)"), "{e:?}");
+    assert!(node_view(&rt, &r, "c").and_then(|v| v.capacity).is_none_or(|c| c.gpus.is_empty()), "nothing of c held");
+    // A small state still fits; forgotten nodes give their room back.
+    raw(
+        &rt,
+        &r,
+        vec![hello("small"), B::Snapshot(sp::NodeCapacity { node: "small".into(), epoch: 7, ..Default::default() })],
+        true,
+    )
+    .unwrap();
+    wait_until("a and b are forgotten", || node_view(&rt, &r, "a").is_none() && node_view(&rt, &r, "b").is_none());
+    raw(&rt, &r, vec![hello("c"), big("c")], true).unwrap();
+    let held = metric(&r, "vgpu_receiver_state_bytes");
+    assert!(held > 1e6 && held < 2e6, "only c's state is held: {held}");
+}
+
 /// A silent stream ends after three heartbeats, and a revoked token ends its streams and watches
 /// within seconds of the token file's change, whether or not they send anything (issue: a revoked
 /// node that stayed silent stayed connected and still received requests; a revoked watch ended
