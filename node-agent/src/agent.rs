@@ -515,6 +515,19 @@ impl Agent {
         old != text
     }
 
+    /// Limits or gates rewritten behind the agent's back (a container that remounted its
+    /// read-only files), put back by a pass: said in the log and kept in the status's warnings.
+    fn note_restored(&self, restored: &[(String, String)]) {
+        for (slice, what) in restored {
+            tracing::error!(slice = %slice, what = %what, "a slice's files were rewritten outside the agent; put back");
+            let text = match slice.as_str() {
+                "" => format!("{what} (rewritten outside the agent)"),
+                s => format!("slice {s}: {what}: rewritten outside the agent, by its container?"),
+            };
+            self.warn(&format!("restored:{slice}"), Some(text));
+        }
+    }
+
     pub fn health_response(&self) -> pb::HealthResponse {
         let ready = self.ready.load(Acquire);
         let mut problems = Vec::new();
@@ -566,6 +579,7 @@ impl Agent {
         if pass.reclaimed > 0 {
             tracing::info!(bytes = pass.reclaimed, "reclaimed memory of dead processes");
         }
+        self.note_restored(&pass.restored);
         let inv = self.inventory.read();
         let gpus = pass
             .gpus

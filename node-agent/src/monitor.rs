@@ -415,6 +415,8 @@ pub struct Pass {
     pub fresh: Vec<pb::Escape>,
     /// Bytes released from dead processes' slots.
     pub reclaimed: u64,
+    /// (slice, what) put back to the records this pass: limits or gates a container rewrote.
+    pub restored: Vec<(String, String)>,
 }
 
 /// The monitor's state between passes. What it keeps per slice is aligned with the agent's list of
@@ -626,6 +628,7 @@ impl Monitor {
                     tracing::warn!(slice = %s.name, file, bytes = len, "a container grew its slice's file; cut back to its size");
                 }
             }
+            pass.restored = store.check();
         }
         self.note_alive(&queried);
         self.place(slices, &queried, changed);

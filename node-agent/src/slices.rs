@@ -150,6 +150,9 @@ pub struct SliceStore {
     /// What every slice's limits file says a normal slice keeps queued beside a high-priority one.
     priority_queue_ns: u64,
     max_slices: usize,
+    /// Held while a slice's record and files change together, so that [`check`](Self::check)
+    /// never takes a change half-made for a container's tampering.
+    changing: parking_lot::Mutex<()>,
 }
 
 /// What a normal slice keeps queued beside a high-priority one, unless configured.
@@ -321,6 +324,7 @@ impl SliceStore {
             oversubscribe: false,
             priority_queue_ns: DEFAULT_PRIORITY_QUEUE_NS,
             max_slices: DEFAULT_MAX_SLICES,
+            changing: parking_lot::Mutex::new(()),
         })
     }
 
@@ -390,6 +394,7 @@ impl SliceStore {
         if let Some(g) = gpus.iter().find(|g| g.sm > 100) {
             return Err(SliceError::new(ErrorKind::Invalid, format!("SM limit {} % of {} is above 100", g.sm, g.uuid)));
         }
+        let _changing = self.changing.lock();
         if self.record(name).symlink_metadata().is_ok() {
             return Err(SliceError::new(ErrorKind::Exists, format!("slice {name} already exists")));
         }
@@ -488,20 +493,28 @@ impl SliceStore {
     /// (hard links: the containers see the directory, read-only, not the slices'). Best effort:
     /// what cannot be linked is logged, and a normal slice then does not wait for that one.
     pub fn sync_gates(&self) {
-        let Ok(listing) = self.list() else { return };
+        if let Ok(listing) = self.list() {
+            self.sync_gates_of(&listing.slices);
+        }
+    }
+
+    /// [`sync_gates`](Self::sync_gates) for `slices`; returns what was there and not wanted, or
+    /// not the file it should be (what only a container with its gates remounted read-write makes).
+    fn sync_gates_of(&self, slices: &[Slice]) -> Vec<String> {
         let mut want: BTreeMap<PathBuf, PathBuf> = BTreeMap::new();
-        for s in listing.slices.iter().filter(|s| s.priority == Priority::High) {
+        for s in slices.iter().filter(|s| s.priority == Priority::High) {
             for (i, g) in s.gpus.iter().enumerate() {
                 if valid_uuid(&g.uuid) {
                     want.insert(self.gate_link(&g.uuid, &s.name, i), self.dir(&s.name).join("activity"));
                 }
             }
         }
+        let mut wrong = Vec::new();
         // What is there and not wanted goes.
         for gpu in std::fs::read_dir(&self.gates).into_iter().flatten().flatten() {
             for e in std::fs::read_dir(gpu.path()).into_iter().flatten().flatten() {
-                if !want.contains_key(&e.path()) {
-                    let _ = std::fs::remove_file(e.path());
+                if !want.contains_key(&e.path()) && std::fs::remove_file(e.path()).is_ok() {
+                    wrong.push(format!("gate file {} removed: no high-priority slice's", e.path().display()));
                 }
             }
         }
@@ -510,6 +523,9 @@ impl SliceStore {
             let same = |a: &Path, b: &Path| matches!((a.symlink_metadata(), b.symlink_metadata()), (Ok(x), Ok(y)) if x.ino() == y.ino() && x.dev() == y.dev());
             if same(&link, &target) {
                 continue;
+            }
+            if link.symlink_metadata().is_ok() {
+                wrong.push(format!("gate file {} was another file: linked again", link.display()));
             }
             let made = link.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|_| {
                 let tmp = link.with_extension("tmp");
@@ -520,6 +536,7 @@ impl SliceStore {
                 tracing::warn!(link = %link.display(), error = %e, "cannot link a high-priority slice into its GPU's gate");
             }
         }
+        wrong
     }
 
     /// Makes a slice's limits file and region in `dir`.
@@ -584,6 +601,7 @@ impl SliceStore {
     /// is written first: an agent killed before the regions follow brings them in line at its next
     /// start ([`recover`](Self::recover)).
     pub fn update(&self, name: &str, gpus: &[SliceGpu]) -> Result<Slice> {
+        let _changing = self.changing.lock();
         let mut s = self.get(name)?;
         for g in gpus {
             let i = s.gpus.iter().position(|x| x.uuid == g.uuid).ok_or_else(|| {
@@ -601,6 +619,7 @@ impl SliceStore {
 
     /// Changes a slice's priority; its running processes follow within a launch or two.
     pub fn set_priority(&self, name: &str, priority: Priority) -> Result<Slice> {
+        let _changing = self.changing.lock();
         let mut s = self.get(name)?;
         s.priority = priority;
         self.write_record(&s)?;
@@ -619,32 +638,38 @@ impl SliceStore {
     }
 
     /// Writes a slice's limits from its record into its limits file and region (where they differ).
-    /// Neither is opened through a link or as anything but a regular file.
-    fn apply_limits(&self, s: &Slice) -> Result<bool> {
-        let mut changed = false;
+    /// Neither is opened through a link or as anything but a regular file. Returns what differed.
+    fn apply_limits(&self, s: &Slice) -> Result<Vec<String>> {
+        let mut diffs = Vec::new();
         let region_err = |e: vgpu_region::RegionError| SliceError::new(ErrorKind::Io, e.to_string());
         for f in ["limits", "region"] {
             let r = Region::open_strict(&self.dir(&s.name).join(f), true).map_err(region_err)?;
+            let mut differ = |what: String, was: String, is: String| diffs.push(format!("{f}: {what} {was}, not {is}"));
             if r.oversubscribe() != self.oversubscribe {
+                differ("oversubscription".into(), r.oversubscribe().to_string(), self.oversubscribe.to_string());
                 r.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
-                changed = true;
             }
-            if r.priority_high() != (s.priority == Priority::High) {
-                r.set_priority_high(s.priority == Priority::High).map_err(region_err)?;
-                changed = true;
+            let high = s.priority == Priority::High;
+            if r.priority_high() != high {
+                differ("high priority".into(), r.priority_high().to_string(), high.to_string());
+                r.set_priority_high(high).map_err(region_err)?;
             }
             if r.priority_queue_ns() != self.priority_queue_ns {
+                differ(
+                    "priority queue ns".into(),
+                    r.priority_queue_ns().to_string(),
+                    self.priority_queue_ns.to_string(),
+                );
                 r.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
-                changed = true;
             }
             for (i, g) in s.gpus.iter().enumerate() {
                 if r.mem_limit(i) != g.memory {
+                    differ(format!("GPU {i} memory"), r.mem_limit(i).to_string(), g.memory.to_string());
                     r.set_mem_limit(i, g.memory).map_err(region_err)?;
-                    changed = true;
                 }
                 if r.sm_limit(i) != g.sm {
+                    differ(format!("GPU {i} SM %"), r.sm_limit(i).to_string(), g.sm.to_string());
                     r.set_sm_limit(i, g.sm).map_err(region_err)?;
-                    changed = true;
                 }
             }
             if r.faulted() {
@@ -654,7 +679,26 @@ impl SliceStore {
                 ));
             }
         }
-        Ok(changed)
+        Ok(diffs)
+    }
+
+    /// Holds every slice's limits file and region, and the gates, to the records (a container with
+    /// CAP_SYS_ADMIN can remount its read-only files read-write and rewrite them): what differed
+    /// is put back at once. Returns one line per slice or gate put back.
+    pub fn check(&self) -> Vec<(String, String)> {
+        let _changing = self.changing.lock();
+        let Ok(listing) = self.list() else { return Vec::new() };
+        let mut out = Vec::new();
+        for s in &listing.slices {
+            match self.apply_limits(s) {
+                Ok(d) if !d.is_empty() => out.push((s.name.clone(), format!("limits put back ({})", d.join("; ")))),
+                _ => {}
+            }
+        }
+        for g in self.sync_gates_of(&listing.slices) {
+            out.push((String::new(), g));
+        }
+        out
     }
 
     /// Brings the store to a consistent state at start: records of the former layout (inside the
@@ -695,8 +739,10 @@ impl SliceStore {
             };
             self.recover_files(&s, &mut done);
             match self.apply_limits(&s) {
-                Ok(true) => done.push(format!("slice {name}: limits brought in line with its record")),
-                Ok(false) => {}
+                Ok(d) if !d.is_empty() => {
+                    done.push(format!("slice {name}: limits brought in line with its record ({})", d.join("; ")))
+                }
+                Ok(_) => {}
                 Err(e) => done.push(format!("slice {name}: {e}")),
             }
             // A slice from before activity files (or whose file is not one): a new one; processes
@@ -830,6 +876,7 @@ impl SliceStore {
         }
         // The record goes first: a deletion interrupted after it leaves a directory that is no
         // longer a slice, which the next create or start removes.
+        let _changing = self.changing.lock();
         std::fs::remove_file(&record).map_err(io(format!("cannot remove {}", record.display())))?;
         self.sync_gates();
         match std::fs::remove_dir_all(&dir) {

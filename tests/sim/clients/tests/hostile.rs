@@ -389,3 +389,62 @@ fn a_container_that_truncates_its_region_cannot_split_its_quota() {
     let o = in_container(&a, "split", 0, &three);
     assert_eq!(text(&o).matches("\"allocated\":734003200").count(), 1, "one of three fits 1 GiB:\n{}", text(&o));
 }
+
+/// A container with CAP_SYS_ADMIN (root in its own mount namespace, as a privileged container)
+/// remounts its read-only files read-write: it raises its limit in its limits file and drops a file
+/// into its GPU's gate (a high-priority slice that does not exist). The agent puts both back
+/// within a pass or two, says so in its log and keeps a warning in the status (issue 61, item 17:
+/// 1 GiB became 12 GiB until the agent's next restart).
+#[test]
+fn rewritten_limits_and_gates_are_put_back_at_once() {
+    if !can_mount() {
+        return;
+    }
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "admin", "--gpu", "0", "--memory", "1GiB"]);
+    let limits = a.state.join("slices/admin/limits");
+    // Where device 0's memory limit lies in the file (1 GiB, little-endian, in the first device).
+    let bytes = std::fs::read(&limits).unwrap();
+    let at = (128..128 + 192).step_by(8).find(|&o| bytes[o..o + 8] == (1u64 << 30).to_le_bytes()).unwrap();
+    let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "admin", "--json"])).unwrap();
+    let gate = d["slice"]["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|m| m["container_path"].as_str().filter(|p| p.contains("/gates/")))
+        .unwrap()
+        .to_string();
+    let o = in_container(
+        &a,
+        "admin",
+        0,
+        &format!(
+            "mount -o remount,bind,rw /usr/local/vgpu/limits && mount -o remount,bind,rw '{gate}' && \
+             printf '\\000\\000\\000\\000\\003\\000\\000\\000' | dd of=/usr/local/vgpu/limits bs=1 seek={at} conv=notrunc 2>/dev/null && \
+             cp /usr/local/vgpu/activity '{gate}/ffffffffffffffff.0' && echo REWROTE"
+        ),
+    );
+    assert!(text(&o).contains("REWROTE"), "{}", text(&o));
+    let limit_now = || vgpu_region::Region::open(&limits, false).unwrap().mem_limit(0);
+    let fake = a.state.join("gates").join(d["slice"]["gpus"][0]["gpu"].as_str().unwrap()).join("ffffffffffffffff.0");
+    let start = Instant::now();
+    while limit_now() != 1 << 30 || fake.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "not put back: {} bytes, gate file {}",
+            limit_now(),
+            fake.exists()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let st = a.wait("a warning says what was put back", |st| {
+        st["warnings"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|x| x.as_str().is_some_and(|x| x.contains("limits put back"))))
+    });
+    let w = st["warnings"].to_string();
+    assert!(w.contains("slice admin: limits put back (limits: GPU 0 memory 12884901888, not 1073741824)"), "{w}");
+    assert!(w.contains("ffffffffffffffff.0 removed"), "{w}");
+    assert!(a.log_text().contains("put back"), "{}", a.log_text());
+}
