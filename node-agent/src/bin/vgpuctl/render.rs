@@ -646,10 +646,12 @@ pub fn render_cluster(st: &vgpu_proto::scheduler::v1::ClusterStatus, style: Styl
 /// A slice process in the status table: its PIDs (host, and in its container where they differ),
 /// its memory, and how much of that the agent charged for what the driver holds beyond its calls.
 fn process_cell(p: &pb::ProcessStatus) -> String {
-    let pid = if p.host_pid != 0 && p.host_pid != p.pid {
-        format!("{} (ctr {})", p.host_pid, p.pid)
-    } else {
-        p.pid.to_string()
+    // A host PID is shown only where NVML confirmed it; otherwise the PID is the slot's word (a
+    // container may write anything there), or the process has not reached the GPU yet.
+    let pid = match p.host_pid {
+        0 => format!("? (ctr {}, unverified)", p.pid),
+        h if h != p.pid => format!("{h} (ctr {})", p.pid),
+        h => h.to_string(),
     };
     if p.memory_beyond_calls > 0 {
         format!("{pid} {} ({} beyond its calls)", human(p.memory), human(p.memory_beyond_calls))
@@ -737,6 +739,9 @@ mod tests {
         assert_eq!(process_cell(&p), "4242 (ctr 7) 364.0 MiB");
         p.memory_beyond_calls = 300 << 20;
         assert_eq!(process_cell(&p), "4242 (ctr 7) 364.0 MiB (300.0 MiB beyond its calls)");
+        // A PID only the slot claims is marked as such.
+        let q = pb::ProcessStatus { host_pid: 0, pid: 7, memory: 0, ..Default::default() };
+        assert_eq!(process_cell(&q), "? (ctr 7, unverified) 0 B");
     }
 
     #[test]

@@ -448,3 +448,52 @@ fn rewritten_limits_and_gates_are_put_back_at_once() {
     assert!(w.contains("ffffffffffffffff.0 removed"), "{w}");
     assert!(a.log_text().contains("put back"), "{}", a.log_text());
 }
+
+/// A container writes a neighbour's host PID into its own slot (issue 61, item 15). With
+/// `escape_action = "kill"` and the container's slice over its limit as NVML measures it, the kill
+/// takes the container's own process, never the neighbour's; the neighbour's PID is never listed
+/// under the container's slice, and a PID only a slot claims shows as unverified.
+#[test]
+fn a_foreign_pid_in_a_slot_draws_no_action_onto_its_process() {
+    let mut s = Sim::new(Some(NODE));
+    let cfg = s.state.join("agent.toml");
+    std::fs::write(&cfg, "escape_action = \"kill\"\n").unwrap();
+    let a = Agent::start(&s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
+    let detail = |n: &str| -> Value {
+        serde_json::from_str::<Value>(&a.ctl_ok(&["inspect", n, "--json"])).unwrap()["slice"].clone()
+    };
+    a.ctl_ok(&["slice", "create", "--name", "evil", "--gpu", "0", "--memory", "1GiB"]);
+    a.ctl_ok(&["slice", "create", "--name", "victim", "--gpu", "0", "--memory", "2GiB"]);
+    let (victim, _) = s.spawn_cmd(in_slice(&s, &detail("victim"), RT), &["alloc", "--size", "64m", "--hold"]);
+    let (evil, _) = s.spawn_cmd(in_slice(&s, &detail("evil"), RT), &["alloc", "--size", "64m", "--hold"]);
+    a.wait("both processes attributed", |v| {
+        [("victim", victim), ("evil", evil)].iter().all(|(n, p)| {
+            slice_of(v, n)["processes"].as_array().is_some_and(|ps| ps.iter().any(|x| x["host_pid"] == *p))
+        })
+    });
+    let region = vgpu_region::Region::open(&a.state.join("slices/evil/region"), true).unwrap();
+    let slot = region.layout().slots.iter().find(|x| x.pid.load(std::sync::atomic::Ordering::SeqCst) == evil).unwrap();
+    slot.host_pid.store(victim, std::sync::atomic::Ordering::SeqCst);
+    // Alive: neither gone nor a zombie (the test's children stay zombies until reaped).
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|st| st.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+    };
+    // The evil slice goes over its limit as NVML measures it: its limit drops below what it holds.
+    a.ctl_ok(&["slice", "update", "evil", "--gpu", "0", "--memory", "32MiB", "--force"]);
+    let v = a.wait("the escape acted on", |v| v["agent"]["escapes_total"].as_u64().unwrap_or(0) >= 1 && !alive(evil));
+    assert!(alive(victim), "the victim's process was killed: {v}");
+    let t = Instant::now();
+    while !a.log_text().contains("\"action\":\"killed\"") {
+        assert!(t.elapsed() < Duration::from_secs(5), "{}", a.log_text());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let log = a.log_text();
+    let killed: Vec<&str> = log.lines().filter(|l| l.contains("\"action\":\"killed\"")).collect();
+    assert!(killed.iter().all(|l| l.contains(&format!("\"pid\":{evil}"))), "{killed:?}");
+    let st = a.status().unwrap();
+    for p in slice_of(&st, "evil")["processes"].as_array().into_iter().flatten() {
+        assert_ne!(p["host_pid"], victim, "the victim listed under the evil slice: {st}");
+    }
+    assert!(slice_of(&st, "victim")["processes"].as_array().unwrap().iter().any(|p| p["host_pid"] == victim), "{st}");
+}
