@@ -515,9 +515,29 @@ impl Agent {
         old != text
     }
 
+    /// The priority a pod's or claim's slice gets: high only where `priority_namespaces` grants it
+    /// to `namespace`; asked and not granted, normal, said in the log and the status's warnings.
+    pub fn grant_priority(&self, asked: Priority, namespace: &str, who: &str) -> Priority {
+        if asked != Priority::High || self.cfg.may_have_priority(namespace) {
+            return asked;
+        }
+        let text = format!(
+            "{who} asked for high priority; namespace {} may not have it (priority_namespaces): made normal",
+            crate::slices::shown(namespace)
+        );
+        tracing::warn!(who = %who, namespace = %namespace, "high priority asked for and not granted (priority_namespaces): made normal");
+        self.warn(&format!("priority:{who}"), Some(text));
+        Priority::Normal
+    }
+
     /// Limits or gates rewritten behind the agent's back (a container that remounted its
     /// read-only files), put back by a pass: said in the log and kept in the status's warnings.
-    fn note_restored(&self, restored: &[(String, String)]) {
+    /// Likewise the high-priority slices whose priority the pass suspended (`suspended`).
+    fn note_restored(&self, restored: &[(String, String)], suspended: &[(String, String)]) {
+        for (slice, why) in suspended {
+            tracing::warn!(slice = %slice, why = %why, "a high-priority slice's claims are not borne out: priority suspended");
+            self.warn(&format!("suspended:{slice}"), Some(format!("slice {slice}: {why}")));
+        }
         for (slice, what) in restored {
             tracing::error!(slice = %slice, what = %what, "a slice's files were rewritten outside the agent; put back");
             let text = match slice.as_str() {
@@ -579,7 +599,7 @@ impl Agent {
         if pass.reclaimed > 0 {
             tracing::info!(bytes = pass.reclaimed, "reclaimed memory of dead processes");
         }
-        self.note_restored(&pass.restored);
+        self.note_restored(&pass.restored, &pass.suspended);
         let inv = self.inventory.read();
         let gpus = pass
             .gpus

@@ -40,6 +40,8 @@ struct FileConfig {
     memory_factor: Option<u32>,
     memory_scaling: Option<f64>,
     priority_queue_us: Option<u64>,
+    priority_min_share: Option<u32>,
+    priority_namespaces: Option<Vec<String>>,
     scheduler_endpoint: Option<String>,
     scheduler_ca: Option<PathBuf>,
     scheduler_token_file: Option<PathBuf>,
@@ -166,6 +168,13 @@ pub struct Config {
     /// The most GPU time (µs) a normal slice keeps queued on a GPU beside a high-priority slice:
     /// the longest the high-priority slice's work waits behind it (docs/priority.md).
     pub priority_queue_us: u64,
+    /// The share (percent of every 100 ms) in which a normal slice beside a high-priority one
+    /// launches whatever the high-priority slice claims to have queued (docs/priority.md).
+    pub priority_min_share: u32,
+    /// The namespaces whose pods and claims may have high priority (`*`: every one). Priority is
+    /// the administrator's grant: what a tenant writes (HAMi's `nvidia.com/priority`, a DRA claim's
+    /// parameters) asks for it; elsewhere the slice is made normal, and the status says so.
+    pub priority_namespaces: Vec<String>,
     /// Capacity reporting to the central scheduler; None: off.
     pub scheduler: Option<scheduler::ReportConfig>,
     /// The kubelet DRA plugin (resource.k8s.io): its driver name; None: off.
@@ -315,6 +324,7 @@ impl Config {
 
         let monitor_interval_ms =
             src.number("monitor_interval_ms", file.monitor_interval_ms.unwrap_or(100), 10..=60_000)?;
+        let (priority_queue_us, priority_min_share, priority_namespaces) = priority_settings(&mut file, &src)?;
         let log_level = env("VGPU_AGENT_LOG_LEVEL").or(file.log_level.take()).unwrap_or_else(|| "info".into());
         if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&log_level) {
             return Err(bad(
@@ -381,8 +391,6 @@ impl Config {
         let scheduler_factor = scheduler_settings.as_ref().and_then(|s| s.gpu_memory_factor).filter(|&f| f > 0);
         let memory_factor =
             src.number("memory_factor", file.memory_factor.or(scheduler_factor).unwrap_or(1), 1..=1 << 20)?;
-        let priority_queue_us =
-            src.number("priority_queue_us", file.priority_queue_us.unwrap_or(100), 50..=1_000_000)?;
         let memory_scaling = match env("VGPU_AGENT_MEMORY_SCALING") {
             Some(v) => v.trim().parse().map_err(|_| bad("memory_scaling", format!("{v:?} is not a number")))?,
             None => file.memory_scaling.unwrap_or(1.0),
@@ -413,6 +421,8 @@ impl Config {
             scheduler,
             memory_factor,
             priority_queue_us,
+            priority_min_share,
+            priority_namespaces,
             memory_scaling,
             compat,
             kube_api,
@@ -633,6 +643,43 @@ impl Sources<'_> {
             Some(_) => ConfigError::Variable { var, message: msg },
             None => ConfigError::Setting { source_name: self.where_.to_string(), key: key.to_string(), message: msg },
         }
+    }
+}
+
+/// `priority_queue_us`, `priority_min_share` and `priority_namespaces` (the last from
+/// `VGPU_AGENT_PRIORITY_NAMESPACES`, comma-separated, else the file's; each a namespace's name or
+/// `*`).
+fn priority_settings(file: &mut FileConfig, src: &Sources) -> Result<(u64, u32, Vec<String>), ConfigError> {
+    let queue_us = src.number("priority_queue_us", file.priority_queue_us.unwrap_or(100), 50..=1_000_000)?;
+    let min_share = src.number("priority_min_share", file.priority_min_share.unwrap_or(10), 1..=50)?;
+    let list: Vec<String> = match (src.env)("VGPU_AGENT_PRIORITY_NAMESPACES") {
+        Some(v) => v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect(),
+        None => file.priority_namespaces.take().unwrap_or_default(),
+    };
+    match list.iter().find(|n| *n != "*" && !namespace_name(n)) {
+        Some(n) => Err(src.bad(
+            "priority_namespaces",
+            format!("{} is not a namespace name (a DNS label) or *", crate::slices::shown(n)),
+        )),
+        None => Ok((queue_us, min_share, list)),
+    }
+}
+
+/// A Kubernetes namespace's name: a DNS label (RFC 1123: 1 to 63 of a-z, 0-9 and `-`, neither
+/// first nor last a `-`).
+fn namespace_name(n: &str) -> bool {
+    let ok = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    !n.is_empty()
+        && n.len() <= 63
+        && n.bytes().all(|b| ok(b) || b == b'-')
+        && n.bytes().next().is_some_and(ok)
+        && n.bytes().last().is_some_and(ok)
+}
+
+impl Config {
+    /// Whether the pods and claims of `namespace` may have high priority (`priority_namespaces`).
+    pub fn may_have_priority(&self, namespace: &str) -> bool {
+        self.priority_namespaces.iter().any(|n| n == "*" || n == namespace)
     }
 }
 
@@ -1157,6 +1204,16 @@ mod tests {
         assert!(e.contains("max_slices: 0 is not from 1 to 8192"), "{e}");
         assert_eq!(load(None, &[], Flags::default()).unwrap().max_slices, crate::slices::DEFAULT_MAX_SLICES);
         assert_eq!(load(None, &[], Flags::default()).unwrap().stall_after_s, 60);
+        // Priority: granted to the namespaces named, each a namespace's name or *.
+        let c = load(Some("priority_namespaces = [\"serving\", \"ml-1\"]"), &[], Flags::default()).unwrap();
+        assert!(c.may_have_priority("ml-1") && !c.may_have_priority("ml"));
+        assert!(!load(None, &[], Flags::default()).unwrap().may_have_priority("default"), "none by default");
+        let c = load(None, &[("VGPU_AGENT_PRIORITY_NAMESPACES", "*")], Flags::default()).unwrap();
+        assert!(c.may_have_priority("anything"));
+        let e = load(Some("priority_namespaces = [\"Team_A\"]"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("priority_namespaces: \"Team_A\" is not a namespace name"), "{e}");
+        let e = load(Some("priority_min_share = 90"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("priority_min_share: 90 is not from 1 to 50"), "{e}");
         for v in ["0", "-1", "11", "nan"] {
             let e = load(Some(&format!("memory_scaling = {v}")), &[], Flags::default()).unwrap_err().to_string();
             assert!(e.contains("memory_scaling:") && e.contains("is not above 0 and at most 10"), "{v}: {e}");

@@ -119,6 +119,7 @@ fn recover(cfg: &Config) -> Result<Arc<Agent>, DaemonError> {
         .map_err(|e| DaemonError::State(e.to_string()))?
         .with_oversubscribe(cfg.memory_scaling > 1.0)
         .with_priority_queue_ns(cfg.priority_queue_us * 1000)
+        .with_priority_min_share(cfg.priority_min_share)
         .with_max_slices(cfg.max_slices);
     for repair in store.recover() {
         tracing::warn!(%repair, "slice store repaired at start");

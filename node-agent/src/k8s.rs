@@ -419,7 +419,8 @@ impl Kube {
         let disable_control = ctr.as_ref().and_then(|c| c.env.as_ref()).is_some_and(|env| {
             env.iter().any(|e| e.name == "CUDA_DISABLE_CONTROL" && e.value.as_deref() == Some("true"))
         });
-        let priority = ctr.as_ref().map_or(crate::slices::Priority::Normal, hami::task_priority);
+        let asked = ctr.as_ref().map_or(crate::slices::Priority::Normal, hami::task_priority);
+        let priority = agent.grant_priority(asked, &ns, &format!("pod {ns}/{name} container {idx}"));
         let spec = CtrSpec { disable_control, priority };
         let slice = slice_name(&ns, &name, idx);
         let uid = pod.metadata.uid.clone().unwrap_or_default();

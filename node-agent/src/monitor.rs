@@ -74,6 +74,42 @@ struct Cached {
     /// Per live process (slot, PID): what the agent added to its usage so that it matches what the
     /// driver holds for it (see [`true_up`]), and the excess the last pass saw.
     trued: HashMap<(usize, u32), TrueUp>,
+    /// Per device, a high-priority slice's passes in a row claiming queued work that the GPU time
+    /// NVML measures for it does not bear out (see [`unfounded_claims`]).
+    claim_strikes: [u8; vgpu_region::MAX_DEVICES],
+}
+
+/// How long a high-priority slice whose claims were unfounded holds no normal slice back.
+pub const PRIORITY_SUSPENSION: std::time::Duration = std::time::Duration::from_secs(10);
+/// A high-priority slice's claim of queued work is looked at once it reaches this far ahead.
+const CLAIM_AHEAD_NS: u64 = 50_000_000;
+/// Below this share of the GPU as NVML measures its processes (percent), the claim is unfounded.
+const CLAIM_MIN_SM: f64 = 5.0;
+/// Passes in a row of unfounded claims before the slice's priority is suspended.
+const CLAIM_STRIKES: u8 = 5;
+
+/// A high-priority slice's claims of queued work that what the GPU does for it does not bear out:
+/// on each device, work queued more than [`CLAIM_AHEAD_NS`] ahead while NVML measures its
+/// processes at under [`CLAIM_MIN_SM`] % of the GPU, [`CLAIM_STRIKES`] passes in a row (a tenant
+/// writing its activity file to hold its neighbours back; a genuinely busy slice is measured busy).
+/// Returns (device, claimed ns ahead, measured %) of each device found so; the claim is cleared.
+fn unfounded_claims(c: &mut Cached, ndev: usize) -> Vec<(usize, u64, f64)> {
+    let Some(a) = &c.activity else { return Vec::new() };
+    let now = vgpu_region::monotonic_ns();
+    let mut out = Vec::new();
+    for d in 0..ndev.min(vgpu_region::MAX_DEVICES) {
+        let ahead = a.until(d).saturating_sub(now);
+        let sm = c.sm_ewma[d];
+        // (NaN, before NVML's first sample of it, is no measured work)
+        let idle = sm.is_nan() || sm < CLAIM_MIN_SM;
+        c.claim_strikes[d] = if ahead > CLAIM_AHEAD_NS && idle { c.claim_strikes[d].saturating_add(1) } else { 0 };
+        if c.claim_strikes[d] >= CLAIM_STRIKES {
+            c.claim_strikes[d] = 0;
+            a.clear(d);
+            out.push((d, ahead, if sm.is_nan() { 0.0 } else { sm }));
+        }
+    }
+    out
 }
 
 impl Cached {
@@ -417,6 +453,8 @@ pub struct Pass {
     pub reclaimed: u64,
     /// (slice, what) put back to the records this pass: limits or gates a container rewrote.
     pub restored: Vec<(String, String)>,
+    /// (slice, why) of the high-priority slices whose priority this pass suspended.
+    pub suspended: Vec<(String, String)>,
 }
 
 /// The monitor's state between passes. What it keeps per slice is aligned with the agent's list of
@@ -637,6 +675,9 @@ impl Monitor {
         let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
         self.attribute(slices, queried, now_ns, &mut pass);
         self.account(slices, now_ns, &mut pass);
+        for (name, _) in &pass.suspended {
+            store.suspend_priority(name, PRIORITY_SUSPENSION);
+        }
         self.act_on_escapes(slices, &mut pass);
         pass
     }
@@ -1056,6 +1097,17 @@ impl Monitor {
                     st.processes.push(pb::ProcessStatus { host_pid: host, pid: *pid, ..Default::default() });
                 }
             }
+            if s.priority == crate::slices::Priority::High {
+                for (d, ahead, sm) in unfounded_claims(c, s.gpus.len()) {
+                    let why = format!(
+                        "claimed {} ms of queued GPU work on its GPU {d} while NVML measured its processes at {sm:.1} % \
+                         for {CLAIM_STRIKES} passes: high priority suspended for {} s",
+                        ahead / 1_000_000,
+                        PRIORITY_SUSPENSION.as_secs()
+                    );
+                    pass.suspended.push((s.name.clone(), why));
+                }
+            }
             if let Some(a) = &c.activity {
                 // What its dead processes queued went with them; and no slice holds the normal
                 // slices of a GPU back for more than 10 s of work it claims to have queued.
@@ -1171,6 +1223,7 @@ impl Monitor {
                     last_kernel_ms: [0; vgpu_region::MAX_DEVICES],
                     watched_since_ms: 0,
                     trued: HashMap::default(),
+                    claim_strikes: [0; vgpu_region::MAX_DEVICES],
                 })
             }
             Err(e) => {

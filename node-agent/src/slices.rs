@@ -149,14 +149,21 @@ pub struct SliceStore {
     oversubscribe: bool,
     /// What every slice's limits file says a normal slice keeps queued beside a high-priority one.
     priority_queue_ns: u64,
+    /// What every slice's limits file says a normal slice's guaranteed share is (percent).
+    priority_min_share: u32,
     max_slices: usize,
     /// Held while a slice's record and files change together, so that [`check`](Self::check)
     /// never takes a change half-made for a container's tampering.
     changing: parking_lot::Mutex<()>,
+    /// High-priority slices whose priority is suspended, until when: out of the gates, so that
+    /// no normal slice waits for them (claims of queued work their GPU time did not bear out).
+    suspended: parking_lot::Mutex<BTreeMap<String, std::time::Instant>>,
 }
 
 /// What a normal slice keeps queued beside a high-priority one, unless configured.
 pub const DEFAULT_PRIORITY_QUEUE_NS: u64 = 100_000;
+/// A normal slice's guaranteed share of launching beside a high-priority one, unless configured.
+pub const DEFAULT_PRIORITY_MIN_SHARE: u32 = 10;
 
 /// Where the container sees the slice's files.
 pub const CONTAINER_DIR: &str = "/usr/local/vgpu";
@@ -323,8 +330,10 @@ impl SliceStore {
             gates,
             oversubscribe: false,
             priority_queue_ns: DEFAULT_PRIORITY_QUEUE_NS,
+            priority_min_share: DEFAULT_PRIORITY_MIN_SHARE,
             max_slices: DEFAULT_MAX_SLICES,
             changing: parking_lot::Mutex::new(()),
+            suspended: parking_lot::Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -334,6 +343,13 @@ impl SliceStore {
     /// oversubscription flag).
     pub fn with_priority_queue_ns(mut self, ns: u64) -> SliceStore {
         self.priority_queue_ns = ns;
+        self
+    }
+
+    /// Sets a normal slice's guaranteed share beside a high-priority one (percent; written like
+    /// the oversubscription flag).
+    pub fn with_priority_min_share(mut self, percent: u32) -> SliceStore {
+        self.priority_min_share = percent;
         self
     }
 
@@ -464,6 +480,7 @@ impl SliceStore {
         let region = Region::open_or_create(&path, init).map_err(region_err)?;
         region.set_priority_high(s.priority == Priority::High).map_err(region_err)?;
         region.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
+        region.set_priority_min_share(self.priority_min_share).map_err(region_err)?;
         region.set_oversubscribe(self.oversubscribe).map_err(region_err)
     }
 
@@ -498,11 +515,27 @@ impl SliceStore {
         }
     }
 
+    /// Takes high-priority slice `name` out of its GPUs' gates for `how_long` (its processes keep
+    /// their limits; the normal slices stop waiting for it within their next look, 20 ms).
+    pub fn suspend_priority(&self, name: &str, how_long: std::time::Duration) {
+        let _changing = self.changing.lock();
+        self.suspended.lock().insert(name.to_string(), std::time::Instant::now() + how_long);
+        self.sync_gates();
+    }
+
+    /// Whether slice `name`'s priority is suspended now (expired suspensions are forgotten).
+    pub fn priority_suspended(&self, name: &str) -> bool {
+        let mut s = self.suspended.lock();
+        let now = std::time::Instant::now();
+        s.retain(|_, until| *until > now);
+        s.contains_key(name)
+    }
+
     /// [`sync_gates`](Self::sync_gates) for `slices`; returns what was there and not wanted, or
     /// not the file it should be (what only a container with its gates remounted read-write makes).
     fn sync_gates_of(&self, slices: &[Slice]) -> Vec<String> {
         let mut want: BTreeMap<PathBuf, PathBuf> = BTreeMap::new();
-        for s in slices.iter().filter(|s| s.priority == Priority::High) {
+        for s in slices.iter().filter(|s| s.priority == Priority::High && !self.priority_suspended(&s.name)) {
             for (i, g) in s.gpus.iter().enumerate() {
                 if valid_uuid(&g.uuid) {
                     want.insert(self.gate_link(&g.uuid, &s.name, i), self.dir(&s.name).join("activity"));
@@ -548,6 +581,7 @@ impl SliceStore {
         limits.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
         limits.set_priority_high(priority == Priority::High).map_err(region_err)?;
         limits.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
+        limits.set_priority_min_share(self.priority_min_share).map_err(region_err)?;
         // Only the agent writes limits (containers get the file read-only; on the host, other
         // users must not raise them). The region stays writable by every user: a container's
         // processes, whatever their uid, account their usage in it.
@@ -556,6 +590,7 @@ impl SliceStore {
         let region = Region::open_or_create(&dir.join("region"), init).map_err(region_err)?;
         region.set_priority_high(priority == Priority::High).map_err(region_err)?;
         region.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
+        region.set_priority_min_share(self.priority_min_share).map_err(region_err)?;
         region.set_oversubscribe(self.oversubscribe).map_err(region_err)?;
         let activity = dir.join("activity");
         vgpu_region::activity::create(&activity).map_err(io(format!("cannot create {}", activity.display())))
@@ -661,6 +696,14 @@ impl SliceStore {
                     self.priority_queue_ns.to_string(),
                 );
                 r.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
+            }
+            if r.priority_min_share() != self.priority_min_share {
+                differ(
+                    "priority min share".into(),
+                    r.priority_min_share().to_string(),
+                    self.priority_min_share.to_string(),
+                );
+                r.set_priority_min_share(self.priority_min_share).map_err(region_err)?;
             }
             for (i, g) in s.gpus.iter().enumerate() {
                 if r.mem_limit(i) != g.memory {

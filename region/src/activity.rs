@@ -34,6 +34,10 @@ pub struct Activity {
     pub jitter: [AtomicU64; MAX_DEVICES],
 }
 
+/// The longest time between bursts that counts as a rhythm (a service at one request a second or
+/// faster); a slower or unsteady one is not anticipated.
+pub const MAX_PERIOD_NS: u64 = 1_000_000_000;
+
 /// When a slice's bursts of work come, where they come regularly (a service at a fixed rate).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rhythm {
@@ -159,7 +163,10 @@ impl Mapped {
     pub fn rhythm(&self, dev: usize) -> Option<Rhythm> {
         let m = self.map;
         let period = m.period.get(dev)?.load(Relaxed);
-        (period > 0).then(|| Rhythm { last: m.burst[dev].load(Relaxed), period, jitter: m.jitter[dev].load(Relaxed) })
+        // Another tenant writes these: a rhythm is at most a second long, and strays by at most
+        // its length (a period of 3600 s with a jitter of 449 s held a neighbour for 35 s).
+        let jitter = m.jitter[dev].load(Relaxed).min(period);
+        (period > 0 && period <= MAX_PERIOD_NS).then(|| Rhythm { last: m.burst[dev].load(Relaxed), period, jitter })
     }
 
     /// Forgets slice device `dev`'s queued work and rhythm (the agent, for a slice with no live
@@ -247,8 +254,16 @@ mod tests {
             w.map.period[0].store(wild, Relaxed);
             w.map.jitter[0].store(wild, Relaxed);
             w.note_burst(0, 1_000_000_000);
-            let rh = w.rhythm(0).unwrap();
-            assert!(rh.period <= wild && rh.jitter <= wild, "{rh:?}");
+            // No rhythm of more than a second is believed.
+            assert_eq!(w.rhythm(0), None);
+        }
+        // A slow or wild one written outright: none either; a steady one, bounded.
+        for (period, jitter, some) in [(3_600_000_000_000, 449_000_000_000, false), (10_000_000, u64::MAX, true)] {
+            w.map.period[0].store(period, Relaxed);
+            w.map.jitter[0].store(jitter, Relaxed);
+            let rh = w.rhythm(0);
+            assert_eq!(rh.is_some(), some, "{rh:?}");
+            assert!(rh.is_none_or(|r| r.period <= MAX_PERIOD_NS && r.jitter <= r.period), "{rh:?}");
         }
         std::fs::remove_file(&p).ok();
     }

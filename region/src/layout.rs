@@ -40,7 +40,11 @@ pub struct Header {
     /// A normal slice beside a high-priority one keeps at most this much GPU time queued on each
     /// GPU (ns; 0: the interposer's default). Was reserved: builds that do not know it leave it 0.
     pub priority_queue_ns: AtomicU64,
-    pub _reserved: [AtomicU64; 7],
+    /// The share of every window (percent, 1-50; 0: the interposer's default) in which a normal
+    /// slice beside a high-priority one launches whatever the high-priority slice claims to have
+    /// queued. Was reserved: builds that do not know it leave it 0.
+    pub priority_min_share: AtomicU64,
+    pub _reserved: [AtomicU64; 6],
 }
 
 #[repr(C)]

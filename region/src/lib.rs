@@ -427,6 +427,19 @@ impl Region {
         Ok(())
     }
 
+    /// The share of each window (percent) in which a normal slice beside a high-priority one may
+    /// launch whatever that slice claims (0: the interposer's default; read as at most 50).
+    #[inline]
+    pub fn priority_min_share(&self) -> u32 {
+        self.map.header.priority_min_share.load(Relaxed).min(50) as u32
+    }
+
+    pub fn set_priority_min_share(&self, percent: u32) -> Result<()> {
+        self.writable()?;
+        self.map.header.priority_min_share.store(percent.min(50).into(), Relaxed);
+        Ok(())
+    }
+
     fn set_flag(&self, flag: u32, on: bool) -> Result<()> {
         self.writable()?;
         let f = &self.map.header.flags;

@@ -228,6 +228,8 @@ cdiDir: $dir/node/cdi
 kubeletDir: /var/lib/kubelet/device-plugins
 kubeletRootDir: $k
 priorityClassName: ""
+# HAMi's nvidia.com/priority 0 is honoured for the test's pods.
+priorityNamespaces: [e2e]
 # The simulated GPU's NVML, mounted from the node as the NVIDIA container toolkit mounts the driver's.
 extraEnv:
   - {name: VGPU_AGENT_NVML_LIBRARY, value: /opt/vgpu-sim/lib/libnvidia-ml.so.1}

@@ -33,6 +33,66 @@ const DEFAULT_QUEUE_NS: u64 = 100_000;
 const WATCH_EVERY: Duration = Duration::from_millis(20);
 /// Longest single wait at the gate; the state is read again after it.
 const MAX_WAIT_NS: u64 = 5_000_000;
+/// The window over which a normal slice keeps its share of launching (see [`Share`]).
+const SHARE_WINDOW_NS: u64 = 100_000_000;
+/// That share where the agent's limits file says none (percent).
+const DEFAULT_MIN_SHARE: u64 = 10;
+
+/// A normal slice's guaranteed share, per device: once held at the gate for `(100 - share)` % of a
+/// window without a break, it launches `share` % of a window's GPU time (by its launches'
+/// estimates) whatever the high-priority slice claims to have queued, and without its own queue
+/// bound: the high-priority slice is another tenant, who may claim anything, or be busy for ever.
+/// A latency service whose queue runs dry between requests never lets a hold last that long.
+struct Share {
+    /// When the current hold began (0: not held).
+    held_since: AtomicU64,
+    /// The current free spell's end (0: none), and the GPU time launched in it.
+    free_until: AtomicU64,
+    spent: AtomicU64,
+}
+
+static SHARES: [Share; MAX_DEVICES] =
+    [const { Share { held_since: AtomicU64::new(0), free_until: AtomicU64::new(0), spent: AtomicU64::new(0) } };
+        MAX_DEVICES];
+
+impl Share {
+    /// Whether a launch of `cost` held at `now` by the high-priority slice goes now, its share
+    /// being `percent`: within a free spell while its GPU time lasts; else it starts the hold, or
+    /// ends it into a free spell once it has lasted its part of the window.
+    fn release(&self, now: u64, percent: u64, cost: u64) -> bool {
+        let budget = SHARE_WINDOW_NS / 100 * percent;
+        if now < self.free_until.load(Relaxed) {
+            if self.spent.load(Relaxed).saturating_add(cost) <= budget {
+                self.spent.fetch_add(cost, Relaxed);
+                return true;
+            }
+            // Spent: held again from now.
+            self.free_until.store(0, Relaxed);
+            self.held_since.store(now, Relaxed);
+            return false;
+        }
+        let since = self.held_since.load(Relaxed);
+        if since == 0 || since > now {
+            self.held_since.store(now, Relaxed);
+            return false;
+        }
+        if now - since >= SHARE_WINDOW_NS - budget {
+            // A spell lasts until its GPU time is launched, half a window at most.
+            self.spent.store(cost, Relaxed);
+            self.free_until.store(now + SHARE_WINDOW_NS / 2, Relaxed);
+            self.held_since.store(0, Relaxed);
+            return true;
+        }
+        false
+    }
+
+    /// A launch that the high-priority slice did not hold: the hold, if any, is over.
+    fn unheld(&self) {
+        if self.held_since.load(Relaxed) != 0 {
+            self.held_since.store(0, Relaxed);
+        }
+    }
+}
 
 /// One GPU's gate: the high-priority slices' activity files and which of their devices it is.
 struct Gate {
@@ -135,17 +195,28 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) {
         0 => DEFAULT_QUEUE_NS,
         b => b,
     };
+    let share = match st.priority_min_share() {
+        0 => DEFAULT_MIN_SHARE,
+        p => u64::from(p.min(50)),
+    };
     let mut now = crate::clock::now_precise();
     loop {
-        let wait = high_until(dev)
-            .saturating_sub(now)
-            .max(own.until(dev).saturating_sub(now.saturating_add(bound)))
-            .max(due(dev, now, bound.saturating_add(cost_ns)));
+        let own_wait = own.until(dev).saturating_sub(now.saturating_add(bound));
+        let high_wait = high_until(dev).saturating_sub(now).max(due(dev, now, bound.saturating_add(cost_ns)));
+        let wait = match high_wait {
+            0 => own_wait,
+            // Within its guaranteed share: neither the high-priority slice nor its own bound holds it.
+            _ if SHARES[dev].release(now, share, cost_ns) => 0,
+            w => w.max(own_wait),
+        };
         if wait == 0 {
             break;
         }
         std::thread::sleep(Duration::from_nanos(wait.min(MAX_WAIT_NS)));
         now = crate::clock::now_precise();
+    }
+    if high_until(dev) <= now {
+        SHARES[dev].unheld();
     }
     own.note(dev, now, cost_ns);
 }
@@ -323,6 +394,29 @@ mod tests {
         note_high(&m, 0, 700);
         assert!(m.until(0) >= t2 + 700);
         std::fs::remove_file(&p).ok();
+    }
+
+    #[test]
+    fn a_held_normal_slice_gets_its_share_of_every_window() {
+        let sh = Share { held_since: AtomicU64::new(0), free_until: AtomicU64::new(0), spent: AtomicU64::new(0) };
+        let ms = 1_000_000;
+        // Held from t = 1 ms: nothing goes for 90 ms of the window.
+        assert!(!sh.release(ms, 10, ms));
+        assert!(!sh.release(60 * ms, 10, ms));
+        // Then 10 ms of GPU time goes, launch by launch, and no more.
+        assert!(sh.release(91 * ms, 10, ms));
+        for t in 92..101 {
+            assert!(sh.release(t * ms, 10, ms), "launch at {t} ms within the share");
+        }
+        assert!(!sh.release(101 * ms, 10, ms), "the share is spent: held again");
+        assert!(!sh.release(150 * ms, 10, ms));
+        assert!(sh.release(192 * ms, 10, ms), "the next window's share");
+        // A hold that the high-priority slice ends (its queue ran dry) starts again from nothing.
+        sh.free_until.store(0, Relaxed);
+        sh.unheld();
+        assert!(!sh.release(300 * ms, 10, ms));
+        assert!(!sh.release(389 * ms, 10, ms));
+        assert!(sh.release(390 * ms, 10, ms));
     }
 
     #[test]

@@ -409,6 +409,12 @@ impl State {
         self._limits_region.as_ref().map_or(0, |r| r.priority_queue_ns())
     }
 
+    /// The share of each window in which a normal slice launches whatever a high-priority one
+    /// claims (percent; 0: the default).
+    pub fn priority_min_share(&self) -> u32 {
+        self._limits_region.as_ref().map_or(0, |r| r.priority_min_share())
+    }
+
     /// The agent's limits file, with the GPU UUID of each of its devices.
     pub fn limits_file(&self) -> Option<(&str, Vec<String>)> {
         let r = self._limits_region.as_ref()?;

@@ -300,7 +300,8 @@ impl Driver {
                 [one] => Some(one),
                 _ => None,
             };
-            let priority = claim_priority(&claim.data, &self.driver)?;
+            let asked = claim_priority(&claim.data, &self.driver)?;
+            let priority = self.agent.grant_priority(asked, namespace, &format!("claim {namespace}/{name}"));
             self.prepare_slice(namespace, name, uid, pod, &wants, priority)?;
             crate::cdi::device_name(&slice)
         };

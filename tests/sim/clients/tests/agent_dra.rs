@@ -1348,7 +1348,7 @@ fn a_socket_path_is_a_valid_authority_only_with_a_host_after_an_at() {
 #[test]
 fn a_claim_s_configuration_sets_its_slice_s_priority() {
     let s = Sim::new(Some(NODE));
-    let (store, a, kubelet) = start(&s, "dra_sharing = \"capacity\"\n");
+    let (store, a, kubelet) = start(&s, "dra_sharing = \"capacity\"\npriority_namespaces = [\"ml\"]\n");
     a.wait("GPUs discovered", |v| v["gpus"].as_array().is_some_and(|g| g.len() == 2));
     let at = format!("{SLICES}/node1-{DRIVER}");
     wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
@@ -1381,5 +1381,32 @@ fn a_claim_s_configuration_sets_its_slice_s_priority() {
         (resp.claims["pr-0003"].error.as_str(), priority("pr-0003").as_str()),
         ("", "normal"),
         "another driver's"
+    );
+}
+
+/// High priority is the administrator's grant (issue 61, item 20): a claim of a namespace that
+/// `priority_namespaces` does not name gets a normal slice, and the status says why.
+#[test]
+fn priority_is_granted_only_to_the_namespaces_the_administrator_names() {
+    let s = Sim::new(Some(NODE));
+    let (store, a, kubelet) = start(&s, "dra_sharing = \"capacity\"\npriority_namespaces = [\"serving\"]\n");
+    a.wait("GPUs discovered", |v| v["gpus"].as_array().is_some_and(|g| g.len() == 2));
+    let at = format!("{SLICES}/node1-{DRIVER}");
+    wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
+    put_claim(&store, "svc", "pg-0001", vec![shared("gpu", "gpu-0", Some(("1Gi", "0")))]);
+    let key = "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/svc";
+    store.lock().unwrap().objects.get_mut(key).unwrap()["status"]["allocation"]["devices"]["config"] = json!([{"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": DRIVER,
+            "parameters": {"apiVersion": "gpu.vgpu.io/v1", "kind": "SliceConfig", "priority": "high"}}}]);
+    let (_rt, _, resp) = prepare_claims(&kubelet, "pg", &["svc"]);
+    assert_eq!(resp.claims["pg-0001"].error, "");
+    let d: Value = serde_json::from_str(&a.ctl_ok(&["inspect", "dra-pg-0001", "--json"])).unwrap();
+    assert_eq!(d["slice"]["priority"], "normal", "{d}");
+    let st = a.wait("the warning", |v| v["warnings"].to_string().contains("asked for high priority"));
+    assert!(
+        st["warnings"][0].as_str().unwrap().starts_with(
+            "claim ml/svc asked for high priority; namespace \"ml\" may not have it (priority_namespaces)"
+        ),
+        "{}",
+        st["warnings"]
     );
 }

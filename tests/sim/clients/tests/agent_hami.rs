@@ -264,7 +264,7 @@ fn hami_mode_follows_the_schedulers_annotations() {
         &s,
         &cluster,
         &format!(
-            "compat = \"hami\"\nregister_interval_s = 1\nsplit_count = 10\nhealth_recovery_s = 1\nhami_node_config_file = {:?}\n",
+            "compat = \"hami\"\nregister_interval_s = 1\nsplit_count = 10\nhealth_recovery_s = 1\npriority_namespaces = [\"ml\"]\nhami_node_config_file = {:?}\n",
             node_json.to_str().unwrap()
         ),
     );
