@@ -26,6 +26,7 @@ pub struct Stats {
     pub escapes_total: AtomicU64,
     pub escapes_unaccounted: AtomicU64,
     pub escapes_over_limit: AtomicU64,
+    pub escapes_bypass: AtomicU64,
     pub loop_us: AtomicU64,
     pub loop_max_us: AtomicU64,
     pub loop_us_total: AtomicU64,
@@ -592,6 +593,7 @@ impl Agent {
         st.escapes_total.fetch_add(pass.new_escapes.iter().sum(), Relaxed);
         st.escapes_unaccounted.fetch_add(pass.new_escapes[pb::escape::Kind::Unaccounted as usize], Relaxed);
         st.escapes_over_limit.fetch_add(pass.new_escapes[pb::escape::Kind::OverLimit as usize], Relaxed);
+        st.escapes_bypass.fetch_add(pass.new_escapes[pb::escape::Kind::Bypass as usize], Relaxed);
         st.loop_us.store(loop_us, Relaxed);
         st.loop_max_us.fetch_max(loop_us, Relaxed);
         st.loop_us_total.fetch_add(loop_us, Relaxed);

@@ -29,6 +29,18 @@ pub fn short_uuid(u: &str) -> String {
 
 /// One escape as `vgpuctl status` lists it (and `doctor` reports it).
 pub fn escape_line(e: &pb::Escape) -> String {
+    if e.kind == pb::escape::Kind::Bypass as i32 {
+        return format!(
+            "slice {} on {} uses {} % of the GPU, its launches through libvgpu.so {} %: a process skips it (busiest pid {}{}, {})",
+            e.slice,
+            short_uuid(&e.gpu),
+            e.measured,
+            e.limit,
+            e.pid,
+            process_owner(e),
+            e.action
+        );
+    }
     if e.kind == pb::escape::Kind::OverLimit as i32 {
         format!(
             "slice {} over its limit on {}: NVML measures {} > {} (pid {}{}, {})",

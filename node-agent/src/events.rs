@@ -160,6 +160,17 @@ pub fn notice_event(n: &Notice, st: &pb::NodeStatus, node: &str) -> (Value, &'st
             let subject =
                 st.slices.iter().find(|s| !e.slice.is_empty() && s.name == e.slice).and_then(|s| subject(&s.labels));
             let action = if e.action == "killed" { format!("process {} killed", e.pid) } else { e.action.clone() };
+            if e.kind == pb::escape::Kind::Bypass as i32 {
+                let m = format!(
+                    "vgpu: the container uses {} % of {} as NVML measures it, where its launches through libvgpu.so account for {} %: a process skips the interposer (busiest: {}{}) ({action})",
+                    e.measured,
+                    e.gpu,
+                    e.limit,
+                    e.pid,
+                    crate::describe::process_owner(e)
+                );
+                return (subject.unwrap_or_else(|| node_object(node)), "Warning", "GPUTimeOutsideQuota", m);
+            }
             if e.kind == pb::escape::Kind::OverLimit as i32 {
                 let culprit = if e.pid == 0 {
                     String::new()
@@ -547,6 +558,11 @@ mod tests {
             m.contains("holds 3200 MiB on GPU-0 as NVML measures it, over its 3000 MiB quota; process 4242 holds the most beyond its own account (reported)"),
             "{m}"
         );
+        let Notice::Escape(mut b) = esc(pb::escape::Kind::Bypass, "a", "reported") else { unreachable!() };
+        (b.measured, b.limit) = (91, 3);
+        let (o, _, reason, m) = notice_event(&Notice::Escape(b), &st, "node1");
+        assert_eq!((o["name"].as_str(), reason), (Some("train"), "GPUTimeOutsideQuota"));
+        assert!(m.contains("uses 91 % of GPU-0 as NVML measures it, where its launches through libvgpu.so account for 3 %"), "{m}");
         let (o, _, reason, m) = notice_event(&esc(pb::escape::Kind::Unaccounted, "a", "killed"), &st, "node1");
         assert_eq!((o["name"].as_str(), reason), (Some("train"), "GPUOutsideQuota"));
         assert!(m.contains("process 4242 of the container uses GPU-0") && m.contains("(process 4242 killed)"), "{m}");

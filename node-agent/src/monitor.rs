@@ -77,6 +77,22 @@ struct Cached {
     /// Per device, a high-priority slice's passes in a row claiming queued work that the GPU time
     /// NVML measures for it does not bear out (see [`unfounded_claims`]).
     claim_strikes: [u8; vgpu_region::MAX_DEVICES],
+    /// Per device: the GPU time its launches noted in its activity file in all, and when the last
+    /// pass read it (monotonic ns); that share of the time since, smoothed (percent).
+    noted: [(u64, u64); vgpu_region::MAX_DEVICES],
+    noted_ewma: [f64; vgpu_region::MAX_DEVICES],
+    /// Per device: passes in a row in which NVML measured far more GPU time than its launches
+    /// accounted for (see [`Cached::bypass`]).
+    bypass_strikes: [u8; vgpu_region::MAX_DEVICES],
+}
+
+/// Passes in a row of GPU time beyond what a slice's launches account for before it is an escape.
+const BYPASS_STRIKES: u8 = 20;
+
+/// Whether `measured` GPU time (percent) is more than launches that account for `accounted` can
+/// take: twice that and 20 points (estimates per launch are coarse; time-slicing adds switches).
+fn beyond_account(measured: f64, accounted: f64) -> bool {
+    measured > 2.0 * accounted + 20.0
 }
 
 /// How long a high-priority slice whose claims were unfounded holds no normal slice back.
@@ -113,6 +129,35 @@ fn unfounded_claims(c: &mut Cached, ndev: usize) -> Vec<(usize, u64, f64)> {
 }
 
 impl Cached {
+    /// Device `dev`'s GPU time as NVML measures it against what the slice's launches through
+    /// libvgpu.so account for, where they account for it: beside a high-priority slice (`gated`:
+    /// each launch notes its estimate in the activity file) or under an SM share that applies
+    /// (`limited`: each launch is charged). A process that skips the interposer (while mapping the
+    /// region, so that it passes for one of the slice's) is held by neither and accounts nothing.
+    /// Some((measured, accounted)) once that has lasted [`BYPASS_STRIKES`] passes, and while it lasts.
+    fn bypass(&mut self, dev: usize, now_ns: u64, gated: bool, limited: bool) -> Option<(f64, f64)> {
+        let noted = self.activity.as_ref().map_or(0, |a| a.noted(dev));
+        let (last, last_at) = self.noted[dev];
+        if last_at > 0 && now_ns > last_at {
+            let share = (noted.wrapping_sub(last) as f64 * 100.0 / (now_ns - last_at) as f64).clamp(0.0, 100.0);
+            self.noted_ewma[dev] = 0.8 * self.noted_ewma[dev] + 0.2 * share;
+        }
+        self.noted[dev] = (noted, now_ns);
+        let accounted = match (gated, limited) {
+            (false, false) => {
+                self.bypass_strikes[dev] = 0;
+                return None;
+            }
+            (true, false) => self.noted_ewma[dev],
+            (false, true) => self.sm_acct_ewma[dev],
+            (true, true) => self.noted_ewma[dev].max(self.sm_acct_ewma[dev]),
+        };
+        let measured = if self.sm_ewma[dev].is_nan() { 0.0 } else { self.sm_ewma[dev] };
+        let s = &mut self.bypass_strikes[dev];
+        *s = if beyond_account(measured, accounted) { s.saturating_add(1) } else { 0 };
+        (*s >= BYPASS_STRIKES).then_some((measured, accounted))
+    }
+
     /// One GPU of the slice, after NVML was read: marks it shared or not for the interposer,
     /// smooths its processes' SM samples and what its launches were charged, dates its latest
     /// kernel, publishes its utilisation and corrects its SM rate while it is throttled. The
@@ -446,7 +491,7 @@ pub struct Pass {
     /// Escapes seen in this pass (with the action taken on the new ones).
     pub escapes: Vec<pb::Escape>,
     /// Escapes not seen in the pass before, by `pb::escape::Kind`.
-    pub new_escapes: [u64; 3],
+    pub new_escapes: [u64; 4],
     /// Those escapes, with the action taken on each.
     pub fresh: Vec<pb::Escape>,
     /// Bytes released from dead processes' slots.
@@ -490,6 +535,8 @@ pub struct Monitor {
     owners: HashMap<String, (u32, procfs::Owner, String)>,
     action: EscapeAction,
     passes: u64,
+    /// Per pass: the UUIDs of the GPUs with a high-priority slice whose priority stands.
+    gated: HashSet<String>,
     /// Slices whose region could not be opened, and when to try again (every 10 s, logged once
     /// per try instead of every pass).
     unopened: HashMap<String, std::time::Instant>,
@@ -576,6 +623,7 @@ impl Monitor {
             active: HashSet::default(),
             action,
             passes: 0,
+            gated: HashSet::default(),
             unopened: HashMap::default(),
             live: Vec::new(),
             live_slot: Vec::new(),
@@ -674,6 +722,12 @@ impl Monitor {
         // Monotonic ns (never 0) of this pass.
         let now_ns = self.epoch.elapsed().as_nanos() as u64 + 1;
         self.attribute(slices, queried, now_ns, &mut pass);
+        self.gated.clear();
+        for s in slices.iter().filter(|s| s.priority == crate::slices::Priority::High) {
+            if !store.priority_suspended(&s.name) {
+                self.gated.extend(s.gpus.iter().map(|g| g.uuid.clone()));
+            }
+        }
         self.account(slices, now_ns, &mut pass);
         for (name, _) in &pass.suspended {
             store.suspend_priority(name, PRIORITY_SUSPENSION);
@@ -1024,6 +1078,9 @@ impl Monitor {
                 let fresh = gpu.is_some_and(|g| self.fresh.contains(&g.index));
                 let clock = Clock { now_ns, wall_ms };
                 let throttled = c.follow_sm(dev, sg.sm, gpu, fresh, clock, self.publish_ms);
+                let gated = s.priority == crate::slices::Priority::Normal && self.gated.contains(&sg.uuid);
+                let limited = (1..100).contains(&sg.sm) && gpu.is_some_and(|g| g.slices > 1 || g.outsiders);
+                let bypass = c.bypass(dev, now_ns, gated, limited);
                 let layout = c.region.layout();
                 let d = &layout.devices[dev];
                 let gpu_index = gpu.map_or(u32::MAX, |g| g.index);
@@ -1047,6 +1104,18 @@ impl Monitor {
                             .map_or(0, |p| p.host_pid),
                         measured,
                         limit: sg.memory,
+                        ..Default::default()
+                    });
+                }
+                if let Some((measured, accounted)) = bypass {
+                    pass.escapes.push(pb::Escape {
+                        kind: pb::escape::Kind::Bypass as i32,
+                        gpu: sg.uuid.clone(),
+                        slice: s.name.clone(),
+                        // The process NVML measures busiest: the likely one.
+                        pid: mine().max_by_key(|p| p.sm).map_or(0, |p| p.host_pid),
+                        measured: measured.round() as u64,
+                        limit: accounted.round() as u64,
                         ..Default::default()
                     });
                 }
@@ -1152,7 +1221,7 @@ impl Monitor {
             if !new {
                 continue;
             }
-            pass.new_escapes[(e.kind as usize).min(2)] += 1;
+            pass.new_escapes[(e.kind as usize).min(3)] += 1;
             if self.action == EscapeAction::Kill && e.pid != 0 {
                 // SAFETY: kill(2) with a PID NVML reported in this pass and a valid signal.
                 let r = unsafe { libc::kill(e.pid as libc::pid_t, libc::SIGKILL) };
@@ -1169,6 +1238,9 @@ impl Monitor {
             } else if e.kind == pb::escape::Kind::Unaccounted as i32 {
                 tracing::warn!(gpu = %e.gpu, pid = e.pid, command = %e.command, pod_uid = %e.pod_uid, pod = %e.pod,
                     container = %e.container_id, memory = e.measured, action = %e.action, "GPU process outside every slice");
+            } else if e.kind == pb::escape::Kind::Bypass as i32 {
+                tracing::warn!(slice = %e.slice, gpu = %e.gpu, measured_pct = e.measured, accounted_pct = e.limit, pid = e.pid,
+                    command = %e.command, action = %e.action, "slice uses GPU time its launches through libvgpu.so do not account for");
             } else {
                 tracing::warn!(slice = %e.slice, gpu = %e.gpu, measured = e.measured, limit = e.limit, pid = e.pid,
                     action = %e.action, "slice over its memory limit as NVML measures it");
@@ -1224,6 +1296,9 @@ impl Monitor {
                     watched_since_ms: 0,
                     trued: HashMap::default(),
                     claim_strikes: [0; vgpu_region::MAX_DEVICES],
+                    noted: [(0, 0); vgpu_region::MAX_DEVICES],
+                    noted_ewma: [0.0; vgpu_region::MAX_DEVICES],
+                    bypass_strikes: [0; vgpu_region::MAX_DEVICES],
                 })
             }
             Err(e) => {

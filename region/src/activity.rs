@@ -32,6 +32,10 @@ pub struct Activity {
     /// Per slice device: the smoothed time between bursts, and how far they stray from it (ns).
     pub period: [AtomicU64; MAX_DEVICES],
     pub jitter: [AtomicU64; MAX_DEVICES],
+    /// Per slice device: the estimated GPU time of every launch noted so far (ns, wrapping): what
+    /// the agent holds the GPU time NVML measures for the slice to (a process that skips the
+    /// interposer notes nothing). Files made before it read 0 here.
+    pub noted: [AtomicU64; MAX_DEVICES],
 }
 
 /// The longest time between bursts that counts as a rhythm (a service at one request a second or
@@ -118,6 +122,7 @@ impl Mapped {
     #[inline]
     pub fn note(&self, dev: usize, now: u64, cost_ns: u64) -> (u64, u64) {
         let Some(u) = self.map.until.get(dev) else { return (0, 0) };
+        self.map.noted[dev].fetch_add(cost_ns, Relaxed);
         let mut cur = u.load(Relaxed);
         loop {
             let next = cur.max(now).saturating_add(cost_ns);
@@ -134,7 +139,14 @@ impl Mapped {
     pub fn add(&self, dev: usize, cost_ns: u64) {
         if let Some(u) = self.map.until.get(dev) {
             u.fetch_add(cost_ns, Relaxed);
+            self.map.noted[dev].fetch_add(cost_ns, Relaxed);
         }
+    }
+
+    /// The estimated GPU time of every launch noted on slice device `dev` so far (ns, wrapping:
+    /// the difference of two readings is what was noted between them).
+    pub fn noted(&self, dev: usize) -> u64 {
+        self.map.noted.get(dev).map_or(0, |n| n.load(Relaxed))
     }
 
     /// Notes that a burst of work began on slice device `dev` at `now` (its queue was idle): the

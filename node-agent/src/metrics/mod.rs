@@ -267,6 +267,7 @@ fn agent_series(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
     o.head("vgpu_escapes_total", "counter", "Escapes detected (each counted once while it lasts).");
     o.put("vgpu_escapes_total", &[("kind", "unaccounted")], s.escapes_unaccounted.load(Relaxed) as f64);
     o.put("vgpu_escapes_total", &[("kind", "over_limit")], s.escapes_over_limit.load(Relaxed) as f64);
+    o.put("vgpu_escapes_total", &[("kind", "bypass")], s.escapes_bypass.load(Relaxed) as f64);
     o.head(
         "vgpu_slices_collected_total",
         "counter",

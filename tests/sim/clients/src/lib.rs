@@ -143,6 +143,16 @@ pub fn client_main(kind: &'static str, bind: impl FnOnce(&Binding) -> Result<Api
     use clap::{CommandFactory, FromArgMatches};
     let matches = scenario::Cli::command().name(kind).get_matches();
     let cli = scenario::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Some(p) = &cli.map_file {
+        // Kept mapped until the process ends.
+        match vgpu_region::Region::open(p, false) {
+            Ok(r) => std::mem::forget(r),
+            Err(e) => {
+                eprintln!("{kind}: cannot map {}: {e}", p.display());
+                std::process::exit(3);
+            }
+        }
+    }
     let b = Binding { cuda_version: cli.cuda_version, per_thread: cli.per_thread };
     if let scenario::Scenario::Procaddr { names } = &cli.scenario {
         match procaddr(&b, names) {

@@ -270,3 +270,44 @@ fn a_normal_slice_keeps_its_share_beside_a_busy_high_priority_one() {
     assert!(n < 8_000.0, "the high-priority slice held nothing back: {n} kernels");
     assert!(!st["warnings"].to_string().contains("suspended"), "a busy slice's claims are borne out: {st}");
 }
+
+/// A process that skips libvgpu.so but maps its slice's region passes for one of the slice's, and
+/// beside a high-priority service it ran ungated with nothing reported (issue 61, item 16: the
+/// service's P99 went from 692 us to 2658 us, `escapes=[]`). The GPU time NVML measures for the
+/// slice is held to what its launches through the interposer noted: beyond it for two seconds is a
+/// `BYPASS` escape, named on the slice, with its busiest process. The same backlog through the
+/// interposer raises none.
+#[test]
+fn gpu_time_that_skips_the_interposer_is_an_escape() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (s, a, svc, batch) = tenants("high");
+    let bypass =
+        |st: &Value| -> Option<Value> { st["escapes"].as_array()?.iter().find(|e| e["kind"] == "BYPASS").cloned() };
+    // Through the interposer, beside the service: no escape.
+    let be = backlog(&s, &batch, "4");
+    let served = serve(&s, &svc);
+    kernels(be);
+    let st = a.status().unwrap();
+    assert!(bypass(&st).is_none(), "the interposed backlog is no escape: {st}");
+    assert_eq!(a.status().unwrap()["agent"]["escapes_total"], 0, "{served}");
+    // The same loop without libvgpu.so, mapping the slice's region.
+    let region = a.state.join("slices/batch/region");
+    let mut rogue = s
+        .cmd(RT)
+        .arg("--map-file")
+        .arg(&region)
+        .args(["launch", "--kernel", "sleep_100us", "--seconds", "20", "--sync-every", "50"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = rogue.id() as u64;
+    let st = a.wait("the bypass escape", |v| bypass(v).is_some());
+    let e = bypass(&st).unwrap();
+    let _ = rogue.kill();
+    let _ = rogue.wait();
+    assert_eq!((e["slice"].as_str(), e["pid"].as_u64()), (Some("batch"), Some(pid)), "{e}");
+    assert!(e["measured"].as_u64().unwrap() > 50, "{e}");
+    assert_eq!(e["command"], "cuda-rt-app", "{e}");
+    let (_, metrics) = a.scrape("/metrics");
+    assert!(metrics.contains("vgpu_escapes_total{kind=\"bypass\"} 1"), "{metrics}");
+}

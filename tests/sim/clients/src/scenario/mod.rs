@@ -168,6 +168,10 @@ pub struct Cli {
     /// takes a handle for an ordinal does).
     #[arg(long, global = true)]
     pub raw_device: bool,
+    /// Map this file read-only for the process's life before anything else: what a process that
+    /// skips libvgpu.so does to pass for one of its slice's (mapping the slice's region).
+    #[arg(long, global = true)]
+    pub map_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub scenario: Scenario,
 }
