@@ -16,14 +16,16 @@ use std::time::{Duration, Instant};
 /// How often the inventory (MIG layout, topology) is read again.
 const INVENTORY_REFRESH: Duration = Duration::from_secs(30);
 
-/// Raises the soft limit on open files to the hard one (each slice holds two descriptors), and
-/// warns when even that is short of `max_slices`.
-fn raise_fd_limit(max_slices: usize) {
+/// Raises the soft limit on open files to the hard one (each slice holds two descriptors, and
+/// [`FD_RESERVE`] are kept for everything else), and fits `max_slices` to what that allows: with
+/// the limit at 1024, slices past about 500 failed with "Too many open files", `vgpuctl status`
+/// hung, and a restart was wedged again at once. Returns the `max_slices` to use.
+fn fit_fd_limit(max_slices: usize) -> usize {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit and setrlimit with a valid struct.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
-            return;
+            return max_slices;
         }
         if r.rlim_cur < r.rlim_max {
             let want = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
@@ -32,15 +34,25 @@ fn raise_fd_limit(max_slices: usize) {
             }
         }
     }
-    let need = 2 * max_slices as u64 + 256;
-    if r.rlim_cur < need {
+    let fit = slices_within(r.rlim_cur);
+    if fit < max_slices {
         tracing::warn!(
             open_files = r.rlim_cur,
-            needed = need,
             max_slices,
-            "the open-file limit is short of what max_slices needs: raise LimitNOFILE or lower max_slices"
+            fitted = fit,
+            "the open-file limit holds fewer slices than max_slices: the node takes at most the fitted number (raise LimitNOFILE for more)"
         );
+        return fit;
     }
+    max_slices
+}
+
+/// Descriptors kept for everything but the slices: sockets, connections, NVML, the kubelet's.
+const FD_RESERVE: u64 = 256;
+
+/// How many slices an open-file limit of `limit` holds (two descriptors each), at least one.
+fn slices_within(limit: u64) -> usize {
+    (limit.saturating_sub(FD_RESERVE) / 2).max(1) as usize
 }
 
 /// Why the daemon could not start or keep running. The agent's exit code follows the variant
@@ -88,7 +100,7 @@ impl DaemonError {
     }
 }
 
-pub fn run(cfg: Config) -> Result<u64, DaemonError> {
+pub fn run(mut cfg: Config) -> Result<u64, DaemonError> {
     // Past a file-size limit (ulimit -f), writes fail with EFBIG like on a full disk, instead of the
     // signal killing the agent.
     // SAFETY: setting a signal's disposition to SIG_IGN has no preconditions.
@@ -97,7 +109,7 @@ pub fn run(cfg: Config) -> Result<u64, DaemonError> {
     // one of those mappings turns it into zeros instead of killing the agent.
     vgpu_region::shrink::enable()
         .map_err(|source| DaemonError::Process { what: "cannot install the SIGBUS guard", source })?;
-    raise_fd_limit(cfg.max_slices);
+    cfg.max_slices = fit_fd_limit(cfg.max_slices);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(4)

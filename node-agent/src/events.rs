@@ -562,7 +562,10 @@ mod tests {
         (b.measured, b.limit) = (91, 3);
         let (o, _, reason, m) = notice_event(&Notice::Escape(b), &st, "node1");
         assert_eq!((o["name"].as_str(), reason), (Some("train"), "GPUTimeOutsideQuota"));
-        assert!(m.contains("uses 91 % of GPU-0 as NVML measures it, where its launches through libvgpu.so account for 3 %"), "{m}");
+        assert!(
+            m.contains("uses 91 % of GPU-0 as NVML measures it, where its launches through libvgpu.so account for 3 %"),
+            "{m}"
+        );
         let (o, _, reason, m) = notice_event(&esc(pb::escape::Kind::Unaccounted, "a", "killed"), &st, "node1");
         assert_eq!((o["name"].as_str(), reason), (Some("train"), "GPUOutsideQuota"));
         assert!(m.contains("process 4242 of the container uses GPU-0") && m.contains("(process 4242 killed)"), "{m}");

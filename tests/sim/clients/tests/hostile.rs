@@ -497,3 +497,26 @@ fn a_foreign_pid_in_a_slot_draws_no_action_onto_its_process() {
     }
     assert!(slice_of(&st, "victim")["processes"].as_array().unwrap().iter().any(|p| p["host_pid"] == victim), "{st}");
 }
+
+/// With the open-file limit at 1024, slices past about 500 failed with "Too many open files",
+/// `vgpuctl status` hung, and a restart was wedged again at once (issue 61, item 25). The agent
+/// fits `max_slices` to its limit (two descriptors a slice, 256 kept for the rest) and says so: a
+/// limit of 300 holds 22 slices, the 23rd is refused with the reason, and the agent serves on and
+/// starts again with them.
+#[test]
+fn max_slices_fits_the_open_file_limit() {
+    let s = Sim::new(Some(NODE));
+    let mut a = Agent::start_with_nofile(&s, &[], Some(300));
+    assert!(a.log_text().contains("the open-file limit holds fewer slices than max_slices"), "{}", a.log_text());
+    for i in 0..22 {
+        a.ctl_ok(&["slice", "create", "--name", &format!("s{i}"), "--gpu", "0", "--memory", "64m"]);
+    }
+    let o = a.ctl(&["slice", "create", "--name", "s22", "--gpu", "0", "--memory", "64m"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("this node has 22 slices, the most max_slices = 22 allows"), "{err}");
+    let st = a.wait("every slice watched", |v| v["slices"].as_array().is_some_and(|l| l.len() == 22));
+    assert_eq!(st["slices"].as_array().unwrap().len(), 22);
+    restart(&mut a, &s);
+    assert_eq!(a.status().unwrap()["slices"].as_array().unwrap().len(), 22, "a restart is not wedged");
+    assert!(!a.log_text().contains("Too many open files"), "{}", a.log_text());
+}

@@ -20,6 +20,8 @@ pub struct Agent {
     pub metrics: String,
     pub log: PathBuf,
     pub env: Vec<(String, String)>,
+    /// The open-file limit (soft and hard) the agent starts with; None: this process's.
+    pub nofile: Option<u64>,
 }
 
 pub fn free_port() -> u16 {
@@ -28,6 +30,11 @@ pub fn free_port() -> u16 {
 
 impl Agent {
     pub fn start(s: &Sim, env: &[(&str, &str)]) -> Agent {
+        Agent::start_with_nofile(s, env, None)
+    }
+
+    /// [`start`](Self::start) with an open-file limit of `nofile` (soft and hard).
+    pub fn start_with_nofile(s: &Sim, env: &[(&str, &str)], nofile: Option<u64>) -> Agent {
         let state = s.state.join("agent");
         let mut a = Agent {
             child: None,
@@ -36,6 +43,7 @@ impl Agent {
             log: s.state.join("agent.log"),
             state,
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            nofile,
         };
         a.spawn(s);
         a
@@ -54,6 +62,20 @@ impl Agent {
             .arg(s.libs.join("libnvidia-ml.so.1"))
             .arg("run")
             .stderr(log);
+        if let Some(n) = self.nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                c.pre_exec(move || {
+                    let l = libc::rlimit { rlim_cur: n, rlim_max: n };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &l) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
         self.child = Some(c.spawn().unwrap());
         self.wait("ready", |v| v["sequence"].as_u64().unwrap_or(0) > 0);
     }
