@@ -458,7 +458,7 @@ impl Agent {
     }
 
     pub fn detail(&self, s: &Slice) -> Result<pb::SliceDetail, ApiError> {
-        let Injection { env, mounts } = self.store.injection(&s.name, self.library.as_deref())?;
+        let Injection { env, mounts } = self.store.injection_of(s, self.library.as_deref())?;
         Ok(pb::SliceDetail {
             priority: priority_pb(s.priority) as i32,
             name: s.name.clone(),

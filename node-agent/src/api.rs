@@ -135,7 +135,19 @@ impl pb::agent_server::Agent for Service {
     }
 
     async fn list_slices(&self, _: Request<pb::ListSlicesRequest>) -> Result<Response<pb::ListSlicesResponse>, Status> {
-        let slices = self.agent.slices().iter().map(|s| self.agent.detail(s)).collect::<Result<_, _>>()?;
+        // One slice that cannot be described (its files damaged under the agent) is left out and
+        // logged; the others are listed.
+        let slices = self
+            .agent
+            .slices()
+            .iter()
+            .filter_map(|s| {
+                self.agent
+                    .detail(s)
+                    .map_err(|e| tracing::warn!(slice = %s.name, error = %e, "a slice left out of the list"))
+                    .ok()
+            })
+            .collect();
         Ok(Response::new(pb::ListSlicesResponse { slices }))
     }
 

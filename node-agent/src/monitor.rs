@@ -899,11 +899,23 @@ impl Monitor {
             // A process NVML lists (by host PID, or as last attributed) is alive: no lock test, except
             // in every tenth pass (a PID reused within a pass cannot hide a death for long).
             let (alive, alive_inner) = (&self.alive, &self.alive_inner);
-            let freed = c.region.reap_where(|pid, host| {
-                full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(i, pid)))
-            });
-            // What the slots said they held is the container's word: no more than its GPUs have
-            // counts (a scribbled slot must not poison the node's counters).
+            // What a slot said it held is the container's word: what counts as reclaimed is what
+            // NVML last measured for its process, at most (a scribbled slot added up to the
+            // slice's limit to the node's counter on each scribble).
+            let nvml = &c.nvml;
+            let mut confirmed: u64 = 0;
+            c.region.reap_where_each(
+                |pid, host| full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(i, pid))),
+                |pid, host, bytes| {
+                    let seen: u64 = nvml
+                        .iter()
+                        .filter(|p| (host != 0 && p.host_pid == host) || p.pid == pid)
+                        .map(|p| p.bytes)
+                        .fold(0, u64::saturating_add);
+                    confirmed = confirmed.saturating_add(bytes.min(seen));
+                },
+            );
+            // And no more than the slice's GPUs have.
             let total =
                 |dev: usize| c.gpu_pos.get(dev).and_then(|&k| queried.get(k)).map_or(0, |(g, _)| g.memory_total);
             let cap: u64 = slices[i]
@@ -912,7 +924,7 @@ impl Monitor {
                 .enumerate()
                 .map(|(dev, g)| if g.memory > 0 { g.memory } else { total(dev) })
                 .fold(0, u64::saturating_add);
-            pass.reclaimed = pass.reclaimed.saturating_add(freed.min(cap));
+            pass.reclaimed = pass.reclaimed.saturating_add(confirmed.min(cap));
             let start = self.live.len();
             let (live, live_slot, by_host) = (&mut self.live, &mut self.live_slot, &mut self.by_host);
             c.region.for_each_slot(|slot, pid, host, used| {
@@ -1125,7 +1137,11 @@ impl Monitor {
                     uuid: sg.uuid.clone(),
                     gpu_index,
                     memory_limit: sg.memory,
-                    memory_used: c.region.used(dev),
+                    // (the slots' sum, the container's word: no more than the GPU has)
+                    memory_used: c
+                        .region
+                        .used(dev)
+                        .min(gpu.map(|g| g.memory_total).filter(|&t| t > 0).unwrap_or(u64::MAX)),
                     memory_measured: measured,
                     sm_limit: sg.sm,
                     // Smoothed over about half a second (one pass alone is a noisy 100 ms sample).

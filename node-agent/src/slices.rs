@@ -933,7 +933,13 @@ impl SliceStore {
     /// The environment and mounts that put a process into this slice (for `docker run`): the region
     /// file read-write and the limits file read-only, each mounted by itself.
     pub fn injection(&self, name: &str, library: Option<&Path>) -> Result<Injection> {
-        let s = self.get(name)?;
+        self.injection_of(&self.get(name)?, library)
+    }
+
+    /// [`injection`](Self::injection) of a slice the caller holds (its record is not read again:
+    /// a record damaged since the agent read it takes nothing else down with it).
+    pub fn injection_of(&self, s: &Slice, library: Option<&Path>) -> Result<Injection> {
+        let name = s.name.as_str();
         let mut env = vec![
             ("LD_PRELOAD".to_string(), format!("{CONTAINER_DIR}/libvgpu.so")),
             ("CUDA_DEVICE_MEMORY_SHARED_CACHE".to_string(), format!("{CONTAINER_DIR}/region")),

@@ -535,12 +535,25 @@ impl Region {
     /// [`reap`](Self::reap) limited to the live-looking slots for which `check(pid, host_pid)` is
     /// true (a monitor that knows some processes are alive skips their lock test).
     pub fn reap_where(&self, check: impl Fn(u32, u32) -> bool) -> u64 {
-        self.reap_slots(|s| s.state.load(Acquire) == 0 || check(s.pid.load(Relaxed), s.host_pid.load(Relaxed)))
+        self.reap_where_each(check, |_, _, _| {})
+    }
+
+    /// [`reap_where`](Self::reap_where), telling `freed` the PID, host PID and bytes of each slot
+    /// released (what the slot claimed: the container's word).
+    pub fn reap_where_each(&self, check: impl Fn(u32, u32) -> bool, freed: impl FnMut(u32, u32, u64)) -> u64 {
+        self.reap_slots_each(
+            |s| s.state.load(Acquire) == 0 || check(s.pid.load(Relaxed), s.host_pid.load(Relaxed)),
+            freed,
+        )
     }
 
     /// Releases the slots that `select` picks (among those holding anything) and whose lock can be
     /// taken: their processes are gone.
     fn reap_slots(&self, select: impl Fn(&Slot) -> bool) -> u64 {
+        self.reap_slots_each(select, |_, _, _| {})
+    }
+
+    fn reap_slots_each(&self, select: impl Fn(&Slot) -> bool, mut each: impl FnMut(u32, u32, u64)) -> u64 {
         if !self.writable {
             return 0;
         }
@@ -565,9 +578,12 @@ impl Region {
             }
             let byte = SLOT_LOCK_BASE + i as i64;
             if matches!(lock(fd.as_raw_fd(), byte, libc::F_OFD_SETLK, libc::F_WRLCK), Ok(true)) {
+                let mut mine: u64 = 0;
                 for u in &slot.used {
-                    freed = freed.saturating_add(u.swap(0, SeqCst));
+                    mine = mine.saturating_add(u.swap(0, SeqCst));
                 }
+                each(slot.pid.load(Relaxed), slot.host_pid.load(Relaxed), mine);
+                freed = freed.saturating_add(mine);
                 self.clear_exiting(slot);
                 slot.state.store(0, Release);
                 let _ = lock(fd.as_raw_fd(), byte, libc::F_OFD_SETLK, libc::F_UNLCK);

@@ -261,7 +261,7 @@ fn agent_series(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
     o.head(
         "vgpu_reclaimed_bytes_total",
         "counter",
-        "Device memory accounted to dead processes and released by the agent.",
+        "Device memory accounted to dead processes and released by the agent (as far as NVML saw them hold it).",
     );
     o.put("vgpu_reclaimed_bytes_total", &[], s.reclaimed_bytes.load(Relaxed) as f64);
     o.head("vgpu_escapes_total", "counter", "Escapes detected (each counted once while it lasts).");

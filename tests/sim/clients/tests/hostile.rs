@@ -520,3 +520,51 @@ fn max_slices_fits_the_open_file_limit() {
     assert_eq!(a.status().unwrap()["slices"].as_array().unwrap().len(), 22, "a restart is not wedged");
     assert!(!a.log_text().contains("Too many open files"), "{}", a.log_text());
 }
+
+/// One garbage record on a running agent made `ListSlices` fail for every slice until a restart
+/// (issue 61, item 25): the list comes from what the agent holds, and each slice stands alone.
+#[test]
+fn one_damaged_record_does_not_hide_the_other_slices() {
+    let s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    for n in ["a", "b"] {
+        a.ctl_ok(&["slice", "create", "--name", n, "--gpu", "0", "--memory", "64m"]);
+    }
+    std::fs::write(a.state.join("records/a.json"), b"\x00garbage{").unwrap();
+    let out = a.ctl_ok(&["slice", "list", "--json"]);
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let names: Vec<&str> = v.as_array().unwrap().iter().filter_map(|x| x["name"].as_str()).collect();
+    assert_eq!(names, ["a", "b"], "{v}");
+    assert!(a.ctl_ok(&["inspect", "b", "--json"]).contains("\"b\""));
+}
+
+/// Scribbles on a slot, one process after another: `vgpu_reclaimed_bytes_total` grew by up to the
+/// slice's limit on each (20 GiB for a 1 GiB slice), and the slice's used memory read 1.07e17
+/// (issue 61, item 25). What counts as reclaimed is what NVML saw each process hold, and the used
+/// memory shown is never more than the GPU has.
+#[test]
+fn repeated_scribbles_add_only_what_nvml_saw_to_the_reclaimed_bytes() {
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    a.ctl_ok(&["slice", "create", "--name", "evil", "--gpu", "0", "--memory", "1GiB"]);
+    let d: Value = serde_json::from_str::<Value>(&a.ctl_ok(&["inspect", "evil", "--json"])).unwrap()["slice"].clone();
+    let region = vgpu_region::Region::open(&a.state.join("slices/evil/region"), true).unwrap();
+    let mut reclaimed = 0;
+    for _ in 0..5 {
+        let (p, _) = s.spawn_cmd(in_slice(&s, &d, RT), &["alloc", "--size", "64m", "--hold"]);
+        a.wait("attributed", |v| {
+            slice_of(v, "evil")["processes"].as_array().is_some_and(|ps| ps.iter().any(|x| x["host_pid"] == p))
+        });
+        let slot = region.layout().slots.iter().find(|x| x.pid.load(std::sync::atomic::Ordering::SeqCst) == p).unwrap();
+        slot.used[0].store(u64::MAX / 2, std::sync::atomic::Ordering::SeqCst);
+        let seq = a.status().unwrap()["sequence"].as_u64().unwrap();
+        let st = a.wait("a pass after the scribble", |v| v["sequence"].as_u64().unwrap_or(0) > seq + 1);
+        let used = slice_of(&st, "evil")["gpus"][0]["memory_used"].as_u64().unwrap();
+        assert!(used <= 16 << 30, "the slice's used memory reads {used}");
+        s.kill(p);
+        let st = a.wait("reclaimed", |v| v["agent"]["reclaimed_bytes"].as_u64().unwrap_or(0) > reclaimed);
+        reclaimed = st["agent"]["reclaimed_bytes"].as_u64().unwrap();
+    }
+    // Five processes of 64 MiB and a 256 MiB context each, as NVML measured them.
+    assert!(reclaimed <= 5 * 320 * MIB, "reclaimed {reclaimed} bytes for five processes of 320 MiB");
+}
