@@ -31,6 +31,12 @@ fn helm() -> Option<PathBuf> {
 
 /// `helm template` of the chart with `values` (YAML) over its defaults; None without Helm.
 fn template(values: &str) -> Option<String> {
+    let r = try_template(values)?;
+    Some(r.unwrap_or_else(|e| panic!("helm template with {values:?}: {e}")))
+}
+
+/// [`template`], or what Helm said when it refused.
+fn try_template(values: &str) -> Option<Result<String, String>> {
     let helm = helm()?;
     let f =
         std::env::temp_dir().join(format!("vgpu-values-{}-{:?}.yaml", std::process::id(), std::thread::current().id()));
@@ -43,8 +49,11 @@ fn template(values: &str) -> Option<String> {
         .output()
         .unwrap();
     std::fs::remove_file(&f).ok();
-    assert!(o.status.success(), "helm template with {values:?}: {}", String::from_utf8_lossy(&o.stderr));
-    Some(String::from_utf8(o.stdout).unwrap())
+    Some(if o.status.success() {
+        Ok(String::from_utf8(o.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&o.stderr).into_owned())
+    })
 }
 
 /// The documents of a rendering (Helm's `# Source:` comments kept), by kind.
@@ -279,6 +288,87 @@ fn the_agent_configuration_takes_the_chart_s_values() {
     assert_eq!((cfg.memory_factor, cfg.memory_scaling, cfg.priority_queue_us), (512, 1.5, 250));
     assert_eq!((cfg.escape_action, cfg.register_interval_s), (vgpu_agent::config::EscapeAction::Kill, 7));
     assert_eq!((cfg.split_count, cfg.node_section.map(|n| n.0)), (3, Some(0)), "a [[node]] section for every node");
+}
+
+/// Every bounded value of the schema that reaches the agent is bounded exactly as the agent is: at
+/// each bound Helm renders and the agent takes the rendering; past it Helm refuses, and so would
+/// the agent (a schema wider than the agent let an install succeed and the agent crash-loop on
+/// every GPU node: splitCount up to 1024, memoryScaling unbounded).
+#[test]
+fn the_schema_s_bounds_are_the_agent_s() {
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root().join("packaging/helm/vgpu/values.schema.json")).unwrap())
+            .unwrap();
+    // (value, agent setting); the receiver's port is the receiver's, not the agent's.
+    let walked = [
+        ("splitCount", "split_count"),
+        ("memoryScaling", "memory_scaling"),
+        ("priorityQueueUs", "priority_queue_us"),
+        ("priorityMinShare", "priority_min_share"),
+        ("memoryFactor", "memory_factor"),
+    ];
+    let props = schema["properties"].as_object().unwrap();
+    let bounded: Vec<&str> = props
+        .iter()
+        .filter(|(_, v)| ["minimum", "maximum", "exclusiveMinimum"].iter().any(|b| v.get(*b).is_some()))
+        .map(|(k, _)| k.as_str())
+        .filter(|k| *k != "receiverPort")
+        .collect();
+    let mut names: Vec<&str> = walked.iter().map(|w| w.0).collect();
+    names.sort_unstable();
+    let mut b = bounded.clone();
+    b.sort_unstable();
+    assert_eq!(b, names, "every bounded value is walked here");
+    let agent = |key: &str, v: &str| vgpu_agent::config::Config::from_toml(&format!("{key} = {v}"));
+    for (value, key) in walked {
+        let p = &props[value];
+        let num = |b: &str| p.get(b).and_then(serde_json::Value::as_f64);
+        let integer = p["type"].as_str() == Some("integer")
+            || p["type"].as_array().is_some_and(|t| t.contains(&"integer".into()));
+        let show = |x: f64| if integer { format!("{}", x as i64) } else { format!("{x}") };
+        let (inside, outside): (Vec<f64>, Vec<f64>) = match (num("minimum"), num("exclusiveMinimum"), num("maximum")) {
+            (Some(lo), _, Some(hi)) => (vec![lo, hi], vec![lo - 1.0, hi + 1.0]),
+            (_, Some(lo), Some(hi)) => (vec![lo + 0.01, hi], vec![lo, hi + 0.5]),
+            other => panic!("{value}: bounded on both sides, not {other:?}"),
+        };
+        for x in inside {
+            let Some(r) = try_template(&format!("{value}: {}", show(x))) else { return };
+            let r = r.unwrap_or_else(|e| panic!("{value} = {} refused by the schema: {e}", show(x)));
+            let c: ConfigMap = yaml_serde::from_str(doc(&docs(&r), "ConfigMap")).unwrap();
+            vgpu_agent::config::Config::from_toml(&c.data.unwrap()["agent.toml"])
+                .unwrap_or_else(|e| panic!("{value} = {}: the agent refuses the rendering: {e}", show(x)));
+        }
+        for x in outside {
+            let Some(r) = try_template(&format!("{value}: {}", show(x))) else { return };
+            assert!(r.is_err(), "{value} = {} passed the schema", show(x));
+            assert!(agent(key, &show(x)).is_err(), "the agent takes {key} = {}: the schema is narrower", show(x));
+        }
+    }
+}
+
+/// The chart says which Kubernetes it needs (its admission policies are GA from 1.30), can be a
+/// subchart (`global` is accepted), and its DaemonSet's update strategy is the admin's.
+#[test]
+fn the_chart_states_its_kubernetes_and_takes_an_update_strategy() {
+    let Some(r) = template("global: {imageRegistry: example.com}\nupdateStrategy: {type: OnDelete}") else { return };
+    let ds: DaemonSet = yaml_serde::from_str(doc(&docs(&r), "DaemonSet")).unwrap();
+    assert_eq!(ds.spec.unwrap().update_strategy.unwrap().type_.as_deref(), Some("OnDelete"));
+    let ds: DaemonSet = yaml_serde::from_str(doc(&docs(&template("{}").unwrap()), "DaemonSet")).unwrap();
+    let u = ds.spec.unwrap().update_strategy.unwrap();
+    assert_eq!(u.type_.as_deref(), Some("RollingUpdate"));
+    assert_eq!(
+        u.rolling_update.unwrap().max_unavailable,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))
+    );
+    let helm = helm().unwrap();
+    let o = Command::new(&helm)
+        .args(["template", "vgpu", "--kube-version", "1.29.4"])
+        .arg(root().join("packaging/helm/vgpu"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains(">=1.30.0-0"), "{o:?}");
+    let e = try_template("updateStrategy: {type: Sometimes}").unwrap().unwrap_err();
+    assert!(e.contains("updateStrategy"), "{e}");
 }
 
 #[test]
