@@ -196,6 +196,8 @@ fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
             "ClusterRoleBinding",
             "DaemonSet",
             "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
             "ValidatingAdmissionPolicyBinding"
         ]
     );

@@ -393,7 +393,7 @@ if grep -q "bad-pod" "$dir/logs/vgpuctl-status-bad.txt"; then cat "$dir/logs/vgp
 echo "  bind phase failed; lock released; no slice for it (hami-pod's alone)"
 "$K" -n e2e delete pod bad-pod --wait=true --timeout=60s >/dev/null
 
-stage "an agent changes only its own Node (the chart's ValidatingAdmissionPolicy)"
+stage "an agent changes only its own Node and its pods (the chart's ValidatingAdmissionPolicies)"
 "$K" create -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Node
@@ -410,6 +410,20 @@ echo "$out" | grep -q "may not change node other-node" || fail "refused for anot
 echo "  refused: $out"
 if out=$(as_agent label node "$node" e2e/label=yes 2>&1); then fail "the agent labelled its node"; fi
 echo "  refused: $out"
+# Pods likewise (HAMi and Volcano modes patch them): only those on its node, annotations only.
+"$K" create -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: elsewhere, namespace: e2e}
+spec: {nodeName: other-node, containers: [{name: c, image: vgpu.test/none}]}
+EOF
+as_agent -n e2e annotate pod hami-pod e2e/own=yes >/dev/null || fail "the agent could not annotate a pod on its node"
+if out=$(as_agent -n e2e annotate pod elsewhere e2e/other=yes 2>&1); then fail "the agent annotated a pod of another node"; fi
+echo "$out" | grep -q "may not change pod e2e/elsewhere" || fail "refused for another reason: $out"
+echo "  refused: $out"
+if out=$(as_agent -n e2e label pod hami-pod e2e/label=yes 2>&1); then fail "the agent labelled a pod"; fi
+echo "  refused: $out"
+"$K" -n e2e delete pod elsewhere --wait=false >/dev/null
 "$K" -n e2e delete pod hami-pod --wait=true --timeout=60s >/dev/null
 
 stage "the device plugin follows the kubelet: a restart, and its socket replaced by another process"
