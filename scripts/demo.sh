@@ -103,4 +103,4 @@ echo "5 ms kernels run per slice in 4 s (train 30 %, notebook 60 %; 800 would be
 echo "  train:    $(grep -o '"launches":[0-9]*' "$DEMO/w2.out" | cut -d: -f2)"
 echo "  notebook: $(grep -o '"launches":[0-9]*' "$DEMO/w3.out" | cut -d: -f2)"
 echo
-echo "Demo done. Run the tests with: cargo test --workspace"
+echo "Demo done. Run the tests with: scripts/test.sh"

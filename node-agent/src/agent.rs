@@ -100,13 +100,6 @@ pub struct Agent {
     pub notices_wanted: AtomicBool,
 }
 
-fn hostname() -> String {
-    let mut b = [0u8; 256];
-    // SAFETY: the buffer is writable for its length; gethostname NUL-terminates within it or truncates.
-    unsafe { libc::gethostname(b.as_mut_ptr().cast(), b.len() - 1) };
-    String::from_utf8_lossy(&b[..b.iter().position(|&c| c == 0).unwrap_or(0)]).into_owned()
-}
-
 /// Why the agent's records could not be loaded at start.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -153,6 +146,7 @@ impl From<SliceError> for ApiError {
 
 impl Agent {
     pub fn new(cfg: Config, store: SliceStore, library: Option<PathBuf>) -> Result<Agent, LoadError> {
+        let node_name = cfg.node_name.clone();
         let listing = store.list()?;
         let list = listing.slices;
         let mut warnings = BTreeMap::new();
@@ -179,7 +173,10 @@ impl Agent {
             ready: AtomicBool::new(false),
             status: watch::Sender::new(Arc::new(pb::NodeStatus::default())),
             started: Instant::now(),
-            hostname: hostname(),
+            // The node's name as everything else has it (the metrics, the capacity report, the
+            // Kubernetes objects): `NODE_NAME`, else the host's name. In a pod the host name is the
+            // pod's.
+            hostname: node_name,
             metrics_address: RwLock::new(None),
             kick: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             rss: AtomicU64::new(0),

@@ -25,8 +25,22 @@ fn helm() -> Option<PathBuf> {
         return Some(helm);
     }
     assert!(std::env::var_os("VGPU_REQUIRE_HELM").is_none(), "Helm required but {} does not run", helm.display());
-    eprintln!("SKIPPED: no Helm (set VGPU_HELM, or put helm on PATH: tests/k8s/tools.sh builds one)");
+    skipped("no Helm (set VGPU_HELM, or put helm on PATH: tests/k8s/tools.sh builds one)");
     None
+}
+
+/// Says that a check could not run here: on stderr, and as a line of `VGPU_SKIP_LOG` (what
+/// `scripts/test.sh` counts as skipped, never as passed).
+fn skipped(what: &str) {
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    eprintln!("SKIPPED: {what}");
+    if let Some(log) = std::env::var_os("VGPU_SKIP_LOG") {
+        use std::io::Write;
+        // One write of the whole line: appends from tests running at once do not interleave.
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = f.write_all(format!("packaging {test}: {what}\n").as_bytes());
+        }
+    }
 }
 
 /// `helm template` of the chart with `values` (YAML) over its defaults; None without Helm.

@@ -296,6 +296,7 @@ fn render_slices(o: &mut String, st: &pb::NodeStatus, style: Style) {
             }
         }
         o.push_str(&table(&rows));
+        o.push_str(&sm_share_notes(st));
         for s in &st.slices {
             for g in s.gpus.iter().filter(|g| g.spilled_allocations > 0) {
                 let gpu = if g.gpu_index == u32::MAX { short_uuid(&g.uuid) } else { g.gpu_index.to_string() };
@@ -312,6 +313,25 @@ fn render_slices(o: &mut String, st: &pb::NodeStatus, style: Style) {
             }
         }
     }
+}
+
+/// A line for each SM share not being applied now: a slice alone on its GPU may use all of it (as
+/// HAMi's default policy has it); its share holds again once another slice or process shares it.
+fn sm_share_notes(st: &pb::NodeStatus) -> String {
+    let mut o = String::new();
+    for s in &st.slices {
+        for g in s.gpus.iter().filter(|g| (1..100).contains(&g.sm_limit)) {
+            let alone = st.gpus.iter().any(|x| x.index == g.gpu_index && x.mode == "exclusive");
+            if alone {
+                let _ = writeln!(
+                    o,
+                    "slice {} on GPU {}: its SM share ({}%) is not applied now: the slice is alone on the GPU and may use it all; the share holds once another slice or process uses it",
+                    s.name, g.gpu_index, g.sm_limit
+                );
+            }
+        }
+    }
+    o
 }
 
 /// A slice's limits, environment and mounts, and the `docker run` flags that put a container in it.
@@ -715,6 +735,24 @@ mod tests {
         assert!(table.contains("MIG enabled, instances made per request"), "{table}");
         assert!(table.contains("GPU 1 geometries: 0 1g.10gb (7x1g.10gb) | 1 2g.20gb (3x2g.20gb 1x1g.10gb)"), "{table}");
         assert!(render_mig_geometries(&pb::MigStatusResponse::default(), false).contains("no MIG-capable GPUs"));
+    }
+
+    #[test]
+    fn an_sm_share_not_applied_is_said() {
+        let gpu = |index, mode: &str| pb::GpuStatus { index, mode: mode.into(), ..Default::default() };
+        let slice = |name: &str, idx, sm| pb::SliceStatus {
+            name: name.into(),
+            gpus: vec![pb::SliceGpuStatus { gpu_index: idx, sm_limit: sm, ..Default::default() }],
+            ..Default::default()
+        };
+        let st = pb::NodeStatus {
+            gpus: vec![gpu(0, "exclusive"), gpu(1, "shared")],
+            slices: vec![slice("alone", 0, 30), slice("beside", 1, 30), slice("free", 0, 0)],
+            ..Default::default()
+        };
+        let n = sm_share_notes(&st);
+        assert!(n.contains("slice alone on GPU 0: its SM share (30%) is not applied now"), "{n}");
+        assert!(!n.contains("beside") && !n.contains("free"), "{n}");
     }
 
     #[test]

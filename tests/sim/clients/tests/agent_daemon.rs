@@ -565,7 +565,7 @@ fn an_escape_names_its_process_pod_and_container() {
     // A process of the same pod that does not load libvgpu.so: in the pod's cgroup where this
     // machine lets the test make one.
     if cg.is_none() {
-        eprintln!("SKIPPED (part): no writable cgroup hierarchy here; the escape's pod and container are not checked");
+        skipped("the escape's pod and container part: no writable cgroup hierarchy here");
     }
     let (rogue, _) = s.spawn_cmd(outside_in(&s, cg.as_ref()), &["alloc", "--size", "2g", "--hold"]);
     let e = escape_of(&a, rogue);
@@ -650,7 +650,7 @@ fn processes_in_a_pid_namespace_are_mapped_to_their_slice() {
     } else if probe(&["--user", "--map-root-user", "--pid", "--fork"]) {
         vec!["--user", "--map-root-user", "--pid", "--fork", "--kill-child"]
     } else {
-        eprintln!("SKIPPED: this machine allows no PID namespaces (unshare failed)");
+        skipped("this machine allows no PID namespaces (unshare failed)");
         return;
     };
     let mut s = Sim::new(Some(NODE));

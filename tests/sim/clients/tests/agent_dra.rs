@@ -1034,7 +1034,7 @@ fn claims_with_admin_access_see_their_gpus_whole_and_are_not_escapes() {
     assert!(!a.ctl(&["inspect", "dra-ca-0003"]).status.success());
 
     if !can_unshare() {
-        eprintln!("SKIPPED the escape part: cannot make a mount namespace here");
+        skipped("the escape part: cannot make a mount namespace here");
         return;
     }
     // On GPU 0, which the user's slice uses: a process outside every slice is an escape; one in the

@@ -205,7 +205,7 @@ impl Tmpfs {
                 .is_ok_and(|s| s.success());
         if !ok {
             assert!(std::env::var_os("VGPU_REQUIRE_RUNC").is_none(), "cannot mount a tmpfs (root: {root})");
-            eprintln!("SKIPPED: needs root to mount a tmpfs");
+            skipped("needs root to mount a tmpfs");
             return None;
         }
         Some(Tmpfs(at.to_owned()))

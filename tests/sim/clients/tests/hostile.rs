@@ -25,7 +25,7 @@ fn can_mount() -> bool {
         return true;
     }
     assert!(std::env::var_os("VGPU_REQUIRE_RUNC").is_none(), "needs root ({root}), unshare and setpriv ({tools})");
-    eprintln!("SKIPPED: needs root, unshare and setpriv");
+    skipped("needs root, unshare and setpriv");
     false
 }
 

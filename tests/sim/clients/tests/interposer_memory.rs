@@ -875,7 +875,7 @@ fn every_nvml_query_that_names_processes_names_only_the_containers() {
 fn a_process_in_a_container_s_pid_namespace_does_not_take_its_pid_for_the_host_s() {
     let unshare = ["--pid", "--fork", "--mount-proc", "--kill-child"];
     if !Command::new("unshare").args(unshare).arg("true").status().is_ok_and(|s| s.success()) {
-        eprintln!("SKIPPED: this machine allows no PID namespace with its own /proc (needs root)");
+        skipped("this machine allows no PID namespace with its own /proc (needs root)");
         return;
     }
     let mut s = Sim::new(Some(NODE));
@@ -1380,7 +1380,7 @@ fn without_an_agent_each_process_is_charged_for_what_the_driver_really_holds_for
     let unshare = can_unshare_pid();
     for in_namespace in [false, true] {
         if in_namespace && !unshare {
-            eprintln!("SKIPPED (PID namespace): needs root and unshare --pid --kill-child");
+            skipped("the PID namespace part: needs root and unshare --pid --kill-child");
             continue;
         }
         let (p, v) = if in_namespace {

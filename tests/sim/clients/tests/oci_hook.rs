@@ -25,7 +25,7 @@ fn available() -> bool {
         std::env::var_os("VGPU_REQUIRE_RUNC").is_none(),
         "runc end-to-end test required but root={root} runc={runc} busybox={busybox}"
     );
-    eprintln!("SKIPPED: needs root, runc and busybox (root={root} runc={runc} busybox={busybox})");
+    skipped(&format!("needs root, runc and busybox (root={root} runc={runc} busybox={busybox})"));
     false
 }
 

@@ -40,7 +40,7 @@ fn tool(name: &str) -> Option<String> {
             std::env::var_os("VGPU_REQUIRE_PROMETHEUS").is_none(),
             "{name} is required (apt-get install prometheus)"
         );
-        eprintln!("SKIPPED: no {name} on PATH (Debian: apt-get install prometheus)");
+        skipped(&format!("no {name} on PATH (Debian: apt-get install prometheus)"));
     }
     found.map(|p| p.display().to_string())
 }

@@ -97,7 +97,7 @@ fn can_mount() -> bool {
         return true;
     }
     assert!(std::env::var_os("VGPU_REQUIRE_RUNC").is_none(), "needs root ({root}) and unshare ({unshare})");
-    eprintln!("SKIPPED: needs root and unshare");
+    skipped("needs root and unshare");
     false
 }
 

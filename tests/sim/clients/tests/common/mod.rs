@@ -243,3 +243,17 @@ pub fn lines(b: &[u8]) -> Vec<Value> {
 }
 
 pub const MIB: u64 = 1 << 20;
+
+/// Says that a check could not run on this machine: on stderr, and as a line of the file named by
+/// `VGPU_SKIP_LOG` (what `scripts/test.sh` counts as skipped, never as passed).
+pub fn skipped(what: &str) {
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    eprintln!("SKIPPED: {what}");
+    if let Some(log) = std::env::var_os("VGPU_SKIP_LOG") {
+        use std::io::Write;
+        // One write of the whole line: appends from tests running at once do not interleave.
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = f.write_all(format!("{} {test}: {what}\n", env!("CARGO_CRATE_NAME")).as_bytes());
+        }
+    }
+}
