@@ -4,7 +4,8 @@
 //! `namespace`, `pod`, `container`, `vdevice_index` and `device_uuid`) and help texts; and, with
 //! `metrics_hami_legacy`, the names and labels HAMi served before them (its `--legacy-metrics`).
 //! A slice's series carry one label more than HAMi's, `slice`: selectors and HAMi's own queries
-//! (whose both sides carry it) are unaffected.
+//! (whose both sides carry it) are unaffected. The sensors read at the same time that HAMi does not
+//! serve (temperature, power, ECC) are vgpu's own series.
 
 use super::{owner, Out};
 use crate::agent::Agent;
@@ -68,7 +69,7 @@ fn host(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
     let node = agent.cfg.node_name.as_str();
     let sensors = sensors(agent, st);
     type Value<'a> = &'a dyn Fn(&pb::GpuStatus, &Sensors) -> Option<f64>;
-    let per_gpu: [(&str, &str, bool, Value); 5] = [
+    let per_gpu: [(&str, &str, bool, Value); 3] = [
         ("hami_host_gpu_memory_used_bytes", "GPU device memory usage in bytes", true, &|g, _| {
             Some(g.memory_used as f64)
         }),
@@ -81,10 +82,6 @@ fn host(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
             false,
             &|_, s| s.memory_utilization.map(f64::from),
         ),
-        ("hami_host_gpu_temperature_celsius", "GPU temperature in degrees Celsius", true, &|_, s| {
-            s.temperature_c.map(f64::from)
-        }),
-        ("hami_host_gpu_power_usage_watts", "GPU power draw in watts", true, &|_, s| s.power_w),
     ];
     for (name, help, with_node, value) in per_gpu {
         o.head(name, "gauge", help);
@@ -95,17 +92,32 @@ fn host(o: &mut Out, agent: &Agent, st: &pb::NodeStatus) {
             }
         }
     }
-    // A counter (HAMi declares it a gauge; Prometheus's lint wants `_total` on counters alone, and
-    // the type changes no query).
-    let name = "hami_host_gpu_ecc_errors_total";
-    o.head(name, "counter", "Lifetime aggregate ECC errors");
-    for (g, s) in st.gpus.iter().zip(&sensors) {
-        let (index, ty) = (g.index.to_string(), format!("NVIDIA-{}", g.model));
+    sensor_series(o, st, &sensors);
+}
+
+/// The GPU sensors read at this scrape that HAMi's monitor does not serve: vgpu's own series, with
+/// vgpu's labels (`device_uuid`, `device_index`).
+fn sensor_series(o: &mut Out, st: &pb::NodeStatus, sensors: &[Sensors]) {
+    type Value<'a> = &'a dyn Fn(&Sensors) -> Option<f64>;
+    let per_gpu: [(&str, &str, Value); 2] = [
+        ("vgpu_gpu_temperature_celsius", "GPU temperature in degrees Celsius.", &|s| s.temperature_c.map(f64::from)),
+        ("vgpu_gpu_power_usage_watts", "GPU power draw in watts.", &|s| s.power_w),
+    ];
+    for (name, help, value) in per_gpu {
+        o.head(name, "gauge", help);
+        for (g, s) in st.gpus.iter().zip(sensors) {
+            if let Some(v) = value(s) {
+                o.put(name, &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())], v);
+            }
+        }
+    }
+    let name = "vgpu_gpu_ecc_errors_total";
+    o.head(name, "counter", "Lifetime aggregate ECC errors of the GPU.");
+    for (g, s) in st.gpus.iter().zip(sensors) {
         for (kind, count) in ["corrected", "uncorrected"].into_iter().zip(s.ecc) {
             if let Some(c) = count {
-                let mut l = gpu_labels(Some(node), g, &index, &ty);
-                l.push(("error_type", kind));
-                o.put(name, &l, c as f64);
+                let index = g.index.to_string();
+                o.put(name, &[("device_uuid", &g.uuid), ("device_index", &index), ("error_type", kind)], c as f64);
             }
         }
     }

@@ -576,9 +576,9 @@ const HAMI_QUERIES: &[(&str, Expect)] = &[
     ("hami_mig_device_info", Expect::Nothing),
     ("hami_host_gpu_memory_used_bytes", Expect::Within(300.0 * MIB as f64, 8192.0 * MIB as f64)),
     ("hami_host_gpu_memory_controller_utilization_ratio", Expect::Within(10.0, 100.0)),
-    ("hami_host_gpu_temperature_celsius", Expect::Within(30.0, 100.0)),
-    ("hami_host_gpu_power_usage_watts", Expect::Within(60.0, 400.0)),
-    ("hami_host_gpu_ecc_errors_total", Expect::Within(0.0, 0.0)),
+    ("vgpu_gpu_temperature_celsius", Expect::Within(30.0, 100.0)),
+    ("vgpu_gpu_power_usage_watts", Expect::Within(60.0, 400.0)),
+    ("vgpu_gpu_ecc_errors_total", Expect::Within(0.0, 0.0)),
     // The names HAMi served before (its --legacy-metrics), in the same units.
     ("avg_over_time(HostCoreUtilization[1h])", Expect::Within(20.0, 100.0)),
     ("vGPU_device_memory_usage_in_bytes / vGPU_device_memory_limit_in_bytes", Expect::Within(0.25, 0.6)),
