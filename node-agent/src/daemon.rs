@@ -180,7 +180,10 @@ async fn serve_metrics(cfg: &Config, agent: &Arc<Agent>) -> Result<Option<tokio:
             tracing::info!(address = %bound, "serving metrics");
             let tls = crate::metrics::acceptor(cfg)?;
             let token = match &cfg.metrics_token_file {
-                Some(p) => crate::report::read_token(p)?,
+                Some(p) => {
+                    crate::report::read_token(p)?;
+                    Some(crate::metrics::rotate::Token::new(p).map_err(DaemonError::State)?)
+                }
                 None => None,
             };
             Some(tokio::spawn(crate::metrics::serve(l, agent.clone(), tls, token)))

@@ -4,6 +4,7 @@
 //! when ready), `GET /livez`, anything else 404.
 
 mod hami;
+pub mod rotate;
 
 use crate::agent::Agent;
 use std::fmt::Write;
@@ -322,28 +323,22 @@ fn process_series(o: &mut Out) {
 /// Why the metrics endpoint's TLS cannot be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsTlsError {
-    #[error("metrics TLS: {}: {source}", path.display())]
-    Pem { path: std::path::PathBuf, source: rustls_pki_types::pem::Error },
+    #[error("metrics TLS: {0}")]
+    Load(String),
     #[error("metrics TLS: {0}")]
     Config(#[from] tokio_rustls::rustls::Error),
 }
 
-/// TLS for the metrics endpoint, from the configured PEM files (None: plain HTTP).
+/// TLS for the metrics endpoint, from the configured PEM files, followed on disk (None: plain
+/// HTTP; see [`rotate`]).
 pub fn acceptor(cfg: &crate::config::Config) -> Result<Option<tokio_rustls::TlsAcceptor>, MetricsTlsError> {
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let Some((cert, key)) = &cfg.metrics_tls else { return Ok(None) };
-    let bad = |path: &std::path::Path, source| MetricsTlsError::Pem { path: path.to_owned(), source };
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| bad(cert, e))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| bad(cert, e))?;
-    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, e))?;
+    let resolver = rotate::Certificate::new(cert, key).map_err(MetricsTlsError::Load)?;
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
     let sc = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
-        .with_single_cert(certs, key)?;
+        .with_cert_resolver(Arc::new(resolver));
     Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(sc))))
 }
 
@@ -354,9 +349,12 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     agent: Arc<Agent>,
     tls: Option<tokio_rustls::TlsAcceptor>,
-    token: Option<String>,
+    token: Option<rotate::Token>,
 ) {
-    let handler: vgpu_httpd::Handler = Arc::new(move |r| answer(&agent, token.as_deref(), r));
+    let handler: vgpu_httpd::Handler = Arc::new(move |r| {
+        let token = token.as_ref().and_then(rotate::Token::get);
+        answer(&agent, token.as_deref(), r)
+    });
     vgpu_httpd::serve(listener, tls, vgpu_httpd::Limits::default(), handler).await;
 }
 

@@ -67,6 +67,31 @@ fn metrics_over_tls_need_the_token() {
     let mut out = Vec::new();
     let _ = c.read_to_end(&mut out);
     assert!(!String::from_utf8_lossy(&out).contains("vgpu_agent"), "metrics leaked over plain HTTP");
+
+    // Rotated in place (as cert-manager does to a mounted Secret): a new certificate, key and
+    // token are served within a couple of seconds, without a restart; the old token is refused.
+    let next = s.state.join("certs-next");
+    let o = std::process::Command::new(bin("vgpu-receiver")).args(["gen-certs", "--out"]).arg(&next).output().unwrap();
+    assert!(o.status.success());
+    for f in ["server.pem", "server-key.pem", "token"] {
+        std::fs::copy(next.join(f), certs.join(f)).unwrap();
+    }
+    let new_token = std::fs::read_to_string(next.join("token")).unwrap();
+    let new_ca = next.join("ca.pem");
+    let t = std::time::Instant::now();
+    loop {
+        let got = std::panic::catch_unwind(|| {
+            rt.block_on(https_get(&a.metrics, &new_ca, "/metrics", Some(new_token.trim())))
+        });
+        if got.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")) {
+            break;
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the rotated files are not served: {got:?}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let old = rt.block_on(https_get(&a.metrics, &new_ca, "/metrics", Some(token.trim())));
+    assert!(old.starts_with("HTTP/1.1 401"), "the old token after the rotation: {old}");
+    assert!(a.log_text().contains("changed files loaded again"), "{}", a.log_text());
 }
 
 #[test]
