@@ -387,6 +387,39 @@ fn the_chart_states_its_kubernetes_and_takes_an_update_strategy() {
     assert!(e.contains("updateStrategy"), "{e}");
 }
 
+/// What an admin sets about scraping: the ServiceMonitor's interval, timeout and relabelings, and a
+/// NetworkPolicy that lets only the named peers reach the metrics port; the notes say when plain
+/// HTTP metrics are open to anyone who reaches the pod.
+#[test]
+fn scraping_and_its_network_policy_follow_the_values() {
+    let values = "serviceMonitor: {enabled: true, interval: 15s, scrapeTimeout: 5s, relabelings: [{targetLabel: cluster, replacement: c1}], metricRelabelings: [{action: drop, regex: hami_.*, sourceLabels: [__name__]}]}\nnetworkPolicy: {enabled: true, from: [{namespaceSelector: {matchLabels: {team: mon}}}]}";
+    let Some(r) = template(values) else { return };
+    let all = docs(&r);
+    let sm: yaml_serde::Value = yaml_serde::from_str(doc(&all, "ServiceMonitor")).unwrap();
+    let ep = &sm["spec"]["endpoints"][0];
+    assert_eq!((ep["interval"].as_str(), ep["scrapeTimeout"].as_str()), (Some("15s"), Some("5s")));
+    let relabel = ep["relabelings"].as_sequence().unwrap();
+    assert_eq!(relabel.len(), 2, "the node's, then the values': {relabel:?}");
+    assert_eq!(relabel[1]["targetLabel"].as_str(), Some("cluster"));
+    assert_eq!(ep["metricRelabelings"][0]["action"].as_str(), Some("drop"));
+    let np: k8s_openapi::api::networking::v1::NetworkPolicy = yaml_serde::from_str(doc(&all, "NetworkPolicy")).unwrap();
+    let rule = &np.spec.unwrap().ingress.unwrap()[0];
+    assert_eq!(
+        rule.ports.as_ref().unwrap()[0].port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(9394))
+    );
+    let from = rule.from.as_ref().unwrap()[0].namespace_selector.as_ref().unwrap();
+    assert_eq!(from.match_labels.as_ref().unwrap()["team"], "mon");
+    assert!(!docs(&template("{}").unwrap()).iter().any(|(k, _)| k == "NetworkPolicy"), "off by default");
+    let out = Command::new(helm().unwrap())
+        .args(["install", "--dry-run", "vgpu"])
+        .arg(root().join("packaging/helm/vgpu"))
+        .output()
+        .unwrap();
+    let notes = String::from_utf8_lossy(&out.stdout);
+    assert!(notes.contains("Metrics are served over plain HTTP on port 9394"), "{notes}");
+}
+
 #[test]
 fn the_receiver_renders_when_enabled() {
     use k8s_openapi::api::apps::v1::Deployment;

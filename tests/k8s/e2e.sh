@@ -198,7 +198,8 @@ for set in "" "--set compat=hami" "--set compat=volcano --set memoryFactor=512" 
     "--set dra=on --set devicePlugin=off --set draSharing=capacity --set draMig=dynamic --set deviceClasses=true" \
     "-f $dir/values-mig.yaml" "-f $dir/values-tls.yaml" "--set compat=replicas --set receiver=true --set grafanaDashboard=true" \
     "--set imagePullSecrets[0].name=regcred --set runtimeClassName=nvidia --set nodeSelector.pool=gpu --set podLabels.team=ml" \
-    "--set updateStrategy.type=OnDelete --set global.imageRegistry=example.com --set priorityNamespaces={serving} --set priorityMinShare=50"; do
+    "--set updateStrategy.type=OnDelete --set global.imageRegistry=example.com --set priorityNamespaces={serving} --set priorityMinShare=50" \
+    "--set networkPolicy.enabled=true --set networkPolicy.from[0].namespaceSelector.matchLabels.team=mon"; do
     # shellcheck disable=SC2086
     "$H" template vgpu packaging/helm/vgpu -n "$ns" $set >"$dir/rendered.yaml" || fail "helm template $set"
     # The Prometheus operator's kinds need its CRDs: not part of this cluster (the Rust packaging
