@@ -657,4 +657,17 @@ fn the_docs_links_reach_their_targets_and_the_readme_s_contents_list_every_secti
             assert_eq!(contents, want, "README's contents and its headings differ");
         }
     }
+    // The site (mdBook, docs/SUMMARY.md) has every page of docs/, each once.
+    let summary = std::fs::read_to_string(root().join("docs/SUMMARY.md")).unwrap();
+    let mut listed: Vec<&str> =
+        summary.lines().filter_map(|l| l.split_once("](")).filter_map(|(_, r)| r.strip_suffix(')')).collect();
+    listed.sort_unstable();
+    let mut pages: Vec<String> = docs
+        .iter()
+        .filter_map(|d| d.strip_prefix("docs/"))
+        .filter(|d| !d.contains('/') && *d != "SUMMARY.md")
+        .map(str::to_string)
+        .collect();
+    pages.sort_unstable();
+    assert_eq!(listed, pages, "docs/SUMMARY.md lists every page of docs/ once");
 }
