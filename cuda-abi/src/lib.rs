@@ -1,9 +1,16 @@
-//! CUDA driver API types and constants, as laid out in `cuda.h` (only what the simulator and its test
-//! clients use). Result codes and enums are open integers: a value from a newer driver is not UB.
+//! CUDA driver API types and constants, as laid out in `cuda.h` (only what the simulator, its test
+//! clients and the interposer use). Result codes and enums are open integers: a value from a newer
+//! driver is not UB. [`header`] is generated from the real `cuda.h` (`scripts/gen-cuda-abi.py`):
+//! every entry point's parameters by kind and width, against which the interposer's declarations
+//! are checked at compile time ([`abi`]).
 #![allow(non_camel_case_types, non_snake_case)]
 #![deny(clippy::too_many_lines)]
 
 use std::ffi::c_void;
+
+pub mod abi;
+#[rustfmt::skip]
+pub mod header;
 
 #[repr(transparent)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -203,3 +203,23 @@ macro_rules! cuda_helpers {
 }
 
 pub(crate) use {cuda_helpers, cuda_hooks, nvml_hooks};
+
+/// Each hook's and helper's parameters against `cuda.h` (the pinned headers, generated into
+/// `cuda_abi::header` by `scripts/gen-cuda-abi.py`): a declaration whose arguments differ from the
+/// header in kind or width does not build, and neither does one the headers do not have.
+macro_rules! check_against_header {
+    ($($name:ident($($a:ident: $t:ty),*) $(=> $p:tt $(:: $q:ident $(::<$g:tt>)?)?)?;)*) => {
+        $(const _: () = assert!(
+            cuda_abi::abi::same(&[$(<$t as cuda_abi::abi::AbiOf>::ABI),*], cuda_abi::header::$name),
+            concat!(stringify!($name), ": its parameters differ from cuda.h's")
+        );)*
+    };
+}
+
+mod checked {
+    use cuda_abi::*;
+    #[allow(unused_imports)]
+    use std::ffi::{c_char, c_void};
+    cuda_hooks!(check_against_header);
+    cuda_helpers!(check_against_header);
+}
