@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const NAMESPACE: &str = "vgpu-system";
+/// The image the renderings name (the plain manifests too: replace its registry with yours).
+const IMAGE: &str = "registry.example.com/vgpu-node-agent";
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
@@ -55,14 +57,20 @@ fn try_template(values: &str) -> Option<Result<String, String>> {
     let f =
         std::env::temp_dir().join(format!("vgpu-values-{}-{:?}.yaml", std::process::id(), std::thread::current().id()));
     std::fs::write(&f, values).unwrap();
+    // No image is published: every rendering names one (a test's own values may name another).
+    let image = f.with_extension("image.yaml");
+    std::fs::write(&image, format!("image: {{repository: {IMAGE}}}\n")).unwrap();
     let o = Command::new(helm)
         .args(["template", "vgpu"])
         .arg(root().join("packaging/helm/vgpu"))
         .args(["--namespace", NAMESPACE, "--values"])
+        .arg(&image)
+        .arg("--values")
         .arg(&f)
         .output()
         .unwrap();
     std::fs::remove_file(&f).ok();
+    std::fs::remove_file(&image).ok();
     Some(if o.status.success() {
         Ok(String::from_utf8(o.stdout).unwrap())
     } else {
@@ -88,7 +96,7 @@ fn doc<'a>(all: &'a [(String, String)], kind: &str) -> &'a str {
 #[test]
 fn manifests_are_the_rendered_chart_and_parse_into_kubernetes_types() {
     let Some(r) = template("{}") else { return };
-    let rendered = format!("# helm template vgpu packaging/helm/vgpu --namespace {NAMESPACE} (its default values).\n# Apply the namespace first: kubectl create namespace {NAMESPACE}\n{r}");
+    let rendered = format!("# helm template vgpu packaging/helm/vgpu --namespace {NAMESPACE} --set image.repository={IMAGE}\n# (its default values). No image is published: build packaging/image/Dockerfile, push it, and\n# replace {IMAGE} below with yours. Apply the namespace first: kubectl create namespace {NAMESPACE}\n{r}");
     let path = root().join("packaging/manifests/vgpu.yaml");
     if std::env::var_os("VGPU_UPDATE_MANIFESTS").is_some() {
         std::fs::write(&path, &rendered).unwrap();
@@ -385,6 +393,9 @@ fn the_chart_states_its_kubernetes_and_takes_an_update_strategy() {
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains(">=1.30.0-0"), "{o:?}");
     let e = try_template("updateStrategy: {type: Sometimes}").unwrap().unwrap_err();
     assert!(e.contains("updateStrategy"), "{e}");
+    // No image is published: an install that names none stops at render, saying what to set.
+    let e = try_template("image: {repository: \"\"}").unwrap().unwrap_err();
+    assert!(e.contains("image.repository is not set: no vgpu image is published yet"), "{e}");
 }
 
 /// What an admin sets about scraping: the ServiceMonitor's interval, timeout and relabelings, and a
@@ -414,6 +425,7 @@ fn scraping_and_its_network_policy_follow_the_values() {
     let out = Command::new(helm().unwrap())
         .args(["install", "--dry-run", "vgpu"])
         .arg(root().join("packaging/helm/vgpu"))
+        .args(["--set", &format!("image.repository={IMAGE}")])
         .output()
         .unwrap();
     let notes = String::from_utf8_lossy(&out.stdout);

@@ -183,7 +183,7 @@ printf '[[gpu]]\nmodel = "A100-40GB"\n\n[[gpu]]\nmodel = "H100-80GB"\nmemory_mib
 
 stage "the chart: helm lint, the API server's server-side dry run of each value set, the schema"
 "$K" create namespace "$ns" >/dev/null
-"$H" lint packaging/helm/vgpu --strict >"$dir/logs/helm-lint.log" || { cat "$dir/logs/helm-lint.log"; fail "helm lint"; }
+"$H" lint packaging/helm/vgpu --strict --set image.repository=vgpu.test/vgpu-node-agent >"$dir/logs/helm-lint.log" || { cat "$dir/logs/helm-lint.log"; fail "helm lint"; }
 cat >"$dir/values-tls.yaml" <<EOF
 metrics: {tlsSecret: vgpu-metrics-tls, tokenSecret: vgpu-metrics-token, insecure: false}
 EOF
@@ -201,7 +201,8 @@ for set in "" "--set compat=hami" "--set compat=volcano --set memoryFactor=512" 
     "--set updateStrategy.type=OnDelete --set global.imageRegistry=example.com --set priorityNamespaces={serving} --set priorityMinShare=50" \
     "--set networkPolicy.enabled=true --set networkPolicy.from[0].namespaceSelector.matchLabels.team=mon"; do
     # shellcheck disable=SC2086
-    "$H" template vgpu packaging/helm/vgpu -n "$ns" $set >"$dir/rendered.yaml" || fail "helm template $set"
+    "$H" template vgpu packaging/helm/vgpu -n "$ns" --set image.repository=vgpu.test/vgpu-node-agent $set >"$dir/rendered.yaml" ||
+        fail "helm template $set"
     # The Prometheus operator's kinds need its CRDs: not part of this cluster (the Rust packaging
     # test checks them); everything else the API server validates.
     "$K" apply --dry-run=server -n "$ns" -f "$dir/rendered.yaml" >"$dir/logs/dry-run.log" 2>&1 ||
@@ -211,7 +212,7 @@ done
 # Past the agent's bounds the schema refuses (before, splitCount up to 1024 installed and the agent
 # crash-looped); the API server's version is within the chart's kubeVersion (the install proves it).
 for bad in splitCount=0 splitCount=101 memoryScaling=11; do
-    if out=$("$H" install bad packaging/helm/vgpu -n "$ns" --dry-run=server --set "$bad" 2>&1); then
+    if out=$("$H" install bad packaging/helm/vgpu -n "$ns" --dry-run=server --set image.repository=vgpu.test/x --set "$bad" 2>&1); then
         fail "$bad was accepted"
     fi
     echo "$out" | grep -q "/${bad%=*}" || fail "the schema's refusal does not name the value: $out"

@@ -9,7 +9,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* The image, its tag defaulting to the chart's appVersion. */}}
 {{- define "vgpu.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $repo := required "image.repository is not set: no vgpu image is published yet. Build packaging/image/Dockerfile (docs/deploying.md), push it to a registry your nodes pull from, and set image.repository (and image.tag)" .Values.image.repository -}}
+{{ $repo }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
 
 {{/* Whether the agent speaks HAMi's or Volcano's scheduler protocol (pod and node annotations). */}}
