@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Generates cuda-abi/src/header.rs: the parameters of every CUDA driver entry point as the real
-`cuda.h` declares them, by kind and width (a pointer, an integer of N bytes, a float of N bytes, a
+`cuda.h` declares them, and of every NVML entry point as `nvml.h` does, by kind and width (a pointer, an integer of N bytes, a float of N bytes, a
 struct of N bytes), so that each hook `libvgpu.so` declares is checked against the header at
 compile time (`vgpu-preload/src/api.rs`): a wrong argument width does not build.
 
@@ -21,11 +21,19 @@ import sys
 import tempfile
 import zipfile
 
-# (wheel, where its include directory is inside it)
+# (wheel, its header): CUDA's and NVML's, of CUDA 12.9 and 13.
 WHEELS = [
-    ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia/cuda_runtime/include"),
-    ("nvidia-cuda-runtime==13.5.37", "nvidia/cu13/include"),
+    ("nvidia-cuda-runtime-cu12==12.9.79", "cuda.h"),
+    ("nvidia-cuda-runtime==13.5.37", "cuda.h"),
+    ("nvidia-nvml-dev-cu12==12.9.79", "nvml.h"),
+    ("nvidia-nvml-dev==13.4.92", "nvml.h"),
 ]
+# Per header: its return type, and the preprocessor passes that between them declare every entry
+# point (the default names; the older ones kept for the driver's own use; the per-thread forms).
+PASSES = {
+    "cuda.h": ("CUresult", ([], ["-D__CUDA_API_VERSION_INTERNAL"], ["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"])),
+    "nvml.h": ("nvmlReturn_t", ([], ["-DNVML_NO_UNVERSIONED_FUNC_DEFS"])),
+}
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 OUT = os.path.join(ROOT, "cuda-abi", "src", "header.rs")
 CACHE = os.path.join(ROOT, "target", "cuda-abi-header")
@@ -34,31 +42,32 @@ KIND = {1: "Int", 3: "Int", 4: "Int", 5: "Ptr", 8: "Float", 12: "Struct"}
 TYPE_WORDS = {"int", "long", "char", "short", "float", "double", "unsigned", "signed", "void", "const"}
 
 
-def headers(wheel, inside):
-    """The include directory of a pinned wheel (downloaded once into target/)."""
+def headers(wheel, header):
+    """The include directory holding `header` of a pinned wheel (downloaded once into target/)."""
     cache = os.path.join(CACHE, wheel.split("==")[0])
-    inc = os.path.join(cache, inside)
-    if os.path.exists(os.path.join(inc, "cuda.h")):
-        return inc
+    found = [os.path.join(d, header) for d, _, fs in os.walk(cache) if header in fs]
+    if found:
+        return os.path.dirname(found[0])
     os.makedirs(cache, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", cache, wheel], check=True)
     whl = next(f for f in os.listdir(cache) if f.endswith(".whl"))
     with zipfile.ZipFile(os.path.join(cache, whl)) as z:
+        inside = next(os.path.dirname(n) for n in z.namelist() if n.endswith("/include/" + header))
         for n in z.namelist():
             if n.startswith(inside + "/") and n.endswith(".h"):
                 z.extract(n, cache)
-    return inc
+    return os.path.join(cache, inside)
 
 
-def prototypes(inc):
-    """Entry point -> its parameters' types, from cuda.h preprocessed three ways: its default names,
-    the original (older) entry points it keeps for the driver's own use, the per-thread forms."""
+def prototypes(inc, header):
+    """Entry point -> its parameters' types, from `header` preprocessed each of its ways."""
+    ret, passes = PASSES[header]
     found = {}
-    for defines in ([], ["-D__CUDA_API_VERSION_INTERNAL"], ["-DCUDA_API_PER_THREAD_DEFAULT_STREAM"]):
-        text = subprocess.run(["cc", "-E", "-P", *defines, "-x", "c", os.path.join(inc, "cuda.h")],
+    for defines in passes:
+        text = subprocess.run(["cc", "-E", "-P", *defines, "-x", "c", os.path.join(inc, header)],
                               check=True, capture_output=True, text=True).stdout
         text = re.sub(r"\s+", " ", text)
-        for name, params in re.findall(r"\bCUresult (cu\w+) ?\(([^;{]*?)\) ?;", text):
+        for name, params in re.findall(rf"\b{ret} ((?:cu|nvml)\w+) ?\(([^;{{]*?)\) ?;", text):
             found.setdefault(name, [type_of(p) for p in params.split(",") if p.strip() not in ("", "void")])
     return found
 
@@ -72,9 +81,9 @@ def type_of(param):
     return p
 
 
-def classify(inc, protos):
+def classify(inc, header, protos):
     """(function, index) -> (kind, bytes), by the C compiler."""
-    lines = ['#include <stdio.h>', '#include "cuda.h"', "int main(void) {"]
+    lines = ['#include <stdio.h>', f'#include "{header}"', "int main(void) {"]
     for name, params in sorted(protos.items()):
         for i, t in enumerate(params):
             lines.append(f'  printf("{name} {i} %d %d\\n", (int)sizeof({t}), __builtin_classify_type(*({t} *)0));')
@@ -83,7 +92,8 @@ def classify(inc, protos):
         c, exe = os.path.join(d, "abi.c"), os.path.join(d, "abi")
         open(c, "w").write("\n".join(lines) + "\n")
         # The older entry points' types (`CUdeviceptr_v1`, ...) exist only for the driver's own use.
-        subprocess.run(["cc", "-w", "-D__CUDA_API_VERSION_INTERNAL", "-I", inc, "-o", exe, c], check=True)
+        defines = [d for p in PASSES[header][1] for d in p]
+        subprocess.run(["cc", "-w", *defines, "-I", inc, "-o", exe, c], check=True)
         out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
     res = {}
     for line in out.splitlines():
@@ -94,9 +104,10 @@ def classify(inc, protos):
 
 def render(sigs):
     out = [
-        "// @generated by scripts/gen-cuda-abi.py from cuda.h of "
-        + " and ".join(w for w, _ in WHEELS) + " (PyPI); do not edit.",
-        "//! Every CUDA driver entry point of `cuda.h`, its parameters by kind and width.",
+        "// @generated by scripts/gen-cuda-abi.py from the headers of "
+        + ", ".join(w for w, _ in WHEELS) + " (PyPI); do not edit.",
+        "//! Every CUDA driver entry point of `cuda.h` and NVML entry point of `nvml.h`, its parameters",
+        "//! by kind and width.",
         "#![allow(non_upper_case_globals)]",
         "",
         "use crate::abi::Abi::{self, *};",
@@ -107,10 +118,10 @@ def render(sigs):
     return "\n".join(out) + "\n"
 
 
-def signatures(inc):
+def signatures(inc, header):
     """Entry point -> its parameters as `Ptr`, `Int(n)`, `Float(n)`, `Struct(n)`."""
-    protos = prototypes(inc)
-    kinds = classify(inc, protos)
+    protos = prototypes(inc, header)
+    kinds = classify(inc, header, protos)
     sigs = {}
     for name, params in protos.items():
         parts = []
@@ -123,8 +134,8 @@ def signatures(inc):
 
 def main():
     merged = {}
-    for wheel, inside in WHEELS:
-        for name, sig in signatures(headers(wheel, inside)).items():
+    for wheel, header in WHEELS:
+        for name, sig in signatures(headers(wheel, header), header).items():
             if name in merged and merged[name] != sig:
                 print(f"{name}: {wheel} declares {sig}, an earlier header {merged[name]}", file=sys.stderr)
                 return 1

@@ -216,10 +216,31 @@ macro_rules! check_against_header {
     };
 }
 
+/// NVML's hooks likewise, against `nvml.h`.
+macro_rules! check_nvml_against_header {
+    ($($name:ident($($a:ident: $t:ty),*) => $p:path;)*) => {
+        $(check_one_nvml!($name($($a: $t),*));)*
+    };
+}
+
+macro_rules! check_one_nvml {
+    // Private to NVIDIA's own tools (nvidia-smi's export table): in no header, checked by the
+    // real-GPU suite's `smi` check instead.
+    (nvmlInternalGetExportTable($($a:ident: $t:ty),*)) => {};
+    ($name:ident($($a:ident: $t:ty),*)) => {
+        const _: () = assert!(
+            cuda_abi::abi::same(&[$(<$t as cuda_abi::abi::AbiOf>::ABI),*], cuda_abi::header::$name),
+            concat!(stringify!($name), ": its parameters differ from nvml.h's")
+        );
+    };
+}
+
 mod checked {
+    use crate::nvml::*;
     use cuda_abi::*;
     #[allow(unused_imports)]
     use std::ffi::{c_char, c_void};
     cuda_hooks!(check_against_header);
     cuda_helpers!(check_against_header);
+    nvml_hooks!(check_nvml_against_header);
 }

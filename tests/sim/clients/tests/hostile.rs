@@ -386,7 +386,10 @@ fn a_container_that_truncates_its_region_cannot_split_its_quota() {
         assert!(start.elapsed() < Duration::from_secs(10), "not repaired: {}", a.log_text());
         std::thread::sleep(Duration::from_millis(100));
     }
-    let o = in_container(&a, "split", 0, &three);
+    // Started a moment apart (at once, their contexts alone may take the room): the first holds
+    // 700 MiB, and the others, sharing its quota, are refused.
+    let staggered = three.replace("--hold & p=", "--hold & sleep 0.5; p=");
+    let o = in_container(&a, "split", 0, &staggered);
     assert_eq!(text(&o).matches("\"allocated\":734003200").count(), 1, "one of three fits 1 GiB:\n{}", text(&o));
 }
 
