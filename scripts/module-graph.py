@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The node agent's module graph: which module of node-agent/src imports which (`crate::m` paths,
-`use crate::{..}` groups; tests left out), and the layering rule it must keep:
+`use crate::{..}` groups; tests left out), and the layering rule it must keep (then the
+interposer's, vgpu-preload/src, below):
 
 - the core (configuration, inventory, slices, monitoring and what they stand on) imports no
   feature module: features reach the core, never the reverse;
@@ -21,11 +22,11 @@ CORE = {"agent", "cdi", "config", "describe", "discovery", "health", "monitor", 
 TOP = {"lib", "daemon"}
 
 
-def modules():
+def modules(src=SRC):
     """Module name -> its source (a directory module's files together), tests left out."""
     out = {}
-    for entry in sorted(os.listdir(SRC)):
-        path = os.path.join(SRC, entry)
+    for entry in sorted(os.listdir(src)):
+        path = os.path.join(src, entry)
         # `m.rs` and its submodules in `m/` (or `m/mod.rs`) are one module.
         if entry.endswith(".rs"):
             out.setdefault(entry[:-3], []).append(path)
@@ -49,6 +50,39 @@ def imports(text, names):
     for group in re.findall(r"\bcrate::\{([^}]*)\}", text):
         found.update(re.findall(r"(?:^|,)\s*(\w+)", group))
     return found & names
+
+
+PRELOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vgpu-preload", "src")
+# The interposer's one circle left: the process state and the policies it calls back (issue 62,
+# item 1). No other module may join a circle, and none of these may reach a new one.
+STATE_KNOT = {"graphmem", "locate", "nvml", "pools", "priority", "sm", "state", "trueup", "visible", "vmm"}
+
+
+def circles(graph):
+    """The modules that reach themselves."""
+    def reach(start):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(graph[n])
+        return seen
+    return {m for m in graph if m in reach(m)}
+
+
+def preload():
+    """The interposer's graph: printed; breaches of its rule returned."""
+    text = modules(PRELOAD)
+    names = set(text)
+    graph = {m: sorted(imports(t, names) - {m}) for m, t in text.items()}
+    print("\nvgpu-preload:")
+    for m, deps in sorted(graph.items()):
+        print(f"{m:14} -> {' '.join(deps) if deps else '-'}")
+    found = circles(graph)
+    bad = [f"vgpu-preload: {m} is in a circle, and not one of the state's recorded knot" for m in sorted(found - STATE_KNOT)]
+    print(f"vgpu-preload: {len(names)} modules, {len(found)} in the state's knot ({', '.join(sorted(found))})")
+    return bad
 
 
 def main():
@@ -87,10 +121,11 @@ def main():
         if m in reach(m):
             back = [d for d in graph[m] if m in reach(d) or d == m]
             bad.append(f"{m} is in a circle (through {', '.join(back)})")
+    bad += preload()
     if bad:
         print("\nlayering broken:\n  " + "\n  ".join(bad))
         return 1
-    print(f"\nok: {len(names)} modules; the core imports no feature; no circles")
+    print(f"\nok: the agent's {len(names)} modules: the core imports no feature, no circles; the interposer: no circle but the state's knot")
     return 0
 
 

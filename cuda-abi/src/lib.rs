@@ -9,6 +9,7 @@
 use std::ffi::c_void;
 
 pub mod abi;
+pub mod nvml;
 #[rustfmt::skip]
 pub mod header;
 

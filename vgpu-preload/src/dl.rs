@@ -8,49 +8,13 @@
 //! looks the driver up with `dlsym` gets the driver's entry points (only `cuGetProcAddress` and
 //! symbol binding are intercepted there).
 
+use crate::real::real_dlsym;
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::atomic::{AtomicUsize, Ordering::*};
-
-type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
-
-/// Address of glibc's `dlsym` (read by the trampoline).
-static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
-
-fn real_dlsym_addr() -> usize {
-    let a = REAL_DLSYM.load(Acquire);
-    if a != 0 {
-        return a;
-    }
-    // dlvsym is not intercepted. GLIBC_2.34 moved dlsym into libc; older glibc has GLIBC_2.2.5.
-    let mut p = std::ptr::null_mut();
-    for v in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
-        // SAFETY: RTLD_NEXT lookup of a libc symbol with static C strings.
-        p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), v.as_ptr()) };
-        if !p.is_null() {
-            break;
-        }
-    }
-    REAL_DLSYM.store(p as usize, Release);
-    p as usize
-}
-
-/// The real `dlsym`.
-///
-/// # Safety
-/// As `dlsym(3)`: a valid handle and a NUL-terminated name.
-pub unsafe fn real_dlsym(h: *mut c_void, name: *const c_char) -> *mut c_void {
-    let a = real_dlsym_addr();
-    if a == 0 {
-        return std::ptr::null_mut();
-    }
-    // SAFETY: a is glibc's dlsym.
-    unsafe { std::mem::transmute::<usize, DlsymFn>(a)(h, name) }
-}
 
 /// Decides whether `dlsym(handle, name)` is answered with one of our hooks. Returns NULL to let the
 /// real `dlsym` answer. Runs for every `dlsym` in the process: cheap, allocation-free when declining.
 extern "C" fn filter(handle: *mut c_void, name: *const c_char) -> *mut c_void {
-    real_dlsym_addr();
+    crate::real::real_dlsym_addr();
     if name.is_null() || crate::guard::inside() {
         return std::ptr::null_mut();
     }
@@ -102,7 +66,7 @@ mod export {
             "2:",
             "ret",
             filter = sym super::filter,
-            real = sym super::REAL_DLSYM,
+            real = sym crate::real::REAL_DLSYM,
         );
         #[cfg(target_arch = "aarch64")]
         std::arch::naked_asm!(
@@ -122,7 +86,7 @@ mod export {
             "ldp x29, x30, [sp], #32",
             "ret",
             filter = sym super::filter,
-            real = sym super::REAL_DLSYM,
+            real = sym crate::real::REAL_DLSYM,
         );
     }
 }

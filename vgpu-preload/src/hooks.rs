@@ -9,11 +9,15 @@ use cuda_abi::*;
 use std::ffi::{c_char, c_void};
 use std::sync::OnceLock;
 
+/// `cuGetProcAddress` answered with our hooks (part of the hook table: it hands them out).
+mod procaddr;
+
 #[cfg(not(test))]
 mod exports {
+    use super::procaddr;
     use super::*;
     #[allow(unused_imports)]
-    use crate::{capture, graphmem, memory, nvml, pools, procaddr, sm, smi, stale, visible, vmm};
+    use crate::{capture, graphmem, memory, nvml, pools, sm, smi, stale, visible, vmm};
 
     macro_rules! cuda_exports {
         ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident $(::<$g:tt>)?)?;)*) => {

@@ -2,9 +2,10 @@
 //! (LD_PRELOAD or /etc/ld.so.preload), it enforces the container's GPU memory quota exactly, across
 //! all its processes, and makes the container see its slice as its GPU.
 //!
-//! Layout: `api` declares the intercepted entry points once; `hooks` generates the exported symbols
-//! from it; `dl` overrides `dlsym`; `procaddr` rewrites `cuGetProcAddress` answers; `memory` and
-//! `nvml` are the policies (`pools` and `graphmem` charge what stream-ordered pools hold and what
+//! Layout: `api` declares the intercepted entry points once (`abicheck` holds them to the real
+//! headers); `hooks` generates the exported symbols from it (and, in `hooks/procaddr`, rewrites
+//! `cuGetProcAddress` answers); `dl` overrides `dlsym`; `real` is the real driver's table and
+//! `dlsym`, at the bottom; `memory` and `nvml` are the policies (`pools` and `graphmem` charge what stream-ordered pools hold and what
 //! graphs allocate, `vmm` follows physical allocations, `ctxlimits` what context limits are
 //! charged up to), and `sm` throttles launches (`capture` and `stale` keep its charges and
 //! estimates right); `state` holds the process's slot in the container's region, `contexts` the
@@ -14,6 +15,7 @@
 // Unit-test builds have no exported hooks, so most of the crate is unreachable there.
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
+mod abicheck;
 mod api;
 mod capture;
 mod clock;
@@ -31,7 +33,6 @@ mod memory;
 mod nvml;
 mod pools;
 mod priority;
-mod procaddr;
 mod ptrmap;
 mod real;
 mod sm;

@@ -2,10 +2,47 @@
 
 use crate::api::{cuda_helpers, cuda_hooks, nvml_hooks};
 use crate::log::{vlog, ERROR};
-use crate::nvml::*;
+use cuda_abi::nvml::*;
 use cuda_abi::*;
 use std::ffi::{c_char, c_void, CString};
+use std::sync::atomic::{AtomicUsize, Ordering::*};
 use std::sync::OnceLock;
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// Address of glibc's `dlsym` (read by the trampoline).
+pub(crate) static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+pub(crate) fn real_dlsym_addr() -> usize {
+    let a = REAL_DLSYM.load(Acquire);
+    if a != 0 {
+        return a;
+    }
+    // dlvsym is not intercepted. GLIBC_2.34 moved dlsym into libc; older glibc has GLIBC_2.2.5.
+    let mut p = std::ptr::null_mut();
+    for v in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+        // SAFETY: RTLD_NEXT lookup of a libc symbol with static C strings.
+        p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), v.as_ptr()) };
+        if !p.is_null() {
+            break;
+        }
+    }
+    REAL_DLSYM.store(p as usize, Release);
+    p as usize
+}
+
+/// The real `dlsym`.
+///
+/// # Safety
+/// As `dlsym(3)`: a valid handle and a NUL-terminated name.
+pub unsafe fn real_dlsym(h: *mut c_void, name: *const c_char) -> *mut c_void {
+    let a = real_dlsym_addr();
+    if a == 0 {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: a is glibc's dlsym.
+    unsafe { std::mem::transmute::<usize, DlsymFn>(a)(h, name) }
+}
 
 /// `dlopen` a library, preferring an already loaded copy; never through our own `dlsym`.
 fn open(names: &[String]) -> *mut c_void {
@@ -34,7 +71,7 @@ pub fn sym(h: *mut c_void, name: &str) -> *mut c_void {
         return std::ptr::null_mut();
     }
     // SAFETY: h is a live handle and name is NUL-terminated (checked by the callers' concat!).
-    unsafe { crate::dl::real_dlsym(h, name.as_ptr() as *const c_char) }
+    unsafe { real_dlsym(h, name.as_ptr() as *const c_char) }
 }
 
 macro_rules! define_real {

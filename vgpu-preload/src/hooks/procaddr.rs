@@ -11,7 +11,7 @@ unsafe fn rewrite(r: CUresult, pfn: *mut *mut c_void) -> CUresult {
     if r == CUresult::SUCCESS && !pfn.is_null() {
         // SAFETY: the driver just wrote a function pointer through pfn.
         unsafe {
-            if let Some(h) = crate::hooks::hook_for_real(*pfn) {
+            if let Some(h) = super::hook_for_real(*pfn) {
                 *pfn = h;
             }
         }
