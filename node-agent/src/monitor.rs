@@ -535,8 +535,9 @@ pub struct Monitor {
     owners: HashMap<String, (u32, procfs::Owner, String)>,
     action: EscapeAction,
     passes: u64,
-    /// Per pass: the UUIDs of the GPUs with a high-priority slice whose priority stands.
-    gated: HashSet<String>,
+    /// Per pass: the GPUs with a high-priority slice whose priority stands, by their UUID's hash
+    /// (kept allocated from pass to pass).
+    gated: HashSet<u64>,
     /// Slices whose region could not be opened, and when to try again (every 10 s, logged once
     /// per try instead of every pass).
     unopened: HashMap<String, std::time::Instant>,
@@ -725,7 +726,7 @@ impl Monitor {
         self.gated.clear();
         for s in slices.iter().filter(|s| s.priority == crate::slices::Priority::High) {
             if !store.priority_suspended(&s.name) {
-                self.gated.extend(s.gpus.iter().map(|g| g.uuid.clone()));
+                self.gated.extend(s.gpus.iter().map(|g| crate::slices::fnv1a(g.uuid.bytes())));
             }
         }
         self.account(slices, now_ns, &mut pass);
@@ -1090,7 +1091,8 @@ impl Monitor {
                 let fresh = gpu.is_some_and(|g| self.fresh.contains(&g.index));
                 let clock = Clock { now_ns, wall_ms };
                 let throttled = c.follow_sm(dev, sg.sm, gpu, fresh, clock, self.publish_ms);
-                let gated = s.priority == crate::slices::Priority::Normal && self.gated.contains(&sg.uuid);
+                let gated = s.priority == crate::slices::Priority::Normal
+                    && self.gated.contains(&crate::slices::fnv1a(sg.uuid.bytes()));
                 let limited = (1..100).contains(&sg.sm) && gpu.is_some_and(|g| g.slices > 1 || g.outsiders);
                 let bypass = c.bypass(dev, now_ns, gated, limited);
                 let layout = c.region.layout();

@@ -200,22 +200,22 @@ pub fn wait_normal(st: &State, own: &Mapped, dev: usize, cost_ns: u64) {
         p => u64::from(p.min(50)),
     };
     let mut now = crate::clock::now_precise();
-    loop {
+    let held_by_high = loop {
         let own_wait = own.until(dev).saturating_sub(now.saturating_add(bound));
         let high_wait = high_until(dev).saturating_sub(now).max(due(dev, now, bound.saturating_add(cost_ns)));
         let wait = match high_wait {
             0 => own_wait,
             // Within its guaranteed share: neither the high-priority slice nor its own bound holds it.
-            _ if SHARES[dev].release(now, share, cost_ns) => 0,
+            _ if SHARES[dev].release(now, share, cost_ns) => break true,
             w => w.max(own_wait),
         };
         if wait == 0 {
-            break;
+            break false;
         }
         std::thread::sleep(Duration::from_nanos(wait.min(MAX_WAIT_NS)));
         now = crate::clock::now_precise();
-    }
-    if high_until(dev) <= now {
+    };
+    if !held_by_high {
         SHARES[dev].unheld();
     }
     own.note(dev, now, cost_ns);
