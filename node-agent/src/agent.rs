@@ -392,7 +392,9 @@ impl Agent {
             )));
         }
         self.store.delete(name, force)?;
-        self.warn(&quarantine_source(name), None);
+        for source in [quarantine_source(name), format!("restored:{name}"), format!("suspended:{name}")] {
+            self.warn(&source, None);
+        }
         if let Some(d) = &self.cfg.cdi_dir {
             crate::cdi::remove(d, name);
         }
@@ -532,6 +534,10 @@ impl Agent {
     /// read-only files), put back by a pass: said in the log and kept in the status's warnings.
     /// Likewise the high-priority slices whose priority the pass suspended (`suspended`).
     fn note_restored(&self, restored: &[(String, String)], suspended: &[(String, String)]) {
+        // A suspension that has run out is no longer a problem to show.
+        self.warnings
+            .write()
+            .retain(|k, _| k.strip_prefix("suspended:").is_none_or(|slice| self.store.priority_suspended(slice)));
         for (slice, why) in suspended {
             tracing::warn!(slice = %slice, why = %why, "a high-priority slice's claims are not borne out: priority suspended");
             self.warn(&format!("suspended:{slice}"), Some(format!("slice {slice}: {why}")));

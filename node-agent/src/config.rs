@@ -656,7 +656,7 @@ fn priority_settings(file: &mut FileConfig, src: &Sources) -> Result<(u64, u32, 
         Some(v) => v.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect(),
         None => file.priority_namespaces.take().unwrap_or_default(),
     };
-    match list.iter().find(|n| *n != "*" && !namespace_name(n)) {
+    match list.iter().find(|n| *n != "*" && !dns_label(n)) {
         Some(n) => Err(src.bad(
             "priority_namespaces",
             format!("{} is not a namespace name (a DNS label) or *", crate::slices::shown(n)),
@@ -665,15 +665,15 @@ fn priority_settings(file: &mut FileConfig, src: &Sources) -> Result<(u64, u32, 
     }
 }
 
-/// A Kubernetes namespace's name: a DNS label (RFC 1123: 1 to 63 of a-z, 0-9 and `-`, neither
-/// first nor last a `-`).
-fn namespace_name(n: &str) -> bool {
+/// A DNS label (RFC 1123: 1 to 63 of a-z, 0-9 and `-`, neither first nor last a `-`): a
+/// namespace's name, a part of a DRA driver's.
+fn dns_label(l: &str) -> bool {
     let ok = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
-    !n.is_empty()
-        && n.len() <= 63
-        && n.bytes().all(|b| ok(b) || b == b'-')
-        && n.bytes().next().is_some_and(ok)
-        && n.bytes().last().is_some_and(ok)
+    !l.is_empty()
+        && l.len() <= 63
+        && l.bytes().all(|b| ok(b) || b == b'-')
+        && l.bytes().next().is_some_and(ok)
+        && l.bytes().last().is_some_and(ok)
 }
 
 impl Config {
@@ -789,14 +789,7 @@ fn dra_driver(file: &mut FileConfig, src: &Sources) -> Result<Option<String>, Co
             let driver =
                 (src.env)("VGPU_AGENT_DRA_DRIVER").or(file.dra_driver.take()).unwrap_or_else(|| "gpu.vgpu.io".into());
             // A DNS subdomain (the driver name is one in every ResourceSlice and claim result).
-            let label_ok = |l: &str| {
-                !l.is_empty()
-                    && l.len() <= 63
-                    && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                    && !l.starts_with('-')
-                    && !l.ends_with('-')
-            };
-            if driver.len() > 63 || !driver.split('.').all(label_ok) {
+            if driver.len() > 63 || !driver.split('.').all(dns_label) {
                 return Err(
                     src.bad("dra_driver", format!("{driver:?} is not a DNS subdomain of at most 63 characters"))
                 );

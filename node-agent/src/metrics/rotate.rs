@@ -58,12 +58,11 @@ impl<T: Clone, const N: usize> Followed<T, N> {
 }
 
 /// The serving certificate and key, followed on disk.
-#[derive(Debug)]
 pub struct Certificate(Followed<Arc<CertifiedKey>, 2>);
 
-impl std::fmt::Debug for Followed<Arc<CertifiedKey>, 2> {
+impl std::fmt::Debug for Certificate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Followed").field("paths", &self.paths).finish()
+        f.debug_tuple("Certificate").field(&self.0.paths).finish()
     }
 }
 
