@@ -58,17 +58,20 @@ PRELOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vgpu-p
 STATE_KNOT = {"graphmem", "locate", "nvml", "pools", "priority", "sm", "state", "trueup", "visible", "vmm"}
 
 
+def reach(graph, start):
+    """The modules `start` imports, through any path."""
+    seen, todo = set(), list(graph[start])
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(graph[n])
+    return seen
+
+
 def circles(graph):
     """The modules that reach themselves."""
-    def reach(start):
-        seen, todo = set(), list(graph[start])
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo.extend(graph[n])
-        return seen
-    return {m for m in graph if m in reach(m)}
+    return {m for m in graph if m in reach(graph, m)}
 
 
 def preload():
@@ -109,18 +112,9 @@ def main():
             if d in TOP:
                 bad.append(f"{m} imports {d}, which only the binaries may")
     # Circles: a module that reaches itself.
-    def reach(start):
-        seen, todo = set(), list(graph[start])
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo.extend(graph[n])
-        return seen
-    for m in sorted(names):
-        if m in reach(m):
-            back = [d for d in graph[m] if m in reach(d) or d == m]
-            bad.append(f"{m} is in a circle (through {', '.join(back)})")
+    for m in sorted(circles(graph)):
+        back = [d for d in graph[m] if m in reach(graph, d) or d == m]
+        bad.append(f"{m} is in a circle (through {', '.join(back)})")
     bad += preload()
     if bad:
         print("\nlayering broken:\n  " + "\n  ".join(bad))

@@ -135,27 +135,36 @@ fn a_container_that_truncates_or_scribbles_on_its_region_does_not_take_the_agent
     a.ctl_ok(&["slice", "delete", "evil", "--force"]);
 }
 
-#[test]
-fn region_scribbles_neither_poison_node_counters_nor_name_another_container_s_process() {
-    let mut s = Sim::new(Some(NODE));
-    let a = Agent::start(&s, &[]);
+/// Two slices on GPU 0, `evil` (1 GiB) and `victim` (2 GiB), a process holding 64 MiB in each, both
+/// attributed; then the evil container writes the victim's host PID into its own slot. The victim's
+/// and evil's host PIDs, evil's region (mapped here, writable) and the slot's index.
+fn victim_s_pid_in_evil_s_slot(s: &mut Sim, a: &Agent) -> (u32, u32, vgpu_region::Region, usize) {
+    use std::sync::atomic::Ordering::SeqCst;
     let detail = |n: &str| -> Value {
         serde_json::from_str::<Value>(&a.ctl_ok(&["inspect", n, "--json"])).unwrap()["slice"].clone()
     };
     a.ctl_ok(&["slice", "create", "--name", "evil", "--gpu", "0", "--memory", "1GiB"]);
     a.ctl_ok(&["slice", "create", "--name", "victim", "--gpu", "0", "--memory", "2GiB"]);
-    let (victim, _) = s.spawn_cmd(in_slice(&s, &detail("victim"), RT), &["alloc", "--size", "64m", "--hold"]);
-    let (evil, _) = s.spawn_cmd(in_slice(&s, &detail("evil"), RT), &["alloc", "--size", "64m", "--hold"]);
+    let (victim, _) = s.spawn_cmd(in_slice(s, &detail("victim"), RT), &["alloc", "--size", "64m", "--hold"]);
+    let (evil, _) = s.spawn_cmd(in_slice(s, &detail("evil"), RT), &["alloc", "--size", "64m", "--hold"]);
     a.wait("both processes attributed", |v| {
         [("victim", victim), ("evil", evil)].iter().all(|(n, p)| {
             slice_of(v, n)["processes"].as_array().is_some_and(|ps| ps.iter().any(|x| x["host_pid"] == *p))
         })
     });
-    // The evil container writes the victim's PID into its own slot, and an absurd usage.
     let region = vgpu_region::Region::open(&a.state.join("slices/evil/region"), true).unwrap();
-    let slot = region.layout().slots.iter().find(|x| x.pid.load(std::sync::atomic::Ordering::SeqCst) == evil).unwrap();
-    slot.host_pid.store(victim, std::sync::atomic::Ordering::SeqCst);
-    slot.used[0].store(u64::MAX / 2, std::sync::atomic::Ordering::SeqCst);
+    let slot = region.layout().slots.iter().position(|x| x.pid.load(SeqCst) == evil).unwrap();
+    region.layout().slots[slot].host_pid.store(victim, SeqCst);
+    (victim, evil, region, slot)
+}
+
+#[test]
+fn region_scribbles_neither_poison_node_counters_nor_name_another_container_s_process() {
+    let mut s = Sim::new(Some(NODE));
+    let a = Agent::start(&s, &[]);
+    // The evil container writes the victim's PID into its own slot, and an absurd usage.
+    let (victim, evil, region, slot) = victim_s_pid_in_evil_s_slot(&mut s, &a);
+    region.layout().slots[slot].used[0].store(u64::MAX / 2, std::sync::atomic::Ordering::SeqCst);
     let seq = a.status().unwrap()["sequence"].as_u64().unwrap();
     let st = a.wait("passes after the scribble", |v| v["sequence"].as_u64().unwrap_or(0) > seq + 3);
     let evil_pids: Vec<u64> =
@@ -462,21 +471,7 @@ fn a_foreign_pid_in_a_slot_draws_no_action_onto_its_process() {
     let cfg = s.state.join("agent.toml");
     std::fs::write(&cfg, "escape_action = \"kill\"\n").unwrap();
     let a = Agent::start(&s, &[("VGPU_AGENT_CONFIG", cfg.to_str().unwrap())]);
-    let detail = |n: &str| -> Value {
-        serde_json::from_str::<Value>(&a.ctl_ok(&["inspect", n, "--json"])).unwrap()["slice"].clone()
-    };
-    a.ctl_ok(&["slice", "create", "--name", "evil", "--gpu", "0", "--memory", "1GiB"]);
-    a.ctl_ok(&["slice", "create", "--name", "victim", "--gpu", "0", "--memory", "2GiB"]);
-    let (victim, _) = s.spawn_cmd(in_slice(&s, &detail("victim"), RT), &["alloc", "--size", "64m", "--hold"]);
-    let (evil, _) = s.spawn_cmd(in_slice(&s, &detail("evil"), RT), &["alloc", "--size", "64m", "--hold"]);
-    a.wait("both processes attributed", |v| {
-        [("victim", victim), ("evil", evil)].iter().all(|(n, p)| {
-            slice_of(v, n)["processes"].as_array().is_some_and(|ps| ps.iter().any(|x| x["host_pid"] == *p))
-        })
-    });
-    let region = vgpu_region::Region::open(&a.state.join("slices/evil/region"), true).unwrap();
-    let slot = region.layout().slots.iter().find(|x| x.pid.load(std::sync::atomic::Ordering::SeqCst) == evil).unwrap();
-    slot.host_pid.store(victim, std::sync::atomic::Ordering::SeqCst);
+    let (victim, evil, _region, _) = victim_s_pid_in_evil_s_slot(&mut s, &a);
     // Alive: neither gone nor a zombie (the test's children stay zombies until reaped).
     let alive = |pid: u32| {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
