@@ -586,9 +586,12 @@ impl State {
     #[inline]
     fn reserve_accounted(&self, dev: usize, bytes: u64) -> Result<(), CUresult> {
         let Some((r, slot)) = self.accounting() else { return Ok(()) };
-        // A context's true-up still measuring on its own thread: admitted on its figure.
-        self.trueup.settle(dev);
         let limit = self.mem_limit(dev);
+        // A context's true-up still measuring on its own thread: an allocation that would come
+        // within its margin of the limit is admitted on its figure.
+        self.trueup.settle(dev, || {
+            limit != 0 && r.used(dev).saturating_add(bytes) > limit.saturating_sub(crate::trueup::CONTEXT_MARGIN)
+        });
         match r.reserve_seen(slot, dev, bytes, limit) {
             // Within min(limit / 4, 1 GiB) of the limit, where no agent watches: what the driver
             // holds beyond the process's calls may be what takes the container over (see `trueup`).

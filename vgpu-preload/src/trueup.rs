@@ -18,9 +18,11 @@
 //!
 //! The first two are off the path of the context's creation: NVML is initialised on a thread of its
 //! own as soon as the process starts using CUDA (`nvmlInit` alone took 10 ms and more on an H200),
-//! and the measurement after a context runs on a thread of its own too; until it is done, an
-//! allocation on that device waits for it (exactness is kept: nothing is admitted on a figure the
-//! measurement would change), nothing else does.
+//! and the measurement after a context runs on a thread of its own too. Until it is done, an
+//! allocation on that device that would bring the container within [`CONTEXT_MARGIN`] of its
+//! limit waits for it, and so does `cuMemGetInfo`; nothing else does (exactness is kept: what the
+//! measurement adds is less than the margin, so nothing admitted before it can take the container
+//! over the limit).
 //!
 //! In a PID namespace the process does not know its host PID: it learns it from NVML at its first
 //! context, as the one process that appears in the device's list while the context is created (if
@@ -46,6 +48,10 @@ const PERIOD_NS: u64 = 100_000_000;
 /// The stack of the true-up's threads (NVML calls and a few vectors; the default 2 MiB costs more to
 /// map than the work takes on a simulator).
 const HELPER_STACK: usize = 256 << 10;
+/// While a context's measurement runs, allocations that leave more than this free under the limit
+/// do not wait for it: the most a context has been measured to hold beyond its charge is 610 MiB
+/// (PyTorch's on an H200, `VGPU_CONTEXT_OVERHEAD` at its default).
+pub const CONTEXT_MARGIN: u64 = 1 << 30;
 /// NVML's "not available" for a process's memory.
 const NOT_AVAILABLE: u64 = u64::MAX;
 
@@ -107,11 +113,12 @@ impl TrueUp {
         }
     }
 
-    /// Waits (up to 2 s) for a context's measurement on `dev` still running on its own thread: an
-    /// allocation is admitted on the figure it gives. One load where none is pending.
+    /// Waits (up to 2 s) for a context's measurement on `dev` still running on its own thread,
+    /// when `near()` says the caller's figure could be changed by it (an allocation that would come
+    /// within [`CONTEXT_MARGIN`] of the limit). One load where none is pending.
     #[inline]
-    pub fn settle(&self, dev: usize) {
-        if self.any_pending.load(Acquire) != 0 {
+    pub fn settle(&self, dev: usize, near: impl FnOnce() -> bool) {
+        if self.any_pending.load(Acquire) != 0 && near() {
             self.settle_slow(dev);
         }
     }
@@ -169,8 +176,8 @@ impl TrueUp {
     }
 
     /// After a context was created on `dev` (`before` from [`before_context`](Self::before_context)):
-    /// the measurement runs on a thread of its own, and allocations on `dev` wait for it
-    /// ([`settle`](Self::settle)); where no thread can be started, here.
+    /// the measurement runs on a thread of its own, and allocations on `dev` near the limit wait
+    /// for it ([`settle`](Self::settle)); where no thread can be started, here.
     #[cold]
     pub fn after_context(&self, st: &'static State, dev: usize, before: Option<Vec<u32>>) {
         if !self.at_context {

@@ -14,7 +14,9 @@
 mod common;
 use common::*;
 use serde_json::{json, Value};
-use std::process::{Command, Output};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 use vgpu_region::Region;
 
 /// GPU 0: 8 GiB; GPU 1: an L4 without a container limit. 64 MiB per context, like the interposer's
@@ -1354,6 +1356,37 @@ fn memory_the_driver_takes_after_the_first_context_shows_in_mem_get_info() {
     let l = lines(&o.stdout);
     let waiting = l.iter().find(|v| v["event"] == "waiting").unwrap();
     assert_eq!(waiting["mem_info"]["free"], (2048 - 64) * MIB, "{waiting}");
+}
+
+/// A context's true-up runs on a thread of its own; an allocation waits for it only where the
+/// context's real size could take the container over its limit (within 1 GiB of it). NVML's
+/// process list is made to take 1.5 s: with a 4 GiB limit the first allocation is made at once and
+/// charged before the measurement (64 MiB for the context, 1 MiB), which then adds the context's
+/// 576 MiB beyond its charge; with a 1 GiB limit it waits, and is admitted on the measured figure.
+#[test]
+fn only_an_allocation_near_the_limit_waits_for_the_context_s_measurement() {
+    let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
+    let fault = |args: &[&str]| assert!(s.output(SIM, args).status.success());
+    for (limit, charged_at_first_allocation) in [("4g", 65 * MIB), ("1g", 641 * MIB)] {
+        let _ = std::fs::remove_file(s.region_path());
+        let list = "nvmlDeviceGetComputeRunningProcesses_v3";
+        fault(&["fault", "set", list, "--code", "0", "--latency-us", "1500000", "--count", "1"]);
+        let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", limit)]);
+        let mut child = c.arg("5").stdout(Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line, "ok\n", "limit {limit}");
+        assert_eq!(region(&s).used(0), charged_at_first_allocation, "limit {limit}");
+        // The measurement lands: the context's real 640 MiB and the allocation.
+        let t = Instant::now();
+        while region(&s).used(0) != 641 * MIB {
+            assert!(t.elapsed() < Duration::from_secs(10), "limit {limit}: {} MiB", region(&s).used(0) >> 20);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        fault(&["fault", "clear"]);
+    }
 }
 
 #[test]

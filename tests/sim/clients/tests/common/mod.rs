@@ -17,6 +17,8 @@ pub const DIRECT: &str = env!("CARGO_BIN_EXE_cuda-direct-app");
 pub const DLSYM: &str = env!("CARGO_BIN_EXE_cuda-dlsym-app");
 pub const SIM: &str = env!("CARGO_BIN_EXE_vgpu-sim");
 pub const NVML: &str = env!("CARGO_BIN_EXE_nvml-probe");
+/// The C client that only starts: a context, one 1 MiB allocation, "ok", an optional hold.
+pub const START: &str = env!("VGPU_CUDA_START");
 
 /// Directory holding `libcuda.so.1` and `libnvidia-ml.so.1` (symlinks to the freshly built cdylibs).
 pub fn lib_dir() -> PathBuf {
