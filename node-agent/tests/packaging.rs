@@ -53,6 +53,11 @@ fn template(values: &str) -> Option<String> {
 
 /// [`template`], or what Helm said when it refused.
 fn try_template(values: &str) -> Option<Result<String, String>> {
+    try_template_as("vgpu", values)
+}
+
+/// [`try_template`] of the release `release`.
+fn try_template_as(release: &str, values: &str) -> Option<Result<String, String>> {
     let helm = helm()?;
     let f =
         std::env::temp_dir().join(format!("vgpu-values-{}-{:?}.yaml", std::process::id(), std::thread::current().id()));
@@ -61,7 +66,7 @@ fn try_template(values: &str) -> Option<Result<String, String>> {
     let image = f.with_extension("image.yaml");
     std::fs::write(&image, format!("image: {{repository: {IMAGE}}}\n")).unwrap();
     let o = Command::new(helm)
-        .args(["template", "vgpu"])
+        .args(["template", release])
         .arg(root().join("packaging/helm/vgpu"))
         .args(["--namespace", NAMESPACE, "--values"])
         .arg(&image)
@@ -430,6 +435,62 @@ fn scraping_and_its_network_policy_follow_the_values() {
         .unwrap();
     let notes = String::from_utf8_lossy(&out.stdout);
     assert!(notes.contains("Metrics are served over plain HTTP on port 9394"), "{notes}");
+}
+
+/// (kind, namespace, name) of every object of a rendering.
+fn identities(rendered: &str) -> Vec<(String, String, String)> {
+    docs(rendered)
+        .iter()
+        .map(|(kind, d)| {
+            let v: yaml_serde::Value = yaml_serde::from_str(d).unwrap();
+            let field = |f: &str| v["metadata"][f].as_str().unwrap_or("").to_string();
+            (kind.clone(), field("namespace"), field("name"))
+        })
+        .collect()
+}
+
+/// Two releases in one cluster (one per node pool, say) share no object: each name is made of the
+/// release's ("<release>-node-agent": vgpu-node-agent for the release vgpu, as before these names),
+/// selectors name the release, the admission policies name its service account, and only one
+/// release makes the DeviceClasses (cluster-wide names that claims use). fullnameOverride,
+/// nameOverride and namespaceOverride are followed; a name Kubernetes would refuse is refused.
+#[test]
+fn two_releases_share_no_object_and_names_follow_the_overrides() {
+    let every = "{receiver: true, serviceMonitor: {enabled: true}, grafanaDashboard: true, \
+                 networkPolicy: {enabled: true}, prometheusRule: {enabled: true}, dra: \"on\", \
+                 devicePlugin: \"off\", compat: hami, deviceClasses: ";
+    let Some(Ok(a)) = try_template_as("vgpu", &format!("{every}true}}")) else { return };
+    let b = try_template_as("pool-b", &format!("{every}false}}")).unwrap().unwrap();
+    let (ia, ib) = (identities(&a), identities(&b));
+    let shared: Vec<_> = ia.iter().filter(|i| ib.contains(i)).collect();
+    assert!(shared.is_empty(), "two releases share {shared:?}");
+    assert!(ia.contains(&("DaemonSet".into(), NAMESPACE.into(), "vgpu-node-agent".into())), "{ia:?}");
+    assert!(ib.contains(&("Deployment".into(), NAMESPACE.into(), "pool-b-receiver".into())), "{ib:?}");
+    assert!(b.contains("request.userInfo.username == \"system:serviceaccount:vgpu-system:pool-b-node-agent\""));
+    // Every selector names the release.
+    for (kind, d) in docs(&b) {
+        let v: yaml_serde::Value = yaml_serde::from_str(&d).unwrap();
+        let sel = match kind.as_str() {
+            "DaemonSet" | "Deployment" | "ServiceMonitor" => &v["spec"]["selector"]["matchLabels"],
+            "Service" => &v["spec"]["selector"],
+            "NetworkPolicy" => &v["spec"]["podSelector"]["matchLabels"],
+            _ => continue,
+        };
+        assert_eq!(sel["app.kubernetes.io/instance"].as_str(), Some("pool-b"), "{kind}: {sel:?}");
+    }
+
+    let o =
+        template("{fullnameOverride: gpu-agent, nameOverride: agent, namespaceOverride: gpu, receiver: true}").unwrap();
+    let io = identities(&o);
+    assert!(io.contains(&("DaemonSet".into(), "gpu".into(), "gpu-agent".into())), "{io:?}");
+    assert!(io.contains(&("Deployment".into(), "gpu".into(), "gpu-agent-receiver".into())), "{io:?}");
+    assert!(io.iter().all(|(_, ns, _)| ns.is_empty() || ns == "gpu"), "{io:?}");
+    assert!(o.contains("app.kubernetes.io/name: agent\n"), "nameOverride labels the agent's objects");
+    assert!(o.contains("\"system:serviceaccount:gpu:gpu-agent\""));
+    for bad in ["{fullnameOverride: Agent_1}", "{namespaceOverride: gpu.}", "{nameOverride: -a}"] {
+        let e = try_template(bad).unwrap().unwrap_err();
+        assert!(e.contains("does not match pattern"), "{bad}: {e}");
+    }
 }
 
 #[test]

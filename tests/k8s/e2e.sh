@@ -22,7 +22,10 @@
 #   4. DRA: `helm upgrade` to DRA restarts the agent (checksum/config); its ResourceSlices pass the
 #      API server's validation; a pod with a ResourceClaim (a CEL selector on memory) is allocated by
 #      kube-scheduler, prepared by the agent through the kubelet, held to the claim's memory and SM
-#      share; another node's ResourceSlice is refused; deleting the pod frees the slice.
+#      share; another node's ResourceSlice is refused; deleting the pod frees the slice;
+#   5. names: a second release installs beside the first (the API server's dry run); an upgrade from
+#      the chart whose DaemonSet selector named no release keeps that selector (Kubernetes cannot
+#      change it) and the agent runs under it.
 #   tests/k8s/e2e.sh [DIR]        # DIR: scratch folder (default target/k8s-e2e); logs kept there
 # VGPU_K8S_KEEP=1 leaves the cluster up when it ends (to look at it).
 # Needs root, Go (tests/k8s/tools.sh), cargo, a C compiler, openssl, python3, runc, a static
@@ -644,6 +647,32 @@ wait_until 60 "the claim's slice removed" freed
 echo "  the slice is gone"
 
 stage_kueue_dra
+
+stage "a second release beside the first, and an upgrade from selectors without the release"
+# Another release in its own namespace (another node pool, say): the API server's dry run of its
+# install meets none of the first release's objects (the DeviceClasses are one release's to make).
+"$H" install pool-b packaging/helm/vgpu -n e2e -f "$dir/values-e2e.yaml" --set deviceClasses=false \
+    --dry-run=server >/dev/null || fail "a second release collides"
+echo "  a second release installs beside the first (server dry run)"
+"$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
+# The chart as it was before its selectors named the release (the DaemonSet's selector: the name
+# label only, which Kubernetes cannot change in place), installed, then upgraded to this one.
+old_chart=$dir/chart-name-selector
+rm -rf "$old_chart" && cp -r packaging/helm/vgpu "$old_chart"
+sed -i 's|^      {{- include "vgpu.keptSelector" (dict "ctx" . "kind" "DaemonSet".*$|      app.kubernetes.io/name: vgpu-node-agent|' \
+    "$old_chart/templates/daemonset.yaml"
+"$H" install vgpu "$old_chart" -n "$ns" -f "$dir/values-e2e.yaml" --wait --timeout 120s >/dev/null ||
+    fail "helm install of the chart with the name-only selector"
+selector() { "$K" -n "$ns" get ds vgpu-node-agent -o jsonpath='{.spec.selector.matchLabels}'; }
+[ "$(selector)" = '{"app.kubernetes.io/name":"vgpu-node-agent"}' ] || fail "the old chart's selector: $(selector)"
+"$H" upgrade vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --wait --timeout 120s >/dev/null ||
+    fail "helm upgrade from the chart with the name-only selector"
+[ "$(selector)" = '{"app.kubernetes.io/name":"vgpu-node-agent"}' ] || fail "the selector changed: $(selector)"
+labels=$("$K" -n "$ns" get ds vgpu-node-agent -o jsonpath='{.spec.template.metadata.labels.app\.kubernetes\.io/instance}')
+[ "$labels" = vgpu ] || fail "the upgraded pods carry no release label ($labels)"
+ready=$("$K" -n "$ns" get ds vgpu-node-agent -o jsonpath='{.status.numberReady}')
+[ "$ready" = 1 ] || fail "the agent of the kept selector is not ready ($ready)"
+echo "  the old selector kept, the agent ready under it"
 
 stage "helm uninstall"
 "$H" uninstall vgpu -n "$ns" --wait --timeout 60s >/dev/null
