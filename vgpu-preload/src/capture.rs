@@ -122,13 +122,11 @@ pub fn ptsz(s: CUstream) -> CUstream {
 // The `_ptsz` forms have the same signatures and route here too (their stream argument is only
 // forwarded).
 pub unsafe fn begin_v1(real: f::cuStreamBeginCapture, s: CUstream) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(s, unsafe { real(s) })
+    opened(s, forward!(real, s))
 }
 
 pub unsafe fn begin(real: f::cuStreamBeginCapture_v2, s: CUstream, mode: i32) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(s, unsafe { real(s, mode) })
+    opened(s, forward!(real, s, mode))
 }
 
 pub unsafe fn begin_to_graph(
@@ -140,8 +138,7 @@ pub unsafe fn begin_to_graph(
     n: usize,
     mode: i32,
 ) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    opened(s, unsafe { real(s, g, deps, data, n, mode) })
+    opened(s, forward!(real, s, g, deps, data, n, mode))
 }
 
 /// Ends the capture on `s`: whatever the driver answers (an invalidated capture ends too), a stream
@@ -162,8 +159,7 @@ fn ended(s: CUstream, was: bool, r: CUresult) -> CUresult {
 pub unsafe fn end<const PER_THREAD: bool>(real: f::cuStreamEndCapture, s: CUstream, g: *mut CUgraph) -> CUresult {
     let mine = if PER_THREAD { ptsz(s) } else { s };
     let was = capturing(mine);
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    ended(mine, was, unsafe { real(s, g) })
+    ended(mine, was, forward!(real, s, g))
 }
 
 #[cfg(test)]

@@ -386,8 +386,7 @@ pub unsafe fn instantiate(
     size: usize,
 ) -> CUresult {
     let (allocs, n) = in_region(&allocations(graph));
-    // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
-    instantiated(unsafe { real(exec, graph, err_node, log, size) }, exec, &allocs[..n])
+    instantiated(forward!(real, exec, graph, err_node, log, size), exec, &allocs[..n])
 }
 
 pub unsafe fn instantiate_with_flags(
@@ -397,8 +396,7 @@ pub unsafe fn instantiate_with_flags(
     flags: u64,
 ) -> CUresult {
     let (allocs, n) = in_region(&allocations(graph));
-    // SAFETY: as above.
-    instantiated(unsafe { real(exec, graph, flags) }, exec, &allocs[..n])
+    instantiated(forward!(real, exec, graph, flags), exec, &allocs[..n])
 }
 
 /// With `CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD` the instantiation uploads too: it is charged as an
@@ -410,8 +408,7 @@ pub unsafe fn instantiate_with_params(
     params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
 ) -> CUresult {
     let (allocs, n) = in_region(&allocations(graph));
-    // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
-    let call = || unsafe { real(exec, graph, params) };
+    let call = || forward!(real, exec, graph, params);
     // SAFETY: an optional input the caller provides per the CUDA contract.
     let upload = unsafe { params.as_ref() }.is_some_and(|p| p.flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0);
     let r = if upload && n > 0 { mapped(&allocs[..n], call) } else { call() };
@@ -419,8 +416,7 @@ pub unsafe fn instantiate_with_params(
 }
 
 pub unsafe fn upload(real: f::cuGraphUpload, exec: CUgraphExec, stream: CUstream) -> CUresult {
-    // SAFETY: as above.
-    let call = || unsafe { real(exec, stream) };
+    let call = || forward!(real, exec, stream);
     if WITH_MEM.load(Relaxed) == 0 {
         return call();
     }
@@ -431,8 +427,7 @@ pub unsafe fn upload(real: f::cuGraphUpload, exec: CUgraphExec, stream: CUstream
 }
 
 pub unsafe fn trim(real: f::cuDeviceGraphMemTrim, dev: CUdevice) -> CUresult {
-    // SAFETY: as above.
-    let r = unsafe { real(dev) };
+    let r = forward!(real, dev);
     if r == OK {
         let st = state();
         if let Ok(d) = st.dev_of(dev) {

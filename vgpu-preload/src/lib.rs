@@ -15,6 +15,19 @@
 // Unit-test builds have no exported hooks, so most of the crate is unreachable there.
 #![cfg_attr(test, allow(dead_code, unused_imports))]
 
+/// A hook's call of the driver's own entry point `real` with the arguments the hook was given:
+/// `forward!(real, a, b)`. Every such call rests on this one argument.
+macro_rules! forward {
+    ($real:expr $(, $arg:expr)* $(,)?) => {
+        // SAFETY: a hook runs under its entry point's contract (the C declaration, which
+        // `abicheck` holds the hook table to), and `real` is that entry point's own
+        // implementation, typed by the same declaration (`real.rs`): the arguments the caller
+        // gave the hook, handed on unchanged (an out-pointer perhaps as the reference the hook
+        // made of it: the same address), are as valid for it, for the duration of the call.
+        unsafe { $real($($arg),*) }
+    };
+}
+
 mod abicheck;
 mod api;
 mod capture;

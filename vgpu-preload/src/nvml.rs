@@ -76,8 +76,7 @@ fn sliced(r: NvmlReturn, dev: NvmlDevice, total: impl FnOnce() -> u64) -> Option
 }
 
 pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: *mut NvmlMemory) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(dev, m) };
+    let r = forward!(real, dev, m);
     if m.is_null() {
         return r;
     }
@@ -90,8 +89,7 @@ pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: 
 }
 
 pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevice, m: *mut NvmlMemoryV2) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(dev, m) };
+    let r = forward!(real, dev, m);
     if m.is_null() {
         return r;
     }
@@ -118,8 +116,7 @@ pub unsafe fn utilization_rates(
     dev: NvmlDevice,
     u: *mut NvmlUtilization,
 ) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(dev, u) };
+    let r = forward!(real, dev, u);
     if r != NVML_SUCCESS || u.is_null() {
         return r;
     }
@@ -148,8 +145,7 @@ pub unsafe fn samples(
     count: *mut u32,
     samples: *mut NvmlSample,
 ) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let r = unsafe { real(dev, kind, last_seen, value_type, count, samples) };
+    let r = forward!(real, dev, kind, last_seen, value_type, count, samples);
     if r != NVML_SUCCESS || kind != GPU_UTILIZATION_SAMPLES || samples.is_null() || count.is_null() {
         return r;
     }
@@ -315,8 +311,7 @@ pub type ListFn<T> = unsafe extern "C" fn(NvmlDevice, *mut u32, *mut T) -> NvmlR
 pub unsafe fn processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice, count: *mut u32, infos: *mut T) -> NvmlReturn {
     let mine = if count.is_null() { None } else { ours(dev) };
     let Some(mine) = mine else {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(dev, count, infos) };
+        return forward!(real, dev, count, infos);
     };
     // SAFETY: the real entry point with the caller's handle; count is non-null, and the caller's
     // infos holds the *count entries it passed in.
@@ -360,8 +355,7 @@ pub unsafe fn process_details(
     // SAFETY: list, when non-null, points at the caller's structure (its version says which).
     let mine = if list.is_null() || unsafe { (*list).version } != PROCESS_DETAIL_LIST_V1 { None } else { ours(dev) };
     let Some(mine) = mine else {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(dev, list) };
+        return forward!(real, dev, list);
     };
     // SAFETY: as above; the fields are read once, and the driver fills a structure of our own.
     let (mode, cap, out) = unsafe { ((*list).mode, (*list).num_proc_array_entries, (*list).proc_array) };
@@ -392,8 +386,7 @@ pub unsafe fn process_utilization(
 ) -> NvmlReturn {
     let mine = if count.is_null() { None } else { ours(dev) };
     let Some(mine) = mine else {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(dev, samples, count, last_seen) };
+        return forward!(real, dev, samples, count, last_seen);
     };
     // SAFETY: the real entry point with the caller's handle; count is non-null, and samples holds
     // the *count entries the caller passed in.
@@ -411,8 +404,7 @@ pub unsafe fn processes_utilization(
     // SAFETY: info, when non-null, points at the caller's structure (its version says which).
     let v1 = !info.is_null() && unsafe { (*info).version } == PROCESSES_UTILIZATION_INFO_V1;
     let Some(mine) = (if v1 { ours(dev) } else { None }) else {
-        // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-        return unsafe { real(dev, info) };
+        return forward!(real, dev, info);
     };
     // SAFETY: as above.
     let (cap, out, last_seen) =

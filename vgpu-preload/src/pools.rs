@@ -390,35 +390,30 @@ fn releasing_if_dirty() -> Option<Releasing> {
 
 pub unsafe fn stream_sync(real: f::cuStreamSynchronize, s: CUstream) -> CUresult {
     let _releasing = releasing_if_dirty();
-    // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
-    synced(unsafe { real(s) })
+    synced(forward!(real, s))
 }
 
 pub unsafe fn ctx_sync(real: f::cuCtxSynchronize) -> CUresult {
     let _releasing = releasing_if_dirty();
-    // SAFETY: as above.
-    synced(unsafe { real() })
+    synced(forward!(real))
 }
 
 /// `cuCtxSynchronize_v2` (CUDA 13.0): a context named rather than the current one.
 pub unsafe fn ctx_sync_v2(real: f::cuCtxSynchronize_v2, ctx: CUcontext) -> CUresult {
     let _releasing = releasing_if_dirty();
-    // SAFETY: as above.
-    synced(unsafe { real(ctx) })
+    synced(forward!(real, ctx))
 }
 
 pub unsafe fn event_sync(real: f::cuEventSynchronize, e: CUevent) -> CUresult {
     let _releasing = releasing_if_dirty();
-    // SAFETY: as above.
-    synced(unsafe { real(e) })
+    synced(forward!(real, e))
 }
 
 pub unsafe fn trim_to(real: f::cuMemPoolTrimTo, pool: CUmemoryPool, keep: usize) -> CUresult {
     let st = state();
     let i = POOLS.iter().position(|p| p.handle.load(Acquire) == pool as u64);
     let _releasing = Releasing::of(st, i.map(|i| &POOLS[i]));
-    // SAFETY: as above.
-    let r = unsafe { real(pool, keep) };
+    let r = forward!(real, pool, keep);
     if r == OK {
         if let Some(i) = i {
             let _ = settle(st, i);
@@ -435,8 +430,7 @@ pub unsafe fn destroy(real: f::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult
     if let Some(i) = i {
         POOLS[i].destroyed.store(true, Release);
     }
-    // SAFETY: as above.
-    let r = unsafe { real(pool) };
+    let r = forward!(real, pool);
     // Still this pool's entry (a free that emptied it meanwhile gave it up).
     let entry = i.filter(|&i| POOLS[i].handle.load(Acquire) == pool as u64);
     if r != OK {
@@ -462,8 +456,7 @@ pub unsafe fn destroy(real: f::cuMemPoolDestroy, pool: CUmemoryPool) -> CUresult
 }
 
 pub unsafe fn create(real: f::cuMemPoolCreate, pool: *mut CUmemoryPool, props: *const CUmemPoolProps) -> CUresult {
-    // SAFETY: as above.
-    let r = unsafe { real(pool, props) };
+    let r = forward!(real, pool, props);
     if r == OK {
         // SAFETY: the driver accepted both pointers: it wrote the new pool's handle, and read the
         // properties.
@@ -498,8 +491,7 @@ pub unsafe fn get_current(real: f::cuDeviceGetMemPool, pool: *mut CUmemoryPool, 
 }
 
 pub unsafe fn set_current(real: f::cuDeviceSetMemPool, dev: CUdevice, pool: CUmemoryPool) -> CUresult {
-    // SAFETY: as above.
-    let r = unsafe { real(dev, pool) };
+    let r = forward!(real, dev, pool);
     if r == OK {
         made_current(dev, pool);
     }
@@ -522,8 +514,7 @@ pub unsafe fn mem_set_current(
     kind: i32,
     pool: CUmemoryPool,
 ) -> CUresult {
-    // SAFETY: as above.
-    let r = unsafe { real(loc, kind, pool) };
+    let r = forward!(real, loc, kind, pool);
     if r == OK && kind == CU_MEM_ALLOCATION_TYPE_PINNED {
         // SAFETY: the driver succeeded, so `loc` pointed at a location it read.
         let l = unsafe { *loc };

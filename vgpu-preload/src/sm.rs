@@ -804,8 +804,7 @@ pub unsafe fn launch_kernel<const PER_THREAD: bool>(
     p: *mut *mut c_void,
     e: *mut *mut c_void,
 ) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(kernel_key(k, gx, gy, gz), on::<PER_THREAD>(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p, e) })
+    admit(kernel_key(k, gx, gy, gz), on::<PER_THREAD>(s), || forward!(real, k, gx, gy, gz, bx, by, bz, shm, s, p, e))
 }
 
 /// `cuLaunchKernelEx` and its `_ptsz` twin.
@@ -817,8 +816,7 @@ pub unsafe fn launch_kernel_ex<const PER_THREAD: bool>(
     e: *mut *mut c_void,
 ) -> CUresult {
     let (s, key) = ex_launch(c, k);
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(key, on::<PER_THREAD>(s), || unsafe { real(c, k, p, e) })
+    admit(key, on::<PER_THREAD>(s), || forward!(real, c, k, p, e))
 }
 
 /// `cuLaunchCooperativeKernel` and its `_ptsz` twin.
@@ -835,8 +833,7 @@ pub unsafe fn launch_cooperative<const PER_THREAD: bool>(
     s: CUstream,
     p: *mut *mut c_void,
 ) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(kernel_key(k, gx, gy, gz), on::<PER_THREAD>(s), || unsafe { real(k, gx, gy, gz, bx, by, bz, shm, s, p) })
+    admit(kernel_key(k, gx, gy, gz), on::<PER_THREAD>(s), || forward!(real, k, gx, gy, gz, bx, by, bz, shm, s, p))
 }
 
 /// The multi-device cooperative launch is charged as one launch of its first kernel on the current
@@ -858,26 +855,22 @@ pub unsafe fn launch_cooperative_multi(
 
 /// The deprecated launches run on the default stream (`cuLaunch`: a 1 x 1 grid), or on `s`.
 pub unsafe fn launch_legacy(real: f::cuLaunch, k: CUfunction) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    admit(kernel_key(k, 1, 1, 1), std::ptr::null_mut(), || unsafe { real(k) })
+    admit(kernel_key(k, 1, 1, 1), std::ptr::null_mut(), || forward!(real, k))
 }
 
 pub unsafe fn launch_grid(real: f::cuLaunchGrid, k: CUfunction, w: i32, h: i32) -> CUresult {
-    // SAFETY: as above.
-    admit(kernel_key(k, w as u32, h as u32, 1), std::ptr::null_mut(), || unsafe { real(k, w, h) })
+    admit(kernel_key(k, w as u32, h as u32, 1), std::ptr::null_mut(), || forward!(real, k, w, h))
 }
 
 pub unsafe fn launch_grid_async(real: f::cuLaunchGridAsync, k: CUfunction, w: i32, h: i32, s: CUstream) -> CUresult {
-    // SAFETY: as above.
-    admit(kernel_key(k, w as u32, h as u32, 1), s, || unsafe { real(k, w, h, s) })
+    admit(kernel_key(k, w as u32, h as u32, 1), s, || forward!(real, k, w, h, s))
 }
 
 /// `cuGraphLaunch` and its `_ptsz` twin: throttled where an SM limit is set, and charged for what
 /// the graph allocates (see `graphmem`).
 pub unsafe fn graph_launch<const PER_THREAD: bool>(real: f::cuGraphLaunch, g: CUgraphExec, s: CUstream) -> CUresult {
     let mine = on::<PER_THREAD>(s);
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point (the hook's contract).
-    let launch = || unsafe { real(g, s) };
+    let launch = || forward!(real, g, s);
     graphmem::launched(g, mine, || if engaged() { admit(g as u64, mine, launch) } else { launch() })
 }
 

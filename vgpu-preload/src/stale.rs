@@ -32,8 +32,7 @@ fn changed(exec: CUgraphExec, r: CUresult) -> CUresult {
 pub unsafe fn exec_destroy(real: f::cuGraphExecDestroy, exec: CUgraphExec) -> CUresult {
     sm::forget(exec as u64);
     let going = crate::graphmem::going(exec);
-    // SAFETY: the caller's handle, forwarded unchanged (the hook's contract).
-    let r = unsafe { real(exec) };
+    let r = forward!(real, exec);
     if r == CUresult::SUCCESS {
         going.destroyed();
     } else {
@@ -49,8 +48,7 @@ pub unsafe fn exec_update(
     err_node: *mut CUgraphNode,
     result: *mut i32,
 ) -> CUresult {
-    // SAFETY: as above.
-    changed(exec, unsafe { real(exec, graph, err_node, result) })
+    changed(exec, forward!(real, exec, graph, err_node, result))
 }
 
 pub unsafe fn exec_update_v2(
@@ -59,8 +57,7 @@ pub unsafe fn exec_update_v2(
     graph: CUgraph,
     info: *mut CUgraphExecUpdateResultInfo,
 ) -> CUresult {
-    // SAFETY: as above.
-    changed(exec, unsafe { real(exec, graph, info) })
+    changed(exec, forward!(real, exec, graph, info))
 }
 
 pub unsafe fn kernel_node_set(
@@ -69,8 +66,7 @@ pub unsafe fn kernel_node_set(
     node: CUgraphNode,
     p: *const CUDA_KERNEL_NODE_PARAMS,
 ) -> CUresult {
-    // SAFETY: as above.
-    changed(exec, unsafe { real(exec, node, p) })
+    changed(exec, forward!(real, exec, node, p))
 }
 
 pub unsafe fn kernel_node_set_v2(
@@ -79,8 +75,7 @@ pub unsafe fn kernel_node_set_v2(
     node: CUgraphNode,
     p: *const CUDA_KERNEL_NODE_PARAMS_v2,
 ) -> CUresult {
-    // SAFETY: as above.
-    changed(exec, unsafe { real(exec, node, p) })
+    changed(exec, forward!(real, exec, node, p))
 }
 
 pub unsafe fn node_set(
@@ -89,8 +84,7 @@ pub unsafe fn node_set(
     node: CUgraphNode,
     p: *mut CUgraphNodeParams,
 ) -> CUresult {
-    // SAFETY: as above.
-    changed(exec, unsafe { real(exec, node, p) })
+    changed(exec, forward!(real, exec, node, p))
 }
 
 pub unsafe fn child_graph_set(
@@ -99,13 +93,11 @@ pub unsafe fn child_graph_set(
     node: CUgraphNode,
     child: CUgraph,
 ) -> CUresult {
-    // SAFETY: as above.
-    changed(exec, unsafe { real(exec, node, child) })
+    changed(exec, forward!(real, exec, node, child))
 }
 
 pub unsafe fn node_enable(real: f::cuGraphNodeSetEnabled, exec: CUgraphExec, node: CUgraphNode, on: u32) -> CUresult {
-    // SAFETY: as above.
-    changed(exec, unsafe { real(exec, node, on) })
+    changed(exec, forward!(real, exec, node, on))
 }
 
 // Every estimate is forgotten before the driver is asked: once it has unloaded the module, its
@@ -115,12 +107,10 @@ pub unsafe fn node_enable(real: f::cuGraphNodeSetEnabled, exec: CUgraphExec, nod
 
 pub unsafe fn module_unload(real: f::cuModuleUnload, m: CUmodule) -> CUresult {
     sm::forget_all();
-    // SAFETY: the caller's handle, forwarded unchanged (the hook's contract).
-    unsafe { real(m) }
+    forward!(real, m)
 }
 
 pub unsafe fn library_unload(real: f::cuLibraryUnload, lib: CUlibrary) -> CUresult {
     sm::forget_all();
-    // SAFETY: as above.
-    unsafe { real(lib) }
+    forward!(real, lib)
 }

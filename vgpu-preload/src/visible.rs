@@ -151,8 +151,7 @@ pub unsafe fn get(real: f::cuDeviceGet, dev: *mut CUdevice, ordinal: i32) -> CUr
             Some(&o) => unsafe { real(dev, o) },
             None => CUresult::INVALID_DEVICE,
         },
-        // SAFETY: the caller's arguments, forwarded unchanged.
-        Ok(None) => unsafe { real(dev, ordinal) },
+        Ok(None) => forward!(real, dev, ordinal),
         Err(e) => e,
     }
 }
@@ -211,16 +210,14 @@ pub unsafe fn nvml_by_index(real: nf::nvmlDeviceGetHandleByIndex_v2, index: u32,
             Some(&i) => unsafe { real(i, dev) },
             None => crate::nvml::NVML_ERROR_INVALID_ARGUMENT,
         },
-        // SAFETY: the caller's arguments, forwarded unchanged.
-        Ok(None) => unsafe { real(index, dev) },
+        Ok(None) => forward!(real, index, dev),
         Err(e) => e,
     }
 }
 
 /// `nvmlDeviceGetIndex`: the device's place among the slice's.
 pub unsafe fn nvml_index(real: nf::nvmlDeviceGetIndex, dev: NvmlDevice, index: *mut u32) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged.
-    let r = unsafe { real(dev, index) };
+    let r = forward!(real, dev, index);
     let (NVML_SUCCESS, Ok(Some(v))) = (r, nvml_devices()) else { return r };
     // SAFETY: the driver filled the caller's out-pointer (null would not have succeeded).
     let Some(i) = (unsafe { index.as_mut() }) else { return r };
@@ -255,8 +252,7 @@ pub unsafe fn nvml_by_uuid(
     uuid: *const c_char,
     dev: *mut NvmlDevice,
 ) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged.
-    nvml_found(unsafe { real(uuid, dev) }, dev)
+    nvml_found(forward!(real, uuid, dev), dev)
 }
 
 /// `nvmlDeviceGetHandleByPciBusId_v2`.
@@ -265,8 +261,7 @@ pub unsafe fn nvml_by_pci(
     bus: *const c_char,
     dev: *mut NvmlDevice,
 ) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged.
-    nvml_found(unsafe { real(bus, dev) }, dev)
+    nvml_found(forward!(real, bus, dev), dev)
 }
 
 #[cfg(test)]

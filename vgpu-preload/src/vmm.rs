@@ -175,8 +175,7 @@ fn release_charge(freed: Option<(usize, u64)>) {
 // ----- hooks -----
 
 pub unsafe fn release(real: f::cuMemRelease, handle: u64) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged (the hook's contract).
-    let (r, freed) = release_in(&VMM, handle, || unsafe { real(handle) });
+    let (r, freed) = release_in(&VMM, handle, || forward!(real, handle));
     release_charge(freed);
     r
 }
@@ -189,8 +188,7 @@ pub unsafe fn map(
     handle: u64,
     flags: u64,
 ) -> CUresult {
-    // SAFETY: as above.
-    let r = unsafe { real(ptr, size, offset, handle, flags) };
+    let r = forward!(real, ptr, size, offset, handle, flags);
     if r == OK {
         map_in(&VMM, ptr, size as u64, handle);
     }
@@ -198,8 +196,7 @@ pub unsafe fn map(
 }
 
 pub unsafe fn unmap(real: f::cuMemUnmap, ptr: CUdeviceptr, size: usize) -> CUresult {
-    // SAFETY: as above.
-    let (r, freed) = unmap_in(&VMM, ptr, size as u64, || unsafe { real(ptr, size) });
+    let (r, freed) = unmap_in(&VMM, ptr, size as u64, || forward!(real, ptr, size));
     for f in freed {
         release_charge(Some(f));
     }
@@ -207,8 +204,7 @@ pub unsafe fn unmap(real: f::cuMemUnmap, ptr: CUdeviceptr, size: usize) -> CUres
 }
 
 pub unsafe fn retain(real: f::cuMemRetainAllocationHandle, handle: *mut u64, addr: *mut c_void) -> CUresult {
-    // SAFETY: as above.
-    let r = unsafe { real(handle, addr) };
+    let r = forward!(real, handle, addr);
     if r == OK && !handle.is_null() {
         // SAFETY: the driver returned success, so it wrote the caller's out-pointer.
         let h = unsafe { *handle };

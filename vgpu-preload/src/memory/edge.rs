@@ -21,6 +21,15 @@ use std::ffi::c_void;
 
 const INVALID: CUresult = CUresult::INVALID_VALUE;
 
+/// The caller's out-pointer as a reference; None where it is NULL (answered INVALID_VALUE).
+macro_rules! out_ref {
+    ($p:expr) => {
+        // SAFETY: the module's contract: an out-pointer the caller passed is NULL or valid for
+        // writes for the duration of the call, and nothing else refers to it meanwhile.
+        unsafe { $p.as_mut() }
+    };
+}
+
 /// The driver's answer as a [`Made`]: `read` gives what it made once it succeeded.
 #[inline]
 fn made<T>(r: CUresult, read: impl FnOnce() -> T) -> Made<T> {
@@ -47,15 +56,13 @@ fn stream<const PER_THREAD: bool>(s: CUstream) -> CUstream {
 }
 
 pub unsafe fn stream_destroy(real: f::cuStreamDestroy, s: CUstream) -> CUresult {
-    // SAFETY: the caller's argument, forwarded unchanged (the module's contract).
-    super::destroy_stream(s, || unsafe { real(s) })
+    super::destroy_stream(s, || forward!(real, s))
 }
 
 // ----- linear memory -----
 
 pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usize) -> CUresult {
-    // SAFETY: the caller's out-pointer, NULL or valid for writes (the module's contract).
-    let Some(out) = (unsafe { dptr.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(dptr) else { return INVALID };
     let st = state();
     status(super::linear(
         st,
@@ -73,19 +80,15 @@ pub unsafe fn alloc_v2(real: f::cuMemAlloc_v2, dptr: *mut CUdeviceptr, size: usi
 }
 
 pub unsafe fn alloc_v1(real: f::cuMemAlloc, dptr: *mut u32, size: u32) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { dptr.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(dptr) else { return INVALID };
     let st = state();
-    // SAFETY: as in `alloc_v2`.
-    status(super::linear(st, size as u64, || site(st), || made(unsafe { real(out, size) }, || *out as u64)))
+    status(super::linear(st, size as u64, || site(st), || made(forward!(real, out, size), || *out as u64)))
 }
 
 pub unsafe fn alloc_managed(real: f::cuMemAllocManaged, dptr: *mut CUdeviceptr, size: usize, flags: u32) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { dptr.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(dptr) else { return INVALID };
     let st = state();
-    // SAFETY: as in `alloc_v2`.
-    let mut call = || made(unsafe { real(out, size, flags) }, || *out);
+    let mut call = || made(forward!(real, out, size, flags), || *out);
     if !st.cfg.count_managed {
         return status(call());
     }
@@ -139,13 +142,11 @@ fn pitched<P: Copy, Q: Copy>(
 }
 
 pub unsafe fn free_v2(real: f::cuMemFree_v2, dptr: CUdeviceptr) -> CUresult {
-    // SAFETY: the caller's argument, forwarded unchanged (the module's contract).
-    super::freeing(state(), dptr, || unsafe { real(dptr) })
+    super::freeing(state(), dptr, || forward!(real, dptr))
 }
 
 pub unsafe fn free_v1(real: f::cuMemFree, dptr: u32) -> CUresult {
-    // SAFETY: as above.
-    super::freeing(state(), dptr as u64, || unsafe { real(dptr) })
+    super::freeing(state(), dptr as u64, || forward!(real, dptr))
 }
 
 // ----- stream-ordered allocator -----
@@ -156,8 +157,7 @@ pub unsafe fn alloc_async<const PER_THREAD: bool>(
     size: usize,
     s: CUstream,
 ) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { dptr.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(dptr) else { return INVALID };
     // SAFETY: the caller's arguments, the out-pointer now a reference.
     let call = || made(unsafe { real(out, size, s) }, || *out);
     status(super::pooled(state(), size as u64, None, stream::<PER_THREAD>(s), call))
@@ -170,16 +170,14 @@ pub unsafe fn alloc_from_pool<const PER_THREAD: bool>(
     pool: CUmemoryPool,
     s: CUstream,
 ) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { dptr.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(dptr) else { return INVALID };
     // SAFETY: as in `alloc_async`.
     let call = || made(unsafe { real(out, size, pool, s) }, || *out);
     status(super::pooled(state(), size as u64, Some(pool), stream::<PER_THREAD>(s), call))
 }
 
 pub unsafe fn free_async(real: f::cuMemFreeAsync, dptr: CUdeviceptr, s: CUstream) -> CUresult {
-    // SAFETY: the caller's arguments, forwarded unchanged (the module's contract).
-    super::freeing(state(), dptr, || unsafe { real(dptr, s) })
+    super::freeing(state(), dptr, || forward!(real, dptr, s))
 }
 
 // ----- VMM -----
@@ -195,8 +193,7 @@ pub unsafe fn vmm_create(
     let props = unsafe { prop.as_ref() };
     // SAFETY: as in `alloc_v2`.
     let (Some(out), Some(p)) = (unsafe { handle.as_mut() }, props) else {
-        // SAFETY: the caller's arguments, forwarded unchanged.
-        return unsafe { real(handle, size, prop, flags) };
+        return forward!(real, handle, size, prop, flags);
     };
     // SAFETY: the caller's arguments, the out-pointer now a reference.
     let mut call = || made(unsafe { real(out, size, p, flags) }, || *out);
@@ -297,32 +294,27 @@ pub unsafe fn mipmapped_create(
 }
 
 pub unsafe fn array_destroy(real: f::cuArrayDestroy, arr: CUarray) -> CUresult {
-    // SAFETY: the caller's argument, forwarded unchanged (the module's contract).
-    super::destroy_array(state(), arr as u64, || unsafe { real(arr) })
+    super::destroy_array(state(), arr as u64, || forward!(real, arr))
 }
 
 pub unsafe fn mipmapped_destroy(real: f::cuMipmappedArrayDestroy, arr: CUmipmappedArray) -> CUresult {
-    // SAFETY: as above.
-    super::destroy_array(state(), arr as u64, || unsafe { real(arr) })
+    super::destroy_array(state(), arr as u64, || forward!(real, arr))
 }
 
 // ----- contexts -----
 
 pub unsafe fn primary_retain(real: f::cuDevicePrimaryCtxRetain, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { pctx.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(pctx) else { return INVALID };
     // SAFETY: the caller's arguments, the out-pointer now a reference.
     status(super::retain_primary(state(), dev, || made(unsafe { real(out, dev) }, || *out as u64)))
 }
 
 pub unsafe fn primary_release(real: f::cuDevicePrimaryCtxRelease, dev: CUdevice) -> CUresult {
-    // SAFETY: the caller's argument, forwarded unchanged (the module's contract).
-    super::release_primary(state(), dev, || unsafe { real(dev) })
+    super::release_primary(state(), dev, || forward!(real, dev))
 }
 
 pub unsafe fn primary_reset(real: f::cuDevicePrimaryCtxReset, dev: CUdevice) -> CUresult {
-    // SAFETY: as above.
-    super::reset_primary(state(), dev, || unsafe { real(dev) })
+    super::reset_primary(state(), dev, || forward!(real, dev))
 }
 
 pub unsafe fn ctx_set_limit(real: f::cuCtxSetLimit, limit: i32, value: usize) -> CUresult {
@@ -331,8 +323,7 @@ pub unsafe fn ctx_set_limit(real: f::cuCtxSetLimit, limit: i32, value: usize) ->
 }
 
 pub unsafe fn ctx_create(real: f::cuCtxCreate_v2, pctx: *mut CUcontext, flags: u32, dev: CUdevice) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { pctx.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(pctx) else { return INVALID };
     // SAFETY: the caller's arguments, the out-pointer now a reference.
     status(super::context_created(state(), dev, || made(unsafe { real(out, flags, dev) }, || *out as u64)))
 }
@@ -346,8 +337,7 @@ pub unsafe fn ctx_create_v3(
     flags: u32,
     dev: CUdevice,
 ) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { pctx.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(pctx) else { return INVALID };
     // SAFETY: the caller's arguments, the out-pointer now a reference.
     status(super::context_created(state(), dev, || made(unsafe { real(out, params, n, flags, dev) }, || *out as u64)))
 }
@@ -360,15 +350,13 @@ pub unsafe fn ctx_create_v4(
     flags: u32,
     dev: CUdevice,
 ) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { pctx.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(pctx) else { return INVALID };
     // SAFETY: the caller's arguments, the out-pointer now a reference.
     status(super::context_created(state(), dev, || made(unsafe { real(out, params, flags, dev) }, || *out as u64)))
 }
 
 pub unsafe fn ctx_destroy(real: f::cuCtxDestroy_v2, ctx: CUcontext) -> CUresult {
-    // SAFETY: the caller's argument, forwarded unchanged (the module's contract).
-    super::destroy_context(state(), ctx as u64, || unsafe { real(ctx) })
+    super::destroy_context(state(), ctx as u64, || forward!(real, ctx))
 }
 
 // ----- what the container sees -----
@@ -402,8 +390,7 @@ pub unsafe fn get_info_v1(real: f::cuMemGetInfo, free: *mut u32, total: *mut u32
 }
 
 pub unsafe fn total_mem_v2(real: f::cuDeviceTotalMem_v2, bytes: *mut usize, dev: CUdevice) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { bytes.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(bytes) else { return INVALID };
     // SAFETY: the caller's arguments, the out-pointer now a reference.
     let r = unsafe { real(out, dev) };
     if r == OK {
@@ -413,8 +400,7 @@ pub unsafe fn total_mem_v2(real: f::cuDeviceTotalMem_v2, bytes: *mut usize, dev:
 }
 
 pub unsafe fn total_mem_v1(real: f::cuDeviceTotalMem, bytes: *mut u32, dev: CUdevice) -> CUresult {
-    // SAFETY: as in `alloc_v2`.
-    let Some(out) = (unsafe { bytes.as_mut() }) else { return INVALID };
+    let Some(out) = out_ref!(bytes) else { return INVALID };
     // SAFETY: as in `total_mem_v2`.
     let r = unsafe { real(out, dev) };
     if r == OK {
