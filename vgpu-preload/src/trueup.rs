@@ -20,9 +20,11 @@
 //! own as soon as the process starts using CUDA (`nvmlInit` alone took 10 ms and more on an H200),
 //! and the measurement after a context runs on a thread of its own too. Until it is done, an
 //! allocation on that device that would bring the container within [`CONTEXT_MARGIN`] of its
-//! limit waits for it, and so does `cuMemGetInfo`; nothing else does (exactness is kept: what the
-//! measurement adds is less than the margin, so nothing admitted before it can take the container
-//! over the limit).
+//! limit waits for it, and so does `cuMemGetInfo`; nothing else does (what the measurement adds is
+//! less than the margin, so an allocation admitted before it cannot take the container over the
+//! limit; two threads allocating at once while it runs could together, as each checks the usage
+//! before its own reservation, so that the measurement never counts a reservation the driver has
+//! not made yet).
 //!
 //! In a PID namespace the process does not know its host PID: it learns it from NVML at its first
 //! context, as the one process that appears in the device's list while the context is created (if
