@@ -5,7 +5,9 @@ interposer's, vgpu-preload/src, below):
 
 - the core (configuration, inventory, slices, monitoring and what they stand on) imports no
   feature module: features reach the core, never the reverse;
-- no module imports, through any path, a module that imports it back (no circles).
+- no module imports, through any path, a module that imports it back (no circles);
+- the interposer's modules stand on floors (`PRELOAD_FLOORS`): each imports its own floor or
+  those below, and none is in a circle.
 
     scripts/module-graph.py          # prints the graph; exits 1 naming each breach
     scripts/module-graph.py --dot    # the same as Graphviz
@@ -53,9 +55,23 @@ def imports(text, names):
 
 
 PRELOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vgpu-preload", "src")
-# The interposer's one circle left: the process state and the policies it calls back (issue 62,
-# item 1). No other module may join a circle, and none of these may reach a new one.
-STATE_KNOT = {"graphmem", "locate", "nvml", "pools", "priority", "sm", "state", "trueup", "visible", "vmm"}
+# The interposer's floors, bottom up: a module imports its own floor or those below, never above
+# (the crate root, `lib`, wires the floors together and is above them all).
+PRELOAD_FLOORS = [
+    # The C edge and what stands on nothing: the declared ABI, the real driver's and NVML's tables,
+    # the configuration, the log, the clock, plain tables.
+    {"abicheck", "api", "clock", "config", "contexts", "ctxlimits", "guard", "log", "ptrmap", "real"},
+    # The interposer's own calls of the driver and NVML, and what follows stream captures.
+    {"capture", "drv", "nvquery"},
+    # What the process state stands on: the devices it may use, the true-up of its account.
+    {"trueup", "visible"},
+    # The process state: its slot in the region, the device map, the allocation tables.
+    {"state"},
+    # The policies: memory, NVML's view, SM time, priority, pools, graphs, VMM.
+    {"graphmem", "locate", "memory", "nvml", "pools", "priority", "sm", "smi", "stale", "vmm"},
+    # The exported hooks and `dlsym`.
+    {"dl", "hooks"},
+]
 
 
 def reach(graph, start):
@@ -79,12 +95,20 @@ def preload():
     text = modules(PRELOAD)
     names = set(text)
     graph = {m: sorted(imports(t, names) - {m}) for m, t in text.items()}
+    floor = {m: n for n, ms in enumerate(PRELOAD_FLOORS) for m in ms}
+    floor["lib"] = len(PRELOAD_FLOORS)
     print("\nvgpu-preload:")
-    for m, deps in sorted(graph.items()):
-        print(f"{m:14} -> {' '.join(deps) if deps else '-'}")
-    found = circles(graph)
-    bad = [f"vgpu-preload: {m} is in a circle, and not one of the state's recorded knot" for m in sorted(found - STATE_KNOT)]
-    print(f"vgpu-preload: {len(names)} modules, {len(found)} in the state's knot ({', '.join(sorted(found))})")
+    for m, deps in sorted(graph.items(), key=lambda kv: (floor.get(kv[0], -1), kv[0])):
+        print(f"{m:14} [floor {floor.get(m, '?')}] -> {' '.join(deps) if deps else '-'}")
+    bad = [f"vgpu-preload: {m} is on no floor (add it to PRELOAD_FLOORS)" for m in sorted(names - set(floor))]
+    for m in sorted(names & set(floor)):
+        for d in graph[m]:
+            if d in floor and floor[d] > floor[m]:
+                bad.append(f"vgpu-preload: {m} (floor {floor[m]}) imports {d}, a floor above (floor {floor[d]})")
+    for m in sorted(circles(graph)):
+        back = [d for d in graph[m] if m in reach(graph, d)]
+        bad.append(f"vgpu-preload: {m} is in a circle (through {', '.join(back)})")
+    print(f"vgpu-preload: {len(names)} modules on {len(PRELOAD_FLOORS)} floors")
     return bad
 
 
@@ -119,7 +143,7 @@ def main():
     if bad:
         print("\nlayering broken:\n  " + "\n  ".join(bad))
         return 1
-    print(f"\nok: the agent's {len(names)} modules: the core imports no feature, no circles; the interposer: no circle but the state's knot")
+    print(f"\nok: the agent's {len(names)} modules: the core imports no feature, no circles; the interposer: every import down its floors, no circles")
     return 0
 
 

@@ -37,7 +37,8 @@ pub(crate) fn stream_ctx(stream: CUstream) -> u64 {
             // locals.
             unsafe { get(stream, &mut c, &mut green) }
         }
-        // SAFETY: as above.
+        // SAFETY: the caller's stream handle (the driver refuses a bad one), an out-pointer to a
+        // local.
         (None, Some(get)) => unsafe { get(stream, &mut c) },
         (None, None) => return 0,
     };
@@ -80,7 +81,7 @@ pub(crate) fn array_size(h: u64, ordinal: CUdevice) -> Option<u64> {
 pub(crate) fn mipmapped_size(h: u64, ordinal: CUdevice) -> Option<u64> {
     let f = driver().helpers.cuMipmappedArrayGetMemoryRequirements?;
     let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
-    // SAFETY: as above.
+    // SAFETY: out-pointer to a local; `h` is a mipmapped array's handle (the driver refuses another).
     (unsafe { f(&mut req, h as CUmipmappedArray, ordinal) } == OK).then_some(req.size as u64)
 }
 
@@ -95,7 +96,7 @@ pub(crate) fn destroy_array(h: u64) {
 /// [`destroy_array`] for a mipmapped array.
 pub(crate) fn destroy_mipmapped(h: u64) {
     if let Some(f) = driver().helpers.cuMipmappedArrayDestroy {
-        // SAFETY: as above.
+        // SAFETY: a handle value; the driver refuses one that names no mipmapped array.
         unsafe { f(h as CUmipmappedArray) };
     }
 }
@@ -141,4 +142,12 @@ pub(crate) fn device_attr(attr: i32, ordinal: CUdevice) -> Option<i32> {
     let mut v = 0;
     // SAFETY: an out-pointer to a local.
     (unsafe { f(&mut v, attr, ordinal) } == OK).then_some(v)
+}
+
+/// A GPU's UUID as NVML and the agent write it (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+pub fn format_uuid(b: &[u8; 16]) -> String {
+    format!(
+        "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+        b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]
+    )
 }

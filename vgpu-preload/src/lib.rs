@@ -2,15 +2,18 @@
 //! (LD_PRELOAD or /etc/ld.so.preload), it enforces the container's GPU memory quota exactly, across
 //! all its processes, and makes the container see its slice as its GPU.
 //!
-//! Layout: `api` declares the intercepted entry points once (`abicheck` holds them to the real
-//! headers); `hooks` generates the exported symbols from it (and, in `hooks/procaddr`, rewrites
-//! `cuGetProcAddress` answers); `dl` overrides `dlsym`; `real` is the real driver's table and
-//! `dlsym`, at the bottom; `memory` and `nvml` are the policies (`pools` and `graphmem` charge what stream-ordered pools hold and what
-//! graphs allocate, `vmm` follows physical allocations, `ctxlimits` what context limits are
-//! charged up to), and `sm` throttles launches (`capture` and `stale` keep its charges and
-//! estimates right); `state` holds the process's slot in the container's region, `contexts` the
-//! table of contexts seen, `locate` which device and context a call is on, and `drv` the driver
-//! calls the policies make themselves; `visible` keeps a process of a slice to its slice's GPUs.
+//! Layout, bottom up (docs/design-the-interposer.md, "Layers"; `scripts/module-graph.py` checks
+//! it): `api` declares the intercepted entry points once (`abicheck` holds them to the real
+//! headers) and `real` is the real driver's table and `dlsym`; `drv` and `nvquery` are the driver
+//! and NVML calls the interposer makes itself; `visible` keeps a process of a slice to its slice's
+//! GPUs and `trueup` charges what the driver holds beyond the calls; `state` holds the process's
+//! slot in the container's region, its device map and reservations; the policies stand on it
+//! (`memory`, `nvml` and `smi` for memory and NVML's view, with `pools`, `graphmem`, `vmm` and
+//! `ctxlimits` for what pools, graphs, physical allocations and context limits hold; `sm` throttles
+//! launches, with `capture`, `stale` and `priority`; `locate` finds a call's device and context);
+//! `hooks` generates the exported symbols (and, in `hooks/procaddr`, rewrites `cuGetProcAddress`
+//! answers) and `dl` overrides `dlsym`. The root wires the policies into the state's moments
+//! ([`connect`]).
 #![deny(clippy::too_many_lines)]
 // Unit-test builds have no exported hooks, so most of the crate is unreachable there.
 #![cfg_attr(test, allow(dead_code, unused_imports))]
@@ -25,6 +28,25 @@ macro_rules! forward {
         // gave the hook, handed on unchanged (an out-pointer perhaps as the reference the hook
         // made of it: the same address), are as valid for it, for the duration of the call.
         unsafe { $real($($arg),*) }
+    };
+}
+
+/// A pointer a hook's caller passed, as a reference for the duration of the hook (None where it is
+/// NULL): `out_ref!(p)` for one the call writes through, `in_ref!(p)` for one it reads.
+macro_rules! out_ref {
+    ($p:expr) => {
+        // SAFETY: under the entry point's contract an out-pointer the caller passed is NULL or
+        // valid for writes for the duration of the call, and nothing else refers to it meanwhile.
+        unsafe { $p.as_mut() }
+    };
+}
+
+/// See [`out_ref!`].
+macro_rules! in_ref {
+    ($p:expr) => {
+        // SAFETY: under the entry point's contract a pointer the caller passed for the call to read
+        // is NULL or valid for reads for the duration of the call.
+        unsafe { $p.as_ref() }
     };
 }
 
@@ -44,6 +66,7 @@ mod locate;
 mod log;
 mod memory;
 mod nvml;
+mod nvquery;
 mod pools;
 mod priority;
 mod ptrmap;
@@ -57,6 +80,25 @@ mod visible;
 mod vmm;
 
 pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;
+
+/// Run as the library loads (the ELF constructors' table): the policies' parts in the process
+/// state's moments, which the state cannot name (`state::Above`).
+#[used]
+#[link_section = ".init_array"]
+static CONNECT: extern "C" fn() = connect;
+
+extern "C" fn connect() {
+    state::connect(state::Above {
+        made: priority::start,
+        child: sm::after_fork,
+        forked: || {
+            graphmem::after_fork();
+            pools::after_fork();
+            vmm::after_fork();
+        },
+        reclaim: |st, dev| pools::settle_all(st, Some(dev)),
+    });
+}
 
 /// Entry points of the fuzz targets (`fuzz/`), also run over the stored corpora by the unit tests.
 #[doc(hidden)]

@@ -4,10 +4,10 @@
 //! devices without a limit, and MIG devices, pass through.
 #![allow(clippy::missing_safety_doc)]
 
+use crate::nvquery::{device_uuid, grown, ListFn, Listed};
 use crate::real::{nvml, nvml_fns as f};
 use crate::state::state;
 pub use cuda_abi::nvml::*;
-use std::ffi::{c_char, CStr};
 
 /// The region device of an NVML handle, if it has a limit.
 fn limited_device(dev: NvmlDevice) -> Option<(usize, u64)> {
@@ -24,18 +24,6 @@ fn shared_device(dev: NvmlDevice) -> bool {
         let st = state();
         st.mem_limit(d) != 0 || matches!(st.sm_limit(d), 1..=99)
     })
-}
-
-/// The UUID of an NVML handle, as the real NVML gives it.
-pub fn device_uuid(dev: NvmlDevice) -> Option<String> {
-    let get = nvml().nvmlDeviceGetUUID?;
-    let mut buf = [0 as c_char; 96];
-    // SAFETY: buffer of 96 bytes as declared.
-    if unsafe { get(dev, buf.as_mut_ptr(), 96) } != NVML_SUCCESS {
-        return None;
-    }
-    // SAFETY: NVML wrote a NUL-terminated string.
-    unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().ok().map(str::to_string)
 }
 
 /// The region device of an NVML handle (a device of the container, limited or not).
@@ -77,26 +65,19 @@ fn sliced(r: NvmlReturn, dev: NvmlDevice, total: impl FnOnce() -> u64) -> Option
 
 pub unsafe fn memory_info(real: f::nvmlDeviceGetMemoryInfo, dev: NvmlDevice, m: *mut NvmlMemory) -> NvmlReturn {
     let r = forward!(real, dev, m);
-    if m.is_null() {
-        return r;
-    }
-    // SAFETY: m is non-null, and NVML filled it if it reported success.
-    let Some((t, u)) = sliced(r, dev, || unsafe { (*m).total }) else { return r };
-    // SAFETY: as above.
-    let m = unsafe { &mut *m };
+    // SAFETY: the caller's structure for NVML to fill (NULL answered as NVML answered it); NVML
+    // has returned, and no one else writes it during the hook.
+    let Some(m) = (unsafe { m.as_mut() }) else { return r };
+    let Some((t, u)) = sliced(r, dev, || m.total) else { return r };
     (m.total, m.used, m.free) = (t, u, t - u);
     NVML_SUCCESS
 }
 
 pub unsafe fn memory_info_v2(real: f::nvmlDeviceGetMemoryInfo_v2, dev: NvmlDevice, m: *mut NvmlMemoryV2) -> NvmlReturn {
     let r = forward!(real, dev, m);
-    if m.is_null() {
-        return r;
-    }
-    // SAFETY: m is non-null, and NVML filled it if it reported success.
-    let Some((t, u)) = sliced(r, dev, || unsafe { (*m).total }) else { return r };
-    // SAFETY: as above.
-    let m = unsafe { &mut *m };
+    // SAFETY: as in `memory_info`, for the v2 structure: the caller's, NVML has returned.
+    let Some(m) = (unsafe { m.as_mut() }) else { return r };
+    let Some((t, u)) = sliced(r, dev, || m.total) else { return r };
     (m.total, m.reserved, m.used, m.free) = (t, 0, u, t - u);
     NVML_SUCCESS
 }
@@ -163,12 +144,6 @@ pub unsafe fn samples(
     r
 }
 
-/// An entry of an NVML list that names a process.
-pub trait Listed: Copy + Default {
-    fn pid(&self) -> u32;
-    fn set_pid(&mut self, pid: u32);
-}
-
 /// NVML's `NVML_STRUCT_VERSION(name, 1)`: the structure's size with the version in the top byte.
 const fn struct_v1<T>() -> u32 {
     std::mem::size_of::<T>() as u32 | 1 << 24
@@ -185,27 +160,6 @@ const _: () = assert!(
         && std::mem::size_of::<NvmlProcessUtilizationInfo>() == 40
         && std::mem::size_of::<NvmlProcessesUtilizationInfo>() == 24
         && std::mem::size_of::<NvmlMemoryV2>() == 40
-);
-
-/// Every list entry type names its process in a field `pid`.
-macro_rules! listed {
-    ($($t:ty),*) => {$(
-        impl Listed for $t {
-            fn pid(&self) -> u32 {
-                self.pid
-            }
-            fn set_pid(&mut self, pid: u32) {
-                self.pid = pid;
-            }
-        }
-    )*};
-}
-listed!(
-    NvmlProcessInfoV1,
-    NvmlProcessInfo,
-    NvmlProcessDetail,
-    NvmlProcessUtilizationSample,
-    NvmlProcessUtilizationInfo
 );
 
 /// The container's processes as (the PID NVML names it by, the PID to show it under), when `dev`
@@ -303,9 +257,6 @@ unsafe fn answer_ours<T: Listed>(
     NVML_SUCCESS
 }
 
-/// A list query as NVML shapes it: the device, the count (capacity in, entries out) and the array.
-pub type ListFn<T> = unsafe extern "C" fn(NvmlDevice, *mut u32, *mut T) -> NvmlReturn;
-
 /// The compute, graphics and MPS process lists (every version), restricted to the container's
 /// processes.
 pub unsafe fn processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice, count: *mut u32, infos: *mut T) -> NvmlReturn {
@@ -316,33 +267,6 @@ pub unsafe fn processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice, count: *mut
     // SAFETY: the real entry point with the caller's handle; count is non-null, and the caller's
     // infos holds the *count entries it passed in.
     unsafe { answer_ours(|n, p| real(dev, n, p), &mine, count, infos, *count as usize, NVML_SUCCESS) }
-}
-
-/// Every process `real` lists for `dev`, into a buffer grown as NVML asks.
-pub unsafe fn list_processes<T: Listed>(real: ListFn<T>, dev: NvmlDevice) -> Result<Vec<T>, NvmlReturn> {
-    // SAFETY: the real entry point, with a count and buffer grown as it asks.
-    unsafe { grown(|n, p| real(dev, n, p)) }
-}
-
-/// Calls `query(count, array)` with a buffer grown while it answers INSUFFICIENT_SIZE (a count
-/// query first, with a null array); the entries it filled, or what it answered otherwise.
-unsafe fn grown<T: Listed>(mut query: impl FnMut(*mut u32, *mut T) -> NvmlReturn) -> Result<Vec<T>, NvmlReturn> {
-    let mut buf: Vec<T> = Vec::new();
-    let mut n = 0u32;
-    let mut r = query(&mut n, std::ptr::null_mut());
-    for _ in 0..4 {
-        if r != NVML_ERROR_INSUFFICIENT_SIZE {
-            break;
-        }
-        n += 8;
-        buf.resize(n as usize, T::default());
-        r = query(&mut n, buf.as_mut_ptr());
-    }
-    if r != NVML_SUCCESS {
-        return Err(r);
-    }
-    buf.truncate(n as usize);
-    Ok(buf)
 }
 
 /// `nvmlDeviceGetRunningProcessDetailList`: the list of the mode asked for, restricted to the
@@ -357,7 +281,8 @@ pub unsafe fn process_details(
     let Some(mine) = mine else {
         return forward!(real, dev, list);
     };
-    // SAFETY: as above; the fields are read once, and the driver fills a structure of our own.
+    // SAFETY: `list` is non-null here (checked with its version above) and the caller's; its fields
+    // are read once, and NVML fills a structure of our own.
     let (mode, cap, out) = unsafe { ((*list).mode, (*list).num_proc_array_entries, (*list).proc_array) };
     let query = |n: *mut u32, p: *mut NvmlProcessDetail| {
         let mut l =
@@ -366,7 +291,7 @@ pub unsafe fn process_details(
         l.num_proc_array_entries = unsafe { *n };
         // SAFETY: a v1 structure of ours and the caller's handle.
         let r = unsafe { real(dev, &mut l) };
-        // SAFETY: as above.
+        // SAFETY: n is grown()'s count, valid for the query's duration.
         unsafe { *n = l.num_proc_array_entries };
         r
     };
@@ -406,7 +331,8 @@ pub unsafe fn processes_utilization(
     let Some(mine) = (if v1 { ours(dev) } else { None }) else {
         return forward!(real, dev, info);
     };
-    // SAFETY: as above.
+    // SAFETY: `info` is non-null here (checked with its version above) and the caller's; its
+    // fields are read once, and NVML fills a structure of our own.
     let (cap, out, last_seen) =
         unsafe { ((*info).process_samples_count, (*info).proc_util_array, (*info).last_seen_time_stamp) };
     let query = |n: *mut u32, p: *mut NvmlProcessUtilizationInfo| {
@@ -419,7 +345,7 @@ pub unsafe fn processes_utilization(
         };
         // SAFETY: a v1 structure of ours and the caller's handle.
         let r = unsafe { real(dev, &mut i) };
-        // SAFETY: as above.
+        // SAFETY: n is grown()'s count, valid for the query's duration.
         unsafe { *n = i.process_samples_count };
         r
     };

@@ -468,26 +468,23 @@ pub unsafe fn create(real: f::cuMemPoolCreate, pool: *mut CUmemoryPool, props: *
     r
 }
 
-/// `cuDeviceGetDefaultMemPool` and `cuDeviceGetMemPool`: the pool named holds `dev`'s memory.
-unsafe fn named(r: CUresult, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
-    if r == OK {
-        // SAFETY: the driver succeeded, so it wrote the pool's handle through the caller's pointer.
-        let handle = unsafe { *pool } as u64;
+/// `cuDeviceGetDefaultMemPool` and `cuDeviceGetMemPool`: the pool named (the driver wrote it to
+/// the caller's `pool` if it succeeded) holds `dev`'s memory.
+fn named(r: CUresult, pool: Option<&mut CUmemoryPool>, dev: CUdevice) -> CUresult {
+    if let (OK, Some(pool)) = (r, pool) {
         if let Ok(d) = state().dev_of(dev) {
-            located(handle, d);
+            located(*pool as u64, d);
         }
     }
     r
 }
 
 pub unsafe fn get_default(real: f::cuDeviceGetDefaultMemPool, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
-    // SAFETY: as above; `named` reads what the driver wrote.
-    unsafe { named(real(pool, dev), pool, dev) }
+    named(forward!(real, pool, dev), out_ref!(pool), dev)
 }
 
 pub unsafe fn get_current(real: f::cuDeviceGetMemPool, pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
-    // SAFETY: as above.
-    unsafe { named(real(pool, dev), pool, dev) }
+    named(forward!(real, pool, dev), out_ref!(pool), dev)
 }
 
 pub unsafe fn set_current(real: f::cuDeviceSetMemPool, dev: CUdevice, pool: CUmemoryPool) -> CUresult {
@@ -525,14 +522,12 @@ pub unsafe fn mem_set_current(
     r
 }
 
-/// `cuMemGetDefaultMemPool` and `cuMemGetMemPool` (CUDA 13.0): the pool named holds the memory of
-/// the location asked about.
-unsafe fn named_at(r: CUresult, pool: *mut CUmemoryPool, loc: *mut CUmemLocation, kind: i32) -> CUresult {
-    if r == OK {
-        // SAFETY: the driver succeeded: it read the location and wrote the pool's handle.
-        let (handle, l) = unsafe { (*pool as u64, *loc) };
-        if let Some(d) = pool_location(state(), kind, &l) {
-            located(handle, d);
+/// `cuMemGetDefaultMemPool` and `cuMemGetMemPool` (CUDA 13.0): the pool named (written to the
+/// caller's `pool` if the driver succeeded) holds the memory of the location asked about.
+fn named_at(r: CUresult, pool: Option<&mut CUmemoryPool>, loc: Option<&CUmemLocation>, kind: i32) -> CUresult {
+    if let (OK, Some(pool), Some(l)) = (r, pool, loc) {
+        if let Some(d) = pool_location(state(), kind, l) {
+            located(*pool as u64, d);
         }
     }
     r
@@ -544,8 +539,7 @@ pub unsafe fn mem_get_default(
     loc: *mut CUmemLocation,
     kind: i32,
 ) -> CUresult {
-    // SAFETY: as above; `named_at` reads what the driver read and wrote.
-    unsafe { named_at(real(pool, loc, kind), pool, loc, kind) }
+    named_at(forward!(real, pool, loc, kind), out_ref!(pool), in_ref!(loc), kind)
 }
 
 pub unsafe fn mem_get_current(
@@ -554,8 +548,7 @@ pub unsafe fn mem_get_current(
     loc: *mut CUmemLocation,
     kind: i32,
 ) -> CUresult {
-    // SAFETY: as above.
-    unsafe { named_at(real(pool, loc, kind), pool, loc, kind) }
+    named_at(forward!(real, pool, loc, kind), out_ref!(pool), in_ref!(loc), kind)
 }
 
 #[cfg(test)]

@@ -46,23 +46,15 @@ pub unsafe fn real_dlsym(h: *mut c_void, name: *const c_char) -> *mut c_void {
 
 /// `dlopen` a library, preferring an already loaded copy; never through our own `dlsym`.
 fn open(names: &[String]) -> *mut c_void {
-    for n in names {
+    let dlopen = |n: &String, flags| {
         let c = CString::new(n.as_str()).unwrap_or_default();
         // SAFETY: dlopen with a valid C string.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        if !h.is_null() {
-            return h;
-        }
-    }
-    for n in names {
-        let c = CString::new(n.as_str()).unwrap_or_default();
-        // SAFETY: as above.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if !h.is_null() {
-            return h;
-        }
-    }
-    std::ptr::null_mut()
+        unsafe { libc::dlopen(c.as_ptr(), flags) }
+    };
+    let loaded = names.iter().map(|n| dlopen(n, libc::RTLD_NOW | libc::RTLD_NOLOAD)).find(|h| !h.is_null());
+    loaded
+        .or_else(|| names.iter().map(|n| dlopen(n, libc::RTLD_NOW | libc::RTLD_LOCAL)).find(|h| !h.is_null()))
+        .unwrap_or(std::ptr::null_mut())
 }
 
 /// Looks `name` (NUL-terminated) up in `h` with the real dlsym.
@@ -166,7 +158,7 @@ macro_rules! define_real_nvml {
                     },)*
                     $($x: {
                         let p = sym(h, concat!(stringify!($x), "\0"));
-                        // SAFETY: as above.
+                        // SAFETY: NVML's symbol of this name has the signature listed above (nvml.h).
                         (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, nvml_fns::$x>(p) })
                     },)*
                 }

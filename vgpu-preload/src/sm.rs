@@ -462,7 +462,7 @@ fn by_synchronising(
         region.sm_correct(dev, cost as i64, 0);
         return res;
     }
-    // SAFETY: as above.
+    // SAFETY: the caller's stream again, which the launch was just given.
     if drained && sync.is_some_and(|f| unsafe { f(stream) } == CUresult::SUCCESS) {
         let ns = estimates().learn(key, now_precise().saturating_sub(since));
         region.sm_correct(dev, cost as i64 - ns as i64, ns);
@@ -493,7 +493,8 @@ fn collect(st: &State) {
         |s| unsafe { query(s.end) },
         |s, q| {
             let mut ms = 0f32;
-            // SAFETY: as above; both recorded on the same stream.
+            // SAFETY: events we created and recorded, both on the same stream, and an out-pointer
+            // to a local.
             let e = if q == CUresult::SUCCESS { unsafe { elapsed(&mut ms, s.start, s.end) } } else { q };
             if let Some(r) = st.region.as_ref() {
                 if e == CUresult::SUCCESS {
@@ -764,7 +765,7 @@ fn measure(
         spare(ctx, &[e0, e1]);
         return res;
     }
-    // SAFETY: as above, after the launch.
+    // SAFETY: recording our own event on the caller's stream, after its launch.
     if unsafe { r(e1, stream) } == CUresult::SUCCESS {
         if let Ok(mut p) = PENDING.lock() {
             p.push(Sample { key, dev, charged: cost, stream, ctx, start: e0, end: e1, idle_gap });

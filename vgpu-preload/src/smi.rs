@@ -18,9 +18,10 @@
 #![allow(clippy::missing_safety_doc)]
 
 use crate::log::{vlog, INFO};
-use crate::nvml::{list_processes, NvmlDevice, NvmlReturn, NVML_SUCCESS};
+use crate::nvquery::list_processes;
 use crate::real::{nvml, nvml_fns as f};
 use crate::state::state;
+use cuda_abi::nvml::{NvmlDevice, NvmlReturn, NVML_SUCCESS};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering::*};
 use std::sync::Mutex;
@@ -56,21 +57,20 @@ pub unsafe fn export_table(
     table: *mut *const c_void,
     id: *const c_void,
 ) -> NvmlReturn {
-    // SAFETY: the caller's arguments, forwarded unchanged to the driver's own entry point.
-    let r = unsafe { real(table, id) };
+    let r = forward!(real, table, id);
     // SAFETY: a non-null GUID is 16 bytes (NVML's contract).
-    if r != NVML_SUCCESS || table.is_null() || id.is_null() || unsafe { *(id as *const [u8; 16]) } != PROCESS_TABLE {
+    if r != NVML_SUCCESS || id.is_null() || unsafe { *(id as *const [u8; 16]) } != PROCESS_TABLE {
         return r;
     }
-    // SAFETY: the driver just wrote the table's address.
-    let t = unsafe { *table } as usize;
+    // The driver just wrote the table's address.
+    let Some(table) = out_ref!(table) else { return r };
+    let t = *table as usize;
     if t == 0 || !restricts() {
         return r;
     }
     // SAFETY: a table the driver handed out, its first word its size.
     if let Some(ours) = unsafe { wrapped(t) } {
-        // SAFETY: as above.
-        unsafe { *table = ours as *const c_void };
+        *table = ours as *const c_void;
     }
     r
 }

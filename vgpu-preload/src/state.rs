@@ -1,13 +1,20 @@
 //! The process's state: configuration, its slot in the container's region, the device map and the
 //! allocation tables. Created on the first call that needs it.
+//!
+//! The policies above it (the priority gate, the SM throttle, the pools, graph and VMM tables) use
+//! it, so it cannot name them; what they do at its moments (made, forked) and what they can give
+//! back when a reservation meets the limit is handed to it once, as the library loads
+//! ([`connect`], from `lib.rs`).
 
 use crate::config::Config;
+use crate::drv::format_uuid;
 use crate::log::{vlog, ERROR, INFO, WARN};
 use crate::ptrmap::PtrMap;
 use crate::real;
+use crate::trueup::{Ledger, TrueUp};
 use crate::MAX_DEVICES;
 use cuda_abi::*;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
 use vgpu_region::{Claim, Init, Layout, Region, Reserve};
 
@@ -41,7 +48,7 @@ pub struct State {
     /// The region device, when the process sees exactly one CUDA device (-1 otherwise).
     only_dev: AtomicI32,
     /// Charges for device memory the driver holds beyond what the calls charged (standalone).
-    pub trueup: crate::trueup::TrueUp,
+    pub trueup: TrueUp,
     /// An agent watches the region: reservations for calls in flight are counted there for its
     /// true-up (see [`State::in_flight`]).
     watched: bool,
@@ -58,7 +65,7 @@ struct Parts {
     limits_region: Option<Region>,
     claim: Option<Claim>,
     refuse: bool,
-    trueup: crate::trueup::TrueUp,
+    trueup: TrueUp,
     watched: bool,
 }
 
@@ -75,10 +82,49 @@ impl Drop for InFlight<'_> {
 static STATE: OnceLock<State> = OnceLock::new();
 static FORKED: AtomicBool = AtomicBool::new(false);
 
+/// What the policies above the state do at its moments (see the module's head).
+pub struct Above {
+    /// The state was made: before the call that made it goes on (the priority gate starts).
+    pub made: fn(&State),
+    /// In a forked child, in the fork itself (only what a child handler may do: stores).
+    pub child: fn(),
+    /// In a forked child, at its first call that needs the state, once it holds a slot of its own:
+    /// the policies' tables are its parent's.
+    pub forked: fn(),
+    /// Bytes the policies give back on a device when a reservation there meets the limit.
+    pub reclaim: fn(&State, usize) -> u64,
+}
+
+static ABOVE: OnceLock<Above> = OnceLock::new();
+/// `Above::made` ran (or is running).
+static MADE: AtomicBool = AtomicBool::new(false);
+
+/// Hands the policies' parts to the state (once; later calls are ignored). Where the state was
+/// made before (a library's constructor made a CUDA call before this one's ran), its `made` runs
+/// now.
+pub fn connect(above: Above) {
+    let _ = ABOVE.set(above);
+    fence(SeqCst);
+    run_made(STATE.get());
+}
+
+/// Runs `Above::made` once, where both the state and the policies are there. [`connect`] and the
+/// state's making each call it after their own store, so that one of them sees both.
+#[cold]
+fn run_made(st: Option<&State>) {
+    if let (Some(st), Some(a)) = (st, ABOVE.get()) {
+        if !MADE.swap(true, AcqRel) {
+            (a.made)(st);
+        }
+    }
+}
+
 extern "C" fn child_after_fork() {
     FORKED.store(true, Release);
     // The forking thread is the child's only thread, and its SM credit is the parent's.
-    crate::sm::after_fork();
+    if let Some(a) = ABOVE.get() {
+        (a.child)();
+    }
     crate::capture::after_fork();
     crate::guard::Calls::after_fork();
     crate::trueup::after_fork_in_child();
@@ -102,10 +148,22 @@ extern "C" fn at_exit() {
 /// The process state; the first call creates it.
 #[inline]
 pub fn state() -> &'static State {
-    let s = STATE.get_or_init(State::init);
+    let s = match STATE.get() {
+        Some(s) => s,
+        None => make(),
+    };
     if FORKED.load(Relaxed) {
         s.after_fork();
     }
+    s
+}
+
+/// The state's first call: made (by one thread, the others wait), then the policies told.
+#[cold]
+fn make() -> &'static State {
+    let s = STATE.get_or_init(State::init);
+    fence(SeqCst);
+    run_made(Some(s));
     s
 }
 
@@ -226,11 +284,7 @@ impl State {
         }
         // No agent watches a region a process created: each process trues itself up.
         let standalone = region.as_ref().is_some_and(|r| r.standalone()) && limits_region.is_none();
-        let trueup = crate::trueup::TrueUp::new(
-            cfg.memory_true_up && standalone,
-            cfg.memory_true_up && region.is_some(),
-            host_pid(),
-        );
+        let trueup = TrueUp::new(cfg.memory_true_up && standalone, cfg.memory_true_up && region.is_some(), host_pid());
         let watched = region.is_some() && !standalone;
         if trueup.measures() {
             crate::guard::Calls::track();
@@ -244,7 +298,9 @@ impl State {
             }
         }
         let st = State::assemble(Parts { cfg, region, limits_region, claim, refuse, trueup, watched });
-        crate::priority::start(&st);
+        // Before the state is published, so that no other thread's call runs ahead of it (where the
+        // policies were not connected yet, `make` runs it once they are).
+        run_made(Some(&st));
         st
     }
 
@@ -286,7 +342,7 @@ impl State {
     pub fn for_test(region: Region) -> &'static State {
         let cfg = Config::from_lookup(|_| None);
         let claim = Some(region.claim(std::process::id(), host_pid()).expect("a free slot"));
-        let trueup = crate::trueup::TrueUp::new(false, false, host_pid());
+        let trueup = TrueUp::new(false, false, host_pid());
         let st = State::assemble(Parts {
             cfg,
             region: Some(region),
@@ -319,9 +375,9 @@ impl State {
             }
         }
         self.trueup.after_fork(host_pid());
-        crate::graphmem::after_fork();
-        crate::pools::after_fork();
-        crate::vmm::after_fork();
+        if let Some(a) = ABOVE.get() {
+            (a.forked)();
+        }
         crate::ctxlimits::after_fork();
         self.ptrs.clear();
         self.handles.clear();
@@ -623,7 +679,7 @@ impl State {
             return Ok(());
         }
         // Pools may have given memory back since they were last settled.
-        if crate::pools::settle_all(self, Some(dev)) > 0
+        if ABOVE.get().is_some_and(|a| (a.reclaim)(self, dev) > 0)
             && r.reserve(slot, dev, bytes, self.mem_limit(dev)) == Reserve::Ok
         {
             return Ok(());
@@ -689,6 +745,24 @@ impl State {
     }
 }
 
+impl Ledger for State {
+    fn region(&self) -> Option<&Region> {
+        self.region.as_ref()
+    }
+    fn accounting(&self) -> Option<(&Region, usize)> {
+        State::accounting(self)
+    }
+    fn mem_limit(&self, dev: usize) -> u64 {
+        State::mem_limit(self, dev)
+    }
+    fn used(&self, dev: usize) -> u64 {
+        State::used(self, dev)
+    }
+    fn true_up(&self) -> &TrueUp {
+        &self.trueup
+    }
+}
+
 /// The container-visible index of a process's CUDA ordinal: by UUID in an existing region, through
 /// a numeric CUDA_VISIBLE_DEVICES, else the ordinal itself.
 fn container_index(ordinal: usize, uuid: &str, region: Option<&Region>) -> usize {
@@ -715,13 +789,6 @@ fn nvml_container_index(visible: Option<&str>, index: usize, uuid: &str) -> Opti
     } else {
         items.iter().position(|s| uuid == *s || (s.starts_with("GPU-") && uuid.starts_with(s)))
     }
-}
-
-pub fn format_uuid(b: &[u8; 16]) -> String {
-    format!(
-        "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
-        b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]
-    )
 }
 
 /// The initial PID namespace as `/proc/self/ns/pid` names it (its inode is the kernel's constant

@@ -35,13 +35,14 @@
 
 use crate::guard::Calls;
 use crate::log::{vlog, INFO, WARN};
-use crate::nvml::{list_processes, NvmlDevice, NVML_SUCCESS};
+use crate::nvquery::list_processes;
 use crate::real::nvml;
-use crate::state::State;
 use crate::MAX_DEVICES;
+use cuda_abi::nvml::{NvmlDevice, NVML_SUCCESS};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::*};
 use std::sync::Mutex;
+use vgpu_region::Region;
 
 /// Changes smaller than this are left alone (NVML's figures move by a few MiB on their own).
 const STEP: u64 = 8 << 20;
@@ -56,6 +57,21 @@ const HELPER_STACK: usize = 256 << 10;
 pub const CONTEXT_MARGIN: u64 = 1 << 30;
 /// NVML's "not available" for a process's memory.
 const NOT_AVAILABLE: u64 = u64::MAX;
+
+/// What the true-up measures against: the process's account in its container's region (the
+/// process state, which holds the true-up and is above it).
+pub trait Ledger: Sync + 'static {
+    /// The container's region, where there is one.
+    fn region(&self) -> Option<&Region>;
+    /// The region and this process's slot in it, when the process's calls are accounted.
+    fn accounting(&self) -> Option<(&Region, usize)>;
+    /// The container's memory limit on `dev` (0: none).
+    fn mem_limit(&self, dev: usize) -> u64;
+    /// The container's usage on `dev`.
+    fn used(&self, dev: usize) -> u64;
+    /// The true-up this ledger holds.
+    fn true_up(&self) -> &TrueUp;
+}
 
 pub struct TrueUp {
     /// The region is standalone (no agent watches it) and the setting allows it: every occasion.
@@ -167,7 +183,7 @@ impl TrueUp {
     /// Before a context is created on `dev`: the PIDs NVML lists there, when this process's host
     /// PID is still to be learned from them.
     #[cold]
-    pub fn before_context(&self, st: &State, dev: usize) -> Option<Vec<u32>> {
+    pub fn before_context(&self, st: &impl Ledger, dev: usize) -> Option<Vec<u32>> {
         if !self.at_context || self.host_pid.load(Acquire) != 0 || self.had_context[dev].load(Acquire) {
             return None;
         }
@@ -181,7 +197,7 @@ impl TrueUp {
     /// the measurement runs on a thread of its own, and allocations on `dev` near the limit wait
     /// for it ([`settle`](Self::settle)); where no thread can be started, here.
     #[cold]
-    pub fn after_context(&self, st: &'static State, dev: usize, before: Option<Vec<u32>>) {
+    pub fn after_context<L: Ledger>(&self, st: &'static L, dev: usize, before: Option<Vec<u32>>) {
         if !self.at_context {
             return;
         }
@@ -192,11 +208,12 @@ impl TrueUp {
         }
         self.any_pending.fetch_add(1, AcqRel);
         let job: Box<dyn FnOnce() + Send> = Box::new(move || {
-            st.trueup.after_context_now(st, dev, before);
-            let _g = st.trueup.done.0.lock().unwrap_or_else(|p| p.into_inner());
-            st.trueup.pending[dev].store(false, Release);
-            st.trueup.any_pending.fetch_sub(1, AcqRel);
-            st.trueup.done.1.notify_all();
+            let t = st.true_up();
+            t.after_context_now(st, dev, before);
+            let _g = t.done.0.lock().unwrap_or_else(|p| p.into_inner());
+            t.pending[dev].store(false, Release);
+            t.any_pending.fetch_sub(1, AcqRel);
+            t.done.1.notify_all();
         });
         let job = std::sync::Arc::new(Mutex::new(Some(job)));
         let theirs = job.clone();
@@ -216,7 +233,7 @@ impl TrueUp {
         }
     }
 
-    fn after_context_now(&self, st: &State, dev: usize, before: Option<Vec<u32>>) {
+    fn after_context_now(&self, st: &impl Ledger, dev: usize, before: Option<Vec<u32>>) {
         if let (Some(before), Some(after)) = (before, processes(st, dev)) {
             match learned(&before, after.iter().map(|(pid, _)| *pid)) {
                 Ok(pid) => {
@@ -247,7 +264,7 @@ impl TrueUp {
 
     /// A context on `dev` went: what the driver held for it went too.
     #[cold]
-    pub fn context_gone(&self, st: &State, dev: usize) {
+    pub fn context_gone(&self, st: &impl Ledger, dev: usize) {
         if self.at_context && self.added(dev) > 0 {
             self.measure(st, dev, true, 0);
         }
@@ -257,7 +274,7 @@ impl TrueUp {
     /// 100 ms (10 ms with `force`, before a refusal). `pending`: bytes this call reserved and the
     /// driver has not allocated yet. True when the charge changed.
     #[cold]
-    pub fn near_limit(&self, st: &State, dev: usize, force: bool, pending: u64) -> bool {
+    pub fn near_limit(&self, st: &impl Ledger, dev: usize, force: bool, pending: u64) -> bool {
         let now = crate::clock::now_coarse();
         let last = self.last_ns[dev].load(Relaxed);
         let period = if force { PERIOD_NS / 10 } else { PERIOD_NS };
@@ -279,7 +296,7 @@ impl TrueUp {
     /// it: it may raise the charge, and lowers it only when no other call was in flight (see
     /// `guard::Calls`). A measurement during which a call began bounds nothing; it is taken again,
     /// at most three times.
-    fn measure(&self, st: &State, dev: usize, gone: bool, pending: u64) -> bool {
+    fn measure(&self, st: &impl Ledger, dev: usize, gone: bool, pending: u64) -> bool {
         let host = self.host_pid.load(Acquire);
         let Some((r, slot)) = st.accounting() else { return false };
         if host == 0 || st.mem_limit(dev) == 0 {
@@ -381,11 +398,11 @@ pub(crate) fn nvml_ready() -> bool {
 
 /// (PID, bytes) of each process NVML lists on the region device `dev`; None if NVML cannot say
 /// (no NVML, or a device it does not know by this UUID, such as a MIG instance).
-fn processes(st: &State, dev: usize) -> Option<Vec<(u32, u64)>> {
+fn processes(st: &impl Ledger, dev: usize) -> Option<Vec<(u32, u64)>> {
     if !nvml_ready() {
         return None;
     }
-    let uuid = CString::new(st.region.as_ref()?.device_uuid(dev)).ok()?;
+    let uuid = CString::new(st.region()?.device_uuid(dev)).ok()?;
     let by_uuid = nvml().nvmlDeviceGetHandleByUUID?;
     let mut h: NvmlDevice = std::ptr::null_mut();
     // SAFETY: a NUL-terminated UUID and an out-pointer to a local.

@@ -9,10 +9,11 @@
 //! (`State::resolve`).
 
 use crate::config::Config;
+use crate::drv::format_uuid;
 use crate::log::{vlog, ERROR, WARN};
-use crate::nvml::{NvmlDevice, NvmlReturn, NVML_ERROR_NOT_FOUND, NVML_SUCCESS};
+use crate::nvquery::device_uuid;
 use crate::real::{self, cuda_fns as f, nvml_fns as nf};
-use crate::state::format_uuid;
+use cuda_abi::nvml::{NvmlDevice, NvmlReturn, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_FOUND, NVML_SUCCESS};
 use cuda_abi::*;
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -178,7 +179,7 @@ fn nvml_devices() -> Result<Option<&'static [u32]>, NvmlReturn> {
     for i in 0..c {
         let mut h: NvmlDevice = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; an index below the count.
-        let uuid = (unsafe { by_index(i, &mut h) } == NVML_SUCCESS).then(|| crate::nvml::device_uuid(h)).flatten();
+        let uuid = (unsafe { by_index(i, &mut h) } == NVML_SUCCESS).then(|| device_uuid(h)).flatten();
         match uuid {
             Some(u) if in_slice(slice, &u) => keep.push(i),
             u => hidden.push(format!("NVML device {i} ({})", u.unwrap_or_default())),
@@ -192,7 +193,7 @@ pub unsafe fn nvml_count(real: nf::nvmlDeviceGetCount_v2, n: *mut u32) -> NvmlRe
     match nvml_devices() {
         Ok(Some(v)) => {
             // SAFETY: the caller's out-pointer, checked for null.
-            let Some(n) = (unsafe { n.as_mut() }) else { return crate::nvml::NVML_ERROR_INVALID_ARGUMENT };
+            let Some(n) = (unsafe { n.as_mut() }) else { return NVML_ERROR_INVALID_ARGUMENT };
             *n = v.len() as u32;
             NVML_SUCCESS
         }
@@ -208,7 +209,7 @@ pub unsafe fn nvml_by_index(real: nf::nvmlDeviceGetHandleByIndex_v2, index: u32,
         Ok(Some(v)) => match v.get(index as usize) {
             // SAFETY: the caller's out-pointer and the driver's index of that device.
             Some(&i) => unsafe { real(i, dev) },
-            None => crate::nvml::NVML_ERROR_INVALID_ARGUMENT,
+            None => NVML_ERROR_INVALID_ARGUMENT,
         },
         Ok(None) => forward!(real, index, dev),
         Err(e) => e,
@@ -239,9 +240,7 @@ fn nvml_found(r: NvmlReturn, dev: *mut NvmlDevice) -> NvmlReturn {
     // SAFETY: the caller's out-pointer, which the driver filled (it succeeded).
     let Some(h) = (unsafe { dev.as_ref() }) else { return r };
     match (slice_gpus(), nvml_devices()) {
-        (Some(s), Ok(Some(_))) if !crate::nvml::device_uuid(*h).is_some_and(|u| in_slice(s, &u)) => {
-            NVML_ERROR_NOT_FOUND
-        }
+        (Some(s), Ok(Some(_))) if !device_uuid(*h).is_some_and(|u| in_slice(s, &u)) => NVML_ERROR_NOT_FOUND,
         _ => r,
     }
 }

@@ -21,15 +21,6 @@ use std::ffi::c_void;
 
 const INVALID: CUresult = CUresult::INVALID_VALUE;
 
-/// The caller's out-pointer as a reference; None where it is NULL (answered INVALID_VALUE).
-macro_rules! out_ref {
-    ($p:expr) => {
-        // SAFETY: the module's contract: an out-pointer the caller passed is NULL or valid for
-        // writes for the duration of the call, and nothing else refers to it meanwhile.
-        unsafe { $p.as_mut() }
-    };
-}
-
 /// The driver's answer as a [`Made`]: `read` gives what it made once it succeeded.
 #[inline]
 fn made<T>(r: CUresult, read: impl FnOnce() -> T) -> Made<T> {
