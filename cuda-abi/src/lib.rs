@@ -39,6 +39,7 @@ impl CUresult {
     pub const COOPERATIVE_LAUNCH_TOO_LARGE: Self = Self(720);
     pub const NOT_PERMITTED: Self = Self(800);
     pub const NOT_SUPPORTED: Self = Self(801);
+    pub const MPS_CONNECTION_FAILED: Self = Self(805);
     pub const STREAM_CAPTURE_UNSUPPORTED: Self = Self(900);
     pub const STREAM_CAPTURE_INVALIDATED: Self = Self(901);
     pub const STREAM_CAPTURE_UNMATCHED: Self = Self(903);
@@ -74,6 +75,10 @@ impl CUresult {
             720 => ("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", "too many blocks in cooperative launch"),
             800 => ("CUDA_ERROR_NOT_PERMITTED", "operation not permitted"),
             801 => ("CUDA_ERROR_NOT_SUPPORTED", "operation not supported"),
+            805 => (
+                "CUDA_ERROR_MPS_CONNECTION_FAILED",
+                "MPS client failed to connect to the MPS control daemon or the MPS server",
+            ),
             900 => ("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"),
             901 => ("CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"),
             907 => {

@@ -6,6 +6,7 @@ pub mod config;
 pub mod kernels;
 pub mod mig;
 pub mod models;
+pub mod mps;
 pub mod runtime;
 pub mod state;
 pub mod timeline;

@@ -17,7 +17,7 @@
 //! query, or a reap) records the host PID instead.
 
 use crate::config::{Config, MAX_GPUS};
-use crate::timeline::{Completion, Piece, Timeline};
+use crate::timeline::{Completion, Piece, Timeline, Who};
 use std::cell::UnsafeCell;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -28,7 +28,7 @@ use std::sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, Order
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"VGPUSIM1");
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 pub const MAX_PROCS: usize = 512;
 /// Kernel records kept per GPU (utilisation history).
 pub const RING: usize = 1 << 15;
@@ -126,9 +126,39 @@ pub struct ProcSlot {
     /// Per GPU, the MIG device the process's CUDA device is: its GPU instance id + 1 in the low 16
     /// bits, its compute instance id above; 0: the whole GPU. See [`ProcSlot::mig_at`].
     pub mig: [AtomicU32; MAX_GPUS],
+    /// Its part in MPS: 0 none, [`MPS_SERVER`], else a client of the server in slot `mps - 1`.
+    pub mps: AtomicU32,
+    /// An MPS client's active thread percentage (its share of each GPU's SMs).
+    pub mps_pct: AtomicU32,
+    /// An MPS client's pinned device memory limit per GPU (0: none).
+    pub mps_limit: [AtomicU64; MAX_GPUS],
+}
+
+/// [`ProcSlot::mps`] of an MPS server.
+pub const MPS_SERVER: u32 = u32::MAX;
+
+/// A process's part in MPS, from its slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MpsRole {
+    None,
+    Server,
+    /// A client of the server in this slot, with its active thread percentage.
+    Client {
+        server: usize,
+        pct: u32,
+    },
 }
 
 impl ProcSlot {
+    /// Its part in MPS.
+    pub fn mps_role(&self) -> MpsRole {
+        match self.mps.load(Acquire) {
+            0 => MpsRole::None,
+            MPS_SERVER => MpsRole::Server,
+            c => MpsRole::Client { server: c as usize - 1, pct: self.mps_pct.load(Acquire).clamp(1, 100) },
+        }
+    }
+
     /// The MIG device (GPU instance id, compute instance id) the process runs in on `gpu`, if any.
     pub fn mig_at(&self, gpu: usize) -> Option<(u32, u32)> {
         let v = self.mig[gpu].load(SeqCst);
@@ -420,7 +450,10 @@ impl Node {
                 slot.ctx[d].store(0, Relaxed);
                 slot.mem[d].store(0, Relaxed);
                 slot.mig[d].store(0, Relaxed);
+                slot.mps_limit[d].store(0, Relaxed);
             }
+            slot.mps.store(0, Relaxed);
+            slot.mps_pct.store(100, Relaxed);
             slot.pid.store(crate::host_pid(), Relaxed);
             slot.state.store(1, Release);
             s.procs_hw.fetch_max(i as u32 + 1, AcqRel);
@@ -525,9 +558,15 @@ impl Node {
     /// the sum is over. Of two concurrent charges at least one sees the other (sequentially consistent
     /// add-then-load), so the GPU is never over-committed; a process killed at any point leaves its
     /// slot holding exactly what it charged. Dead processes are reaped before giving up.
+    /// An MPS client's charges stay within its pinned device memory limit, as the server refuses
+    /// what would pass it.
     pub fn try_charge(&self, slot: usize, gpu: usize, bytes: u64) -> bool {
         let total = self.cfg.gpus[gpu].memory_bytes;
         let mine = &self.shared.procs[slot].mem[gpu];
+        let limit = self.shared.procs[slot].mps_limit[gpu].load(Acquire);
+        if limit != 0 && mine.load(SeqCst).saturating_add(bytes) > limit {
+            return false;
+        }
         for attempt in 0..8 {
             mine.fetch_add(bytes, SeqCst);
             if self.mem_used(gpu) <= total {
@@ -603,13 +642,18 @@ impl Node {
 
     /// Queues kernels of `durs_ns`, in order, of process slot `slot` (PID `pid`) on `gpu`; the id
     /// of the last on the GPU's timeline (0 for none). Waits while the GPU's queue is full.
+    /// An MPS client's kernels run in its server's context, on its partition (see `timeline`).
     pub fn launch(&self, gpu: usize, slot: usize, pid: u32, durs_ns: &[u64]) -> u64 {
         let (mut queued, mut last) = (0, 0);
         let s = self.cfg.slicing;
+        let who = match self.shared.procs[slot].mps_role() {
+            MpsRole::Client { server, pct } => Who { chan: slot as u32, group: server as u32, pct, pid },
+            _ => Who::alone(slot as u32, pid),
+        };
         while queued < durs_ns.len() {
             self.timeline(gpu, |t, now, out| {
                 for &d in &durs_ns[queued..] {
-                    let Some(id) = t.enqueue(now, slot as u32, pid, d, s, &mut *out) else { break };
+                    let Some(id) = t.enqueue(now, who, d, s, &mut *out) else { break };
                     (queued, last) = (queued + 1, id);
                 }
             });

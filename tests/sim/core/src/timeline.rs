@@ -14,6 +14,13 @@
 //! slice, after `switch_ns` of idle GPU (a context switch). A channel alone on the GPU keeps it.
 //! With a timeslice of 0 there is no slicing: kernels run in the order queued, whoever queued them.
 //!
+//! Under MPS the clients of one MPS server are one context to the GPU: the server's, time-sliced
+//! as one against the GPU's other contexts. Inside it the clients' kernels run at the same time,
+//! each channel its oldest kernel, each on its own partition of the SMs: a kernel queued needs the
+//! time its partition gives it alone (the driver computes that at launch, see
+//! `vgpu-sim-cuda`'s `duration`); while the running clients' partitions add up to more than the
+//! GPU (70 % and 70 %), each runs at 100 / their sum of its own pace.
+//!
 //! Nothing is decided ahead: [`Timeline::advance`] runs the model up to a time, handing out the
 //! pieces of GPU time each process got (NVML's utilisation records) and noting when kernels ended.
 //! A kernel not done yet has no end time, only a prediction ([`Timeline::predict`]: the end if no
@@ -35,8 +42,30 @@ pub struct Pending {
     pub id: u64,
     pub chan: u32,
     pub pid: u32,
-    /// GPU time it still needs.
+    /// GPU time it still needs, on its partition alone.
     pub left: u64,
+    /// The context it is time-sliced as (see [`Who`]).
+    pub group: u32,
+    /// Its channel's share of the SMs, percent.
+    pub pct: u32,
+}
+
+/// Whose kernel is queued: its channel (a process), the context it is time-sliced as (an MPS
+/// client's is its server's, everyone else's its own channel), its share of the SMs (an MPS
+/// client's active thread percentage; 100 otherwise) and its PID.
+#[derive(Clone, Copy, Debug)]
+pub struct Who {
+    pub chan: u32,
+    pub group: u32,
+    pub pct: u32,
+    pub pid: u32,
+}
+
+impl Who {
+    /// A process that is no MPS client: a context of its own, the whole GPU.
+    pub fn alone(chan: u32, pid: u32) -> Who {
+        Who { chan, group: chan, pct: 100, pid }
+    }
 }
 
 #[repr(C)]
@@ -99,27 +128,43 @@ pub struct Timeline {
     done: [Done; DONE],
 }
 
-/// Whether channel `c` has work queued.
+/// Whether context `c` has work queued.
 fn has_work(pending: &[Pending], c: u32) -> bool {
-    pending.iter().any(|p| p.id != 0 && p.chan == c)
+    pending.iter().any(|p| p.id != 0 && p.group == c)
 }
 
-/// The channel with work after `c`, round robin by channel number (the lowest after `NONE`).
+/// The context with work after `c`, round robin by number (the lowest after `NONE`).
 fn next_after(pending: &[Pending], c: u32) -> Option<u32> {
-    let chans = pending.iter().filter(|p| p.id != 0).map(|p| p.chan);
+    let chans = pending.iter().filter(|p| p.id != 0).map(|p| p.group);
     let above = chans.clone().filter(|&x| c == NONE || x > c).min();
     above.or_else(|| chans.min())
 }
 
+/// What one step of the model ran: the pieces (none: a context switch) and the kernels that ended.
+type Step = (Vec<Piece>, Vec<u64>);
+
+/// The kernels that run now in context `group`: each channel's oldest (indices into `pending`).
+fn heads(pending: &[Pending], group: u32) -> Vec<usize> {
+    let mut heads: Vec<usize> = Vec::new();
+    for (i, p) in pending.iter().enumerate().filter(|(_, p)| p.id != 0 && p.group == group) {
+        match heads.iter_mut().find(|h| pending[**h].chan == p.chan) {
+            Some(h) if pending[*h].id > p.id => *h = i,
+            Some(_) => {}
+            None => heads.push(i),
+        }
+    }
+    heads
+}
+
 impl Cursor {
-    /// One step of the model from `self.t`, at most up to `until`, over `pending`: the piece run
-    /// (None when the step was idle: a context switch) and the id of a kernel that ended with it.
-    /// `None` overall when there is nothing to do before `until`.
-    fn step(&mut self, pending: &mut [Pending], until: u64, s: Slicing) -> Option<(Option<Piece>, Option<u64>)> {
+    /// One step of the model from `self.t`, at most up to `until`, over `pending`: the pieces run
+    /// (none when the step was idle: a context switch) and the ids of the kernels that ended with
+    /// it. `None` overall when there is nothing to do before `until`.
+    fn step(&mut self, pending: &mut [Pending], until: u64, s: Slicing) -> Option<Step> {
         if self.t >= until {
             return None;
         }
-        // Time-sliced: one channel's kernels at a time, for a slice each. Not: every kernel in the
+        // Time-sliced: one context's kernels at a time, for a slice each. Not: every kernel in the
         // order queued, whoever queued it.
         let sliced = s.timeslice_ns > 0;
         if sliced && (self.running == NONE || !has_work(pending, self.running)) {
@@ -134,53 +179,56 @@ impl Cursor {
             let d = self.switch_left.min(until - self.t);
             self.t += d;
             self.switch_left -= d;
-            return Some((None, None));
+            return Some((Vec::new(), Vec::new()));
         }
-        let ch = self.running;
-        let mine = |p: &Pending| p.id != 0 && (!sliced || p.chan == ch);
-        let others = sliced && pending.iter().any(|p| p.id != 0 && p.chan != ch);
-        let head = pending.iter_mut().filter(|p| mine(p)).min_by_key(|p| p.id)?;
-        let run = head.left.min(until - self.t).min(if others { self.slice_left.max(1) } else { u64::MAX });
-        let piece = Piece { start: self.t, end: self.t + run, pid: head.pid, id: head.id };
+        let group =
+            if sliced { self.running } else { pending.iter().filter(|p| p.id != 0).min_by_key(|p| p.id)?.group };
+        let others = sliced && pending.iter().any(|p| p.id != 0 && p.group != group);
+        let heads = heads(pending, group);
+        // Partitions that add up to more than the GPU share it.
+        let load = heads.iter().map(|&h| u64::from(pending[h].pct.clamp(1, 100))).sum::<u64>().max(100);
+        let to_end = heads.iter().map(|&h| (pending[h].left * load).div_ceil(100)).min()?;
+        let run = to_end.min(until - self.t).min(if others { self.slice_left.max(1) } else { u64::MAX });
+        let progress = (run * 100).div_ceil(load);
+        let (mut pieces, mut ended) = (Vec::with_capacity(heads.len()), Vec::new());
+        for h in heads {
+            let k = &mut pending[h];
+            pieces.push(Piece { start: self.t, end: self.t + run, pid: k.pid, id: k.id });
+            k.left -= progress.min(k.left);
+            if k.left == 0 {
+                ended.push(std::mem::take(k).id);
+            }
+        }
         self.t += run;
-        head.left -= run;
-        let ended = (head.left == 0).then(|| std::mem::take(head).id);
         if sliced {
             self.slice_left = self.slice_left.saturating_sub(run);
         }
         if sliced && self.slice_left == 0 {
-            // The slice is over: the next channel with work (this one again when alone).
+            // The slice is over: the next context with work (this one again when alone).
             self.slice_left = s.timeslice_ns;
             if others {
-                if let Some(n) = next_after(pending, ch).filter(|&n| n != ch) {
+                if let Some(n) = next_after(pending, group).filter(|&n| n != group) {
                     self.running = n;
                     self.switch_left = s.switch_ns;
                 }
             }
         }
-        Some((Some(piece), ended))
+        Some((pieces, ended))
     }
 }
 
 impl Timeline {
-    /// Queues `dur_ns` of work of channel `chan` (process `pid`) at `now`; its id, or None when
-    /// the queue is full (the caller waits, as a driver's launch blocks on a full queue).
-    pub fn enqueue(
-        &mut self,
-        now: u64,
-        chan: u32,
-        pid: u32,
-        dur_ns: u64,
-        s: Slicing,
-        out: impl FnMut(Piece),
-    ) -> Option<u64> {
+    /// Queues `dur_ns` of work of `who` at `now`; its id, or None when the queue is full (the
+    /// caller waits, as a driver's launch blocks on a full queue).
+    pub fn enqueue(&mut self, now: u64, who: Who, dur_ns: u64, s: Slicing, out: impl FnMut(Piece)) -> Option<u64> {
         self.advance(now, s, out);
         let n = self.npending as usize;
         if n == PENDING {
             return None;
         }
         self.last_id += 1;
-        self.pending[n] = Pending { id: self.last_id, chan, pid, left: dur_ns.max(1) };
+        let Who { chan, group, pct, pid } = who;
+        self.pending[n] = Pending { id: self.last_id, chan, pid, left: dur_ns.max(1), group, pct };
         self.npending += 1;
         Some(self.last_id)
     }
@@ -205,12 +253,10 @@ impl Timeline {
     pub fn advance(&mut self, now: u64, s: Slicing, mut out: impl FnMut(Piece)) {
         while self.npending > 0 {
             let mut c = self.cursor;
-            let Some((piece, ended)) = c.step(self.queued(), now, s) else { break };
+            let Some((pieces, ended)) = c.step(self.queued(), now, s) else { break };
             self.cursor = c;
-            if let Some(p) = piece {
-                out(p);
-            }
-            if let Some(id) = ended {
+            pieces.into_iter().for_each(&mut out);
+            for id in ended {
                 self.retire(id, self.cursor.t);
             }
         }
@@ -239,10 +285,10 @@ impl Timeline {
         let mut pending: Vec<Pending> = self.pending[..self.npending as usize].to_vec();
         let mut c = self.cursor;
         while let Some((_, ended)) = c.step(&mut pending, u64::MAX, s) {
-            if ended == Some(id) {
+            if ended.contains(&id) {
                 return c.t;
             }
-            if ended.is_some() {
+            if !ended.is_empty() {
                 pending.retain(|p| p.id != 0);
             }
         }
@@ -309,8 +355,8 @@ mod tests {
     #[test]
     fn a_context_alone_runs_its_kernels_back_to_back() {
         let mut t = Timeline::boxed();
-        let a = t.enqueue(10, 0, 100, 3 * MS, S, |_| {}).unwrap();
-        let b = t.enqueue(10, 0, 100, MS, S, |_| {}).unwrap();
+        let a = t.enqueue(10, Who::alone(0, 100), 3 * MS, S, |_| {}).unwrap();
+        let b = t.enqueue(10, Who::alone(0, 100), MS, S, |_| {}).unwrap();
         assert_eq!(t.completion(a, S), Completion::Pending(10 + 3 * MS));
         assert_eq!(t.completion(b, S), Completion::Pending(10 + 4 * MS));
         let pieces = run(&mut t, 10 + 5 * MS);
@@ -324,10 +370,10 @@ mod tests {
     fn a_short_kernel_beside_a_backlog_waits_one_slice_then_shares() {
         let mut t = Timeline::boxed();
         // A best-effort backlog: 20 kernels of 5 ms on channel 1.
-        let backlog: Vec<u64> = (0..20).map(|_| t.enqueue(0, 1, 200, 5 * MS, S, |_| {}).unwrap()).collect();
+        let backlog: Vec<u64> = (0..20).map(|_| t.enqueue(0, Who::alone(1, 200), 5 * MS, S, |_| {}).unwrap()).collect();
         // 1 ms in, a 1 ms kernel on channel 0: it waits for the rest of channel 1's slice (1 ms).
         run(&mut t, MS);
-        let k = t.enqueue(MS, 0, 100, MS, S, |_| {}).unwrap();
+        let k = t.enqueue(MS, Who::alone(0, 100), MS, S, |_| {}).unwrap();
         assert_eq!(t.completion(k, S), Completion::Pending(3 * MS), "queued behind one slice, not 100 ms");
         // The backlog's first kernel is pushed back by the 1 ms it lost.
         assert_eq!(t.completion(backlog[0], S), Completion::Pending(6 * MS));
@@ -343,8 +389,8 @@ mod tests {
     fn two_busy_contexts_alternate_slices_and_a_switch_costs_idle_time() {
         let s = Slicing { timeslice_ns: 2 * MS, switch_ns: MS / 10 };
         let mut t = Timeline::boxed();
-        let a = t.enqueue(0, 3, 1, 10 * MS, s, |_| {}).unwrap();
-        let b = t.enqueue(0, 5, 2, 10 * MS, s, |_| {}).unwrap();
+        let a = t.enqueue(0, Who::alone(3, 1), 10 * MS, s, |_| {}).unwrap();
+        let b = t.enqueue(0, Who::alone(5, 2), 10 * MS, s, |_| {}).unwrap();
         let mut v = Vec::new();
         t.advance(100 * MS, s, |p| v.push(p));
         let per = |pid| v.iter().filter(|p| p.pid == pid).map(|p| p.end - p.start).sum::<u64>();
@@ -361,8 +407,9 @@ mod tests {
     fn without_slicing_kernels_run_in_the_order_queued() {
         let fifo = Slicing { timeslice_ns: 0, switch_ns: 0 };
         let mut t = Timeline::boxed();
-        let backlog: Vec<u64> = (0..20).map(|_| t.enqueue(0, 1, 200, 5 * MS, fifo, |_| {}).unwrap()).collect();
-        let k = t.enqueue(MS, 0, 100, MS, fifo, |_| {}).unwrap();
+        let backlog: Vec<u64> =
+            (0..20).map(|_| t.enqueue(0, Who::alone(1, 200), 5 * MS, fifo, |_| {}).unwrap()).collect();
+        let k = t.enqueue(MS, Who::alone(0, 100), MS, fifo, |_| {}).unwrap();
         assert_eq!(t.completion(k, fifo), Completion::Pending(101 * MS), "behind the whole backlog");
         assert_eq!(t.completion(backlog[19], fifo), Completion::Pending(100 * MS));
     }
@@ -370,8 +417,8 @@ mod tests {
     #[test]
     fn a_gone_process_s_work_is_dropped_and_the_rest_runs_on() {
         let mut t = Timeline::boxed();
-        let a = t.enqueue(0, 1, 10, 50 * MS, S, |_| {}).unwrap();
-        let b = t.enqueue(0, 2, 20, MS, S, |_| {}).unwrap();
+        let a = t.enqueue(0, Who::alone(1, 10), 50 * MS, S, |_| {}).unwrap();
+        let b = t.enqueue(0, Who::alone(2, 20), MS, S, |_| {}).unwrap();
         run(&mut t, MS);
         t.drop_channel(1, MS);
         assert_eq!(t.completion(a, S), Completion::Done(MS));
@@ -382,12 +429,65 @@ mod tests {
     fn a_full_queue_refuses_and_old_ends_are_remembered() {
         let mut t = Timeline::boxed();
         for _ in 0..PENDING {
-            t.enqueue(0, 0, 1, 1000, S, |_| {}).unwrap();
+            t.enqueue(0, Who::alone(0, 1), 1000, S, |_| {}).unwrap();
         }
-        assert_eq!(t.enqueue(0, 0, 1, 1000, S, |_| {}), None);
+        assert_eq!(t.enqueue(0, Who::alone(0, 1), 1000, S, |_| {}), None);
         run(&mut t, 1000);
         assert_eq!(t.completion(1, S), Completion::Done(1000));
-        assert!(t.enqueue(1000, 0, 1, 1000, S, |_| {}).is_some(), "room again");
+        assert!(t.enqueue(1000, Who::alone(0, 1), 1000, S, |_| {}).is_some(), "room again");
         assert_eq!(t.completion(0, S), Completion::Done(0), "no kernel: nothing to wait for");
+    }
+
+    /// An MPS client of the server in channel 9.
+    fn client(chan: u32, pct: u32) -> Who {
+        Who { chan, group: 9, pct, pid: 100 + chan }
+    }
+
+    fn ends(t: &Timeline, ids: &[u64]) -> Vec<u64> {
+        ids.iter()
+            .map(|&id| match t.completion(id, S) {
+                Completion::Done(e) => e,
+                c => panic!("{id} not done: {c:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn mps_clients_within_the_gpu_run_at_once_each_on_its_partition() {
+        let mut t = Timeline::boxed();
+        // 30 % and 70 %: each kernel's time is what its partition needs alone; together they fit.
+        let a = t.enqueue(0, client(1, 30), 10 * MS, S, |_| {}).unwrap();
+        let b = t.enqueue(0, client(2, 70), 4 * MS, S, |_| {}).unwrap();
+        let b2 = t.enqueue(0, client(2, 70), 4 * MS, S, |_| {}).unwrap();
+        let pieces = run(&mut t, 20 * MS);
+        assert_eq!(ends(&t, &[a, b, b2]), [10 * MS, 4 * MS, 8 * MS], "no slicing between clients");
+        let per = |pid| pieces.iter().filter(|p| p.pid == pid).map(|p| p.end - p.start).sum::<u64>();
+        assert_eq!((per(101), per(102)), (10 * MS, 8 * MS), "each client's time is its own");
+    }
+
+    #[test]
+    fn mps_partitions_over_the_gpu_share_it() {
+        let mut t = Timeline::boxed();
+        // 70 % and 70 %: 140 % asked of the GPU, so each runs at 100/140 of its pace while both run.
+        let a = t.enqueue(0, client(1, 70), 7 * MS, S, |_| {}).unwrap();
+        let b = t.enqueue(0, client(2, 70), 14 * MS, S, |_| {}).unwrap();
+        assert_eq!(t.completion(a, S), Completion::Pending(98 * MS / 10));
+        run(&mut t, 30 * MS);
+        // a: 7 ms of work at 1/1.4 speed ends at 9.8 ms; b has 7 ms left then, alone: 16.8 ms.
+        assert_eq!(ends(&t, &[a, b]), [98 * MS / 10, 168 * MS / 10]);
+    }
+
+    #[test]
+    fn an_mps_server_is_one_context_time_sliced_against_the_others() {
+        let mut t = Timeline::boxed();
+        // A process of its own (channel 3) with a long kernel, and two MPS clients: the clients run
+        // together in the server's slices, the process in its own.
+        let p = t.enqueue(0, Who::alone(3, 50), 4 * MS, S, |_| {}).unwrap();
+        let a = t.enqueue(0, client(1, 50), 2 * MS, S, |_| {}).unwrap();
+        let b = t.enqueue(0, client(2, 50), 2 * MS, S, |_| {}).unwrap();
+        run(&mut t, 20 * MS);
+        // Channel 3 first (the lowest context), a slice of 2 ms; then the server's context runs both
+        // clients for 2 ms; then channel 3 finishes.
+        assert_eq!(ends(&t, &[a, b, p]), [4 * MS, 4 * MS, 6 * MS]);
     }
 }

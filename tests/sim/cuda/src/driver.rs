@@ -58,6 +58,7 @@ pub fn init(flags: u32) -> CUresult {
         for (g, m) in mig.iter().enumerate() {
             node.set_mig(slot, g, m.map(|m| (m.gi, m.ci)));
         }
+        crate::mps::join(node, slot, &visible)?;
         // SAFETY: registering a plain extern "C" handler with no other callbacks.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
         Ok(Proc { node, slot, visible, mig, _liveness: f })

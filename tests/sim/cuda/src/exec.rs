@@ -404,7 +404,8 @@ pub struct Launch {
     pub cooperative: bool,
 }
 
-/// Simulated duration of a launch on `gpu`.
+/// Simulated duration of a launch on `gpu`: `wave_` kernels take a wave per SM's worth of blocks
+/// (of the SMs an MPS client's partition holds); the others what their name or parameter says.
 fn duration(l: &Launch, gpu: usize) -> R<u64> {
     let f: &Func = obj(l.f, FUNC_MAGIC)?;
     let blocks = l.grid.iter().map(|&x| x as u64).product::<u64>();
@@ -417,9 +418,15 @@ fn duration(l: &Launch, gpu: usize) -> R<u64> {
         return Err(CUresult::COOPERATIVE_LAUNCH_TOO_LARGE);
     }
     let kind = *f.kind.lock().unwrap();
+    // An MPS client's blocks run on its partition of the SMs.
+    let p = proc()?;
+    let sms = match p.node.shared().procs[p.slot].mps_role() {
+        vgpu_sim::state::MpsRole::Client { pct, .. } => (cfg.sm_count as u64 * pct as u64 / 100).max(1),
+        _ => cfg.sm_count as u64,
+    };
     Ok(match kind {
         KernelKind::Fixed(d) => d,
-        KernelKind::PerWave(d) => d * blocks.div_ceil(cfg.sm_count as u64),
+        KernelKind::PerWave(d) => d * blocks.div_ceil(sms),
         KernelKind::Param => {
             if l.params.is_null() {
                 return Err(CUresult::INVALID_VALUE);

@@ -6,4 +6,5 @@ mod driver;
 mod exec;
 mod exports;
 mod mem;
+mod mps;
 mod procaddr;

@@ -947,21 +947,24 @@ enum List {
     Mps,
 }
 
-/// The processes a list shows: with `mps = true` in the node description and an MPS server on the
-/// GPU, the compute list holds the server and the MPS list every other process (its clients);
-/// otherwise the compute list holds all. The graphics list holds all with `graphics = true`.
+/// The processes a list shows: the compute list holds the MPS servers and every process that is no
+/// MPS client, the MPS list the clients. A process named `nvidia-cuda-mps-server` counts as a server
+/// with `mps = true` in the node description (and every other process as its client). The graphics
+/// list holds all with `graphics = true`.
 fn listed(d: nvmlDevice_t, which: List) -> R<Vec<Listed>> {
+    use vgpu_sim::state::MpsRole;
     let all = processes(d)?;
     let cfg = &node()?.cfg;
     if which == List::Graphics {
         return Ok(if cfg.graphics { all } else { Vec::new() });
     }
-    let on = cfg.mps && all.iter().any(|p| mps_server(p.pid));
-    Ok(match (on, which == List::Mps) {
-        (false, false) => all,
-        (false, true) => Vec::new(),
-        (true, clients) => all.into_iter().filter(|p| mps_server(p.pid) != clients).collect(),
-    })
+    let named = cfg.mps && all.iter().any(|p| mps_server(p.pid));
+    let client = |p: &Listed| match p.mps {
+        MpsRole::Client { .. } => true,
+        MpsRole::Server => false,
+        MpsRole::None => named && !mps_server(p.pid),
+    };
+    Ok(all.into_iter().filter(|p| client(p) == (which == List::Mps)).collect())
 }
 
 /// [`listed`] as `nvmlProcessInfo_v1_t` (the unversioned calls).
@@ -1008,6 +1011,7 @@ struct Listed {
     pid: u32,
     bytes: u64,
     mig: Option<(u32, u32)>,
+    mps: vgpu_sim::state::MpsRole,
 }
 
 impl Listed {
@@ -1033,7 +1037,12 @@ fn processes(d: nvmlDevice_t) -> R<Vec<Listed>> {
     n.reap_for_query();
     Ok(n.live_slots()
         .filter(|p| p.ctx[g].load(Acquire) > 0)
-        .map(|p| Listed { pid: p.pid.load(Relaxed), bytes: p.mem[g].load(Acquire), mig: p.mig_at(g) })
+        .map(|p| Listed {
+            pid: p.pid.load(Relaxed),
+            bytes: p.mem[g].load(Acquire),
+            mig: p.mig_at(g),
+            mps: p.mps_role(),
+        })
         .filter(|p| only.is_none() || p.mig == only)
         .collect())
 }

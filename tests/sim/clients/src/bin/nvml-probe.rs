@@ -82,16 +82,8 @@ fn snapshot(nvml: &Nvml) -> Value {
         let d = nvml.device_by_index(i).unwrap_or_else(|e| die(&format!("device {i}: {e}")));
         let mem =
             d.memory_info().map(|m| json!({"total": m.total, "used": m.used, "free": m.free, "reserved": m.reserved}));
-        let procs = d.running_compute_processes().map(|ps| {
-            ps.iter()
-                .map(|p| {
-                    json!({"pid": p.pid, "used": match p.used_gpu_memory {
-                        nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => json!(b),
-                        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => Value::Null,
-                    }})
-                })
-                .collect::<Vec<_>>()
-        });
+        let procs = listed(d.running_compute_processes());
+        let mps_procs = listed(d.mps_running_compute_processes());
         let util = d.utilization_rates().map(|u| json!({"gpu": u.gpu, "memory": u.memory}));
         // The GPU utilization samples NVML keeps (nvidia-smi -q -d UTILIZATION), oldest first.
         let samples = d.samples(nvml_wrapper::enum_wrappers::device::Sampling::GpuUtilization, None).map(|v| {
@@ -122,6 +114,7 @@ fn snapshot(nvml: &Nvml) -> Value {
             "pci": pci.ok(),
             "memory": mem.ok(),
             "processes": procs.map_err(|e| e.to_string()),
+            "mps_processes": mps_procs.map_err(|e| e.to_string()),
             "utilization": util.ok(),
             "utilization_samples": samples.map_err(|e| e.to_string()),
             "process_utilization": putil.unwrap_or_default(),
@@ -566,4 +559,20 @@ fn smi(nvml: &Nvml) -> String {
         }
     }
     out
+}
+
+/// A process list as JSON: each process's PID and memory (null where NVML has no figure).
+fn listed(
+    r: Result<Vec<nvml_wrapper::struct_wrappers::device::ProcessInfo>, nvml_wrapper::error::NvmlError>,
+) -> Result<Vec<Value>, nvml_wrapper::error::NvmlError> {
+    r.map(|ps| {
+        ps.iter()
+            .map(|p| {
+                json!({"pid": p.pid, "used": match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => json!(b),
+                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => Value::Null,
+                }})
+            })
+            .collect()
+    })
 }
