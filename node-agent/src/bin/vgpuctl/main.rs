@@ -373,14 +373,24 @@ async fn watch(c: &mut Client, interval: u32, json_out: bool, style: Style) {
 
 /// A slice's environment as a process on this host needs it: each value under a container path
 /// mapped back through the slice's mounts to the host path, and the GPUs a container runtime would
-/// give it (`NVIDIA_VISIBLE_DEVICES`) as CUDA_VISIBLE_DEVICES.
+/// give it (`NVIDIA_VISIBLE_DEVICES`) as CUDA_VISIBLE_DEVICES. A value naming the container
+/// folder that holds mounts (the gates: `gates/<GPU UUID>` each mounted by itself) is the host
+/// folder that holds them alike.
 fn host_env(d: &pb::SliceDetail) -> Vec<(String, String)> {
     let host = |v: &str| -> String {
-        d.mounts
+        let under = d
+            .mounts
             .iter()
             .filter(|m| v.starts_with(m.container_path.as_str()))
             .max_by_key(|m| m.container_path.len())
-            .map_or(v.to_string(), |m| v.replacen(&m.container_path, &m.host_path, 1))
+            .map(|m| v.replacen(&m.container_path, &m.host_path, 1));
+        let holding = || {
+            d.mounts.iter().find_map(|m| {
+                let rest = m.container_path.strip_prefix(v)?.strip_prefix('/')?;
+                Some(m.host_path.strip_suffix(rest)?.strip_suffix('/')?.to_string())
+            })
+        };
+        under.or_else(holding).unwrap_or_else(|| v.to_string())
     };
     let mut env: Vec<(String, String)> = d
         .env
@@ -695,5 +705,40 @@ async fn cluster_status(r: &Receiver, node: String) -> vgpu_proto::scheduler::v1
         if all.next_after.is_empty() {
             return all;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slice_s_environment_is_mapped_to_the_host_s_paths() {
+        let mount = |host: &str, container: &str| pb::Mount {
+            host_path: host.into(),
+            container_path: container.into(),
+            read_only: true,
+        };
+        let d = pb::SliceDetail {
+            env: [
+                ("VGPU_LIMITS_FILE", "/usr/local/vgpu/limits"),
+                ("VGPU_GATES_DIR", "/usr/local/vgpu/gates"),
+                ("NVIDIA_VISIBLE_DEVICES", "GPU-1"),
+                ("LIBCUDA_LOG_LEVEL", "2"),
+            ]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+            mounts: vec![
+                mount("/var/lib/vgpu/slices/a/limits", "/usr/local/vgpu/limits"),
+                mount("/var/lib/vgpu/gates/GPU-1", "/usr/local/vgpu/gates/GPU-1"),
+            ],
+            ..Default::default()
+        };
+        let env: std::collections::BTreeMap<String, String> = host_env(&d).into_iter().collect();
+        assert_eq!(env["VGPU_LIMITS_FILE"], "/var/lib/vgpu/slices/a/limits");
+        assert_eq!(env["VGPU_GATES_DIR"], "/var/lib/vgpu/gates", "the folder that holds the gates");
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-1");
+        assert_eq!(env["LIBCUDA_LOG_LEVEL"], "2");
     }
 }
