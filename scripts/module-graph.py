@@ -68,7 +68,7 @@ PRELOAD_FLOORS = [
     # The process state: its slot in the region, the device map, the allocation tables.
     {"state"},
     # The policies: memory, NVML's view, SM time, priority, pools, graphs, VMM.
-    {"graphmem", "locate", "memory", "nvml", "pools", "priority", "sm", "smi", "stale", "vmm"},
+    {"graphmem", "locate", "memory", "mps", "nvml", "pools", "priority", "sm", "smi", "stale", "vmm"},
     # The exported hooks and `dlsym`.
     {"dl", "hooks"},
 ]

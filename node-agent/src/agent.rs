@@ -98,6 +98,8 @@ pub struct Agent {
     /// them (`notices_wanted`), at most [`NOTICES_KEPT`].
     pub notices: Mutex<std::collections::VecDeque<Notice>>,
     pub notices_wanted: AtomicBool,
+    /// The MPS control daemons, by GPU UUID, as the supervisor last found them (see `mps`).
+    pub mps: RwLock<BTreeMap<String, pb::MpsStatus>>,
 }
 
 /// Why the agent's records could not be loaded at start.
@@ -191,6 +193,7 @@ impl Agent {
             warnings: RwLock::new(warnings),
             notices: Mutex::new(Default::default()),
             notices_wanted: AtomicBool::new(false),
+            mps: RwLock::new(BTreeMap::new()),
         })
     }
 
@@ -574,6 +577,11 @@ impl Agent {
             }
         }
         // What an operator must act on: escapes and the status's warnings.
+        for g in &st.gpus {
+            if let Some(m) = g.mps.as_ref().filter(|m| !m.running) {
+                problems.push(format!("GPU {} ({}) MPS control daemon down: {}", g.index, g.uuid, m.last_error));
+            }
+        }
         problems.extend(st.escapes.iter().map(|e| format!("escape: {}", crate::describe::escape_line(e))));
         problems.extend(st.warnings.iter().cloned());
         let stalled = self.stalled();
@@ -585,6 +593,75 @@ impl Agent {
             metrics_address: self.metrics_address.read().map(|a| a.to_string()).unwrap_or_default(),
             state_dir: self.cfg.state_dir.display().to_string(),
             library: self.cfg.library.display().to_string(),
+        }
+    }
+
+    /// A GPU's status from its sample in a pass and the inventory.
+    fn gpu_status(&self, g: &crate::monitor::GpuSample, inv: &Inventory) -> pb::GpuStatus {
+        let info = inv.gpus.iter().find(|x| x.uuid == g.uuid || (g.uuid.is_empty() && x.index == g.index));
+        let uuid = info.map_or(g.uuid.as_str(), |i| i.uuid.as_str());
+        let (healthy, health_reason) = self.health.check(uuid, g.error.as_deref());
+        let xids = self.health.xids(uuid);
+        let mig = info.and_then(|i| i.mig.as_ref());
+        let mode = if mig.is_some_and(|m| m.enabled) {
+            "mig"
+        } else if g.slices > 1 || (g.outsiders && g.slices > 0) {
+            "shared"
+        } else {
+            "exclusive"
+        };
+        pb::GpuStatus {
+            index: g.index,
+            uuid: info.map_or(g.uuid.clone(), |i| i.uuid.clone()),
+            model: info.map(|i| i.name.clone()).unwrap_or_default(),
+            mode: mode.into(),
+            memory_used: g.memory_used,
+            memory_total: g.memory_total,
+            unified_memory: g.unified_memory,
+            utilization: g.utilization,
+            sm_feedback_held: g.sm_feedback_held,
+            admin_processes: g.admin_processes.clone(),
+            healthy,
+            health_reason,
+            critical_xids: xids.critical,
+            application_xids: xids.application,
+            last_critical_xid: xids.last_critical as u32,
+            last_critical_xid_at: xids.last_critical_at,
+            mps: self.mps.read().get(uuid).cloned(),
+            sm_count: info.and_then(|i| i.sm_count).unwrap_or(0),
+            numa_node: info.and_then(|i| i.numa_node).map_or(-1, |n| n as i32),
+            pci_bus_id: info.map(|i| i.pci_bus_id.clone()).unwrap_or_default(),
+            mig: Some(pb::MigStatus {
+                supported: mig.is_some(),
+                enabled: mig.is_some_and(|m| m.enabled),
+                pending: mig.is_some_and(|m| m.pending),
+                instances: mig
+                    .map(|m| {
+                        m.gpu_instances
+                            .iter()
+                            .map(|gi| (gi, m.devices.iter().find(|d| d.gpu_instance_id == Some(gi.id))))
+                            .map(|(gi, dev)| {
+                                let bad = self.health.instance(uuid, gi.id);
+                                pb::MigInstance {
+                                    unhealthy: bad.is_some(),
+                                    health_reason: bad.unwrap_or_default(),
+                                    gpu_instance_id: gi.id,
+                                    profile_id: gi.profile_id,
+                                    start: gi.start,
+                                    size: gi.size,
+                                    uuid: dev.map(|d| d.uuid.clone()).unwrap_or_default(),
+                                    name: dev.map(|d| d.name.clone()).unwrap_or_default(),
+                                    memory_total: dev.map_or(0, |d| d.memory_total),
+                                    compute_instances: gi.compute_instances.len() as u32,
+                                    holder: dev.and_then(|d| self.mig_holder(&d.uuid)).unwrap_or_default(),
+                                    compute_instance_id: gi.compute_instances.first().map_or(0, |c| c.0),
+                                    container: dev.and_then(|d| self.mig_containers.read().get(&d.uuid).cloned()),
+                                }
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            }),
         }
     }
 
@@ -606,77 +683,7 @@ impl Agent {
         }
         self.note_restored(&pass.restored, &pass.suspended);
         let inv = self.inventory.read();
-        let gpus = pass
-            .gpus
-            .iter()
-            .map(|g| {
-                let info = inv.gpus.iter().find(|x| x.uuid == g.uuid || (g.uuid.is_empty() && x.index == g.index));
-                let uuid = info.map_or(g.uuid.as_str(), |i| i.uuid.as_str());
-                let (healthy, health_reason) = self.health.check(uuid, g.error.as_deref());
-                let xids = self.health.xids(uuid);
-                let mig = info.and_then(|i| i.mig.as_ref());
-                let mode = if mig.is_some_and(|m| m.enabled) {
-                    "mig"
-                } else if g.slices > 1 || (g.outsiders && g.slices > 0) {
-                    "shared"
-                } else {
-                    "exclusive"
-                };
-                pb::GpuStatus {
-                    index: g.index,
-                    uuid: info.map_or(g.uuid.clone(), |i| i.uuid.clone()),
-                    model: info.map(|i| i.name.clone()).unwrap_or_default(),
-                    mode: mode.into(),
-                    memory_used: g.memory_used,
-                    memory_total: g.memory_total,
-                    unified_memory: g.unified_memory,
-                    utilization: g.utilization,
-                    sm_feedback_held: g.sm_feedback_held,
-                    admin_processes: g.admin_processes.clone(),
-                    healthy,
-                    health_reason,
-                    critical_xids: xids.critical,
-                    application_xids: xids.application,
-                    last_critical_xid: xids.last_critical as u32,
-                    last_critical_xid_at: xids.last_critical_at,
-                    sm_count: info.and_then(|i| i.sm_count).unwrap_or(0),
-                    numa_node: info.and_then(|i| i.numa_node).map_or(-1, |n| n as i32),
-                    pci_bus_id: info.map(|i| i.pci_bus_id.clone()).unwrap_or_default(),
-                    mig: Some(pb::MigStatus {
-                        supported: mig.is_some(),
-                        enabled: mig.is_some_and(|m| m.enabled),
-                        pending: mig.is_some_and(|m| m.pending),
-                        instances: mig
-                            .map(|m| {
-                                m.gpu_instances
-                                    .iter()
-                                    .map(|gi| (gi, m.devices.iter().find(|d| d.gpu_instance_id == Some(gi.id))))
-                                    .map(|(gi, dev)| {
-                                        let bad = self.health.instance(uuid, gi.id);
-                                        pb::MigInstance {
-                                            unhealthy: bad.is_some(),
-                                            health_reason: bad.unwrap_or_default(),
-                                            gpu_instance_id: gi.id,
-                                            profile_id: gi.profile_id,
-                                            start: gi.start,
-                                            size: gi.size,
-                                            uuid: dev.map(|d| d.uuid.clone()).unwrap_or_default(),
-                                            name: dev.map(|d| d.name.clone()).unwrap_or_default(),
-                                            memory_total: dev.map_or(0, |d| d.memory_total),
-                                            compute_instances: gi.compute_instances.len() as u32,
-                                            holder: dev.and_then(|d| self.mig_holder(&d.uuid)).unwrap_or_default(),
-                                            compute_instance_id: gi.compute_instances.first().map_or(0, |c| c.0),
-                                            container: dev
-                                                .and_then(|d| self.mig_containers.read().get(&d.uuid).cloned()),
-                                        }
-                                    })
-                                    .collect()
-                            })
-                            .unwrap_or_default(),
-                    }),
-                }
-            })
-            .collect();
+        let gpus = pass.gpus.iter().map(|g| self.gpu_status(g, &inv)).collect();
         let status = pb::NodeStatus {
             hostname: self.hostname.clone(),
             agent_version: VERSION.into(),

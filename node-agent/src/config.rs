@@ -60,6 +60,8 @@ struct FileConfig {
     dra_mig: Option<String>,
     mig_geometries_file: Option<PathBuf>,
     hami_node_config_file: Option<PathBuf>,
+    mps_gpus: Option<Vec<String>>,
+    mps_control: Option<PathBuf>,
     /// `[[node]]` sections: keys for some nodes only.
     node: Option<Vec<NodeSection>>,
 }
@@ -73,6 +75,7 @@ struct NodeSection {
     names: Vec<String>,
     split_count: Option<u32>,
     memory_scaling: Option<f64>,
+    mps_gpus: Option<Vec<String>>,
 }
 
 impl NodeSection {
@@ -192,6 +195,36 @@ pub struct Config {
     pub node_section: Option<(usize, Vec<String>)>,
     /// Whether HAMi's per-node configuration (`hami_node_config_file`) has an entry for this node.
     pub hami_node_entry: bool,
+    /// The GPUs that run MPS, each with a control daemon the agent supervises (docs/mps.md).
+    pub mps: Mps,
+}
+
+/// The MPS settings: which GPUs, and the control daemon's program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mps {
+    pub gpus: MpsGpus,
+    /// `nvidia-cuda-mps-control`: a path, or a name looked up on `PATH`.
+    pub control: PathBuf,
+}
+
+/// Which GPUs run MPS.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MpsGpus {
+    None,
+    All,
+    /// By index or GPU UUID.
+    Some(Vec<String>),
+}
+
+impl MpsGpus {
+    /// Whether the GPU of `index` and `uuid` runs MPS.
+    pub fn has(&self, index: u32, uuid: &str) -> bool {
+        match self {
+            MpsGpus::None => false,
+            MpsGpus::All => true,
+            MpsGpus::Some(v) => v.iter().any(|g| *g == uuid || g.parse() == Ok(index)),
+        }
+    }
 }
 
 /// How the DRA plugin offers a GPU in MIG mode.
@@ -307,6 +340,7 @@ impl Config {
             std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string()
         });
         let (hami_node_entry, sections, node_section) = node_overrides(&mut file, &node_name, &src)?;
+        let mps = mps_settings(&mut file, &src)?;
         let (metrics_address, metrics_tls, metrics_token_file) = metrics_settings(&mut file, flags, &src)?;
         let dra = dra_driver(&mut file, &src)?;
         let scheduler = report_settings(&mut file, &node_name, &src)?;
@@ -377,6 +411,8 @@ impl Config {
             file.compat,
             &[("replicas", Compat::Replicas), ("hami", Compat::Hami), ("volcano", Compat::Volcano)],
         )?;
+        let (memory_factor, memory_scaling) =
+            memory_settings((file.memory_factor, file.memory_scaling), scheduler_settings.as_ref(), &src)?;
         let kube_api = env("VGPU_AGENT_KUBE_API").or(file.kube_api).filter(|s| !s.is_empty());
         let register_interval_s =
             src.within("register_interval_s", file.register_interval_s.unwrap_or(30), 1..=3600)?;
@@ -385,19 +421,6 @@ impl Config {
             Some("text") => true,
             Some(v) => return Err(bad("hami_register_format", format!("{v:?} is not json or text"))),
         };
-        // Volcano's scheduler reads a pod's volcano.sh/vgpu-memory in units of its gpuMemoryFactor MiB,
-        // 1 unless configured (as Volcano documents it): unset, the agent takes the scheduler's
-        // (from its device configuration, where given) or 1.
-        let scheduler_factor = scheduler_settings.as_ref().and_then(|s| s.gpu_memory_factor).filter(|&f| f > 0);
-        let memory_factor =
-            src.number("memory_factor", file.memory_factor.or(scheduler_factor).unwrap_or(1), 1..=1 << 20)?;
-        let memory_scaling = match env("VGPU_AGENT_MEMORY_SCALING") {
-            Some(v) => v.trim().parse().map_err(|_| bad("memory_scaling", format!("{v:?} is not a number")))?,
-            None => file.memory_scaling.unwrap_or(1.0),
-        };
-        if !(memory_scaling > 0.0 && memory_scaling <= 10.0) {
-            return Err(bad("memory_scaling", format!("{memory_scaling} is not above 0 and at most 10")));
-        }
         if dra.is_some() && device_plugin {
             return Err(bad(
                 "dra",
@@ -413,6 +436,7 @@ impl Config {
         Ok(Config {
             node_section: node_section.map(|i| (i, sections[i].names.clone())),
             hami_node_entry,
+            mps,
             mig_geometries,
             scheduler_settings,
             dra,
@@ -704,6 +728,9 @@ fn node_overrides(
         if let Some(e) = entry {
             file.split_count = e.split_count.or(file.split_count);
             file.memory_scaling = e.memory_scaling.or(file.memory_scaling);
+            if e.mps {
+                file.mps_gpus = Some(vec!["all".into()]);
+            }
             hami_node_entry = true;
         }
     }
@@ -720,8 +747,60 @@ fn node_overrides(
     if let Some(n) = node_section.map(|i| &sections[i]) {
         file.split_count = n.split_count.or(file.split_count);
         file.memory_scaling = n.memory_scaling.or(file.memory_scaling);
+        file.mps_gpus = n.mps_gpus.clone().or(file.mps_gpus.take());
     }
     Ok((hami_node_entry, sections, node_section))
+}
+
+/// `memory_factor` and `memory_scaling`. Volcano's scheduler reads a pod's
+/// volcano.sh/vgpu-memory in units of its gpuMemoryFactor MiB, 1 unless configured (as Volcano
+/// documents it): unset, the agent takes the scheduler's (from its device configuration, where
+/// given) or 1.
+fn memory_settings(
+    (factor, scaling): (Option<u32>, Option<f64>),
+    scheduler: Option<&peer::SchedulerSettings>,
+    src: &Sources,
+) -> Result<(u32, f64), ConfigError> {
+    let scheduler_factor = scheduler.and_then(|s| s.gpu_memory_factor).filter(|&f| f > 0);
+    let memory_factor = src.number("memory_factor", factor.or(scheduler_factor).unwrap_or(1), 1..=1 << 20)?;
+    let memory_scaling = match (src.env)("VGPU_AGENT_MEMORY_SCALING") {
+        Some(v) => v.trim().parse().map_err(|_| src.bad("memory_scaling", format!("{v:?} is not a number")))?,
+        None => scaling.unwrap_or(1.0),
+    };
+    if !(memory_scaling > 0.0 && memory_scaling <= 10.0) {
+        return Err(src.bad("memory_scaling", format!("{memory_scaling} is not above 0 and at most 10")));
+    }
+    Ok((memory_factor, memory_scaling))
+}
+
+/// `mps_gpus` (`VGPU_AGENT_MPS_GPUS`, comma-separated, else the file's list): `all`, or GPU
+/// indices and UUIDs; `mps_control` (`VGPU_AGENT_MPS_CONTROL`).
+fn mps_settings(file: &mut FileConfig, src: &Sources) -> Result<Mps, ConfigError> {
+    let list = match (src.env)("VGPU_AGENT_MPS_GPUS") {
+        Some(v) => v.split(',').map(|g| g.trim().to_string()).filter(|g| !g.is_empty()).collect(),
+        None => file.mps_gpus.take().unwrap_or_default(),
+    };
+    let gpus = match &list[..] {
+        [] => MpsGpus::None,
+        [all] if all == "all" => MpsGpus::All,
+        _ => {
+            for g in &list {
+                if g.parse::<u32>().is_err() && !(g.starts_with("GPU-") && g.len() > 4) {
+                    return Err(src.bad(
+                        "mps_gpus",
+                        format!("{g:?} is not a GPU index or UUID (GPU-...); the list is \"all\" or GPUs"),
+                    ));
+                }
+            }
+            MpsGpus::Some(list)
+        }
+    };
+    let control = (src.env)("VGPU_AGENT_MPS_CONTROL")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or(file.mps_control.take())
+        .unwrap_or_else(|| PathBuf::from("nvidia-cuda-mps-control"));
+    Ok(Mps { gpus, control })
 }
 
 /// Where metrics are served, and with what TLS and token. The endpoint is the agent's only TCP
@@ -887,6 +966,21 @@ mod tests {
     }
 
     #[test]
+    fn mps_gpus_are_all_or_indices_and_uuids() {
+        let c = load(Some("mps_gpus = [\"0\", \"GPU-5eed\"]\n"), &[], Flags::default()).unwrap();
+        assert!(c.mps.gpus.has(0, "GPU-x") && c.mps.gpus.has(3, "GPU-5eed") && !c.mps.gpus.has(1, "GPU-y"));
+        assert_eq!(c.mps.control, PathBuf::from("nvidia-cuda-mps-control"));
+        let c = load(None, &[("VGPU_AGENT_MPS_GPUS", "all"), ("VGPU_AGENT_MPS_CONTROL", "/opt/mps")], Flags::default());
+        let c = c.unwrap();
+        assert_eq!((c.mps.gpus, c.mps.control), (MpsGpus::All, PathBuf::from("/opt/mps")));
+        assert_eq!(load(None, &[], Flags::default()).unwrap().mps.gpus, MpsGpus::None);
+        let e = load(Some("mps_gpus = [\"first\"]\n"), &[], Flags::default()).unwrap_err().to_string();
+        assert!(e.contains("mps_gpus") && e.contains("\"first\" is not a GPU index or UUID"), "{e}");
+        let f = "[[node]]\nnames = [\"n1\"]\nmps_gpus = [\"all\"]\n";
+        assert_eq!(load(Some(f), &[("NODE_NAME", "n1")], Flags::default()).unwrap().mps.gpus, MpsGpus::All);
+    }
+
+    #[test]
     fn each_bad_setting_is_refused_naming_its_source_and_what_is_accepted() {
         let refused = |file: &str, env: &[(&str, &str)]| {
             load(Some(file), env, Flags::default()).map(|_| ()).unwrap_err().to_string()
@@ -963,7 +1057,8 @@ mod tests {
              "preconfigureddevicememory": 0, "migstrategy": "none", "filterdevices": {"uuid": [], "index": []}},
             {"name": "gpu-2", "devicesplitcount": 5},
             {"name": "gpu-3", "filterdevices": {"index": [1]}},
-            {"name": "gpu-4", "operatingmode": "mps"}]}"#,
+            {"name": "gpu-4", "operatingmode": "mps"},
+            {"name": "gpu-5", "operatingmode": "vgpu"}]}"#,
         )
         .unwrap();
         let f = format!("split_count = 10\nhami_node_config_file = {:?}\n", json.to_str().unwrap());
@@ -979,8 +1074,10 @@ mod tests {
         // What the agent cannot do as HAMi's plugin would is refused, naming the node.
         let e = on("gpu-3", "").unwrap_err().to_string();
         assert!(e.contains("hami_node_config_file") && e.contains("node gpu-3: filterdevices is not supported"), "{e}");
-        let e = on("gpu-4", "").unwrap_err().to_string();
-        assert!(e.contains("node gpu-4: operatingmode mps is not supported"), "{e}");
+        assert_eq!(on("gpu-4", "").unwrap().mps.gpus, MpsGpus::All, "operatingmode mps: every GPU runs MPS");
+        assert_eq!(on("gpu-1", "").unwrap().mps.gpus, MpsGpus::None);
+        let e = on("gpu-5", "").unwrap_err().to_string();
+        assert!(e.contains("node gpu-5: operatingmode \"vgpu\" is not hami-core, mig or mps"), "{e}");
         std::fs::write(&json, "{\"nodes\": []}").unwrap();
         let e = on("gpu-1", "").unwrap_err().to_string();
         assert!(e.contains("missing field `nodeconfig`"), "{e}");

@@ -250,6 +250,7 @@ async fn run_async(cfg: Config) -> Result<u64, DaemonError> {
         crate::events::post_node_warning(&cfg, "VolcanoMemoryUnits", &why).await;
         return Err(DaemonError::Refused(why));
     }
+    let mps = start_mps(&agent, &stop)?;
     if volcano {
         plugin = start_plugin();
     }
@@ -343,12 +344,33 @@ async fn run_async(cfg: Config) -> Result<u64, DaemonError> {
     let _ = std::fs::remove_file(&cfg.socket);
     let passes = tokio::task::spawn_blocking(move || {
         let _ = xids.join();
+        let _ = mps.map(std::thread::JoinHandle::join);
         monitor.join().unwrap_or(0)
     })
     .await
     .unwrap_or(0);
     tracing::info!(passes, "stopped");
     Ok(passes)
+}
+
+/// MPS: the slices on its GPUs follow (their files' flag, their injection) before any container is
+/// given one; then the supervisor of a daemon per GPU, where any GPU runs MPS.
+fn start_mps(agent: &Arc<Agent>, stop: &Arc<AtomicBool>) -> Result<Option<std::thread::JoinHandle<()>>, DaemonError> {
+    let gpus = crate::mps::gpus(agent);
+    agent.store.set_mps(gpus.clone());
+    for (slice, what) in agent.store.check() {
+        tracing::info!(slice = %slice, %what, "slice files follow the MPS configuration");
+    }
+    if gpus.is_empty() {
+        return Ok(None);
+    }
+    tracing::info!(gpus = ?gpus.keys().collect::<Vec<_>>(), "MPS on");
+    let (a, s) = (agent.clone(), stop.clone());
+    std::thread::Builder::new()
+        .name("mps".into())
+        .spawn(move || crate::mps::supervise(&a, &s))
+        .map(Some)
+        .map_err(|source| DaemonError::Process { what: "cannot start the MPS supervisor", source })
 }
 
 fn monitor_loop(nvml: &nvml_wrapper::Nvml, agent: &Agent, stop: &AtomicBool) -> u64 {

@@ -283,7 +283,15 @@ impl Kube {
                 devcore: 100,
                 ty: format!("NVIDIA-{}", g.name),
                 numa: g.numa_node.unwrap_or(0),
-                mode: if g.mig.as_ref().is_some_and(|m| m.enabled) { "mig" } else { "hami-core" }.into(),
+                // HAMi's modes: a pod's `nvidia.com/vgpu-mode` picks GPUs by it.
+                mode: if g.mig.as_ref().is_some_and(|m| m.enabled) {
+                    "mig"
+                } else if agent.cfg.mps.gpus.has(g.index, &g.uuid) {
+                    "mps"
+                } else {
+                    "hami-core"
+                }
+                .into(),
                 health: st.gpus.iter().find(|x| x.uuid == g.uuid).is_none_or(|x| x.healthy),
             })
             .collect();

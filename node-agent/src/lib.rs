@@ -19,6 +19,7 @@ pub mod k8s;
 pub mod metrics;
 pub mod mig;
 pub mod monitor;
+pub mod mps;
 pub mod notify;
 pub mod procfs;
 pub mod report;

@@ -158,7 +158,13 @@ pub struct SliceStore {
     /// High-priority slices whose priority is suspended, until when: out of the gates, so that
     /// no normal slice waits for them (claims of queued work their GPU time did not bear out).
     suspended: parking_lot::Mutex<BTreeMap<String, std::time::Instant>>,
+    /// The GPUs that run MPS, by UUID, with their daemon's pipe directory; None until the GPUs are
+    /// known (see [`set_mps`](Self::set_mps)).
+    mps: parking_lot::RwLock<Option<BTreeMap<String, PathBuf>>>,
 }
+
+/// Where a slice's containers see their GPU's MPS pipe directory.
+pub const CONTAINER_MPS_DIR: &str = "/usr/local/vgpu/mps";
 
 /// What a normal slice keeps queued beside a high-priority one, unless configured.
 pub const DEFAULT_PRIORITY_QUEUE_NS: u64 = 100_000;
@@ -334,6 +340,7 @@ impl SliceStore {
             max_slices: DEFAULT_MAX_SLICES,
             changing: parking_lot::Mutex::new(()),
             suspended: parking_lot::Mutex::new(BTreeMap::new()),
+            mps: parking_lot::RwLock::new(None),
         })
     }
 
@@ -356,6 +363,20 @@ impl SliceStore {
     pub fn with_oversubscribe(mut self, on: bool) -> SliceStore {
         self.oversubscribe = on;
         self
+    }
+
+    /// Sets the GPUs that run MPS (by UUID, with their daemon's pipe directory): slices on them get
+    /// the pipe directory, their SM share as their MPS partition and the flag that says so in their
+    /// files (written at their next [`apply_limits`](Self::apply_limits); until this is called,
+    /// the flag is left as it is).
+    pub fn set_mps(&self, gpus: BTreeMap<String, PathBuf>) {
+        *self.mps.write() = Some(gpus);
+    }
+
+    /// Whether slice `s` runs on MPS GPUs (None: not known yet). A slice reaches one MPS daemon:
+    /// one GPU (see [`injection_of`](Self::injection_of)).
+    fn on_mps(&self, gpus: &[SliceGpu]) -> Option<bool> {
+        self.mps.read().as_ref().map(|m| gpus.iter().any(|g| m.contains_key(&g.uuid)))
     }
 
     /// Sets the most slices the node holds (`max_slices`).
@@ -410,6 +431,7 @@ impl SliceStore {
         if let Some(g) = gpus.iter().find(|g| g.sm > 100) {
             return Err(SliceError::new(ErrorKind::Invalid, format!("SM limit {} % of {} is above 100", g.sm, g.uuid)));
         }
+        self.mps_pipe(name, &gpus)?;
         let _changing = self.changing.lock();
         if self.record(name).symlink_metadata().is_ok() {
             return Err(SliceError::new(ErrorKind::Exists, format!("slice {name} already exists")));
@@ -582,6 +604,7 @@ impl SliceStore {
         limits.set_priority_high(priority == Priority::High).map_err(region_err)?;
         limits.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
         limits.set_priority_min_share(self.priority_min_share).map_err(region_err)?;
+        limits.set_mps(self.on_mps(gpus) == Some(true)).map_err(region_err)?;
         // Only the agent writes limits (containers get the file read-only; on the host, other
         // users must not raise them). The region stays writable by every user: a container's
         // processes, whatever their uid, account their usage in it.
@@ -696,6 +719,10 @@ impl SliceStore {
                     self.priority_queue_ns.to_string(),
                 );
                 r.set_priority_queue_ns(self.priority_queue_ns).map_err(region_err)?;
+            }
+            if let Some(mps) = self.on_mps(&s.gpus).filter(|&m| m != r.mps()) {
+                differ("MPS".into(), r.mps().to_string(), mps.to_string());
+                r.set_mps(mps).map_err(region_err)?;
             }
             if r.priority_min_share() != self.priority_min_share {
                 differ(
@@ -952,12 +979,23 @@ impl SliceStore {
         if self.oversubscribe {
             env.push(("CUDA_OVERSUBSCRIBE".to_string(), "true".to_string()));
         }
+        let mps = self.mps_pipe(name, &s.gpus)?;
         for (i, g) in s.gpus.iter().enumerate() {
             if g.memory > 0 {
                 env.push((format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"), format!("{}m", g.memory.div_ceil(1 << 20))));
             }
+            // Under MPS the share is the slice's partition of the SMs (libvgpu.so holds the
+            // process to it at cuInit), not a share of time.
             if g.sm > 0 && g.sm < 100 {
-                env.push((format!("CUDA_DEVICE_SM_LIMIT_{i}"), g.sm.to_string()));
+                let key = if mps.is_some() {
+                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into()
+                } else {
+                    format!("CUDA_DEVICE_SM_LIMIT_{i}")
+                };
+                env.push((key, g.sm.to_string()));
+            }
+            if mps.is_some() && g.memory > 0 {
+                env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), format!("{i}={}M", g.memory.div_ceil(1 << 20))));
             }
         }
         env.push(("VGPU_ACTIVITY_FILE".to_string(), format!("{CONTAINER_DIR}/activity")));
@@ -981,7 +1019,33 @@ impl SliceStore {
         if let Some(lib) = library {
             mounts.push(m(lib.to_owned(), format!("{CONTAINER_DIR}/libvgpu.so"), true));
         }
+        if let Some(pipe) = mps {
+            env.push(("CUDA_MPS_PIPE_DIRECTORY".into(), CONTAINER_MPS_DIR.into()));
+            mounts.push(m(pipe, CONTAINER_MPS_DIR.into(), false));
+        }
         Ok(Injection { env, mounts })
+    }
+
+    /// The MPS pipe directory of slice `s`'s GPU, where it runs MPS. A slice with an MPS GPU among
+    /// several is refused: a process reaches one daemon (`CUDA_MPS_PIPE_DIRECTORY`), and each GPU
+    /// has its own.
+    fn mps_pipe(&self, name: &str, gpus: &[SliceGpu]) -> Result<Option<PathBuf>> {
+        let m = self.mps.read();
+        let Some(m) = m.as_ref() else { return Ok(None) };
+        let on: Vec<&SliceGpu> = gpus.iter().filter(|g| m.contains_key(&g.uuid)).collect();
+        match (&on[..], gpus.len()) {
+            ([], _) => Ok(None),
+            ([g], 1) => Ok(m.get(&g.uuid).cloned()),
+            ([g, ..], n) => Err(SliceError::new(
+                ErrorKind::Invalid,
+                format!(
+                    "slice {} has {n} GPUs and {} runs MPS: a process reaches one MPS daemon, so a slice on an MPS \
+                     GPU has that GPU only",
+                    name,
+                    shown(&g.uuid)
+                ),
+            )),
+        }
     }
 }
 

@@ -319,6 +319,28 @@ fn the_agent_configuration_takes_the_chart_s_values() {
     assert_eq!((cfg.split_count, cfg.node_section.map(|n| n.0)), (3, Some(0)), "a [[node]] section for every node");
 }
 
+/// MPS: the GPUs and the control program reach the agent, and the agent's container gets the
+/// driver's compute files (its MPS servers run there) only where a GPU runs MPS.
+#[test]
+fn mps_values_reach_the_agent_and_its_container() {
+    use vgpu_agent::config::MpsGpus;
+    let Some(r) = template("mps:\n  gpus: [\"0\", \"GPU-5eed0000-1000\"]\n  control: /opt/nvidia/mps-control\n") else {
+        return;
+    };
+    let c: ConfigMap = yaml_serde::from_str(doc(&docs(&r), "ConfigMap")).unwrap();
+    let cfg = vgpu_agent::config::Config::from_toml(&c.data.unwrap()["agent.toml"]).unwrap();
+    assert_eq!(cfg.mps.gpus, MpsGpus::Some(vec!["0".into(), "GPU-5eed0000-1000".into()]));
+    assert_eq!(cfg.mps.control, PathBuf::from("/opt/nvidia/mps-control"));
+    assert!(doc(&docs(&r), "DaemonSet").contains("value: compute,utility"), "the compute files for the servers");
+    let Some(plain) = template("") else { return };
+    let c: ConfigMap = yaml_serde::from_str(doc(&docs(&plain), "ConfigMap")).unwrap();
+    let cfg = vgpu_agent::config::Config::from_toml(&c.data.unwrap()["agent.toml"]).unwrap();
+    assert_eq!(cfg.mps.gpus, MpsGpus::None);
+    assert!(doc(&docs(&plain), "DaemonSet").contains("value: utility\n"), "no compute files without MPS");
+    let refused = try_template("mps:\n  gpus: [\"first\"]\n").unwrap().unwrap_err();
+    assert!(refused.contains("/mps/gpus/0"), "{refused}");
+}
+
 /// Every bounded value of the schema that reaches the agent is bounded exactly as the agent is: at
 /// each bound Helm renders and the agent takes the rendering; past it Helm refuses, and so would
 /// the agent (a schema wider than the agent let an install succeed and the agent crash-loop on

@@ -424,6 +424,16 @@ impl Region {
         self.set_flag(FLAG_OVERSUBSCRIBE, on)
     }
 
+    /// Whether the slice's GPUs run MPS (set by the agent; see [`FLAG_MPS`]).
+    #[inline]
+    pub fn mps(&self) -> bool {
+        self.map.header.flags.load(Acquire) & FLAG_MPS != 0
+    }
+
+    pub fn set_mps(&self, on: bool) -> Result<()> {
+        self.set_flag(FLAG_MPS, on)
+    }
+
     /// Whether the slice is a high-priority tenant of its GPUs (set by the agent).
     #[inline]
     pub fn priority_high(&self) -> bool {
@@ -813,6 +823,9 @@ pub const FLAG_STANDALONE: u32 = 1;
 pub const FLAG_OVERSUBSCRIBE: u32 = 2;
 /// Header flag: the slice is a high-priority tenant of its GPUs.
 pub const FLAG_PRIORITY_HIGH: u32 = 4;
+/// Header flag: the slice's GPUs run MPS: its SM share is its MPS partition (the active thread
+/// percentage its processes are held to), not a share of time.
+pub const FLAG_MPS: u32 = 8;
 
 /// Outcome of a reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,6 +8,8 @@
 macro_rules! cuda_hooks {
     ($m:ident) => {
         $m! {
+            // the slice's MPS settings, before the driver reads them (see `mps`)
+            cuInit(flags: u32) => mps::init;
             // the devices the process sees: its slice's (see `visible`)
             cuDeviceGetCount(n: *mut i32) => visible::count;
             cuDeviceGet(dev: *mut CUdevice, ordinal: i32) => visible::get;

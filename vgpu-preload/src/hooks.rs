@@ -17,7 +17,7 @@ mod exports {
     use super::procaddr;
     use super::*;
     #[allow(unused_imports)]
-    use crate::{capture, graphmem, memory, nvml, pools, sm, smi, stale, visible, vmm};
+    use crate::{capture, graphmem, memory, mps, nvml, pools, sm, smi, stale, visible, vmm};
 
     macro_rules! cuda_exports {
         ($($name:ident($($a:ident: $t:ty),*) => $p:tt $(:: $q:ident $(::<$g:tt>)?)?;)*) => {

@@ -65,6 +65,7 @@ mod hooks;
 mod locate;
 mod log;
 mod memory;
+mod mps;
 mod nvml;
 mod nvquery;
 mod pools;

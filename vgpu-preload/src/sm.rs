@@ -378,7 +378,8 @@ pub fn after_fork() {
 #[inline]
 fn applies(st: &State, dev: usize) -> Option<u32> {
     let pct = st.sm_limit(dev);
-    if pct == 0 || pct >= 100 {
+    // An MPS client's share is its partition, which MPS holds it to (see `mps`).
+    if pct == 0 || pct >= 100 || crate::mps::client() {
         return None;
     }
     match st.cfg.core_policy {

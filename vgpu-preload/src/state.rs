@@ -481,6 +481,11 @@ impl State {
         Some((path, (0..r.ndevices()).map(|i| r.device_uuid(i)).collect()))
     }
 
+    /// Whether the slice's GPU runs MPS (the agent's flag in the limits file, never the region's).
+    pub fn mps(&self) -> bool {
+        self._limits_region.as_ref().is_some_and(|r| r.mps())
+    }
+
     /// Whether an allocation the GPU has no room for may be served as unified memory:
     /// `CUDA_OVERSUBSCRIBE`, or the agent's flag in the limits.
     pub fn oversubscribe(&self) -> bool {

@@ -116,8 +116,8 @@ pub enum PeerConfigError {
          scheduler's placement instead)"
     )]
     FilterDevices(String),
-    #[error("node {0}: operatingmode mps is not supported (hami-core, or mig, which follows each GPU's MIG mode)")]
-    Mps(String),
+    #[error("node {0}: operatingmode {1:?} is not hami-core, mig or mps")]
+    Mode(String, String),
 }
 
 /// Parses the `knownMigGeometries` of HAMi's or Volcano's device configuration: the list itself, a
@@ -191,8 +191,8 @@ pub fn parse_scheduler_settings(text: &str) -> Result<Option<SchedulerSettings>,
 /// This node's entry in HAMi's per-node device plugin configuration (the `config.json` of its
 /// `hami-device-plugin` ConfigMap: `{"nodeconfig": [{"name", "devicesplitcount",
 /// "devicememoryscaling", "operatingmode", "filterdevices", ...}]}`): its replicas per GPU and memory
-/// scaling. What the agent cannot do as HAMi's plugin would is refused, naming the entry: GPUs left
-/// out (`filterdevices`) and the `mps` mode.
+/// scaling, and whether it runs MPS (`operatingmode: mps`). What the agent cannot do as HAMi's plugin
+/// would is refused, naming the entry: GPUs left out (`filterdevices`).
 pub fn hami_node_entry(text: &str, node: &str) -> Result<Option<HamiNodeEntry>, PeerConfigError> {
     #[derive(Deserialize)]
     struct File {
@@ -219,12 +219,15 @@ pub fn hami_node_entry(text: &str, node: &str) -> Result<Option<HamiNodeEntry>, 
     if !e.filterdevices.uuid.is_empty() || !e.filterdevices.index.is_empty() {
         return Err(PeerConfigError::FilterDevices(node.to_string()));
     }
-    if e.operatingmode.as_deref() == Some("mps") {
-        return Err(PeerConfigError::Mps(node.to_string()));
-    }
+    let mps = match e.operatingmode.as_deref() {
+        None | Some("hami-core" | "mig") => false,
+        Some("mps") => true,
+        Some(other) => return Err(PeerConfigError::Mode(node.to_string(), other.to_string())),
+    };
     Ok(Some(HamiNodeEntry {
         split_count: e.devicesplitcount.filter(|&n| n > 0),
         memory_scaling: e.devicememoryscaling.filter(|&x| x > 0.0),
+        mps,
     }))
 }
 
@@ -233,6 +236,8 @@ pub fn hami_node_entry(text: &str, node: &str) -> Result<Option<HamiNodeEntry>, 
 pub struct HamiNodeEntry {
     pub split_count: Option<u32>,
     pub memory_scaling: Option<f64>,
+    /// `operatingmode: mps`: every GPU of the node runs MPS.
+    pub mps: bool,
 }
 
 fn is_zero(v: &u32) -> bool {

@@ -41,6 +41,23 @@ impl Out {
         }
     }
 
+    /// One metric: its head, then a sample per GPU that runs MPS (the head alone where none does).
+    fn per_mps_gpu(
+        &mut self,
+        st: &pb::NodeStatus,
+        name: &str,
+        kind: &str,
+        help: &str,
+        f: &dyn Fn(&pb::MpsStatus) -> f64,
+    ) {
+        self.head(name, kind, help);
+        for g in &st.gpus {
+            if let Some(m) = &g.mps {
+                self.put(name, &[("device_uuid", &g.uuid), ("device_index", &g.index.to_string())], f(m));
+            }
+        }
+    }
+
     /// One metric: its head, then a sample per slice and GPU, with the slice's owner labels.
     fn per_slice_gpu(
         &mut self,
@@ -100,8 +117,27 @@ pub fn render(agent: &Agent) -> String {
     let mut o = Out(String::with_capacity(16 * 1024));
     hami::series(&mut o, agent, &st);
     vgpu_series(&mut o, &st);
+    mps_series(&mut o, &st);
     agent_series(&mut o, agent, &st);
     o.0
+}
+
+/// The MPS daemons' series (GPUs that run MPS only).
+fn mps_series(o: &mut Out, st: &pb::NodeStatus) {
+    o.per_mps_gpu(
+        st,
+        "vgpu_mps_daemon_up",
+        "gauge",
+        "1 while the GPU's MPS control daemon answers (GPUs that run MPS only).",
+        &|m| f64::from(u8::from(m.running)),
+    );
+    o.per_mps_gpu(
+        st,
+        "vgpu_mps_daemon_restarts_total",
+        "counter",
+        "How often the agent started the GPU's MPS control daemon again since it started.",
+        &|m| f64::from(m.restarts),
+    );
 }
 
 /// vgpu's own series of GPUs, MIG instances and slices.

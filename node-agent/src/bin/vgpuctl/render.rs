@@ -55,6 +55,25 @@ fn last_kernel(now_ms: u64, last_ms: u64, watched_ms: u64) -> String {
     }
 }
 
+/// A GPU's MPS daemon as the status says it: running (with its servers and pipe directory), or
+/// down with why.
+fn mps_line(index: u32, m: &pb::MpsStatus, style: Style) -> String {
+    let restarts = match m.restarts {
+        0 => String::new(),
+        1 => ", started again once".into(),
+        n => format!(", started again {n} times"),
+    };
+    if m.running {
+        let servers = match &m.servers[..] {
+            [] => "no server yet".to_string(),
+            s => format!("server {}", s.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")),
+        };
+        format!("GPU {index} MPS: daemon running ({servers}), pipe directory {}{restarts}", m.pipe_dir)
+    } else {
+        style.red(&format!("GPU {index} MPS: daemon DOWN: {}{restarts}", m.last_error))
+    }
+}
+
 /// Terminal colours (none when not on a terminal or with `NO_COLOR`).
 #[derive(Clone, Copy)]
 pub struct Style {
@@ -191,6 +210,9 @@ pub fn render_status(st: &pb::NodeStatus, style: Style) -> String {
         for p in &g.admin_processes {
             let _ =
                 writeln!(o, "GPU {} admin access: pid {} ({}) of claim {}", g.index, p.pid, human(p.memory), p.claim);
+        }
+        if let Some(m) = &g.mps {
+            let _ = writeln!(o, "{}", mps_line(g.index, m, style));
         }
     }
     for w in &st.warnings {

@@ -1112,3 +1112,50 @@ fn volcano_mode_refuses_memory_units_other_than_the_schedulers() {
     });
     assert_eq!(n as u32, 8192 / fits + 81559 / fits, "one device per {fits} MiB of each GPU");
 }
+
+#[test]
+fn hami_mode_on_an_mps_node_registers_mps_gpus_and_gives_their_containers_mps() {
+    // HAMi's per-node configuration puts node1 in `operatingmode: mps`: every GPU runs MPS, the
+    // register annotation says so (HAMi's scheduler places pods asking `nvidia.com/vgpu-mode: mps`
+    // there), and a pod it placed gets its GPU's daemon and its share as its MPS partition.
+    let s = Sim::new(Some(NODE));
+    let g1 = s.status()["gpus"][1]["uuid"].as_str().unwrap().to_string();
+    let placed = pod("ml", "infer", "uid-infer", "100", &format!("{g1},NVIDIA,4000,30:;"), &["main"], &[]);
+    let cluster = Arc::new(Mutex::new(Cluster {
+        node: json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node1", "resourceVersion": "1", "annotations": {}}}),
+        pods: vec![placed],
+        rv: 10,
+        ..Default::default()
+    }));
+    lock(&cluster, "ml", "infer");
+    let node_json = s.state.join("hami-node-config.json");
+    std::fs::write(&node_json, r#"{"nodeconfig": [{"name": "node1", "operatingmode": "mps"}]}"#).unwrap();
+    let control = env!("CARGO_BIN_EXE_nvidia-cuda-mps-control");
+    let config = format!(
+        "compat = \"hami\"\nregister_interval_s = 1\nhami_node_config_file = {:?}\nmps_control = {control:?}\n",
+        node_json.to_str().unwrap()
+    );
+    let Harness { kdir, rt, mut rx, _kubelet, a } = harness(&s, &cluster, &config);
+    wait("the node annotation", || {
+        cluster.lock().unwrap().node["metadata"]["annotations"]["hami.io/node-nvidia-register"].is_string()
+    });
+    let reg: Value = serde_json::from_str(
+        cluster.lock().unwrap().node["metadata"]["annotations"]["hami.io/node-nvidia-register"].as_str().unwrap(),
+    )
+    .unwrap();
+    assert_eq!((reg[0]["mode"].as_str(), reg[1]["mode"].as_str()), (Some("mps"), Some("mps")), "{reg}");
+    let v = a.wait("both daemons", |v| (0..2).all(|i| v["gpus"][i]["mps"]["running"] == true));
+    let pipe = v["gpus"][1]["mps"]["pipe_dir"].as_str().unwrap().to_string();
+    let reg = rt.block_on(async { tokio::time::timeout(Duration::from_secs(15), rx.recv()).await.unwrap().unwrap() });
+    let r = rt.block_on(kubelet::allocate(kdir.join(&reg.endpoint), vec![format!("{g1}-0")])).unwrap();
+    let cr = &r.container_responses[0];
+    assert_eq!(cr.envs.get("CUDA_MPS_PIPE_DIRECTORY").map(String::as_str), Some("/usr/local/vgpu/mps"));
+    assert_eq!(cr.envs.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").map(String::as_str), Some("30"));
+    assert_eq!(cr.envs.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").map(String::as_str), Some("0=4000M"));
+    assert!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").is_none(), "the share is the partition, not time: {:?}", cr.envs);
+    assert!(
+        cr.mounts.iter().any(|m| m.host_path == pipe && m.container_path == "/usr/local/vgpu/mps" && !m.read_only),
+        "the GPU's pipe directory: {:?}",
+        cr.mounts
+    );
+}

@@ -87,6 +87,25 @@ fn mig_node_scrape() -> String {
     body
 }
 
+/// A node whose GPU runs MPS (the simulator's stand-in daemon): the agent's scrape, with the
+/// per-daemon series.
+fn mps_node_scrape() -> String {
+    let s = Sim::new(Some("[[gpu]]\nmodel = \"H100-80GB\"\n"));
+    let control = env!("CARGO_BIN_EXE_nvidia-cuda-mps-control");
+    let a = Agent::start(&s, &[("VGPU_AGENT_MPS_GPUS", "0"), ("VGPU_AGENT_MPS_CONTROL", control)]);
+    a.wait("the MPS daemon", |v| v["gpus"][0]["mps"]["running"] == true);
+    let (code, body) = a.scrape("/metrics");
+    assert_eq!(code, "HTTP/1.1 200 OK");
+    let _ = a.ctl(&["status"]);
+    let pipe = a.state.join("mps").join(s.nvml()["gpus"][0]["uuid"].as_str().unwrap()).join("pipe");
+    let mut quit = s.cmd(control);
+    quit.env("CUDA_MPS_PIPE_DIRECTORY", pipe).stdin(Stdio::piped());
+    let mut c = quit.spawn().unwrap();
+    c.stdin.take().unwrap().write_all(b"quit\n").unwrap();
+    let _ = c.wait();
+    body
+}
+
 /// The labels of each metric's first series in an exposition (`name{k="v",...} value` lines).
 fn series(body: &str) -> BTreeMap<String, Labels> {
     let mut out = BTreeMap::new();
@@ -165,11 +184,13 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
     let (s, a, _) = node_with_a_slice();
     let (code, body) = a.scrape("/metrics");
     assert_eq!(code, "HTTP/1.1 200 OK");
-    // And one of a node with a MIG device, for the series only such a node has.
+    // And one of a node with a MIG device, and one of a node running MPS, for the series only
+    // such nodes have.
     let mig_body = mig_node_scrape();
+    let mps_body = mps_node_scrape();
 
     // The expositions are valid and pass Prometheus's lint.
-    for body in [&body, &mig_body] {
+    for body in [&body, &mig_body, &mps_body] {
         let mut c = Command::new(&promtool)
             .args(["check", "metrics"])
             .stdin(Stdio::piped())
@@ -199,7 +220,7 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
     let mut scraped = series(&body);
-    for (name, labels) in series(&mig_body) {
+    for (name, labels) in series(&mig_body).into_iter().chain(series(&mps_body)) {
         scraped.entry(name).or_insert(labels);
     }
     let stored = |name: &str| -> Labels {
@@ -295,6 +316,13 @@ fn the_alerting_rules_fire_on_the_agent_s_series_and_only_then() {
                 vec![(3, false), (4, false), (5, false), (6, true), (14, true), (15, false)],
             ),
             ("VgpuSmFeedbackHeld", vec![(m("vgpu_gpu_sm_feedback_held"), "0 1x40")], vec![(30, false), (31, true)]),
+            // The daemon stopped answering at minute 2; the agent had it back at minute 4 (under
+            // the 2 minutes the alert waits), and lost it for good at minute 8.
+            (
+                "VgpuMpsDaemonDown",
+                vec![(m("vgpu_mps_daemon_up"), "1 1 0 0 1x3 0x10")],
+                vec![(3, false), (5, false), (9, false), (10, true), (17, true)],
+            ),
             (
                 "VgpuSliceMemoryRefused",
                 vec![(m("vgpu_slice_oom_rejections_total"), "0 0 1 1 4x25")],
