@@ -19,6 +19,9 @@ pub struct ServeArgs {
     /// Kernels per request
     #[arg(long, default_value = "1")]
     pub kernels: u64,
+    /// Blocks of a request's kernel (a `wave_` kernel takes a wave per SM's worth)
+    #[arg(long, default_value = "1")]
+    pub grid: u32,
     /// Requests before the measured ones (estimates settle)
     #[arg(long, default_value = "20")]
     pub warmup: u64,
@@ -83,7 +86,7 @@ pub fn serve(api: &Api, dev: i32, a: &ServeArgs) -> Res<()> {
             }
             for _ in 0..a.kernels {
                 let none = std::ptr::null_mut();
-                ck(api, (api.cuLaunchKernel)(f, 1, 1, 1, 1, 1, 1, 0, s, none, none), "cuLaunchKernel")?;
+                ck(api, (api.cuLaunchKernel)(f, a.grid, 1, 1, 1, 1, 1, 0, s, none, none), "cuLaunchKernel")?;
             }
             ck(api, (api.cuStreamSynchronize)(s), "cuStreamSynchronize")?;
             if i as u64 >= a.warmup {
