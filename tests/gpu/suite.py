@@ -1183,7 +1183,7 @@ class AgentRun:
     """vgpu-node-agent on the real NVML (read-only: no MIG layout, escapes only reported), driven
     with vgpuctl; stopped with SIGTERM on exit."""
 
-    def __init__(self, s, name):
+    def __init__(self, s, name, extra=None):
         self.s = s
         self.ctl = s.bin("vgpuctl")
         agent = s.bin("vgpu-node-agent")
@@ -1193,7 +1193,7 @@ class AgentRun:
         self.env = s.env(False, extra={
             "VGPU_AGENT_LIBRARY": s.lib, "VGPU_AGENT_CDI_DIR": os.path.join(self.d, "cdi"),
             "VGPU_AGENT_KUBELET_DIR": os.path.join(self.d, "kubelet"), "VGPU_AGENT_DEVICE_PLUGIN": "off",
-            "VGPU_AGENT_ESCAPE_ACTION": "report", "VGPU_AGENT_METRICS_ADDRESS": "127.0.0.1:0"})
+            "VGPU_AGENT_ESCAPE_ACTION": "report", "VGPU_AGENT_METRICS_ADDRESS": "127.0.0.1:0", **(extra or {})})
         self.env.pop("NODE_NAME", None)
         self.logf = open(os.path.join(self.d, "agent.log"), "w")
         self.p = subprocess.Popen([agent, "--state-dir", os.path.join(self.d, "state"), "--socket", self.sock, "run"],
@@ -1735,6 +1735,136 @@ def check_priority(s):
         return summary, v
 
 
+def mps_control(s):
+    """The MPS control program: the driver's (on PATH); on the simulated GPU, its stand-in built
+    beside the other helpers. None where there is neither."""
+    found = shutil.which("nvidia-cuda-mps-control")
+    if found:
+        return found
+    stand_in = os.path.join(s.bins, "nvidia-cuda-mps-control")
+    return stand_in if os.environ.get("VGPU_SIM_STATE") and os.path.exists(stand_in) else None
+
+
+class MpsRun(AgentRun):
+    """The agent with MPS on its first GPU: its control daemon in the run's scratch state directory
+    (the GPU's compute mode left as it is), asked to quit on exit."""
+
+    def __init__(self, s, name, control):
+        super().__init__(s, name, extra={"VGPU_AGENT_MPS_GPUS": "0", "VGPU_AGENT_MPS_CONTROL": control})
+        self.control, self.pipe = control, None
+
+    def wait_daemon(self):
+        end, st = time.time() + 60, {}
+        while time.time() < end:
+            st = self.status()
+            mps = ((st.get("gpus") or [{}])[0]).get("mps") or {}
+            if mps.get("running"):
+                self.pipe = mps["pipe_dir"]
+                return mps
+            time.sleep(0.5)
+        raise Fail("the MPS control daemon did not answer within 60 s: %s (log: %s)" % (
+            ((st.get("gpus") or [{}])[0].get("mps") or {}).get("last_error"), tail(self.log())))
+
+    def mps_slice(self, name, gpu, memory, sm):
+        e = self.slice_env(name, gpu, memory, sm)
+        e["CUDA_MPS_PIPE_DIRECTORY"] = self.pipe
+        return e
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if self.pipe:
+            subprocess.run([self.control], input=b"quit\n", env=dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=self.pipe),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+
+
+def check_mps(s):
+    """MPS (docs/mps.md): the agent with MPS on the first GPU, its control daemon in a scratch pipe
+    directory; slices at 30 % and 70 % side by side, each running kernels of 32 blocks per SM
+    (more than a partition holds at once): their throughput in proportion to the partitions (70/30
+    within 1.5 to 3.5; 2.33 ideal); an allocation past the 30 % slice's memory refused."""
+    control = mps_control(s)
+    if not control:
+        raise Skip("no nvidia-cuda-mps-control on PATH")
+    with MpsRun(s, "mps", control) as a:
+        g = a.first_gpu()
+        daemon = a.wait_daemon()
+        lo, hi = a.mps_slice("m30", g, "4GiB", 30), a.mps_slice("m70", g, "8GiB", 70)
+        t0, secs = time.time() + 3, s.seconds
+        argv = lambda: [s.bin("gpu-probe"), "spin", "--ns", "100000", "--blocks-per-sm", "32", "--seconds", str(secs),
+                        "--start-at", "%.3f" % t0]
+        out = {}
+
+        def run(key, env):
+            out[key] = s.run(argv(), env, timeout=secs + 120)
+
+        ts = [threading.Thread(target=run, args=(k, e)) for k, e in (("lo", lo), ("hi", hi))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        res = {k: out[k][1] for k in out}
+        if not all(res.get(k) and "per_s" in res[k] for k in ("lo", "hi")):
+            raise Fail("spin: %s / %s" % (tail(out["lo"][3]), tail(out["hi"][3])))
+        over = s.probe(["alloc", "--size", str(5 * GIB)], lo)
+        st = a.status()
+        servers = ((st.get("gpus") or [{}])[0].get("mps") or {}).get("servers")
+    ratio = res["hi"]["per_s"] / max(res["lo"]["per_s"], 1e-9)
+    v = {"spin": res, "ratio": ratio, "over": over, "daemon": daemon, "servers": servers}
+    summary = ("30 %% and 70 %% partitions side by side: %.1f and %.1f kernels/s (x%.2f); 5 GiB in the 4 GiB slice: %s; "
+               "MPS servers %s") % (res["lo"]["per_s"], res["hi"]["per_s"], ratio, over.get("result"), servers)
+    if not (1.5 <= ratio <= 3.5) or over.get("ok") or over.get("result") != "CUDA_ERROR_OUT_OF_MEMORY":
+        raise Fail(summary, v)
+    return summary, v
+
+
+def check_priority_mps(s):
+    """Priority under MPS: a small model's forward passes at 100 a second in a high-priority slice
+    on half the SMs, alone and beside a training loop in a slice on the other half. Passes when the
+    service's P99 beside the loop is within 10 % of alone in its partition; reports the loop's
+    steps a second."""
+    if not s.torch:
+        raise Skip("PyTorch with CUDA is not available")
+    control = mps_control(s)
+    if not control:
+        raise Skip("no nvidia-cuda-mps-control on PATH")
+    with MpsRun(s, "priority-mps", control) as a:
+        g = a.first_gpu()
+        a.wait_daemon()
+        svc, batch = a.mps_slice("svc", g, "8GiB", 50), a.mps_slice("batch", g, "16GiB", 50)
+        rc, _, _, err = a.vgpuctl(["slice", "update", "svc", "--priority", "high"])
+        if rc != 0:
+            raise Fail("slice update --priority high: %s" % tail(err))
+        for e in (svc, batch):
+            e["VGPU_GATES_DIR"] = os.path.join(a.d, "state", "gates")
+        secs = 6 if s.o.quick else 15
+
+        def serve():
+            rc, j, _, err = s.run(s.worker_argv("serve", {"rate": 100, "seconds": secs}), svc, timeout=secs + 120)
+            if rc != 0 or not j or "p99_ms" not in j:
+                raise Fail("serve: %s" % tail(err))
+            return j
+
+        alone = serve()
+        t = Proc(s, s.worker_argv("train_loop", {"seconds": secs + 8}), batch)
+        try:
+            t.expect("training", 120)
+            time.sleep(2)
+            beside = serve()
+        finally:
+            deadline = time.time() + secs + 60
+            while t.p.poll() is None and time.time() < deadline:
+                time.sleep(0.5)
+            t.kill()
+        res = next((parse_json(l) for l in reversed(t.lines) if l and "steps_per_s" in l), None) or {}
+    infl = 100.0 * (beside["p99_ms"] / alone["p99_ms"] - 1.0)
+    v = {"alone_in_partition": alone, "beside": beside, "train_steps_per_s": res.get("steps_per_s", 0.0)}
+    summary = "P99 of 100 forward passes/s on half the SMs: alone %.2f ms, beside training on the other half %.2f ms (%+.0f %%); training %.1f steps/s" % (
+        alone["p99_ms"], beside["p99_ms"], infl, v["train_steps_per_s"])
+    if infl > 10.0:
+        raise Fail(summary, v)
+    return summary, v
+
+
 CHECKS = [
     ("load", check_load),
     ("mem-info", check_mem_info),
@@ -1764,6 +1894,8 @@ CHECKS = [
     ("pool-threads-agent", check_pool_threads_agent),
     ("agent-sm", check_agent_sm),
     ("priority", check_priority),
+    ("mps", check_mps),
+    ("priority-mps", check_priority_mps),
 ]
 
 

@@ -1152,7 +1152,7 @@ fn hami_mode_on_an_mps_node_registers_mps_gpus_and_gives_their_containers_mps() 
     assert_eq!(cr.envs.get("CUDA_MPS_PIPE_DIRECTORY").map(String::as_str), Some("/usr/local/vgpu/mps"));
     assert_eq!(cr.envs.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").map(String::as_str), Some("30"));
     assert_eq!(cr.envs.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").map(String::as_str), Some("0=4000M"));
-    assert!(cr.envs.get("CUDA_DEVICE_SM_LIMIT_0").is_none(), "the share is the partition, not time: {:?}", cr.envs);
+    assert!(!cr.envs.contains_key("CUDA_DEVICE_SM_LIMIT_0"), "the share is the partition, not time: {:?}", cr.envs);
     assert!(
         cr.mounts.iter().any(|m| m.host_path == pipe && m.container_path == "/usr/local/vgpu/mps" && !m.read_only),
         "the GPU's pipe directory: {:?}",

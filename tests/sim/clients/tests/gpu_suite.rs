@@ -60,6 +60,8 @@ fn options_are_checked_and_checks_listed() {
         "pool-threads-agent",
         "agent-sm",
         "priority",
+        "mps",
+        "priority-mps",
     ] {
         assert!(listed.iter().any(|l| l == c), "{c} not listed: {listed:?}");
     }
@@ -180,6 +182,7 @@ fn the_suite_passes_on_the_simulated_gpu() {
         "oversubscribe",
         "agent",
         "oom-agent",
+        "mps",
     ] {
         let (st, c) = status(name);
         assert_eq!(st, "pass", "{name}: {c}\n{}\n{}", text(&o), &log[log.len().saturating_sub(6000)..]);

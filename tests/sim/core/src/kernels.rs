@@ -5,7 +5,8 @@
 /// * `sleep_<N><unit>`: runs N units (`ns`, `us`, `ms`, `s`) whatever the grid;
 /// * `wave_<N><unit>`: N units per wave of blocks, one block per SM per wave
 ///   (`ceil(blocks / SMs)` waves);
-/// * `param_ns`: the first kernel parameter (a `u64`) is the duration in ns.
+/// * `param_ns`: the first kernel parameter (a `u64`) is the duration in ns of a wave of blocks
+///   (one wave, that duration, for a grid of at most a block per SM).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelKind {
     Fixed(u64),

@@ -404,8 +404,8 @@ pub struct Launch {
     pub cooperative: bool,
 }
 
-/// Simulated duration of a launch on `gpu`: `wave_` kernels take a wave per SM's worth of blocks
-/// (of the SMs an MPS client's partition holds); the others what their name or parameter says.
+/// Simulated duration of a launch on `gpu`: `wave_` and `param_ns` kernels take a wave per SM's
+/// worth of blocks (of the SMs an MPS client's partition holds), `sleep_` ones what their name says.
 fn duration(l: &Launch, gpu: usize) -> R<u64> {
     let f: &Func = obj(l.f, FUNC_MAGIC)?;
     let blocks = l.grid.iter().map(|&x| x as u64).product::<u64>();
@@ -432,13 +432,14 @@ fn duration(l: &Launch, gpu: usize) -> R<u64> {
                 return Err(CUresult::INVALID_VALUE);
             }
             // SAFETY: by the `param_ns` convention the first kernel parameter points to a u64.
-            unsafe {
+            let per_wave = unsafe {
                 let p0 = *l.params;
                 if p0.is_null() {
                     return Err(CUresult::INVALID_VALUE);
                 }
                 *(p0 as *const u64)
-            }
+            };
+            per_wave * blocks.div_ceil(sms)
         }
     })
 }

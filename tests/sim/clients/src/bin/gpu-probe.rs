@@ -14,9 +14,11 @@
 //!                                                reporting, sets the first B bytes of each of the last N
 //!                                                chunks on the GPU and reads them back)
 //!        gpu-probe reset --size BYTES            (allocates, resets the primary context, allocates again)
-//!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S] [--duty F]
+//!        gpu-probe spin [--ns NS] [--seconds S] [--start-at UNIX_S] [--duty F] [--blocks-per-sm N]
 //!                                                (--duty: keeps the GPU busy that fraction of the
-//!                                                time by pausing after each batch, without any limit)
+//!                                                time by pausing after each batch, without any limit;
+//!                                                --blocks-per-sm: a grid of N blocks per SM, which a
+//!                                                partition of the SMs runs in more waves)
 //!        gpu-probe pool --size BYTES [--threshold BYTES] [--destroyed-current | --own-current]
 //!                                                (cuMemAllocAsync of BYTES from the device's pool,
 //!                                                its release threshold set first; freed, synchronised,
@@ -215,11 +217,25 @@ impl Probe {
     }
 
     fn launch(&self, f: CUfunction, ns: &mut u64) -> CUresult {
+        self.launch_grid(f, 1, ns)
+    }
+
+    /// `grid` blocks of 32 threads, each spinning `ns`.
+    fn launch_grid(&self, f: CUfunction, grid: u32, ns: &mut u64) -> CUresult {
         let mut arg = ns as *mut u64 as *mut c_void;
         // SAFETY: one kernel parameter (a u64) that lives across the call; the driver copies it.
         unsafe {
-            (self.cu.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, std::ptr::null_mut(), &mut arg, std::ptr::null_mut())
+            (self.cu.cuLaunchKernel)(f, grid, 1, 1, 32, 1, 1, 0, std::ptr::null_mut(), &mut arg, std::ptr::null_mut())
         }
+    }
+
+    /// The device's SMs.
+    fn sm_count(&self, dev: CUdevice) -> Result<u32, String> {
+        let mut n = 0;
+        // SAFETY: an out-pointer to a local and the device opened.
+        let r = unsafe { (self.cu.cuDeviceGetAttribute)(&mut n, 16, dev) };
+        self.ck(r, "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)")?;
+        Ok(n.max(1) as u32)
     }
 
     fn sync(&self) -> Result<(), String> {
@@ -477,9 +493,11 @@ fn spin(args: &[String]) -> Result<Value, String> {
     if !(duty > 0.0 && duty <= 1.0) {
         return Err(format!("--duty must be above 0 and at most 1, not {duty}"));
     }
-    let (p, _) = Probe::open()?;
+    let per_sm = opt(args, "--blocks-per-sm", 0.0)? as u32;
+    let (p, dev) = Probe::open()?;
     let f = p.kernel()?;
-    p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
+    let grid = if per_sm == 0 { 1 } else { p.sm_count(dev)? * per_sm };
+    p.ck(p.launch_grid(f, grid, &mut ns), "cuLaunchKernel")?;
     p.sync()?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
     if start_at > now {
@@ -493,7 +511,7 @@ fn spin(args: &[String]) -> Result<Value, String> {
     while Instant::now() < end {
         let batch = Instant::now();
         for _ in 0..16 {
-            p.ck(p.launch(f, &mut ns), "cuLaunchKernel")?;
+            p.ck(p.launch_grid(f, grid, &mut ns), "cuLaunchKernel")?;
         }
         p.sync()?;
         kernels += 16;
@@ -502,7 +520,7 @@ fn spin(args: &[String]) -> Result<Value, String> {
         }
     }
     let elapsed = t.elapsed().as_secs_f64();
-    Ok(json!({"kernels": kernels, "kernel_ns": ns, "seconds": elapsed, "duty": duty,
+    Ok(json!({"kernels": kernels, "kernel_ns": ns, "grid": grid, "seconds": elapsed, "duty": duty,
         "per_s": kernels as f64 / elapsed, "busy": kernels as f64 * ns as f64 / 1e9 / elapsed}))
 }
 
@@ -880,7 +898,7 @@ fn main() {
         Some("vmm") => vmm(&args[1..]),
         Some("stack") => stack(&args[1..]),
         _ => {
-            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] | pool --size B [--threshold B] [--destroyed-current | --own-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] [--wait S] | vmm --size B | stack --bytes B --over BYTES | graph-mem --size B [--graphs N] [--alloc B]");
+            eprintln!("usage: gpu-probe info | latency [--launches N] [--allocs N] [--size B] | alloc --size B | hold --size B | fill --chunk B [--pause] [--touch-last N --touch-bytes B] | reset --size B | spin [--ns NS] [--seconds S] [--start-at T] [--duty F] [--blocks-per-sm N] | pool --size B [--threshold B] [--destroyed-current | --own-current] | pool-threads --size B [--threads T] [--iters I] [--hold H] [--wait S] | vmm --size B | stack --bytes B --over BYTES | graph-mem --size B [--graphs N] [--alloc B]");
             std::process::exit(2);
         }
     };

@@ -13,6 +13,9 @@
 //! where none runs (the server binary beside this one) and answers with it (`vgpu_sim::mps::Server`);
 //! where the server runs for another user, it answers `wait` while that server has clients, then
 //! replaces it. Settings made after a server started apply to the next server, as MPS's do.
+//!
+//! Unlike the real daemon, it ends (with its server) once its control socket is gone: a simulated
+//! node's scratch directories are removed with the test or benchmark that made them.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -118,8 +121,17 @@ fn serve(background: bool) {
         log,
     };
     d.say(&format!("Starting control daemon (pipe directory {}, GPUs {:?})", dir.display(), d.gpus));
-    for conn in listener.incoming() {
-        let Ok(mut conn) = conn else { continue };
+    let bound = socket_id(&path);
+    loop {
+        if !readable(&listener, 500) {
+            if socket_id(&path) != bound {
+                d.stop_server_if("");
+                d.say("The control socket is gone: exit");
+                return;
+            }
+            continue;
+        }
+        let Ok((mut conn, _)) = listener.accept() else { continue };
         let mut line = String::new();
         if BufReader::new(&mut conn).read_line(&mut line).is_err() {
             continue;
@@ -260,6 +272,20 @@ impl Daemon {
             self.say(&format!("Server {} exited", s.child.id()));
         }
     }
+}
+
+/// The control socket's identity (device, inode), None once it is gone.
+fn socket_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Whether a connection waits on `l`, within `ms`.
+fn readable(l: &UnixListener, ms: i32) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd { fd: l.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd of a descriptor the listener owns, for the duration of the call.
+    unsafe { libc::poll(&mut p, 1, ms) > 0 }
 }
 
 fn fail(e: &str) -> ! {
