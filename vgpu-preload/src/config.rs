@@ -1,7 +1,7 @@
 //! The interposer's configuration: the HAMi-core environment contract plus `VGPU_` additions, read
 //! once. Bad values are collected, reported once, and handled by the stated policy.
 
-use crate::MAX_DEVICES;
+use vgpu_region::MAX_DEVICES;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CorePolicy {

@@ -32,11 +32,11 @@ use crate::log::{vlog, INFO};
 use crate::ptrmap::PtrMap;
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
-use crate::MAX_DEVICES;
 use cuda_abi::*;
 use std::ffi::{c_char, c_void};
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::OnceLock;
+use vgpu_region::MAX_DEVICES;
 
 const OK: CUresult = CUresult::SUCCESS;
 

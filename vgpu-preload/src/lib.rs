@@ -80,8 +80,6 @@ mod trueup;
 mod visible;
 mod vmm;
 
-pub(crate) const MAX_DEVICES: usize = vgpu_region::MAX_DEVICES;
-
 /// Run as the library loads (the ELF constructors' table): the policies' parts in the process
 /// state's moments, which the state cannot name (`state::Above`).
 #[used]

@@ -350,17 +350,17 @@ pub fn after_fork() {
 /// runs in which the driver may let it go (a trim, a synchronisation), until the settle after it
 /// takes it off the charge: in between, NVML's figure for the process is smaller than its charge by
 /// that much, which the agent's true-up must not take for a smaller context.
-struct Releasing([u64; crate::MAX_DEVICES]);
+struct Releasing([u64; vgpu_region::MAX_DEVICES]);
 
 impl Releasing {
     fn of<'a>(st: &State, pools: impl IntoIterator<Item = &'a Pool>) -> Releasing {
-        let mut by_dev = [0u64; crate::MAX_DEVICES];
+        let mut by_dev = [0u64; vgpu_region::MAX_DEVICES];
         for p in pools {
             if p.handle.load(Acquire) == 0 {
                 continue;
             }
             let d = p.dev.load(Acquire);
-            if d < crate::MAX_DEVICES {
+            if d < vgpu_region::MAX_DEVICES {
                 by_dev[d] += p.slack.load(Acquire) + p.held.load(Acquire);
             }
         }

@@ -10,12 +10,12 @@ use crate::config::CorePolicy;
 use crate::graphmem;
 use crate::real::{cuda_fns as f, driver};
 use crate::state::{state, State};
-use crate::MAX_DEVICES;
 use cuda_abi::*;
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering::*};
 use std::sync::Mutex;
+use vgpu_region::MAX_DEVICES;
 
 /// One launch in this many of each kernel is measured (and its first): often at first, then less, as
 /// the estimate settles.

@@ -12,10 +12,10 @@ use crate::log::{vlog, ERROR, INFO, WARN};
 use crate::ptrmap::PtrMap;
 use crate::real;
 use crate::trueup::{Ledger, TrueUp};
-use crate::MAX_DEVICES;
 use cuda_abi::*;
 use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
+use vgpu_region::MAX_DEVICES;
 use vgpu_region::{Claim, Init, Layout, Region, Reserve};
 
 const MAX_ORDINALS: usize = 64;

@@ -37,12 +37,12 @@ use crate::guard::Calls;
 use crate::log::{vlog, INFO, WARN};
 use crate::nvquery::list_processes;
 use crate::real::nvml;
-use crate::MAX_DEVICES;
 use cuda_abi::nvml::{NvmlDevice, NVML_SUCCESS};
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::*};
 use std::sync::Mutex;
 use vgpu_region::Region;
+use vgpu_region::MAX_DEVICES;
 
 /// Changes smaller than this are left alone (NVML's figures move by a few MiB on their own).
 const STEP: u64 = 8 << 20;
