@@ -379,6 +379,31 @@ impl SliceStore {
         self.mps.read().as_ref().map(|m| gpus.iter().any(|g| m.contains_key(&g.uuid)))
     }
 
+    /// What slice `s`'s files hold as each GPU's SM share: its record's, or on a GPU that runs MPS
+    /// its partition there ([`mps_share`]).
+    fn sm_limits_of(&self, s: &Slice) -> Vec<u32> {
+        if self.on_mps(&s.gpus) != Some(true) {
+            return s.gpus.iter().map(|g| g.sm).collect();
+        }
+        let all = self.list().map(|l| l.slices).unwrap_or_default();
+        s.gpus.iter().map(|g| mps_share(s, g, &all)).collect()
+    }
+
+    /// Brings the files of every slice on an MPS GPU to its partition, after a change to one of
+    /// them (a high-priority slice came, went or changed: the normal ones' partitions follow).
+    fn follow_mps(&self) {
+        if self.mps.read().as_ref().is_none_or(BTreeMap::is_empty) {
+            return;
+        }
+        for s in self.list().map(|l| l.slices).unwrap_or_default() {
+            if self.on_mps(&s.gpus) == Some(true) {
+                if let Err(e) = self.apply_limits(&s) {
+                    tracing::warn!(slice = %s.name, error = %e, "cannot write the slice's MPS partition");
+                }
+            }
+        }
+    }
+
     /// Sets the most slices the node holds (`max_slices`).
     pub fn with_max_slices(mut self, n: usize) -> SliceStore {
         self.max_slices = n;
@@ -467,6 +492,9 @@ impl SliceStore {
         }
         if made.as_ref().is_ok_and(|s| s.priority == Priority::High) {
             self.sync_gates();
+        }
+        if made.is_ok() {
+            self.follow_mps();
         }
         made
     }
@@ -672,6 +700,7 @@ impl SliceStore {
         }
         self.write_record(&s)?;
         self.apply_limits(&s)?;
+        self.follow_mps();
         Ok(s)
     }
 
@@ -683,6 +712,7 @@ impl SliceStore {
         self.write_record(&s)?;
         self.apply_limits(&s)?;
         self.sync_gates();
+        self.follow_mps();
         Ok(s)
     }
 
@@ -699,6 +729,7 @@ impl SliceStore {
     /// Neither is opened through a link or as anything but a regular file. Returns what differed.
     fn apply_limits(&self, s: &Slice) -> Result<Vec<String>> {
         let mut diffs = Vec::new();
+        let sm_limits = self.sm_limits_of(s);
         let region_err = |e: vgpu_region::RegionError| SliceError::new(ErrorKind::Io, e.to_string());
         for f in ["limits", "region"] {
             let r = Region::open_strict(&self.dir(&s.name).join(f), true).map_err(region_err)?;
@@ -732,14 +763,14 @@ impl SliceStore {
                 );
                 r.set_priority_min_share(self.priority_min_share).map_err(region_err)?;
             }
-            for (i, g) in s.gpus.iter().enumerate() {
+            for ((i, g), &sm) in s.gpus.iter().enumerate().zip(&sm_limits) {
                 if r.mem_limit(i) != g.memory {
                     differ(format!("GPU {i} memory"), r.mem_limit(i).to_string(), g.memory.to_string());
                     r.set_mem_limit(i, g.memory).map_err(region_err)?;
                 }
-                if r.sm_limit(i) != g.sm {
-                    differ(format!("GPU {i} SM %"), r.sm_limit(i).to_string(), g.sm.to_string());
-                    r.set_sm_limit(i, g.sm).map_err(region_err)?;
+                if r.sm_limit(i) != sm {
+                    differ(format!("GPU {i} SM %"), r.sm_limit(i).to_string(), sm.to_string());
+                    r.set_sm_limit(i, sm).map_err(region_err)?;
                 }
             }
             if r.faulted() {
@@ -949,6 +980,7 @@ impl SliceStore {
         let _changing = self.changing.lock();
         std::fs::remove_file(&record).map_err(io(format!("cannot remove {}", record.display())))?;
         self.sync_gates();
+        self.follow_mps();
         match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 Err(SliceError::new(ErrorKind::Io, format!("cannot remove {}: {e}", dir.display())))
@@ -1047,6 +1079,32 @@ impl SliceStore {
             )),
         }
     }
+}
+
+/// Slice `s`'s partition of its GPU `g` under MPS, of `all` the node's slices: its own share (`sm`,
+/// 0 for the whole GPU), but a normal slice's where high-priority slices share the GPU and the
+/// normal slices' shares there add up to more than those leave: scaled down with the others to fit,
+/// at least 1 %. A high-priority slice's SMs are then its own (docs/mps.md).
+fn mps_share(s: &Slice, g: &SliceGpu, all: &[Slice]) -> u32 {
+    if s.priority == Priority::High {
+        return g.sm;
+    }
+    let share = |x: &SliceGpu| if (1..100).contains(&x.sm) { x.sm } else { 100 };
+    let (mut high, mut normal) = (0u32, 0u32);
+    for o in all.iter().filter(|o| o.name != s.name).chain([s]) {
+        for x in o.gpus.iter().filter(|x| x.uuid == g.uuid) {
+            if o.priority == Priority::High {
+                high += share(x);
+            } else {
+                normal += share(x);
+            }
+        }
+    }
+    let left = 100u32.saturating_sub(high).max(1);
+    if high == 0 || normal <= left {
+        return g.sm;
+    }
+    ((u64::from(share(g)) * u64::from(left) / u64::from(normal)) as u32).max(1)
 }
 
 /// Why a region file that cannot be opened is to be kept (None: it is missing or damaged, and is
@@ -1369,6 +1427,32 @@ mod tests {
 
     fn gpu(m: u64, sm: u32) -> SliceGpu {
         SliceGpu { uuid: "GPU-aaaa".into(), memory: m, sm }
+    }
+
+    /// On an MPS GPU a high-priority slice's SMs are its own: the normal slices' partitions shrink
+    /// together to what it leaves while it is there, and come back when it goes; on other GPUs and
+    /// without one the shares are the records'.
+    #[test]
+    fn normal_partitions_make_room_for_a_high_priority_slice_under_mps() {
+        let (st, d) = store();
+        st.set_mps(BTreeMap::from([("GPU-aaaa".to_string(), d.join("pipe"))]));
+        let sm = |n: &str| Region::open(&d.join("slices").join(n).join("limits"), false).unwrap().sm_limit(0);
+        st.create("n1", vec![gpu(1 << 30, 60)], Default::default()).unwrap();
+        st.create("n2", vec![gpu(1 << 30, 0)], Default::default()).unwrap();
+        st.create("other", vec![SliceGpu { uuid: "GPU-bbbb".into(), memory: 0, sm: 40 }], Default::default()).unwrap();
+        assert_eq!((sm("n1"), sm("n2"), sm("other")), (60, 0, 40), "no high-priority slice: the records'");
+        st.create_with("svc", vec![gpu(1 << 30, 50)], Default::default(), Priority::High).unwrap();
+        // 60 + 100 (the whole GPU) of normal shares into the 50 % left: 18 and 31.
+        assert_eq!((sm("n1"), sm("n2"), sm("svc"), sm("other")), (18, 31, 50, 40));
+        assert!(Region::open(&d.join("slices/n1/limits"), false).unwrap().mps());
+        st.set_priority("svc", Priority::Normal).unwrap();
+        assert_eq!((sm("n1"), sm("n2"), sm("svc")), (60, 0, 50), "no high-priority slice any more");
+        st.set_priority("svc", Priority::High).unwrap();
+        assert_eq!(sm("n1"), 18);
+        st.delete("svc", true).unwrap();
+        assert_eq!((sm("n1"), sm("n2")), (60, 0), "it went");
+        assert!(st.check().is_empty(), "nothing to put back: {:?}", st.check());
+        std::fs::remove_dir_all(d).ok();
     }
 
     /// A GPU's gate holds exactly its high-priority slices' activity files, as the priority

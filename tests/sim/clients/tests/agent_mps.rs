@@ -82,6 +82,13 @@ fn slices_on_an_mps_gpu_are_clients_held_to_their_partitions() {
         g["mps_processes"]["Ok"].as_array().unwrap().iter().map(|p| p["pid"].as_u64().unwrap()).collect();
     assert!(mps.contains(&(client as u64)), "an MPS client: {g}");
     s.kill(client);
+
+    // A high-priority slice on half the SMs: the normal slices' partitions shrink to fit the half
+    // it leaves (30 and 70 of 100 into 50: 15 and 35), so a new process of m30 gets 19 SMs.
+    a.ctl_ok(&["slice", "create", "--name", "svc", "--gpu", "0", "--sm", "50", "--priority", "high"]);
+    let shrunk = launched(in_slice(&a, &s, "m30", &[], &[&KERNELS[..], &["--count", "2"]].concat()));
+    let per = shrunk["gpu_ms"].as_f64().unwrap() / 2.0;
+    assert!((68.0..73.0).contains(&per), "70 waves on 19 SMs: {shrunk}");
 }
 
 #[test]

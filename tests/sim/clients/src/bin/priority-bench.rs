@@ -341,6 +341,14 @@ fn run_rows(n: &Node, c: &Case, secs: f64, mps: bool) {
         let of_part = format!("{:.0} % of its partition alone", 100.0 * be / part_full.max(1e-9));
         row("MPS: alone in its partition", &part_alone, format!("({part_full:.0} alone)"), "-".into(), part_p99);
         row("MPS: beside the loop", &beside, format!("{be:.0}"), of_part, part_p99);
+        // The service's slice at high priority too: its launch gate on the loop, beside the
+        // partitions (which already keep the loop off the service's SMs).
+        n.ctl(&["slice", "update", "svc-mps", "--priority", "high"]);
+        std::thread::sleep(Duration::from_millis(100));
+        let (gated, be) = run_case(n, c, parts, true, secs);
+        n.ctl(&["slice", "update", "svc-mps", "--priority", "normal"]);
+        let of_part = format!("{:.0} % of its partition alone", 100.0 * be / part_full.max(1e-9));
+        row("MPS: beside, high priority", &gated, format!("{be:.0}"), of_part, part_p99);
     }
 }
 
