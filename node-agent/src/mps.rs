@@ -27,14 +27,19 @@ pub fn dirs(state_dir: &Path, uuid: &str) -> (PathBuf, PathBuf) {
     (d.join("pipe"), d.join("log"))
 }
 
-/// The GPUs that run MPS (UUID -> pipe directory), of those discovered.
+/// The GPUs that run MPS (UUID -> pipe directory), of those discovered. A GPU in MIG mode is left
+/// out, with a warning: MPS runs on a MIG device, not on its GPU, and vgpu does not do that yet.
 pub fn gpus(agent: &Agent) -> BTreeMap<String, PathBuf> {
     let inv = agent.inventory.read();
-    inv.gpus
-        .iter()
-        .filter(|g| agent.cfg.mps.gpus.has(g.index, &g.uuid))
-        .map(|g| (g.uuid.clone(), dirs(&agent.cfg.state_dir, &g.uuid).0))
-        .collect()
+    let mut out = BTreeMap::new();
+    for g in inv.gpus.iter().filter(|g| agent.cfg.mps.gpus.has(g.index, &g.uuid)) {
+        if g.mig.as_ref().is_some_and(|m| m.enabled) {
+            tracing::warn!(gpu = %g.uuid, "mps_gpus names a GPU in MIG mode: no MPS there");
+            continue;
+        }
+        out.insert(g.uuid.clone(), dirs(&agent.cfg.state_dir, &g.uuid).0);
+    }
+    out
 }
 
 /// Keeps a daemon answering on every MPS GPU until `stop`; what it finds is in `agent.mps`.
