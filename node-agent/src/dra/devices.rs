@@ -249,11 +249,14 @@ pub(super) fn gpu_devices(agent: &Agent, g: &crate::discovery::Gpu, v: ApiVersio
         }
         return;
     }
+    // `mps`: the GPU runs MPS (docs/mps.md), so a claim's devices there are MPS clients on their
+    // share of the SMs; a class or request selects such GPUs, or others, by it.
     let attributes = json!({
         "uuid": {"string": g.uuid},
         "productName": {"string": g.name},
         "index": {"int": g.index},
         "mig": {"bool": false},
+        "mps": {"bool": agent.cfg.mps.gpus.has(g.index, &g.uuid)},
     });
     if agent.cfg.dra_sharing == crate::config::DraSharing::Capacity {
         // Memory: a claim that does not say takes all of it (as a whole device would be); the

@@ -5,7 +5,7 @@
 //! - **Devices**: one pool per node (named after the node), in ResourceSlices `<node>-<driver>`,
 //!   `<node>-<driver>-1`, ... of at most 128 devices each (the API's limit), owned by the Node
 //!   object. Each healthy GPU not in MIG mode has attributes `uuid`, `productName`, `index`, `mig`
-//!   (false) and capacities `memory` and `cores`. With `dra_sharing = "replicas"` it is
+//!   (false), `mps` (whether it runs MPS) and capacities `memory` and `cores`. With `dra_sharing = "replicas"` it is
 //!   `split_count` devices `gpu-<index>-<n>`, each an equal share; with `"capacity"` it is one
 //!   device `gpu-<index>` that allows multiple allocations, whose `memory` (default: all of it, in
 //!   steps of 1 MiB) and `cores` (default 0: no SM limit, in steps of 1) each claim consumes as it

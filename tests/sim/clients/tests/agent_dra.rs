@@ -1410,3 +1410,40 @@ fn priority_is_granted_only_to_the_namespaces_the_administrator_names() {
         st["warnings"]
     );
 }
+
+#[test]
+fn a_gpu_that_runs_mps_says_so_and_its_claims_get_its_daemon() {
+    // MPS on GPU 1: its devices carry `mps: true` (a DeviceClass or request selects by it), GPU
+    // 0's `false`; a claim of a GPU 1 device is an MPS client on its share of the SMs.
+    let s = Sim::new(Some(NODE));
+    let control = env!("CARGO_BIN_EXE_nvidia-cuda-mps-control");
+    let (store, a, kubelet) = start(&s, &format!("split_count = 4\nmps_gpus = [\"1\"]\nmps_control = {control:?}\n"));
+    let at = format!("{SLICES}/node1-{DRIVER}");
+    wait("the ResourceSlice", || store.lock().unwrap().objects.contains_key(&at));
+    let rs = store.lock().unwrap().objects[&at].clone();
+    let mps = |name: &str| {
+        let d = rs["spec"]["devices"].as_array().unwrap().iter().find(|d| d["name"] == name).cloned();
+        d.unwrap_or_else(|| panic!("{name}: {rs}"))["attributes"]["mps"]["bool"].clone()
+    };
+    assert_eq!((mps("gpu-0-0"), mps("gpu-1-0")), (json!(false), json!(true)));
+    let pipe = a.wait("the daemon", |v| v["gpus"][1]["mps"]["running"] == true)["gpus"][1]["mps"]["pipe_dir"].clone();
+    store.lock().unwrap().objects.insert(
+        "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/infer".into(),
+        claim("ml", "infer", "c1a1-00m5", &[("gpu", DRIVER, "node1", "gpu-1-2")]),
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let r = prepare(&rt, &dra_socket(&kubelet), vec![v1_claim("ml", "infer", "c1a1-00m5")]);
+    assert!(r.claims["c1a1-00m5"].error.is_empty(), "{r:?}");
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(a.state.join("cdi").join("vgpu-dra-c1a1-00m5.json")).unwrap()).unwrap();
+    let edits = &spec["devices"][0]["containerEdits"];
+    let env: Vec<&str> = edits["env"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    for want in ["CUDA_MPS_PIPE_DIRECTORY=/usr/local/vgpu/mps", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"] {
+        assert!(env.contains(&want), "{want} missing: {env:?}");
+    }
+    let mounts = edits["mounts"].as_array().unwrap();
+    assert!(
+        mounts.iter().any(|m| m["hostPath"] == pipe && m["containerPath"] == "/usr/local/vgpu/mps"),
+        "the GPU's pipe directory: {mounts:?}"
+    );
+}
