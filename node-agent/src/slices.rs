@@ -380,13 +380,20 @@ impl SliceStore {
     }
 
     /// What slice `s`'s files hold as each GPU's SM share: its record's, or on a GPU that runs MPS
-    /// its partition there ([`mps_share`]).
-    fn sm_limits_of(&self, s: &Slice) -> Vec<u32> {
+    /// its partition there ([`mps_share`]) among `all` the slices (read where not given).
+    fn sm_limits_of(&self, s: &Slice, all: Option<&[Slice]>) -> Vec<u32> {
         if self.on_mps(&s.gpus) != Some(true) {
             return s.gpus.iter().map(|g| g.sm).collect();
         }
-        let all = self.list().map(|l| l.slices).unwrap_or_default();
-        s.gpus.iter().map(|g| mps_share(s, g, &all)).collect()
+        let listed;
+        let all = match all {
+            Some(a) => a,
+            None => {
+                listed = self.list().map(|l| l.slices).unwrap_or_default();
+                &listed
+            }
+        };
+        s.gpus.iter().map(|g| mps_share(s, g, all)).collect()
     }
 
     /// Brings the files of every slice on an MPS GPU to its partition, after a change to one of
@@ -395,9 +402,10 @@ impl SliceStore {
         if self.mps.read().as_ref().is_none_or(BTreeMap::is_empty) {
             return;
         }
-        for s in self.list().map(|l| l.slices).unwrap_or_default() {
+        let all = self.list().map(|l| l.slices).unwrap_or_default();
+        for s in &all {
             if self.on_mps(&s.gpus) == Some(true) {
-                if let Err(e) = self.apply_limits(&s) {
+                if let Err(e) = self.apply_limits_among(s, Some(&all)) {
                     tracing::warn!(slice = %s.name, error = %e, "cannot write the slice's MPS partition");
                 }
             }
@@ -728,8 +736,14 @@ impl SliceStore {
     /// Writes a slice's limits from its record into its limits file and region (where they differ).
     /// Neither is opened through a link or as anything but a regular file. Returns what differed.
     fn apply_limits(&self, s: &Slice) -> Result<Vec<String>> {
+        self.apply_limits_among(s, None)
+    }
+
+    /// [`apply_limits`](Self::apply_limits) with the node's slices given (an MPS slice's partition
+    /// depends on them), where the caller has them.
+    fn apply_limits_among(&self, s: &Slice, all: Option<&[Slice]>) -> Result<Vec<String>> {
         let mut diffs = Vec::new();
-        let sm_limits = self.sm_limits_of(s);
+        let sm_limits = self.sm_limits_of(s, all);
         let region_err = |e: vgpu_region::RegionError| SliceError::new(ErrorKind::Io, e.to_string());
         for f in ["limits", "region"] {
             let r = Region::open_strict(&self.dir(&s.name).join(f), true).map_err(region_err)?;
@@ -791,7 +805,7 @@ impl SliceStore {
         let Ok(listing) = self.list() else { return Vec::new() };
         let mut out = Vec::new();
         for s in &listing.slices {
-            match self.apply_limits(s) {
+            match self.apply_limits_among(s, Some(&listing.slices)) {
                 Ok(d) if !d.is_empty() => out.push((s.name.clone(), format!("limits put back ({})", d.join("; ")))),
                 _ => {}
             }

@@ -1682,6 +1682,30 @@ def check_agent_sm(s):
     return summary, v
 
 
+def serve_requests(s, env, secs):
+    """A small model's forward passes at 100 a second for `secs` in `env`: the worker's latencies."""
+    rc, j, _, err = s.run(s.worker_argv("serve", {"rate": 100, "seconds": secs}), env, timeout=secs + 120)
+    if rc != 0 or not j or "p99_ms" not in j:
+        raise Fail("serve: %s" % tail(err))
+    return j
+
+
+def beside_training(s, env, secs, fn):
+    """fn() while a training loop runs in `env`: (what fn returned, the loop's steps a second)."""
+    t = Proc(s, s.worker_argv("train_loop", {"seconds": secs + 8}), env)
+    try:
+        t.expect("training", 120)
+        time.sleep(2)
+        r = fn()
+    finally:
+        deadline = time.time() + secs + 60
+        while t.p.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        t.kill()
+    res = next((parse_json(l) for l in reversed(t.lines) if l and "steps_per_s" in l), None) or {}
+    return r, res.get("steps_per_s", 0.0)
+
+
 def check_priority(s):
     """Priority tenants (docs/priority.md): a small model's forward passes at 100 a second in a slice
     alone, beside a training loop in another slice, and beside it with the service's slice at high
@@ -1695,27 +1719,8 @@ def check_priority(s):
         for e in (svc, batch):
             e["VGPU_GATES_DIR"] = os.path.join(a.d, "state", "gates")
         secs = 6 if s.o.quick else 15
-
-        def serve():
-            rc, j, _, err = s.run(s.worker_argv("serve", {"rate": 100, "seconds": secs}), svc, timeout=secs + 120)
-            if rc != 0 or not j or "p99_ms" not in j:
-                raise Fail("serve: %s" % tail(err))
-            return j
-
-        def beside(fn):
-            t = Proc(s, s.worker_argv("train_loop", {"seconds": secs + 8}), batch)
-            try:
-                t.expect("training", 120)
-                time.sleep(2)
-                r = fn()
-            finally:
-                deadline = time.time() + secs + 60
-                while t.p.poll() is None and time.time() < deadline:
-                    time.sleep(0.5)
-                t.kill()
-            res = next((parse_json(l) for l in reversed(t.lines) if l and "steps_per_s" in l), None) or {}
-            return r, res.get("steps_per_s", 0.0)
-
+        serve = lambda: serve_requests(s, svc, secs)
+        beside = lambda fn: beside_training(s, batch, secs, fn)
         alone = serve()
         _, train_alone = beside(lambda: time.sleep(secs))
         shared, train_shared = beside(serve)
@@ -1834,30 +1839,11 @@ def check_priority_mps(s):
         rc, _, _, err = a.vgpuctl(["slice", "update", "svc", "--priority", "high"])
         if rc != 0:
             raise Fail("slice update --priority high: %s" % tail(err))
-        for e in (svc, batch):
-            e["VGPU_GATES_DIR"] = os.path.join(a.d, "state", "gates")
         secs = 6 if s.o.quick else 15
-
-        def serve():
-            rc, j, _, err = s.run(s.worker_argv("serve", {"rate": 100, "seconds": secs}), svc, timeout=secs + 120)
-            if rc != 0 or not j or "p99_ms" not in j:
-                raise Fail("serve: %s" % tail(err))
-            return j
-
-        alone = serve()
-        t = Proc(s, s.worker_argv("train_loop", {"seconds": secs + 8}), batch)
-        try:
-            t.expect("training", 120)
-            time.sleep(2)
-            beside = serve()
-        finally:
-            deadline = time.time() + secs + 60
-            while t.p.poll() is None and time.time() < deadline:
-                time.sleep(0.5)
-            t.kill()
-        res = next((parse_json(l) for l in reversed(t.lines) if l and "steps_per_s" in l), None) or {}
+        alone = serve_requests(s, svc, secs)
+        beside, steps = beside_training(s, batch, secs, lambda: serve_requests(s, svc, secs))
     infl = 100.0 * (beside["p99_ms"] / alone["p99_ms"] - 1.0)
-    v = {"alone_in_partition": alone, "beside": beside, "train_steps_per_s": res.get("steps_per_s", 0.0)}
+    v = {"alone_in_partition": alone, "beside": beside, "train_steps_per_s": steps}
     summary = "P99 of 100 forward passes/s on half the SMs: alone %.2f ms, beside training on the other half %.2f ms (%+.0f %%); training %.1f steps/s" % (
         alone["p99_ms"], beside["p99_ms"], infl, v["train_steps_per_s"])
     if infl > 10.0:

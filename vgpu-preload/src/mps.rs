@@ -9,6 +9,7 @@
 //! Setting the environment races with another thread reading it at that moment; `cuInit` comes
 //! before a process's CUDA threads, and the hook does it once.
 
+use crate::config::parse_size;
 use crate::log::{vlog, INFO};
 use crate::real::cuda_fns as f;
 use crate::state::{state, State};
@@ -62,24 +63,10 @@ fn hold_to_slice(st: &State) {
 /// device); None where it names none or does not parse.
 fn device0_limit(v: &str) -> Option<u64> {
     v.split(',').map(str::trim).find_map(|item| match item.split_once('=') {
-        Some((d, size)) if d.trim() == "0" => size_of(size),
+        Some((d, size)) if d.trim() == "0" => parse_size(size),
         Some(_) => None,
-        None => size_of(item),
+        None => parse_size(item),
     })
-}
-
-/// `512M`, `2G`, `1024` (bytes); K, M, G, T binary, an optional trailing B.
-fn size_of(v: &str) -> Option<u64> {
-    let v = v.trim();
-    let v = v.strip_suffix(['B', 'b']).unwrap_or(v);
-    let (num, shift) = match v.chars().last()? {
-        'K' | 'k' => (&v[..v.len() - 1], 10),
-        'M' | 'm' => (&v[..v.len() - 1], 20),
-        'G' | 'g' => (&v[..v.len() - 1], 30),
-        'T' | 't' => (&v[..v.len() - 1], 40),
-        _ => (v, 0),
-    };
-    num.trim().parse::<u64>().ok()?.checked_mul(1 << shift)
 }
 
 #[cfg(test)]
@@ -90,7 +77,7 @@ mod tests {
     fn device_0_s_limit_is_read_from_either_form() {
         assert_eq!(device0_limit("0=1G,1=2G"), Some(1 << 30));
         assert_eq!(device0_limit("1=2G, 0=512M"), Some(512 << 20));
-        assert_eq!(device0_limit("2GB"), Some(2 << 30));
+        assert_eq!(device0_limit("2G"), Some(2 << 30));
         assert_eq!(device0_limit("1=2G"), None);
         assert_eq!(device0_limit("0=lots"), None);
     }

@@ -131,11 +131,14 @@ pub enum Role {
     Normal(&'static Mapped),
 }
 
-/// The gate of region device `dev` for this process.
+/// The gate of region device `dev` for this process. An MPS client has none: under MPS a
+/// high-priority slice's SMs are its own (the agent shrinks the other slices' partitions), and the
+/// gate on top only cost the normal slices' throughput and, with random requests, the service's
+/// own tail (docs/benchmarks-priority-tenants.md, "Under MPS").
 #[inline]
 pub fn role(st: &State, dev: usize) -> Role {
     let own = OWN.load(Acquire);
-    if own.is_null() || dev >= MAX_DEVICES {
+    if own.is_null() || dev >= MAX_DEVICES || crate::mps::client() {
         return Role::Free;
     }
     // SAFETY: OWN holds a leaked, never freed mapping once set.

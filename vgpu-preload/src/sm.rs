@@ -636,10 +636,7 @@ fn admit(key: u64, stream: CUstream, launch: impl FnOnce() -> CUresult) -> CUres
     let st = state();
     let Ok(dev) = launch_dev(st, stream) else { return launch() };
     let pct = applies(st, dev);
-    // Under MPS a high-priority slice's SMs are its own (the agent shrinks the others' partitions):
-    // the launch gate on top only cost the normal slices' throughput and, with random requests,
-    // the service's own tail (docs/benchmarks-priority-tenants.md, "Under MPS").
-    let gate = if crate::mps::client() { crate::priority::Role::Free } else { crate::priority::role(st, dev) };
+    let gate = crate::priority::role(st, dev);
     let Some(region) = st.region.as_ref() else { return launch() };
     if pct.is_none() && matches!(gate, crate::priority::Role::Free) {
         return launch();

@@ -77,29 +77,14 @@ pub fn parse_pct(v: &str) -> Option<u32> {
     (f > 0.0 && f <= 100.0).then(|| (f as u32).max(1))
 }
 
-/// A memory size as MPS takes it: a number with an optional `K`, `M`, `G` or `T` (binary units,
-/// an optional trailing `B`).
-pub fn parse_size(v: &str) -> Option<u64> {
-    let v = v.trim();
-    let v = v.strip_suffix(['B', 'b']).unwrap_or(v);
-    let (num, mult) = match v.chars().last()? {
-        'K' | 'k' => (&v[..v.len() - 1], 1u64 << 10),
-        'M' | 'm' => (&v[..v.len() - 1], 1 << 20),
-        'G' | 'g' => (&v[..v.len() - 1], 1 << 30),
-        'T' | 't' => (&v[..v.len() - 1], 1 << 40),
-        _ => (v, 1),
-    };
-    num.trim().parse::<u64>().ok()?.checked_mul(mult)
-}
-
 /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`: `0=1G,1=512M` (per device ordinal) or `2G` (every device:
-/// ordinal None). None where it does not parse.
+/// ordinal None), sizes as `vgpu_units` reads them. None where it does not parse.
 pub fn parse_limits(v: &str) -> Option<Vec<(Option<usize>, u64)>> {
     v.split(',')
         .filter(|p| !p.trim().is_empty())
         .map(|p| match p.split_once('=') {
-            Some((d, s)) => Some((Some(d.trim().parse().ok()?), parse_size(s)?)),
-            None => Some((None, parse_size(p)?)),
+            Some((d, s)) => Some((Some(d.trim().parse().ok()?), vgpu_units::parse_size(s).ok()?)),
+            None => Some((None, vgpu_units::parse_size(p).ok()?)),
         })
         .collect()
 }
@@ -140,7 +125,7 @@ mod tests {
         assert_eq!(parse_pct("33.3"), Some(33));
         assert_eq!((parse_pct("0"), parse_pct("101"), parse_pct("x")), (None, None, None));
         assert_eq!(parse_limits("0=1G,1=512M"), Some(vec![(Some(0), 1 << 30), (Some(1), 512 << 20)]));
-        assert_eq!(parse_limits("2GB"), Some(vec![(None, 2 << 30)]));
+        assert_eq!(parse_limits("2G"), Some(vec![(None, 2 << 30)]));
         assert_eq!(parse_limits("0=lots"), None);
     }
 }

@@ -178,13 +178,15 @@ impl Daemon {
                 }
                 _ => Err(format!("no server {pid}, or invalid percentage {p}")),
             },
-            ["set_default_device_pinned_mem_limit", dev, size] => match (dev.parse::<usize>(), mps::parse_size(size)) {
-                (Ok(dev), Some(b)) if dev < self.gpus.len() => {
-                    self.default_limits.insert(dev, b);
-                    Ok(String::new())
+            ["set_default_device_pinned_mem_limit", dev, size] => {
+                match (dev.parse::<usize>(), vgpu_units::parse_size(size).ok()) {
+                    (Ok(dev), Some(b)) if dev < self.gpus.len() => {
+                        self.default_limits.insert(dev, b);
+                        Ok(String::new())
+                    }
+                    _ => Err(format!("invalid device {dev} or size {size}")),
                 }
-                _ => Err(format!("invalid device {dev} or size {size}")),
-            },
+            }
             ["get_default_device_pinned_mem_limit", dev] => Ok(dev
                 .parse::<usize>()
                 .ok()
