@@ -60,7 +60,7 @@ PRELOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vgpu-p
 PRELOAD_FLOORS = [
     # The C edge and what stands on nothing: the declared ABI, the real driver's and NVML's tables,
     # the configuration, the log, the clock, plain tables.
-    {"abicheck", "api", "clock", "config", "contexts", "ctxlimits", "guard", "log", "ptrmap", "real"},
+    {"abicheck", "api", "charged", "clock", "config", "contexts", "ctxlimits", "guard", "log", "ptrmap", "real"},
     # The interposer's own calls of the driver and NVML, and what follows stream captures.
     {"capture", "drv", "nvquery"},
     # What the process state stands on: the devices it may use, the true-up of its account.

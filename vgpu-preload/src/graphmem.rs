@@ -268,16 +268,11 @@ fn mapped(allocs: &[Alloc], call: impl FnOnce() -> CUresult) -> CUresult {
 }
 
 /// Sets this process's charge for device `d`'s graph pool to `reserved` (None: left as it is).
-/// Concurrent settles each apply the difference to what they replaced, so the region always holds
-/// exactly `CHARGED`.
+/// Concurrent settles each apply the difference to what they replaced, so the region holds
+/// `CHARGED` once they are done, and never less while they run.
 fn settle(st: &State, d: usize, reserved: Option<u64>) {
     let Some(now) = reserved else { return };
-    let old = CHARGED[d].swap(now, AcqRel);
-    if now > old {
-        st.charge_held(d, now - old);
-    } else if old > now {
-        st.release(d, old - now);
-    }
+    crate::charged::replace(&CHARGED[d], now, |b| st.charge_held(d, b), |b| st.release(d, b));
 }
 
 /// Settles the charge of every device a graph that allocates ran on to what the driver now reports

@@ -53,6 +53,7 @@ macro_rules! in_ref {
 mod abicheck;
 mod api;
 mod capture;
+mod charged;
 mod clock;
 mod config;
 mod contexts;

@@ -266,6 +266,14 @@ pub fn settle(st: &State, i: usize) -> u64 {
     if d == HOST || d == UNKNOWN {
         return 0;
     }
+    let reserved =
+        || if p.destroyed.load(Acquire) { 0 } else { attr(h, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0) };
+    settle_figures(p, reserved, |b| st.charge_held(d, b), |b| st.release(d, b))
+}
+
+/// [`settle`] on one pool's figures, with the driver's reservation read by `reserved` and the
+/// region moved by `charge` and `release`, never below what the figures say (see `charged`).
+fn settle_figures(p: &Pool, reserved: impl Fn() -> u64, charge: impl Fn(u64), release: impl Fn(u64)) -> u64 {
     for _ in 0..8 {
         // In this order: the slack (an allocation or free that changes it before the exchange makes
         // it fail), the live bytes, then the driver's figure. An allocation calls the driver before
@@ -275,23 +283,18 @@ pub fn settle(st: &State, i: usize) -> u64 {
         // goes to `held`, which the next settle corrects.
         let old = p.slack.load(Acquire);
         let live = p.live.load(Acquire);
-        let reserved =
-            if p.destroyed.load(Acquire) { 0 } else { attr(h, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0) };
-        let beyond = reserved.saturating_sub(live);
+        let beyond = reserved().saturating_sub(live);
         let slack = beyond.min(old);
         if p.slack.compare_exchange(old, slack, AcqRel, Acquire).is_err() {
             continue;
         }
-        // Only settles write `held`: the swap's previous value is what the region holds for it.
-        let before = p.held.swap(beyond - slack, AcqRel);
-        let (down, up) = (old - slack + before, beyond - slack);
-        if up > down {
-            st.charge_held(d, up - down);
-        } else if down > up {
-            st.release(d, down - up);
-            return down - up;
+        // Only settles write `held`: what it replaced is what the region holds for it.
+        let held = beyond - slack;
+        let before = crate::charged::replace(&p.held, held, &charge, &release);
+        if old > slack {
+            release(old - slack);
         }
-        return 0;
+        return (old - slack + before).saturating_sub(held);
     }
     0
 }
@@ -563,6 +566,57 @@ mod tests {
         assert!(!charged_where_used(CU_MEM_ALLOCATION_TYPE_MANAGED, &at(CU_MEM_LOCATION_TYPE_DEVICE)));
         assert!(charged_where_used(CU_MEM_ALLOCATION_TYPE_MANAGED, &at(CU_MEM_LOCATION_TYPE_HOST)));
         assert!(charged_where_used(CU_MEM_ALLOCATION_TYPE_MANAGED, &at(0)), "no preferred location");
+    }
+
+    fn pool(live: u64, slack: u64, held: u64) -> Pool {
+        Pool {
+            handle: AtomicU64::new(1),
+            dev: AtomicUsize::new(0),
+            live: AtomicU64::new(live),
+            slack: AtomicU64::new(slack),
+            held: AtomicU64::new(held),
+            destroyed: AtomicBool::new(false),
+        }
+    }
+
+    /// Two settles race: one that over-states what the pool holds beyond `live` (an allocation
+    /// that took from the slack is in the driver's figure, not yet in `live`) and one after that
+    /// allocation, run while the first moves the region. The region must never hold less than the
+    /// driver does: an allocation admitted then would grow the pool past the limit.
+    #[test]
+    fn a_settle_charges_what_it_adds_before_another_can_release_it() {
+        use std::cell::Cell;
+        const DRIVER: u64 = 900;
+        let p = pool(400, 400, 0);
+        // 100 of 500 bytes of slack taken by an allocation the driver has made (in DRIVER).
+        let (region, limbo) = (Cell::new(900u64), Cell::new(100u64));
+        let check = |when: &str| {
+            let figures = p.live.load(Relaxed) + p.slack.load(Relaxed) + p.held.load(Relaxed) + limbo.get();
+            assert!(region.get() >= figures, "{when}: the region {} under the figures {figures}", region.get());
+            assert!(region.get() >= DRIVER, "{when}: the region {} under what the driver holds", region.get());
+        };
+        let release = |b: u64| {
+            region.set(region.get() - b);
+            check("after a release");
+        };
+        let nested = Cell::new(false);
+        let charge = |b: u64| {
+            check("before a charge");
+            region.set(region.get() + b);
+            if !nested.replace(true) {
+                // The allocation adds to `live`, and another thread settles.
+                p.live.fetch_add(100, Relaxed);
+                limbo.set(0);
+                settle_figures(&p, || DRIVER, |b| region.set(region.get() + b), release);
+                check("after the other settle");
+            }
+        };
+        settle_figures(&p, || DRIVER, charge, release);
+        check("after both");
+        // Charged 100 more than the pool holds until the next settle, which gives it back.
+        assert_eq!(region.get(), 1000);
+        assert_eq!(settle_figures(&p, || DRIVER, |_| unreachable!("nothing to add"), release), 100);
+        assert_eq!((region.get(), p.slack.load(Relaxed), p.held.load(Relaxed)), (DRIVER, 400, 0));
     }
 
     // The one test that touches the process-wide table.

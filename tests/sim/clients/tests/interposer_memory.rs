@@ -1065,10 +1065,7 @@ fn the_true_up_keeps_what_it_charged_while_threads_allocate() {
     // their pools' shrinking at a synchronisation is not yet settled. Such a measurement shows less
     // than the driver holds beyond the account; it lowered the correction (by 384 MiB in 4 of 4
     // runs), and the pool then grew past the limit. It may only lower it when no other call is in
-    // flight: the correction is whole at the end. (The pool's high-water mark is not judged here:
-    // where the driver cannot reuse bytes freed on another stream the pool can grow by a chunk
-    // uncharged until the next synchronisation, a known limit that about 1 in 100 of these storms
-    // meets; `many_threads_allocate_and_free` judges the pool's own accounting.)
+    // flight: the correction is whole at the end, and the pool never held more than it left.
     let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
     for run in 0..3 {
         let mut c = s.limited(PROBE, &[("CUDA_DEVICE_MEMORY_LIMIT_0", "4g")]);
@@ -1079,6 +1076,7 @@ fn the_true_up_keeps_what_it_charged_while_threads_allocate() {
         assert!(v["outcomes"]["CUDA_ERROR_OUT_OF_MEMORY"].as_u64() > Some(0), "over-subscribed: {v}");
         assert_eq!(v["synchronised"]["free"].as_u64(), Some(room - pool), "run {run}: {v}");
         assert_eq!(v["trimmed"]["free"].as_u64(), Some(room), "run {run}: the context's correction is whole: {v}");
+        assert!(v["pool_high"].as_u64() <= Some(room), "run {run}: the pool held more than the limit left: {v}");
     }
 }
 
