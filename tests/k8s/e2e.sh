@@ -10,8 +10,8 @@
 #      are of two models); the lock is released, the bind phase set; `vgpuctl status` names the pod;
 #      an Allocate that fails leaves no slice; an agent may change only its own Node; the agent
 #      follows a kubelet restart and a replaced socket; the real HAMi scheduler (stage-hami.sh, from
-#      peers.sh) places pods the agent holds; without one of its RBAC rules the agent says so, writes
-#      nothing;
+#      peers.sh) places pods the agent holds, one asking for MPS on the GPU the agent runs MPS on;
+#      without one of its RBAC rules the agent says so, writes nothing;
 #   3. Volcano mode: without the scheduler's memory unit for a node this large the agent does not
 #      start and raises an Event on the Node saying what to set; with the scheduler's configuration
 #      its volcano.sh/vgpu-memory is in that unit, and a pod with the annotations Volcano's scheduler
@@ -173,6 +173,8 @@ tests/k8s/oci-image.py --ref vgpu.test/vgpu-node-agent:e2e --out "$dir/images/ag
     --entrypoint /usr/local/bin/vgpu-node-agent "${libs[@]}" \
     target/release/vgpu-node-agent=/usr/local/bin/vgpu-node-agent \
     target/release/vgpuctl=/usr/local/bin/vgpuctl target/release/vgpu-oci-hook=/usr/local/bin/vgpu-oci-hook \
+    target/release/nvidia-cuda-mps-control=/usr/local/bin/nvidia-cuda-mps-control \
+    target/release/nvidia-cuda-mps-server=/usr/local/bin/nvidia-cuda-mps-server \
     "$lib=/usr/local/lib/vgpu/libvgpu.so:644"
 tests/k8s/oci-image.py --ref vgpu.test/gpu-probe:e2e --out "$dir/images/probe.tar" \
     --entrypoint /usr/local/bin/gpu-probe "${libs[@]}" target/release/gpu-probe=/usr/local/bin/gpu-probe \
@@ -470,6 +472,7 @@ echo "  socket replaced: warned, registered again, one listening socket"
 if [ -n "$peers" ]; then
     stage_hami_real
     stage_kueue_real
+    stage_hami_mps
     hami_real_down
 fi
 

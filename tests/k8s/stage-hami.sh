@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # The end-to-end test's stage with the real HAMi scheduler, sourced by e2e.sh (its helpers and
-# variables: K, H, dir, node, bin, peers, libs, cuda_container, sim_volume, held, wait_until, fail).
+# variables: K, H, ns, dir, node, uuid, bin, peers, libs, cuda_container, sim_volume, held, vgpuctl,
+# wait_until, fail).
 # HAMi v2.10.0's scheduler (extender and mutating webhook in one binary, built from its released
 # source by peers.sh) runs in-cluster as HAMi's own chart (charts/hami) deploys it, its device
 # plugin left out: vgpu's agent, in HAMi mode, is the node side. Pods ask HAMi's resources and
@@ -147,6 +148,84 @@ assert mine and all(str(s.get("priority", "")).lower() in ("high", "1", "priorit
 print("  hami-urgent's slice: priority high")
 EOF
     "$K" -n e2e delete pod hami-urgent --wait=true --timeout=60s >/dev/null
+}
+
+# stage_hami_mps: GPU 1 runs MPS (the chart's mps values; the simulated driver's MPS programs, in
+# the agent's image, stand in for the driver's). HAMi's scheduler places a pod that asks for
+# `nvidia.com/vgpu-mode: mps` on that GPU, the agent gives it the GPU's daemon, and the client runs
+# as an MPS client held to its slice. The agent is put back as it was at the end.
+stage_hami_mps() {
+    stage "HAMi, real: GPU 1 runs MPS; a pod asking nvidia.com/vgpu-mode mps placed there, served by its daemon"
+    "$H" upgrade vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --set "mps.gpus[0]=$uuid" \
+        --set mps.control=/usr/local/bin/nvidia-cuda-mps-control --wait --timeout 120s >/dev/null ||
+        fail "helm upgrade with GPU 1 in MPS mode"
+    "$K" -n "$ns" rollout status ds/vgpu-node-agent --timeout=90s >/dev/null || fail "the agent did not restart"
+    mps_registered() {
+        annotation node "$node" "" hami.io/node-nvidia-register | python3 -c "import json, sys
+modes = {d['id']: d.get('mode') for d in json.load(sys.stdin)}
+sys.exit(0 if modes.get('$uuid') == 'mps' and list(modes.values()).count('mps') == 1 else 1)"
+    }
+    wait_until 90 "the register annotation saying mode mps for GPU 1 alone" mps_registered
+    mps_up() {
+        vgpuctl status -o json | python3 -c "import json, sys
+sys.exit(0 if any((g.get('mps') or {}).get('running') for g in json.load(sys.stdin)['gpus']) else 1)"
+    }
+    wait_until 60 "GPU 1's MPS daemon running (vgpuctl status)" mps_up
+    vgpuctl status | grep 'MPS' | sed 's/^/  vgpuctl: /'
+    local log=$dir/node/vgpu-state/mps/$uuid/log/control.log
+    # HAMi's scheduler reads the register annotations every 15 s (a ticker; a Node's update does not
+    # wake it): a pod made sooner meets the GPUs' old modes (CardTypeMismatch), and the scheduler
+    # tries an unschedulable pod again only after minutes. One period, then the pod (made again if
+    # HAMi still had the old modes).
+    sleep 16
+    local try
+    for try in 1 2 3; do
+        cat <<EOF | "$K" apply -f - >/dev/null
+apiVersion: v1
+kind: Pod
+metadata: {name: hami-mps, namespace: e2e, annotations: {nvidia.com/vgpu-mode: mps}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+$(cuda_container cuda "limits: {nvidia.com/gpu: 1, nvidia.com/gpumem: 1024, nvidia.com/gpucores: 30}" \
+            'echo mps-env $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; gpu-probe info; gpu-probe fill --chunk 104857600')
+$(sim_volume)
+EOF
+        for _ in $(seq 20); do hami_bound hami-mps && break 2; sleep 1; done
+        echo "  not placed within 20 s ($("$K" -n e2e get pod hami-mps -o jsonpath='{.status.conditions[0].message}' | cut -c1-120)); made again"
+        "$K" -n e2e delete pod hami-mps --wait=true --timeout=60s >/dev/null
+    done
+    hami_bound hami-mps || fail "HAMi did not place hami-mps on the MPS GPU in $try tries"
+    echo "  HAMi wrote: $(annotation pod hami-mps e2e hami.io/vgpu-devices-allocated)"
+    wait_until 120 "hami-mps's client ran" ran hami-mps
+    logs_of hami-mps | sed 's/^/  pod: /'
+    python3 - "$(logs_of hami-mps)" "$(annotation pod hami-mps e2e hami.io/vgpu-devices-allocated)" "$uuid" <<'EOF' ||
+import json, sys
+logs, allocated, uuid = sys.argv[1], sys.argv[2], sys.argv[3]
+assert allocated.split(",")[0] == uuid, ("HAMi placed it on the MPS GPU", allocated, uuid)
+env = [l.split()[1:] for l in logs.splitlines() if l.startswith("mps-env")]
+assert env == [["/usr/local/vgpu/mps", "30", "0=1024M"]], ("the slice's pipe, share and memory as MPS's", env)
+lines = [json.loads(l) for l in logs.splitlines() if l.startswith("{")]
+info = [l for l in lines if "mem_total" in l][0]
+fill = [l for l in lines if "result" in l][0]
+assert "H100" in info["name"] and info["mem_total"] == 1024 << 20, info
+assert fill["result"] == "CUDA_ERROR_OUT_OF_MEMORY" and 0 < fill["allocated"] <= 1024 << 20, fill
+print("  on the MPS GPU (%s): CUDA_MPS_* the slice's; held to 1024 MiB" % info["name"])
+EOF
+        fail "hami-mps was not served as an MPS client of its slice on GPU 1"
+    # The client reached the daemon the agent runs, which started a server for it.
+    grep -q "New client .* connected" "$log" && grep -q "Starting new server" "$log" ||
+        fail "the daemon did not serve the pod's client: $(cat "$log" 2>&1)"
+    echo "  the daemon's log: $(grep -c 'New client' "$log") client(s), $(grep -c 'Starting new server' "$log") server(s) started"
+    "$K" -n e2e delete pod hami-mps --wait=true --timeout=60s >/dev/null
+    # The agent as it was: no MPS.
+    "$H" upgrade vgpu packaging/helm/vgpu -n "$ns" -f "$dir/values-e2e.yaml" --wait --timeout 120s >/dev/null ||
+        fail "helm upgrade back without MPS"
+    "$K" -n "$ns" rollout status ds/vgpu-node-agent --timeout=90s >/dev/null || fail "the agent did not restart"
+    agent_pod=$("$K" -n "$ns" get pods -l app.kubernetes.io/name=vgpu-node-agent -o jsonpath='{.items[0].metadata.name}')
+    no_mps() { ! annotation node "$node" "" hami.io/node-nvidia-register | grep -q '"mps"'; }
+    wait_until 90 "the register annotation without mode mps" no_mps
 }
 
 # HAMi's scheduler removed (after the stages that use it: Kueue's places through it).
