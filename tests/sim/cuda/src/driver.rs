@@ -1,6 +1,6 @@
 //! Process-wide driver state: initialisation, visible devices, contexts.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Mutex, OnceLock};
@@ -265,15 +265,60 @@ impl Ctx {
     }
 }
 
+/// How deep a thread's context stack may go (`cuCtxPushCurrent` beyond it is refused).
+const STACK_DEPTH: usize = 64;
+
+/// A thread's context stack, in plain thread-local storage as the driver keeps it: a thread-local
+/// with a destructor registers it (`__cxa_thread_atexit_impl`) under the loader's lock at its first
+/// use, so a thread's first context waited for any `dlopen` another thread was running (libvgpu.so
+/// loads NVML on a thread of its own at the first CUDA call), which the driver's does not.
+struct CtxStack {
+    depth: Cell<usize>,
+    ctx: [Cell<Option<&'static Ctx>>; STACK_DEPTH],
+}
+
+impl CtxStack {
+    fn top(&self) -> Option<&'static Ctx> {
+        self.depth.get().checked_sub(1).and_then(|i| self.ctx[i].get())
+    }
+
+    fn push(&self, c: &'static Ctx) -> R<()> {
+        let d = self.depth.get();
+        let slot = self.ctx.get(d).ok_or(CUresult::OUT_OF_MEMORY)?;
+        slot.set(Some(c));
+        self.depth.set(d + 1);
+        Ok(())
+    }
+
+    fn pop(&self) -> Option<&'static Ctx> {
+        let c = self.top()?;
+        self.depth.set(self.depth.get() - 1);
+        Some(c)
+    }
+
+    /// Takes `c` out wherever it is in the stack (it was destroyed).
+    fn remove(&self, c: &'static Ctx) {
+        let mut kept = 0;
+        for i in 0..self.depth.get() {
+            let x = self.ctx[i].get();
+            if !x.is_some_and(|x| std::ptr::eq(x, c)) {
+                self.ctx[kept].set(x);
+                kept += 1;
+            }
+        }
+        self.depth.set(kept);
+    }
+}
+
 thread_local! {
-    static STACK: RefCell<Vec<&'static Ctx>> = const { RefCell::new(Vec::new()) };
+    static STACK: CtxStack = const { CtxStack { depth: Cell::new(0), ctx: [const { Cell::new(None) }; STACK_DEPTH] } };
 }
 
 /// The calling thread's current context.
 #[inline]
 pub fn current() -> R<&'static Ctx> {
     proc()?;
-    STACK.with(|s| s.borrow().last().copied()).filter(|c| c.live()).ok_or(CUresult::INVALID_CONTEXT)
+    STACK.with(CtxStack::top).filter(|c| c.live()).ok_or(CUresult::INVALID_CONTEXT)
 }
 
 pub fn ctx_from(h: CUcontext) -> R<&'static Ctx> {
@@ -371,7 +416,7 @@ pub fn ctx_create(ordinal: CUdevice) -> R<&'static Ctx> {
         }
         None => Ctx::new(gpu, ordinal, false),
     };
-    push(c);
+    push(c)?;
     Ok(c)
 }
 
@@ -382,7 +427,7 @@ pub fn ctx_destroy(c: &'static Ctx) -> R<()> {
     let p = proc()?;
     crate::mem::release_context_memory(c);
     c.magic.store(0, Release);
-    STACK.with(|s| s.borrow_mut().retain(|x| !std::ptr::eq(*x, c)));
+    STACK.with(|s| s.remove(c));
     p.detach(c.gpu);
     SPARE_CTXS.lock().unwrap_or_else(|e| e.into_inner()).push(c);
     std::thread::sleep(std::time::Duration::from_nanos(p.node.cfg.destroy_return_ns));
@@ -430,29 +475,25 @@ pub fn set_limit(c: &Ctx, limit: i32, value: u64) -> R<()> {
     Ok(())
 }
 
-pub fn push(c: &'static Ctx) {
-    STACK.with(|s| s.borrow_mut().push(c));
+pub fn push(c: &'static Ctx) -> R<()> {
+    STACK.with(|s| s.push(c))
 }
 
 pub fn pop() -> R<&'static Ctx> {
     proc()?;
-    STACK.with(|s| s.borrow_mut().pop()).ok_or(CUresult::INVALID_CONTEXT)
+    STACK.with(CtxStack::pop).ok_or(CUresult::INVALID_CONTEXT)
 }
 
 /// `cuCtxSetCurrent`: replaces the top of the stack (NULL pops it).
 pub fn set_current(c: Option<&'static Ctx>) -> R<()> {
     proc()?;
     STACK.with(|s| {
-        let mut s = s.borrow_mut();
         s.pop();
-        if let Some(c) = c {
-            s.push(c);
-        }
-    });
-    Ok(())
+        c.map_or(Ok(()), |c| s.push(c))
+    })
 }
 
 pub fn get_current() -> R<Option<&'static Ctx>> {
     proc()?;
-    Ok(STACK.with(|s| s.borrow().last().copied()))
+    Ok(STACK.with(CtxStack::top))
 }

@@ -302,8 +302,8 @@ exports! {
     fn cuCtxCreate_v4(c: *mut CUcontext, _params: *mut c_void, _flags: u32, dev: CUdevice) { new_context(c, dev) }
     fn cuCtxDestroy(c: CUcontext) { driver::ctx_destroy(driver::ctx_from(c)?) }
     fn cuCtxDestroy_v2(c: CUcontext) { driver::ctx_destroy(driver::ctx_from(c)?) }
-    fn cuCtxPushCurrent(c: CUcontext) { proc()?; driver::push(driver::ctx_from(c)?); Ok(()) }
-    fn cuCtxPushCurrent_v2(c: CUcontext) { proc()?; driver::push(driver::ctx_from(c)?); Ok(()) }
+    fn cuCtxPushCurrent(c: CUcontext) { proc()?; driver::push(driver::ctx_from(c)?) }
+    fn cuCtxPushCurrent_v2(c: CUcontext) { proc()?; driver::push(driver::ctx_from(c)?) }
     fn cuCtxPopCurrent(c: *mut CUcontext) {
         let x = driver::pop()?;
         if !c.is_null() { out(c, driver::handle(x))?; }
