@@ -16,10 +16,10 @@
 //!   loaded lazily at a kernel's first launch show in its answer before an allocation comes near
 //!   the limit).
 //!
-//! The first two are off the path of the context's creation: NVML is initialised on a thread of its
-//! own as soon as the process starts using CUDA (`nvmlInit` alone took 10 ms and more on an H200),
-//! and the measurement after a context runs on a thread of its own too. Until it is done, an
-//! allocation on that device that would bring the container within [`CONTEXT_MARGIN`] of its
+//! The first two are off the path of the context's creation: NVML is initialised on a helper
+//! thread as soon as the process starts using CUDA (`nvmlInit` alone took 10 ms and more on an
+//! H200), and the measurement after a context runs on that thread too ([`Helper`]). Until it is
+//! done, an allocation on that device that would bring the container within [`CONTEXT_MARGIN`] of its
 //! limit waits for it, and so does `cuMemGetInfo`; nothing else does (what the measurement adds is
 //! less than the margin, so an allocation admitted before it cannot take the container over the
 //! limit; two threads allocating at once while it runs could together, as each checks the usage
@@ -120,14 +120,12 @@ impl TrueUp {
         }
     }
 
-    /// Starts NVML's initialisation on a thread of its own, where any measurement will be made
-    /// (at the process's first CUDA call, well before its first context).
+    /// Starts NVML's initialisation on the helper thread, where the measurements will be made (at
+    /// the process's first CUDA call, well before its first context).
     #[cold]
     pub fn warm_up(&self) {
         if self.at_context && NVML_STATE.load(Acquire) == NVML_NONE {
-            let _ = std::thread::Builder::new().name("vgpu-nvml".into()).stack_size(HELPER_STACK).spawn(|| {
-                nvml_ready();
-            });
+            HELPER.start();
         }
     }
 
@@ -215,6 +213,7 @@ impl TrueUp {
             t.any_pending.fetch_sub(1, AcqRel);
             t.done.1.notify_all();
         });
+        let Err(job) = HELPER.hand(job) else { return };
         let job = std::sync::Arc::new(Mutex::new(Some(job)));
         let theirs = job.clone();
         let spawned =
@@ -358,6 +357,65 @@ const NVML_NONE: u8 = 0;
 const NVML_STARTING: u8 = 1;
 const NVML_READY: u8 = 2;
 const NVML_UNAVAILABLE: u8 = 3;
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The true-up's helper thread: started at the process's first CUDA call, it initialises NVML and
+/// then runs the measurements after contexts handed to it, one at a time. One thread for both: the
+/// application's thread that started a second one for the measurement, while the first still
+/// loaded NVML, waited for the loader's lock (`strace -k`: its `pthread_create` blocked until
+/// NVML's `dlopen` was done). A forked child has no helper (the parent's thread is not copied): it
+/// starts a thread per measurement instead. A measurement that panics ends, not the helper.
+struct Helper {
+    /// The process whose helper this is (0: none started).
+    pid: AtomicU32,
+    jobs: Mutex<Vec<Job>>,
+    wake: std::sync::Condvar,
+}
+
+static HELPER: Helper =
+    Helper { pid: AtomicU32::new(0), jobs: Mutex::new(Vec::new()), wake: std::sync::Condvar::new() };
+
+impl Helper {
+    /// Starts NVML's initialisation: on the helper, where this process has none yet; on a thread of
+    /// its own in a forked child (whose parent's helper is not there).
+    fn start(&'static self) {
+        let spawn = |f: fn()| std::thread::Builder::new().name("vgpu-trueup".into()).stack_size(HELPER_STACK).spawn(f);
+        if self.pid.compare_exchange(0, std::process::id(), AcqRel, Acquire).is_ok() {
+            if spawn(|| HELPER.serve()).is_err() {
+                self.pid.store(0, Release);
+            }
+        } else {
+            let _ = spawn(|| {
+                nvml_ready();
+            });
+        }
+    }
+
+    fn serve(&self) {
+        nvml_ready();
+        loop {
+            let job = {
+                let mut q = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+                while q.is_empty() {
+                    q = self.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+                q.remove(0)
+            };
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        }
+    }
+
+    /// Hands `job` to this process's helper; gives it back where there is none.
+    fn hand(&self, job: Job) -> Result<(), Job> {
+        if self.pid.load(Acquire) != std::process::id() {
+            return Err(job);
+        }
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).push(job);
+        self.wake.notify_one();
+        Ok(())
+    }
+}
+
 /// Where this library's NVML initialisation is. An atomic rather than a lock: a child forked while
 /// another thread initialised NVML must not wait for a thread it does not have.
 static NVML_STATE: AtomicU8 = AtomicU8::new(NVML_NONE);
