@@ -47,6 +47,11 @@ struct Cached {
     /// In the current pass: its processes as NVML lists them, with their SM share (kept allocated
     /// from pass to pass).
     nvml: Vec<NvmlProc>,
+    /// What NVML last listed for each of its processes, by (PID in the slot, host PID, GPU index),
+    /// kept until the process's slot goes: a slot found dead is reclaimed up to what NVML last saw
+    /// of its process, which the pass that finds it (a full one, where a scribbled slot names a
+    /// living host PID) may no longer list.
+    last_seen: Vec<(u32, u32, u32, u64)>,
     /// In the current pass, with the true-up on: each live slot's usage (slot, PID, per device) read
     /// just before NVML's figures, to tell a process whose charge moved meanwhile (in slot order;
     /// kept allocated).
@@ -903,17 +908,15 @@ impl Monitor {
             // What a slot said it held is the container's word: what counts as reclaimed is what
             // NVML last measured for its process, at most (a scribbled slot added up to the
             // slice's limit to the node's counter on each scribble).
-            let nvml = &c.nvml;
+            let last_seen = &mut c.last_seen;
             let mut confirmed: u64 = 0;
             c.region.reap_where_each(
                 |pid, host| full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(i, pid))),
                 |pid, host, bytes| {
-                    let seen: u64 = nvml
-                        .iter()
-                        .filter(|p| (host != 0 && p.host_pid == host) || p.pid == pid)
-                        .map(|p| p.bytes)
-                        .fold(0, u64::saturating_add);
+                    let its = |&&(p, h, _, _): &&(u32, u32, u32, u64)| (host != 0 && h == host) || p == pid;
+                    let seen: u64 = last_seen.iter().filter(its).map(|x| x.3).fold(0, u64::saturating_add);
                     confirmed = confirmed.saturating_add(bytes.min(seen));
+                    last_seen.retain(|x| !its(&x));
                 },
             );
             // And no more than the slice's GPUs have.
@@ -936,6 +939,9 @@ impl Monitor {
                 live_slot.push(slot);
             });
             c.live = start..self.live.len();
+            // Only processes with a slot are remembered.
+            let slots = &self.live[c.live.clone()];
+            c.last_seen.retain(|&(p, _, _, _)| slots.iter().any(|l| l.0 == p));
             c.nvml.clear();
         }
         self.by_file.clear();
@@ -1016,6 +1022,10 @@ impl Monitor {
                                 sm_at_us,
                             };
                             c.nvml.push(p);
+                            match c.last_seen.iter_mut().find(|x| x.0 == inner && x.2 == g.index) {
+                                Some(x) => (x.1, x.3) = (pid, mem),
+                                None => c.last_seen.push((inner, pid, g.index, mem)),
+                            }
                             // A process that could not name itself to NVML (in a PID namespace): its
                             // host PID goes into its slot, where NVML's process list inside the
                             // container (nvidia-smi) and the next passes find it.
@@ -1301,6 +1311,7 @@ impl Monitor {
                     // Not known yet: worked out in this pass.
                     gpu_pos: [usize::MAX; vgpu_region::MAX_DEVICES],
                     nvml: Vec::new(),
+                    last_seen: Vec::new(),
                     before_nvml: Vec::new(),
                     in_flight_before: [0; vgpu_region::MAX_DEVICES],
                     refusals: [0; vgpu_region::MAX_DEVICES],
