@@ -47,11 +47,11 @@ struct Cached {
     /// In the current pass: its processes as NVML lists them, with their SM share (kept allocated
     /// from pass to pass).
     nvml: Vec<NvmlProc>,
-    /// What NVML last listed for each of its processes, by (PID in the slot, host PID, GPU index),
-    /// kept until the process's slot goes: a slot found dead is reclaimed up to what NVML last saw
+    /// What NVML last listed for each of its processes on each GPU, kept until the process's slot
+    /// goes: a slot found dead is reclaimed up to what NVML last saw
     /// of its process, which the pass that finds it (a full one, where a scribbled slot names a
     /// living host PID) may no longer list.
-    last_seen: Vec<(u32, u32, u32, u64)>,
+    last_seen: Vec<NvmlProc>,
     /// In the current pass, with the true-up on: each live slot's usage (slot, PID, per device) read
     /// just before NVML's figures, to tell a process whose charge moved meanwhile (in slot order;
     /// kept allocated).
@@ -913,10 +913,10 @@ impl Monitor {
             c.region.reap_where_each(
                 |pid, host| full || !((host != 0 && alive.contains(&host)) || alive_inner.contains(&(i, pid))),
                 |pid, host, bytes| {
-                    let its = |&&(p, h, _, _): &&(u32, u32, u32, u64)| (host != 0 && h == host) || p == pid;
-                    let seen: u64 = last_seen.iter().filter(its).map(|x| x.3).fold(0, u64::saturating_add);
+                    let its = |p: &NvmlProc| (host != 0 && p.host_pid == host) || p.pid == pid;
+                    let seen: u64 = last_seen.iter().filter(|p| its(p)).map(|p| p.bytes).fold(0, u64::saturating_add);
                     confirmed = confirmed.saturating_add(bytes.min(seen));
-                    last_seen.retain(|x| !its(&x));
+                    last_seen.retain(|p| !its(p));
                 },
             );
             // And no more than the slice's GPUs have.
@@ -941,7 +941,7 @@ impl Monitor {
             c.live = start..self.live.len();
             // Only processes with a slot are remembered.
             let slots = &self.live[c.live.clone()];
-            c.last_seen.retain(|&(p, _, _, _)| slots.iter().any(|l| l.0 == p));
+            c.last_seen.retain(|p| slots.iter().any(|l| l.0 == p.pid));
             c.nvml.clear();
         }
         self.by_file.clear();
@@ -1022,9 +1022,9 @@ impl Monitor {
                                 sm_at_us,
                             };
                             c.nvml.push(p);
-                            match c.last_seen.iter_mut().find(|x| x.0 == inner && x.2 == g.index) {
-                                Some(x) => (x.1, x.3) = (pid, mem),
-                                None => c.last_seen.push((inner, pid, g.index, mem)),
+                            match c.last_seen.iter_mut().find(|x| x.pid == inner && x.gpu_index == g.index) {
+                                Some(x) => *x = p,
+                                None => c.last_seen.push(p),
                             }
                             // A process that could not name itself to NVML (in a PID namespace): its
                             // host PID goes into its slot, where NVML's process list inside the
