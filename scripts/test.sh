@@ -23,4 +23,14 @@ if [ "$skipped" -gt 0 ]; then
     echo "skipped, each with what it needs (tests/k8s/tools.sh builds Helm; .ci/run installs the rest):"
     sort -u "$skips" | sed 's/^/  /'
 fi
+if [ "$rc" != 0 ] && ! grep -q '^test result:' "$out"; then
+    # The build itself failed. A linker's error comes after its whole command line, which can be
+    # longer than what a CI log keeps: repeat the errors without it, and the room the build had.
+    echo "the build failed; its errors, without the linker's command lines:"
+    grep -E '^error|= note: |^(/usr/bin/)?ld|collect2|undefined reference' "$out" | grep -vE '= note: +"cc"' \
+        | cut -c1-400 | head -40 | sed 's/^/  /'
+    echo "room at the end of the build:"
+    df -h . /tmp 2>/dev/null | sed 's/^/  /'
+    free -m 2>/dev/null | sed 's/^/  /'
+fi
 exit "$rc"
