@@ -216,13 +216,12 @@ impl TrueUp {
         let Err(job) = HELPER.hand(job) else { return };
         let job = std::sync::Arc::new(Mutex::new(Some(job)));
         let theirs = job.clone();
-        let spawned =
-            std::thread::Builder::new().name("vgpu-trueup".into()).stack_size(HELPER_STACK).spawn(move || {
-                let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
-                if let Some(f) = f {
-                    f();
-                }
-            });
+        let spawned = spawn_background(move || {
+            let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(f) = f {
+                f();
+            }
+        });
         if spawned.is_err() {
             // No thread to be had: measured here, as before.
             let f = job.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -379,20 +378,24 @@ impl Helper {
     /// Starts NVML's initialisation: on the helper, where this process has none yet; on a thread of
     /// its own in a forked child (whose parent's helper is not there).
     fn start(&'static self) {
-        let spawn = |f: fn()| std::thread::Builder::new().name("vgpu-trueup".into()).stack_size(HELPER_STACK).spawn(f);
         if self.pid.compare_exchange(0, std::process::id(), AcqRel, Acquire).is_ok() {
-            if spawn(|| HELPER.serve()).is_err() {
+            if spawn_background(|| HELPER.serve()).is_err() {
                 self.pid.store(0, Release);
+            } else {
+                // Handed after the thread started, so that the helper, waiting for its first job,
+                // is woken onto an idle core rather than run on this one (see spawn_background).
+                let _ = self.hand(Box::new(|| {
+                    nvml_ready();
+                }));
             }
         } else {
-            let _ = spawn(|| {
+            let _ = spawn_background(|| {
                 nvml_ready();
             });
         }
     }
 
     fn serve(&self) {
-        nvml_ready();
         loop {
             let job = {
                 let mut q = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
@@ -414,6 +417,22 @@ impl Helper {
         self.wake.notify_one();
         Ok(())
     }
+}
+
+/// Starts a true-up thread. Its first act makes it a batch thread (`SCHED_BATCH`, same weight as
+/// the application's threads): the kernel starts a new thread on its creator's CPU, where a normal
+/// one preempted the application's thread while NVML loaded (its first allocation came 0.2 ms
+/// later on a 2-core machine with the other core idle, the application's thread switched out 1.6
+/// times instead of 0.4); a batch thread does not preempt on waking, and an idle core takes it.
+fn spawn_background(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    let run = move || {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param for SCHED_BATCH
+        // (priority 0). A refusal (a seccomp profile, say) leaves the thread as it was.
+        unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+        f()
+    };
+    std::thread::Builder::new().name("vgpu-trueup".into()).stack_size(HELPER_STACK).spawn(run).map(drop)
 }
 
 /// Where this library's NVML initialisation is. An atomic rather than a lock: a child forked while
