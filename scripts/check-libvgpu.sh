@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build checks of a libvgpu.so: no glibc symbol newer than the baseline, no unexpected library
-# dependency, and exactly the hook symbols of vgpu-preload/src/api.rs (plus dlsym) exported.
+# dependency, exactly the hook symbols of vgpu-preload/src/api.rs (plus dlsym) exported, and the
+# library's own references to them bound when it was linked (none left for the loader to look up).
 #   scripts/check-libvgpu.sh PATH [GLIBC_BASELINE=2.17]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,5 +36,15 @@ if [ "$expected" != "$actual" ]; then
     fail=1
 else
     echo "ok: exports exactly the $(echo "$expected" | wc -l) hook symbols"
+fi
+# The hook tables hand out the hooks' addresses: bound at link time (vgpu-preload/build.rs), the
+# loader looks none of them up by name, and a process's own `cu*` function is never handed out.
+own=$(readelf -rW "$lib" | awk '$3 ~ /GLOB_DAT|JUMP_SLOT|R_X86_64_64|R_AARCH64_ABS64/ {print $5}' | sed 's/@.*//' \
+    | grep -Fx -f <(echo "$expected") || true)
+if [ -n "$own" ]; then
+    echo "FAIL: $(echo "$own" | wc -l) references to the library's own hooks are left to the loader (first: $(echo "$own" | head -1))"
+    fail=1
+else
+    echo "ok: the library's references to its own hooks are bound at link time"
 fi
 exit $fail
