@@ -102,6 +102,13 @@ impl Config {
         )
     }
 
+    /// The agent's limits file, as [`from_env`](Self::from_env) would find it, without the rest of
+    /// the configuration (the slice's GPUs are read before the process's state is made).
+    pub fn limits_path_from_env() -> Option<String> {
+        let managed = std::path::Path::new(INJECTED_LIMITS).exists();
+        limits_path(std::env::var("VGPU_LIMITS_FILE").ok(), managed)
+    }
+
     /// From `get`, for a container that is not managed.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Config {
         Self::from_lookup_in(get, false)
@@ -180,7 +187,7 @@ impl Config {
                 default_region(unsafe { libc::geteuid() }, &mem_limit, &sm_limit)
             }),
             default_region: get("CUDA_DEVICE_MEMORY_SHARED_CACHE").is_none_or(|p| p.is_empty()),
-            limits_path: get("VGPU_LIMITS_FILE").filter(|p| !p.is_empty()),
+            limits_path: limits_path(get("VGPU_LIMITS_FILE"), false),
             core_policy,
             log_level,
             context_overhead,
@@ -212,7 +219,7 @@ impl Config {
         }
         self.region_path = INJECTED_REGION.into();
         self.default_region = false;
-        self.limits_path = Some(INJECTED_LIMITS.into());
+        self.limits_path = limits_path(None, true);
         if self.fail_open {
             ignored.push("VGPU_FAIL_OPEN".into());
             self.fail_open = false;
@@ -233,6 +240,15 @@ impl Config {
             ));
             self.context_overhead = DEFAULT_CONTEXT_OVERHEAD;
         }
+    }
+}
+
+/// The limits file: the injected one in a managed container, else `VGPU_LIMITS_FILE` where set.
+fn limits_path(named: Option<String>, managed: bool) -> Option<String> {
+    if managed {
+        Some(INJECTED_LIMITS.into())
+    } else {
+        named.filter(|p| !p.is_empty())
     }
 }
 

@@ -132,8 +132,11 @@ fn by_real() -> &'static [(usize, usize)] {
 
 /// The real driver's (or NVML's) address of an intercepted entry point.
 pub fn real_address(name: &str) -> Option<usize> {
-    let all = if name.starts_with("nvml") { real::nvml().addresses() } else { real::driver().cuda.addresses() };
-    all.into_iter().find(|(n, _)| *n == name).map(|(_, a)| a)
+    if name.starts_with("nvml") {
+        real::nvml().address(name)
+    } else {
+        real::driver().cuda.address(name)
+    }
 }
 
 /// The hook for exactly the entry point at `addr`, if it is one we intercept.

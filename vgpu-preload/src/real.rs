@@ -95,6 +95,13 @@ macro_rules! define_real {
                 $(if let Some(f) = self.$name { v.push((stringify!($name), f as usize)); })*
                 v
             }
+            /// The real address of the intercepted entry point `name`, if the driver has it.
+            pub fn address(&self, name: &str) -> Option<usize> {
+                match name {
+                    $(stringify!($name) => self.$name.map(|f| f as usize),)*
+                    _ => None,
+                }
+            }
         }
     };
 }
@@ -163,10 +170,12 @@ macro_rules! define_real_nvml {
                     },)*
                 }
             }
-            pub fn addresses(&self) -> Vec<(&'static str, usize)> {
-                let mut v = Vec::new();
-                $(if let Some(f) = self.$name { v.push((stringify!($name), f as usize)); })*
-                v
+            /// The real address of the intercepted entry point `name`, if NVML has it.
+            pub fn address(&self, name: &str) -> Option<usize> {
+                match name {
+                    $(stringify!($name) => self.$name.map(|f| f as usize),)*
+                    _ => None,
+                }
             }
         }
     };

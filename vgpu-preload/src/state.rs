@@ -269,6 +269,7 @@ impl State {
             }
         });
         let mut claim = None;
+        let host_pid = host_pid();
         if let Some(r) = &region {
             // Only slots whose process looks gone are lock-tested here (a lock test per live
             // process made starts of many processes at once quadratic); a reservation that meets
@@ -277,14 +278,14 @@ impl State {
             if freed > 0 {
                 vlog!(INFO, "reclaimed {freed} bytes held by dead processes");
             }
-            match r.claim(std::process::id(), host_pid()) {
+            match r.claim(std::process::id(), host_pid) {
                 Ok(c) => claim = Some(c),
                 Err(e) => refuse |= limit_error(&cfg, e.to_string()),
             }
         }
         // No agent watches a region a process created: each process trues itself up.
         let standalone = region.as_ref().is_some_and(|r| r.standalone()) && limits_region.is_none();
-        let trueup = TrueUp::new(cfg.memory_true_up && standalone, cfg.memory_true_up && region.is_some(), host_pid());
+        let trueup = TrueUp::new(cfg.memory_true_up && standalone, cfg.memory_true_up && region.is_some(), host_pid);
         let watched = region.is_some() && !standalone;
         if trueup.measures() {
             crate::guard::Calls::track();

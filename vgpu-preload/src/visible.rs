@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 pub fn slice_gpus() -> Option<&'static [String]> {
     static GPUS: OnceLock<Option<Vec<String>>> = OnceLock::new();
     GPUS.get_or_init(|| {
-        let path = Config::from_env().limits_path?;
+        let path = Config::limits_path_from_env()?;
         let r = vgpu_region::Region::open(std::path::Path::new(&path), false).ok()?;
         let v: Vec<String> = (0..r.ndevices()).map(|i| r.device_uuid(i)).filter(|u| !u.is_empty()).collect();
         (!v.is_empty()).then_some(v)

@@ -312,7 +312,9 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
         assert!(c.wait().expect("cuda-start").success());
         at
     };
-    let n = if quick { 20 } else { 60 };
+    // A start's figure moves by a tenth of a millisecond from one to the next: enough of them for
+    // a median that holds to a few hundredths (a start takes 2 ms).
+    let n = if quick { 100 } else { 300 };
     let (mut b, mut w, mut f) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..n {
         b.push(start(false, false));
