@@ -100,7 +100,8 @@ pub fn serve(api: &Api, dev: i32, a: &ServeArgs) -> Res<()> {
         "{}",
         json!({"event": "served", "pid": std::process::id(), "requests": lat_us.len(), "late_arrivals": late,
                "arrivals": a.arrivals,
-               "mean_us": mean, "p50_us": quantile(&lat_us, 0.5), "p99_us": quantile(&lat_us, 0.99),
+               "mean_us": mean, "p50_us": quantile(&lat_us, 0.5), "p90_us": quantile(&lat_us, 0.9),
+               "p99_us": quantile(&lat_us, 0.99),
                "p999_us": quantile(&lat_us, 0.999), "max_us": lat_us.last().copied().unwrap_or(0.0)})
     );
     Ok(())
