@@ -5,7 +5,7 @@
 //! other nodes; a MIG instance asked for through the receiver is made on the node.
 
 mod common;
-use common::agent::{bin, free_port, Agent};
+use common::agent::{bin, Agent};
 use common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -38,13 +38,16 @@ impl Receiver {
     fn start_with(dir: &Path, extra: &[&str]) -> Receiver {
         gen_certs(dir);
         let extra = extra.iter().map(|a| a.to_string()).collect();
-        let mut r = Receiver { child: None, dir: dir.to_owned(), port: free_port(), metrics: free_port(), extra };
+        // Ports 0: the receiver takes free ones, read back from its log, and keeps them across
+        // restarts (a port found free and then handed over could be taken in between).
+        let mut r = Receiver { child: None, dir: dir.to_owned(), port: 0, metrics: 0, extra };
         r.spawn();
         r
     }
 
     fn spawn(&mut self) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("receiver.log")).unwrap();
+        let logged = log.metadata().unwrap().len() as usize;
         let d = &self.dir;
         let c = Command::new(bin("vgpu-receiver"))
             .args(["serve", "--listen", &format!("127.0.0.1:{}", self.port)])
@@ -66,7 +69,17 @@ impl Receiver {
             .spawn()
             .unwrap();
         self.child = Some(c);
-        wait_until("the receiver listens", || std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok());
+        let said = |what: &str| -> Option<u16> {
+            let log = std::fs::read_to_string(self.dir.join("receiver.log")).unwrap_or_default();
+            let line = log.get(logged..)?.lines().find_map(|l| l.strip_prefix(what))?;
+            line.trim().rsplit_once(':')?.1.parse().ok()
+        };
+        let mut ports = None;
+        wait_until("the receiver listens", || {
+            ports = said("listening on ").zip(said("metrics on "));
+            ports.is_some()
+        });
+        (self.port, self.metrics) = ports.unwrap();
     }
 
     fn kill(&mut self) {

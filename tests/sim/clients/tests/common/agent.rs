@@ -39,7 +39,9 @@ impl Agent {
         let mut a = Agent {
             child: None,
             socket: s.state.join("run").join("agent.sock"),
-            metrics: format!("127.0.0.1:{}", free_port()),
+            // Port 0: the agent takes a free port, asked for once it is ready, and keeps it across
+            // restarts (a port found free and then handed over could be taken in between).
+            metrics: "127.0.0.1:0".to_string(),
             log: s.state.join("agent.log"),
             state,
             env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
@@ -78,6 +80,20 @@ impl Agent {
         }
         self.child = Some(c.spawn().unwrap());
         self.wait("ready", |v| v["sequence"].as_u64().unwrap_or(0) > 0);
+        if self.metrics.ends_with(":0") {
+            self.metrics = self.bound_metrics();
+        }
+    }
+
+    /// The address the agent serves its metrics on, as its health answer says.
+    fn bound_metrics(&self) -> String {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let h = rt.block_on(async {
+            let mut c = vgpu_agent::api::connect(&self.socket).await.expect("the agent's socket");
+            c.health(vgpu_proto::v1::HealthRequest {}).await.expect("the agent's health").into_inner()
+        });
+        assert!(!h.metrics_address.is_empty(), "the agent serves no metrics:\n{}", self.log_text());
+        h.metrics_address
     }
 
     pub fn ctl(&self, args: &[&str]) -> Output {
