@@ -416,17 +416,26 @@ impl Prometheus {
             rules = rules.display()
         );
         std::fs::write(dir.join("prometheus.yml"), config).unwrap();
-        let address = format!("127.0.0.1:{}", free_port());
+        // Port 0: Prometheus takes a free port and logs it (a port found free and then handed over
+        // could be taken in between).
         let log = dir.join("prometheus.log");
         let child = Command::new(bin)
             .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
             .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
-            .arg(format!("--web.listen-address={address}"))
+            .arg("--web.listen-address=127.0.0.1:0")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
-        let p = Prometheus { child, address, log };
+        let mut p = Prometheus { child, address: String::new(), log };
+        let listening = |text: &str| -> Option<String> {
+            let line = text.lines().find(|l| l.contains("Listening on"))?;
+            let a = line.split_whitespace().find_map(|w| w.strip_prefix("address="))?;
+            Some(a.trim_matches('"').to_string())
+        };
+        let text = || std::fs::read_to_string(&p.log).unwrap_or_default();
+        p.until("its address", Duration::from_secs(60), || listening(&text()).is_some());
+        p.address = listening(&text()).unwrap();
         p.until("ready", Duration::from_secs(60), || p.get("/-/ready").0 == 200);
         p
     }

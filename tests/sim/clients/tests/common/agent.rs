@@ -24,10 +24,6 @@ pub struct Agent {
     pub nofile: Option<u64>,
 }
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 impl Agent {
     pub fn start(s: &Sim, env: &[(&str, &str)]) -> Agent {
         Agent::start_with_nofile(s, env, None)
