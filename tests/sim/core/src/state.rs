@@ -463,9 +463,22 @@ impl Node {
     }
 
     /// Releases the slots of dead processes. Returns the bytes released.
+    ///
+    /// Liveness is tested before the node's lock is taken, and the lock only where a process is
+    /// gone: a test per live process under it made a hundred processes starting at once wait for
+    /// each other's first NVML query, which no driver makes them do.
     pub fn reap(&self) -> u64 {
-        let mut g = self.lock();
-        self.reap_locked(&mut g)
+        let gone: Vec<usize> = {
+            let mut files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
+            (0..self.shared.procs_hw.load(Acquire) as usize).filter(|&i| self.looks_gone(i, &mut files)).collect()
+        };
+        if gone.is_empty() {
+            return 0;
+        }
+        // The node's lock before the files' (the order of `reap_locked`, which runs under it).
+        let _g = self.lock();
+        let files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
+        gone.into_iter().map(|i| self.release(i, &files)).sum()
     }
 
     /// [`reap`](Self::reap), at most every 50 ms per process.
@@ -495,43 +508,59 @@ impl Node {
     }
 
     fn reap_locked(&self, _g: &mut Locked<'_>) -> u64 {
-        let s = self.shared;
-        let hw = s.procs_hw.load(Acquire) as usize;
         let mut files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
-        if files.len() < hw {
-            files.resize_with(hw, || None);
+        let hw = self.shared.procs_hw.load(Acquire) as usize;
+        let gone: Vec<usize> = (0..hw).filter(|&i| self.looks_gone(i, &mut files)).collect();
+        gone.into_iter().map(|i| self.release(i, &files)).sum()
+    }
+
+    /// Whether slot `i` is held by a process that is gone: its lock file's lock could be taken
+    /// (and is held then, for [`release`](Self::release)). Refreshes the slot's PID as this
+    /// namespace sees the holder.
+    fn looks_gone(&self, i: usize, files: &mut Vec<Option<File>>) -> bool {
+        let slot = &self.shared.procs[i];
+        if slot.state.load(Acquire) != 1 {
+            return false;
         }
+        if files.len() <= i {
+            files.resize_with(i + 1, || None);
+        }
+        if files[i].is_none() {
+            files[i] = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i)).ok();
+        }
+        let Some(f) = &files[i] else { return false };
+        if in_initial_pid_namespace() {
+            // The holder's PID as this namespace (the host's) sees it.
+            if let Ok(Some(pid)) = posix_lock(f, libc::F_GETLK, libc::F_WRLCK) {
+                if pid != slot.pid.load(Relaxed) {
+                    slot.pid.store(pid, Relaxed);
+                }
+            }
+        }
+        flock(f, libc::LOCK_EX | libc::LOCK_NB).is_ok()
+    }
+
+    /// Releases slot `i`, whose process is gone (its lock file's lock held since
+    /// [`looks_gone`](Self::looks_gone)), under the node's lock; the bytes it held.
+    fn release(&self, i: usize, files: &[Option<File>]) -> u64 {
+        let slot = &self.shared.procs[i];
         let mut freed = 0;
-        for (i, slot) in s.procs[..hw].iter().enumerate() {
-            if slot.state.load(Acquire) != 1 {
-                continue;
+        // Still the dead process's (no one else released it meanwhile: a new process claims a
+        // slot only by taking the lock held here).
+        if slot.state.load(Acquire) == 1 {
+            for d in 0..MAX_GPUS {
+                freed += slot.mem[d].swap(0, AcqRel);
+                slot.ctx[d].store(0, Relaxed);
             }
-            if files[i].is_none() {
-                files[i] =
-                    OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC).open(self.proc_lock_path(i)).ok();
+            // Its queued work goes with its contexts.
+            for g in 0..self.cfg.gpus.len() {
+                self.timeline(g, |t, now, _| t.drop_channel(i as u32, now));
             }
-            let Some(f) = &files[i] else { continue };
-            if in_initial_pid_namespace() {
-                // The holder's PID as this namespace (the host's) sees it.
-                if let Ok(Some(pid)) = posix_lock(f, libc::F_GETLK, libc::F_WRLCK) {
-                    if pid != slot.pid.load(Relaxed) {
-                        slot.pid.store(pid, Relaxed);
-                    }
-                }
-            }
-            if flock(f, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
-                // Dead: release its resources, and the lock (the file stays open for next time).
-                for d in 0..MAX_GPUS {
-                    freed += slot.mem[d].swap(0, AcqRel);
-                    slot.ctx[d].store(0, Relaxed);
-                }
-                // Its queued work goes with its contexts.
-                for g in 0..self.cfg.gpus.len() {
-                    self.timeline(g, |t, now, _| t.drop_channel(i as u32, now));
-                }
-                slot.state.store(0, Release);
-                let _ = flock(f, libc::LOCK_UN);
-            }
+            slot.state.store(0, Release);
+        }
+        // The lock goes; the file stays open for next time.
+        if let Some(f) = &files[i] {
+            let _ = flock(f, libc::LOCK_UN);
         }
         freed
     }
