@@ -424,15 +424,39 @@ impl Helper {
 /// one preempted the application's thread while NVML loaded (its first allocation came 0.2 ms
 /// later on a 2-core machine with the other core idle, the application's thread switched out 1.6
 /// times instead of 0.4); a batch thread does not preempt on waking, and an idle core takes it.
+/// Made with `pthread_create` itself, detached: the application's thread waits for the making, and
+/// `std::thread`'s own bookkeeping (its handle, result slot and name) added 12 us to that here.
+/// A job that panics ends the thread, not the process.
 fn spawn_background(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
-    let run = move || {
+    extern "C" fn run(arg: *mut libc::c_void) -> *mut libc::c_void {
+        // SAFETY: `arg` is the job spawn_background leaked for this thread alone.
+        let job = unsafe { Box::from_raw(arg as *mut Job) };
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param for SCHED_BATCH
         // (priority 0). A refusal (a seccomp profile, say) leaves the thread as it was.
         unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
-        f()
-    };
-    std::thread::Builder::new().name("vgpu-trueup".into()).stack_size(HELPER_STACK).spawn(run).map(drop)
+        // SAFETY: naming the calling thread with a static C string of at most 15 bytes.
+        unsafe { libc::pthread_setname_np(libc::pthread_self(), c"vgpu-trueup".as_ptr()) };
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(*job));
+        std::ptr::null_mut()
+    }
+    let job: *mut Job = Box::into_raw(Box::new(Box::new(f)));
+    // SAFETY: attr is initialised before use and destroyed after; `run` takes ownership of `job`
+    // only when the thread was made, otherwise it is freed here.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        libc::pthread_attr_init(&mut attr);
+        libc::pthread_attr_setstacksize(&mut attr, HELPER_STACK);
+        libc::pthread_attr_setdetachstate(&mut attr, libc::PTHREAD_CREATE_DETACHED);
+        let mut t: libc::pthread_t = 0;
+        let rc = libc::pthread_create(&mut t, &attr, run, job as *mut libc::c_void);
+        libc::pthread_attr_destroy(&mut attr);
+        if rc != 0 {
+            drop(Box::from_raw(job));
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+    }
+    Ok(())
 }
 
 /// Where this library's NVML initialisation is. An atomic rather than a lock: a child forked while
