@@ -464,21 +464,28 @@ impl Node {
 
     /// Releases the slots of dead processes. Returns the bytes released.
     ///
-    /// Liveness is tested before the node's lock is taken, and the lock only where a process is
-    /// gone: a test per live process under it made a hundred processes starting at once wait for
-    /// each other's first NVML query, which no driver makes them do.
+    /// Liveness is tested before the node's lock is taken, and the lock (and the sweep under it
+    /// that releases) taken only where a process looks gone: a test per live process under it
+    /// made a hundred processes starting at once wait for each other's first NVML query, which no
+    /// driver makes them do.
     pub fn reap(&self) -> u64 {
-        let gone: Vec<usize> = {
-            let mut files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
-            (0..self.shared.procs_hw.load(Acquire) as usize).filter(|&i| self.looks_gone(i, &mut files)).collect()
-        };
-        if gone.is_empty() {
+        if !self.any_gone() {
             return 0;
         }
-        // The node's lock before the files' (the order of `reap_locked`, which runs under it).
-        let _g = self.lock();
-        let files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
-        gone.into_iter().map(|i| self.release(i, &files)).sum()
+        let mut g = self.lock();
+        self.reap_locked(&mut g)
+    }
+
+    /// Whether any slot's process looks gone (its lock taken, then let go again at once).
+    fn any_gone(&self) -> bool {
+        let mut files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
+        (0..self.shared.procs_hw.load(Acquire) as usize).any(|i| {
+            let gone = self.looks_gone(i, &mut files);
+            if let Some(f) = files.get(i).filter(|_| gone).and_then(Option::as_ref) {
+                let _ = flock(f, libc::LOCK_UN);
+            }
+            gone
+        })
     }
 
     /// [`reap`](Self::reap), at most every 50 ms per process.
@@ -541,23 +548,19 @@ impl Node {
     }
 
     /// Releases slot `i`, whose process is gone (its lock file's lock held since
-    /// [`looks_gone`](Self::looks_gone)), under the node's lock; the bytes it held.
+    /// [`looks_gone`](Self::looks_gone)); under the node's lock. The bytes it held.
     fn release(&self, i: usize, files: &[Option<File>]) -> u64 {
         let slot = &self.shared.procs[i];
         let mut freed = 0;
-        // Still the dead process's (no one else released it meanwhile: a new process claims a
-        // slot only by taking the lock held here).
-        if slot.state.load(Acquire) == 1 {
-            for d in 0..MAX_GPUS {
-                freed += slot.mem[d].swap(0, AcqRel);
-                slot.ctx[d].store(0, Relaxed);
-            }
-            // Its queued work goes with its contexts.
-            for g in 0..self.cfg.gpus.len() {
-                self.timeline(g, |t, now, _| t.drop_channel(i as u32, now));
-            }
-            slot.state.store(0, Release);
+        for d in 0..MAX_GPUS {
+            freed += slot.mem[d].swap(0, AcqRel);
+            slot.ctx[d].store(0, Relaxed);
         }
+        // Its queued work goes with its contexts.
+        for g in 0..self.cfg.gpus.len() {
+            self.timeline(g, |t, now, _| t.drop_channel(i as u32, now));
+        }
+        slot.state.store(0, Release);
         // The lock goes; the file stays open for next time.
         if let Some(f) = &files[i] {
             let _ = flock(f, libc::LOCK_UN);
