@@ -88,7 +88,7 @@ impl Config {
     /// files into a container but cannot change its environment), the container is managed: those
     /// files are used whatever the environment says (see [`Config::managed`]).
     pub fn from_env() -> Config {
-        let managed = std::path::Path::new(INJECTED_LIMITS).exists();
+        let managed = injected();
         Self::from_lookup_in(
             |k| {
                 std::env::var(k).ok().or_else(|| {
@@ -105,8 +105,7 @@ impl Config {
     /// The agent's limits file, as [`from_env`](Self::from_env) would find it, without the rest of
     /// the configuration (the slice's GPUs are read before the process's state is made).
     pub fn limits_path_from_env() -> Option<String> {
-        let managed = std::path::Path::new(INJECTED_LIMITS).exists();
-        limits_path(std::env::var("VGPU_LIMITS_FILE").ok(), managed)
+        limits_path(std::env::var("VGPU_LIMITS_FILE").ok(), injected())
     }
 
     /// From `get`, for a container that is not managed.
@@ -241,6 +240,11 @@ impl Config {
             self.context_overhead = DEFAULT_CONTEXT_OVERHEAD;
         }
     }
+}
+
+/// Whether the agent's injection mounted a slice's limits file here (a managed container).
+fn injected() -> bool {
+    std::path::Path::new(INJECTED_LIMITS).exists()
 }
 
 /// The limits file: the injected one in a managed container, else `VGPU_LIMITS_FILE` where set.

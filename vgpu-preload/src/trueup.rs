@@ -205,7 +205,7 @@ impl TrueUp {
             return;
         }
         self.any_pending.fetch_add(1, AcqRel);
-        let job: Box<dyn FnOnce() + Send> = Box::new(move || {
+        let job: Job = Box::new(move || {
             let t = st.true_up();
             t.after_context_now(st, dev, before);
             let _g = t.done.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -214,20 +214,9 @@ impl TrueUp {
             t.done.1.notify_all();
         });
         let Err(job) = HELPER.hand(job) else { return };
-        let job = std::sync::Arc::new(Mutex::new(Some(job)));
-        let theirs = job.clone();
-        let spawned = spawn_background(move || {
-            let f = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(f) = f {
-                f();
-            }
-        });
-        if spawned.is_err() {
-            // No thread to be had: measured here, as before.
-            let f = job.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some(f) = f {
-                f();
-            }
+        if let Err(job) = spawn_background(job) {
+            // No thread to be had: measured here.
+            job();
         }
     }
 
@@ -379,7 +368,7 @@ impl Helper {
     /// its own in a forked child (whose parent's helper is not there).
     fn start(&'static self) {
         if self.pid.compare_exchange(0, std::process::id(), AcqRel, Acquire).is_ok() {
-            if spawn_background(|| HELPER.serve()).is_err() {
+            if spawn_background(Box::new(|| HELPER.serve())).is_err() {
                 self.pid.store(0, Release);
             } else {
                 // Handed after the thread started, so that the helper, waiting for its first job,
@@ -389,9 +378,9 @@ impl Helper {
                 }));
             }
         } else {
-            let _ = spawn_background(|| {
+            let _ = spawn_background(Box::new(|| {
                 nvml_ready();
-            });
+            }));
         }
     }
 
@@ -426,8 +415,9 @@ impl Helper {
 /// times instead of 0.4); a batch thread does not preempt on waking, and an idle core takes it.
 /// Made with `pthread_create` itself, detached: the application's thread waits for the making, and
 /// `std::thread`'s own bookkeeping (its handle, result slot and name) added 12 us to that here.
-/// A job that panics ends the thread, not the process.
-fn spawn_background(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+/// A job that panics ends the thread, not the process. Where no thread can be made, the job is
+/// given back.
+fn spawn_background(job: Job) -> Result<(), Job> {
     extern "C" fn run(arg: *mut libc::c_void) -> *mut libc::c_void {
         // SAFETY: `arg` is the job spawn_background leaked for this thread alone.
         let job = unsafe { Box::from_raw(arg as *mut Job) };
@@ -440,9 +430,10 @@ fn spawn_background(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(*job));
         std::ptr::null_mut()
     }
-    let job: *mut Job = Box::into_raw(Box::new(Box::new(f)));
+    // A thin pointer to hand through pthread_create's one argument.
+    let job: *mut Job = Box::into_raw(Box::new(job));
     // SAFETY: attr is initialised before use and destroyed after; `run` takes ownership of `job`
-    // only when the thread was made, otherwise it is freed here.
+    // only when the thread was made, otherwise it is taken back here.
     unsafe {
         let mut attr: libc::pthread_attr_t = std::mem::zeroed();
         libc::pthread_attr_init(&mut attr);
@@ -452,8 +443,7 @@ fn spawn_background(f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
         let rc = libc::pthread_create(&mut t, &attr, run, job as *mut libc::c_void);
         libc::pthread_attr_destroy(&mut attr);
         if rc != 0 {
-            drop(Box::from_raw(job));
-            return Err(std::io::Error::from_raw_os_error(rc));
+            return Err(*Box::from_raw(job));
         }
     }
     Ok(())
