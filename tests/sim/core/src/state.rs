@@ -516,9 +516,13 @@ impl Node {
 
     fn reap_locked(&self, _g: &mut Locked<'_>) -> u64 {
         let mut files = self.liveness.lock().unwrap_or_else(|p| p.into_inner());
-        let hw = self.shared.procs_hw.load(Acquire) as usize;
-        let gone: Vec<usize> = (0..hw).filter(|&i| self.looks_gone(i, &mut files)).collect();
-        gone.into_iter().map(|i| self.release(i, &files)).sum()
+        let mut freed = 0;
+        for i in 0..self.shared.procs_hw.load(Acquire) as usize {
+            if self.looks_gone(i, &mut files) {
+                freed += self.release(i, &files);
+            }
+        }
+        freed
     }
 
     /// Whether slot `i` is held by a process that is gone: its lock file's lock could be taken
