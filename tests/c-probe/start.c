@@ -1,12 +1,16 @@
 /* The cheapest CUDA start: dlopen the driver, cuInit, a context on device 0, one 1 MiB allocation,
- * then "ok" on stdout (the moment sim-bench times), an optional hold of HOLD_SECS, and exit. Nothing
- * else runs in the process, so its start is the driver's (and libvgpu.so's where preloaded).
+ * then "ok" on stdout, an optional hold of HOLD_SECS, and exit. Nothing else runs in the process, so
+ * its start is the driver's (and libvgpu.so's where preloaded). With CUDA_START_STAMP set, "ok" is
+ * followed by the moment the allocation returned (CLOCK_MONOTONIC, ns): the moment sim-bench
+ * times, taken in the process itself, so that how soon the reader of the line gets a CPU (on a
+ * small machine, other processes' threads may hold them all) is not counted as the start's.
  *   cuda-start [HOLD_SECS]
  * The driver is VGPU_CLIENT_LIBCUDA where set, else libcuda.so.1. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -46,7 +50,14 @@ int main(int argc, char **argv) {
     check(retain(&ctx, 0), "cuDevicePrimaryCtxRetain");
     check(set_current(ctx), "cuCtxSetCurrent");
     check(alloc(&p, 1 << 20), "cuMemAlloc_v2");
-    fputs("ok\n", stdout);
+    struct timespec at;
+    clock_gettime(CLOCK_MONOTONIC, &at);
+    const char *stamp = getenv("CUDA_START_STAMP");
+    if (stamp && *stamp) {
+        printf("ok %lld\n", (long long)at.tv_sec * 1000000000LL + at.tv_nsec);
+    } else {
+        fputs("ok\n", stdout);
+    }
     fflush(stdout);
     if (argc > 1) {
         sleep((unsigned)atoi(argv[1]));

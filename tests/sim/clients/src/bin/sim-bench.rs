@@ -9,7 +9,6 @@
 //! a private simulated node unless VGPU_SIM_STATE is set.
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -76,8 +75,8 @@ fn own(quick: bool, as_json: bool) {
 const BURST: usize = 100;
 
 /// `BURST` copies of `program` with `args` and this process's environment plus `env`, started at
-/// once: the time from their release until the last one has printed its first line ("ok", its
-/// first allocation), in ms. They are forked first and held at a gate (a pipe they read until
+/// once: the time from their release until the last one's first allocation (the moment each stamps
+/// on its line `ok <ns>`), in ms. They are forked first and held at a gate (a pipe they read until
 /// it closes) before their exec: spawned one by one, as `Command` does, their starts spread over the
 /// time the spawning took (0.5 ms each here), which hid most of what a start costs when a hundred
 /// race for the machine.
@@ -128,30 +127,31 @@ fn burst_of(program: &Path, args: &[&str], env: &[(std::ffi::OsString, std::ffi:
         };
         kids.push((pid, read));
     }
-    let t = Instant::now();
+    let t = mono_ns();
     // SAFETY: closing this process's ends of the gate releases the children (they see its end).
     unsafe {
         libc::close(gate[1]);
         libc::close(gate[0]);
     }
-    let (tx, rx) = std::sync::mpsc::channel();
-    let mut pids = Vec::new();
-    for (pid, out) in kids {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            let mut line = String::new();
-            let _ = std::io::BufReader::new(out).read_line(&mut line);
-            let _ = tx.send((line == "ok\n", Instant::now()));
-        });
-        pids.push(pid);
-    }
-    drop(tx);
+    // Each child's line is read in turn: the moments are the children's own, so a reader that gets
+    // to a line late changes nothing, and no reader thread competes with the children for a CPU.
     let mut last = t;
     let mut ok = 0;
-    while let Ok((good, at)) = rx.recv_timeout(Duration::from_secs(30)) {
-        ok += good as usize;
-        last = last.max(at);
+    let mut pids = Vec::new();
+    for (pid, out) in kids {
+        use std::io::BufRead;
+        use std::os::fd::AsRawFd;
+        let mut line = String::new();
+        let mut ready = libc::pollfd { fd: out.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd; a child that says nothing in 30 s counts as not allocated.
+        if unsafe { libc::poll(&mut ready, 1, 30_000) } == 1 {
+            let _ = std::io::BufReader::new(out).read_line(&mut line);
+        }
+        if let Some(at) = allocated_at(&line) {
+            ok += 1;
+            last = last.max(at);
+        }
+        pids.push(pid);
     }
     for pid in pids {
         let mut st = 0;
@@ -159,7 +159,21 @@ fn burst_of(program: &Path, args: &[&str], env: &[(std::ffi::OsString, std::ffi:
         unsafe { libc::waitpid(pid, &mut st, 0) };
     }
     assert_eq!(ok, BURST, "every process allocated");
-    last.duration_since(t).as_secs_f64() * 1e3
+    (last - t) as f64 / 1e6
+}
+
+/// CLOCK_MONOTONIC in ns, the clock `cuda-start` stamps its first allocation with.
+fn mono_ns() -> i64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer for clock_gettime.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+}
+
+/// The moment `cuda-start` (with CUDA_START_STAMP) says its first allocation returned, from its
+/// line `ok <ns>`; None for any other line.
+fn allocated_at(line: &str) -> Option<i64> {
+    line.strip_prefix("ok ")?.trim_end().parse().ok()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -371,33 +385,33 @@ fn compare(exe: &Path, dir: &Path, lib: &Path, quick: bool) {
     }
 
     // Process start: from spawn to the first allocation of `cuda-start`, a C client that does
-    // nothing else (its exit is not timed: an exit waits for whatever the process still loads).
+    // nothing else, by the moment the client stamps on its allocation's return (its exit is not
+    // timed: an exit waits for whatever the process still loads).
     // The interposer finds the simulated NVML as it finds the driver's on a node, so its true-up
     // measures the first context (VGPU_MEMORY_TRUE_UP=0: without).
     let start_app = Path::new(env!("VGPU_CUDA_START"));
     let nvml = dir.join("libnvidia_ml.so");
     let client = |pre: bool, true_up: bool, hold: Option<&str>| -> Command {
         let mut c = Command::new(start_app);
-        c.args(hold).stdout(Stdio::piped());
+        c.args(hold).stdout(Stdio::piped()).env("CUDA_START_STAMP", "1");
         if pre {
             contained(&mut c, lib, &region);
             c.env("VGPU_REAL_LIBNVML", &nvml).env("VGPU_MEMORY_TRUE_UP", if true_up { "1" } else { "0" });
         }
         c
     };
-    let first_line = |c: &mut std::process::Child| -> bool {
+    let first_line = |c: &mut std::process::Child| -> Option<i64> {
         use std::io::BufRead;
         let mut line = String::new();
         let _ = std::io::BufReader::new(c.stdout.take().unwrap()).read_line(&mut line);
-        line == "ok\n"
+        allocated_at(&line)
     };
     let start = |pre: bool, true_up: bool| -> f64 {
-        let t = Instant::now();
+        let t = mono_ns();
         let mut c = client(pre, true_up, None).spawn().expect("run cuda-start");
-        assert!(first_line(&mut c), "cuda-start allocated");
-        let at = t.elapsed().as_secs_f64() * 1e3;
+        let at = first_line(&mut c).expect("cuda-start allocated");
         assert!(c.wait().expect("cuda-start").success());
-        at
+        (at - t) as f64 / 1e6
     };
     // A start's figure moves by a tenth of a millisecond from one to the next: enough of them for
     // a median that holds to a few hundredths (a start takes 2 ms).
