@@ -44,7 +44,15 @@ pub struct Header {
     /// slice beside a high-priority one launches whatever the high-priority slice claims to have
     /// queued. Was reserved: builds that do not know it leave it 0.
     pub priority_min_share: AtomicU64,
-    pub _reserved: [AtomicU64; 6],
+    /// The process whose true-up measures the contexts of a standalone region's processes (see
+    /// [`Region::become_measurer`](crate::Region::become_measurer)): `(slot + 1) << 32 | pid`;
+    /// 0: none. Was reserved: builds that do not know it leave it 0.
+    pub trueup_measurer: AtomicU64,
+    /// Passes asked of the measurer and passes it finished (wrapping counters, each a futex word).
+    /// Were reserved: builds that do not know them leave them 0.
+    pub trueup_asked: AtomicU32,
+    pub trueup_served: AtomicU32,
+    pub _reserved: [AtomicU64; 4],
 }
 
 #[repr(C)]

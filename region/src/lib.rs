@@ -15,6 +15,7 @@
 
 pub mod activity;
 mod layout;
+mod measurer;
 pub mod shrink;
 
 pub use layout::*;
