@@ -289,7 +289,7 @@ impl State {
         let watched = region.is_some() && !standalone;
         if trueup.measures() {
             crate::guard::Calls::track();
-            trueup.warm_up();
+            trueup.warm_up(region.as_ref().zip(claim.as_ref().map(|c| c.index)));
         }
         // SAFETY: registering plain extern "C" handlers.
         unsafe {
@@ -651,7 +651,7 @@ impl State {
         let limit = self.mem_limit(dev);
         // A context's true-up still measuring on its own thread: an allocation that would come
         // within its margin of the limit is admitted on its figure.
-        self.trueup.settle(dev, || {
+        self.trueup.settle(self, dev, || {
             limit != 0 && r.used(dev).saturating_add(bytes) > limit.saturating_sub(crate::trueup::CONTEXT_MARGIN)
         });
         match r.reserve_seen(slot, dev, bytes, limit) {

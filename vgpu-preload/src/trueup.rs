@@ -3,7 +3,8 @@
 //! memory no hooked call allocates. Where the agent watches a container, it charges each process
 //! for what NVML says the driver holds for it beyond its own account. Where none does (a region a
 //! process created from its environment, as under HAMi's or Volcano's device plugin), each process
-//! does the same for itself, from NVML's per-process figure for its own host PID:
+//! does the same for itself, from NVML's per-process figure for its own host PID (a new context's,
+//! where the processes know their host PIDs, by the region's measurer: see [`TrueUp::warm_up`]):
 //!
 //! * right after its first context on a device (the context's real size), and after a context
 //!   went (its memory with it): these two also where an agent watches the region (see
@@ -95,7 +96,21 @@ pub struct TrueUp {
     /// Signalled when a pending measurement is done.
     done: (Mutex<()>, std::sync::Condvar),
     lock: Mutex<()>,
+    /// Who measures this process's contexts: its own helper ([`OWN`]), or the region's measurer,
+    /// this process ([`MEASURER`]) or another ([`CLIENT`]); see [`TrueUp::warm_up`].
+    role: AtomicU8,
+    /// Per device, the ask of the region's measurer a pending measurement waits for.
+    ticket: [AtomicU32; MAX_DEVICES],
+    /// The measurer's passes are served (its job handed to a helper).
+    serving: AtomicBool,
 }
+
+/// This process's own helper measures its contexts.
+const OWN: u8 = 0;
+/// This process's helper measures the region's contexts, its own among them.
+const MEASURER: u8 = 1;
+/// Another process of the region measures this one's contexts.
+const CLIENT: u8 = 2;
 
 impl TrueUp {
     /// `on`: every occasion (no agent watches the region). `at_context`: at a context's creation and
@@ -117,35 +132,87 @@ impl TrueUp {
             any_pending: AtomicU32::new(0),
             done: (Mutex::new(()), std::sync::Condvar::new()),
             lock: Mutex::new(()),
+            role: AtomicU8::new(OWN),
+            ticket: [const { AtomicU32::new(0) }; MAX_DEVICES],
+            serving: AtomicBool::new(false),
         }
     }
 
-    /// Starts NVML's initialisation on the helper thread, where the measurements will be made (at
-    /// the process's first CUDA call, well before its first context).
+    /// At the process's first CUDA call, well before its first context: starts NVML's
+    /// initialisation on the helper thread, where the measurements will be made. In a standalone
+    /// region, a process whose host PID is known (`own`: its region and slot) measures its
+    /// contexts through the region's measurer: the first such process becomes it, and the others
+    /// start no helper and load no NVML for their contexts (a hundred processes starting at once
+    /// in a container each loaded NVML: 0.5 ms of CPU each on the simulator, `nvmlInit` alone 10
+    /// ms on an H200). A process that must learn its host PID from NVML's lists at its first
+    /// context keeps a helper of its own.
     #[cold]
-    pub fn warm_up(&self) {
-        if self.at_context && NVML_STATE.load(Acquire) == NVML_NONE {
+    pub fn warm_up(&self, own: Option<(&Region, usize)>) {
+        if !self.at_context {
+            return;
+        }
+        if let Some((r, slot)) = own.filter(|_| self.shares()) {
+            if !r.become_measurer(slot, std::process::id()) {
+                self.role.store(CLIENT, Release);
+                return;
+            }
+            self.role.store(MEASURER, Release);
+        }
+        if NVML_STATE.load(Acquire) == NVML_NONE {
             HELPER.start();
         }
+    }
+
+    /// Whether the region's measurer can measure this process: a standalone region (no agent) and
+    /// the process's host PID known, as NVML names it.
+    fn shares(&self) -> bool {
+        self.on && self.host_pid.load(Acquire) != 0
     }
 
     /// Waits (up to 2 s) for a context's measurement on `dev` still running on its own thread,
     /// when `near()` says the caller's figure could be changed by it (an allocation that would come
     /// within [`CONTEXT_MARGIN`] of the limit). One load where none is pending.
     #[inline]
-    pub fn settle(&self, dev: usize, near: impl FnOnce() -> bool) {
+    pub fn settle(&self, st: &impl Ledger, dev: usize, near: impl FnOnce() -> bool) {
         if self.any_pending.load(Acquire) != 0 && near() {
-            self.settle_slow(dev);
+            self.settle_slow(st, dev);
         }
     }
 
     #[cold]
-    fn settle_slow(&self, dev: usize) {
+    fn settle_slow(&self, st: &impl Ledger, dev: usize) {
+        if self.role.load(Acquire) != OWN {
+            return self.settle_asked(st, dev);
+        }
         let t = std::time::Instant::now();
         let mut g = self.done.0.lock().unwrap_or_else(|p| p.into_inner());
         while self.pending.get(dev).is_some_and(|p| p.load(Acquire)) && t.elapsed() < std::time::Duration::from_secs(2)
         {
             g = self.done.1.wait_timeout(g, std::time::Duration::from_millis(10)).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// [`settle_slow`](Self::settle_slow) where the region's measurer measures: waits (up to 2 s)
+    /// for its answer to this process's ask on `dev`. A measurer that went without answering is
+    /// waited for no more: what the caller admits near the limit is then measured by this process
+    /// itself (`near_limit`).
+    #[cold]
+    fn settle_asked(&self, st: &impl Ledger, dev: usize) {
+        let Some(r) = st.region() else { return };
+        let ticket = self.ticket[dev].load(Acquire);
+        if !self.pending[dev].load(Acquire) {
+            return;
+        }
+        if r.wait_served(ticket, std::time::Duration::from_secs(2)) || !r.measurer_alive() {
+            self.answered(dev, ticket);
+        }
+    }
+
+    /// The measurer answered this process's ask `ticket` on `dev`: no longer pending, unless asked
+    /// again since.
+    fn answered(&self, dev: usize, ticket: u32) {
+        if self.ticket[dev].load(Acquire) == ticket && self.pending[dev].swap(false, AcqRel) {
+            self.any_pending.fetch_sub(1, AcqRel);
         }
     }
 
@@ -171,6 +238,10 @@ impl TrueUp {
             self.pending[i].store(false, Relaxed);
         }
         self.any_pending.store(0, Release);
+        // Its parent's measurer, or whoever measures the region now, measures it (it has no
+        // helper of its own; see `ask_measurer`).
+        self.serving.store(false, Relaxed);
+        self.role.store(if self.shares() && self.role.load(Relaxed) != OWN { CLIENT } else { OWN }, Release);
     }
 
     /// Bytes the true-up charges on `dev` now.
@@ -200,6 +271,13 @@ impl TrueUp {
             return;
         }
         self.had_context[dev].store(true, Release);
+        if let Some(ticket) = self.ask_measurer(st) {
+            self.ticket[dev].store(ticket, Release);
+            if !self.pending[dev].swap(true, AcqRel) {
+                self.any_pending.fetch_add(1, AcqRel);
+            }
+            return;
+        }
         if self.pending[dev].swap(true, AcqRel) {
             // One is running for this device already (two contexts at once): it measures both.
             return;
@@ -217,6 +295,73 @@ impl TrueUp {
         if let Err(job) = spawn_background(job) {
             // No thread to be had: measured here.
             job();
+        }
+    }
+
+    /// Where the region's measurer measures this process: asks it for a pass, and returns the
+    /// ticket to wait for. A client whose measurer is gone becomes the measurer; the measurer's
+    /// helper is handed its passes at its first context. None where this process measures itself.
+    fn ask_measurer<L: Ledger>(&self, st: &'static L) -> Option<u32> {
+        let role = self.role.load(Acquire);
+        if role == OWN {
+            return None;
+        }
+        let (r, slot) = st.accounting()?;
+        if role == CLIENT && !r.measurer_alive() && r.become_measurer(slot, std::process::id()) {
+            vlog!(INFO, "the region's true-up measurer is gone: this process measures its contexts now");
+            self.role.store(MEASURER, Release);
+        }
+        if self.role.load(Acquire) == MEASURER && !self.serving.swap(true, AcqRel) {
+            let job: Job = Box::new(move || serve_region(st));
+            let unserved = match HELPER.hand(job) {
+                Ok(()) => None,
+                Err(job) => spawn_background(job).err(),
+            };
+            if unserved.is_some() {
+                // No thread to be had: this process measures itself, here.
+                self.serving.store(false, Release);
+                self.role.store(OWN, Release);
+                return None;
+            }
+        }
+        Some(r.ask_measurer())
+    }
+
+    /// A pass of the region's measurer on `dev`: this process's own charge as after its own
+    /// context, and every other process of the region whose host PID is known charged for what
+    /// NVML says the driver holds for it beyond its charge. Others' charges are only raised: their
+    /// calls in flight make NVML's figure lag their charge (allocations are charged before the
+    /// driver makes them, frees released after), so what it shows beyond the charge is a lower
+    /// bound; lowering is left to the process itself, which knows its calls in flight.
+    fn region_pass(&self, st: &impl Ledger, dev: usize) {
+        if self.had_context[dev].load(Acquire) {
+            self.after_context_now(st, dev, None);
+        }
+        let Some((r, own)) = st.accounting() else { return };
+        if st.mem_limit(dev) == 0 {
+            return;
+        }
+        let before = r.slots();
+        let Some(list) = processes(st, dev) else { return };
+        for (slot, pid, host, used) in before {
+            if slot == own || host == 0 {
+                continue;
+            }
+            let mine = list.iter().filter(|(p, _)| *p == host).map(|(_, b)| *b);
+            if mine.clone().any(|b| b == NOT_AVAILABLE) {
+                continue;
+            }
+            let measured: u64 = mine.sum();
+            // The larger of its charge before and after NVML's figure (see `measure`).
+            let charged = used.get(dev).copied().unwrap_or(0).max(r.slot_used(slot, dev));
+            let more = measured.saturating_sub(charged);
+            if more >= STEP && r.adjust_for(slot, pid, dev, more as i64) {
+                vlog!(
+                    INFO,
+                    "device {dev}: the driver holds {measured} bytes for process {pid} (host PID {host}), \
+                     {charged} charged: {more} bytes more charged to it"
+                );
+            }
         }
     }
 
@@ -327,6 +472,25 @@ impl TrueUp {
             return true;
         }
         false
+    }
+}
+
+/// The region's measurer, on its helper: a pass over every device for each batch of asks (the
+/// asks that came during a pass are answered by the next), for as long as the process lives.
+fn serve_region<L: Ledger>(st: &'static L) {
+    let Some(r) = st.region() else { return };
+    nvml_ready();
+    let mut seen = r.measurer_answered();
+    loop {
+        let asked = r.wait_asked(seen, std::time::Duration::from_secs(60));
+        if asked == seen {
+            continue;
+        }
+        for dev in 0..r.ndevices().min(MAX_DEVICES) {
+            st.true_up().region_pass(st, dev);
+        }
+        r.answered(asked);
+        seen = asked;
     }
 }
 

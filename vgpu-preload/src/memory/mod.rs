@@ -605,7 +605,7 @@ fn visible_info(st: &State) -> Result<Option<(u64, u64)>, CUresult> {
         return Ok(None);
     }
     // A context's true-up still measuring: what is free is told after it.
-    st.trueup.settle(d, || true);
+    st.trueup.settle(st, d, || true);
     // What the driver took since the last measurement (modules loaded lazily at a kernel's first
     // launch, say) is charged before the answer, at most once per 100 ms (see `trueup`): what an
     // application reads here is what it can allocate.

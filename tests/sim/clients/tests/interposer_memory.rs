@@ -1387,6 +1387,106 @@ fn only_an_allocation_near_the_limit_waits_for_the_context_s_measurement() {
     }
 }
 
+/// In a standalone region one process measures every process's contexts: the first to start
+/// becomes the region's measurer, and the next ones load no NVML, their contexts charged by its
+/// helper; once it is gone, the next process to start takes over.
+#[test]
+fn one_process_of_a_standalone_region_measures_every_process_s_context() {
+    let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
+    let start = || {
+        let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", "4g")]);
+        let mut child = c.arg("30").stdout(Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line, "ok\n");
+        child
+    };
+    let nvml_loaded = |pid: u32| {
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+        maps.contains("nvidia_ml") || maps.contains("nvidia-ml")
+    };
+    // Each charged the context's real 640 MiB and its 1 MiB, the calls 64 MiB and 1 MiB.
+    let charged = |n: u64| {
+        let t = Instant::now();
+        while region(&s).used(0) != n * 641 * MIB {
+            assert!(t.elapsed() < Duration::from_secs(10), "{} MiB, not {n} x 641", region(&s).used(0) >> 20);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut kids = vec![start(), start(), start()];
+    charged(3);
+    let loaded: Vec<bool> = kids.iter().map(|k| nvml_loaded(k.id())).collect();
+    assert_eq!(loaded, [true, false, false], "NVML in the measurer only");
+    assert_eq!(region(&s).measurer().map(|(_, pid)| pid), Some(kids[0].id()));
+    assert!(region(&s).measurer_alive());
+    let mut first = kids.remove(0);
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert!(!region(&s).measurer_alive());
+    kids.push(start());
+    // The dead one's slot goes at the newcomer's claim; the newcomer measures itself.
+    charged(3);
+    assert_eq!(region(&s).measurer().map(|(_, pid)| pid), Some(kids[2].id()));
+    assert!(nvml_loaded(kids[2].id()) && region(&s).measurer_alive());
+    for mut k in kids {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
+}
+
+/// A process the region's measurer measures waits for its pass where the measurer's helper
+/// would wait for its own (an allocation within 1 GiB of the limit): NVML's process list is made
+/// to take 1.5 s for the pass that follows the second process's context. Under a 4 GiB limit its
+/// first allocation is made at once, charged on the calls' figure; under 1.5 GiB it waits, and is
+/// admitted on the measured one.
+#[test]
+fn a_process_the_measurer_measures_waits_for_it_only_near_the_limit() {
+    let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
+    let fault = |args: &[&str]| assert!(s.output(SIM, args).status.success());
+    let start = |limit: &str| {
+        let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", limit)]);
+        let mut child = c.arg("30").stdout(Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line, "ok\n", "limit {limit}");
+        child
+    };
+    for (limit, at_first_allocation, waited) in [("4g", (641 + 65) * MIB, false), ("1536m", 2 * 641 * MIB, true)] {
+        let _ = std::fs::remove_file(s.region_path());
+        let mut measurer = start(limit);
+        while region(&s).used(0) != 641 * MIB {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        fault(&[
+            "fault",
+            "set",
+            "nvmlDeviceGetComputeRunningProcesses_v3",
+            "--code",
+            "0",
+            "--latency-us",
+            "1500000",
+            "--count",
+            "1",
+        ]);
+        let t = Instant::now();
+        let mut client = start(limit);
+        assert_eq!(
+            (t.elapsed() >= Duration::from_millis(1400), region(&s).used(0)),
+            (waited, at_first_allocation),
+            "limit {limit}"
+        );
+        while region(&s).used(0) != 2 * 641 * MIB {
+            assert!(t.elapsed() < Duration::from_secs(10), "limit {limit}: {} MiB", region(&s).used(0) >> 20);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        fault(&["fault", "clear"]);
+        for k in [&mut measurer, &mut client] {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+}
+
 #[test]
 fn without_an_agent_each_process_is_charged_for_what_the_driver_really_holds_for_it() {
     // GPU 0 (8 GiB): each CUDA context holds 640 MiB (as PyTorch's did on an H200) and each module
