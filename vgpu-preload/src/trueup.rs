@@ -193,9 +193,8 @@ impl TrueUp {
     }
 
     /// [`settle_slow`](Self::settle_slow) where the region's measurer measures: waits (up to 2 s)
-    /// for its answer to this process's ask on `dev`. A measurer that went without answering is
-    /// waited for no more: what the caller admits near the limit is then measured by this process
-    /// itself (`near_limit`).
+    /// for its answer to this process's ask on `dev`. Where the measurer went without answering,
+    /// this process measures its context itself, here, and waits no more.
     #[cold]
     fn settle_asked(&self, st: &impl Ledger, dev: usize) {
         let Some(r) = st.region() else { return };
@@ -203,7 +202,11 @@ impl TrueUp {
         if !self.pending[dev].load(Acquire) {
             return;
         }
-        if r.wait_served(ticket, std::time::Duration::from_secs(2)) || !r.measurer_alive() {
+        if r.wait_served(ticket, std::time::Duration::from_secs(2)) {
+            self.answered(dev, ticket);
+        } else if !r.measurer_alive() {
+            vlog!(INFO, "device {dev}: the region's true-up measurer went without measuring this process's context");
+            self.after_context_now(st, dev, None);
             self.answered(dev, ticket);
         }
     }

@@ -1487,6 +1487,48 @@ fn a_process_the_measurer_measures_waits_for_it_only_near_the_limit() {
     }
 }
 
+/// A measurer killed before it answers: the process waiting for it near the limit waits 2 s, then
+/// measures its context itself. NVML's list is made to take 3 s for the measurer's pass, and the
+/// measurer killed during it; the second process's first allocation, under a 1.5 GiB limit, comes
+/// within 1 GiB of it and is admitted with the context's real 640 MiB charged (the dead one's 641
+/// still counted: nothing reclaimed it yet).
+#[test]
+fn a_process_whose_measurer_dies_measures_itself() {
+    let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
+    let start = || {
+        let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", "1536m")]);
+        let mut child = c.arg("30").stdout(Stdio::piped()).spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert_eq!(line, "ok\n");
+        child
+    };
+    let mut measurer = start();
+    let t = Instant::now();
+    while region(&s).used(0) != 641 * MIB {
+        assert!(t.elapsed() < Duration::from_secs(10), "{} MiB", region(&s).used(0) >> 20);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let list = "nvmlDeviceGetComputeRunningProcesses_v3";
+    assert!(s
+        .output(SIM, &["fault", "set", list, "--code", "0", "--latency-us", "3000000", "--count", "1"])
+        .status
+        .success());
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = measurer.kill();
+        let _ = measurer.wait();
+    });
+    let t = Instant::now();
+    let mut client = start();
+    let took = t.elapsed();
+    killer.join().unwrap();
+    assert!(took >= Duration::from_millis(1900) && took < Duration::from_millis(3900), "waited 2 s: {took:?}");
+    assert_eq!(region(&s).used(0), 2 * 641 * MIB, "its context's real size charged before its allocation");
+    let _ = client.kill();
+    let _ = client.wait();
+}
+
 #[test]
 fn without_an_agent_each_process_is_charged_for_what_the_driver_really_holds_for_it() {
     // GPU 0 (8 GiB): each CUDA context holds 640 MiB (as PyTorch's did on an H200) and each module
