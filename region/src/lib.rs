@@ -608,17 +608,21 @@ impl Region {
         self.reap_slots_each(select, |_, _, _| {})
     }
 
+    /// The second open file description that tests (and takes) other processes' slot locks:
+    /// opened at its first use and kept. None where it cannot be opened.
+    fn lock_tester(&self) -> Option<&OwnedFd> {
+        if let Some(fd) = self.reap_fd.get() {
+            return Some(fd);
+        }
+        let fd = reopen(&self.file, &self.path).ok()?;
+        Some(self.reap_fd.get_or_init(|| fd))
+    }
+
     fn reap_slots_each(&self, select: impl Fn(&Slot) -> bool, mut each: impl FnMut(u32, u32, u64)) -> u64 {
         if !self.writable {
             return 0;
         }
-        let fd = match self.reap_fd.get() {
-            Some(fd) => fd,
-            None => match reopen(&self.file, &self.path) {
-                Ok(fd) => self.reap_fd.get_or_init(|| fd),
-                Err(_) => return 0,
-            },
-        };
+        let Some(fd) = self.lock_tester() else { return 0 };
         let hw = (self.map.header.slots_hw.load(Acquire) as usize).min(MAX_SLOTS);
         let mut freed: u64 = 0;
         for (i, slot) in self.map.slots[..hw].iter().enumerate() {

@@ -6,7 +6,7 @@
 //! shared by the container's processes: passes asked and passes finished.
 
 use crate::layout::SLOT_LOCK_BASE;
-use crate::{reopen, Region};
+use crate::Region;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, Ordering::*};
 use std::time::Duration;
@@ -27,14 +27,7 @@ impl Region {
         if s.state.load(Acquire) != 1 || s.pid.load(Acquire) != pid {
             return false;
         }
-        let fd = match self.reap_fd.get() {
-            Some(fd) => fd,
-            None => match reopen(&self.file, &self.path) {
-                Ok(fd) => self.reap_fd.get_or_init(|| fd),
-                Err(_) => return false,
-            },
-        };
-        lock_held(fd.as_raw_fd(), SLOT_LOCK_BASE + slot as i64)
+        self.lock_tester().is_some_and(|fd| lock_held(fd.as_raw_fd(), SLOT_LOCK_BASE + slot as i64))
     }
 
     /// Makes the process `pid`, which holds slot `slot`, the measurer, unless a live one is
