@@ -1387,20 +1387,23 @@ fn only_an_allocation_near_the_limit_waits_for_the_context_s_measurement() {
     }
 }
 
+/// `cuda-start` under `limit`, holding for 30 s once it printed `ok` (its first allocation made).
+fn started(s: &Sim, limit: &str) -> std::process::Child {
+    let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", limit)]);
+    let mut child = c.arg("30").stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line, "ok\n", "limit {limit}");
+    child
+}
+
 /// In a standalone region one process measures every process's contexts: the first to start
 /// becomes the region's measurer, and the next ones load no NVML, their contexts charged by its
 /// helper; once it is gone, the next process to start takes over.
 #[test]
 fn one_process_of_a_standalone_region_measures_every_process_s_context() {
     let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
-    let start = || {
-        let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", "4g")]);
-        let mut child = c.arg("30").stdout(Stdio::piped()).spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert_eq!(line, "ok\n");
-        child
-    };
+    let start = || started(&s, "4g");
     let nvml_loaded = |pid: u32| {
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
         maps.contains("nvidia_ml") || maps.contains("nvidia-ml")
@@ -1443,14 +1446,7 @@ fn one_process_of_a_standalone_region_measures_every_process_s_context() {
 fn a_process_the_measurer_measures_waits_for_it_only_near_the_limit() {
     let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
     let fault = |args: &[&str]| assert!(s.output(SIM, args).status.success());
-    let start = |limit: &str| {
-        let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", limit)]);
-        let mut child = c.arg("30").stdout(Stdio::piped()).spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert_eq!(line, "ok\n", "limit {limit}");
-        child
-    };
+    let start = |limit: &str| started(&s, limit);
     for (limit, at_first_allocation, waited) in [("4g", (641 + 65) * MIB, false), ("1536m", 2 * 641 * MIB, true)] {
         let _ = std::fs::remove_file(s.region_path());
         let mut measurer = start(limit);
@@ -1495,14 +1491,7 @@ fn a_process_the_measurer_measures_waits_for_it_only_near_the_limit() {
 #[test]
 fn a_process_whose_measurer_dies_measures_itself() {
     let s = Sim::new(Some("context_overhead_mib = 640\n[[gpu]]\nmodel = \"A100-40GB\"\nmemory_mib = 8192\n"));
-    let start = || {
-        let mut c = s.limited(START, &[("CUDA_DEVICE_MEMORY_LIMIT_0", "1536m")]);
-        let mut child = c.arg("30").stdout(Stdio::piped()).spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert_eq!(line, "ok\n");
-        child
-    };
+    let start = || started(&s, "1536m");
     let mut measurer = start();
     let t = Instant::now();
     while region(&s).used(0) != 641 * MIB {
