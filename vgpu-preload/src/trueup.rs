@@ -143,9 +143,9 @@ impl TrueUp {
     /// region, a process whose host PID is known (`own`: its region and slot) measures its
     /// contexts through the region's measurer: the first such process becomes it, and the others
     /// start no helper and load no NVML for their contexts (a hundred processes starting at once
-    /// in a container each loaded NVML: 0.5 ms of CPU each on the simulator, `nvmlInit` alone 10
-    /// ms on an H200). A process that must learn its host PID from NVML's lists at its first
-    /// context keeps a helper of its own.
+    /// in a container each loaded NVML, whose `nvmlInit` alone takes 10 ms on an H200). A process
+    /// that must learn its host PID from NVML's lists at its first context keeps a helper of its
+    /// own.
     #[cold]
     pub fn warm_up(&self, own: Option<(&Region, usize)>) {
         if !self.at_context {
